@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   -> venv + install + run the main job on the demo model
+#   make test   -> venv + install + run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install demo test test-all clean
+
+$(BIN)/mtpq: pyproject.toml constraints/ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints/ci.txt -e '.[test]'
+	touch $(BIN)/mtpq
+
+install: $(BIN)/mtpq
+
+demo: install
+	$(BIN)/mtpq demo --workdir demo-out
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "" 
+
+clean:
+	rm -rf $(VENV) demo-out

@@ -1,0 +1,40 @@
+"""The Typer app. Each command lives in its own module and registers itself here."""
+
+from __future__ import annotations
+
+import typer
+
+from .. import __version__
+
+app = typer.Typer(
+    name="mtpq",
+    help=(
+        "Convert, quantize and check LLMs that carry Multi-Token-Prediction (MTP) heads.\n\n"
+        "Typical flow:\n\n"
+        "  mtpq convert ./GLM-4.5-Air glm-air-f16.gguf\n\n"
+        "  mtpq inspect glm-air-f16.gguf\n\n"
+        "Exit codes: 0 ok, 1 a check failed, 2 bad usage or input."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mtpq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version.")):
+    """mtpq: GGUF files whose MTP heads survive quantization."""
+
+
+from . import convert as _convert  # noqa: E402,F401  (registers commands)
+from . import inspect as _inspect  # noqa: E402,F401
+
+
+def main() -> None:
+    app()

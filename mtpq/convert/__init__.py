@@ -1,0 +1,21 @@
+"""HF checkpoint -> plan (GGUF names, roles, metadata), one module per family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+
+from ..tensors import Plan
+from . import glm4moe  # noqa: F401  (families register themselves)
+from .base import FAMILIES, OUTTYPES, MtpMode, family_for
+from .checkpoint import Checkpoint
+
+__all__ = ["FAMILIES", "OUTTYPES", "MtpMode", "plan_checkpoint"]
+
+
+def plan_checkpoint(src: Path, mtp: MtpMode = MtpMode.KEEP,
+                    outtype: GGMLQuantizationType = GGMLQuantizationType.F16) -> Plan:
+    """Validate ``src`` and return the conversion plan; nothing heavy is read yet."""
+    ckpt = Checkpoint(Path(src))
+    return family_for(ckpt).plan(mtp=mtp, outtype=outtype)

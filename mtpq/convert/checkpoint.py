@@ -1,0 +1,214 @@
+"""A local Hugging Face checkpoint folder, read lazily.
+
+Validates everything cheap up front (config, index, every shard's header) so a
+bad folder fails before any output is written, then hands out loaders that read
+one tensor at a time from memory-mapped safetensors. FP8 weights are dequantized
+on the fly, per tensor:
+
+- block-scaled e4m3 with ``<name>_scale_inv`` (128x128 tiles, w = q * s per tile;
+  DeepSeek-V3, Qwen3.5/3.6-FP8)
+- compressed-tensors per-channel ``<name>_scale`` of shape [out, 1] (GLM-4.5-FP8)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..errors import InputError
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FP8 = {"F8_E4M3", "F8_E5M2"}
+_SCALE_SUFFIXES = ("_scale_inv", "_scale", ".input_scale", ".weight_zero_point")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """Parse and check one shard's header; any inconsistency is an InputError naming the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InputError(path, "truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 1024 * 1024:
+            raise InputError(path, f"corrupt safetensors header (header length {n} exceeds file size {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(path, f"corrupt safetensors header ({exc.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise InputError(path, "corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - n
+    out: dict[str, StoredTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InputError(path, f"corrupt safetensors header entry for {name}") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise InputError(path, f"tensor {name} has unsupported dtype {dtype}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - start != numel * _ST_ITEMSIZE[dtype] or start < 0:
+            raise InputError(path, f"corrupt safetensors header: {name} byte range does not match its shape")
+        if end > data_size:
+            raise InputError(path, f"truncated safetensors file: {name} ends at byte {end} of {data_size}")
+        out[name] = StoredTensor(name, path, dtype, shape)
+    return out
+
+
+class Checkpoint:
+    """config.json + safetensors shards (+ tokenizer files) of one model folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise InputError(self.folder, "not a checkpoint folder (no such directory)")
+        cfg_path = self.folder / "config.json"
+        if not cfg_path.is_file():
+            raise InputError(cfg_path, "missing config.json")
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(cfg_path, f"invalid JSON ({exc})") from None
+        self.shards = self._find_shards()
+        self.stored: dict[str, StoredTensor] = {}
+        for shard in self.shards:
+            for name, st in read_safetensors_header(shard).items():
+                self.stored[name] = st
+        self._check_index()
+        self._handles: dict[Path, object] = {}
+
+    # -- layout -------------------------------------------------------------------------
+
+    def _find_shards(self) -> list[Path]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise InputError(index, "invalid index (expected a JSON object with weight_map)") from None
+            self.weight_map: dict[str, str] | None = weight_map
+            shards = sorted({self.folder / f for f in weight_map.values()})
+            for s in shards:
+                if not s.is_file():
+                    raise InputError(index, f"lists shard {s.name}, which does not exist")
+            return shards
+        self.weight_map = None
+        shards = sorted(self.folder.glob("*.safetensors"))
+        if not shards:
+            raise InputError(self.folder, "no *.safetensors files and no model.safetensors.index.json")
+        return shards
+
+    def _check_index(self) -> None:
+        if self.weight_map is None:
+            return
+        index = self.folder / "model.safetensors.index.json"
+        for name, fname in self.weight_map.items():
+            st = self.stored.get(name)
+            if st is None or st.file.name != Path(fname).name:
+                raise InputError(index, f"maps {name} to {fname}, but that shard does not contain it")
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.folder / "config.json", *self.shards]
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Logical tensor names: FP8 scale companions are folded into their weights."""
+        return [n for n in self.stored if not self.is_scale(n)]
+
+    def is_scale(self, name: str) -> bool:
+        if not name.endswith(_SCALE_SUFFIXES):
+            return False
+        base = name
+        for suf in ("_scale_inv", "_scale"):
+            if name.endswith(suf):
+                base = name[: -len(suf)]
+        return base in self.stored or name.endswith((".input_scale", ".weight_zero_point"))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored and not self.is_scale(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.stored[name].shape
+
+    def source_dtype(self, name: str) -> str:
+        return self.stored[name].dtype
+
+    def _handle(self, file: Path):
+        h = self._handles.get(file)
+        if h is None:
+            try:
+                h = safe_open(str(file), framework="pt")
+            except Exception as exc:
+                raise InputError(file, f"cannot open safetensors file ({exc})") from None
+            self._handles[file] = h
+        return h
+
+    def _raw(self, name: str) -> torch.Tensor:
+        st = self.stored[name]
+        try:
+            return self._handle(st.file).get_tensor(name)
+        except Exception as exc:
+            raise InputError(st.file, f"cannot read tensor {name} ({exc})") from None
+
+    def loader(self, name: str) -> Callable[[], torch.Tensor]:
+        """A callable returning the tensor's values (FP8 dequantized to float32)."""
+        if name not in self.stored:
+            raise KeyError(name)
+        return lambda: self.load(name)
+
+    def load(self, name: str) -> torch.Tensor:
+        st = self.stored[name]
+        t = self._raw(name)
+        if st.dtype not in _FP8:
+            return t
+        w = t.to(torch.float32)
+        if name + "_scale_inv" in self.stored:  # block-scaled, 128x128 tiles by default
+            s = self._raw(name + "_scale_inv").to(torch.float32)
+            return _apply_block_scale(w, s, self.config, st.file, name)
+        if name + "_scale" in self.stored:  # compressed-tensors: per-channel [out, 1] or per-tensor scalar
+            s = self._raw(name + "_scale").to(torch.float32)
+            if s.numel() == 1:
+                return w * s.reshape(())
+            if s.shape[0] != w.shape[0]:
+                raise InputError(st.file, f"{name}_scale has shape {tuple(s.shape)}, expected [{w.shape[0]}, 1]")
+            return w * s.reshape(w.shape[0], *([1] * (w.dim() - 1)))
+        raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
+
+
+def _apply_block_scale(w: torch.Tensor, s: torch.Tensor, config: dict, file: Path, name: str) -> torch.Tensor:
+    qcfg = config.get("quantization_config") or {}
+    bh, bw = qcfg.get("weight_block_size") or [128, 128]
+    rows, cols = w.shape[-2], w.shape[-1]
+    want = (-(-rows // bh), -(-cols // bw))
+    if tuple(s.shape[-2:]) != want:
+        raise InputError(file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} for {bh}x{bw} tiles")
+    full = s.repeat_interleave(bh, dim=-2)[..., :rows, :].repeat_interleave(bw, dim=-1)[..., :cols]
+    return w * full

@@ -1,0 +1,92 @@
+"""GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``) -> GGUF arch ``glm4moe``.
+
+Trunk: dense first layers (``first_k_dense_replace``), then MoE layers with a
+sigmoid router + correction bias, routed experts stacked into 3-D tensors and a
+shared expert. The MTP block is ``model.layers.{num_hidden_layers}``: the
+``eh_proj``/``enorm``/``hnorm``/``shared_head`` tensors plus a full decoder
+block. GLM-4.6 checkpoints omit the head's ``embed_tokens`` and
+``shared_head.head`` (tied to the trunk's): they are simply not written and the
+runtime falls back to ``token_embd``/``output``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import gguf
+from gguf import GGUFWriter
+
+from .base import Emit, Family, check_unused, register
+
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@register
+class Glm4Moe(Family):
+    hf_architectures = ("Glm4MoeForCausalLM",)
+    arch = "glm4moe"
+
+    def set_metadata(self, w: GGUFWriter) -> None:
+        hp = self.hparams
+        head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+        partial = self.rope_parameters.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.5))
+        w.add_rope_dimension_count(int(head_dim * partial))
+        if (v := hp.get("moe_intermediate_size")) is not None:
+            w.add_expert_feed_forward_length(v)
+        if (v := hp.get("n_shared_experts")) is not None:
+            w.add_expert_shared_count(v)
+        if (v := hp.get("first_k_dense_replace")) is not None:
+            w.add_leading_dense_block_count(v)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if (v := hp.get("routed_scaling_factor")) is not None:
+            w.add_expert_weights_scale(v)
+        if (v := hp.get("norm_topk_prob")) is not None:
+            w.add_expert_weights_norm(v)
+
+    def write_vocab(self, w: GGUFWriter) -> None:
+        from .vocab import write_bpe_vocab
+
+        # GLM's special ids, as llama.cpp's _set_vocab_glm sets them (skipped when a tokenizer lacks them)
+        special = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
+        write_bpe_vocab(w, self.ckpt.folder, self.vocab_size(), special)
+
+    def tensors(self) -> Iterator[Emit]:
+        hp, ck = self.hparams, self.ckpt
+        hidden, vocab = hp["hidden_size"], hp["vocab_size"]
+        n_blocks = self.n_trunk + self.n_mtp
+        self.expect_shape(self.require("model.embed_tokens.weight"), (vocab, hidden))
+        used: list[str] = []
+
+        def one(hf: str) -> Emit:
+            name = self.map_name(hf)
+            if name is None:
+                raise KeyError(hf)
+            used.append(hf)
+            return self.emit(name, hf)
+
+        yield one("model.embed_tokens.weight")
+        for bid in range(n_blocks):
+            p = f"model.layers.{bid}."
+            names = [n for n in ck.names() if n.startswith(p)]
+            if not names:
+                from ..errors import InputError
+
+                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP)")
+            experts = [n for n in names if ".mlp.experts." in n]
+            for hf in names:
+                if hf in experts:
+                    continue
+                if self.map_name(hf) is None:
+                    continue  # reported by check_unused below
+                yield one(hf)
+            if experts:
+                n_exp = hp["n_routed_experts"]
+                for proj in _EXPERT_PROJ:
+                    parts = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
+                    used.extend(parts)
+                    yield self.stack(self.map_name(f"{p}mlp.experts.{proj}.weight"), parts)
+        if "model.norm.weight" in ck:
+            yield one("model.norm.weight")
+        if "lm_head.weight" in ck:
+            yield one("lm_head.weight")
+        check_unused(ck, used)

@@ -1,0 +1,99 @@
+"""tokenizer.ggml.* metadata from any Hugging Face fast (byte-level BPE) tokenizer.
+
+Mirrors llama.cpp's ``get_vocab_base``: every id below the model's vocab size
+gets a token (padding ids become ``[PAD{i}]``), added tokens are CONTROL or
+USER_DEFINED, merges and special ids come from gguf-py's ``SpecialVocab``.
+The pre-tokenizer name is looked up by llama.cpp's own fingerprint (the hash of
+one probe string's token ids); an unknown tokenizer gets ``default``, which
+llama.cpp's loader accepts, instead of a refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+from hashlib import sha256
+from pathlib import Path
+
+import gguf
+from gguf import GGUFWriter, TokenType
+
+from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+# The probe string and fingerprints of llama.cpp's convert_hf_to_gguf (get_vocab_base_pre),
+# for the tokenizers of the families mtpq converts.
+_PROBE = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 "
+    "3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? "
+    "'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
+KNOWN_PRE = {
+    "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
+    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",
+    "cdf5f35325780597efd76153d4d1c16778f766173908894c04afc20108536267": "glm4",
+    "1444df51289cfa8063b96f0e62b1125440111bc79a52003ea14b6eac7016fd5f": "qwen35",
+    "d30d75d9059f1aa2c19359de71047b3ae408c70875e8a3ccf8c5fba56c9d8af4": "qwen35",
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
+}
+FALLBACK_PRE = "default"
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise InputError(folder, "no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:
+        raise InputError(folder / "tokenizer.json", f"cannot load tokenizer ({exc.__class__.__name__}: {exc})") from None
+
+
+def pre_tokenizer_name(tokenizer) -> str:
+    fingerprint = sha256(str(tokenizer.encode(_PROBE)).encode()).hexdigest()
+    name = KNOWN_PRE.get(fingerprint)
+    if name is None:
+        log.warning("unknown pre-tokenizer fingerprint %s; writing tokenizer.ggml.pre=%s", fingerprint[:12], FALLBACK_PRE)
+        return FALLBACK_PRE
+    return name
+
+
+def write_bpe_vocab(w: GGUFWriter, folder: Path, vocab_size: int, special: dict[str, str] | None = None) -> None:
+    """Add the gpt2-style vocab of ``folder`` to ``w``.
+
+    ``special`` maps a special-token role (bos, eos, eot, eom, unk, pad) to the token
+    text a family wants there (e.g. GLM: bos=[gMASK]); tokens the tokenizer lacks are skipped.
+    """
+    tokenizer = load_tokenizer(folder)
+    vocab = tokenizer.get_vocab()
+    if vocab and max(vocab.values()) >= vocab_size:
+        raise InputError(folder / "tokenizer.json", f"token id {max(vocab.values())} >= vocab_size {vocab_size} of config.json")
+    reverse = {i: tok for tok, i in vocab.items()}
+    added = tokenizer.get_added_vocab()
+    added_decoder = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(vocab_size):
+        tok = reverse.get(i)
+        if tok is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+        elif tok in added:
+            tokens.append(tok)
+            types.append(TokenType.CONTROL if added_decoder[i].special else TokenType.USER_DEFINED)
+        else:
+            tokens.append(tok)
+            types.append(TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre_tokenizer_name(tokenizer))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    sv = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
+    for role, text in (special or {}).items():
+        if text in added:
+            sv._set_special_token(role, added[text])
+    sv.add_to_gguf(w)

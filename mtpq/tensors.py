@@ -1,0 +1,127 @@
+"""The one idea of the house: a plan is metadata plus a stream of named tensors.
+
+convert builds a plan from an HF checkpoint, quantize from a GGUF with new
+types, graft from two GGUFs, extract-mtp keeps the MTP subset. One writer
+(:mod:`mtpq.gguf_out`) streams any plan to disk, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+from gguf.gguf_writer import GGUFValue
+
+
+class Role(str, Enum):
+    """What a tensor is for. The precision policy decides types by role."""
+
+    MTP = "mtp"  # anything inside an MTP block: nextn.* AND the block's attention/FFN/experts
+    TOKEN_EMBD = "token_embd"
+    OUTPUT = "output"
+    ATTN = "attn"
+    FFN = "ffn"
+    FFN_EXPS = "ffn_exps"  # stacked routed experts (3-D)
+    ROUTER = "router"  # ffn_gate_inp: never quantized below f32 by llama-quantize
+    SSM = "ssm"  # linear-attention / state-space tensors
+    NORM = "norm"  # 1-D tensors: norms, biases, scales
+    OTHER = "other"
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def block_index(name: str) -> int | None:
+    """``blk.12.attn_q.weight`` -> 12; tensors outside blocks -> None."""
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+def tensor_kind(name: str) -> str:
+    """The name without block prefix and ``.weight``: ``blk.3.ffn_down_exps.weight`` -> ``ffn_down_exps``."""
+    kind = _BLOCK.sub("", name)
+    return kind[: -len(".weight")] if kind.endswith(".weight") else kind
+
+
+def classify(name: str, shape: tuple[int, ...], n_trunk_layers: int) -> Role:
+    """Role of a GGUF tensor. Blocks numbered >= n_trunk_layers are MTP blocks."""
+    bid = block_index(name)
+    if bid is not None and bid >= n_trunk_layers:
+        return Role.MTP
+    if len(shape) <= 1:
+        return Role.NORM
+    kind = tensor_kind(name)
+    if name.startswith("token_embd"):
+        return Role.TOKEN_EMBD
+    if name.startswith("output"):
+        return Role.OUTPUT
+    if kind.startswith("ffn_gate_inp"):
+        return Role.ROUTER
+    if kind.endswith("_exps"):
+        return Role.FFN_EXPS
+    if kind.startswith("ffn"):
+        return Role.FFN
+    if kind.startswith("attn"):
+        return Role.ATTN
+    if kind.startswith("ssm"):
+        return Role.SSM
+    return Role.OTHER
+
+
+@dataclass
+class TensorSpec:
+    """One tensor of a plan. Nothing is read until the writer calls ``load``.
+
+    ``shape`` is in torch order (rows..., row length); the row length is GGUF's ne[0].
+    ``load`` returns float values (dequantized if the source is quantized).
+    ``load_raw`` (GGUF sources only) returns the stored bytes in ``source_type``,
+    so that a tensor whose type does not change is copied byte for byte.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    role: Role
+    ggml_type: GGMLQuantizationType
+    load: Callable[[], torch.Tensor]
+    source: str
+    source_type: GGMLQuantizationType | None = None
+    load_raw: Callable[[], np.ndarray] | None = None
+    reason: str = ""  # why ggml_type was chosen (the policy's explanation)
+
+    def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
+        return replace(self, ggml_type=ggml_type, reason=reason)
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Plan:
+    """Everything needed to write one GGUF file."""
+
+    arch: str
+    kv: dict[str, GGUFValue]  # metadata, without general.architecture (the writer adds it)
+    tensors: list[TensorSpec]
+    inputs: list[Path] = field(default_factory=list)  # files read: never overwritten
+    n_trunk_layers: int = 0
+    n_mtp_layers: int = 0
+
+    def kv_value(self, key: str, default=None):
+        v = self.kv.get(key)
+        return default if v is None else v.value
+
+    def set_kv(self, key: str, value, vtype: GGUFValueType, sub_type: GGUFValueType | None = None) -> None:
+        self.kv[key] = GGUFValue(value, vtype, sub_type)
+
+    def drop_kv(self, key: str) -> None:
+        self.kv.pop(key, None)

@@ -1,0 +1,214 @@
+"""Tiny checkpoints that tests build for themselves (no network, fixed seeds).
+
+Each builder writes an HF folder the way real checkpoints look on disk:
+config.json, sharded safetensors with model.safetensors.index.json, a byte-level
+BPE tokenizer, and the MTP tensors under the real checkpoint names. Weights come
+from transformers' own model classes (random init, fixed seed) so that the
+trunk is what transformers would load.
+
+Sizes follow DESIGN.md's note: hidden 256, FFN/expert widths multiples of 256,
+so K-quants apply to every weight row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}<|assistant|>\n"
+GLM_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+                "<|user|>", "<|assistant|>", "<|observation|>"]
+_CORPUS = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "The quick brown fox jumps over the lazy dog. 3 + 4 = 7, 12 * 12 = 144.\n"
+    "for i in range(10):\n    print(i, i * i)\n# comment: import os, sys, json\n"
+) * 20
+
+
+def make_tokenizer(folder: Path, n_tokens: int = 300, specials: list[str] | None = None) -> int:
+    """Train a byte-level BPE on a small corpus and save it as an HF fast tokenizer. Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = specials if specials is not None else GLM_SPECIALS
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=n_tokens, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0] if specials else None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return tok.get_vocab_size()
+
+
+def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], n_shards: int = 2) -> None:
+    """Write tensors as ``n_shards`` safetensors shards plus model.safetensors.index.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    names = sorted(tensors)
+    per = math.ceil(len(names) / n_shards)
+    weight_map = {}
+    for i in range(n_shards):
+        part = names[i * per:(i + 1) * per]
+        fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict as save_pretrained writes it (per-expert tensors, original names)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            out.update(load_file(str(f)))
+    return out
+
+
+def _randn(*shape: int, gen: torch.Generator, scale: float = 0.02) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def _norm(n: int, gen: torch.Generator) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+
+def glm4moe_config(**over) -> dict:
+    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               num_nextn_predict_layers=1, n_group=1, topk_group=1, max_position_embeddings=512,
+               use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5, tie_word_embeddings=False)
+    cfg.update(over)
+    return cfg
+
+
+def glm4moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, glm46: bool = False,
+            n_shards: int = 2, **config_over) -> Path:
+    """A tiny GLM-4.5 checkpoint with one MTP layer (``model.layers.{n_layers}.*``).
+
+    ``glm46=True`` omits the head's embed_tokens and shared_head.head, as GLM-4.6 does.
+    """
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    cfg = Glm4MoeConfig(**glm4moe_config(**config_over))
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(_norm(p.numel(), gen) if "norm" in name else 0.05 * torch.randn(p.numel(), generator=gen))
+    sd = _hf_state_dict(model)
+    sd.update(glm4moe_mtp_tensors(cfg, gen, glm46=glm46))
+    config = cfg.to_dict()
+    config["architectures"] = ["Glm4MoeForCausalLM"]
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
+
+
+def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[str, torch.Tensor]:
+    """The MTP layer under GLM's checkpoint names: nextn tensors + a full MoE decoder block."""
+    h, n = cfg.hidden_size, cfg.num_hidden_layers
+    p = f"model.layers.{n}."
+    hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    t = {
+        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+        p + "enorm.weight": _norm(h, gen),
+        p + "hnorm.weight": _norm(h, gen),
+        p + "shared_head.norm.weight": _norm(h, gen),
+        p + "input_layernorm.weight": _norm(h, gen),
+        p + "post_attention_layernorm.weight": _norm(h, gen),
+        p + "self_attn.q_proj.weight": _randn(nh * hd, h, gen=gen),
+        p + "self_attn.k_proj.weight": _randn(nkv * hd, h, gen=gen),
+        p + "self_attn.v_proj.weight": _randn(nkv * hd, h, gen=gen),
+        p + "self_attn.o_proj.weight": _randn(h, nh * hd, gen=gen),
+        p + "mlp.gate.weight": _randn(cfg.n_routed_experts, h, gen=gen),
+        p + "mlp.gate.e_score_correction_bias": 0.01 * torch.randn(cfg.n_routed_experts, generator=gen),
+    }
+    if cfg.attention_bias:
+        for x, d in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            t[p + f"self_attn.{x}_proj.bias"] = 0.05 * torch.randn(d, generator=gen)
+    if cfg.use_qk_norm:
+        t[p + "self_attn.q_norm.weight"] = _norm(hd, gen)
+        t[p + "self_attn.k_norm.weight"] = _norm(hd, gen)
+    ff = cfg.moe_intermediate_size
+    for e in range(cfg.n_routed_experts):
+        t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(ff, h, gen=gen)
+        t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(ff, h, gen=gen)
+        t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(h, ff, gen=gen)
+    sff = ff * cfg.n_shared_experts
+    t[p + "mlp.shared_experts.gate_proj.weight"] = _randn(sff, h, gen=gen)
+    t[p + "mlp.shared_experts.up_proj.weight"] = _randn(sff, h, gen=gen)
+    t[p + "mlp.shared_experts.down_proj.weight"] = _randn(h, sff, gen=gen)
+    if not glm46:
+        t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+    return t
+
+
+def to_fp8_block_scaled(folder: Path, block: int = 128) -> None:
+    """Rewrite every 2-D weight of a checkpoint as e4m3 with 128x128 ``weight_scale_inv`` tiles (DeepSeek style)."""
+    _rewrite_fp8(folder, per_channel=False, block=block)
+
+
+def to_fp8_per_channel(folder: Path) -> None:
+    """Rewrite every 2-D weight as e4m3 with a per-channel ``weight_scale`` [out, 1] (compressed-tensors style)."""
+    _rewrite_fp8(folder, per_channel=True, block=0)
+
+
+def _rewrite_fp8(folder: Path, per_channel: bool, block: int) -> None:
+    from safetensors.torch import load_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(folder / shard))
+        out = {}
+        for name, w in tensors.items():
+            quantizable = (w.dim() == 2 and name.endswith(".weight") and "norm" not in name
+                           and "embed_tokens" not in name and "lm_head" not in name and ".mlp.gate." not in name)
+            if not quantizable:
+                out[name] = w
+                continue
+            w = w.float()
+            if per_channel:
+                s = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fp8_max
+                out[name] = (w / s).to(torch.float8_e4m3fn)
+                out[name + "_scale"] = s.to(torch.bfloat16)
+            else:
+                r, c = w.shape
+                tr, tc = -(-r // block), -(-c // block)
+                s = torch.zeros(tr, tc)
+                q = torch.empty_like(w)
+                for i in range(tr):
+                    for j in range(tc):
+                        tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                        s[i, j] = tile.abs().max().clamp(min=1e-12) / fp8_max
+                        q[i * block:(i + 1) * block, j * block:(j + 1) * block] = tile / s[i, j]
+                out[name] = q.to(torch.float8_e4m3fn)
+                out[name + "_scale_inv"] = s
+            index["weight_map"][name + ("_scale" if per_channel else "_scale_inv")] = shard
+        save_file(out, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = ({"quant_method": "compressed-tensors", "format": "float-quantized"} if per_channel
+                                  else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
