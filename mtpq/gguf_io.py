@@ -125,7 +125,10 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
         return spec.load_raw()
     from .quantize.kernels import quantize
 
-    return quantize(spec.load(), spec.ggml_type, name=spec.name)
+    try:
+        return quantize(spec.load(), spec.ggml_type, name=spec.name)
+    except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
+        raise InputError(spec.source, str(exc)) from None
 
 
 def check_not_an_input(out: Path, inputs: list[Path]) -> None:

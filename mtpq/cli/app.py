@@ -32,9 +32,12 @@ def root(version: bool = typer.Option(False, "--version", callback=_version, is_
     """mtpq: GGUF files whose MTP heads survive quantization."""
 
 
-from . import convert as _convert  # noqa: E402,F401  (registers commands)
-from . import inspect as _inspect  # noqa: E402,F401
-
-
 def main() -> None:
     app()
+
+
+# Command modules register themselves on `app` when imported (one line each).
+from . import convert as _convert  # noqa: E402,F401  (registers commands)
+from . import inspect as _inspect  # noqa: E402,F401
+from . import surgery as _surgery  # noqa: E402,F401
+from . import build as _build  # noqa: E402,F401

@@ -1,0 +1,213 @@
+"""The build recipe: a TOML file that names a checkpoint, its variants and the acceptance gate.
+
+    [model]
+    name = "GLM-4.5-Air"          # artifact file names start with this
+    source = "./GLM-4.5-Air"      # HF checkpoint folder (relative to the recipe)
+    output = "dist"               # output folder (relative to the recipe)
+    reference_type = "bf16"       # the reference GGUF converted once: f32, f16, bf16 or q8_0
+
+    [gate]                        # optional: the acceptance check every variant must pass
+    prompts = "builtin"           # or a JSONL file of {"category", "prompt"}
+    draft = 3                     # draft depth k
+    max_new_tokens = 64
+    min_rate = 0.30               # fail below this acceptance rate
+    max_drop = 0.10               # fail when the rate drops more than this below the reference
+
+    [[variant]]
+    name = "Q4_K_M"
+    preset = "Q4_K_M"
+    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk
+    tensor_types = ["attn_v=q8_0"]  # optional llama-quantize style overrides
+    # graft_into = "published-Q4_K_M.gguf"  # optional: give this existing quant the reference's head
+    # gate = false                # optional: build without the acceptance gate
+
+    [extras]
+    mtp_only = true               # also publish the head-only GGUF
+    no_mtp = false                # also publish a trunk-only GGUF
+
+Every error names the recipe key at fault (``recipe.toml: variant[2].preset: ...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InputError
+
+REFERENCE_TYPES = ("f32", "f16", "bf16", "q8_0")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Gate:
+    prompts: str = "builtin"
+    draft: int = 3
+    max_new_tokens: int = 64
+    min_rate: float | None = None
+    max_drop: float | None = None
+    temperature: float = 0.0
+    max_prompts: int | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    preset: str
+    mtp_type: str = "q8_0"
+    mtp_experts_type: str | None = None
+    tensor_types: tuple[str, ...] = ()
+    graft_into: Path | None = None
+    gate: bool = True
+
+
+@dataclass
+class Recipe:
+    path: Path
+    name: str
+    source: Path
+    output: Path
+    reference_type: str
+    variants: list[Variant]
+    gate: Gate | None
+    mtp_only: bool = False
+    no_mtp: bool = False
+    raw_sha256: str = ""
+    extras: dict = field(default_factory=dict)
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise InputError(self.path, f"--variant {name!r} is not in the recipe (have: {', '.join(v.name for v in self.variants)})")
+
+
+def _err(path: Path, key: str, problem: str) -> InputError:
+    return InputError(path, f"{key}: {problem}")
+
+
+def _take(table: dict, key: str, kind, path: Path, where: str, default=None, required=False):
+    if key not in table:
+        if required:
+            raise _err(path, f"{where}.{key}" if where else key, "missing")
+        return default
+    val = table[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(val, int) and not isinstance(val, bool):
+        val = float(val)
+    if not isinstance(val, kinds) or (isinstance(val, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise _err(path, f"{where}.{key}" if where else key, f"expected {want}, got {val!r}")
+    return val
+
+
+def _check_unknown(table: dict, allowed: set[str], path: Path, where: str) -> None:
+    for k in table:
+        if k not in allowed:
+            raise _err(path, f"{where}.{k}" if where else k, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def load_recipe(path: Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, "no such recipe file")
+    raw = path.read_bytes()
+    try:
+        doc = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(path, f"not valid TOML ({exc})") from None
+    _check_unknown(doc, {"model", "gate", "variant", "extras"}, path, "")
+    base = path.parent
+
+    model = _take(doc, "model", dict, path, "", required=True)
+    _check_unknown(model, {"name", "source", "output", "reference_type"}, path, "model")
+    name = _take(model, "name", str, path, "model", required=True)
+    if not _NAME.match(name):
+        raise _err(path, "model.name", f"{name!r} must be letters, digits, '.', '_' or '-' (it starts file names)")
+    source = base / _take(model, "source", str, path, "model", required=True)
+    if not source.is_dir():
+        raise _err(path, "model.source", f"{source} is not a folder")
+    output = base / _take(model, "output", str, path, "model", default="dist")
+    ref_type = _take(model, "reference_type", str, path, "model", default="bf16").lower()
+    if ref_type not in REFERENCE_TYPES:
+        raise _err(path, "model.reference_type", f"{ref_type!r} is not one of {', '.join(REFERENCE_TYPES)}")
+
+    gate = None
+    if "gate" in doc:
+        g = _take(doc, "gate", dict, path, "")
+        _check_unknown(g, {"prompts", "draft", "max_new_tokens", "min_rate", "max_drop", "temperature", "max_prompts"}, path, "gate")
+        prompts = _take(g, "prompts", str, path, "gate", default="builtin")
+        if prompts != "builtin" and not (base / prompts).is_file():
+            raise _err(path, "gate.prompts", f"{base / prompts} does not exist")
+        gate = Gate(
+            prompts=prompts if prompts == "builtin" else str(base / prompts),
+            draft=_take(g, "draft", int, path, "gate", default=3),
+            max_new_tokens=_take(g, "max_new_tokens", int, path, "gate", default=64),
+            min_rate=_take(g, "min_rate", float, path, "gate"),
+            max_drop=_take(g, "max_drop", float, path, "gate"),
+            temperature=_take(g, "temperature", float, path, "gate", default=0.0),
+            max_prompts=_take(g, "max_prompts", int, path, "gate"),
+        )
+        if not 1 <= gate.draft <= 8:
+            raise _err(path, "gate.draft", "must be between 1 and 8")
+        for k in ("min_rate", "max_drop"):
+            v = getattr(gate, k)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise _err(path, f"gate.{k}", "must be between 0 and 1")
+
+    from ..quantize.presets import PRESETS  # the names llama-quantize accepts
+    from ..quantize.policy import parse_type
+
+    variants = []
+    tables = _take(doc, "variant", list, path, "", required=True)
+    if not tables:
+        raise _err(path, "variant", "at least one [[variant]] is needed")
+    for i, v in enumerate(tables):
+        where = f"variant[{i}]"
+        if not isinstance(v, dict):
+            raise _err(path, where, "must be a table")
+        _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate"}, path, where)
+        vname = _take(v, "name", str, path, where, required=True)
+        if not _NAME.match(vname):
+            raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
+        preset = _take(v, "preset", str, path, where, required=True)
+        if preset.upper() not in PRESETS:
+            raise _err(path, f"{where}.preset", f"unknown preset {preset!r}")
+        mtp_type = _take(v, "mtp_type", str, path, where, default="q8_0")
+        mtp_experts = _take(v, "mtp_experts_type", str, path, where)
+        for key, val in (("mtp_type", mtp_type), ("mtp_experts_type", mtp_experts)):
+            if val is not None and val.lower() != "same":
+                try:
+                    parse_type(val)
+                except Exception:
+                    raise _err(path, f"{where}.{key}", f"unknown type {val!r}") from None
+        overrides = _take(v, "tensor_types", list, path, where, default=[])
+        for j, o in enumerate(overrides):
+            if not isinstance(o, str) or "=" not in o:
+                raise _err(path, f"{where}.tensor_types[{j}]", f"expected 'REGEX=TYPE', got {o!r}")
+            pattern, typ = o.rsplit("=", 1)
+            try:
+                re.compile(pattern)
+                parse_type(typ)
+            except Exception as exc:
+                raise _err(path, f"{where}.tensor_types[{j}]", f"{o!r}: {exc}") from None
+        graft = _take(v, "graft_into", str, path, where)
+        if graft is not None and not (base / graft).is_file():
+            raise _err(path, f"{where}.graft_into", f"{base / graft} does not exist")
+        variants.append(Variant(vname, preset.upper(), mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
+                                tuple(overrides), base / graft if graft else None,
+                                _take(v, "gate", bool, path, where, default=True)))
+    names = [v.name for v in variants]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise _err(path, "variant", f"duplicate variant name {sorted(dupes)[0]!r}")
+
+    extras = _take(doc, "extras", dict, path, "", default={})
+    _check_unknown(extras, {"mtp_only", "no_mtp"}, path, "extras")
+    return Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
+                  gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
+                  no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
+                  raw_sha256=hashlib.sha256(raw).hexdigest())

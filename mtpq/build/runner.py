@@ -1,0 +1,318 @@
+"""Run a recipe: convert once, derive every variant, gate each, write the manifest.
+
+Incremental by content: every artifact has a build key (a hash of everything
+that decides its bytes: tool version, source file hashes, options, the
+reference's key). A part file per artifact (``build-parts/NAME.json``) records
+the key, the file's sha256 and its gate result; an artifact whose key and file
+are unchanged is not rebuilt. Parts are also the unit a CI matrix ships around:
+``--merge`` turns whatever parts sit in the output folder into the manifest.
+Artifacts hold no timestamps, so building twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__
+from ..errors import InputError
+from .recipe import Gate, Recipe, Variant
+
+PARTS = "build-parts"
+TOOL = f"mtpq {__version__}"
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def key_of(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_hashes(recipe: Recipe) -> dict[str, str]:
+    """sha256 of every file of the source checkpoint, cached by (size, mtime) in the output folder."""
+    cache_path = recipe.output / PARTS / "source-hashes.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    out, fresh = {}, {}
+    for f in sorted(p for p in recipe.source.iterdir() if p.is_file() and not p.name.startswith(".")):
+        st = f.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        hit = cache.get(f.name)
+        digest = hit["sha256"] if hit and hit["stamp"] == stamp else sha256_file(f)
+        out[f.name] = digest
+        fresh[f.name] = {"stamp": stamp, "sha256": digest}
+    write_json(cache_path, fresh)
+    return out
+
+
+def write_json(path: Path, data) -> None:
+    """Deterministic JSON, written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- artifacts
+
+
+def describe(path: Path) -> dict:
+    """Per-role type table, MTP precision and size of a GGUF (from mtpq inspect's summary)."""
+    from ..cli.inspect import summarize
+
+    info = summarize(path)
+    by_role: dict[str, dict[str, int]] = {}
+    for t in info["tensors"]:
+        by_role.setdefault(t["role"], {}).setdefault(t["type"], 0)
+        by_role[t["role"]][t["type"]] += 1
+    return {"bytes": path.stat().st_size, "bits_per_weight": info["bits_per_weight"],
+            "types_by_role": by_role, "mtp_precision": info["mtp_types"], "mtp_blocks": len(info["mtp_blocks"])}
+
+
+def _produce_reference(recipe: Recipe, out: Path) -> None:
+    from ..convert import OUTTYPES, plan_checkpoint
+    from ..gguf_io import write_plan
+
+    write_plan(plan_checkpoint(recipe.source, outtype=OUTTYPES[recipe.reference_type]), out)
+
+
+def _produce_extra(recipe: Recipe, mode: str, out: Path) -> None:
+    from ..convert import OUTTYPES, MtpMode, plan_checkpoint
+    from ..gguf_io import write_plan
+
+    write_plan(plan_checkpoint(recipe.source, mtp=MtpMode(mode), outtype=OUTTYPES[recipe.reference_type]), out)
+
+
+def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
+    from ..gguf_io import plan_from_gguf, write_plan
+    from ..quantize.pipeline import plan_quantize
+
+    ref = plan_from_gguf(reference)
+    if v.graft_into is not None:
+        from ..quantize.surgery import plan_graft
+
+        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=None if v.mtp_type == "same" else v.mtp_type)
+    else:
+        plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type,
+                             tensor_types=list(v.tensor_types))
+    write_plan(plan, out)
+
+
+def measure(path: Path, gate: Gate) -> dict:
+    """Greedy acceptance figures of one GGUF on the gate's prompts (deterministic: no timings)."""
+    from ..runtime.accept import measure_file
+
+    report = measure_file(path, prompts=gate.prompts, draft=gate.draft, max_new_tokens=gate.max_new_tokens,
+                          temperature=gate.temperature, max_prompts=gate.max_prompts)
+    return report.deterministic_summary()
+
+
+def judge(rate: float, ref_rate: float | None, gate: Gate) -> dict:
+    reasons = []
+    if gate.min_rate is not None and rate < gate.min_rate:
+        reasons.append(f"acceptance {rate:.3f} < min_rate {gate.min_rate:.3f}")
+    if gate.max_drop is not None and ref_rate is not None and ref_rate - rate > gate.max_drop:
+        reasons.append(f"drop {ref_rate - rate:.3f} vs reference {ref_rate:.3f} > max_drop {gate.max_drop:.3f}")
+    return {"passed": not reasons, "reason": "; ".join(reasons) or "ok"}
+
+
+# ----------------------------------------------------------------------------- one artifact
+
+
+def build_artifact(job: dict) -> dict:
+    """Build (or reuse) one artifact and gate it. Runs in a worker process with --jobs > 1."""
+    out = Path(job["out"])
+    part_path = Path(job["part"])
+    old = json.loads(part_path.read_text()) if part_path.is_file() else None
+    reused = bool(old and not job["force"] and old.get("build_key") == job["build_key"] and out.is_file()
+                  and out.stat().st_size == old.get("bytes"))
+    if not reused:
+        kind = job["kind"]
+        if kind == "reference":
+            _produce_reference(job["recipe"], out)
+        elif kind in ("only", "drop"):
+            _produce_extra(job["recipe"], kind, out)
+        else:
+            _produce_variant(Path(job["reference"]), job["variant"], out)
+        entry = {"file": out.name, "kind": job["label"], "variant": job.get("variant_name"),
+                 "build_key": job["build_key"], "sha256": sha256_file(out), **describe(out), **job["options"]}
+    else:
+        entry = {k: v for k, v in old.items() if k not in ("acceptance", "gate", "gate_key")}
+    entry["reused"] = reused
+    gate: Gate | None = job["gate"]
+    if gate is not None and job["gated"]:
+        if reused and old.get("gate_key") == job["gate_key"] and "acceptance" in old:
+            entry["acceptance"] = old["acceptance"]
+        else:
+            entry["acceptance"] = measure(out, gate)
+        entry["gate_key"] = job["gate_key"]
+    write_json(part_path, {k: v for k, v in entry.items() if k != "reused"})
+    return entry
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool) -> tuple[dict, list[dict]]:
+    src = source_hashes(recipe)
+    parts = recipe.output / PARTS
+    ref_name = f"{recipe.name}-{recipe.reference_type.upper()}.gguf"
+    ref_key = key_of(TOOL, src, recipe.reference_type)
+    gate = recipe.gate
+    gate_opts = asdict(gate) if gate else None
+    reference = {"kind": "reference", "label": "reference", "out": str(recipe.output / ref_name),
+                 "part": str(parts / "_reference.json"), "build_key": ref_key, "force": force, "recipe": recipe,
+                 "gate": gate, "gated": gate is not None, "gate_key": key_of(ref_key, gate_opts),
+                 "options": {"preset": recipe.reference_type.upper(), "mtp_type": recipe.reference_type}}
+    jobs = []
+    chosen = [recipe.variant(n) for n in only] if only else recipe.variants
+    for v in chosen:
+        graft_sha = sha256_file(v.graft_into) if v.graft_into else None
+        opts = {"preset": v.preset, "mtp_type": v.mtp_type, "mtp_experts_type": v.mtp_experts_type,
+                "tensor_types": list(v.tensor_types), "graft_into": v.graft_into.name if v.graft_into else None}
+        bkey = key_of(ref_key, opts, graft_sha)
+        jobs.append({"kind": "variant", "label": "variant", "variant": v, "variant_name": v.name,
+                     "out": str(recipe.output / f"{recipe.name}-{v.name}.gguf"), "part": str(parts / f"{v.name}.json"),
+                     "reference": reference["out"], "build_key": bkey, "force": force, "gate": gate,
+                     "gated": gate is not None and v.gate, "gate_key": key_of(bkey, gate_opts), "options": opts})
+    if not only:
+        for flag, mode, suffix in ((recipe.mtp_only, "only", "MTP-only"), (recipe.no_mtp, "drop", "no-MTP")):
+            if flag:
+                name = f"{recipe.name}-{recipe.reference_type.upper()}-{suffix}.gguf"
+                jobs.append({"kind": mode, "label": suffix.lower(), "out": str(recipe.output / name),
+                             "part": str(parts / f"_{suffix.lower()}.json"), "force": force,
+                             "build_key": key_of(ref_key, mode), "recipe": recipe, "gate": None, "gated": False,
+                             "gate_key": None, "options": {"preset": recipe.reference_type.upper(), "mtp_type": suffix}})
+    return {"reference": reference, "source": src}, jobs
+
+
+def run_build(recipe: Recipe, only: list[str] | None = None, jobs: int = 1, force: bool = False,
+              log: Callable[[str], None] = print) -> int:
+    """Build the recipe; returns the exit code (0 all passed, 1 a gate failed)."""
+    recipe.output.mkdir(parents=True, exist_ok=True)
+    for stale in [*recipe.output.glob(".*.partial-*"), *(recipe.output / PARTS).glob(".*.partial-*")]:
+        stale.unlink()  # left by a build that was killed; never an artifact
+    head, todo = plan_jobs(recipe, only, force)
+    log(f"reference {Path(head['reference']['out']).name}")
+    ref_entry = build_artifact(head["reference"])
+    log(f"  {'reused' if ref_entry['reused'] else 'built'}" + _acc(ref_entry))
+    ref_rate = ref_entry.get("acceptance", {}).get("acceptance_rate")
+    entries = [ref_entry]
+    if jobs > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(build_artifact, todo))
+    else:
+        results = []
+        for job in todo:
+            log(f"{Path(job['out']).name}")
+            results.append(build_artifact(job))
+            log(f"  {'reused' if results[-1]['reused'] else 'built'}" + _acc(results[-1]))
+    for job, entry in zip(todo, results):
+        if job["gated"]:
+            entry["gate"] = judge(entry["acceptance"]["acceptance_rate"], ref_rate, recipe.gate)
+            write_json(Path(job["part"]), {k: v for k, v in entry.items() if k != "reused"})
+        entries.append(entry)
+    failed = [e for e in entries if e.get("gate") and not e["gate"]["passed"]]
+    for e in failed:
+        log(f"GATE FAILED {e['file']}: {e['gate']['reason']}")
+    if not only:
+        write_outputs(recipe, head["source"])
+    else:
+        log(f"partial build ({', '.join(only)}): parts in {recipe.output / PARTS}; combine with --merge")
+    return 1 if failed else 0
+
+
+def _acc(entry: dict) -> str:
+    a = entry.get("acceptance")
+    return f", acceptance {a['acceptance_rate']:.3f}" if a else ""
+
+
+# ----------------------------------------------------------------------------- manifest, sums, card
+
+
+def collect_parts(recipe: Recipe) -> list[dict]:
+    parts_dir = recipe.output / PARTS
+    if not parts_dir.is_dir():
+        raise InputError(parts_dir, "no build parts to merge (run mtpq build first)")
+    entries = []
+    for p in sorted(parts_dir.glob("*.json")):
+        if p.name == "source-hashes.json":
+            continue
+        e = json.loads(p.read_text())
+        f = recipe.output / e["file"]
+        if not f.is_file():
+            raise InputError(f, f"listed by {p.name} but missing from the output folder")
+        if f.stat().st_size != e["bytes"]:
+            raise InputError(f, f"size differs from {p.name} (a stale or partial copy?)")
+        entries.append(e)
+    return entries
+
+
+def write_outputs(recipe: Recipe, source: dict[str, str] | None = None) -> dict:
+    """manifest.json, SHA256SUMS and README.md from the parts in the output folder."""
+    entries = collect_parts(recipe)
+    if source is None:
+        cache = recipe.output / PARTS / "source-hashes.json"
+        source = {k: v["sha256"] for k, v in json.loads(cache.read_text()).items()} if cache.is_file() else {}
+    order = {"reference": 0, "variant": 1}
+    entries.sort(key=lambda e: (order.get(e["kind"], 2), e["file"]))
+    ref = next((e for e in entries if e["kind"] == "reference"), None)
+    ref_rate = (ref or {}).get("acceptance", {}).get("acceptance_rate")
+    for e in entries:  # re-judge on merge: partial builds did not know every rate
+        if "acceptance" in e and e["kind"] == "variant" and recipe.gate is not None:
+            e["gate"] = judge(e["acceptance"]["acceptance_rate"], ref_rate, recipe.gate)
+    manifest = {
+        "model": recipe.name,
+        "tool": TOOL,
+        "recipe_sha256": recipe.raw_sha256,
+        "source": {"folder": recipe.source.name, "files": source},
+        "gate": asdict(recipe.gate) if recipe.gate else None,
+        "passed": all(e.get("gate", {"passed": True})["passed"] for e in entries),
+        "files": [{k: v for k, v in e.items() if k not in ("gate_key",)} for e in entries],
+    }
+    if recipe.gate and manifest["gate"]["prompts"] != "builtin":
+        manifest["gate"]["prompts"] = Path(manifest["gate"]["prompts"]).name
+    write_json(recipe.output / "manifest.json", manifest)
+    sums = "".join(f"{e['sha256']}  {e['file']}\n" for e in entries)
+    _write_text(recipe.output / "SHA256SUMS", sums)
+    _write_text(recipe.output / "README.md", model_card(recipe, manifest))
+    return manifest
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def model_card(recipe: Recipe, manifest: dict) -> str:
+    lines = [f"# {recipe.name} — GGUF with MTP heads", "",
+             f"Built by {manifest['tool']} from `{recipe.source.name}` (recipe sha256 `{recipe.raw_sha256[:12]}`).",
+             "Every file keeps the model's Multi-Token-Prediction head, so llama.cpp can self-draft with "
+             "`--spec-type draft-mtp`.", ""]
+    gate = recipe.gate
+    if gate:
+        lines += [f"Acceptance: greedy draft acceptance rate at depth k={gate.draft} on the `{Path(gate.prompts).name}` "
+                  f"prompts ({gate.max_new_tokens} new tokens each), measured by `mtpq accept`.", ""]
+    lines += ["| file | size | bits/weight | MTP type | acceptance | gate |", "|---|---:|---:|---|---:|---|"]
+    for f in manifest["files"]:
+        acc = f.get("acceptance", {}).get("acceptance_rate")
+        g = f.get("gate")
+        lines.append(f"| `{f['file']}` | {f['bytes'] / 2**20:,.1f} MiB | {f['bits_per_weight']:.2f} | "
+                     f"{', '.join(f['mtp_precision']) or '—'} | {'—' if acc is None else f'{100 * acc:.1f} %'} | "
+                     f"{'—' if g is None else ('pass' if g['passed'] else 'FAIL: ' + g['reason'])} |")
+    lines += ["", "Check the downloads with `sha256sum -c SHA256SUMS`.", ""]
+    return "\n".join(lines)

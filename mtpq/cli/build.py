@@ -1,0 +1,57 @@
+"""``mtpq build``: every quant of a model from one recipe, checked and described."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .app import app
+from .common import EXIT_OK, console, guarded
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  mtpq build recipe.toml                       # everything, incremental\n\n"
+        "  mtpq build recipe.toml --variant Q4_K_M      # one CI matrix job\n\n"
+        "  mtpq build recipe.toml --merge               # combine the matrix jobs' parts\n\n"
+        "  mtpq build recipe.toml --dry-run             # what would be (re)built\n\n"
+        "See `examples/recipe.toml` and `examples/github-actions.yml`."
+    )
+)
+@guarded
+def build(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE.toml", help="The build recipe (see examples/recipe.toml)."),
+    variant: list[str] = typer.Option(None, "--variant", help="Build only this variant (repeatable); writes parts for --merge."),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Variants built in parallel processes."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when inputs and options are unchanged."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be built or reused; write nothing."),
+    merge: bool = typer.Option(False, "--merge", help="Only combine the parts in the output folder into manifest.json, SHA256SUMS, README.md."),
+) -> None:
+    """Convert once, quantize every variant, gate each on MTP acceptance, write manifest + SHA256SUMS + model card.
+
+    Exit codes: 0 every variant built and passed; 1 a gate failed (other variants
+    still build; manifest.json says why); 2 a bad recipe or input (the key is named).
+    """
+    from ..build import load_recipe, run_build, write_outputs
+    from ..build.runner import plan_jobs
+
+    recipe = load_recipe(recipe_path)
+    if merge:
+        manifest = write_outputs(recipe)
+        console.print(f"merged {len(manifest['files'])} files into {recipe.output / 'manifest.json'}")
+        raise typer.Exit(EXIT_OK if manifest["passed"] else 1)
+    if dry_run:
+        import json
+
+        recipe.output.mkdir(parents=True, exist_ok=True)
+        head, todo = plan_jobs(recipe, variant or None, force)
+        for job in [head["reference"], *todo]:
+            part = Path(job["part"])
+            old = json.loads(part.read_text()) if part.is_file() else {}
+            fresh = not force and old.get("build_key") == job["build_key"] and Path(job["out"]).is_file()
+            console.print(f"{'reuse' if fresh else 'build'}  {Path(job['out']).name}")
+        return
+    code = run_build(recipe, only=variant or None, jobs=jobs, force=force, log=lambda m: console.print(m, highlight=False))
+    raise typer.Exit(code)

@@ -1,0 +1,105 @@
+"""``mtpq graft`` and ``mtpq extract-mtp``: move MTP heads between GGUF files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from gguf import GGMLQuantizationType as T
+
+from ..gguf_io import plan_from_gguf, tensor_nbytes, write_plan
+from ..quantize.surgery import plan_extract_mtp, plan_graft
+from ..tensors import Plan, Role
+from .app import app
+from .common import byte_progress, console, fail, guarded
+
+# The types mtpq's kernels write (DESIGN.md, quantize/).
+MTP_TYPES = {t.name.lower(): t for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0,
+                                         T.Q4_K, T.Q4_1, T.Q4_0, T.Q3_K, T.Q2_K)}
+
+
+def _write(plan: Plan, out: Path, label: str, quiet: bool) -> int:
+    total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
+    with byte_progress(f"{label} -> {out.name}", total, enabled=not quiet) as advance:
+        write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
+    return total
+
+
+def _head_summary(plan: Plan) -> str:
+    head = [s for s in plan.tensors if s.role is Role.MTP]
+    types = sorted({s.ggml_type.name for s in head if len(s.shape) > 1})
+    first = plan.n_trunk_layers
+    blocks = ", ".join(f"blk.{first + i}" for i in range(plan.n_mtp_layers))
+    return f"{len(head)} MTP tensors ({blocks}; weights {', '.join(types) or '-'})"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  # a published Q4_K_M without a head + the head of the f16 conversion:\n\n"
+        "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf air-Q4_K_M-mtp.gguf\n\n"
+        "  # the same, holding the head at q8_0 (requantized from the donor's values):\n\n"
+        "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --mtp-type q8_0\n\n"
+        "  # the donor may be a head-only file (mtpq convert --mtp-only / mtpq extract-mtp):\n\n"
+        "  mtpq graft --mtp-from mtp-air.gguf --into air-Q4_K_M.gguf out.gguf\n\n"
+        "  # the target already has a (say, 4-bit) head: swap it\n\n"
+        "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --replace\n\n"
+        "Then: llama-speculative-simple -m out.gguf -p 'def' --spec-type draft-mtp"
+    )
+)
+@guarded
+def graft(
+    out: Path = typer.Argument(..., help="GGUF file to write (temporary name, renamed when complete)."),
+    mtp_from: Path = typer.Option(..., "--mtp-from", help="Donor GGUF holding the MTP blocks (full model or head-only)."),
+    into: Path = typer.Option(..., "--into", help="Target GGUF (usually a quant without a head); copied unchanged."),
+    mtp_type: str = typer.Option("keep", "--mtp-type",
+                                 help=f"Type of the head's weights: keep (byte copy) or {', '.join(MTP_TYPES)}. "
+                                      "1-D tensors and routers stay as stored."),
+    replace: bool = typer.Option(False, "--replace", help="Swap out a head the target already has."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Give a GGUF without an MTP head the MTP blocks of another GGUF of the same model.
+
+    Checks that architecture, hidden size, vocabulary and trunk layer count
+    match; fixes block_count and nextn_predict_layers. The target's tensors
+    and metadata are copied byte for byte.
+    """
+    qtype = None
+    if mtp_type.lower() != "keep":
+        if mtp_type.lower() not in MTP_TYPES:
+            fail("--mtp-type", f"unknown type {mtp_type!r}; choose keep or one of {', '.join(MTP_TYPES)}")
+        qtype = MTP_TYPES[mtp_type.lower()]
+    plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=qtype, replace=replace)
+    total = _write(plan, out, "graft", quiet)
+    if not quiet:
+        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
+                      f"{_head_summary(plan)} from {mtp_from.name}")
+
+
+@app.command(
+    "extract-mtp",
+    epilog=(
+        "Examples:\n\n"
+        "  mtpq extract-mtp air-Q8_0.gguf mtp-air-Q8_0.gguf\n\n"
+        "  # use it as the draft of a trunk-only quant:\n\n"
+        "  llama-speculative-simple -m air-Q4_K_M.gguf -md mtp-air-Q8_0.gguf --spec-type draft-mtp -p 'def'\n\n"
+        "  # or graft it into another quant:\n\n"
+        "  mtpq graft --mtp-from mtp-air-Q8_0.gguf --into air-Q4_K_M.gguf air-Q4_K_M-mtp.gguf"
+    ),
+)
+@guarded
+def extract_mtp(
+    src: Path = typer.Argument(..., help="GGUF with MTP blocks."),
+    out: Path = typer.Argument(..., help="Head-only GGUF to write: MTP blocks + token_embd, output_norm, output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Write the head-only GGUF that llama.cpp loads as an MTP draft model.
+
+    The same file llama.cpp's converter writes with --mtp: the MTP blocks plus
+    token_embd, output_norm and output, and the full model's metadata. Tensors
+    are copied byte for byte.
+    """
+    plan = plan_extract_mtp(plan_from_gguf(src))
+    total = _write(plan, out, "extract-mtp", quiet)
+    if not quiet:
+        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}")

@@ -1,0 +1,198 @@
+"""DeepSeek-V3 / R1 (``DeepseekV3ForCausalLM``) -> GGUF arch ``deepseek2``.
+
+Trunk: MLA attention (``q_a_proj``/``q_a_layernorm``/``q_b_proj``, or a plain
+``q_proj`` when ``q_lora_rank`` is null; ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), dense first layers
+(``first_k_dense_replace``), then MoE layers with a grouped sigmoid router plus
+correction bias, routed experts stacked into 3-D tensors and shared experts.
+
+MLA as llama.cpp writes it (absorption): ``kv_b_proj`` [n_head*(nope+v), kv_lora]
+is NOT written; it is split per head into
+  ``attn_k_b`` = k part transposed, torch shape [n_head, kv_lora, nope]
+  ``attn_v_b`` = v part,            torch shape [n_head, v, kv_lora]
+and ``head_count_kv`` is 1 (MLA runs as MQA over the compressed cache).
+
+The MTP block is ``model.layers.{num_hidden_layers}`` (61 in DeepSeek-V3):
+``eh_proj``/``enorm``/``hnorm``/``embed_tokens``/``shared_head.{head,norm}`` ->
+``blk.N.nextn.*`` plus a full MLA + MoE decoder block named as the trunk's.
+llama.cpp's converter drops this block for deepseek2; its loader reads it
+(``blk.N.nextn.*``, counted in ``block_count``) and drafts with it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import gguf
+import torch
+from gguf import GGUFWriter
+from gguf import MODEL_TENSOR as MT
+
+from ..errors import InputError
+from .base import Emit, Family, check_unused, register
+
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+# The MTP-only tensors. gguf-py's deepseek2 tensor list may lack the NEXTN entries, so they are named here.
+_NEXTN = {
+    "eh_proj.weight": MT.NEXTN_EH_PROJ,
+    "enorm.weight": MT.NEXTN_ENORM,
+    "hnorm.weight": MT.NEXTN_HNORM,
+    "embed_tokens.weight": MT.NEXTN_EMBED_TOKENS,
+    "shared_head.head.weight": MT.NEXTN_SHARED_HEAD_HEAD,
+    "shared_head.norm.weight": MT.NEXTN_SHARED_HEAD_NORM,
+}
+
+
+def _name(kind: MT, bid: int) -> str:
+    return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
+
+
+@register
+class DeepseekV3(Family):
+    hf_architectures = ("DeepseekV3ForCausalLM",)
+    arch = "deepseek2"
+
+    @property
+    def rope_parameters(self) -> dict:
+        rp = super().rope_parameters
+        if "rope_type" not in rp and "type" in rp:  # DeepSeek-V3's config.json says {"type": "yarn"}
+            rp["rope_type"] = rp["type"]
+        return rp
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def _replace(self, w: GGUFWriter, key: str) -> None:
+        """Forget a key the common hparams wrote, so the MLA value replaces it without a duplicate warning."""
+        w.kv_data[0].pop(key.format(arch=self.arch), None)
+
+    def set_metadata(self, w: GGUFWriter) -> None:
+        hp, K = self.hparams, gguf.Keys
+        kv_lora, rope = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+        # MLA runs as MQA with one wide (kv_lora + rope) head; head_dim in transformers' config is the rope part
+        for key in (K.Attention.HEAD_COUNT_KV, K.Attention.KEY_LENGTH, K.Attention.VALUE_LENGTH):
+            self._replace(w, key)
+        w.add_head_count_kv(1)
+        has_moe = hp.get("n_routed_experts") is not None
+        dense = hp.get("first_k_dense_replace")
+        w.add_leading_dense_block_count(dense if dense is not None else (0 if has_moe else self.n_trunk))
+        w.add_vocab_size(hp["vocab_size"])
+        if hp.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(hp["q_lora_rank"])
+        w.add_kv_lora_rank(kv_lora)
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(hp["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(hp["v_head_dim"])
+        w.add_expert_feed_forward_length(self.hp("moe_intermediate_size", "intermediate_size"))
+        w.add_expert_shared_count(hp.get("n_shared_experts") or 0)
+        if (v := hp.get("routed_scaling_factor")) is not None:
+            w.add_expert_weights_scale(v)
+        if hp.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        key = K.LLM.EXPERT_GATING_FUNC.format(arch=self.arch)
+        if key not in w.kv_data[0]:
+            # DeepSeek-V3 always routes with sigmoid; without this key llama.cpp's loader assumes softmax (V2)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(rope)
+        self._set_yarn(w)
+
+    def _set_yarn(self, w: GGUFWriter) -> None:
+        """The yarn details llama.cpp's converter writes besides type/factor/original context."""
+        rp, K = self.rope_parameters, gguf.Keys.Rope
+        if rp.get("rope_type") == "yarn" and rp.get("factor") is not None:
+            extra = (
+                (K.SCALING_YARN_EXT_FACTOR, rp.get("extrapolation_factor"), w.add_rope_scaling_yarn_ext_factor),
+                (K.SCALING_YARN_ATTN_FACTOR, rp.get("attention_factor", rp.get("attn_factor")),
+                 w.add_rope_scaling_yarn_attn_factor),
+                (K.SCALING_YARN_BETA_FAST, rp.get("beta_fast"), w.add_rope_scaling_yarn_beta_fast),
+                (K.SCALING_YARN_BETA_SLOW, rp.get("beta_slow"), w.add_rope_scaling_yarn_beta_slow),
+            )
+            for key, value, add in extra:
+                if value is not None and key.format(arch=self.arch) not in w.kv_data[0]:
+                    add(value)
+        if (v := rp.get("mscale_all_dim")) is not None:
+            # llama.cpp stores 0.1 * mscale_all_dim here and its deepseek2 loader divides by 0.1 again
+            w.add_rope_scaling_yarn_log_mul(0.1 * v)
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def tensors(self) -> Iterator[Emit]:
+        hp, ck = self.hparams, self.ckpt
+        hidden, vocab = hp["hidden_size"], hp["vocab_size"]
+        n_blocks = self.n_trunk + self.n_mtp
+        self.expect_shape(self.require("model.embed_tokens.weight"), (vocab, hidden))
+        used: list[str] = []
+
+        def one(hf: str, name: str | None = None) -> Emit:
+            name = name or self.map_name(hf)
+            if name is None:
+                raise KeyError(hf)
+            used.append(hf)
+            return self.emit(name, hf)
+
+        yield one("model.embed_tokens.weight")
+        for bid in range(n_blocks):
+            p = f"model.layers.{bid}."
+            names = [n for n in ck.names() if n.startswith(p)]
+            if not names:
+                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP)")
+            self._check_mla_shapes(p)
+            experts = [n for n in names if ".mlp.experts." in n]
+            for hf in names:
+                rest = hf[len(p):]
+                if hf in experts:
+                    continue
+                if bid >= self.n_trunk and rest in _NEXTN:
+                    yield one(hf, _name(_NEXTN[rest], bid))
+                elif rest == "self_attn.kv_b_proj.weight":
+                    used.append(hf)
+                    yield from self._split_kv_b(bid, hf)
+                elif self.map_name(hf) is not None:
+                    yield one(hf)
+                # anything else is reported by check_unused below
+            if experts:
+                n_exp = hp["n_routed_experts"]
+                for proj in _EXPERT_PROJ:
+                    parts = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
+                    used.extend(parts)
+                    yield self.stack(self.map_name(f"{p}mlp.experts.{proj}.weight"), parts)
+        if "model.norm.weight" in ck:
+            yield one("model.norm.weight")
+        if "lm_head.weight" in ck:
+            if hp.get("tie_word_embeddings"):
+                used.append("lm_head.weight")  # llama.cpp skips it too: output falls back to token_embd
+            else:
+                yield one("lm_head.weight")
+        check_unused(ck, used)
+
+    def _check_mla_shapes(self, p: str) -> None:
+        hp = self.hparams
+        n_head, rope, nope = hp["num_attention_heads"], hp["qk_rope_head_dim"], hp["qk_nope_head_dim"]
+        kv_lora, hidden = hp["kv_lora_rank"], hp["hidden_size"]
+        want = {
+            "self_attn.kv_a_proj_with_mqa.weight": (kv_lora + rope, hidden),
+            "self_attn.kv_b_proj.weight": (n_head * (nope + hp["v_head_dim"]), kv_lora),
+            "self_attn.o_proj.weight": (hidden, n_head * hp["v_head_dim"]),
+        }
+        if hp.get("q_lora_rank") is None:
+            want["self_attn.q_proj.weight"] = (n_head * (nope + rope), hidden)
+        else:
+            want["self_attn.q_a_proj.weight"] = (hp["q_lora_rank"], hidden)
+            want["self_attn.q_b_proj.weight"] = (n_head * (nope + rope), hp["q_lora_rank"])
+        for rest, shape in want.items():
+            self.expect_shape(self.require(p + rest), shape)
+
+    def _split_kv_b(self, bid: int, hf: str) -> Iterator[Emit]:
+        """kv_b_proj -> attn_k_b (k part, transposed) and attn_v_b, as llama.cpp's MLA absorption wants them."""
+        hp = self.hparams
+        n_head, nope, v = hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"]
+        kv_lora = hp["kv_lora_rank"]
+
+        def k_b(w: torch.Tensor) -> torch.Tensor:
+            return w.view(n_head, nope + v, kv_lora)[:, :nope, :].transpose(1, 2).contiguous()
+
+        def v_b(w: torch.Tensor) -> torch.Tensor:
+            return w.view(n_head, nope + v, kv_lora)[:, nope:, :].contiguous()
+
+        yield self.emit(_name(MT.ATTN_K_B, bid), hf, k_b, shape=(n_head, kv_lora, nope))
+        yield self.emit(_name(MT.ATTN_V_B, bid), hf, v_b, shape=(n_head, v, kv_lora))

@@ -1,0 +1,535 @@
+"""ggml-exact K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_NL / IQ4_XS in torch.
+
+Reproduces byte for byte what ``ggml_quantize_chunk`` produces without an
+importance matrix: ``quantize_row_q{2..6}_K_ref`` (with ``make_qkx2_quants``,
+``make_q3_quants`` and ``make_qx_quants``) and ``quantize_iq4_nl`` /
+``quantize_iq4_xs`` (``quantize_row_iq4_nl_impl`` with ``ntry = 7``).
+
+Layout of the work: a chunk of super-blocks ``x`` (n_blocks, 256) is viewed as
+sub-blocks stored element-major, ``X`` (n, n_sub) with n = 16 or 32, so that
+"element i of every sub-block" is one contiguous row.  Everything is
+vectorised over sub-blocks; the only Python loops run over the 16/32 elements
+of a sub-block (sums are accumulated strictly sequentially in float32, exactly
+like the C ``sum += ...`` loops -- torch's own reductions use another order)
+and over the candidate scales of the search loops.
+
+See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
+division helpers, ``nearest_int`` bit trick, C integer wrap-around).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .legacy import (
+    cst,
+    div,
+    f32,
+    first_absmax,
+    fp16_bits,
+    fp16_round,
+    from_fp16_bytes,
+    nearest_int,
+    rdiv,
+    u8,
+    wrap_i8,
+)
+
+__all__ = [
+    "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
+    "quantize_iq4_nl", "quantize_iq4_xs",
+    "dequantize_q2_k", "dequantize_q3_k", "dequantize_q4_k", "dequantize_q5_k", "dequantize_q6_k",
+    "dequantize_iq4_nl", "dequantize_iq4_xs",
+]
+
+QK_K = 256
+_F32 = torch.float32
+_GROUP_MAX_EPS = f32(1e-15)
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _sub_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(nb, 256) -> (n, nb*256/n): column s is sub-block s, row i its element i."""
+    return x.reshape(-1, n).t().contiguous()
+
+
+def _from_sub_blocks(X: torch.Tensor, nb: int) -> torch.Tensor:
+    """Inverse of :func:`_sub_blocks` (any dtype)."""
+    return X.t().reshape(nb, QK_K)
+
+
+def _seq_sum(T: torch.Tensor) -> torch.Tensor:
+    """``float s = 0; for (i...) s += T[i];`` along dim 0, in float32."""
+    acc = T[0] + 0.0
+    for i in range(1, T.shape[0]):
+        acc = acc + T[i]
+    return acc
+
+
+def _zeros(ref: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=ref.dtype, device=ref.device)
+
+
+def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """``float m = 0; for (...) if (v > m) m = v;`` (always +0.0 when nothing is positive)."""
+    m = v.amax(dim=dim)
+    return torch.where(m > 0, m, _zeros(m))
+
+
+# --------------------------------------------------------------------------- ggml search routines
+
+def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
+
+    Returns (scale (n_sub,), L (n, n_sub) int32 in [0, 2*nmax-1]).
+    """
+    n, ns = X.shape
+    amax, mx = first_absmax(X, 0)
+    zero = amax < _GROUP_MAX_EPS
+
+    # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
+    consts = [f32(-nmax)] + [
+        float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
+    ]
+    c = torch.tensor(consts, dtype=_F32, device=X.device)
+    iscale = torch.div(c[:, None], mx[None, :])  # (nc, ns)
+    L = torch.clamp(nearest_int(iscale[:, None, :] * X[None]), -nmax, nmax - 1)  # (nc, n, ns)
+    Lf = L.to(_F32)
+    W = X * X
+    t_lx = (W * X)[None] * Lf
+    t_l2 = (W[None] * Lf) * Lf
+    sumlx = _seq_sum(t_lx.transpose(0, 1))  # (nc, ns)
+    suml2 = _seq_sum(t_l2.transpose(0, 1))
+    del t_lx, t_l2, Lf
+
+    scale = torch.where(suml2[0] != 0, torch.div(sumlx[0], suml2[0]), _zeros(mx))
+    best = scale * sumlx[0]
+    choice = torch.zeros(ns, dtype=torch.int64, device=X.device)
+    for k in range(1, len(consts)):
+        slx, sl2 = sumlx[k], suml2[k]
+        better = (sl2 > 0) & (slx * slx > best * sl2)
+        new_scale = torch.div(slx, sl2)
+        scale = torch.where(better, new_scale, scale)
+        best = torch.where(better, new_scale * slx, best)
+        choice = torch.where(better, k, choice)
+    Lsel = L.gather(0, choice.view(1, 1, ns).expand(1, n, ns))[0] + nmax
+    Lsel = torch.where(zero[None], 0, Lsel)
+    scale = torch.where(zero, _zeros(scale), scale)
+    return scale, Lsel
+
+
+def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``X``."""
+    n, ns = X.shape
+    amax, mx = first_absmax(X, 0)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = rdiv(f32(-nmax), mx)
+    L = torch.clamp(nearest_int(iscale[None] * X), -nmax, nmax - 1)
+    Lf = L.to(_F32)
+    W = X * X
+    WX = W * X
+    sumlx = _seq_sum(WX * Lf)
+    suml2 = _seq_sum((W * Lf) * Lf)
+    rows = [L[i] for i in range(n)]
+    rows_f = [Lf[i] for i in range(n)]
+    for _itry in range(5):
+        changed = None
+        for i in range(n):
+            xi, wi, wxi, li, lfi = X[i], W[i], WX[i], rows[i], rows_f[i]
+            slx = sumlx - wxi * lfi
+            sl2 = suml2 - (wi * lfi) * lfi
+            new_l = torch.clamp(nearest_int(torch.div(xi * sl2, slx)), -nmax, nmax - 1)
+            new_lf = new_l.to(_F32)
+            slx2 = slx + wxi * new_lf
+            sl22 = sl2 + (wi * new_lf) * new_lf
+            upd = (slx > 0) & (new_l != li) & (sl22 > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+            rows[i] = torch.where(upd, new_l, li)
+            rows_f[i] = torch.where(upd, new_lf, lfi)
+            sumlx = torch.where(upd, slx2, sumlx)
+            suml2 = torch.where(upd, sl22, suml2)
+            changed = upd if changed is None else (changed | upd)
+        # a sub-block with no change is at a fixed point: further passes leave it alone
+        if not bool(changed.any()):
+            break
+    L = torch.stack(rows) + nmax
+    scale = torch.where(suml2 > 0, torch.div(sumlx, suml2), _zeros(sumlx))
+    L = torch.where(zero[None], 0, L)
+    scale = torch.where(zero, _zeros(scale), scale)
+    return scale, L
+
+
+def _make_qkx2_quants(
+    X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants`` for every column. Returns (scale, the_min, L int32)."""
+    n, ns = X.shape
+    mn = X.amin(dim=0)
+    mx = X.amax(dim=0)
+    WX = W * X
+    sum_w = W[0]
+    sum_x = WX[0]
+    for i in range(1, n):
+        sum_w = sum_w + W[i]
+        sum_x = sum_x + WX[i]
+    mn = torch.where(mn > 0, _zeros(mn), mn)
+    flat = mx == mn
+
+    def err_sum(sc: torch.Tensor, m: torch.Tensor, Lf: torch.Tensor) -> torch.Tensor:
+        diff = (sc[None] * Lf + m[None]) - X
+        diff = diff.abs() if use_mad else diff * diff
+        return _seq_sum(W * diff)
+
+    iscale = rdiv(float(nmax), mx - mn)
+    scale = rdiv(1.0, iscale)
+    L = torch.clamp(nearest_int(iscale[None] * (X - mn[None])), 0, nmax)
+    best_error = err_sum(scale, mn, L.to(_F32))
+    for step in range(nstep + 1):
+        c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
+        iscale = rdiv(c, mx - mn)
+        La = torch.clamp(nearest_int(iscale[None] * (X - mn[None])), 0, nmax)
+        Laf = La.to(_F32)
+        WL = W * Laf
+        sum_l = _seq_sum(WL)
+        sum_l2 = _seq_sum(WL * Laf)
+        sum_xl = _seq_sum(WL * X)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = torch.div(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = torch.div(sum_l2 * sum_x - sum_l * sum_xl, D)
+        pos = this_min > 0
+        this_min = torch.where(pos, _zeros(this_min), this_min)
+        this_scale = torch.where(pos, torch.div(sum_xl, sum_l2), this_scale)
+        cur_error = err_sum(this_scale, this_min, Laf)
+        upd = (D > 0) & (cur_error < best_error) & ~flat
+        L = torch.where(upd[None], La, L)
+        best_error = torch.where(upd, cur_error, best_error)
+        scale = torch.where(upd, this_scale, scale)
+        mn = torch.where(upd, this_min, mn)
+    L = torch.where(flat[None], 0, L)
+    scale = torch.where(flat, _zeros(scale), scale)
+    return scale, -mn, L
+
+
+def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
+    """(nb, 256) values in [0,3] -> (nb, 64): qs[32h+l] = L[128h+l] | L[128h+l+32]<<2 | ..."""
+    q = L.view(-1, 2, 4, 32)
+    return u8(q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """6-bit (scale, min) pairs of Q4_K/Q5_K, (nb, 8) each -> (nb, 12) bytes."""
+    b0 = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    b1 = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    b2 = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    return u8(torch.cat([b0, b1, b2], dim=1))
+
+
+# --------------------------------------------------------------------------- quantizers
+
+def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
+    nb = x.shape[0]
+    X = _sub_blocks(x, 16)
+    scales, mins, L = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
+    S = scales.view(nb, 16)
+    M = mins.view(nb, 16)
+    max_scale = _pos_max(S, 1)
+    max_min = _pos_max(M, 1)
+    sp = max_scale > 0
+    mp = max_min > 0
+    z = _zeros(max_scale)
+    lsc = torch.where(sp[:, None], nearest_int(rdiv(15.0, max_scale)[:, None] * S), 0)
+    lmn = nearest_int(rdiv(15.0, max_min)[:, None] * M)
+    sbyte = torch.where(mp[:, None], (lsc | (lmn << 4)), lsc) & 0xFF
+    d = torch.where(sp, fp16_round(div(max_scale, 15.0)), z)
+    dmin = torch.where(mp, fp16_round(div(max_min, 15.0)), z)
+
+    dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
+    ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
+    Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, 3)
+    L = torch.where((dl != 0)[None], Lq, L)
+    qs = _pack_2bit(_from_sub_blocks(L, nb))
+    return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
+
+
+def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
+    nb = x.shape[0]
+    X = _sub_blocks(x, 16)
+    scales, L = _make_q3_quants(X, 4)
+    S = scales.view(nb, 16)
+    _, max_scale = first_absmax(S, 1)
+    nz = max_scale != 0
+    iscale = rdiv(-32.0, max_scale)
+    ls = torch.clamp(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
+    ls = torch.where(nz[:, None], ls, 0)  # memset(scales, 0) when max_scale == 0
+    d = torch.where(nz, fp16_round(rdiv(1.0, iscale)), _zeros(max_scale))
+    sb_low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    hi = (ls >> 4).view(nb, 4, 4)  # [group g = j//4, k = j%4]
+    sb_high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    sb = u8(torch.cat([sb_low, sb_high], dim=1))
+
+    dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
+    Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
+    L = torch.where((dl != 0)[None], Lq, L)
+    Lb = _from_sub_blocks(L, nb)
+    high = (Lb > 3).to(torch.int32)
+    Lb = Lb - 4 * high
+    hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
+    return torch.cat([hmask, _pack_2bit(Lb), sb, fp16_bits(d)], dim=1)
+
+
+def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
+    nb = x.shape[0]
+    X = _sub_blocks(x, 32)
+    sum_x2 = _seq_sum(X * X)
+    av_x = torch.sqrt(div(sum_x2, 32.0))
+    W = av_x[None] + X.abs()
+    scales, mins, L = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
+    S = scales.view(nb, 8)
+    M = mins.view(nb, 8)
+    max_scale = _pos_max(S, 1)
+    max_min = _pos_max(M, 1)
+    z = _zeros(max_scale)
+    inv_scale = torch.where(max_scale > 0, rdiv(63.0, max_scale), z)
+    inv_min = torch.where(max_min > 0, rdiv(63.0, max_min), z)
+    ls = torch.clamp(nearest_int(inv_scale[:, None] * S) & 0xFF, max=63)
+    lm = torch.clamp(nearest_int(inv_min[:, None] * M) & 0xFF, max=63)
+    d = fp16_round(div(max_scale, 63.0))
+    dmin = fp16_round(div(max_min, 63.0))
+    dl = (d[:, None] * ls.to(_F32)).reshape(-1)
+    ml = (dmin[:, None] * lm.to(_F32)).reshape(-1)
+    Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, nmax)
+    L = torch.where((dl != 0)[None], Lq, L)
+    head = torch.cat([fp16_bits(d), fp16_bits(dmin), _pack_k4_scales(ls, lm)], dim=1)
+    return head, _from_sub_blocks(L, nb)
+
+
+def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
+    head, Lb = _quantize_q45_k(x, 15, -1.0, 20)
+    q = Lb.view(-1, 4, 2, 32)
+    qs = u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return torch.cat([head, qs], dim=1)
+
+
+def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
+    head, Lb = _quantize_q45_k(x, 31, -0.5, 15)
+    q = Lb.view(-1, 4, 2, 32)
+    lo, hi = q & 0xF, q >> 4  # hi in {0,1}
+    qs = u8(lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+    shifts = (2 * torch.arange(4, device=x.device, dtype=torch.int32)).view(1, 4, 1)
+    qh = u8(((hi[:, :, 0] << shifts) | (hi[:, :, 1] << (shifts + 1))).sum(1))
+    return torch.cat([head, qh, qs], dim=1)
+
+
+def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
+    nb = x.shape[0]
+    X = _sub_blocks(x, 16)
+    scales, L = _make_qx_quants_rmse1(X, 32)
+    S = scales.view(nb, 16)
+    amax, max_scale = first_absmax(S, 1)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = rdiv(-128.0, max_scale)
+    d = fp16_round(rdiv(1.0, iscale))
+    sc = wrap_i8(torch.clamp(nearest_int(iscale[:, None] * S), max=127))
+    dl = (d[:, None] * sc.to(_F32)).reshape(-1)
+    Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -32, 31) + 32
+    L = torch.where((dl != 0)[None], Lq, L)
+    q = _from_sub_blocks(L, nb).view(nb, 2, 4, 32)
+    lo, hi = q & 0xF, q >> 4
+    ql = u8(torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)).reshape(nb, 128)
+    qh = u8(hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    out = torch.cat([ql, qh, u8(sc), fp16_bits(d)], dim=1)
+    return torch.where(zero[:, None], torch.zeros((), dtype=torch.uint8, device=x.device), out)
+
+
+# --------------------------------------------------------------------------- IQ4_NL / IQ4_XS
+
+def _kvalues(device) -> torch.Tensor:
+    return torch.tensor(KVALUES_IQ4NL, dtype=_F32, device=device)
+
+
+def _best_index_iq4(v: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices)."""
+    # ml = largest k with kv[k] <= v (clamped to [0, 14]); the binary search in ggml finds it
+    ml = torch.clamp(torch.searchsorted(kv, v.contiguous(), right=True) - 1, 0, 14)
+    lo = kv[ml]
+    hi = kv[ml + 1]
+    idx = torch.where((v - lo) < (hi - v), ml, ml + 1)
+    idx = torch.where(v <= kv[0], 0, idx)
+    return torch.where(v >= kv[15], 15, idx)
+
+
+def _iq4_block_scales(X: torch.Tensor, ntry: int):
+    """Per 32-element block part of ``quantize_row_iq4_nl_impl`` (no quant_weights).
+
+    Returns (scale d per block, zero mask, L from the first pass).
+    """
+    kv = _kvalues(X.device)
+    amax, mx = first_absmax(X, 0)
+    zero = amax < _GROUP_MAX_EPS
+    W = X * X
+    d0 = torch.div(-mx, cst(-127.0, X))
+    id0 = rdiv(1.0, d0)
+    consts = [float(i - 127) for i in range(-ntry, ntry + 1)]
+    idc = torch.div(torch.tensor(consts, dtype=_F32, device=X.device)[:, None], mx[None])
+    ids = torch.cat([id0[None], idc], dim=0)  # (nc, ns)
+    L = _best_index_iq4(ids[:, None, :] * X[None], kv)  # (nc, n, ns)
+    Q = kv[L]
+    WQ = W[None] * Q
+    sumqx = _seq_sum((WQ * X[None]).transpose(0, 1))
+    sumq2 = _seq_sum((WQ * Q).transpose(0, 1))
+    del WQ, Q
+    d = torch.where(sumq2[0] > 0, torch.div(sumqx[0], sumq2[0]), _zeros(mx))
+    best = d * sumqx[0]
+    for k in range(1, len(consts) + 1):
+        sqx, sq2 = sumqx[k], sumq2[k]
+        better = (sq2 > 0) & (sqx * sqx > best * sq2)
+        nd = torch.div(sqx, sq2)
+        d = torch.where(better, nd, d)
+        best = torch.where(better, nd * sqx, best)
+    d = torch.where(zero, _zeros(d), d)
+    return d, L[0]
+
+
+def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
+    """(nb, 32*k) indices -> (nb, 16*k): q[16i+j] = L[32i+j] | L[32i+16+j] << 4."""
+    q = L.view(L.shape[0], -1, 2, 16)
+    return u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(L.shape[0], -1)
+
+
+def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
+    kv = _kvalues(x.device)
+    X = x.t().contiguous()  # (32, nb)
+    d, _ = _iq4_block_scales(X, 7)
+    idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
+    L = _best_index_iq4(idv[:, None] * x, kv)
+    return torch.cat([fp16_bits(d), _pack_iq4(L)], dim=1)
+
+
+def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
+    kv = _kvalues(x.device)
+    nb = x.shape[0]
+    X = _sub_blocks(x, 32)
+    scales, _ = _iq4_block_scales(X, 7)
+    S = scales.view(nb, 8)
+    _, max_scale = first_absmax(S, 1)
+    d = div(-max_scale, -0.0 - 32.0 if False else 32.0)  # float d = -max_scale/32;
+    idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
+    l = torch.clamp(nearest_int(idv[:, None] * S), -32, 31)
+    dl = d[:, None] * l.to(_F32)
+    idl = torch.where(dl != 0, rdiv(1.0, dl), _zeros(dl))
+    L = _best_index_iq4(idl.repeat_interleave(32, dim=1) * x, kv)
+    l = l + 32
+    lo = l & 0xF
+    scales_l = u8(lo[:, 0::2] | (lo[:, 1::2] << 4))
+    sh = ((l >> 4) << (2 * torch.arange(8, device=x.device, dtype=torch.int32))).sum(1)
+    scales_h = u8(torch.stack([sh, sh >> 8], dim=1))
+    return torch.cat([fp16_bits(d), scales_h, scales_l, _pack_iq4(L)], dim=1)
+
+
+# --------------------------------------------------------------------------- dequantizers
+
+def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
+    """(nb, 64) -> (nb, 256) 2-bit values in element order."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return ((qs.view(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, QK_K)
+
+
+def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    sc = b[:, :16]
+    d = from_fp16_bytes(b[:, 80:82])
+    dmin = from_fp16_bytes(b[:, 82:84])
+    dl = (d[:, None] * (sc & 0xF).to(_F32)).view(nb, 16, 1)
+    ml = (dmin[:, None] * (sc >> 4).to(_F32)).view(nb, 16, 1)
+    q = _unpack_2bit(b[:, 16:80]).view(nb, 16, 16).to(_F32)
+    return (dl * q - ml).view(nb, QK_K)
+
+
+def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    hmask = b[:, :32]
+    sb = b[:, 96:108]
+    d = from_fp16_bytes(b[:, 108:110])
+    low = torch.cat([sb[:, :8] & 0xF, sb[:, :8] >> 4], dim=1)  # j = 0..15
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    high = ((sb[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(nb, 16)  # j = 4g + k
+    sc = (low | (high << 4)).to(torch.int16) - 32
+    dl = (d[:, None] * sc.to(_F32)).view(nb, 16, 1)
+    ql = _unpack_2bit(b[:, 32:96]).to(torch.int16)
+    hb = ((hmask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1).reshape(nb, QK_K)
+    q = (ql - 4 * (1 - hb.to(torch.int16))).to(_F32).view(nb, 16, 16)
+    return (dl * q).view(nb, QK_K)
+
+
+def _k4_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    d = from_fp16_bytes(b[:, 0:2])
+    dmin = from_fp16_bytes(b[:, 2:4])
+    sc, mn = _k4_scale_min(b[:, 4:16])
+    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
+    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
+    qs = b[:, 16:].view(nb, 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32).to(_F32)
+    return (dl * q - ml).view(nb, QK_K)
+
+
+def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    d = from_fp16_bytes(b[:, 0:2])
+    dmin = from_fp16_bytes(b[:, 2:4])
+    sc, mn = _k4_scale_min(b[:, 4:16])
+    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
+    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
+    qh = b[:, 16:48]
+    qs = b[:, 48:].view(nb, 4, 1, 32)
+    ql = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32)
+    hb = (qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    q = (ql | (hb << 4)).to(_F32)
+    return (dl * q - ml).view(nb, QK_K)
+
+
+def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    ql = b[:, :128].view(nb, 2, 1, 64)
+    qh = b[:, 128:192].view(nb, 2, 1, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(_F32)
+    d = from_fp16_bytes(b[:, 208:210])
+    lo = torch.cat([ql & 0xF, ql >> 4], dim=2).view(nb, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    hi = (qh >> shifts) & 3
+    q = ((lo | (hi << 4)).to(torch.int16) - 32).to(_F32).view(nb, 16, 16)
+    dl = (d[:, None] * sc).view(nb, 16, 1)
+    return (dl * q).view(nb, QK_K)
+
+
+def dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    kv = _kvalues(b.device)
+    d = from_fp16_bytes(b[:, :2])
+    qs = b[:, 2:18]
+    q = kv[torch.cat([qs & 0xF, qs >> 4], dim=1).long()]
+    return d[:, None] * q
+
+
+def dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    kv = _kvalues(b.device)
+    d = from_fp16_bytes(b[:, :2])
+    sh = b[:, 2:4].to(torch.int32)
+    sh = sh[:, 0] | (sh[:, 1] << 8)
+    sl = b[:, 4:8]
+    lo = torch.stack([sl & 0xF, sl >> 4], dim=2).reshape(nb, 8).to(torch.int32)
+    hi = (sh[:, None] >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
+    sc = (lo | (hi << 4)) - 32
+    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
+    qs = b[:, 8:].view(nb, 8, 1, 16)
+    idx = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32).long()
+    return (dl * kv[idx]).view(nb, QK_K)

@@ -1,0 +1,232 @@
+"""ggml-exact legacy block quantizers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in torch.
+
+Every function here reproduces, byte for byte, ggml's reference quantizers
+(``quantize_row_*_ref`` in ``ggml/src/ggml-quants.c``), which is what
+``ggml_quantize_chunk`` -- and therefore ``llama-quantize`` -- runs when no
+importance matrix is given.  The shared float helpers at the top are also used
+by :mod:`mtpq.quantize.kquants`.
+
+Rules followed to stay bit-exact with the C code (compiled without FMA, see
+``tests/test_quant_kernels.py``):
+
+* every arithmetic step is a separate IEEE float32 torch op, in the C order;
+  float32 add/sub/mul/div/sqrt are correctly rounded on every torch backend, so
+  the results are identical as long as no op is fused or reassociated;
+* division always goes through :func:`div` / :func:`rdiv`: ``c / tensor`` in
+  torch is ``tensor.reciprocal() * c`` and CUDA turns ``tensor / python_float``
+  into a multiplication by the reciprocal -- both differ from IEEE division;
+* float -> int conversions mimic x86 ``cvttss2si`` (what gcc emits for
+  ``(int8_t)f``): truncation, and ``INT_MIN`` for NaN / out-of-range values,
+  then two's-complement wrap to the narrow C type;
+* ``nearest_int`` is emulated with the very same 12582912 bit trick.
+
+Kernels take a float32 tensor of blocks, shape ``(n_blocks, block_size)``, on
+any device, and return a uint8 tensor ``(n_blocks, type_size)`` on that device.
+Dequantizers take ``(n_blocks, type_size)`` uint8 and return float32
+``(n_blocks, block_size)``, computed in the same op order as gguf-py's
+``gguf.quants`` (and ggml's ``dequantize_row_*``) so results match exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "quantize_q8_0", "quantize_q4_0", "quantize_q4_1", "quantize_q5_0", "quantize_q5_1",
+    "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_1", "dequantize_q5_0", "dequantize_q5_1",
+]
+
+_F32 = torch.float32
+_MAGIC = 12582912.0  # 1.5 * 2**23, ggml's nearest_int bias
+
+
+# --------------------------------------------------------------------------- helpers
+
+def f32(v: float) -> float:
+    """Round a Python number to the nearest float32 (a C ``float`` constant)."""
+    return float(np.float32(v))
+
+
+def cst(v: float, ref: torch.Tensor) -> torch.Tensor:
+    """0-dim float32 tensor on ``ref``'s device (never a CPU scalar on CUDA)."""
+    return torch.full((), v, dtype=_F32, device=ref.device)
+
+
+def div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE float32 ``a / b`` (``b`` may be a Python number)."""
+    if not isinstance(b, torch.Tensor):
+        b = cst(b, a)
+    return torch.div(a, b)
+
+
+def rdiv(a: float, b: torch.Tensor) -> torch.Tensor:
+    """IEEE float32 ``a / b`` for a constant numerator."""
+    return torch.div(cst(a, b), b)
+
+
+def nearest_int(f: torch.Tensor) -> torch.Tensor:
+    """ggml's ``nearest_int``: ``(bits(f + 12582912.f) & 0x7fffff) - 0x400000`` (int32)."""
+    v = (f + _MAGIC).view(torch.int32)
+    return (v & 0x007FFFFF) - 0x00400000
+
+
+def cvtt_i32(f: torch.Tensor) -> torch.Tensor:
+    """C ``(int)f`` on x86 (cvttss2si): truncate, INT_MIN for NaN/out-of-range (int32)."""
+    ok = (f >= -2147483648.0) & (f < 2147483648.0)  # NaN -> False
+    t = torch.where(ok, f, torch.zeros((), dtype=f.dtype, device=f.device)).trunc().to(torch.int32)
+    return torch.where(ok, t, torch.full((), -2147483648, dtype=torch.int32, device=f.device))
+
+
+def wrap_i8(v: torch.Tensor) -> torch.Tensor:
+    """Two's-complement truncation of an int tensor to int8 range (kept as int32)."""
+    u = v & 0xFF
+    return u - ((u & 0x80) << 1)
+
+
+def fp16_bits(x: torch.Tensor) -> torch.Tensor:
+    """IEEE round-to-nearest-even fp16 of float32 ``x`` (shape (N,)) as (N, 2) little-endian bytes."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).view(-1, 2)
+
+
+def fp16_round(x: torch.Tensor) -> torch.Tensor:
+    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x))``."""
+    return x.to(torch.float16).to(_F32)
+
+
+def u8(v: torch.Tensor) -> torch.Tensor:
+    """Store an int tensor into a C ``uint8_t`` (wrap)."""
+    return (v & 0xFF).to(torch.uint8)
+
+
+def roundf(x: torch.Tensor) -> torch.Tensor:
+    """C ``roundf``: round half away from zero (exact for every float)."""
+    t = x.trunc()
+    frac = (x - t).abs()  # exact; NaN for +-inf, then the where keeps t
+    return torch.where(frac >= 0.5, t + x.sign(), t)
+
+
+def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """C loop ``if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` starting at 0.
+
+    Returns (amax, max); ``max`` is +0.0 when every element is zero.
+    """
+    amax, idx = x.abs().max(dim=dim)  # first index of the maximum
+    mx = x.gather(dim, idx.unsqueeze(dim)).squeeze(dim)
+    mx = torch.where(amax > 0, mx, torch.zeros((), dtype=_F32, device=x.device))
+    return amax, mx
+
+
+def from_fp16_bytes(b: torch.Tensor) -> torch.Tensor:
+    """(N, 2) uint8 little-endian fp16 -> (N,) float32."""
+    return b.contiguous().view(torch.float16).view(-1).to(_F32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, 16) packed bytes -> (N, 32) values: low nibbles then high nibbles."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _qh_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(N, 4) bytes of a little-endian uint32 -> (N, 32) bits as uint8."""
+    shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
+
+
+def _qh_pack(hi: torch.Tensor) -> torch.Tensor:
+    """(N, 32) bits (int) -> (N, 4) little-endian bytes of the uint32 bit mask."""
+    shifts = torch.arange(8, device=hi.device, dtype=torch.int32)
+    return u8((hi.view(-1, 4, 8) << shifts).sum(dim=-1))
+
+
+# --------------------------------------------------------------------------- quantizers
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    amax = x.abs().amax(dim=1)
+    d = div(amax, 127.0)
+    idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+    q = wrap_i8(cvtt_i32(roundf(x * idv[:, None])))
+    return torch.cat([fp16_bits(d), u8(q)], dim=1)
+
+
+def _absmax_signed_scale(x: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, mx = first_absmax(x, 1)
+    d = div(mx, divisor)
+    idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+    return d, idv
+
+
+def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
+    d, idv = _absmax_signed_scale(x, -8.0)
+    v = x * idv[:, None] + 8.5
+    q = u8(torch.clamp(wrap_i8(cvtt_i32(v)), max=15))
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([fp16_bits(d), qs], dim=1)
+
+
+def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
+    d, idv = _absmax_signed_scale(x, -16.0)
+    v = x * idv[:, None] + 16.5
+    q = torch.clamp(wrap_i8(cvtt_i32(v)), max=31) & 0xFF
+    qs = u8((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4))
+    qh = _qh_pack((q & 0x10) >> 4)
+    return torch.cat([fp16_bits(d), qh, qs], dim=1)
+
+
+def _minmax_scale(x: torch.Tensor, nmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mn = x.amin(dim=1)
+    mx = x.amax(dim=1)
+    d = div(mx - mn, nmax)
+    idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+    return mn, d, idv
+
+
+def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
+    mn, d, idv = _minmax_scale(x, 15.0)
+    v = (x - mn[:, None]) * idv[:, None] + 0.5
+    q = u8(torch.clamp(wrap_i8(cvtt_i32(v)), max=15))
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([fp16_bits(d), fp16_bits(mn), qs], dim=1)
+
+
+def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
+    mn, d, idv = _minmax_scale(x, 31.0)
+    v = (x - mn[:, None]) * idv[:, None] + 0.5
+    q = cvtt_i32(v) & 0xFF  # (uint8_t)(x0 + 0.5f), no clamp in ggml
+    qs = u8((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4))
+    qh = _qh_pack((q & 0x10) >> 4)
+    return torch.cat([fp16_bits(d), fp16_bits(mn), qh, qs], dim=1)
+
+
+# --------------------------------------------------------------------------- dequantizers
+
+def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = from_fp16_bytes(b[:, :2])
+    q = b[:, 2:].contiguous().view(torch.int8).to(_F32)
+    return q * d[:, None]
+
+
+def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = from_fp16_bytes(b[:, :2])
+    q = (_nibbles(b[:, 2:]).to(torch.int16) - 8).to(_F32)
+    return d[:, None] * q
+
+
+def dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    d = from_fp16_bytes(b[:, :2])
+    m = from_fp16_bytes(b[:, 2:4])
+    q = _nibbles(b[:, 4:]).to(_F32)
+    return d[:, None] * q + m[:, None]
+
+
+def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = from_fp16_bytes(b[:, :2])
+    q = _nibbles(b[:, 6:]) | (_qh_bits(b[:, 2:6]) << 4)
+    return d[:, None] * (q.to(torch.int16) - 16).to(_F32)
+
+
+def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    d = from_fp16_bytes(b[:, :2])
+    m = from_fp16_bytes(b[:, 2:4])
+    q = (_nibbles(b[:, 8:]) | (_qh_bits(b[:, 4:8]) << 4)).to(_F32)
+    return d[:, None] * q + m[:, None]

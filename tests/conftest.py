@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tiny checkpoint builders
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def glm_ckpt(tmp_path_factory) -> Path:
+    """A tiny GLM-4.5 checkpoint in f32 (exact comparisons), with one MTP layer, 2 shards."""
+    return tiny.glm4moe(tmp_path_factory.mktemp("glm") / "ckpt", dtype=__import__("torch").float32)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_bin() -> Path:
+    """Folder with llama.cpp binaries (llama-cli, llama-quantize, llama-speculative-simple)."""
+    d = os.environ.get("MTPQ_LLAMA_CPP_BIN")
+    if not d or not (Path(d) / "llama-quantize").exists():
+        pytest.skip("set MTPQ_LLAMA_CPP_BIN to a folder with llama.cpp binaries")
+    return Path(d)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_src() -> Path:
+    """The llama.cpp source tree (its convert_hf_to_gguf.py and gguf-py) for cross-checks."""
+    d = os.environ.get("MTPQ_LLAMA_CPP_SRC")
+    if not d or not (Path(d) / "convert_hf_to_gguf.py").exists():
+        pytest.skip("set MTPQ_LLAMA_CPP_SRC to a llama.cpp source tree")
+    return Path(d)

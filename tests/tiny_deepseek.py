@@ -1,0 +1,92 @@
+"""A tiny DeepSeek-V3 / R1 checkpoint (``DeepseekV3ForCausalLM``) with its MTP layer.
+
+Weights come from transformers' own DeepseekV3ForCausalLM (random init, fixed
+seed). The model is built with ``num_hidden_layers + 1`` layers and saved with
+``num_hidden_layers`` in config.json: the extra (MoE) layer becomes the MTP
+block ``model.layers.{n}.*``, so its MLA attention and MoE tensors carry exactly
+the names and shapes transformers gives a real decoder layer. The MTP-only
+tensors (``eh_proj``, ``enorm``, ``hnorm``, ``embed_tokens``,
+``shared_head.{head,norm}``) are added under DeepSeek-V3's checkpoint names.
+
+Sizes keep weight rows multiples of 256 where the architecture allows
+(hidden 256, q_lora_rank 256, kv_lora_rank 256, 4 heads x v_head_dim 64,
+FFN/expert widths 256/512); the split ``attn_k_b`` rows are qk_nope_head_dim
+long (64 here, 128 in the real model), never a multiple of 256.
+The config mirrors DeepSeek-V3's: sigmoid router with correction bias
+(``noaux_tc``), expert groups, yarn RoPE with ``mscale_all_dim``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tiny import _hf_state_dict, _norm, _randn, make_tokenizer, save_checkpoint
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def deepseek_v3_config(**over) -> dict:
+    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+               first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+               num_nextn_predict_layers=1, max_position_embeddings=16384, rms_norm_eps=1e-6,
+               rope_parameters=dict(YARN), tie_word_embeddings=False,
+               scoring_func="sigmoid", topk_method="noaux_tc")  # as DeepSeek-V3's config.json has them
+    cfg.update(over)
+    return cfg
+
+
+def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
+                mtp_head_tensors: bool = True, **config_over) -> Path:
+    """Write the tiny checkpoint to ``folder`` and return it.
+
+    ``mtp_head_tensors=False`` leaves out the MTP layer's ``embed_tokens`` and
+    ``shared_head.head`` (checkpoints that tie them to the trunk's).
+    """
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=SPECIALS)
+    _use_bos(folder)
+    params = deepseek_v3_config(**config_over)
+    n = params["num_hidden_layers"]
+    cfg = DeepseekV3Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(_norm(p.numel(), gen) if "norm" in name else 0.05 * torch.randn(p.numel(), generator=gen))
+    sd = _hf_state_dict(model)
+    h, p = cfg.hidden_size, f"model.layers.{n}."
+    sd.update({
+        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+        p + "enorm.weight": _norm(h, gen),
+        p + "hnorm.weight": _norm(h, gen),
+        p + "shared_head.norm.weight": _norm(h, gen),
+    })
+    if mtp_head_tensors:
+        sd[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        sd[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+    config = cfg.to_dict()
+    config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
+
+
+def _use_bos(folder: Path) -> None:
+    """DeepSeek-V3's tokenizer_config.json: BOS is added to every prompt."""
+    path = folder / "tokenizer_config.json"
+    tc = json.loads(path.read_text())
+    tc.update(bos_token=BOS, add_bos_token=True, add_eos_token=False)
+    path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
