@@ -85,8 +85,18 @@ def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloa
 
 
 def _use_bos(folder: Path) -> None:
-    """DeepSeek-V3's tokenizer_config.json: BOS is added to every prompt."""
+    """BOS is added to every prompt, as DeepSeek-V3's tokenizer does.
+
+    transformers bakes that into tokenizer.json's post-processor; gguf-py (and so
+    llama.cpp's converter) reads ``add_bos_token`` from tokenizer_config.json.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=BOS, eos_token=EOS,
+                                   add_bos_token=True, add_eos_token=False)
+    fast.chat_template = (folder / "chat_template.jinja").read_text()
+    fast.save_pretrained(str(folder))
     path = folder / "tokenizer_config.json"
     tc = json.loads(path.read_text())
-    tc.update(bos_token=BOS, add_bos_token=True, add_eos_token=False)
+    tc.update(add_bos_token=True, add_eos_token=False)
     path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))

@@ -110,7 +110,8 @@ def _check_unknown(table: dict, allowed: set[str], path: Path, where: str) -> No
             raise _err(path, f"{where}.{k}" if where else k, f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
-def load_recipe(path: Path) -> Recipe:
+def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
+    """Parse and validate a recipe; ``check_inputs=False`` (for --merge) does not require the source folder."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such recipe file")
@@ -128,7 +129,7 @@ def load_recipe(path: Path) -> Recipe:
     if not _NAME.match(name):
         raise _err(path, "model.name", f"{name!r} must be letters, digits, '.', '_' or '-' (it starts file names)")
     source = base / _take(model, "source", str, path, "model", required=True)
-    if not source.is_dir():
+    if check_inputs and not source.is_dir():
         raise _err(path, "model.source", f"{source} is not a folder")
     output = base / _take(model, "output", str, path, "model", default="dist")
     ref_type = _take(model, "reference_type", str, path, "model", default="bf16").lower()
@@ -195,7 +196,7 @@ def load_recipe(path: Path) -> Recipe:
             except Exception as exc:
                 raise _err(path, f"{where}.tensor_types[{j}]", f"{o!r}: {exc}") from None
         graft = _take(v, "graft_into", str, path, where)
-        if graft is not None and not (base / graft).is_file():
+        if check_inputs and graft is not None and not (base / graft).is_file():
             raise _err(path, f"{where}.graft_into", f"{base / graft} does not exist")
         variants.append(Variant(vname, preset.upper(), mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
                                 tuple(overrides), base / graft if graft else None,

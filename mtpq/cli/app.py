@@ -41,3 +41,4 @@ from . import convert as _convert  # noqa: E402,F401  (registers commands)
 from . import inspect as _inspect  # noqa: E402,F401
 from . import surgery as _surgery  # noqa: E402,F401
 from . import build as _build  # noqa: E402,F401
+from . import accept as _accept  # noqa: E402,F401

@@ -37,7 +37,7 @@ def build(
     from ..build import load_recipe, run_build, write_outputs
     from ..build.runner import plan_jobs
 
-    recipe = load_recipe(recipe_path)
+    recipe = load_recipe(recipe_path, check_inputs=not merge)
     if merge:
         manifest = write_outputs(recipe)
         console.print(f"merged {len(manifest['files'])} files into {recipe.output / 'manifest.json'}")

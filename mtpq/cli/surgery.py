@@ -5,17 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from gguf import GGMLQuantizationType as T
 
 from ..gguf_io import plan_from_gguf, tensor_nbytes, write_plan
+from ..quantize.kernels import SUPPORTED_TYPES
 from ..quantize.surgery import plan_extract_mtp, plan_graft
 from ..tensors import Plan, Role
 from .app import app
 from .common import byte_progress, console, fail, guarded
 
-# The types mtpq's kernels write (DESIGN.md, quantize/).
-MTP_TYPES = {t.name.lower(): t for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0,
-                                         T.Q4_K, T.Q4_1, T.Q4_0, T.Q3_K, T.Q2_K)}
+MTP_TYPES = {t.name.lower(): t for t in SUPPORTED_TYPES}  # what mtpq's kernels write
 
 
 def _write(plan: Plan, out: Path, label: str, quiet: bool) -> int:
@@ -36,13 +34,13 @@ def _head_summary(plan: Plan) -> str:
 @app.command(
     epilog=(
         "Examples:\n\n"
-        "  # a published Q4_K_M without a head + the head of the f16 conversion:\n\n"
+        "Give a published Q4_K_M that has no head the head of the f16 conversion:\n\n"
         "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf air-Q4_K_M-mtp.gguf\n\n"
-        "  # the same, holding the head at q8_0 (requantized from the donor's values):\n\n"
+        "The same, holding the head at q8_0 (requantized from the donor's values):\n\n"
         "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --mtp-type q8_0\n\n"
-        "  # the donor may be a head-only file (mtpq convert --mtp-only / mtpq extract-mtp):\n\n"
+        "The donor may be a head-only file (mtpq convert --mtp-only, mtpq extract-mtp):\n\n"
         "  mtpq graft --mtp-from mtp-air.gguf --into air-Q4_K_M.gguf out.gguf\n\n"
-        "  # the target already has a (say, 4-bit) head: swap it\n\n"
+        "The target already has a (say, 4-bit) head; swap it:\n\n"
         "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --replace\n\n"
         "Then: llama-speculative-simple -m out.gguf -p 'def' --spec-type draft-mtp"
     )
@@ -50,7 +48,8 @@ def _head_summary(plan: Plan) -> str:
 @guarded
 def graft(
     out: Path = typer.Argument(..., help="GGUF file to write (temporary name, renamed when complete)."),
-    mtp_from: Path = typer.Option(..., "--mtp-from", help="Donor GGUF holding the MTP blocks (full model or head-only)."),
+    mtp_from: Path = typer.Option(..., "--mtp-from",
+                                  help="Donor GGUF holding the MTP blocks (full model or head-only)."),
     into: Path = typer.Option(..., "--into", help="Target GGUF (usually a quant without a head); copied unchanged."),
     mtp_type: str = typer.Option("keep", "--mtp-type",
                                  help=f"Type of the head's weights: keep (byte copy) or {', '.join(MTP_TYPES)}. "
@@ -73,7 +72,7 @@ def graft(
     total = _write(plan, out, "graft", quiet)
     if not quiet:
         console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
-                      f"{_head_summary(plan)} from {mtp_from.name}")
+                      f"{_head_summary(plan)} from {mtp_from.name}", soft_wrap=True)
 
 
 @app.command(
@@ -81,9 +80,9 @@ def graft(
     epilog=(
         "Examples:\n\n"
         "  mtpq extract-mtp air-Q8_0.gguf mtp-air-Q8_0.gguf\n\n"
-        "  # use it as the draft of a trunk-only quant:\n\n"
+        "Use it as the draft model of a quant without a head:\n\n"
         "  llama-speculative-simple -m air-Q4_K_M.gguf -md mtp-air-Q8_0.gguf --spec-type draft-mtp -p 'def'\n\n"
-        "  # or graft it into another quant:\n\n"
+        "Or graft it into that quant:\n\n"
         "  mtpq graft --mtp-from mtp-air-Q8_0.gguf --into air-Q4_K_M.gguf air-Q4_K_M-mtp.gguf"
     ),
 )
@@ -102,4 +101,5 @@ def extract_mtp(
     plan = plan_extract_mtp(plan_from_gguf(src))
     total = _write(plan, out, "extract-mtp", quiet)
     if not quiet:
-        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}")
+        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}",
+                      soft_wrap=True)

@@ -4,8 +4,10 @@ Mirrors llama.cpp's ``get_vocab_base``: every id below the model's vocab size
 gets a token (padding ids become ``[PAD{i}]``), added tokens are CONTROL or
 USER_DEFINED, merges and special ids come from gguf-py's ``SpecialVocab``.
 The pre-tokenizer name is looked up by llama.cpp's own fingerprint (the hash of
-one probe string's token ids); an unknown tokenizer gets ``default``, which
-llama.cpp's loader accepts, instead of a refusal.
+one probe string's token ids); a tokenizer that splits with GPT-2's plain
+byte-level regex gets ``gpt-2`` (the same regex in llama.cpp); any other
+unknown tokenizer gets ``default``, which llama.cpp's loader accepts, instead of
+a refusal.
 """
 
 from __future__ import annotations
@@ -53,9 +55,22 @@ def load_tokenizer(folder: Path):
         raise InputError(folder / "tokenizer.json", f"cannot load tokenizer ({exc.__class__.__name__}: {exc})") from None
 
 
-def pre_tokenizer_name(tokenizer) -> str:
+def _is_plain_gpt2_byte_level(folder: Path) -> bool:
+    """tokenizer.json splits with GPT-2's own regex and nothing else (tokenizers' ByteLevel, use_regex)."""
+    import json
+
+    try:
+        pre = json.loads((folder / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+    except (OSError, ValueError):
+        return False
+    return pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+
+
+def pre_tokenizer_name(tokenizer, folder: Path | None = None) -> str:
     fingerprint = sha256(str(tokenizer.encode(_PROBE)).encode()).hexdigest()
     name = KNOWN_PRE.get(fingerprint)
+    if name is None and folder is not None and _is_plain_gpt2_byte_level(folder):
+        return "gpt-2"  # llama.cpp's gpt-2 pre-tokenizer is exactly this regex, whatever the vocab
     if name is None:
         log.warning("unknown pre-tokenizer fingerprint %s; writing tokenizer.ggml.pre=%s", fingerprint[:12], FALLBACK_PRE)
         return FALLBACK_PRE
@@ -89,7 +104,7 @@ def write_bpe_vocab(w: GGUFWriter, folder: Path, vocab_size: int, special: dict[
             tokens.append(tok)
             types.append(TokenType.NORMAL)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre_tokenizer_name(tokenizer))
+    w.add_tokenizer_pre(pre_tokenizer_name(tokenizer, folder))
     w.add_token_list(tokens)
     w.add_token_types(types)
     sv = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)

@@ -27,6 +27,8 @@ from .legacy import (
     div,
     f32,
     first_absmax,
+    first_max,
+    first_min,
     fp16_bits,
     fp16_round,
     from_fp16_bytes,
@@ -166,8 +168,8 @@ def _make_qkx2_quants(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``make_qkx2_quants`` for every column. Returns (scale, the_min, L int32)."""
     n, ns = X.shape
-    mn = X.amin(dim=0)
-    mx = X.amax(dim=0)
+    mn = first_min(X, 0)
+    mx = first_max(X, 0)
     WX = W * X
     sum_w = W[0]
     sum_x = WX[0]
@@ -350,9 +352,15 @@ def _kvalues(device) -> torch.Tensor:
 
 
 def _best_index_iq4(v: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices)."""
-    # ml = largest k with kv[k] <= v (clamped to [0, 14]); the binary search in ggml finds it
-    ml = torch.clamp(torch.searchsorted(kv, v.contiguous(), right=True) - 1, 0, 14)
+    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices).
+
+    ggml's binary search ends on ml = number of k in 1..14 with !(v < kv[k])
+    (also right for NaN, which compares false everywhere), then picks the nearer
+    neighbour with ``v - kv[ml] < kv[ml+1] - v``.
+    """
+    ml = torch.zeros(v.shape, dtype=torch.int64, device=v.device)
+    for k in range(1, 15):
+        ml += ~(v < KVALUES_IQ4NL[k])
     lo = kv[ml]
     hi = kv[ml + 1]
     idx = torch.where((v - lo) < (hi - v), ml, ml + 1)
@@ -414,7 +422,7 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     scales, _ = _iq4_block_scales(X, 7)
     S = scales.view(nb, 8)
     _, max_scale = first_absmax(S, 1)
-    d = div(-max_scale, -0.0 - 32.0 if False else 32.0)  # float d = -max_scale/32;
+    d = div(-max_scale, 32.0)  # float d = -max_scale/32;  (-0.0 for an all-zero super-block)
     idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
     l = torch.clamp(nearest_int(idv[:, None] * S), -32, 31)
     dl = d[:, None] * l.to(_F32)

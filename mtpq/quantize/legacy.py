@@ -117,6 +117,16 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     return amax, mx
 
 
+def first_min(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """C ``if (v < min) min = v;`` scan: the first minimal element (keeps the sign of a zero)."""
+    return x.gather(dim, x.argmin(dim=dim, keepdim=True)).squeeze(dim)
+
+
+def first_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """C ``if (v > max) max = v;`` scan: the first maximal element (keeps the sign of a zero)."""
+    return x.gather(dim, x.argmax(dim=dim, keepdim=True)).squeeze(dim)
+
+
 def from_fp16_bytes(b: torch.Tensor) -> torch.Tensor:
     """(N, 2) uint8 little-endian fp16 -> (N,) float32."""
     return b.contiguous().view(torch.float16).view(-1).to(_F32)
@@ -174,8 +184,8 @@ def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def _minmax_scale(x: torch.Tensor, nmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mn = x.amin(dim=1)
-    mx = x.amax(dim=1)
+    mn = first_min(x, 1)  # -0.0 vs 0.0 matters: it ends up in the fp16 bytes
+    mx = first_max(x, 1)
     d = div(mx - mn, nmax)
     idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
     return mn, d, idv

@@ -21,7 +21,8 @@ from gguf import GGUFValueType, Keys
 
 from ..convert.base import MTP_ONLY_KEEP
 from ..errors import InputError
-from ..tensors import Plan, TensorSpec, block_index, tensor_kind
+from ..tensors import Plan, TensorSpec, block_index
+from .presets import llama_quantizes, row_fallback
 
 # Hyperparameters that fix the shapes of an MTP block's tensors: they must agree
 # between donor and target (compared when both files carry them as scalars).
@@ -30,11 +31,6 @@ _SHAPE_KEYS = (
     Keys.Attention.VALUE_LENGTH, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT,
     Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, Keys.LLM.EXPERT_SHARED_COUNT, Keys.Rope.DIMENSION_COUNT,
 )
-# Tensors llama-quantize never quantizes; an MTP block keeps them as stored under --mtp-type.
-_KEEP_KINDS = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
-# llama-quantize's fallback when a row length is not a multiple of the type's block size.
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
-
 
 def _where(plan: Plan) -> str:
     return str(plan.inputs[0]) if plan.inputs else f"<{plan.arch} plan>"
@@ -76,7 +72,8 @@ def _check_same_model(donor: Plan, target: Plan) -> None:
     emb_a = next((s for s in donor.tensors if s.name == "token_embd.weight"), None)
     emb_b = next((s for s in target.tensors if s.name == "token_embd.weight"), None)
     if emb_a is not None and emb_b is not None and emb_a.shape != emb_b.shape:
-        raise InputError(a, f"token_embd.weight has shape {list(emb_a.shape)}, but {b}'s is {list(emb_b.shape)} (vocab x hidden)")
+        raise InputError(a, f"token_embd.weight has shape {list(emb_a.shape)}, "
+                            f"but {b}'s is {list(emb_b.shape)} (vocab x hidden)")
     for template in _SHAPE_KEYS:
         k = _key(donor, template)
         va, vb = donor.kv_value(k), target.kv_value(k)
@@ -87,18 +84,12 @@ def _check_same_model(donor: Plan, target: Plan) -> None:
 # ----------------------------------------------------------------------------- graft
 
 
-def _mtp_type_for(spec: TensorSpec, qtype: T) -> tuple[T, str]:
-    """The type an MTP tensor gets under ``--mtp-type``: 1-D tensors and routers keep theirs."""
-    if len(spec.shape) <= 1 or tensor_kind(spec.name) in _KEEP_KINDS:
-        return spec.ggml_type, "kept as stored (1-D or router, as llama-quantize does)"
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    row = spec.shape[-1]
-    if row % block == 0:
-        return qtype, f"MTP block requantized to {qtype.name.lower()} (--mtp-type)"
-    fallback = _FALLBACK.get(qtype, T.F16)
-    if row % gguf.GGML_QUANT_SIZES[fallback][0] != 0:
-        fallback = T.F16
-    return fallback, f"--mtp-type {qtype.name.lower()} needs rows of {block}; row {row} falls back to {fallback.name.lower()}"
+def _mtp_type_for(spec: TensorSpec, qtype: T, arch: str) -> tuple[T, str]:
+    """The type an MTP tensor gets under ``--mtp-type``: what llama-quantize never quantizes keeps its type."""
+    if not llama_quantizes(spec.name, spec.shape, arch):
+        return spec.ggml_type, f"kept at {spec.ggml_type.name.lower()} (1-D or router: never quantized)"
+    new, why = row_fallback(qtype, spec.shape[-1])
+    return new, f"mtp block requantized to {qtype.name.lower()} (--mtp-type)" + (f"; {why}" if why else "")
 
 
 def _merge_per_layer_arrays(out: Plan, donor: Plan, target: Plan) -> None:
@@ -149,10 +140,10 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: T | None = None, replace: bo
                             "pass --replace to swap it for the donor's")
 
     if mtp_type is not None:
-        head = [s.with_type(*_mtp_type_for(s, mtp_type)) for s in head]
+        head = [s.with_type(*_mtp_type_for(s, mtp_type, donor.arch)) for s in head]
     else:
-        head = [dataclasses.replace(s, reason=f"MTP block copied from {donor.inputs[0].name if donor.inputs else 'donor'}")
-                for s in head]
+        origin = donor.inputs[0].name if donor.inputs else "the donor"
+        head = [dataclasses.replace(s, reason=f"MTP block copied from {origin}") for s in head]
 
     if old_head:  # --replace: the new head goes where the old one was
         at = next(i for i, s in enumerate(target.tensors) if id(s) in old_ids)
@@ -164,7 +155,8 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: T | None = None, replace: bo
                n_trunk_layers=target.n_trunk_layers, n_mtp_layers=donor.n_mtp_layers)
     _merge_per_layer_arrays(out, donor, target)
     bc = _key(out, Keys.LLM.BLOCK_COUNT)
-    out.set_kv(bc, target.n_trunk_layers + donor.n_mtp_layers, out.kv[bc].type if bc in out.kv else GGUFValueType.UINT32)
+    bc_type = out.kv[bc].type if bc in out.kv else GGUFValueType.UINT32
+    out.set_kv(bc, target.n_trunk_layers + donor.n_mtp_layers, bc_type)
     _set_nextn(out, donor.n_mtp_layers)
     quantized = any(s.ggml_type not in (T.F32, T.F16, T.BF16) for s in tensors)
     if quantized and Keys.General.QUANTIZATION_VERSION not in out.kv:  # as llama-quantize adds it

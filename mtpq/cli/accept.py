@@ -1,0 +1,114 @@
+"""``mtpq accept``: does the MTP head of this GGUF still draft well? Exit 1 when not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from .app import app
+from .common import EXIT_CHECK_FAILED, EXIT_OK, console, fail, guarded, out
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _table(report, reference=None) -> Table:
+    t = Table(title=f"MTP acceptance of {Path(report.model).name}  (k={report.draft}, T={report.temperature})")
+    for col in ("category", "drafts", "acceptance", "95% CI", "per position", "mean acc. len"):
+        t.add_column(col, justify="right" if col != "category" else "left")
+    if reference is not None:
+        t.add_column("reference", justify="right")
+        t.add_column("drop", justify="right")
+    cats = sorted(report.by_category) + ["overall"]
+    for c in cats:
+        m = report.overall if c == "overall" else report.by_category[c]
+        row = [f"[bold]{c}[/]" if c == "overall" else c, str(m.n_drafts), f"{100 * m.acceptance_rate:.1f} %",
+               f"{100 * m.ci[0]:.1f}–{100 * m.ci[1]:.1f}", " ".join(f"{100 * p:.0f}" for p in m.per_position),
+               f"{m.mean_acceptance_length:.2f}"]
+        if reference is not None:
+            r = reference.overall if c == "overall" else reference.by_category.get(c)
+            row += ["—", "—"] if r is None else [f"{100 * r.acceptance_rate:.1f} %",
+                                                f"{100 * (r.acceptance_rate - m.acceptance_rate):+.1f} pt"]
+        t.add_row(*row)
+    return t
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  mtpq accept q4km.gguf                                  # built-in prompts, k=3, greedy\n\n"
+        "  mtpq accept q4km.gguf --reference f16.gguf --max-drop 0.05\n\n"
+        "  mtpq accept q4km.gguf --min-rate 0.4 --json acc.json --md acc.md   # a CI gate\n\n"
+        "  mtpq accept q4km.gguf --prompts mine.jsonl --draft 2 --temperature 0.7\n\n"
+        "Prompts file: one JSON object per line, {\"category\": \"code\", \"prompt\": \"def f(x):\"}."
+    )
+)
+@guarded
+def accept(
+    model: Path = typer.Argument(..., help="GGUF with an MTP head."),
+    reference: Path = typer.Option(None, "--reference", help="A higher-precision GGUF of the same model to compare with."),
+    prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (code, math, chat, prose) or a JSONL file."),
+    draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k (1..8): tokens the head proposes per round."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy acceptance; > 0 = rejection sampling."),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k filter when sampling (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Top-p filter when sampling (1 = off)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
+    max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    min_rate: float = typer.Option(None, "--min-rate", help="Fail (exit 1) when the acceptance rate is below this."),
+    max_drop: float = typer.Option(None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."),
+    json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout)."),
+    md_out: Path = typer.Option(None, "--md", help="Write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."),
+    device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
+    hidden: str = typer.Option("post_norm", "--hidden", help="Hidden state fed to the head: post_norm (default) or pre_norm."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Measure how well the MTP head drafts: acceptance rate, per-position rates, mean acceptance length, tokens/s.
+
+    Runs the bundled PyTorch runtime (weights stay in their GGUF quant type and are
+    dequantized on the fly). Exit codes: 0 pass, 1 below --min-rate or drop above
+    --max-drop, 2 bad input.
+    """
+    from ..runtime.accept import judge, measure_file, to_markdown
+
+    if dtype not in DTYPES:
+        fail("--dtype", f"choose one of {', '.join(DTYPES)}")
+    if hidden not in ("post_norm", "pre_norm"):
+        fail("--hidden", "choose post_norm or pre_norm")
+    if max_drop is not None and reference is None:
+        fail("--max-drop", "needs --reference")
+    for p in (model, reference):
+        if p is not None and not p.is_file():
+            fail(str(p), "no such file")
+    kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+              top_p=top_p, seed=seed, max_prompts=max_prompts, device=device, dtype=DTYPES[dtype], hidden=hidden)
+    reports = {}
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        for label, path in (("model", model), ("reference", reference)):
+            if path is None:
+                continue
+            task = progress.add_task(f"{label}: {path.name}", total=None)
+            reports[label] = measure_file(path, **kw, on_prompt=lambda i, n, t=task: progress.update(t, completed=i, total=n))
+    report, ref = reports["model"], reports.get("reference")
+    verdict = judge(report, ref, min_rate, max_drop)
+    doc = {**report.to_dict(), "reference": ref.to_dict() if ref else None, "drop": verdict.drop,
+           "passed": verdict.passed, "reasons": verdict.reasons}
+    if json_out is not None:
+        text = json.dumps(doc, indent=2, sort_keys=True)
+        out.print(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
+    if md_out is not None:
+        with open(md_out, "a") as f:
+            f.write(to_markdown(report, ref, verdict))
+    if str(json_out) != "-":
+        out.print(_table(report, ref))
+        if report.speedup is not None:
+            out.print(f"tokens/s: {report.overall.tokens_per_s:.1f} drafting vs {report.plain_tokens_per_s:.1f} plain "
+                      f"({report.speedup:.2f}x on {report.device})")
+        if report.greedy_outputs_identical is False:
+            out.print("[red]greedy speculative output differs from plain greedy output[/]")
+        out.print("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.reasons))
+    raise typer.Exit(EXIT_OK if verdict.passed else EXIT_CHECK_FAILED)

@@ -1,0 +1,240 @@
+"""Qwen3.5 / Qwen3.6 dense (``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``) -> GGUF arch ``qwen35``.
+
+The trunk is hybrid: Gated DeltaNet linear-attention layers (``linear_attn.*``)
+with a gated full-attention layer every ``full_attention_interval`` layers
+(``q_proj`` rows hold [q; gate] per head, kept as one ``attn_q``). The
+ConditionalGeneration checkpoints keep the text model under
+``model.language_model.`` beside a vision tower (``model.visual.*``, not
+converted: llama.cpp puts it in a separate mmproj file).
+
+The MTP head is stored under ``mtp.``: ``mtp.fc`` -> ``nextn.eh_proj``,
+``mtp.pre_fc_norm_embedding`` -> ``nextn.enorm``, ``mtp.pre_fc_norm_hidden`` ->
+``nextn.hnorm``, ``mtp.norm`` -> ``nextn.shared_head_norm`` (all in block N =
+num_hidden_layers), and ``mtp.layers.i.*`` (a full-attention decoder block) ->
+block N + i. The head shares ``token_embd``/``output`` with the trunk.
+
+Transforms, as llama.cpp's converter applies them (conversion/qwen.py):
+- RMSNorms computed as x_hat * (1 + w) are written as 1 + w (ggml multiplies by
+  the stored weight); the gated ``linear_attn.norm`` (x_hat * w) is not;
+- ``A_log`` -> ``ssm_a`` = -exp(A_log); ``dt_bias`` -> ``ssm_dt.bias``;
+  ``conv1d.weight`` [C, 1, K] -> [C, K];
+- when there are more value heads than key heads, value heads are reordered
+  from grouped order (HF: head k*r + j shares key head k) to tiled order
+  (j*n_k + k), which ggml's broadcast over key heads expects: the V rows of
+  ``in_proj_qkv``, rows of ``in_proj_z``/``in_proj_a``/``in_proj_b``,
+  ``A_log``/``dt_bias``, the V channels of ``conv1d`` and the columns of
+  ``out_proj``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, Iterator
+
+import torch
+from gguf import GGUFWriter
+
+from ..errors import InputError
+from ..tensors import tensor_kind
+from .base import Emit, Family, check_unused, register
+from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+# HF names after ``mtp.`` -> GGUF kinds in the first MTP block. Spelled out here because the
+# gguf-py we depend on (0.19) lacks the nextn tensors in its qwen35/qwen35moe name tables.
+MTP_HEAD = {
+    "fc.weight": "nextn.eh_proj.weight",
+    "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "norm.weight": "nextn.shared_head_norm.weight",
+}
+ZERO_CENTRED_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm",
+                      "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
+VISION_PREFIXES = ("model.visual.", "visual.")
+# llama.cpp's loaders require rope.dimension_sections; its converter writes Qwen3.5's default when absent
+DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # newer than gguf-py 0.19's Keys
+
+_TEXT_PREFIX = re.compile(r"^model\.language_model\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder value heads along ``dim`` from grouped order [k0v0, k0v1, k1v0, k1v1] to tiled [k0v0, k1v0, k0v1, k1v1]."""
+    shape = list(t.shape)
+    n_per_k = shape[dim] // (n_k_heads * head_dim)
+    grouped = t.reshape(*shape[:dim], n_k_heads, n_per_k, head_dim, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+@register
+class Qwen35(Family):
+    hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    arch = "qwen35"
+
+    def __init__(self, ckpt: Checkpoint):
+        super().__init__(ckpt)
+        self._sort_tensors()
+        self.n_mtp = self._count_mtp_layers()
+
+    # -- where every checkpoint tensor goes ---------------------------------------------
+
+    def _sort_tensors(self) -> None:
+        """Split the checkpoint into top-level tensors, trunk layers, MTP layers and the MTP head."""
+        self.top: dict[str, str] = {}  # "model.embed_tokens.weight" -> HF name
+        self.layers: dict[int, dict[str, str]] = {}  # trunk layer -> {name inside the layer: HF name}
+        self.mtp_layers: dict[int, dict[str, str]] = {}
+        self.mtp_head: dict[str, str] = {}  # "fc.weight" -> HF name
+        for hf in self.ckpt.names():
+            if hf.startswith(VISION_PREFIXES):
+                continue
+            name = _TEXT_PREFIX.sub("model.", hf)
+            if name.startswith("model.mtp."):
+                name = name[len("model."):]
+            if m := _MTP_LAYER.match(name):
+                self.mtp_layers.setdefault(int(m[1]), {})[m[2]] = hf
+            elif name.startswith("mtp."):
+                self.mtp_head[name[len("mtp."):]] = hf
+            elif m := _LAYER.match(name):
+                self.layers.setdefault(int(m[1]), {})[m[2]] = hf
+            else:
+                self.top[name] = hf
+
+    def _count_mtp_layers(self) -> int:
+        cfg = self.ckpt.folder / "config.json"
+        declared = int(self.hp("mtp_num_hidden_layers", default=0) or 0)
+        found = sorted(self.mtp_layers)
+        if not found and not self.mtp_head:
+            if declared:
+                log.warning("%s declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; converting the trunk",
+                            cfg, declared)
+            return 0
+        if found != list(range(len(found))) or not found:
+            raise InputError(self.ckpt.folder, f"MTP layers must be mtp.layers.0..N-1, found {found or 'none'}")
+        if declared and declared != len(found):
+            raise InputError(cfg, f"mtp_num_hidden_layers is {declared}, but the checkpoint holds {len(found)} MTP layer(s)")
+        missing = [k for k in MTP_HEAD if k not in self.mtp_head]
+        if missing:
+            raise InputError(self.ckpt.folder, f"MTP head is incomplete: missing tensor mtp.{missing[0]}")
+        return len(found)
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
+        self._n_blocks = n_blocks  # the recurrent-layer flags below cover every written block
+        super().set_common_metadata(w, n_blocks)
+
+    def set_metadata(self, w: GGUFWriter) -> None:
+        hp = self.hparams
+        rope = self.rope_parameters
+        try:
+            w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+            w.add_ssm_state_size(hp["linear_key_head_dim"])
+            w.add_ssm_group_count(hp["linear_num_key_heads"])
+            w.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+            w.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+        except KeyError as exc:
+            raise InputError(self.ckpt.folder / "config.json", f"missing linear-attention hparam {exc}") from None
+        if (layer_types := hp.get("layer_types")) is not None:
+            if len(layer_types) != self.n_trunk:
+                raise InputError(self.ckpt.folder / "config.json",
+                                 f"layer_types has {len(layer_types)} entries, num_hidden_layers is {self.n_trunk}")
+            recurrent = [t == "linear_attention" for t in layer_types]
+            recurrent += [False] * (self._n_blocks - self.n_trunk)  # MTP blocks use full attention
+            w.add_array(RECURRENT_LAYERS_KEY.format(arch=self.arch), recurrent)
+        w.add_full_attention_interval(hp.get("full_attention_interval", 4))
+        head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+        partial = rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.25))
+        w.add_rope_dimension_count(int(head_dim * partial))
+        sections = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
+        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def tensors(self) -> Iterator[Emit]:
+        hp = self.hparams
+        self.used: list[str] = []
+        embed = self.top.get("model.embed_tokens.weight")
+        if embed is None:
+            raise InputError(self.ckpt.folder, "missing tensor model.embed_tokens.weight (or model.language_model.embed_tokens.weight)")
+        self.expect_shape(embed, (hp["vocab_size"], hp["hidden_size"]))
+        yield self._emit("token_embd.weight", embed)
+        for bid in range(self.n_trunk):
+            if bid not in self.layers:
+                raise InputError(self.ckpt.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers)")
+            yield from self.block_tensors(bid, self.layers[bid])
+        for i in range(self.n_mtp):
+            bid = self.n_trunk + i
+            yield from self.block_tensors(bid, self.mtp_layers[i])
+            if i == 0:
+                for key, kind in MTP_HEAD.items():
+                    yield self._emit(f"blk.{bid}.{kind}", self.mtp_head[key])
+        if "model.norm.weight" in self.top:
+            yield self._emit("output_norm.weight", self.top["model.norm.weight"])
+        if "lm_head.weight" in self.top:  # absent when tied to token_embd (the small models)
+            yield self._emit("output.weight", self.top["lm_head.weight"])
+        check_unused(self.ckpt, self.used, ignore=VISION_PREFIXES)
+
+    def block_tensors(self, bid: int, names: dict[str, str]) -> Iterator[Emit]:
+        """Every tensor of one decoder block; ``names`` maps the name inside the layer to the HF name."""
+        for inner, hf in names.items():
+            if inner.startswith("linear_attn."):
+                self._check_linear_attn(inner, hf)
+            key = f"model.layers.{bid}.{inner}"
+            if key.endswith(".dt_bias"):  # llama.cpp's table knows it as dt_proj.bias
+                key = key[: -len("dt_bias")] + "dt_proj.bias"
+            name = self.map_name(key)
+            if name is None:
+                continue  # reported by check_unused
+            yield self._emit(name, hf)
+
+    def _emit(self, name: str, hf: str) -> Emit:
+        self.used.append(hf)
+        transform, shape = self.transform(tensor_kind(name), self.ckpt.shape(hf))
+        return self.emit(name, hf, transform, shape)
+
+    def transform(self, kind: str, shape: tuple[int, ...]) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, tuple[int, ...]]:
+        """The values transform for a GGUF tensor kind, and the shape it produces."""
+        if kind in ZERO_CENTRED_NORMS:
+            return (lambda t: t.float() + 1.0), shape
+        hp = self.hparams
+        n_k, n_v = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
+        d_k, d_v = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+        reorder = n_v != n_k
+        qk = 2 * n_k * d_k  # the q and k part of in_proj_qkv and of conv1d's channels
+
+        def v_rows_after(start: int, head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda t: torch.cat([t[:start], tile_v_heads(t[start:], 0, n_k, head_dim)]) if reorder else t
+
+        if kind == "ssm_a":
+            return (lambda t: -torch.exp(v_rows_after(0, 1)(t.float()))), shape
+        if kind == "ssm_conv1d":
+            tile_v = v_rows_after(qk, d_v)
+            return (lambda t: tile_v(t.squeeze(1))), (shape[0], shape[-1])
+        if kind == "ssm_out":
+            return ((lambda t: tile_v_heads(t, 1, n_k, d_v)) if reorder else None), shape
+        per_kind = {"attn_qkv": (qk, d_v), "attn_gate": (0, d_v), "ssm_beta": (0, 1), "ssm_alpha": (0, 1), "ssm_dt.bias": (0, 1)}
+        if kind in per_kind and reorder:
+            return v_rows_after(*per_kind[kind]), shape
+        return None, shape
+
+    def _check_linear_attn(self, inner: str, hf: str) -> None:
+        """Refuse linear-attention tensors whose shape contradicts config.json (the reorders depend on it)."""
+        hp = self.hparams
+        h, n_k, n_v = hp["hidden_size"], hp["linear_num_key_heads"], hp["linear_num_value_heads"]
+        d_k, d_v, k = hp["linear_key_head_dim"], hp["linear_value_head_dim"], hp["linear_conv_kernel_dim"]
+        if n_v % n_k:
+            raise InputError(self.ckpt.folder / "config.json",
+                             f"linear_num_value_heads {n_v} is not a multiple of linear_num_key_heads {n_k}")
+        conv = 2 * n_k * d_k + n_v * d_v
+        want = {
+            "linear_attn.in_proj_qkv.weight": (conv, h), "linear_attn.in_proj_z.weight": (n_v * d_v, h),
+            "linear_attn.in_proj_a.weight": (n_v, h), "linear_attn.in_proj_b.weight": (n_v, h),
+            "linear_attn.A_log": (n_v,), "linear_attn.dt_bias": (n_v,), "linear_attn.conv1d.weight": (conv, 1, k),
+            "linear_attn.out_proj.weight": (h, n_v * d_v), "linear_attn.norm.weight": (d_v,),
+        }.get(inner)
+        if want is not None:
+            self.expect_shape(hf, want)

@@ -1,0 +1,205 @@
+"""Facade over mtpq's ggml-exact torch quantization kernels.
+
+``quantize`` turns a float tensor (torch order: ``(..., n_per_row)``, the last
+dimension is GGUF's ``ne[0]``) into exactly the bytes ggml's reference
+quantizers (``ggml_quantize_chunk`` without an importance matrix, i.e. what
+``llama-quantize`` writes) produce, as the numpy array gguf-py's ``GGUFWriter``
+takes with ``raw_dtype=qtype``:
+
+* quantized types: ``uint8`` of shape ``(..., bytes_per_row)``;
+* F32 / F16: ``float32`` / ``float16`` of the input's shape;
+* BF16: ``uint16`` bit patterns of the input's shape (rounded like
+  ``ggml_compute_fp32_to_bf16``: round to nearest even).  A ``uint16`` array
+  (rather than the ``uint8`` view gguf-py's ``quants.quantize`` returns) keeps
+  the element shape and is byte-swapped correctly by ``GGUFWriter`` for
+  big-endian files; ``arr.view(np.uint8)`` gives gguf-py's bytes.
+
+``dequantize`` is the inverse, in torch on the device of its input (CUDA
+included), numerically identical to ``gguf.quants.dequantize``.
+
+Work is done in chunks of whole blocks so the extra memory stays bounded
+(a few hundred MB at most), on the device of the input tensor, with torch's
+intra-op thread pool (``torch.set_num_threads``) on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import kquants, legacy
+
+__all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
+
+T = GGMLQuantizationType
+
+# qtype -> (quantize kernel, dequantize kernel, input elements per chunk)
+_KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int]] = {
+    T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 22),
+    T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 22),
+    T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 22),
+    T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 22),
+    T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 22),
+    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 20),
+    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 1 << 20),
+    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 20),
+    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 20),
+    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 19),
+    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 1 << 18),
+    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 18),
+}
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
+
+_FLOAT_CHUNK = 1 << 22
+_DEQUANT_CHUNK = 1 << 24  # output elements per dequantization chunk
+
+
+def block_size(qtype: GGMLQuantizationType) -> int:
+    """Elements per block (1 for float types)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
+
+
+def type_size(qtype: GGMLQuantizationType) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+
+
+def bytes_per_row(qtype: GGMLQuantizationType, n: int) -> int:
+    """Bytes of one row of ``n`` elements; ValueError if ``n`` is not a whole number of blocks."""
+    qtype = GGMLQuantizationType(qtype)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if n % bs:
+        raise ValueError(f"row length {n} is not a multiple of the {qtype.name} block size {bs}")
+    return n // bs * ts
+
+
+def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise ValueError(f"{name}: unknown ggml type {qtype!r}") from None
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"{name}: mtpq has no kernel for type {qtype.name}")
+    return qtype
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """``ggml_compute_fp32_to_bf16`` on float32 ``x``: int32 tensor holding the uint16 bits."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    quiet = (u >> 16) | 64
+    return torch.where((u & 0x7FFFFFFF) > 0x7F800000, quiet, rounded) & 0xFFFF
+
+
+def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "tensor") -> np.ndarray:
+    """ggml-exact encoding of ``values`` (shape ``(..., n_per_row)``) in ``qtype``.
+
+    Raises ``ValueError`` naming the tensor for NaN/Inf input, a row length that
+    is not a multiple of the block size, or an unsupported type.
+    """
+    qtype = _check_supported(qtype, name)
+    if not isinstance(values, torch.Tensor):
+        values = torch.as_tensor(np.asarray(values))
+    values = values.detach()
+    if values.dim() == 0:
+        values = values.reshape(1)
+    shape = tuple(values.shape)
+    n = shape[-1]
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if n % bs:
+        raise ValueError(
+            f"{name}: row length {n} is not a multiple of the {qtype.name} block size {bs}"
+        )
+    flat = values.reshape(-1)
+    total = flat.numel()
+
+    def chunk_f32(start: int, stop: int) -> torch.Tensor:
+        c = flat[start:stop]
+        c = c.to(torch.float32) if c.dtype != torch.float32 else c
+        if not bool(torch.isfinite(c).all()):
+            raise ValueError(f"{name}: contains NaN/Inf values")
+        return c
+
+    if qtype in FLOAT_TYPES:
+        np_dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[qtype]
+        out = np.empty(total, dtype=np_dtype)
+        for s in range(0, total, _FLOAT_CHUNK):
+            e = min(total, s + _FLOAT_CHUNK)
+            c = chunk_f32(s, e)
+            if qtype == T.F16:
+                r = c.to(torch.float16)
+            elif qtype == T.BF16:
+                r = _bf16_bits(c).to(torch.int32)
+            else:
+                r = c
+            out[s:e] = r.cpu().numpy()
+        return out.reshape(shape)
+
+    qfn, _, chunk = _KERNELS[qtype]
+    nblocks = total // bs
+    out = np.empty((nblocks, ts), dtype=np.uint8)
+    step = max(1, chunk // bs)
+    for b0 in range(0, nblocks, step):
+        b1 = min(nblocks, b0 + step)
+        blocks = chunk_f32(b0 * bs, b1 * bs).reshape(b1 - b0, bs)
+        out[b0:b1] = qfn(blocks).cpu().numpy()
+    return out.reshape(*shape[:-1], n // bs * ts)
+
+
+def _as_torch(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        return raw
+    arr = np.asarray(raw)
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        arr = np.array(arr, copy=True, order="C")  # torch refuses read-only memory (memmaps)
+    return torch.from_numpy(arr)
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape) -> torch.Tensor:
+    """Decode ``raw`` (the GGUF bytes, any leading shape) into a float32 tensor of ``shape``.
+
+    Runs in torch on ``raw``'s device (numpy input is decoded on CPU).  The
+    values are identical to ``gguf.quants.dequantize``.
+    """
+    qtype = _check_supported(qtype, "dequantize")
+    shape = tuple(int(s) for s in shape)
+    n_el = 1
+    for s in shape:
+        n_el *= s
+    t = _as_torch(raw)
+    if qtype in FLOAT_TYPES:
+        if t.is_floating_point() and qtype != T.BF16:
+            return t.to(torch.float32).reshape(shape)
+        if qtype == T.BF16 and t.dtype == torch.bfloat16:
+            return t.to(torch.float32).reshape(shape)
+        u8 = t.contiguous().view(torch.uint8).reshape(-1)
+        if qtype == T.F32:
+            return u8.view(torch.float32).reshape(shape).clone()
+        if qtype == T.F16:
+            return u8.view(torch.float16).to(torch.float32).reshape(shape)
+        bits = u8.view(torch.int16).to(torch.int32) << 16
+        return bits.view(torch.float32).reshape(shape)
+
+    _, dfn, _ = _KERNELS[qtype]
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % bs:
+        raise ValueError(f"dequantize: row length {shape[-1]} is not a multiple of the {qtype.name} block size {bs}")
+    u8 = t.contiguous().view(torch.uint8).reshape(-1)
+    nblocks = n_el // bs
+    if u8.numel() != nblocks * ts:
+        raise ValueError(
+            f"dequantize: {u8.numel()} bytes given, {qtype.name} {shape} needs {nblocks * ts}"
+        )
+    b = u8.view(nblocks, ts)
+    step = max(1, _DEQUANT_CHUNK // bs)
+    if nblocks <= step:
+        return dfn(b).reshape(shape)
+    out = torch.empty((nblocks, bs), dtype=torch.float32, device=b.device)
+    for b0 in range(0, nblocks, step):
+        b1 = min(nblocks, b0 + step)
+        out[b0:b1] = dfn(b[b0:b1])
+    return out.reshape(shape)

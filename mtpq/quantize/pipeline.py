@@ -1,0 +1,168 @@
+"""Plan -> plan with new types: the policy applied to every tensor, with reasons.
+
+``plan_quantize`` decides types only; bytes are produced later, tensor by
+tensor, when :func:`mtpq.gguf_io.write_plan` asks the kernels facade
+(:func:`mtpq.quantize.kernels.quantize`). The same function serves
+``mtpq quantize`` (a plan read from a GGUF) and ``mtpq convert --quant`` (a plan
+read from an HF checkpoint, quantized from the source values in one pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from typing import Optional, Sequence
+
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, Keys
+
+from ..errors import InputError
+from ..gguf_io import tensor_nbytes
+from ..tensors import Plan, TensorSpec
+from .policy import Override, PolicyContext, decide, with_counters
+from .presets import FLOAT_TYPES, ModelFacts, Preset, preset_named, type_named
+
+log = logging.getLogger(__name__)
+
+MTP_DEFAULT = GGMLQuantizationType.Q8_0  # the GGUF 8-bit class: at least as precise as FP8 e4m3
+SAME = "same"
+
+
+def parse_overrides(items: Sequence[str], option: str = "--tensor-type") -> tuple[Override, ...]:
+    """``REGEX=TYPE`` strings -> overrides. Matching ignores case (llama-quantize lower-cases the pattern)."""
+    out = []
+    for text in items:
+        pattern, eq, typ = text.rpartition("=")  # the type never holds '=', a regex may
+        if not eq or not pattern or not typ:
+            raise InputError(option, f"{text!r} is not REGEX=TYPE (e.g. 'blk\\.4[0-9]\\.ffn_down=q6_k')")
+        try:
+            compiled = re.compile(pattern, re.IGNORECASE)
+        except re.error as exc:
+            raise InputError(option, f"bad regular expression {pattern!r}: {exc}") from None
+        out.append(Override(text, compiled, type_named(typ, option)))
+    return tuple(out)
+
+
+def _optional_type(text: Optional[str], option: str) -> Optional[GGMLQuantizationType]:
+    return None if text is None else type_named(text, option)
+
+
+def _mtp_type(text: Optional[str], option: str, default) -> Optional[GGMLQuantizationType]:
+    """``same`` -> None (the MTP block is treated like the trunk); no value -> ``default``."""
+    if text is None:
+        return default
+    if text.strip().lower() == SAME:
+        return None
+    return type_named(text, option)
+
+
+def model_facts(plan: Plan) -> ModelFacts:
+    """What llama-quantize reads from the model's hparams to pick types."""
+    arch = plan.arch
+
+    def first(key: str, default: int) -> int:
+        v = plan.kv_value(f"{arch}.{key}", default)
+        if isinstance(v, (list, tuple)):  # per-layer arrays: llama.cpp's n_gqa() looks at layer 0
+            v = v[0] if v else default
+        return int(v)
+
+    n_head = first("attention.head_count", 0)
+    return ModelFacts(
+        arch=arch,
+        n_layer_all=first("block_count", plan.n_trunk_layers + plan.n_mtp_layers),
+        n_expert=first("expert_count", 0),
+        n_head=n_head,
+        n_head_kv=first("attention.head_count_kv", n_head),
+        tied_embeddings=not any(s.name == "output.weight" for s in plan.tensors),
+    )
+
+
+def plan_quantize(
+    plan: Plan,
+    preset: str | Preset,
+    mtp_type: Optional[str] = None,
+    mtp_experts_type: Optional[str] = None,
+    tensor_types: Sequence[str] = (),
+    output_tensor_type: Optional[str] = None,
+    token_embedding_type: Optional[str] = None,
+    pure: bool = False,
+    allow_requantize: bool = False,
+) -> Plan:
+    """``plan`` with every tensor's type (and reason) decided by the policy for ``preset``.
+
+    ``mtp_type``: type of the MTP blocks' tensors (default q8_0; for float
+    presets the default is ``same``, so a head is never made coarser than its
+    trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps``
+    (default: ``mtp_type``). Options are validated before anything is decided;
+    a bad one raises InputError naming the option.
+    """
+    p = preset if isinstance(preset, Preset) else preset_named(preset)
+    mtp = _mtp_type(mtp_type, "--mtp-type", None if p.is_float else MTP_DEFAULT)
+    ctx = PolicyContext(
+        preset=p,
+        model=model_facts(plan),
+        n_trunk_layers=plan.n_trunk_layers,
+        mtp_type=mtp,
+        mtp_experts_type=_mtp_type(mtp_experts_type, "--mtp-experts-type", mtp),
+        overrides=parse_overrides(tensor_types),
+        output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
+        token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
+        pure=pure,
+    )
+    ctx = with_counters(ctx, plan.tensors)
+
+    specs: list[TensorSpec] = []
+    requantized: list[TensorSpec] = []
+    for spec in plan.tensors:
+        qtype, reason = decide(spec, ctx)
+        src = spec.source_type
+        if src is not None and src not in FLOAT_TYPES and qtype != src:
+            requantized.append(spec)
+            reason = f"{reason} (requantized from {src.name.lower()})"
+        specs.append(spec.with_type(qtype, reason))
+
+    if requantized:
+        first = requantized[0]
+        what = (f"{len(requantized)} tensor(s) are already quantized and would be requantized "
+                f"(e.g. {first.name}: {first.source_type.name.lower()})")
+        if not allow_requantize:
+            where = plan.inputs[0] if plan.inputs else first.source
+            raise InputError(where, f"{what}; requantizing loses precision: start from an f16/bf16/f32 GGUF "
+                                    "or pass --allow-requantize")
+        log.warning("%s; quality will be worse than quantizing from full precision", what)
+
+    kv = dict(plan.kv)
+    out = Plan(plan.arch, kv, specs, inputs=list(plan.inputs), n_trunk_layers=plan.n_trunk_layers,
+               n_mtp_layers=plan.n_mtp_layers)
+    out.set_kv(Keys.General.FILE_TYPE, int(p.ftype), GGUFValueType.UINT32)
+    out.set_kv(Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    return out
+
+
+def summarize(before: Plan, after: Plan) -> dict:
+    """A JSON-ready account of the decisions: one row per tensor and totals by role."""
+    rows = []
+    by_role: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "elements": 0, "old_bytes": 0, "bytes": 0})
+    for old, new in zip(before.tensors, after.tensors):
+        old_bytes, new_bytes = tensor_nbytes(old.shape, old.ggml_type), tensor_nbytes(new.shape, new.ggml_type)
+        rows.append({"name": new.name, "role": new.role.value, "shape": list(new.shape),
+                     "old_type": old.ggml_type.name, "type": new.ggml_type.name,
+                     "old_bytes": old_bytes, "bytes": new_bytes, "rule": new.reason})
+        r = by_role[new.role.value]
+        r["tensors"] += 1
+        r["elements"] += new.n_elements
+        r["old_bytes"] += old_bytes
+        r["bytes"] += new_bytes
+    roles = {k: {**v, "bits_per_weight": round(8 * v["bytes"] / max(v["elements"], 1), 3)}
+             for k, v in sorted(by_role.items())}
+    n_el = sum(v["elements"] for v in by_role.values())
+    total_old = sum(v["old_bytes"] for v in by_role.values())
+    total_new = sum(v["bytes"] for v in by_role.values())
+    return {
+        "arch": after.arch,
+        "file_type": after.kv_value(Keys.General.FILE_TYPE),
+        "tensors": rows,
+        "by_role": roles,
+        "totals": {"tensors": len(rows), "elements": n_el, "old_bytes": total_old, "bytes": total_new,
+                   "bits_per_weight": round(8 * total_new / max(n_el, 1), 3)},
+    }

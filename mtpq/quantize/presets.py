@@ -1,0 +1,306 @@
+"""llama-quantize's presets and its per-tensor choices, as data and small pure functions.
+
+This mirrors ``llama_tensor_get_type`` / ``llama_tensor_get_type_impl`` in
+llama.cpp's ``src/llama-quant.cpp`` for the presets mtpq has kernels for, run
+without an importance matrix. The reference quirks are kept on purpose:
+
+- tensors are categorised by substring of their GGUF name, as llama.cpp does
+  (``ffn_down`` also matches ``ffn_down_exps`` and ``ffn_down_shexp``);
+- attn_v's "more bits" pattern counts attn_v tensors in file order (blocks by
+  number, then name), including the MTP block's, and only those that reach the
+  preset's mix (a ``--tensor-type`` match or ``--pure`` skips the count);
+- ffn_down's layer is parsed from the name when the model has experts, and is
+  the running count of ffn_down tensors otherwise; the layer total is
+  ``block_count`` (trunk + MTP blocks).
+
+tests/test_policy.py checks every choice against llama-quantize's own output.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+from ..errors import InputError
+
+T = GGMLQuantizationType
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+# Types mtpq's kernels write (mtpq.quantize.kernels); users may name any of these.
+QUANT_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+USER_TYPES = FLOAT_TYPES | QUANT_TYPES
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str  # llama-quantize's spelling, e.g. "Q4_K_M"
+    ftype: LlamaFileType  # written to general.file_type
+    base: GGMLQuantizationType  # llama_ftype_get_default_type: the type most tensors get
+
+    @property
+    def is_float(self) -> bool:
+        """F32/F16/BF16: llama-quantize applies no mix (and no --tensor-type) to these."""
+        return self.base in FLOAT_TYPES
+
+
+F = LlamaFileType
+_PRESETS = [
+    Preset("Q4_0", F.MOSTLY_Q4_0, T.Q4_0), Preset("Q4_1", F.MOSTLY_Q4_1, T.Q4_1),
+    Preset("Q5_0", F.MOSTLY_Q5_0, T.Q5_0), Preset("Q5_1", F.MOSTLY_Q5_1, T.Q5_1),
+    Preset("Q2_K", F.MOSTLY_Q2_K, T.Q2_K),
+    Preset("Q3_K_S", F.MOSTLY_Q3_K_S, T.Q3_K), Preset("Q3_K_M", F.MOSTLY_Q3_K_M, T.Q3_K),
+    Preset("Q3_K_L", F.MOSTLY_Q3_K_L, T.Q3_K),
+    Preset("Q4_K_S", F.MOSTLY_Q4_K_S, T.Q4_K), Preset("Q4_K_M", F.MOSTLY_Q4_K_M, T.Q4_K),
+    Preset("Q5_K_S", F.MOSTLY_Q5_K_S, T.Q5_K), Preset("Q5_K_M", F.MOSTLY_Q5_K_M, T.Q5_K),
+    Preset("Q6_K", F.MOSTLY_Q6_K, T.Q6_K), Preset("Q8_0", F.MOSTLY_Q8_0, T.Q8_0),
+    Preset("F16", F.MOSTLY_F16, T.F16), Preset("BF16", F.MOSTLY_BF16, T.BF16), Preset("F32", F.ALL_F32, T.F32),
+]
+PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
+ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
+# llama-quantize presets mtpq refuses, and why (so the error can say so)
+_UNSUPPORTED = {
+    "Q2_K_S": "needs an importance matrix",
+    "IQ": "IQ types need kernels mtpq does not have yet",
+    "TQ": "ternary types are not supported",
+    "MXFP4_MOE": "MXFP4 is not supported",
+}
+
+
+def preset_named(name: str, option: str = "PRESET") -> Preset:
+    """The preset called ``name`` (case-insensitive, llama-quantize's aliases accepted)."""
+    key = name.strip().upper()
+    key = ALIASES.get(key, key)
+    if key in PRESETS:
+        return PRESETS[key]
+    why = next((w for k, w in _UNSUPPORTED.items() if key.startswith(k)), None)
+    known = ", ".join(PRESETS)
+    problem = f"preset {name!r} is not supported ({why})" if why else f"unknown preset {name!r}"
+    raise InputError(option, f"{problem}; choose one of {known}")
+
+
+def type_named(name: str, option: str) -> GGMLQuantizationType:
+    """A ggml type by llama.cpp's name (q8_0, q4_k, f16, bf16, ...), case-insensitive."""
+    key = name.strip().upper()
+    if key in T.__members__ and T[key] in USER_TYPES:
+        return T[key]
+    known = ", ".join(sorted(t.name.lower() for t in USER_TYPES))
+    raise InputError(option, f"unknown or unsupported type {name!r}; choose one of {known}")
+
+
+# ----------------------------------------------------------------------------- what llama-quantize never quantizes
+
+_NEVER_QUANTIZED = (
+    "_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel", "per_layer_model_proj",
+    "ssm_conv1d", "shortconv.conv.weight", "indexer.k_proj.weight", "indexer.q_proj.weight", "attn_rel_b.weight",
+    ".position_embd", "sam.pos_embd", "sam.neck.", "sam.net_", ".rel_pos", ".patch_embd", ".patch_merger",
+    "a.rvq.codebook", "mm.a.code_embd",
+    *(f"time_mix_{k}.weight" for k in ("first", "w0", "w1", "w2", "v0", "v1", "v2", "a0", "a1", "a2", "g1", "g2",
+                                        "decay_w1", "decay_w2", "lerp_fused")),
+)
+_NEVER_QUANTIZED_GLM5_NEXT = ("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
+                              "indexer_compressor_ape", "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight",
+                              "ssm_g_b.weight", "ssm_beta.weight", "attn_kv_a_mqa.weight", "attn_k_b.weight",
+                              "attn_v_b.weight")
+
+
+def ggml_n_dims(shape: tuple[int, ...]) -> int:
+    """ggml's n_dims: trailing size-1 dims (GGUF order) do not count, so a [1, 4096] gate is 1-D."""
+    ne = list(reversed(shape))
+    while len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return len(ne)
+
+
+def llama_quantizes(name: str, shape: tuple[int, ...], arch: str) -> bool:
+    """``tensor_allows_quantization``: 2-D/3-D ``*weight`` tensors minus norms, routers and small tables."""
+    if ggml_n_dims(shape) < 2 or not name.endswith("weight"):
+        return False
+    if any(s in name for s in _NEVER_QUANTIZED) or name in ("position_embd.weight", "token_types.weight"):
+        return False
+    if arch == "glm5-next" and any(s in name for s in _NEVER_QUANTIZED_GLM5_NEXT):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- llama-quantize's categories
+
+
+class Category(str, Enum):
+    OUTPUT = "output"
+    TOKEN_EMBD = "token_embd"
+    ATTN_QKV = "attn_qkv"
+    ATTN_KV_B = "attn_kv_b"
+    ATTN_V = "attn_v"
+    ATTN_K = "attn_k"
+    ATTN_Q = "attn_q"
+    ATTN_OUTPUT = "attn_output"
+    FFN_UP = "ffn_up"
+    FFN_GATE = "ffn_gate"
+    FFN_DOWN = "ffn_down"
+    OTHER = "other"
+
+
+_SUBSTRING_CATEGORIES = [  # first match wins, in llama.cpp's order
+    ("attn_qkv.weight", Category.ATTN_QKV), ("attn_kv_b.weight", Category.ATTN_KV_B),
+    ("attn_v.weight", Category.ATTN_V), ("attn_k.weight", Category.ATTN_K), ("attn_q.weight", Category.ATTN_Q),
+    ("attn_output.weight", Category.ATTN_OUTPUT), ("ffn_up", Category.FFN_UP), ("ffn_gate", Category.FFN_GATE),
+    ("ffn_down", Category.FFN_DOWN),
+]
+ATTN_V_LIKE = (Category.ATTN_V, Category.ATTN_QKV, Category.ATTN_KV_B)
+
+
+def category(name: str) -> Category:
+    """``tensor_get_category``: llama-quantize's broad category of a GGUF tensor name."""
+    if name == "output.weight":
+        return Category.OUTPUT
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return Category.TOKEN_EMBD
+    for needle, cat in _SUBSTRING_CATEGORIES:
+        if needle in name:
+            return cat
+    return Category.OTHER
+
+
+def llama_order_key(name: str) -> tuple[int, str]:
+    """llama.cpp's weight order: tensors outside blocks first, then by block number, then by name."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+# ----------------------------------------------------------------------------- the model facts the mix reads
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    arch: str
+    n_layer_all: int  # block_count: trunk + MTP blocks
+    n_expert: int
+    n_head: int
+    n_head_kv: int
+    tied_embeddings: bool  # no output.weight: token_embd follows the output rules
+
+    @property
+    def n_gqa(self) -> int:
+        return self.n_head // self.n_head_kv if self.n_head_kv else 0
+
+    @property
+    def is_70b(self) -> bool:
+        # llama.cpp sets LLM_TYPE_70B for LLaMA with 80 layers and GQA; only that type changes attn_v
+        return self.arch == "llama" and self.n_layer_all == 80 and self.n_head != self.n_head_kv
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's pattern: the first and last eighth of the layers, and every third layer between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def block_of(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"cannot determine the layer of {name}")
+    return int(m.group(1))
+
+
+def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizationType, str]:
+    """``tensor_type_fallback``: a type whose block does not divide the row length falls back."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if row % block == 0:
+        return qtype, ""
+    fallback = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}.get(qtype, qtype)
+    if row % GGML_QUANT_SIZES[fallback][0] != 0:
+        fallback = T.F16
+    return fallback, f"row of {row} not a multiple of {block}: {qtype.name.lower()} -> {fallback.name.lower()}"
+
+
+# ----------------------------------------------------------------------------- the mix (llama_tensor_get_type_impl)
+
+Choice = tuple[GGMLQuantizationType, str]
+
+
+def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: int, n_attn_v: int,
+              i_ffn_down: int, output_tensor_type: GGMLQuantizationType | None = None) -> Choice:
+    """The type llama-quantize's preset gives one quantizable tensor, and why.
+
+    ``i_attn_v``/``i_ffn_down`` are the running counts of attn_v-like and ffn_down
+    tensors that reached the mix before this one (llama.cpp's qs.i_attention_wv,
+    qs.i_ffn_down); ``row`` is the row length (GGUF ne[0]).
+    """
+    p, base, cat, falcon = preset.name, preset.base, category(name), m.arch == "falcon"
+
+    if m.arch == "glm5-next" and any(s in name for s in ("attn_q_a", "attn_q_b", "nextn.eh_proj")):
+        return T.Q8_0, "glm5-next keeps this at q8_0"
+
+    if cat is Category.OUTPUT or (m.tied_embeddings and cat is Category.TOKEN_EMBD):
+        what = "output" if cat is Category.OUTPUT else "token_embd (tied to output)"
+        if output_tensor_type is not None:
+            return output_tensor_type, f"{what}: --output-tensor-type"
+        if falcon or row % GGML_QUANT_SIZES[base][0] != 0:
+            return T.Q8_0, f"{what}: q8_0 (row does not fit {base.name.lower()})"
+        if base != T.Q8_0:
+            return T.Q6_K, f"{what}: q6_k"
+        return base, f"{what}: {p} base type"
+
+    if cat in ATTN_V_LIKE:
+        new, why = base, f"{p} base type"
+        if p == "Q2_K":
+            new, why = (T.Q4_K, "attn_v with GQA >= 4") if m.n_gqa >= 4 else (T.Q3_K, "attn_v in Q2_K")
+        elif p == "Q3_K_M":
+            new, why = (T.Q5_K, f"attn_v #{i_attn_v} < 2") if i_attn_v < 2 else (T.Q4_K, "attn_v in Q3_K_M")
+        elif p == "Q3_K_L":
+            new, why = T.Q5_K, "attn_v in Q3_K_L"
+        elif p in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_attn_v, n_attn_v):
+            new, why = T.Q6_K, f"attn_v #{i_attn_v} of {n_attn_v}: a more-bits layer"
+        elif p == "Q4_K_S" and i_attn_v < 4:
+            new, why = T.Q5_K, f"attn_v #{i_attn_v} < 4"
+        if m.is_70b and new in (T.Q3_K, T.Q4_K):
+            new, why = T.Q5_K, "attn_v in a 70B model"
+        if m.n_expert == 8:
+            new, why = T.Q8_0, "attn_v in an 8-expert model"
+        return new, why
+
+    if cat is Category.ATTN_K and m.n_expert == 8:
+        return T.Q8_0, "attn_k in an 8-expert model"
+
+    if cat is Category.FFN_DOWN:
+        # with experts the layer comes from the name (experts need not be consecutive), else the running count
+        i, n = (block_of(name) if m.n_expert > 1 else i_ffn_down), m.n_layer_all
+        more = use_more_bits(i, n)
+        where = f"ffn_down of layer {i}/{n}"
+        if p == "Q2_K":
+            return T.Q3_K, "ffn_down in Q2_K"
+        if p == "Q3_K_M":
+            if i < n // 16:
+                return T.Q5_K, f"{where}: first sixteenth"
+            if not falcon or more:
+                return T.Q4_K, f"{where} in Q3_K_M"
+            return T.Q3_K, f"{where} in Q3_K_M (falcon)"
+        if p == "Q3_K_L":
+            return (T.Q4_K if falcon else T.Q5_K), "ffn_down in Q3_K_L"
+        if p == "Q4_K_M":
+            if falcon:
+                if i < n // 16:
+                    return T.Q6_K, f"{where}: first sixteenth (falcon)"
+                return (T.Q5_K, f"{where}: a more-bits layer (falcon)") if more else (base, f"{p} base type")
+            if more:
+                return T.Q6_K, f"{where}: a more-bits layer"
+        if p == "Q5_K_M" and more:
+            return T.Q6_K, f"{where}: a more-bits layer"
+        if p == "Q4_K_S" and not falcon and i < n // 8:
+            return T.Q5_K, f"{where}: first eighth"
+        return base, f"{p} base type"
+
+    if cat is Category.ATTN_OUTPUT:
+        if not falcon:
+            if m.n_expert == 8:
+                if p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                    return T.Q5_K, "attn_output in an 8-expert model"
+            else:
+                bump = {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(p)
+                if bump is not None:
+                    return bump, f"attn_output in {p}"
+        elif p == "Q3_K_L":
+            return T.Q4_K, "attn_output in Q3_K_L (falcon)"
+
+    return base, f"{p} base type"

@@ -1,0 +1,110 @@
+"""Acceptance metrics with vLLM's definitions.
+
+Over a set of :class:`~mtpq.runtime.speculative.GenerationResult` (one per prompt),
+with a "draft" = one verify round that proposed k tokens and accepted a of them:
+
+- acceptance rate = accepted tokens / drafted tokens
+- per-position rate i (i = 0..k-1) = drafts that accepted more than i tokens / drafts
+- mean acceptance length = 1 + accepted tokens / drafts (tokens emitted per trunk round)
+- tokens/s = generated tokens / wall seconds (prefill included)
+
+The acceptance rate's confidence interval treats drafts as the sampling unit (a
+ratio estimator: sum a_i / sum k_i, delta-method variance of the per-draft
+residuals a_i - r k_i), so tokens of one draft are not counted as independent
+trials; ``unit="prompt"`` uses prompts as the unit instead (wider, and honest
+when prompts differ a lot). Per-position rates get Wilson intervals.
+
+    m = summarize(results); m.acceptance_rate, m.ci, m.per_position, m.to_dict()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from .speculative import GenerationResult
+
+
+@dataclass
+class AcceptanceMetrics:
+    n_sequences: int
+    n_drafts: int
+    n_drafted: int
+    n_accepted: int
+    acceptance_rate: float
+    ci: tuple[float, float]  # acceptance_rate interval at `confidence`
+    per_position: list[float]
+    per_position_ci: list[tuple[float, float]]
+    mean_acceptance_length: float
+    n_generated: int
+    seconds: float
+    tokens_per_s: float
+    confidence: float = 0.95
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _z(confidence: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    z = _z(confidence)
+    p = successes / n
+    denom = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def ratio_ci(num: Sequence[float], den: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Interval of sum(num)/sum(den) with units i = (num_i, den_i) sampled independently (delta method)."""
+    n = len(num)
+    total = sum(den)
+    if n < 2 or total == 0:
+        return (float("nan"), float("nan"))
+    r = sum(num) / total
+    mean_den = total / n
+    resid = [a - r * d for a, d in zip(num, den)]
+    var = sum(e * e for e in resid) / (n - 1) / n / mean_den**2
+    half = _z(confidence) * math.sqrt(var)
+    return (max(0.0, r - half), min(1.0, r + half))
+
+
+def summarize(results: Sequence[GenerationResult], confidence: float = 0.95, unit: str = "draft") -> AcceptanceMetrics:
+    """Aggregate results (speculative ones; plain ones contribute only to tokens/s)."""
+    if unit not in ("draft", "prompt"):
+        raise ValueError("unit must be 'draft' or 'prompt'")
+    accepted = [a for r in results for a in r.accepted]
+    drafted = [d for r in results for d in r.drafted]
+    n_drafts, n_acc, n_dft = len(drafted), sum(accepted), sum(drafted)
+    k = max(drafted, default=0)
+    per_pos_counts = [sum(1 for a in accepted if a > i) for i in range(k)]
+    if unit == "draft":
+        ci = ratio_ci(accepted, drafted, confidence)
+    else:
+        ci = ratio_ci([r.n_accepted for r in results], [r.n_drafted for r in results], confidence)
+    n_gen = sum(len(r.tokens) for r in results)
+    secs = sum(r.seconds for r in results)
+    return AcceptanceMetrics(
+        n_sequences=len(results),
+        n_drafts=n_drafts,
+        n_drafted=n_dft,
+        n_accepted=n_acc,
+        acceptance_rate=n_acc / n_dft if n_dft else float("nan"),
+        ci=ci,
+        per_position=[c / n_drafts for c in per_pos_counts] if n_drafts else [],
+        per_position_ci=[wilson(c, n_drafts, confidence) for c in per_pos_counts],
+        mean_acceptance_length=1 + n_acc / n_drafts if n_drafts else float("nan"),
+        n_generated=n_gen,
+        seconds=secs,
+        tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
+        confidence=confidence,
+    )

@@ -1,0 +1,346 @@
+"""Self-speculative decoding with the MTP head, plain decoding, and a teacher-forced estimator.
+
+API (what ``mtpq accept`` builds on):
+
+    model, tok = load_model("m.gguf", device="cpu", dtype=torch.float32)
+    ids = tok.encode("def f(x):")
+    spec = run_speculative(model, ids, max_new_tokens=64, k=3)                 # greedy
+    spec = run_speculative(model, ids, 64, k=3, temperature=0.8, top_p=0.95, seed=1)
+    base = run_plain(model, ids, 64)                                          # no drafting
+    tf = teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids))
+    from mtpq.runtime.metrics import summarize; summarize([spec]).acceptance_rate
+
+One speculative round (``SpeculativeDecoder.step``), with x_j the last emitted token:
+1. the head consumes the pending real pairs (h_t, x_{t+1}) -- the trunk states of the
+   tokens accepted last round -- and drafts d_1 from the last one;
+2. drafts d_2..d_k reuse the head on (its own output, its own last draft);
+3. the trunk verifies [x_j, d_1..d_k] in one forward (k+1 logits);
+4. greedy: accept while d_i == argmax; sampling: accept d_i with probability
+   min(1, p(d_i)/q(d_i)), else emit a token drawn from norm(max(0, p - q)) and stop;
+   if all k are accepted, a bonus token is drawn from the last logits;
+5. both KV caches are rolled back: the trunk's to the accepted tokens, the head's to
+   its real pairs (entries written while drafting 2..k are discarded).
+Greedy speculative output equals plain greedy output; sampling keeps the target
+distribution (p and q both pass through the same temperature/top-k/top-p).
+
+A round that drafted k tokens and accepted a of them emits a + 1 tokens;
+``GenerationResult.accepted[i]`` is a for round i (vLLM's counting, see metrics.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .glm4moe import Glm4Moe, load_glm4moe
+from .weights import GGUFFile
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
+               hidden: str = "post_norm") -> tuple[Glm4Moe, object]:
+    """(model, tokenizer) from a GGUF. device: CUDA when available unless given. hidden: see glm4moe.py."""
+    from .tokenizer import tokenizer_from_gguf
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = GGUFFile(Path(path))
+    model = Glm4Moe(g, device=device, dtype=dtype, hidden=hidden).eval()
+    return model, tokenizer_from_gguf(g)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution [..., V] (float32) after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # keep the smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def accept_drafts(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                  params: SamplingParams, gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify k drafts against k+1 target logits -> (number accepted, next token).
+
+    Greedy: accept while the draft is the target's argmax; the next token is the argmax
+    after the accepted prefix. Sampling (``draft_probs`` [k, V] = the q the drafts were
+    drawn from): the rejection rule of speculative sampling (Leviathan et al. 2023, alg. 1).
+    """
+    if params.greedy:
+        best = target_logits.argmax(dim=-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == best[a]:
+            a += 1
+        return a, best[a]
+    p = probs_from_logits(target_logits, params).cpu()
+    q = draft_probs.cpu()
+    for i, d in enumerate(drafts):
+        ratio = p[i, d] / q[i, d]
+        if torch.rand((), generator=gen) < ratio:  # accept with probability min(1, p/q)
+            continue
+        residual = (p[i] - q[i]).clamp(min=0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0
+            residual = p[i]
+        return i, _draw(residual / residual.sum(), gen)
+    return len(drafts), _draw(p[len(drafts)], gen)  # all accepted: the bonus token
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class GenerationResult:
+    """One generation. ``accepted``/``drafted`` have one entry per verify round (empty for plain decoding)."""
+
+    prompt_len: int
+    tokens: list[int]  # generated tokens, prompt excluded
+    k: int  # draft length; 0 for plain decoding
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    trunk_forwards: int = 0
+    draft_ids: list[list[int]] = field(default_factory=list)  # the drafts of each round (for inspection/tests)
+
+    @property
+    def n_drafts(self) -> int:
+        return len(self.drafted)
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """Pick a token from logits [V]: (token, the distribution it was drawn from or None when greedy)."""
+    if params.greedy:
+        return int(logits.argmax().item()), None
+    probs = probs_from_logits(logits, params).cpu()
+    return _draw(probs, gen), probs
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class DecoderState:
+    """Everything needed to resume a speculative decoder (cache contents are rolled back to the lengths)."""
+
+    tokens: list[int]
+    trunk_length: int
+    mtp_length: int
+    pending_ids: torch.Tensor  # [1, n] tokens x_{t+1} of real pairs the head has not consumed yet
+    pending_hidden: torch.Tensor  # [1, n, H] their trunk states h_t
+    rng_state: torch.Tensor | None
+
+
+class SpeculativeDecoder:
+    """MTP self-speculative decoding of one sequence. ``prefill`` once, then ``step`` repeatedly."""
+
+    def __init__(self, model: Glm4Moe, k: int, params: SamplingParams = SamplingParams(), seed: int = 0):
+        if not 1 <= k <= 8:
+            raise ValueError(f"draft length k must be in 1..8, got {k}")
+        if model.mtp is None:
+            from ..errors import InputError
+
+            raise InputError(model.path, "this GGUF has no MTP head: nothing to draft with")
+        self.model, self.k, self.params = model, k, params
+        self.gen = None if params.greedy else torch.Generator().manual_seed(seed)
+        self.tokens: list[int] = []
+        self.trunk_forwards = 0
+
+    def prefill(self, prompt_ids: list[int]) -> int:
+        """Run the trunk on the prompt and emit its first token."""
+        m = self.model
+        m.reset()
+        out = m.trunk(torch.tensor([prompt_ids]))
+        self.trunk_forwards += 1
+        first, _ = _choose(out.logits[0, -1], self.params, self.gen)
+        self.tokens = list(prompt_ids) + [first]
+        # real pairs (h_t, x_{t+1}) for t = 0..n-1
+        self.pending_ids = torch.tensor([prompt_ids[1:] + [first]])
+        self.pending_hidden = out.hidden
+        return first
+
+    def step(self) -> tuple[list[int], list[int]]:
+        """One draft-verify round -> (emitted tokens, drafted tokens)."""
+        m, k = self.model, self.k
+        out = m.draft(self.pending_ids, self.pending_hidden)
+        real_mtp = m.mtp_length
+        drafts, qs = [], []
+        logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        for i in range(k):
+            d, q = _choose(logits, self.params, self.gen)
+            drafts.append(d)
+            qs.append(q)
+            if i + 1 < k:
+                out = m.draft(torch.tensor([[d]]), hidden)
+                logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        start = m.trunk_length
+        verify = m.trunk(torch.tensor([[self.tokens[-1]] + drafts]))
+        self.trunk_forwards += 1
+        draft_probs = None if self.params.greedy else torch.stack(qs)
+        a, nxt = accept_drafts(verify.logits[0], drafts, draft_probs, self.params, self.gen)
+        m.truncate(trunk=start + 1 + a, mtp=real_mtp)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        emitted = drafts[:a] + [nxt]
+        self.pending_ids = torch.tensor([emitted])
+        self.pending_hidden = verify.hidden[:, : a + 1]
+        self.tokens.extend(emitted)
+        return emitted, drafts
+
+    def save(self) -> DecoderState:
+        return DecoderState(list(self.tokens), self.model.trunk_length, self.model.mtp_length, self.pending_ids,
+                            self.pending_hidden, None if self.gen is None else self.gen.get_state())
+
+    def restore(self, s: DecoderState) -> None:
+        """Return to a saved state (only valid while the caches still hold its positions: no reset in between)."""
+        self.tokens = list(s.tokens)
+        self.model.truncate(trunk=s.trunk_length, mtp=s.mtp_length)
+        self.pending_ids, self.pending_hidden = s.pending_ids, s.pending_hidden
+        if s.rng_state is not None:
+            self.gen.set_state(s.rng_state)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stop_ids: set[int] | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if stop_ids:
+        for i, t in enumerate(tokens):
+            if t in stop_ids:
+                return tokens[: i + 1]
+    return tokens
+
+
+def _stopped(tokens: list[int], stop_ids: set[int] | None) -> bool:
+    return bool(stop_ids) and any(t in stop_ids for t in tokens)
+
+
+def run_speculative(model: Glm4Moe, prompt_ids: list[int], max_new_tokens: int, k: int = 1,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    stop_ids: set[int] | None = None) -> GenerationResult:
+    """Generate ``max_new_tokens`` tokens (fewer after a stop token) with k-token MTP drafts."""
+    dec = SpeculativeDecoder(model, k, SamplingParams(temperature, top_k, top_p), seed)
+    t0 = time.perf_counter()
+    first = dec.prefill(list(prompt_ids))
+    generated = [first]
+    res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=k)
+    while len(generated) < max_new_tokens and not _stopped(generated, stop_ids):
+        emitted, drafts = dec.step()
+        generated.extend(emitted)
+        res.accepted.append(len(emitted) - 1)
+        res.drafted.append(len(drafts))
+        res.draft_ids.append(drafts)
+    _sync(model.device)
+    res.seconds = time.perf_counter() - t0
+    res.tokens = _finish(generated, max_new_tokens, stop_ids)
+    res.trunk_forwards = dec.trunk_forwards
+    return res
+
+
+def run_plain(model: Glm4Moe, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None) -> GenerationResult:
+    """Ordinary autoregressive decoding with the trunk (the baseline for output and tokens/s)."""
+    params = SamplingParams(temperature, top_k, top_p)
+    gen = None if params.greedy else torch.Generator().manual_seed(seed)
+    model.reset()
+    t0 = time.perf_counter()
+    out = model.trunk(torch.tensor([list(prompt_ids)]), last_only=True)
+    generated = []
+    while True:
+        tok, _ = _choose(out.logits[0, -1], params, gen)
+        generated.append(tok)
+        if len(generated) >= max_new_tokens or _stopped(generated, stop_ids):
+            break
+        out = model.trunk(torch.tensor([[tok]]))
+    _sync(model.device)
+    return GenerationResult(prompt_len=len(prompt_ids), tokens=_finish(generated, max_new_tokens, stop_ids), k=0,
+                            seconds=time.perf_counter() - t0, trunk_forwards=len(generated))
+
+
+# ----------------------------------------------------------------------------- teacher forcing
+
+
+@dataclass
+class TeacherForcedResult:
+    """Depth-1 greedy acceptance from one batched pass.
+
+    ``matches[i]``: would the head's draft of token prompt_len+1+i be accepted, i.e. does
+    its argmax from the pair (h_{j-1}, x_j), j = prompt_len+i, equal the trunk's argmax at j?
+    ``loop_drafts``/``loop_accepted``: the counts a greedy k=1 loop over the same
+    continuation makes (it visits only some positions: after an accepted draft plus
+    bonus token it skips one); they equal ``run_speculative(k=1)``'s exactly.
+    """
+
+    prompt_len: int
+    matches: list[bool]
+    loop_drafts: int
+    loop_accepted: int
+
+    @property
+    def rate(self) -> float:
+        return sum(self.matches) / len(self.matches) if self.matches else float("nan")
+
+    @property
+    def loop_rate(self) -> float:
+        return self.loop_accepted / self.loop_drafts if self.loop_drafts else float("nan")
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(model: Glm4Moe, ids: list[int], prompt_len: int) -> TeacherForcedResult:
+    """``ids`` = prompt + continuation (a greedy one, for agreement with the loop)."""
+    n, total = prompt_len, len(ids)
+    if not 1 <= n < total:
+        raise ValueError("need 1 <= prompt_len < len(ids)")
+    seq = torch.tensor([list(ids)])
+    trunk = model.trunk(seq, use_cache=False)
+    target = trunk.logits[0].argmax(dim=-1)  # target[j]: the trunk's choice for x_{j+1}
+    head = model.draft(seq[:, 1:], trunk.hidden[:, :-1], use_cache=False)
+    draft = head.logits[0].argmax(dim=-1)  # draft[t]: the head's choice for x_{t+2} from (h_t, x_{t+1})
+    js = torch.arange(n, total, device=target.device)
+    matches = (draft[js - 1] == target[js]).tolist()
+    # the k=1 loop: round at j drafts x_{j+1}; accepted -> next round at j+2, else j+1; runs while fewer
+    # than len(continuation) tokens were generated (j - n + 1 < total - n)
+    j, drafts, accepted = n, 0, 0
+    while j - n + 1 < total - n:
+        ok = matches[j - n]
+        drafts += 1
+        accepted += int(ok)
+        j += 2 if ok else 1
+    return TeacherForcedResult(prompt_len=n, matches=matches, loop_drafts=drafts, loop_accepted=accepted)

@@ -1,0 +1,378 @@
+"""DeepSeek-V3 / R1 conversion: MLA as llama.cpp writes it, the MTP block, metadata, modes, FP8.
+
+Expected GGUF names are written out here by hand (from llama.cpp's gguf-py
+tensor map for deepseek2); the kv_b_proj split is derived here per head from the
+safetensors, and checked against the attention math transformers runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import tiny
+import tiny_deepseek
+from runcli import run_cli
+from test_convert_glm import convert, read_gguf, source_tensors
+
+N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
+CFG = tiny_deepseek.deepseek_v3_config()
+N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
+KV_LORA = CFG["kv_lora_rank"]
+
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
+    "shared_head.head.weight": "nextn.shared_head_head.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def split_kv_b(kv_b: torch.Tensor, n_head: int = N_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_k_b [n_head, kv_lora, nope] and attn_v_b [n_head, v, kv_lora], head by head from kv_b's rows."""
+    k_b, v_b = [], []
+    for h in range(n_head):
+        rows = kv_b[h * (NOPE + V):(h + 1) * (NOPE + V)]
+        k_b.append(rows[:NOPE].T)
+        v_b.append(rows[NOPE:])
+    return torch.stack(k_b), torch.stack(v_b)
+
+
+def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
+    exp: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        t = t.float()
+        if name in TOP_NAMES:
+            exp[TOP_NAMES[name]] = t
+            continue
+        parts = name.split(".")
+        bid, rest = int(parts[2]), ".".join(parts[3:])
+        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
+            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
+        elif rest == "self_attn.kv_b_proj.weight":
+            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
+        else:
+            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
+    for gname, d in experts.items():
+        exp[gname] = torch.stack([d[e] for e in sorted(d)])
+    return exp
+
+
+@pytest.fixture(scope="module")
+def ds_ckpt(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards."""
+    return tiny_deepseek.deepseek_v3(tmp_path_factory.mktemp("dsv3") / "ckpt", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ds_f32(ds_ckpt, tmp_path_factory):
+    """(kv, tensors) of the f32 conversion, shared by the read-only checks."""
+    return convert(ds_ckpt, tmp_path_factory.mktemp("dsv3_out") / "m.gguf", "--outtype", "f32")
+
+
+def _copy(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def test_f32_every_tensor_equals_source(ds_ckpt, ds_f32):
+    kv, tensors = ds_f32
+    exp = expected_gguf(source_tensors(ds_ckpt))
+    assert set(tensors) == set(exp)
+    assert not any("attn_kv_b" in n for n in tensors)  # llama.cpp's converter writes only the split k_b / v_b
+    for name, want in exp.items():
+        qtype, got = tensors[name]
+        assert qtype == T.F32, name
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+
+
+def test_kv_b_split_matches_mla_attention_math(ds_ckpt, ds_f32):
+    """k_b / v_b reproduce what transformers computes from kv_b_proj: k_nope = c·k_b[h], v = v_b[h]·c per head."""
+    _, tensors = ds_f32
+    src = source_tensors(ds_ckpt)
+    c = torch.randn(5, KV_LORA, generator=torch.Generator().manual_seed(3))  # compressed kv (after kv_a_layernorm)
+    for bid in range(N_TRUNK + 1):
+        kv = torch.nn.functional.linear(c, src[f"model.layers.{bid}.self_attn.kv_b_proj.weight"]).view(5, N_HEAD, NOPE + V)
+        k_nope, value = torch.split(kv, [NOPE, V], dim=-1)  # as DeepseekV3Attention splits it
+        k_b = torch.from_numpy(np.array(tensors[f"blk.{bid}.attn_k_b.weight"][1]))
+        v_b = torch.from_numpy(np.array(tensors[f"blk.{bid}.attn_v_b.weight"][1]))
+        assert k_b.shape == (N_HEAD, KV_LORA, NOPE) and v_b.shape == (N_HEAD, V, KV_LORA)
+        torch.testing.assert_close(torch.einsum("tc,hcn->thn", c, k_b), k_nope)
+        torch.testing.assert_close(torch.einsum("hvc,tc->thv", v_b, c), value)
+
+
+def test_mtp_block_present(ds_f32):
+    kv, tensors = ds_f32
+    assert kv["deepseek2.nextn_predict_layers"] == 1
+    assert kv["deepseek2.block_count"] == N_TRUNK + 1
+    nextn = {n for n in tensors if ".nextn." in n}
+    assert nextn == {f"blk.{MTP}.nextn.{k}.weight" for k in
+                     ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+    # the MTP block's own MLA attention and MoE, named as in the trunk's MoE layer
+    trunk_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.1.")}
+    mtp_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith(f"blk.{MTP}.") and ".nextn." not in n}
+    assert mtp_kinds == trunk_kinds and "attn_k_b.weight" in mtp_kinds and "ffn_gate_exps.weight" in mtp_kinds
+    assert tensors[f"blk.{MTP}.nextn.eh_proj.weight"][1].shape == (256, 512)
+
+
+def test_f16_types(ds_ckpt, tmp_path):
+    _, tensors = convert(ds_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
+    exp = expected_gguf(source_tensors(ds_ckpt))
+    for name, (qtype, data) in tensors.items():
+        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name  # 1-D tensors and routers stay f32, as llama.cpp writes them
+        else:
+            assert qtype == T.F16, name
+            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+
+
+def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
+    _, full = ds_f32
+    kv, tensors = convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
+    assert kv["deepseek2.block_count"] == N_TRUNK and "deepseek2.nextn_predict_layers" not in kv
+    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
+    kv, tensors = convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
+    assert kv["deepseek2.block_count"] == N_TRUNK + 1 and kv["deepseek2.nextn_predict_layers"] == 1
+    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
+                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    for name, (_, data) in tensors.items():
+        np.testing.assert_array_equal(data, full[name][1], err_msg=name)
+
+
+def test_plain_q_proj_and_tied_output(tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite style attention) writes attn_q; a tied lm_head is not written."""
+    ck = tiny_deepseek.deepseek_v3(tmp_path / "ck", dtype=torch.float32, q_lora_rank=None)
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    src = source_tensors(ck)
+    assert "deepseek2.attention.q_lora_rank" not in kv
+    for bid in range(N_TRUNK + 1):
+        assert not any(n.startswith(f"blk.{bid}.attn_q_") for n in tensors)
+        np.testing.assert_array_equal(tensors[f"blk.{bid}.attn_q.weight"][1],
+                                      src[f"model.layers.{bid}.self_attn.q_proj.weight"].numpy())
+        assert tensors[f"blk.{bid}.attn_q.weight"][1].shape == (N_HEAD * (NOPE + ROPE), 256)
+    assert "output.weight" in tensors
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    _, tensors = convert(ck, tmp_path / "tied.gguf", "--outtype", "f32")
+    assert "lm_head.weight" in src and "output.weight" not in tensors  # llama.cpp skips a tied lm_head too
+
+
+def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
+    """DeepSeek-V3 ships e4m3 weights with 128x128 weight_scale_inv tiles; GGUF values = dequantized source."""
+    ck = shutil.copytree(ds_ckpt, tmp_path / "fp8")
+    reference = source_tensors(ck)
+    tiny.to_fp8_block_scaled(ck)
+    stored = source_tensors(ck)
+    dequant: dict[str, torch.Tensor] = {}
+    n_fp8 = 0
+    for name, q in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if q.dtype != torch.float8_e4m3fn:
+            dequant[name] = q.float()
+            continue
+        n_fp8 += 1
+        w, s = q.float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(w)  # independent dequant: loop over the tiles (the last ones may be partial)
+        for i in range(s.shape[0]):
+            for j in range(s.shape[1]):
+                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+                want[tile] = w[tile] * s[i, j]
+        dequant[name] = want
+    assert n_fp8 > 30 and any(stored[n].shape[0] % 128 for n in stored if n.endswith("kv_a_proj_with_mqa.weight"))
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    exp = expected_gguf(dequant)
+    assert set(tensors) == set(exp)
+    for name, want in exp.items():
+        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    # and the FP8 round trip stays close to the original weights
+    orig = expected_gguf(reference)
+    for name in ("blk.2.attn_k_b.weight", "blk.2.nextn.eh_proj.weight", "blk.1.ffn_down_exps.weight"):
+        got = torch.from_numpy(np.array(tensors[name][1]))
+        assert (got - orig[name]).abs().max() <= 0.07 * orig[name].abs().max(), name
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def test_metadata(ds_ckpt, ds_f32):
+    kv, _ = ds_f32
+    want = {
+        "general.architecture": "deepseek2", "deepseek2.block_count": 3, "deepseek2.nextn_predict_layers": 1,
+        "deepseek2.context_length": 16384, "deepseek2.embedding_length": 256, "deepseek2.feed_forward_length": 512,
+        "deepseek2.attention.head_count": 4,
+        "deepseek2.attention.head_count_kv": 1,  # MLA runs as MQA over the compressed cache
+        "deepseek2.attention.q_lora_rank": 256, "deepseek2.attention.kv_lora_rank": 256,
+        "deepseek2.attention.key_length": 256 + 32, "deepseek2.attention.value_length": 256,
+        "deepseek2.attention.key_length_mla": 64 + 32, "deepseek2.attention.value_length_mla": 64,
+        "deepseek2.rope.dimension_count": 32, "deepseek2.leading_dense_block_count": 1,
+        "deepseek2.vocab_size": 512, "deepseek2.expert_count": 8, "deepseek2.expert_used_count": 2,
+        "deepseek2.expert_shared_count": 1, "deepseek2.expert_feed_forward_length": 256,
+        "deepseek2.expert_group_count": 2, "deepseek2.expert_group_used_count": 1,
+        "deepseek2.expert_gating_func": 2, "deepseek2.expert_weights_norm": True,
+        "deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.original_context_length": 4096,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.add_bos_token": True, "general.file_type": 0,
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    approx = {"deepseek2.expert_weights_scale": 2.5, "deepseek2.rope.freq_base": 10000.0,
+              "deepseek2.rope.scaling.factor": 4.0, "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
+              "deepseek2.rope.scaling.yarn_beta_slow": 1.0, "deepseek2.attention.layer_norm_rms_epsilon": 1e-6,
+              "deepseek2.rope.scaling.yarn_log_multiplier": 0.1}  # 0.1 * mscale_all_dim, as llama.cpp stores it
+    for k, v in approx.items():
+        assert kv[k] == pytest.approx(v), k
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ds_ckpt))
+    assert len(kv["tokenizer.ggml.tokens"]) == 512
+    assert kv["tokenizer.ggml.bos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.BOS)
+    assert kv["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.EOS)
+    assert kv["tokenizer.chat_template"] == tiny.CHAT_TEMPLATE
+
+
+def test_config_as_deepseek_ships_it(ds_ckpt, ds_f32, tmp_path):
+    """DeepSeek-V3's own config.json: rope_scaling {"type": "yarn"} + top-level rope_theta, no head_dim."""
+    cfg = json.loads((ds_ckpt / "config.json").read_text())
+    rp = cfg.pop("rope_parameters")
+    for k in ("head_dim", "qk_head_dim"):
+        cfg.pop(k, None)
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    ck = _copy(ds_ckpt, tmp_path / "ck")
+    (ck / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rp}, indent=2))
+    kv, _ = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert kv == ds_f32[0]
+
+
+def test_kv_b_shape_contradicts_config(ds_ckpt, tmp_path):
+    ck = _copy(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
+    res = run_cli("convert", ck, tmp_path / "o.gguf", "--quiet")
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "config.json" in line and ".safetensors" in line, line
+    assert not (tmp_path / "o.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+_LLAMA_CPP_CONVERT = """
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path[:0] = [src + "/gguf-py", src]
+import conversion.base as base
+import conversion.deepseek as deepseek
+# the tiny BPE tokenizer has no known pre-tokenizer hash; mtpq writes 'default' for it too
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+# DeepseekV32's set_vocab asserts transformers' add_bos_token, which transformers 5 does not expose
+deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _llama_cpp_convert(src: Path, ck: Path, out: Path, outtype: str = "f32"):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", _LLAMA_CPP_CONVERT, str(src), str(ck), "--outtype", outtype,
+                          "--outfile", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return read_gguf(out)
+
+
+def _same_tensors(ours: dict, theirs: dict, names: set[str]):
+    for name in names:
+        (qa, a), (qb, b) = ours[name], theirs[name]
+        assert qa == qb and a.shape == b.shape, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+_NOT_COMPARED = {"general.quantization_version", "general.size_label"}  # llama.cpp's general.* naming extras
+
+
+@pytest.mark.llama_cpp
+def test_matches_llama_cpp_converter(ds_ckpt, ds_f32, llama_cpp_src, tmp_path):
+    """llama.cpp's DeepseekV2Model (deepseek2) drops the MTP block: everything else is identical."""
+    kv, tensors = ds_f32
+    ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ds_ckpt, tmp_path / "ref.gguf")
+    assert set(ref) == {n for n in tensors if not n.startswith(f"blk.{MTP}.")}
+    _same_tensors(tensors, ref, set(ref))
+    ours = {k: v for k, v in kv.items() if k not in ("deepseek2.nextn_predict_layers", "deepseek2.block_count")}
+    theirs = {k: v for k, v in ref_kv.items() if k not in _NOT_COMPARED | {"deepseek2.block_count"}}
+    assert ours == theirs
+    assert ref_kv["deepseek2.block_count"] == N_TRUNK and kv["deepseek2.block_count"] == N_TRUNK + 1
+
+
+@pytest.mark.llama_cpp
+def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama_cpp_src, tmp_path):
+    """llama.cpp keeps the same MTP block for DeepSeek-V3.2 (arch deepseek32): its names, shapes and values
+    for blk.2.* must equal ours (same checkpoint relabelled DeepseekV32ForCausalLM; no indexer tensors)."""
+    kv, tensors = ds_f32
+    ck = _copy(ds_ckpt, tmp_path / "ck32", architectures=["DeepseekV32ForCausalLM"],
+               index_n_heads=4, index_head_dim=64, index_topk=64)
+    ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref32.gguf")
+    assert set(ref) == set(tensors)
+    _same_tensors(tensors, ref, set(ref))
+    renamed = {re.sub(r"^deepseek32\.", "deepseek2.", k): v for k, v in ref_kv.items()
+               if k not in _NOT_COMPARED and ".indexer." not in k}
+    renamed["general.architecture"] = "deepseek2"
+    assert renamed == kv
+
+
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
+                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    assert res.returncode == 0, (cmd, res.stderr[-3000:])
+    return res
+
+
+# --no-repack: on CPUs with AMX, llama.cpp puts f16/q8_0 weights in its AMX buffer, which cannot run MLA's 3-D
+# attn_k_b product, and aborts (GGML_ASSERT(*cur_backend_id != -1)) -- with its own converter's GGUF as well.
+_LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
+
+
+@pytest.mark.llama_cpp
+def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
+    convert(ds_ckpt, tmp_path / "full.gguf", "--outtype", "q8_0")
+    convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    _run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
+    for models in (["-m", tmp_path / "full.gguf"], ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]):
+        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp",
+                    "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS])
+        drafted = re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)
+        assert drafted and int(drafted.group(1)) > 0, res.stderr[-2000:]  # the MTP head ran as the drafter

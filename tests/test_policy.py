@@ -1,0 +1,382 @@
+"""The precision policy against llama-quantize's own per-tensor choices.
+
+Test data (tests/data/llama_quantize_choices/*.json) was recorded with the
+llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (llama.cpp of
+2026-10-01), by running this file as a script:
+
+    MTPQ_LLAMA_CPP_BIN=.../llama.cpp/build/bin PYTHONPATH=. python tests/test_policy.py --record
+
+For every variant in ``VARIANTS`` it builds the tiny checkpoint (tests/tiny.py,
+f32), converts it with ``mtpq convert --outtype f32``, runs
+``llama-quantize [options] tiny-f32.gguf out.gguf PRESET 1`` for every run in
+``RUNS`` (no imatrix) and stores the type of every tensor of ``out.gguf`` as
+gguf-py's GGUFReader reads it. The variants exercise: 8 trunk layers + 1 MTP
+block (so llama.cpp's use_more_bits layer pattern has room), an 8-expert model
+with GQA 4 and tied embeddings (llama.cpp's n_expert == 8 and n_gqa >= 4 rules,
+token_embd following the output rules), and rows that are not multiples of 256
+or of 32 (the K-quant and q8_0 fallbacks). ``test_recorded_choices_are_current``
+(marked llama_cpp, slow) re-records into a temporary folder and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+from mtpq.errors import InputError  # noqa: E402
+from mtpq.gguf_io import plan_from_gguf  # noqa: E402
+from mtpq.quantize.pipeline import plan_quantize  # noqa: E402
+from mtpq.quantize.policy import Override, first_answer, preset_mix  # noqa: E402
+from mtpq.quantize.presets import row_fallback, use_more_bits  # noqa: E402
+from mtpq.tensors import Role  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "llama_quantize_choices"
+
+VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
+    "glm4moe_8layers": ("glm4moe", dict(num_hidden_layers=8)),
+    "glm4moe_8experts_gqa4_tied": ("glm4moe", dict(num_hidden_layers=8, n_routed_experts=8, num_key_value_heads=1,
+                                                   tie_word_embeddings=True)),
+    "glm4moe_odd_rows": ("glm4moe", dict(num_hidden_layers=4, hidden_size=288, intermediate_size=320,
+                                         moe_intermediate_size=80)),
+    # hybrid linear attention: attn_qkv counts as attn_v; dense ffn_down uses llama.cpp's running count
+    "qwen35_8layers": ("qwen35", dict(num_hidden_layers=8)),
+    "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
+}
+PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
+           "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+_OPTION_RUNS = {
+    "glm4moe_8layers": [
+        ("Q4_K_M", {"pure": True}),
+        # blk.1's attn_v leaves llama.cpp's running attn_v count: later layers' "more bits" shift
+        ("Q4_K_M", {"tensor_types": [r"blk\.1\.attn_v=q8_0", "ffn_down_exps=q5_k", "ffn_down=q2_k"]}),
+        ("Q3_K_M", {"tensor_types": [r"blk\.0\.attn_v=q4_0"]}),
+        ("Q4_K_M", {"output_tensor_type": "q8_0", "token_embedding_type": "q5_k"}),
+        ("F16", {}), ("BF16", {}),
+        ("F16", {"tensor_types": ["attn_v=q8_0"]}),  # llama-quantize ignores overrides here; mtpq applies them
+    ],
+    "glm4moe_8experts_gqa4_tied": [
+        ("Q4_K_M", {"output_tensor_type": "q8_0"}),  # tied token_embd follows --output-tensor-type
+        ("Q4_K_M", {"token_embedding_type": "q4_0"}),
+    ],
+    "glm4moe_odd_rows": [("Q4_K_M", {"tensor_types": ["ffn_gate_exps=q6_k", "attn_q=q2_k"]})],
+}
+
+
+def runs_for(variant: str) -> list[tuple[str, dict]]:
+    return [(p, {}) for p in PRESETS] + _OPTION_RUNS.get(variant, [])
+
+
+def llama_args(options: dict) -> list[str]:
+    args = ["--pure"] if options.get("pure") else []
+    for pattern in options.get("tensor_types", []):
+        args += ["--tensor-type", pattern]
+    if "output_tensor_type" in options:
+        args += ["--output-tensor-type", options["output_tensor_type"]]
+    if "token_embedding_type" in options:
+        args += ["--token-embedding-type", options["token_embedding_type"]]
+    return args
+
+
+def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
+    if builder == "glm4moe":
+        return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
+    import tiny_qwen35
+
+    return tiny_qwen35.qwen35(folder / "ckpt", dtype=torch.float32, **config)
+
+
+def make_f32_gguf(folder: Path, builder: str, config: dict) -> Path:
+    """The tiny checkpoint and its ``mtpq convert --outtype f32`` GGUF (what llama-quantize was given)."""
+    from mtpq.convert import plan_checkpoint
+    from mtpq.gguf_io import write_plan
+
+    out = folder / "tiny-f32.gguf"
+    write_plan(plan_checkpoint(make_checkpoint(folder, builder, config), outtype=T.F32), out)
+    return out
+
+
+def n_trunk_layers(doc: dict) -> int:
+    return doc["config"]["num_hidden_layers"]
+
+
+def record(bin_dir: Path, out_dir: Path, work: Path) -> None:
+    """Run llama-quantize for every variant and run; write one JSON file per variant."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for variant, (builder, config) in VARIANTS.items():
+        (work / variant).mkdir(parents=True, exist_ok=True)
+        f32 = make_f32_gguf(work / variant, builder, config)
+        names = [t.name for t in GGUFReader(f32).tensors]
+        runs = []
+        for preset, options in runs_for(variant):
+            q = work / variant / "q.gguf"
+            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options), str(f32), str(q), preset, "1"]
+            subprocess.run(cmd, check=True, capture_output=True)
+            types = {t.name: T(t.tensor_type).name for t in GGUFReader(q).tensors}
+            runs.append({"preset": preset, "options": options, "types": [types[n] for n in names]})
+            q.unlink()
+        head = {
+            "_doc": "llama-quantize's per-tensor types for a tiny GGUF; tests/test_policy.py says how it was recorded",
+            "llama_cpp": "vendored by llama-cpp-python 0.3.36 (2026-10-01)",
+            "builder": f"tests/tiny*.py {builder}(dtype=float32, **config) -> mtpq convert --outtype f32",
+            "config": config,
+        }
+        # one line per tensor name and per run: small diffs when llama.cpp changes its mind
+        text = json.dumps(head, indent=1)[:-2] + ',\n "tensors": [\n  '
+        text += ",\n  ".join(json.dumps(n) for n in names) + '\n ],\n "runs": [\n  '
+        text += ",\n  ".join(json.dumps(r) for r in runs) + "\n ]\n}\n"
+        (out_dir / f"{variant}.json").write_text(text)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _load(variant: str) -> dict:
+    return json.loads((DATA / f"{variant}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def f32_plan(tmp_path_factory):
+    """variant -> the plan of its ``mtpq convert --outtype f32`` output, without writing the file.
+
+    Names, shapes, roles and metadata are those of the GGUF llama-quantize was given;
+    test_plan_from_gguf_decides_the_same checks that reading the written file back changes nothing.
+    """
+    from mtpq.convert import plan_checkpoint
+
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            builder, config = VARIANTS[variant]
+            assert _load(variant)["config"] == config, "VARIANTS and the recorded data disagree: re-record"
+            ckpt = make_checkpoint(tmp_path_factory.mktemp(variant), builder, config)
+            cache[variant] = plan_checkpoint(ckpt, outtype=T.F32)
+        return cache[variant]
+
+    return get
+
+
+def _cases():
+    for f in sorted(DATA.glob("*.json")):
+        doc = json.loads(f.read_text())
+        for i, run in enumerate(doc["runs"]):
+            opts = ",".join(f"{k}={v}" for k, v in run["options"].items())
+            yield pytest.param(f.stem, i, id=f"{f.stem}-{run['preset']}{'-' + opts if opts else ''}")
+
+
+def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
+    plan = plan_quantize(plan, preset, pure=options.get("pure", False),
+                         tensor_types=options.get("tensor_types", ()),
+                         output_tensor_type=options.get("output_tensor_type"),
+                         token_embedding_type=options.get("token_embedding_type"), **extra)
+    return {s.name: s.ggml_type.name for s in plan.tensors}
+
+
+def _theirs(doc: dict, run: dict, plan) -> dict[str, str]:
+    """llama-quantize's types, with one documented difference: it ignores --tensor-type for float
+    presets; mtpq applies it (first match; never to 1-D tensors, norms or routers)."""
+    theirs = dict(zip(doc["tensors"], run["types"]))
+    if run["preset"] not in ("F16", "BF16", "F32") or not run["options"].get("tensor_types"):
+        return theirs
+    patterns = [p.rpartition("=") for p in run["options"]["tensor_types"]]
+    for s in plan.tensors:
+        if len(s.shape) < 2 or s.name.endswith("_norm.weight") or "ffn_gate_inp" in s.name:
+            continue
+        for regex, _, qtype in patterns:
+            if re.search(regex, s.name):
+                theirs[s.name] = qtype.upper()
+                break
+    return theirs
+
+
+# ----------------------------------------------------------------------------- against llama-quantize
+
+
+@pytest.mark.parametrize("variant,i", list(_cases()))
+def test_same_as_llama_quantize_with_mtp_type_same(f32_plan, variant, i):
+    doc = _load(variant)
+    run = doc["runs"][i]
+    plan = f32_plan(variant)
+    theirs = _theirs(doc, run, plan)
+    ours = _ours(plan, run["preset"], run["options"], mtp_type="same")
+    assert set(ours) == set(theirs)
+    diff = {n: (ours[n], theirs[n]) for n in theirs if ours[n] != theirs[n]}
+    assert not diff, f"(ours, llama-quantize) differ for {len(diff)} tensors: {diff}"
+
+
+@pytest.mark.parametrize("variant,i", list(_cases()))
+def test_default_holds_mtp_block_at_q8_0_and_nothing_else_changes(f32_plan, variant, i):
+    doc = _load(variant)
+    run = doc["runs"][i]
+    if run["preset"] in ("F16", "BF16", "F32"):
+        pytest.skip("float presets keep the MTP block like the trunk by default")
+    plan = f32_plan(variant)
+    theirs = _theirs(doc, run, plan)
+    ours = _ours(plan, run["preset"], run["options"])
+    rows = {s.name: s.shape[-1] for s in plan.tensors}
+    overridden = [re.compile(p.rpartition("=")[0]) for p in run["options"].get("tensor_types", [])]
+    mtp_prefix = f"blk.{n_trunk_layers(doc)}."
+    n_mtp_checked = 0
+    for name, their_type in theirs.items():
+        if name.startswith(mtp_prefix) and their_type != "F32" and not any(p.search(name) for p in overridden):
+            want = "Q8_0" if rows[name] % 32 == 0 else "F16"  # q8_0, or llama.cpp's f16 fallback
+            assert ours[name] == want, name
+            n_mtp_checked += 1
+        else:
+            assert ours[name] == their_type, name
+    assert n_mtp_checked >= 7  # eh_proj + attention + FFN/experts of the MTP block
+
+
+def test_plan_from_gguf_decides_the_same(f32_plan, tmp_path):
+    """The f32 GGUF read back gives the same decisions as the conversion plan it was written from."""
+    from mtpq.gguf_io import write_plan
+
+    plan = f32_plan("glm4moe_odd_rows")
+    write_plan(plan, tmp_path / "f32.gguf")
+    back = plan_from_gguf(tmp_path / "f32.gguf")
+    for preset in ("Q4_K_M", "Q3_K_M", "Q2_K"):
+        assert _ours(back, preset, {}) == _ours(plan, preset, {})
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.slow
+def test_recorded_choices_are_current(llama_cpp_bin, tmp_path):
+    """Re-run llama-quantize and compare with the committed data (catches stale or hand-edited data)."""
+    record(llama_cpp_bin, tmp_path / "data", tmp_path / "work")
+    for f in sorted(DATA.glob("*.json")):
+        fresh = json.loads((tmp_path / "data" / f.name).read_text())
+        old = json.loads(f.read_text())
+        assert fresh["tensors"] == old["tensors"] and fresh["runs"] == old["runs"], f.name
+
+
+# ----------------------------------------------------------------------------- the rules on their own
+
+
+def test_use_more_bits_pattern():
+    # n = 9 (8 trunk + 1 MTP): first eighth {0}, last eighth {7, 8}, every third from 1 + 2 {3, 6}
+    assert [i for i in range(9) if use_more_bits(i, 9)] == [0, 3, 6, 7, 8]
+    # n = 32: {0..3}, {28..31}, 6, 9, ..., 27
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, *range(6, 28, 3), 28, 29, 30, 31]
+
+
+@pytest.mark.parametrize("qtype,row,want", [
+    (T.Q4_K, 512, T.Q4_K), (T.Q4_K, 288, T.Q5_0), (T.Q5_K, 288, T.Q5_1), (T.Q6_K, 288, T.Q8_0),
+    (T.Q2_K, 288, T.Q4_0), (T.Q3_K, 288, T.Q4_0), (T.Q4_K, 80, T.F16), (T.Q8_0, 80, T.F16), (T.Q8_0, 96, T.Q8_0),
+])
+def test_row_fallbacks(qtype, row, want):
+    assert row_fallback(qtype, row)[0] == want
+
+
+@pytest.fixture(scope="module")
+def glm8(f32_plan):
+    return f32_plan("glm4moe_8layers")
+
+
+def _by_name(plan):
+    return {s.name: s for s in plan.tensors}
+
+
+def test_every_decision_has_its_reason(glm8):
+    q = _by_name(plan_quantize(glm8, "Q4_K_M"))
+    assert all(s.reason for s in q.values())
+    assert q["blk.8.nextn.eh_proj.weight"].reason == "mtp block held at q8_0"
+    assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q8_0
+    assert q["blk.8.ffn_gate_inp.weight"].ggml_type == T.F32 and "router" in q["blk.8.ffn_gate_inp.weight"].reason
+    assert q["blk.8.nextn.enorm.weight"].ggml_type == T.F32 and "1-D" in q["blk.8.nextn.enorm.weight"].reason
+    assert "more-bits" in q["blk.0.attn_v.weight"].reason and q["blk.0.attn_v.weight"].ggml_type == T.Q6_K
+    assert q["output.weight"].ggml_type == T.Q6_K
+
+
+def test_override_beats_the_mtp_rule_and_first_match_wins(glm8):
+    q = _by_name(plan_quantize(glm8, "Q4_K_M", tensor_types=[r"blk\.8\.ffn_.*_exps=q4_k", r"blk\.8\.=f16", "exps=q2_k"]))
+    assert q["blk.8.ffn_up_exps.weight"].ggml_type == T.Q4_K
+    assert q["blk.8.ffn_up_exps.weight"].reason == r"user override blk\.8\.ffn_.*_exps=q4_k"
+    assert q["blk.8.nextn.eh_proj.weight"].ggml_type == T.F16
+    assert q["blk.3.ffn_up_exps.weight"].ggml_type == T.Q2_K
+    assert q["blk.8.attn_norm.weight"].ggml_type == T.F32  # 1-D tensors are never overridden
+
+
+def test_overrides_apply_under_float_presets(glm8):
+    q = _by_name(plan_quantize(glm8, "BF16", tensor_types=["attn_v=q8_0"], mtp_type="q8_0"))
+    assert q["blk.2.attn_v.weight"].ggml_type == T.Q8_0
+    assert q["blk.2.attn_q.weight"].ggml_type == T.BF16
+    assert q["blk.8.nextn.eh_proj.weight"].ggml_type == T.Q8_0  # an explicit --mtp-type applies too
+    default = _by_name(plan_quantize(glm8, "BF16"))
+    assert default["blk.8.nextn.eh_proj.weight"].ggml_type == T.BF16  # default: never coarser than the trunk
+
+
+def test_mtp_experts_type_and_same(glm8):
+    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_type="f16", mtp_experts_type="q4_k"))
+    assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q4_K
+    assert q["blk.8.ffn_down_shexp.weight"].ggml_type == T.F16
+    assert q["blk.8.nextn.shared_head_head.weight"].ggml_type == T.F16
+    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_experts_type="same"))
+    assert q["blk.8.ffn_gate_exps.weight"].ggml_type == T.Q4_K  # the trunk's choice
+    assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q6_K  # layer 8 of 9 is a more-bits layer
+    assert q["blk.8.attn_q.weight"].ggml_type == T.Q8_0
+    q = _by_name(plan_quantize(glm8, "Q2_K", mtp_type="q6_k"))
+    assert {q[n].ggml_type for n in q if n.startswith("blk.8.") and q[n].role is Role.MTP and
+            len(q[n].shape) > 1 and "gate_inp" not in n} == {T.Q6_K}
+
+
+def test_pure_and_file_type(glm8):
+    q = plan_quantize(glm8, "Q5_K_M", pure=True, mtp_type="same")
+    assert {s.ggml_type for s in q.tensors if len(s.shape) > 1 and "gate_inp" not in s.name} == {T.Q5_K}
+    assert q.kv_value("general.file_type") == 17 and q.kv_value("general.quantization_version") == 2
+
+
+def test_counters_skip_tensors_decided_before_the_mix(glm8):
+    from mtpq.quantize.pipeline import model_facts
+    from mtpq.quantize.policy import PolicyContext, with_counters
+    from mtpq.quantize.presets import preset_named
+
+    ctx = with_counters(PolicyContext(preset_named("Q4_K_M"), model_facts(glm8), 8,
+                                      overrides=(Override("x", re.compile(r"blk\.1\.attn_v"), T.Q8_0),)), glm8.tensors)
+    assert ctx.n_attn_v == 9 and "blk.1.attn_v.weight" not in ctx.attn_v_index
+    assert ctx.attn_v_index["blk.2.attn_v.weight"] == 1
+    spec = _by_name(glm8)["blk.2.attn_v.weight"]
+    assert first_answer(spec, ctx)[0] is preset_mix
+
+
+@pytest.mark.parametrize("kwargs,where,says", [
+    (dict(preset="Q9_X"), "PRESET", "unknown preset"),
+    (dict(preset="IQ2_XXS"), "PRESET", "not supported"),
+    (dict(preset="Q2_K_S"), "PRESET", "importance matrix"),
+    (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
+    (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
+    (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),
+    (dict(mtp_type="fp8"), "--mtp-type", "unknown"),
+    (dict(mtp_experts_type="iq2_xxs"), "--mtp-experts-type", "unsupported"),
+    (dict(output_tensor_type="q4"), "--output-tensor-type", "unknown"),
+])
+def test_bad_options_name_the_option(glm8, kwargs, where, says):
+    kwargs = {"preset": "Q4_K_M", **kwargs}
+    with pytest.raises(InputError) as exc:
+        plan_quantize(glm8, kwargs.pop("preset"), **kwargs)
+    assert exc.value.where == where and says in exc.value.problem
+
+
+if __name__ == "__main__":
+    import argparse
+    import os
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="Record llama-quantize's per-tensor choices as test data.")
+    ap.add_argument("--record", action="store_true", required=True)
+    ap.add_argument("--bin", default=os.environ.get("MTPQ_LLAMA_CPP_BIN"), help="folder with llama-quantize")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        record(Path(a.bin), DATA, Path(d))
+    print(f"wrote {', '.join(sorted(p.name for p in DATA.glob('*.json')))}")
