@@ -226,7 +226,7 @@ def test_metadata(ckpt, tmp_path, variant):
         f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 256, f"{a}.full_attention_interval": 4,
         f"{a}.attention.recurrent_layers": [True, True, True, False, False],  # the MTP block is full attention
         f"{a}.rope.dimension_count": 16, f"{a}.rope.dimension_sections": [3, 3, 2, 0],
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "general.file_type": 1,
+        "tokenizer.ggml.model": "gpt2", "general.file_type": 1,
         "tokenizer.chat_template": tiny.CHAT_TEMPLATE,
     }
     if a == "qwen35moe":
@@ -237,6 +237,7 @@ def test_metadata(ckpt, tmp_path, variant):
         want[f"{a}.feed_forward_length"] = 512
     for k, v in want.items():
         assert kv[k] == v, k
+    assert kv["tokenizer.ggml.pre"]  # the name is vocab.py's business (tests/test_convert_glm.py)
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
     from transformers import AutoTokenizer
@@ -372,14 +373,14 @@ def test_missing_expert(ckpt, tmp_path):
 # ----------------------------------------------------------------------------- llama.cpp
 
 # Runs llama.cpp's own converter with its own gguf-py. Its pre-tokenizer lookup refuses the tiny
-# tokenizer's unknown fingerprint, so it is told "default" (what mtpq writes for unknown ones).
+# tokenizer's unknown fingerprint, so it is told the name mtpq chose (argv[2]).
 _RUN_LLAMA_CONVERTER = """
 import runpy, sys
-src = sys.argv[1]
+src, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [src + "/gguf-py", src]
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -390,14 +391,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys and values, and f32 bytes equal llama.cpp's converter's output."""
     folder = ckpt(variant)
+    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
+    kv, tensors = convert(folder, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
     ref = tmp_path / "ref.gguf"
     args = [str(folder), "--outfile", str(ref), "--outtype", "f32"] + ([mode] if mode else [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_LLAMA_CONVERTER, str(llama_cpp_src), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _RUN_LLAMA_CONVERTER, str(llama_cpp_src),
+                           kv["tokenizer.ggml.pre"], *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    kv, tensors = convert(folder, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
     ref_kv, ref_tensors = read_gguf(ref)
     # general.* is provenance (name, size label, version); llama.cpp also always writes quantization_version
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in  # noqa: E731

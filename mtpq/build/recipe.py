@@ -159,8 +159,13 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             if v is not None and not 0.0 <= v <= 1.0:
                 raise _err(path, f"gate.{k}", "must be between 0 and 1")
 
-    from ..quantize.presets import PRESETS  # the names llama-quantize accepts
-    from ..quantize.policy import parse_type
+    from ..quantize.presets import preset_named, type_named  # llama-quantize's names
+
+    def check(fn, value: str, key: str):
+        try:
+            return fn(value, key)
+        except InputError as exc:
+            raise _err(path, key, exc.problem) from None
 
     variants = []
     tables = _take(doc, "variant", list, path, "", required=True)
@@ -174,17 +179,12 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         vname = _take(v, "name", str, path, where, required=True)
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
-        preset = _take(v, "preset", str, path, where, required=True)
-        if preset.upper() not in PRESETS:
-            raise _err(path, f"{where}.preset", f"unknown preset {preset!r}")
+        preset = check(preset_named, _take(v, "preset", str, path, where, required=True), f"{where}.preset").name
         mtp_type = _take(v, "mtp_type", str, path, where, default="q8_0")
         mtp_experts = _take(v, "mtp_experts_type", str, path, where)
         for key, val in (("mtp_type", mtp_type), ("mtp_experts_type", mtp_experts)):
             if val is not None and val.lower() != "same":
-                try:
-                    parse_type(val)
-                except Exception:
-                    raise _err(path, f"{where}.{key}", f"unknown type {val!r}") from None
+                check(type_named, val, f"{where}.{key}")
         overrides = _take(v, "tensor_types", list, path, where, default=[])
         for j, o in enumerate(overrides):
             if not isinstance(o, str) or "=" not in o:
@@ -192,13 +192,13 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             pattern, typ = o.rsplit("=", 1)
             try:
                 re.compile(pattern)
-                parse_type(typ)
-            except Exception as exc:
-                raise _err(path, f"{where}.tensor_types[{j}]", f"{o!r}: {exc}") from None
+            except re.error as exc:
+                raise _err(path, f"{where}.tensor_types[{j}]", f"bad regex {pattern!r}: {exc}") from None
+            check(type_named, typ, f"{where}.tensor_types[{j}]")
         graft = _take(v, "graft_into", str, path, where)
         if check_inputs and graft is not None and not (base / graft).is_file():
             raise _err(path, f"{where}.graft_into", f"{base / graft} does not exist")
-        variants.append(Variant(vname, preset.upper(), mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
+        variants.append(Variant(vname, preset, mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
                                 tuple(overrides), base / graft if graft else None,
                                 _take(v, "gate", bool, path, where, default=True)))
     names = [v.name for v in variants]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List, Optional
 
 import typer
 
 from ..convert import OUTTYPES, MtpMode, plan_checkpoint
 from ..gguf_io import tensor_nbytes, write_plan
+from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
 from .common import byte_progress, console, fail, guarded
 
@@ -18,7 +20,8 @@ from .common import byte_progress, console, fail, guarded
         "  mtpq convert ./GLM-4.5-Air air-f16.gguf\n\n"
         "  mtpq convert ./Qwen3.6-35B-A3B qwen-bf16.gguf --outtype bf16\n\n"
         "  mtpq convert ./DeepSeek-V3 ds-q8.gguf --outtype q8_0\n\n"
-        "  mtpq convert ./GLM-4.5-Air air-mtp-only.gguf --mtp-only   # head-only draft file"
+        "  mtpq convert ./GLM-4.5-Air air-mtp-only.gguf --mtp-only   # head-only draft file\n\n"
+        "  mtpq convert ./GLM-4.5-Air air-q4km.gguf --quant Q4_K_M --mtp-type q8_0   # one pass, no f16 file"
     )
 )
 @guarded
@@ -28,6 +31,15 @@ def convert(
     outtype: str = typer.Option("f16", "--outtype", help="Type of 2-D weights: f32, f16, bf16 or q8_0. 1-D tensors stay f32."),
     no_mtp: bool = typer.Option(False, "--no-mtp", help="Drop the MTP head (and nextn_predict_layers)."),
     mtp_only: bool = typer.Option(False, "--mtp-only", help="Write only the MTP blocks + token_embd, output_norm, output."),
+    quant: Optional[str] = typer.Option(
+        None, "--quant", help="Quantize in the same pass with this llama-quantize preset (Q4_K_M, Q8_0, ...), "
+                              "from the checkpoint's own values: no intermediate full-precision GGUF."),
+    mtp_type: Optional[str] = typer.Option(
+        None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk)."),
+    mtp_experts_type: Optional[str] = typer.Option(
+        None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
+    tensor_type: Optional[List[str]] = typer.Option(
+        None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, keeping every MTP tensor.
@@ -40,11 +52,25 @@ def convert(
     if no_mtp and mtp_only:
         fail("--no-mtp/--mtp-only", "choose at most one")
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
+    quant_options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [])
+    if quant is None:
+        for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type), ("--tensor-type", tensor_type)):
+            if given:
+                fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
+    else:
+        parsed = parse_options(quant, **quant_options)  # bad options fail before the checkpoint is read
+    # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES[outtype.lower()])
+    if quant is not None:
+        plan = plan_quantize(plan, quant, **quant_options)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
         write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
     if not quiet:
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
+        quant_text = ""
+        if quant is not None:
+            held = parsed.mtp_type.name.lower() if parsed.mtp_type is not None else "the trunk's types"
+            quant_text = f", {parsed.preset.name} with MTP at {held}"
         console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
-                      f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch})")
+                      f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})")

@@ -39,7 +39,9 @@ def summarize(path: Path) -> dict:
         "trunk_blocks": plan.n_trunk_layers,
         "nextn_predict_layers": plan.n_mtp_layers,
         "mtp_blocks": mtp_blocks,
-        "mtp_types": sorted({t["type"] for t in tensors if t["mtp"] and len(t["shape"]) > 1}),
+        # the head's weight matrices (its router stays f32 whatever the head's precision)
+        "mtp_types": sorted({t["type"] for t in tensors
+                             if t["mtp"] and len(t["shape"]) > 1 and ".ffn_gate_inp" not in t["name"]}),
         "tensor_count": len(tensors),
         "bytes": total_bytes,
         "bits_per_weight": round(8 * total_bytes / total_el, 3) if total_el else 0.0,

@@ -34,6 +34,7 @@ from .legacy import (
     from_fp16_bytes,
     nearest_int,
     rdiv,
+    sqrt_f32,
     u8,
     wrap_i8,
 )
@@ -77,8 +78,7 @@ def _zeros(ref: torch.Tensor) -> torch.Tensor:
 
 def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
     """``float m = 0; for (...) if (v > m) m = v;`` (always +0.0 when nothing is positive)."""
-    m = v.amax(dim=dim)
-    return torch.where(m > 0, m, _zeros(m))
+    return torch.where(v > 0, v, _zeros(v)).amax(dim=dim)  # NaN compares false: skipped
 
 
 # --------------------------------------------------------------------------- ggml search routines
@@ -285,7 +285,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     nb = x.shape[0]
     X = _sub_blocks(x, 32)
     sum_x2 = _seq_sum(X * X)
-    av_x = torch.sqrt(div(sum_x2, 32.0))
+    av_x = sqrt_f32(div(sum_x2, 32.0))
     W = av_x[None] + X.abs()
     scales, mins, L = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
     S = scales.view(nb, 8)

@@ -109,12 +109,33 @@ def roundf(x: torch.Tensor) -> torch.Tensor:
 def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """C loop ``if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` starting at 0.
 
-    Returns (amax, max); ``max`` is +0.0 when every element is zero.
+    Returns (amax, max); ``max`` is +0.0 when every element is zero.  NaNs
+    (scales of overflowed K-quant sub-blocks) are skipped, as the C compare does.
     """
-    amax, idx = x.abs().max(dim=dim)  # first index of the maximum
+    a = x.abs()
+    a = torch.where(a > 0, a, torch.zeros((), dtype=a.dtype, device=a.device))  # NaN -> 0
+    amax, idx = a.max(dim=dim)  # first index of the maximum
     mx = x.gather(dim, idx.unsqueeze(dim)).squeeze(dim)
     mx = torch.where(amax > 0, mx, torch.zeros((), dtype=_F32, device=x.device))
     return amax, mx
+
+
+def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 ``sqrtf`` of finite ``x >= 0``.
+
+    torch's float32 CPU ``sqrt`` is not correctly rounded (off by one ulp now
+    and then), so take the float64 root, round it, and settle the rounding
+    with an exact float64 midpoint test (a float32 root is never a tie).
+    """
+    s = torch.sqrt(x.to(torch.float64)).to(_F32)
+    xd = x.to(torch.float64)
+    sd = s.to(torch.float64)
+    up = torch.nextafter(s, torch.full((), float("inf"), dtype=_F32, device=x.device))
+    dn = torch.nextafter(s, torch.zeros((), dtype=_F32, device=x.device))
+    mid_up = (sd + up.to(torch.float64)) * 0.5  # 25 significant bits: its square is exact
+    mid_dn = (sd + dn.to(torch.float64)) * 0.5
+    s = torch.where(xd > mid_up * mid_up, up, s)
+    return torch.where(xd < mid_dn * mid_dn, dn, s)
 
 
 def first_min(x: torch.Tensor, dim: int) -> torch.Tensor:

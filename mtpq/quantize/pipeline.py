@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, Keys
@@ -77,6 +78,39 @@ def model_facts(plan: Plan) -> ModelFacts:
     )
 
 
+@dataclass(frozen=True)
+class QuantOptions:
+    """The user's choices, parsed and validated."""
+
+    preset: Preset
+    mtp_type: Optional[GGMLQuantizationType]  # None: the MTP block is treated like the trunk
+    mtp_experts_type: Optional[GGMLQuantizationType]
+    overrides: tuple[Override, ...]
+    output_tensor_type: Optional[GGMLQuantizationType]
+    token_embedding_type: Optional[GGMLQuantizationType]
+
+
+def parse_options(
+    preset: str | Preset,
+    mtp_type: Optional[str] = None,
+    mtp_experts_type: Optional[str] = None,
+    tensor_types: Sequence[str] = (),
+    output_tensor_type: Optional[str] = None,
+    token_embedding_type: Optional[str] = None,
+) -> QuantOptions:
+    """Validate every option (InputError naming the option); nothing is read."""
+    p = preset if isinstance(preset, Preset) else preset_named(preset)
+    mtp = _mtp_type(mtp_type, "--mtp-type", None if p.is_float else MTP_DEFAULT)
+    return QuantOptions(
+        preset=p,
+        mtp_type=mtp,
+        mtp_experts_type=_mtp_type(mtp_experts_type, "--mtp-experts-type", mtp),
+        overrides=parse_overrides(tensor_types),
+        output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
+        token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
+    )
+
+
 def plan_quantize(
     plan: Plan,
     preset: str | Preset,
@@ -96,17 +130,17 @@ def plan_quantize(
     (default: ``mtp_type``). Options are validated before anything is decided;
     a bad one raises InputError naming the option.
     """
-    p = preset if isinstance(preset, Preset) else preset_named(preset)
-    mtp = _mtp_type(mtp_type, "--mtp-type", None if p.is_float else MTP_DEFAULT)
+    o = parse_options(preset, mtp_type, mtp_experts_type, tensor_types, output_tensor_type, token_embedding_type)
+    p = o.preset
     ctx = PolicyContext(
         preset=p,
         model=model_facts(plan),
         n_trunk_layers=plan.n_trunk_layers,
-        mtp_type=mtp,
-        mtp_experts_type=_mtp_type(mtp_experts_type, "--mtp-experts-type", mtp),
-        overrides=parse_overrides(tensor_types),
-        output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
-        token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
+        mtp_type=o.mtp_type,
+        mtp_experts_type=o.mtp_experts_type,
+        overrides=o.overrides,
+        output_tensor_type=o.output_tensor_type,
+        token_embedding_type=o.token_embedding_type,
         pure=pure,
     )
     ctx = with_counters(ctx, plan.tensors)

@@ -78,10 +78,11 @@ class AcceptReport:
 
 
 def load_prompts(spec: str | Path, max_prompts: int | None = None) -> list[tuple[str, str]]:
-    """(category, prompt) pairs from ``builtin`` (package data) or a JSONL file."""
-    if str(spec) == "builtin":
-        text = resources.files("mtpq").joinpath("data/prompts/builtin.jsonl").read_text()
-        where = "builtin prompts"
+    """(category, prompt) pairs from a packaged set (``builtin``, ``demo_heldout``) or a JSONL file."""
+    packaged = resources.files("mtpq").joinpath(f"data/prompts/{spec}.jsonl")
+    if "/" not in str(spec) and not str(spec).endswith(".jsonl") and packaged.is_file():
+        text = packaged.read_text()
+        where = f"{spec} prompts"
     else:
         path = Path(spec)
         if not path.is_file():

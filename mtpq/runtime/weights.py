@@ -83,9 +83,9 @@ class GGUFFile:
 
 def _float_from_reader(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: widen the 16 bits to the top of an f32
-        bits = torch.from_numpy(np.ascontiguousarray(data).view(np.uint16).astype(np.int32) << 16)
+        bits = torch.from_numpy(np.asarray(data).view(np.uint16).astype(np.int32) << 16)
         return bits.view(torch.float32).reshape(shape)
-    return torch.from_numpy(np.ascontiguousarray(data)).reshape(shape)
+    return torch.from_numpy(np.array(data, copy=True, order="C")).reshape(shape)  # a copy: memmaps are read-only
 
 
 class QWeight(nn.Module):
@@ -109,7 +109,7 @@ class QWeight(nn.Module):
         if qtype in FLOAT_TYPES:
             data = _float_from_reader(t.data, qtype, shape).to(device=device, dtype=dtype)
         else:
-            raw = np.ascontiguousarray(t.data).view(np.uint8)
+            raw = np.array(t.data, copy=True, order="C").view(np.uint8)
             data = torch.from_numpy(raw.reshape(*shape[:-1], -1)).to(device)
         return cls(qtype, shape, data, dtype)
 

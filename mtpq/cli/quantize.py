@@ -1,0 +1,97 @@
+"""``mtpq quantize``: GGUF -> GGUF with llama-quantize's presets and the MTP head held high."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..gguf_io import plan_from_gguf, write_plan
+from ..quantize.pipeline import parse_options, plan_quantize, summarize
+from ..quantize.presets import PRESETS
+from .app import app
+from .common import byte_progress, console, guarded, out
+
+_TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, f16, bf16 or f32"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M            # MTP block at q8_0\n\n"
+        "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type same   # exactly llama-quantize\n\n"
+        "  mtpq quantize glm-bf16.gguf glm-q3.gguf Q3_K_M --mtp-experts-type q4_k\n\n"
+        "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run"
+    )
+)
+@guarded
+def quantize(
+    src: Path = typer.Argument(..., help="GGUF to quantize (f32, f16 or bf16 gives the best quality)."),
+    dst: Path = typer.Argument(..., metavar="OUT", help="GGUF to write (temporary name, renamed when complete)."),
+    preset: str = typer.Argument(..., help=f"llama-quantize preset: {', '.join(PRESETS)}."),
+    mtp_type: Optional[str] = typer.Option(
+        None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ... or "
+                                 "'same' (treat like the trunk, as llama-quantize does). Float presets default to same."),
+    mtp_experts_type: Optional[str] = typer.Option(
+        None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
+    tensor_type: Optional[List[str]] = typer.Option(
+        None, "--tensor-type", help="REGEX=TYPE, repeatable, first match wins; beats the preset and the MTP rule."),
+    output_tensor_type: Optional[str] = typer.Option(None, "--output-tensor-type", help=f"Type of output.weight: {_TYPES_HELP}."),
+    token_embedding_type: Optional[str] = typer.Option(None, "--token-embedding-type", help="Type of token_embd.weight."),
+    pure: bool = typer.Option(False, "--pure", help="No llama-quantize mix: the preset's base type everywhere."),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing already-quantized tensors."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decisions and totals as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
+
+    Per-tensor types follow llama-quantize (no imatrix) for the trunk; every
+    tensor of an MTP block gets --mtp-type. 1-D tensors and routers stay as they are.
+    """
+    options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
+                   output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type)
+    parse_options(preset, **options)  # a bad option fails before any file is read
+    before = plan_from_gguf(src)
+    after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, **options)
+    info = summarize(before, after)
+    if dry_run:
+        if as_json:
+            out.print_json(json.dumps({"file": str(src), "dry_run": True, **info}))
+        else:
+            print_decisions(info)
+        return
+    total = info["totals"]["bytes"]
+    with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
+        write_plan(after, dst, on_tensor=lambda spec, n: advance(n, spec.name))
+    if as_json:
+        out.print_json(json.dumps({"file": str(dst), "dry_run": False, **info}))
+    elif not quiet:
+        t = info["totals"]
+        mtp = info["by_role"].get("mtp")
+        mtp_text = f", MTP {mtp['bits_per_weight']:.2f} bits/weight" if mtp else ", no MTP block"
+        console.print(f"wrote {dst} ({t['bytes'] / 2**20:.1f} MiB, {t['bits_per_weight']:.2f} bits/weight{mtp_text})")
+
+
+def print_decisions(info: dict) -> None:
+    """The per-tensor table (MTP rows in magenta) and totals by role, one row per line."""
+    rows = info["tensors"]
+    table = Table("tensor", "role", "old type", "new type", "bytes", "rule", box=None, pad_edge=False)
+    for r in rows:
+        style = "magenta" if r["role"] == "mtp" else None
+        new = r["type"] if r["type"] == r["old_type"] else f"[bold]{r['type']}[/]"
+        table.add_row(r["name"], r["role"], r["old_type"], new, f"{r['bytes']:,}", r["rule"], style=style)
+    # never wrap a row: a table meant for grep and diff
+    width = max((len(r["name"]) + len(r["rule"]) for r in rows), default=0) + 60
+    Console(width=max(out.width, width)).print(table)
+    totals = Table("role", "tensors", "old bytes", "new bytes", "bits/weight", title="totals by role", box=None)
+    for role, v in info["by_role"].items():
+        totals.add_row(role, str(v["tensors"]), f"{v['old_bytes']:,}", f"{v['bytes']:,}", f"{v['bits_per_weight']:.2f}")
+    t = info["totals"]
+    totals.add_row("[bold]all[/]", str(t["tensors"]), f"{t['old_bytes']:,}", f"{t['bytes']:,}",
+                   f"{t['bits_per_weight']:.2f}")
+    out.print(totals)
