@@ -203,7 +203,8 @@ def test_plan_roles_and_types(ckpt):
     by_name = {s.name: s for s in plan.tensors}
     assert plan.n_trunk_layers == 4 and plan.n_mtp_layers == 1
     assert {s.role for s in plan.tensors if s.name.startswith("blk.4.")} == {Role.MTP}
-    assert by_name["blk.0.ssm_out.weight"].role == Role.SSM and by_name["blk.0.ffn_up_exps.weight"].role == Role.FFN_EXPS
+    assert by_name["blk.0.ssm_out.weight"].role == Role.SSM
+    assert by_name["blk.0.ffn_up_exps.weight"].role == Role.FFN_EXPS
     for s in plan.tensors:  # as llama.cpp's converter types them
         f32 = len(s.shape) == 1 or s.name.endswith(("_norm.weight", "ssm_a", ".bias", "ssm_conv1d.weight",
                                                     "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
@@ -440,7 +441,8 @@ def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, vari
     assert proc.returncode == 0, log[-3000:]
     drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log)[1])
     assert drafted > 0  # the MTP head ran
-    steps = [(int(a), int(t)) for a, t in re.findall(r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)", log)]
+    step = r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)"
+    steps = [(int(a), int(t)) for a, t in re.findall(step, log)]
     want = _hf_greedy(folder, prompt, n + 4)
     pos, checked = 0, 0
     for accepted, target in steps:  # each verification step accepts some drafts, then emits one target token

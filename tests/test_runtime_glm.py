@@ -193,8 +193,9 @@ def requantized(src: Path, out: Path, qtype: T) -> Path:
     return out
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
-def test_quantized_gguf_equals_dequantized_weights(qtype, glm_ckpt, f32_gguf, work):
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name.lower())
+def test_quantized_gguf_equals_dequantized_weights(qtype, glm_ckpt, f32_gguf, work, monkeypatch):
+    from mtpq.runtime import weights
     from mtpq.runtime.glm4moe import load_glm4moe
 
     if qtype == T.Q8_0:
@@ -216,6 +217,28 @@ def test_quantized_gguf_equals_dequantized_weights(qtype, glm_ckpt, f32_gguf, wo
     diff, scale = close(q_head, r_head)
     assert diff <= REL_TOL * scale, ("head", diff, scale)
     assert close(q_out.logits, f_out.logits)[0] > 10 * REL_TOL * scale  # quantization did change the model
+    # big quantized matrices are decoded in slabs of rows: force slabs everywhere, same logits
+    monkeypatch.setattr(weights, "DEQUANT_CHUNK", 5000)
+    diff, scale = close(quant.trunk(ids, use_cache=False).logits, q_out.logits)
+    assert diff <= 1e-6 * scale, ("slabs", diff)
+
+
+def test_bf16_compute_matches_transformers_bf16(glm_ckpt, f32_gguf):
+    """bf16 compute: against transformers in bf16 (bf16 vs f32 differs far more, by routing flips, in both)."""
+    from transformers import Glm4MoeForCausalLM
+
+    from mtpq.runtime.glm4moe import load_glm4moe
+    from mtpq.runtime.speculative import run_speculative
+
+    half = load_glm4moe(f32_gguf, dtype=torch.bfloat16)
+    assert half.blocks[0].attn.wq.weight.data.dtype == torch.bfloat16
+    hf = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, half.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    diff, scale = close(half.trunk(ids, use_cache=False).logits, ref)
+    assert diff <= 0.02 * scale, (diff, scale)  # a couple of bf16 ulps at the logit scale
+    assert len(run_speculative(half, ids[0].tolist(), 8, k=2).tokens) == 8
 
 
 # ----------------------------------------------------------------------------- MTP head oracle
@@ -433,12 +456,15 @@ def test_rejection_sampling_is_unbiased(params):
 
 def test_sampled_rounds_follow_the_trunk(copy_model):
     """In the real loop: from one fixed state, the first token of a sampled round ~ the trunk's distribution."""
-    from mtpq.runtime.speculative import SamplingParams, SpeculativeDecoder, probs_from_logits
+    from mtpq.runtime.speculative import SamplingParams, SpeculativeDecoder, probs_from_logits, run_plain
 
     model, tok = copy_model
     sp = SamplingParams(temperature=0.8, top_k=4)
-    dec = SpeculativeDecoder(model, k=2, params=sp, seed=0)
-    dec.prefill(prompt_ids(tok)[0])
+    # a state inside the trunk's greedy 2-cycle (greedy prefill), where the copy head is often right
+    dec = SpeculativeDecoder(model, k=2)
+    ids = prompt_ids(tok)[2]
+    dec.prefill(ids + run_plain(model, ids, 20).tokens)
+    dec.params, dec.gen = sp, torch.Generator()  # from here on: sampled rounds
     state = dec.save()
     p = probs_from_logits(model.trunk(torch.tensor([dec.tokens]), use_cache=False).logits[0, -1], sp).numpy()
     counts = np.zeros(len(p))
@@ -514,6 +540,34 @@ def test_tokenizer_rebuilt_from_gguf_matches_original(glm_ckpt, f32_gguf):
     assert ours.eos_token == ref.eos_token
     assert ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
         ref.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+GLM_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # the split regex of GLM-4.5's tokenizer.json
+
+
+def test_tokenizer_glm4_pre_tokenizer(glm_ckpt, f32_gguf, work):
+    """tokenizer.ggml.pre=glm4: llama.cpp's transcription of GLM's split regex behaves like the original."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.runtime.tokenizer import tokenizer_from_gguf
+    from mtpq.runtime.weights import GGUFFile
+
+    plan = plan_from_gguf(f32_gguf)
+    plan.set_kv("tokenizer.ggml.pre", "glm4", gguf.GGUFValueType.STRING)
+    path = work / "glm4-pre.gguf"
+    write_plan(plan, path)
+    ours = tokenizer_from_gguf(GGUFFile(path))
+    raw = Tokenizer.from_file(str(glm_ckpt / "tokenizer.json"))
+    raw.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref = PreTrainedTokenizerFast(tokenizer_object=raw)
+    for s in ["It's 12345 apples'LL do\r\n\n  x", "def f(x):\n\treturn x**2  # ünï 🚀", "  a  b   c"]:
+        assert ours.encode(s) == ref.encode(s), s
+        assert ours.decode(ours.encode(s)) == s
 
 
 def test_metrics_follow_vllm_definitions():

@@ -29,7 +29,8 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as MT
 
 from ..errors import InputError
-from .base import Emit, Family, check_unused, register
+from ..tensors import Plan
+from .base import Emit, Family, MtpMode, check_unused, layer_of, register
 
 _EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 # The MTP-only tensors. gguf-py's deepseek2 tensor list may lack the NEXTN entries, so they are named here.
@@ -41,6 +42,8 @@ _NEXTN = {
     "shared_head.head.weight": MT.NEXTN_SHARED_HEAD_HEAD,
     "shared_head.norm.weight": MT.NEXTN_SHARED_HEAD_NORM,
 }
+_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "kv_lora_rank",
+             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
 def _name(kind: MT, bid: int) -> str:
@@ -51,6 +54,18 @@ def _name(kind: MT, bid: int) -> str:
 class DeepseekV3(Family):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     arch = "deepseek2"
+
+    def __init__(self, ckpt):
+        super().__init__(ckpt)
+        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
+        if missing:
+            raise InputError(ckpt.folder / "config.json", f"missing {', '.join(missing)} (needed for MLA)")
+        self._mtp_mode = MtpMode.KEEP
+
+    def plan(self, mtp: MtpMode = MtpMode.KEEP,
+             outtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16) -> Plan:
+        self._mtp_mode = mtp  # tensors() needs it: --no-mtp must work on checkpoints stripped of layer 61
+        return super().plan(mtp=mtp, outtype=outtype)
 
     @property
     def rope_parameters(self) -> dict:
@@ -122,6 +137,10 @@ class DeepseekV3(Family):
         n_blocks = self.n_trunk + self.n_mtp
         self.expect_shape(self.require("model.embed_tokens.weight"), (vocab, hidden))
         used: list[str] = []
+        by_layer: dict[int, list[str]] = {}
+        for n in ck.names():
+            if (bid := layer_of(n)) is not None:
+                by_layer.setdefault(bid, []).append(n)
 
         def one(hf: str, name: str | None = None) -> Emit:
             name = name or self.map_name(hf)
@@ -133,9 +152,13 @@ class DeepseekV3(Family):
         yield one("model.embed_tokens.weight")
         for bid in range(n_blocks):
             p = f"model.layers.{bid}."
-            names = [n for n in ck.names() if n.startswith(p)]
+            names = by_layer.get(bid, [])
             if not names:
-                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP)")
+                if bid >= self.n_trunk and self._mtp_mode is MtpMode.DROP:
+                    continue  # many published DeepSeek-V3 copies lack the MTP layer: fine for a trunk-only GGUF
+                hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
+                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
+                                            f" + {self.n_mtp} MTP){hint}")
             self._check_mla_shapes(p)
             experts = [n for n in names if ".mlp.experts." in n]
             for hf in names:
@@ -189,10 +212,10 @@ class DeepseekV3(Family):
         kv_lora = hp["kv_lora_rank"]
 
         def k_b(w: torch.Tensor) -> torch.Tensor:
-            return w.view(n_head, nope + v, kv_lora)[:, :nope, :].transpose(1, 2).contiguous()
+            return w.reshape(n_head, nope + v, kv_lora)[:, :nope, :].transpose(1, 2).contiguous()
 
         def v_b(w: torch.Tensor) -> torch.Tensor:
-            return w.view(n_head, nope + v, kv_lora)[:, nope:, :].contiguous()
+            return w.reshape(n_head, nope + v, kv_lora)[:, nope:, :].contiguous()
 
         yield self.emit(_name(MT.ATTN_K_B, bid), hf, k_b, shape=(n_head, kv_lora, nope))
         yield self.emit(_name(MT.ATTN_V_B, bid), hf, v_b, shape=(n_head, v, kv_lora))

@@ -57,13 +57,18 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # newer than gguf-py 0.19's Keys
 
+Transform = Callable[[torch.Tensor], torch.Tensor]
 _TEXT_PREFIX = re.compile(r"^model\.language_model\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder value heads along ``dim`` from grouped order [k0v0, k0v1, k1v0, k1v1] to tiled [k0v0, k1v0, k0v1, k1v1]."""
+    """Reorder value heads along ``dim``: grouped [k0v0, k0v1, k1v0, k1v1] -> tiled [k0v0, k1v0, k0v1, k1v1]."""
     shape = list(t.shape)
     n_per_k = shape[dim] // (n_k_heads * head_dim)
     grouped = t.reshape(*shape[:dim], n_k_heads, n_per_k, head_dim, *shape[dim + 1:])
@@ -109,13 +114,14 @@ class Qwen35(Family):
         found = sorted(self.mtp_layers)
         if not found and not self.mtp_head:
             if declared:
-                log.warning("%s declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; converting the trunk",
-                            cfg, declared)
+                log.warning("%s declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; "
+                            "converting the trunk", cfg, declared)
             return 0
         if found != list(range(len(found))) or not found:
             raise InputError(self.ckpt.folder, f"MTP layers must be mtp.layers.0..N-1, found {found or 'none'}")
         if declared and declared != len(found):
-            raise InputError(cfg, f"mtp_num_hidden_layers is {declared}, but the checkpoint holds {len(found)} MTP layer(s)")
+            raise InputError(cfg, f"mtp_num_hidden_layers is {declared}, "
+                                  f"but the checkpoint holds {len(found)} MTP layer(s)")
         missing = [k for k in MTP_HEAD if k not in self.mtp_head]
         if missing:
             raise InputError(self.ckpt.folder, f"MTP head is incomplete: missing tensor mtp.{missing[0]}")
@@ -159,12 +165,14 @@ class Qwen35(Family):
         self.used: list[str] = []
         embed = self.top.get("model.embed_tokens.weight")
         if embed is None:
-            raise InputError(self.ckpt.folder, "missing tensor model.embed_tokens.weight (or model.language_model.embed_tokens.weight)")
+            raise InputError(self.ckpt.folder, "missing tensor model.embed_tokens.weight "
+                                               "(or model.language_model.embed_tokens.weight)")
         self.expect_shape(embed, (hp["vocab_size"], hp["hidden_size"]))
         yield self._emit("token_embd.weight", embed)
         for bid in range(self.n_trunk):
             if bid not in self.layers:
-                raise InputError(self.ckpt.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers)")
+                raise InputError(self.ckpt.folder,
+                                 f"no tensors for layer {bid} (config.json has {self.n_trunk} layers)")
             yield from self.block_tensors(bid, self.layers[bid])
         for i in range(self.n_mtp):
             bid = self.n_trunk + i
@@ -196,30 +204,32 @@ class Qwen35(Family):
         transform, shape = self.transform(tensor_kind(name), self.ckpt.shape(hf))
         return self.emit(name, hf, transform, shape)
 
-    def transform(self, kind: str, shape: tuple[int, ...]) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, tuple[int, ...]]:
+    def transform(self, kind: str, shape: tuple[int, ...]) -> tuple[Transform | None, tuple[int, ...]]:
         """The values transform for a GGUF tensor kind, and the shape it produces."""
         if kind in ZERO_CENTRED_NORMS:
             return (lambda t: t.float() + 1.0), shape
+        tile = self.v_head_tiling(kind)
+        if kind == "ssm_a":
+            return (lambda t: -torch.exp(tile(t.float()))), shape
+        if kind == "ssm_conv1d":
+            return (lambda t: tile(t.squeeze(1))), (shape[0], shape[-1])
+        return (None if tile is _identity else tile), shape
+
+    def v_head_tiling(self, kind: str) -> Transform:
+        """The grouped -> tiled value-head reorder of a linear-attention tensor (identity if n_v == n_k)."""
         hp = self.hparams
         n_k, n_v = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
-        d_k, d_v = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
-        reorder = n_v != n_k
-        qk = 2 * n_k * d_k  # the q and k part of in_proj_qkv and of conv1d's channels
-
-        def v_rows_after(start: int, head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda t: torch.cat([t[:start], tile_v_heads(t[start:], 0, n_k, head_dim)]) if reorder else t
-
-        if kind == "ssm_a":
-            return (lambda t: -torch.exp(v_rows_after(0, 1)(t.float()))), shape
-        if kind == "ssm_conv1d":
-            tile_v = v_rows_after(qk, d_v)
-            return (lambda t: tile_v(t.squeeze(1))), (shape[0], shape[-1])
-        if kind == "ssm_out":
-            return ((lambda t: tile_v_heads(t, 1, n_k, d_v)) if reorder else None), shape
-        per_kind = {"attn_qkv": (qk, d_v), "attn_gate": (0, d_v), "ssm_beta": (0, 1), "ssm_alpha": (0, 1), "ssm_dt.bias": (0, 1)}
-        if kind in per_kind and reorder:
-            return v_rows_after(*per_kind[kind]), shape
-        return None, shape
+        qk, d_v = 2 * n_k * hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+        # kind -> (dim, where the V heads start along it, V head size)
+        v_part = {"attn_qkv": (0, qk, d_v), "ssm_conv1d": (0, qk, d_v), "attn_gate": (0, 0, d_v),
+                  "ssm_beta": (0, 0, 1), "ssm_alpha": (0, 0, 1), "ssm_a": (0, 0, 1), "ssm_dt.bias": (0, 0, 1),
+                  "ssm_out": (1, 0, d_v)}
+        if n_v == n_k or kind not in v_part:
+            return _identity
+        dim, start, head_dim = v_part[kind]
+        if dim == 1:
+            return lambda t: tile_v_heads(t, 1, n_k, head_dim)
+        return lambda t: torch.cat([t[:start], tile_v_heads(t[start:], 0, n_k, head_dim)])
 
     def _check_linear_attn(self, inner: str, hf: str) -> None:
         """Refuse linear-attention tensors whose shape contradicts config.json (the reorders depend on it)."""

@@ -52,6 +52,12 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int]] = {
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 18),
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+# byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
+_FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
 _FLOAT_CHUNK = 1 << 22
@@ -95,6 +101,24 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.where((u & 0x7FFFFFFF) > 0x7F800000, quiet, rounded) & 0xFFFF
 
 
+def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) -> None:
+    """Refuse blocks whose fp16 scale overflowed to inf, as llama-quantize does.
+
+    ggml's quantizers write such blocks (huge values, e.g. a Q4_1 min below
+    -65504) and ``llama-quantize`` then fails with "quantized data validation
+    failed"; a GGUF holding them would decode to inf/NaN.
+    """
+    bad = None
+    for off in _FP16_FIELDS[qtype]:
+        b = (q[:, off + 1] & 0x7C) == 0x7C  # fp16 exponent all ones: inf or NaN
+        bad = b if bad is None else bad | b
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
+            "(llama-quantize rejects such data too)"
+        )
+
+
 def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "tensor") -> np.ndarray:
     """ggml-exact encoding of ``values`` (shape ``(..., n_per_row)``) in ``qtype``.
 
@@ -132,6 +156,8 @@ def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "ten
             c = chunk_f32(s, e)
             if qtype == T.F16:
                 r = c.to(torch.float16)
+                if bool(torch.isinf(r).any()):
+                    raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
                 r = _bf16_bits(c).to(torch.int32)
             else:
@@ -146,7 +172,9 @@ def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "ten
     for b0 in range(0, nblocks, step):
         b1 = min(nblocks, b0 + step)
         blocks = chunk_f32(b0 * bs, b1 * bs).reshape(b1 - b0, bs)
-        out[b0:b1] = qfn(blocks).cpu().numpy()
+        q = qfn(blocks)
+        _validate_scales(q, qtype, name)
+        out[b0:b1] = q.cpu().numpy()
     return out.reshape(*shape[:-1], n // bs * ts)
 
 

@@ -25,6 +25,12 @@ distribution (p and q both pass through the same temperature/top-k/top-p).
 
 A round that drafted k tokens and accepted a of them emits a + 1 tokens;
 ``GenerationResult.accepted[i]`` is a for round i (vLLM's counting, see metrics.py).
+Generation stops after ``max_new_tokens`` (the last round's surplus is cut) or a
+token in ``stop_ids``. ``SpeculativeDecoder.save``/``restore`` rewind a decoder to a
+saved point (the caches are rolled back), e.g. to repeat one round many times.
+
+Randomness: a CPU ``torch.Generator`` seeded with ``seed`` drives every draw, so a
+run is reproducible for a given seed (the model may run on CUDA).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..gguf_io import open_gguf
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+DEQUANT_CHUNK = 1 << 26  # elements dequantized at once by QuantLinear: bounds the transient float copy
 
 
 class GGUFFile:
@@ -130,6 +131,12 @@ class QWeight(nn.Module):
             return self.data[expert]
         return self._dequant(self.data[expert], self.shape[1:])
 
+    def row_range(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of a 2-D weight as floats."""
+        if not self.quantized:
+            return self.data[start:stop]
+        return self._dequant(self.data[start:stop], (stop - start, self.shape[-1]))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D table (embedding lookup) without dequantizing the whole table."""
         if not self.quantized:
@@ -155,4 +162,13 @@ class QuantLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.dequant().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        w = self.weight
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        rows, cols = w.shape
+        if not w.quantized or rows * cols <= DEQUANT_CHUNK:
+            return F.linear(x, w.dequant().to(x.dtype), bias)
+        # a big quantized matrix (the LM head: vocab x hidden) is decoded a slab of rows at a time
+        step = max(1, DEQUANT_CHUNK // cols)
+        out = torch.cat([F.linear(x, w.row_range(r, min(rows, r + step)).to(x.dtype)) for r in range(0, rows, step)],
+                        dim=-1)
+        return out if bias is None else out + bias

@@ -1,0 +1,219 @@
+"""mtpq build: artifacts, manifest, incremental rebuilds, reproducibility, gate, bad recipes, kill + resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runcli import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPE = """
+[model]
+name = "tiny"
+source = "{source}"
+output = "{output}"
+reference_type = "f16"
+{gate}
+[[variant]]
+name = "Q8_0"
+preset = "Q8_0"
+
+[[variant]]
+name = "Q4_K_M"
+preset = "Q4_K_M"
+mtp_type = "{mtp}"
+
+[extras]
+mtp_only = true
+"""
+GATE = """
+[gate]
+prompts = "{prompts}"
+draft = 2
+max_new_tokens = 6
+min_rate = {min_rate}
+"""
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text('{"category": "code", "prompt": "def add(a, b):"}\n{"category": "prose", "prompt": "The quick"}\n')
+    return p
+
+
+def write_recipe(path: Path, source: Path, output: str = "dist", mtp: str = "q8_0", gate: str = "") -> Path:
+    path.write_text(RECIPE.format(source=source, output=output, mtp=mtp, gate=gate))
+    return path
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def stamps(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.gguf")}
+
+
+@pytest.fixture(scope="module")
+def built(glm_ckpt, tmp_path_factory):
+    work = tmp_path_factory.mktemp("build")
+    recipe = write_recipe(work / "recipe.toml", glm_ckpt)
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    return work, recipe
+
+
+def test_all_files_and_manifest(built):
+    work, _ = built
+    dist = work / "dist"
+    names = {"tiny-F16.gguf", "tiny-Q8_0.gguf", "tiny-Q4_K_M.gguf", "tiny-F16-MTP-only.gguf"}
+    assert names <= {p.name for p in dist.iterdir()}
+    manifest = json.loads((dist / "manifest.json").read_text())
+    assert {f["file"] for f in manifest["files"]} == names
+    for f in manifest["files"]:  # sha256 and size entries match the files
+        assert f["sha256"] == sha(dist / f["file"]) and f["bytes"] == (dist / f["file"]).stat().st_size
+    sums = dict(reversed(line.split("  ")) for line in (dist / "SHA256SUMS").read_text().splitlines())
+    assert sums == {f["file"]: f["sha256"] for f in manifest["files"]}
+    q4 = next(f for f in manifest["files"] if f["file"] == "tiny-Q4_K_M.gguf")
+    assert q4["mtp_precision"] == ["Q8_0"] and q4["preset"] == "Q4_K_M"
+    assert "Q4_K" in {t for types in q4["types_by_role"].values() for t in types}
+    card = (dist / "README.md").read_text()
+    assert all(n in card for n in names)
+
+
+def test_source_hashes_recorded(built, glm_ckpt):
+    manifest = json.loads((built[0] / "dist" / "manifest.json").read_text())
+    for name, digest in manifest["source"]["files"].items():
+        assert digest == sha(glm_ckpt / name)
+    assert manifest["recipe_sha256"] == sha(built[1])
+    assert "time" not in json.dumps(manifest).lower()  # no timestamps in artifacts
+
+
+def test_second_build_rebuilds_nothing(built):
+    work, recipe = built
+    dist = work / "dist"
+    before, manifest = stamps(dist), (dist / "manifest.json").read_bytes()
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    assert "built" not in res.stderr and res.stderr.count("reused") == 4
+    assert stamps(dist) == before and (dist / "manifest.json").read_bytes() == manifest
+
+
+def test_changed_option_rebuilds_only_its_variant(glm_ckpt, tmp_path):
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    assert run_cli("build", recipe).exit_code == 0
+    before = stamps(tmp_path / "dist")
+    write_recipe(recipe, glm_ckpt, mtp="f16")
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    after = stamps(tmp_path / "dist")
+    changed = {n for n in before if before[n] != after[n]}
+    assert changed == {"tiny-Q4_K_M.gguf"}
+    manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
+    assert next(f for f in manifest["files"] if f["variant"] == "Q4_K_M")["mtp_precision"] == ["F16"]
+
+
+def test_builds_are_byte_identical(built, glm_ckpt, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.toml", glm_ckpt)  # same recipe text, another folder
+    assert run_cli("build", recipe).exit_code == 0
+    a, b = built[0] / "dist", tmp_path / "dist"
+    for p in a.glob("*.gguf"):
+        assert sha(p) == sha(b / p.name), p.name
+    ma, mb = json.loads((a / "manifest.json").read_text()), json.loads((b / "manifest.json").read_text())
+    assert ma == mb
+
+
+def test_gate_pass_and_fail(glm_ckpt, tmp_path, prompts):
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt, gate=GATE.format(prompts=prompts, min_rate=0.0))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
+    gated = [f for f in manifest["files"] if f["kind"] == "variant"]
+    assert manifest["passed"] and all(f["gate"]["passed"] for f in gated)
+    for f in gated:  # acceptance figures are consistent with each other
+        a = f["acceptance"]
+        assert a["acceptance_rate"] == pytest.approx(a["accepted"] / a["drafted"])
+        assert a["mean_acceptance_length"] == pytest.approx(1 + a["accepted"] / a["drafts"])
+    # a gate nobody can pass: exit 1, every variant still built, the manifest says why
+    write_recipe(recipe, glm_ckpt, gate=GATE.format(prompts=prompts, min_rate=1.0).replace("min_rate = 1.0", "min_rate = 1.0\nmax_drop = 0.0"))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 1, res.output
+    manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
+    assert not manifest["passed"]
+    for f in (f for f in manifest["files"] if f["kind"] == "variant"):
+        assert not f["gate"]["passed"] and "min_rate" in f["gate"]["reason"]
+        assert (tmp_path / "dist" / f["file"]).is_file()
+    assert "GATE FAILED" in res.stderr
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda t: t.replace('preset = "Q4_K_M"', 'preset = "Q9_Z"'), "variant[1].preset"),
+    (lambda t: t.replace('name = "tiny"', ""), "model.name"),
+    (lambda t: t.replace('mtp_type = "q8_0"', 'mtp_type = "q4_x"'), "variant[1].mtp_type"),
+    (lambda t: t.replace('[extras]', '[extras]\nsurprise = 1'), "extras.surprise"),
+    (lambda t: t.replace('preset = "Q8_0"', 'preset = "Q8_0"\ntensor_types = ["blk.(=q8_0"]'), "variant[0].tensor_types[0]"),
+    (lambda t: t.replace('reference_type = "f16"', 'reference_type = "q3"'), "model.reference_type"),
+    (lambda t: t.replace('[[variant]]\nname = "Q4_K_M"', '[[variant]]\nname = "Q8_0"'), "variant"),
+    (lambda t: t + "\n[[[", "TOML"),
+])
+def test_broken_recipe_names_the_key(glm_ckpt, tmp_path, edit, key):
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    recipe.write_text(edit(recipe.read_text()))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "r.toml" in line and key in line, line
+    assert not (tmp_path / "dist").exists()
+
+
+def test_variant_subset_and_merge(glm_ckpt, built, tmp_path):
+    """A CI matrix: each job builds one variant into its own folder; the parts are merged afterwards."""
+    merged = tmp_path / "dist"
+    merged.mkdir()
+    for v in ("Q8_0", "Q4_K_M"):
+        job = tmp_path / f"job-{v}"
+        job.mkdir()
+        recipe = write_recipe(job / "r.toml", glm_ckpt)
+        res = run_cli("build", recipe, "--variant", v)
+        assert res.exit_code == 0, res.output
+        assert not (job / "dist" / "manifest.json").exists()
+        shutil.copytree(job / "dist", merged, dirs_exist_ok=True)  # download-artifact, merge-multiple
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    res = run_cli("build", recipe, "--merge")
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((merged / "manifest.json").read_text())
+    full = json.loads((built[0] / "dist" / "manifest.json").read_text())
+    assert manifest["files"] == [f for f in full["files"] if f["kind"] != "mtp-only"]
+
+
+def test_killed_build_leaves_no_partial_artifact_and_resumes(glm_ckpt, tmp_path):
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    dist = tmp_path / "dist"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "mtpq.cli", "build", str(recipe)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(dist.glob(".tiny-Q4_K_M.gguf.partial-*")):
+        time.sleep(0.05)
+    assert list(dist.glob(".tiny-Q4_K_M.gguf.partial-*")), "the build never reached the Q4_K_M variant"
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up
+    proc.wait()
+    assert not (dist / "tiny-Q4_K_M.gguf").exists()
+    assert not (dist / "manifest.json").exists()
+    q8_stamp = (dist / "tiny-Q8_0.gguf").stat().st_mtime_ns
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    assert (dist / "tiny-Q4_K_M.gguf").is_file() and not list(dist.glob(".*.partial-*"))
+    assert (dist / "tiny-Q8_0.gguf").stat().st_mtime_ns == q8_stamp  # resumed, not redone
