@@ -55,7 +55,7 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
-           "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+           "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
 _OPTION_RUNS = {
     "glm4moe_8layers": [
         ("Q4_K_M", {"pure": True}),
@@ -342,7 +342,7 @@ def test_counters_skip_tensors_decided_before_the_mix(glm8):
     from mtpq.quantize.policy import PolicyContext, with_counters
     from mtpq.quantize.presets import preset_named
 
-    ctx = with_counters(PolicyContext(preset_named("Q4_K_M"), model_facts(glm8), 8,
+    ctx = with_counters(PolicyContext(preset_named("Q4_K_M"), model_facts(glm8),
                                       overrides=(Override("x", re.compile(r"blk\.1\.attn_v"), T.Q8_0),)), glm8.tensors)
     assert ctx.n_attn_v == 9 and "blk.1.attn_v.weight" not in ctx.attn_v_index
     assert ctx.attn_v_index["blk.2.attn_v.weight"] == 1

@@ -56,28 +56,6 @@ def convert(src: Path, out: Path, outtype: str = "f32") -> Path:
     return out
 
 
-def make_copy_head(folder: Path, n_layers: int = 2) -> Path:
-    """Rewrite the MTP layer of a tiny checkpoint into the copy head described above."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    embed = None
-    for shard in shards:
-        embed = load_file(str(folder / shard)).get("model.embed_tokens.weight", embed)
-    p = f"model.layers.{n_layers}."
-    for shard in shards:
-        t = load_file(str(folder / shard))
-        for name in list(t):
-            if name == p + "eh_proj.weight":
-                h = t[name].shape[0]
-                t[name] = torch.cat([0.3 * t[name][:, :h], torch.eye(h)], dim=1)
-            elif name.startswith(p) and (name.endswith("o_proj.weight") or "down_proj" in name):
-                t[name] = 0.1 * t[name]
-            elif name == p + "shared_head.head.weight":
-                t[name] = embed.clone()
-        save_file(t, str(folder / shard), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runtime")
@@ -98,7 +76,7 @@ def alt_ckpt(work) -> Path:
 
 @pytest.fixture(scope="module")
 def copy_gguf(work) -> Path:
-    src = make_copy_head(tiny.glm4moe(work / "copy", dtype=torch.float32))
+    src = tiny.copy_head(tiny.glm4moe(work / "copy", dtype=torch.float32))
     return convert(src, work / "copy-f32.gguf")
 
 
@@ -490,7 +468,7 @@ def test_transformers_generate_use_mtp_agrees(work):
     from mtpq.runtime.speculative import load_model, run_speculative
 
     # transformers ties the head's embedding and output to the trunk's: use a GLM-4.6-style head
-    folder = make_copy_head(tiny.glm4moe(work / "copy46", dtype=torch.float32, glm46=True))
+    folder = tiny.copy_head(tiny.glm4moe(work / "copy46", dtype=torch.float32, glm46=True))
     model, tok = load_model(convert(folder, work / "copy46.gguf"), device="cpu")
     hf = hf_model(folder)
     # the loader finds the head by the real models' layer numbers (92 / 46); point it at layer 2

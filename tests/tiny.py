@@ -212,3 +212,32 @@ def _rewrite_fp8(folder: Path, per_channel: bool, block: int) -> None:
     cfg["quantization_config"] = ({"quant_method": "compressed-tensors", "format": "float-quantized"} if per_channel
                                   else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]})
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def copy_head(folder: Path, n_layers: int = 2) -> Path:
+    """Rewrite the MTP layer of a tiny GLM checkpoint into a "copy head" that drafts something useful.
+
+    Its eh_proj passes hnorm(h_t) through, its block is shrunk towards identity and its
+    output head is the token embedding, so it predicts x_t again: right whenever greedy
+    decoding of the random trunk falls into a 2-cycle, wrong elsewhere -- a mix of
+    accepted and rejected drafts, including runs of several accepted ones.
+    """
+    from safetensors.torch import load_file
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    embed = None
+    for shard in shards:
+        embed = load_file(str(folder / shard)).get("model.embed_tokens.weight", embed)
+    p = f"model.layers.{n_layers}."
+    for shard in shards:
+        t = load_file(str(folder / shard))
+        for name in list(t):
+            if name == p + "eh_proj.weight":
+                h = t[name].shape[0]
+                t[name] = torch.cat([0.3 * t[name][:, :h], torch.eye(h)], dim=1)
+            elif name.startswith(p) and (name.endswith("o_proj.weight") or "down_proj" in name):
+                t[name] = 0.1 * t[name]
+            elif name == p + "shared_head.head.weight":
+                t[name] = embed.clone()
+        save_file(t, str(folder / shard), metadata={"format": "pt"})
+    return folder

@@ -99,7 +99,7 @@ def accept(
            "passed": verdict.passed, "reasons": verdict.reasons}
     if json_out is not None:
         text = json.dumps(doc, indent=2, sort_keys=True)
-        out.print(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
+        typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
     if md_out is not None:
         with open(md_out, "a") as f:
             f.write(to_markdown(report, ref, verdict))

@@ -60,7 +60,7 @@ def inspect(
     """Show a GGUF's architecture, MTP blocks, tensor types and sizes (MTP tensors marked)."""
     info = summarize(file)
     if as_json:
-        out.print_json(json.dumps(info))
+        typer.echo(json.dumps(info, indent=2))  # plain: rich would wrap long lines
         return
     mtp = info["mtp_blocks"]
     out.print(f"[bold]{info['file']}[/]  arch [cyan]{info['arch']}[/]  blocks {info['block_count']} "

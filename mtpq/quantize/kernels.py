@@ -119,11 +119,20 @@ def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) ->
         )
 
 
-def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "tensor") -> np.ndarray:
+def quantize(
+    values: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    name: str = "tensor",
+    *,
+    check_scales: bool = True,
+) -> np.ndarray:
     """ggml-exact encoding of ``values`` (shape ``(..., n_per_row)``) in ``qtype``.
 
     Raises ``ValueError`` naming the tensor for NaN/Inf input, a row length that
-    is not a multiple of the block size, or an unsupported type.
+    is not a multiple of the block size, or an unsupported type; and, like
+    llama-quantize, for data whose fp16 block scales (or F16 values) overflow.
+    ``check_scales=False`` skips that last check and returns exactly what
+    ``ggml_quantize_chunk`` writes even then.
     """
     qtype = _check_supported(qtype, name)
     if not isinstance(values, torch.Tensor):
@@ -156,7 +165,7 @@ def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "ten
             c = chunk_f32(s, e)
             if qtype == T.F16:
                 r = c.to(torch.float16)
-                if bool(torch.isinf(r).any()):
+                if check_scales and bool(torch.isinf(r).any()):
                     raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
                 r = _bf16_bits(c).to(torch.int32)
@@ -173,7 +182,8 @@ def quantize(values: torch.Tensor, qtype: GGMLQuantizationType, name: str = "ten
         b1 = min(nblocks, b0 + step)
         blocks = chunk_f32(b0 * bs, b1 * bs).reshape(b1 - b0, bs)
         q = qfn(blocks)
-        _validate_scales(q, qtype, name)
+        if check_scales:
+            _validate_scales(q, qtype, name)
         out[b0:b1] = q.cpu().numpy()
     return out.reshape(*shape[:-1], n // bs * ts)
 

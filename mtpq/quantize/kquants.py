@@ -66,10 +66,28 @@ def _from_sub_blocks(X: torch.Tensor, nb: int) -> torch.Tensor:
 
 def _seq_sum(T: torch.Tensor) -> torch.Tensor:
     """``float s = 0; for (i...) s += T[i];`` along dim 0, in float32."""
-    acc = T[0] + 0.0
+    acc = T[0] + 0.0  # 0.0f + t: same bits as the C accumulator after one step
     for i in range(1, T.shape[0]):
-        acc = acc + T[i]
+        acc.add_(T[i])
     return acc
+
+
+_MAGIC = 12582912.0
+_SAFE = 4194304.0  # 2**22: below it nearest_int(f) == (f + 12582912.f) - 12582912.f
+
+
+def _round_clamp(f: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``MAX(lo, MIN(hi, nearest_int(f)))`` as float32, for |f| < 2**22 (caller's promise).
+
+    In that range ``f + 12582912.f`` rounds f to the nearest integer (ties to
+    even) exactly like ggml's bit trick, and subtracting the bias back is exact.
+    """
+    return torch.clamp((f + _MAGIC) - _MAGIC, lo, hi)
+
+
+def _round_clamp_exact(f: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Same for any f (inf/NaN/huge included) via the bit-level ``nearest_int``; float32 result."""
+    return torch.clamp(nearest_int(f), lo, hi).to(_F32)
 
 
 def _zeros(ref: torch.Tensor) -> torch.Tensor:
@@ -98,14 +116,15 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
     ]
     c = torch.tensor(consts, dtype=_F32, device=X.device)
     iscale = torch.div(c[:, None], mx[None, :])  # (nc, ns)
-    L = torch.clamp(nearest_int(iscale[:, None, :] * X[None]), -nmax, nmax - 1)  # (nc, n, ns)
-    Lf = L.to(_F32)
+    # |iscale * x| <= nmax + 1 whenever max != 0 (all-zero sub-blocks are masked below)
+    L = _round_clamp(iscale[:, None, :] * X[None], -nmax, nmax - 1)  # (nc, n, ns) float
     W = X * X
-    t_lx = (W * X)[None] * Lf
-    t_l2 = (W[None] * Lf) * Lf
-    sumlx = _seq_sum(t_lx.transpose(0, 1))  # (nc, ns)
-    suml2 = _seq_sum(t_l2.transpose(0, 1))
-    del t_lx, t_l2, Lf
+    P = torch.empty((n, 2) + iscale.shape, dtype=_F32, device=X.device)
+    torch.mul((W * X)[None], L, out=P[:, 0].transpose(0, 1))
+    torch.mul(W[None] * L, L, out=P[:, 1].transpose(0, 1))
+    sums = _seq_sum(P)  # (2, nc, ns)
+    sumlx, suml2 = sums[0], sums[1]
+    del P
 
     scale = torch.where(suml2[0] != 0, torch.div(sumlx[0], suml2[0]), _zeros(mx))
     best = scale * sumlx[0]
@@ -117,7 +136,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
         scale = torch.where(better, new_scale, scale)
         best = torch.where(better, new_scale * slx, best)
         choice = torch.where(better, k, choice)
-    Lsel = L.gather(0, choice.view(1, 1, ns).expand(1, n, ns))[0] + nmax
+    Lsel = L.gather(0, choice.view(1, 1, ns).expand(1, n, ns))[0].to(torch.int32) + nmax
     Lsel = torch.where(zero[None], 0, Lsel)
     scale = torch.where(zero, _zeros(scale), scale)
     return scale, Lsel
@@ -166,9 +185,14 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 def _make_qkx2_quants(
     X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``make_qkx2_quants`` for every column. Returns (scale, the_min, L int32)."""
+    """``make_qkx2_quants`` for every column. Returns (scale, the_min, L int32).
+
+    The C routine updates ``min`` whenever a candidate wins, and later candidates
+    use it, so the candidate loop stays sequential.  Instead of carrying L we
+    remember (iscale, min) of the winning candidate and recompute L once.
+    """
     n, ns = X.shape
-    mn = first_min(X, 0)
+    xmin = first_min(X, 0)
     mx = first_max(X, 0)
     WX = W * X
     sum_w = W[0]
@@ -176,8 +200,19 @@ def _make_qkx2_quants(
     for i in range(1, n):
         sum_w = sum_w + W[i]
         sum_x = sum_x + WX[i]
-    mn = torch.where(mn > 0, _zeros(mn), mn)
+    zero = _zeros(xmin)
+    mn = torch.where(xmin > 0, zero, xmin)
     flat = mx == mn
+
+    def levels(isc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """clamp(nearest_int(isc * (x - m)), 0, nmax) as float32 (n, ns)."""
+        f = isc[None] * (X - m[None])
+        # f is monotonic in x, so its extremes are at xmin / max
+        lo = (isc * (xmin - m)).abs()
+        hi = (isc * (mx - m)).abs()
+        if bool(((lo < _SAFE) & (hi < _SAFE) | flat).all()):  # flat columns are discarded
+            return _round_clamp(f, 0, nmax)
+        return _round_clamp_exact(f, 0, nmax)
 
     def err_sum(sc: torch.Tensor, m: torch.Tensor, Lf: torch.Tensor) -> torch.Tensor:
         diff = (sc[None] * Lf + m[None]) - X
@@ -186,29 +221,33 @@ def _make_qkx2_quants(
 
     iscale = rdiv(float(nmax), mx - mn)
     scale = rdiv(1.0, iscale)
-    L = torch.clamp(nearest_int(iscale[None] * (X - mn[None])), 0, nmax)
-    best_error = err_sum(scale, mn, L.to(_F32))
+    best_error = err_sum(scale, mn, levels(iscale, mn))
+    best_iscale, best_mn = iscale, mn
+    P = torch.empty((n, 3, ns), dtype=_F32, device=X.device)
     for step in range(nstep + 1):
         c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
         iscale = rdiv(c, mx - mn)
-        La = torch.clamp(nearest_int(iscale[None] * (X - mn[None])), 0, nmax)
-        Laf = La.to(_F32)
-        WL = W * Laf
-        sum_l = _seq_sum(WL)
-        sum_l2 = _seq_sum(WL * Laf)
-        sum_xl = _seq_sum(WL * X)
+        La = levels(iscale, mn)
+        WL = torch.mul(W, La, out=P[:, 0])
+        torch.mul(WL, La, out=P[:, 1])
+        torch.mul(WL, X, out=P[:, 2])
+        sums = _seq_sum(P)
+        sum_l, sum_l2, sum_xl = sums[0], sums[1], sums[2]
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = torch.div(sum_w * sum_xl - sum_x * sum_l, D)
         this_min = torch.div(sum_l2 * sum_x - sum_l * sum_xl, D)
         pos = this_min > 0
-        this_min = torch.where(pos, _zeros(this_min), this_min)
+        this_min = torch.where(pos, zero, this_min)
         this_scale = torch.where(pos, torch.div(sum_xl, sum_l2), this_scale)
-        cur_error = err_sum(this_scale, this_min, Laf)
+        cur_error = err_sum(this_scale, this_min, La)
         upd = (D > 0) & (cur_error < best_error) & ~flat
-        L = torch.where(upd[None], La, L)
+        best_iscale = torch.where(upd, iscale, best_iscale)
+        best_mn = torch.where(upd, mn, best_mn)  # the min La was computed with
         best_error = torch.where(upd, cur_error, best_error)
         scale = torch.where(upd, this_scale, scale)
         mn = torch.where(upd, this_min, mn)
+    del P
+    L = _round_clamp_exact(best_iscale[None] * (X - best_mn[None]), 0, nmax).to(torch.int32)
     L = torch.where(flat[None], 0, L)
     scale = torch.where(flat, _zeros(scale), scale)
     return scale, -mn, L
@@ -354,13 +393,12 @@ def _kvalues(device) -> torch.Tensor:
 def _best_index_iq4(v: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices).
 
-    ggml's binary search ends on ml = number of k in 1..14 with !(v < kv[k])
-    (also right for NaN, which compares false everywhere), then picks the nearer
-    neighbour with ``v - kv[ml] < kv[ml+1] - v``.
+    ggml's binary search ends on ml = number of k in 1..14 with kv[k] <= v
+    (NaN compares false everywhere and ends on ml = 14, like +inf), then picks
+    the nearer neighbour with ``v - kv[ml] < kv[ml+1] - v``.
     """
-    ml = torch.zeros(v.shape, dtype=torch.int64, device=v.device)
-    for k in range(1, 15):
-        ml += ~(v < KVALUES_IQ4NL[k])
+    v = torch.where(torch.isnan(v), float("inf"), v)
+    ml = torch.bucketize(v, kv[1:15], right=True)
     lo = kv[ml]
     hi = kv[ml + 1]
     idx = torch.where((v - lo) < (hi - v), ml, ml + 1)

@@ -135,7 +135,6 @@ def plan_quantize(
     ctx = PolicyContext(
         preset=p,
         model=model_facts(plan),
-        n_trunk_layers=plan.n_trunk_layers,
         mtp_type=o.mtp_type,
         mtp_experts_type=o.mtp_experts_type,
         overrides=o.overrides,

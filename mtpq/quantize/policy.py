@@ -22,7 +22,7 @@ Order (what beats what):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Optional
 
 from gguf import GGMLQuantizationType
@@ -57,7 +57,6 @@ class Override:
 class PolicyContext:
     preset: Preset
     model: ModelFacts
-    n_trunk_layers: int
     mtp_type: Optional[GGMLQuantizationType] = None  # None: treat the MTP block like the trunk ("same")
     mtp_experts_type: Optional[GGMLQuantizationType] = None  # the MTP block's *_exps; None: like the trunk
     overrides: tuple[Override, ...] = ()
@@ -172,7 +171,7 @@ def with_counters(ctx: PolicyContext, specs: list[TensorSpec]) -> PolicyContext:
     MTP rule) do not advance it, exactly as there.
     """
     n_attn_v = sum(1 for s in specs if category(s.name) in ATTN_V_LIKE)
-    base = PolicyContext(**{**ctx.__dict__, "n_attn_v": n_attn_v, "attn_v_index": {}, "ffn_down_index": {}})
+    base = replace(ctx, n_attn_v=n_attn_v, attn_v_index={}, ffn_down_index={})
     attn_v, ffn_down = {}, {}
     for s in sorted(specs, key=lambda s: llama_order_key(s.name)):
         rule, _ = first_answer(s, base)
@@ -183,4 +182,4 @@ def with_counters(ctx: PolicyContext, specs: list[TensorSpec]) -> PolicyContext:
             attn_v[s.name] = len(attn_v)
         elif cat is Category.FFN_DOWN:
             ffn_down[s.name] = len(ffn_down)
-    return PolicyContext(**{**base.__dict__, "attn_v_index": attn_v, "ffn_down_index": ffn_down})
+    return replace(base, attn_v_index=attn_v, ffn_down_index=ffn_down)

@@ -26,11 +26,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
 
+from .kernels import SUPPORTED_TYPES
+
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-# Types mtpq's kernels write (mtpq.quantize.kernels); users may name any of these.
-QUANT_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
-USER_TYPES = FLOAT_TYPES | QUANT_TYPES
+USER_TYPES = frozenset(SUPPORTED_TYPES)  # what mtpq's kernels write: users may name any of these
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ _PRESETS = [
     Preset("Q4_K_S", F.MOSTLY_Q4_K_S, T.Q4_K), Preset("Q4_K_M", F.MOSTLY_Q4_K_M, T.Q4_K),
     Preset("Q5_K_S", F.MOSTLY_Q5_K_S, T.Q5_K), Preset("Q5_K_M", F.MOSTLY_Q5_K_M, T.Q5_K),
     Preset("Q6_K", F.MOSTLY_Q6_K, T.Q6_K), Preset("Q8_0", F.MOSTLY_Q8_0, T.Q8_0),
+    Preset("IQ4_NL", F.MOSTLY_IQ4_NL, T.IQ4_NL), Preset("IQ4_XS", F.MOSTLY_IQ4_XS, T.IQ4_XS),
     Preset("F16", F.MOSTLY_F16, T.F16), Preset("BF16", F.MOSTLY_BF16, T.BF16), Preset("F32", F.ALL_F32, T.F32),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
@@ -62,7 +63,7 @@ ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-qua
 # llama-quantize presets mtpq refuses, and why (so the error can say so)
 _UNSUPPORTED = {
     "Q2_K_S": "needs an importance matrix",
-    "IQ": "IQ types need kernels mtpq does not have yet",
+    "IQ": "IQ1/IQ2/IQ3 types need an importance matrix and kernels mtpq does not have",
     "TQ": "ternary types are not supported",
     "MXFP4_MOE": "MXFP4 is not supported",
 }
@@ -208,7 +209,8 @@ def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizatio
     block = GGML_QUANT_SIZES[qtype][0]
     if row % block == 0:
         return qtype, ""
-    fallback = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}.get(qtype, qtype)
+    fallback = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+                T.IQ4_XS: T.IQ4_NL}.get(qtype, qtype)
     if row % GGML_QUANT_SIZES[fallback][0] != 0:
         fallback = T.F16
     return fallback, f"row of {row} not a multiple of {block}: {qtype.name.lower()} -> {fallback.name.lower()}"
@@ -250,6 +252,8 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
             new, why = (T.Q5_K, f"attn_v #{i_attn_v} < 2") if i_attn_v < 2 else (T.Q4_K, "attn_v in Q3_K_M")
         elif p == "Q3_K_L":
             new, why = T.Q5_K, "attn_v in Q3_K_L"
+        elif p in ("IQ4_NL", "IQ4_XS") and m.n_gqa >= 4:
+            new, why = T.Q5_K, "attn_v with GQA >= 4"
         elif p in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_attn_v, n_attn_v):
             new, why = T.Q6_K, f"attn_v #{i_attn_v} of {n_attn_v}: a more-bits layer"
         elif p == "Q4_K_S" and i_attn_v < 4:
@@ -285,6 +289,8 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
                 return (T.Q5_K, f"{where}: a more-bits layer (falcon)") if more else (base, f"{p} base type")
             if more:
                 return T.Q6_K, f"{where}: a more-bits layer"
+        if p in ("IQ4_NL", "IQ4_XS") and i < n // 8:  # llama.cpp does this only without an imatrix
+            return T.Q5_K, f"{where}: first eighth"
         if p == "Q5_K_M" and more:
             return T.Q6_K, f"{where}: a more-bits layer"
         if p == "Q4_K_S" and not falcon and i < n // 8:
@@ -294,7 +300,7 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
     if cat is Category.ATTN_OUTPUT:
         if not falcon:
             if m.n_expert == 8:
-                if p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                if p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
                     return T.Q5_K, "attn_output in an 8-expert model"
             else:
                 bump = {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(p)

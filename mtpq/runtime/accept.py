@@ -114,10 +114,10 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
     path = Path(path)
     if not 1 <= draft <= 8:
         raise InputError("--draft", "must be between 1 and 8")
-    pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts
     model, tok = load_model(path, device=device, dtype=dtype, hidden=hidden)
     if getattr(model, "mtp", None) is None:
         raise InputError(path, "has no MTP head to draft with (mtpq graft can add one)")
+    pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts
     stop = {i for i in (getattr(tok, "eos_token_id", None),) if i is not None}
     runs = []
     for i, (cat, text) in enumerate(pairs):
