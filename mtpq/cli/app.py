@@ -44,3 +44,4 @@ from . import build as _build  # noqa: E402,F401
 from . import accept as _accept  # noqa: E402,F401
 from . import quantize as _quantize  # noqa: E402,F401
 from . import demo as _demo  # noqa: E402,F401
+from . import sweep as _sweep  # noqa: E402,F401

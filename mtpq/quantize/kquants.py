@@ -390,28 +390,39 @@ def _kvalues(device) -> torch.Tensor:
     return torch.tensor(KVALUES_IQ4NL, dtype=_F32, device=device)
 
 
-def _best_index_iq4(v: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices).
-
-    ggml's binary search ends on ml = number of k in 1..14 with kv[k] <= v
-    (NaN compares false everywhere and ends on ml = 14, like +inf), then picks
-    the nearer neighbour with ``v - kv[ml] < kv[ml+1] - v``.
-    """
-    v = torch.where(torch.isnan(v), float("inf"), v)
-    ml = torch.bucketize(v, kv[1:15], right=True)
-    lo = kv[ml]
-    hi = kv[ml + 1]
-    idx = torch.where((v - lo) < (hi - v), ml, ml + 1)
-    idx = torch.where(v <= kv[0], 0, idx)
-    return torch.where(v >= kv[15], 15, idx)
+# ggml's best_index_int8 picks kv[k] over kv[k+1] iff v - kv[k] < kv[k+1] - v.  Near
+# the midpoint both differences are exact in float32, so this is v < (kv[k]+kv[k+1])/2
+# exactly; the midpoints are multiples of 0.5, hence the index only depends on
+# floor(2v), and a 512-entry table over floor(2v) in [-256, 255] gives it.
+_IQ4_SUMS = [KVALUES_IQ4NL[k] + KVALUES_IQ4NL[k + 1] for k in range(15)]
+_IQ4_LUT = [sum(1 for s2 in _IQ4_SUMS if s2 <= t) for t in range(-256, 256)]
 
 
-def _iq4_block_scales(X: torch.Tensor, ntry: int):
+def _iq4_slot(v: torch.Tensor) -> torch.Tensor:
+    """Flat int64 row index into the 512-entry tables for each value of ``v``."""
+    t = torch.clamp((v * 2.0).floor_(), -256.0, 255.0)
+    t = torch.nan_to_num(t, nan=255.0)  # NaN: ggml's search ends on the top value
+    return (t + 256.0).to(torch.int64).reshape(-1)
+
+
+def _best_index_iq4(v: torch.Tensor) -> torch.Tensor:
+    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices, shape of ``v``)."""
+    lut = torch.tensor(_IQ4_LUT, dtype=torch.int64, device=v.device)
+    return lut.index_select(0, _iq4_slot(v)).view(v.shape)
+
+
+def _iq4_values(v: torch.Tensor) -> torch.Tensor:
+    """``kvalues_iq4nl[best_index_int8(...)]`` as float32."""
+    lut = torch.tensor([KVALUES_IQ4NL[i] for i in _IQ4_LUT], dtype=_F32, device=v.device)
+    return lut.index_select(0, _iq4_slot(v)).view(v.shape)
+
+
+def _iq4_block_scales(X: torch.Tensor, ntry: int) -> torch.Tensor:
     """Per 32-element block part of ``quantize_row_iq4_nl_impl`` (no quant_weights).
 
-    Returns (scale d per block, zero mask, L from the first pass).
+    Returns the scale d of every block (column of ``X``); the first-pass levels
+    are not needed: ggml recomputes them afterwards when ntry > 0.
     """
-    kv = _kvalues(X.device)
     amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
     W = X * X
@@ -420,12 +431,16 @@ def _iq4_block_scales(X: torch.Tensor, ntry: int):
     consts = [float(i - 127) for i in range(-ntry, ntry + 1)]
     idc = torch.div(torch.tensor(consts, dtype=_F32, device=X.device)[:, None], mx[None])
     ids = torch.cat([id0[None], idc], dim=0)  # (nc, ns)
-    L = _best_index_iq4(ids[:, None, :] * X[None], kv)  # (nc, n, ns)
-    Q = kv[L]
-    WQ = W[None] * Q
-    sumqx = _seq_sum((WQ * X[None]).transpose(0, 1))
-    sumq2 = _seq_sum((WQ * Q).transpose(0, 1))
-    del WQ, Q
+    Q = _iq4_values(ids[:, None, :] * X[None])  # (nc, n, ns)
+    n = X.shape[0]
+    P = torch.empty((n, 2) + ids.shape, dtype=_F32, device=X.device)
+    WQ = torch.mul(W[None], Q, out=P[:, 1].transpose(0, 1))
+    torch.mul(WQ, X[None], out=P[:, 0].transpose(0, 1))  # w*q*x
+    torch.mul(WQ, Q, out=P[:, 1].transpose(0, 1))  # w*q*q (in place over w*q)
+    del Q
+    sums = _seq_sum(P)
+    sumqx, sumq2 = sums[0], sums[1]
+    del P
     d = torch.where(sumq2[0] > 0, torch.div(sumqx[0], sumq2[0]), _zeros(mx))
     best = d * sumqx[0]
     for k in range(1, len(consts) + 1):
@@ -434,8 +449,7 @@ def _iq4_block_scales(X: torch.Tensor, ntry: int):
         nd = torch.div(sqx, sq2)
         d = torch.where(better, nd, d)
         best = torch.where(better, nd * sqx, best)
-    d = torch.where(zero, _zeros(d), d)
-    return d, L[0]
+    return torch.where(zero, _zeros(d), d)
 
 
 def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
@@ -445,19 +459,17 @@ def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
-    kv = _kvalues(x.device)
     X = x.t().contiguous()  # (32, nb)
-    d, _ = _iq4_block_scales(X, 7)
+    d = _iq4_block_scales(X, 7)
     idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
-    L = _best_index_iq4(idv[:, None] * x, kv)
+    L = _best_index_iq4(idv[:, None] * x)
     return torch.cat([fp16_bits(d), _pack_iq4(L)], dim=1)
 
 
 def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
-    kv = _kvalues(x.device)
     nb = x.shape[0]
     X = _sub_blocks(x, 32)
-    scales, _ = _iq4_block_scales(X, 7)
+    scales = _iq4_block_scales(X, 7)
     S = scales.view(nb, 8)
     _, max_scale = first_absmax(S, 1)
     d = div(-max_scale, 32.0)  # float d = -max_scale/32;  (-0.0 for an all-zero super-block)
@@ -465,7 +477,7 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     l = torch.clamp(nearest_int(idv[:, None] * S), -32, 31)
     dl = d[:, None] * l.to(_F32)
     idl = torch.where(dl != 0, rdiv(1.0, dl), _zeros(dl))
-    L = _best_index_iq4(idl.repeat_interleave(32, dim=1) * x, kv)
+    L = _best_index_iq4(idl.repeat_interleave(32, dim=1) * x)
     l = l + 32
     lo = l & 0xF
     scales_l = u8(lo[:, 0::2] | (lo[:, 1::2] << 4))
