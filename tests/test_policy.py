@@ -53,6 +53,8 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     # hybrid linear attention: attn_qkv counts as attn_v; dense ffn_down uses llama.cpp's running count
     "qwen35_8layers": ("qwen35", dict(num_hidden_layers=8)),
     "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
+    # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
+    "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
@@ -92,6 +94,10 @@ def llama_args(options: dict) -> list[str]:
 def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
     if builder == "glm4moe":
         return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
+    if builder == "deepseek_v3":
+        import tiny_deepseek
+
+        return tiny_deepseek.deepseek_v3(folder / "ckpt", dtype=torch.float32, **config)
     import tiny_qwen35
 
     return tiny_qwen35.qwen35(folder / "ckpt", dtype=torch.float32, **config)

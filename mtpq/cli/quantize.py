@@ -16,7 +16,7 @@ from ..quantize.presets import PRESETS
 from .app import app
 from .common import byte_progress, console, guarded, out
 
-_TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, f16, bf16 or f32"
+_TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
 
 @app.command(
@@ -30,9 +30,9 @@ _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, f16, 
 )
 @guarded
 def quantize(
-    src: Path = typer.Argument(..., help="GGUF to quantize (f32, f16 or bf16 gives the best quality)."),
+    src: Path = typer.Argument(..., metavar="IN", help="GGUF to quantize (f32, f16 or bf16 gives the best quality)."),
     dst: Path = typer.Argument(..., metavar="OUT", help="GGUF to write (temporary name, renamed when complete)."),
-    preset: str = typer.Argument(..., help=f"llama-quantize preset: {', '.join(PRESETS)}."),
+    preset: str = typer.Argument(..., metavar="PRESET", help=f"llama-quantize preset: {', '.join(PRESETS)}."),
     mtp_type: Optional[str] = typer.Option(
         None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ... or "
                                  "'same' (treat like the trunk, as llama-quantize does). Float presets default to same."),
@@ -61,7 +61,7 @@ def quantize(
     info = summarize(before, after)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps({"file": str(src), "dry_run": True, **info}))
+            typer.echo(json.dumps({"file": str(src), "dry_run": True, **info}, indent=2))  # plain: rich would wrap
         else:
             print_decisions(info)
         return
@@ -69,7 +69,7 @@ def quantize(
     with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
         write_plan(after, dst, on_tensor=lambda spec, n: advance(n, spec.name))
     if as_json:
-        out.print_json(json.dumps({"file": str(dst), "dry_run": False, **info}))
+        typer.echo(json.dumps({"file": str(dst), "dry_run": False, **info}, indent=2))
     elif not quiet:
         t = info["totals"]
         mtp = info["by_role"].get("mtp")

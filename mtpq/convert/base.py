@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator
 
 import gguf
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, LlamaFileType
@@ -225,20 +226,6 @@ class Family:
         keep_mtp = mtp is not MtpMode.DROP and self.n_mtp > 0
         n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
-        w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
-        w.add_type("model")
-        if name := self.ckpt.config.get("_name_or_path"):
-            w.add_name(Path(name).name)
-        w.add_file_type(FILE_TYPES[outtype])
-        self.set_common_metadata(w, n_blocks)
-        self.set_metadata(w)
-        if keep_mtp:
-            w.add_nextn_predict_layers(self.n_mtp)
-        if outtype == T.Q8_0:
-            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        self.write_vocab(w)
-        kv = {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}
-
         specs: list[TensorSpec] = []
         seen: set[str] = set()
         for e in self.tensors():
@@ -254,6 +241,23 @@ class Family:
             role = classify(e.name, e.shape, self.n_trunk)
             qtype = self.output_type(e.name, e.shape, outtype)
             specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}"))
+
+        w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
+        w.add_type("model")
+        if name := self.ckpt.config.get("_name_or_path"):
+            w.add_name(Path(name).name)
+        w.add_file_type(FILE_TYPES[outtype])
+        self.set_common_metadata(w, n_blocks)
+        self.set_metadata(w)
+        if keep_mtp:
+            w.add_nextn_predict_layers(self.n_mtp)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)  # llama.cpp's converter always writes it
+        for spec in specs:  # tensor infos only, so gguf-py can count parameters for general.size_label
+            w.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), 0, raw_dtype=spec.ggml_type)
+        w.add_size_label(gguf.size_label(*w.get_total_parameter_count()))
+        self.write_vocab(w)
+        kv = {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}
+
         return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
                     n_mtp_layers=self.n_mtp if keep_mtp else 0)
 

@@ -18,12 +18,15 @@ takes with ``raw_dtype=qtype``:
 included), numerically identical to ``gguf.quants.dequantize``.
 
 Work is done in chunks of whole blocks so the extra memory stays bounded
-(a few hundred MB at most), on the device of the input tensor, with torch's
-intra-op thread pool (``torch.set_num_threads``) on CPU.
+(tens of MB per worker on CPU, a few hundred MB on GPU), on the device of the
+input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
+Python threads (one torch thread each); set that to choose the thread count.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -36,21 +39,25 @@ __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quant
 
 T = GGMLQuantizationType
 
-# qtype -> (quantize kernel, dequantize kernel, input elements per chunk)
+# qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU).
+# CPU chunk sizes are tuned so a chunk's temporaries stay in cache (measured on
+# x86; larger chunks are slower, much smaller ones pay Python dispatch).
 _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int]] = {
-    T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 22),
-    T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 22),
-    T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 22),
-    T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 22),
-    T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 22),
-    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 20),
-    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 1 << 20),
-    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 20),
-    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 20),
-    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 19),
-    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 1 << 18),
-    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 18),
+    T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 18),
+    T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 18),
+    T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 18),
+    T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 18),
+    T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 18),
+    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 17),
+    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 1 << 18),
+    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 17),
+    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 17),
+    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 16),
+    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 1 << 16),
+    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 16),
 }
+_GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
+
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
@@ -175,17 +182,49 @@ def quantize(
         return out.reshape(shape)
 
     qfn, _, chunk = _KERNELS[qtype]
+    on_cpu = flat.device.type == "cpu"
     nblocks = total // bs
     out = np.empty((nblocks, ts), dtype=np.uint8)
-    step = max(1, chunk // bs)
-    for b0 in range(0, nblocks, step):
-        b1 = min(nblocks, b0 + step)
+    step = max(1, (chunk if on_cpu else _GPU_CHUNK) // bs)
+    ranges = [(b0, min(nblocks, b0 + step)) for b0 in range(0, nblocks, step)]
+
+    def work(r: tuple[int, int]) -> None:
+        b0, b1 = r
         blocks = chunk_f32(b0 * bs, b1 * bs).reshape(b1 - b0, bs)
         q = qfn(blocks)
         if check_scales:
             _validate_scales(q, qtype, name)
         out[b0:b1] = q.cpu().numpy()
+
+    workers = torch.get_num_threads() if on_cpu else 1
+    if workers > 1 and len(ranges) > 1:
+        _run_parallel(work, ranges, workers)
+    else:
+        for r in ranges:
+            work(r)
     return out.reshape(*shape[:-1], n // bs * ts)
+
+
+_THREAD_LOCK = threading.Lock()
+
+
+def _run_parallel(work: Callable[[tuple[int, int]], None], ranges: list, workers: int) -> None:
+    """Run ``work`` over chunks on ``workers`` Python threads, one torch thread each.
+
+    The kernels are long sequences of small torch ops; spreading chunks over
+    threads (torch releases the GIL inside ops) scales much better than
+    intra-op parallelism of each small op, and degrades gracefully on a busy
+    machine.  torch's intra-op pool is set to 1 thread meanwhile and restored.
+    """
+    with _THREAD_LOCK:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for f in [pool.submit(work, r) for r in ranges]:
+                    f.result()  # re-raises the first error (NaN/Inf, overflow)
+        finally:
+            torch.set_num_threads(saved)
 
 
 def _as_torch(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
