@@ -401,9 +401,10 @@ def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant
                            kv["tokenizer.ggml.pre"], *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_kv, ref_tensors = read_gguf(ref)
-    # general.* is provenance (name, size label, version); llama.cpp also always writes quantization_version
+    # other general.* keys are provenance (name, basename, version) read from the folder name and HF card
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in  # noqa: E731
-                       ("general.architecture", "general.file_type")}
+                       ("general.architecture", "general.file_type", "general.quantization_version",
+                        "general.size_label")}
     assert strip(kv) == strip(ref_kv)
     assert set(tensors) == set(ref_tensors)
     for name, (qtype, data) in tensors.items():

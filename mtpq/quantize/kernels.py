@@ -176,6 +176,8 @@ def quantize(
                     raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
                 r = _bf16_bits(c).to(torch.int32)
+                if check_scales and bool(((r & 0x7FFF) == 0x7F80).any()):
+                    raise ValueError(f"{name}: values exceed the BF16 range (round to inf)")
             else:
                 r = c
             out[s:e] = r.cpu().numpy()
