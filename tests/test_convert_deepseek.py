@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 
 import tiny
 import tiny_deepseek
+from llamacpp_ref import llama_cpp_convert
 from runcli import run_cli
 from test_convert_glm import convert, read_gguf, source_tensors
 
@@ -323,27 +324,8 @@ def test_checkpoint_without_mtp_layer(ds_ckpt, ds_f32, tmp_path):
 # ----------------------------------------------------------------------------- llama.cpp
 
 
-_LLAMA_CPP_CONVERT = """
-import runpy, sys
-src = sys.argv.pop(1)
-sys.path[:0] = [src + "/gguf-py", src]
-import conversion.base as base
-import conversion.deepseek as deepseek
-# the tiny BPE tokenizer has no known pre-tokenizer hash; mtpq writes 'default' for it too
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-# DeepseekV32's set_vocab asserts transformers' add_bos_token, which transformers 5 does not expose
-deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
-sys.argv[0] = src + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def _llama_cpp_convert(src: Path, ck: Path, out: Path, outtype: str = "f32"):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", _LLAMA_CPP_CONVERT, str(src), str(ck), "--outtype", outtype,
-                          "--outfile", str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return read_gguf(out)
+    return read_gguf(llama_cpp_convert(src, ck, out, "gpt-2", outtype=outtype))
 
 
 def _same_tensors(ours: dict, theirs: dict, names: set[str]):

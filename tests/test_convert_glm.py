@@ -285,3 +285,41 @@ def test_failed_write_leaves_nothing(ck_copy, tmp_path, monkeypatch):
     assert res.exit_code == 2, res.output
     assert "o_proj" in res.stderr or "attn_output" in res.stderr
     assert not out.exists() and not list(tmp_path.glob(".o.gguf.partial-*"))
+
+
+# ----------------------------------------------------------------------------- parity with llama.cpp
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp"])
+def test_same_gguf_as_llama_cpp_converter(glm_ckpt, tmp_path, llama_cpp_src, mode):
+    """Names, shapes, types, metadata keys and values, and f32 bytes equal llama.cpp's own converter's."""
+    from llamacpp_ref import llama_cpp_convert
+
+    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
+    kv, tensors = convert(glm_ckpt, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
+    ref = llama_cpp_convert(llama_cpp_src, glm_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
+                            *([mode] if mode else []))
+    ref_kv, ref_tensors = read_gguf(ref)
+    # other general.* keys are provenance (name, basename) that llama.cpp reads from folder names and model cards
+    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
+    assert strip(kv) == strip(ref_kv)
+    assert set(tensors) == set(ref_tensors)
+    for name, (qtype, data) in tensors.items():
+        ref_type, ref_data = ref_tensors[name]
+        assert qtype == ref_type and data.shape == ref_data.shape, name
+        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_loads_and_drafts(glm_ckpt, tmp_path, llama_cpp_bin):
+    import subprocess
+
+    out = tmp_path / "m.gguf"
+    convert(glm_ckpt, out, "--outtype", "f16")
+    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(out), "-p", "def add",
+                           "-n", "16", "--temp", "0", "--spec-type", "draft-mtp", "--no-repack"],
+                          capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MTP draft context" in proc.stderr

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen35
+from llamacpp_ref import llama_cpp_convert
 from runcli import run_cli
 
 VARIANTS = {
@@ -375,17 +376,6 @@ def test_missing_expert(ckpt, tmp_path):
 
 # Runs llama.cpp's own converter with its own gguf-py. Its pre-tokenizer lookup refuses the tiny
 # tokenizer's unknown fingerprint, so it is told the name mtpq chose (argv[2]).
-_RUN_LLAMA_CONVERTER = """
-import runpy, sys
-src, pre = sys.argv[1], sys.argv[2]
-sys.path[:0] = [src + "/gguf-py", src]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[3:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("variant,mode", [("dense", None), ("moe_cg", None), ("moe_fused", None),
                                           ("dense_cg_tied", None), ("moe_cg", "--no-mtp"), ("moe_cg", "--mtp")])
@@ -394,12 +384,8 @@ def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant
     folder = ckpt(variant)
     ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
     kv, tensors = convert(folder, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
-    ref = tmp_path / "ref.gguf"
-    args = [str(folder), "--outfile", str(ref), "--outtype", "f32"] + ([mode] if mode else [])
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_LLAMA_CONVERTER, str(llama_cpp_src),
-                           kv["tokenizer.ggml.pre"], *args], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = llama_cpp_convert(llama_cpp_src, folder, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
+                            *([mode] if mode else []))
     ref_kv, ref_tensors = read_gguf(ref)
     # other general.* keys are provenance (name, basename, version) read from the folder name and HF card
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in  # noqa: E731

@@ -218,7 +218,7 @@ def test_convert_quant_in_one_pass_equals_convert_then_quantize(ckpt, f32, tmp_p
 
 
 @pytest.mark.parametrize("args,where", [
-    (["--quant", "Q4_K_X"], "PRESET"),
+    (["--quant", "Q4_K_X"], "--quant"),
     (["--quant", "Q4_K_M", "--mtp-type", "q7_0"], "--mtp-type"),
     (["--quant", "Q4_K_M", "--tensor-type", "[=q8_0"], "--tensor-type"),
     (["--mtp-type", "q8_0"], "--mtp-type"),  # needs --quant

@@ -58,7 +58,7 @@ def convert(
             if given:
                 fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
     else:
-        parsed = parse_options(quant, **quant_options)  # bad options fail before the checkpoint is read
+        parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES[outtype.lower()])
     if quant is not None:

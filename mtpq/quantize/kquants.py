@@ -516,7 +516,8 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     sc = (low | (high << 4)).to(torch.int16) - 32
     dl = (d[:, None] * sc.to(_F32)).view(nb, 16, 1)
     ql = _unpack_2bit(b[:, 32:96]).to(torch.int16)
-    hb = ((hmask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1).reshape(nb, QK_K)
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    hb = ((hmask.unsqueeze(1) >> bit) & 1).reshape(nb, QK_K)
     q = (ql - 4 * (1 - hb.to(torch.int16))).to(_F32).view(nb, 16, 16)
     return (dl * q).view(nb, QK_K)
 

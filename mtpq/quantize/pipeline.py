@@ -97,9 +97,10 @@ def parse_options(
     tensor_types: Sequence[str] = (),
     output_tensor_type: Optional[str] = None,
     token_embedding_type: Optional[str] = None,
+    preset_option: str = "PRESET",
 ) -> QuantOptions:
     """Validate every option (InputError naming the option); nothing is read."""
-    p = preset if isinstance(preset, Preset) else preset_named(preset)
+    p = preset if isinstance(preset, Preset) else preset_named(preset, preset_option)
     mtp = _mtp_type(mtp_type, "--mtp-type", None if p.is_float else MTP_DEFAULT)
     return QuantOptions(
         preset=p,

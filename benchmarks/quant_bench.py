@@ -1,0 +1,126 @@
+"""Throughput of mtpq's ggml-exact torch quantization kernels (and llama-quantize's, for scale).
+
+    python benchmarks/quant_bench.py                          # 4096x4096, all types
+    python benchmarks/quant_bench.py --rows 1024 --types Q4_K,Q6_K --threads 2
+    python benchmarks/quant_bench.py --llama-quantize /path/to/llama-quantize
+
+For every type it prints the time to quantize an f32 matrix of N(0, 0.02^2)
+values and the input throughput (MB of f32 per second), and the time and
+output throughput of ``dequantize`` (on CPU, or ``--device cuda``).
+
+With ``--llama-quantize``, an F32 GGUF holding the same matrix (one tensor,
+``blk.0.ffn_down.weight``) is written with gguf-py, and ``llama-quantize --pure
+IN OUT TYPE THREADS`` is timed (wall clock of the whole process: it also reads
+and writes the ~64 MB file) for Q8_0, Q4_K and Q6_K with the same thread count;
+the ratio printed is ours / theirs in time (above 1: mtpq is slower).  The
+bytes of both are compared as well.  Figures only, no asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mtpq.quantize.kernels import SUPPORTED_TYPES, dequantize, quantize  # noqa: E402
+
+ALL = [t.name for t in SUPPORTED_TYPES if t not in (T.F32,)]
+
+
+def _best_of(fn, repeat: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _write_f32_gguf(path: Path, x: np.ndarray) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(4096)
+    w.add_embedding_length(x.shape[1])
+    w.add_feed_forward_length(x.shape[0])
+    w.add_head_count(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("blk.0.ffn_down.weight", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--types", default=",".join(ALL), help="comma-separated ggml type names")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (ours and llama-quantize)")
+    ap.add_argument("--repeat", type=int, default=1, help="best of N runs")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-quantize", type=Path, default=None, metavar="PATH")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(args.seed)
+    x = (torch.randn(args.rows, args.cols, generator=g) * 0.02).to(args.device)
+    mb = x.numel() * 4 / 1e6
+    print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, device {args.device}, "
+          f"{args.threads} threads (torch {torch.__version__})")
+    print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
+    ours: dict[str, tuple[float, np.ndarray]] = {}
+    for name in args.types.split(","):
+        qt = T[name]
+        tq, raw = _best_of(lambda: quantize(x, qt, name), args.repeat)
+        ours[name] = (tq, raw)
+        rawt = torch.from_numpy(np.ascontiguousarray(raw)).to(args.device)
+        td, _ = _best_of(lambda: dequantize(rawt, qt, x.shape), args.repeat)
+        print(f"{name:8} {tq:10.3f} {mb / tq:9.1f} {td:10.3f} {mb / td:9.1f}", flush=True)
+
+    if args.llama_quantize is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "f32.gguf"
+        xs = x.cpu().numpy()
+        _write_f32_gguf(src, xs)
+        print(f"\nllama-quantize --pure ({args.llama_quantize}), {args.threads} threads, whole-process wall time")
+        print(f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}")
+        for name in ["Q8_0", "Q4_K", "Q6_K"]:
+            qt = T[name]
+            if name not in ours:
+                ours[name] = _best_of(lambda: quantize(x, qt, name), args.repeat)
+            tq, raw = ours[name]
+            out = Path(tmp) / f"{name}.gguf"
+            best = float("inf")
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                subprocess.run(
+                    [str(args.llama_quantize), "--pure", str(src), str(out), name, str(args.threads)],
+                    check=True, capture_output=True,
+                )
+                best = min(best, time.perf_counter() - t0)
+            import gguf
+
+            data = np.asarray(gguf.GGUFReader(out).tensors[0].data)
+            same = data.tobytes() == raw.tobytes()
+            print(f"{name:8} {best:9.3f} {mb / best:9.1f} {tq:9.3f} {tq / best:12.2f} {str(same):>11}", flush=True)
+            out.unlink()
+
+
+if __name__ == "__main__":
+    main()
