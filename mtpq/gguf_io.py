@@ -106,6 +106,22 @@ def plan_from_gguf(path: Path) -> Plan:
     return Plan(arch=arch, kv=kv, tensors=specs, inputs=[path], n_trunk_layers=n_trunk, n_mtp_layers=n_mtp)
 
 
+def size_label(specs: list[TensorSpec]) -> str:
+    """general.size_label ("4x2.4M", "8B") as llama.cpp's converter computes it from the tensors written."""
+    from gguf import size_label as label
+
+    w = GGUFWriter(None, "none")  # tensor infos only: gguf-py counts shared and expert parameters
+    for spec in specs:
+        w.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), 0, raw_dtype=spec.ggml_type)
+    return label(*w.get_total_parameter_count())
+
+
+def refresh_size_label(plan: Plan) -> None:
+    """After a plan gains or loses tensors (graft, extract), its size label follows, if it has one."""
+    if "general.size_label" in plan.kv:
+        plan.set_kv("general.size_label", size_label(plan.tensors), GGUFValueType.STRING)
+
+
 # ----------------------------------------------------------------------------- writing
 
 

@@ -6,15 +6,17 @@ llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (llama.cpp of
 
     MTPQ_LLAMA_CPP_BIN=.../llama.cpp/build/bin PYTHONPATH=. python tests/test_policy.py --record
 
-For every variant in ``VARIANTS`` it builds the tiny checkpoint (tests/tiny.py,
-f32), converts it with ``mtpq convert --outtype f32``, runs
+For every variant in ``VARIANTS`` it builds the tiny checkpoint (tests/tiny*.py,
+f32), converts it with mtpq to an f32 GGUF, runs
 ``llama-quantize [options] tiny-f32.gguf out.gguf PRESET 1`` for every run in
-``RUNS`` (no imatrix) and stores the type of every tensor of ``out.gguf`` as
-gguf-py's GGUFReader reads it. The variants exercise: 8 trunk layers + 1 MTP
-block (so llama.cpp's use_more_bits layer pattern has room), an 8-expert model
-with GQA 4 and tied embeddings (llama.cpp's n_expert == 8 and n_gqa >= 4 rules,
-token_embd following the output rules), and rows that are not multiples of 256
-or of 32 (the K-quant and q8_0 fallbacks). ``test_recorded_choices_are_current``
+``runs_for`` (no imatrix) and stores the type of every tensor of ``out.gguf`` as
+gguf-py's GGUFReader reads it. The variants exercise: GLM-4.5 with 8 trunk
+layers + 1 MTP block (so llama.cpp's use_more_bits layer pattern has room); an
+8-expert GLM with GQA 4 and tied embeddings (llama.cpp's n_expert == 8 and
+n_gqa >= 4 rules, token_embd following the output rules); rows that are not
+multiples of 256 or of 32 (the K-quant and q8_0 fallbacks); Qwen3.5 dense and
+MoE (attn_qkv counted as attn_v, dense ffn_down by running count, ssm tensors);
+DeepSeek-V3 (MLA's attn_kv_b, 8 experts). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
 """
 

@@ -280,7 +280,7 @@ def test_f32_f16_bf16():
 def test_bf16_nan_is_quiet():
     # NaN never reaches quantize (rejected), but the rounding helper matches ggml for it
     x = np.array([0x7F800001, 0xFFC00001, 0x7FFFFFFF], dtype=np.uint32).view(np.float32)
-    bits = kernels._bf16_bits(torch.from_numpy(x)).numpy()
+    bits = kernels._bf16_bits(torch.from_numpy(x)).numpy().view(np.uint16)
     assert np.array_equal(bits, np.array([0x7FC0, 0xFFC0, 0x7FFF]))
 
 

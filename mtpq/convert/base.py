@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator
 
 import gguf
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, LlamaFileType
 
 from ..errors import InputError
+from ..gguf_io import size_label
 from ..tensors import Plan, TensorSpec, block_index, classify
 from .checkpoint import Checkpoint
 
@@ -252,9 +252,7 @@ class Family:
         if keep_mtp:
             w.add_nextn_predict_layers(self.n_mtp)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)  # llama.cpp's converter always writes it
-        for spec in specs:  # tensor infos only, so gguf-py can count parameters for general.size_label
-            w.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), 0, raw_dtype=spec.ggml_type)
-        w.add_size_label(gguf.size_label(*w.get_total_parameter_count()))
+        w.add_size_label(size_label(specs))
         self.write_vocab(w)
         kv = {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}
 

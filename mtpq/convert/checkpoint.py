@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from ..errors import InputError
 
@@ -40,6 +39,8 @@ class StoredTensor:
     file: Path
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
 
 
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
@@ -77,7 +78,7 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             raise InputError(path, f"corrupt safetensors header: {name} byte range does not match its shape")
         if end > data_size:
             raise InputError(path, f"truncated safetensors file: {name} ends at byte {end} of {data_size}")
-        out[name] = StoredTensor(name, path, dtype, shape)
+        out[name] = StoredTensor(name, path, dtype, shape, 8 + n + start, end - start)
     return out
 
 
@@ -101,7 +102,6 @@ class Checkpoint:
             for name, st in read_safetensors_header(shard).items():
                 self.stored[name] = st
         self._check_index()
-        self._handles: dict[Path, object] = {}
 
     # -- layout -------------------------------------------------------------------------
 
@@ -161,22 +161,26 @@ class Checkpoint:
     def source_dtype(self, name: str) -> str:
         return self.stored[name].dtype
 
-    def _handle(self, file: Path):
-        h = self._handles.get(file)
-        if h is None:
-            try:
-                h = safe_open(str(file), framework="pt")
-            except Exception as exc:
-                raise InputError(file, f"cannot open safetensors file ({exc})") from None
-            self._handles[file] = h
-        return h
-
     def _raw(self, name: str) -> torch.Tensor:
+        """Read one tensor with plain file I/O (positions come from the validated header).
+
+        Not a memory map: pages of a mapped checkpoint stay resident in the process
+        (they count in its RSS) until the mapping closes; a read into a fresh buffer
+        costs the same copy and leaves only this tensor in memory.
+        """
         st = self.stored[name]
+        buf = bytearray(st.nbytes)
         try:
-            return self._handle(st.file).get_tensor(name)
-        except Exception as exc:
-            raise InputError(st.file, f"cannot read tensor {name} ({exc})") from None
+            with open(st.file, "rb") as f:
+                f.seek(st.offset)
+                got = f.readinto(buf)
+        except OSError as exc:
+            raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
+        if got != st.nbytes:
+            raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+        if st.nbytes == 0:
+            return torch.empty(st.shape, dtype=_ST_DTYPES[st.dtype])
+        return torch.frombuffer(buf, dtype=_ST_DTYPES[st.dtype]).reshape(st.shape)
 
     def loader(self, name: str) -> Callable[[], torch.Tensor]:
         """A callable returning the tensor's values (FP8 dequantized to float32)."""

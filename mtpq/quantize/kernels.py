@@ -101,11 +101,16 @@ def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantization
 
 
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    """``ggml_compute_fp32_to_bf16`` on float32 ``x``: int32 tensor holding the uint16 bits."""
-    u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
-    quiet = (u >> 16) | 64
-    return torch.where((u & 0x7FFFFFFF) > 0x7F800000, quiet, rounded) & 0xFFFF
+    """``ggml_compute_fp32_to_bf16`` of float32 ``x``: the bf16 bit patterns as int16.
+
+    Round to nearest even (``(u + 0x7fff + ((u >> 16) & 1)) >> 16``, computed
+    without int32 overflow as high half + carry), NaN made quiet (``| 64``).
+    """
+    u = x.contiguous().view(torch.int32)
+    hi = u >> 16  # arithmetic shift: the low 16 bits are the bf16 pattern
+    carry = ((u & 0xFFFF) + (0x7FFF + (hi & 1))) >> 16
+    r = torch.where((u & 0x7FFFFFFF) > 0x7F800000, hi | 64, hi + carry)
+    return r.to(torch.int16)
 
 
 def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) -> None:
@@ -154,63 +159,70 @@ def quantize(
         raise ValueError(
             f"{name}: row length {n} is not a multiple of the {qtype.name} block size {bs}"
         )
-    flat = values.reshape(-1)
-    total = flat.numel()
+    # a 2-D (rows, n) view of the input; a contiguous or 2-D input is never copied whole
+    rows2d = values.reshape(1, n) if values.dim() == 1 else values.flatten(0, -2)
+    n_rows = rows2d.shape[0]
+    on_cpu = rows2d.device.type == "cpu"
 
-    def chunk_f32(start: int, stop: int) -> torch.Tensor:
-        c = flat[start:stop]
-        c = c.to(torch.float32) if c.dtype != torch.float32 else c
+    def pieces(elems: int) -> list[tuple[int, int, int, int]]:
+        """(row0, row1, col0, col1) chunks of about ``elems`` values, cut at block edges."""
+        if n >= elems:
+            cols = max(bs, elems // bs * bs)
+            return [(r, r + 1, c, min(n, c + cols)) for r in range(n_rows) for c in range(0, n, cols)]
+        k = max(1, elems // max(n, 1))
+        return [(r, min(n_rows, r + k), 0, n) for r in range(0, n_rows, k)]
+
+    def load(p: tuple[int, int, int, int]) -> torch.Tensor:
+        r0, r1, c0, c1 = p
+        c = rows2d[r0:r1, c0:c1]
+        c = c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
         if not bool(torch.isfinite(c).all()):
             raise ValueError(f"{name}: contains NaN/Inf values")
         return c
 
     if qtype in FLOAT_TYPES:
         np_dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[qtype]
-        out = np.empty(total, dtype=np_dtype)
-        for s in range(0, total, _FLOAT_CHUNK):
-            e = min(total, s + _FLOAT_CHUNK)
-            c = chunk_f32(s, e)
+        out = np.empty((n_rows, n), dtype=np_dtype)
+        for p in pieces(_FLOAT_CHUNK):
+            c = load(p)
             if qtype == T.F16:
                 r = c.to(torch.float16)
                 if check_scales and bool(torch.isinf(r).any()):
                     raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
-                r = _bf16_bits(c).to(torch.int32)
+                r = _bf16_bits(c)
                 if check_scales and bool(((r & 0x7FFF) == 0x7F80).any()):
                     raise ValueError(f"{name}: values exceed the BF16 range (round to inf)")
+                r = r.view(torch.uint16)
             else:
                 r = c
-            out[s:e] = r.cpu().numpy()
+            out[p[0]:p[1], p[2]:p[3]] = r.cpu().numpy()
         return out.reshape(shape)
 
     qfn, _, chunk = _KERNELS[qtype]
-    on_cpu = flat.device.type == "cpu"
-    nblocks = total // bs
-    out = np.empty((nblocks, ts), dtype=np.uint8)
-    step = max(1, (chunk if on_cpu else _GPU_CHUNK) // bs)
-    ranges = [(b0, min(nblocks, b0 + step)) for b0 in range(0, nblocks, step)]
+    out = np.empty((n_rows, n // bs * ts), dtype=np.uint8)
 
-    def work(r: tuple[int, int]) -> None:
-        b0, b1 = r
-        blocks = chunk_f32(b0 * bs, b1 * bs).reshape(b1 - b0, bs)
-        q = qfn(blocks)
+    def work(p: tuple[int, int, int, int]) -> None:
+        r0, r1, c0, c1 = p
+        q = qfn(load(p).reshape(-1, bs))
         if check_scales:
             _validate_scales(q, qtype, name)
-        out[b0:b1] = q.cpu().numpy()
+        out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
 
+    todo = pieces(chunk if on_cpu else _GPU_CHUNK)
     workers = torch.get_num_threads() if on_cpu else 1
-    if workers > 1 and len(ranges) > 1:
-        _run_parallel(work, ranges, workers)
+    if workers > 1 and len(todo) > 1:
+        _run_parallel(work, todo, workers)
     else:
-        for r in ranges:
-            work(r)
+        for p in todo:
+            work(p)
     return out.reshape(*shape[:-1], n // bs * ts)
 
 
 _THREAD_LOCK = threading.Lock()
 
 
-def _run_parallel(work: Callable[[tuple[int, int]], None], ranges: list, workers: int) -> None:
+def _run_parallel(work: Callable[[tuple], None], ranges: list, workers: int) -> None:
     """Run ``work`` over chunks on ``workers`` Python threads, one torch thread each.
 
     The kernels are long sequences of small torch ops; spreading chunks over

@@ -94,6 +94,12 @@ def _zeros(ref: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=ref.dtype, device=ref.device)
 
 
+def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``where(cond[None], a, b)`` for int32 (n, ns) tensors; plain arithmetic is
+    several times faster than torch.where on CPU."""
+    return b + (a - b) * cond.to(torch.int32)[None]
+
+
 def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
     """``float m = 0; for (...) if (v > m) m = v;`` (always +0.0 when nothing is positive)."""
     return torch.where(v > 0, v, _zeros(v)).amax(dim=dim)  # NaN compares false: skipped
@@ -137,7 +143,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
         best = torch.where(better, new_scale * slx, best)
         choice = torch.where(better, k, choice)
     Lsel = L.gather(0, choice.view(1, 1, ns).expand(1, n, ns))[0].to(torch.int32) + nmax
-    Lsel = torch.where(zero[None], 0, Lsel)
+    Lsel = Lsel * (~zero).to(torch.int32)[None]
     scale = torch.where(zero, _zeros(scale), scale)
     return scale, Lsel
 
@@ -177,7 +183,7 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
             break
     L = torch.stack(rows) + nmax
     scale = torch.where(suml2 > 0, torch.div(sumlx, suml2), _zeros(sumlx))
-    L = torch.where(zero[None], 0, L)
+    L = L * (~zero).to(torch.int32)[None]
     scale = torch.where(zero, _zeros(scale), scale)
     return scale, L
 
@@ -248,7 +254,7 @@ def _make_qkx2_quants(
         mn = torch.where(upd, this_min, mn)
     del P
     L = _round_clamp_exact(best_iscale[None] * (X - best_mn[None]), 0, nmax).to(torch.int32)
-    L = torch.where(flat[None], 0, L)
+    L = L * (~flat).to(torch.int32)[None]
     scale = torch.where(flat, _zeros(scale), scale)
     return scale, -mn, L
 
@@ -289,7 +295,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
     ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, 3)
-    L = torch.where((dl != 0)[None], Lq, L)
+    L = _select(dl != 0, Lq, L)
     qs = _pack_2bit(_from_sub_blocks(L, nb))
     return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
 
@@ -312,7 +318,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
 
     dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
-    L = torch.where((dl != 0)[None], Lq, L)
+    L = _select(dl != 0, Lq, L)
     Lb = _from_sub_blocks(L, nb)
     high = (Lb > 3).to(torch.int32)
     Lb = Lb - 4 * high
@@ -341,7 +347,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     dl = (d[:, None] * ls.to(_F32)).reshape(-1)
     ml = (dmin[:, None] * lm.to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, nmax)
-    L = torch.where((dl != 0)[None], Lq, L)
+    L = _select(dl != 0, Lq, L)
     head = torch.cat([fp16_bits(d), fp16_bits(dmin), _pack_k4_scales(ls, lm)], dim=1)
     return head, _from_sub_blocks(L, nb)
 
@@ -375,13 +381,13 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     sc = wrap_i8(torch.clamp(nearest_int(iscale[:, None] * S), max=127))
     dl = (d[:, None] * sc.to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -32, 31) + 32
-    L = torch.where((dl != 0)[None], Lq, L)
+    L = _select(dl != 0, Lq, L)
     q = _from_sub_blocks(L, nb).view(nb, 2, 4, 32)
     lo, hi = q & 0xF, q >> 4
     ql = u8(torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)).reshape(nb, 128)
     qh = u8(hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
     out = torch.cat([ql, qh, u8(sc), fp16_bits(d)], dim=1)
-    return torch.where(zero[:, None], torch.zeros((), dtype=torch.uint8, device=x.device), out)
+    return out * (~zero).to(torch.uint8)[:, None]  # memset(0) for an all-zero super-block
 
 
 # --------------------------------------------------------------------------- IQ4_NL / IQ4_XS

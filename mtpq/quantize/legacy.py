@@ -16,7 +16,7 @@ Rules followed to stay bit-exact with the C code (compiled without FMA, see
   torch is ``tensor.reciprocal() * c`` and CUDA turns ``tensor / python_float``
   into a multiplication by the reciprocal -- both differ from IEEE division;
 * float -> int conversions mimic x86 ``cvttss2si`` (what gcc emits for
-  ``(int8_t)f``): truncation, and ``INT_MIN`` for NaN / out-of-range values,
+  ``(int8_t)f``): truncation, and ``INT_MIN`` (low byte 0) for NaN / inf,
   then two's-complement wrap to the narrow C type;
 * ``nearest_int`` is emulated with the very same 12582912 bit trick.
 
@@ -71,11 +71,15 @@ def nearest_int(f: torch.Tensor) -> torch.Tensor:
     return (v & 0x007FFFFF) - 0x00400000
 
 
-def cvtt_i32(f: torch.Tensor) -> torch.Tensor:
-    """C ``(int)f`` on x86 (cvttss2si): truncate, INT_MIN for NaN/out-of-range (int32)."""
-    ok = (f >= -2147483648.0) & (f < 2147483648.0)  # NaN -> False
-    t = torch.where(ok, f, torch.zeros((), dtype=f.dtype, device=f.device)).trunc().to(torch.int32)
-    return torch.where(ok, t, torch.full((), -2147483648, dtype=torch.int32, device=f.device))
+def trunc_small(f: torch.Tensor) -> torch.Tensor:
+    """C ``(int8_t)f`` / ``(uint8_t)f`` where f is either small (|f| < 128) or non-finite.
+
+    That is the situation of every legacy quantizer: a finite ``id = 1/d`` keeps
+    |x*id| within the block range, and ``id`` is inf only for deep-subnormal
+    scales.  Non-finite values convert to INT_MIN on x86, whose low byte is 0, so
+    they become 0, which is what the wrap to the narrow C type gives.
+    """
+    return torch.nan_to_num(f, nan=0.0, posinf=0.0, neginf=0.0).to(torch.int32)
 
 
 def wrap_i8(v: torch.Tensor) -> torch.Tensor:
@@ -100,10 +104,10 @@ def u8(v: torch.Tensor) -> torch.Tensor:
 
 
 def roundf(x: torch.Tensor) -> torch.Tensor:
-    """C ``roundf``: round half away from zero (exact for every float)."""
+    """C ``roundf`` (round half away from zero) of finite ``x``, exactly."""
     t = x.trunc()
-    frac = (x - t).abs()  # exact; NaN for +-inf, then the where keeps t
-    return torch.where(frac >= 0.5, t + x.sign(), t)
+    half = ((x - t).abs() >= 0.5).to(x.dtype)  # x - t is exact
+    return t + x.sign() * half
 
 
 def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +116,7 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     Returns (amax, max); ``max`` is +0.0 when every element is zero.  NaNs
     (scales of overflowed K-quant sub-blocks) are skipped, as the C compare does.
     """
-    a = x.abs()
-    a = torch.where(a > 0, a, torch.zeros((), dtype=a.dtype, device=a.device))  # NaN -> 0
+    a = torch.nan_to_num(x.abs(), nan=0.0)
     amax, idx = a.max(dim=dim)  # first index of the maximum
     mx = x.gather(dim, idx.unsqueeze(dim)).squeeze(dim)
     mx = torch.where(amax > 0, mx, torch.zeros((), dtype=_F32, device=x.device))
@@ -176,7 +179,7 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(dim=1)
     d = div(amax, 127.0)
     idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
-    q = wrap_i8(cvtt_i32(roundf(x * idv[:, None])))
+    q = trunc_small(roundf(torch.nan_to_num(x * idv[:, None], nan=0.0, posinf=0.0, neginf=0.0)))
     return torch.cat([fp16_bits(d), u8(q)], dim=1)
 
 
@@ -190,7 +193,7 @@ def _absmax_signed_scale(x: torch.Tensor, divisor: float) -> tuple[torch.Tensor,
 def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     d, idv = _absmax_signed_scale(x, -8.0)
     v = x * idv[:, None] + 8.5
-    q = u8(torch.clamp(wrap_i8(cvtt_i32(v)), max=15))
+    q = u8(torch.clamp(trunc_small(v), max=15))
     qs = q[:, :16] | (q[:, 16:] << 4)
     return torch.cat([fp16_bits(d), qs], dim=1)
 
@@ -198,7 +201,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     d, idv = _absmax_signed_scale(x, -16.0)
     v = x * idv[:, None] + 16.5
-    q = torch.clamp(wrap_i8(cvtt_i32(v)), max=31) & 0xFF
+    q = torch.clamp(trunc_small(v), max=31)
     qs = u8((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4))
     qh = _qh_pack((q & 0x10) >> 4)
     return torch.cat([fp16_bits(d), qh, qs], dim=1)
@@ -215,7 +218,7 @@ def _minmax_scale(x: torch.Tensor, nmax: float) -> tuple[torch.Tensor, torch.Ten
 def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
     mn, d, idv = _minmax_scale(x, 15.0)
     v = (x - mn[:, None]) * idv[:, None] + 0.5
-    q = u8(torch.clamp(wrap_i8(cvtt_i32(v)), max=15))
+    q = u8(torch.clamp(trunc_small(v), max=15))
     qs = q[:, :16] | (q[:, 16:] << 4)
     return torch.cat([fp16_bits(d), fp16_bits(mn), qs], dim=1)
 
@@ -223,7 +226,7 @@ def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
 def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
     mn, d, idv = _minmax_scale(x, 31.0)
     v = (x - mn[:, None]) * idv[:, None] + 0.5
-    q = cvtt_i32(v) & 0xFF  # (uint8_t)(x0 + 0.5f), no clamp in ggml
+    q = trunc_small(v)  # (uint8_t)(x0 + 0.5f), no clamp in ggml (x0 + 0.5 < 32 anyway)
     qs = u8((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4))
     qh = _qh_pack((q & 0x10) >> 4)
     return torch.cat([fp16_bits(d), fp16_bits(mn), qh, qs], dim=1)

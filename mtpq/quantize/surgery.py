@@ -21,6 +21,7 @@ from gguf import GGUFValueType, Keys
 
 from ..convert.base import MTP_ONLY_KEEP
 from ..errors import InputError
+from ..gguf_io import refresh_size_label
 from ..tensors import Plan, TensorSpec, block_index
 from .presets import llama_quantizes, row_fallback
 
@@ -161,6 +162,7 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: T | None = None, replace: bo
     quantized = any(s.ggml_type not in (T.F32, T.F16, T.BF16) for s in tensors)
     if quantized and Keys.General.QUANTIZATION_VERSION not in out.kv:  # as llama-quantize adds it
         out.set_kv(Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    refresh_size_label(out)
     return out
 
 
@@ -180,5 +182,7 @@ def plan_extract_mtp(plan: Plan) -> Plan:
             raise InputError(where, f"has no {required}, which a head-only draft file needs")
     head_ids = {id(s) for s in head}
     tensors = [s for s in plan.tensors if id(s) in head_ids or s.name in MTP_ONLY_KEEP]
-    return Plan(arch=plan.arch, kv=dict(plan.kv), tensors=tensors, inputs=list(plan.inputs),
-                n_trunk_layers=plan.n_trunk_layers, n_mtp_layers=plan.n_mtp_layers)
+    out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=tensors, inputs=list(plan.inputs),
+               n_trunk_layers=plan.n_trunk_layers, n_mtp_layers=plan.n_mtp_layers)
+    refresh_size_label(out)
+    return out
