@@ -196,13 +196,38 @@ def write_plan(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for spec in plan.tensors:
-            data = encode_tensor(spec)
-            expected = tensor_nbytes(spec.shape, spec.ggml_type)
-            if data.nbytes != expected:
-                raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {expected} for {spec.ggml_type.name}")
-            writer.write_tensor_data(data)
-            if on_tensor is not None:
-                on_tensor(spec, data.nbytes)
-            del data
-        writer.close()
+        try:
+            for spec, data in _encoded(plan.tensors):
+                writer.write_tensor_data(data)
+                if on_tensor is not None:
+                    on_tensor(spec, data.nbytes)
+                del data
+        finally:
+            writer.close()
+
+
+PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once
+
+
+def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
+    """Each spec with its bytes, in order. The next tensor is read and encoded in a worker thread while
+    the current one is written (file I/O and torch release the GIL), unless the two together exceed
+    PREFETCH_BUDGET: memory stays near the largest tensor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def checked(spec: TensorSpec) -> np.ndarray:
+        data = encode_tensor(spec)
+        expected = tensor_nbytes(spec.shape, spec.ggml_type)
+        if data.nbytes != expected:
+            raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {expected} for {spec.ggml_type.name}")
+        return data
+
+    size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ahead = None
+        for i, spec in enumerate(specs):
+            data = ahead.result() if ahead is not None else checked(spec)
+            ahead = None
+            if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
+                ahead = pool.submit(checked, specs[i + 1])
+            yield spec, data

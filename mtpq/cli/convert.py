@@ -28,7 +28,7 @@ from .common import byte_progress, console, fail, guarded
 def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)."),
     out: Path = typer.Argument(..., help="GGUF file to write (written to a temporary name, renamed when complete)."),
-    outtype: str = typer.Option("f16", "--outtype", help="Type of 2-D weights: f32, f16, bf16 or q8_0. 1-D tensors stay f32."),
+    outtype: str = typer.Option("auto", "--outtype", help="Type of 2-D weights: auto (bf16 for bf16 checkpoints, else f16), f32, f16, bf16 or q8_0. 1-D tensors stay f32."),
     no_mtp: bool = typer.Option(False, "--no-mtp", help="Drop the MTP head (and nextn_predict_layers)."),
     mtp_only: bool = typer.Option(False, "--mtp-only", help="Write only the MTP blocks + token_embd, output_norm, output."),
     quant: Optional[str] = typer.Option(
@@ -47,8 +47,8 @@ def convert(
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
-    if outtype.lower() not in OUTTYPES:
-        fail("--outtype", f"unknown type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
+        fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
     if no_mtp and mtp_only:
         fail("--no-mtp/--mtp-only", "choose at most one")
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
@@ -60,7 +60,7 @@ def convert(
     else:
         parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
-    plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES[outtype.lower()])
+    plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     if quant is not None:
         plan = plan_quantize(plan, quant, **quant_options)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)

@@ -17,7 +17,18 @@ __all__ = ["FAMILIES", "OUTTYPES", "MtpMode", "plan_checkpoint"]
 
 
 def plan_checkpoint(src: Path, mtp: MtpMode = MtpMode.KEEP,
-                    outtype: GGMLQuantizationType = GGMLQuantizationType.F16) -> Plan:
-    """Validate ``src`` and return the conversion plan; nothing heavy is read yet."""
+                    outtype: GGMLQuantizationType | None = GGMLQuantizationType.F16) -> Plan:
+    """Validate ``src`` and return the conversion plan; nothing heavy is read yet.
+
+    ``outtype=None`` is llama.cpp's ``auto``: bf16 when the checkpoint stores bf16 weights
+    (the bits pass through untouched), f16 otherwise.
+    """
     ckpt = Checkpoint(Path(src))
+    if outtype is None:
+        outtype = auto_outtype(ckpt)
     return family_for(ckpt).plan(mtp=mtp, outtype=outtype)
+
+
+def auto_outtype(ckpt: Checkpoint) -> GGMLQuantizationType:
+    dtypes = {ckpt.source_dtype(n) for n in ckpt.names() if len(ckpt.shape(n)) >= 2}
+    return GGMLQuantizationType.BF16 if "BF16" in dtypes else GGMLQuantizationType.F16

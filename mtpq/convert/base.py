@@ -179,10 +179,19 @@ class Family:
         shapes = {self.ckpt.shape(n) for n in hf_names}
         if len(shapes) != 1:
             raise InputError(self.ckpt.folder, f"expert tensors for {name} have different shapes {sorted(shapes)}")
-        loaders = [self.ckpt.loader(n) for n in hf_names]
         shape = (len(hf_names), *shapes.pop())
         src = f"{self.ckpt.stored[hf_names[0]].file.name}:{hf_names[0]} (+{len(hf_names) - 1} experts)"
-        return Emit(name, shape, lambda: torch.stack([ld() for ld in loaders]), src)
+        ck = self.ckpt
+
+        def load() -> torch.Tensor:
+            if any(ck.is_fp8(n) for n in hf_names):  # dequantized one expert at a time
+                return torch.stack([ck.load(n) for n in hf_names])
+            out = torch.empty(shape, dtype=_dtype_of(ck, hf_names[0]))
+            for i, n in enumerate(hf_names):  # each expert read straight into its slice: no stacking copy
+                ck.read_into(n, out[i])
+            return out
+
+        return Emit(name, shape, load, src)
 
     def expect_shape(self, hf_name: str, shape: tuple[int, ...]) -> None:
         """Refuse a tensor whose shape contradicts config.json."""
@@ -258,6 +267,12 @@ class Family:
 
         return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
                     n_mtp_layers=self.n_mtp if keep_mtp else 0)
+
+
+def _dtype_of(ckpt: Checkpoint, hf_name: str) -> torch.dtype:
+    from .checkpoint import _ST_DTYPES
+
+    return _ST_DTYPES[ckpt.source_dtype(hf_name)]
 
 
 def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:

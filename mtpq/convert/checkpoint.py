@@ -161,6 +161,20 @@ class Checkpoint:
     def source_dtype(self, name: str) -> str:
         return self.stored[name].dtype
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read a stored (non-FP8) tensor's bytes straight into ``out`` (same dtype and size): no extra copy."""
+        st = self.stored[name]
+        if _ST_DTYPES[st.dtype] != out.dtype or out.numel() * out.element_size() != st.nbytes:
+            raise ValueError(f"{name}: read_into needs a {st.dtype} buffer of {st.nbytes} bytes")
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if st.nbytes else memoryview(b"")
+        with open(st.file, "rb") as f:
+            f.seek(st.offset)
+            if f.readinto(view) != st.nbytes:
+                raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+
+    def is_fp8(self, name: str) -> bool:
+        return self.stored[name].dtype in _FP8
+
     def _raw(self, name: str) -> torch.Tensor:
         """Read one tensor with plain file I/O (positions come from the validated header).
 

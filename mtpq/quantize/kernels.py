@@ -100,6 +100,17 @@ def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantization
     return qtype
 
 
+def _all_finite(c: torch.Tensor) -> bool:
+    """No NaN or Inf in ``c``: one reduction pass (aminmax propagates NaN), no full-size temporary."""
+    return c.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(c))).all())
+
+
+def _finite_piece(c: torch.Tensor, name: str) -> torch.Tensor:
+    if not _all_finite(c):
+        raise ValueError(f"{name}: contains NaN/Inf values")
+    return c
+
+
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     """``ggml_compute_fp32_to_bf16`` of float32 ``x``: the bf16 bit patterns as int16.
 
@@ -175,19 +186,27 @@ def quantize(
     def load(p: tuple[int, int, int, int]) -> torch.Tensor:
         r0, r1, c0, c1 = p
         c = rows2d[r0:r1, c0:c1]
-        c = c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
-        if not bool(torch.isfinite(c).all()):
+        if not _all_finite(c):
             raise ValueError(f"{name}: contains NaN/Inf values")
-        return c
+        return c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
 
+    same = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}.get(qtype)
+    if values.dtype == same:  # already in the target type: the bits pass through unchanged
+        flat = values.contiguous()
+        if not all(_all_finite(c) for c in flat.view(-1).split(1 << 22)):  # bounded work per step
+            raise ValueError(f"{name}: contains NaN/Inf values")
+        raw = flat.view(torch.int16) if qtype == T.BF16 else flat
+        out = raw.cpu().numpy()
+        return out.view(np.uint16) if qtype == T.BF16 else out
     if qtype in FLOAT_TYPES:
         np_dtype = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[qtype]
         out = np.empty((n_rows, n), dtype=np_dtype)
         for p in pieces(_FLOAT_CHUNK):
-            c = load(p)
+            # F16 straight from the source dtype: bf16/f16 -> f32 is exact, so this rounds exactly as via f32
+            c = load(p) if qtype != T.F16 else _finite_piece(rows2d[p[0]:p[1], p[2]:p[3]], name)
             if qtype == T.F16:
                 r = c.to(torch.float16)
-                if check_scales and bool(torch.isinf(r).any()):
+                if check_scales and not _all_finite(r):
                     raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
                 r = _bf16_bits(c)
