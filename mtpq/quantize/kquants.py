@@ -66,6 +66,8 @@ def _from_sub_blocks(X: torch.Tensor, nb: int) -> torch.Tensor:
 
 def _seq_sum(T: torch.Tensor) -> torch.Tensor:
     """``float s = 0; for (i...) s += T[i];`` along dim 0, in float32."""
+    if T.device.type == "cpu":
+        return torch.from_numpy(np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0)))
     acc = T[0] + 0.0  # 0.0f + t: same bits as the C accumulator after one step
     for i in range(1, T.shape[0]):
         acc.add_(T[i])
