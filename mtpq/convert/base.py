@@ -193,6 +193,13 @@ class Family:
 
         return Emit(name, shape, load, src)
 
+    def stack_experts(self, prefix: str, n_experts: int, used: list[str]) -> Iterator[Emit]:
+        """Layer ``prefix``'s per-expert gate/up/down tensors as three stacked tensors, named as llama.cpp does."""
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            parts = [f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(n_experts)]
+            used.extend(parts)
+            yield self.stack(self.map_name(f"{prefix}mlp.experts.{proj}.weight"), parts)
+
     def expect_shape(self, hf_name: str, shape: tuple[int, ...]) -> None:
         """Refuse a tensor whose shape contradicts config.json."""
         got = self.ckpt.shape(hf_name)

@@ -32,7 +32,6 @@ from ..errors import InputError
 from ..tensors import Plan
 from .base import Emit, Family, MtpMode, check_unused, layer_of, register
 
-_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 # The MTP-only tensors. gguf-py's deepseek2 tensor list may lack the NEXTN entries, so they are named here.
 _NEXTN = {
     "eh_proj.weight": MT.NEXTN_EH_PROJ,
@@ -174,11 +173,7 @@ class DeepseekV3(Family):
                     yield one(hf)
                 # anything else is reported by check_unused below
             if experts:
-                n_exp = hp["n_routed_experts"]
-                for proj in _EXPERT_PROJ:
-                    parts = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
-                    used.extend(parts)
-                    yield self.stack(self.map_name(f"{p}mlp.experts.{proj}.weight"), parts)
+                yield from self.stack_experts(p, hp["n_routed_experts"], used)
         if "model.norm.weight" in ck:
             yield one("model.norm.weight")
         if "lm_head.weight" in ck:

@@ -16,9 +16,9 @@ from typing import Iterator
 import gguf
 from gguf import GGUFWriter
 
+from ..errors import InputError
 from .base import Emit, Family, check_unused, register
 
-_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 @register
@@ -69,8 +69,6 @@ class Glm4Moe(Family):
             p = f"model.layers.{bid}."
             names = [n for n in ck.names() if n.startswith(p)]
             if not names:
-                from ..errors import InputError
-
                 raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP)")
             experts = [n for n in names if ".mlp.experts." in n]
             for hf in names:
@@ -80,11 +78,7 @@ class Glm4Moe(Family):
                     continue  # reported by check_unused below
                 yield one(hf)
             if experts:
-                n_exp = hp["n_routed_experts"]
-                for proj in _EXPERT_PROJ:
-                    parts = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(n_exp)]
-                    used.extend(parts)
-                    yield self.stack(self.map_name(f"{p}mlp.experts.{proj}.weight"), parts)
+                yield from self.stack_experts(p, hp["n_routed_experts"], used)
         if "model.norm.weight" in ck:
             yield one("model.norm.weight")
         if "lm_head.weight" in ck:

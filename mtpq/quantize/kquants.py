@@ -64,14 +64,37 @@ def _from_sub_blocks(X: torch.Tensor, nb: int) -> torch.Tensor:
     return X.t().reshape(nb, QK_K)
 
 
-def _seq_sum(T: torch.Tensor) -> torch.Tensor:
-    """``float s = 0; for (i...) s += T[i];`` along dim 0, in float32."""
-    if T.device.type == "cpu":
-        return torch.from_numpy(np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0)))
+def _seq_sum(T: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``float s = 0; for (i...) s += T[i];`` along ``dim``, in float32.
+
+    On CPU numpy's reduction along a non-innermost axis does exactly this in one
+    call (``out[j] += T[i, j]`` row after row, in float32; pairwise summation is
+    only used along the innermost axis), instead of one torch op per row.
+    """
+    if T.device.type == "cpu" and dim < T.dim() - 1:
+        with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
+            s = np.add.reduce(T.numpy(), axis=dim, initial=np.float32(0.0))
+        return torch.from_numpy(s)
+    T = T.movedim(dim, 0)
     acc = T[0] + 0.0  # 0.0f + t: same bits as the C accumulator after one step
     for i in range(1, T.shape[0]):
         acc.add_(T[i])
     return acc
+
+
+def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:
+    """``float s = T[0]; for (i = 1...) s += T[i];`` along dim 0.
+
+    Equal to :func:`_seq_sum` except for the sign of a zero: starting from
+    ``T[0]`` keeps -0.0 when every term is -0.0 (once a partial sum is nonzero
+    both sequences are the same ops on the same values).
+    """
+    s = _seq_sum(T)
+    z = s == 0
+    if bool(z.any()):
+        all_neg_zero = (torch.signbit(T) & (T == 0)).all(dim=0)
+        s = torch.where(all_neg_zero, torch.full((), -0.0, dtype=s.dtype, device=s.device), s)
+    return s
 
 
 _MAGIC = 12582912.0
@@ -107,47 +130,106 @@ def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(v > 0, v, _zeros(v)).amax(dim=dim)  # NaN compares false: skipped
 
 
+# --------------------------------------------------------------------------- per-column bookkeeping
+
+class _NumpyVec:
+    """Vector (one value per sub-block) ops of the search loops on CPU.
+
+    The full-size (n, n_sub) work stays in torch; the many small per-candidate
+    vector ops run in numpy, whose per-call overhead is a fraction of torch's.
+    Every op is one IEEE float32 operation either way (numpy 2 keeps Python
+    scalars float32).  Sequential sums use numpy's row-after-row reduction.
+    """
+
+    where = staticmethod(np.where)
+    maximum = staticmethod(np.maximum)
+    vec = staticmethod(lambda t: t.numpy())  # torch (CPU) -> vector, shared memory
+    t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
+
+    @staticmethod
+    def rdiv(c: float, v: np.ndarray) -> np.ndarray:
+        return np.float32(c) / v
+
+    @staticmethod
+    def seq_sum(T: torch.Tensor) -> np.ndarray:
+        return np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0))  # see _seq_sum
+
+    @staticmethod
+    def amax(v: np.ndarray) -> float:
+        return float(v.max())
+
+    @staticmethod
+    def any(v: np.ndarray) -> bool:
+        return bool(v.any())
+
+
+class _TorchVec:
+    """The same in torch, for other devices (CUDA...)."""
+
+    where = staticmethod(torch.where)
+    maximum = staticmethod(torch.maximum)
+    vec = staticmethod(lambda t: t)
+    t = staticmethod(lambda v: v)
+    rdiv = staticmethod(rdiv)
+    seq_sum = staticmethod(_seq_sum)
+
+    @staticmethod
+    def amax(v: torch.Tensor) -> float:
+        return float(v.amax())
+
+    @staticmethod
+    def any(v: torch.Tensor) -> bool:
+        return bool(v.any())
+
+
+def _vec_ops(X: torch.Tensor):
+    return _NumpyVec if X.device.type == "cpu" else _TorchVec
+
+
 # --------------------------------------------------------------------------- ggml search routines
 
 def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
 
-    Returns (scale (n_sub,), L (n, n_sub) int32 in [0, 2*nmax-1]).
+    Returns (scale (n_sub,), L (n, n_sub) int32 in [0, 2*nmax-1]).  The 19
+    candidate scales run one after the other over reused (n, n_sub) buffers
+    (small enough to stay in cache); the winner's L is recomputed at the end.
     """
-    n, ns = X.shape
     amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
-
+    v = _vec_ops(X)
+    mx, zero_v = v.vec(mx), v.vec(zero)
     # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
     consts = [f32(-nmax)] + [
         float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
     ]
-    c = torch.tensor(consts, dtype=_F32, device=X.device)
-    iscale = torch.div(c[:, None], mx[None, :])  # (nc, ns)
-    # |iscale * x| <= nmax + 1 whenever max != 0 (all-zero sub-blocks are masked below)
-    L = _round_clamp(iscale[:, None, :] * X[None], -nmax, nmax - 1)  # (nc, n, ns) float
     W = X * X
-    P = torch.empty((n, 2) + iscale.shape, dtype=_F32, device=X.device)
-    torch.mul((W * X)[None], L, out=P[:, 0].transpose(0, 1))
-    torch.mul(W[None] * L, L, out=P[:, 1].transpose(0, 1))
-    sums = _seq_sum(P)  # (2, nc, ns)
-    sumlx, suml2 = sums[0], sums[1]
-    del P
-
-    scale = torch.where(suml2[0] != 0, torch.div(sumlx[0], suml2[0]), _zeros(mx))
-    best = scale * sumlx[0]
-    choice = torch.zeros(ns, dtype=torch.int64, device=X.device)
-    for k in range(1, len(consts)):
-        slx, sl2 = sumlx[k], suml2[k]
-        better = (sl2 > 0) & (slx * slx > best * sl2)
-        new_scale = torch.div(slx, sl2)
-        scale = torch.where(better, new_scale, scale)
-        best = torch.where(better, new_scale * slx, best)
-        choice = torch.where(better, k, choice)
-    Lsel = L.gather(0, choice.view(1, 1, ns).expand(1, n, ns))[0].to(torch.int32) + nmax
-    Lsel = Lsel * (~zero).to(torch.int32)[None]
-    scale = torch.where(zero, _zeros(scale), scale)
-    return scale, Lsel
+    WX = W * X
+    L = torch.empty_like(X)
+    A = torch.empty_like(X)
+    with np.errstate(all="ignore"):  # inf/NaN propagate as in C
+        for k, c in enumerate(consts):
+            isc = v.rdiv(c, mx)
+            # |iscale * x| <= nmax + 1 whenever max >= GROUP_MAX_EPS (other columns are masked
+            # below), and there nearest_int is round-half-even
+            torch.mul(X, v.t(isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
+            slx = v.seq_sum(torch.mul(WX, L, out=A))  # sum of (w*x)*l
+            sl2 = v.seq_sum(torch.mul(W, L, out=A).mul_(L))  # sum of (w*l)*l
+            if k == 0:
+                scale = v.where(sl2 != 0, slx / sl2, 0.0)
+                best = scale * slx
+                best_isc = isc
+                continue
+            better = (sl2 > 0) & (slx * slx > best * sl2)
+            new_scale = slx / sl2
+            scale = v.where(better, new_scale, scale)
+            best = v.where(better, new_scale * slx, best)
+            best_isc = v.where(better, isc, best_isc)
+        best_isc = v.where(zero_v, 0.0, best_isc)
+        scale = v.where(zero_v, 0.0, scale)
+    torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
+    Lsel = (L.to(torch.int32) + nmax) * (~zero).to(torch.int32)[None]
+    return v.t(scale), Lsel
 
 
 def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,67 +280,76 @@ def _make_qkx2_quants(
     The C routine updates ``min`` whenever a candidate wins, and later candidates
     use it, so the candidate loop stays sequential.  Instead of carrying L we
     remember (iscale, min) of the winning candidate and recompute L once.
+    Each candidate is a dozen in-place passes over three reused (n, n_sub) buffers.
     """
-    n, ns = X.shape
-    xmin = first_min(X, 0)
-    mx = first_max(X, 0)
-    WX = W * X
-    sum_w = W[0]
-    sum_x = WX[0]
-    for i in range(1, n):
-        sum_w = sum_w + W[i]
-        sum_x = sum_x + WX[i]
-    zero = _zeros(xmin)
-    mn = torch.where(xmin > 0, zero, xmin)
-    flat = mx == mn
+    # The sign of a zero min/max never reaches the output (levels, errors and the
+    # 6-bit min codes come out the same), so no first-index scan is needed.
+    xmin, mx = torch.aminmax(X, dim=0)
+    v = _vec_ops(X)
+    sum_w = v.vec(_seq_sum_from_first(W))
+    sum_x = v.vec(_seq_sum_from_first(W * X))
+    xmin, mx = v.vec(xmin), v.vec(mx)
+    La = torch.empty_like(X)  # levels of the current candidate
+    A = torch.empty_like(X)
+    B = torch.empty_like(X)
 
-    def levels(isc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """clamp(nearest_int(isc * (x - m)), 0, nmax) as float32 (n, ns)."""
-        f = isc[None] * (X - m[None])
-        # f is monotonic in x, so its extremes are at xmin / max
-        lo = (isc * (xmin - m)).abs()
-        hi = (isc * (mx - m)).abs()
-        if bool(((lo < _SAFE) & (hi < _SAFE) | flat).all()):  # flat columns are discarded
-            return _round_clamp(f, 0, nmax)
-        return _round_clamp_exact(f, 0, nmax)
+    def max_dev(m):
+        """max |x - m| per column: bounds |iscale * (x - m)| (float rounding is monotonic)."""
+        return v.maximum(abs(xmin - m), abs(mx - m))
 
-    def err_sum(sc: torch.Tensor, m: torch.Tensor, Lf: torch.Tensor) -> torch.Tensor:
-        diff = (sc[None] * Lf + m[None]) - X
-        diff = diff.abs() if use_mad else diff * diff
-        return _seq_sum(W * diff)
+    def levels(isc, m, dm) -> None:
+        """La = clamp(nearest_int(isc * (x - m)), 0, nmax) as float32."""
+        torch.sub(X, v.t(m)[None], out=La).mul_(v.t(isc)[None])
+        if v.amax(isc * dm) < _SAFE:  # there nearest_int is round-half-even; NaN: exact path
+            La.round_().clamp_(0, nmax)
+        else:
+            La.copy_(_round_clamp_exact(La, 0, nmax))
 
-    iscale = rdiv(float(nmax), mx - mn)
-    scale = rdiv(1.0, iscale)
-    best_error = err_sum(scale, mn, levels(iscale, mn))
-    best_iscale, best_mn = iscale, mn
-    P = torch.empty((n, 3, ns), dtype=_F32, device=X.device)
-    for step in range(nstep + 1):
-        c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
-        iscale = rdiv(c, mx - mn)
-        La = levels(iscale, mn)
-        WL = torch.mul(W, La, out=P[:, 0])
-        torch.mul(WL, La, out=P[:, 1])
-        torch.mul(WL, X, out=P[:, 2])
-        sums = _seq_sum(P)
-        sum_l, sum_l2, sum_xl = sums[0], sums[1], sums[2]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = torch.div(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = torch.div(sum_l2 * sum_x - sum_l * sum_xl, D)
-        pos = this_min > 0
-        this_min = torch.where(pos, zero, this_min)
-        this_scale = torch.where(pos, torch.div(sum_xl, sum_l2), this_scale)
-        cur_error = err_sum(this_scale, this_min, La)
-        upd = (D > 0) & (cur_error < best_error) & ~flat
-        best_iscale = torch.where(upd, iscale, best_iscale)
-        best_mn = torch.where(upd, mn, best_mn)  # the min La was computed with
-        best_error = torch.where(upd, cur_error, best_error)
-        scale = torch.where(upd, this_scale, scale)
-        mn = torch.where(upd, this_min, mn)
-    del P
-    L = _round_clamp_exact(best_iscale[None] * (X - best_mn[None]), 0, nmax).to(torch.int32)
-    L = L * (~flat).to(torch.int32)[None]
-    scale = torch.where(flat, _zeros(scale), scale)
-    return scale, -mn, L
+    def err_sum(sc, m):
+        E = torch.mul(La, v.t(sc)[None], out=A).add_(v.t(m)[None]).sub_(X)  # (scale * L + min) - x
+        E = E.abs_() if use_mad else E.mul_(E)
+        return v.seq_sum(E.mul_(W))
+
+    with np.errstate(all="ignore"):  # inf/NaN propagate as in C
+        mn = v.where(xmin > 0, 0.0, xmin)
+        flat = mx == mn  # C returns early: L = 0, scale 0; such columns are never updated
+        rng = v.where(flat, 1.0, mx - mn)
+        dm = max_dev(mn)
+        iscale = v.rdiv(float(nmax), rng)
+        scale = v.rdiv(1.0, iscale)
+        levels(iscale, mn, dm)
+        best_error = err_sum(scale, mn)
+        best_iscale, best_mn = iscale, mn
+        for step in range(nstep + 1):
+            c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
+            iscale = v.rdiv(c, rng)
+            levels(iscale, mn, dm)
+            sum_l = v.seq_sum(torch.mul(W, La, out=A))
+            sum_l2 = v.seq_sum(torch.mul(A, La, out=B))
+            sum_xl = v.seq_sum(torch.mul(A, X, out=B))
+            D = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0
+            if v.any(pos):
+                this_min = v.where(pos, 0.0, this_min)
+                this_scale = v.where(pos, sum_xl / sum_l2, this_scale)
+            cur_error = err_sum(this_scale, this_min)
+            upd = (D > 0) & (cur_error < best_error) & ~flat
+            if not v.any(upd):
+                continue
+            best_iscale = v.where(upd, iscale, best_iscale)
+            best_mn = v.where(upd, mn, best_mn)  # the min La was computed with
+            best_error = v.where(upd, cur_error, best_error)
+            scale = v.where(upd, this_scale, scale)
+            mn = v.where(upd, this_min, mn)
+            rng = v.where(flat, 1.0, mx - mn)
+            dm = max_dev(mn)
+        levels(best_iscale, best_mn, max_dev(best_mn))
+        scale = v.where(flat, 0.0, scale)
+        the_min = -mn
+    L = La.to(torch.int32) * (~v.t(flat)).to(torch.int32)[None]
+    return v.t(scale), v.t(the_min), L
 
 
 def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
