@@ -8,11 +8,9 @@ safetensors, and checked against the attention math transformers runs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +22,7 @@ import tiny
 import tiny_deepseek
 from llamacpp_ref import llama_cpp_convert
 from runcli import run_cli
-from test_convert_glm import convert, read_gguf, source_tensors
+from ggufcheck import convert, read_gguf, source_tensors
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
 CFG = tiny_deepseek.deepseek_v3_config()

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
-from safetensors.torch import load_file
 
 import tiny
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 LAYER_NAMES = {
@@ -43,11 +42,6 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def source_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def gguf_name_of(hf_name: str) -> tuple[str, int | None]:
@@ -76,20 +70,8 @@ def expected_gguf(folder: Path) -> dict[str, torch.Tensor]:
     return exp
 
 
-def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, tuple[T, np.ndarray]]]:
-    r = GGUFReader(path)
-    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    tensors = {}
-    for t in r.tensors:
-        shape = tuple(reversed([int(d) for d in t.shape]))
-        tensors[t.name] = (T(t.tensor_type), np.asarray(t.data).reshape(shape) if t.tensor_type in (T.F32, T.F16) else np.asarray(t.data))
-    return kv, tensors
 
 
-def convert(src: Path, out: Path, *args: str):
-    res = run_cli("convert", src, out, "--quiet", *args)
-    assert res.exit_code == 0, res.output
-    return read_gguf(out)
 
 
 def test_f32_every_tensor_equals_source(glm_ckpt, tmp_path):

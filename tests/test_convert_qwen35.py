@@ -11,23 +11,21 @@ head h // r).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen35
 from llamacpp_ref import llama_cpp_convert
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 VARIANTS = {
@@ -64,11 +62,6 @@ ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_
 # ----------------------------------------------------------------------------- expected values
 
 
-def source_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def tiled_rows(cfg: dict, head_dim: int) -> torch.Tensor:
@@ -136,21 +129,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
     return exp
 
 
-def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, tuple[T, np.ndarray]]]:
-    r = GGUFReader(path)
-    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    tensors = {}
-    for t in r.tensors:
-        shape = tuple(reversed([int(d) for d in t.shape]))
-        data = np.asarray(t.data)
-        tensors[t.name] = (T(t.tensor_type), data.reshape(shape) if t.tensor_type in (T.F32, T.F16) else data)
-    return kv, tensors
 
 
-def convert(src: Path, out: Path, *args: str):
-    res = run_cli("convert", src, out, "--quiet", *args)
-    assert res.exit_code == 0, res.output
-    return read_gguf(out)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ of accepted and rejected drafts, including runs of several accepted ones.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import tiny
 from runcli import run_cli

@@ -116,6 +116,13 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     Returns (amax, max); ``max`` is +0.0 when every element is zero.  NaNs
     (scales of overflowed K-quant sub-blocks) are skipped, as the C compare does.
     """
+    lo, hi = torch.aminmax(x, dim=dim)
+    amax = torch.maximum(hi, -lo)
+    pos = hi == amax
+    # The first element of largest |x| is +amax or -amax: only a column holding both
+    # (or a NaN) needs the index scan, which is slow along dim 0.  All-zero: +0.0.
+    if not bool(((pos & (lo == -amax) & (amax > 0)) | torch.isnan(amax)).any()):
+        return amax, torch.where(pos, amax, -amax)
     a = torch.nan_to_num(x.abs(), nan=0.0)
     amax, idx = a.max(dim=dim)  # first index of the maximum
     mx = x.gather(dim, idx.unsqueeze(dim)).squeeze(dim)

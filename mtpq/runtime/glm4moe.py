@@ -36,7 +36,7 @@ from gguf import ExpertGatingFuncType
 from torch import nn
 
 from ..errors import InputError
-from .weights import GGUFFile, QuantLinear, QWeight
+from .weights import GGUFFile, QuantLinear
 
 ARCH = "glm4moe"
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .glm4moe import Glm4Moe, load_glm4moe
+from .glm4moe import Glm4Moe
 from .weights import GGUFFile
 
 
