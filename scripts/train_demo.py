@@ -438,6 +438,7 @@ def save_folder(folder: Path, model: Demo, tok, dtype: torch.dtype, record: dict
     for i, names in enumerate(shards):  # shard 2 holds the MTP layer, as GLM's last shard does
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, str(folder / fname), metadata={"format": "pt"})
+        (folder / fname).chmod(0o644)  # safetensors creates shards 0600; package data must be world-readable
         weight_map.update({n: fname for n in names})
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": dict(sorted(weight_map.items()))}

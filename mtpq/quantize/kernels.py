@@ -40,19 +40,20 @@ __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quant
 T = GGMLQuantizationType
 
 # qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU).
-# CPU chunk sizes are tuned so a chunk's temporaries stay in cache (measured on
-# x86; larger chunks are slower, much smaller ones pay Python dispatch).
+# CPU chunk sizes: measured on a 2-core x86 with 2 worker threads (benchmarks/quant_bench.py).
+# The search-loop K-quants prefer 2**18: per-op time then outweighs the GIL-held Python
+# overhead, so two threads overlap; smaller chunks stay in L2 but serialise on the GIL.
 _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int]] = {
     T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 18),
     T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 18),
     T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 18),
     T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 18),
     T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 18),
-    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 17),
+    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 18),
     T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 1 << 18),
-    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 17),
-    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 17),
-    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 16),
+    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 18),
+    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 18),
+    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 18),
     T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 1 << 16),
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 16),
 }

@@ -8,10 +8,14 @@ importance matrix: ``quantize_row_q{2..6}_K_ref`` (with ``make_qkx2_quants``,
 Layout of the work: a chunk of super-blocks ``x`` (n_blocks, 256) is viewed as
 sub-blocks stored element-major, ``X`` (n, n_sub) with n = 16 or 32, so that
 "element i of every sub-block" is one contiguous row.  Everything is
-vectorised over sub-blocks; the only Python loops run over the 16/32 elements
-of a sub-block (sums are accumulated strictly sequentially in float32, exactly
-like the C ``sum += ...`` loops -- torch's own reductions use another order)
-and over the candidate scales of the search loops.
+vectorised over sub-blocks.  Sums are accumulated strictly sequentially in
+float32, exactly like the C ``sum += ...`` loops (torch's own reductions use
+another order): on CPU by one numpy reduction along dim 0, which adds row after
+row, elsewhere by a Python loop over the 16/32 rows.  The candidate scales of
+the search loops run one after the other (make_qkx2_quants' candidates depend
+on the previous winner) over a few reused full-size buffers, updated in place;
+the small per-sub-block bookkeeping between them runs in numpy on CPU
+(:class:`_NumpyVec`), whose per-call overhead is a fraction of torch's.
 
 See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around).
@@ -27,8 +31,6 @@ from .legacy import (
     div,
     f32,
     first_absmax,
-    first_max,
-    first_min,
     fp16_bits,
     fp16_round,
     from_fp16_bytes,
@@ -97,17 +99,7 @@ def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:
     return s
 
 
-_MAGIC = 12582912.0
-_SAFE = 4194304.0  # 2**22: below it nearest_int(f) == (f + 12582912.f) - 12582912.f
-
-
-def _round_clamp(f: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """``MAX(lo, MIN(hi, nearest_int(f)))`` as float32, for |f| < 2**22 (caller's promise).
-
-    In that range ``f + 12582912.f`` rounds f to the nearest integer (ties to
-    even) exactly like ggml's bit trick, and subtracting the bias back is exact.
-    """
-    return torch.clamp((f + _MAGIC) - _MAGIC, lo, hi)
+_SAFE = 4194304.0  # 2**22: below it ggml's nearest_int(f) is round-half-even(f)
 
 
 def _round_clamp_exact(f: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -155,6 +147,14 @@ class _NumpyVec:
         return np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0))  # see _seq_sum
 
     @staticmethod
+    def col_min(T: torch.Tensor) -> np.ndarray:  # torch's reductions along dim 0 are slow
+        return np.minimum.reduce(T.numpy(), axis=0)
+
+    @staticmethod
+    def col_max(T: torch.Tensor) -> np.ndarray:
+        return np.maximum.reduce(T.numpy(), axis=0)
+
+    @staticmethod
     def amax(v: np.ndarray) -> float:
         return float(v.max())
 
@@ -172,6 +172,8 @@ class _TorchVec:
     t = staticmethod(lambda v: v)
     rdiv = staticmethod(rdiv)
     seq_sum = staticmethod(_seq_sum)
+    col_min = staticmethod(lambda T: T.amin(dim=0))
+    col_max = staticmethod(lambda T: T.amax(dim=0))
 
     @staticmethod
     def amax(v: torch.Tensor) -> float:
@@ -186,6 +188,21 @@ def _vec_ops(X: torch.Tensor):
     return _NumpyVec if X.device.type == "cpu" else _TorchVec
 
 
+def _first_absmax_cols(X: torch.Tensor, v):
+    """:func:`first_absmax` along dim 0 as vectors (amax, max), from the column min and max.
+
+    The first element of largest |x| is +amax or -amax; only a column holding
+    both (or a NaN) needs the index scan.  All-zero columns give +0.0.
+    """
+    lo, hi = v.col_min(X), v.col_max(X)
+    amax = v.maximum(hi, -lo)
+    pos = hi == amax
+    if v.any((pos & (lo == -amax) & (amax > 0)) | (amax != amax)):
+        amax, mx = first_absmax(X, 0)
+        return v.vec(amax), v.vec(mx)
+    return amax, v.where(amax > 0, v.where(pos, amax, -amax), 0.0)
+
+
 # --------------------------------------------------------------------------- ggml search routines
 
 def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,10 +212,9 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
     candidate scales run one after the other over reused (n, n_sub) buffers
     (small enough to stay in cache); the winner's L is recomputed at the end.
     """
-    amax, mx = first_absmax(X, 0)
-    zero = amax < _GROUP_MAX_EPS
     v = _vec_ops(X)
-    mx, zero_v = v.vec(mx), v.vec(zero)
+    amax, mx = _first_absmax_cols(X, v)
+    zero_v = amax < _GROUP_MAX_EPS
     # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
     consts = [f32(-nmax)] + [
         float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
@@ -228,7 +244,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
         best_isc = v.where(zero_v, 0.0, best_isc)
         scale = v.where(zero_v, 0.0, scale)
     torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
-    Lsel = (L.to(torch.int32) + nmax) * (~zero).to(torch.int32)[None]
+    Lsel = (L.to(torch.int32) + nmax) * (~v.t(zero_v)).to(torch.int32)[None]
     return v.t(scale), Lsel
 
 
@@ -284,11 +300,10 @@ def _make_qkx2_quants(
     """
     # The sign of a zero min/max never reaches the output (levels, errors and the
     # 6-bit min codes come out the same), so no first-index scan is needed.
-    xmin, mx = torch.aminmax(X, dim=0)
     v = _vec_ops(X)
+    xmin, mx = v.col_min(X), v.col_max(X)
     sum_w = v.vec(_seq_sum_from_first(W))
     sum_x = v.vec(_seq_sum_from_first(W * X))
-    xmin, mx = v.vec(xmin), v.vec(mx)
     La = torch.empty_like(X)  # levels of the current candidate
     A = torch.empty_like(X)
     B = torch.empty_like(X)
