@@ -26,7 +26,7 @@ def demo(
     workdir: Path = typer.Option(Path("demo-out"), "--workdir", help="Where the GGUFs and reports go."),
     draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
-    max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N held-out prompts."),
+    max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
     device: str = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
 ) -> None:
     """Convert the bundled demo model (a small GLM-4.5 with one MTP layer, trained on Python's
