@@ -23,7 +23,8 @@ def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(1.4 * len(cols) + 2, 0.6 * len(rows) + 1.5))
-    im = ax.imshow([[100 * v for v in r] for r in grid], cmap="viridis", vmin=0, aspect="auto")
+    top = max(1.0, 100 * max(max(r) for r in grid))
+    im = ax.imshow([[100 * v for v in r] for r in grid], cmap="viridis", vmin=0, vmax=top, aspect="auto")
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("trunk preset")
