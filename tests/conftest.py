@@ -11,6 +11,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tiny checkpoint builders
 import tiny  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny models: a second intra-op thread only adds spin-waiting (badly so on a shared 2-core machine).
+    The quant kernels parallelise over row chunks with their own threads, so they are unaffected."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def glm_ckpt(tmp_path_factory) -> Path:
     """A tiny GLM-4.5 checkpoint in f32 (exact comparisons), with one MTP layer, 2 shards."""

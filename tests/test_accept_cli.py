@@ -21,13 +21,6 @@ PROMPTS = ['{"category": "code", "prompt": "def add(a, b):"}', '{"category": "co
            '{"category": "prose", "prompt": "The quick brown fox"}', '{"category": "prose", "prompt": "for i in"}']
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:

@@ -20,13 +20,6 @@ from runcli import run_cli
 N_PROMPTS, N_NEW = 8, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def demo_gguf(tmp_path_factory) -> Path:

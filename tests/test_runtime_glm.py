@@ -37,14 +37,6 @@ PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "cl
 REL_TOL = 1e-4  # of the logit scale, for f32 agreement
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls: a second intra-op thread only adds spin-waiting (badly so on a shared 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # ----------------------------------------------------------------------------- fixtures
 
