@@ -73,7 +73,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import kernels
+from mtpq.quantize import kernels, kquants
 from mtpq.quantize.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
@@ -130,8 +130,8 @@ def test_golden_bytes(qtype, case, inputs):
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_in_small_chunks_and_threads(qtype, inputs, monkeypatch):
     """Chunking (blocks split across chunks/threads) must not change a byte."""
-    q, d, _ = kernels._KERNELS[qtype]
-    monkeypatch.setitem(kernels._KERNELS, qtype, (q, d, 256))  # one super-block per chunk
+    q, d, _, _ = kernels._KERNELS[qtype]
+    monkeypatch.setitem(kernels._KERNELS, qtype, (q, d, 256, 256))  # one super-block per chunk
     x = torch.from_numpy(np.concatenate([inputs["gauss_512"], inputs["outliers"]]))
     ref = np.concatenate([golden(qtype)["gauss_512"], golden(qtype)["outliers"]])
     saved = torch.get_num_threads()
@@ -141,6 +141,45 @@ def test_golden_bytes_in_small_chunks_and_threads(qtype, inputs, monkeypatch):
         assert torch.get_num_threads() == 3  # restored after the worker pool
     finally:
         torch.set_num_threads(saved)
+
+
+SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
+def test_golden_bytes_generic_torch_path(qtype, inputs, monkeypatch):
+    """The all-torch bookkeeping used on CUDA gives the same bytes (run here on CPU)."""
+    monkeypatch.setattr(kquants, "_vec_ops", lambda X: kquants._TorchVec)
+    for case in CASES:
+        ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
+        assert np.array_equal(ours, golden(qtype)[case]), case
+
+
+@pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
+def test_golden_bytes_without_einsum(qtype, inputs, monkeypatch):
+    """The fallback for numpy builds whose einsum fuses (multiply, then row-by-row sum)."""
+    monkeypatch.setattr(kquants._NumpyVec, "dot", staticmethod(kquants._dot_reduce))
+    monkeypatch.setattr(kquants._NumpyVec, "dot3", staticmethod(kquants._dot3_reduce))
+    for case in CASES:
+        ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
+        assert np.array_equal(ours, golden(qtype)[case]), case
+
+
+def test_einsum_probe(monkeypatch):
+    """The probe accepts this numpy's einsum and rejects fused, pairwise or float64 variants."""
+    assert kquants._einsum_is_exact()
+    real = np.einsum
+
+    def wide(spec, *ops):  # products and sums in float64, rounded once: what an FMA build does, roughly
+        return real(spec, *(o.astype(np.float64) for o in ops)).astype(np.float32)
+
+    def backwards(spec, *ops):  # rows summed last to first
+        return real(spec, *(o[::-1] for o in ops))
+
+    for fake in (wide, backwards):
+        monkeypatch.setattr(kquants.np, "einsum", fake)
+        assert not kquants._einsum_is_exact(), fake.__name__
+    monkeypatch.setattr(kquants.np, "einsum", real)
 
 
 def test_leading_dims_and_input_dtypes(inputs):

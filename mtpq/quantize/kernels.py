@@ -39,23 +39,26 @@ __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quant
 
 T = GGMLQuantizationType
 
-# qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU).
-# CPU chunk sizes: measured on a 2-core x86 with 2 worker threads (benchmarks/quant_bench.py).
-# The search-loop K-quants prefer 2**18: per-op time then outweighs the GIL-held Python
-# overhead, so two threads overlap; smaller chunks stay in L2 but serialise on the GIL.
-_KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int]] = {
-    T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 18),
-    T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 18),
-    T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 18),
-    T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 18),
-    T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 18),
-    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 1 << 18),
-    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 1 << 18),
-    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 1 << 18),
-    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 1 << 18),
-    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 1 << 18),
-    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 1 << 16),
-    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 1 << 16),
+# qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU with one
+# worker, the same with several).  Measured on a 2-core x86 (benchmarks/quant_bench.py):
+# alone, the search-loop K-quants run fastest on chunks whose buffers stay in L2 (2**16);
+# with several Python threads, chunks that small serialise on the GIL (each thread
+# hands it over at every one of the many short ops), and 2**20 scales best (1.9x on
+# 2 cores) even though each op then streams from L3.
+_K, _M = 1 << 10, 1 << 20
+_KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
+    T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 256 * _K, 256 * _K),
+    T.Q4_0: (legacy.quantize_q4_0, legacy.dequantize_q4_0, 256 * _K, 256 * _K),
+    T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 256 * _K, 256 * _K),
+    T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 256 * _K, 256 * _K),
+    T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 256 * _K, 256 * _K),
+    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 64 * _K, _M),
+    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 256 * _K, _M),
+    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 64 * _K, _M),
+    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 64 * _K, _M),
+    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 64 * _K, _M),
+    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 64 * _K, 64 * _K),
+    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
 }
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 
@@ -219,8 +222,16 @@ def quantize(
             out[p[0]:p[1], p[2]:p[3]] = r.cpu().numpy()
         return out.reshape(shape)
 
-    qfn, _, chunk = _KERNELS[qtype]
+    qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
     out = np.empty((n_rows, n // bs * ts), dtype=np.uint8)
+    workers = torch.get_num_threads() if on_cpu else 1
+    if not on_cpu:
+        chunk = _GPU_CHUNK
+    elif workers > 1:
+        # big chunks, but at least two per worker so that all of them stay busy
+        chunk = max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers)))
+    else:
+        chunk = chunk_alone
 
     def work(p: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = p
@@ -229,8 +240,7 @@ def quantize(
             _validate_scales(q, qtype, name)
         out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
 
-    todo = pieces(chunk if on_cpu else _GPU_CHUNK)
-    workers = torch.get_num_threads() if on_cpu else 1
+    todo = pieces(chunk)
     if workers > 1 and len(todo) > 1:
         _run_parallel(work, todo, workers)
     else:
@@ -295,7 +305,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shap
         bits = u8.view(torch.int16).to(torch.int32) << 16
         return bits.view(torch.float32).reshape(shape)
 
-    _, dfn, _ = _KERNELS[qtype]
+    _, dfn, _, _ = _KERNELS[qtype]
     bs, ts = GGML_QUANT_SIZES[qtype]
     if shape[-1] % bs:
         raise ValueError(f"dequantize: row length {shape[-1]} is not a multiple of the {qtype.name} block size {bs}")

@@ -124,17 +124,70 @@ def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- per-column bookkeeping
 
+def _einsum_is_exact() -> bool:
+    """True if numpy's float32 ``einsum`` sums of products round like the C loops.
+
+    ``einsum('ij,ij,ij->j', a, b, c)`` must compute ``s += (a*b)*c`` row after
+    row with every product and sum rounded separately.  This numpy does (its
+    einsum inner loops are built for the baseline ISA, which has no FMA), but a
+    build whose baseline has FMA would contract them: the probe catches that,
+    a pairwise order and a different product order, and the kernels then fall
+    back to a multiply and a separate row-by-row reduction.
+    """
+    e = np.float32(2.0 ** -12)
+    one = np.float32(1.0)
+    # fused multiply-add: -(1+2^-11) + (1+2^-12)^2 is 0 when rounded separately, 2^-24 fused
+    a = np.array([[one], [one + e]], dtype=np.float32)
+    b = np.array([[-(one + 2 * e)], [one + e]], dtype=np.float32)
+    # order: 1 + 1e8 - 1e8 is 0 row after row, 1 pairwise or backwards
+    c = np.array([[1.0], [1e8], [-1e8]], dtype=np.float32)
+    ones = np.ones_like(c)
+    # product order: these three give (x*y)*z != x*(y*z) == the exactly rounded product
+    x, y, z = (np.array([[v]], dtype=np.float32) for v in (0.9349475502967834, 1.4741861820220947, 1.3976776599884033))
+    with np.errstate(all="ignore"):
+        ok = np.einsum("ij,ij->j", a, b)[0] == 0.0
+        ok &= np.einsum("ij,ij->j", c, ones)[0] == 0.0
+        ok &= np.einsum("ij,ij,ij->j", x, y, z)[0] == ((x * y) * z)[0, 0]
+    return bool(ok)
+
+
+_EINSUM_EXACT = _einsum_is_exact()
+
+
+def _dot_einsum(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
+    """``s += a*b`` along dim 0 (CPU), one pass."""
+    return np.einsum("ij,ij->j", A.numpy(), B.numpy())
+
+
+def _dot3_einsum(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarray:
+    """``s += a*b*c``, i.e. ``(a*b)*c``, along dim 0 (CPU), one pass."""
+    return np.einsum("ij,ij,ij->j", A.numpy(), B.numpy(), C.numpy())
+
+
+def _dot_reduce(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
+    """Fallback of :func:`_dot_einsum`: a product, then the row-by-row sum."""
+    return np.add.reduce((A * B).numpy(), axis=0, initial=np.float32(0.0))
+
+
+def _dot3_reduce(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarray:
+    return np.add.reduce((A * B).mul_(C).numpy(), axis=0, initial=np.float32(0.0))
+
+
 class _NumpyVec:
     """Vector (one value per sub-block) ops of the search loops on CPU.
 
-    The full-size (n, n_sub) work stays in torch; the many small per-candidate
-    vector ops run in numpy, whose per-call overhead is a fraction of torch's.
-    Every op is one IEEE float32 operation either way (numpy 2 keeps Python
-    scalars float32).  Sequential sums use numpy's row-after-row reduction.
+    The full-size (n, n_sub) elementwise work stays in torch; the sums of
+    products run as numpy ``einsum`` (one pass, no temporary), and the many
+    small per-candidate vector ops run in numpy, whose per-call overhead is a
+    fraction of torch's.  Every op is one IEEE float32 operation either way
+    (numpy 2 keeps Python scalars float32).  Sums run row after row, as the C
+    loops do.
     """
 
     where = staticmethod(np.where)
     maximum = staticmethod(np.maximum)
+    abs = staticmethod(np.abs)
+    stack = staticmethod(np.stack)
     vec = staticmethod(lambda t: t.numpy())  # torch (CPU) -> vector, shared memory
     t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
 
@@ -145,6 +198,14 @@ class _NumpyVec:
     @staticmethod
     def seq_sum(T: torch.Tensor) -> np.ndarray:
         return np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0))  # see _seq_sum
+
+    dot = staticmethod(_dot_einsum if _EINSUM_EXACT else _dot_reduce)
+    dot3 = staticmethod(_dot3_einsum if _EINSUM_EXACT else _dot3_reduce)
+
+    @staticmethod
+    def copyto(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
+        """``dst[:, mask] = src[:, mask]`` for stacked (k, n_sub) state."""
+        np.copyto(dst, src, where=mask)
 
     @staticmethod
     def col_min(T: torch.Tensor) -> np.ndarray:  # torch's reductions along dim 0 are slow
@@ -159,6 +220,10 @@ class _NumpyVec:
         return float(v.max())
 
     @staticmethod
+    def amin(v: np.ndarray) -> float:
+        return float(v.min())
+
+    @staticmethod
     def any(v: np.ndarray) -> bool:
         return bool(v.any())
 
@@ -168,16 +233,28 @@ class _TorchVec:
 
     where = staticmethod(torch.where)
     maximum = staticmethod(torch.maximum)
+    abs = staticmethod(torch.abs)
+    stack = staticmethod(torch.stack)
     vec = staticmethod(lambda t: t)
     t = staticmethod(lambda v: v)
     rdiv = staticmethod(rdiv)
     seq_sum = staticmethod(_seq_sum)
+    dot = staticmethod(lambda A, B: _seq_sum(A * B))
+    dot3 = staticmethod(lambda A, B, C: _seq_sum((A * B).mul_(C)))
     col_min = staticmethod(lambda T: T.amin(dim=0))
     col_max = staticmethod(lambda T: T.amax(dim=0))
 
     @staticmethod
+    def copyto(dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
+        dst.copy_(torch.where(mask[None], src, dst))
+
+    @staticmethod
     def amax(v: torch.Tensor) -> float:
         return float(v.amax())
+
+    @staticmethod
+    def amin(v: torch.Tensor) -> float:
+        return float(v.amin())
 
     @staticmethod
     def any(v: torch.Tensor) -> bool:
@@ -209,7 +286,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
 
     Returns (scale (n_sub,), L (n, n_sub) int32 in [0, 2*nmax-1]).  The 19
-    candidate scales run one after the other over reused (n, n_sub) buffers
+    candidate scales run one after the other over one reused (n, n_sub) buffer
     (small enough to stay in cache); the winner's L is recomputed at the end.
     """
     v = _vec_ops(X)
@@ -222,27 +299,24 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
     W = X * X
     WX = W * X
     L = torch.empty_like(X)
-    A = torch.empty_like(X)
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
         for k, c in enumerate(consts):
             isc = v.rdiv(c, mx)
             # |iscale * x| <= nmax + 1 whenever max >= GROUP_MAX_EPS (other columns are masked
             # below), and there nearest_int is round-half-even
             torch.mul(X, v.t(isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
-            slx = v.seq_sum(torch.mul(WX, L, out=A))  # sum of (w*x)*l
-            sl2 = v.seq_sum(torch.mul(W, L, out=A).mul_(L))  # sum of (w*l)*l
+            slx = v.dot(WX, L)  # sum of (w*x)*l
+            sl2 = v.dot3(W, L, L)  # sum of (w*l)*l
             if k == 0:
                 scale = v.where(sl2 != 0, slx / sl2, 0.0)
-                best = scale * slx
-                best_isc = isc
+                state = v.stack([scale * slx, scale, isc])  # best, scale, iscale of the winner
                 continue
-            better = (sl2 > 0) & (slx * slx > best * sl2)
             new_scale = slx / sl2
-            scale = v.where(better, new_scale, scale)
-            best = v.where(better, new_scale * slx, best)
-            best_isc = v.where(better, isc, best_isc)
-        best_isc = v.where(zero_v, 0.0, best_isc)
-        scale = v.where(zero_v, 0.0, scale)
+            better = (sl2 > 0) & (slx * slx > state[0] * sl2)
+            if v.any(better):
+                v.copyto(state, v.stack([new_scale * slx, new_scale, isc]), better)
+        scale = v.where(zero_v, 0.0, state[1])
+        best_isc = v.where(zero_v, 0.0, state[2])
     torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
     Lsel = (L.to(torch.int32) + nmax) * (~v.t(zero_v)).to(torch.int32)[None]
     return v.t(scale), Lsel
@@ -296,7 +370,8 @@ def _make_qkx2_quants(
     The C routine updates ``min`` whenever a candidate wins, and later candidates
     use it, so the candidate loop stays sequential.  Instead of carrying L we
     remember (iscale, min) of the winning candidate and recompute L once.
-    Each candidate is a dozen in-place passes over three reused (n, n_sub) buffers.
+    Each candidate is four in-place passes for the levels, three sums of
+    products and four passes for the error, over two reused (n, n_sub) buffers.
     """
     # The sign of a zero min/max never reaches the output (levels, errors and the
     # 6-bit min codes come out the same), so no first-index scan is needed.
@@ -306,42 +381,51 @@ def _make_qkx2_quants(
     sum_x = v.vec(_seq_sum_from_first(W * X))
     La = torch.empty_like(X)  # levels of the current candidate
     A = torch.empty_like(X)
-    B = torch.empty_like(X)
 
-    def max_dev(m):
-        """max |x - m| per column: bounds |iscale * (x - m)| (float rounding is monotonic)."""
-        return v.maximum(abs(xmin - m), abs(mx - m))
+    def ratio_bound(m, rng) -> float:
+        """max |x - m| / |rng|: |iscale * (x - m)| <= c * this (float rounding is monotonic).
 
-    def levels(isc, m, dm) -> None:
+        inf when some c / rng could overflow (subnormal ranges); NaN propagates.  Either
+        sends ``levels`` down the exact path.
+        """
+        r = v.abs(rng)
+        if not v.amin(r) > 1e-30:
+            return float("inf")
+        b = v.amax(v.abs(m - xmin) / r)
+        return max(1.0, b) if b == b else float("inf")
+
+    def levels(isc, m, bound: float) -> None:
         """La = clamp(nearest_int(isc * (x - m)), 0, nmax) as float32."""
         torch.sub(X, v.t(m)[None], out=La).mul_(v.t(isc)[None])
-        if v.amax(isc * dm) < _SAFE:  # there nearest_int is round-half-even; NaN: exact path
+        if bound < _SAFE:  # there nearest_int is round-half-even
             La.round_().clamp_(0, nmax)
         else:
             La.copy_(_round_clamp_exact(La, 0, nmax))
 
     def err_sum(sc, m):
-        E = torch.mul(La, v.t(sc)[None], out=A).add_(v.t(m)[None]).sub_(X)  # (scale * L + min) - x
-        E = E.abs_() if use_mad else E.mul_(E)
-        return v.seq_sum(E.mul_(W))
+        """sum of w * f((scale * L + min) - x), f = |.| or square."""
+        E = torch.mul(La, v.t(sc)[None], out=A).add_(v.t(m)[None]).sub_(X)
+        return v.dot(E.abs_(), W) if use_mad else v.dot3(E, E, W)
 
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
         mn = v.where(xmin > 0, 0.0, xmin)
         flat = mx == mn  # C returns early: L = 0, scale 0; such columns are never updated
         rng = v.where(flat, 1.0, mx - mn)
-        dm = max_dev(mn)
+        bound = ratio_bound(mn, rng)
         iscale = v.rdiv(float(nmax), rng)
         scale = v.rdiv(1.0, iscale)
-        levels(iscale, mn, dm)
-        best_error = err_sum(scale, mn)
-        best_iscale, best_mn = iscale, mn
+        levels(iscale, mn, nmax * bound)
+        best_error = v.where(flat, -np.inf, err_sum(scale, mn))  # -inf: no candidate beats it
+        # the winner so far: (iscale, min) its levels were computed with, its error, scale and min
+        state = v.stack([iscale, mn, best_error, scale, mn])
         for step in range(nstep + 1):
             c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
-            iscale = v.rdiv(c, rng)
-            levels(iscale, mn, dm)
-            sum_l = v.seq_sum(torch.mul(W, La, out=A))
-            sum_l2 = v.seq_sum(torch.mul(A, La, out=B))
-            sum_xl = v.seq_sum(torch.mul(A, X, out=B))
+            mn = state[4]
+            isc = v.rdiv(c, rng)
+            levels(isc, mn, c * bound)
+            sum_l = v.dot(W, La)
+            sum_l2 = v.dot3(W, La, La)
+            sum_xl = v.dot3(W, La, X)
             D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -350,19 +434,16 @@ def _make_qkx2_quants(
                 this_min = v.where(pos, 0.0, this_min)
                 this_scale = v.where(pos, sum_xl / sum_l2, this_scale)
             cur_error = err_sum(this_scale, this_min)
-            upd = (D > 0) & (cur_error < best_error) & ~flat
+            upd = (D > 0) & (cur_error < state[2])
             if not v.any(upd):
                 continue
-            best_iscale = v.where(upd, iscale, best_iscale)
-            best_mn = v.where(upd, mn, best_mn)  # the min La was computed with
-            best_error = v.where(upd, cur_error, best_error)
-            scale = v.where(upd, this_scale, scale)
-            mn = v.where(upd, this_min, mn)
-            rng = v.where(flat, 1.0, mx - mn)
-            dm = max_dev(mn)
-        levels(best_iscale, best_mn, max_dev(best_mn))
-        scale = v.where(flat, 0.0, scale)
-        the_min = -mn
+            v.copyto(state, v.stack([isc, mn, cur_error, this_scale, this_min]), upd)
+            rng = v.where(flat, 1.0, mx - state[4])
+            bound = ratio_bound(state[4], rng)
+        best_iscale, best_mn = state[0], state[1]
+        levels(best_iscale, best_mn, (nmax + 1) * ratio_bound(best_mn, v.where(flat, 1.0, mx - best_mn)))
+        scale = v.where(flat, 0.0, state[3])
+        the_min = -state[4]
     L = La.to(torch.int32) * (~v.t(flat)).to(torch.int32)[None]
     return v.t(scale), v.t(the_min), L
 
