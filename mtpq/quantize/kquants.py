@@ -23,6 +23,8 @@ division helpers, ``nearest_int`` bit trick, C integer wrap-around).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -282,12 +284,14 @@ def _first_absmax_cols(X: torch.Tensor, v):
 
 # --------------------------------------------------------------------------- ggml search routines
 
-def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
 
-    Returns (scale (n_sub,), L (n, n_sub) int32 in [0, 2*nmax-1]).  The 19
-    candidate scales run one after the other over one reused (n, n_sub) buffer
-    (small enough to stay in cache); the winner's L is recomputed at the end.
+    Returns (scale (n_sub,), levels) where ``levels()`` gives L (n, n_sub), float32
+    in [0, 2*nmax-1].  The 19 candidate scales run one after the other over one
+    reused (n, n_sub) buffer (small enough to stay in cache).  L is computed only
+    on demand: the caller's last pass recomputes it anyway wherever the final
+    sub-block scale is nonzero (see :func:`_final_levels`).
     """
     v = _vec_ops(X)
     amax, mx = _first_absmax_cols(X, v)
@@ -317,9 +321,12 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, tor
                 v.copyto(state, v.stack([new_scale * slx, new_scale, isc]), better)
         scale = v.where(zero_v, 0.0, state[1])
         best_isc = v.where(zero_v, 0.0, state[2])
-    torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
-    Lsel = (L.to(torch.int32) + nmax) * (~v.t(zero_v)).to(torch.int32)[None]
-    return v.t(scale), Lsel
+
+    def levels() -> torch.Tensor:
+        torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
+        return L.add_(nmax).mul_((~v.t(zero_v)).to(_F32)[None])
+
+    return v.t(scale), levels
 
 
 def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,8 +371,11 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 
 def _make_qkx2_quants(
     X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``make_qkx2_quants`` for every column. Returns (scale, the_min, L int32).
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]:
+    """``make_qkx2_quants`` for every column. Returns (scale, the_min, levels).
+
+    ``levels()`` gives the winner's L (n, n_sub) as float32, on demand (see
+    :func:`_make_qx_quants_rmse1`).
 
     The C routine updates ``min`` whenever a candidate wins, and later candidates
     use it, so the candidate loop stays sequential.  Instead of carrying L we
@@ -441,11 +451,37 @@ def _make_qkx2_quants(
             rng = v.where(flat, 1.0, mx - state[4])
             bound = ratio_bound(state[4], rng)
         best_iscale, best_mn = state[0], state[1]
-        levels(best_iscale, best_mn, (nmax + 1) * ratio_bound(best_mn, v.where(flat, 1.0, mx - best_mn)))
         scale = v.where(flat, 0.0, state[3])
         the_min = -state[4]
-    L = La.to(torch.int32) * (~v.t(flat)).to(torch.int32)[None]
-    return v.t(scale), v.t(the_min), L
+
+    def best_levels() -> torch.Tensor:
+        with np.errstate(all="ignore"):
+            levels(best_iscale, best_mn, (nmax + 1) * ratio_bound(best_mn, v.where(flat, 1.0, mx - best_mn)))
+        return La.mul_((~v.t(flat)).to(_F32)[None])
+
+    return v.t(scale), v.t(the_min), best_levels
+
+
+def _final_levels(Y: torch.Tensor, dl: torch.Tensor, lo: int, hi: int, offset: int, search_levels) -> torch.Tensor:
+    """The last pass of the K-quant routines, as uint8 (n, n_sub).
+
+    ``l = nearest_int(y / d)`` clamped to [lo, hi], plus ``offset``, for every
+    sub-block whose final scale ``d`` is nonzero; the others keep the levels
+    of the search (``search_levels()``, already offset), which are computed
+    only when such a sub-block exists.
+    """
+    nz = dl != 0
+    all_nz = bool(nz.all())
+    Q = torch.div(Y, (dl if all_nz else torch.where(nz, dl, torch.ones_like(dl)))[None])
+    q_lo, q_hi = torch.aminmax(Q)
+    if -_SAFE < float(q_lo) and float(q_hi) < _SAFE:  # round-half-even there; NaN: exact path
+        Q.clamp_(lo, hi).round_()
+    else:
+        Q = _round_clamp_exact(Q, lo, hi)
+    Q.add_(offset)
+    if not all_nz:
+        Q = torch.where(nz[None], Q, search_levels())
+    return Q.to(torch.uint8)
 
 
 def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
@@ -467,7 +503,7 @@ def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
-    scales, mins, L = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
+    scales, mins, levels = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
     S = scales.view(nb, 16)
     M = mins.view(nb, 16)
     max_scale = _pos_max(S, 1)
@@ -483,8 +519,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
 
     dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
     ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
-    Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, 3)
-    L = _select(dl != 0, Lq, L)
+    L = _final_levels(X + ml[None], dl, 0, 3, 0, levels)
     qs = _pack_2bit(_from_sub_blocks(L, nb))
     return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
 
@@ -521,7 +556,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     sum_x2 = _seq_sum(X * X)
     av_x = sqrt_f32(div(sum_x2, 32.0))
     W = av_x[None] + X.abs()
-    scales, mins, L = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
+    scales, mins, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
     S = scales.view(nb, 8)
     M = mins.view(nb, 8)
     max_scale = _pos_max(S, 1)
@@ -535,8 +570,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     dmin = fp16_round(div(max_min, 63.0))
     dl = (d[:, None] * ls.to(_F32)).reshape(-1)
     ml = (dmin[:, None] * lm.to(_F32)).reshape(-1)
-    Lq = torch.clamp(nearest_int(torch.div(X + ml[None], dl[None])), 0, nmax)
-    L = _select(dl != 0, Lq, L)
+    L = _final_levels(X + ml[None], dl, 0, nmax, 0, levels)
     head = torch.cat([fp16_bits(d), fp16_bits(dmin), _pack_k4_scales(ls, lm)], dim=1)
     return head, _from_sub_blocks(L, nb)
 
@@ -561,7 +595,7 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
 def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
-    scales, L = _make_qx_quants_rmse1(X, 32)
+    scales, levels = _make_qx_quants_rmse1(X, 32)
     S = scales.view(nb, 16)
     amax, max_scale = first_absmax(S, 1)
     zero = amax < _GROUP_MAX_EPS
@@ -569,8 +603,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     d = fp16_round(rdiv(1.0, iscale))
     sc = wrap_i8(torch.clamp(nearest_int(iscale[:, None] * S), max=127))
     dl = (d[:, None] * sc.to(_F32)).reshape(-1)
-    Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -32, 31) + 32
-    L = _select(dl != 0, Lq, L)
+    L = _final_levels(X, dl, -32, 31, 32, levels)
     q = _from_sub_blocks(L, nb).view(nb, 2, 4, 32)
     lo, hi = q & 0xF, q >> 4
     ql = u8(torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)).reshape(nb, 128)
