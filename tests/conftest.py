@@ -14,7 +14,8 @@ import tiny  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Tiny models: a second intra-op thread only adds spin-waiting (badly so on a shared 2-core machine).
-    The quant kernels parallelise over row chunks with their own threads, so they are unaffected."""
+    The quant kernels then run on one worker too; their bytes never depend on the count
+    (test_golden_bytes_in_small_chunks_and_threads checks three)."""
     import torch
 
     before = torch.get_num_threads()

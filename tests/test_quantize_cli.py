@@ -156,6 +156,7 @@ def test_options_reach_the_policy(f32, tmp_path):
     (["Q4_K_M", "--mtp-experts-type", "q4"], "--mtp-experts-type"),
     (["Q4_K_M", "--output-tensor-type", "int4"], "--output-tensor-type"),
     (["Q4_K_M", "--token-embedding-type", "q4_k_m"], "--token-embedding-type"),
+    (["Q4_K_M", "--threads", "0"], "--threads"),
 ])
 def test_bad_options_exit_2_and_leave_nothing(f32, tmp_path, args, where):
     out = tmp_path / "out.gguf"
@@ -164,6 +165,18 @@ def test_bad_options_exit_2_and_leave_nothing(f32, tmp_path, args, where):
     assert files_in(tmp_path) == set()
     line = res.output.strip().splitlines()[-1]
     assert line.startswith(f"error: {where}:"), res.output
+
+
+def test_threads_option_sets_the_workers_and_changes_no_byte(q4km, f32, tmp_path):
+    out = tmp_path / "t3.gguf"
+    before = torch.get_num_threads()
+    try:
+        res = run_cli("quantize", f32, out, "Q4_K_M", "--threads", "3", "-q")
+        assert res.exit_code == 0, res.output
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert out.read_bytes() == q4km[0].read_bytes()
 
 
 def test_bad_files_exit_2(f32, tmp_path):

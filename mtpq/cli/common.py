@@ -57,3 +57,19 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
     with Progress(*cols, console=console, transient=True) as progress:
         task = progress.add_task(description, total=total, label="")
         yield lambda n, label="": progress.update(task, advance=n, label=label)
+
+
+THREADS_HELP = ("CPU threads for quantizing (default: torch's choice, all physical cores). "
+                "The bytes written do not depend on it.")
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: the kernels split each tensor over ``torch.get_num_threads()`` workers."""
+    if threads is None:
+        return
+    if threads < 1:
+        fail("--threads", f"must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+

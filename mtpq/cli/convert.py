@@ -11,7 +11,7 @@ from ..convert import OUTTYPES, MtpMode, plan_checkpoint
 from ..gguf_io import tensor_nbytes, write_plan
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
-from .common import byte_progress, console, fail, guarded
+from .common import THREADS_HELP, byte_progress, console, fail, guarded, set_threads
 
 
 @app.command(
@@ -40,6 +40,7 @@ def convert(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
         None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, keeping every MTP tensor.
@@ -51,6 +52,7 @@ def convert(
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
     if no_mtp and mtp_only:
         fail("--no-mtp/--mtp-only", "choose at most one")
+    set_threads(threads)
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
     quant_options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [])
     if quant is None:

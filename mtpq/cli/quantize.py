@@ -14,7 +14,7 @@ from ..gguf_io import plan_from_gguf, write_plan
 from ..quantize.pipeline import parse_options, plan_quantize, summarize
 from ..quantize.presets import PRESETS
 from .app import app
-from .common import byte_progress, console, guarded, out
+from .common import THREADS_HELP, byte_progress, console, guarded, out, set_threads
 
 _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
@@ -46,6 +46,7 @@ def quantize(
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing already-quantized tensors."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the decisions and totals as JSON on stdout."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
@@ -56,6 +57,7 @@ def quantize(
     options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
                    output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type)
     parse_options(preset, **options)  # a bad option fails before any file is read
+    set_threads(threads)
     before = plan_from_gguf(src)
     after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, **options)
     info = summarize(before, after)
