@@ -22,12 +22,15 @@ per-call overhead is a fraction of torch's.
 Speed, for the next engineer: each candidate costs a handful of full passes
 over the sub-block buffers (Q6_K: levels 3, sums 2; Q4_K: levels 4, sums 3,
 error 4).  Those passes stream from L2 at ~0.15-0.3 ns per value, so a
-candidate costs about as much as ggml's scalar loop spends on it with every
-value in registers: per core these kernels run at 0.8-1.3x ggml's speed, and
-no reordering of eager ops changes that.  What would: a fused kernel (one pass
-per candidate), or, for Q6_K whose candidates are independent, evaluating the
-~2 level changes per value analytically instead of 20 dense passes (tried:
-numpy has no fast scatter-add for the per-candidate sums).
+candidate costs a little more than ggml's scalar loop spends on it with every
+value in registers: on one core these kernels take 1.2x (Q4_K) and 1.35x
+(Q6_K) ggml's time (benchmarks/quant_bench.py --threads 1), and reordering
+eager ops does not change that much.  What would: a fused kernel (one pass per
+candidate), or, for Q6_K whose candidates are independent, evaluating the ~2
+level changes per value analytically instead of 20 dense passes; that needs a
+fast per-sub-block scatter-add for the per-candidate sums, which neither numpy
+(bincount) nor torch (scatter_add_) offers on CPU (~3.5 ns a value, more than
+the dense passes it would replace).
 
 See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around).
