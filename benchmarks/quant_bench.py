@@ -85,11 +85,9 @@ def main() -> None:
     print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, device {args.device}, "
           f"{args.threads} threads (torch {torch.__version__})")
     print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
-    ours: dict[str, tuple[float, np.ndarray]] = {}
     for name in args.types.split(","):
         qt = T[name]
         tq, raw = _best_of(lambda: quantize(x, qt, name), args.repeat)
-        ours[name] = (tq, raw)
         rawt = torch.from_numpy(np.ascontiguousarray(raw)).to(args.device)
         td, _ = _best_of(lambda: dequantize(rawt, qt, x.shape), args.repeat)
         print(f"{name:8} {tq:10.3f} {mb / tq:9.1f} {td:10.3f} {mb / td:9.1f}", flush=True)
@@ -123,6 +121,7 @@ def main() -> None:
             print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}",
                   flush=True)
             out.unlink()
+
 
 if __name__ == "__main__":
     main()

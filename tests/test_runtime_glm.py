@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file
 
 import tiny
+from hfmtp import accepted_like_transformers
 from runcli import run_cli
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "class Point:"]
@@ -454,9 +455,7 @@ def test_sampled_rounds_follow_the_trunk(copy_model):
 
 def test_transformers_generate_use_mtp_agrees(work):
     """transformers 5 drafts with GLM's MTP layer itself; its per-round acceptance == ours (k=1, greedy)."""
-    from transformers.generation import candidate_generator as cg
-
-    from mtpq.runtime.speculative import load_model, run_speculative
+    from mtpq.runtime.speculative import load_model
 
     # transformers ties the head's embedding and output to the trunk's: use a GLM-4.6-style head
     folder = tiny.copy_head(tiny.glm4moe(work / "copy46", dtype=torch.float32, glm46=True))
@@ -464,27 +463,8 @@ def test_transformers_generate_use_mtp_agrees(work):
     hf = hf_model(folder)
     # the loader finds the head by the real models' layer numbers (92 / 46); point it at layer 2
     hf._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
-    rounds: list[int] = []
-    original = cg.MTPCandidateGenerator.update_candidate_strategy
-
-    def record(self, input_ids, scores, num_matches):
-        if scores.shape[1] > 1:  # a verify round (the first call is the prefill, with no candidates)
-            rounds.append(int(num_matches))
-        return original(self, input_ids, scores, num_matches)
-
-    cg.MTPCandidateGenerator.update_candidate_strategy = record
-    try:
-        total = 0
-        for ids in prompt_ids(tok)[:3]:
-            rounds.clear()
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, use_mtp=True)
-            ours = run_speculative(model, ids, 32, k=1)
-            assert out[0, len(ids):].tolist() == ours.tokens
-            assert rounds == ours.accepted, (rounds, ours.accepted)
-            total += sum(rounds)
-        assert total > 0  # transformers did load and use the head
-    finally:
-        cg.MTPCandidateGenerator.update_candidate_strategy = original
+    total = accepted_like_transformers(hf, model, prompt_ids(tok)[:3])
+    assert total > 0  # transformers did load and use the head
 
 
 # ----------------------------------------------------------------------------- tokenizer, metrics, input

@@ -72,4 +72,3 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads)
-

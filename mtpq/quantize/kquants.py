@@ -190,14 +190,30 @@ def _dot3_einsum(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarra
 
 def _dot_reduce(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
     """Fallback of :func:`_dot_einsum`: a product, then the row-by-row sum."""
-    return np.add.reduce((A * B).numpy(), axis=0, initial=np.float32(0.0))
+    return _seq_sum(A * B).numpy()
 
 
 def _dot3_reduce(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarray:
-    return np.add.reduce((A * B).mul_(C).numpy(), axis=0, initial=np.float32(0.0))
+    return _seq_sum((A * B).mul_(C)).numpy()
 
 
-class _NumpyVec:
+class _VecCommon:
+    """Reductions to a Python value, spelled the same for numpy arrays and torch tensors."""
+
+    @staticmethod
+    def amax(v) -> float:
+        return float(v.max())  # NaN propagates in both
+
+    @staticmethod
+    def amin(v) -> float:
+        return float(v.min())
+
+    @staticmethod
+    def any(v) -> bool:
+        return bool(v.any())
+
+
+class _NumpyVec(_VecCommon):
     """Vector (one value per sub-block) ops of the search loops on CPU.
 
     The full-size (n, n_sub) elementwise work stays in torch; the sums of
@@ -219,10 +235,6 @@ class _NumpyVec:
     def rdiv(c: float, v: np.ndarray) -> np.ndarray:
         return np.float32(c) / v
 
-    @staticmethod
-    def seq_sum(T: torch.Tensor) -> np.ndarray:
-        return np.add.reduce(T.numpy(), axis=0, initial=np.float32(0.0))  # see _seq_sum
-
     dot = staticmethod(_dot_einsum if _EINSUM_EXACT else _dot_reduce)
     dot3 = staticmethod(_dot3_einsum if _EINSUM_EXACT else _dot3_reduce)
 
@@ -239,20 +251,8 @@ class _NumpyVec:
     def col_max(T: torch.Tensor) -> np.ndarray:
         return np.maximum.reduce(T.numpy(), axis=0)
 
-    @staticmethod
-    def amax(v: np.ndarray) -> float:
-        return float(v.max())
 
-    @staticmethod
-    def amin(v: np.ndarray) -> float:
-        return float(v.min())
-
-    @staticmethod
-    def any(v: np.ndarray) -> bool:
-        return bool(v.any())
-
-
-class _TorchVec:
+class _TorchVec(_VecCommon):
     """The same in torch, for other devices (CUDA...)."""
 
     where = staticmethod(torch.where)
@@ -262,7 +262,6 @@ class _TorchVec:
     vec = staticmethod(lambda t: t)
     t = staticmethod(lambda v: v)
     rdiv = staticmethod(rdiv)
-    seq_sum = staticmethod(_seq_sum)
     dot = staticmethod(lambda A, B: _seq_sum(A * B))
     dot3 = staticmethod(lambda A, B, C: _seq_sum((A * B).mul_(C)))
     col_min = staticmethod(lambda T: T.amin(dim=0))
@@ -272,17 +271,6 @@ class _TorchVec:
     def copyto(dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
         dst.copy_(torch.where(mask[None], src, dst))
 
-    @staticmethod
-    def amax(v: torch.Tensor) -> float:
-        return float(v.amax())
-
-    @staticmethod
-    def amin(v: torch.Tensor) -> float:
-        return float(v.amin())
-
-    @staticmethod
-    def any(v: torch.Tensor) -> bool:
-        return bool(v.any())
 
 
 def _vec_ops(X: torch.Tensor):
