@@ -25,6 +25,9 @@ Python threads (one torch thread each); set that to choose the thread count.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -223,6 +226,8 @@ def quantize(
         return out.reshape(shape)
 
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
+    if on_cpu:
+        _keep_freed_buffers()
     out = np.empty((n_rows, n // bs * ts), dtype=np.uint8)
     workers = torch.get_num_threads() if on_cpu else 1
     if not on_cpu:
@@ -250,6 +255,35 @@ def quantize(
 
 
 _THREAD_LOCK = threading.Lock()
+_MALLOC_TUNED = False
+
+
+def _keep_freed_buffers() -> None:
+    """Have glibc keep the kernels' freed temporaries for the next chunk (once per process).
+
+    Every chunk allocates and frees the same few 0.25-4 MB buffers.  With
+    glibc's default policy (mmap above a threshold that only grows when an
+    mmapped block is freed; trim the heap top above twice that) they go back to
+    the kernel and are faulted in again, page by page, at the next chunk: 3x
+    the page faults and about 20 % of Q6_K's time (benchmarks/quant_bench.py).
+    Fixing the mmap threshold at 32 MB -- the ceiling of glibc's own dynamic
+    threshold -- and trimming only above 128 MB keeps them.  Larger blocks
+    (whole tensors) are still mmapped and returned.  A no-op off glibc.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return
+    _MALLOC_TUNED = True
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)
+    mallopt(m_trim_threshold, 128 << 20)
 
 
 def _run_parallel(work: Callable[[tuple], None], ranges: list, workers: int) -> None:

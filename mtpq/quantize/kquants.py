@@ -82,11 +82,15 @@ KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 
 def _sub_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     """(nb, 256) -> (n, nb*256/n): column s is sub-block s, row i its element i."""
+    if x.device.type == "cpu":  # numpy transposes this shape 2-3x faster than torch
+        return torch.from_numpy(np.ascontiguousarray(x.numpy().reshape(-1, n).T))
     return x.reshape(-1, n).t().contiguous()
 
 
 def _from_sub_blocks(X: torch.Tensor, nb: int) -> torch.Tensor:
     """Inverse of :func:`_sub_blocks` (any dtype)."""
+    if X.device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(X.numpy().T)).reshape(nb, QK_K)
     return X.t().reshape(nb, QK_K)
 
 
@@ -178,23 +182,23 @@ def _einsum_is_exact() -> bool:
 _EINSUM_EXACT = _einsum_is_exact()
 
 
-def _dot_einsum(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
-    """``s += a*b`` along dim 0 (CPU), one pass."""
-    return np.einsum("ij,ij->j", A.numpy(), B.numpy())
+def _dot_einsum(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``s += a*b`` along dim 0, one pass, into ``out``."""
+    return np.einsum("ij,ij->j", A, B, out=out)
 
 
-def _dot3_einsum(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarray:
-    """``s += a*b*c``, i.e. ``(a*b)*c``, along dim 0 (CPU), one pass."""
-    return np.einsum("ij,ij,ij->j", A.numpy(), B.numpy(), C.numpy())
+def _dot3_einsum(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``s += a*b*c``, i.e. ``(a*b)*c``, along dim 0, one pass, into ``out``."""
+    return np.einsum("ij,ij,ij->j", A, B, C, out=out)
 
 
-def _dot_reduce(A: torch.Tensor, B: torch.Tensor) -> np.ndarray:
-    """Fallback of :func:`_dot_einsum`: a product, then the row-by-row sum."""
-    return _seq_sum(A * B).numpy()
+def _dot_reduce(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Fallback of :func:`_dot_einsum`: a product, then the row-by-row sum (see :func:`_seq_sum`)."""
+    return np.add.reduce(A * B, axis=0, initial=np.float32(0.0), out=out)
 
 
-def _dot3_reduce(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> np.ndarray:
-    return _seq_sum((A * B).mul_(C)).numpy()
+def _dot3_reduce(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -> np.ndarray:
+    return np.add.reduce((A * B) * C, axis=0, initial=np.float32(0.0), out=out)
 
 
 class _VecCommon:
@@ -208,10 +212,6 @@ class _VecCommon:
     def amin(v) -> float:
         return float(v.min())
 
-    @staticmethod
-    def any(v) -> bool:
-        return bool(v.any())
-
 
 class _NumpyVec(_VecCommon):
     """Vector (one value per sub-block) ops of the search loops on CPU.
@@ -219,29 +219,57 @@ class _NumpyVec(_VecCommon):
     The full-size (n, n_sub) elementwise work stays in torch; the sums of
     products run as numpy ``einsum`` (one pass, no temporary), and the many
     small per-candidate vector ops run in numpy, whose per-call overhead is a
-    fraction of torch's.  Every op is one IEEE float32 operation either way
-    (numpy 2 keeps Python scalars float32).  Sums run row after row, as the C
-    loops do.
+    fraction of torch's.  At a few thousand values a vector op costs little
+    more than its call, so the loops write into buffers made once (``out=``)
+    and the big ops read them through (1, n_sub) torch views made once
+    (:meth:`bcast`).  Every op is one IEEE float32 operation either way (numpy
+    2 keeps Python scalars float32).  Sums run row after row, as the C loops do.
     """
 
     where = staticmethod(np.where)
     maximum = staticmethod(np.maximum)
     abs = staticmethod(np.abs)
-    stack = staticmethod(np.stack)
+    mul = staticmethod(np.multiply)
+    sub = staticmethod(np.subtract)
+    neg = staticmethod(np.negative)
+    div = staticmethod(np.divide)
+    copy = staticmethod(np.copyto)  # copy(dst, src)
+    put = staticmethod(np.putmask)  # put(dst, mask, src): dst[mask] = src[mask] (or the scalar)
     vec = staticmethod(lambda t: t.numpy())  # torch (CPU) -> vector, shared memory
     t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
+    bcast = staticmethod(lambda r: torch.from_numpy(r[None]))  # vector -> (1, n) torch view
+    arr = staticmethod(lambda T: T.numpy())  # (n, n_sub) torch -> what dot/dot3 take, shared memory
+
+    clone = staticmethod(np.copy)
 
     @staticmethod
-    def rdiv(c: float, v: np.ndarray) -> np.ndarray:
-        return np.float32(c) / v
+    def empty(shape, ref: torch.Tensor) -> np.ndarray:
+        return np.empty(shape, dtype=np.float32)
+
+    @staticmethod
+    def izeros(n: int, ref: torch.Tensor) -> np.ndarray:
+        return np.zeros(n, dtype=np.int64)
+
+    @staticmethod
+    def consts(values, ref: torch.Tensor) -> np.ndarray:
+        return np.array(values, dtype=np.float32)
+
+    @staticmethod
+    def rdiv(c: float, v: np.ndarray, out=None) -> np.ndarray:
+        return np.divide(np.float32(c), v, out=out)
+
+    @staticmethod
+    def any(m: np.ndarray) -> bool:
+        return np.count_nonzero(m) > 0  # several times quicker than ndarray.any() here
+
+    @staticmethod
+    def take(V: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """``V[idx[j], j]`` for every column j (a flat take: take_along_axis is slower)."""
+        n = V.shape[1]
+        return V.reshape(-1).take(idx * n + np.arange(n))
 
     dot = staticmethod(_dot_einsum if _EINSUM_EXACT else _dot_reduce)
     dot3 = staticmethod(_dot3_einsum if _EINSUM_EXACT else _dot3_reduce)
-
-    @staticmethod
-    def copyto(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
-        """``dst[:, mask] = src[:, mask]`` for stacked (k, n_sub) state."""
-        np.copyto(dst, src, where=mask)
 
     @staticmethod
     def col_min(T: torch.Tensor) -> np.ndarray:  # torch's reductions along dim 0 are slow
@@ -258,19 +286,49 @@ class _TorchVec(_VecCommon):
     where = staticmethod(torch.where)
     maximum = staticmethod(torch.maximum)
     abs = staticmethod(torch.abs)
-    stack = staticmethod(torch.stack)
+    mul = staticmethod(torch.mul)
+    sub = staticmethod(torch.sub)
+    neg = staticmethod(torch.neg)
+    div = staticmethod(torch.div)
+    copy = staticmethod(lambda dst, src: dst.copy_(src))
     vec = staticmethod(lambda t: t)
     t = staticmethod(lambda v: v)
-    rdiv = staticmethod(rdiv)
-    dot = staticmethod(lambda A, B: _seq_sum(A * B))
-    dot3 = staticmethod(lambda A, B, C: _seq_sum((A * B).mul_(C)))
+    bcast = staticmethod(lambda r: r[None])
+    arr = staticmethod(lambda T: T)
     col_min = staticmethod(lambda T: T.amin(dim=0))
     col_max = staticmethod(lambda T: T.amax(dim=0))
+    any = staticmethod(lambda m: bool(m.any()))
+    take = staticmethod(lambda V, idx: V.gather(0, idx[None])[0])
+
+    clone = staticmethod(torch.clone)
 
     @staticmethod
-    def copyto(dst: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> None:
-        dst.copy_(torch.where(mask[None], src, dst))
+    def empty(shape, ref: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape, dtype=_F32, device=ref.device)
 
+    @staticmethod
+    def izeros(n: int, ref: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int64, device=ref.device)
+
+    @staticmethod
+    def consts(values, ref: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=_F32, device=ref.device)
+
+    @staticmethod
+    def rdiv(c: float, v: torch.Tensor, out=None) -> torch.Tensor:
+        return rdiv(c, v) if out is None else torch.div(cst(c, v), v, out=out)
+
+    @staticmethod
+    def put(dst: torch.Tensor, mask: torch.Tensor, src) -> None:
+        dst.copy_(torch.where(mask, src, dst))
+
+    @staticmethod
+    def dot(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(_seq_sum(A * B))
+
+    @staticmethod
+    def dot3(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(_seq_sum((A * B).mul_(C)))
 
 
 def _vec_ops(X: torch.Tensor):
@@ -298,39 +356,51 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
 
     Returns (scale (n_sub,), levels) where ``levels()`` gives L (n, n_sub), float32
-    in [0, 2*nmax-1].  The 19 candidate scales run one after the other over one
-    reused (n, n_sub) buffer (small enough to stay in cache).  L is computed only
-    on demand: the caller's last pass recomputes it anyway wherever the final
-    sub-block scale is nonzero (see :func:`_final_levels`).
+    in [0, 2*nmax-1].  The 19 candidate scales do not depend on each other: each
+    is one reused (n, n_sub) buffer of levels (small enough to stay in cache)
+    reduced to its two sums, and the C loop's choice between them -- candidate
+    0, then each later one that is strictly better -- runs afterwards on the
+    (19, n_sub) sums.  L is computed only on demand: the caller's last pass
+    recomputes it anyway wherever the final sub-block scale is nonzero (see
+    :func:`_final_levels`).
     """
     v = _vec_ops(X)
+    ns = X.shape[1]
     amax, mx = _first_absmax_cols(X, v)
     zero_v = amax < _GROUP_MAX_EPS
     # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
     consts = [f32(-nmax)] + [
         float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
     ]
+    nc = len(consts)
     W = X * X
     WX = W * X
     L = torch.empty_like(X)
+    Wa, WXa, La = v.arr(W), v.arr(WX), v.arr(L)
+    SLX, SL2 = v.empty((nc, ns), X), v.empty((nc, ns), X)
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
-        for k, c in enumerate(consts):
-            isc = v.rdiv(c, mx)
+        ISC = v.div(v.consts(consts, X)[:, None], mx[None])  # (nc, ns): every candidate's iscale
+        ISC_t = v.t(ISC)
+        for k in range(nc):
             # |iscale * x| <= nmax + 1 whenever max >= GROUP_MAX_EPS (other columns are masked
             # below), and there nearest_int is round-half-even
-            torch.mul(X, v.t(isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
-            slx = v.dot(WX, L)  # sum of (w*x)*l
-            sl2 = v.dot3(W, L, L)  # sum of (w*l)*l
-            if k == 0:
-                scale = v.where(sl2 != 0, slx / sl2, 0.0)
-                state = v.stack([scale * slx, scale, isc])  # best, scale, iscale of the winner
-                continue
-            new_scale = slx / sl2
-            better = (sl2 > 0) & (slx * slx > state[0] * sl2)
-            if v.any(better):
-                v.copyto(state, v.stack([new_scale * slx, new_scale, isc]), better)
-        scale = v.where(zero_v, 0.0, state[1])
-        best_isc = v.where(zero_v, 0.0, state[2])
+            torch.mul(X, ISC_t[k : k + 1], out=L).round_().clamp_(-nmax, nmax - 1)
+            v.dot(WXa, La, SLX[k])  # sum of (w*x)*l
+            v.dot3(Wa, La, La, SL2[k])  # sum of (w*l)*l
+        NS = v.div(SLX, SL2)  # each candidate's scale
+        v.put(NS[0], SL2[0] == 0, 0.0)  # candidate 0: scale = suml2 ? sumlx/suml2 : 0
+        Q = v.mul(NS, SLX)  # its "best" = scale * sumlx
+        SQ = v.mul(SLX, SLX)
+        v.put(SQ, ~(SL2 > 0), -np.inf)  # a candidate with suml2 <= 0 never wins: -inf > y is false
+        best = v.clone(Q[0])
+        win = v.izeros(ns, X)  # the winning candidate
+        tmp = v.empty(ns, X)
+        for k in range(1, nc):
+            better = SQ[k] > v.mul(best, SL2[k], out=tmp)  # sumlx^2 > best * suml2
+            v.put(best, better, Q[k])
+            v.put(win, better, k)
+        scale = v.where(zero_v, 0.0, v.take(NS, win))
+        best_isc = v.where(zero_v, 0.0, v.take(ISC, win))
 
     def levels() -> torch.Tensor:
         torch.mul(X, v.t(best_isc)[None], out=L).round_().clamp_(-nmax, nmax - 1)
@@ -381,8 +451,8 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 
 def _make_qkx2_quants(
     X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]:
-    """``make_qkx2_quants`` for every column. Returns (scale, the_min, levels).
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """``make_qkx2_quants`` for every column. Returns ((scale, the_min) as (2, n_sub), levels).
 
     ``levels()`` gives the winner's L (n, n_sub) as float32, on demand (see
     :func:`_make_qx_quants_rmse1`).
@@ -391,16 +461,40 @@ def _make_qkx2_quants(
     use it, so the candidate loop stays sequential.  Instead of carrying L we
     remember (iscale, min) of the winning candidate and recompute L once.
     Each candidate is four in-place passes for the levels, three sums of
-    products and four passes for the error, over two reused (n, n_sub) buffers.
+    products and four passes for the error, over two reused (n, n_sub) buffers;
+    its per-sub-block arithmetic writes into vectors made once (see
+    :class:`_NumpyVec`).
     """
     # The sign of a zero min/max never reaches the output (levels, errors and the
     # 6-bit min codes come out the same), so no first-index scan is needed.
     v = _vec_ops(X)
+    ns = X.shape[1]
     xmin, mx = v.col_min(X), v.col_max(X)
-    sum_w = v.vec(_seq_sum_from_first(W))
-    sum_x = v.vec(_seq_sum_from_first(W * X))
     La = torch.empty_like(X)  # levels of the current candidate
     A = torch.empty_like(X)
+    Xa, Wa, Laa, Aa = (v.arr(T) for T in (X, W, La, A))  # what the sums of products take
+    # The least-squares fit needs six products of the sums.  Laid out as
+    # F = [sum_x, sum_l, sum_xl, sum_w, sum_l2, sum_x], they are two products of
+    # (3, n_sub) views and one broadcast, N = F[3:6]*F[2:5] - sum_l*F[0:3] =
+    # [scale numerator, D, min numerator], each with the C operands.
+    F = v.empty((6, ns), X)
+    sum_l, sum_xl, sum_l2 = F[1], F[2], F[4]
+    v.copy(F[3], v.vec(_seq_sum_from_first(W)))
+    v.copy(F[0], v.vec(_seq_sum_from_first(W * X)))
+    v.copy(F[5], F[0])
+    N, P = v.empty((3, ns), X), v.empty((3, ns), X)
+    D = N[1]
+    cand = v.empty((2, ns), X)  # this_scale, this_min
+    this_scale, this_min = cand
+    # the winner so far: the (iscale, min) its levels were computed with, its error, scale and min
+    state = v.empty((5, ns), X)
+    win_isc, win_mn, best_err, best_scale, best_min = state
+    isc, err, rng, tmp = v.empty((4, ns), X)
+    isc_b, this_scale_b, this_min_b, best_min_b = (v.bcast(r) for r in (isc, this_scale, this_min, best_min))
+    steps = [
+        float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
+        for step in range(nstep + 1)
+    ]
 
     def ratio_bound(m, rng) -> float:
         """max |x - m| / |rng|: |iscale * (x - m)| <= c * this (float rounding is monotonic).
@@ -414,62 +508,73 @@ def _make_qkx2_quants(
         b = v.amax(v.abs(m - xmin) / r)
         return max(1.0, b) if b == b else float("inf")
 
-    def levels(isc, m, bound: float) -> None:
+    def levels(isc_b, m_b, bound: float) -> None:
         """La = clamp(nearest_int(isc * (x - m)), 0, nmax) as float32."""
-        torch.sub(X, v.t(m)[None], out=La).mul_(v.t(isc)[None])
+        torch.sub(X, m_b, out=La).mul_(isc_b)
         if bound < _SAFE:  # there nearest_int is round-half-even
             La.round_().clamp_(0, nmax)
         else:
             La.copy_(_round_clamp_exact(La, 0, nmax))
 
-    def err_sum(sc, m):
-        """sum of w * f((scale * L + min) - x), f = |.| or square."""
-        E = torch.mul(La, v.t(sc)[None], out=A).add_(v.t(m)[None]).sub_(X)
-        return v.dot(E.abs_(), W) if use_mad else v.dot3(E, E, W)
+    def err_sum(sc_b, m_b, out) -> None:
+        """out = sum of w * f((scale * L + min) - x), f = |.| or square."""
+        torch.mul(La, sc_b, out=A).add_(m_b).sub_(X)
+        if use_mad:
+            A.abs_()
+            v.dot(Aa, Wa, out)
+        else:
+            v.dot3(Aa, Aa, Wa, out)
+
+    def set_range() -> float:
+        """rng = max - min of the winner (1 where the column is flat); returns its ratio_bound."""
+        v.sub(mx, best_min, out=rng)
+        if any_flat:
+            v.put(rng, flat, 1.0)
+        return ratio_bound(best_min, rng)
 
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
-        mn = v.where(xmin > 0, 0.0, xmin)
-        flat = mx == mn  # C returns early: L = 0, scale 0; such columns are never updated
-        rng = v.where(flat, 1.0, mx - mn)
-        bound = ratio_bound(mn, rng)
-        iscale = v.rdiv(float(nmax), rng)
-        scale = v.rdiv(1.0, iscale)
-        levels(iscale, mn, nmax * bound)
-        best_error = v.where(flat, -np.inf, err_sum(scale, mn))  # -inf: no candidate beats it
-        # the winner so far: (iscale, min) its levels were computed with, its error, scale and min
-        state = v.stack([iscale, mn, best_error, scale, mn])
-        for step in range(nstep + 1):
-            c = float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
-            mn = state[4]
-            isc = v.rdiv(c, rng)
-            levels(isc, mn, c * bound)
-            sum_l = v.dot(W, La)
-            sum_l2 = v.dot3(W, La, La)
-            sum_xl = v.dot3(W, La, X)
-            D = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        v.copy(best_min, v.where(xmin > 0, 0.0, xmin))
+        v.copy(win_mn, best_min)
+        flat = mx == best_min  # C returns early: L = 0, scale 0; such columns are never updated
+        any_flat = v.any(flat)
+        bound = set_range()
+        v.rdiv(float(nmax), rng, out=win_isc)
+        v.rdiv(1.0, win_isc, out=best_scale)
+        levels(v.bcast(win_isc), best_min_b, nmax * bound)
+        err_sum(v.bcast(best_scale), best_min_b, best_err)
+        v.put(best_err, flat, -np.inf)  # -inf: no candidate beats it
+        for c in steps:
+            v.rdiv(c, rng, out=isc)
+            levels(isc_b, best_min_b, c * bound)
+            v.dot(Wa, Laa, sum_l)
+            v.dot3(Wa, Laa, Laa, sum_l2)
+            v.dot3(Wa, Laa, Xa, sum_xl)
+            v.sub(v.mul(F[3:6], F[2:5], out=N), v.mul(F[1:2], F[0:3], out=P), out=N)
+            v.div(N[0::2], N[1:2], out=cand)  # this_scale, this_min
             pos = this_min > 0
             if v.any(pos):
-                this_min = v.where(pos, 0.0, this_min)
-                this_scale = v.where(pos, sum_xl / sum_l2, this_scale)
-            cur_error = err_sum(this_scale, this_min)
-            upd = (D > 0) & (cur_error < state[2])
+                v.put(this_min, pos, 0.0)
+                v.put(this_scale, pos, v.div(sum_xl, sum_l2, out=tmp))
+            err_sum(this_scale_b, this_min_b, err)
+            upd = (D > 0) & (err < best_err)
             if not v.any(upd):
                 continue
-            v.copyto(state, v.stack([isc, mn, cur_error, this_scale, this_min]), upd)
-            rng = v.where(flat, 1.0, mx - state[4])
-            bound = ratio_bound(state[4], rng)
-        best_iscale, best_mn = state[0], state[1]
-        scale = v.where(flat, 0.0, state[3])
-        the_min = -state[4]
+            v.put(win_isc, upd, isc)
+            v.put(win_mn, upd, best_min)
+            v.put(best_err, upd, err)
+            v.put(best_scale, upd, this_scale)
+            v.put(best_min, upd, this_min)
+            bound = set_range()
+        v.put(best_scale, flat, 0.0)
+        v.neg(best_min, out=best_min)  # the_min
 
     def best_levels() -> torch.Tensor:
         with np.errstate(all="ignore"):
-            levels(best_iscale, best_mn, (nmax + 1) * ratio_bound(best_mn, v.where(flat, 1.0, mx - best_mn)))
+            bound = ratio_bound(win_mn, v.where(flat, 1.0, mx - win_mn))
+            levels(v.bcast(win_isc), v.bcast(win_mn), (nmax + 1) * bound)
         return La.mul_((~v.t(flat)).to(_F32)[None])
 
-    return v.t(scale), v.t(the_min), best_levels
+    return v.t(state[3:5]), best_levels
 
 
 def _final_levels(Y: torch.Tensor, dl: torch.Tensor, lo: int, hi: int, offset: int, search_levels) -> torch.Tensor:
@@ -488,9 +593,12 @@ def _final_levels(Y: torch.Tensor, dl: torch.Tensor, lo: int, hi: int, offset: i
         Q.clamp_(lo, hi).round_()
     else:
         Q = _round_clamp_exact(Q, lo, hi)
-    Q.add_(offset)
+    if offset:
+        Q.add_(offset)
     if not all_nz:
         Q = torch.where(nz[None], Q, search_levels())
+    if Q.device.type == "cpu":  # numpy converts 4x faster; the values are small whole numbers
+        return torch.from_numpy(Q.numpy().astype(np.uint8))
     return Q.to(torch.uint8)
 
 
@@ -513,9 +621,8 @@ def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
-    scales, mins, levels = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
-    S = scales.view(nb, 16)
-    M = mins.view(nb, 16)
+    SM, levels = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
+    S, M = SM.view(2, nb, 16)
     max_scale = _pos_max(S, 1)
     max_min = _pos_max(M, 1)
     sp = max_scale > 0
@@ -563,25 +670,21 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
 def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     nb = x.shape[0]
     X = _sub_blocks(x, 32)
-    sum_x2 = _seq_sum(X * X)
+    v = _vec_ops(X)
+    Xa = v.arr(X)
+    sum_x2 = v.t(v.dot(Xa, Xa, v.empty(X.shape[1], X)))
     av_x = sqrt_f32(div(sum_x2, 32.0))
-    W = av_x[None] + X.abs()
-    scales, mins, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
-    S = scales.view(nb, 8)
-    M = mins.view(nb, 8)
-    max_scale = _pos_max(S, 1)
-    max_min = _pos_max(M, 1)
-    z = _zeros(max_scale)
-    inv_scale = torch.where(max_scale > 0, rdiv(63.0, max_scale), z)
-    inv_min = torch.where(max_min > 0, rdiv(63.0, max_min), z)
-    ls = torch.clamp(nearest_int(inv_scale[:, None] * S) & 0xFF, max=63)
-    lm = torch.clamp(nearest_int(inv_min[:, None] * M) & 0xFF, max=63)
-    d = fp16_round(div(max_scale, 63.0))
-    dmin = fp16_round(div(max_min, 63.0))
-    dl = (d[:, None] * ls.to(_F32)).reshape(-1)
-    ml = (dmin[:, None] * lm.to(_F32)).reshape(-1)
-    L = _final_levels(X + ml[None], dl, 0, nmax, 0, levels)
-    head = torch.cat([fp16_bits(d), fp16_bits(dmin), _pack_k4_scales(ls, lm)], dim=1)
+    W = torch.abs(X).add_(av_x[None])  # av_x + |x|
+    SM, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
+    # scales and mins side by side: (2, nb, 8), then (2, nb) maxima, 6-bit codes, fp16 d and dmin
+    SM = SM.view(2, nb, 8)
+    max_sm = _pos_max(SM, 2)
+    inv = torch.where(max_sm > 0, rdiv(63.0, max_sm), _zeros(max_sm))
+    lsm = torch.clamp(nearest_int(inv[:, :, None] * SM) & 0xFF, max=63)
+    dd = fp16_round(div(max_sm, 63.0))
+    dlml = (dd[:, :, None] * lsm.to(_F32)).view(2, -1)
+    L = _final_levels(X + dlml[1][None], dlml[0], 0, nmax, 0, levels)
+    head = torch.cat([fp16_bits(dd[0]), fp16_bits(dd[1]), _pack_k4_scales(lsm[0], lsm[1])], dim=1)
     return head, _from_sub_blocks(L, nb)
 
 
@@ -607,19 +710,24 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     X = _sub_blocks(x, 16)
     scales, levels = _make_qx_quants_rmse1(X, 32)
     S = scales.view(nb, 16)
-    amax, max_scale = first_absmax(S, 1)
+    v = _vec_ops(X)
+    amax, max_scale = (v.t(a) for a in _first_absmax_cols(S.t(), v))
     zero = amax < _GROUP_MAX_EPS
     iscale = rdiv(-128.0, max_scale)
     d = fp16_round(rdiv(1.0, iscale))
     sc = wrap_i8(torch.clamp(nearest_int(iscale[:, None] * S), max=127))
     dl = (d[:, None] * sc.to(_F32)).reshape(-1)
     L = _final_levels(X, dl, -32, 31, 32, levels)
-    q = _from_sub_blocks(L, nb).view(nb, 2, 4, 32)
+    # element 128h + 32g + t; the 32-value groups g and g+2 share bytes: [b, h, g // 2, g % 2, t]
+    q = _from_sub_blocks(L, nb).view(nb, 2, 2, 2, 32)
     lo, hi = q & 0xF, q >> 4
-    ql = u8(torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)).reshape(nb, 128)
-    qh = u8(hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)  # g | g+2 << 4, for g = 0, 1
+    h2 = hi[:, :, 0] | (hi[:, :, 1] << 4)  # g | g+2 << 4
+    qh = (h2[:, :, 0] | (h2[:, :, 1] << 2)).reshape(nb, 64)  # g=0 | g=1 << 2 | g=2 << 4 | g=3 << 6
     out = torch.cat([ql, qh, u8(sc), fp16_bits(d)], dim=1)
-    return out * (~zero).to(torch.uint8)[:, None]  # memset(0) for an all-zero super-block
+    if bool(zero.any()):
+        out[zero] = 0  # memset(0) for an all-zero super-block
+    return out
 
 
 # --------------------------------------------------------------------------- IQ4_NL / IQ4_XS

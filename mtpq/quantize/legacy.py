@@ -100,7 +100,7 @@ def fp16_round(x: torch.Tensor) -> torch.Tensor:
 
 def u8(v: torch.Tensor) -> torch.Tensor:
     """Store an int tensor into a C ``uint8_t`` (wrap)."""
-    return (v & 0xFF).to(torch.uint8)
+    return v if v.dtype == torch.uint8 else (v & 0xFF).to(torch.uint8)
 
 
 def roundf(x: torch.Tensor) -> torch.Tensor:
@@ -127,9 +127,17 @@ def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded float32 ``sqrtf`` of finite ``x >= 0``.
 
     torch's float32 CPU ``sqrt`` is not correctly rounded (off by one ulp now
-    and then), so take the float64 root, round it, and settle the rounding
-    with an exact float64 midpoint test (a float32 root is never a tie).
+    and then).  numpy's is (the hardware instruction, IEEE-exact; checked
+    against the float64 root in the tests), so CPU tensors use it.  Elsewhere
+    take the float64 root, round it, and settle the rounding with an exact
+    float64 midpoint test (a float32 root is never a tie).
     """
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(x.numpy()))
+    return _sqrt_f32_by_float64(x)
+
+
+def _sqrt_f32_by_float64(x: torch.Tensor) -> torch.Tensor:
     s = torch.sqrt(x.to(torch.float64)).to(_F32)
     xd = x.to(torch.float64)
     sd = s.to(torch.float64)
