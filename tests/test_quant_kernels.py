@@ -68,6 +68,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -127,20 +130,61 @@ def test_golden_bytes(qtype, case, inputs):
         assert np.array_equal(quantize(x, qtype, case), ref)
 
 
+@pytest.mark.parametrize("workers", ["fork", "threads"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
-def test_golden_bytes_in_small_chunks_and_threads(qtype, inputs, monkeypatch):
-    """Chunking (blocks split across chunks/threads) must not change a byte."""
+def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkeypatch):
+    """Chunking (blocks split across chunks and workers) must not change a byte,
+    with forked workers (Linux) and with the thread fallback."""
+    if workers == "fork" and not sys.platform.startswith("linux"):
+        pytest.skip("forked workers are Linux-only")
+    monkeypatch.setenv("MTPQ_WORKERS", workers)
     q, d, _, _ = kernels._KERNELS[qtype]
     monkeypatch.setitem(kernels._KERNELS, qtype, (q, d, 256, 256))  # one super-block per chunk
+    used = []
+    for name in ("_run_forked", "_run_parallel"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: (used.append(_name), _real(*a)))
     x = torch.from_numpy(np.concatenate([inputs["gauss_512"], inputs["outliers"]]))
     ref = np.concatenate([golden(qtype)["gauss_512"], golden(qtype)["outliers"]])
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
         assert np.array_equal(quantize(x, qtype), ref)
-        assert torch.get_num_threads() == 3  # restored after the worker pool
+        assert torch.get_num_threads() == 3  # restored after the workers
     finally:
         torch.set_num_threads(saved)
+    assert used == ["_run_forked" if workers == "fork" and qtype in kernels._FORKED_TYPES else "_run_parallel"]
+    with pytest.raises(ChildProcessError):  # every forked worker was reaped
+        os.waitpid(-1, os.WNOHANG)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
+def test_forked_workers_report_errors(monkeypatch):
+    """An error in a forked worker comes back as the same one line, and nothing lingers."""
+    monkeypatch.setitem(kernels._KERNELS, T.Q4_K, (*kernels._KERNELS[T.Q4_K][:2], 256, 256))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.zeros(8, 1024)
+        x[7, 1000] = float("nan")  # in the last chunk
+        with pytest.raises(ValueError) as e:
+            quantize(x, T.Q4_K, "blk.3.ffn_up.weight")
+        assert str(e.value) == "blk.3.ffn_up.weight: contains NaN/Inf values"
+        x = torch.zeros(8, 1024)
+        x[3, 5] = 1e30  # a Q4_K scale overflowing fp16, in a middle chunk
+        with pytest.raises(ValueError, match="blk.0.w: values too large for Q4_K"):
+            quantize(x, T.Q4_K, "blk.0.w")
+
+        def broken(_):
+            raise MemoryError("no room")
+
+        monkeypatch.setitem(kernels._KERNELS, T.Q4_K, (broken, *kernels._KERNELS[T.Q4_K][1:]))
+        with pytest.raises(RuntimeError, match="quantization worker failed: MemoryError: no room"):
+            quantize(torch.zeros(8, 1024), T.Q4_K, "w")
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
 
 
 SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]

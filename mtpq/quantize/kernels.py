@@ -20,15 +20,23 @@ included), numerically identical to ``gguf.quants.dequantize``.
 Work is done in chunks of whole blocks so the extra memory stays bounded
 (tens of MB per worker on CPU, a few hundred MB on GPU), on the device of the
 input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
-Python threads (one torch thread each); set that to choose the thread count.
+workers (one torch thread each); set that to choose the count.  On Linux the
+workers are forked processes writing into shared memory (see
+:func:`_run_forked`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the
+environment, Python threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
+import mmap
+import os
+import signal
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -64,6 +72,10 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
 }
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
+# Types whose kernels are long runs of short ops (the search loops) go to forked workers on
+# CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
+# cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
+_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
@@ -228,15 +240,17 @@ def quantize(
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
     if on_cpu:
         _keep_freed_buffers()
-    out = np.empty((n_rows, n // bs * ts), dtype=np.uint8)
     workers = torch.get_num_threads() if on_cpu else 1
+    forked = workers > 1 and qtype in _FORKED_TYPES and _can_fork() and len(pieces(chunk_alone)) > 1
     if not on_cpu:
         chunk = _GPU_CHUNK
-    elif workers > 1:
+    elif workers > 1 and not forked:
         # big chunks, but at least two per worker so that all of them stay busy
         chunk = max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers)))
     else:
         chunk = chunk_alone
+    out_shape = (n_rows, n // bs * ts)
+    out = _shared_empty(out_shape) if forked else np.empty(out_shape, dtype=np.uint8)
 
     def work(p: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = p
@@ -246,7 +260,9 @@ def quantize(
         out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
 
     todo = pieces(chunk)
-    if workers > 1 and len(todo) > 1:
+    if forked:
+        _run_forked(work, todo, workers)
+    elif workers > 1 and len(todo) > 1:
         _run_parallel(work, todo, workers)
     else:
         for p in todo:
@@ -286,13 +302,121 @@ def _keep_freed_buffers() -> None:
     mallopt(m_trim_threshold, 128 << 20)
 
 
+def _can_fork() -> bool:
+    """Forked workers: Linux only (fork is unsafe on macOS, absent on Windows), and not refused."""
+    return sys.platform.startswith("linux") and os.environ.get("MTPQ_WORKERS", "fork") != "threads"
+
+
+def _shared_empty(shape: tuple[int, int]) -> np.ndarray:
+    """A uint8 array in anonymous shared memory: what forked workers write is seen here."""
+    size = shape[0] * shape[1]
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=np.uint8, count=size).reshape(shape)
+
+
+def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> None:
+    """Run ``work`` over chunks in ``workers`` forked processes, one torch thread each.
+
+    The kernels are long sequences of short ops.  Threads sharing one GIL hand
+    it over at every op, and on 2 cores reach only 1.3-1.4x one thread;
+    forked workers need no hand-over and scale like llama-quantize's threads
+    (benchmarks/quant_bench.py: 2 workers take 0.55x the time of 1).  A fork
+    costs about a millisecond: the children see the input (and every other
+    object) as it is at the fork, copy-on-write, and write their output into
+    shared memory (:func:`_shared_empty`).  Chunks are handed out through a
+    pipe of 4-byte indices, so a slow worker takes fewer.  A child only runs
+    ``work`` and leaves with ``os._exit``; an error there (NaN/Inf, an fp16
+    overflow) comes back through a second pipe and is raised here, with its
+    type (ValueError) kept.  Interrupted, the parent kills its children.
+    """
+    task_r, task_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pids: list[int] = []
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # inherited: a child never enters an OpenMP region
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a multi-threaded process; the children run
+            # only numpy/torch arithmetic on data that exists, no locks other threads may hold
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            for _ in range(min(workers, len(ranges))):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child, which never returns
+                    os.close(task_w)
+                    os.close(err_r)
+                    _child(work, ranges, task_r, err_w)
+                pids.append(pid)
+        os.close(task_r)
+        os.close(err_w)
+        task_r = err_w = -1
+        order = b"".join(i.to_bytes(4, "little") for i in range(len(ranges)))
+        try:
+            for k in range(0, len(order), 4096):  # writes of at most PIPE_BUF bytes are atomic
+                os.write(task_w, order[k:k + 4096])
+        except BrokenPipeError:  # every child has left (with an error): collect it below
+            pass
+        os.close(task_w)
+        task_w = -1
+        errors = _read_all(err_r).split(b"\0")
+        failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
+        pids = []
+    except BaseException:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        raise
+    finally:
+        torch.set_num_threads(saved)
+        for fd in (task_r, task_w, err_r, err_w):
+            if fd >= 0:
+                os.close(fd)
+    for e in errors:
+        if e:
+            kind, msg = e[:1], e[1:].decode("utf-8", "replace")
+            raise ValueError(msg) if kind == b"V" else RuntimeError(f"quantization worker failed: {msg}")
+    if failed:
+        raise RuntimeError(f"{len(failed)} quantization worker(s) died (out of memory?)")
+
+
+def _child(work: Callable[[tuple], None], ranges: list, task_r: int, err_w: int) -> None:  # pragma: no cover
+    code = 0
+    try:
+        gc.disable()  # a short life: no collections touching (and copying) the parent's pages
+        while True:
+            b = _read_all(task_r, 4)
+            if len(b) < 4:
+                break
+            work(ranges[int.from_bytes(b, "little")])
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        kind = b"V" if isinstance(e, ValueError) else b"E"
+        text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        os.write(err_w, (kind + text.encode("utf-8", "replace"))[:4000] + b"\0")
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _read_all(fd: int, n: int = -1) -> bytes:
+    """``n`` bytes from a pipe (fewer at its end), or everything until its end for n < 0."""
+    parts, got = [], 0
+    while n < 0 or got < n:
+        b = os.read(fd, 65536 if n < 0 else n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
 def _run_parallel(work: Callable[[tuple], None], ranges: list, workers: int) -> None:
     """Run ``work`` over chunks on ``workers`` Python threads, one torch thread each.
 
-    The kernels are long sequences of small torch ops; spreading chunks over
-    threads (torch releases the GIL inside ops) scales much better than
-    intra-op parallelism of each small op, and degrades gracefully on a busy
-    machine.  torch's intra-op pool is set to 1 thread meanwhile and restored.
+    The fallback where workers cannot be forked.  Spreading chunks over
+    threads (torch releases the GIL inside ops) scales better than intra-op
+    parallelism of each small op, though the GIL hand-overs cap it.  torch's
+    intra-op pool is set to 1 thread meanwhile and restored.
     """
     with _THREAD_LOCK:
         saved = torch.get_num_threads()
