@@ -152,7 +152,12 @@ def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- per-column bookkeeping
 
-def _einsum_is_exact() -> bool:
+# numpy's C einsum without the Python wrapper and its array-function dispatch (half its
+# per-call cost at these sizes); np.einsum where a numpy does not have it there
+_EINSUM = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "c_einsum", None) or np.einsum
+
+
+def _einsum_is_exact(einsum: Callable = _EINSUM) -> bool:
     """True if numpy's float32 ``einsum`` sums of products round like the C loops.
 
     ``einsum('ij,ij,ij->j', a, b, c)`` must compute ``s += (a*b)*c`` row after
@@ -173,9 +178,9 @@ def _einsum_is_exact() -> bool:
     # product order: these three give (x*y)*z != x*(y*z) == the exactly rounded product
     x, y, z = (np.array([[v]], dtype=np.float32) for v in (0.9349475502967834, 1.4741861820220947, 1.3976776599884033))
     with np.errstate(all="ignore"):
-        ok = np.einsum("ij,ij->j", a, b)[0] == 0.0
-        ok &= np.einsum("ij,ij->j", c, ones)[0] == 0.0
-        ok &= np.einsum("ij,ij,ij->j", x, y, z)[0] == ((x * y) * z)[0, 0]
+        ok = einsum("ij,ij->j", a, b)[0] == 0.0
+        ok &= einsum("ij,ij->j", c, ones)[0] == 0.0
+        ok &= einsum("ij,ij,ij->j", x, y, z)[0] == ((x * y) * z)[0, 0]
     return bool(ok)
 
 
@@ -184,12 +189,12 @@ _EINSUM_EXACT = _einsum_is_exact()
 
 def _dot_einsum(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``s += a*b`` along dim 0, one pass, into ``out``."""
-    return np.einsum("ij,ij->j", A, B, out=out)
+    return _EINSUM("ij,ij->j", A, B, out=out)
 
 
 def _dot3_einsum(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``s += a*b*c``, i.e. ``(a*b)*c``, along dim 0, one pass, into ``out``."""
-    return np.einsum("ij,ij,ij->j", A, B, C, out=out)
+    return _EINSUM("ij,ij,ij->j", A, B, C, out=out)
 
 
 def _dot_reduce(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -336,7 +341,8 @@ def _vec_ops(X: torch.Tensor):
 
 
 def _first_absmax_cols(X: torch.Tensor, v):
-    """:func:`first_absmax` along dim 0 as vectors (amax, max), from the column min and max.
+    """:func:`first_absmax` along dim 0 as vectors (amax, max), from the column min and max,
+    which it returns too: (amax, max, min, max).
 
     The first element of largest |x| is +amax or -amax; only a column holding
     both (or a NaN) needs the index scan.  All-zero columns give +0.0.
@@ -346,8 +352,8 @@ def _first_absmax_cols(X: torch.Tensor, v):
     pos = hi == amax
     if v.any((pos & (lo == -amax) & (amax > 0)) | (amax != amax)):
         amax, mx = first_absmax(X, 0)
-        return v.vec(amax), v.vec(mx)
-    return amax, v.where(amax > 0, v.where(pos, amax, -amax), 0.0)
+        return v.vec(amax), v.vec(mx), lo, hi
+    return amax, v.where(amax > 0, v.where(pos, amax, -amax), 0.0), lo, hi
 
 
 # --------------------------------------------------------------------------- ggml search routines
@@ -366,7 +372,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
     """
     v = _vec_ops(X)
     ns = X.shape[1]
-    amax, mx = _first_absmax_cols(X, v)
+    amax, mx, lo, hi = _first_absmax_cols(X, v)
     zero_v = amax < _GROUP_MAX_EPS
     # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
     consts = [f32(-nmax)] + [
@@ -381,10 +387,20 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
         ISC = v.div(v.consts(consts, X)[:, None], mx[None])  # (nc, ns): every candidate's iscale
         ISC_t = v.t(ISC)
-        for k in range(nc):
-            # |iscale * x| <= nmax + 1 whenever max >= GROUP_MAX_EPS (other columns are masked
-            # below), and there nearest_int is round-half-even
-            torch.mul(X, ISC_t[k : k + 1], out=L).round_().clamp_(-nmax, nmax - 1)
+        # iscale * x lies in [-|c|, |c| * r] (rounding aside), r the largest ratio of the far side
+        # of zero to the max; a clamp that cannot act is skipped (columns with max below
+        # GROUP_MAX_EPS may hold inf/NaN levels, but they are set to zero below)
+        opp = v.where(mx > 0, -lo, hi) / amax
+        r = v.amax(v.where(zero_v, 0.0, opp))
+        r = r if r <= 1.0 else float("inf")  # NaN: clamp always
+        for k, c in enumerate(consts):
+            # |iscale * x| <= nmax + 1 whenever max >= GROUP_MAX_EPS, and there nearest_int
+            # is round-half-even
+            torch.mul(X, ISC_t[k : k + 1], out=L).round_()
+            low = -c * (1 + 1e-5) > nmax + 0.5  # may round to -nmax-1
+            high = -c * r * (1 + 1e-5) >= nmax - 0.5  # may round to nmax
+            if low or high:
+                L.clamp_(-nmax if low else None, nmax - 1 if high else None)
             v.dot(WXa, La, SLX[k])  # sum of (w*x)*l
             v.dot3(Wa, La, La, SL2[k])  # sum of (w*l)*l
         NS = v.div(SLX, SL2)  # each candidate's scale
@@ -392,6 +408,8 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
         Q = v.mul(NS, SLX)  # its "best" = scale * sumlx
         SQ = v.mul(SLX, SLX)
         v.put(SQ, ~(SL2 > 0), -np.inf)  # a candidate with suml2 <= 0 never wins: -inf > y is false
+        # the C loop: candidate 0, then each one that is strictly better (a Python step per
+        # candidate, but on (n_sub,) vectors of sums)
         best = v.clone(Q[0])
         win = v.izeros(ns, X)  # the winning candidate
         tmp = v.empty(ns, X)
@@ -711,7 +729,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     scales, levels = _make_qx_quants_rmse1(X, 32)
     S = scales.view(nb, 16)
     v = _vec_ops(X)
-    amax, max_scale = (v.t(a) for a in _first_absmax_cols(S.t(), v))
+    amax, max_scale = (v.t(a) for a in _first_absmax_cols(S.t().contiguous(), v)[:2])
     zero = amax < _GROUP_MAX_EPS
     iscale = rdiv(-128.0, max_scale)
     d = fp16_round(rdiv(1.0, iscale))
