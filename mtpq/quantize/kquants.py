@@ -19,25 +19,32 @@ few reused full-size buffers, updated in place; the small per-sub-block
 bookkeeping between them runs in numpy on CPU (:class:`_NumpyVec`), whose
 per-call overhead is a fraction of torch's.
 
-Speed, for the next engineer: each candidate costs a handful of full passes
-over the sub-block buffers (Q6_K: levels 3, sums 2; Q4_K: levels 4, sums 3,
-error 4).  Those passes stream from L2 at ~0.15-0.3 ns per value, so a
-candidate costs a little more than ggml's scalar loop spends on it with every
-value in registers: on one core these kernels take 1.2x (Q4_K) and 1.35x
-(Q6_K) ggml's time (benchmarks/quant_bench.py --threads 1), and reordering
-eager ops does not change that much.  What would: a fused kernel (one pass per
-candidate).  ``torch.compile`` (inductor, torch 2.13) was tried: one compiled
-candidate runs its loops in ~32 us for 65536 values, bit-exact, but dynamo's
-per-call wrapper adds ~100 us, so the candidate loop got no faster; compiling
-the whole 21-candidate loop into one graph took 43 s, ran slower than eager and
-changed 5 of 2048 scales.  Worker processes instead of threads (no GIL
-hand-overs, cache-sized chunks) were tried too: 10 % faster for Q4_K, slower
-for Q6_K and IQ4 on 2 cores, not worth their start-up and shared memory.  For
-Q6_K, whose candidates are independent, one could evaluate the ~2 level
-changes per value analytically instead of 20 dense passes; that needs a fast
-per-sub-block scatter-add for the per-candidate sums, which neither numpy
-(bincount) nor torch (scatter_add_) offers on CPU (~3.5 ns a value, more than
-the dense passes it would replace).
+Speed, for the next engineer: on one core these kernels now take about 0.9x
+ggml's time (benchmarks/quant_bench.py --threads 1).  What mattered, measured
+on 65536-value chunks:
+
+* The full passes of a candidate (Q6_K: levels 3, sums 2; Q4_K: levels 4,
+  sums 3, error 4) stream from L2 at ~0.15-0.3 ns a value; together they are
+  only about half of ggml's time.  The rest was per-call overhead: ~30 small
+  vector ops per candidate, at 0.5-3 us each, more than the passes.  Hence
+  buffers made once and written with ``out=``, (1, n_sub) views made once,
+  the least-squares products as two ops on (3, n_sub) views, Q6_K's
+  candidates reduced to (19, n_sub) sums first and chosen between afterwards,
+  and the per-block scale arithmetic and packing in numpy (a third of a torch
+  op's overhead at these sizes).  Measure overhead with a 2-block input: it
+  is all overhead.
+* glibc returned the freed chunk temporaries to the kernel and faulted them in
+  again at every chunk (see ``kernels._keep_freed_buffers``): ~20 % of Q6_K.
+* Threads: every op hands the GIL over, so two threads reached only 1.3-1.4x
+  one; forked workers scale 1.8-1.9x (``kernels._run_forked``).
+* Tried and dropped: ``torch.compile`` of one candidate (bit-exact, but
+  dynamo's ~100 us per call ate the gain) or of the whole loop (43 s to
+  compile, slower, 5 of 2048 scales changed); an analytic Q6_K search (needs
+  a per-sub-block scatter-add, ~3.5 ns a value in numpy and torch); Q6_K's
+  choice between candidates from a running maximum checked afterwards (the
+  many exact ties between candidates with equal sums, and numpy's slow
+  ``maximum.accumulate`` along a leading axis, made it slower than the
+  18-step loop on vectors).
 
 See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around).
@@ -147,7 +154,14 @@ def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
 
 def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
     """``float m = 0; for (...) if (v > m) m = v;`` (always +0.0 when nothing is positive)."""
+    if isinstance(v, np.ndarray):
+        return np.where(v > 0, v, np.float32(0.0)).max(axis=dim)
     return torch.where(v > 0, v, _zeros(v)).amax(dim=dim)  # NaN compares false: skipped
+
+
+def _cat(parts: list) -> torch.Tensor:
+    """Concatenate (N, k) byte fields along dim 1, numpy arrays or tensors."""
+    return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else torch.cat(parts, dim=1)
 
 
 # --------------------------------------------------------------------------- per-column bookkeeping
@@ -241,6 +255,9 @@ class _NumpyVec(_VecCommon):
     copy = staticmethod(np.copyto)  # copy(dst, src)
     put = staticmethod(np.putmask)  # put(dst, mask, src): dst[mask] = src[mask] (or the scalar)
     vec = staticmethod(lambda t: t.numpy())  # torch (CPU) -> vector, shared memory
+    contig = staticmethod(np.ascontiguousarray)
+    imin = staticmethod(np.minimum)
+    f32 = staticmethod(lambda a: a.astype(np.float32))
     t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
     bcast = staticmethod(lambda r: torch.from_numpy(r[None]))  # vector -> (1, n) torch view
     arr = staticmethod(lambda T: T.numpy())  # (n, n_sub) torch -> what dot/dot3 take, shared memory
@@ -297,6 +314,9 @@ class _TorchVec(_VecCommon):
     div = staticmethod(torch.div)
     copy = staticmethod(lambda dst, src: dst.copy_(src))
     vec = staticmethod(lambda t: t)
+    contig = staticmethod(lambda t: t.contiguous())
+    imin = staticmethod(lambda a, b: torch.clamp(a, max=b))
+    f32 = staticmethod(lambda a: a.to(_F32))
     t = staticmethod(lambda v: v)
     bcast = staticmethod(lambda r: r[None])
     arr = staticmethod(lambda T: T)
@@ -631,7 +651,7 @@ def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
     b0 = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     b1 = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     b2 = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
-    return u8(torch.cat([b0, b1, b2], dim=1))
+    return u8(_cat([b0, b1, b2]))
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -694,15 +714,17 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     av_x = sqrt_f32(div(sum_x2, 32.0))
     W = torch.abs(X).add_(av_x[None])  # av_x + |x|
     SM, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
-    # scales and mins side by side: (2, nb, 8), then (2, nb) maxima, 6-bit codes, fp16 d and dmin
-    SM = SM.view(2, nb, 8)
-    max_sm = _pos_max(SM, 2)
-    inv = torch.where(max_sm > 0, rdiv(63.0, max_sm), _zeros(max_sm))
-    lsm = torch.clamp(nearest_int(inv[:, :, None] * SM) & 0xFF, max=63)
-    dd = fp16_round(div(max_sm, 63.0))
-    dlml = (dd[:, :, None] * lsm.to(_F32)).view(2, -1)
+    # scales and mins side by side: (2, nb, 8), then (2, nb) maxima, 6-bit codes, fp16 d and
+    # dmin; on vectors (numpy on CPU, see _NumpyVec)
+    SM = v.vec(SM).reshape(2, nb, 8)
+    with np.errstate(all="ignore"):
+        max_sm = _pos_max(SM, 2)
+        inv = v.where(max_sm > 0, rdiv(63.0, max_sm), 0.0)
+        lsm = v.imin(nearest_int(inv[:, :, None] * SM) & 0xFF, 63)
+        dd = fp16_round(div(max_sm, 63.0))
+        dlml = v.t((dd[:, :, None] * v.f32(lsm)).reshape(2, -1))
     L = _final_levels(X + dlml[1][None], dlml[0], 0, nmax, 0, levels)
-    head = torch.cat([fp16_bits(dd[0]), fp16_bits(dd[1]), _pack_k4_scales(lsm[0], lsm[1])], dim=1)
+    head = v.t(_cat([fp16_bits(dd[0]), fp16_bits(dd[1]), _pack_k4_scales(lsm[0], lsm[1])]))
     return head, _from_sub_blocks(L, nb)
 
 
@@ -727,25 +749,27 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
     scales, levels = _make_qx_quants_rmse1(X, 32)
-    S = scales.view(nb, 16)
+    # per super-block arithmetic and packing on vectors (numpy on CPU, see _NumpyVec)
     v = _vec_ops(X)
-    amax, max_scale = (v.t(a) for a in _first_absmax_cols(S.t().contiguous(), v)[:2])
+    S = v.vec(scales).reshape(nb, 16)
+    amax, max_scale = _first_absmax_cols(v.t(v.contig(S.T)), v)[:2]
     zero = amax < _GROUP_MAX_EPS
-    iscale = rdiv(-128.0, max_scale)
-    d = fp16_round(rdiv(1.0, iscale))
-    sc = wrap_i8(torch.clamp(nearest_int(iscale[:, None] * S), max=127))
-    dl = (d[:, None] * sc.to(_F32)).reshape(-1)
-    L = _final_levels(X, dl, -32, 31, 32, levels)
+    with np.errstate(all="ignore"):  # all-zero super-blocks: inf/NaN as in C, zeroed below
+        iscale = rdiv(-128.0, max_scale)
+        d = fp16_round(rdiv(1.0, iscale))
+        sc = wrap_i8(v.imin(nearest_int(iscale[:, None] * S), 127))
+        dl = (d[:, None] * v.f32(sc)).reshape(-1)
+    L = v.vec(_final_levels(X, v.t(dl), -32, 31, 32, levels))
     # element 128h + 32g + t; the 32-value groups g and g+2 share bytes: [b, h, g // 2, g % 2, t]
-    q = _from_sub_blocks(L, nb).view(nb, 2, 2, 2, 32)
+    q = v.contig(L.T).reshape(nb, 2, 2, 2, 32)
     lo, hi = q & 0xF, q >> 4
     ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)  # g | g+2 << 4, for g = 0, 1
     h2 = hi[:, :, 0] | (hi[:, :, 1] << 4)  # g | g+2 << 4
     qh = (h2[:, :, 0] | (h2[:, :, 1] << 2)).reshape(nb, 64)  # g=0 | g=1 << 2 | g=2 << 4 | g=3 << 6
-    out = torch.cat([ql, qh, u8(sc), fp16_bits(d)], dim=1)
-    if bool(zero.any()):
+    out = _cat([ql, qh, u8(sc), fp16_bits(d)])
+    if v.any(zero):
         out[zero] = 0  # memset(0) for an all-zero super-block
-    return out
+    return v.t(out)
 
 
 # --------------------------------------------------------------------------- IQ4_NL / IQ4_XS
