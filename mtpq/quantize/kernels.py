@@ -120,8 +120,13 @@ def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantization
 
 
 def _all_finite(c: torch.Tensor) -> bool:
-    """No NaN or Inf in ``c``: one reduction pass (aminmax propagates NaN), no full-size temporary."""
-    return c.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(c))).all())
+    """No NaN or Inf in ``c``: min and max (both propagate NaN), no full-size temporary."""
+    if c.numel() == 0:
+        return True
+    if c.device.type == "cpu" and c.dtype == torch.float32:  # numpy's are 2x quicker
+        a = c.numpy()
+        return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+    return bool(torch.isfinite(torch.stack(torch.aminmax(c))).all())
 
 
 def _finite_piece(c: torch.Tensor, name: str) -> torch.Tensor:
@@ -150,6 +155,8 @@ def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) ->
     -65504) and ``llama-quantize`` then fails with "quantized data validation
     failed"; a GGUF holding them would decode to inf/NaN.
     """
+    if q.device.type == "cpu":
+        q = q.numpy()  # a few small ops: numpy's overhead is a third of torch's
     bad = None
     for off in _FP16_FIELDS[qtype]:
         b = (q[:, off + 1] & 0x7C) == 0x7C  # fp16 exponent all ones: inf or NaN

@@ -268,9 +268,18 @@ class _NumpyVec(_VecCommon):
     def empty(shape, ref: torch.Tensor) -> np.ndarray:
         return np.empty(shape, dtype=np.float32)
 
+    gt = staticmethod(np.greater)
+
     @staticmethod
-    def izeros(n: int, ref: torch.Tensor) -> np.ndarray:
-        return np.zeros(n, dtype=np.int64)
+    def bools(shape, ref: torch.Tensor) -> np.ndarray:
+        return np.empty(shape, dtype=bool)
+
+    @staticmethod
+    def last_true(B: np.ndarray) -> np.ndarray:
+        """Per column, the index (< 128) of the last True row; B[0] is all True.  A max
+        over dim 0 in int8, which numpy reduces row by row (argmax along it is slow)."""
+        rows = np.arange(B.shape[0], dtype=np.int8)[:, None]
+        return np.maximum.reduce(B.view(np.int8) * rows, axis=0).astype(np.int64)
 
     @staticmethod
     def consts(values, ref: torch.Tensor) -> np.ndarray:
@@ -331,9 +340,16 @@ class _TorchVec(_VecCommon):
     def empty(shape, ref: torch.Tensor) -> torch.Tensor:
         return torch.empty(shape, dtype=_F32, device=ref.device)
 
+    gt = staticmethod(torch.gt)
+
     @staticmethod
-    def izeros(n: int, ref: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.int64, device=ref.device)
+    def bools(shape, ref: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.bool, device=ref.device)
+
+    @staticmethod
+    def last_true(B: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(B.shape[0], device=B.device)[:, None]
+        return torch.where(B, rows, 0).amax(dim=0)
 
     @staticmethod
     def consts(values, ref: torch.Tensor) -> torch.Tensor:
@@ -427,16 +443,19 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
         v.put(NS[0], SL2[0] == 0, 0.0)  # candidate 0: scale = suml2 ? sumlx/suml2 : 0
         Q = v.mul(NS, SLX)  # its "best" = scale * sumlx
         SQ = v.mul(SLX, SLX)
-        v.put(SQ, ~(SL2 > 0), -np.inf)  # a candidate with suml2 <= 0 never wins: -inf > y is false
+        never = ~(SL2 > 0)
+        if v.any(never):
+            v.put(SQ, never, -np.inf)  # a candidate with suml2 <= 0 never wins: -inf > y is false
         # the C loop: candidate 0, then each one that is strictly better (a Python step per
-        # candidate, but on (n_sub,) vectors of sums)
+        # candidate, but on (n_sub,) vectors of sums); the winner is the last that was better
         best = v.clone(Q[0])
-        win = v.izeros(ns, X)  # the winning candidate
+        better = v.bools((nc, ns), X)
+        better[0] = True
         tmp = v.empty(ns, X)
         for k in range(1, nc):
-            better = SQ[k] > v.mul(best, SL2[k], out=tmp)  # sumlx^2 > best * suml2
-            v.put(best, better, Q[k])
-            v.put(win, better, k)
+            v.gt(SQ[k], v.mul(best, SL2[k], out=tmp), out=better[k])  # sumlx^2 > best * suml2
+            v.put(best, better[k], Q[k])
+        win = v.last_true(better)
         scale = v.where(zero_v, 0.0, v.take(NS, win))
         best_isc = v.where(zero_v, 0.0, v.take(ISC, win))
 
