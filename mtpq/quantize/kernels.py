@@ -390,6 +390,10 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
 def _child(work: Callable[[tuple], None], ranges: list, task_r: int, err_w: int) -> None:  # pragma: no cover
     code = 0
     try:
+        try:  # die with the parent, even if it is killed outright
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
         gc.disable()  # a short life: no collections touching (and copying) the parent's pages
         while True:
             b = _read_all(task_r, 4)
