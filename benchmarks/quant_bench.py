@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--types", default=",".join(ALL), help="comma-separated ggml type names")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (ours and llama-quantize)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU workers (ours) and threads (llama-quantize)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N runs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)

@@ -59,7 +59,8 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
         yield lambda n, label="": progress.update(task, advance=n, label=label)
 
 
-THREADS_HELP = ("CPU threads for quantizing (default: torch's choice, all physical cores). "
+THREADS_HELP = ("CPU workers for quantizing (default: torch's choice, all physical cores); on "
+                "Linux, forked processes (MTPQ_WORKERS=threads: Python threads). "
                 "The bytes written do not depend on it.")
 
 
