@@ -52,6 +52,7 @@ division helpers, ``nearest_int`` bit trick, C integer wrap-around).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -394,6 +395,24 @@ def _first_absmax_cols(X: torch.Tensor, v):
 
 # --------------------------------------------------------------------------- ggml search routines
 
+@functools.lru_cache(maxsize=None)
+def _qx_candidates(nmax: int) -> tuple[float, ...]:
+    """make_qx_quants' iscale numerators: -nmax, then -(nmax + 0.1*is) for is = -9..9, is != 0
+    (float32 arithmetic; numpy scalar ops cost a microsecond each, so once per process)."""
+    return (f32(-nmax),) + tuple(
+        float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _qkx2_candidates(nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[float, ...]:
+    """make_qkx2_quants' iscale numerators ``rmin + rdelta*is + nmax`` in float32."""
+    return tuple(
+        float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
+        for step in range(nstep + 1)
+    )
+
+
 def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
 
@@ -410,10 +429,7 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
     ns = X.shape[1]
     amax, mx, lo, hi = _first_absmax_cols(X, v)
     zero_v = amax < _GROUP_MAX_EPS
-    # candidate 0 is iscale = -nmax/max, then is = -9..9 (is != 0)
-    consts = [f32(-nmax)] + [
-        float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
-    ]
+    consts = _qx_candidates(nmax)
     nc = len(consts)
     W = X * X
     WX = W * X
@@ -548,10 +564,7 @@ def _make_qkx2_quants(
     win_isc, win_mn, best_err, best_scale, best_min = state
     isc, err, rng, tmp = v.empty((4, ns), X)
     isc_b, this_scale_b, this_min_b, best_min_b = (v.bcast(r) for r in (isc, this_scale, this_min, best_min))
-    steps = [
-        float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
-        for step in range(nstep + 1)
-    ]
+    steps = _qkx2_candidates(nmax, rmin, rdelta, nstep)
 
     def ratio_bound(m, rng) -> float:
         """max |x - m| / |rng|: |iscale * (x - m)| <= c * this (float rounding is monotonic).
