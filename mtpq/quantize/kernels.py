@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import mmap
 import os
@@ -50,12 +51,12 @@ __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quant
 
 T = GGMLQuantizationType
 
-# qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU with one
-# worker, the same with several).  Measured on a 2-core x86 (benchmarks/quant_bench.py):
-# alone, the search-loop K-quants run fastest on chunks whose buffers stay in L2 (2**16);
-# with several Python threads, chunks that small serialise on the GIL (each thread
-# hands it over at every one of the many short ops), and 2**20 scales best (1.9x on
-# 2 cores) even though each op then streams from L3.
+# qtype -> (quantize kernel, dequantize kernel, input elements per chunk on CPU for one
+# worker or forked workers, the same for several Python threads).  Measured on a 2-core
+# x86 (benchmarks/quant_bench.py): alone, the search-loop K-quants run fastest on chunks
+# whose buffers stay in L2 (2**16); threads (the fallback where workers cannot be forked)
+# hand the GIL over at every short op, so for them 2**20 scales best even though each op
+# then streams from L3.
 _K, _M = 1 << 10, 1 << 20
 _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q8_0: (legacy.quantize_q8_0, legacy.dequantize_q8_0, 256 * _K, 256 * _K),
@@ -248,14 +249,11 @@ def quantize(
     if on_cpu:
         _keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
-    forked = workers > 1 and qtype in _FORKED_TYPES and _can_fork() and len(pieces(chunk_alone)) > 1
-    if not on_cpu:
-        chunk = _GPU_CHUNK
-    elif workers > 1 and not forked:
+    todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
+    forked = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
+    if on_cpu and workers > 1 and not forked:
         # big chunks, but at least two per worker so that all of them stay busy
-        chunk = max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers)))
-    else:
-        chunk = chunk_alone
+        todo = pieces(max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers))))
     out_shape = (n_rows, n // bs * ts)
     out = _shared_empty(out_shape) if forked else np.empty(out_shape, dtype=np.uint8)
 
@@ -266,7 +264,6 @@ def quantize(
             _validate_scales(q, qtype, name)
         out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
 
-    todo = pieces(chunk)
     if forked:
         _run_forked(work, todo, workers)
     elif workers > 1 and len(todo) > 1:
@@ -278,9 +275,9 @@ def quantize(
 
 
 _THREAD_LOCK = threading.Lock()
-_MALLOC_TUNED = False
 
 
+@functools.cache
 def _keep_freed_buffers() -> None:
     """Have glibc keep the kernels' freed temporaries for the next chunk (once per process).
 
@@ -293,10 +290,6 @@ def _keep_freed_buffers() -> None:
     threshold -- and trimming only above 128 MB keeps them.  Larger blocks
     (whole tensors) are still mmapped and returned.  A no-op off glibc.
     """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return
-    _MALLOC_TUNED = True
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -224,6 +224,8 @@ def _dot3_reduce(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -
 class _VecCommon:
     """Reductions to a Python value, spelled the same for numpy arrays and torch tensors."""
 
+    rdiv = staticmethod(rdiv)  # legacy's takes both
+
     @staticmethod
     def amax(v) -> float:
         return float(v.max())  # NaN propagates in both
@@ -262,14 +264,12 @@ class _NumpyVec(_VecCommon):
     t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
     bcast = staticmethod(lambda r: torch.from_numpy(r[None]))  # vector -> (1, n) torch view
     arr = staticmethod(lambda T: T.numpy())  # (n, n_sub) torch -> what dot/dot3 take, shared memory
-
     clone = staticmethod(np.copy)
+    gt = staticmethod(np.greater)
 
     @staticmethod
     def empty(shape, ref: torch.Tensor) -> np.ndarray:
         return np.empty(shape, dtype=np.float32)
-
-    gt = staticmethod(np.greater)
 
     @staticmethod
     def bools(shape, ref: torch.Tensor) -> np.ndarray:
@@ -285,10 +285,6 @@ class _NumpyVec(_VecCommon):
     @staticmethod
     def consts(values, ref: torch.Tensor) -> np.ndarray:
         return np.array(values, dtype=np.float32)
-
-    @staticmethod
-    def rdiv(c: float, v: np.ndarray, out=None) -> np.ndarray:
-        return np.divide(np.float32(c), v, out=out)
 
     @staticmethod
     def any(m: np.ndarray) -> bool:
@@ -334,14 +330,12 @@ class _TorchVec(_VecCommon):
     col_max = staticmethod(lambda T: T.amax(dim=0))
     any = staticmethod(lambda m: bool(m.any()))
     take = staticmethod(lambda V, idx: V.gather(0, idx[None])[0])
-
     clone = staticmethod(torch.clone)
+    gt = staticmethod(torch.gt)
 
     @staticmethod
     def empty(shape, ref: torch.Tensor) -> torch.Tensor:
         return torch.empty(shape, dtype=_F32, device=ref.device)
-
-    gt = staticmethod(torch.gt)
 
     @staticmethod
     def bools(shape, ref: torch.Tensor) -> torch.Tensor:
@@ -355,10 +349,6 @@ class _TorchVec(_VecCommon):
     @staticmethod
     def consts(values, ref: torch.Tensor) -> torch.Tensor:
         return torch.tensor(values, dtype=_F32, device=ref.device)
-
-    @staticmethod
-    def rdiv(c: float, v: torch.Tensor, out=None) -> torch.Tensor:
-        return rdiv(c, v) if out is None else torch.div(cst(c, v), v, out=out)
 
     @staticmethod
     def put(dst: torch.Tensor, mask: torch.Tensor, src) -> None:
@@ -378,8 +368,8 @@ def _vec_ops(X: torch.Tensor):
 
 
 def _first_absmax_cols(X: torch.Tensor, v):
-    """:func:`first_absmax` along dim 0 as vectors (amax, max), from the column min and max,
-    which it returns too: (amax, max, min, max).
+    """:func:`first_absmax` along dim 0 as vectors, from the column min and max, which
+    it returns too: (amax, max, column min, column max).
 
     The first element of largest |x| is +amax or -amax; only a column holding
     both (or a NaN) needs the index scan.  All-zero columns give +0.0.
@@ -791,9 +781,9 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
         d = fp16_round(rdiv(1.0, iscale))
         sc = wrap_i8(v.imin(nearest_int(iscale[:, None] * S), 127))
         dl = (d[:, None] * v.f32(sc)).reshape(-1)
-    L = v.vec(_final_levels(X, v.t(dl), -32, 31, 32, levels))
+    L = _from_sub_blocks(_final_levels(X, v.t(dl), -32, 31, 32, levels), nb)
     # element 128h + 32g + t; the 32-value groups g and g+2 share bytes: [b, h, g // 2, g % 2, t]
-    q = v.contig(L.T).reshape(nb, 2, 2, 2, 32)
+    q = v.vec(L).reshape(nb, 2, 2, 2, 32)
     lo, hi = q & 0xF, q >> 4
     ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)  # g | g+2 << 4, for g = 0, 1
     h2 = hi[:, :, 0] | (hi[:, :, 1] << 4)  # g | g+2 << 4

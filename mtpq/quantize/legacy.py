@@ -66,11 +66,11 @@ def div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
 # per-block scale arithmetic on CPU: at a few hundred values a numpy op costs a
 # third of a torch op.  The float rules are the same.
 
-def rdiv(a: float, b: torch.Tensor) -> torch.Tensor:
-    """IEEE float32 ``a / b`` for a constant numerator."""
+def rdiv(a: float, b: torch.Tensor, out=None) -> torch.Tensor:
+    """IEEE float32 ``a / b`` for a constant numerator (into ``out`` if given)."""
     if isinstance(b, np.ndarray):
-        return np.divide(np.float32(a), b)
-    return torch.div(cst(a, b), b)
+        return np.divide(np.float32(a), b, out=out)
+    return torch.div(cst(a, b), b, out=out)
 
 
 def nearest_int(f: torch.Tensor) -> torch.Tensor:
