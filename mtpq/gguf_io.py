@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -56,6 +56,43 @@ def reader_arch(reader: GGUFReader, path: Path) -> str:
     if fld is None:
         raise InputError(path, "GGUF has no general.architecture")
     return fld.contents()
+
+
+class GGUFFile:
+    """One GGUF file opened for reading: metadata as plain Python values, tensors by name, and the
+    trunk/MTP split. The one reader of the package: plans (:func:`plan_from_gguf`), ``inspect`` and the
+    runtime all see a file through it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.reader = open_gguf(self.path)
+        self.arch = reader_arch(self.reader, self.path)
+        self.kv: dict[str, Any] = {n: f.contents() for n, f in self.reader.fields.items() if not n.startswith("GGUF.")}
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.n_blocks = int(self.value("block_count", 0) or 0)
+        self.n_mtp = int(self.value("nextn_predict_layers", 0) or 0)
+        self.n_trunk = self.n_blocks - self.n_mtp  # MTP blocks are numbered n_trunk .. n_blocks-1
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """Metadata value; a ``key`` without a ``general.``/``tokenizer.`` prefix is taken as ``{arch}.key``."""
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+        return self.kv.get(full, default)
+
+    def require(self, key: str) -> Any:
+        v = self.value(key)
+        if v is None:
+            raise InputError(self.path, f"missing metadata {self.arch}.{key}")
+        return v
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Torch order (rows..., row length); GGUF stores ne[0] = row length first."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        return GGMLQuantizationType(self.tensors[name].tensor_type)
 
 
 def _raw_loader(t) -> Callable[[], np.ndarray]:

@@ -105,10 +105,11 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("which", ["default", "alt"])
 def test_trunk_logits_match_transformers(which, glm_ckpt, alt_ckpt, work):
-    from mtpq.runtime.glm4moe import MoE, load_glm4moe
+    from mtpq.runtime.layers import MoE
+    from mtpq.runtime.model import load
 
     folder = glm_ckpt if which == "default" else alt_ckpt
-    model = load_glm4moe(convert(folder, work / f"trunk-{which}.gguf"))
+    model = load(convert(folder, work / f"trunk-{which}.gguf"))
     hf = hf_model(folder)
     blocks = list(model.blocks)
     assert any(isinstance(b.ffn, MoE) for b in blocks)  # the MoE path is exercised
@@ -166,14 +167,14 @@ def requantized(src: Path, out: Path, qtype: T) -> Path:
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name.lower())
 def test_quantized_gguf_equals_dequantized_weights(qtype, glm_ckpt, f32_gguf, work, monkeypatch):
     from mtpq.runtime import weights
-    from mtpq.runtime.glm4moe import load_glm4moe
+    from mtpq.runtime.model import load
 
     if qtype == T.Q8_0:
         qpath = convert(glm_ckpt, work / "glm-q8_0.gguf", "q8_0")
     else:
         qpath = requantized(f32_gguf, work / "glm-q4_k.gguf", qtype)
     ref_path = dequantized_copy(qpath, work / f"glm-{qtype.name}-deq.gguf")
-    quant, ref, full = load_glm4moe(qpath), load_glm4moe(ref_path), load_glm4moe(f32_gguf)
+    quant, ref, full = load(qpath), load(ref_path), load(f32_gguf)
     # the weights really stay quantized on the device: raw GGUF bytes, not floats
     w = quant.blocks[1].ffn.gate
     assert w.qtype == qtype and w.data.dtype == torch.uint8
@@ -197,10 +198,10 @@ def test_bf16_compute_matches_transformers_bf16(glm_ckpt, f32_gguf):
     """bf16 compute: against transformers in bf16 (bf16 vs f32 differs far more, by routing flips, in both)."""
     from transformers import Glm4MoeForCausalLM
 
-    from mtpq.runtime.glm4moe import load_glm4moe
+    from mtpq.runtime.model import load
     from mtpq.runtime.speculative import run_speculative
 
-    half = load_glm4moe(f32_gguf, dtype=torch.bfloat16)
+    half = load(f32_gguf, dtype=torch.bfloat16)
     assert half.blocks[0].attn.wq.weight.data.dtype == torch.bfloat16
     hf = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, half.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(7))
@@ -278,15 +279,15 @@ class MtpOracle:
 
 @pytest.mark.parametrize("glm46", [False, True])
 def test_mtp_head_matches_independent_implementation(glm46, glm_ckpt, f32_gguf, work):
-    from mtpq.runtime.glm4moe import load_glm4moe
+    from mtpq.runtime.model import load
 
     if glm46:  # head's embed_tokens / shared_head.head absent: must fall back to token_embd / output
         folder = tiny.glm4moe(work / "glm46", dtype=torch.float32, glm46=True, seed=4)
         path = convert(folder, work / "glm46-f32.gguf")
     else:
         folder, path = glm_ckpt, f32_gguf
-    model = load_glm4moe(path)
-    assert (model.mtp.embed is None and model.mtp.head is None) == glm46
+    model = load(path)
+    assert (model.mtp.tied_embed and model.mtp.tied_head) == glm46
     oracle = MtpOracle(folder)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
     h_ref, _ = oracle.trunk_hidden(ids)
@@ -308,9 +309,9 @@ def test_mtp_head_matches_independent_implementation(glm46, glm_ckpt, f32_gguf, 
 
 
 def test_pre_norm_switch_feeds_the_pre_norm_state(glm_ckpt, f32_gguf):
-    from mtpq.runtime.glm4moe import load_glm4moe
+    from mtpq.runtime.model import load
 
-    post, pre = load_glm4moe(f32_gguf), load_glm4moe(f32_gguf, hidden="pre_norm")
+    post, pre = load(f32_gguf), load(f32_gguf, hidden="pre_norm")
     oracle = MtpOracle(glm_ckpt)
     ids = torch.randint(0, post.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(6))
     h_post, h_pre = oracle.trunk_hidden(ids)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .glm4moe import Glm4Moe
+from .model import MtpModel, load
 from .weights import GGUFFile
 
 
@@ -49,15 +49,15 @@ from .weights import GGUFFile
 
 
 def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-               hidden: str = "post_norm") -> tuple[Glm4Moe, object]:
-    """(model, tokenizer) from a GGUF. device: CUDA when available unless given. hidden: see glm4moe.py."""
+               hidden: str = "post_norm") -> tuple[MtpModel, object]:
+    """(model, tokenizer) from a GGUF of any family the runtime has. device: CUDA when available unless
+    given. hidden: see model.py."""
     from .tokenizer import tokenizer_from_gguf
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     g = GGUFFile(Path(path))
-    model = Glm4Moe(g, device=device, dtype=dtype, hidden=hidden).eval()
-    return model, tokenizer_from_gguf(g)
+    return load(path, device=device, dtype=dtype, hidden=hidden, g=g), tokenizer_from_gguf(g)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -168,11 +168,10 @@ def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator |
 
 @dataclass
 class DecoderState:
-    """Everything needed to resume a speculative decoder (cache contents are rolled back to the lengths)."""
+    """Everything needed to resume a speculative decoder (the caches are rolled back to ``caches``)."""
 
     tokens: list[int]
-    trunk_length: int
-    mtp_length: int
+    caches: object  # MtpModel.checkpoint()
     pending_ids: torch.Tensor  # [1, n] tokens x_{t+1} of real pairs the head has not consumed yet
     pending_hidden: torch.Tensor  # [1, n, H] their trunk states h_t
     rng_state: torch.Tensor | None
@@ -181,7 +180,7 @@ class DecoderState:
 class SpeculativeDecoder:
     """MTP self-speculative decoding of one sequence. ``prefill`` once, then ``step`` repeatedly."""
 
-    def __init__(self, model: Glm4Moe, k: int, params: SamplingParams = SamplingParams(), seed: int = 0):
+    def __init__(self, model: MtpModel, k: int, params: SamplingParams = SamplingParams(), seed: int = 0):
         if not 1 <= k <= 8:
             raise ValueError(f"draft length k must be in 1..8, got {k}")
         if model.mtp is None:
@@ -210,7 +209,7 @@ class SpeculativeDecoder:
         """One draft-verify round -> (emitted tokens, drafted tokens)."""
         m, k = self.model, self.k
         out = m.draft(self.pending_ids, self.pending_hidden)
-        real_mtp = m.mtp_length
+        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
         drafts, qs = [], []
         logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         for i in range(k):
@@ -220,12 +219,11 @@ class SpeculativeDecoder:
             if i + 1 < k:
                 out = m.draft(torch.tensor([[d]]), hidden)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
-        start = m.trunk_length
         verify = m.trunk(torch.tensor([[self.tokens[-1]] + drafts]))
         self.trunk_forwards += 1
         draft_probs = None if self.params.greedy else torch.stack(qs)
         a, nxt = accept_drafts(verify.logits[0], drafts, draft_probs, self.params, self.gen)
-        m.truncate(trunk=start + 1 + a, mtp=real_mtp)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
         emitted = drafts[:a] + [nxt]
         self.pending_ids = torch.tensor([emitted])
         self.pending_hidden = verify.hidden[:, : a + 1]
@@ -233,13 +231,13 @@ class SpeculativeDecoder:
         return emitted, drafts
 
     def save(self) -> DecoderState:
-        return DecoderState(list(self.tokens), self.model.trunk_length, self.model.mtp_length, self.pending_ids,
+        return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,
                             self.pending_hidden, None if self.gen is None else self.gen.get_state())
 
     def restore(self, s: DecoderState) -> None:
-        """Return to a saved state (only valid while the caches still hold its positions: no reset in between)."""
+        """Return to a saved state (valid until the model is reset)."""
         self.tokens = list(s.tokens)
-        self.model.truncate(trunk=s.trunk_length, mtp=s.mtp_length)
+        self.model.rollback(s.caches, trunk_kept=0, mtp_kept=0)
         self.pending_ids, self.pending_hidden = s.pending_ids, s.pending_hidden
         if s.rng_state is not None:
             self.gen.set_state(s.rng_state)
@@ -258,7 +256,7 @@ def _stopped(tokens: list[int], stop_ids: set[int] | None) -> bool:
     return bool(stop_ids) and any(t in stop_ids for t in tokens)
 
 
-def run_speculative(model: Glm4Moe, prompt_ids: list[int], max_new_tokens: int, k: int = 1,
+def run_speculative(model: MtpModel, prompt_ids: list[int], max_new_tokens: int, k: int = 1,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                     stop_ids: set[int] | None = None) -> GenerationResult:
     """Generate ``max_new_tokens`` tokens (fewer after a stop token) with k-token MTP drafts."""
@@ -280,7 +278,7 @@ def run_speculative(model: Glm4Moe, prompt_ids: list[int], max_new_tokens: int, 
     return res
 
 
-def run_plain(model: Glm4Moe, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+def run_plain(model: MtpModel, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None) -> GenerationResult:
     """Ordinary autoregressive decoding with the trunk (the baseline for output and tokens/s)."""
     params = SamplingParams(temperature, top_k, top_p)
@@ -329,7 +327,7 @@ class TeacherForcedResult:
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(model: Glm4Moe, ids: list[int], prompt_len: int) -> TeacherForcedResult:
+def teacher_forced_acceptance(model: MtpModel, ids: list[int], prompt_len: int) -> TeacherForcedResult:
     """``ids`` = prompt + continuation (a greedy one, for agreement with the loop)."""
     n, total = prompt_len, len(ids)
     if not 1 <= n < total:

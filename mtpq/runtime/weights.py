@@ -6,7 +6,8 @@ on the device) and is dequantized on the fly, at each use, by
 dequantized matrix at a time. F32/F16/BF16 tensors are converted once to the
 compute dtype.
 
-- :class:`GGUFFile`: the metadata (plain Python values) and tensors of one file.
+- :class:`Weights` / :class:`Scope`: a GGUF's tensors bound once to a device and dtype, seen under a
+  name prefix (``blk.3.``), so modules are built as ``Attention(scope, ...)``.
 - :class:`QWeight`: one weight (2-D matrix or 3-D stack of experts) in its GGUF type;
   ``dequant()`` gives the float matrix, ``dequant(e)`` one expert's, ``rows(ids)``
   the rows of an embedding table (rows of a quantized matrix are independent blocks).
@@ -18,7 +19,6 @@ Shapes are torch order throughout: ``(rows, row_length)``; GGUF's ne[0] is the r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,59 +27,71 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..errors import InputError
-from ..gguf_io import open_gguf
+from ..gguf_io import FLOAT_TYPES, GGUFFile  # noqa: F401  (GGUFFile: the package's one reader)
 
-FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 DEQUANT_CHUNK = 1 << 26  # elements dequantized at once by QuantLinear: bounds the transient float copy
 
 
-class GGUFFile:
-    """A GGUF file opened (memory-mapped) with gguf-py's GGUFReader."""
+class Weights:
+    """The tensors of one GGUF bound once to a device and compute dtype.
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.reader = open_gguf(self.path)
-        self.kv: dict[str, Any] = {}
-        for name, fld in self.reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            self.kv[name] = fld.contents()
-        self.arch: str = self.kv.get("general.architecture", "")
-        if not self.arch:
-            raise InputError(self.path, "GGUF has no general.architecture")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+    Modules take a :class:`Scope` (``weights.at("blk.3.")``) instead of threading
+    ``(file, prefix, device, dtype)`` through every constructor.
+    """
 
-    def value(self, key: str, default: Any = None) -> Any:
-        """Metadata value; ``key`` without a dot prefix is taken as ``{arch}.key``."""
-        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
-        return self.kv.get(full, default)
+    def __init__(self, g: GGUFFile, device: torch.device | str, dtype: torch.dtype):
+        self.file, self.device, self.dtype = g, torch.device(device), dtype
 
-    def require(self, key: str) -> Any:
-        v = self.value(key)
-        if v is None:
-            raise InputError(self.path, f"missing metadata {self.arch}.{key}")
-        return v
+    def at(self, prefix: str = "") -> "Scope":
+        return Scope(self, prefix)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+
+def _full_name(prefix: str, name: str) -> str:
+    """``attn_q`` -> ``{prefix}attn_q.weight``; a name with a dot (``exp_probs_b.bias``) is taken as is."""
+    return prefix + (name if "." in name else name + ".weight")
+
+
+class Scope:
+    """A view of :class:`Weights` under one name prefix (``blk.N.``, ``blk.N.nextn.`` or the top level)."""
+
+    def __init__(self, weights: Weights, prefix: str):
+        self.weights, self.prefix = weights, prefix
+
+    @property
+    def file(self) -> GGUFFile:
+        return self.weights.file
+
+    def at(self, prefix: str) -> "Scope":
+        return Scope(self.weights, self.prefix + prefix)
+
+    def name(self, name: str) -> str:
+        return _full_name(self.prefix, name)
+
+    def has(self, name: str) -> bool:
+        return self.name(name) in self.file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+        return self.file.shape(self.name(name))
 
-    def qtype(self, name: str) -> GGMLQuantizationType:
-        return GGMLQuantizationType(self.tensors[name].tensor_type)
+    def qweight(self, name: str) -> "QWeight":
+        """A weight kept in its GGUF type (matrices, expert stacks, embedding tables)."""
+        full = self.name(name)
+        if full not in self.file:
+            raise InputError(self.file.path, f"missing tensor {full}")
+        t = self.file.tensors[full]
+        return QWeight.from_reader(t, self.file.shape(full), self.weights.device, self.weights.dtype)
 
-    def weight(self, name: str, device: torch.device | str, dtype: torch.dtype) -> "QWeight":
-        if name not in self.tensors:
-            raise InputError(self.path, f"missing tensor {name}")
-        return QWeight.from_reader(self.tensors[name], self.shape(name), device, dtype)
+    def linear(self, name: str, bias: bool = True) -> "QuantLinear":
+        """``{name}.weight`` as a linear layer, with ``{name}.bias`` when the file has one (and bias=True)."""
+        b = self.optional(name + ".bias") if bias else None
+        return QuantLinear(self.qweight(name), b)
 
-    def float_tensor(self, name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A (usually 1-D) tensor fully dequantized to ``dtype``: norms, biases, routers."""
-        return self.weight(name, device, dtype).dequant().to(dtype)
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor fully dequantized (norms, biases, routers); ``dtype`` defaults to the compute dtype."""
+        return self.qweight(name).dequant().to(dtype or self.weights.dtype)
 
-    def optional(self, name: str, device, dtype) -> torch.Tensor | None:
-        return self.float_tensor(name, device, dtype) if name in self.tensors else None
+    def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.tensor(name, dtype) if self.has(name) else None
 
 
 def _float_from_reader(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""GLM-4.5 / 4.6 / 4.7 (GGUF arch ``glm4moe``), as llama.cpp's glm4moe and transformers' Glm4Moe.
+
+Blocks: GQA attention with optional q/k biases and per-head q/k RMSNorm, RoPE in NeoX
+order on the first ``rope.dimension_count`` dims of each head; the first
+``leading_dense_block_count`` blocks have a dense SwiGLU FFN, the rest (and the MTP block)
+MoE: sigmoid router scores, ``exp_probs_b`` correction bias, group-limited top-k,
+optional renormalisation, ``expert_weights_scale``, a shared expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import ExpertGatingFuncType
+
+from ...errors import InputError
+from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
+from ..model import Family
+from ..weights import GGUFFile, Scope
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig:
+    vocab_size: int
+    attn: AttnConfig
+    moe: MoEConfig
+    n_dense_lead: int
+
+    # read by tests and reports
+    @property
+    def n_group(self) -> int:
+        return self.moe.n_group
+
+    @property
+    def topk_group(self) -> int:
+        return self.moe.topk_group
+
+    @property
+    def norm_topk(self) -> bool:
+        return self.moe.norm_topk
+
+
+def rope_scaling_factor(g: GGUFFile) -> float:
+    """Linear RoPE scaling (the only kind GLM checkpoints use); anything else is refused, not ignored."""
+    scaling = g.value("rope.scaling.type", "none")
+    if scaling == "linear":
+        return float(g.require("rope.scaling.factor"))
+    if scaling not in ("none", None):
+        raise InputError(g.path, f"rope scaling {scaling!r} is not supported by the {g.arch} runtime")
+    return 1.0
+
+
+class Glm4Moe(Family):
+    archs = ("glm4moe",)
+
+    def __init__(self, g: GGUFFile):
+        super().__init__(g)
+        hidden = int(g.require("embedding_length"))
+        n_heads = int(g.require("attention.head_count"))
+        head_dim = int(g.value("attention.key_length", hidden // n_heads))
+        gating = int(g.value("expert_gating_func", ExpertGatingFuncType.SIGMOID) or ExpertGatingFuncType.SIGMOID)
+        self.cfg = Glm4MoeConfig(
+            vocab_size=g.shape("token_embd.weight")[0],
+            attn=AttnConfig(n_heads, int(g.value("attention.head_count_kv", n_heads)), head_dim, self.eps),
+            moe=MoEConfig(
+                n_experts=int(g.value("expert_count", 0)),
+                n_used=int(g.value("expert_used_count", 0)),
+                gating="softmax" if gating == ExpertGatingFuncType.SOFTMAX else "sigmoid",
+                norm_topk=bool(g.value("expert_weights_norm", False)),
+                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
+                n_group=int(g.value("expert_group_count", 1) or 1),
+                topk_group=int(g.value("expert_group_used_count", 1) or 1),
+            ),
+            n_dense_lead=int(g.value("leading_dense_block_count", 0)),
+        )
+        rope_dim = int(g.value("rope.dimension_count", head_dim))
+        self.rope = Rope(rope_inv_freq(rope_dim, float(g.value("rope.freq_base", 10000.0)), rope_scaling_factor(g)))
+
+    def block(self, w: Scope, index: int) -> DecoderBlock:
+        # MoE wherever a router exists: dense lead blocks have none, MTP blocks always have one
+        ffn = MoE(w, self.cfg.moe) if w.has("ffn_gate_inp") else SwiGLU(w)
+        return DecoderBlock(w, Attention(w, self.cfg.attn, self.rope), ffn, self.eps)

@@ -1,0 +1,233 @@
+"""Shared numerics of the runtime's families: norms, RoPE, GQA attention, SwiGLU, routed experts.
+
+Every module is built from a :class:`~mtpq.runtime.weights.Scope` (the GGUF tensors under
+one prefix, already bound to a device and dtype) plus a small config. Sequence-mixing
+layers (attention here, MLA in ``mla.py``, DeltaNet in ``deltanet.py``) share one
+call signature, ``layer(x, start, cache)`` with ``x`` [B, T, H], ``start`` the position
+of x[:, 0] and ``cache`` a :mod:`~mtpq.runtime.cache` object or None (uncached: any
+batch, positions from 0), and say which cache they need with ``new_cache()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .weights import QuantLinear, Scope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(dim: int, base: float, linear_factor: float = 1.0) -> torch.Tensor:
+    """Inverse frequencies of RoPE over ``dim`` rotated dims (linear scaling divides positions)."""
+    # float32 throughout, as transformers computes it: greedy agreement on tiny models depends on the last bit
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)) / linear_factor
+
+
+class Rope:
+    """Rotary embedding on the first ``2 * len(inv_freq)`` dims of each head; the rest pass through.
+
+    ``neox``: rotate the two halves (GPT-NeoX order, llama.cpp's ROPE_TYPE_NEOX); otherwise adjacent
+    pairs (2i, 2i+1) (llama.cpp's ROPE_TYPE_NORM). ``mscale`` multiplies cos and sin (YaRN's attention
+    factor). Families with other schedules (YaRN, multi-section) build ``inv_freq`` themselves.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, neox: bool = True, mscale: float = 1.0):
+        self.inv_freq = inv_freq.float()
+        self.neox, self.mscale = neox, mscale
+        self.dim = 2 * inv_freq.numel()
+        self._memo: tuple | None = None
+
+    def cos_sin(self, start: int, length: int, device: torch.device, dtype: torch.dtype):
+        key = (start, length, device, dtype)
+        if self._memo is None or self._memo[0] != key:  # layers of one forward share the table
+            pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._memo = (key, (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype))
+        return self._memo[1], self._memo[2]
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x [B, H, T, head_dim] at positions start..start+T-1."""
+        cos, sin = self.cos_sin(start, x.shape[2], x.device, x.dtype)
+        d = self.dim
+        rot, rest = x[..., :d], x[..., d:]
+        if self.neox:
+            x1, x2 = rot[..., : d // 2], rot[..., d // 2:]
+            out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+        else:  # pairs (2i, 2i+1) share frequency i
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            c, s = cos[..., : d // 2], sin[..., : d // 2]
+            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA by repetition)."""
+    T, S = q.shape[2], k.shape[2]
+    allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float  # for the optional per-head q/k RMSNorm
+    gated: bool = False  # attn_q also yields a per-head output gate: [q | gate] per head (Qwen3.5/Qwen3-Next)
+
+
+class Attention(nn.Module):
+    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate."""
+
+    def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        self.wq, self.wk, self.wv = w.linear("attn_q"), w.linear("attn_k"), w.linear("attn_v")
+        self.wo = w.linear("attn_output")
+        self.q_norm, self.k_norm = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, cfg.n_heads, -1)
+        gate = None
+        if cfg.gated:
+            q, gate = q.split(cfg.head_dim, dim=-1)
+            gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
+        k = self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.eps)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, cfg.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = self.rope.apply(q, start), self.rope.apply(k, start)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        out = causal_attention(q, k, v, start, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out)
+
+
+# ----------------------------------------------------------------------------- feed-forward
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert."""
+
+    def __init__(self, w: Scope, suffix: str = ""):
+        super().__init__()
+        self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
+        self.down = w.linear(f"ffn_down{suffix}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int
+    n_used: int
+    gating: str = "softmax"  # "softmax" | "sigmoid" (scores from router logits)
+    norm_topk: bool = False  # renormalise the chosen experts' weights to sum to 1
+    scale: float = 1.0  # routed_scaling_factor
+    n_group: int = 1  # group-limited routing: keep the best topk_group groups (a group scores its best two)
+    topk_group: int = 1
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (stacked 3-D weights) plus an optional shared expert, optionally gated
+    by ``sigmoid(ffn_gate_inp_shexp · x)`` (Qwen3.5-MoE). ``exp_probs_b`` (DeepSeek/GLM's correction
+    bias) only chooses experts, it never weighs them."""
+
+    def __init__(self, w: Scope, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = w.tensor("ffn_gate_inp", torch.float32)  # [E, H], routed in f32
+        self.bias = w.optional("exp_probs_b.bias", torch.float32)
+        self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
+        self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
+        self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] f32, expert ids [N, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.router)
+        scores = logits.sigmoid() if cfg.gating == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.bias is None else scores + self.bias
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            grouped = choice.view(-1, cfg.n_group, cfg.n_experts // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, cfg.n_experts)
+        ids = choice.topk(cfg.n_used, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.scale, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():  # dequantize only the experts some token uses
+            tok, slot = torch.where(ids == e)
+            h = x[tok]
+            h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
+            h = F.linear(h, self.down.dequant(e).to(x.dtype))
+            out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.view(1, -1))).to(x.dtype)
+            out = out + shared
+        return out.view(shape)
+
+
+# ----------------------------------------------------------------------------- block
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: h = x + mix(norm(x)); out = h + ffn(norm(h)).
+
+    ``mix`` is any sequence-mixing layer (attention, MLA, DeltaNet); the norm names are the family's
+    (``post_attention_norm`` for GLM/Qwen, ``ffn_norm`` for DeepSeek)."""
+
+    def __init__(self, w: Scope, mix: nn.Module, ffn: nn.Module, eps: float, ffn_norm: str = "post_attention_norm"):
+        super().__init__()
+        self.eps = eps
+        self.attn_norm, self.attn = w.tensor("attn_norm"), mix
+        self.ffn_norm, self.ffn = w.tensor(ffn_norm), ffn
+
+    def new_cache(self):
+        return self.attn.new_cache()
+
+    def forward(self, x: torch.Tensor, start: int, cache) -> torch.Tensor:
+        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache)
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

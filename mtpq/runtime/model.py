@@ -1,0 +1,156 @@
+"""A trunk plus its first MTP head, for any family, behind one protocol.
+
+What the speculative loop and the acceptance check use (and nothing else):
+
+    model = load("m.gguf", device="cpu")
+    out = model.trunk(ids)              # TrunkOut: logits, hidden (what the head is fed)
+    d = model.draft(next_ids, hidden)   # MtpOut: the head's logits for x_{t+2} and its output
+    ck = model.checkpoint()             # every layer cache (KV, latent, recurrent) and the head's
+    model.rollback(ck, trunk_kept=a + 1, mtp_kept=0)   # back to the accepted prefix
+    model.reset()
+
+A family (``families/<arch>.py``) is a :class:`Family`: it reads its config from the
+GGUF metadata and builds the decoder block at each index (trunk blocks 0..n_trunk-1,
+the MTP block at n_trunk) from the tensors under ``blk.N.``. The trunk around them is
+the same for all: token_embd -> blocks -> output_norm -> output.
+
+``hidden="post_norm"`` feeds the head the trunk's output after ``output_norm`` (llama.cpp,
+transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, for drafts
+2..k, the head's output before its norm): a diagnostic that should draft worse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .layers import rms_norm
+from .mtp import NextNHead
+from .weights import GGUFFile, QuantLinear, Scope, Weights
+
+HIDDEN_CHOICES = ("post_norm", "pre_norm")
+
+
+class Family:
+    """One architecture's declaration. Subclasses set ``archs`` and implement ``block``."""
+
+    archs: ClassVar[tuple[str, ...]] = ()
+    hidden_first: ClassVar[bool] = False  # MTP concat order: MiMo puts the hidden state first
+
+    def __init__(self, g: GGUFFile):
+        self.file = g
+        self.eps = float(g.require("attention.layer_norm_rms_epsilon"))
+
+    def block(self, w: Scope, index: int) -> nn.Module:
+        """The decoder block ``index`` (``index >= file.n_trunk``: an MTP block). It has
+        ``forward(x, start, cache)`` and ``new_cache()``."""
+        raise NotImplementedError
+
+
+@dataclass
+class TrunkOut:
+    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    hidden: torch.Tensor  # [B, T, H]: what the MTP head is fed (post- or pre-norm)
+
+
+@dataclass
+class MtpOut:
+    logits: torch.Tensor  # [B, T, V]: predictions of x_{t+2}
+    hidden: torch.Tensor  # [B, T, H]: the head's output, fed back for drafts 2..k
+
+
+@dataclass
+class Checkpoint:
+    trunk: list
+    mtp: object
+
+
+class MtpModel(nn.Module):
+    def __init__(self, g: GGUFFile, family: Family, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm"):
+        super().__init__()
+        if hidden not in HIDDEN_CHOICES:
+            raise ValueError(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
+        if "token_embd.weight" not in g:
+            raise InputError(g.path, "missing tensor token_embd.weight")
+        self.path, self.arch, self.family = g.path, g.arch, family
+        self.cfg = getattr(family, "cfg", None)
+        self.device, self.dtype, self.hidden = torch.device(device), dtype, hidden
+        self.eps = family.eps
+        w = Weights(g, device, dtype)
+        top = w.at()
+        self.tok_embd = top.qweight("token_embd")
+        self.vocab_size = self.tok_embd.shape[0]
+        self.blocks = nn.ModuleList(family.block(w.at(f"blk.{i}."), i) for i in range(g.n_trunk))
+        self.out_norm = top.tensor("output_norm")
+        self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
+        n = g.n_trunk
+        has_head = g.n_mtp > 0 and f"blk.{n}.nextn.eh_proj.weight" in g
+        self.mtp = NextNHead(w.at(f"blk.{n}."), family.block(w.at(f"blk.{n}."), n), self.eps,
+                             trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
+                             hidden_first=family.hidden_first) if has_head else None
+        self.reset()
+
+    # -- caches ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.trunk_cache = [b.new_cache() for b in self.blocks]
+        self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
+
+    @property
+    def trunk_length(self) -> int:
+        return self.trunk_cache[0].length if self.trunk_cache else 0
+
+    @property
+    def mtp_length(self) -> int:
+        return self.mtp_cache.length if self.mtp_cache is not None else 0
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint([c.checkpoint() for c in self.trunk_cache],
+                          self.mtp_cache.checkpoint() if self.mtp_cache is not None else None)
+
+    def rollback(self, ck: Checkpoint, trunk_kept: int | None = None, mtp_kept: int | None = None) -> None:
+        """Keep ``trunk_kept`` / ``mtp_kept`` of the tokens each part consumed since ``ck`` (None: leave it)."""
+        if trunk_kept is not None:
+            for c, point in zip(self.trunk_cache, ck.trunk):
+                c.rollback(point, trunk_kept)
+        if mtp_kept is not None and self.mtp_cache is not None:
+            self.mtp_cache.rollback(ck.mtp, mtp_kept)
+
+    # -- forward --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def trunk(self, ids: torch.Tensor, use_cache: bool = True, last_only: bool = False) -> TrunkOut:
+        """Run the trunk on ids [B, T] (appended to the caches when ``use_cache``)."""
+        ids = ids.to(self.device)
+        start = self.trunk_length if use_cache else 0
+        x = self.tok_embd.rows(ids)
+        for block, cache in zip(self.blocks, self.trunk_cache):
+            x = block(x, start, cache if use_cache else None)
+        normed = rms_norm(x, self.out_norm, self.eps)
+        logits = self.output(normed[:, -1:] if last_only else normed)
+        return TrunkOut(logits.float(), normed if self.hidden == "post_norm" else x)
+
+    @torch.no_grad()
+    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True) -> MtpOut:
+        """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}."""
+        if self.mtp is None:
+            raise InputError(self.path, "this GGUF has no MTP head (no blk.N.nextn.* tensors)")
+        start = self.mtp_length if use_cache else 0
+        logits, normed, raw = self.mtp(next_ids.to(self.device), hidden, start,
+                                       self.mtp_cache if use_cache else None)
+        return MtpOut(logits.float(), normed if self.hidden == "post_norm" else raw)
+
+
+def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         hidden: str = "post_norm", g: GGUFFile | None = None) -> MtpModel:
+    """The model in a GGUF, for any architecture the runtime has (see ``families``)."""
+    from .families import family_for
+
+    g = g or GGUFFile(Path(path))
+    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden).eval()

@@ -1,0 +1,47 @@
+"""The NextN (MTP) head, once for every family.
+
+For the pair (h_t, x_{t+1}) (DESIGN.md):
+
+    u = eh_proj([enorm(E[x_{t+1}]) ; hnorm(h_t)])      (MiMo: [hnorm(h_t) ; enorm(E[x_{t+1}])])
+    g = Block(u)                                        one decoder block of the family's own kind
+    logits = head(shared_head_norm(g))
+
+E and head are the block's ``nextn.embed_tokens`` / ``nextn.shared_head_head`` or, when a
+checkpoint ties them (GLM-4.6, Qwen3.5), the trunk's ``token_embd`` / ``output``;
+``shared_head_norm`` falls back to the trunk's ``output_norm``. The block keeps its own
+cache. Drafts 2..k feed the head its own normed output (see :class:`~mtpq.runtime.model.MtpModel`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import rms_norm
+from .weights import QuantLinear, QWeight, Scope
+
+
+class NextNHead(nn.Module):
+    def __init__(self, w: Scope, block: nn.Module, eps: float, *, trunk_embd: QWeight, trunk_output: QuantLinear,
+                 trunk_norm: torch.Tensor, hidden_first: bool = False):
+        super().__init__()
+        n = w.at("nextn.")
+        self.eps, self.hidden_first, self.block = eps, hidden_first, block
+        self.eh_proj = n.linear("eh_proj", bias=False)
+        self.enorm, self.hnorm = n.tensor("enorm"), n.tensor("hnorm")
+        self.head_norm = n.tensor("shared_head_norm") if n.has("shared_head_norm") else trunk_norm
+        self.tied_embed, self.tied_head = not n.has("embed_tokens"), not n.has("shared_head_head")
+        self.embed = trunk_embd if self.tied_embed else n.qweight("embed_tokens")
+        self.head = trunk_output if self.tied_head else n.linear("shared_head_head", bias=False)
+
+    def new_cache(self):
+        return self.block.new_cache()
+
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache):
+        """-> (logits [B, T, V] of x_{t+2}, the normed output, the raw block output)."""
+        e = rms_norm(self.embed.rows(next_ids), self.enorm, self.eps)
+        h = rms_norm(hidden.to(e.dtype), self.hnorm, self.eps)
+        u = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
+        g = self.block(u, start, cache)
+        normed = rms_norm(g, self.head_norm, self.eps)
+        return self.head(normed), normed, g
