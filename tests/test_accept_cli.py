@@ -116,3 +116,18 @@ def test_bad_input(work, args, needle):
     res = run_cli("accept", *[a.format(w=work) for a in args])
     assert res.exit_code == 2, res.output
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_an_architecture_without_runtime_is_one_line(work):
+    """A GGUF we can convert but not run: exit 2 naming the architecture and the families the runtime has."""
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.runtime.families import FAMILIES
+
+    plan = plan_from_gguf(work / "good.gguf")
+    plan.arch = "mimo2"  # as if a future family's file: same tensors, an architecture the runtime lacks
+    write_plan(plan, work / "mimo2.gguf")
+    res = run_cli("accept", work / "mimo2.gguf", "--prompts", work / "p.jsonl")
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and "mimo2" in line and "mimo2.gguf" in line, line
+    assert all(arch in line for arch in FAMILIES), line
