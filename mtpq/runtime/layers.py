@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .weights import QuantLinear, Scope
+from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
+from .weights import Scope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,6 +169,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = w.tensor("ffn_gate_inp", torch.float32)  # [E, H], routed in f32
+        self.router_name, self.shared_gate_name = w.name("ffn_gate_inp"), w.name("ffn_gate_inp_shexp")
         self.bias = w.optional("exp_probs_b.bias", torch.float32)
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
@@ -176,6 +178,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] f32, expert ids [N, k])."""
         cfg = self.cfg
+        if weight_io.observer is not None:
+            weight_io.observer(self.router_name, None, x)
         logits = F.linear(x.float(), self.router)
         scores = logits.sigmoid() if cfg.gating == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.bias is None else scores + self.bias
@@ -196,15 +200,23 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
+        watch = weight_io.observer
         for e in ids.unique().tolist():  # dequantize only the experts some token uses
             tok, slot = torch.where(ids == e)
             h = x[tok]
+            if watch is not None:
+                watch(self.gate.name, e, h)
+                watch(self.up.name, e, h)
             h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
+            if watch is not None:
+                watch(self.down.name, e, h)
             h = F.linear(h, self.down.dequant(e).to(x.dtype))
             out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
+                if watch is not None:
+                    watch(self.shared_gate_name, None, x)
                 shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.view(1, -1))).to(x.dtype)
             out = out + shared
         return out.view(shape)

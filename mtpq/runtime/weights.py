@@ -108,8 +108,10 @@ class QWeight(nn.Module):
     only, so a MoE layer dequantizes just the experts a token is routed to.
     """
 
-    def __init__(self, qtype: GGMLQuantizationType, shape: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, qtype: GGMLQuantizationType, shape: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype,
+                 name: str = ""):
         super().__init__()
+        self.name = name  # the GGUF tensor name (importance statistics are keyed by it)
         self.qtype = qtype
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -124,7 +126,7 @@ class QWeight(nn.Module):
         else:
             raw = np.array(t.data, copy=True, order="C").view(np.uint8)
             data = torch.from_numpy(raw.reshape(*shape[:-1], -1)).to(device)
-        return cls(qtype, shape, data, dtype)
+        return cls(qtype, shape, data, dtype, name=t.name)
 
     @property
     def quantized(self) -> bool:
@@ -161,6 +163,11 @@ class QWeight(nn.Module):
         return f"{self.qtype.name}, shape={self.shape}"
 
 
+# Set by mtpq.runtime.imatrix while it collects importance statistics: called as
+# observer(weight name, expert index or None, the input rows the weight multiplies).
+observer = None
+
+
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays in its GGUF type: y = x W^T + b."""
 
@@ -175,6 +182,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if observer is not None:
+            observer(w.name, None, x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         rows, cols = w.shape
         if not w.quantized or rows * cols <= DEQUANT_CHUNK:

@@ -1,0 +1,140 @@
+"""Importance statistics from the runtime (mtpq.runtime.imatrix) against independent truth.
+
+- trunk: the squared inputs of attn_q / ffn_gate (dense) are what transformers' own
+  Glm4MoeForCausalLM feeds those projections (forward pre-hooks on its nn.Linear);
+- experts: per expert, the count and squared inputs of the tokens transformers' own router
+  sends to it (a pre-hook on its experts module sees the routing);
+- head: run as it drafts (n_ctx - 1 pairs a chunk); the first half of eh_proj's input is
+  enorm(E[x_{t+1}]), computed here from the checkpoint's own tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runcli import run_cli
+
+N_CTX = 64
+
+
+@pytest.fixture(scope="module")
+def setup(glm_ckpt, tmp_path_factory):
+    from mtpq.runtime.imatrix import chunk_tokens, collect
+    from mtpq.runtime.model import load
+
+    work = tmp_path_factory.mktemp("imatrix")
+    path = work / "glm-f32.gguf"
+    assert run_cli("convert", glm_ckpt, path, "--outtype", "f32", "-q").exit_code == 0
+    model = load(path)
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, model.vocab_size, (3 * N_CTX + 17,), generator=gen).tolist()
+    chunks = chunk_tokens(tokens, N_CTX, None, bos_id=None)
+    return model, chunks, collect(model, chunks)
+
+
+def hf_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndarray]:
+    """Sum of squared inputs of every nn.Linear of transformers' model, by module name; for its experts
+    modules, per-expert (sums [E, H], counts [E]) from the routing it is called with."""
+    from transformers import Glm4MoeForCausalLM
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts
+
+    hf = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32).eval()
+    sums: dict = {}
+
+    def experts_hook(name):
+        def pre(mod, args):
+            x, ids = args[0].double(), args[1]
+            s = np.zeros((mod.num_experts, x.shape[-1]))
+            c = np.zeros(mod.num_experts, dtype=np.int64)
+            for e in range(mod.num_experts):
+                rows = (ids == e).any(dim=-1)
+                s[e] = x[rows].pow(2).sum(0).numpy()
+                c[e] = int(rows.sum())
+            old = sums.get(name, (0, 0))
+            sums[name] = (old[0] + s, old[1] + c)
+        return pre
+
+    def hook(name):
+        def pre(_mod, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.pow(2).sum(0).numpy()
+        return pre
+
+    for name, mod in hf.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(hook(name))
+        elif isinstance(mod, Glm4MoeExperts):
+            mod.register_forward_pre_hook(experts_hook(name))
+    with torch.no_grad():
+        for c in chunks:
+            hf(torch.tensor([c]))
+    return sums
+
+
+def test_trunk_statistics_equal_transformers_inputs(setup, glm_ckpt):
+    model, chunks, stats = setup
+    ref = hf_inputs(glm_ckpt, chunks)
+    n_tok = len(chunks) * N_CTX
+    assert stats.chunks == 3 and stats.chunk_size == N_CTX
+    for ours, theirs in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+                         ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj"),
+                         ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj"),
+                         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"),
+                         ("blk.1.ffn_up_shexp.weight", "model.layers.1.mlp.shared_experts.up_proj")]:
+        st = stats.tensors[ours]
+        assert st.counts.tolist() == [n_tok], ours
+        np.testing.assert_allclose(st.sums[0], ref[theirs], rtol=1e-4, err_msg=ours)
+    assert "output.weight" not in stats.tensors  # llama-imatrix leaves the output matrix out by default
+
+
+def test_expert_statistics_are_per_routed_token(setup, glm_ckpt):
+    model, chunks, stats = setup
+    n_tok = len(chunks) * N_CTX
+    cfg = model.cfg.moe
+    gate = stats.tensors["blk.1.ffn_gate_exps.weight"]
+    assert gate.sums.shape == (cfg.n_experts, model.blocks[1].ffn.gate.shape[-1])
+    assert gate.counts.sum() == n_tok * cfg.n_used
+    ref_sums, ref_counts = hf_inputs(glm_ckpt, chunks)["model.layers.1.mlp.experts"]
+    assert gate.counts.tolist() == ref_counts.tolist() and (ref_counts > 0).all()
+    np.testing.assert_allclose(gate.sums, ref_sums, rtol=1e-4)
+    router_in = stats.tensors["blk.1.ffn_gate_inp.weight"]
+    np.testing.assert_allclose(router_in.sums[0], gate.sums.sum(0) / cfg.n_used, rtol=1e-6)
+    assert np.array_equal(stats.tensors["blk.1.ffn_up_exps.weight"].counts, gate.counts)
+    assert np.array_equal(stats.tensors["blk.1.ffn_down_exps.weight"].counts, gate.counts)
+
+
+def test_head_statistics_are_collected_as_it_drafts(setup, glm_ckpt):
+    model, chunks, stats = setup
+    n = model.blocks.__len__()  # the MTP block's index
+    eh = stats.tensors[f"blk.{n}.nextn.eh_proj.weight"]
+    assert eh.counts.tolist() == [len(chunks) * (N_CTX - 1)]
+    assert f"blk.{n}.attn_q.weight" in stats.tensors and f"blk.{n}.ffn_gate_exps.weight" in stats.tensors
+    assert f"blk.{n}.nextn.shared_head_head.weight" in stats.tensors
+    # first half of eh_proj's input: enorm(E[x_{t+1}]), from the checkpoint's own head tensors
+    t = {}
+    for shard in sorted(glm_ckpt.glob("*.safetensors")):
+        t.update(load_file(shard))
+    emb, w = t[f"model.layers.{n}.embed_tokens.weight"].float(), t[f"model.layers.{n}.enorm.weight"].float()
+    eps = 1e-5
+    expect = 0
+    for c in chunks:
+        e = emb[torch.tensor(c[1:])].double()
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        expect = expect + e.pow(2).sum(0).numpy()
+    np.testing.assert_allclose(eh.sums[0, : emb.shape[1]], expect, rtol=1e-4)
+
+
+def test_head_only_and_trunk_only(setup):
+    from mtpq.runtime.imatrix import collect
+
+    model, chunks, full = setup
+    head = collect(model, chunks[:1], trunk=False)
+    trunk = collect(model, chunks[:1], head=False)
+    n = len(model.blocks)
+    assert all(k.startswith(f"blk.{n}.") for k in head.tensors) and head.tensors
+    assert not any(k.startswith(f"blk.{n}.") for k in trunk.tensors) and trunk.tensors
