@@ -138,3 +138,45 @@ def test_head_only_and_trunk_only(setup):
     n = len(model.blocks)
     assert all(k.startswith(f"blk.{n}.") for k in head.tensors) and head.tensors
     assert not any(k.startswith(f"blk.{n}.") for k in trunk.tensors) and trunk.tensors
+
+
+@pytest.mark.llama_cpp
+def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
+    """On the demo model and real text, our trunk statistics equal llama-imatrix's (relative 1e-3), read
+    from its GGUF file with gguf-py; llama-imatrix has no entries for the head, ours do."""
+    import inspect
+    import json as json_module
+    import subprocess
+    from importlib import resources
+
+    import gguf
+
+    from mtpq.runtime.imatrix import chunk_tokens, collect
+    from mtpq.runtime.speculative import load_model
+
+    src = Path(str(resources.files("mtpq").joinpath("data/demo")))
+    path = tmp_path / "demo-f32.gguf"
+    assert run_cli("convert", src, path, "--outtype", "f32", "-q").exit_code == 0
+    text = inspect.getsource(json_module.decoder) + inspect.getsource(json_module.encoder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(text)
+    n_ctx, n_chunks = 128, 4
+    proc = subprocess.run([str(llama_cpp_bin / "llama-imatrix"), "-m", str(path), "-f", str(calib), "-o",
+                           str(tmp_path / "theirs.gguf"), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks",
+                           str(n_chunks), "--no-ppl", "-t", "1", "--no-repack", "--no-escape"],
+                          capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / "theirs.gguf").tensors}
+
+    model, tok = load_model(path, device="cpu")
+    bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
+    ours = collect(model, chunk_tokens(tok.encode(text), n_ctx, n_chunks, bos))
+    names = {k[: -len(".in_sum2")] for k in theirs if k.endswith(".in_sum2")}
+    assert names, "llama-imatrix wrote no statistics"
+    n_head = len(model.blocks)
+    assert names == {k for k in ours.tensors if not k.startswith(f"blk.{n_head}.")}
+    for name in sorted(names):
+        st = ours.tensors[name]
+        np.testing.assert_array_equal(theirs[name + ".counts"].reshape(-1), st.counts, err_msg=name)
+        np.testing.assert_allclose(theirs[name + ".in_sum2"].reshape(st.sums.shape), st.sums, rtol=1e-3,
+                                   atol=1e-6 * st.sums.max(), err_msg=name)

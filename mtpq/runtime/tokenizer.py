@@ -7,10 +7,10 @@ converts) is supported. The pieces:
   tokens (both matched before BPE, as in the original tokenizer);
 - the pre-tokenizer from ``tokenizer.ggml.pre``: the same split regexes llama.cpp
   uses for that name (llama-vocab.cpp), then byte-level mapping. ``default`` is
-  what mtpq writes for a tokenizer llama.cpp has no fingerprint for; we read it
-  as GPT-2's byte-level regex, the one the tokenizers library's ByteLevel
-  pre-tokenizer applies (and the commonest case), not llama.cpp's own
-  ``default`` split list;
+  what mtpq writes for a tokenizer llama.cpp has no fingerprint for; it is read
+  as llama.cpp reads it (its own default split list: punctuation runs, GPT-2's
+  regex, digit runs, then triples of digits), so acceptance is measured on the
+  tokens llama.cpp will feed the model;
 - ``glm4``/``glm5``/``llama3`` BPE with ``ignore_merges`` (whole words found in the vocab
   are kept as they are), as llama.cpp does for those names;
 - bos/eos/unk/pad ids, ``add_bos_token`` and the chat template.
@@ -30,6 +30,8 @@ from .weights import GGUFFile
 log = logging.getLogger(__name__)
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT list (its GPT-2 splitter falls back to \s+ as GPT-2's regex does)
+_LLAMA_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2 + r"|\s+", r"\p{N}+", r"[0-9][0-9][0-9]"]
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -44,7 +46,7 @@ _DEEPSEEK3 = [
 
 # tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges). None: GPT-2's ByteLevel regex.
 PRE_TOKENIZERS: dict[str, tuple[list[str] | None, bool]] = {
-    "default": (None, False),
+    "default": (_LLAMA_DEFAULT, False),
     "gpt-2": (None, False),
     "glm4": ([_LLAMA3], True),  # llama.cpp's CHATGLM4 regex is llama3's
     "glm5": ([_LLAMA3], True),
