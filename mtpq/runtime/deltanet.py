@@ -58,6 +58,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def tile_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
+    """[B, n_k, T, d] -> [B, n_v, T, d] where value head h reads key head h % n_k (the converter's tiled order)."""
+    return x.repeat(1, n_v_heads // x.shape[1], 1, 1)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all: bool = False):
     """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay), beta [B, H, T], state [B, H, d_k, d_v] or None.
 
@@ -149,8 +154,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
         q = (l2norm(q.view(B, T, nk, dk)) * dk ** -0.5).transpose(1, 2)
         k = l2norm(k.view(B, T, nk, dk)).transpose(1, 2)
-        if nv != nk:  # tiled value heads: head h reads key head h % n_k
-            q, k = q.repeat(1, nv // nk, 1, 1), k.repeat(1, nv // nk, 1, 1)
+        q, k = tile_key_heads(q, nv), tile_key_heads(k, nv)
         v = v.view(B, T, nv, dv).transpose(1, 2)
         g = (self.a * F.softplus(self.walpha(x).float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
         beta = torch.sigmoid(self.wbeta(x).float()).transpose(1, 2)
