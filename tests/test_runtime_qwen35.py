@@ -432,3 +432,42 @@ def test_accept_cli_on_qwen35(work, bigram_models):
     assert rep["drafts"] == drafts and rep["accepted"] == accepted
     assert 0 < rep["acceptance_rate"] < 1
     assert rep["greedy_outputs_identical"] is True
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+LLAMA_PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Point:", "import os",
+                 "Hello, world", "x = [1, 2, 3]", "while True:"]
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_acceptance_agrees(bigram_models, work, llama_cpp_bin, tmp_path):
+    """llama.cpp's qwen35 MTP drafting one token at a time (--spec-type draft-mtp) accepts what our k=1 loop
+    does, within 3 points, on the same GGUF and prompts."""
+    import re
+    import subprocess
+
+    from mtpq.runtime.speculative import load_model, run_speculative
+
+    path, n_new = work / "bigram-dense.gguf", 64
+    model, tok = load_model(path, device="cpu")
+    ours_acc = ours_drafts = theirs_acc = theirs_drafts = 0
+    for i, text in enumerate(LLAMA_PROMPTS):
+        r = run_speculative(model, tok.encode(text), n_new, k=1)
+        ours_acc, ours_drafts = ours_acc + r.n_accepted, ours_drafts + r.n_drafts
+        prompt_file = tmp_path / f"p{i}.txt"
+        prompt_file.write_text(text)  # no trailing newline: llama.cpp's -f would drop it
+        proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(path), "-f", str(prompt_file),
+                               "--no-escape", "-n", str(n_new), "--temp", "0", "--spec-type", "draft-mtp",
+                               "--spec-draft-n-max", "1", "--no-repack", "-t", "1"],
+                              capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        drafted = re.search(r"n_drafted\s*=\s*(\d+)", proc.stderr)
+        accepted = re.search(r"n_accept\s*=\s*(\d+)", proc.stderr)
+        if drafted and accepted:  # llama.cpp's logger may drop its last lines at exit
+            theirs_acc, theirs_drafts = theirs_acc + int(accepted[1]), theirs_drafts + int(drafted[1])
+    assert theirs_drafts > 0 and ours_acc > 0
+    ours, theirs = ours_acc / ours_drafts, theirs_acc / theirs_drafts
+    print(f"k=1 acceptance: ours {ours_acc}/{ours_drafts} = {ours:.3f}, llama.cpp {theirs_acc}/{theirs_drafts} = {theirs:.3f}")
+    assert abs(ours - theirs) <= 0.03, (ours, theirs)
