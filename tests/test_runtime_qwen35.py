@@ -34,7 +34,9 @@ from runcli import run_cli
 from test_runtime_glm import close, dequantized_copy
 
 REL_TOL = 1e-4  # of the logit scale, for f32 agreement
-VARIANTS = ("dense", "moe")
+VARIANTS = ("dense", "moe")  # the loop tests
+CHECKPOINTS = {"dense": dict(), "moe": dict(moe=True),
+               "dense_tied": dict(tie_word_embeddings=True)}  # the small Qwen3.5s: no output.weight
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -53,12 +55,12 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpts(work) -> dict[str, Path]:
-    return {v: tiny_qwen35.qwen35(work / v, moe=v == "moe", dtype=torch.float32) for v in VARIANTS}
+    return {v: tiny_qwen35.qwen35(work / v, dtype=torch.float32, **over) for v, over in CHECKPOINTS.items()}
 
 
 @pytest.fixture(scope="module")
 def ggufs(ckpts, work) -> dict[str, Path]:
-    return {v: convert(ckpts[v], work / f"{v}-f32.gguf") for v in VARIANTS}
+    return {v: convert(ckpts[v], work / f"{v}-f32.gguf") for v in CHECKPOINTS}
 
 
 OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj")
@@ -173,7 +175,7 @@ def test_recurrent_rollback_is_decoding_the_kept_tokens_one_by_one(ggufs):
 # ----------------------------------------------------------------------------- trunk
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", CHECKPOINTS)
 def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
     from mtpq.runtime.deltanet import GatedDeltaNet
     from mtpq.runtime.layers import Attention, MoE
@@ -181,6 +183,7 @@ def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
 
     model = load(ggufs[variant])
     hf = hf_model(ckpts[variant], variant == "moe")
+    assert ("output.weight" in model.family.file) == (variant != "dense_tied")
     kinds = [type(b.attn) for b in model.blocks]
     assert kinds == [GatedDeltaNet, GatedDeltaNet, GatedDeltaNet, Attention]  # layer_types of the checkpoint
     assert model.blocks[3].attn.cfg.gated and isinstance(model.mtp.block.attn, Attention)
@@ -199,6 +202,21 @@ def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
         parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(max(n - 4, n // 3), n)]
         diff, scale = close(torch.cat(parts, dim=1), ref)
         assert diff <= REL_TOL * scale, ("cached", n, diff, scale)
+
+
+def test_layer_pattern_without_recurrent_flags(ggufs, work):
+    """Files without attention.recurrent_layers: llama.cpp's full_attention_interval rule gives the same model."""
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.runtime.model import load
+
+    plan = plan_from_gguf(ggufs["dense"])
+    del plan.kv["qwen35.attention.recurrent_layers"]
+    write_plan(plan, work / "no-flags.gguf")
+    with_flags, without = load(ggufs["dense"]), load(work / "no-flags.gguf")
+    assert without.family.file.value("attention.recurrent_layers") is None
+    assert without.cfg.recurrent == with_flags.cfg.recurrent == (True, True, True, False)
+    ids = torch.randint(0, without.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(without.trunk(ids, use_cache=False).logits, with_flags.trunk(ids, use_cache=False).logits)
 
 
 def test_value_head_order_matters(ckpts, ggufs, monkeypatch):
@@ -274,7 +292,7 @@ class MtpOracle:
         return F.linear(normed, self.head), normed
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", CHECKPOINTS)
 def test_mtp_head_matches_independent_implementation(variant, ckpts, ggufs):
     from mtpq.runtime.model import load
 
