@@ -204,6 +204,23 @@ def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
         assert diff <= REL_TOL * scale, ("cached", n, diff, scale)
 
 
+def test_bf16_compute_is_as_accurate_as_transformers_bf16(ckpts, ggufs):
+    """bf16 compute (the recurrence itself stays f32): as far from the f32 truth as transformers in bf16 is."""
+    from mtpq.runtime.model import load
+    from mtpq.runtime.speculative import run_speculative
+
+    half = load(ggufs["dense"], dtype=torch.bfloat16)
+    assert half.blocks[0].attn.wqkv.weight.data.dtype == torch.bfloat16
+    ids = torch.randint(0, half.cfg.vocab_size, (1, 100), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        truth = hf_model(ckpts["dense"], False)(ids).logits
+        hf_half = hf_model(ckpts["dense"], False).to(torch.bfloat16)(ids).logits.float()
+    ours = close(half.trunk(ids, use_cache=False).logits, truth)[0]
+    theirs = close(hf_half, truth)[0]
+    assert 0 < ours <= 2 * theirs, (ours, theirs)
+    assert len(run_speculative(half, ids[0, :10].tolist(), 8, k=3).tokens) == 8
+
+
 def test_layer_pattern_without_recurrent_flags(ggufs, work):
     """Files without attention.recurrent_layers: llama.cpp's full_attention_interval rule gives the same model."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
