@@ -65,7 +65,10 @@ class Scope:
         return Scope(self.weights, self.prefix + prefix)
 
     def name(self, name: str) -> str:
-        return _full_name(self.prefix, name)
+        full = _full_name(self.prefix, name)
+        if full not in self.file and self.prefix + name in self.file:  # stored without a suffix (ssm_a)
+            return self.prefix + name
+        return full
 
     def has(self, name: str) -> bool:
         return self.name(name) in self.file

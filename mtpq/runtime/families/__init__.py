@@ -10,8 +10,9 @@ from ...errors import InputError
 from ..model import Family
 from ..weights import GGUFFile
 from .glm4moe import Glm4Moe
+from .qwen35 import Qwen35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe,) for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35) for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:

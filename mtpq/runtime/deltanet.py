@@ -1,0 +1,177 @@
+"""Qwen3.5's gated DeltaNet (linear attention), as llama.cpp's qwen35 graph and transformers'
+``Qwen3_5GatedDeltaNet`` compute it, from the tensors our converter writes (convert/qwen35.py).
+
+Per token t and value head h (state S_h: [d_k, d_v], zeros at the start):
+
+    q, k, v  = split(silu(causal_conv(attn_qkv · x)))    q, k: n_k heads, v: n_v heads
+    q, k     = l2norm(q) / sqrt(d_k), l2norm(k)          value head h reads key head h % n_k
+    decay    = exp(ssm_a * softplus(ssm_alpha · x + ssm_dt.bias))      (ssm_a = -exp(A_log))
+    beta     = sigmoid(ssm_beta · x)
+    S        = decay * S;   S += k (beta (v - S^T k))^T;   o = S^T q
+    out      = ssm_out(rms_norm(o) * ssm_norm * silu(attn_gate · x))  (norm over each head's d_v)
+
+"h % n_k": the converter reorders value heads from HF's grouped order (head k*r + j reads key
+head k) to ggml's tiled order (head j*n_k + k reads key head k), so the key heads are tiled, not
+interleaved, across the value heads. The conv is depthwise over the qkv channels with kernel K
+(``ssm_conv1d`` [C, K]); its state is the last K-1 inputs.
+
+Two forms of the same recurrence: the chunked one (the UT-transform form of transformers'
+``torch_chunk_gated_delta_rule``; a few matmuls per 64 tokens) for prefill and uncached passes,
+and the token-by-token one for short inputs, which also yields the state after every token --
+what :class:`~mtpq.runtime.cache.RecurrentCache` needs under an open checkpoint, so that rolling
+back to "a of k verified tokens" is exactly the state of having decoded those a tokens.
+The recurrence runs in float32 whatever the compute dtype (as transformers does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InputError
+from .cache import RecurrentCache
+from .layers import rms_norm
+from .weights import Scope
+
+CHUNK = 64  # tokens per chunk of the chunked form
+RECURRENT_MAX_T = 16  # up to this many tokens the token-by-token form is cheaper
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    n_k_heads: int  # ssm.group_count
+    n_v_heads: int  # ssm.time_step_rank
+    head_k_dim: int  # ssm.state_size
+    head_v_dim: int  # ssm.inner_size / n_v_heads
+    conv_kernel: int  # ssm.conv_kernel
+    eps: float  # of the gated RMSNorm
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.n_k_heads * self.head_k_dim + self.n_v_heads * self.head_v_dim
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def tile_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
+    """[B, n_k, T, d] -> [B, n_v, T, d] where value head h reads key head h % n_k (the converter's tiled order)."""
+    return x.repeat(1, n_v_heads // x.shape[1], 1, 1)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all: bool = False):
+    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay), beta [B, H, T], state [B, H, d_k, d_v] or None.
+
+    -> (out [B, H, T, d_v], final state, the state after each token if ``keep_all`` else None)."""
+    B, H, T, dk = k.shape
+    S = state if state is not None else q.new_zeros(B, H, dk, v.shape[-1])
+    out = torch.empty_like(v)
+    states = [] if keep_all else None
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * beta[:, :, t, None]
+        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
+        if keep_all:
+            states.append(S)
+    return out, S, states
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same recurrence, ``chunk`` tokens at a time. -> (out [B, H, T, d_v], final state).
+
+    Inside a chunk with cumulative log decay c_t and start state S0, the updates u_t = beta_t (v_t - ...)
+    solve the unit lower-triangular system (I + L) U = beta V - beta e^c K S0 with
+    L_tj = beta_t e^(c_t - c_j) k_t.k_j (j < t); then out = e^c Q S0 + (QK^T * e^(c_t - c_j), j <= t) U
+    and S_end = e^(c_end) S0 + sum_j e^(c_end - c_j) k_j u_j^T.
+    """
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:  # padded tokens: k = 0 and g = 0 leave the state alone
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (t.reshape(B, H, n, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    c = g.cumsum(dim=-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # e^(c_t - c_j), j <= t
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is ignored: unitriangular
+    u_from_v = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    u_from_s = torch.linalg.solve_triangular(system, k_beta * c.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * c.exp()[..., None]
+    k_to_end = k * (c[..., -1:] - c).exp()[..., None]
+    chunk_decay = c[..., -1].exp()[..., None, None]
+    S = state if state is not None else q.new_zeros(B, H, dk, dv)
+    out = torch.empty(B, H, n, chunk, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        u = u_from_v[:, :, i] - u_from_s[:, :, i] @ S
+        out[:, :, i] = q_decayed[:, :, i] @ S + attn[:, :, i] @ u
+        S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return out.reshape(B, H, n * chunk, dv)[:, :, :T], S
+
+
+class GatedDeltaNet(nn.Module):
+    """A sequence-mixing layer with the layers.py signature ``layer(x, start, cache)``; ``cache`` is a
+    :class:`RecurrentCache` holding ``{"conv": [B, K-1, C], "ssm": [B, n_v, d_k, d_v]}``."""
+
+    def __init__(self, w: Scope, cfg: DeltaNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wqkv, self.wz = w.linear("attn_qkv"), w.linear("attn_gate")
+        self.wbeta, self.walpha = w.linear("ssm_beta"), w.linear("ssm_alpha")
+        self.a = w.tensor("ssm_a", torch.float32)  # -exp(A_log), per value head
+        self.dt_bias = w.tensor("ssm_dt.bias", torch.float32)
+        self.conv = w.tensor("ssm_conv1d")  # [C, K]
+        self.norm = w.tensor("ssm_norm")  # [d_v], shared by the heads
+        self.wo = w.linear("ssm_out")
+        want = (cfg.conv_channels, cfg.conv_kernel)
+        if tuple(self.conv.shape) != want or self.wqkv.out_features != cfg.conv_channels:
+            raise InputError(w.file.path, f"{w.name('ssm_conv1d')} / attn_qkv do not fit the ssm metadata "
+                                          f"(conv {tuple(self.conv.shape)}, expected {want})")
+
+    def new_cache(self) -> RecurrentCache:
+        return RecurrentCache()
+
+    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        K = cfg.conv_kernel
+        state = cache.state if cache is not None else None
+        mixed = self.wqkv(x)  # [B, T, C]
+        prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
+        window = torch.cat((prev, mixed), dim=1)  # [B, K-1+T, C]
+        qkv = F.silu((window.unfold(1, K, 1) * self.conv.to(mixed.dtype)).sum(-1))  # [B, T, C]
+
+        nk, nv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
+        q = (l2norm(q.view(B, T, nk, dk)) * dk ** -0.5).transpose(1, 2)
+        k = l2norm(k.view(B, T, nk, dk)).transpose(1, 2)
+        q, k = tile_key_heads(q, nv), tile_key_heads(k, nv)
+        v = v.view(B, T, nv, dv).transpose(1, 2)
+        g = (self.a * F.softplus(self.walpha(x).float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
+        beta = torch.sigmoid(self.wbeta(x).float()).transpose(1, 2)
+        ssm = state["ssm"] if state is not None else None
+
+        recording = cache is not None and cache.recording
+        if recording or T <= RECURRENT_MAX_T:
+            out, final, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, keep_all=recording)
+        else:
+            (out, final), per_token = chunked_gated_delta_rule(q, k, v, g, beta, ssm), None
+        if recording:  # the state after every token: the conv window ends at that token
+            after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
+            cache.push(T, after[-1], after)
+        elif cache is not None:
+            cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
+
+        z = self.wz(x).view(B, T, nv, dv)
+        out = out.transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
+        out = rms_norm(out, self.norm, cfg.eps) * F.silu(z.float()).to(x.dtype)
+        return self.wo(out.reshape(B, T, nv * dv))
