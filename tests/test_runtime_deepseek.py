@@ -343,3 +343,101 @@ def test_unsupported_rope_scaling_names_the_file(v3_gguf, tmp_path):
     assert "linear.gguf" in e.value.where and "linear" in str(e.value)
     res = run_cli("accept", path)
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+# llama.cpp's defaults (f16 KV caches, flash attention on CPU) move logits by ~2e-4: enough to flip the
+# greedy ties of these tiny models (top-2 margins down to 5e-4). With f32 caches and no flash attention,
+# its top-2 margins equal ours to 5 decimals.
+F32_CACHES = ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list[int]], n: int) -> list[dict]:
+    """Greedy completions of token prompts from llama-server drafting with the file's MTP head (k=1)."""
+    import subprocess
+    import time
+    import urllib.request
+
+    port = _free_port()
+    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf_path), "--spec-type", "draft-mtp",
+                               "--spec-draft-n-max", "1", "-c", "512", "-t", "1", "-np", "1", "--no-repack",
+                               *F32_CACHES,
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if server.poll() is not None:
+                pytest.fail(f"llama-server exited: {server.stderr.read()[-2000:]}")
+            try:
+                if json.loads(urllib.request.urlopen(url + "/health", timeout=1).read()).get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        out = []
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "return_tokens": True,
+                    "cache_prompt": False}
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            out.append(json.loads(urllib.request.urlopen(req, timeout=120).read()))
+        return out
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def run_like_llama_cpp(model, ids: list[int], n: int, stop_ids: set[int]):
+    """Our k=1 loop with llama.cpp's MTP context convention: its head also consumes a pair
+    (zeros, x_0) for the first prompt token (common/speculative.cpp pairs each token with the
+    previous position's hidden state, and the first with a zero-initialised one). We and
+    transformers start at (h_0, x_1). -> (drafts, accepted)"""
+    from mtpq.runtime import speculative as sp
+
+    class LlamaCppPairs(sp.SpeculativeDecoder):
+        def prefill(self, prompt_ids):
+            first = super().prefill(prompt_ids)
+            self.pending_ids = torch.cat([torch.tensor([prompt_ids[:1]]), self.pending_ids], dim=1)
+            self.pending_hidden = torch.cat([torch.zeros_like(self.pending_hidden[:, :1]), self.pending_hidden], 1)
+            return first
+
+    dec = LlamaCppPairs(model, k=1)
+    generated, drafts, accepted = [dec.prefill(ids)], 0, 0
+    while len(generated) < n - 1 and not (stop_ids & set(generated)):  # llama-server: no draft for the last token
+        emitted, _ = dec.step()
+        generated += emitted
+        drafts, accepted = drafts + 1, accepted + len(emitted) - 1
+    return drafts, accepted
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_agrees(v3_gguf, copy_gguf, copy_model, llama_cpp_bin):
+    """llama.cpp runs the same GGUFs (MLA, YaRN, its MTP draft context): greedy output == ours, and with
+    its pairing convention emulated (see run_like_llama_cpp) it drafts and accepts exactly what we do."""
+    from mtpq.runtime.model import load
+    from mtpq.runtime.speculative import run_plain, run_speculative
+
+    model, tok = copy_model
+    prompts = prompt_ids(tok)
+    eos = {tok.eos_token_id}
+    for path, ours in ((v3_gguf, load(v3_gguf)), (copy_gguf, model)):
+        total = 0
+        for ids, ref in zip(prompts, _llama_server_completions(llama_cpp_bin, path, prompts, 32)):
+            assert ref["tokens"] == run_plain(ours, ids, 32, stop_ids=eos).tokens, (path.name, ids)
+            assert ref["tokens"] == run_speculative(ours, ids, 32, k=1, stop_ids=eos).tokens
+            timings = ref["timings"]
+            assert (timings["draft_n"], timings["draft_n_accepted"]) == run_like_llama_cpp(ours, ids, 32, eos)
+            total += timings["draft_n_accepted"]
+        if path == copy_gguf:
+            assert total > 10  # the comparison covers accepted drafts, not just rejections
