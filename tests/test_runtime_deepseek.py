@@ -170,6 +170,25 @@ def test_yarn_and_pair_order_matter(v3_ckpt, v3_gguf):
     assert diff(plain_softmax_scale) > 100 * REL_TOL * scale
 
 
+def test_bf16_compute_matches_transformers_bf16(v3_ckpt, v3_gguf):
+    """bf16 compute (weights, latent cache and absorbed products in bf16; softmax and routing in f32) against
+    transformers in bf16: on this prompt both flip the same expert choice, far from f32 (0.27 of 1.35)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from mtpq.runtime.model import load
+    from mtpq.runtime.speculative import run_speculative
+
+    half = load(v3_gguf, dtype=torch.bfloat16)
+    assert half.blocks[0].attn.wkv_a.weight.data.dtype == torch.bfloat16
+    hf = DeepseekV3ForCausalLM.from_pretrained(str(v3_ckpt), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, half.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    diff, scale = close(half.trunk(ids, use_cache=False).logits, ref)
+    assert diff <= 0.02 * scale, (diff, scale)  # a couple of bf16 ulps at the logit scale
+    assert len(run_speculative(half, ids[0].tolist(), 8, k=2).tokens) == 8
+
+
 # ----------------------------------------------------------------------------- MTP head
 
 
