@@ -440,8 +440,14 @@ def run_like_llama_cpp(model, ids: list[int], n: int, stop_ids: set[int]):
     return drafts, accepted
 
 
+# YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
+# (mla.yarn_mla_scales); greedy outputs of the two differ on every test prompt, ours follow llama.cpp's
+BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+             "beta_slow": 1, "rope_theta": 10000.0}
+
+
 @pytest.mark.llama_cpp
-def test_llama_cpp_agrees(v3_gguf, copy_gguf, copy_model, llama_cpp_bin):
+def test_llama_cpp_agrees(v3_gguf, copy_gguf, copy_model, llama_cpp_bin, work):
     """llama.cpp runs the same GGUFs (MLA, YaRN, its MTP draft context): greedy output == ours, and with
     its pairing convention emulated (see run_like_llama_cpp) it drafts and accepts exactly what we do."""
     from mtpq.runtime.model import load
@@ -450,7 +456,9 @@ def test_llama_cpp_agrees(v3_gguf, copy_gguf, copy_model, llama_cpp_bin):
     model, tok = copy_model
     prompts = prompt_ids(tok)
     eos = {tok.eos_token_id}
-    for path, ours in ((v3_gguf, load(v3_gguf)), (copy_gguf, model)):
+    bare = convert(checkpoint(work, "bare_yarn", rope_parameters=BARE_YARN, max_position_embeddings=32768, seed=5),
+                   work / "bare_yarn-f32.gguf")
+    for path, ours in ((v3_gguf, load(v3_gguf)), (bare, load(bare)), (copy_gguf, model)):
         total = 0
         for ids, ref in zip(prompts, _llama_server_completions(llama_cpp_bin, path, prompts, 32)):
             assert ref["tokens"] == run_plain(ours, ids, 32, stop_ids=eos).tokens, (path.name, ids)
