@@ -364,6 +364,21 @@ def test_unsupported_rope_scaling_names_the_file(v3_gguf, tmp_path):
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
 
 
+def test_gguf_without_split_kv_b_is_refused(v3_gguf, tmp_path):
+    """Old GGUFs keep MLA's kv_b unsplit (attn_kv_b): refused with the file named, not misread."""
+    from mtpq.errors import InputError
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.runtime.model import load
+
+    plan = plan_from_gguf(v3_gguf)
+    plan.tensors = [t for t in plan.tensors if not t.name.startswith(("blk.1.attn_k_b", "blk.1.attn_v_b"))]
+    path = tmp_path / "legacy.gguf"
+    write_plan(plan, path)
+    with pytest.raises(InputError) as e:
+        load(path)
+    assert "legacy.gguf" in e.value.where and "blk.1.attn_k_b" in e.value.problem
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 
 
