@@ -5,6 +5,19 @@ from __future__ import annotations
 import torch
 
 
+def counted_like_transformers(accepted: list[int], tokens: list[int]) -> list[int]:
+    """Our per-round acceptance as transformers counts it. Both cut the output at ``max_new`` tokens and
+    after an EOS; transformers cuts a round's tokens first and counts what is left of them, ours counts the
+    drafts accepted and cuts the output at the end. ``tokens`` is our (cut) output; only the last round
+    can differ."""
+    out, pos = [], 1  # the prefill emits the first token
+    for a in accepted:
+        kept = min(a + 1, len(tokens) - pos)
+        out.append(kept - 1)
+        pos += kept
+    return out
+
+
 def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int = 32) -> int:
     """For each prompt, greedy k=1: transformers' output and per-round acceptance must equal ours.
 
@@ -23,18 +36,16 @@ def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int
         return original(self, input_ids, scores, num_matches)
 
     cg.MTPCandidateGenerator.update_candidate_strategy = record
+    eos = hf.generation_config.eos_token_id  # transformers stops there: so must we
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     try:
         total = 0
         for ids in prompts:
             rounds.clear()
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, use_mtp=True)
-            ours = run_speculative(model, ids, max_new, k=1)
+            ours = run_speculative(model, ids, max_new, k=1, stop_ids=eos)
             assert out[0, len(ids):].tolist() == ours.tokens
-            # transformers clamps a round's matches to the tokens it may still emit (max_new_tokens), so
-            # a last round whose draft was right counts 0 there; we count what the head got right
-            emitted_before = 1 + sum(a + 1 for a in ours.accepted[:-1])
-            expected = ours.accepted[:-1] + [min(ours.accepted[-1], max_new - emitted_before - 1)]
-            assert rounds == expected, (rounds, ours.accepted)
+            assert rounds == counted_like_transformers(ours.accepted, ours.tokens), (rounds, ours.accepted)
             total += sum(rounds)
         return total
     finally:

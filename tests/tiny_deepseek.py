@@ -100,3 +100,46 @@ def _use_bos(folder: Path) -> None:
     tc = json.loads(path.read_text())
     tc.update(add_bos_token=True, add_eos_token=False)
     path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+
+
+def trunk_copy_head(folder: Path, embed_rms: float = 0.02) -> Path:
+    """Rewrite the MTP layer of a ONE-layer tiny DeepSeek checkpoint into a copy of the trunk, so that it drafts.
+
+    The head's block gets layer 0's weights, ``eh_proj`` passes ``enorm(E[x_{t+1}])`` through and ignores
+    h_t, and ``enorm`` scales embeddings to the rms random init gives them (0.02): the head then runs the
+    trunk's only layer on x_1..x_{t+1} (without x_0, and with each embedding renormalised), so it
+    predicts roughly what the trunk will predict after x_{t+1} -- right often (~60 % on the test
+    prompts), wrong often enough, with runs of several accepted drafts. The head's own embedding and
+    output are dropped (transformers' MTP ties them to the trunk's anyway).
+    """
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["num_hidden_layers"] != 1 or cfg["first_k_dense_replace"] != 0:
+        raise ValueError("trunk_copy_head needs a one-layer MoE trunk (num_hidden_layers=1, first_k_dense_replace=0)")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    trunk = {}
+    for shard in shards:
+        trunk.update({k: v for k, v in load_file(str(folder / shard)).items() if k.startswith("model.layers.0.")})
+    p = "model.layers.1."
+    for shard in shards:
+        t = load_file(str(folder / shard))
+        for name in list(t):
+            if not name.startswith(p):
+                continue
+            rest = name[len(p):]
+            if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                del t[name]
+                del index["weight_map"][name]
+            elif "model.layers.0." + rest in trunk:
+                t[name] = trunk["model.layers.0." + rest].clone()
+            elif rest == "eh_proj.weight":
+                h = t[name].shape[0]
+                t[name] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(t[name].dtype)
+            elif rest == "enorm.weight":
+                t[name] = torch.full_like(t[name], embed_rms)
+        save_file(t, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    return folder

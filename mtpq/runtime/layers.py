@@ -10,6 +10,7 @@ batch, positions from 0), and say which cache they need with ``new_cache()``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,25 @@ def rope_inv_freq(dim: int, base: float, linear_factor: float = 1.0) -> torch.Te
     """Inverse frequencies of RoPE over ``dim`` rotated dims (linear scaling divides positions)."""
     # float32 throughout, as transformers computes it: greedy agreement on tiny models depends on the last bit
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)) / linear_factor
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, orig_ctx: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, ext_factor: float = 1.0) -> torch.Tensor:
+    """YaRN's inverse frequencies: high-frequency pairs keep RoPE's, low-frequency pairs are divided by
+    ``factor``, with a linear ramp between the pairs that turn ``beta_fast`` and ``beta_slow`` times over
+    ``orig_ctx`` (transformers' _compute_yarn_parameters, ggml's rope_yarn). The attention scaling YaRN
+    also brings is the caller's: it differs between families (see mla.py)."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+    def corr_dim(rotations: float) -> float:  # the pair index that turns `rotations` times over orig_ctx
+        return dim * math.log(orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr_dim(beta_fast)), 0), min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # as both references do: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = (1 - ramp) * ext_factor  # share of the original frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
 class Rope:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from ...errors import InputError
 from ..model import Family
 from ..weights import GGUFFile
+from .deepseek2 import Deepseek2
 from .glm4moe import Glm4Moe
 from .qwen35 import Qwen35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35) for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2) for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:

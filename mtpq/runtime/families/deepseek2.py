@@ -1,0 +1,112 @@
+"""DeepSeek-V3 / R1 (GGUF arch ``deepseek2``), as llama.cpp's deepseek2 graph and transformers' DeepseekV3.
+
+Blocks: MLA attention (``mla.py``) with YaRN RoPE on the rope part of each head; the first
+``leading_dense_block_count`` blocks have a dense SwiGLU FFN, the rest (and the MTP block) MoE:
+sigmoid router scores (softmax when the GGUF names no gating function: llama.cpp's default for
+DeepSeek-V2), ``exp_probs_b`` correction bias, group-limited top-k, optional renormalisation,
+``expert_weights_scale``, shared experts. Norms: ``attn_norm`` and ``ffn_norm``.
+The MTP block (blk.{n_trunk}: ``nextn.*`` plus a full MLA + MoE block) is the generic NextN head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import ExpertGatingFuncType
+
+from ...errors import InputError
+from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq, yarn_inv_freq
+from ..mla import MLA, MLAConfig, yarn_mla_scales
+from ..model import Family
+from ..weights import GGUFFile, Scope
+
+
+@dataclass(frozen=True)
+class Deepseek2Config:
+    vocab_size: int
+    mla: MLAConfig
+    moe: MoEConfig
+    n_dense_lead: int
+    rope_scale: float  # cos/sin multiplier (YaRN's attention factor as llama.cpp applies it)
+
+    # read by tests and reports
+    @property
+    def n_group(self) -> int:
+        return self.moe.n_group
+
+    @property
+    def topk_group(self) -> int:
+        return self.moe.topk_group
+
+    @property
+    def norm_topk(self) -> bool:
+        return self.moe.norm_topk
+
+
+class Deepseek2(Family):
+    archs = ("deepseek2",)
+
+    def __init__(self, g: GGUFFile):
+        super().__init__(g)
+        if g.value("attention.temperature_scale"):
+            raise InputError(g.path, "attention temperature scaling (Mistral-Large style) is not supported by the "
+                                     "deepseek2 runtime")
+        n_heads = int(g.require("attention.head_count"))
+        rope_dim = int(g.require("rope.dimension_count"))
+        key_mla = int(g.require("attention.key_length_mla"))  # nope + rope per head, as transformers sees it
+        base = float(g.value("rope.freq_base", 10000.0))
+        inv_freq, factor = self._rope_schedule(g, rope_dim, base)
+        log_mul = g.value("rope.scaling.yarn_log_multiplier")
+        # llama.cpp stores 0.1 * mscale_all_dim and divides in float32 on load
+        mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
+        rope_scale, softmax_mul = yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor",
+                                                                                        1.0) or 1.0))
+        gating = int(g.value("expert_gating_func", ExpertGatingFuncType.SOFTMAX) or ExpertGatingFuncType.SOFTMAX)
+        self.cfg = Deepseek2Config(
+            vocab_size=g.shape("token_embd.weight")[0],
+            mla=MLAConfig(
+                n_heads=n_heads,
+                kv_lora_rank=int(g.require("attention.kv_lora_rank")),
+                qk_nope_dim=key_mla - rope_dim,
+                qk_rope_dim=rope_dim,
+                v_dim=int(g.require("attention.value_length_mla")),
+                eps=self.eps,
+                kq_scale=softmax_mul / key_mla ** 0.5,
+            ),
+            moe=MoEConfig(
+                n_experts=int(g.value("expert_count", 0)),
+                n_used=int(g.value("expert_used_count", 0)),
+                gating="sigmoid" if gating == ExpertGatingFuncType.SIGMOID else "softmax",
+                norm_topk=bool(g.value("expert_weights_norm", False)),
+                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
+                n_group=int(g.value("expert_group_count", 1) or 1),
+                topk_group=int(g.value("expert_group_used_count", 1) or 1),
+            ),
+            n_dense_lead=int(g.value("leading_dense_block_count", 0)),
+            rope_scale=rope_scale,
+        )
+        self.rope = Rope(inv_freq, neox=False, mscale=rope_scale)  # adjacent pairs: llama.cpp's ROPE_TYPE_NORM
+
+    @staticmethod
+    def _rope_schedule(g: GGUFFile, dim: int, base: float):
+        """(inverse frequencies, YaRN factor or 1)."""
+        scaling = g.value("rope.scaling.type", "none")
+        if scaling in ("none", None):
+            return rope_inv_freq(dim, base), 1.0
+        if scaling != "yarn":
+            raise InputError(g.path, f"rope scaling {scaling!r} is not supported by the {g.arch} runtime")
+        factor = float(g.require("rope.scaling.factor"))
+        inv = yarn_inv_freq(dim, base, factor, int(g.require("rope.scaling.original_context_length")),
+                            beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+                            beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+                            ext_factor=float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0))
+        return inv, factor
+
+    def block(self, w: Scope, index: int) -> DecoderBlock:
+        if not w.has("attn_k_b"):
+            raise InputError(self.file.path, f"{w.prefix}attn_k_b/attn_v_b missing (a legacy GGUF with an unsplit "
+                                             f"attn_kv_b? reconvert it)")
+        # as llama.cpp: dense by index; MTP blocks sit past the lead and are always MoE
+        ffn = SwiGLU(w) if index < self.cfg.n_dense_lead else MoE(w, self.cfg.moe)
+        return DecoderBlock(w, MLA(w, self.cfg.mla, self.rope), ffn, self.eps, ffn_norm="ffn_norm")

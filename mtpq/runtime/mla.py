@@ -1,0 +1,103 @@
+"""DeepSeek's multi-head latent attention (MLA), as llama.cpp's deepseek2 graph runs it on our GGUFs.
+
+Tensors (``mtpq/convert/deepseek2.py`` writes them as llama.cpp's converter does):
+``attn_q_a`` -> ``attn_q_a_norm`` -> ``attn_q_b`` (or a plain ``attn_q`` when q_lora_rank is null)
+gives per head [q_nope | q_pe]; ``attn_kv_a_mqa`` gives the latent ``c`` (kv_lora_rank wide, then
+``attn_kv_a_norm``) and one rope key ``k_pe`` shared by all heads; ``kv_b_proj`` is stored split per
+head as ``attn_k_b`` [H, kv_lora, nope] (k part, transposed) and ``attn_v_b`` [H, v, kv_lora].
+
+With those, attention runs on the latent itself (llama.cpp's "absorption"), as MQA with one wide head:
+
+    Q_h = [q_nope_h @ k_b_h^T | rope(q_pe_h)]     K = [c | rope(k_pe)]     V = c
+    out_h = softmax(Q_h K^T * kq_scale) V @ v_b_h^T   -> attn_output
+
+which is transformers' ``k_nope = kv_b(c)`` form with the matrix products reassociated. The cache
+therefore holds only ``c`` and ``k_pe`` per token (a :class:`~mtpq.runtime.cache.KVCache`; rollback
+is a trim). RoPE rotates adjacent pairs (llama.cpp's ROPE_TYPE_NORM; transformers' ``rope_interleave``
+gives the same dot products with its output de-interleaved).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .layers import Rope, rms_norm
+from .weights import Scope
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    n_heads: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_dim: int
+    eps: float
+    kq_scale: float  # softmax scale: 1/sqrt(nope + rope), times YaRN's mscale^2 (see yarn_mla_scales)
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: float = 1.0) -> tuple[float, float]:
+    """(cos/sin multiplier, softmax-scale multiplier) of DeepSeek's YaRN as llama.cpp derives them from the
+    GGUF: ``factor`` (1 without YaRN), ``mscale_all_dim`` (``rope.scaling.yarn_log_multiplier`` / 0.1) and
+    ``rope.scaling.attn_factor``.
+
+    The GGUF does not carry config.json's ``mscale``; llama.cpp takes it equal to ``mscale_all_dim``
+    (DeepSeek-V3/R1: both 1; V2-Lite: both 0.707), so transformers' cos/sin ``attention_factor`` =
+    get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) is 1, and the softmax scale grows by
+    get_mscale(f, mscale_all_dim)^2 as in transformers' ``yarn_apply_mscale``. Without
+    mscale_all_dim llama.cpp scales cos/sin by get_mscale(f) and the softmax by its square too, where
+    transformers scales only cos/sin: we follow llama.cpp, the engine that runs these files.
+    """
+    if mscale_all_dim:
+        rope_scale = attn_factor
+        return rope_scale, (rope_scale * yarn_get_mscale(factor, mscale_all_dim)) ** 2
+    rope_scale = attn_factor * yarn_get_mscale(factor)
+    return rope_scale, rope_scale ** 2
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention; ``forward(x, start, cache)`` like every sequence mixer (layers.py)."""
+
+    def __init__(self, w: Scope, cfg: MLAConfig, rope: Rope):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        if w.has("attn_q_a"):  # low-rank query (DeepSeek-V3/R1); the "lite" models have a plain attn_q
+            self.wq_a, self.q_a_norm, self.wq = w.linear("attn_q_a"), w.tensor("attn_q_a_norm"), w.linear("attn_q_b")
+        else:
+            self.wq_a, self.q_a_norm, self.wq = None, None, w.linear("attn_q")
+        self.wkv_a = w.linear("attn_kv_a_mqa")
+        self.kv_a_norm = w.tensor("attn_kv_a_norm")
+        self.k_b, self.v_b = w.qweight("attn_k_b"), w.qweight("attn_v_b")  # [H, kv_lora, nope], [H, v, kv_lora]
+        self.wo = w.linear("attn_output")
+
+    def new_cache(self) -> KVCache:
+        return KVCache()  # latent c [B, 1, T, kv_lora] and k_pe [B, 1, T, rope]
+
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.wq(x if self.wq_a is None else rms_norm(self.wq_a(x), self.q_a_norm, cfg.eps))
+        q = q.view(B, T, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
+        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
+        c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
+        c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]  # [B, 1, T, kv_lora]: one head shared by all
+        q_pe, k_pe = self.rope.apply(q_pe, start), self.rope.apply(k_pe[:, None], start)
+        if cache is not None:
+            c, k_pe = cache.update(c, k_pe)
+        # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
+        q_lat = torch.matmul(q_nope, self.k_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
+        scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1).transpose(2, 3))
+        S = scores.shape[-1]
+        future = torch.arange(S, device=x.device)[None, :] > torch.arange(start, start + T, device=x.device)[:, None]
+        probs = (scores.float() * cfg.kq_scale).masked_fill(future, float("-inf")).softmax(dim=-1).to(x.dtype)
+        out = torch.matmul(torch.matmul(probs, c), self.v_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, v]
+        return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
