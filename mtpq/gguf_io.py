@@ -16,16 +16,56 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from gguf.gguf_writer import GGUFValue
 
 from .errors import InputError
-from .tensors import Plan, TensorSpec, classify
+from .tensors import Plan, TensorSpec, block_index, classify
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+_INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks every tensor's byte range before gguf-py maps it, so a truncated or
+    corrupt file is refused with what is wrong with it instead of numpy's reshape message."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        ranges = []
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise InputError(self._path, f"tensor {name} has unknown ggml type {int(raw_dtype[0])}") from None
+            dims = [int(d) for d in dims]
+            if dims and dims[0] % block:
+                raise InputError(self._path, f"tensor {name}: row length {dims[0]} is not a multiple of "
+                                             f"{qtype.name}'s block size {block}")
+            n_elems = 1
+            for d in dims:
+                n_elems *= d
+            start = int(start_offs) + int(offset_tensor[0])
+            end = start + n_elems // block * type_size
+            if end > size:
+                raise InputError(self._path, f"truncated: tensor {name} ends at byte {end}, the file has {size}")
+            ranges.append((start, end, name))
+        ranges.sort()
+        for (_, end_a, a), (start_b, _, b) in zip(ranges, ranges[1:]):
+            if start_b < end_a:
+                raise InputError(self._path, f"corrupt: the data of tensors {a} and {b} overlap")
+        super()._build_tensors(start_offs, fields)
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -34,9 +74,21 @@ def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise InputError(path, "no such file")
     try:
-        return GGUFReader(path)
+        return _CheckedReader(path)
+    except InputError:
+        raise
     except Exception as exc:  # gguf-py raises ValueError/struct errors on bad files
         raise InputError(path, f"not a readable GGUF file ({exc})") from None
+
+
+def _count_key(reader: GGUFReader, kv: dict[str, GGUFValue], key: str, path: Path) -> int:
+    """An integer metadata value (0 when absent); any other type is an InputError."""
+    if key not in kv:
+        return 0
+    val = kv[key]
+    if val.type not in _INT_TYPES or isinstance(val.value, (list, str)):
+        raise InputError(path, f"metadata {key} must be an integer, got {val.value!r}")
+    return int(val.value)
 
 
 def reader_kv(reader: GGUFReader) -> dict[str, GGUFValue]:
@@ -83,11 +135,17 @@ def plan_from_gguf(path: Path) -> Plan:
     reader = open_gguf(path)
     arch = reader_arch(reader, path)
     kv = reader_kv(reader)
-    n_blocks = int(kv[f"{arch}.block_count"].value) if f"{arch}.block_count" in kv else 0
-    n_mtp = int(kv[f"{arch}.nextn_predict_layers"].value) if f"{arch}.nextn_predict_layers" in kv else 0
+    n_blocks = _count_key(reader, kv, f"{arch}.block_count", path)
+    n_mtp = _count_key(reader, kv, f"{arch}.nextn_predict_layers", path)
+    if n_mtp and n_mtp >= n_blocks:
+        raise InputError(path, f"metadata contradicts itself: {arch}.nextn_predict_layers is {n_mtp}, but "
+                               f"{arch}.block_count is {n_blocks} (trunk + MTP blocks; no trunk would be left)")
     n_trunk = n_blocks - n_mtp
     specs = []
     for t in reader.tensors:
+        bid = block_index(t.name)
+        if bid is not None and bid >= n_blocks:
+            raise InputError(path, f"tensor {t.name} is in block {bid}, but {arch}.block_count is {n_blocks}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order -> torch order
         qtype = GGMLQuantizationType(t.tensor_type)
         specs.append(
