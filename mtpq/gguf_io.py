@@ -10,6 +10,7 @@ renamed only when complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -214,20 +215,72 @@ def check_not_an_input(out: Path, inputs: list[Path]) -> None:
             raise InputError(out, f"output path is an input ({src}); choose another output name")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove ``.NAME.partial-PID`` files beside ``out`` whose process is gone (a SIGKILL leaves them:
+    it cannot be caught). A live process's temporary file is left alone. Returns what was removed."""
+    removed = []
+    prefix = f".{out.name}.partial-"
+    try:
+        candidates = [p for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for p in candidates:
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def _disk_full(folder: Path) -> bool:
+    """numpy's tofile reports a short write without errno ("N requested and M written"): ask the disk."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
 @contextlib.contextmanager
 def atomic_output(out: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; rename it to ``out`` only if the body succeeds."""
+    """Yield a temporary path beside ``out``; rename it to ``out`` only if the body succeeds.
+
+    Whatever stops the body (an error, Ctrl-C, SIGTERM via the CLI's handler) removes the
+    temporary file; stale ones of killed earlier runs are removed first. A full disk is an
+    InputError naming ``out`` and how far the write got.
+    """
     out = Path(out)
     if out.is_dir():
         raise InputError(out, "output path is a directory")
     if not out.parent.exists():
         raise InputError(out, f"output folder {out.parent} does not exist")
+    if not out.parent.is_dir():
+        raise InputError(out, f"{out.parent} is not a folder")
+    remove_stale_partials(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, out)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC and not _disk_full(out.parent):
+            raise
+        wrote = tmp.stat().st_size if tmp.exists() else 0
+        expected = getattr(exc, "expected_bytes", None)
+        of = f" of {expected}" if expected else ""
+        raise InputError(out, f"no space left on device (wrote {wrote}{of} bytes)") from None
     finally:
-        if tmp.exists():
+        with contextlib.suppress(OSError):
             tmp.unlink()
 
 
@@ -251,17 +304,34 @@ def write_plan(
                 tensor_nbytes(spec.shape, spec.ggml_type),
                 raw_dtype=spec.ggml_type,
             )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        expected = None
         try:
-            for spec, data in _encoded(plan.tensors):
-                writer.write_tensor_data(data)
-                if on_tensor is not None:
-                    on_tensor(spec, data.nbytes)
-                del data
-        finally:
-            writer.close()
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            expected = _expected_size(writer, plan)
+            try:
+                for spec, data in _encoded(plan.tensors):
+                    writer.write_tensor_data(data)
+                    if on_tensor is not None:
+                        on_tensor(spec, data.nbytes)
+                    del data
+            finally:
+                writer.close()
+        except OSError as exc:
+            exc.expected_bytes = expected  # a full disk's message says how far the write got
+            raise
+
+
+def _expected_size(writer: GGUFWriter, plan: Plan) -> int | None:
+    """The size the finished file would have had: header + metadata + tensor infos, then aligned data."""
+    try:
+        head = writer.fout[0].tell() if writer.fout else 0
+    except (OSError, ValueError, TypeError):
+        return None
+    align = writer.data_alignment
+    data = sum(-(-tensor_nbytes(s.shape, s.ggml_type) // align) * align for s in plan.tensors)
+    return -(-head // align) * align + data
 
 
 PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once
