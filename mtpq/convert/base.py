@@ -108,6 +108,10 @@ class Family:
         """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
         return name if name in self.ckpt else None
 
+    def logical_names(self) -> list[str]:
+        """Every stored tensor under the names :meth:`expected_tensors` uses."""
+        return self.ckpt.names()
+
     def vocab_size(self) -> int:
         return int(self.hparams["vocab_size"])
 

@@ -139,6 +139,9 @@ class Qwen35(Family):
     def resolve(self, name: str) -> str | None:
         return self.logical.get(name)
 
+    def logical_names(self) -> list[str]:
+        return list(self.logical)
+
     def full_attention_layers(self) -> set[int]:
         hp = self.hparams
         if (types := hp.get("layer_types")) is not None:

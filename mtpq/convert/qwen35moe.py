@@ -43,8 +43,13 @@ class Qwen35Moe(Qwen35):
         if sff := hp.get("shared_expert_intermediate_size"):
             yield from V.dense_ffn(p + "shared_expert.", h, sff)
             yield V.Expected(p + "shared_expert_gate.weight", (1, h))
-        if self.resolve(p + "experts.gate_up_proj") or self.resolve(p + "experts.gate_up_proj.weight"):
-            return  # fused layout: expert_tensors checks both fused tensors' shapes
+        fused = [p + f"experts.{n}{suffix}" for n in ("gate_up_proj", "down_proj") for suffix in ("", ".weight")]
+        if any(self.resolve(n) for n in fused):  # fused layout, with or without the .weight suffix
+            gate_up = next((n for n in fused[:2] if self.resolve(n)), fused[0])
+            down = next((n for n in fused[2:] if self.resolve(n)), fused[2])
+            yield V.Expected(gate_up, (n_exp, 2 * ff, h))
+            yield V.Expected(down, (n_exp, h, ff))
+            return
         yield from V.routed_experts(p + "experts.", h, n_exp, ff)
 
     def set_metadata(self, w: GGUFWriter) -> None:

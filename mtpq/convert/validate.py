@@ -148,6 +148,20 @@ def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -
         got = tuple(ckpt.shape(hf))
         if got != tuple(e.shape):
             raise InputError(ckpt.stored[hf].file, f"{hf} has shape {list(got)}, but config.json implies {list(e.shape)}")
+    _check_no_extra(family, expected)
+
+
+def _check_no_extra(family: "Family", expected: list[Expected]) -> None:
+    """Inside a block config.json describes, a stored tensor it does not imply (a q_proj.bias with
+    attention_bias false, shared experts with n_shared_experts 0) contradicts it: which one is right?"""
+    names = {e.name for e in expected}
+    block = re.compile(r"^(?:model|mtp)\.layers\.\d+\.")
+    blocks = {m[0] for e in expected if (m := block.match(e.name))}
+    for name in family.logical_names():
+        m = block.match(name)
+        if m and m[0] in blocks and name not in names:
+            hf = family.resolve(name) or name
+            raise InputError(family.ckpt.stored[hf].file, f"{hf} is stored, but config.json implies no such tensor")
 
 
 def check_family(family: "Family", keep_mtp: bool) -> None:
