@@ -158,6 +158,30 @@ class Case:
         write_plan(plan, dst)
         return dst
 
+    def tensor_info(self, name: str, **fields: int | str) -> Path:
+        """A copy of the full GGUF with one tensor info patched: ``ggml_type=N`` or ``offset_of=OTHER``
+        (claim another tensor's data offset)."""
+        dst = self.copy("full", "model.gguf")
+        raw = bytearray(dst.read_bytes())
+
+        def info_at(tensor: str) -> int:  # where the n_dims field of ``tensor``'s info starts
+            key = struct.pack("<Q", len(tensor)) + tensor.encode()
+            return raw.index(key) + len(key)
+
+        def layout(at: int) -> tuple[int, int]:  # (type offset, data-offset offset)
+            n_dims = struct.unpack_from("<I", raw, at)[0]
+            t = at + 4 + 8 * n_dims
+            return t, t + 4
+
+        type_at, off_at = layout(info_at(name))
+        if "ggml_type" in fields:
+            struct.pack_into("<I", raw, type_at, fields["ggml_type"])
+        if "offset_of" in fields:
+            _, other = layout(info_at(fields["offset_of"]))
+            raw[off_at:off_at + 8] = raw[other:other + 8]
+        dst.write_bytes(bytes(raw))
+        return dst
+
     def truncated(self, key: str = "full", cut: int = 1000) -> Path:
         dst = self.copy(key, "model.gguf")
         with open(dst, "r+b") as f:
@@ -740,6 +764,10 @@ _BAD_GGUF = {
     "not-gguf": (lambda c: _write(c.inp / "model.gguf", b"PK\x03\x04" + b"\0" * 100),
                  ["not a readable GGUF file"]),
     "empty": (lambda c: _write(c.inp / "model.gguf", b""), ["model.gguf"]),
+    "unknown-ggml-type": (lambda c: c.tensor_info("blk.0.attn_q.weight", ggml_type=99),
+                          ["tensor blk.0.attn_q.weight has unknown ggml type 99"]),
+    "overlapping-data": (lambda c: c.tensor_info("blk.0.attn_k.weight", offset_of="blk.0.attn_v.weight"),
+                         ["overlap", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]),
 }
 for _name, (_make, _needles) in _BAD_GGUF.items():
     for _cmd in ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target"):
