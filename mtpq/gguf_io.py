@@ -72,12 +72,16 @@ class _CheckedReader(GGUFReader):
 def open_gguf(path: Path) -> GGUFReader:
     """Open a GGUF file (memory-mapped) or raise an InputError naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(path, "is a folder, not a GGUF file")
     if not path.is_file():
         raise InputError(path, "no such file")
     try:
         return _CheckedReader(path)
     except InputError:
         raise
+    except IndexError:  # gguf-py read past the end while parsing metadata or tensor infos
+        raise InputError(path, f"truncated or corrupt GGUF header (the file has {path.stat().st_size} bytes)") from None
     except Exception as exc:  # gguf-py raises ValueError/struct errors on bad files
         raise InputError(path, f"not a readable GGUF file ({exc})") from None
 

@@ -308,7 +308,7 @@ def _(c):
     f = c.ckpt()
     (f / "config.json").unlink()
     (f / "config.json").mkdir()
-    return conv(c, f), ["config.json"]
+    return conv(c, f), ["config.json", "is a folder"]
 
 
 # --- convert: tensors the config implies ---------------------------------------------------
@@ -637,7 +637,7 @@ def _(c):
 def _(c):
     p = c.inp / "file"
     p.write_text("x")
-    return ["convert", p, c.out / "o.gguf"], ["file", "not a checkpoint folder"]
+    return ["convert", p, c.out / "o.gguf"], ["file", "not a checkpoint folder (a file)"]
 
 
 @case("convert-out-is-folder")
@@ -751,7 +751,8 @@ def _gguf_commands(c: Case, bad: Path) -> dict[str, list]:
 
 _BAD_GGUF = {
     "truncated": (lambda c: c.truncated(cut=1000), ["truncated: tensor", "ends at byte", "the file has"]),
-    "truncated-header": (lambda c: c.truncated(cut=c.bases["full"].stat().st_size - 200), ["model.gguf"]),
+    "truncated-header": (lambda c: c.truncated(cut=c.bases["full"].stat().st_size - 200),
+                         ["truncated or corrupt GGUF header (the file has 200 bytes)"]),
     "nextn-above-blocks": (lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (5, U32)}),
                            ["nextn_predict_layers is 5", "block_count is 3"]),
     "nextn-equals-blocks": (lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (3, U32)}),
@@ -782,7 +783,7 @@ def _(c):
 
 @case("inspect-folder")
 def _(c):
-    return ["inspect", c.inp], ["no such file"]
+    return ["inspect", c.inp], ["is a folder, not a GGUF file"]
 
 
 @case("quantize-bad-preset")

@@ -142,8 +142,11 @@ class Checkpoint:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise InputError(self.folder, "not a checkpoint folder (no such directory)")
+            what = "a file" if self.folder.exists() else "no such directory"
+            raise InputError(self.folder, f"not a checkpoint folder ({what})")
         cfg_path = self.folder / "config.json"
+        if cfg_path.is_dir():
+            raise InputError(cfg_path, "is a folder, not a file")
         if not cfg_path.is_file():
             raise InputError(cfg_path, "missing config.json")
         try:
