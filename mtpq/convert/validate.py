@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ..errors import InputError
 
@@ -128,37 +128,42 @@ def _in_mtp_block(name: str, n_trunk: int) -> bool:
     return name.startswith("mtp.") or (m is not None and int(m[1]) >= n_trunk)
 
 
-def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -> None:
-    """Every expected tensor exists (resolved through ``family.resolve``) with the expected shape.
+_BLOCK = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")
 
-    ``layout`` is appended to a missing-tensor message ("config.json has 2 layers + 1 MTP").
+
+def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -> None:
+    """Every expected tensor exists (resolved through ``family.resolve``) with the expected shape, and
+    no stored tensor inside a described block is left over.
+
+    ``expected`` is consumed lazily: an absurd config (a billion layers or experts) fails at its
+    first missing tensor instead of building the list. ``layout`` ends a missing-tensor message
+    ("config.json has 2 layers + 1 MTP").
     """
     ckpt = family.ckpt
-    expected = list(expected)
+    names: set[str] = set()
     for e in expected:
+        names.add(e.name)
         hf = family.resolve(e.name)
         if hf is None:
             if e.optional:
                 continue
             hint = "; convert the trunk alone with --no-mtp" if _in_mtp_block(e.name, family.n_trunk) else ""
-            layer = re.match(r"^(?:model|mtp)\.layers\.(\d+)\.", e.name)
-            if layer and not any(x.name.startswith(layer[0]) and family.resolve(x.name) for x in expected):
+            layer = _BLOCK.match(e.name)
+            if layer and not any(n.startswith(layer[0]) for n in family.logical_names()):
                 raise InputError(ckpt.folder, f"no tensors for layer {layer[1]} ({layer[0]}*; {layout}{hint})")
             raise InputError(ckpt.folder, f"missing tensor {e.name} ({layout}{hint})")
         got = tuple(ckpt.shape(hf))
         if got != tuple(e.shape):
             raise InputError(ckpt.stored[hf].file, f"{hf} has shape {list(got)}, but config.json implies {list(e.shape)}")
-    _check_no_extra(family, expected)
+    _check_no_extra(family, names)
 
 
-def _check_no_extra(family: "Family", expected: list[Expected]) -> None:
+def _check_no_extra(family: "Family", names: set[str]) -> None:
     """Inside a block config.json describes, a stored tensor it does not imply (a q_proj.bias with
     attention_bias false, shared experts with n_shared_experts 0) contradicts it: which one is right?"""
-    names = {e.name for e in expected}
-    block = re.compile(r"^(?:model|mtp)\.layers\.\d+\.")
-    blocks = {m[0] for e in expected if (m := block.match(e.name))}
+    blocks = {m[0] for n in names if (m := _BLOCK.match(n))}
     for name in family.logical_names():
-        m = block.match(name)
+        m = _BLOCK.match(name)
         if m and m[0] in blocks and name not in names:
             hf = family.resolve(name) or name
             raise InputError(family.ckpt.stored[hf].file, f"{hf} is stored, but config.json implies no such tensor")
@@ -194,9 +199,10 @@ def dense_ffn(p: str, hidden: int, ff: int) -> list[Expected]:
             Expected(p + "down_proj.weight", (hidden, ff))]
 
 
-def routed_experts(p: str, hidden: int, n_expert: int, ff: int) -> list[Expected]:
-    """Per-expert tensors ``p{e}.{gate,up,down}_proj.weight`` (``p`` = ``...mlp.experts.``)."""
-    return [x for e in range(n_expert) for x in dense_ffn(f"{p}{e}.", hidden, ff)]
+def routed_experts(p: str, hidden: int, n_expert: int, ff: int) -> Iterator[Expected]:
+    """Per-expert tensors ``p{e}.{gate,up,down}_proj.weight`` (``p`` = ``...mlp.experts.``), lazily."""
+    for e in range(n_expert):
+        yield from dense_ffn(f"{p}{e}.", hidden, ff)
 
 
 def norms(p: str, hidden: int, *names: str) -> list[Expected]:
