@@ -384,6 +384,32 @@ for _name, (_tensor, _make, _needle) in _DTYPES.items():
         lambda c, t=_tensor, mk=_make, nd=_needle: (conv(c, c.replace(c.ckpt(), t, mk)), [t, nd, ".safetensors"]))
 
 
+def _fp8(c: Case, per_channel: bool = False) -> Path:
+    f = c.ckpt()
+    (tiny.to_fp8_per_channel if per_channel else tiny.to_fp8_block_scaled)(f)
+    return f
+
+
+_Q = "model.layers.0.self_attn.q_proj.weight"
+_FP8 = {
+    "block-scale-wrong-shape": (lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t[:1].contiguous()),
+                                [_Q + "_scale_inv", "128x128 tiles"]),
+    "channel-scale-wrong-shape": (lambda c: c.replace(_fp8(c, True), _Q + "_scale", lambda t: t[:7].contiguous()),
+                                  [_Q + "_scale", "one scale per output row"]),
+    "block-size-string": (lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8",
+                                                                          "weight_block_size": "128"}),
+                          ["config.json", "weight_block_size must be two positive integers"]),
+    "block-size-zero": (lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8",
+                                                                        "weight_block_size": [0, 128]}),
+                        ["config.json", "weight_block_size"]),
+    "scale-int": (lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t.to(torch.int32)),
+                  [_Q + "_scale_inv", "dtype I32"]),
+    "scale-missing": (lambda c: c.drop(_fp8(c), _Q + "_scale_inv"), [_Q, "no weight_scale_inv"]),
+}
+for _name, (_make, _needles) in _FP8.items():
+    case(f"convert-fp8-{_name}")(lambda c, mk=_make, nd=_needles: (conv(c, mk(c)), nd))
+
+
 # --- convert: the safetensors container ----------------------------------------------------
 
 def _shard(c: Case) -> tuple[Path, Path]:

@@ -113,8 +113,7 @@ def check_dtypes(ckpt: "Checkpoint") -> None:
         if st.dtype in FLOAT_DTYPES:
             continue
         if st.dtype in FP8_DTYPES:
-            if name + "_scale_inv" not in ckpt.stored and name + "_scale" not in ckpt.stored:
-                raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
+            _check_fp8_scale(ckpt, name)
             continue
         raise InputError(st.file, f"tensor {name} has dtype {st.dtype}; a weight must be floating point "
                                   "(F32, F16, BF16 or FP8 with a scale)")
@@ -129,6 +128,39 @@ def _in_mtp_block(name: str, n_trunk: int) -> bool:
 
 
 _BLOCK = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")
+
+
+def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
+    """quantization_config.weight_block_size (default 128x128): two positive integers or an InputError."""
+    qcfg = ckpt.config.get("quantization_config") or {}
+    block = qcfg.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise InputError(ckpt.folder / "config.json",
+                         f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return block[0], block[1]
+
+
+def _check_fp8_scale(ckpt: "Checkpoint", name: str) -> None:
+    """An FP8 weight has a scale companion whose shape fits it (checked now, not halfway through writing)."""
+    st = ckpt.stored[name]
+    if (scale := ckpt.stored.get(name + "_scale_inv")) is not None:  # block-scaled tiles
+        bh, bw = fp8_block_size(ckpt)
+        if len(st.shape) < 2:
+            raise InputError(st.file, f"FP8 tensor {name} has shape {list(st.shape)}; block scales need a matrix")
+        want = (*st.shape[:-2], -(-st.shape[-2] // bh), -(-st.shape[-1] // bw))
+        if tuple(scale.shape) != want and tuple(scale.shape[-2:]) != want[-2:]:
+            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected {list(want)} "
+                                         f"for {bh}x{bw} tiles of {name} {list(st.shape)}")
+    elif (scale := ckpt.stored.get(name + "_scale")) is not None:  # per-channel [out, 1] or one scalar
+        n = 1
+        for d in scale.shape:
+            n *= d
+        if n != 1 and (not st.shape or n != st.shape[0]):
+            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected one scale per "
+                                         f"output row of {name} {list(st.shape)} (or a single scale)")
+    else:
+        raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
 def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -> None:
