@@ -1,14 +1,19 @@
 """Checks a checkpoint must pass before the converter writes a byte.
 
-Three layers, all cheap (names, shapes, JSON; no tensor data is read):
+All cheap (names, shapes, JSON; no tensor data is read; see benchmarks/convert_bench.py):
 
 - :func:`check_config`: config.json values have the JSON types they must have
   (``"num_hidden_layers": "four"``, a negative dimension, a list where an
   object belongs: one line each), wherever they sit (top level or text_config).
 - :func:`check_required_hparams`: the hparams a family cannot do without.
+- :func:`check_dtypes`: every stored weight is floating point; an FP8 one has a
+  float scale companion whose shape fits it.
 - :func:`check_tensors`: every tensor the family's config implies exists with
-  the implied shape (trunk and MTP blocks), and every stored tensor has a dtype
-  that makes sense for a weight.
+  the implied shape (trunk and MTP blocks), and inside the blocks it describes
+  nothing else is stored (a bias with ``attention_bias: false``).
+
+The safetensors container itself (byte ranges tiling each shard's data area)
+is checked where headers are read, in :mod:`.checkpoint`.
 
 Families declare what they need as data: ``required_hparams`` and
 ``expected_tensors(keep_mtp)`` yielding :class:`Expected` entries; this module
