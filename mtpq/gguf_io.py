@@ -149,7 +149,7 @@ def plan_from_gguf(path: Path) -> Plan:
     specs = []
     for t in reader.tensors:
         bid = block_index(t.name)
-        if bid is not None and bid >= n_blocks:
+        if bid is not None and bid >= n_blocks and f"{arch}.block_count" in kv:
             raise InputError(path, f"tensor {t.name} is in block {bid}, but {arch}.block_count is {n_blocks}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order -> torch order
         qtype = GGMLQuantizationType(t.tensor_type)
