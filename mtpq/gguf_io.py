@@ -10,33 +10,90 @@ renamed only when complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from gguf.gguf_writer import GGUFValue
 
 from .errors import InputError
-from .tensors import Plan, TensorSpec, classify
+from .tensors import Plan, TensorSpec, block_index, classify
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+_INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
 
 # ----------------------------------------------------------------------------- reading
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks every tensor's byte range before gguf-py maps it, so a truncated or
+    corrupt file is refused with what is wrong with it instead of numpy's reshape message."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        ranges = []
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise InputError(self._path, f"tensor {name} has unknown ggml type {int(raw_dtype[0])}") from None
+            dims = [int(d) for d in dims]
+            if dims and dims[0] % block:
+                raise InputError(self._path, f"tensor {name}: row length {dims[0]} is not a multiple of "
+                                             f"{qtype.name}'s block size {block}")
+            n_elems = 1
+            for d in dims:
+                n_elems *= d
+            start = int(start_offs) + int(offset_tensor[0])
+            end = start + n_elems // block * type_size
+            if end > size:
+                raise InputError(self._path, f"truncated: tensor {name} ends at byte {end}, the file has {size}")
+            ranges.append((start, end, name))
+        ranges.sort()
+        for (_, end_a, a), (start_b, _, b) in zip(ranges, ranges[1:]):
+            if start_b < end_a:
+                raise InputError(self._path, f"corrupt: the data of tensors {a} and {b} overlap")
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> GGUFReader:
     """Open a GGUF file (memory-mapped) or raise an InputError naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(path, "is a folder, not a GGUF file")
     if not path.is_file():
         raise InputError(path, "no such file")
     try:
-        return GGUFReader(path)
+        return _CheckedReader(path)
+    except InputError:
+        raise
+    except IndexError:  # gguf-py read past the end while parsing metadata or tensor infos
+        raise InputError(path, f"truncated or corrupt GGUF header (the file has {path.stat().st_size} bytes)") from None
     except Exception as exc:  # gguf-py raises ValueError/struct errors on bad files
         raise InputError(path, f"not a readable GGUF file ({exc})") from None
+
+
+def _count_key(reader: GGUFReader, kv: dict[str, GGUFValue], key: str, path: Path) -> int:
+    """An integer metadata value (0 when absent); any other type is an InputError."""
+    if key not in kv:
+        return 0
+    val = kv[key]
+    if val.type not in _INT_TYPES or isinstance(val.value, (list, str)):
+        raise InputError(path, f"metadata {key} must be an integer, got {val.value!r}")
+    return int(val.value)
 
 
 def reader_kv(reader: GGUFReader) -> dict[str, GGUFValue]:
@@ -120,11 +177,17 @@ def plan_from_gguf(path: Path) -> Plan:
     reader = open_gguf(path)
     arch = reader_arch(reader, path)
     kv = reader_kv(reader)
-    n_blocks = int(kv[f"{arch}.block_count"].value) if f"{arch}.block_count" in kv else 0
-    n_mtp = int(kv[f"{arch}.nextn_predict_layers"].value) if f"{arch}.nextn_predict_layers" in kv else 0
+    n_blocks = _count_key(reader, kv, f"{arch}.block_count", path)
+    n_mtp = _count_key(reader, kv, f"{arch}.nextn_predict_layers", path)
+    if n_mtp and n_mtp >= n_blocks:
+        raise InputError(path, f"metadata contradicts itself: {arch}.nextn_predict_layers is {n_mtp}, but "
+                               f"{arch}.block_count is {n_blocks} (trunk + MTP blocks; no trunk would be left)")
     n_trunk = n_blocks - n_mtp
     specs = []
     for t in reader.tensors:
+        bid = block_index(t.name)
+        if bid is not None and bid >= n_blocks and f"{arch}.block_count" in kv:
+            raise InputError(path, f"tensor {t.name} is in block {bid}, but {arch}.block_count is {n_blocks}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order -> torch order
         qtype = GGMLQuantizationType(t.tensor_type)
         specs.append(
@@ -193,20 +256,72 @@ def check_not_an_input(out: Path, inputs: list[Path]) -> None:
             raise InputError(out, f"output path is an input ({src}); choose another output name")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove ``.NAME.partial-PID`` files beside ``out`` whose process is gone (a SIGKILL leaves them:
+    it cannot be caught). A live process's temporary file is left alone. Returns what was removed."""
+    removed = []
+    prefix = f".{out.name}.partial-"
+    try:
+        candidates = [p for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for p in candidates:
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def _disk_full(folder: Path) -> bool:
+    """numpy's tofile reports a short write without errno ("N requested and M written"): ask the disk."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
 @contextlib.contextmanager
 def atomic_output(out: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; rename it to ``out`` only if the body succeeds."""
+    """Yield a temporary path beside ``out``; rename it to ``out`` only if the body succeeds.
+
+    Whatever stops the body (an error, Ctrl-C, SIGTERM via the CLI's handler) removes the
+    temporary file; stale ones of killed earlier runs are removed first. A full disk is an
+    InputError naming ``out`` and how far the write got.
+    """
     out = Path(out)
     if out.is_dir():
         raise InputError(out, "output path is a directory")
     if not out.parent.exists():
         raise InputError(out, f"output folder {out.parent} does not exist")
+    if not out.parent.is_dir():
+        raise InputError(out, f"{out.parent} is not a folder")
+    remove_stale_partials(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, out)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC and not _disk_full(out.parent):
+            raise
+        wrote = tmp.stat().st_size if tmp.exists() else 0
+        expected = getattr(exc, "expected_bytes", None)
+        of = f" of {expected}" if expected else ""
+        raise InputError(out, f"no space left on device (wrote {wrote}{of} bytes)") from None
     finally:
-        if tmp.exists():
+        with contextlib.suppress(OSError):
             tmp.unlink()
 
 
@@ -230,17 +345,34 @@ def write_plan(
                 tensor_nbytes(spec.shape, spec.ggml_type),
                 raw_dtype=spec.ggml_type,
             )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        expected = None
         try:
-            for spec, data in _encoded(plan.tensors):
-                writer.write_tensor_data(data)
-                if on_tensor is not None:
-                    on_tensor(spec, data.nbytes)
-                del data
-        finally:
-            writer.close()
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            expected = _expected_size(writer, plan)
+            try:
+                for spec, data in _encoded(plan.tensors):
+                    writer.write_tensor_data(data)
+                    if on_tensor is not None:
+                        on_tensor(spec, data.nbytes)
+                    del data
+            finally:
+                writer.close()
+        except OSError as exc:
+            exc.expected_bytes = expected  # a full disk's message says how far the write got
+            raise
+
+
+def _expected_size(writer: GGUFWriter, plan: Plan) -> int | None:
+    """The size the finished file would have had: header + metadata + tensor infos, then aligned data."""
+    try:
+        head = writer.fout[0].tell() if writer.fout else 0
+    except (OSError, ValueError, TypeError):
+        return None
+    align = writer.data_alignment
+    data = sum(-(-tensor_nbytes(s.shape, s.ggml_type) // align) * align for s in plan.tensors)
+    return -(-head // align) * align + data
 
 
 PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once

@@ -349,7 +349,7 @@ def test_missing_expert(ckpt, tmp_path):
     del tensors[victim]
     save_file(tensors, str(shard))
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    _fails(folder, tmp_path / "o.gguf", "up_proj", "num_experts=4")
+    _fails(folder, tmp_path / "o.gguf", "missing tensor mtp.layers.0.mlp.experts.3.up_proj.weight")
 
 
 # ----------------------------------------------------------------------------- llama.cpp

@@ -132,6 +132,10 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     if check_inputs and not source.is_dir():
         raise _err(path, "model.source", f"{source} is not a folder")
     output = base / _take(model, "output", str, path, "model", default="dist")
+    if output.exists() and not output.is_dir():
+        raise _err(path, "model.output", f"{output} is a file, not a folder")
+    if check_inputs and output.resolve().is_relative_to(source.resolve()):
+        raise _err(path, "model.output", f"{output} is inside the source checkpoint {source}; choose another folder")
     ref_type = _take(model, "reference_type", str, path, "model", default="bf16").lower()
     if ref_type not in REFERENCE_TYPES:
         raise _err(path, "model.reference_type", f"{ref_type!r} is not one of {', '.join(REFERENCE_TYPES)}")
@@ -154,6 +158,12 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         )
         if not 1 <= gate.draft <= 8:
             raise _err(path, "gate.draft", "must be between 1 and 8")
+        if gate.max_new_tokens < 1:
+            raise _err(path, "gate.max_new_tokens", f"must be at least 1, got {gate.max_new_tokens}")
+        if not 0.0 <= gate.temperature < float("inf"):
+            raise _err(path, "gate.temperature", f"must be 0 (greedy) or positive, got {gate.temperature}")
+        if gate.max_prompts is not None and gate.max_prompts < 1:
+            raise _err(path, "gate.max_prompts", f"must be at least 1, got {gate.max_prompts}")
         for k in ("min_rate", "max_drop"):
             v = getattr(gate, k)
             if v is not None and not 0.0 <= v <= 1.0:

@@ -42,8 +42,9 @@ def key_of(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def source_hashes(recipe: Recipe) -> dict[str, str]:
-    """sha256 of every file of the source checkpoint, cached by (size, mtime) in the output folder."""
+def source_hashes(recipe: Recipe, write_cache: bool = True) -> dict[str, str]:
+    """sha256 of every file of the source checkpoint, cached by (size, mtime) in the output folder
+    (``write_cache=False``: --dry-run, which writes nothing)."""
     cache_path = recipe.output / PARTS / "source-hashes.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     out, fresh = {}, {}
@@ -54,7 +55,8 @@ def source_hashes(recipe: Recipe) -> dict[str, str]:
         digest = hit["sha256"] if hit and hit["stamp"] == stamp else sha256_file(f)
         out[f.name] = digest
         fresh[f.name] = {"stamp": stamp, "sha256": digest}
-    write_json(cache_path, fresh)
+    if write_cache:
+        write_json(cache_path, fresh)
     return out
 
 
@@ -104,7 +106,10 @@ def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
     if v.graft_into is not None:
         from ..quantize.surgery import plan_graft
 
-        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=None if v.mtp_type == "same" else v.mtp_type)
+        from ..quantize.presets import type_named
+
+        mtp_type = None if v.mtp_type == "same" else type_named(v.mtp_type, "mtp_type")  # a name in the recipe
+        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=mtp_type)
     else:
         plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type,
                              tensor_types=list(v.tensor_types))
@@ -166,8 +171,8 @@ def build_artifact(job: dict) -> dict:
 # ----------------------------------------------------------------------------- the build
 
 
-def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool) -> tuple[dict, list[dict]]:
-    src = source_hashes(recipe)
+def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool = False) -> tuple[dict, list[dict]]:
+    src = source_hashes(recipe, write_cache=not dry_run)
     parts = recipe.output / PARTS
     ref_name = f"{recipe.name}-{recipe.reference_type.upper()}.gguf"
     ref_key = key_of(TOOL, src, recipe.reference_type)
@@ -202,6 +207,11 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool) -> tuple[dict
 def run_build(recipe: Recipe, only: list[str] | None = None, jobs: int = 1, force: bool = False,
               log: Callable[[str], None] = print) -> int:
     """Build the recipe; returns the exit code (0 all passed, 1 a gate failed)."""
+    from ..convert import OUTTYPES, plan_checkpoint
+
+    # the whole source is checked (cheap: headers, shapes, config, tokenizer) before anything is written,
+    # so a bad source leaves no output folder or build-parts cache behind
+    plan_checkpoint(recipe.source, outtype=OUTTYPES[recipe.reference_type])
     recipe.output.mkdir(parents=True, exist_ok=True)
     for stale in [*recipe.output.glob(".*.partial-*"), *(recipe.output / PARTS).glob(".*.partial-*")]:
         stale.unlink()  # left by a build that was killed; never an artifact

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import torch
@@ -35,6 +37,63 @@ def _table(report, reference=None) -> Table:
                                                 f"{100 * (r.acceptance_rate - m.acceptance_rate):+.1f} pt"]
         t.add_row(*row)
     return t
+
+
+def check_numbers(*, draft: int, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+                  max_prompts: int | None, min_rate: float | None, max_drop: float | None) -> None:
+    """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing)."""
+    if not 1 <= draft <= 8:
+        fail("--draft", f"must be between 1 and 8, got {draft}")
+    if not 0.0 <= temperature < math.inf:
+        fail("--temperature", f"must be 0 (greedy) or positive, got {temperature}")
+    if top_k < 0:
+        fail("--top-k", f"must be 0 (off) or positive, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        fail("--top-p", f"must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        fail("--max-new-tokens", f"must be at least 1, got {max_new_tokens}")
+    if max_prompts is not None and max_prompts < 1:
+        fail("--max-prompts", f"must be at least 1, got {max_prompts}")
+    for opt, v in (("--min-rate", min_rate), ("--max-drop", max_drop)):
+        if v is not None and not 0.0 <= v <= 1.0:
+            fail(opt, f"must be between 0 and 1, got {v}")
+
+
+def check_device(device: str | None) -> str | None:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        fail("--device", f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda"):
+        fail("--device", f"unsupported device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            fail("--device", f"{device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            fail("--device", f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def check_writable(option: str, path: Path, inputs: list[Path]) -> None:
+    """A report path that cannot be written fails now, not after minutes of measuring; never an input."""
+    if path.is_dir():
+        fail(option, f"{path} is a folder")
+    if not path.parent.is_dir():
+        fail(option, f"{path}: folder {path.parent} does not exist")
+    if path.exists() and not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        fail(option, f"{path}: not writable")
+    for src in inputs:
+        if path.exists() and os.path.samefile(path, src):
+            fail(option, f"{path} is an input of this run; choose another file")
+
+
+def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, str]]:
+    for i, (_, text) in enumerate(pairs, 1):
+        if not text.strip():
+            fail(str(where), f"prompt {i} is empty")
+    return pairs
 
 
 @app.command(
@@ -73,7 +132,7 @@ def accept(
     dequantized on the fly). Exit codes: 0 pass, 1 below --min-rate or drop above
     --max-drop, 2 bad input.
     """
-    from ..runtime.accept import judge, measure_file, to_markdown
+    from ..runtime.accept import judge, load_prompts, measure_file, to_markdown
 
     if dtype not in DTYPES:
         fail("--dtype", f"choose one of {', '.join(DTYPES)}")
@@ -81,9 +140,17 @@ def accept(
         fail("--hidden", "choose post_norm or pre_norm")
     if max_drop is not None and reference is None:
         fail("--max-drop", "needs --reference")
+    check_numbers(draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                  max_prompts=max_prompts, min_rate=min_rate, max_drop=max_drop)
+    device = check_device(device)
     for p in (model, reference):
         if p is not None and not p.is_file():
             fail(str(p), "no such file")
+    inputs = [p for p in (model, reference) if p is not None]
+    for opt, path in (("--json", json_out), ("--md", md_out)):  # before the measurement, not after it
+        if path is not None and str(path) != "-":
+            check_writable(opt, path, inputs)
+    prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
               top_p=top_p, seed=seed, max_prompts=max_prompts, device=device, dtype=DTYPES[dtype], hidden=hidden)
     reports = {}

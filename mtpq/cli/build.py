@@ -45,8 +45,7 @@ def build(
     if dry_run:
         import json
 
-        recipe.output.mkdir(parents=True, exist_ok=True)
-        head, todo = plan_jobs(recipe, variant or None, force)
+        head, todo = plan_jobs(recipe, variant or None, force, dry_run=True)  # writes nothing
         for job in [head["reference"], *todo]:
             part = Path(job["part"])
             old = json.loads(part.read_text()) if part.is_file() else {}

@@ -4,44 +4,82 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from typer._click import exceptions as click_errors  # typer vendors its own click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import InputError
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_INPUT = 0, 1, 2
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143  # 128 + signal number, as shells report them
 
 console = Console(stderr=True)  # messages and progress; stdout stays clean for --json
 out = Console()
+DEBUG = {"on": bool(os.environ.get("MTPQ_DEBUG"))}  # --debug: tracebacks for internal errors
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, CI cancellation), raised where Ctrl-C would be: the same clean-up runs."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: let the clean-up finish
+    raise Terminated()
 
 
 def fail(where: str, problem: str) -> None:
     """One line naming the file (or option) and the problem, exit 2."""
-    console.print(f"[bold red]error:[/] {where}: {problem}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(str(where))}: {escape(str(problem))}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_INPUT)
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def guarded(fn: Callable) -> Callable:
-    """Turn InputError (and a few OS errors) into the one-line, exit-2 contract."""
+    """Every failure of a command as one line: InputError and OS errors exit 2, Ctrl-C 130, SIGTERM 143,
+    anything unexpected 3 ("internal error ...; please report it", the traceback only with --debug)."""
+    command = fn.__name__.replace("_", "-")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("gguf").setLevel(logging.WARNING)
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, click_errors.ClickException, typer.Abort):
+            raise
         except InputError as exc:
-            fail(exc.where, exc.problem)
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
-            fail(getattr(exc, "filename", None) or "input", exc.strerror or str(exc))
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted; no partial output was left behind[/]")
-            raise typer.Exit(130)
+            fail(_one_line(exc.where), _one_line(exc.problem))
+        except KeyboardInterrupt as exc:
+            what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+            console.print(f"[yellow]{what}; no partial output was left behind[/]")
+            raise typer.Exit(EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT)
+        except OSError as exc:  # permissions, a read-only or full disk, a folder where a file belongs...
+            where = exc.filename or "input"
+            fail(str(where), _one_line(exc.strerror or str(exc)))
+        except Exception as exc:
+            if DEBUG["on"]:
+                console.print_exception()
+            text = _one_line(f"{exc.__class__.__name__}: {exc}")
+            console.print(f"[bold red]error:[/] internal error in {command}: {escape(text)}; please report it",
+                          highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_INTERNAL)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     return wrapper
 

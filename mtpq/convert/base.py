@@ -24,7 +24,9 @@ from gguf import GGUFWriter, LlamaFileType
 from ..errors import InputError
 from ..gguf_io import size_label
 from ..tensors import Plan, TensorSpec, block_index, classify
+from . import validate
 from .checkpoint import Checkpoint
+from .validate import Expected
 
 
 class MtpMode(str, Enum):
@@ -74,10 +76,13 @@ class Family:
     arch: ClassVar[str] = ""
     # GGUF-name suffixes kept at F32 whatever the outtype (llama.cpp's converter does the same)
     f32_kinds: ClassVar[tuple[str, ...]] = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
+    # config.json keys without which the family cannot convert (checked before anything else)
+    required_hparams: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers")
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config)
+        validate.check_required_hparams(self)
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
@@ -94,6 +99,18 @@ class Family:
 
     def tensors(self) -> Iterator[Emit]:
         raise NotImplementedError
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned."""
+        raise NotImplementedError
+
+    def resolve(self, name: str) -> str | None:
+        """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
+        return name if name in self.ckpt else None
+
+    def logical_names(self) -> list[str]:
+        """Every stored tensor under the names :meth:`expected_tensors` uses."""
+        return self.ckpt.names()
 
     def vocab_size(self) -> int:
         return int(self.hparams["vocab_size"])
@@ -240,6 +257,7 @@ class Family:
             if mtp is MtpMode.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
         keep_mtp = mtp is not MtpMode.DROP and self.n_mtp > 0
+        validate.check_family(self, keep_mtp)
         n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
         specs: list[TensorSpec] = []

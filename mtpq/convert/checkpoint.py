@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from .validate import check_config
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -43,6 +44,19 @@ class StoredTensor:
     nbytes: int
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """Parse and check one shard's header; any inconsistency is an InputError naming the file."""
     size = path.stat().st_size
@@ -55,7 +69,9 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             raise InputError(path, f"corrupt safetensors header (header length {n} exceeds file size {size})")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as exc:
+        raise InputError(path, f"corrupt safetensors header: tensor {exc} is listed twice") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(path, f"corrupt safetensors header ({exc.__class__.__name__})") from None
     if not isinstance(header, dict):
@@ -65,21 +81,59 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise InputError(path, f"corrupt safetensors header entry for {name}") from None
-        if dtype not in _ST_ITEMSIZE:
-            raise InputError(path, f"tensor {name} has unsupported dtype {dtype}")
+        dtype, shape, start, end = _header_entry(path, name, info)
         numel = 1
         for d in shape:
             numel *= d
-        if end - start != numel * _ST_ITEMSIZE[dtype] or start < 0:
+        if end - start != numel * _ST_ITEMSIZE[dtype]:
             raise InputError(path, f"corrupt safetensors header: {name} byte range does not match its shape")
         if end > data_size:
-            raise InputError(path, f"truncated safetensors file: {name} ends at byte {end} of {data_size}")
+            raise InputError(path, f"truncated safetensors file: {name} ends at byte {8 + n + end}, "
+                                   f"the file has {size}")
         out[name] = StoredTensor(name, path, dtype, shape, 8 + n + start, end - start)
+    _check_byte_ranges(path, out, 8 + n, data_size)
     return out
+
+
+def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], int, int]:
+    """dtype, shape, start, end of one header entry, each of the JSON type the format prescribes."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise InputError(path, f"corrupt safetensors header entry for {name} (needs dtype, shape, data_offsets)")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
+        raise InputError(path, f"tensor {name} has unsupported dtype {dtype}")
+    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
+        raise InputError(path, f"corrupt safetensors header: {name} shape {shape!r} is not a list of integers")
+    if any(d < 0 for d in shape):
+        raise InputError(path, f"corrupt safetensors header: {name} has a negative dimension {shape}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
+        raise InputError(path, f"corrupt safetensors header: {name} data_offsets {offsets!r} is not [start, end]")
+    start, end = offsets
+    if start < 0 or end < start:
+        raise InputError(path, f"corrupt safetensors header: {name} data_offsets {offsets} is not a byte range")
+    return dtype, tuple(shape), start, end
+
+
+def _check_byte_ranges(path: Path, tensors: dict[str, StoredTensor], data_start: int, data_size: int) -> None:
+    """What the safetensors format requires: the tensors' byte ranges tile the data area exactly,
+    with no overlap (one tensor would read another's bytes) and no hole or trailing bytes."""
+    at = data_start
+    prev = None
+    for st in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if st.offset < at:
+            raise InputError(path, f"corrupt safetensors header: tensors {prev} and {st.name} overlap "
+                                   f"(bytes {st.offset - data_start}..{at - data_start} of the data area)")
+        if st.offset > at:
+            raise InputError(path, f"corrupt safetensors header: bytes {at - data_start}..{st.offset - data_start} "
+                                   f"of the data area belong to no tensor")
+        at, prev = st.offset + st.nbytes, st.name
+    if at != data_start + data_size:
+        raise InputError(path, f"corrupt safetensors file: {data_start + data_size - at} bytes after the last "
+                               f"tensor's data (the data area ends at byte {at - data_start}, the file has "
+                               f"{data_size} data bytes)")
 
 
 class Checkpoint:
@@ -88,18 +142,26 @@ class Checkpoint:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise InputError(self.folder, "not a checkpoint folder (no such directory)")
+            what = "a file" if self.folder.exists() else "no such directory"
+            raise InputError(self.folder, f"not a checkpoint folder ({what})")
         cfg_path = self.folder / "config.json"
+        if cfg_path.is_dir():
+            raise InputError(cfg_path, "is a folder, not a file")
         if not cfg_path.is_file():
             raise InputError(cfg_path, "missing config.json")
         try:
-            self.config: dict = json.loads(cfg_path.read_text())
+            self.config: dict = json.loads(cfg_path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InputError(cfg_path, f"not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise InputError(cfg_path, f"invalid JSON ({exc})") from None
+        check_config(self.config, cfg_path)
         self.shards = self._find_shards()
         self.stored: dict[str, StoredTensor] = {}
         for shard in self.shards:
             for name, st in read_safetensors_header(shard).items():
+                if name in self.stored:
+                    raise InputError(shard, f"tensor {name} is also stored in {self.stored[name].file.name}")
                 self.stored[name] = st
         self._check_index()
 
@@ -109,9 +171,11 @@ class Checkpoint:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+                weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
                 raise InputError(index, "invalid index (expected a JSON object with weight_map)") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise InputError(index, "invalid index (weight_map must map tensor names to shard file names)")
             self.weight_map: dict[str, str] | None = weight_map
             shards = sorted({self.folder / f for f in weight_map.values()})
             for s in shards:

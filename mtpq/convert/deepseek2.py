@@ -30,7 +30,9 @@ from gguf import MODEL_TENSOR as MT
 
 from ..errors import InputError
 from ..tensors import Plan
+from . import validate as V
 from .base import Emit, Family, MtpMode, check_unused, layer_of, register
+from .validate import Expected
 
 # The MTP-only tensors. gguf-py's deepseek2 tensor list may lack the NEXTN entries, so they are named here.
 _NEXTN = {
@@ -54,12 +56,33 @@ class DeepseekV3(Family):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     arch = "deepseek2"
 
+    required_hparams = ("num_hidden_layers", "intermediate_size") + _REQUIRED
+
     def __init__(self, ckpt):
         super().__init__(ckpt)
-        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
-        if missing:
-            raise InputError(ckpt.folder / "config.json", f"missing {', '.join(missing)} (needed for MLA)")
         self._mtp_mode = MtpMode.KEEP
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        hp = self.hparams
+        h, vocab, nh = hp["hidden_size"], hp["vocab_size"], hp["num_attention_heads"]
+        n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
+        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+        for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
+            p = f"model.layers.{bid}."
+            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            yield from (V.Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
+            if n_exp and bid >= dense:
+                ff = self.hp("moe_intermediate_size", "intermediate_size")
+                yield V.Expected(p + "mlp.gate.weight", (n_exp, h))
+                if hp.get("topk_method") == "noaux_tc":  # V3's router bias; V2 routers have none
+                    yield V.Expected(p + "mlp.gate.e_score_correction_bias", (n_exp,))
+                yield from V.routed_experts(p + "mlp.experts.", h, n_exp, ff)
+                if n_shared := hp.get("n_shared_experts"):
+                    yield from V.dense_ffn(p + "mlp.shared_experts.", h, ff * n_shared)
+            else:
+                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+            if bid >= self.n_trunk:
+                yield from V.nextn_head(p, h, vocab)
 
     def plan(self, mtp: MtpMode = MtpMode.KEEP,
              outtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16) -> Plan:
@@ -184,6 +207,12 @@ class DeepseekV3(Family):
         check_unused(ck, used)
 
     def _check_mla_shapes(self, p: str) -> None:
+        for rest, shape in self._mla_shapes().items():
+            if not rest.endswith("layernorm.weight"):
+                self.expect_shape(self.require(p + rest), shape)
+
+    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The attention tensors of one MLA layer (names after ``model.layers.N.``) and their shapes."""
         hp = self.hparams
         n_head, rope, nope = hp["num_attention_heads"], hp["qk_rope_head_dim"], hp["qk_nope_head_dim"]
         kv_lora, hidden = hp["kv_lora_rank"], hp["hidden_size"]
@@ -197,8 +226,9 @@ class DeepseekV3(Family):
         else:
             want["self_attn.q_a_proj.weight"] = (hp["q_lora_rank"], hidden)
             want["self_attn.q_b_proj.weight"] = (n_head * (nope + rope), hp["q_lora_rank"])
-        for rest, shape in want.items():
-            self.expect_shape(self.require(p + rest), shape)
+            want["self_attn.q_a_layernorm.weight"] = (hp["q_lora_rank"],)
+        want["self_attn.kv_a_layernorm.weight"] = (kv_lora,)
+        return want
 
     def _split_kv_b(self, bid: int, hf: str) -> Iterator[Emit]:
         """kv_b_proj -> attn_k_b (k part, transposed) and attn_v_b, as llama.cpp's MLA absorption wants them."""

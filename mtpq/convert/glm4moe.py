@@ -17,7 +17,9 @@ import gguf
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from . import validate as V
 from .base import Emit, Family, check_unused, register
+from .validate import Expected
 
 
 
@@ -25,6 +27,31 @@ from .base import Emit, Family, check_unused, register
 class Glm4Moe(Family):
     hf_architectures = ("Glm4MoeForCausalLM",)
     arch = "glm4moe"
+    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        hp = self.hparams
+        h, vocab, nh = hp["hidden_size"], hp["vocab_size"], hp["num_attention_heads"]
+        hd = hp.get("head_dim") or h // nh
+        n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
+        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+        for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
+            p = f"model.layers.{bid}."
+            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
+                                   bias=bool(hp.get("attention_bias")), qk_norm=bool(hp.get("use_qk_norm")))
+            if n_exp and bid >= dense:  # MoE layer (the MTP layer too): router + bias, experts, shared experts
+                ff = hp["moe_intermediate_size"]
+                yield V.Expected(p + "mlp.gate.weight", (n_exp, h))
+                yield V.Expected(p + "mlp.gate.e_score_correction_bias", (n_exp,))
+                yield from V.routed_experts(p + "mlp.experts.", h, n_exp, ff)
+                if n_shared := hp.get("n_shared_experts"):
+                    yield from V.dense_ffn(p + "mlp.shared_experts.", h, ff * n_shared)
+            else:
+                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+            if bid >= self.n_trunk:
+                yield from V.nextn_head(p, h, vocab)
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp = self.hparams

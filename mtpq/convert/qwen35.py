@@ -37,8 +37,10 @@ from gguf import GGUFWriter
 
 from ..errors import InputError
 from ..tensors import tensor_kind
+from . import validate as V
 from .base import Emit, Family, check_unused, register
 from .checkpoint import Checkpoint
+from .validate import Expected
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,9 @@ def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> to
 class Qwen35(Family):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     arch = "qwen35"
+    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 
     def __init__(self, ckpt: Checkpoint):
         super().__init__(ckpt)
@@ -93,12 +98,14 @@ class Qwen35(Family):
         self.layers: dict[int, dict[str, str]] = {}  # trunk layer -> {name inside the layer: HF name}
         self.mtp_layers: dict[int, dict[str, str]] = {}
         self.mtp_head: dict[str, str] = {}  # "fc.weight" -> HF name
+        self.logical: dict[str, str] = {}  # "model.layers.0.x" / "mtp.fc.weight" -> HF name
         for hf in self.ckpt.names():
             if hf.startswith(VISION_PREFIXES):
                 continue
             name = _TEXT_PREFIX.sub("model.", hf)
             if name.startswith("model.mtp."):
                 name = name[len("model."):]
+            self.logical[name] = hf
             if m := _MTP_LAYER.match(name):
                 self.mtp_layers.setdefault(int(m[1]), {})[m[2]] = hf
             elif name.startswith("mtp."):
@@ -126,6 +133,44 @@ class Qwen35(Family):
         if missing:
             raise InputError(self.ckpt.folder, f"MTP head is incomplete: missing tensor mtp.{missing[0]}")
         return len(found)
+
+    # -- what config.json implies (checked before anything is planned) -------------------
+
+    def resolve(self, name: str) -> str | None:
+        return self.logical.get(name)
+
+    def logical_names(self) -> list[str]:
+        return list(self.logical)
+
+    def full_attention_layers(self) -> set[int]:
+        hp = self.hparams
+        if (types := hp.get("layer_types")) is not None:
+            return {i for i, t in enumerate(types) if t == "full_attention"}
+        every = hp.get("full_attention_interval", 4)
+        return {i for i in range(self.n_trunk) if (i + 1) % every == 0}
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        hp = self.hparams
+        h, nh = hp["hidden_size"], hp["num_attention_heads"]
+        hd = hp.get("head_dim") or h // nh
+        full = self.full_attention_layers()
+        yield from V.embeddings(h, hp["vocab_size"], tied=bool(hp.get("tie_word_embeddings")))
+        blocks = [f"model.layers.{i}." for i in range(self.n_trunk)]
+        if keep_mtp:
+            blocks += [f"mtp.layers.{i}." for i in range(self.n_mtp)]
+            yield V.Expected("mtp.fc.weight", (h, 2 * h))
+            yield from V.norms("mtp.", h, "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        for i, p in enumerate(blocks):
+            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            if i in full or p.startswith("mtp."):  # gated attention: q_proj holds [q; gate] per head
+                yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd, qk_norm=True,
+                                       q_rows=2 * nh * hd)
+            else:
+                yield from (V.Expected(p + inner, shape) for inner, shape in self._linear_attn_shapes().items())
+            yield from self.expected_ffn(p + "mlp.")
+
+    def expected_ffn(self, p: str) -> Iterator[Expected]:
+        yield from V.dense_ffn(p, self.hparams["hidden_size"], self.hparams["intermediate_size"])
 
     # -- metadata -----------------------------------------------------------------------
 
@@ -233,6 +278,12 @@ class Qwen35(Family):
 
     def _check_linear_attn(self, inner: str, hf: str) -> None:
         """Refuse linear-attention tensors whose shape contradicts config.json (the reorders depend on it)."""
+        want = self._linear_attn_shapes().get(inner)
+        if want is not None:
+            self.expect_shape(hf, want)
+
+    def _linear_attn_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A linear-attention layer's tensors (names after ``model.layers.N.``) and their shapes."""
         hp = self.hparams
         h, n_k, n_v = hp["hidden_size"], hp["linear_num_key_heads"], hp["linear_num_value_heads"]
         d_k, d_v, k = hp["linear_key_head_dim"], hp["linear_value_head_dim"], hp["linear_conv_kernel_dim"]
@@ -240,11 +291,9 @@ class Qwen35(Family):
             raise InputError(self.ckpt.folder / "config.json",
                              f"linear_num_value_heads {n_v} is not a multiple of linear_num_key_heads {n_k}")
         conv = 2 * n_k * d_k + n_v * d_v
-        want = {
+        return {
             "linear_attn.in_proj_qkv.weight": (conv, h), "linear_attn.in_proj_z.weight": (n_v * d_v, h),
             "linear_attn.in_proj_a.weight": (n_v, h), "linear_attn.in_proj_b.weight": (n_v, h),
             "linear_attn.A_log": (n_v,), "linear_attn.dt_bias": (n_v,), "linear_attn.conv1d.weight": (conv, 1, k),
             "linear_attn.out_proj.weight": (h, n_v * d_v), "linear_attn.norm.weight": (d_v,),
-        }.get(inner)
-        if want is not None:
-            self.expect_shape(hf, want)
+        }

@@ -19,7 +19,9 @@ from typing import Iterator
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from . import validate as V
 from .base import Emit, register
+from .validate import Expected
 from .qwen35 import Qwen35
 
 _PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -31,6 +33,24 @@ _PROJS = ("gate_proj", "up_proj", "down_proj")
 class Qwen35Moe(Qwen35):
     hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     arch = "qwen35moe"
+    required_hparams = Qwen35.required_hparams + ("num_experts", "moe_intermediate_size")
+
+    def expected_ffn(self, p: str) -> Iterator[Expected]:
+        """Router, shared expert + its gate, and routed experts in whichever layout the layer stores."""
+        hp = self.hparams
+        h, n_exp, ff = hp["hidden_size"], hp["num_experts"], hp["moe_intermediate_size"]
+        yield V.Expected(p + "gate.weight", (n_exp, h))
+        if sff := hp.get("shared_expert_intermediate_size"):
+            yield from V.dense_ffn(p + "shared_expert.", h, sff)
+            yield V.Expected(p + "shared_expert_gate.weight", (1, h))
+        fused = [p + f"experts.{n}{suffix}" for n in ("gate_up_proj", "down_proj") for suffix in ("", ".weight")]
+        if any(self.resolve(n) for n in fused):  # fused layout, with or without the .weight suffix
+            gate_up = next((n for n in fused[:2] if self.resolve(n)), fused[0])
+            down = next((n for n in fused[2:] if self.resolve(n)), fused[2])
+            yield V.Expected(gate_up, (n_exp, 2 * ff, h))
+            yield V.Expected(down, (n_exp, h, ff))
+            return
+        yield from V.routed_experts(p + "experts.", h, n_exp, ff)
 
     def set_metadata(self, w: GGUFWriter) -> None:
         super().set_metadata(w)

@@ -44,15 +44,35 @@ KNOWN_PRE = {
 FALLBACK_PRE = "default"
 
 
+def _check_json_object(path: Path) -> None:
+    """A tokenizer file that is not a UTF-8 JSON object is named as such (transformers' own errors blame
+    another file or print a multi-line hint)."""
+    import json
+
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(path, f"not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"invalid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InputError(path, f"expected a JSON object, got {type(obj).__name__}")
+
+
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-        raise InputError(folder, "no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    if not (folder / "tokenizer.json").is_file():
+        raise InputError(folder / "tokenizer.json", "missing (mtpq converts fast byte-level BPE tokenizers, "
+                                                    "saved as tokenizer.json)")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            _check_json_object(folder / name)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:
-        raise InputError(folder / "tokenizer.json", f"cannot load tokenizer ({exc.__class__.__name__}: {exc})") from None
+        text = " ".join(f"{exc.__class__.__name__}: {exc}".split())
+        raise InputError(folder, f"cannot load the tokenizer ({text})") from None
 
 
 def _is_plain_gpt2_byte_level(folder: Path) -> bool:

@@ -182,6 +182,8 @@ def plan_extract_mtp(plan: Plan) -> Plan:
             raise InputError(where, f"has no {required}, which a head-only draft file needs")
     head_ids = {id(s) for s in head}
     tensors = [s for s in plan.tensors if id(s) in head_ids or s.name in MTP_ONLY_KEEP]
+    if any((b := block_index(s.name)) is not None and b < plan.n_trunk_layers for s in tensors):
+        raise AssertionError("a head-only plan kept a trunk block")  # never write a full model as "head-only"
     out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=tensors, inputs=list(plan.inputs),
                n_trunk_layers=plan.n_trunk_layers, n_mtp_layers=plan.n_mtp_layers)
     refresh_size_label(out)

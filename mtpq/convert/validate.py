@@ -1,0 +1,259 @@
+"""Checks a checkpoint must pass before the converter writes a byte.
+
+All cheap (names, shapes, JSON; no tensor data is read; see benchmarks/convert_bench.py):
+
+- :func:`check_config`: config.json values have the JSON types they must have
+  (``"num_hidden_layers": "four"``, a negative dimension, a list where an
+  object belongs: one line each), wherever they sit (top level or text_config).
+- :func:`check_required_hparams`: the hparams a family cannot do without.
+- :func:`check_dtypes`: every stored weight is floating point; an FP8 one has a
+  float scale companion whose shape fits it.
+- :func:`check_tensors`: every tensor the family's config implies exists with
+  the implied shape (trunk and MTP blocks), and inside the blocks it describes
+  nothing else is stored (a bias with ``attention_bias: false``).
+
+The safetensors container itself (byte ranges tiling each shard's data area)
+is checked where headers are read, in :mod:`.checkpoint`.
+
+Families declare what they need as data: ``required_hparams`` and
+``expected_tensors(keep_mtp)`` yielding :class:`Expected` entries; this module
+does the checking once for all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from ..errors import InputError
+
+if TYPE_CHECKING:
+    from .base import Family
+    from .checkpoint import Checkpoint
+
+# ----------------------------------------------------------------------------- config.json
+
+# key -> (kind, minimum). "int" values must be JSON integers (not bools), "number" ints or floats,
+# "bool" true/false, "strs" a list of strings. null is allowed everywhere (families decide what null means).
+_POSITIVE, _NON_NEGATIVE = 1, 0
+CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
+    **{k: ("int", _POSITIVE) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
+        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group")},
+    **{k: ("int", _NON_NEGATIVE) for k in (
+        "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
+    **{k: ("number", None) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor")},
+    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob")},
+    **{k: ("strs", None) for k in ("architectures", "layer_types")},
+    **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
+}
+
+
+def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | None:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int" and not is_int:
+        return f"{key} must be an integer, got {value!r}"
+    if kind == "number" and not (is_int or isinstance(value, float)):
+        return f"{key} must be a number, got {value!r}"
+    if kind == "bool" and not isinstance(value, bool):
+        return f"{key} must be true or false, got {value!r}"
+    if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return f"{key} must be a list of strings, got {value!r}"
+    if kind == "dict" and not isinstance(value, dict):
+        return f"{key} must be a JSON object, got {value!r}"
+    if minimum is not None and value < minimum:
+        return f"{key} must be {'positive' if minimum > 0 else 'at least 0'}, got {value}"
+    return None
+
+
+def check_config(config, path: Path) -> None:
+    """config.json's values have the types the converter relies on; the first problem is an InputError."""
+    if not isinstance(config, dict):
+        raise InputError(path, f"expected a JSON object, got {type(config).__name__}")
+    tables = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        tables.append(("text_config.", config["text_config"]))
+    for prefix, table in tables:
+        for key, value in table.items():
+            rule = CONFIG_SCHEMA.get(key)
+            if rule is None or value is None:
+                continue
+            if (problem := _type_problem(prefix + key, value, *rule)) is not None:
+                raise InputError(path, problem)
+
+
+def check_required_hparams(family: "Family") -> None:
+    missing = [k for k in family.required_hparams if family.hparams.get(k) is None]
+    if missing:
+        raise InputError(family.ckpt.folder / "config.json",
+                         f"missing {', '.join(missing)} (needed to convert {family.hf_architectures[0]})")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A tensor the config implies: its (logical) HF name and shape; ``optional`` ones may be absent."""
+
+    name: str
+    shape: tuple[int, ...]
+    optional: bool = False
+
+
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
+
+
+def check_dtypes(ckpt: "Checkpoint") -> None:
+    """Weights are floating point (FP8 with its scale companion); an integer lm_head is an error, not a conversion."""
+    for name in ckpt.names():
+        st = ckpt.stored[name]
+        if st.dtype in FLOAT_DTYPES:
+            continue
+        if st.dtype in FP8_DTYPES:
+            _check_fp8_scale(ckpt, name)
+            continue
+        raise InputError(st.file, f"tensor {name} has dtype {st.dtype}; a weight must be floating point "
+                                  "(F32, F16, BF16 or FP8 with a scale)")
+    for name, st in ckpt.stored.items():  # scale companions: float, as every FP8 recipe stores them
+        if ckpt.is_scale(name) and name.endswith(("_scale_inv", "_scale")) and st.dtype not in FLOAT_DTYPES:
+            raise InputError(st.file, f"scale tensor {name} has dtype {st.dtype}; expected F32, F16 or BF16")
+
+
+def _in_mtp_block(name: str, n_trunk: int) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return name.startswith("mtp.") or (m is not None and int(m[1]) >= n_trunk)
+
+
+_BLOCK = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")
+
+
+def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
+    """quantization_config.weight_block_size (default 128x128): two positive integers or an InputError."""
+    qcfg = ckpt.config.get("quantization_config") or {}
+    block = qcfg.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise InputError(ckpt.folder / "config.json",
+                         f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return block[0], block[1]
+
+
+def _check_fp8_scale(ckpt: "Checkpoint", name: str) -> None:
+    """An FP8 weight has a scale companion whose shape fits it (checked now, not halfway through writing)."""
+    st = ckpt.stored[name]
+    if (scale := ckpt.stored.get(name + "_scale_inv")) is not None:  # block-scaled tiles
+        bh, bw = fp8_block_size(ckpt)
+        if len(st.shape) < 2:
+            raise InputError(st.file, f"FP8 tensor {name} has shape {list(st.shape)}; block scales need a matrix")
+        want = (*st.shape[:-2], -(-st.shape[-2] // bh), -(-st.shape[-1] // bw))
+        if tuple(scale.shape) != want and tuple(scale.shape[-2:]) != want[-2:]:
+            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected {list(want)} "
+                                         f"for {bh}x{bw} tiles of {name} {list(st.shape)}")
+    elif (scale := ckpt.stored.get(name + "_scale")) is not None:  # per-channel [out, 1] or one scalar
+        n = 1
+        for d in scale.shape:
+            n *= d
+        if n != 1 and (not st.shape or n != st.shape[0]):
+            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected one scale per "
+                                         f"output row of {name} {list(st.shape)} (or a single scale)")
+    else:
+        raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
+
+
+def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -> None:
+    """Every expected tensor exists (resolved through ``family.resolve``) with the expected shape, and
+    no stored tensor inside a described block is left over.
+
+    ``expected`` is consumed lazily: an absurd config (a billion layers or experts) fails at its
+    first missing tensor instead of building the list. ``layout`` ends a missing-tensor message
+    ("config.json has 2 layers + 1 MTP").
+    """
+    ckpt = family.ckpt
+    names: set[str] = set()
+    for e in expected:
+        names.add(e.name)
+        hf = family.resolve(e.name)
+        if hf is None:
+            if e.optional:
+                continue
+            hint = "; convert the trunk alone with --no-mtp" if _in_mtp_block(e.name, family.n_trunk) else ""
+            layer = _BLOCK.match(e.name)
+            if layer and not any(n.startswith(layer[0]) for n in family.logical_names()):
+                raise InputError(ckpt.folder, f"no tensors for layer {layer[1]} ({layer[0]}*; {layout}{hint})")
+            raise InputError(ckpt.folder, f"missing tensor {e.name} ({layout}{hint})")
+        got = tuple(ckpt.shape(hf))
+        if got != tuple(e.shape):
+            raise InputError(ckpt.stored[hf].file, f"{hf} has shape {list(got)}, but config.json implies {list(e.shape)}")
+    _check_no_extra(family, names)
+
+
+def _check_no_extra(family: "Family", names: set[str]) -> None:
+    """Inside a block config.json describes, a stored tensor it does not imply (a q_proj.bias with
+    attention_bias false, shared experts with n_shared_experts 0) contradicts it: which one is right?"""
+    blocks = {m[0] for n in names if (m := _BLOCK.match(n))}
+    for name in family.logical_names():
+        m = _BLOCK.match(name)
+        if m and m[0] in blocks and name not in names:
+            hf = family.resolve(name) or name
+            raise InputError(family.ckpt.stored[hf].file, f"{hf} is stored, but config.json implies no such tensor")
+
+
+def check_family(family: "Family", keep_mtp: bool) -> None:
+    """All tensor-level checks of one checkpoint for one family; called before any tensor is planned."""
+    check_dtypes(family.ckpt)
+    layout = f"config.json has {family.n_trunk} layers" + (f" + {family.n_mtp} MTP" if family.n_mtp else "")
+    check_tensors(family, family.expected_tensors(keep_mtp), layout)
+
+
+# ----------------------------------------------------------------------------- building blocks families declare with
+
+
+def attention(p: str, hidden: int, n_head: int, n_head_kv: int, head_dim: int, *, bias: bool = False,
+              qk_norm: bool = False, q_rows: int | None = None) -> list[Expected]:
+    """A (grouped-query) attention block under ``p`` (``...self_attn.``); ``q_rows`` for gated q_proj."""
+    q, kv = q_rows or n_head * head_dim, n_head_kv * head_dim
+    out = [Expected(p + "q_proj.weight", (q, hidden)), Expected(p + "k_proj.weight", (kv, hidden)),
+           Expected(p + "v_proj.weight", (kv, hidden)), Expected(p + "o_proj.weight", (hidden, n_head * head_dim))]
+    if bias:
+        out += [Expected(p + "q_proj.bias", (n_head * head_dim,)), Expected(p + "k_proj.bias", (kv,)),
+                Expected(p + "v_proj.bias", (kv,))]
+    if qk_norm:
+        out += [Expected(p + "q_norm.weight", (head_dim,)), Expected(p + "k_norm.weight", (head_dim,))]
+    return out
+
+
+def dense_ffn(p: str, hidden: int, ff: int) -> list[Expected]:
+    """gate/up/down projections under ``p`` (``...mlp.`` or ``...mlp.shared_experts.``)."""
+    return [Expected(p + "gate_proj.weight", (ff, hidden)), Expected(p + "up_proj.weight", (ff, hidden)),
+            Expected(p + "down_proj.weight", (hidden, ff))]
+
+
+def routed_experts(p: str, hidden: int, n_expert: int, ff: int) -> Iterator[Expected]:
+    """Per-expert tensors ``p{e}.{gate,up,down}_proj.weight`` (``p`` = ``...mlp.experts.``), lazily."""
+    for e in range(n_expert):
+        yield from dense_ffn(f"{p}{e}.", hidden, ff)
+
+
+def norms(p: str, hidden: int, *names: str) -> list[Expected]:
+    return [Expected(f"{p}{n}.weight", (hidden,)) for n in names]
+
+
+def nextn_head(p: str, hidden: int, vocab: int) -> list[Expected]:
+    """The NextN tensors of a GLM/DeepSeek MTP layer; embed_tokens and shared_head.head may be tied (GLM-4.6)."""
+    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm"),
+            Expected(p + "shared_head.norm.weight", (hidden,)),
+            Expected(p + "embed_tokens.weight", (vocab, hidden), optional=True),
+            Expected(p + "shared_head.head.weight", (vocab, hidden), optional=True)]
+
+
+def embeddings(hidden: int, vocab: int, tied: bool, prefix: str = "model.") -> list[Expected]:
+    return [Expected(prefix + "embed_tokens.weight", (vocab, hidden)), Expected(prefix + "norm.weight", (hidden,)),
+            Expected("lm_head.weight", (vocab, hidden), optional=tied)]
