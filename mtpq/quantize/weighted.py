@@ -1,0 +1,269 @@
+"""ggml-exact quantization WITH an importance matrix (``llama-quantize --imatrix``).
+
+With importance weights ``qw`` (one per column of the matrix, from an imatrix
+file) ``ggml_quantize_chunk`` leaves the reference quantizers for
+``quantize_row_*_impl``: the same block layouts, other searches.  This module
+reproduces them byte for byte, reusing the vectorised search routines of
+:mod:`mtpq.quantize.kquants` (same float rules: see its notes and
+:mod:`mtpq.quantize.legacy`):
+
+* Q4_0 / Q5_0: ``make_qx_quants(32, 8|16, x, L, 1, w)``, the levels as found;
+* Q4_1 / Q5_1: ``make_qkx3_quants(32, 15|31, w, -0.9, 0.05, 36)``;
+* Q2_K: ``make_qkx3_quants(16, 3, ...)`` and ``make_qp_quants`` for the 4-bit
+  scales and mins; Q4_K / Q5_K the same on 32-element sub-blocks, 6-bit codes;
+* Q3_K: weighted ``make_qx_quants`` for the levels and for the 6-bit scales;
+* Q6_K: the reference search with ``qw`` itself as the weights;
+* IQ4_NL / IQ4_XS: ``quantize_row_iq4_nl_impl`` with weights.
+
+Everywhere but Q6_K the weights are ``w = qw * sqrtf(sigma2 + x*x)``, where
+sigma2 is the mean square (times 2 for Q3_K-Q5_K and IQ4) of the super-block,
+or of the whole ROW for the legacy types: those kernels take the row's
+``sum_x2`` per block from the caller (:func:`mtpq.quantize.kernels.quantize`
+cuts chunks inside rows).  Q8_0 has no importance path in ggml.
+
+make_qkx3_quants with weights is make_qkx2_quants (kquants'
+``_make_qkx2_quants``) with other step constants; ``max <= min`` vs
+``max == min`` only differ for NaN, which never gets here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import kquants as kq
+from .legacy import _qh_pack, div, fp16_bits, fp16_round, nearest_int, rdiv, sqrt_f32, u8
+
+_F32 = torch.float32
+QK_K = 256
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+def _weights(X: torch.Tensor, QW: torch.Tensor, sigma2: torch.Tensor) -> torch.Tensor:
+    """``qw * sqrtf(sigma2 + x*x)`` with every op rounded separately (sigma2 broadcast (1, n_sub))."""
+    return QW * sqrt_f32(sigma2 + X * X)
+
+
+def _super_sigma2(x: torch.Tensor, n: int, twice: bool) -> torch.Tensor:
+    """Per super-block of ``n`` values (rows of ``x``): ``[2*]sum_x2/n``, the sum in C order."""
+    xt = kq._sub_blocks(x, n)  # (n, nb): one row per position
+    s = kq._seq_sum(xt * xt)
+    return div(s * 2.0 if twice else s, float(n))
+
+
+def _per_sub(v: torch.Tensor, per: int) -> torch.Tensor:
+    """(nb,) per super-block -> (1, nb*per) per sub-block (column order of kq._sub_blocks)."""
+    return v.repeat_interleave(per)[None]
+
+
+def make_qp_quants(X: torch.Tensor, nmax: int, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qp_quants(n, nmax, x, L, quant_weights=w)`` for every column of ``X`` (n, m).
+
+    Returns (scale (m,), L (n, m) int32 as stored in the C ``uint8_t`` array).
+    n is 8 or 16 (a super-block's scales), so a plain torch version suffices;
+    the refinement passes run element by element like the C loop.
+    """
+    n = X.shape[0]
+    z = torch.zeros((), dtype=_F32, device=X.device)
+    mx = z.expand(X.shape[1])  # float max = 0; max = MAX(max, x[i])
+    for i in range(n):
+        mx = torch.where(mx > X[i], mx, X[i])  # MAX(a, b) = a > b ? a : b
+    zero = mx < kq._GROUP_MAX_EPS
+    with np.errstate(all="ignore"):
+        iscale = rdiv(float(nmax), mx)
+        L0 = u8(nearest_int(iscale[None] * X)).to(_F32)
+        scale = rdiv(1.0, iscale)
+        diff = X - scale[None] * L0
+        best = kq._seq_sum((W * diff) * diff)
+        for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+            c = float(np.float32(np.float32(0.1) * np.float32(step)) + np.float32(nmax))
+            isc = rdiv(c, mx)
+            sc = rdiv(1.0, isc)
+            lf = torch.clamp(nearest_int(isc[None] * X), max=nmax).to(_F32)
+            d2 = X - sc[None] * lf
+            mse = kq._seq_sum((W * d2) * d2)
+            upd = mse < best
+            best = torch.where(upd, mse, best)
+            iscale = torch.where(upd, isc, iscale)
+        li = torch.clamp(nearest_int(iscale[None] * X), max=nmax)
+        lf = li.to(_F32)
+        WX = W * X
+        sumlx = kq._seq_sum(WX * lf)
+        suml2 = kq._seq_sum((W * lf) * lf)
+        rows = [u8(li[i]).to(torch.int32) for i in range(n)]  # L[i] is a uint8_t
+        for _ in range(5):
+            changed = torch.zeros_like(zero)
+            for i in range(n):
+                w, wx, l = W[i], WX[i], rows[i].to(_F32)
+                slx = sumlx - wx * l
+                sl2 = suml2 - (w * l) * l
+                ok = (slx > 0) & (sl2 > 0)
+                new_l = torch.clamp(nearest_int(torch.div(X[i] * sl2, slx)), max=nmax)
+                nl = new_l.to(_F32)
+                slx2 = slx + wx * nl
+                sl22 = sl2 + (w * nl) * nl
+                upd = ok & (new_l != rows[i]) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+                upd &= ~zero
+                rows[i] = torch.where(upd, u8(new_l).to(torch.int32), rows[i])
+                sumlx = torch.where(upd, slx2, sumlx)
+                suml2 = torch.where(upd, sl22, suml2)
+                changed |= upd
+            if not bool(changed.any()):  # an unchanged column stays at its fixed point
+                break
+        scale = torch.where(suml2 > 0, torch.div(sumlx, suml2), z)
+    L = torch.stack(rows)
+    L = torch.where(zero[None], torch.zeros_like(L), L)
+    return torch.where(zero, z, scale), L
+
+
+def _cols(T: torch.Tensor, nb: int) -> torch.Tensor:
+    """A per-sub-block vector (nb*k,) in kq._sub_blocks order -> (k, nb): row j = sub-block j."""
+    return T.reshape(nb, -1).t().contiguous()
+
+
+# --------------------------------------------------------------------------- K-quants
+
+def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    nb = x.shape[0]
+    X, QW = kq._sub_blocks(x, 16), kq._sub_blocks(qw, 16)
+    sigma2 = _super_sigma2(x, QK_K, twice=False)
+    W = _weights(X, QW, _per_sub(sigma2, 16))
+    sw = kq._seq_sum(W)
+    SM, levels = kq._make_qkx2_quants(X, W, 3, -0.9, 0.05, 36, False)
+    swc = _cols(sw, nb)
+    dm, Ls = make_qp_quants(_cols(SM[0], nb), 15, swc)
+    mm, Lm = make_qp_quants(_cols(SM[1], nb), 15, swc)
+    sbyte = u8(Ls.t() | (Lm.t() << 4)).to(torch.int32)  # (nb, 16)
+    d, dmin = fp16_round(dm), fp16_round(mm)
+    dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
+    ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
+    L = kq._final_levels(X + ml[None], dl, 0, 3, 0, levels)
+    qs = kq._pack_2bit(kq._from_sub_blocks(L, nb))
+    return torch.cat([u8(sbyte), qs, fp16_bits(dm), fp16_bits(mm)], dim=1)
+
+
+def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    nb = x.shape[0]
+    X, QW = kq._sub_blocks(x, 16), kq._sub_blocks(qw, 16)
+    sigma2 = _super_sigma2(x, QK_K, twice=True)
+    W = _weights(X, QW, _per_sub(sigma2, 16))
+    sw = kq._seq_sum(W)
+    scales, levels = kq._make_qx_quants_rmse1(X, 4, W)
+    d_block, ls_levels = kq._make_qx_quants_rmse1(_cols(scales, nb), 32, _cols(sw, nb))
+    ls = ls_levels().to(torch.int32).t()  # (nb, 16) in [0, 63]: Ls[j] = l + 32
+    sb_low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    hi = (ls >> 4).view(nb, 4, 4)
+    sb_high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    sb = u8(torch.cat([sb_low, sb_high], dim=1))
+    d = fp16_round(d_block)
+    dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
+    L = kq._final_levels(X, dl, -4, 3, 4, levels).to(torch.int32)
+    Lb = kq._from_sub_blocks(L, nb)
+    high = (Lb > 3).to(torch.int32)
+    Lb = Lb - 4 * high
+    hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
+    return torch.cat([hmask, kq._pack_2bit(Lb), sb, fp16_bits(d_block)], dim=1)
+
+
+def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool):
+    nb = x.shape[0]
+    X, QW = kq._sub_blocks(x, 32), kq._sub_blocks(qw, 32)
+    sigma2 = _super_sigma2(x, QK_K, twice=True)
+    W = _weights(X, QW, _per_sub(sigma2, 8))
+    sw = kq._seq_sum(W)
+    SM, levels = kq._make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False)
+    swc = _cols(sw, nb)
+    d_block, Ls = make_qp_quants(_cols(SM[0], nb), 63, swc)
+    m_block, Lm = make_qp_quants(_cols(SM[1], nb), 63, swc)
+    ls, lm = Ls.t(), Lm.t()
+    if clamp63:
+        ls, lm = ls.clamp(max=63), lm.clamp(max=63)
+    packed = kq._pack_k4_scales(ls, lm)
+    sc, mn = kq._k4_scale_min(packed)  # what the C code reads back (get_scale_min_k4)
+    dl = (fp16_round(d_block)[:, None] * sc.to(_F32)).reshape(-1)
+    ml = (fp16_round(m_block)[:, None] * mn.to(_F32)).reshape(-1)
+    L = kq._final_levels(X + ml[None], dl, 0, nmax, 0, levels)
+    head = torch.cat([fp16_bits(d_block), fp16_bits(m_block), packed], dim=1)
+    return head, kq._from_sub_blocks(L, nb)
+
+
+def quantize_q4_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    head, Lb = _quantize_q45_k(x, qw, 15, clamp63=False)
+    q = Lb.view(-1, 4, 2, 32)
+    return torch.cat([head, u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)], dim=1)
+
+
+def quantize_q5_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    head, Lb = _quantize_q45_k(x, qw, 31, clamp63=True)
+    q = Lb.view(-1, 4, 2, 32)
+    lo, hi = q & 0xF, q >> 4
+    qs = u8(lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+    shifts = (2 * torch.arange(4, device=x.device, dtype=torch.int32)).view(1, 4, 1)
+    qh = u8(((hi[:, :, 0].to(torch.int32) << shifts) | (hi[:, :, 1].to(torch.int32) << (shifts + 1))).sum(1))
+    return torch.cat([head, qh, qs], dim=1)
+
+
+def quantize_q6_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    return kq.quantize_q6_k(x, qw)
+
+
+# --------------------------------------------------------------------------- IQ4
+
+def quantize_iq4_nl(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    X = x.t().contiguous()  # (32, nb)
+    sigma2 = kq._seq_sum(X * X) * 0.0625  # sigma2 *= 2.f/32
+    return kq.quantize_iq4_nl(x, _weights(X, qw.t().contiguous(), sigma2[None]))
+
+
+def quantize_iq4_xs(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    X, QW = kq._sub_blocks(x, 32), kq._sub_blocks(qw, 32)
+    xt = kq._sub_blocks(x, QK_K)
+    sigma2 = kq._seq_sum(xt * xt) * 0.0078125  # sigma2 *= 2.f/256
+    W = _weights(X, QW, _per_sub(sigma2, 8))
+    return kq.quantize_iq4_xs(x, W)
+
+
+# --------------------------------------------------------------------------- legacy (sigma2 of the row)
+
+def _legacy_weights(x: torch.Tensor, qw: torch.Tensor, sigma2: torch.Tensor):
+    X, QW = x.t().contiguous(), qw.t().contiguous()  # (32, nb)
+    return X, _weights(X, QW, sigma2[None])
+
+
+def _pack_nibbles(L: torch.Tensor) -> torch.Tensor:
+    """(nb, 32) levels -> (nb, 16): qs[j] = L[j] | L[j+16] << 4 (low 4 bits each)."""
+    L = L.to(torch.int32)
+    return u8((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4))
+
+
+def _qx_legacy(x, qw, sigma2, nmax):
+    X, W = _legacy_weights(x, qw, sigma2)
+    d, levels = kq._make_qx_quants_rmse1(X, nmax, W)
+    return d, levels().t().to(torch.int32)
+
+
+def _qkx3_legacy(x, qw, sigma2, nmax):
+    X, W = _legacy_weights(x, qw, sigma2)
+    SM, levels = kq._make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False, zero_sign=True)
+    return SM[0], -SM[1], levels().t().to(torch.int32)
+
+
+def quantize_q4_0(x, qw, sigma2):
+    d, L = _qx_legacy(x, qw, sigma2, 8)
+    return torch.cat([fp16_bits(d), _pack_nibbles(L)], dim=1)
+
+
+def quantize_q5_0(x, qw, sigma2):
+    d, L = _qx_legacy(x, qw, sigma2, 16)
+    return torch.cat([fp16_bits(d), _qh_pack(L >> 4), _pack_nibbles(L)], dim=1)
+
+
+def quantize_q4_1(x, qw, sigma2):
+    d, m, L = _qkx3_legacy(x, qw, sigma2, 15)
+    return torch.cat([fp16_bits(d), fp16_bits(m), _pack_nibbles(L)], dim=1)
+
+
+def quantize_q5_1(x, qw, sigma2):
+    d, m, L = _qkx3_legacy(x, qw, sigma2, 31)
+    return torch.cat([fp16_bits(d), fp16_bits(m), _qh_pack(L >> 4), _pack_nibbles(L)], dim=1)
