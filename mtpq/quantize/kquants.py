@@ -111,14 +111,27 @@ def _seq_sum(T: torch.Tensor, dim: int = 0) -> torch.Tensor:
     only used along the innermost axis), instead of one torch op per row.
     """
     if T.device.type == "cpu" and dim < T.dim() - 1:
-        with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
-            s = np.add.reduce(T.numpy(), axis=dim, initial=np.float32(0.0))
-        return torch.from_numpy(s)
+        return torch.from_numpy(seq_sum_np(T.numpy(), dim))
     T = T.movedim(dim, 0)
     acc = T[0] + 0.0  # 0.0f + t: same bits as the C accumulator after one step
     for i in range(1, T.shape[0]):
         acc.add_(T[i])
     return acc
+
+
+def seq_sum_np(a: np.ndarray, dim: int = 0) -> np.ndarray:
+    """``s += a[i]`` along ``dim`` (not the innermost) of a float32 numpy array, in C order.
+
+    numpy adds row after row along a leading axis, but only while something is
+    left beside it: with a single column the reduction becomes a contiguous one,
+    which numpy sums pairwise.  A zero column is added then.
+    """
+    with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
+        if a.shape[dim] > 0 and a.size == a.shape[dim]:
+            col = a.reshape(-1, 1)
+            s = np.add.reduce(np.concatenate([col, np.zeros_like(col)], axis=1), axis=0, initial=np.float32(0.0))
+            return s[:1].reshape(a.shape[:dim] + a.shape[dim + 1:])
+        return np.add.reduce(a, axis=dim, initial=np.float32(0.0))
 
 
 def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:

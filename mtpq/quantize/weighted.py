@@ -28,6 +28,8 @@ make_qkx3_quants with weights is make_qkx2_quants (kquants'
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -61,60 +63,80 @@ def make_qp_quants(X: torch.Tensor, nmax: int, W: torch.Tensor) -> tuple[torch.T
     """``make_qp_quants(n, nmax, x, L, quant_weights=w)`` for every column of ``X`` (n, m).
 
     Returns (scale (m,), L (n, m) int32 as stored in the C ``uint8_t`` array).
-    n is 8 or 16 (a super-block's scales), so a plain torch version suffices;
-    the refinement passes run element by element like the C loop.
+    n is 8 or 16 (a super-block's scales): small vectors, so numpy (a third of
+    torch's per-op cost), on CPU whatever the device of the input.  The
+    refinement passes run element by element like the C loop; a column that
+    changed nothing in a pass is at its fixed point, so passes stop when no
+    column changes.
     """
-    n = X.shape[0]
-    z = torch.zeros((), dtype=_F32, device=X.device)
-    mx = z.expand(X.shape[1])  # float max = 0; max = MAX(max, x[i])
+    s, L = _qp_numpy(X.cpu().numpy(), nmax, W.cpu().numpy())
+    return torch.from_numpy(s).to(X.device), torch.from_numpy(L).to(X.device)
+
+
+def _qp_numpy(X: np.ndarray, nmax: int, W: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n, m = X.shape
+    f0 = np.float32(0.0)
+    mx = np.zeros(m, dtype=np.float32)  # float max = 0; max = MAX(max, x[i]) = max > x ? max : x
     for i in range(n):
-        mx = torch.where(mx > X[i], mx, X[i])  # MAX(a, b) = a > b ? a : b
+        mx = np.where(mx > X[i], mx, X[i])
     zero = mx < kq._GROUP_MAX_EPS
     with np.errstate(all="ignore"):
         iscale = rdiv(float(nmax), mx)
-        L0 = u8(nearest_int(iscale[None] * X)).to(_F32)
+        L0 = u8(nearest_int(iscale * X)).astype(np.float32)
         scale = rdiv(1.0, iscale)
-        diff = X - scale[None] * L0
-        best = kq._seq_sum((W * diff) * diff)
-        for step in (-4, -3, -2, -1, 1, 2, 3, 4):
-            c = float(np.float32(np.float32(0.1) * np.float32(step)) + np.float32(nmax))
-            isc = rdiv(c, mx)
+        d = X - scale * L0
+        best = kq.seq_sum_np((W * d) * d)
+        for c, isc in zip(_qp_candidates(nmax), (rdiv(c, mx) for c in _qp_candidates(nmax))):
             sc = rdiv(1.0, isc)
-            lf = torch.clamp(nearest_int(isc[None] * X), max=nmax).to(_F32)
-            d2 = X - sc[None] * lf
-            mse = kq._seq_sum((W * d2) * d2)
+            lf = np.minimum(nearest_int(isc * X), nmax).astype(np.float32)
+            d = X - sc * lf
+            mse = kq.seq_sum_np((W * d) * d)
             upd = mse < best
-            best = torch.where(upd, mse, best)
-            iscale = torch.where(upd, isc, iscale)
-        li = torch.clamp(nearest_int(iscale[None] * X), max=nmax)
-        lf = li.to(_F32)
+            best = np.where(upd, mse, best)
+            iscale = np.where(upd, isc, iscale)
+        li = np.minimum(nearest_int(iscale * X), nmax)
+        lf = li.astype(np.float32)
         WX = W * X
-        sumlx = kq._seq_sum(WX * lf)
-        suml2 = kq._seq_sum((W * lf) * lf)
-        rows = [u8(li[i]).to(torch.int32) for i in range(n)]  # L[i] is a uint8_t
+        sumlx = kq.seq_sum_np(WX * lf)
+        suml2 = kq.seq_sum_np((W * lf) * lf)
+        L = u8(li).astype(np.int32)  # L[i] is a uint8_t
         for _ in range(5):
-            changed = torch.zeros_like(zero)
+            changed = False
             for i in range(n):
-                w, wx, l = W[i], WX[i], rows[i].to(_F32)
+                w, wx, l = W[i], WX[i], L[i].astype(np.float32)
                 slx = sumlx - wx * l
                 sl2 = suml2 - (w * l) * l
-                ok = (slx > 0) & (sl2 > 0)
-                new_l = torch.clamp(nearest_int(torch.div(X[i] * sl2, slx)), max=nmax)
-                nl = new_l.to(_F32)
+                new_l = np.minimum(nearest_int((X[i] * sl2) / slx), nmax)
+                nl = new_l.astype(np.float32)
                 slx2 = slx + wx * nl
                 sl22 = sl2 + (w * nl) * nl
-                upd = ok & (new_l != rows[i]) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
-                upd &= ~zero
-                rows[i] = torch.where(upd, u8(new_l).to(torch.int32), rows[i])
-                sumlx = torch.where(upd, slx2, sumlx)
-                suml2 = torch.where(upd, sl22, suml2)
-                changed |= upd
-            if not bool(changed.any()):  # an unchanged column stays at its fixed point
+                upd = (slx > 0) & (sl2 > 0) & (new_l != L[i]) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+                if not np.count_nonzero(upd):
+                    continue
+                changed = True
+                L[i] = np.where(upd, u8(new_l).astype(np.int32), L[i])
+                sumlx = np.where(upd, slx2, sumlx)
+                suml2 = np.where(upd, sl22, suml2)
+            if not changed:
                 break
-        scale = torch.where(suml2 > 0, torch.div(sumlx, suml2), z)
-    L = torch.stack(rows)
-    L = torch.where(zero[None], torch.zeros_like(L), L)
-    return torch.where(zero, z, scale), L
+        scale = np.where(suml2 > 0, sumlx / suml2, f0)
+    L[:, zero] = 0
+    return np.where(zero, f0, scale).astype(np.float32), L
+
+
+@functools.lru_cache(maxsize=None)
+def _qp_candidates(nmax: int) -> tuple[float, ...]:
+    """make_qp_quants' numerators ``0.1f*is + nmax`` for is = -4..4, is != 0 (float32)."""
+    return tuple(float(np.float32(np.float32(0.1) * np.float32(i)) + np.float32(nmax))
+                 for i in (-4, -3, -2, -1, 1, 2, 3, 4))
+
+
+def _two_columns(*mats: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """The search routines sum along columns with numpy, which sums a lone column pairwise
+    (not in C order): a single column is doubled, and the caller keeps the first result."""
+    if mats[0].shape[1] != 1:
+        return list(mats), False
+    return [torch.cat([M, M], dim=1) for M in mats], True
 
 
 def _cols(T: torch.Tensor, nb: int) -> torch.Tensor:
@@ -150,8 +172,10 @@ def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     W = _weights(X, QW, _per_sub(sigma2, 16))
     sw = kq._seq_sum(W)
     scales, levels = kq._make_qx_quants_rmse1(X, 4, W)
-    d_block, ls_levels = kq._make_qx_quants_rmse1(_cols(scales, nb), 32, _cols(sw, nb))
-    ls = ls_levels().to(torch.int32).t()  # (nb, 16) in [0, 63]: Ls[j] = l + 32
+    (SC, SW), one = _two_columns(_cols(scales, nb), _cols(sw, nb))
+    d_block, ls_levels = kq._make_qx_quants_rmse1(SC, 32, SW)
+    ls = ls_levels().to(torch.int32).t()[:nb]  # (nb, 16) in [0, 63]: Ls[j] = l + 32
+    d_block = d_block[:nb]
     sb_low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
     hi = (ls >> 4).view(nb, 4, 4)
     sb_high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
@@ -238,15 +262,17 @@ def _pack_nibbles(L: torch.Tensor) -> torch.Tensor:
 
 
 def _qx_legacy(x, qw, sigma2, nmax):
-    X, W = _legacy_weights(x, qw, sigma2)
+    (X, W), one = _two_columns(*_legacy_weights(x, qw, sigma2))
     d, levels = kq._make_qx_quants_rmse1(X, nmax, W)
-    return d, levels().t().to(torch.int32)
+    L = levels().t().to(torch.int32)
+    return (d[:1], L[:1]) if one else (d, L)
 
 
 def _qkx3_legacy(x, qw, sigma2, nmax):
-    X, W = _legacy_weights(x, qw, sigma2)
+    (X, W), one = _two_columns(*_legacy_weights(x, qw, sigma2))
     SM, levels = kq._make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False, zero_sign=True)
-    return SM[0], -SM[1], levels().t().to(torch.int32)
+    L = levels().t().to(torch.int32)
+    return (SM[0, :1], -SM[1, :1], L[:1]) if one else (SM[0], -SM[1], L)
 
 
 def quantize_q4_0(x, qw, sigma2):
