@@ -198,6 +198,11 @@ def _read_gguf(data: bytes, where: str) -> Imatrix:
         offset = c.unpack("<Q", f"tensor info {name}")
         infos.append((name, ne, ttype, offset))
     start = -(-c.pos // alignment) * alignment
+    # ggml reads the data section whole, the last tensor's padding included
+    end = max((start + off + -(-4 * int(np.prod(ne)) // alignment) * alignment for _, ne, _, off in infos),
+              default=start)
+    if len(data) < end:
+        raise InputError(where, f"truncated imatrix file ({len(data)} bytes, the tensors need {end})")
     tensors: dict[str, tuple[np.ndarray, list[int]]] = {}
     order = []
     for name, ne, ttype, offset in infos:
