@@ -1,10 +1,11 @@
 """Facade over mtpq's ggml-exact torch quantization kernels.
 
 ``quantize`` turns a float tensor (torch order: ``(..., n_per_row)``, the last
-dimension is GGUF's ``ne[0]``) into exactly the bytes ggml's reference
-quantizers (``ggml_quantize_chunk`` without an importance matrix, i.e. what
-``llama-quantize`` writes) produce, as the numpy array gguf-py's ``GGUFWriter``
-takes with ``raw_dtype=qtype``:
+dimension is GGUF's ``ne[0]``) into exactly the bytes ggml's quantizers
+(``ggml_quantize_chunk``, i.e. what ``llama-quantize`` writes) produce -- the
+reference quantizers, or with ``importance=`` (an imatrix's weights) ggml's
+importance-weighted ones (:mod:`.weighted`) -- as the numpy array gguf-py's
+``GGUFWriter`` takes with ``raw_dtype=qtype``:
 
 * quantized types: ``uint8`` of shape ``(..., bytes_per_row)``;
 * F32 / F16: ``float32`` / ``float16`` of the input's shape;

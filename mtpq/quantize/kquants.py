@@ -46,6 +46,10 @@ on 65536-value chunks:
   ``maximum.accumulate`` along a leading axis, made it slower than the
   18-step loop on vectors).
 
+With an importance matrix ggml runs other searches (``quantize_row_*_impl``);
+:mod:`mtpq.quantize.weighted` builds them from the routines here, which take
+the weights as a parameter for that.
+
 See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around).
 """
