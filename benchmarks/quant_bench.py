@@ -21,7 +21,9 @@ given to ours as ``importance=`` and to llama-quantize as an imatrix GGUF
 unchanged) passed with ``--imatrix``; the types timed against llama-quantize
 are then Q4_K, Q6_K, Q4_0 and IQ4_XS (ggml's importance-weighted paths).  The two
 are run alternately and the best of ``--repeat`` runs of each is kept, since a
-shared machine's load changes from one second to the next.  The bytes of both
+shared machine's load changes from one second to the next; the last column is
+the ratio of CPU time (user + system, workers and llama-quantize's threads
+included), which other jobs on the machine disturb less.  The bytes of both
 are compared as well.  Figures only, no asserts.
 """
 
@@ -55,6 +57,15 @@ def _best_of(fn, repeat: int) -> tuple[float, object]:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its reaped children: forked workers, llama-quantize.
+    Less sensitive than wall time to other jobs on a shared machine."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _write_f32_gguf(path: Path, x: np.ndarray) -> None:
@@ -119,27 +130,29 @@ def main() -> None:
             extra, names = ["--imatrix", str(im_file)], ["Q4_K", "Q6_K", "Q4_0", "IQ4_XS"]
         print(f"\nllama-quantize --pure {' '.join(extra[:1])} ({args.llama_quantize}), {args.threads} threads, "
               "whole-process wall time")
-        print(f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}")
+        print(f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}"
+              f" {'cpu ours/theirs':>15}")
         for name in names:
             qt = T[name]
             out = Path(tmp) / f"{name}.gguf"
             # interleaved, best of --repeat each: the machine's load changes from second to second
-            ours_t, theirs_t, raw = float("inf"), float("inf"), None
+            ours_t, theirs_t, ours_c, theirs_c, raw = float("inf"), float("inf"), float("inf"), float("inf"), None
             for _ in range(args.repeat):
+                c0 = _cpu_seconds()
                 t, raw = _best_of(lambda: quantize(x, qt, name, importance=imp), 1)
-                ours_t = min(ours_t, t)
-                t0 = time.perf_counter()
+                ours_t, ours_c = min(ours_t, t), min(ours_c, _cpu_seconds() - c0)
+                t0, c0 = time.perf_counter(), _cpu_seconds()
                 subprocess.run(
                     [str(args.llama_quantize), "--pure", *extra, str(src), str(out), name, str(args.threads)],
                     check=True, capture_output=True,
                 )
-                theirs_t = min(theirs_t, time.perf_counter() - t0)
+                theirs_t, theirs_c = min(theirs_t, time.perf_counter() - t0), min(theirs_c, _cpu_seconds() - c0)
             import gguf
 
             data = np.asarray(gguf.GGUFReader(out).tensors[0].data)
             same = data.tobytes() == raw.tobytes()
-            print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}",
-                  flush=True)
+            print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
+                  f" {ours_c / theirs_c:14.2f}", flush=True)
             out.unlink()
 
 
