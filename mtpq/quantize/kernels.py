@@ -338,10 +338,14 @@ def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2:
     """kernel(x_blocks, chunk) for a chunk (row0, row1, col0, col1) of the matrix, with its weights."""
     fn = _WEIGHTED[qtype]
     bs = block_size(qtype)
+    tiles: dict[tuple[int, int, int], torch.Tensor] = {}  # chunks of one shape share their weights
 
     def run(x: torch.Tensor, p: tuple[int, int, int, int]) -> torch.Tensor:
         r0, r1, c0, c1 = p
-        qw = imp[c0:c1].repeat(r1 - r0).reshape(-1, bs)
+        key = (c0, c1, r1 - r0)
+        qw = tiles.get(key)
+        if qw is None:
+            qw = tiles[key] = imp[c0:c1].repeat(r1 - r0).reshape(-1, bs)
         if row_sigma2 is None:
             return fn(x, qw)
         return fn(x, qw, row_sigma2[r0:r1].repeat_interleave((c1 - c0) // bs))

@@ -794,12 +794,12 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh, qs], dim=1)
 
 
-def quantize_q6_k(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize_row_q6_K_ref``, or ``quantize_row_q6_K_impl`` with importance weights
-    ``qw`` (shape of ``x``): the same search with ``qw`` as its weights."""
+    ``qw_sub`` (in the layout of ``_sub_blocks(x, 16)``): the same search with them as its weights."""
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
-    scales, levels = _make_qx_quants_rmse1(X, 32, None if qw is None else _sub_blocks(qw, 16))
+    scales, levels = _make_qx_quants_rmse1(X, 32, qw_sub)
     # per super-block arithmetic and packing on vectors (numpy on CPU, see _NumpyVec)
     v = _vec_ops(X)
     S = v.vec(scales).reshape(nb, 16)

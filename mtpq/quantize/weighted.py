@@ -47,6 +47,22 @@ def _weights(X: torch.Tensor, QW: torch.Tensor, sigma2: torch.Tensor) -> torch.T
     return QW * sqrt_f32(sigma2 + X * X)
 
 
+_SUB_CACHE: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _qw_sub_blocks(qw: torch.Tensor, n: int) -> torch.Tensor:
+    """``kq._sub_blocks(qw, n)``, kept for the next chunk: the facade hands every chunk of
+    the same shape the same weights tensor, so its transpose is made once."""
+    hit = _SUB_CACHE.get((id(qw), n))
+    if hit is not None and hit[0] is qw:
+        return hit[1]
+    out = kq._sub_blocks(qw, n)
+    if len(_SUB_CACHE) >= 4:
+        _SUB_CACHE.clear()
+    _SUB_CACHE[(id(qw), n)] = (qw, out)  # holding qw keeps its id from being reused
+    return out
+
+
 def _super_sigma2(x: torch.Tensor, n: int, twice: bool) -> torch.Tensor:
     """Per super-block of ``n`` values (rows of ``x``): ``[2*]sum_x2/n``, the sum in C order."""
     xt = kq._sub_blocks(x, n)  # (n, nb): one row per position
@@ -159,7 +175,7 @@ def _cols(T: torch.Tensor, nb: int) -> torch.Tensor:
 
 def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 16), kq._sub_blocks(qw, 16)
+    X, QW = kq._sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
     sigma2 = _super_sigma2(x, QK_K, twice=False)
     W = _weights(X, QW, _per_sub(sigma2, 16))
     sw = kq._seq_sum(W)
@@ -176,7 +192,7 @@ def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 16), kq._sub_blocks(qw, 16)
+    X, QW = kq._sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
     sigma2 = _super_sigma2(x, QK_K, twice=True)
     W = _weights(X, QW, _per_sub(sigma2, 16))
     sw = kq._seq_sum(W)
@@ -201,7 +217,7 @@ def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool):
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 32), kq._sub_blocks(qw, 32)
+    X, QW = kq._sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
     sigma2 = _super_sigma2(x, QK_K, twice=True)
     W = _weights(X, QW, _per_sub(sigma2, 8))
     sw = kq._seq_sum(W)
@@ -236,7 +252,7 @@ def quantize_q5_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q6_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    return kq.quantize_q6_k(x, qw)
+    return kq.quantize_q6_k(x, qw_sub=_qw_sub_blocks(qw, 16))
 
 
 # --------------------------------------------------------------------------- IQ4
@@ -248,7 +264,7 @@ def quantize_iq4_nl(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_iq4_xs(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    X, QW = kq._sub_blocks(x, 32), kq._sub_blocks(qw, 32)
+    X, QW = kq._sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
     xt = kq._sub_blocks(x, QK_K)
     sigma2 = kq._seq_sum(xt * xt) * 0.0078125  # sigma2 *= 2.f/256
     W = _weights(X, QW, _per_sub(sigma2, 8))
