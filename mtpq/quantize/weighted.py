@@ -120,28 +120,46 @@ def _qp_numpy(X: np.ndarray, nmax: int, W: np.ndarray) -> tuple[np.ndarray, np.n
         sumlx = kq.seq_sum_np(WX * lf)
         suml2 = kq.seq_sum_np((W * lf) * lf)
         L = u8(li).astype(np.int32)  # L[i] is a uint8_t
-        for _ in range(5):
-            changed = False
-            for i in range(n):
-                w, wx, l = W[i], WX[i], L[i].astype(np.float32)
-                slx = sumlx - wx * l
-                sl2 = suml2 - (w * l) * l
-                new_l = np.minimum(nearest_int((X[i] * sl2) / slx), nmax)
-                nl = new_l.astype(np.float32)
-                slx2 = slx + wx * nl
-                sl22 = sl2 + (w * nl) * nl
-                upd = (slx > 0) & (sl2 > 0) & (new_l != L[i]) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
-                if not np.count_nonzero(upd):
-                    continue
-                changed = True
-                L[i] = np.where(upd, u8(new_l).astype(np.int32), L[i])
-                sumlx = np.where(upd, slx2, sumlx)
-                suml2 = np.where(upd, sl22, suml2)
-            if not changed:
-                break
+        _qp_refine(X, W, WX, L, sumlx, suml2, nmax)
         scale = np.where(suml2 > 0, sumlx / suml2, f0)
     L[:, zero] = 0
     return np.where(zero, f0, scale).astype(np.float32), L
+
+
+def _qp_refine(X, W, WX, L, sumlx, suml2, nmax: int) -> None:
+    """make_qp_quants' up to 5 passes of one-level moves, in place on L, sumlx, suml2.
+
+    A column that a pass leaves unchanged is at its fixed point; the next pass
+    runs only on the columns that changed (smaller arrays: the ops cost less).
+    """
+    cols = None  # None: every column
+    for _ in range(5):
+        if cols is None:
+            x, w, wx, lv, slx_all, sl2_all = X, W, WX, L, sumlx, suml2
+        else:
+            x, w, wx, lv = X[:, cols], W[:, cols], WX[:, cols], L[:, cols]
+            slx_all, sl2_all = sumlx[cols], suml2[cols]
+        changed = np.zeros(lv.shape[1], dtype=bool)
+        for i in range(x.shape[0]):
+            l = lv[i].astype(np.float32)
+            slx = slx_all - wx[i] * l
+            sl2 = sl2_all - (w[i] * l) * l
+            new_l = np.minimum(nearest_int((x[i] * sl2) / slx), nmax)
+            nl = new_l.astype(np.float32)
+            slx2 = slx + wx[i] * nl
+            sl22 = sl2 + (w[i] * nl) * nl
+            upd = (np.minimum(slx, sl2) > 0) & (new_l != lv[i]) & ((slx2 * slx2) * sl2_all > (slx_all * slx_all) * sl22)
+            if not np.count_nonzero(upd):
+                continue
+            changed |= upd
+            np.copyto(lv[i], u8(new_l), where=upd, casting="unsafe")
+            np.copyto(slx_all, slx2, where=upd)
+            np.copyto(sl2_all, sl22, where=upd)
+        if cols is not None:  # write the subset back
+            L[:, cols], sumlx[cols], suml2[cols] = lv, slx_all, sl2_all
+        if not changed.any():
+            return
+        cols = np.nonzero(changed)[0] if cols is None else cols[changed]
 
 
 @functools.lru_cache(maxsize=None)
