@@ -122,3 +122,20 @@ def test_importance_of_wrong_size_is_refused(inputs):
     x = torch.from_numpy(inputs["gauss_512"])
     with pytest.raises(ValueError, match=r"blk.0.w: importance data of shape \(256,\) does not fit"):
         quantize(x, T.Q4_K, "blk.0.w", importance=np.ones(256, dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_NL], ids=lambda t: t.name)
+def test_importance_on_a_single_row_and_block(qtype, inputs, importance):
+    """One row (the legacy types' row mean square over a lone row) and one block per chunk:
+    numpy sums a lone column pairwise, the kernels must not let it."""
+    x = inputs["misc"][1:2]  # Student-t row of 512: pairwise and sequential sums differ there
+    ref = _load(f"{qtype.name}_imatrix.npz")["misc"][1:2]
+    assert np.array_equal(quantize(torch.from_numpy(x), qtype, importance=importance["misc"]), ref)
+    bs = kernels.block_size(qtype)
+    q, d, _, _ = kernels._KERNELS[qtype]
+    saved = kernels._KERNELS[qtype]
+    kernels._KERNELS[qtype] = (q, d, bs, bs)  # one block per chunk
+    try:
+        assert np.array_equal(quantize(torch.from_numpy(x), qtype, importance=importance["misc"]), ref)
+    finally:
+        kernels._KERNELS[qtype] = saved

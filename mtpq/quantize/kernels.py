@@ -328,9 +328,8 @@ def _row_sigma2(rows2d: torch.Tensor) -> torch.Tensor:
     for r0 in range(0, n_rows, step):
         xt = np.ascontiguousarray(rows2d[r0:r0 + step].to(torch.float32).cpu().numpy().T)  # (n, k)
         with np.errstate(all="ignore"):
-            # along a non-innermost axis numpy adds row after row, like the C loop
-            s = np.add.reduce(xt * xt, axis=0, initial=np.float32(0.0))
-            out[r0:r0 + step] = s / np.float32(n)
+            # row after row, like the C loop (also for a lone row: see kquants.seq_sum_np)
+            out[r0:r0 + step] = kquants.seq_sum_np(xt * xt) / np.float32(n)
     return torch.from_numpy(out).to(rows2d.device)
 
 
