@@ -242,7 +242,7 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
     from .quantize.kernels import quantize
 
     try:
-        return quantize(spec.load(), spec.ggml_type, name=spec.name)
+        return quantize(spec.load(), spec.ggml_type, name=spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
         raise InputError(spec.source, str(exc)) from None
 

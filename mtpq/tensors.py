@@ -93,6 +93,8 @@ class TensorSpec:
     source_type: GGMLQuantizationType | None = None
     load_raw: Callable[[], np.ndarray] | None = None
     reason: str = ""  # why ggml_type was chosen (the policy's explanation)
+    # importance weights from an imatrix, (n_mat, row length) float32 (one row per expert), or None
+    importance: "np.ndarray | None" = None
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)

@@ -217,3 +217,60 @@ def test_killed_build_leaves_no_partial_artifact_and_resumes(glm_ckpt, tmp_path)
     assert res.exit_code == 0, res.output
     assert (dist / "tiny-Q4_K_M.gguf").is_file() and not list(dist.glob(".*.partial-*"))
     assert (dist / "tiny-Q8_0.gguf").stat().st_mtime_ns == q8_stamp  # resumed, not redone
+
+
+def _synthetic_imatrix(ckpt: Path, out: Path, seed: int) -> Path:
+    """Importance data for every weight of the reference GGUF (random positive, seeded)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from mtpq.convert import plan_checkpoint
+    from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix
+
+    rng = np.random.default_rng(seed)
+    entries = {}
+    for s in plan_checkpoint(ckpt, outtype=T.F16).tensors:
+        if len(s.shape) >= 2 and s.name.endswith("weight"):
+            n_mat = s.shape[0] if len(s.shape) == 3 else 1
+            entries[s.name] = Entry(rng.random((n_mat, s.shape[-1]), dtype=np.float32) + 0.01,
+                                    np.ones(n_mat, dtype=np.float32))
+    write_imatrix(Imatrix(dict(sorted(entries.items())), datasets=["synthetic"], chunk_count=1, chunk_size=1), out)
+    return out
+
+
+def test_variant_with_imatrix_records_it_and_rebuilds_when_it_changes(glm_ckpt, tmp_path):
+    imf = _synthetic_imatrix(glm_ckpt, tmp_path / "tiny.imatrix.gguf", seed=1)
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    recipe.write_text(recipe.read_text().replace('mtp_type = "q8_0"', 'mtp_type = "q8_0"\nimatrix = "tiny.imatrix.gguf"'))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    dist = tmp_path / "dist"
+    manifest = json.loads((dist / "manifest.json").read_text())
+    entry = next(f for f in manifest["files"] if f["variant"] == "Q4_K_M")
+    assert entry["imatrix"] == "tiny.imatrix.gguf" and entry["imatrix_sha256"] == sha(imf)
+    assert "imatrix" not in next(f for f in manifest["files"] if f["variant"] == "Q8_0")
+    # the variant equals mtpq quantize --imatrix of the reference
+    ref = dist / "tiny-F16.gguf"
+    direct = tmp_path / "direct.gguf"
+    assert run_cli("quantize", ref, direct, "Q4_K_M", "--imatrix", imf, "-q").exit_code == 0
+    assert sha(direct) == sha(dist / "tiny-Q4_K_M.gguf")
+    before = stamps(dist)
+    _synthetic_imatrix(glm_ckpt, imf, seed=2)  # new importance data: only that variant is rebuilt
+    assert run_cli("build", recipe).exit_code == 0
+    after = stamps(dist)
+    assert {n for n in before if before[n] != after[n]} == {"tiny-Q4_K_M.gguf"}
+
+
+@pytest.mark.parametrize("extra, key, says", [
+    ('imatrix = "missing.imatrix.gguf"', "variant[1].imatrix", "cannot read imatrix file"),
+    ('imatrix = "r.toml"', "variant[1].imatrix", "not an imatrix"),
+    ('exclude_weights = ["ffn"]', "variant[1].exclude_weights", "needs imatrix"),
+])
+def test_broken_imatrix_keys_name_the_key(glm_ckpt, tmp_path, extra, key, says):
+    recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
+    recipe.write_text(recipe.read_text().replace('mtp_type = "q8_0"', f'mtp_type = "q8_0"\n{extra}'))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and key in line and says in line, line
+    assert not (tmp_path / "dist").exists()

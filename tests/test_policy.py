@@ -9,8 +9,12 @@ llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (llama.cpp of
 For every variant in ``VARIANTS`` it builds the tiny checkpoint (tests/tiny*.py,
 f32), converts it with mtpq to an f32 GGUF, runs
 ``llama-quantize [options] tiny-f32.gguf out.gguf PRESET 1`` for every run in
-``runs_for`` (no imatrix) and stores the type of every tensor of ``out.gguf`` as
-gguf-py's GGUFReader reads it. The variants exercise: GLM-4.5 with 8 trunk
+``runs_for`` and stores the type of every tensor of ``out.gguf`` as gguf-py's
+GGUFReader reads it.  Runs with ``{"imatrix": true}`` pass ``--imatrix`` with
+a synthetic imatrix (:func:`synthetic_imatrix`: an entry of ones for every
+2-D/3-D weight, written by mtpq's imatrix writer): which types a preset picks
+depends only on whether importance data is given (Q4_0/Q5_0's first ffn_down
+layers, IQ4_NL/IQ4_XS's, and Q2_K_S, which needs one). The variants exercise: GLM-4.5 with 8 trunk
 layers + 1 MTP block (so llama.cpp's use_more_bits layer pattern has room); an
 8-expert GLM with GQA 4 and tied embeddings (llama.cpp's n_expert == 8 and
 n_gqa >= 4 rules, token_embd following the output rules); rows that are not
@@ -78,12 +82,34 @@ _OPTION_RUNS = {
 }
 
 
+IMATRIX_PRESETS = ["Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K_S", "Q4_K_M"]
+
+
 def runs_for(variant: str) -> list[tuple[str, dict]]:
-    return [(p, {}) for p in PRESETS] + _OPTION_RUNS.get(variant, [])
+    return ([(p, {}) for p in PRESETS] + _OPTION_RUNS.get(variant, [])
+            + [(p, {"imatrix": True}) for p in IMATRIX_PRESETS])
 
 
-def llama_args(options: dict) -> list[str]:
+def synthetic_imatrix(weights: list[tuple[str, int, int]]):
+    """An imatrix with an entry of ones for every (name, row length, n_mat) weight."""
+    import numpy as np
+
+    from mtpq.quantize.imatrix import Entry, Imatrix
+
+    entries = {name: Entry(np.ones((n_mat, row), dtype=np.float32), np.ones(n_mat, dtype=np.float32))
+               for name, row, n_mat in sorted(weights)}
+    return Imatrix(entries, datasets=["synthetic"], chunk_count=1, chunk_size=1)
+
+
+def _plan_weights(plan) -> list[tuple[str, int, int]]:
+    return [(s.name, s.shape[-1], s.shape[0] if len(s.shape) == 3 else 1)
+            for s in plan.tensors if len(s.shape) >= 2 and s.name.endswith("weight")]
+
+
+def llama_args(options: dict, imatrix_file: Path | None = None) -> list[str]:
     args = ["--pure"] if options.get("pure") else []
+    if options.get("imatrix"):
+        args += ["--imatrix", str(imatrix_file)]
     for pattern in options.get("tensor_types", []):
         args += ["--tensor-type", pattern]
     if "output_tensor_type" in options:
@@ -125,11 +151,18 @@ def record(bin_dir: Path, out_dir: Path, work: Path) -> None:
     for variant, (builder, config) in VARIANTS.items():
         (work / variant).mkdir(parents=True, exist_ok=True)
         f32 = make_f32_gguf(work / variant, builder, config)
-        names = [t.name for t in GGUFReader(f32).tensors]
+        reader = GGUFReader(f32)
+        names = [t.name for t in reader.tensors]
+        from mtpq.quantize.imatrix import write_imatrix
+
+        imatrix_file = work / variant / "synthetic.imatrix.gguf"
+        write_imatrix(synthetic_imatrix([(t.name, int(t.shape[0]), int(t.shape[2]) if len(t.shape) == 3 else 1)
+                                         for t in reader.tensors
+                                         if len(t.shape) >= 2 and t.name.endswith("weight")]), imatrix_file)
         runs = []
         for preset, options in runs_for(variant):
             q = work / variant / "q.gguf"
-            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options), str(f32), str(q), preset, "1"]
+            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options, imatrix_file), str(f32), str(q), preset, "1"]
             subprocess.run(cmd, check=True, capture_output=True)
             types = {t.name: T(t.tensor_type).name for t in GGUFReader(q).tensors}
             runs.append({"preset": preset, "options": options, "types": [types[n] for n in names]})
@@ -185,6 +218,8 @@ def _cases():
 
 
 def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
+    if options.get("imatrix"):
+        extra["imatrix"] = synthetic_imatrix(_plan_weights(plan))
     plan = plan_quantize(plan, preset, pure=options.get("pure", False),
                          tensor_types=options.get("tensor_types", ()),
                          output_tensor_type=options.get("output_tensor_type"),
@@ -358,10 +393,61 @@ def test_counters_skip_tensors_decided_before_the_mix(glm8):
     assert first_answer(spec, ctx)[0] is preset_mix
 
 
+def test_imatrix_entries_reach_the_tensors_and_select(glm8):
+    im = synthetic_imatrix(_plan_weights(glm8))
+    plan = plan_quantize(glm8, "Q4_K_M", imatrix=im)
+    got = {s.name: s.importance for s in plan.tensors}
+    assert got["blk.0.ffn_down.weight"].shape == (1, glm8_row(glm8, "blk.0.ffn_down.weight"))
+    assert got["blk.1.ffn_up_exps.weight"].shape[0] > 1  # one row per expert
+    assert got["blk.0.attn_norm.weight"] is None  # never quantized: no weights
+    kv = plan.kv_value("quantize.imatrix.entries_count")
+    assert kv == len(im.entries)
+    excl = plan_quantize(glm8, "Q4_K_M", imatrix=im, exclude_weights=["ffn_down"])
+    assert all(s.importance is None for s in excl.tensors if "ffn_down" in s.name)
+    assert any(s.importance is not None for s in excl.tensors)
+    incl = plan_quantize(glm8, "Q4_K_M", imatrix=im, include_weights=["attn_q"])
+    assert {s.name for s in incl.tensors if s.importance is not None} == {
+        s.name for s in glm8.tensors if "attn_q" in s.name and s.name.endswith("weight") and len(s.shape) >= 2}
+    with pytest.raises(InputError, match="cannot be combined"):
+        plan_quantize(glm8, "Q4_K_M", imatrix=im, include_weights=["a"], exclude_weights=["b"])
+
+
+def glm8_row(plan, name):
+    return next(s.shape[-1] for s in plan.tensors if s.name == name)
+
+
+def test_imatrix_for_another_model_or_size_is_refused(glm8):
+    from mtpq.quantize.imatrix import Entry
+
+    other = synthetic_imatrix([("blk.0.attn_qkv.weight", 64, 1)])
+    with pytest.raises(InputError, match="names a tensor of this model"):
+        plan_quantize(glm8, "Q4_K_M", imatrix=other)
+    wrong = synthetic_imatrix(_plan_weights(glm8))
+    wrong.entries["blk.0.attn_q.weight"] = Entry(wrong.entries["blk.0.attn_q.weight"].sums[:, :-32],
+                                                 wrong.entries["blk.0.attn_q.weight"].counts)
+    with pytest.raises(InputError, match="entry blk.0.attn_q.weight has .* values, the tensor needs"):
+        plan_quantize(glm8, "Q4_K_M", imatrix=wrong)
+
+
+def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8):
+    """llama-imatrix never runs the MTP head: its entries are missing. With the head in a type
+    that needs importance data (here Q2_K of a Q2_K_S file) the plan is refused before anything
+    is written, naming the head's tensors and both remedies; the default head type needs none."""
+    trunk_only = synthetic_imatrix([w for w in _plan_weights(glm8) if not w[0].startswith("blk.8.")])
+    plan = plan_quantize(glm8, "Q2_K_S", imatrix=trunk_only)  # head at q8_0: fine
+    assert {s.ggml_type for s in plan.tensors if s.role is Role.MTP and s.importance is None} <= {T.Q8_0, T.F32}
+    with pytest.raises(InputError) as exc:
+        plan_quantize(glm8, "Q2_K_S", imatrix=trunk_only, mtp_type="q2_k")
+    msg = exc.value.problem
+    assert exc.value.where == "imatrix"
+    assert "blk.8." in msg and "q2_k" in msg and "mtpq imatrix --mtp" in msg and "--mtp-type q8_0" in msg
+    assert "\n" not in msg
+
+
 @pytest.mark.parametrize("kwargs,where,says", [
     (dict(preset="Q9_X"), "PRESET", "unknown preset"),
     (dict(preset="IQ2_XXS"), "PRESET", "not supported"),
-    (dict(preset="Q2_K_S"), "PRESET", "importance matrix"),
+    (dict(preset="Q2_K_S"), "--imatrix", "need importance data"),  # Q2_K_S exists only with an imatrix
     (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
     (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
     (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),

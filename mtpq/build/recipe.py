@@ -18,6 +18,9 @@
     preset = "Q4_K_M"
     mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk
     tensor_types = ["attn_v=q8_0"]  # optional llama-quantize style overrides
+    # imatrix = "glm-air.imatrix.gguf"  # optional: importance matrix (llama-imatrix GGUF or .dat), as
+    #                                   # llama-quantize --imatrix; its sha256 goes into the manifest
+    # exclude_weights = ["ffn_down"]    # optional, with imatrix: llama-quantize's --exclude/--include-weights
     # graft_into = "published-Q4_K_M.gguf"  # optional: give this existing quant the reference's head
     # gate = false                # optional: build without the acceptance gate
 
@@ -62,6 +65,9 @@ class Variant:
     tensor_types: tuple[str, ...] = ()
     graft_into: Path | None = None
     gate: bool = True
+    imatrix: Path | None = None
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
 
 
 @dataclass
@@ -108,6 +114,32 @@ def _check_unknown(table: dict, allowed: set[str], path: Path, where: str) -> No
     for k in table:
         if k not in allowed:
             raise _err(path, f"{where}.{k}" if where else k, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _imatrix_keys(v: dict, path: Path, where: str, base: Path, check_inputs: bool):
+    """A variant's ``imatrix`` (checked readable as an imatrix file) and its weight selections."""
+    name = _take(v, "imatrix", str, path, where)
+    lists = []
+    for key in ("include_weights", "exclude_weights"):
+        items = _take(v, key, list, path, where, default=[])
+        if not all(isinstance(x, str) and x for x in items):
+            raise _err(path, f"{where}.{key}", "expected a list of non-empty strings")
+        if items and name is None:
+            raise _err(path, f"{where}.{key}", "needs imatrix")
+        lists.append(tuple(items))
+    if lists[0] and lists[1]:
+        raise _err(path, f"{where}.include_weights", "cannot be combined with exclude_weights")
+    if name is None:
+        return None, lists
+    imatrix = base / name
+    if check_inputs:
+        from ..quantize.imatrix import read_imatrix
+
+        try:
+            read_imatrix(imatrix)
+        except InputError as exc:
+            raise _err(path, f"{where}.imatrix", f"{imatrix}: {exc.problem}") from None
+    return imatrix, lists
 
 
 def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
@@ -185,7 +217,8 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         where = f"variant[{i}]"
         if not isinstance(v, dict):
             raise _err(path, where, "must be a table")
-        _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate"}, path, where)
+        _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate",
+                           "imatrix", "include_weights", "exclude_weights"}, path, where)
         vname = _take(v, "name", str, path, where, required=True)
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
@@ -208,9 +241,12 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         graft = _take(v, "graft_into", str, path, where)
         if check_inputs and graft is not None and not (base / graft).is_file():
             raise _err(path, f"{where}.graft_into", f"{base / graft} does not exist")
+        imatrix, weights = _imatrix_keys(v, path, where, base, check_inputs)
+        if imatrix is not None and graft is not None:
+            raise _err(path, f"{where}.imatrix", "a grafted variant is not quantized: drop imatrix or graft_into")
         variants.append(Variant(vname, preset, mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
                                 tuple(overrides), base / graft if graft else None,
-                                _take(v, "gate", bool, path, where, default=True)))
+                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights))
     names = [v.name for v in variants]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:

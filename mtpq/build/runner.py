@@ -111,8 +111,12 @@ def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
         mtp_type = None if v.mtp_type == "same" else type_named(v.mtp_type, "mtp_type")  # a name in the recipe
         plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=mtp_type)
     else:
+        from ..quantize.imatrix import read_imatrix
+
         plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type,
-                             tensor_types=list(v.tensor_types))
+                             tensor_types=list(v.tensor_types),
+                             imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
+                             include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
     write_plan(plan, out)
 
 
@@ -188,6 +192,9 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool
         graft_sha = sha256_file(v.graft_into) if v.graft_into else None
         opts = {"preset": v.preset, "mtp_type": v.mtp_type, "mtp_experts_type": v.mtp_experts_type,
                 "tensor_types": list(v.tensor_types), "graft_into": v.graft_into.name if v.graft_into else None}
+        if v.imatrix is not None:  # recorded (and part of the build key) only when used
+            opts.update(imatrix=v.imatrix.name, imatrix_sha256=sha256_file(v.imatrix),
+                        include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
         bkey = key_of(ref_key, opts, graft_sha)
         jobs.append({"kind": "variant", "label": "variant", "variant": v, "variant_name": v.name,
                      "out": str(recipe.output / f"{recipe.name}-{v.name}.gguf"), "part": str(parts / f"{v.name}.json"),

@@ -9,6 +9,7 @@ import typer
 
 from ..convert import OUTTYPES, MtpMode, plan_checkpoint
 from ..gguf_io import tensor_nbytes, write_plan
+from ..quantize.imatrix import read_imatrix
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
 from .common import THREADS_HELP, byte_progress, console, fail, guarded, set_threads
@@ -40,6 +41,12 @@ def convert(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
         None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
+    imatrix: Optional[Path] = typer.Option(
+        None, "--imatrix", help="With --quant: importance matrix (llama-imatrix's GGUF or .dat), as llama-quantize --imatrix."),
+    include_weights: Optional[List[str]] = typer.Option(
+        None, "--include-weights", help="With --imatrix: use it only for tensors whose name contains this."),
+    exclude_weights: Optional[List[str]] = typer.Option(
+        None, "--exclude-weights", help="With --imatrix: do not use it for tensors whose name contains this."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
@@ -56,15 +63,19 @@ def convert(
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
     quant_options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [])
     if quant is None:
-        for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type), ("--tensor-type", tensor_type)):
+        for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
+                            ("--tensor-type", tensor_type), ("--imatrix", imatrix),
+                            ("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
             if given:
                 fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
     else:
         parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
+    imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     if quant is not None:
-        plan = plan_quantize(plan, quant, **quant_options)
+        plan = plan_quantize(plan, quant, imatrix=imatrix_data, include_weights=include_weights or [],
+                             exclude_weights=exclude_weights or [], **quant_options)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
         write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..gguf_io import plan_from_gguf, write_plan
+from ..quantize.imatrix import read_imatrix
 from ..quantize.pipeline import parse_options, plan_quantize, summarize
 from ..quantize.presets import PRESETS
 from .app import app
@@ -25,7 +26,8 @@ _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_n
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M            # MTP block at q8_0\n\n"
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type same   # exactly llama-quantize\n\n"
         "  mtpq quantize glm-bf16.gguf glm-q3.gguf Q3_K_M --mtp-experts-type q4_k\n\n"
-        "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run"
+        "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run\n\n"
+        "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix"
     )
 )
 @guarded
@@ -42,6 +44,13 @@ def quantize(
         None, "--tensor-type", help="REGEX=TYPE, repeatable, first match wins; beats the preset and the MTP rule."),
     output_tensor_type: Optional[str] = typer.Option(None, "--output-tensor-type", help=f"Type of output.weight: {_TYPES_HELP}."),
     token_embedding_type: Optional[str] = typer.Option(None, "--token-embedding-type", help="Type of token_embd.weight."),
+    imatrix: Optional[Path] = typer.Option(
+        None, "--imatrix", help="Importance matrix (llama-imatrix's GGUF or legacy .dat): the same bytes as "
+                                "llama-quantize --imatrix."),
+    include_weights: Optional[List[str]] = typer.Option(
+        None, "--include-weights", help="Use the imatrix only for tensors whose name contains this (repeatable)."),
+    exclude_weights: Optional[List[str]] = typer.Option(
+        None, "--exclude-weights", help="Do not use the imatrix for tensors whose name contains this (repeatable)."),
     pure: bool = typer.Option(False, "--pure", help="No llama-quantize mix: the preset's base type everywhere."),
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing already-quantized tensors."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
@@ -51,15 +60,17 @@ def quantize(
 ) -> None:
     """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
 
-    Per-tensor types follow llama-quantize (no imatrix) for the trunk; every
+    Per-tensor types follow llama-quantize (with --imatrix as llama-quantize --imatrix) for the trunk; every
     tensor of an MTP block gets --mtp-type. 1-D tensors and routers stay as they are.
     """
     options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
                    output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type)
     parse_options(preset, **options)  # a bad option fails before any file is read
     set_threads(threads)
+    imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     before = plan_from_gguf(src)
-    after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, **options)
+    after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
+                          include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
     info = summarize(before, after)
     if dry_run:
         if as_json:

@@ -1,10 +1,11 @@
 """Facade over mtpq's ggml-exact torch quantization kernels.
 
 ``quantize`` turns a float tensor (torch order: ``(..., n_per_row)``, the last
-dimension is GGUF's ``ne[0]``) into exactly the bytes ggml's reference
-quantizers (``ggml_quantize_chunk`` without an importance matrix, i.e. what
-``llama-quantize`` writes) produce, as the numpy array gguf-py's ``GGUFWriter``
-takes with ``raw_dtype=qtype``:
+dimension is GGUF's ``ne[0]``) into exactly the bytes ggml's quantizers
+(``ggml_quantize_chunk``, i.e. what ``llama-quantize`` writes) produce -- the
+reference quantizers, or with ``importance=`` (an imatrix's weights) ggml's
+importance-weighted ones (:mod:`.weighted`) -- as the numpy array gguf-py's
+``GGUFWriter`` takes with ``raw_dtype=qtype``:
 
 * quantized types: ``uint8`` of shape ``(..., bytes_per_row)``;
 * F32 / F16: ``float32`` / ``float16`` of the input's shape;
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kquants, legacy
+from . import kquants, legacy, weighted
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -72,6 +73,17 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 64 * _K, 64 * _K),
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
 }
+# ggml's importance-weighted paths (quantize_row_*_impl); Q8_0 and the float types have none
+_WEIGHTED: dict[GGMLQuantizationType, Callable] = {
+    T.Q4_0: weighted.quantize_q4_0, T.Q4_1: weighted.quantize_q4_1,
+    T.Q5_0: weighted.quantize_q5_0, T.Q5_1: weighted.quantize_q5_1,
+    T.Q2_K: weighted.quantize_q2_k, T.Q3_K: weighted.quantize_q3_k, T.Q4_K: weighted.quantize_q4_k,
+    T.Q5_K: weighted.quantize_q5_k, T.Q6_K: weighted.quantize_q6_k,
+    T.IQ4_NL: weighted.quantize_iq4_nl, T.IQ4_XS: weighted.quantize_iq4_xs,
+}
+# the legacy impls weight by the mean square of the whole row, not of the block
+_ROW_SIGMA2 = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+IMPORTANCE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_WEIGHTED)
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
@@ -175,8 +187,15 @@ def quantize(
     name: str = "tensor",
     *,
     check_scales: bool = True,
+    importance=None,
 ) -> np.ndarray:
     """ggml-exact encoding of ``values`` (shape ``(..., n_per_row)``) in ``qtype``.
+
+    ``importance``: llama-quantize's ``--imatrix`` weights for this tensor, one
+    per column (shape ``(n_per_row,)``), or one row per expert (``(n_expert,
+    n_per_row)`` for ``values`` of shape ``(n_expert, rows, n_per_row)``);
+    the bytes are then those of ``ggml_quantize_chunk(..., imatrix)``.  Types
+    without an importance path in ggml (Q8_0, floats) ignore it, as ggml does.
 
     Raises ``ValueError`` naming the tensor for NaN/Inf input, a row length that
     is not a multiple of the block size, or an unsupported type; and, like
@@ -188,6 +207,15 @@ def quantize(
     if not isinstance(values, torch.Tensor):
         values = torch.as_tensor(np.asarray(values))
     values = values.detach()
+    if importance is not None and qtype in _WEIGHTED:
+        imp = _importance_for(importance, values, name)
+        if imp.dim() == 2:  # one row of weights per expert: the experts one after the other
+            parts = [quantize(values[e], qtype, name, check_scales=check_scales, importance=imp[e])
+                     for e in range(imp.shape[0])]
+            return np.stack(parts)
+        importance = imp
+    else:
+        importance = None
     if values.dim() == 0:
         values = values.reshape(1)
     shape = tuple(values.shape)
@@ -246,6 +274,8 @@ def quantize(
         return out.reshape(shape)
 
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
+    if importance is not None:
+        qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
     if on_cpu:
         _keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
@@ -259,7 +289,7 @@ def quantize(
 
     def work(p: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = p
-        q = qfn(load(p).reshape(-1, bs))
+        q = qfn(load(p).reshape(-1, bs)) if importance is None else qfn(load(p).reshape(-1, bs), p)
         if check_scales:
             _validate_scales(q, qtype, name)
         out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
@@ -272,6 +302,54 @@ def quantize(
         for p in todo:
             work(p)
     return out.reshape(*shape[:-1], n // bs * ts)
+
+
+def _importance_for(importance, values: torch.Tensor, name: str) -> torch.Tensor:
+    """The importance weights as float32 (n,) or (n_expert, n), checked against ``values``."""
+    imp = importance if isinstance(importance, torch.Tensor) else torch.as_tensor(np.asarray(importance))
+    imp = imp.detach().to(torch.float32)
+    n = values.shape[-1]
+    if imp.dim() == 2 and imp.shape[0] == 1:
+        imp = imp[0]
+    if imp.dim() == 1 and imp.shape[0] == n:
+        return imp.contiguous()
+    if imp.dim() == 2 and values.dim() == 3 and tuple(imp.shape) == (values.shape[0], n):
+        return imp.contiguous()
+    raise ValueError(
+        f"{name}: importance data of shape {tuple(imp.shape)} does not fit a tensor of shape {tuple(values.shape)}"
+    )
+
+
+def _row_sigma2(rows2d: torch.Tensor) -> torch.Tensor:
+    """``sum_x2 / n_per_row`` of every row, the sum in C order (float32), for the legacy impls."""
+    n_rows, n = rows2d.shape
+    out = np.empty(n_rows, dtype=np.float32)
+    step = max(1, (1 << 20) // max(n, 1))
+    for r0 in range(0, n_rows, step):
+        xt = np.ascontiguousarray(rows2d[r0:r0 + step].to(torch.float32).cpu().numpy().T)  # (n, k)
+        with np.errstate(all="ignore"):
+            # row after row, like the C loop (also for a lone row: see kquants.seq_sum_np)
+            out[r0:r0 + step] = kquants.seq_sum_np(xt * xt) / np.float32(n)
+    return torch.from_numpy(out).to(rows2d.device)
+
+
+def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2: torch.Tensor | None):
+    """kernel(x_blocks, chunk) for a chunk (row0, row1, col0, col1) of the matrix, with its weights."""
+    fn = _WEIGHTED[qtype]
+    bs = block_size(qtype)
+    tiles: dict[tuple[int, int, int], torch.Tensor] = {}  # chunks of one shape share their weights
+
+    def run(x: torch.Tensor, p: tuple[int, int, int, int]) -> torch.Tensor:
+        r0, r1, c0, c1 = p
+        key = (c0, c1, r1 - r0)
+        qw = tiles.get(key)
+        if qw is None:
+            qw = tiles[key] = imp[c0:c1].repeat(r1 - r0).reshape(-1, bs)
+        if row_sigma2 is None:
+            return fn(x, qw)
+        return fn(x, qw, row_sigma2[r0:r1].repeat_interleave((c1 - c0) // bs))
+
+    return run
 
 
 _THREAD_LOCK = threading.Lock()

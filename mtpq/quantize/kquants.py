@@ -46,6 +46,10 @@ on 65536-value chunks:
   ``maximum.accumulate`` along a leading axis, made it slower than the
   18-step loop on vectors).
 
+With an importance matrix ggml runs other searches (``quantize_row_*_impl``);
+:mod:`mtpq.quantize.weighted` builds them from the routines here, which take
+the weights as a parameter for that.
+
 See :mod:`mtpq.quantize.legacy` for the float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around).
 """
@@ -63,6 +67,7 @@ from .legacy import (
     div,
     f32,
     first_absmax,
+    first_min,
     fp16_bits,
     fp16_round,
     from_fp16_bytes,
@@ -110,14 +115,27 @@ def _seq_sum(T: torch.Tensor, dim: int = 0) -> torch.Tensor:
     only used along the innermost axis), instead of one torch op per row.
     """
     if T.device.type == "cpu" and dim < T.dim() - 1:
-        with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
-            s = np.add.reduce(T.numpy(), axis=dim, initial=np.float32(0.0))
-        return torch.from_numpy(s)
+        return torch.from_numpy(seq_sum_np(T.numpy(), dim))
     T = T.movedim(dim, 0)
     acc = T[0] + 0.0  # 0.0f + t: same bits as the C accumulator after one step
     for i in range(1, T.shape[0]):
         acc.add_(T[i])
     return acc
+
+
+def seq_sum_np(a: np.ndarray, dim: int = 0) -> np.ndarray:
+    """``s += a[i]`` along ``dim`` (not the innermost) of a float32 numpy array, in C order.
+
+    numpy adds row after row along a leading axis, but only while something is
+    left beside it: with a single column the reduction becomes a contiguous one,
+    which numpy sums pairwise.  A zero column is added then.
+    """
+    with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
+        if a.shape[dim] > 0 and a.size == a.shape[dim]:
+            col = a.reshape(-1, 1)
+            s = np.add.reduce(np.concatenate([col, np.zeros_like(col)], axis=1), axis=0, initial=np.float32(0.0))
+            return s[:1].reshape(a.shape[:dim] + a.shape[dim + 1:])
+        return np.add.reduce(a, axis=dim, initial=np.float32(0.0))
 
 
 def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:
@@ -403,8 +421,11 @@ def _qkx2_candidates(nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple
     )
 
 
-def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``X``.
+def _make_qx_quants_rmse1(
+    X: torch.Tensor, nmax: int, W: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` for every column of ``X``:
+    ``qw = NULL`` (weights x*x) when ``W`` is None, else the weights ``W`` (same shape).
 
     Returns (scale (n_sub,), levels) where ``levels()`` gives L (n, n_sub), float32
     in [0, 2*nmax-1].  The 19 candidate scales do not depend on each other: each
@@ -421,7 +442,8 @@ def _make_qx_quants_rmse1(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, Cal
     zero_v = amax < _GROUP_MAX_EPS
     consts = _qx_candidates(nmax)
     nc = len(consts)
-    W = X * X
+    if W is None:
+        W = X * X
     WX = W * X
     L = torch.empty_like(X)
     Wa, WXa, La = v.arr(W), v.arr(WX), v.arr(L)
@@ -513,9 +535,13 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _make_qkx2_quants(
-    X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+    X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool,
+    zero_sign: bool = False,
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """``make_qkx2_quants`` for every column. Returns ((scale, the_min) as (2, n_sub), levels).
+
+    ``zero_sign``: also get the sign of a zero ``the_min`` right (the C scan keeps the
+    first minimal element, -0.0 or 0.0); Q4_1/Q5_1 store the min as fp16, where it shows.
 
     ``levels()`` gives the winner's L (n, n_sub) as float32, on demand (see
     :func:`_make_qx_quants_rmse1`).
@@ -593,7 +619,8 @@ def _make_qkx2_quants(
         return ratio_bound(best_min, rng)
 
     with np.errstate(all="ignore"):  # inf/NaN propagate as in C
-        v.copy(best_min, v.where(xmin > 0, 0.0, xmin))
+        x0 = v.vec(first_min(X, 0)) if zero_sign else xmin
+        v.copy(best_min, v.where(x0 > 0, 0.0, x0))
         v.copy(win_mn, best_min)
         flat = mx == best_min  # C returns early: L = 0, scale 0; such columns are never updated
         any_flat = v.any(flat)
@@ -767,10 +794,12 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh, qs], dim=1)
 
 
-def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
+def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.Tensor:
+    """``quantize_row_q6_K_ref``, or ``quantize_row_q6_K_impl`` with importance weights
+    ``qw_sub`` (in the layout of ``_sub_blocks(x, 16)``): the same search with them as its weights."""
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
-    scales, levels = _make_qx_quants_rmse1(X, 32)
+    scales, levels = _make_qx_quants_rmse1(X, 32, qw_sub)
     # per super-block arithmetic and packing on vectors (numpy on CPU, see _NumpyVec)
     v = _vec_ops(X)
     S = v.vec(scales).reshape(nb, 16)
@@ -827,15 +856,17 @@ def _iq4_values(v: torch.Tensor) -> torch.Tensor:
     return lut.index_select(0, _iq4_slot(v)).view(v.shape)
 
 
-def _iq4_block_scales(X: torch.Tensor, ntry: int) -> torch.Tensor:
-    """Per 32-element block part of ``quantize_row_iq4_nl_impl`` (no quant_weights).
+def _iq4_block_scales(X: torch.Tensor, ntry: int, W: torch.Tensor | None = None) -> torch.Tensor:
+    """Per 32-element block part of ``quantize_row_iq4_nl_impl``; ``W`` the weights
+    (``qw * sqrtf(sigma2 + x*x)`` with an importance matrix), x*x when None.
 
     Returns the scale d of every block (column of ``X``); the first-pass levels
     are not needed: ggml recomputes them afterwards when ntry > 0.
     """
     amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
-    W = X * X
+    if W is None:
+        W = X * X
     d0 = torch.div(-mx, cst(-127.0, X))
     id0 = rdiv(1.0, d0)
     consts = [float(i - 127) for i in range(-ntry, ntry + 1)]
@@ -868,18 +899,20 @@ def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
     return u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(L.shape[0], -1)
 
 
-def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
+def quantize_iq4_nl(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
+    """``W``: the weights in the layout of ``x.t()`` (see :mod:`.weighted`), x*x when None."""
     X = x.t().contiguous()  # (32, nb)
-    d = _iq4_block_scales(X, 7)
+    d = _iq4_block_scales(X, 7, W)
     idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
     L = _best_index_iq4(idv[:, None] * x)
     return torch.cat([fp16_bits(d), _pack_iq4(L)], dim=1)
 
 
-def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
+def quantize_iq4_xs(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
+    """``W``: the weights in the layout of ``_sub_blocks(x, 32)``, x*x when None."""
     nb = x.shape[0]
     X = _sub_blocks(x, 32)
-    scales = _iq4_block_scales(X, 7)
+    scales = _iq4_block_scales(X, 7, W)
     S = scales.view(nb, 8)
     _, max_scale = first_absmax(S, 1)
     d = div(-max_scale, 32.0)  # float d = -max_scale/32;  (-0.0 for an all-zero super-block)

@@ -12,16 +12,18 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import InputError
 from ..gguf_io import tensor_nbytes
-from ..tensors import Plan, TensorSpec
-from .policy import Override, PolicyContext, decide, with_counters
-from .presets import FLOAT_TYPES, ModelFacts, Preset, preset_named, type_named
+from ..tensors import Plan, Role, TensorSpec
+from .imatrix import Imatrix, select_entries
+from .policy import Override, PolicyContext, decide, never_quantized, with_counters
+from .presets import (FLOAT_TYPES, Category, ModelFacts, Preset, category, preset_named, requires_imatrix,
+                      type_named)
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,17 @@ def plan_quantize(
     token_embedding_type: Optional[str] = None,
     pure: bool = False,
     allow_requantize: bool = False,
+    imatrix: Optional[Imatrix] = None,
+    include_weights: Sequence[str] = (),
+    exclude_weights: Sequence[str] = (),
 ) -> Plan:
     """``plan`` with every tensor's type (and reason) decided by the policy for ``preset``.
+
+    ``imatrix``: importance data (:func:`mtpq.quantize.imatrix.read_imatrix`),
+    narrowed by ``include_weights`` / ``exclude_weights`` (substrings, as
+    llama-quantize's ``--include-weights`` / ``--exclude-weights``); each
+    quantized tensor with an entry carries its weights (``TensorSpec.importance``)
+    and the mixes that depend on an imatrix change as in llama-quantize.
 
     ``mtp_type``: type of the MTP blocks' tensors (default q8_0; for float
     presets the default is ``same``, so a head is never made coarser than its
@@ -133,6 +144,7 @@ def plan_quantize(
     """
     o = parse_options(preset, mtp_type, mtp_experts_type, tensor_types, output_tensor_type, token_embedding_type)
     p = o.preset
+    selected = _select_imatrix(plan, imatrix, include_weights, exclude_weights)
     ctx = PolicyContext(
         preset=p,
         model=model_facts(plan),
@@ -142,6 +154,7 @@ def plan_quantize(
         output_tensor_type=o.output_tensor_type,
         token_embedding_type=o.token_embedding_type,
         pure=pure,
+        has_imatrix=selected is not None,
     )
     ctx = with_counters(ctx, plan.tensors)
 
@@ -153,7 +166,11 @@ def plan_quantize(
         if src is not None and src not in FLOAT_TYPES and qtype != src:
             requantized.append(spec)
             reason = f"{reason} (requantized from {src.name.lower()})"
-        specs.append(spec.with_type(qtype, reason))
+        new = spec.with_type(qtype, reason)
+        if selected is not None and never_quantized(spec, ctx) is None:
+            new = _with_importance(new, selected)
+        specs.append(new)
+    _check_imatrix_coverage(specs, p, imatrix)
 
     if requantized:
         first = requantized[0]
@@ -170,7 +187,72 @@ def plan_quantize(
                n_mtp_layers=plan.n_mtp_layers)
     out.set_kv(Keys.General.FILE_TYPE, int(p.ftype), GGUFValueType.UINT32)
     out.set_kv(Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    if selected is not None:  # what llama-quantize records about the imatrix
+        out.set_kv("quantize.imatrix.file", str(imatrix.path or "imatrix")[:127], GGUFValueType.STRING)
+        if selected.datasets:
+            out.set_kv("quantize.imatrix.dataset", selected.datasets[0][:127], GGUFValueType.STRING)
+        out.set_kv("quantize.imatrix.entries_count", len(selected.entries), GGUFValueType.UINT32)
+        if selected.chunk_count > 0:
+            out.set_kv("quantize.imatrix.chunks_count", selected.chunk_count, GGUFValueType.UINT32)
     return out
+
+
+def _select_imatrix(plan: Plan, imatrix: Optional[Imatrix], include: Sequence[str],
+                    exclude: Sequence[str]) -> Optional[Imatrix]:
+    """The entries in use, or None when there are none (then nothing changes, as in llama-quantize)."""
+    if include and exclude:
+        raise InputError("--include-weights", "cannot be combined with --exclude-weights (llama-quantize refuses too)")
+    if imatrix is None:
+        if include or exclude:
+            raise InputError("--include-weights" if include else "--exclude-weights", "needs --imatrix FILE")
+        return None
+    names = {s.name for s in plan.tensors}
+    if not any(n in names for n in imatrix.entries):
+        example = next(iter(imatrix.entries))
+        raise InputError(imatrix.where(), f"none of its {len(imatrix.entries)} entries (e.g. {example}) names a "
+                                          "tensor of this model: an imatrix made for another model?")
+    selected = select_entries(imatrix, list(include), list(exclude))
+    return selected if selected.entries else None
+
+
+def _with_importance(spec: TensorSpec, im: Imatrix) -> TensorSpec:
+    """``spec`` carrying its importance weights, if the imatrix has an entry for it.
+
+    A size that does not fit is an error (an imatrix for another model), except for
+    token_embd, which llama-quantize quantizes without weights then.
+    """
+    n_mat = spec.shape[0] if len(spec.shape) == 3 else 1
+    try:
+        w = im.importance(spec.name, spec.shape[-1], n_mat)
+    except InputError:
+        if category(spec.name) is Category.TOKEN_EMBD:
+            return spec
+        raise
+    return spec if w is None else replace(spec, importance=w)
+
+
+def _check_imatrix_coverage(specs: list[TensorSpec], preset: Preset, imatrix: Optional[Imatrix]) -> None:
+    """Refuse, before anything is written, types that need importance data for tensors without it.
+
+    llama-quantize aborts mid-file ("Missing importance matrix for tensor ...");
+    here one line names the tensors and what to do -- for the MTP head, which
+    llama-imatrix never runs, a type that needs no imatrix or ``mtpq imatrix --mtp``.
+    """
+    missing = [s for s in specs if s.importance is None and s.source_type != s.ggml_type
+               and requires_imatrix(s.name, s.ggml_type, preset)]
+    if not missing:
+        return
+    names = ", ".join(s.name for s in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    types = "/".join(sorted({s.ggml_type.name.lower() for s in missing}))
+    what = f"{len(missing)} tensor(s) to be quantized to {types} ({names}) need importance data"
+    if any(s.role is Role.MTP for s in missing):
+        remedy = ("llama-imatrix never runs the MTP head: give it a type that needs no imatrix "
+                  "(--mtp-type q8_0, the default) or add the head's entries with `mtpq imatrix --mtp`")
+    else:
+        remedy = "use an imatrix with entries for them, or a type that needs none"
+    if imatrix is None:
+        raise InputError("--imatrix", f"{what}: pass --imatrix FILE ({remedy})")
+    raise InputError(imatrix.where(), f"{what}, and it has none for them: {remedy}")
 
 
 def summarize(before: Plan, after: Plan) -> dict:

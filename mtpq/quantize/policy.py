@@ -63,6 +63,7 @@ class PolicyContext:
     output_tensor_type: Optional[GGMLQuantizationType] = None
     token_embedding_type: Optional[GGMLQuantizationType] = None
     pure: bool = False
+    has_imatrix: bool = False  # importance data given (after --include/--exclude-weights): some mixes change
     # llama-quantize's running counters, precomputed in file order by with_counters()
     n_attn_v: int = 0
     attn_v_index: Mapping[str, int] = field(default_factory=dict)
@@ -135,7 +136,8 @@ def float_preset(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
 def preset_mix(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
     return llama_mix(spec.name, _row(spec), ctx.preset, ctx.model,
                      i_attn_v=ctx.attn_v_index.get(spec.name, 0), n_attn_v=ctx.n_attn_v,
-                     i_ffn_down=ctx.ffn_down_index.get(spec.name, 0), output_tensor_type=ctx.output_tensor_type)
+                     i_ffn_down=ctx.ffn_down_index.get(spec.name, 0), output_tensor_type=ctx.output_tensor_type,
+                     has_imatrix=ctx.has_imatrix)
 
 
 RULES: list[Rule] = [never_quantized, token_embedding_option, output_tensor_option, user_override, mtp_block,

@@ -1,8 +1,10 @@
 """llama-quantize's presets and its per-tensor choices, as data and small pure functions.
 
 This mirrors ``llama_tensor_get_type`` / ``llama_tensor_get_type_impl`` in
-llama.cpp's ``src/llama-quant.cpp`` for the presets mtpq has kernels for, run
-without an importance matrix. The reference quirks are kept on purpose:
+llama.cpp's ``src/llama-quant.cpp`` for the presets mtpq has kernels for, with
+or without an importance matrix (``has_imatrix``: Q4_0/Q5_0 give the first
+eighth of ffn_down Q4_1/Q5_1, IQ4_NL/IQ4_XS stop bumping it to Q5_K; Q2_K_S
+exists only with one). The reference quirks are kept on purpose:
 
 - tensors are categorised by substring of their GGUF name, as llama.cpp does
   (``ffn_down`` also matches ``ffn_down_exps`` and ``ffn_down_shexp``);
@@ -49,7 +51,7 @@ F = LlamaFileType
 _PRESETS = [
     Preset("Q4_0", F.MOSTLY_Q4_0, T.Q4_0), Preset("Q4_1", F.MOSTLY_Q4_1, T.Q4_1),
     Preset("Q5_0", F.MOSTLY_Q5_0, T.Q5_0), Preset("Q5_1", F.MOSTLY_Q5_1, T.Q5_1),
-    Preset("Q2_K", F.MOSTLY_Q2_K, T.Q2_K),
+    Preset("Q2_K", F.MOSTLY_Q2_K, T.Q2_K), Preset("Q2_K_S", F.MOSTLY_Q2_K_S, T.Q2_K),
     Preset("Q3_K_S", F.MOSTLY_Q3_K_S, T.Q3_K), Preset("Q3_K_M", F.MOSTLY_Q3_K_M, T.Q3_K),
     Preset("Q3_K_L", F.MOSTLY_Q3_K_L, T.Q3_K),
     Preset("Q4_K_S", F.MOSTLY_Q4_K_S, T.Q4_K), Preset("Q4_K_M", F.MOSTLY_Q4_K_M, T.Q4_K),
@@ -62,7 +64,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
 # llama-quantize presets mtpq refuses, and why (so the error can say so)
 _UNSUPPORTED = {
-    "Q2_K_S": "needs an importance matrix",
     "IQ": "IQ1/IQ2/IQ3 types need an importance matrix and kernels mtpq does not have",
     "TQ": "ternary types are not supported",
     "MXFP4_MOE": "MXFP4 is not supported",
@@ -79,6 +80,18 @@ def preset_named(name: str, option: str = "PRESET") -> Preset:
     known = ", ".join(PRESETS)
     problem = f"preset {name!r} is not supported ({why})" if why else f"unknown preset {name!r}"
     raise InputError(option, f"{problem}; choose one of {known}")
+
+
+# ggml types llama-quantize refuses to write without importance data ("the result will be garbage")
+IMATRIX_ONLY_TYPES = frozenset(getattr(T, n) for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"))
+
+
+def requires_imatrix(name: str, qtype: GGMLQuantizationType, preset: Preset) -> bool:
+    """``tensor_requires_imatrix``: the very-low-bit i-quants, and Q2_K inside a Q2_K_S file;
+    never token_embd or output."""
+    if category(name) in (Category.TOKEN_EMBD, Category.OUTPUT):
+        return False
+    return qtype in IMATRIX_ONLY_TYPES or (qtype == T.Q2_K and preset.name == "Q2_K_S")
 
 
 def type_named(name: str, option: str) -> GGMLQuantizationType:
@@ -222,7 +235,8 @@ Choice = tuple[GGMLQuantizationType, str]
 
 
 def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: int, n_attn_v: int,
-              i_ffn_down: int, output_tensor_type: GGMLQuantizationType | None = None) -> Choice:
+              i_ffn_down: int, output_tensor_type: GGMLQuantizationType | None = None,
+              has_imatrix: bool = False) -> Choice:
     """The type llama-quantize's preset gives one quantizable tensor, and why.
 
     ``i_attn_v``/``i_ffn_down`` are the running counts of attn_v-like and ffn_down
@@ -248,6 +262,8 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
         new, why = base, f"{p} base type"
         if p == "Q2_K":
             new, why = (T.Q4_K, "attn_v with GQA >= 4") if m.n_gqa >= 4 else (T.Q3_K, "attn_v in Q2_K")
+        elif p == "Q2_K_S" and m.n_gqa >= 4:
+            new, why = T.Q4_K, "attn_v with GQA >= 4"
         elif p == "Q3_K_M":
             new, why = (T.Q5_K, f"attn_v #{i_attn_v} < 2") if i_attn_v < 2 else (T.Q4_K, "attn_v in Q3_K_M")
         elif p == "Q3_K_L":
@@ -274,6 +290,8 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
         where = f"ffn_down of layer {i}/{n}"
         if p == "Q2_K":
             return T.Q3_K, "ffn_down in Q2_K"
+        if p == "Q2_K_S":
+            return (T.Q4_K, f"{where}: first eighth") if i < n // 8 else (base, f"{p} base type")
         if p == "Q3_K_M":
             if i < n // 16:
                 return T.Q5_K, f"{where}: first sixteenth"
@@ -289,12 +307,14 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
                 return (T.Q5_K, f"{where}: a more-bits layer (falcon)") if more else (base, f"{p} base type")
             if more:
                 return T.Q6_K, f"{where}: a more-bits layer"
-        if p in ("IQ4_NL", "IQ4_XS") and i < n // 8:  # llama.cpp does this only without an imatrix
-            return T.Q5_K, f"{where}: first eighth"
+        if p in ("IQ4_NL", "IQ4_XS") and i < n // 8 and not has_imatrix:  # only without an imatrix
+            return T.Q5_K, f"{where}: first eighth (no imatrix)"
         if p == "Q5_K_M" and more:
             return T.Q6_K, f"{where}: a more-bits layer"
         if p == "Q4_K_S" and not falcon and i < n // 8:
             return T.Q5_K, f"{where}: first eighth"
+        if p in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:  # llama.cpp's guard, with an imatrix only
+            return (T.Q4_1 if p == "Q4_0" else T.Q5_1), f"{where}: first eighth (with imatrix)"
         return base, f"{p} base type"
 
     if cat is Category.ATTN_OUTPUT:
