@@ -98,3 +98,4 @@ from . import accept as _accept  # noqa: E402,F401
 from . import sweep as _sweep  # noqa: E402,F401
 from . import build as _build  # noqa: E402,F401
 from . import demo as _demo  # noqa: E402,F401
+from . import imatrix as _imatrix  # noqa: E402,F401

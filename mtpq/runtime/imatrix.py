@@ -13,7 +13,10 @@ BOS when the vocabulary adds one.
 
 The head is run the way it drafts: on the trunk's post-norm hidden states h_t and
 the next tokens x_{t+1} of each chunk (``n_ctx - 1`` pairs), so its matrices get
-importance data that llama-imatrix cannot collect (it never runs the head).
+importance data that llama-imatrix cannot collect (it never runs the head). The
+head's own embedding table (``nextn.embed_tokens``) is looked up, not multiplied:
+no input reaches it, so it gets uniform importance (every column weighs 1, i.e. no
+preference) -- without an entry llama-quantize refuses to give it a low-bit i-quant.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ class _Collector:
         st.sums[row] += sq
         st.counts[row] += rows.shape[0]
 
+    def uniform(self, name: str, n_in: int, n_rows: int) -> None:
+        """``n_rows`` uses of a table with no input activations: sums = counts, so every weight is 1."""
+        st = self.stats.tensors.setdefault(name, TensorStats(np.zeros((1, n_in)), np.zeros(1, dtype=np.int64)))
+        st.sums += n_rows
+        st.counts += n_rows
+
 
 def expert_counts(model: MtpModel) -> dict[str, int]:
     """Stacked-expert weight name -> number of experts (3-D weights)."""
@@ -96,6 +105,10 @@ def collect(model: MtpModel, chunks: list[list[int]], trunk: bool = True, head: 
             if head and model.mtp is not None:
                 weights.observer = watch
                 model.draft(ids[:, 1:], out.hidden[:, :-1], use_cache=False)
+                if not model.mtp.tied_embed:
+                    table = model.mtp.embed
+                    pairs = len(chunk) - 1
+                    watch.uniform(table.name, table.shape[-1], pairs)
             weights.observer = None
             stats.chunks += 1
             if on_chunk:
