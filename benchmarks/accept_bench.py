@@ -1,6 +1,7 @@
 """Decode speed with and without MTP drafting, and the teacher-forced estimator's speed, in one run.
 
     python benchmarks/accept_bench.py [MODEL.gguf] [--prompts demo_heldout] [-n 96] [--max-prompts 8]
+    python benchmarks/accept_bench.py [MODEL.gguf] --vs-llama-cpp DIR [--report-prompts 20 --report-tokens 128]
 
 Without MODEL, converts the bundled demo model to f16 first. Prints, for the same
 prompts: tokens/s of plain greedy decoding (the baseline), of speculative decoding
@@ -8,6 +9,12 @@ with k = 1..4 (and each one's ratio to the baseline and its acceptance), and the
 time of the teacher-forced depth-1 estimator (one batched pass per prompt over
 the greedy continuation) as a ratio to the k=1 loop that it replaces. The
 machine is shared: quote the ratios.
+
+``--vs-llama-cpp DIR`` adds the time to an acceptance report (``measure_file``: the
+k=1 greedy loop over ``--report-prompts`` prompts x ``--report-tokens`` tokens, model
+loading included) next to llama.cpp's ``llama-speculative-simple --spec-type draft-mtp
+--spec-draft-n-max 1`` run once per prompt on the same GGUF (each run loads the model,
+as a user scripting it would), and both engines' acceptance.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=8)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--vs-llama-cpp", type=Path, default=None, help="folder with llama-speculative-simple")
+    ap.add_argument("--report-prompts", type=int, default=20)
+    ap.add_argument("--report-tokens", type=int, default=128)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,8 +83,42 @@ def main() -> None:
     rate = sum(sum(t.matches) for t in tf) / sum(len(t.matches) for t in tf)
     print(f"teacher-forced   {tf_seconds:.2f} s for depth-1 acceptance {100 * rate:.1f} % "
           f"(all positions) vs the k=1 loop's {loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster")
+    if args.vs_llama_cpp is not None:
+        report_vs_llama_cpp(path, args)
     if tmp is not None:
         tmp.cleanup()
+
+
+def report_vs_llama_cpp(path: Path, args) -> None:
+    import re
+    import subprocess
+
+    from mtpq.runtime.accept import load_prompts, measure_file
+
+    texts = load_prompts(args.prompts, args.report_prompts)
+    t0 = time.perf_counter()
+    rep = measure_file(path, texts, draft=1, max_new_tokens=args.report_tokens, with_plain=False,
+                       device=args.device)
+    ours = time.perf_counter() - t0
+    drafted = accepted = 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mtpq-bench-") as d:
+        for i, (_, text) in enumerate(texts):
+            f = Path(d) / f"p{i}.txt"
+            f.write_text(text)
+            proc = subprocess.run([str(args.vs_llama_cpp / "llama-speculative-simple"), "-m", str(path), "-f", str(f),
+                                   "--no-escape", "-n", str(args.report_tokens), "--temp", "0", "--spec-type",
+                                   "draft-mtp", "--spec-draft-n-max", "1", "--no-repack",
+                                   "-t", str(args.threads or torch.get_num_threads())],
+                                  capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+            dn = re.search(r"n_drafted\s*=\s*(\d+)", proc.stderr)
+            an = re.search(r"n_accept\s*=\s*(\d+)", proc.stderr)
+            if dn and an:
+                drafted, accepted = drafted + int(dn[1]), accepted + int(an[1])
+    theirs = time.perf_counter() - t0
+    print(f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
+          f"({100 * rep.overall.acceptance_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
+          f"({100 * accepted / max(drafted, 1):.1f} %): ours/theirs {ours / theirs:.2f}x")
 
 
 if __name__ == "__main__":
