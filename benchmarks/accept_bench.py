@@ -20,6 +20,8 @@ as a user scripting it would), and both engines' acceptance.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import tempfile
 import time
 from importlib import resources
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--vs-llama-cpp", type=Path, default=None, help="folder with llama-speculative-simple")
     ap.add_argument("--report-prompts", type=int, default=20)
     ap.add_argument("--report-tokens", type=int, default=128)
+    ap.add_argument("--busy", action="store_true", help="with --vs-llama-cpp: repeat the report comparison while "
+                    "one CPU-burning process per core competes, and print CPU seconds per generated token")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,8 +89,30 @@ def main() -> None:
           f"(all positions) vs the k=1 loop's {loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster")
     if args.vs_llama_cpp is not None:
         report_vs_llama_cpp(path, args)
+        if args.busy:
+            import multiprocessing as mp
+
+            burners = [mp.Process(target=_burn, daemon=True) for _ in range(os.cpu_count() or 1)]
+            for b in burners:
+                b.start()
+            try:
+                print("with a competing CPU load (one busy process per core):")
+                report_vs_llama_cpp(path, args)
+            finally:
+                for b in burners:
+                    b.terminate()
     if tmp is not None:
         tmp.cleanup()
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+def _cpu(who) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 
 
 def report_vs_llama_cpp(path: Path, args) -> None:
@@ -96,12 +122,13 @@ def report_vs_llama_cpp(path: Path, args) -> None:
     from mtpq.runtime.accept import load_prompts, measure_file
 
     texts = load_prompts(args.prompts, args.report_prompts)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
     rep = measure_file(path, texts, draft=1, max_new_tokens=args.report_tokens, with_plain=False,
-                       device=args.device)
-    ours = time.perf_counter() - t0
+                       device=args.device, threads=args.threads)
+    ours, ours_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_SELF) - c0
+    ours_tokens = sum(len(r.spec.tokens) for r in rep.runs)
     drafted = accepted = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory(prefix="mtpq-bench-") as d:
         for i, (_, text) in enumerate(texts):
             f = Path(d) / f"p{i}.txt"
@@ -115,7 +142,10 @@ def report_vs_llama_cpp(path: Path, args) -> None:
             an = re.search(r"n_accept\s*=\s*(\d+)", proc.stderr)
             if dn and an:
                 drafted, accepted = drafted + int(dn[1]), accepted + int(an[1])
-    theirs = time.perf_counter() - t0
+    theirs, theirs_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_CHILDREN) - c0
+    theirs_tokens = len(texts) * args.report_tokens  # llama-speculative-simple generates -n tokens (upper bound)
+    print(f"  CPU s per generated token: mtpq {1e3 * ours_cpu / ours_tokens:.2f} ms, "
+          f"llama-speculative-simple {1e3 * theirs_cpu / theirs_tokens:.2f} ms (model load included on both sides)")
     print(f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
           f"({100 * rep.overall.acceptance_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
           f"({100 * accepted / max(drafted, 1):.1f} %): ours/theirs {ours / theirs:.2f}x")

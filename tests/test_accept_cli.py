@@ -131,3 +131,20 @@ def test_an_architecture_without_runtime_is_one_line(work):
     line = res.stderr.strip()
     assert len(line.splitlines()) == 1 and "mimo2" in line and "mimo2.gguf" in line, line
     assert all(arch in line for arch in FAMILIES), line
+
+
+def test_demo_table_keeps_file_names_on_80_columns():
+    from rich.console import Console
+
+    from mtpq.cli.demo import DEMO_VARIANTS, results_table
+
+    names = ["demo-F16.gguf"] + [f"demo-{suffix}.gguf" for suffix, _, _ in DEMO_VARIANTS]
+    table = results_table(names, 3, 64)
+    for n in names:
+        table.add_row(n, "12.3", "Q4_K_M", "q4_K, q6_K", "33.3 %", "-2.6 pt", "2.00", "yes")
+    con = Console(width=80, record=True, file=open("/dev/null", "w"))
+    con.print(table)
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for n in names:
+        assert n in text, (n, text)

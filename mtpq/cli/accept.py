@@ -13,7 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .app import app
-from .common import EXIT_CHECK_FAILED, EXIT_OK, console, fail, guarded, out
+from .common import EXIT_CHECK_FAILED, EXIT_OK, console, fail, guarded, out, RUNTIME_THREADS_HELP
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -122,6 +122,7 @@ def accept(
     json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout)."),
     md_out: Path = typer.Option(None, "--md", help="Write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
+    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
     hidden: str = typer.Option("post_norm", "--hidden", help="Hidden state fed to the head: post_norm (default) or pre_norm."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
@@ -152,7 +153,8 @@ def accept(
             check_writable(opt, path, inputs)
     prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-              top_p=top_p, seed=seed, max_prompts=max_prompts, device=device, dtype=DTYPES[dtype], hidden=hidden)
+              top_p=top_p, seed=seed, max_prompts=max_prompts, device=device, dtype=DTYPES[dtype], hidden=hidden,
+              threads=threads)
     reports = {}
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):

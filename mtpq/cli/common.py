@@ -102,6 +102,10 @@ THREADS_HELP = ("CPU workers for quantizing (default: torch's choice, all physic
                 "The bytes written do not depend on it.")
 
 
+RUNTIME_THREADS_HELP = ("CPU threads for the runtime (default: 1 for a file under 1 GiB, whose ops are too small "
+                        "to split, else every core).")
+
+
 def set_threads(threads: int | None) -> None:
     """``--threads``: the kernels split each tensor over ``torch.get_num_threads()`` workers."""
     if threads is None:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import console, guarded, out
+from .common import console, guarded, out, RUNTIME_THREADS_HELP
 
 # (file suffix, trunk preset, --mtp-type): the head at q8_0 vs quantized like the trunk
 DEMO_VARIANTS = [
@@ -20,6 +20,16 @@ DEMO_VARIANTS = [
 ]
 
 
+def results_table(names: list[str], draft: int, max_new_tokens: int) -> Table:
+    """The demo's table. The file names are the point: they never wrap or shrink; the other columns are
+    short so that it fits an 80-column terminal (acc. = acceptance, len = mean acceptance length)."""
+    table = Table(title=f"MTP draft acceptance on held-out Python (k={draft}, greedy, {max_new_tokens} tokens/prompt)")
+    table.add_column("file", no_wrap=True, min_width=max(len(n) for n in names))
+    for col in ("MiB", "trunk", "head", "acc.", "Δ f16", "len", "=greedy"):
+        table.add_column(col, justify="left" if col in ("trunk", "head") else "right")
+    return table
+
+
 @app.command(epilog="Example:\n\n  mtpq demo --workdir demo-out")
 @guarded
 def demo(
@@ -28,6 +38,7 @@ def demo(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
     max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
     device: str = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
+    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
 ) -> None:
     """Convert the bundled demo model (a small GLM-4.5 with one MTP layer, trained on Python's
     standard library), quantize it with the head held at q8_0 and with the head quantized like
@@ -49,20 +60,19 @@ def demo(
         console.print(f"[bold]2.[/] quantize {preset}, MTP head {'like the trunk' if mtp == 'same' else 'at ' + mtp} -> {path}")
         write_plan(plan_quantize(plan_from_gguf(ref), preset, mtp_type=mtp), path)
         files.append((preset, mtp, path))
-    table = Table(title=f"MTP draft acceptance on held-out Python (k={draft}, greedy, {max_new_tokens} tokens/prompt)")
-    for col in ("file", "size", "trunk", "MTP head", "acceptance", "vs f16", "mean acc. len", "spec = greedy"):
-        table.add_column(col, justify="left" if col in ("file", "trunk", "MTP head") else "right")
+    table = results_table([p.name for _, _, p in files], draft, max_new_tokens)
     ref_rate = None
     rates: dict[tuple[str, str], float] = {}
     for preset, mtp, path in files:
         console.print(f"[bold]3.[/] mtpq accept {path.name}")
         r = measure_file(path, prompts="demo_heldout", draft=draft, max_new_tokens=max_new_tokens,
-                         max_prompts=max_prompts, device=device, with_plain=True)
+                         max_prompts=max_prompts, device=device, with_plain=True,
+                         threads=threads)
         rate = r.overall.acceptance_rate
         ref_rate = rate if ref_rate is None else ref_rate
         rates[(preset, mtp)] = rate
         head_types = ", ".join(summarize(path)["mtp_types"])
-        table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f} MiB", preset, head_types,
+        table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f}", preset, head_types,
                       f"{100 * rate:.1f} %", f"{100 * (rate - ref_rate):+.1f} pt", f"{r.overall.mean_acceptance_length:.2f}",
                       "yes" if r.greedy_outputs_identical else "NO")
     out.print(table)

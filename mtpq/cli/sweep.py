@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import console, fail, guarded, out
+from .common import console, fail, guarded, out, RUNTIME_THREADS_HELP
 
 
 def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float]], title: str) -> bool:
@@ -60,6 +60,7 @@ def sweep(
     png_out: Path = typer.Option(None, "--png", help="Write a heat map here (needs matplotlib)."),
     workdir: Path = typer.Option(None, "--keep", help="Keep the quantized GGUFs in this folder."),
     device: str = typer.Option(None, "--device"),
+    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
 ) -> None:
     """How many bits does my head need? Quantize REFERENCE for every (head type, trunk preset)
     pair, measure each file's greedy acceptance, and print the grid."""
@@ -78,7 +79,7 @@ def sweep(
     folder = workdir or Path(tmp.name)
     folder.mkdir(parents=True, exist_ok=True)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, max_prompts=max_prompts,
-              device=device, with_plain=False)
+              device=device, with_plain=False, threads=threads)
     try:
         ref_rate = measure_file(reference, **kw).overall.acceptance_rate
         grid: list[list[float]] = []

@@ -14,6 +14,7 @@ Metrics follow vLLM's definitions (see metrics.py).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -109,11 +110,13 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, max_prompts: int | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, hidden: str = "post_norm", with_plain: bool = True,
+                 threads: int | None = None,
                  on_prompt: Callable[[int, int], None] | None = None) -> AcceptReport:
     """Acceptance of one GGUF's MTP head over a prompt set."""
     path = Path(path)
     if not 1 <= draft <= 8:
         raise InputError("--draft", "must be between 1 and 8")
+    use_threads(path, threads)
     model, tok = load_model(path, device=device, dtype=dtype, hidden=hidden)
     if getattr(model, "mtp", None) is None:
         raise InputError(path, "has no MTP head to draft with (mtpq graft can add one)")
@@ -139,6 +142,23 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
                         runs=runs, overall=summarize([r.spec for r in runs]),
                         by_category={c: summarize(v) for c, v in by_cat.items()}, plain_tokens_per_s=plain_tps,
                         greedy_outputs_identical=identical, hidden=hidden, device=str(model.device))
+
+
+SMALL_MODEL_BYTES = 1 << 30
+
+
+def use_threads(path: Path, threads: int | None = None) -> int:
+    """CPU threads for the runtime, chosen deliberately: ``threads`` when given; else one for a file under
+    1 GiB (a tiny model's ops are too small to split, and torch's pool spin-waits against whatever else the
+    machine runs: a 30x CPU-time penalty seen on a loaded 2-core machine), else every core."""
+    if threads is not None and threads < 1:
+        raise InputError("--threads", f"must be at least 1, got {threads}")
+    if threads is None:
+        small = Path(path).stat().st_size < SMALL_MODEL_BYTES
+        threads = 1 if small else max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                      else (os.cpu_count() or 1))
+    torch.set_num_threads(threads)
+    return threads
 
 
 @dataclass
