@@ -104,7 +104,7 @@ def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
     if v.graft_into is not None:
         from ..quantize.surgery import plan_graft
 
-        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=None if v.mtp_type == "same" else v.mtp_type)
+        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=v.mtp_type)
     else:
         plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type,
                              tensor_types=list(v.tensor_types))
@@ -181,7 +181,8 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool) -> tuple[dict
     chosen = [recipe.variant(n) for n in only] if only else recipe.variants
     for v in chosen:
         graft_sha = sha256_file(v.graft_into) if v.graft_into else None
-        opts = {"preset": v.preset, "mtp_type": v.mtp_type, "mtp_experts_type": v.mtp_experts_type,
+        opts = {"preset": v.preset, "mtp_type": str(v.mtp_type),
+                "mtp_experts_type": None if v.mtp_experts_type is None else str(v.mtp_experts_type),
                 "tensor_types": list(v.tensor_types), "graft_into": v.graft_into.name if v.graft_into else None}
         bkey = key_of(ref_key, opts, graft_sha)
         jobs.append({"kind": "variant", "label": "variant", "variant": v, "variant_name": v.name,
