@@ -1,11 +1,17 @@
 """What every family shares: the registry, common hparams, name mapping, types.
 
-A family module subclasses :class:`Family` and supplies
+A family module subclasses :class:`Family` and declares
 - ``hf_architectures`` and ``arch`` (the GGUF architecture),
 - ``set_metadata(w)``: family-specific hparams on top of :meth:`set_common_metadata`,
-- ``tensors()``: (gguf name, shape, loader, source) for every tensor, MTP included,
-  with the family's transforms folded into the loaders.
-The base turns that into a :class:`~mtpq.tensors.Plan` with roles and output types.
+- for families whose blocks are ``model.layers.{N}`` (trunk, then the MTP blocks
+  appended past ``num_hidden_layers``: GLM-4.5, DeepSeek-V3, Step3.5), data:
+  ``expert_count_keys`` / ``per_expert_infix`` (per-expert tensors stacked into
+  ``*_exps``), ``nextn_tensors`` (the MTP-only tensors and their GGUF kinds),
+  ``drop_tied_output``; and per-tensor hooks: ``modify`` (llama.cpp's
+  ``modify_tensors``: rename, split, transform one HF tensor) and ``check_block``.
+  The one per-layer loop, :meth:`Family.tensors`, walks them.
+- families stored another way (Qwen3.5's ``mtp.*``) override ``tensors()``.
+The base turns the tensors into a :class:`~mtpq.tensors.Plan` with roles and output types.
 """
 
 from __future__ import annotations
@@ -39,6 +45,22 @@ FILE_TYPES = {
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
 MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+# The MTP-only tensors inside an MTP block (name inside ``model.layers.{N}.``) -> GGUF kind. Named here because
+# the gguf-py we depend on (0.19) lacks the nextn entries in several architectures' tensor tables.
+NEXTN_TENSORS: dict[str, gguf.MODEL_TENSOR] = {
+    "eh_proj.weight": gguf.MODEL_TENSOR.NEXTN_EH_PROJ,
+    "enorm.weight": gguf.MODEL_TENSOR.NEXTN_ENORM,
+    "hnorm.weight": gguf.MODEL_TENSOR.NEXTN_HNORM,
+    "embed_tokens.weight": gguf.MODEL_TENSOR.NEXTN_EMBED_TOKENS,
+    "shared_head.head.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD,
+    "shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
+}
+
+
+def gguf_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    """``blk.{bid}.<kind>.weight`` (or a top-level name) from gguf-py's table of tensor names."""
+    return gguf.TENSOR_NAMES[kind].format(bid=bid) + suffix
 
 
 @dataclass
@@ -75,12 +97,20 @@ class Family:
     # GGUF-name suffixes kept at F32 whatever the outtype (llama.cpp's converter does the same)
     f32_kinds: ClassVar[tuple[str, ...]] = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
 
+    # -- the declaration read by the generic per-layer loop (:meth:`tensors`) --------------
+    block_prefix: ClassVar[str] = "model.layers."
+    expert_count_keys: ClassVar[tuple[str, ...]] = ("n_routed_experts",)  # hparams naming the routed experts
+    per_expert_infix: ClassVar[str] = "mlp.experts."  # {infix}{e}.{gate,up,down}_proj.weight, stacked into *_exps
+    nextn_tensors: ClassVar[dict[str, gguf.MODEL_TENSOR]] = NEXTN_TENSORS
+    drop_tied_output: ClassVar[bool] = False  # lm_head skipped when tie_word_embeddings (as llama.cpp does)
+
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config)
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
+        self.mtp_mode = MtpMode.KEEP  # set by plan(): --no-mtp converts checkpoints stripped of their MTP layers
 
     # -- hooks for families -------------------------------------------------------------
 
@@ -92,8 +122,68 @@ class Family:
     def set_metadata(self, w: GGUFWriter) -> None:
         raise NotImplementedError
 
+    def modify(self, bid: int, rest: str, hf: str) -> Iterable[Emit] | None:
+        """llama.cpp's ``modify_tensors``: the GGUF tensors made from HF tensor ``hf`` (``rest`` is its name
+        inside block ``bid``), or None for the default naming (nextn table, then gguf-py's name map)."""
+        return None
+
+    def check_block(self, bid: int, prefix: str) -> None:
+        """Refuse a block whose shapes contradict config.json (before any of its tensors is emitted)."""
+
     def tensors(self) -> Iterator[Emit]:
-        raise NotImplementedError
+        """The one per-layer loop: token_embd, every block (trunk then MTP), output_norm, output."""
+        ck = self.ckpt
+        n_blocks = self.n_trunk + self.n_mtp
+        self.expect_shape(self.require("model.embed_tokens.weight"), (self.hparams["vocab_size"],
+                                                                      self.hparams["hidden_size"]))
+        used: list[str] = []
+        by_block: dict[int, list[str]] = {}
+        for n in ck.names():
+            if (bid := layer_of(n, self.block_prefix)) is not None:
+                by_block.setdefault(bid, []).append(n)
+
+        def one(hf: str) -> Emit:
+            name = self.map_name(hf)
+            if name is None:
+                raise KeyError(hf)
+            used.append(hf)
+            return self.emit(name, hf)
+
+        yield one("model.embed_tokens.weight")
+        for bid in range(n_blocks):
+            p = f"{self.block_prefix}{bid}."
+            names = by_block.get(bid, [])
+            if not names:
+                if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
+                    continue  # many published copies lack the MTP layers: fine for a trunk-only GGUF
+                hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
+                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
+                                            f" + {self.n_mtp} MTP){hint}")
+            self.check_block(bid, p)
+            experts = [n for n in names if n.startswith(p + self.per_expert_infix)]
+            for hf in names:
+                if hf in experts:
+                    continue
+                rest = hf[len(p):]
+                if (custom := self.modify(bid, rest, hf)) is not None:
+                    used.append(hf)
+                    yield from custom
+                elif bid >= self.n_trunk and rest in self.nextn_tensors:
+                    used.append(hf)
+                    yield self.emit(gguf_name(self.nextn_tensors[rest], bid), hf)
+                elif self.map_name(hf) is not None:
+                    yield one(hf)
+                # anything else is reported by check_unused below
+            if experts:
+                yield from self.stack_experts(p, int(self.hp(*self.expert_count_keys)), used)
+        if "model.norm.weight" in ck:
+            yield one("model.norm.weight")
+        if "lm_head.weight" in ck:
+            if self.drop_tied_output and self.hparams.get("tie_word_embeddings"):
+                used.append("lm_head.weight")  # output falls back to token_embd
+            else:
+                yield one("lm_head.weight")
+        check_unused(ck, used)
 
     def vocab_size(self) -> int:
         return int(self.hparams["vocab_size"])
@@ -195,10 +285,11 @@ class Family:
 
     def stack_experts(self, prefix: str, n_experts: int, used: list[str]) -> Iterator[Emit]:
         """Layer ``prefix``'s per-expert gate/up/down tensors as three stacked tensors, named as llama.cpp does."""
+        infix = self.per_expert_infix
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            parts = [f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(n_experts)]
+            parts = [f"{prefix}{infix}{e}.{proj}.weight" for e in range(n_experts)]
             used.extend(parts)
-            yield self.stack(self.map_name(f"{prefix}mlp.experts.{proj}.weight"), parts)
+            yield self.stack(self.map_name(f"{prefix}{infix}{proj}.weight"), parts)
 
     def expect_shape(self, hf_name: str, shape: tuple[int, ...]) -> None:
         """Refuse a tensor whose shape contradicts config.json."""
@@ -236,6 +327,7 @@ class Family:
         return outtype
 
     def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16) -> Plan:
+        self.mtp_mode = mtp
         if mtp is not MtpMode.DROP and self.n_mtp == 0:
             if mtp is MtpMode.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
@@ -289,6 +381,7 @@ def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:
 
 def check_unused(ckpt: Checkpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
     """Every source tensor must be converted or knowingly ignored: silent drops hide bugs."""
-    left = [n for n in ckpt.names() if n not in set(used) and not n.startswith(ignore)]
+    used = set(used)
+    left = [n for n in ckpt.names() if n not in used and not n.startswith(ignore)]
     if left:
         raise InputError(ckpt.folder, f"{len(left)} tensors were not recognised, e.g. {left[0]}")
