@@ -63,6 +63,9 @@ def gguf_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".w
     return gguf.TENSOR_NAMES[kind].format(bid=bid) + suffix
 
 
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class Emit:
     """One tensor a family produces: GGUF name, torch-order shape, lazy values, where from."""
@@ -212,15 +215,18 @@ class Family:
     def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
         """The hparams llama.cpp's TextModel.set_gguf_parameters writes for every model."""
         w.add_block_count(n_blocks)
-        if (v := self.hp("max_position_embeddings")) is not None:
+        # the hparam spellings llama.cpp's find_hparam tries, in its order
+        if (v := self.hp("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+                         "model_max_length")) is not None:
             w.add_context_length(v)
-        if (v := self.hp("hidden_size")) is not None:
+        if (v := self.hp("hidden_size", "n_embd", "dim")) is not None:
             w.add_embedding_length(v)
-        if (v := self.hp("intermediate_size")) is not None:
+        if (v := self.hp("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
+                         "n_inner", "hidden_dim")) is not None:
             w.add_feed_forward_length(v)
-        if (v := self.hp("num_attention_heads")) is not None:
+        if (v := self.hp("num_attention_heads", "n_head", "n_heads")) is not None:
             w.add_head_count(v)
-        if (v := self.hp("num_key_value_heads")) is not None:
+        if (v := self.hp("num_key_value_heads", "n_kv_heads")) is not None:
             w.add_head_count_kv(v)
         rp = self.rope_parameters
         if rp.get("rope_type") == "yarn" and rp.get("factor") is not None:
@@ -232,17 +238,18 @@ class Family:
             w.add_rope_scaling_factor(rp["factor"])
         if (v := rp.get("rope_theta")) is not None:
             w.add_rope_freq_base(v)
-        if (v := self.hp("rms_norm_eps")) is not None:
+        if (v := self.hp("rms_norm_eps", "norm_eps")) is not None:
             w.add_layer_norm_rms_eps(v)
         if (v := self.hp("num_local_experts", "num_experts", "n_routed_experts")) is not None:
             w.add_expert_count(v)
-        if (v := self.hp("num_experts_per_tok")) is not None:
+        if (v := self.hp("num_experts_per_tok", "num_experts_per_token", "top_k_experts")) is not None:
             w.add_expert_used_count(v)
         if (v := self.hparams.get("n_group")) is not None:
             w.add_expert_group_count(v)
         if (v := self.hparams.get("topk_group")) is not None:
             w.add_expert_group_used_count(v)
-        if (v := self.hp("scoring_func", "score_function")) is not None:
+        if (v := self.hp("score_function", "scoring_func", "score_func", "moe_router_activation",
+                         "moe_router_activation_func", "expert_selection_fn")) is not None:
             gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
             if v not in gating:
                 raise InputError(self.ckpt.folder / "config.json", f"unsupported scoring_func {v!r}")
@@ -251,15 +258,21 @@ class Family:
             w.add_key_length(v)
             w.add_value_length(v)
 
-    def emit(self, name: str, hf_name: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def values(self, hf_name: str, shape: tuple[int, ...]) -> tuple[Transform | None, tuple[int, ...]]:
+        """The family's value transform of one HF tensor (e.g. +1 on zero-centred norms) and the shape it gives;
+        applied to every tensor :meth:`emit` reads, before any transform the caller adds."""
+        return None, shape
+
+    def emit(self, name: str, hf_name: str, transform: Transform | None = None,
              shape: tuple[int, ...] | None = None) -> Emit:
         """A GGUF tensor read from one HF tensor, optionally transformed (shape must then be given if it changes)."""
         load = self.ckpt.loader(hf_name)
-        if transform is not None:
-            inner = load
-            load = lambda: transform(inner())  # noqa: E731
+        own, own_shape = self.values(hf_name, tuple(self.ckpt.shape(hf_name)))
+        for step in (own, transform):
+            if step is not None:
+                load = (lambda inner, f: lambda: f(inner()))(load, step)
         src = f"{self.ckpt.stored[hf_name].file.name}:{hf_name}"
-        return Emit(name, tuple(shape if shape is not None else self.ckpt.shape(hf_name)), load, src)
+        return Emit(name, tuple(shape if shape is not None else own_shape), load, src)
 
     def stack(self, name: str, hf_names: list[str]) -> Emit:
         """Stack per-expert 2-D tensors into one 3-D tensor [n_expert, rows, cols]."""
