@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_step35
-from ggufcheck import convert, read_gguf, source_tensors
+from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
 
 
@@ -169,13 +169,15 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
 
     ck = tiny_step35.step35(tmp_path / "ckpt", dtype=dtype)
     ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    kv, tensors = convert(ck, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
+    out = tmp_path / "ours.gguf"
+    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
     ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
                             *([mode] if mode else []), raw_config=True)
     ref_kv, ref_tensors = read_gguf(ref)
     keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
     assert strip(kv) == strip(ref_kv)
+    assert strip(kv_types(out)) == strip(kv_types(ref))  # bool arrays stay bools, floats stay f32
     assert set(tensors) == set(ref_tensors)
     for name, (qtype, data) in tensors.items():
         ref_type, ref_data = ref_tensors[name]

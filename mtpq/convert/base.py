@@ -102,6 +102,7 @@ class Family:
 
     # -- the declaration read by the generic per-layer loop (:meth:`tensors`) --------------
     block_prefix: ClassVar[str] = "model.layers."
+    mtp_prefix: ClassVar[str | None] = None  # MTP block i at f"{mtp_prefix}{i}." (else block_prefix, N + i)
     expert_count_keys: ClassVar[tuple[str, ...]] = ("n_routed_experts",)  # hparams naming the routed experts
     per_expert_infix: ClassVar[str] = "mlp.experts."  # {infix}{e}.{gate,up,down}_proj.weight, stacked into *_exps
     nextn_tensors: ClassVar[dict[str, gguf.MODEL_TENSOR]] = NEXTN_TENSORS
@@ -142,7 +143,9 @@ class Family:
         used: list[str] = []
         by_block: dict[int, list[str]] = {}
         for n in ck.names():
-            if (bid := layer_of(n, self.block_prefix)) is not None:
+            if self.mtp_prefix and (i := layer_of(n, self.mtp_prefix)) is not None:
+                by_block.setdefault(self.n_trunk + i, []).append(n)
+            elif (bid := layer_of(n, self.block_prefix)) is not None:
                 by_block.setdefault(bid, []).append(n)
 
         def one(hf: str) -> Emit:
@@ -154,7 +157,8 @@ class Family:
 
         yield one("model.embed_tokens.weight")
         for bid in range(n_blocks):
-            p = f"{self.block_prefix}{bid}."
+            mtp = bid >= self.n_trunk
+            p = f"{self.mtp_prefix}{bid - self.n_trunk}." if mtp and self.mtp_prefix else f"{self.block_prefix}{bid}."
             names = by_block.get(bid, [])
             if not names:
                 if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
@@ -168,17 +172,19 @@ class Family:
                 if hf in experts:
                     continue
                 rest = hf[len(p):]
+                key = f"{self.block_prefix}{bid}.{rest}"  # as gguf-py's name map spells it
                 if (custom := self.modify(bid, rest, hf)) is not None:
                     used.append(hf)
                     yield from custom
-                elif bid >= self.n_trunk and rest in self.nextn_tensors:
+                elif mtp and rest in self.nextn_tensors:
                     used.append(hf)
                     yield self.emit(gguf_name(self.nextn_tensors[rest], bid), hf)
-                elif self.map_name(hf) is not None:
-                    yield one(hf)
+                elif (name := self.map_name(key)) is not None:
+                    used.append(hf)
+                    yield self.emit(name, hf)
                 # anything else is reported by check_unused below
             if experts:
-                yield from self.stack_experts(p, int(self.hp(*self.expert_count_keys)), used)
+                yield from self.stack_experts(p, int(self.hp(*self.expert_count_keys)), used, bid)
         if "model.norm.weight" in ck:
             yield one("model.norm.weight")
         if "lm_head.weight" in ck:
@@ -203,6 +209,11 @@ class Family:
             if k in self.hparams and self.hparams[k] is not None:
                 return self.hparams[k]
         return default
+
+    def swa_rope_theta(self) -> float | None:
+        """The sliding-window layers' RoPE base, under the names llama.cpp's converter looks for."""
+        return self.hp("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                       "rope_local_base_freq")
 
     @property
     def rope_parameters(self) -> dict:
@@ -238,6 +249,8 @@ class Family:
             w.add_rope_scaling_factor(rp["factor"])
         if (v := rp.get("rope_theta")) is not None:
             w.add_rope_freq_base(v)
+        if (v := self.swa_rope_theta()) is not None:
+            w.add_rope_freq_base_swa(v)
         if (v := self.hp("rms_norm_eps", "norm_eps")) is not None:
             w.add_layer_norm_rms_eps(v)
         if (v := self.hp("num_local_experts", "num_experts", "n_routed_experts")) is not None:
@@ -296,13 +309,14 @@ class Family:
 
         return Emit(name, shape, load, src)
 
-    def stack_experts(self, prefix: str, n_experts: int, used: list[str]) -> Iterator[Emit]:
+    def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
         """Layer ``prefix``'s per-expert gate/up/down tensors as three stacked tensors, named as llama.cpp does."""
         infix = self.per_expert_infix
+        key = prefix if bid is None else f"{self.block_prefix}{bid}."
         for proj in ("gate_proj", "up_proj", "down_proj"):
             parts = [f"{prefix}{infix}{e}.{proj}.weight" for e in range(n_experts)]
             used.extend(parts)
-            yield self.stack(self.map_name(f"{prefix}{infix}{proj}.weight"), parts)
+            yield self.stack(self.map_name(f"{key}{infix}{proj}.weight"), parts)
 
     def expect_shape(self, hf_name: str, shape: tuple[int, ...]) -> None:
         """Refuse a tensor whose shape contradicts config.json."""

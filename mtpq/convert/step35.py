@@ -84,12 +84,11 @@ class Step35(Family):
             rp["rope_theta"] = theta
         return rp
 
-    def _swa_rope_theta(self) -> float | None:
+    def swa_rope_theta(self) -> float | None:
         theta = self.hparams.get("rope_theta")
         if isinstance(theta, list) and len(theta) > 1:
             return float(theta[1])
-        return self.hp("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
-                       "rope_local_base_freq")
+        return super().swa_rope_theta()
 
     def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
         self._n_blocks = n_blocks  # the per-layer arrays cover every written block
@@ -98,8 +97,6 @@ class Step35(Family):
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, n, K = self.hparams, self._n_blocks, gguf.Keys
         cfg = self.ckpt.folder / "config.json"
-        if (v := self._swa_rope_theta()) is not None:
-            w.add_rope_freq_base_swa(v)
         layer_types = _pad(hp.get("layer_types") or [], n, "full_attention")
         factors = _pad(hp.get("partial_rotary_factors") or [], n, 0.5)
         want = [1.0 if t == "sliding_attention" else 0.5 for t in layer_types]
