@@ -37,3 +37,8 @@ def convert(src: Path, out: Path, *args: str):
     res = run_cli("convert", src, out, "--quiet", *args)
     assert res.exit_code == 0, res.output
     return read_gguf(out)
+
+
+def kv_types(path: Path) -> dict[str, list[int]]:
+    """Each metadata key's GGUF value types (an array's element type included): 0/1 ints are not bools."""
+    return {k: [int(t) for t in f.types] for k, f in GGUFReader(path).fields.items() if not k.startswith("GGUF.")}

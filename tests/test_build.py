@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from runcli import run_cli
 
@@ -269,6 +271,75 @@ def test_variant_with_imatrix_records_it_and_rebuilds_when_it_changes(glm_ckpt, 
 def test_broken_imatrix_keys_name_the_key(glm_ckpt, tmp_path, extra, key, says):
     recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
     recipe.write_text(recipe.read_text().replace('mtp_type = "q8_0"', f'mtp_type = "q8_0"\n{extra}'))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and key in line and says in line, line
+    assert not (tmp_path / "dist").exists()
+
+
+GRAFT_RECIPE = """
+[model]
+name = "tiny"
+source = "{source}"
+reference_type = "f16"
+
+[[variant]]
+name = "published-mtp-q8"
+preset = "Q4_K_M"
+graft_into = "{target}"
+mtp_type = "q8_0"
+
+[[variant]]
+name = "published-mtp-keep"
+preset = "Q4_K_M"
+graft_into = "{target}"
+mtp_type = "keep"
+"""
+
+
+def test_graft_into_variants(glm_ckpt, tmp_path):
+    """Regression: a graft_into variant once handed the string 'q8_0' to plan_graft and died in a traceback."""
+    from ggufcheck import read_gguf
+
+    target = tmp_path / "published-Q4_K_M.gguf"  # a published quant without a head
+    assert run_cli("convert", glm_ckpt, target, "--no-mtp", "--quant", "Q4_K_M", "--quiet").exit_code == 0
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(GRAFT_RECIPE.format(source=glm_ckpt, target=target.name))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    dist = tmp_path / "dist"
+    _, ref = read_gguf(dist / "tiny-F16.gguf")
+    _, trunk = read_gguf(target)
+    n_trunk = 2
+    for variant, head_type in (("published-mtp-q8", T.Q8_0), ("published-mtp-keep", None)):
+        _, got = read_gguf(dist / f"tiny-{variant}.gguf")
+        head = {n for n in got if n.startswith(f"blk.{n_trunk}.")}
+        assert head == {n for n in ref if n.startswith(f"blk.{n_trunk}.")}, variant
+        for name in set(got) - head:  # the target's tensors are copied byte for byte
+            assert got[name][0] == trunk[name][0] and np.array_equal(got[name][1], trunk[name][1]), name
+        for name in head:
+            qtype, data = got[name]
+            if head_type is None or ref[name][0] == T.F32:  # keep, and 1-D / router tensors: the reference's bytes
+                assert qtype == ref[name][0] and np.array_equal(data, ref[name][1]), name
+            else:
+                assert qtype == head_type, name
+    manifest = json.loads((dist / "manifest.json").read_text())
+    by_variant = {f["variant"]: f for f in manifest["files"]}
+    assert by_variant["published-mtp-q8"]["mtp_type"] == "q8_0"
+    assert by_variant["published-mtp-q8"]["mtp_precision"] == ["Q8_0"]
+    assert by_variant["published-mtp-keep"]["mtp_type"] == "keep"
+
+
+@pytest.mark.parametrize("mtp, key, says", [
+    ("same", "variant[1].mtp_type", "not accepted here"),  # graft has no trunk rule to follow
+    ("q9_9", "variant[1].mtp_type", "unknown"),
+])
+def test_graft_into_refuses_what_graft_cannot_do(glm_ckpt, tmp_path, mtp, key, says):
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"")  # never read: the recipe is refused first
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(GRAFT_RECIPE.format(source=glm_ckpt, target=target.name).replace('"keep"', f'"{mtp}"'))
     res = run_cli("build", recipe)
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()

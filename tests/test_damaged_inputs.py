@@ -883,7 +883,7 @@ def _(c):
 @case("graft-bad-mtp-type")
 def _(c):
     return ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), "--mtp-type", "q9"], \
-        ["--mtp-type", "unknown type"]
+        ["--mtp-type", "unknown", "q9"]
 
 
 @case("graft-out-is-target")

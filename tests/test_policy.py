@@ -374,6 +374,32 @@ def test_mtp_experts_type_and_same(glm8):
             len(q[n].shape) > 1 and "gate_inp" not in n} == {T.Q6_K}
 
 
+def test_mtp_type_keep_holds_the_source_types(glm8):
+    before = _by_name(glm8)
+    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_type="keep", mtp_experts_type="q4_k"))
+    assert before["blk.8.attn_q.weight"].ggml_type in (T.F16, T.F32, T.BF16)
+    for name, spec in q.items():
+        if spec.role is Role.MTP and "_exps" not in name:
+            assert spec.ggml_type == before[name].ggml_type, name
+    assert "--mtp-type keep" in q["blk.8.attn_q.weight"].reason
+    assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q4_K
+    assert q["blk.3.attn_q.weight"].ggml_type == T.Q4_K  # the trunk follows the preset
+
+
+def test_one_parsed_mtp_precision_at_every_boundary():
+    from mtpq.quantize.mtp_precision import KEEP, SAME, MtpMode, of_type, parse_mtp
+
+    assert parse_mtp("Q8_0", "--mtp-type") == of_type(T.Q8_0) and str(of_type(T.Q8_0)) == "q8_0"
+    assert parse_mtp(" Same ", "--mtp-type") is not None and parse_mtp("same", "x") == SAME
+    assert parse_mtp("keep", "x") == KEEP and parse_mtp(KEEP, "x") is KEEP and parse_mtp(None, "x", SAME) == SAME
+    with pytest.raises(InputError) as exc:
+        parse_mtp("same", "--mtp-type", allow=(MtpMode.KEEP, MtpMode.TYPE))
+    assert exc.value.where == "--mtp-type" and "keep or a ggml type" in exc.value.problem
+    with pytest.raises(InputError) as exc:
+        parse_mtp("q9_9", "recipe.toml: variant[0].mtp_type")
+    assert "q9_9" in exc.value.problem and "same" in exc.value.problem and "keep" in exc.value.problem
+
+
 def test_pure_and_file_type(glm8):
     q = plan_quantize(glm8, "Q5_K_M", pure=True, mtp_type="same")
     assert {s.ggml_type for s in q.tensors if len(s.shape) > 1 and "gate_inp" not in s.name} == {T.Q5_K}

@@ -16,7 +16,7 @@
     [[variant]]
     name = "Q4_K_M"
     preset = "Q4_K_M"
-    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk
+    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk, "keep" holds the reference type
     tensor_types = ["attn_v=q8_0"]  # optional llama-quantize style overrides
     # imatrix = "glm-air.imatrix.gguf"  # optional: importance matrix (llama-imatrix GGUF or .dat), as
     #                                   # llama-quantize --imatrix; its sha256 goes into the manifest
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
+from ..quantize.mtp_precision import Q8_0, MtpPrecision, parse_mtp
 
 REFERENCE_TYPES = ("f32", "f16", "bf16", "q8_0")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -60,8 +61,8 @@ class Gate:
 class Variant:
     name: str
     preset: str
-    mtp_type: str = "q8_0"
-    mtp_experts_type: str | None = None
+    mtp_type: MtpPrecision = Q8_0
+    mtp_experts_type: MtpPrecision | None = None
     tensor_types: tuple[str, ...] = ()
     graft_into: Path | None = None
     gate: bool = True
@@ -201,7 +202,9 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             if v is not None and not 0.0 <= v <= 1.0:
                 raise _err(path, f"gate.{k}", "must be between 0 and 1")
 
+    from ..quantize.mtp_precision import MtpMode
     from ..quantize.presets import preset_named, type_named  # llama-quantize's names
+    from ..quantize.surgery import GRAFT_MODES
 
     def check(fn, value: str, key: str):
         try:
@@ -223,11 +226,16 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
         preset = check(preset_named, _take(v, "preset", str, path, where, required=True), f"{where}.preset").name
-        mtp_type = _take(v, "mtp_type", str, path, where, default="q8_0")
+        graft = _take(v, "graft_into", str, path, where)
+        # parsed once here; the runner hands the typed values on (graft cannot follow 'same': no trunk rule)
+        allow = GRAFT_MODES if graft is not None else tuple(MtpMode)
+        parse = lambda val, key: parse_mtp(val, key, allow=allow)  # noqa: E731
+        mtp_type = check(parse, _take(v, "mtp_type", str, path, where, default="q8_0"), f"{where}.mtp_type")
         mtp_experts = _take(v, "mtp_experts_type", str, path, where)
-        for key, val in (("mtp_type", mtp_type), ("mtp_experts_type", mtp_experts)):
-            if val is not None and val.lower() != "same":
-                check(type_named, val, f"{where}.{key}")
+        if mtp_experts is not None:
+            if graft is not None:
+                raise _err(path, f"{where}.mtp_experts_type", "not used with graft_into (the head gets mtp_type)")
+            mtp_experts = check(parse, mtp_experts, f"{where}.mtp_experts_type")
         overrides = _take(v, "tensor_types", list, path, where, default=[])
         for j, o in enumerate(overrides):
             if not isinstance(o, str) or "=" not in o:
@@ -238,13 +246,12 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             except re.error as exc:
                 raise _err(path, f"{where}.tensor_types[{j}]", f"bad regex {pattern!r}: {exc}") from None
             check(type_named, typ, f"{where}.tensor_types[{j}]")
-        graft = _take(v, "graft_into", str, path, where)
         if check_inputs and graft is not None and not (base / graft).is_file():
             raise _err(path, f"{where}.graft_into", f"{base / graft} does not exist")
         imatrix, weights = _imatrix_keys(v, path, where, base, check_inputs)
         if imatrix is not None and graft is not None:
             raise _err(path, f"{where}.imatrix", "a grafted variant is not quantized: drop imatrix or graft_into")
-        variants.append(Variant(vname, preset, mtp_type.lower(), mtp_experts.lower() if mtp_experts else None,
+        variants.append(Variant(vname, preset, mtp_type, mtp_experts,
                                 tuple(overrides), base / graft if graft else None,
                                 _take(v, "gate", bool, path, where, default=True), imatrix, *weights))
     names = [v.name for v in variants]

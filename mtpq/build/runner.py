@@ -106,10 +106,7 @@ def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
     if v.graft_into is not None:
         from ..quantize.surgery import plan_graft
 
-        from ..quantize.presets import type_named
-
-        mtp_type = None if v.mtp_type == "same" else type_named(v.mtp_type, "mtp_type")  # a name in the recipe
-        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=mtp_type)
+        plan = plan_graft(ref, plan_from_gguf(v.graft_into), mtp_type=v.mtp_type)
     else:
         from ..quantize.imatrix import read_imatrix
 
@@ -190,7 +187,8 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool
     chosen = [recipe.variant(n) for n in only] if only else recipe.variants
     for v in chosen:
         graft_sha = sha256_file(v.graft_into) if v.graft_into else None
-        opts = {"preset": v.preset, "mtp_type": v.mtp_type, "mtp_experts_type": v.mtp_experts_type,
+        opts = {"preset": v.preset, "mtp_type": str(v.mtp_type),
+                "mtp_experts_type": None if v.mtp_experts_type is None else str(v.mtp_experts_type),
                 "tensor_types": list(v.tensor_types), "graft_into": v.graft_into.name if v.graft_into else None}
         if v.imatrix is not None:  # recorded (and part of the build key) only when used
             opts.update(imatrix=v.imatrix.name, imatrix_sha256=sha256_file(v.imatrix),

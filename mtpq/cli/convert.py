@@ -36,7 +36,8 @@ def convert(
         None, "--quant", help="Quantize in the same pass with this llama-quantize preset (Q4_K_M, Q8_0, ...), "
                               "from the checkpoint's own values: no intermediate full-precision GGUF."),
     mtp_type: Optional[str] = typer.Option(
-        None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk)."),
+        None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk, "
+                              "'keep' = the --outtype)."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
@@ -83,7 +84,7 @@ def convert(
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""
         if quant is not None:
-            held = parsed.mtp_type.name.lower() if parsed.mtp_type is not None else "the trunk's types"
+            held = "the trunk's types" if parsed.mtp_type.is_same else str(parsed.mtp_type)
             quant_text = f", {parsed.preset.name} with MTP at {held}"
         console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
                       f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})")

@@ -36,8 +36,9 @@ def quantize(
     dst: Path = typer.Argument(..., metavar="OUT", help="GGUF to write (temporary name, renamed when complete)."),
     preset: str = typer.Argument(..., metavar="PRESET", help=f"llama-quantize preset: {', '.join(PRESETS)}."),
     mtp_type: Optional[str] = typer.Option(
-        None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ... or "
-                                 "'same' (treat like the trunk, as llama-quantize does). Float presets default to same."),
+        None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ...; 'keep' (the type "
+                                 "it has in IN) or 'same' (treat like the trunk, as llama-quantize does). "
+                                 "Float presets default to same."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
     tensor_type: Optional[List[str]] = typer.Option(

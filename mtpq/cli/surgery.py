@@ -8,10 +8,11 @@ import typer
 
 from ..gguf_io import plan_from_gguf, tensor_nbytes, write_plan
 from ..quantize.kernels import SUPPORTED_TYPES
-from ..quantize.surgery import plan_extract_mtp, plan_graft
+from ..quantize.mtp_precision import parse_mtp
+from ..quantize.surgery import GRAFT_MODES, plan_extract_mtp, plan_graft
 from ..tensors import Plan, Role
 from .app import app
-from .common import byte_progress, console, fail, guarded
+from .common import byte_progress, console, guarded
 
 MTP_TYPES = {t.name.lower(): t for t in SUPPORTED_TYPES}  # what mtpq's kernels write
 
@@ -63,12 +64,8 @@ def graft(
     match; fixes block_count and nextn_predict_layers. The target's tensors
     and metadata are copied byte for byte.
     """
-    qtype = None
-    if mtp_type.lower() != "keep":
-        if mtp_type.lower() not in MTP_TYPES:
-            fail("--mtp-type", f"unknown type {mtp_type!r}; choose keep or one of {', '.join(MTP_TYPES)}")
-        qtype = MTP_TYPES[mtp_type.lower()]
-    plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=qtype, replace=replace)
+    precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_MODES)  # before any file is read
+    plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
     total = _write(plan, out, "graft", quiet)
     if not quiet:
         console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "

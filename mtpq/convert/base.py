@@ -1,11 +1,17 @@
 """What every family shares: the registry, common hparams, name mapping, types.
 
-A family module subclasses :class:`Family` and supplies
+A family module subclasses :class:`Family` and declares
 - ``hf_architectures`` and ``arch`` (the GGUF architecture),
 - ``set_metadata(w)``: family-specific hparams on top of :meth:`set_common_metadata`,
-- ``tensors()``: (gguf name, shape, loader, source) for every tensor, MTP included,
-  with the family's transforms folded into the loaders.
-The base turns that into a :class:`~mtpq.tensors.Plan` with roles and output types.
+- for families whose blocks are ``model.layers.{N}`` (trunk, then the MTP blocks
+  appended past ``num_hidden_layers``: GLM-4.5, DeepSeek-V3, Step3.5), data:
+  ``expert_count_keys`` / ``per_expert_infix`` (per-expert tensors stacked into
+  ``*_exps``), ``nextn_tensors`` (the MTP-only tensors and their GGUF kinds),
+  ``drop_tied_output``; and per-tensor hooks: ``modify`` (llama.cpp's
+  ``modify_tensors``: rename, split, transform one HF tensor) and ``check_block``.
+  The one per-layer loop, :meth:`Family.tensors`, walks them.
+- families stored another way (Qwen3.5's ``mtp.*``) override ``tensors()``.
+The base turns the tensors into a :class:`~mtpq.tensors.Plan` with roles and output types.
 """
 
 from __future__ import annotations
@@ -41,6 +47,25 @@ FILE_TYPES = {
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
 MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+# The MTP-only tensors inside an MTP block (name inside ``model.layers.{N}.``) -> GGUF kind. Named here because
+# the gguf-py we depend on (0.19) lacks the nextn entries in several architectures' tensor tables.
+NEXTN_TENSORS: dict[str, gguf.MODEL_TENSOR] = {
+    "eh_proj.weight": gguf.MODEL_TENSOR.NEXTN_EH_PROJ,
+    "enorm.weight": gguf.MODEL_TENSOR.NEXTN_ENORM,
+    "hnorm.weight": gguf.MODEL_TENSOR.NEXTN_HNORM,
+    "embed_tokens.weight": gguf.MODEL_TENSOR.NEXTN_EMBED_TOKENS,
+    "shared_head.head.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD,
+    "shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
+}
+
+
+def gguf_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight") -> str:
+    """``blk.{bid}.<kind>.weight`` (or a top-level name) from gguf-py's table of tensor names."""
+    return gguf.TENSOR_NAMES[kind].format(bid=bid) + suffix
+
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -79,6 +104,14 @@ class Family:
     # config.json keys without which the family cannot convert (checked before anything else)
     required_hparams: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "num_hidden_layers")
 
+    # -- the declaration read by the generic per-layer loop (:meth:`tensors`) --------------
+    block_prefix: ClassVar[str] = "model.layers."
+    mtp_prefix: ClassVar[str | None] = None  # MTP block i at f"{mtp_prefix}{i}." (else block_prefix, N + i)
+    expert_count_keys: ClassVar[tuple[str, ...]] = ("n_routed_experts",)  # hparams naming the routed experts
+    per_expert_infix: ClassVar[str] = "mlp.experts."  # {infix}{e}.{gate,up,down}_proj.weight, stacked into *_exps
+    nextn_tensors: ClassVar[dict[str, gguf.MODEL_TENSOR]] = NEXTN_TENSORS
+    drop_tied_output: ClassVar[bool] = False  # lm_head skipped when tie_word_embeddings (as llama.cpp does)
+
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config)
@@ -86,6 +119,7 @@ class Family:
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
+        self.mtp_mode = MtpMode.KEEP  # set by plan(): --no-mtp converts checkpoints stripped of their MTP layers
 
     # -- hooks for families -------------------------------------------------------------
 
@@ -97,12 +131,79 @@ class Family:
     def set_metadata(self, w: GGUFWriter) -> None:
         raise NotImplementedError
 
-    def tensors(self) -> Iterator[Emit]:
-        raise NotImplementedError
+    def modify(self, bid: int, rest: str, hf: str) -> Iterable[Emit] | None:
+        """llama.cpp's ``modify_tensors``: the GGUF tensors made from HF tensor ``hf`` (``rest`` is its name
+        inside block ``bid``), or None for the default naming (nextn table, then gguf-py's name map)."""
+        return None
 
-    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
-        """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned."""
-        raise NotImplementedError
+    def check_block(self, bid: int, prefix: str) -> None:
+        """Refuse a block whose shapes contradict config.json (before any of its tensors is emitted)."""
+
+    def tensors(self) -> Iterator[Emit]:
+        """The one per-layer loop: token_embd, every block (trunk then MTP), output_norm, output."""
+        ck = self.ckpt
+        n_blocks = self.n_trunk + self.n_mtp
+        self.expect_shape(self.require("model.embed_tokens.weight"), (self.hparams["vocab_size"],
+                                                                      self.hparams["hidden_size"]))
+        used: list[str] = []
+        by_block: dict[int, list[str]] = {}
+        for n in ck.names():
+            if self.mtp_prefix and (i := layer_of(n, self.mtp_prefix)) is not None:
+                by_block.setdefault(self.n_trunk + i, []).append(n)
+            elif (bid := layer_of(n, self.block_prefix)) is not None:
+                by_block.setdefault(bid, []).append(n)
+
+        def one(hf: str) -> Emit:
+            name = self.map_name(hf)
+            if name is None:
+                raise KeyError(hf)
+            used.append(hf)
+            return self.emit(name, hf)
+
+        yield one("model.embed_tokens.weight")
+        for bid in range(n_blocks):
+            mtp = bid >= self.n_trunk
+            p = f"{self.mtp_prefix}{bid - self.n_trunk}." if mtp and self.mtp_prefix else f"{self.block_prefix}{bid}."
+            names = by_block.get(bid, [])
+            if not names:
+                if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
+                    continue  # many published copies lack the MTP layers: fine for a trunk-only GGUF
+                hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
+                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
+                                            f" + {self.n_mtp} MTP){hint}")
+            self.check_block(bid, p)
+            experts = [n for n in names if n.startswith(p + self.per_expert_infix)]
+            for hf in names:
+                if hf in experts:
+                    continue
+                rest = hf[len(p):]
+                key = f"{self.block_prefix}{bid}.{rest}"  # as gguf-py's name map spells it
+                if (custom := self.modify(bid, rest, hf)) is not None:
+                    used.append(hf)
+                    yield from custom
+                elif mtp and rest in self.nextn_tensors:
+                    used.append(hf)
+                    yield self.emit(gguf_name(self.nextn_tensors[rest], bid), hf)
+                elif (name := self.map_name(key)) is not None:
+                    used.append(hf)
+                    yield self.emit(name, hf)
+                # anything else is reported by check_unused below
+            if experts:
+                yield from self.stack_experts(p, int(self.hp(*self.expert_count_keys)), used, bid)
+        if "model.norm.weight" in ck:
+            yield one("model.norm.weight")
+        if "lm_head.weight" in ck:
+            if self.drop_tied_output and self.hparams.get("tie_word_embeddings"):
+                used.append("lm_head.weight")  # output falls back to token_embd
+            else:
+                yield one("lm_head.weight")
+        check_unused(ck, used)
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected] | None:
+        """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned.
+        None: the family has not declared them yet (step35, mimo2), so only the checks that need no
+        declaration run (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
+        return None
 
     def resolve(self, name: str) -> str | None:
         """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
@@ -128,6 +229,11 @@ class Family:
                 return self.hparams[k]
         return default
 
+    def swa_rope_theta(self) -> float | None:
+        """The sliding-window layers' RoPE base, under the names llama.cpp's converter looks for."""
+        return self.hp("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                       "rope_local_base_freq")
+
     @property
     def rope_parameters(self) -> dict:
         rp = self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {}
@@ -139,15 +245,18 @@ class Family:
     def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
         """The hparams llama.cpp's TextModel.set_gguf_parameters writes for every model."""
         w.add_block_count(n_blocks)
-        if (v := self.hp("max_position_embeddings")) is not None:
+        # the hparam spellings llama.cpp's find_hparam tries, in its order
+        if (v := self.hp("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+                         "model_max_length")) is not None:
             w.add_context_length(v)
-        if (v := self.hp("hidden_size")) is not None:
+        if (v := self.hp("hidden_size", "n_embd", "dim")) is not None:
             w.add_embedding_length(v)
-        if (v := self.hp("intermediate_size")) is not None:
+        if (v := self.hp("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
+                         "n_inner", "hidden_dim")) is not None:
             w.add_feed_forward_length(v)
-        if (v := self.hp("num_attention_heads")) is not None:
+        if (v := self.hp("num_attention_heads", "n_head", "n_heads")) is not None:
             w.add_head_count(v)
-        if (v := self.hp("num_key_value_heads")) is not None:
+        if (v := self.hp("num_key_value_heads", "n_kv_heads")) is not None:
             w.add_head_count_kv(v)
         rp = self.rope_parameters
         if rp.get("rope_type") == "yarn" and rp.get("factor") is not None:
@@ -159,17 +268,20 @@ class Family:
             w.add_rope_scaling_factor(rp["factor"])
         if (v := rp.get("rope_theta")) is not None:
             w.add_rope_freq_base(v)
-        if (v := self.hp("rms_norm_eps")) is not None:
+        if (v := self.swa_rope_theta()) is not None:
+            w.add_rope_freq_base_swa(v)
+        if (v := self.hp("rms_norm_eps", "norm_eps")) is not None:
             w.add_layer_norm_rms_eps(v)
         if (v := self.hp("num_local_experts", "num_experts", "n_routed_experts")) is not None:
             w.add_expert_count(v)
-        if (v := self.hp("num_experts_per_tok")) is not None:
+        if (v := self.hp("num_experts_per_tok", "num_experts_per_token", "top_k_experts")) is not None:
             w.add_expert_used_count(v)
         if (v := self.hparams.get("n_group")) is not None:
             w.add_expert_group_count(v)
         if (v := self.hparams.get("topk_group")) is not None:
             w.add_expert_group_used_count(v)
-        if (v := self.hp("scoring_func", "score_function")) is not None:
+        if (v := self.hp("score_function", "scoring_func", "score_func", "moe_router_activation",
+                         "moe_router_activation_func", "expert_selection_fn")) is not None:
             gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
             if v not in gating:
                 raise InputError(self.ckpt.folder / "config.json", f"unsupported scoring_func {v!r}")
@@ -178,15 +290,21 @@ class Family:
             w.add_key_length(v)
             w.add_value_length(v)
 
-    def emit(self, name: str, hf_name: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def values(self, hf_name: str, shape: tuple[int, ...]) -> tuple[Transform | None, tuple[int, ...]]:
+        """The family's value transform of one HF tensor (e.g. +1 on zero-centred norms) and the shape it gives;
+        applied to every tensor :meth:`emit` reads, before any transform the caller adds."""
+        return None, shape
+
+    def emit(self, name: str, hf_name: str, transform: Transform | None = None,
              shape: tuple[int, ...] | None = None) -> Emit:
         """A GGUF tensor read from one HF tensor, optionally transformed (shape must then be given if it changes)."""
         load = self.ckpt.loader(hf_name)
-        if transform is not None:
-            inner = load
-            load = lambda: transform(inner())  # noqa: E731
+        own, own_shape = self.values(hf_name, tuple(self.ckpt.shape(hf_name)))
+        for step in (own, transform):
+            if step is not None:
+                load = (lambda inner, f: lambda: f(inner()))(load, step)
         src = f"{self.ckpt.stored[hf_name].file.name}:{hf_name}"
-        return Emit(name, tuple(shape if shape is not None else self.ckpt.shape(hf_name)), load, src)
+        return Emit(name, tuple(shape if shape is not None else own_shape), load, src)
 
     def stack(self, name: str, hf_names: list[str]) -> Emit:
         """Stack per-expert 2-D tensors into one 3-D tensor [n_expert, rows, cols]."""
@@ -210,12 +328,14 @@ class Family:
 
         return Emit(name, shape, load, src)
 
-    def stack_experts(self, prefix: str, n_experts: int, used: list[str]) -> Iterator[Emit]:
+    def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
         """Layer ``prefix``'s per-expert gate/up/down tensors as three stacked tensors, named as llama.cpp does."""
+        infix = self.per_expert_infix
+        key = prefix if bid is None else f"{self.block_prefix}{bid}."
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            parts = [f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(n_experts)]
+            parts = [f"{prefix}{infix}{e}.{proj}.weight" for e in range(n_experts)]
             used.extend(parts)
-            yield self.stack(self.map_name(f"{prefix}mlp.experts.{proj}.weight"), parts)
+            yield self.stack(self.map_name(f"{key}{infix}{proj}.weight"), parts)
 
     def expect_shape(self, hf_name: str, shape: tuple[int, ...]) -> None:
         """Refuse a tensor whose shape contradicts config.json."""
@@ -253,6 +373,7 @@ class Family:
         return outtype
 
     def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16) -> Plan:
+        self.mtp_mode = mtp
         if mtp is not MtpMode.DROP and self.n_mtp == 0:
             if mtp is MtpMode.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
@@ -307,6 +428,7 @@ def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:
 
 def check_unused(ckpt: Checkpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
     """Every source tensor must be converted or knowingly ignored: silent drops hide bugs."""
-    left = [n for n in ckpt.names() if n not in set(used) and not n.startswith(ignore)]
+    used = set(used)
+    left = [n for n in ckpt.names() if n not in used and not n.startswith(ignore)]
     if left:
         raise InputError(ckpt.folder, f"{len(left)} tensors were not recognised, e.g. {left[0]}")

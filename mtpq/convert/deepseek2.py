@@ -29,26 +29,12 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as MT
 
 from ..errors import InputError
-from ..tensors import Plan
 from . import validate as V
-from .base import Emit, Family, MtpMode, check_unused, layer_of, register
+from .base import Emit, Family, gguf_name, register
 from .validate import Expected
 
-# The MTP-only tensors. gguf-py's deepseek2 tensor list may lack the NEXTN entries, so they are named here.
-_NEXTN = {
-    "eh_proj.weight": MT.NEXTN_EH_PROJ,
-    "enorm.weight": MT.NEXTN_ENORM,
-    "hnorm.weight": MT.NEXTN_HNORM,
-    "embed_tokens.weight": MT.NEXTN_EMBED_TOKENS,
-    "shared_head.head.weight": MT.NEXTN_SHARED_HEAD_HEAD,
-    "shared_head.norm.weight": MT.NEXTN_SHARED_HEAD_NORM,
-}
 _REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "kv_lora_rank",
              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-
-
-def _name(kind: MT, bid: int) -> str:
-    return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
 
 
 @register
@@ -56,11 +42,8 @@ class DeepseekV3(Family):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     arch = "deepseek2"
 
+    drop_tied_output = True
     required_hparams = ("num_hidden_layers", "intermediate_size") + _REQUIRED
-
-    def __init__(self, ckpt):
-        super().__init__(ckpt)
-        self._mtp_mode = MtpMode.KEEP
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         hp = self.hparams
@@ -83,11 +66,6 @@ class DeepseekV3(Family):
                 yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
             if bid >= self.n_trunk:
                 yield from V.nextn_head(p, h, vocab)
-
-    def plan(self, mtp: MtpMode = MtpMode.KEEP,
-             outtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16) -> Plan:
-        self._mtp_mode = mtp  # tensors() needs it: --no-mtp must work on checkpoints stripped of layer 61
-        return super().plan(mtp=mtp, outtype=outtype)
 
     @property
     def rope_parameters(self) -> dict:
@@ -151,60 +129,15 @@ class DeepseekV3(Family):
             # llama.cpp stores 0.1 * mscale_all_dim here and its deepseek2 loader divides by 0.1 again
             w.add_rope_scaling_yarn_log_mul(0.1 * v)
 
-    # -- tensors ------------------------------------------------------------------------
+    # -- tensors: the base's per-layer loop, with MLA's shape checks and kv_b split ------------
 
-    def tensors(self) -> Iterator[Emit]:
-        hp, ck = self.hparams, self.ckpt
-        hidden, vocab = hp["hidden_size"], hp["vocab_size"]
-        n_blocks = self.n_trunk + self.n_mtp
-        self.expect_shape(self.require("model.embed_tokens.weight"), (vocab, hidden))
-        used: list[str] = []
-        by_layer: dict[int, list[str]] = {}
-        for n in ck.names():
-            if (bid := layer_of(n)) is not None:
-                by_layer.setdefault(bid, []).append(n)
+    def check_block(self, bid: int, prefix: str) -> None:
+        self._check_mla_shapes(prefix)
 
-        def one(hf: str, name: str | None = None) -> Emit:
-            name = name or self.map_name(hf)
-            if name is None:
-                raise KeyError(hf)
-            used.append(hf)
-            return self.emit(name, hf)
-
-        yield one("model.embed_tokens.weight")
-        for bid in range(n_blocks):
-            p = f"model.layers.{bid}."
-            names = by_layer.get(bid, [])
-            if not names:
-                if bid >= self.n_trunk and self._mtp_mode is MtpMode.DROP:
-                    continue  # many published DeepSeek-V3 copies lack the MTP layer: fine for a trunk-only GGUF
-                hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
-                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
-                                            f" + {self.n_mtp} MTP){hint}")
-            self._check_mla_shapes(p)
-            experts = [n for n in names if ".mlp.experts." in n]
-            for hf in names:
-                rest = hf[len(p):]
-                if hf in experts:
-                    continue
-                if bid >= self.n_trunk and rest in _NEXTN:
-                    yield one(hf, _name(_NEXTN[rest], bid))
-                elif rest == "self_attn.kv_b_proj.weight":
-                    used.append(hf)
-                    yield from self._split_kv_b(bid, hf)
-                elif self.map_name(hf) is not None:
-                    yield one(hf)
-                # anything else is reported by check_unused below
-            if experts:
-                yield from self.stack_experts(p, hp["n_routed_experts"], used)
-        if "model.norm.weight" in ck:
-            yield one("model.norm.weight")
-        if "lm_head.weight" in ck:
-            if hp.get("tie_word_embeddings"):
-                used.append("lm_head.weight")  # llama.cpp skips it too: output falls back to token_embd
-            else:
-                yield one("lm_head.weight")
-        check_unused(ck, used)
+    def modify(self, bid: int, rest: str, hf: str) -> Iterator[Emit] | None:
+        if rest == "self_attn.kv_b_proj.weight":
+            return self._split_kv_b(bid, hf)
+        return None
 
     def _check_mla_shapes(self, p: str) -> None:
         for rest, shape in self._mla_shapes().items():
@@ -242,5 +175,5 @@ class DeepseekV3(Family):
         def v_b(w: torch.Tensor) -> torch.Tensor:
             return w.reshape(n_head, nope + v, kv_lora)[:, nope:, :].contiguous()
 
-        yield self.emit(_name(MT.ATTN_K_B, bid), hf, k_b, shape=(n_head, kv_lora, nope))
-        yield self.emit(_name(MT.ATTN_V_B, bid), hf, v_b, shape=(n_head, v, kv_lora))
+        yield self.emit(gguf_name(MT.ATTN_K_B, bid), hf, k_b, shape=(n_head, kv_lora, nope))
+        yield self.emit(gguf_name(MT.ATTN_V_B, bid), hf, v_b, shape=(n_head, v, kv_lora))

@@ -7,18 +7,18 @@ shared expert. The MTP block is ``model.layers.{num_hidden_layers}``: the
 block. GLM-4.6 checkpoints omit the head's ``embed_tokens`` and
 ``shared_head.head`` (tied to the trunk's): they are simply not written and the
 runtime falls back to ``token_embd``/``output``.
+
+Everything about the tensors is the base's declaration defaults: blocks at
+``model.layers.{N}``, experts ``mlp.experts.{e}.*`` stacked, gguf-py's names.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import gguf
 from gguf import GGUFWriter
 
-from ..errors import InputError
 from . import validate as V
-from .base import Emit, Family, check_unused, register
+from .base import Family, register
 from .validate import Expected
 
 
@@ -76,38 +76,3 @@ class Glm4Moe(Family):
         # GLM's special ids, as llama.cpp's _set_vocab_glm sets them (skipped when a tokenizer lacks them)
         special = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
         write_bpe_vocab(w, self.ckpt.folder, self.vocab_size(), special)
-
-    def tensors(self) -> Iterator[Emit]:
-        hp, ck = self.hparams, self.ckpt
-        hidden, vocab = hp["hidden_size"], hp["vocab_size"]
-        n_blocks = self.n_trunk + self.n_mtp
-        self.expect_shape(self.require("model.embed_tokens.weight"), (vocab, hidden))
-        used: list[str] = []
-
-        def one(hf: str) -> Emit:
-            name = self.map_name(hf)
-            if name is None:
-                raise KeyError(hf)
-            used.append(hf)
-            return self.emit(name, hf)
-
-        yield one("model.embed_tokens.weight")
-        for bid in range(n_blocks):
-            p = f"model.layers.{bid}."
-            names = [n for n in ck.names() if n.startswith(p)]
-            if not names:
-                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP)")
-            experts = [n for n in names if ".mlp.experts." in n]
-            for hf in names:
-                if hf in experts:
-                    continue
-                if self.map_name(hf) is None:
-                    continue  # reported by check_unused below
-                yield one(hf)
-            if experts:
-                yield from self.stack_experts(p, hp["n_routed_experts"], used)
-        if "model.norm.weight" in ck:
-            yield one("model.norm.weight")
-        if "lm_head.weight" in ck:
-            yield one("lm_head.weight")
-        check_unused(ck, used)

@@ -48,7 +48,8 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
         "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group")},
     **{k: ("int", _NON_NEGATIVE) for k in (
         "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
-    **{k: ("number", None) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor")},
+    **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
+    "rope_theta": ("numbers", None),  # Step3.5 gives one base per attention kind: [full, sliding, ...]
     **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob")},
     **{k: ("strs", None) for k in ("architectures", "layer_types")},
     **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
@@ -61,6 +62,11 @@ def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | No
         return f"{key} must be an integer, got {value!r}"
     if kind == "number" and not (is_int or isinstance(value, float)):
         return f"{key} must be a number, got {value!r}"
+    if kind == "numbers":
+        items = value if isinstance(value, list) and value else [value]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            return f"{key} must be a number (or a list of numbers), got {value!r}"
+        return None
     if kind == "bool" and not isinstance(value, bool):
         return f"{key} must be true or false, got {value!r}"
     if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
@@ -210,7 +216,9 @@ def check_family(family: "Family", keep_mtp: bool) -> None:
     """All tensor-level checks of one checkpoint for one family; called before any tensor is planned."""
     check_dtypes(family.ckpt)
     layout = f"config.json has {family.n_trunk} layers" + (f" + {family.n_mtp} MTP" if family.n_mtp else "")
-    check_tensors(family, family.expected_tensors(keep_mtp), layout)
+    expected = family.expected_tensors(keep_mtp)
+    if expected is not None:
+        check_tensors(family, expected, layout)
 
 
 # ----------------------------------------------------------------------------- building blocks families declare with

@@ -128,7 +128,77 @@ def write_bpe_vocab(w: GGUFWriter, folder: Path, vocab_size: int, special: dict[
     w.add_token_list(tokens)
     w.add_token_types(types)
     sv = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
+    sv.add_special_token = add_special_flags(folder)
     for role, text in (special or {}).items():
         if text in added:
             sv._set_special_token(role, added[text])
     sv.add_to_gguf(w)
+
+
+def add_special_flags(folder: Path) -> dict[str, bool]:
+    """``tokenizer.ggml.add_{bos,eos,sep}_token`` as llama.cpp's in-tree gguf-py (2026-10) decides them.
+
+    gguf 0.19 (our dependency) lets tokenizer_config.json's ``add_*_token`` override
+    what tokenizer.json's post-processor does, and says nothing for a plain ByteLevel
+    post-processor. llama.cpp's converter trusts the post-processor (it is what the
+    tokenizer really does): ByteLevel adds nothing (both flags false), Roberta adds
+    bos/eos/sep, a template adds its leading/trailing special tokens (and a separator
+    when its pair template has one between A and B); the config's flags only fill in
+    what the post-processor leaves open.
+    """
+    import json
+
+    def read(name: str):
+        f = folder / name
+        try:
+            return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+        except ValueError:
+            raise InputError(f, "not valid JSON") from None
+
+    tokenizer, config = read("tokenizer.json"), read("tokenizer_config.json")
+
+    def token(key: str):  # the config's special token text (a string or {"content": ...})
+        v = (config or {}).get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    def special(item: dict):
+        return item.get("SpecialToken", {}).get("id")
+
+    flags: dict[str, bool] = {}
+    if tokenizer:
+        bos, cls, eos, sep = token("bos_token"), token("cls_token"), token("eos_token"), token("sep_token")
+        bos, eos = bos or cls, eos or sep
+        post = tokenizer.get("post_processor") or {}
+        for proc in post.get("processors", [post]) if post else []:
+            kind = proc.get("type")
+            if kind == "ByteLevel":
+                flags.setdefault("bos", False)
+                flags.setdefault("eos", False)
+            elif kind == "RobertaProcessing":
+                flags.update(bos=True, eos=True, sep=True)
+            elif kind == "TemplateProcessing":
+                single, first, last = proc.get("single", []), None, None
+                if len(single) > 1:
+                    if first := special(single[0]):
+                        if config is None or first not in (bos, cls):
+                            bos = bos or first  # a leading special token becomes bos/cls when the config has none
+                            cls = cls or first
+                        flags["bos"] = config is None or first in (bos, cls)
+                    if last := special(single[-1]):
+                        eos = last  # the trailing special token is the eos token
+                        flags["eos"] = True
+                pair = proc.get("pair", [])
+                start = 1 if first and pair and special(pair[0]) == first else 0
+                stop = -1 if last and pair and special(pair[-1]) == last else None
+                pair = pair[start:stop]
+                a, b = (pair[0].get("Sequence", {}).get("id"), pair[-1].get("Sequence", {}).get("id")) if pair else (0, 0)
+                if a == "A" and b == "B" and (inner := pair[1:-1]):
+                    add_sep = special(inner[0]) in (sep, eos) and not last and special(inner[0]) is not None
+                    if len(inner) == 2 and special(inner[1]) is not None and special(inner[1]) in (sep, eos):
+                        add_sep = True
+                    flags["sep"] = add_sep
+    for typ in ("bos", "eos", "sep", "cls", "mask", "pad", "unk", "eot", "eom"):
+        value = (config or {}).get(f"add_{typ}_token")
+        if isinstance(value, bool) and typ not in flags:
+            flags[typ] = value
+    return flags

@@ -21,14 +21,14 @@ from ..errors import InputError
 from ..gguf_io import tensor_nbytes
 from ..tensors import Plan, Role, TensorSpec
 from .imatrix import Imatrix, select_entries
+from .mtp_precision import Q8_0, SAME, MtpPrecision, parse_mtp
 from .policy import Override, PolicyContext, decide, never_quantized, with_counters
 from .presets import (FLOAT_TYPES, Category, ModelFacts, Preset, category, preset_named, requires_imatrix,
                       type_named)
 
 log = logging.getLogger(__name__)
 
-MTP_DEFAULT = GGMLQuantizationType.Q8_0  # the GGUF 8-bit class: at least as precise as FP8 e4m3
-SAME = "same"
+MTP_DEFAULT = Q8_0  # the GGUF 8-bit class: at least as precise as FP8 e4m3
 
 
 def parse_overrides(items: Sequence[str], option: str = "--tensor-type") -> tuple[Override, ...]:
@@ -48,15 +48,6 @@ def parse_overrides(items: Sequence[str], option: str = "--tensor-type") -> tupl
 
 def _optional_type(text: Optional[str], option: str) -> Optional[GGMLQuantizationType]:
     return None if text is None else type_named(text, option)
-
-
-def _mtp_type(text: Optional[str], option: str, default) -> Optional[GGMLQuantizationType]:
-    """``same`` -> None (the MTP block is treated like the trunk); no value -> ``default``."""
-    if text is None:
-        return default
-    if text.strip().lower() == SAME:
-        return None
-    return type_named(text, option)
 
 
 def model_facts(plan: Plan) -> ModelFacts:
@@ -85,8 +76,8 @@ class QuantOptions:
     """The user's choices, parsed and validated."""
 
     preset: Preset
-    mtp_type: Optional[GGMLQuantizationType]  # None: the MTP block is treated like the trunk
-    mtp_experts_type: Optional[GGMLQuantizationType]
+    mtp_type: MtpPrecision  # SAME: the MTP block is treated like the trunk
+    mtp_experts_type: MtpPrecision
     overrides: tuple[Override, ...]
     output_tensor_type: Optional[GGMLQuantizationType]
     token_embedding_type: Optional[GGMLQuantizationType]
@@ -94,8 +85,8 @@ class QuantOptions:
 
 def parse_options(
     preset: str | Preset,
-    mtp_type: Optional[str] = None,
-    mtp_experts_type: Optional[str] = None,
+    mtp_type: str | MtpPrecision | None = None,
+    mtp_experts_type: str | MtpPrecision | None = None,
     tensor_types: Sequence[str] = (),
     output_tensor_type: Optional[str] = None,
     token_embedding_type: Optional[str] = None,
@@ -103,11 +94,11 @@ def parse_options(
 ) -> QuantOptions:
     """Validate every option (InputError naming the option); nothing is read."""
     p = preset if isinstance(preset, Preset) else preset_named(preset, preset_option)
-    mtp = _mtp_type(mtp_type, "--mtp-type", None if p.is_float else MTP_DEFAULT)
+    mtp = parse_mtp(mtp_type, "--mtp-type", SAME if p.is_float else MTP_DEFAULT)
     return QuantOptions(
         preset=p,
         mtp_type=mtp,
-        mtp_experts_type=_mtp_type(mtp_experts_type, "--mtp-experts-type", mtp),
+        mtp_experts_type=parse_mtp(mtp_experts_type, "--mtp-experts-type", mtp),
         overrides=parse_overrides(tensor_types),
         output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
         token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
@@ -117,8 +108,8 @@ def parse_options(
 def plan_quantize(
     plan: Plan,
     preset: str | Preset,
-    mtp_type: Optional[str] = None,
-    mtp_experts_type: Optional[str] = None,
+    mtp_type: str | MtpPrecision | None = None,
+    mtp_experts_type: str | MtpPrecision | None = None,
     tensor_types: Sequence[str] = (),
     output_tensor_type: Optional[str] = None,
     token_embedding_type: Optional[str] = None,
@@ -136,9 +127,10 @@ def plan_quantize(
     quantized tensor with an entry carries its weights (``TensorSpec.importance``)
     and the mixes that depend on an imatrix change as in llama-quantize.
 
-    ``mtp_type``: type of the MTP blocks' tensors (default q8_0; for float
-    presets the default is ``same``, so a head is never made coarser than its
-    trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps``
+    ``mtp_type``: an :class:`MtpPrecision` (or its text, parsed here) for the
+    MTP blocks' tensors: a type (default q8_0), ``keep`` (the type they have) or
+    ``same`` (like the trunk; the default for float presets, so a head is never
+    made coarser than its trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps``
     (default: ``mtp_type``). Options are validated before anything is decided;
     a bad one raises InputError naming the option.
     """

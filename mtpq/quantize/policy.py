@@ -13,7 +13,8 @@ Order (what beats what):
 3. ``--tensor-type REGEX=TYPE``, first match (beats the MTP rule; applies even
    when the preset is f16/bf16, where llama-quantize ignores it)
 4. the MTP rule: every quantizable tensor of an MTP block at ``--mtp-type``
-   (its ``*_exps`` at ``--mtp-experts-type``); ``same`` skips this rule
+   (its ``*_exps`` at ``--mtp-experts-type``); ``keep`` holds the type it has;
+   ``same`` skips this rule
 5. ``--pure``: the preset's base type everywhere
 6. float presets (F32/F16/BF16): the base type
 7. the preset's llama-quantize mix (:func:`mtpq.quantize.presets.llama_mix`)
@@ -28,6 +29,7 @@ from typing import Callable, Iterable, Mapping, Optional
 from gguf import GGMLQuantizationType
 
 from ..tensors import Role, TensorSpec, tensor_kind
+from .mtp_precision import SAME, MtpPrecision
 from .presets import (
     ATTN_V_LIKE,
     Category,
@@ -57,8 +59,8 @@ class Override:
 class PolicyContext:
     preset: Preset
     model: ModelFacts
-    mtp_type: Optional[GGMLQuantizationType] = None  # None: treat the MTP block like the trunk ("same")
-    mtp_experts_type: Optional[GGMLQuantizationType] = None  # the MTP block's *_exps; None: like the trunk
+    mtp_type: MtpPrecision = SAME  # SAME: treat the MTP block like the trunk
+    mtp_experts_type: MtpPrecision = SAME  # the MTP block's *_exps
     overrides: tuple[Override, ...] = ()
     output_tensor_type: Optional[GGMLQuantizationType] = None
     token_embedding_type: Optional[GGMLQuantizationType] = None
@@ -115,10 +117,14 @@ def mtp_block(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
     if spec.role is not Role.MTP:
         return None
     if tensor_kind(spec.name).endswith("_exps"):
-        qtype, what = ctx.mtp_experts_type, "mtp experts"
+        precision, what = ctx.mtp_experts_type, "mtp experts"
     else:
-        qtype, what = ctx.mtp_type, "mtp block"
-    return None if qtype is None else (qtype, f"{what} held at {qtype.name.lower()}")
+        precision, what = ctx.mtp_type, "mtp block"
+    if precision.is_same:
+        return None
+    if precision.is_keep:
+        return spec.ggml_type, f"{what} kept at {spec.ggml_type.name.lower()} (--mtp-type keep)"
+    return precision.qtype, f"{what} held at {precision.qtype.name.lower()}"
 
 
 def pure_preset(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:

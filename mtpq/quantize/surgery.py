@@ -23,6 +23,7 @@ from ..convert.base import MTP_ONLY_KEEP
 from ..errors import InputError
 from ..gguf_io import refresh_size_label
 from ..tensors import Plan, TensorSpec, block_index
+from .mtp_precision import KEEP, MtpMode, MtpPrecision, parse_mtp
 from .presets import llama_quantizes, row_fallback
 
 # Hyperparameters that fix the shapes of an MTP block's tensors: they must agree
@@ -116,15 +117,20 @@ def _set_nextn(out: Plan, n_mtp: int) -> None:
     out.kv = dict(items)
 
 
-def plan_graft(donor: Plan, target: Plan, mtp_type: T | None = None, replace: bool = False) -> Plan:
+GRAFT_MODES = (MtpMode.KEEP, MtpMode.TYPE)  # 'same' has no trunk rule to follow in an already-quantized target
+
+
+def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, replace: bool = False) -> Plan:
     """``target``'s tensors and metadata plus ``donor``'s MTP blocks.
 
     Target tensors are copied unchanged and keep their order; the MTP tensors go
     right after the last trunk-block tensor (where converters put them), in the
-    donor's order. ``mtp_type`` requantizes the head's 2-D/3-D weights from their
-    dequantized values. A target that already has MTP tensors is refused unless
-    ``replace``.
+    donor's order. ``mtp_type``: ``keep`` copies the head byte for byte; a type
+    requantizes the head's 2-D/3-D weights from their dequantized values (text is
+    parsed here, so a bad value is an InputError naming --mtp-type). A target that
+    already has MTP tensors is refused unless ``replace``.
     """
+    precision = parse_mtp(mtp_type, "--mtp-type", KEEP, allow=GRAFT_MODES)
     a, b = _where(donor), _where(target)
     head = _mtp_specs(donor)
     if donor.n_mtp_layers == 0 or not head:
@@ -140,8 +146,8 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: T | None = None, replace: bo
         raise InputError(b, f"already has an MTP head ({len(old_head)} tensors in blk.{target.n_trunk_layers}+); "
                             "pass --replace to swap it for the donor's")
 
-    if mtp_type is not None:
-        head = [s.with_type(*_mtp_type_for(s, mtp_type, donor.arch)) for s in head]
+    if not precision.is_keep:
+        head = [s.with_type(*_mtp_type_for(s, precision.qtype, donor.arch)) for s in head]
     else:
         origin = donor.inputs[0].name if donor.inputs else "the donor"
         head = [dataclasses.replace(s, reason=f"MTP block copied from {origin}") for s in head]

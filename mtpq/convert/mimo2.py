@@ -1,0 +1,107 @@
+"""MiMo-V2-Flash / MiMo-V2.5 (``MiMoV2FlashForCausalLM``, ``MiMoV2ForCausalLM``) -> GGUF arch ``mimo2``.
+
+Trunk: hybrid attention — ``hybrid_layer_pattern`` marks sliding-window layers
+(1) among full ones (0), each kind with its own KV head count; q/k heads of
+``head_dim``, v heads of ``v_head_dim`` (192 / 128 in the release); per-head
+attention sinks ``self_attn.attention_sink_bias`` (-> ``attn_sinks``); partial
+RoPE; a dense first layer, then MoE layers with a sigmoid router + correction
+bias and per-expert tensors stacked into ``*_exps``.
+
+The MTP blocks live under ``model.mtp.layers.{i}`` and become blocks N + i (the
+config does not count them: llama.cpp's converter assumes the release's 3; mtpq
+counts what the checkpoint holds). Each is a sliding-window decoder block plus
+``eh_proj``, ``enorm``, ``hnorm`` and ``final_layernorm`` (-> ``layer_output_norm``,
+the norm before the head). Metadata as llama.cpp's converter (conversion/mimo.py)
+writes it: the SWA pattern and KV head counts extended over the MTP blocks.
+
+Not handled yet: MiMo-V2.5's FP8 fused ``qkv_proj`` sharded per TP rank, MXFP4
+experts, and its vision/audio towers (llama.cpp puts those in an mmproj file).
+"""
+
+from __future__ import annotations
+
+import gguf
+from gguf import GGUFWriter
+
+from ..errors import InputError
+from .base import NEXTN_TENSORS, Emit, Family, layer_of, register
+
+_REQUIRED = ("hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
+             "swa_num_key_value_heads", "sliding_window", "n_routed_experts", "moe_intermediate_size")
+VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
+
+
+@register
+class MiMoV2(Family):
+    hf_architectures = ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM")
+    arch = "mimo2"
+    mtp_prefix = "model.mtp.layers."
+    # gguf-py 0.19's mimo2 table lacks the head's tensors; final_layernorm is the norm before the MTP head
+    nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": gguf.MODEL_TENSOR.LAYER_OUT_NORM}
+
+    def __init__(self, ckpt):
+        super().__init__(ckpt)
+        cfg = ckpt.folder / "config.json"
+        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
+        if missing:
+            raise InputError(cfg, f"missing {', '.join(missing)}")
+        hp = self.hparams
+        # llama.cpp's converter asserts the same: its graph has one attention shape for both layer kinds
+        for swa_key, key in (("swa_head_dim", "head_dim"), ("swa_num_attention_heads", "num_attention_heads"),
+                             ("swa_v_head_dim", "v_head_dim")):
+            if hp.get(swa_key, hp[key]) != hp[key]:
+                raise InputError(cfg, f"{swa_key} {hp[swa_key]} differs from {key} {hp[key]} (not supported)")
+        if hp.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise InputError(cfg, f"topk_method {hp['topk_method']!r} is not supported (noaux_tc only)")
+        if len(hp["hybrid_layer_pattern"]) != self.n_trunk:
+            raise InputError(cfg, f"hybrid_layer_pattern has {len(hp['hybrid_layer_pattern'])} entries, "
+                                  f"num_hidden_layers is {self.n_trunk}")
+        found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
+        if found != list(range(len(found))):
+            raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
+        self.n_mtp = len(found)
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
+        self._n_blocks = n_blocks
+        super().set_common_metadata(w, n_blocks)
+
+    def set_metadata(self, w: GGUFWriter) -> None:
+        hp, K = self.hparams, gguf.Keys
+        hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self._n_blocks - self.n_trunk)  # MTP blocks: SWA
+        for key in (K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH, K.LLM.EXPERT_COUNT,
+                    K.Attention.LAYERNORM_RMS_EPS):
+            w.kv_data[0].pop(key.format(arch=self.arch), None)  # the values below replace the common ones
+        n_kv, n_kv_swa = hp["num_key_value_heads"], hp["swa_num_key_value_heads"]
+        w.add_head_count_kv([n_kv_swa if s == 1 else n_kv for s in hybrid])
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern(hybrid)  # 0/1 integers, as llama.cpp's converter writes them
+        w.add_value_length(hp["v_head_dim"])
+        w.add_expert_count(hp["n_routed_experts"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        partial = self.rope_parameters.get("partial_rotary_factor", hp.get("partial_rotary_factor"))
+        if partial is None:
+            raise InputError(self.ckpt.folder / "config.json", "missing partial_rotary_factor")
+        w.add_rope_dimension_count(int(hp["head_dim"] * partial))
+        w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", 1e-5))
+        if (v := hp.get("attention_value_scale")) is not None:
+            w.add_float32(VALUE_SCALE_KEY.format(arch=self.arch), float(v))
+
+    # -- tensors: the base's per-layer loop ---------------------------------------------
+
+    def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:
+        if rest == "self_attn.attention_sink_bias":  # llama.cpp appends .weight before naming it
+            return [self.emit(self.map_name(f"{self.block_prefix}{bid}.{rest}.weight"), hf)]
+        return None
+
+    def check_block(self, bid: int, prefix: str) -> None:
+        hp = self.hparams
+        swa = bid >= self.n_trunk or hp["hybrid_layer_pattern"][bid] == 1
+        n_head, n_kv = hp["num_attention_heads"], hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
+        d, dv, h = hp["head_dim"], hp["v_head_dim"], hp["hidden_size"]
+        want = {"self_attn.q_proj.weight": (n_head * d, h), "self_attn.k_proj.weight": (n_kv * d, h),
+                "self_attn.v_proj.weight": (n_kv * dv, h), "self_attn.o_proj.weight": (h, n_head * dv)}
+        for rest, shape in want.items():
+            if prefix + rest in self.ckpt:
+                self.expect_shape(prefix + rest, shape)

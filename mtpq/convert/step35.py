@@ -1,0 +1,175 @@
+"""Step3.5 Flash / Step3.7 Flash (``Step3p5ForCausalLM``, ``Step3p7ForConditionalGeneration``) -> GGUF arch ``step35``.
+
+Trunk: GQA attention with q/k norms and a head-wise sigmoid gate (``self_attn.g_proj``
+-> ``attn_gate``); layers alternate full and sliding-window attention
+(``layer_types``), with their own head counts (``attention_other_setting``) and
+partial RoPE (``partial_rotary_factors``: 0.5 full, 1.0 sliding). Dense first
+layers (``mlp.*``), then MoE layers (``moe_layers_enum``): a sigmoid router
+``moe.gate`` with a selection bias ``moe.router_bias``, experts stored already
+stacked (``moe.{gate,up,down}_proj`` [E, rows, cols]) and a shared expert
+``share_expert.*``. Per-layer SwiGLU clamps (``swiglu_limits[_shared]``).
+
+The MTP blocks are appended past ``num_hidden_layers`` (3 in the release, dense
+MLP, sliding attention): ``model.layers.{N+i}.{eh_proj, enorm, hnorm}`` and
+``model.layers.{N+i}.transformer.shared_head.{norm, output}`` (-> ``nextn.shared_head_*``),
+plus a full decoder block named as the trunk's. ``layer_types``,
+``partial_rotary_factors`` and the clamps carry entries for them (padded with
+full attention / no clamp when a checkpoint truncates them), as llama.cpp's
+converter (conversion/step3.py) writes them.
+
+Transforms, as there: every ``*norm.weight`` is zero-centred (x_hat * (1 + w)) and
+written as w + 1 (added in f32 for bf16 sources, in f16 for f16 ones, as llama.cpp
+does); gates, router and experts are squeezed of size-1 dims.
+"""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import torch
+from gguf import GGUFWriter
+
+from ..errors import InputError
+from .base import NEXTN_TENSORS, Emit, Family, Transform, register
+
+_SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
+             ".moe.down_proj.weight")
+_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_attention_groups", "head_dim",
+             "sliding_window", "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
+
+
+def _as_llama_cpp_reads(t: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's converter upcasts anything but f16/f32 to f32 before its transforms (so bf16 + 1 is exact)."""
+    return t if t.dtype in (torch.float16, torch.float32) else t.float()
+
+
+def _pad(values: list, n: int, default) -> list:
+    """Per-block arrays: the checkpoint's entries, padded with ``default`` (or cut) to ``n`` blocks."""
+    values = list(values)
+    return (values + [default] * max(0, n - len(values)))[:n]
+
+
+@register
+class Step35(Family):
+    hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
+    arch = "step35"
+    per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
+    # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
+    nextn_tensors = {**NEXTN_TENSORS,
+                     "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
+                     "transformer.shared_head.output.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD}
+
+    def __init__(self, ckpt):
+        super().__init__(ckpt)
+        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
+        if missing:
+            raise InputError(ckpt.folder / "config.json", f"missing {', '.join(missing)}")
+        rope = self.rope_parameters
+        if (rope.get("rope_type") or "").lower() == "llama3":
+            # llama.cpp writes an extra rope_freqs tensor for this; not reproduced yet, so refuse rather than differ
+            raise InputError(ckpt.folder / "config.json", "llama3 RoPE scaling is not supported for step35 yet")
+
+    # -- metadata -----------------------------------------------------------------------
+
+    @property
+    def rope_parameters(self) -> dict:
+        """Step3.5 may give ``rope_theta`` per layer: the first entry is the full-attention base, the second SWA's."""
+        rp = dict(self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {})
+        rp = dict(rp.get("full_attention", rp))
+        theta = self.hparams.get("rope_theta")
+        if isinstance(theta, list):
+            rp["rope_theta"] = float(theta[0])
+        elif theta is not None and "rope_theta" not in rp:
+            rp["rope_theta"] = theta
+        return rp
+
+    def swa_rope_theta(self) -> float | None:
+        theta = self.hparams.get("rope_theta")
+        if isinstance(theta, list) and len(theta) > 1:
+            return float(theta[1])
+        return super().swa_rope_theta()
+
+    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
+        self._n_blocks = n_blocks  # the per-layer arrays cover every written block
+        super().set_common_metadata(w, n_blocks)
+
+    def set_metadata(self, w: GGUFWriter) -> None:
+        hp, n, K = self.hparams, self._n_blocks, gguf.Keys
+        cfg = self.ckpt.folder / "config.json"
+        layer_types = _pad(hp.get("layer_types") or [], n, "full_attention")
+        factors = _pad(hp.get("partial_rotary_factors") or [], n, 0.5)
+        want = [1.0 if t == "sliding_attention" else 0.5 for t in layer_types]
+        if [float(f) for f in factors] != want:  # llama.cpp asserts the same: its graph assumes these factors
+            raise InputError(cfg, f"partial_rotary_factors {factors} do not follow layer_types "
+                                  "(0.5 for full attention, 1.0 for sliding)")
+        other = hp.get("attention_other_setting") or {}
+        n_head, n_kv = hp["num_attention_heads"], hp["num_attention_groups"]
+        swa = [t == "sliding_attention" for t in layer_types]
+        for key in (K.Attention.HEAD_COUNT, K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH,
+                    K.Attention.LAYERNORM_RMS_EPS):
+            w.kv_data[0].pop(key.format(arch=self.arch), None)  # per-layer values replace the common scalars
+        w.add_head_count([other.get("num_attention_heads", n_head) if s else n_head for s in swa])
+        w.add_head_count_kv([other.get("num_attention_groups", n_kv) if s else n_kv for s in swa])
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern(swa)
+        w.add_value_length(hp["head_dim"])
+        w.add_expert_count(hp["moe_num_experts"])
+        w.add_expert_used_count(hp["moe_top_k"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(hp["share_expert_dim"])
+        if (v := hp.get("moe_router_scaling_factor")) is not None:
+            w.add_expert_weights_scale(v)
+        if (v := hp.get("norm_expert_weight")) is not None:
+            w.add_expert_weights_norm(v)
+        w.add_leading_dense_block_count(self._leading_dense())
+        w.add_moe_every_n_layers(int(hp.get("moe_every_n_layer", 1)))
+        w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-5))
+        # MTP blocks default to no clamping (0.0)
+        if (limits := hp.get("swiglu_limits")) is not None:
+            w.add_swiglu_clamp_exp(_pad([0.0 if v is None else float(v) for v in limits], n, 0.0))
+        if (limits := hp.get("swiglu_limits_shared")) is not None:
+            w.add_swiglu_clamp_shexp(_pad([0.0 if v is None else float(v) for v in limits], n, 0.0))
+
+    def _leading_dense(self) -> int:
+        enum = self.hparams.get("moe_layers_enum")
+        if isinstance(enum, str) and enum.strip():
+            try:
+                layers = sorted(int(i) for i in enum.strip().split(","))
+            except ValueError:
+                raise InputError(self.ckpt.folder / "config.json", f"moe_layers_enum {enum!r} is not a list of layer "
+                                                                   "numbers") from None
+            return max(0, layers[0]) if layers else 0
+        return 0
+
+    # -- tensors: the base's per-layer loop; these hooks are the family's differences ----
+
+    def values(self, hf_name: str, shape: tuple[int, ...]) -> tuple[Transform | None, tuple[int, ...]]:
+        if hf_name.endswith("norm.weight"):
+            return (lambda t: _as_llama_cpp_reads(t) + 1.0), shape
+        if hf_name.endswith(_SQUEEZED):
+            return (lambda t: t.squeeze().contiguous()), tuple(d for d in shape if d != 1)
+        return None, shape
+
+    def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:
+        if rest == "moe.router_bias":  # gguf-py knows the selection bias as a bias: exp_probs_b.bias
+            return [self.emit(self.map_name(hf + ".bias"), hf)]
+        if bid >= self.n_trunk and rest.startswith("transformer.") and rest not in self.nextn_tensors:
+            # llama.cpp drops the ``transformer.`` infix of any MTP tensor before naming it
+            name = self.map_name(re.sub(r"\.transformer\.", ".", hf, count=1))
+            return None if name is None else [self.emit(name, hf)]
+        return None
+
+    def check_block(self, bid: int, prefix: str) -> None:
+        hp = self.hparams
+        n = self.n_trunk + self.n_mtp
+        sliding = _pad(hp.get("layer_types") or [], n, "full_attention")[bid] == "sliding_attention"
+        other = hp.get("attention_other_setting") or {}
+        n_head = other.get("num_attention_heads", hp["num_attention_heads"]) if sliding else hp["num_attention_heads"]
+        n_kv = other.get("num_attention_groups", hp["num_attention_groups"]) if sliding else hp["num_attention_groups"]
+        d, h = hp["head_dim"], hp["hidden_size"]
+        want = {"self_attn.q_proj.weight": (n_head * d, h), "self_attn.k_proj.weight": (n_kv * d, h),
+                "self_attn.v_proj.weight": (n_kv * d, h), "self_attn.o_proj.weight": (h, n_head * d)}
+        for rest, shape in want.items():
+            if prefix + rest in self.ckpt:
+                self.expect_shape(prefix + rest, shape)

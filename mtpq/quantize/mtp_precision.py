@@ -1,0 +1,95 @@
+"""The precision an MTP block is held at: ``same`` | ``keep`` | a ggml type, parsed once.
+
+Every boundary that takes this choice from a user — the CLI's ``--mtp-type`` /
+``--mtp-experts-type``, a recipe's ``mtp_type`` / ``mtp_experts_type``, ``mtpq
+graft`` — turns the text into an :class:`MtpPrecision` with :func:`parse_mtp`,
+and everything further in (the policy, ``plan_quantize``, ``plan_graft``) takes
+only that typed value. A recipe variant with ``graft_into`` used to hand the raw
+string ``'q8_0'`` to ``plan_graft`` and crash deep inside the row fallback.
+
+Meanings:
+- ``same``: no MTP rule; the block's tensors get what the trunk's would (exactly
+  llama-quantize). For ``graft``, whose target is already quantized, there is no
+  trunk rule to follow, so ``same`` is refused there.
+- ``keep``: the block's tensors keep the type they already have (a byte copy
+  when grafting; the reference's f16/bf16 when quantizing).
+- a ggml type (q8_0, f16, q6_k, ...): every quantizable tensor of the block at
+  that type; 1-D tensors and routers stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Union
+
+from gguf import GGMLQuantizationType
+
+from ..errors import InputError
+from .presets import type_named
+
+
+class MtpMode(str, Enum):
+    SAME = "same"
+    KEEP = "keep"
+    TYPE = "type"
+
+
+@dataclass(frozen=True)
+class MtpPrecision:
+    mode: MtpMode
+    qtype: Optional[GGMLQuantizationType] = None  # set iff mode is TYPE
+
+    def __post_init__(self):
+        if (self.mode is MtpMode.TYPE) != (self.qtype is not None):
+            raise ValueError(f"MtpPrecision({self.mode}, {self.qtype}): a type goes with mode TYPE only")
+
+    def __str__(self) -> str:
+        """The user's spelling (recorded in manifests and build keys)."""
+        return self.qtype.name.lower() if self.qtype is not None else self.mode.value
+
+    @property
+    def is_same(self) -> bool:
+        return self.mode is MtpMode.SAME
+
+    @property
+    def is_keep(self) -> bool:
+        return self.mode is MtpMode.KEEP
+
+
+SAME = MtpPrecision(MtpMode.SAME)
+KEEP = MtpPrecision(MtpMode.KEEP)
+Q8_0 = MtpPrecision(MtpMode.TYPE, GGMLQuantizationType.Q8_0)  # the default: at least as precise as FP8 e4m3
+
+
+def of_type(qtype: GGMLQuantizationType) -> MtpPrecision:
+    return MtpPrecision(MtpMode.TYPE, qtype)
+
+
+def parse_mtp(value: Union[str, MtpPrecision, None], option: str, default: Optional[MtpPrecision] = None,
+              allow: tuple[MtpMode, ...] = (MtpMode.SAME, MtpMode.KEEP, MtpMode.TYPE)) -> Optional[MtpPrecision]:
+    """Text (or an already parsed value) -> MtpPrecision; ``None`` -> ``default``.
+
+    ``allow`` names the modes the caller can honour; anything else is an
+    InputError naming ``option``.
+    """
+    if value is None:
+        return default
+    if isinstance(value, MtpPrecision):
+        parsed = value
+    else:
+        key = value.strip().lower()
+        words = {m.value for m in allow if m is not MtpMode.TYPE}
+        if key in (MtpMode.SAME.value, MtpMode.KEEP.value):
+            parsed = MtpPrecision(MtpMode(key))
+        else:
+            try:
+                parsed = of_type(type_named(key, option))
+            except InputError as exc:
+                if words:
+                    raise InputError(option, f"{exc.problem}, or {' or '.join(sorted(words))}") from None
+                raise
+    if parsed.mode not in allow:
+        choices = " or ".join(m.value if m is not MtpMode.TYPE else "a ggml type" for m in allow)
+        raise InputError(option, f"{str(parsed)!r} is not accepted here; choose {choices}")
+    return parsed

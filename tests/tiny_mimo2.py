@@ -1,0 +1,86 @@
+"""A tiny MiMo-V2-Flash checkpoint (``MiMoV2FlashForCausalLM``) with its MTP layers under ``model.mtp.layers.{i}``.
+
+Names and config keys follow the release (XiaomiMiMo/MiMo-V2-Flash's config.json as
+stored) as llama.cpp's converter (conversion/mimo.py) and gguf-py's tensor map read
+them: ``hybrid_layer_pattern`` (1 = sliding window), ``swa_*`` head settings,
+q/k ``head_dim`` != ``v_head_dim``, attention sinks on sliding layers, a dense first
+layer then MoE layers with per-expert tensors, and 3 MTP layers (sliding attention,
+dense MLP) with ``eh_proj``/``enorm``/``hnorm``/``final_layernorm``.
+Weights are random (fixed seed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiny import _norm, _randn, make_tokenizer, save_checkpoint
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+N_TRUNK, N_MTP = 3, 3
+H, D, DV, FF, MOE_FF, N_EXP, N_HEAD = 256, 64, 32, 512, 256, 4, 4
+KV = {0: 2, 1: 1}  # full / sliding KV heads
+PATTERN = [0, 1, 1]
+
+
+def config(vocab: int, **over) -> dict:
+    cfg = dict(
+        architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash", vocab_size=vocab, hidden_size=H,
+        intermediate_size=FF, moe_intermediate_size=MOE_FF, num_hidden_layers=N_TRUNK,
+        num_attention_heads=N_HEAD, num_key_value_heads=KV[0], swa_num_attention_heads=N_HEAD,
+        swa_num_key_value_heads=KV[1], head_dim=D, swa_head_dim=D, v_head_dim=DV, swa_v_head_dim=DV,
+        hybrid_layer_pattern=PATTERN, sliding_window=16, partial_rotary_factor=0.334,
+        rope_theta=5000000.0, swa_rope_theta=10000.0, layernorm_epsilon=1e-5, max_position_embeddings=4096,
+        n_routed_experts=N_EXP, num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=None, attention_value_scale=0.707,
+        moe_layer_freq=[0, 1, 1], add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
+    )
+    cfg.update(over)
+    return cfg
+
+
+def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    n_kv = KV[1] if swa else KV[0]
+    t = {
+        p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen),
+        p + "self_attn.q_proj.weight": _randn(N_HEAD * D, H, gen=gen),
+        p + "self_attn.k_proj.weight": _randn(n_kv * D, H, gen=gen),
+        p + "self_attn.v_proj.weight": _randn(n_kv * DV, H, gen=gen),
+        p + "self_attn.o_proj.weight": _randn(H, N_HEAD * DV, gen=gen),
+    }
+    if swa:
+        t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(N_HEAD, generator=gen)
+    if moe:
+        t[p + "mlp.gate.weight"] = _randn(N_EXP, H, gen=gen)
+        t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(N_EXP, generator=gen)
+        for e in range(N_EXP):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(MOE_FF, H, gen=gen)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(MOE_FF, H, gen=gen)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(H, MOE_FF, gen=gen)
+    else:
+        t[p + "mlp.gate_proj.weight"] = _randn(FF, H, gen=gen)
+        t[p + "mlp.up_proj.weight"] = _randn(FF, H, gen=gen)
+        t[p + "mlp.down_proj.weight"] = _randn(H, FF, gen=gen)
+    return t
+
+
+def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
+          n_mtp: int = N_MTP, **over) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder, specials=SPECIALS) + 4
+    cfg = config(vocab, **over)
+    gen = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
+          "lm_head.weight": _randn(vocab, H, gen=gen)}
+    for bid in range(N_TRUNK):
+        sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen))
+    for i in range(n_mtp):
+        p = f"model.mtp.layers.{i}."
+        sd.update(block_tensors(p, True, False, gen))
+        sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
+                   p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
+    save_checkpoint(folder, cfg, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
