@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kquants, legacy
+from . import iquants, kquants, legacy
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -71,19 +71,22 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 64 * _K, _M),
     T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 64 * _K, 64 * _K),
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
+    # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS
+    T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 64 * _K, 64 * _K),
+    T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 64 * _K, 64 * _K),
 }
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
-_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
@@ -245,6 +248,8 @@ def quantize(
             out[p[0]:p[1], p[2]:p[3]] = r.cpu().numpy()
         return out.reshape(shape)
 
+    if qtype in iquants.REQUIRES_WEIGHTS:  # ggml aborts here: say so in one line instead
+        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
     if on_cpu:
         _keep_freed_buffers()
