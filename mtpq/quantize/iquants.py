@@ -43,8 +43,8 @@ from .kquants import _seq_sum
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
 __all__ = [
-    "quantize_iq2_xxs", "quantize_iq3_xxs",
-    "dequantize_iq2_xxs", "dequantize_iq3_xxs",
+    "quantize_iq2_xxs", "quantize_iq2_xs", "quantize_iq2_s", "quantize_iq3_xxs", "quantize_iq3_s",
+    "dequantize_iq2_xxs", "dequantize_iq2_xs", "dequantize_iq2_s", "dequantize_iq3_xxs", "dequantize_iq3_s",
     "REQUIRES_WEIGHTS",
 ]
 
@@ -123,9 +123,9 @@ class _Grid:
 def _grid(qtype: GGMLQuantizationType) -> _Grid:
     if qtype == T.IQ2_XXS:
         return _Grid(gq.IQ2_XXS, 2, 2)
-    if qtype == T.IQ3_XXS:
-        return _Grid(gq.IQ3_XXS, 3, 2)
-    raise KeyError(qtype)
+    # (bits per lattice coordinate, nwant) as in iq2xs_init_impl / iq3xs_init_impl
+    bits, nwant = {T.IQ2_XS: (2, 2), T.IQ2_S: (2, 1), T.IQ3_XXS: (3, 2), T.IQ3_S: (3, 3)}[qtype]
+    return _Grid(getattr(gq, qtype.name), bits, nwant)
 
 
 @functools.cache
@@ -151,27 +151,27 @@ def _elem_major(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.reshape(-1, n).t().contiguous()
 
 
-def _weights(X: torch.Tensor, QW: torch.Tensor | None, sigma2: torch.Tensor) -> torch.Tensor:
-    """``weight[i] = qw[i] * sqrtf(sigma2 + x*x)``, or ``x*x`` without importance data."""
-    if QW is None:
-        return X * X
-    return QW * sqrt_f32(sigma2 + X * X)
+def _signs(X: torch.Tensor, W: torch.Tensor, parity: bool):
+    """Signs per group of 8: (xval (n, S), block_signs (n/8, S) int64).
 
-
-def _signs(X: torch.Tensor, W: torch.Tensor):
-    """The even-parity sign choice: (xval (32, S), block_signs (4, S) int64)."""
-    S = X.shape[1]
+    ``parity`` (IQ2_XXS, IQ2_XS, IQ3_XXS): only 7 sign bits are stored, so an
+    odd number of negatives is made even by flipping the value with the smallest
+    w*x*x (the first such); otherwise (IQ2_S, IQ3_S) all 8 bits are kept.
+    """
+    n, S = X.shape
     neg = X < 0
     xval = torch.where(neg, -X, X)
-    negg = neg.view(4, 8, S)
-    pw = (torch.arange(8, device=X.device) ).view(1, 8, 1)
-    s = (negg.to(torch.int64) << pw).sum(1)  # (4, S)
-    odd = (negg.sum(1) % 2) == 1  # (4, S)
-    ax = (W * X * X).view(4, 8, S)
+    negg = neg.view(n // 8, 8, S)
+    pw = torch.arange(8, device=X.device).view(1, 8, 1)
+    s = (negg.to(torch.int64) << pw).sum(1)  # (n/8, S)
+    if not parity:
+        return xval, s
+    odd = (negg.sum(1) % 2) == 1
+    ax = (W * X * X).view(n // 8, 8, S)
     imin = ax.argmin(dim=1)  # first minimum: the C loop's strict <
-    flip = torch.zeros((4, 8, S), dtype=torch.bool, device=X.device)
+    flip = torch.zeros((n // 8, 8, S), dtype=torch.bool, device=X.device)
     flip.scatter_(1, imin.unsqueeze(1), odd.unsqueeze(1))
-    xval = torch.where(flip.view(32, S), -xval, xval)
+    xval = torch.where(flip.view(n, S), -xval, xval)
     s = s ^ (odd.to(torch.int64) << imin)
     return xval, s & 127
 
@@ -235,8 +235,8 @@ def _round_groups(qtype, xval, waux, id_, scale, max_level, mask=None):
     """
     kmap, nb, values, levels, shifts, gofs = _device_tables(qtype, max_level, xval.device.type)
     gw = values.shape[1]
-    S = xval.shape[1]
-    ng = 32 // gw
+    n, S = xval.shape
+    ng = n // gw
     l = nearest_int((id_ * xval - 1) * 0.5)
     l = l.clamp(0, max_level).to(torch.int64)
     lg = l.view(ng, gw, S)
@@ -252,7 +252,7 @@ def _round_groups(qtype, xval, waux, id_, scale, max_level, mask=None):
     if mask is not None:
         gi = torch.where(mask, gi, torch.full((), -1, dtype=gi.dtype, device=gi.device))
     lv = levels[gi.clamp(min=0)]  # (ng, S, gw)
-    lv = lv.permute(0, 2, 1).reshape(32, S)
+    lv = lv.permute(0, 2, 1).reshape(n, S)
     return lv, gi, on
 
 
@@ -320,54 +320,100 @@ def _make_qp_quants(nmax: int, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor
 
 # --------------------------------------------------------------------------- the grid search
 
-def _grid_search(qtype, X, W, xval, waux, start_scale, max_level, candidates, refit_all):
-    """The candidate-scale loop and the refit, per sub-block (columns of X (32, S)).
+class _Spec:
+    """What differs between the grid types' ``quantize_row_iq*_impl`` (see each kernel)."""
 
-    ``candidates`` yields the float32 ``id`` numerators; ``start_scale`` the
-    scale the C code starts with; ``refit_all``: IQ2_XXS refits every group at
-    the final scale, IQ3_XXS only those that were off the grid.
-    Returns (scale (S,), grid index (ng, S)).
+    def __init__(self, qtype, sb, kmax, parity, eps, steps, step, start, on_grid0, refit,
+                 sigma_mul, no_weights, flip_mask):
+        self.qtype, self.sb, self.kmax, self.parity, self.eps = qtype, sb, kmax, parity, eps
+        self.steps, self.step, self.start, self.on_grid0, self.refit = steps, step, start, on_grid0, refit
+        self.sigma_mul, self.no_weights, self.flip_mask = sigma_mul, no_weights, flip_mask
+
+
+def _search(spec: _Spec, x: torch.Tensor, qw: torch.Tensor | None):
+    """Per sub-block: scale (S,), grid indices (ng, S), signs (n/8, S), alive (S,).
+
+    Sub-blocks that the C code skips (all values below ``eps``) are not alive:
+    scale 0, and the caller writes nothing for them.
     """
+    nb = x.shape[0]
+    n = spec.sb
+    Xs = x.t().contiguous()  # (256, nb)
+    sumx2 = _seq_sum(Xs * Xs)
+    sigma2 = div(sumx2 * spec.sigma_mul if spec.sigma_mul != 1 else sumx2, float(QK_K))
+    X = _elem_major(x, n)
+    sig = sigma2.repeat_interleave(QK_K // n).unsqueeze(0)
+    if qw is not None:
+        QW = _elem_major(qw.expand(nb, QK_K).to(_F32), n)
+        W = QW * sqrt_f32(sig + X * X)
+    elif spec.no_weights == "x2":
+        W = X * X
+    elif spec.no_weights == "sigma":  # IQ2_S: 0.25f*sigma2 + x*x
+        W = sig * f32(0.25) + X * X
+    else:
+        raise ValueError(f"{spec.qtype.name} needs importance weights (an imatrix), as in ggml")
+    waux = sqrt_f32(W)
     S = X.shape[1]
+    xval, signs = _signs(X, W, spec.parity)
+    mx = xval.amax(0)
+    alive = (mx > 0) if spec.eps is None else (mx >= spec.eps)
+    mxs = torch.where(alive, mx, torch.ones_like(mx))
+    kmax = spec.kmax
+    if spec.start == "qp":  # IQ2_XXS: the scale of make_qp_quants, and eff_max = scale*kMaxQ
+        start = _make_qp_quants(kmax + 1, xval, W)
+        eff = start * kmax
+        alive &= eff > 0
+        denom = torch.where(alive, eff, torch.ones_like(eff))
+    else:
+        start = div(mxs, float(2 * kmax - 1))
+        denom = mxs
+    ids = [f32((2 * kmax - 1) + f32(f32(i) * f32(spec.step))) for i in range(-spec.steps, spec.steps + 1)]
+    qtype, max_level = spec.qtype, kmax - 1
+    ng = n // _grid(qtype).gw
     gw = _grid(qtype).gw
-    ng = 32 // gw
     best = torch.zeros(S, dtype=_F32, device=X.device)
-    scale = start_scale.clone()
-    L = torch.zeros((32, S), dtype=torch.int64, device=X.device)
-    GI = torch.full((ng, S), -1, dtype=torch.int64, device=X.device)
-    on_grid = torch.ones((ng, S), dtype=torch.bool, device=X.device)
-    for num, denom in candidates:
+    scale = start.clone()
+    L = torch.zeros((n, S), dtype=torch.int64, device=X.device)
+    on_grid = torch.full((ng, S), spec.on_grid0, dtype=torch.bool, device=X.device)
+    for num in ids:
         id_ = rdiv(num, denom)
-        this_scale = rdiv(1.0, id_)
-        La, gi, on = _round_groups(qtype, xval, waux, id_, this_scale, max_level)
+        La, _, on = _round_groups(qtype, xval, waux, id_, rdiv(1.0, id_), max_level)
         sumqx, sumq2 = _sums(W, xval, La)
         take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         new_scale = div(sumqx, sumq2)
         scale = torch.where(take, new_scale, scale)
         best = torch.where(take, new_scale * sumqx, best)
         L = torch.where(take, La, L)
-        GI = torch.where(take, gi, GI)
         on_grid = torch.where(take, on, on_grid)
     pos = scale > 0
-    need = pos if refit_all else pos & (~on_grid).any(0)
+    if spec.refit == "all":  # IQ2_XXS: every group, whenever scale > 0
+        need = pos
+        mask = need.unsqueeze(0).expand(ng, S)
+    elif spec.refit == "all_if_off":  # IQ3_S: every group, if any was off the grid
+        need = pos & (~on_grid).any(0)
+        mask = need.unsqueeze(0).expand(ng, S)
+    else:  # only the groups that were off the grid
+        need = pos & (~on_grid).any(0)
+        mask = need.unsqueeze(0) & ~on_grid
     if bool(need.any()):
-        id_ = rdiv(1.0, scale)
-        mask = need.unsqueeze(0).expand(ng, S) if refit_all else need.unsqueeze(0) & ~on_grid
-        Lr, gir, _ = _round_groups(qtype, xval, waux, id_, scale, max_level, mask)
-        m32 = mask.unsqueeze(1).expand(ng, gw, S).reshape(32, S)
-        L = torch.where(m32, Lr, L)
-        GI = torch.where(mask, gir, GI)
+        Lr, _, _ = _round_groups(qtype, xval, waux, rdiv(1.0, scale), scale, max_level, mask)
+        L = torch.where(mask.unsqueeze(1).expand(ng, gw, S).reshape(n, S), Lr, L)
         sumqx, sumq2 = _sums(W, xval, L)
         scale = torch.where(need & (sumq2 > 0), div(sumqx, sumq2), scale)
-    return scale, GI, L
+    negs = scale < 0  # "should never happen": flip the scale and the signs
+    scale = torch.where(negs, -scale, scale)
+    signs = torch.where(negs.unsqueeze(0), (~signs) & spec.flip_mask, signs)
+    gi = _grid_index_of(qtype, L, max_level)
+    scale = torch.where(alive, scale, torch.zeros_like(scale))
+    return nb, scale, gi, signs, alive
 
 
 def _grid_index_of(qtype, L, max_level):
     """kmap lookup of final levels (the C code's last loop; it aborts on an off-grid point)."""
     kmap, _, values, _, shifts, _ = _device_tables(qtype, max_level, L.device.type)
     gw = values.shape[1]
-    S = L.shape[1]
-    u = ((L & ((1 << _grid(qtype).bits) - 1)).view(32 // gw, gw, S) << shifts.view(1, gw, 1)).sum(1)
+    n, S = L.shape
+    u = (L.view(n // gw, gw, S) << shifts.view(1, gw, 1)).sum(1)
     gi = kmap[u]
     if bool((gi < 0).any()):
         raise RuntimeError(f"{qtype.name}: a point off the grid after the search (ggml aborts here too)")
@@ -375,101 +421,140 @@ def _grid_index_of(qtype, L, max_level):
 
 
 def _super_scales(scales: torch.Tensor, nb: int, fudge: float | None):
-    """d = max_scale/31 (fp16, times ``fudge`` if given) and the 4-bit sub-block scales."""
-    sc = scales.view(nb, 8)
+    """d = max_scale/31 (stored times ``fudge``) and the 4-bit sub-block scales (nb, n_sub) int64.
+
+    Returns (empty (nb,) bool: max_scale == 0, the fp16 bytes of d (0 where empty), scales).
+    """
+    sc = scales.view(nb, -1)
     max_scale = sc.amax(1)
     d = div(max_scale, 31.0)
     dstore = d * f32(fudge) if fudge is not None else d
     id_ = rdiv(1.0, d).unsqueeze(1)
     l = nearest_int((id_ * sc - 1) * 0.5).clamp(0, 15).to(torch.int64)
-    return max_scale, dstore, l
+    empty = max_scale == 0
+    dstore = torch.where(empty, torch.zeros_like(dstore), dstore)
+    return empty, fp16_bits(dstore), l
 
 
-def _prepare(x: torch.Tensor, qw: torch.Tensor | None, sigma_mul: int):
-    nb = x.shape[0]
-    Xs = x.t().contiguous()  # (256, nb)
-    sumx2 = _seq_sum(Xs * Xs)
-    sigma2 = div(sumx2 * sigma_mul if sigma_mul != 1 else sumx2, float(QK_K))
-    X = _elem_major(x, 32)
-    QW = None if qw is None else _elem_major(qw.expand(nb, QK_K).to(_F32), 32)
-    W = _weights(X, QW, sigma2.repeat_interleave(8).unsqueeze(0))
-    return nb, X, W, sqrt_f32(W)
-
-
-def _u32_bytes(v: torch.Tensor) -> torch.Tensor:
-    """(…, k) int64 holding uint32 values -> (…, 4k) little-endian bytes."""
-    b = torch.stack([(v >> (8 * j)) & 255 for j in range(4)], -1)
+def _le_bytes(v: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., k) int64 holding unsigned ``width``-byte values -> (..., width*k) little-endian uint8."""
+    b = torch.stack([(v >> (8 * j)) & 255 for j in range(width)], -1)
     return b.reshape(*v.shape[:-1], -1).to(torch.uint8)
 
 
-# --------------------------------------------------------------------------- IQ2_XXS
+def _finish(empty, dbytes, body):
+    body = torch.where(empty.unsqueeze(1), torch.zeros_like(body), body)
+    return torch.cat([dbytes, body], 1)
+
+
+def _col(v, nb):
+    """(k, S) per-sub-block values -> (nb, n_sub, k)."""
+    return v.t().reshape(nb, -1, v.shape[0])
+
+
+def _shifted(v, bits):
+    """sum_k v[k] << bits*k along dim 0."""
+    sh = (bits * torch.arange(v.shape[0], device=v.device)).view(-1, *([1] * (v.dim() - 1)))
+    return (v << sh).sum(0)
+
+
+def _zero_dead(v, alive):
+    return torch.where(alive, v, torch.zeros_like(v))
+
+
+_IQ2_XXS = _Spec(T.IQ2_XXS, 32, 3, True, GROUP_MAX_EPS, 6, 0.1, "qp", True, "all", 1, None, 127)
+_IQ2_XS = _Spec(T.IQ2_XS, 16, 3, True, GROUP_MAX_EPS, 9, 0.1, "max", True, "off", 1, None, 127)
+_IQ2_S = _Spec(T.IQ2_S, 16, 3, False, f32(1e-8), 9, 0.1, "max", True, "off", 2, "sigma", 255)
+_IQ3_XXS = _Spec(T.IQ3_XXS, 32, 8, True, GROUP_MAX_EPS_IQ3_XXS, 15, 0.2, "max", True, "off", 2, "x2", 127)
+_IQ3_S = _Spec(T.IQ3_S, 32, 8, False, None, 9, 0.2, "max", False, "all_if_off", 2, "x2", 255)
+
+
+# --------------------------------------------------------------------------- packing, per type
 
 def quantize_iq2_xxs(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
-    """(nb, 256) float32 (and importance (nb or 1, 256)) -> (nb, 66) uint8 IQ2_XXS blocks."""
-    if qw is None:
-        raise ValueError("IQ2_XXS needs importance weights (an imatrix), as in ggml")
-    kmax = 3
-    nb, X, W, waux = _prepare(x, qw, 1)
-    S = X.shape[1]
-    xval, signs = _signs(X, W)
-    mx = xval.amax(0)
-    alive = mx >= GROUP_MAX_EPS
-    qscale = _make_qp_quants(kmax + 1, xval, W)
-    eff_max = qscale * kmax
-    alive &= eff_max > 0
-    eff = torch.where(alive, eff_max, torch.ones_like(eff_max))
-    cands = [(f32(5 + f32(f32(is_) * f32(0.1))), eff) for is_ in range(-6, 7)]
-    scale, _, L = _grid_search(T.IQ2_XXS, X, W, xval, waux, qscale, kmax - 1, cands, refit_all=True)
-    scale, signs = _flip_negative(scale, signs)
-    gi = _grid_index_of(T.IQ2_XXS, L, kmax - 1)  # (4, S)
-    scale = torch.where(alive, scale, torch.zeros_like(scale))
-    q0 = (gi << (8 * torch.arange(4, device=x.device)).view(4, 1)).sum(0)
-    q1 = (signs << (7 * torch.arange(4, device=x.device)).view(4, 1)).sum(0)
-    q0 = torch.where(alive, q0, torch.zeros_like(q0))
-    q1 = torch.where(alive, q1, torch.zeros_like(q1))
-    max_scale, d, l = _super_scales(scale, nb, None)
-    q1 = q1.view(nb, 8) | (l << 28)
-    q = torch.stack([q0.view(nb, 8), q1], -1).reshape(nb, 16)
-    empty = (max_scale == 0).unsqueeze(1)
-    q = torch.where(empty, torch.zeros_like(q), q)
-    d = torch.where(empty.squeeze(1), torch.zeros_like(d), d)
-    return torch.cat([fp16_bits(d), _u32_bytes(q)], 1)
+    """(nb, 256) float32 (and importance (nb or 1, 256)) -> (nb, 66) uint8 IQ2_XXS blocks.
+
+    Per sub-block two uint32: four 8-bit grid indices; four 7-bit signs and the 4-bit scale.
+    """
+    nb, scale, gi, signs, alive = _search(_IQ2_XXS, x, qw)
+    q0 = _zero_dead(_shifted(gi, 8), alive)
+    q1 = _zero_dead(_shifted(signs, 7), alive)
+    empty, d, l = _super_scales(scale, nb, None)
+    q = torch.stack([q0.view(nb, 8), q1.view(nb, 8) | (l << 28)], -1).reshape(nb, 16)
+    return _finish(empty, d, _le_bytes(q, 4))
 
 
-def _flip_negative(scale, signs):
-    negs = scale < 0
-    scale = torch.where(negs, -scale, scale)
-    signs = torch.where(negs.unsqueeze(0), (~signs) & 127, signs)
-    return scale, signs
+def quantize_iq2_xs(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    """(nb, 256) float32 (and importance) -> (nb, 74) uint8 IQ2_XS blocks.
+
+    Per group of 8 a uint16: 9-bit grid index | 7-bit signs << 9; then 4-bit scales, two a byte.
+    """
+    nb, scale, gi, signs, alive = _search(_IQ2_XS, x, qw)
+    q = _zero_dead(gi | (signs << 9), alive.unsqueeze(0))  # (2, S)
+    empty, d, l = _super_scales(scale, nb, None)
+    sc = l.view(nb, 8, 2)
+    return _finish(empty, d, torch.cat([_le_bytes(q.t().reshape(nb, 32), 2),
+                                         (sc[..., 0] | (sc[..., 1] << 4)).to(torch.uint8)], 1))
 
 
-# --------------------------------------------------------------------------- IQ3_XXS
+def quantize_iq2_s(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    """(nb, 256) float32 (and optional importance) -> (nb, 82) uint8 IQ2_S blocks.
+
+    qs: 32 low bytes of the 10-bit grid indices, then 32 sign bytes; qh: their high 2 bits,
+    four a byte; then 4-bit scales, two a byte.
+    """
+    nb, scale, gi, signs, alive = _search(_IQ2_S, x, qw)
+    gi = _zero_dead(gi, alive.unsqueeze(0))
+    signs = _zero_dead(signs, alive.unsqueeze(0))
+    g = gi.t().reshape(nb, 32)
+    qh = _shifted((g >> 8).view(nb, 8, 4).permute(2, 0, 1), 2)
+    empty, d, l = _super_scales(scale, nb, f32(0.9875))
+    sc = _zero_dead(l, ~empty.unsqueeze(1)).view(nb, 8, 2)
+    # ggml writes qs/signs/qh straight into the block: a block whose scales are all 0 keeps them
+    return torch.cat([d, (g & 255).to(torch.uint8), signs.t().reshape(nb, 32).to(torch.uint8),
+                      qh.to(torch.uint8), (sc[..., 0] | (sc[..., 1] << 4)).to(torch.uint8)], 1)
+
 
 def quantize_iq3_xxs(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
-    """(nb, 256) float32 (and optional importance) -> (nb, 98) uint8 IQ3_XXS blocks."""
-    kmax = 8
-    nb, X, W, waux = _prepare(x, qw, 2)
-    xval, signs = _signs(X, W)
-    mx = xval.amax(0)
-    alive = mx >= GROUP_MAX_EPS_IQ3_XXS
-    mxs = torch.where(alive, mx, torch.ones_like(mx))
-    start = div(mxs, float(2 * kmax - 1))
-    cands = [(f32(15 + f32(f32(is_) * f32(0.2))), mxs) for is_ in range(-15, 16)]
-    scale, _, L = _grid_search(T.IQ3_XXS, X, W, xval, waux, start, kmax - 1, cands, refit_all=False)
-    scale, signs = _flip_negative(scale, signs)
-    gi = _grid_index_of(T.IQ3_XXS, L, kmax - 1)  # (8, S)
-    scale = torch.where(alive, scale, torch.zeros_like(scale))
-    q3 = torch.where(alive.unsqueeze(0), gi, torch.zeros_like(gi))  # (8, S)
-    ss = (signs << (7 * torch.arange(4, device=x.device)).view(4, 1)).sum(0)
-    ss = torch.where(alive, ss, torch.zeros_like(ss))
-    max_scale, d, l = _super_scales(scale, nb, 1.0125)
+    """(nb, 256) float32 (and optional importance) -> (nb, 98) uint8 IQ3_XXS blocks.
+
+    64 bytes of 8-bit grid indices, then per sub-block a uint32: four 7-bit signs, 4-bit scale.
+    """
+    nb, scale, gi, signs, alive = _search(_IQ3_XXS, x, qw)
+    q3 = _zero_dead(gi, alive.unsqueeze(0))  # (8, S)
+    ss = _zero_dead(_shifted(signs, 7), alive)
+    empty, d, l = _super_scales(scale, nb, f32(1.0125))
     ss = ss.view(nb, 8) | (l << 28)
-    qs = q3.t().reshape(nb, 64)
-    empty = (max_scale == 0).unsqueeze(1)
-    body = torch.cat([qs.to(torch.uint8), _u32_bytes(ss)], 1)
-    body = torch.where(empty, torch.zeros_like(body), body)
-    d = torch.where(empty.squeeze(1), torch.zeros_like(d), d)
-    return torch.cat([fp16_bits(d), body], 1)
+    body = torch.cat([q3.t().reshape(nb, 64).to(torch.uint8), _le_bytes(ss, 4)], 1)
+    return _finish(empty, d, body)
+
+
+def quantize_iq3_s(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    """(nb, 256) float32 (and optional importance) -> (nb, 110) uint8 IQ3_S blocks.
+
+    qs: 64 low bytes of the 9-bit grid indices; qh: their high bits, one byte per
+    sub-block; 32 sign bytes; 4-bit scales, two a byte.  ggml advances its qs and
+    signs pointers only for sub-blocks it does not skip (all-zero ones), so the
+    later sub-blocks' bytes move up over a skipped one's: reproduced.
+    """
+    nb, scale, gi, signs, alive = _search(_IQ3_S, x, qw)
+    gi = _zero_dead(gi, alive.unsqueeze(0))
+    signs = _zero_dead(signs, alive.unsqueeze(0))
+    g = _col(gi, nb)  # (nb, 8, 8)
+    qh = _shifted((g >> 8).permute(2, 0, 1), 1)  # (nb, 8)
+    al = alive.view(nb, 8)
+    dest = torch.cumsum(al.to(torch.int64), 1) - 1  # slot of each kept sub-block
+    dest = torch.where(al, dest, torch.full_like(dest, 8))  # skipped ones go to a spill slot
+    qs = torch.zeros((nb, 9, 8), dtype=torch.int64, device=x.device)
+    qs.scatter_(1, dest.unsqueeze(2).expand(nb, 8, 8), g & 255)
+    sg = torch.zeros((nb, 9, 4), dtype=torch.int64, device=x.device)
+    sg.scatter_(1, dest.unsqueeze(2).expand(nb, 8, 4), _col(signs, nb))
+    empty, d, l = _super_scales(scale, nb, f32(1.033))
+    sc = _zero_dead(l, ~empty.unsqueeze(1)).view(nb, 4, 2)
+    # ggml writes qs/qh/signs straight into the block: a block whose scales are all 0 keeps them
+    body = torch.cat([qs[:, :8].reshape(nb, 64), qh, sg[:, :8].reshape(nb, 32),
+                      sc[..., 0] | (sc[..., 1] << 4)], 1).to(torch.uint8)
+    return torch.cat([d, body], 1)
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -520,5 +605,58 @@ def dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     db = (d * (f32(0.5) + (sc >> 28).to(_F32)) * f32(0.5)).view(n, 8, 1, 1)
     sh = torch.tensor([0, 7, 14, 21], device=b.device)
     signs = _sign_factors((sc.unsqueeze(-1) >> sh) & 127, ksigns)  # (n, 8, 4, 8)
+    g = grid[qs].view(n, 8, 4, 8)
+    return (db * g * signs).reshape(n, QK_K)
+
+
+def _nibble_scales(sc: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes of two 4-bit scales -> (n, 2k) float32: low nibble first."""
+    s = torch.stack([sc & 15, sc >> 4], -1).reshape(sc.shape[0], -1)
+    return s.to(_F32)
+
+
+def _bit_signs(b: torch.Tensor) -> torch.Tensor:
+    """(...,) sign bytes -> (..., 8) factors +-1, bit i for value i."""
+    bits = (b.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=b.device)) & 1
+    return torch.where(bits == 0, 1.0, -1.0).to(_F32)
+
+
+def dequantize_iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    """(n, 74) uint8 -> (n, 256) float32, as gguf-py's IQ2_XS."""
+    n = b.shape[0]
+    grid, ksigns = _dequant_tables("IQ2_XS", b.device.type)
+    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    qs = b[:, 2:66].to(torch.int64).view(n, 32, 2)
+    qs = qs[..., 0] | (qs[..., 1] << 8)  # (n, 32) uint16
+    db = (d * (f32(0.5) + _nibble_scales(b[:, 66:74])) * f32(0.25)).view(n, 16, 1, 1)
+    signs = _sign_factors(qs >> 9, ksigns).view(n, 16, 2, 8)
+    g = grid[qs & 511].view(n, 16, 2, 8)
+    return (db * g * signs).reshape(n, QK_K)
+
+
+def dequantize_iq2_s(b: torch.Tensor) -> torch.Tensor:
+    """(n, 82) uint8 -> (n, 256) float32, as gguf-py's IQ2_S."""
+    n = b.shape[0]
+    grid, _ = _dequant_tables("IQ2_S", b.device.type)
+    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    db = (d * (f32(0.5) + _nibble_scales(b[:, 74:82])) * f32(0.25)).view(n, 16, 1, 1)
+    signs = _bit_signs(b[:, 34:66]).view(n, 16, 2, 8)
+    qh = (b[:, 66:74].to(torch.int64).unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], device=b.device)) & 3
+    qs = b[:, 2:34].to(torch.int64) | (qh.reshape(n, 32) << 8)
+    g = grid[qs].view(n, 16, 2, 8)
+    return (db * g * signs).reshape(n, QK_K)
+
+
+def dequantize_iq3_s(b: torch.Tensor) -> torch.Tensor:
+    """(n, 110) uint8 -> (n, 256) float32, as gguf-py's IQ3_S."""
+    n = b.shape[0]
+    grid, _ = _dequant_tables("IQ3_S", b.device.type)
+    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    sc = b[:, 106:110].to(torch.int64)
+    sc = torch.stack([sc & 15, sc >> 4], -1).reshape(n, 8)
+    db = (d * (1 + 2 * sc).to(_F32)).view(n, 8, 1, 1)
+    signs = _bit_signs(b[:, 74:106]).view(n, 8, 4, 8)
+    qh = (b[:, 66:74].to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=b.device)) & 1
+    qs = b[:, 2:66].to(torch.int64) | (qh.reshape(n, 64) << 8)
     g = grid[qs].view(n, 8, 4, 8)
     return (db * g * signs).reshape(n, QK_K)

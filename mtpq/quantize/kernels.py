@@ -74,12 +74,16 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS
     T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 64 * _K, 64 * _K),
     T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 64 * _K, 64 * _K),
+    T.IQ2_XS: (iquants.quantize_iq2_xs, iquants.dequantize_iq2_xs, 64 * _K, 64 * _K),
+    T.IQ3_S: (iquants.quantize_iq3_s, iquants.dequantize_iq3_s, 64 * _K, 64 * _K),
+    T.IQ2_S: (iquants.quantize_iq2_s, iquants.dequantize_iq2_s, 64 * _K, 64 * _K),
 }
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
-_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ3_XXS})
+_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
@@ -87,6 +91,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
+    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
