@@ -106,3 +106,32 @@ def test_merged_head_lets_llama_quantize_make_an_iq2_xxs_head(llama_cpp_bin, tmp
             "IQ2_XXS")
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
     assert "blk.4.nextn.eh_proj.weight" in p.stdout + p.stderr
+
+
+@pytest.mark.llama_cpp
+def test_iq2_xxs_head_from_our_imatrix_equals_llama_quantize(llama_cpp_bin, tmp_path):
+    """Q4_K_M with the head at IQ2_XXS, importance data from `mtpq imatrix`: mtpq quantize writes the same
+    bytes as llama-quantize given the same imatrix file and a tensor-type override for the head."""
+    import gguf
+
+    src = Path(str(resources.files("mtpq").joinpath("data/demo")))
+    model = tmp_path / "demo.gguf"
+    assert run_cli("convert", src, model, "--outtype", "f32", "-q").exit_code == 0
+    calib = tmp_path / "calib.txt"
+    calib.write_text(inspect.getsource(json.decoder) + inspect.getsource(json.encoder))
+    im = tmp_path / "im.gguf"
+    assert run_cli("imatrix", model, "-f", calib, "-o", im, "-c", "128", "--chunks", "4").exit_code == 0
+    ours = tmp_path / "ours.gguf"
+    res = run_cli("quantize", model, ours, "Q4_K_M", "--mtp-type", "iq2_xxs", "--imatrix", im, "-q")
+    assert res.exit_code == 0, res.output
+    theirs = tmp_path / "theirs.gguf"
+    p = subprocess.run([str(llama_cpp_bin / "llama-quantize"), "--imatrix", str(im), "--tensor-type",
+                        r"blk\.4\.=iq2_xxs", str(model), str(theirs), "Q4_K_M"], capture_output=True, text=True,
+                       timeout=600, stdin=subprocess.DEVNULL, errors="replace")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    a = {t.name: (t.tensor_type, np.array(t.data)) for t in gguf.GGUFReader(ours).tensors}
+    b = {t.name: (t.tensor_type, np.array(t.data)) for t in gguf.GGUFReader(theirs).tensors}
+    assert a.keys() == b.keys()
+    assert a["blk.4.nextn.eh_proj.weight"][0] == gguf.GGMLQuantizationType.IQ2_XXS
+    for name in a:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name

@@ -478,7 +478,7 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
     (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
     (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),
     (dict(mtp_type="fp8"), "--mtp-type", "unknown"),
-    (dict(mtp_experts_type="iq2_xxs"), "--mtp-experts-type", "unsupported"),
+    (dict(mtp_experts_type="tq1_0"), "--mtp-experts-type", "unsupported"),
     (dict(output_tensor_type="q4"), "--output-tensor-type", "unknown"),
 ])
 def test_bad_options_name_the_option(glm8, kwargs, where, says):

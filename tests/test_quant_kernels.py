@@ -76,11 +76,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import kernels, kquants
+from mtpq.quantize import iquants, kernels, kquants
 from mtpq.quantize.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
+# the i-quants (mtpq.quantize.iquants) have their own goldens and tests: tests/test_iquant_kernels.py
+IQUANT_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
 CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
 # llama-quantize rejects these (an fp16 block scale overflows): mtpq's quantize does too
 OVERFLOWS = {(T.Q4_1, "large"), (T.Q5_1, "large")}
@@ -241,7 +243,7 @@ def test_leading_dims_and_input_dtypes(inputs):
 # ----------------------------------------------------------------------------- round trip
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in SUPPORTED_TYPES if t not in IQUANT_TYPES], ids=lambda t: t.name)
 def test_round_trip_matches_gguf_py(qtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 512, generator=g)
@@ -374,7 +376,7 @@ def test_helpers():
     assert bytes_per_row(T.Q4_K, 4096) == 16 * 144
     assert bytes_per_row(T.Q8_0, 4096) == 128 * 34
     assert bytes_per_row(T.BF16, 10) == 20
-    assert set(QUANT_TYPES) | {T.F32, T.F16, T.BF16} == set(SUPPORTED_TYPES)
+    assert set(QUANT_TYPES) | set(IQUANT_TYPES) | {T.F32, T.F16, T.BF16} == set(SUPPORTED_TYPES)
 
 
 def test_sqrt_f32_is_correctly_rounded():
@@ -397,7 +399,8 @@ def test_sqrt_f32_is_correctly_rounded():
 def test_gguf_writer_accepts_output(tmp_path):
     """The arrays go straight into gguf-py's writer and read back unchanged."""
     g = torch.Generator().manual_seed(3)
-    tensors = {qt: quantize(torch.randn(4, 256, generator=g), qt, qt.name) for qt in SUPPORTED_TYPES}
+    tensors = {qt: quantize(torch.randn(4, 256, generator=g), qt, qt.name) for qt in SUPPORTED_TYPES
+               if qt not in iquants.REQUIRES_WEIGHTS}
     p = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(p, "llama")
     for qt, arr in tensors.items():

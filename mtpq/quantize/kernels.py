@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kquants, legacy, weighted
+from . import iquants, kquants, legacy, weighted
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -72,6 +72,12 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 64 * _K, _M),
     T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 64 * _K, 64 * _K),
     T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
+    # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS
+    T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 64 * _K, 64 * _K),
+    T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 64 * _K, 64 * _K),
+    T.IQ2_XS: (iquants.quantize_iq2_xs, iquants.dequantize_iq2_xs, 64 * _K, 64 * _K),
+    T.IQ3_S: (iquants.quantize_iq3_s, iquants.dequantize_iq3_s, 64 * _K, 64 * _K),
+    T.IQ2_S: (iquants.quantize_iq2_s, iquants.dequantize_iq2_s, 64 * _K, 64 * _K),
 }
 # ggml's importance-weighted paths (quantize_row_*_impl); Q8_0 and the float types have none
 _WEIGHTED: dict[GGMLQuantizationType, Callable] = {
@@ -81,21 +87,27 @@ _WEIGHTED: dict[GGMLQuantizationType, Callable] = {
     T.Q5_K: weighted.quantize_q5_k, T.Q6_K: weighted.quantize_q6_k,
     T.IQ4_NL: weighted.quantize_iq4_nl, T.IQ4_XS: weighted.quantize_iq4_xs,
 }
+# types with an optional importance-weighted path (an imatrix changes their bytes)
+IMPORTANCE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_WEIGHTED)
+# the i-quants' kernels take the per-block weights themselves (ggml's quantize_row_iq*_impl)
+_WEIGHTED.update({T.IQ2_XXS: iquants.quantize_iq2_xxs, T.IQ3_XXS: iquants.quantize_iq3_xxs,
+                  T.IQ2_XS: iquants.quantize_iq2_xs, T.IQ3_S: iquants.quantize_iq3_s, T.IQ2_S: iquants.quantize_iq2_s})
 # the legacy impls weight by the mean square of the whole row, not of the block
 _ROW_SIGMA2 = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
-IMPORTANCE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_WEIGHTED)
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
-_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
+    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
@@ -273,6 +285,8 @@ def quantize(
             out[p[0]:p[1], p[2]:p[3]] = r.cpu().numpy()
         return out.reshape(shape)
 
+    if qtype in iquants.REQUIRES_WEIGHTS and importance is None:  # ggml aborts here: say so in one line
+        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
     if importance is not None:
         qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
