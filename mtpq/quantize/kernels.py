@@ -77,13 +77,15 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.IQ2_XS: (iquants.quantize_iq2_xs, iquants.dequantize_iq2_xs, 64 * _K, 64 * _K),
     T.IQ3_S: (iquants.quantize_iq3_s, iquants.dequantize_iq3_s, 64 * _K, 64 * _K),
     T.IQ2_S: (iquants.quantize_iq2_s, iquants.dequantize_iq2_s, 64 * _K, 64 * _K),
+    T.IQ1_S: (iquants.quantize_iq1_s, iquants.dequantize_iq1_s, 64 * _K, 64 * _K),
+    T.IQ1_M: (iquants.quantize_iq1_m, iquants.dequantize_iq1_m, 64 * _K, 64 * _K),
 }
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
 _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S})
+                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
@@ -91,7 +93,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
-    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,),
+    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
@@ -167,6 +169,8 @@ def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) ->
     if q.device.type == "cpu":
         q = q.numpy()  # a few small ops: numpy's overhead is a third of torch's
     bad = None
+    if qtype == T.IQ1_M:  # its fp16 is spread over the top nibbles of 4 words: exponent bits in bytes 53, 55
+        bad = ((q[:, 53] & 0xC0) == 0xC0) & ((q[:, 55] & 0x70) == 0x70)
     for off in _FP16_FIELDS[qtype]:
         b = (q[:, off + 1] & 0x7C) == 0x7C  # fp16 exponent all ones: inf or NaN
         bad = b if bad is None else bad | b
@@ -256,6 +260,7 @@ def quantize(
     if qtype in iquants.REQUIRES_WEIGHTS:  # ggml aborts here: say so in one line instead
         raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
+    iquants.prepare(qtype, rows2d.device.type)  # grid tables built once, before any fork
     if on_cpu:
         _keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
