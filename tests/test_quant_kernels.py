@@ -82,7 +82,7 @@ from mtpq.quantize.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, de
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 # the i-quants (mtpq.quantize.iquants) have their own goldens and tests: tests/test_iquant_kernels.py
-IQUANT_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+IQUANT_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
 # llama-quantize rejects these (an fp16 block scale overflows): mtpq's quantize does too
 OVERFLOWS = {(T.Q4_1, "large"), (T.Q5_1, "large")}

@@ -78,6 +78,8 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.IQ2_XS: (iquants.quantize_iq2_xs, iquants.dequantize_iq2_xs, 64 * _K, 64 * _K),
     T.IQ3_S: (iquants.quantize_iq3_s, iquants.dequantize_iq3_s, 64 * _K, 64 * _K),
     T.IQ2_S: (iquants.quantize_iq2_s, iquants.dequantize_iq2_s, 64 * _K, 64 * _K),
+    T.IQ1_S: (iquants.quantize_iq1_s, iquants.dequantize_iq1_s, 64 * _K, 64 * _K),
+    T.IQ1_M: (iquants.quantize_iq1_m, iquants.dequantize_iq1_m, 64 * _K, 64 * _K),
 }
 # ggml's importance-weighted paths (quantize_row_*_impl); Q8_0 and the float types have none
 _WEIGHTED: dict[GGMLQuantizationType, Callable] = {
@@ -91,7 +93,8 @@ _WEIGHTED: dict[GGMLQuantizationType, Callable] = {
 IMPORTANCE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_WEIGHTED)
 # the i-quants' kernels take the per-block weights themselves (ggml's quantize_row_iq*_impl)
 _WEIGHTED.update({T.IQ2_XXS: iquants.quantize_iq2_xxs, T.IQ3_XXS: iquants.quantize_iq3_xxs,
-                  T.IQ2_XS: iquants.quantize_iq2_xs, T.IQ3_S: iquants.quantize_iq3_s, T.IQ2_S: iquants.quantize_iq2_s})
+                  T.IQ2_XS: iquants.quantize_iq2_xs, T.IQ3_S: iquants.quantize_iq3_s, T.IQ2_S: iquants.quantize_iq2_s,
+                  T.IQ1_S: iquants.quantize_iq1_s, T.IQ1_M: iquants.quantize_iq1_m})
 # the legacy impls weight by the mean square of the whole row, not of the block
 _ROW_SIGMA2 = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
@@ -99,7 +102,7 @@ _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
 _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S})
+                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
@@ -107,7 +110,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
-    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,),
+    T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
 
@@ -183,6 +186,8 @@ def _validate_scales(q: torch.Tensor, qtype: GGMLQuantizationType, name: str) ->
     if q.device.type == "cpu":
         q = q.numpy()  # a few small ops: numpy's overhead is a third of torch's
     bad = None
+    if qtype == T.IQ1_M:  # its fp16 is spread over the top nibbles of 4 words: exponent bits in bytes 53, 55
+        bad = ((q[:, 53] & 0xC0) == 0xC0) & ((q[:, 55] & 0x70) == 0x70)
     for off in _FP16_FIELDS[qtype]:
         b = (q[:, off + 1] & 0x7C) == 0x7C  # fp16 exponent all ones: inf or NaN
         bad = b if bad is None else bad | b
@@ -290,6 +295,7 @@ def quantize(
     qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
     if importance is not None:
         qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
+    iquants.prepare(qtype, rows2d.device.type)  # grid tables built once, before any fork
     if on_cpu:
         _keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
