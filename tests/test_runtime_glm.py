@@ -117,7 +117,7 @@ def test_trunk_logits_match_transformers(which, glm_ckpt, alt_ckpt, work):
         assert blocks[1].attn.q_norm is not None and blocks[1].attn.wq.bias is not None
         assert not isinstance(blocks[0].ffn, MoE)  # dense first layer
     else:
-        assert model.cfg.n_group == 2 and model.cfg.topk_group == 1 and not model.cfg.norm_topk
+        assert model.cfg.moe.n_group == 2 and model.cfg.moe.topk_group == 1 and not model.cfg.moe.norm_topk
     gen = torch.Generator().manual_seed(1)
     for n in (1, 7, 40):
         ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)

@@ -30,18 +30,6 @@ class Deepseek2Config:
     n_dense_lead: int
     rope_scale: float  # cos/sin multiplier (YaRN's attention factor as llama.cpp applies it)
 
-    # read by tests and reports
-    @property
-    def n_group(self) -> int:
-        return self.moe.n_group
-
-    @property
-    def topk_group(self) -> int:
-        return self.moe.topk_group
-
-    @property
-    def norm_topk(self) -> bool:
-        return self.moe.norm_topk
 
 
 class Deepseek2(Family):

@@ -26,18 +26,6 @@ class Glm4MoeConfig:
     moe: MoEConfig
     n_dense_lead: int
 
-    # read by tests and reports
-    @property
-    def n_group(self) -> int:
-        return self.moe.n_group
-
-    @property
-    def topk_group(self) -> int:
-        return self.moe.topk_group
-
-    @property
-    def norm_topk(self) -> bool:
-        return self.moe.norm_topk
 
 
 def rope_scaling_factor(g: GGUFFile) -> float:
