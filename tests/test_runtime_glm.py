@@ -553,3 +553,14 @@ def test_bad_input_names_the_file(tmp_path, f32_gguf):
     model, _ = load_model(f32_gguf, device="cpu")
     with pytest.raises(ValueError):
         SpeculativeDecoder(model, k=9)
+
+
+def test_runtime_tokenizer_ids_match_transformers_view(f32_gguf):
+    """The light tokenizer's own bos/eos ids equal those of the full transformers tokenizer it stands for."""
+    from mtpq.runtime.tokenizer import tokenizer_from_gguf
+    from mtpq.runtime.weights import GGUFFile
+
+    tok = tokenizer_from_gguf(GGUFFile(f32_gguf))
+    own = (tok.bos_token_id, tok.eos_token_id)
+    full = tok._build_full()
+    assert own == (full.bos_token_id, full.eos_token_id) and tok.eos_token_id is not None

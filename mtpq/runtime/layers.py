@@ -96,13 +96,14 @@ class Rope:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA by repetition)."""
+    """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA: query head h
+    reads key head h // (Hq / Hkv))."""
     T, S = q.shape[2], k.shape[2]
-    allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    if T == 1 and S <= start + 1:  # one new token (plain decoding): it sees every key, no mask to build
+        allowed = None
+    else:
+        allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ----------------------------------------------------------------------------- attention
@@ -219,19 +220,11 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
         watch = weight_io.observer
-        for e in ids.unique().tolist():  # dequantize only the experts some token uses
-            tok, slot = torch.where(ids == e)
-            h = x[tok]
-            if watch is not None:
-                watch(self.gate.name, e, h)
-                watch(self.up.name, e, h)
-            h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
-            if watch is not None:
-                watch(self.down.name, e, h)
-            h = F.linear(h, self.down.dequant(e).to(x.dtype))
-            out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
+        if watch is None and self.cfg.n_experts <= 2 * ids.numel():
+            out = self._all_experts(x, weights, ids)
+        else:
+            out = self._used_experts(x, weights, ids, watch)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
@@ -240,6 +233,43 @@ class MoE(nn.Module):
                 shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.view(1, -1))).to(x.dtype)
             out = out + shared
         return out.view(shape)
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, unused ones weighted 0: when the tokens pick most experts anyway
+        (few experts, or a verification batch) this is at most twice the arithmetic of the sparse path
+        in a handful of batched ops instead of ~10 small ops per expert: on a small model the loop's
+        per-op overhead is what costs."""
+        gate, up, down = (w.dequant().to(x.dtype) for w in (self.gate, self.up, self.down))  # [E, F, H], [E, H, F]
+        E, F_, H = gate.shape
+        # gate and up as one [E*F, H] matrix each (a view: one GEMM, no transposed copies), down batched
+        h = F.silu(F.linear(x, gate.reshape(E * F_, H))) * F.linear(x, up.reshape(E * F_, H))  # [N, E*F]
+        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
+        dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_(1, ids, weights)
+        return torch.einsum("ne,enh->nh", dense.to(x.dtype), y)
+
+    def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        one = x.shape[0] == 1  # decoding one token: its experts and weights need no search
+        picks = sorted(zip(ids[0].tolist(), range(ids.shape[1]))) if one else None
+        for e in [e for e, _ in picks] if one else ids.unique().tolist():  # only the experts some token uses
+            if one:
+                tok, slot = slice(None), next(s for i, s in picks if i == e)
+            else:
+                tok, slot = torch.where(ids == e)
+            h = x[tok]
+            if watch is not None:
+                watch(self.gate.name, e, h)
+                watch(self.up.name, e, h)
+            h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
+            if watch is not None:
+                watch(self.down.name, e, h)
+            h = F.linear(h, self.down.dequant(e).to(x.dtype))
+            if one:
+                out += (h * weights[:, slot, None]).to(x.dtype)
+            else:
+                out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
+        return out
 
 
 # ----------------------------------------------------------------------------- block

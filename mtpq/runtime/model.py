@@ -124,7 +124,7 @@ class MtpModel(nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def trunk(self, ids: torch.Tensor, use_cache: bool = True, last_only: bool = False) -> TrunkOut:
         """Run the trunk on ids [B, T] (appended to the caches when ``use_cache``)."""
         ids = ids.to(self.device)
@@ -136,7 +136,7 @@ class MtpModel(nn.Module):
         logits = self.output(normed[:, -1:] if last_only else normed)
         return TrunkOut(logits.float(), normed if self.hidden == "post_norm" else x)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True) -> MtpOut:
         """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}."""
         if self.mtp is None:

@@ -15,7 +15,8 @@ converts) is supported. The pieces:
   are kept as they are), as llama.cpp does for those names;
 - bos/eos/unk/pad ids, ``add_bos_token`` and the chat template.
 
-    tok = tokenizer_from_gguf(GGUFFile(path))   # a transformers PreTrainedTokenizerFast
+    tok = tokenizer_from_gguf(GGUFFile(path))   # encode/decode now; the rest of a transformers
+                                                # PreTrainedTokenizerFast (chat template ...) on first use
 """
 
 from __future__ import annotations
@@ -72,9 +73,8 @@ def _pre_tokenizer(pre: str):
 
 
 def tokenizer_from_gguf(g: GGUFFile):
-    """A ``transformers.PreTrainedTokenizerFast`` equivalent to the one the GGUF was converted from."""
+    """A tokenizer equivalent to the one the GGUF was converted from (see :class:`RuntimeTokenizer`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
 
     kind = g.kv.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -105,8 +105,38 @@ def tokenizer_from_gguf(g: GGUFFile):
     if g.kv.get("tokenizer.ggml.add_bos_token") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, vocab[bos])])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=special("eos"),
-                                   unk_token=special("unknown"), pad_token=special("padding"))
-    if (template := g.kv.get("tokenizer.chat_template")) is not None:
-        fast.chat_template = template
-    return fast
+    def full():
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=special("eos"),
+                                       unk_token=special("unknown"), pad_token=special("padding"))
+        if (template := g.kv.get("tokenizer.chat_template")) is not None:
+            fast.chat_template = template
+        return fast
+
+    return RuntimeTokenizer(tok, full, bos_token_id=tok.token_to_id(bos) if bos else None,
+                            eos_token_id=tok.token_to_id(eos) if (eos := special("eos")) else None)
+
+
+class RuntimeTokenizer:
+    """``encode``/``decode`` straight on the ``tokenizers`` object; everything else from the equivalent
+    transformers ``PreTrainedTokenizerFast``, built on first use: importing transformers costs about a
+    second, which an acceptance report (encode only) need not pay."""
+
+    def __init__(self, tok, build_full, bos_token_id: int | None, eos_token_id: int | None):
+        self._tok, self._build_full, self._full = tok, build_full, None
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids with the special tokens the GGUF adds (BOS when add_bos_token), as transformers'."""
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._full is None:
+            self._full = self._build_full()
+        return getattr(self._full, name)
