@@ -221,7 +221,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         watch = weight_io.observer
-        if watch is None and self.cfg.n_experts <= 2 * ids.numel():
+        if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used:
             out = self._all_experts(x, weights, ids)
         else:
             out = self._used_experts(x, weights, ids, watch)
@@ -235,10 +235,9 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, unused ones weighted 0: when the tokens pick most experts anyway
-        (few experts, or a verification batch) this is at most twice the arithmetic of the sparse path
-        in a handful of batched ops instead of ~10 small ops per expert: on a small model the loop's
-        per-op overhead is what costs."""
+        """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
+        is at most twice the arithmetic of the sparse path, in a handful of batched ops instead of ~10
+        small ops per expert, whose overhead is what costs on a small model."""
         gate, up, down = (w.dequant().to(x.dtype) for w in (self.gate, self.up, self.down))  # [E, F, H], [E, H, F]
         E, F_, H = gate.shape
         # gate and up as one [E*F, H] matrix each (a view: one GEMM, no transposed copies), down batched
