@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .layers import Rope, rms_norm
+from .layers import Rope, causal_attention, rms_norm
 from .weights import Scope
 
 
@@ -95,9 +95,7 @@ class MLA(nn.Module):
             c, k_pe = cache.update(c, k_pe)
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
         q_lat = torch.matmul(q_nope, self.k_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
-        scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1).transpose(2, 3))
-        S = scores.shape[-1]
-        future = torch.arange(S, device=x.device)[None, :] > torch.arange(start, start + T, device=x.device)[:, None]
-        probs = (scores.float() * cfg.kq_scale).masked_fill(future, float("-inf")).softmax(dim=-1).to(x.dtype)
-        out = torch.matmul(torch.matmul(probs, c), self.v_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, v]
+        # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
+        lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, start, cfg.kq_scale)
+        out = torch.matmul(lat, self.v_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
