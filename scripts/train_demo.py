@@ -1,6 +1,7 @@
-"""Train mtpq's demo model: a tiny GLM-4.5 (``Glm4MoeForCausalLM``) with one MTP layer.
+"""Train mtpq's demo models: a tiny GLM-4.5 (``Glm4MoeForCausalLM``, the default) or, with
+``--family qwen35``, a tiny Qwen3.5 (``Qwen3_5ForCausalLM``), each with one MTP layer.
 
-What it builds
+What it builds (the family-specific parts are in ``scripts/demo_families.py``)
     A GLM-4.5-architecture model of 6.7 M trained parameters (7.7 M saved, with the
     head's copies of embedding and LM head): hidden 256, 4 layers (1 dense
     + 3 MoE with 4 routed experts, top-2, 1 shared expert, sigmoid routing with a
@@ -20,6 +21,15 @@ What it builds
     different directions: feeding the head the wrong one measurably costs
     acceptance (printed at the end).
 
+    ``--family qwen35``: a Qwen3.5 of 4.5 M trunk parameters (hidden 256, 3 gated-DeltaNet
+    layers + 1 gated full-attention layer, dense SwiGLU 768, 2 key / 4 value heads in the
+    linear attention) plus the ``mtp.*`` layer (fc over [pre_fc_norm_embedding(E[x]);
+    pre_fc_norm_hidden(h_t)], one gated full-attention layer, mtp.norm), sharing the trunk's
+    embedding and LM head as the releases do; same corpus, tokenizer recipe and losses; the
+    zero-centred final norm (1 + w) gets the same log-normal spread. Transformers does not
+    run Qwen3.5's head, so its reload check rebuilds the head from the saved ``mtp.*`` tensors
+    with transformers' own decoder layer, norm and rotary embedding.
+
     The tokenizer's pre-tokenizer reproduces llama.cpp's ``default`` BPE
     pre-tokenizer (the one mtpq's converter writes for tokenizers it has no
     fingerprint for), so HF and llama.cpp split text the same way.
@@ -28,6 +38,7 @@ Rerun (from the repo root; one thread by default: ~20 min of training + ~2 min o
 evaluation on an idle core, about 26 min in all on the shared 2-core dev box)
     source /work/venv/bin/activate
     PYTHONPATH=. python scripts/train_demo.py                     # -> mtpq/data/demo, mtpq/data/prompts/demo_heldout.jsonl
+    PYTHONPATH=. python scripts/train_demo.py --family qwen35      # -> mtpq/data/demo_qwen35 (~45 min)
     PYTHONPATH=. python scripts/train_demo.py --steps 200 --out /tmp/demo-smoke \
         --prompts-out /tmp/demo-smoke.jsonl                       # quick smoke run (~5 min)
 
@@ -42,8 +53,8 @@ What it prints
     real text), depth-1 greedy acceptance on the held-out prompt set and on a
     wider held-out sample, each with the post-norm (right) and the pre-norm
     (wrong) hidden state, and finally a reload check: the saved folder is read
-    back with transformers (trunk: ``Glm4MoeForCausalLM.from_pretrained``; head:
-    transformers' own ``MtpModel`` loader) and must reproduce the acceptance.
+    back (trunk: transformers' ``from_pretrained``; GLM's head: transformers' own ``MtpModel``
+    loader; Qwen3.5's: rebuilt from the files) and must reproduce the acceptance.
     The same numbers go to ``<out>/demo_training.json``.
 """
 
@@ -66,15 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GLM_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-                "<|user|>", "<|assistant|>", "<|observation|>"]
-CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT regexes (src/llama-vocab.cpp), applied in order, each isolating its matches
-LLAMA_DEFAULT_PRE = [r"[\p{P}\$\+<=>\^~\|]+",
-                     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-                     r"\p{N}+",
-                     r"[0-9][0-9][0-9]"]
+from demo_families import FAMILIES, LLAMA_DEFAULT_PRE, DemoModel  # noqa: E402 (scripts/ is on sys.path)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Args:
     out: Path
     prompts_out: Path
     stdlib: Path
+    family: str = "glm4moe"
     seed: int = 0
     threads: int = 1  # 1 beats 2 on a shared 2-core box: OpenMP barriers stall under contention
     vocab: int = 2048
@@ -114,7 +118,7 @@ def read(p: Path) -> str:
     return p.read_text(encoding="utf-8", errors="replace")
 
 
-def train_tokenizer(texts: list[str], vocab: int):
+def train_tokenizer(texts: list[str], vocab: int, specials: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -122,21 +126,21 @@ def train_tokenizer(texts: list[str], vocab: int):
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in LLAMA_DEFAULT_PRE]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=GLM_SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return tok
 
 
-def save_tokenizer(tok, folder: Path) -> None:
+def save_tokenizer(tok, folder: Path, fam) -> None:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(str(folder))
-    # keep the chat template inside tokenizer_config.json (as GLM ships it), no BOS/EOS added on encode
+    # keep the chat template inside tokenizer_config.json, no BOS/EOS added on encode
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update(chat_template=CHAT_TEMPLATE, add_bos_token=False, add_eos_token=False,
+    cfg.update(chat_template=fam.chat_template, add_bos_token=False, add_eos_token=False,
                tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (folder / "chat_template.jinja").unlink(missing_ok=True)
@@ -150,81 +154,11 @@ def token_stream(tok, texts: list[str], sep: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-# --------------------------------------------------------------------------- model
+# --------------------------------------------------------------------------- model (the rest: demo_families.py)
 
-def eos_ids() -> list[int]:
-    """<|endoftext|>, <|user|>, <|observation|>: GLM's stop tokens (the trainer puts specials first, in order)."""
-    return [GLM_SPECIALS.index(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
-
-
-def make_config(vocab: int):
-    from transformers import Glm4MoeConfig
-
-    cfg = Glm4MoeConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5,
-        use_qk_norm=True, attention_bias=True, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        max_position_embeddings=4096, num_nextn_predict_layers=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        eos_token_id=eos_ids(), pad_token_id=GLM_SPECIALS.index("<|endoftext|>"))
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-class MtpLayer(nn.Module):
-    """GLM-4.5's NextN layer ``model.layers.{num_hidden_layers}``; embedding and LM head are the trunk's."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
-
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm = Glm4MoeRMSNorm(h, eps)
-        self.hnorm = Glm4MoeRMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = Glm4MoeDecoderLayer(config, layer_idx=config.num_hidden_layers)  # MoE: idx >= first_k_dense
-        self.shared_head_norm = Glm4MoeRMSNorm(h, eps)
-
-    def forward(self, h_t: torch.Tensor, emb_next: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        u = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h_t)], dim=-1))
-        return self.shared_head_norm(self.block(u, attention_mask=None, position_embeddings=rope))
-
-
-class Demo(nn.Module):
-    def __init__(self, config, norm_spread: float, gen: torch.Generator) -> None:
-        super().__init__()
-        from transformers import Glm4MoeForCausalLM
-
-        self.lm = Glm4MoeForCausalLM(config)
-        self.mtp = MtpLayer(config)
-        self.mtp.apply(self.lm._init_weights)
-        with torch.no_grad():  # a final norm far from uniform: pre- and post-norm states differ in direction
-            self.lm.model.norm.weight.copy_(torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen)))
-
-    def trunk(self, ids: torch.Tensor, want_pre: bool = False):
-        """(post-norm hidden, pre-norm hidden or None) for ``ids`` [B, S]."""
-        seen: list[torch.Tensor] = []
-        hook = self.lm.model.norm.register_forward_hook(lambda m, i, o: seen.append(i[0])) if want_pre else None
-        try:
-            post = self.lm.model(input_ids=ids).last_hidden_state
-        finally:
-            if hook is not None:
-                hook.remove()
-        return post, (seen[0] if want_pre else None)
-
-    def head_logits(self, h: torch.Tensor, next_ids: torch.Tensor, first_pos: int = 1) -> torch.Tensor:
-        """Head logits for entries (h_t, x_{t+1}); entry j sits at position first_pos + j (that of x_{t+1})."""
-        pos = torch.arange(first_pos, first_pos + next_ids.shape[1]).unsqueeze(0)
-        rope = self.lm.model.rotary_emb(h, pos)
-        return self.lm.lm_head(self.mtp(h, self.lm.model.embed_tokens(next_ids), rope))
-
-
-def routers(model: Demo) -> list[nn.Module]:
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
-
-    return [m for m in model.modules() if isinstance(m, Glm4MoeTopkRouter)]
+def eos_ids(fam) -> list[int]:
+    """The family's stop tokens (the tokenizer trainer puts the specials first, in order)."""
+    return [fam.specials.index(t) for t in fam.stop_tokens]
 
 
 # --------------------------------------------------------------------------- training
@@ -236,7 +170,7 @@ def lr_at(step: int, a: Args) -> float:
     return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def losses(model: Demo, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def losses(model: DemoModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trunk next-token CE, head next-next-token CE, head top-1 accuracy, for windows x [B, T+1]."""
     T = x.shape[1] - 1
     h, _ = model.trunk(x[:, :T])
@@ -248,13 +182,13 @@ def losses(model: Demo, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return trunk, mtp, acc
 
 
-def train(model: Demo, stream: torch.Tensor, a: Args, gen: torch.Generator) -> dict:
+def train(model: DemoModel, fam, stream: torch.Tensor, a: Args, gen: torch.Generator) -> dict:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     loads: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda m, i, o: loads.append(o[2].detach())) for r in routers(model)]
+    hooks = [r.register_forward_hook(lambda m, i, o: loads.append(o[2].detach())) for r in fam.routers(model)]
     model.train()
     t0, ema = time.time(), None
     for step in range(a.steps):
@@ -269,7 +203,7 @@ def train(model: Demo, stream: torch.Tensor, a: Args, gen: torch.Generator) -> d
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():  # aux-loss-free balancing: nudge the correction bias toward under-used experts
-            for r, idx in zip(routers(model), loads):
+            for r, idx in zip(fam.routers(model), loads):
                 counts = torch.bincount(idx.flatten(), minlength=r.num_experts).float()
                 r.e_score_correction_bias += a.bias_update * torch.sign(counts.mean() - counts)
         cur = torch.tensor([trunk.item(), mtp.item()])
@@ -322,7 +256,7 @@ def cut_prompts(tok, held: list[Path], per_cat: int, gen: torch.Generator, max_t
 
 
 @torch.no_grad()
-def greedy(model: Demo, prompt: list[int], n: int) -> list[int]:
+def greedy(model: DemoModel, prompt: list[int], n: int) -> list[int]:
     from transformers import DynamicCache
 
     ids = torch.tensor([prompt])
@@ -337,7 +271,7 @@ def greedy(model: Demo, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def acceptance(model: Demo, tok, prompts: list[dict], n_new: int, head_fn=None) -> dict:
+def acceptance(model: DemoModel, tok, prompts: list[dict], n_new: int, head_fn=None) -> dict:
     """Teacher-forced depth-1 greedy acceptance over greedy continuations.
 
     For each prompt (P tokens) the trunk continues greedily for n_new tokens; one pass over the
@@ -373,7 +307,7 @@ def acceptance(model: Demo, tok, prompts: list[dict], n_new: int, head_fn=None) 
 
 
 @torch.no_grad()
-def heldout_losses(model: Demo, stream: torch.Tensor, a: Args) -> dict:
+def heldout_losses(model: DemoModel, stream: torch.Tensor, a: Args) -> dict:
     gen = torch.Generator().manual_seed(a.seed + 7)
     tot = torch.zeros(3)
     n = 24
@@ -388,8 +322,8 @@ def heldout_losses(model: Demo, stream: torch.Tensor, a: Args) -> dict:
 
 # --------------------------------------------------------------------------- saving
 
-def checkpoint_tensors(model: Demo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Trunk as transformers saves it + the MTP layer under GLM's checkpoint names."""
+def checkpoint_tensors(model: DemoModel, fam, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Trunk as transformers saves it + the MTP layer under the family's checkpoint names."""
     import tempfile
 
     from safetensors.torch import load_file
@@ -399,43 +333,25 @@ def checkpoint_tensors(model: Demo, dtype: torch.dtype) -> dict[str, torch.Tenso
         sd: dict[str, torch.Tensor] = {}
         for f in sorted(Path(d).glob("*.safetensors")):
             sd.update(load_file(str(f)))
-    cfg = model.lm.config
-    p = f"model.layers.{cfg.num_hidden_layers}."
-    m = model.mtp
-    sd[p + "eh_proj.weight"] = m.eh_proj.weight
-    sd[p + "enorm.weight"] = m.enorm.weight
-    sd[p + "hnorm.weight"] = m.hnorm.weight
-    sd[p + "shared_head.norm.weight"] = m.shared_head_norm.weight
-    sd[p + "embed_tokens.weight"] = model.lm.model.embed_tokens.weight  # shared with the trunk: saved as a copy
-    sd[p + "shared_head.head.weight"] = model.lm.lm_head.weight
-    blk = m.block
-    for name, t in blk.named_parameters():
-        if ".experts." not in name:
-            sd[p + name] = t
-    sd[p + "mlp.gate.e_score_correction_bias"] = blk.mlp.gate.e_score_correction_bias
-    ex, ff = blk.mlp.experts, cfg.moe_intermediate_size
-    for e in range(cfg.n_routed_experts):  # fused [E, 2I, H] gate|up -> per-expert checkpoint tensors
-        sd[p + f"mlp.experts.{e}.gate_proj.weight"] = ex.gate_up_proj[e, :ff]
-        sd[p + f"mlp.experts.{e}.up_proj.weight"] = ex.gate_up_proj[e, ff:]
-        sd[p + f"mlp.experts.{e}.down_proj.weight"] = ex.down_proj[e]
-    # correction biases stay f32 as in GLM's checkpoints; everything else in the checkpoint dtype
-    return {k: (v.detach().float() if k.endswith("e_score_correction_bias") else v.detach().to(dtype)).contiguous()
+    sd.update(fam.mtp_tensors(model))
+    return {k: (v.detach().float() if k.endswith(fam.f32_suffixes) else v.detach().to(dtype)).contiguous()
             for k, v in sd.items()}
 
 
-def save_folder(folder: Path, model: Demo, tok, dtype: torch.dtype, record: dict) -> None:
+def save_folder(folder: Path, model: DemoModel, fam, tok, dtype: torch.dtype, record: dict) -> None:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
-    tensors = checkpoint_tensors(model, dtype)
+    tensors = checkpoint_tensors(model, fam, dtype)
     cfg = model.lm.config.to_dict()
-    cfg.update(architectures=["Glm4MoeForCausalLM"], dtype=str(dtype).removeprefix("torch."))
+    cfg.update(architectures=[fam.architecture], dtype=str(dtype).removeprefix("torch."))
     cfg.pop("_name_or_path", None)
+    fam.extra_config(cfg)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    mtp_prefix = f"model.layers.{model.lm.config.num_hidden_layers}."
+    mtp_prefix = fam.mtp_prefix(model.lm.config)
     shards = [sorted(k for k in tensors if not k.startswith(mtp_prefix)), sorted(k for k in tensors if k.startswith(mtp_prefix))]
     weight_map = {}
-    for i, names in enumerate(shards):  # shard 2 holds the MTP layer, as GLM's last shard does
+    for i, names in enumerate(shards):  # shard 2 holds the MTP layer, as the releases' last shards do
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, str(folder / fname), metadata={"format": "pt"})
         (folder / fname).chmod(0o644)  # safetensors creates shards 0600; package data must be world-readable
@@ -443,9 +359,9 @@ def save_folder(folder: Path, model: Demo, tok, dtype: torch.dtype, record: dict
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    gen_cfg = {"_from_model_config": False, "eos_token_id": eos_ids(), "pad_token_id": eos_ids()[0], "do_sample": False}
+    gen_cfg = {"_from_model_config": False, "eos_token_id": eos_ids(fam), "pad_token_id": eos_ids(fam)[0], "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    save_tokenizer(tok, folder)
+    save_tokenizer(tok, folder, fam)
     (folder / "demo_training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -469,29 +385,10 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
 
 # --------------------------------------------------------------------------- reload check (transformers as oracle)
 
-@torch.no_grad()
-def reload_check(folder: Path, prompts: list[dict], n_new: int, tok) -> dict:
-    """Read the saved folder back with transformers alone and recompute the acceptance.
-
-    The trunk comes from ``Glm4MoeForCausalLM.from_pretrained``; the head from transformers' own
-    ``MtpModel`` loader, whose GLM pattern names layers 46/92, so it is pointed at our layer number.
-    """
-    from transformers import Glm4MoeForCausalLM
-    from transformers.modeling_layers import MtpModel
-
-    lm = Glm4MoeForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    n = lm.config.num_hidden_layers
-    lm._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}.*"]
-    mtp = MtpModel.from_pretrained(lm, device_map={"": "cpu"}).float().eval()
-
-    def head_fn(seq: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(1, seq.shape[1]).unsqueeze(0)
-        g = mtp.forward_layer(0, h[:, :-1], pos, None, input_ids=seq[:, 1:])
-        return mtp._project_to_logits(g)
-
-    shell = Demo.__new__(Demo)  # reuse greedy()/trunk() with the reloaded trunk
-    nn.Module.__init__(shell)
-    shell.lm = lm
+def reload_check(folder: Path, fam, prompts: list[dict], n_new: int, tok) -> dict:
+    """Read the saved folder back (transformers for the trunk, the family's independent head
+    reader for the MTP layer) and recompute the acceptance."""
+    shell, head_fn = fam.reload(folder)
     return acceptance(shell, tok, prompts, n_new, head_fn=head_fn)
 
 
@@ -500,13 +397,18 @@ def reload_check(folder: Path, prompts: list[dict], n_new: int, tok) -> dict:
 def parse() -> Args:
     repo = Path(__file__).resolve().parents[1]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=repo / "mtpq/data/demo")
-    ap.add_argument("--prompts-out", type=Path, default=repo / "mtpq/data/prompts/demo_heldout.jsonl")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="glm4moe")
+    ap.add_argument("--out", type=Path, help="default: mtpq/data/demo (glm4moe), mtpq/data/demo_<family> (others)")
+    ap.add_argument("--prompts-out", type=Path, help="default: mtpq/data/prompts/demo[_<family>]_heldout.jsonl")
     ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     for f, v in asdict(Args(Path(), Path(), Path())).items():
-        if f not in ("out", "prompts_out", "stdlib"):
+        if f not in ("out", "prompts_out", "stdlib", "family"):
             ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
-    return Args(**vars(ap.parse_args()))
+    a = Args(**vars(ap.parse_args()))
+    suffix = "" if a.family == "glm4moe" else "_" + a.family  # the GLM demo keeps its historical paths
+    a.out = a.out or repo / f"mtpq/data/demo{suffix}"
+    a.prompts_out = a.prompts_out or repo / f"mtpq/data/prompts/demo{suffix}_heldout.jsonl"
+    return a
 
 
 def main() -> None:
@@ -523,8 +425,9 @@ def main() -> None:
 
     train_files, held_files = stdlib_files(a.stdlib)
     train_texts, held_texts = [read(p) for p in train_files], [read(p) for p in held_files]
-    tok = train_tokenizer(train_texts, a.vocab)
-    assert all(tok.token_to_id(t) == i for i, t in enumerate(GLM_SPECIALS)), "special tokens must come first"
+    fam = FAMILIES[a.family]
+    tok = train_tokenizer(train_texts, a.vocab, fam.specials)
+    assert all(tok.token_to_id(t) == i for i, t in enumerate(fam.specials)), "special tokens must come first"
     sep = tok.token_to_id("<|endoftext|>")
     train_ids, held_ids = token_stream(tok, train_texts, sep), token_stream(tok, held_texts, sep)
     corpus_hash = hashlib.sha256("".join(p.name + "\0" + t for p, t in zip(train_files, train_texts)).encode()).hexdigest()
@@ -532,8 +435,8 @@ def main() -> None:
           f"{sum(map(len, train_texts)) / 1e6:.2f} MB -> {len(train_ids) / 1e6:.2f} M tokens; "
           f"{len(held_files)} held-out files -> {len(held_ids) / 1e6:.2f} M tokens; vocab {tok.get_vocab_size()}", flush=True)
 
-    config = make_config(tok.get_vocab_size())
-    model = Demo(config, a.norm_spread, gen)
+    config = fam.make_config(tok.get_vocab_size(), eos_ids(fam))
+    model = fam.build(config, a.norm_spread, gen)
     n_trunk = sum(p.numel() for p in model.lm.parameters())
     n_mtp = sum(p.numel() for p in model.mtp.parameters())
     print(f"model: trunk {n_trunk / 1e6:.2f} M params, MTP layer {n_mtp / 1e6:.2f} M (+ shared embedding/head)", flush=True)
@@ -541,7 +444,7 @@ def main() -> None:
                     "train_files": len(train_files), "heldout_files": [p.name for p in held_files],
                     "train_corpus_sha256": corpus_hash, "train_tokens": len(train_ids), "params_trunk": n_trunk,
                     "params_mtp_layer": n_mtp}
-    record.update(train(model, train_ids, a, gen))
+    record.update(train(model, fam, train_ids, a, gen))
 
     dtype = torch.bfloat16
     with torch.no_grad():  # measure what ships: weights rounded to the checkpoint dtype
@@ -568,10 +471,10 @@ def main() -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        save_folder(tmp, model, tok, dtype, record)
-        check = reload_check(tmp, prompts, a.new_tokens, tok)
+        save_folder(tmp, model, fam, tok, dtype, record)
+        check = reload_check(tmp, fam, prompts, a.new_tokens, tok)
         same = check["accept_post_norm"] == record["acceptance_prompts"]["accept_post_norm"]
-        print(f"reload check (transformers from_pretrained + MtpModel): post-norm {100 * check['accept_post_norm']:.1f} %  "
+        print(f"reload check (from the saved files): post-norm {100 * check['accept_post_norm']:.1f} %  "
               f"pre-norm {100 * check['accept_pre_norm']:.1f} %  -> {'same' if same else 'DIFFERENT'}", flush=True)
         if not same:
             sys.exit("error: the saved checkpoint does not reproduce the in-script acceptance")

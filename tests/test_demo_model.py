@@ -1,7 +1,8 @@
-"""The bundled demo model: it drafts well, the hidden-state choice matters, llama.cpp agrees.
+"""The bundled demo models (GLM-4.5 MoE and Qwen3.5): they draft well, the hidden-state choice
+matters, llama.cpp agrees.
 
-Figures are measured here, on held-out stdlib files the model never saw
-(mtpq/data/prompts/demo_heldout.jsonl), with the runtime reading the GGUF that
+Figures are measured here, on held-out stdlib files the models never saw
+(mtpq/data/prompts/demo[_qwen35]_heldout.jsonl), with the runtime reading the GGUF that
 mtpq writes for the bundled checkpoint.
 """
 
@@ -19,23 +20,31 @@ from hfmtp import accepted_like_transformers
 from runcli import run_cli
 
 N_PROMPTS, N_NEW = 8, 64
+# demo model -> (data folder, held-out prompt set), as `mtpq demo --model` knows them
+DEMOS = {"glm4moe": ("data/demo", "demo_heldout"), "qwen35": ("data/demo_qwen35", "demo_qwen35_heldout")}
+# points of depth-1 acceptance the pre-norm hidden state must lose (the training scripts print both)
+PRE_NORM_COST = {"glm4moe": 0.2, "qwen35": 0.2}
 
+
+@pytest.fixture(scope="module", params=sorted(DEMOS))
+def demo(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def demo_gguf(tmp_path_factory) -> Path:
-    src = Path(str(resources.files("mtpq").joinpath("data/demo")))
-    out = tmp_path_factory.mktemp("demo") / "demo-f32.gguf"
+def demo_gguf(demo, tmp_path_factory) -> Path:
+    src = Path(str(resources.files("mtpq").joinpath(DEMOS[demo][0])))
+    out = tmp_path_factory.mktemp("demo") / f"demo-{demo}-f32.gguf"
     res = run_cli("convert", src, out, "--outtype", "f32", "-q")
     assert res.exit_code == 0, res.output
     return out
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[str]:
+def prompts(demo) -> list[str]:
     from mtpq.runtime.accept import load_prompts
 
-    return [p for _, p in load_prompts("demo_heldout", N_PROMPTS)]
+    return [p for _, p in load_prompts(DEMOS[demo][1], N_PROMPTS)]
 
 
 def depth1_rate(path: Path, prompts: list[str], hidden: str) -> float:
@@ -52,14 +61,14 @@ def depth1_rate(path: Path, prompts: list[str], hidden: str) -> float:
 
 
 def test_demo_head_reaches_the_target(demo_gguf, prompts):
-    """Issue 4's target: depth-1 greedy acceptance >= 40 % on held-out files."""
+    """Issue 4's target: depth-1 greedy acceptance >= 40 % on held-out files (both demo models)."""
     assert depth1_rate(demo_gguf, prompts, "post_norm") >= 0.40
 
 
-def test_feeding_the_pre_norm_state_lowers_acceptance(demo_gguf, prompts):
+def test_feeding_the_pre_norm_state_lowers_acceptance(demo, demo_gguf, prompts):
     """The trunk's final norm is non-trivial, so the wrong hidden state must cost acceptance."""
     post, pre = depth1_rate(demo_gguf, prompts, "post_norm"), depth1_rate(demo_gguf, prompts, "pre_norm")
-    assert post - pre > 0.2, (post, pre)
+    assert post - pre > PRE_NORM_COST[demo], (post, pre)
 
 
 @pytest.mark.llama_cpp
@@ -85,10 +94,11 @@ def test_llama_cpp_acceptance_agrees(demo_gguf, prompts, llama_cpp_bin, tmp_path
             theirs_acc, theirs_drafts = theirs_acc + int(accepted[1]), theirs_drafts + int(drafted[1])
     assert theirs_drafts > 0
     ours, theirs = ours_acc / ours_drafts, theirs_acc / theirs_drafts
-    assert abs(ours - theirs) < 0.05, (ours, theirs)
+    assert abs(ours - theirs) < 0.03, (ours, theirs)  # issue 10: within 3 points
 
 
-def test_transformers_use_mtp_accepts_the_same_drafts(demo_gguf, prompts):
+@pytest.mark.parametrize("demo", ["glm4moe"], indirect=True)  # transformers has no Qwen3.5 MTP
+def test_transformers_use_mtp_accepts_the_same_drafts(demo, demo_gguf, prompts):
     """transformers 5 drafts with GLM's MTP layer itself (generate(use_mtp=True), k=1): on the demo model its
     greedy output and per-round acceptance equal our loop's."""
     from transformers import Glm4MoeForCausalLM

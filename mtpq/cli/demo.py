@@ -20,6 +20,13 @@ DEMO_VARIANTS = [
 ]
 
 
+# the bundled demo models: data folder and held-out prompt set (both made by scripts/train_demo.py)
+DEMO_MODELS = {
+    "glm4moe": ("data/demo", "demo_heldout"),  # GLM-4.5 architecture, MoE
+    "qwen35": ("data/demo_qwen35", "demo_qwen35_heldout"),  # Qwen3.5: gated DeltaNet + gated attention
+}
+
+
 def results_table(names: list[str], draft: int, max_new_tokens: int) -> Table:
     """The demo's table. The file names are the point: they never wrap or shrink; the other columns are
     short so that it fits an 80-column terminal (acc. = acceptance, len = mean acceptance length)."""
@@ -30,18 +37,20 @@ def results_table(names: list[str], draft: int, max_new_tokens: int) -> Table:
     return table
 
 
-@app.command(epilog="Example:\n\n  mtpq demo --workdir demo-out")
+@app.command(epilog="Examples:\n\n  mtpq demo --workdir demo-out\n\n  mtpq demo --model qwen35 --workdir demo-out")
 @guarded
 def demo(
     workdir: Path = typer.Option(Path("demo-out"), "--workdir", help="Where the GGUFs and reports go."),
+    model: str = typer.Option("glm4moe", "--model", "-m", help="Which bundled demo model: " + ", ".join(DEMO_MODELS)
+                              + " (a small GLM-4.5 MoE; a small Qwen3.5 with gated DeltaNet layers)."),
     draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
     max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
     device: str = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
 ) -> None:
-    """Convert the bundled demo model (a small GLM-4.5 with one MTP layer, trained on Python's
-    standard library), quantize it with the head held at q8_0 and with the head quantized like
+    """Convert a bundled demo model (a small GLM-4.5 or Qwen3.5 with one MTP layer, trained on
+    Python's standard library), quantize it with the head held at q8_0 and with the head quantized like
     the trunk, and measure each file's draft acceptance against the f16 reference."""
     from ..convert import OUTTYPES, plan_checkpoint
     from ..gguf_io import plan_from_gguf, write_plan
@@ -49,14 +58,19 @@ def demo(
     from ..runtime.accept import measure_file
     from .inspect import summarize
 
-    src = Path(str(resources.files("mtpq").joinpath("data/demo")))
+    if model not in DEMO_MODELS:
+        raise typer.BadParameter(f"unknown demo model {model!r}; choose one of: {', '.join(DEMO_MODELS)}",
+                                 param_hint="--model")
+    folder, prompt_set = DEMO_MODELS[model]
+    src = Path(str(resources.files("mtpq").joinpath(folder)))
+    stem = "demo" if model == "glm4moe" else f"demo-{model}"
     workdir.mkdir(parents=True, exist_ok=True)
-    ref = workdir / "demo-F16.gguf"
+    ref = workdir / f"{stem}-F16.gguf"
     console.print(f"[bold]1.[/] convert {src} -> {ref}")
     write_plan(plan_checkpoint(src, outtype=OUTTYPES["f16"]), ref)
     files = [("F16", "f16", ref)]
     for suffix, preset, mtp in DEMO_VARIANTS:
-        path = workdir / f"demo-{suffix}.gguf"
+        path = workdir / f"{stem}-{suffix}.gguf"
         console.print(f"[bold]2.[/] quantize {preset}, MTP head {'like the trunk' if mtp == 'same' else 'at ' + mtp} -> {path}")
         write_plan(plan_quantize(plan_from_gguf(ref), preset, mtp_type=mtp), path)
         files.append((preset, mtp, path))
@@ -65,7 +79,7 @@ def demo(
     rates: dict[tuple[str, str], float] = {}
     for preset, mtp, path in files:
         console.print(f"[bold]3.[/] mtpq accept {path.name}")
-        r = measure_file(path, prompts="demo_heldout", draft=draft, max_new_tokens=max_new_tokens,
+        r = measure_file(path, prompts=prompt_set, draft=draft, max_new_tokens=max_new_tokens,
                          max_prompts=max_prompts, device=device, with_plain=True,
                          threads=threads)
         rate = r.overall.acceptance_rate
