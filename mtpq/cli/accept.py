@@ -89,6 +89,41 @@ def check_writable(option: str, path: Path, inputs: list[Path]) -> None:
             fail(option, f"{path} is an input of this run; choose another file")
 
 
+def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ngl, ctx_size, rpc, threads, device,
+                         dtype, hidden, reference):
+    """The options that belong to one engine only; -> the llama-server configuration (None for torch or --server)."""
+    llama_only = {"--llama-cpp": llama_cpp, "--server": server, "--ngl": ngl, "--ctx-size": ctx_size, "--rpc": rpc}
+    if engine == "torch":
+        for opt, v in llama_only.items():
+            if v is not None:
+                fail(opt, "belongs to --engine llama.cpp")
+        if extra:
+            fail(" ".join(extra), "extra arguments go to llama-server: only with --engine llama.cpp")
+        return None
+    for opt, v, default in (("--device", device, None), ("--dtype", dtype, "f32"), ("--hidden", hidden, "post_norm")):
+        if v != default:
+            fail(opt, "belongs to --engine torch (llama-server decides devices and precision itself)")
+    if server is not None:
+        if not server.startswith(("http://", "https://")):
+            fail("--server", f"{server}: expected http://HOST:PORT")
+        for opt in ("--llama-cpp", "--ngl", "--ctx-size", "--rpc"):
+            if llama_only[opt] is not None:
+                fail(opt, "starts a server: not with --server (that server was started by someone else)")
+        if reference is not None:
+            fail("--reference", "with --server, one server holds one model: measure the reference separately "
+                                "and compare the JSON reports")
+        if extra:
+            fail(" ".join(extra), "arguments for llama-server: not with --server")
+        return None
+    for opt, v in (("--ngl", ngl), ("--ctx-size", ctx_size), ("--threads", threads)):
+        if v is not None and v < (0 if opt == "--ngl" else 1):
+            fail(opt, f"must be {'0 or more' if opt == '--ngl' else 'at least 1'}, got {v}")
+    from ..engines.llama_cpp import ServerConfig, find_server
+
+    return ServerConfig(find_server(llama_cpp), ngl=ngl, ctx_size=ctx_size, threads=threads, rpc=rpc,
+                        extra=list(extra))
+
+
 def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, str]]:
     for i, (_, text) in enumerate(pairs, 1):
         if not text.strip():
@@ -96,18 +131,27 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
     return pairs
 
 
+ENGINES = ("torch", "llama.cpp")
+
+
 @app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
     epilog=(
         "Examples:\n\n"
         "  mtpq accept q4km.gguf                                  # built-in prompts, k=3, greedy\n\n"
         "  mtpq accept q4km.gguf --reference f16.gguf --max-drop 0.05\n\n"
         "  mtpq accept q4km.gguf --min-rate 0.4 --json acc.json --md acc.md   # a CI gate\n\n"
         "  mtpq accept q4km.gguf --prompts mine.jsonl --draft 2 --temperature 0.7\n\n"
-        "Prompts file: one JSON object per line, {\"category\": \"code\", \"prompt\": \"def f(x):\"}."
+        "  mtpq accept big-q4km.gguf --engine llama.cpp --ngl 999 -- --tensor-split 1,1   # two GPUs\n\n"
+        "  mtpq accept big-q4km.gguf --engine llama.cpp --rpc 10.0.0.2:50052,10.0.0.3:50052\n\n"
+        "  mtpq accept big-q4km.gguf --engine llama.cpp --server http://gpu-box:8080\n\n"
+        "Prompts file: one JSON object per line, {\"category\": \"code\", \"prompt\": \"def f(x):\"}.\n\n"
+        "With --engine llama.cpp, arguments after `--` go to llama-server as they are."
     )
 )
 @guarded
 def accept(
+    ctx: typer.Context,
     model: Path = typer.Argument(..., help="GGUF with an MTP head."),
     reference: Path = typer.Option(None, "--reference", help="A higher-precision GGUF of the same model to compare with."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (code, math, chat, prose) or a JSONL file."),
@@ -126,15 +170,32 @@ def accept(
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
     hidden: str = typer.Option("post_norm", "--hidden", help="Hidden state fed to the head: post_norm (default) or pre_norm."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
+                               "llama-server with its MTP drafter, for models that need several GPUs or machines."),
+    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: "
+                                   "$MTPQ_LLAMA_CPP_BIN, then PATH)."),
+    server: str = typer.Option(None, "--server", help="llama.cpp: use this running llama-server (http://HOST:PORT, "
+                               "started with --spec-type draft-mtp) instead of starting one."),
+    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="llama.cpp: context size of the server."),
+    rpc: str = typer.Option(None, "--rpc", help="llama.cpp: rpc-server endpoints HOST:PORT,HOST:PORT to spread "
+                            "the model over."),
 ) -> None:
     """Measure how well the MTP head drafts: acceptance rate, per-position rates, mean acceptance length, tokens/s.
 
-    Runs the bundled PyTorch runtime (weights stay in their GGUF quant type and are
-    dequantized on the fly). Exit codes: 0 pass, 1 below --min-rate or drop above
-    --max-drop, 2 bad input.
+    --engine torch (default) runs the bundled PyTorch runtime (weights stay in their
+    GGUF quant type and are dequantized on the fly); --engine llama.cpp starts
+    llama-server --spec-type draft-mtp (GPU offload, RPC across machines) and reads its
+    draft counters. Exit codes: 0 pass, 1 below --min-rate or drop above --max-drop,
+    2 bad input.
     """
     from ..runtime.accept import judge, load_prompts, measure_file, to_markdown
 
+    if engine not in ENGINES:
+        fail("--engine", f"choose one of {', '.join(ENGINES)}")
+    server_cfg = check_engine_options(engine, ctx.args, llama_cpp=llama_cpp, server=server, ngl=ngl,
+                                      ctx_size=ctx_size, rpc=rpc, threads=threads, device=device, dtype=dtype,
+                                      hidden=hidden, reference=reference)
     if dtype not in DTYPES:
         fail("--dtype", f"choose one of {', '.join(DTYPES)}")
     if hidden not in ("post_norm", "pre_norm"):
@@ -145,7 +206,7 @@ def accept(
                   max_prompts=max_prompts, min_rate=min_rate, max_drop=max_drop)
     device = check_device(device)
     for p in (model, reference):
-        if p is not None and not p.is_file():
+        if p is not None and not p.is_file() and server is None:
             fail(str(p), "no such file")
     inputs = [p for p in (model, reference) if p is not None]
     for opt, path in (("--json", json_out), ("--md", md_out)):  # before the measurement, not after it
@@ -153,15 +214,23 @@ def accept(
             check_writable(opt, path, inputs)
     prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-              top_p=top_p, seed=seed, max_prompts=max_prompts, device=device, dtype=DTYPES[dtype], hidden=hidden,
-              threads=threads)
+              top_p=top_p, seed=seed, max_prompts=max_prompts)
+    if engine == "torch":
+        kw.update(device=device, dtype=DTYPES[dtype], hidden=hidden, threads=threads)
     reports = {}
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):
             if path is None:
                 continue
-            task = progress.add_task(f"{label}: {path.name}", total=None)
-            reports[label] = measure_file(path, **kw, on_prompt=lambda i, n, t=task: progress.update(t, completed=i, total=n))
+            task = progress.add_task(f"{label}: {path.name}" + (" (llama-server)" if engine != "torch" else ""),
+                                     total=None)
+            tick = lambda i, n, t=task: progress.update(t, completed=i, total=n)  # noqa: E731
+            if engine == "torch":
+                reports[label] = measure_file(path, **kw, on_prompt=tick)
+            else:
+                from ..engines.llama_cpp import measure_with_llama_cpp
+
+                reports[label] = measure_with_llama_cpp(path, **kw, server=server_cfg, url=server, on_prompt=tick)
     report, ref = reports["model"], reports.get("reference")
     verdict = judge(report, ref, min_rate, max_drop)
     doc = {**report.to_dict(), "reference": ref.to_dict() if ref else None, "drop": verdict.drop,
@@ -174,6 +243,9 @@ def accept(
             f.write(to_markdown(report, ref, verdict))
     if str(json_out) != "-":
         out.print(_table(report, ref))
+        if report.engine == "llama.cpp":
+            out.print(f"engine llama.cpp ({report.extra.get('server')}): {report.extra.get('note')}; "
+                      f"tokens/s {report.overall.tokens_per_s:.1f} with drafting")
         if report.speedup is not None:
             out.print(f"tokens/s: {report.overall.tokens_per_s:.1f} drafting vs {report.plain_tokens_per_s:.1f} plain "
                       f"({report.speedup:.2f}x on {report.device})")

@@ -48,6 +48,7 @@ class AcceptReport:
     greedy_outputs_identical: bool | None  # greedy only: speculative output == plain output
     hidden: str = "post_norm"
     device: str = "cpu"
+    engine: str = "torch"  # "torch" (this runtime) or "llama.cpp" (llama-server, see mtpq.engines)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -70,9 +71,10 @@ class AcceptReport:
                 "by_category": {c: d(m) for c, m in sorted(self.by_category.items())}}
 
     def to_dict(self) -> dict:
-        return {"model": self.model, **self.deterministic_summary(), "hidden": self.hidden, "device": self.device,
-                "tokens_per_s": self.overall.tokens_per_s, "plain_tokens_per_s": self.plain_tokens_per_s,
-                "speedup": self.speedup, "greedy_outputs_identical": self.greedy_outputs_identical}
+        return {"model": self.model, **self.deterministic_summary(), "engine": self.engine, "hidden": self.hidden,
+                "device": self.device, "tokens_per_s": self.overall.tokens_per_s,
+                "plain_tokens_per_s": self.plain_tokens_per_s, "speedup": self.speedup,
+                "greedy_outputs_identical": self.greedy_outputs_identical, **self.extra}
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -202,7 +204,9 @@ def to_markdown(report: AcceptReport, reference: AcceptReport | None = None, ver
         head.append("reference")
     lines = [f"## MTP acceptance: `{Path(report.model).name}`", "",
              f"draft k={report.draft}, temperature {report.temperature}, {len(report.runs)} prompts, "
-             f"{report.max_new_tokens} new tokens each, device {report.device}", "",
+             f"{report.max_new_tokens} new tokens each, "
+             + (f"engine llama.cpp ({report.extra.get('note', '')})" if report.engine == "llama.cpp"
+                else f"device {report.device}"), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cat in sorted(report.by_category):
         ref = reference.by_category.get(cat) if reference else None

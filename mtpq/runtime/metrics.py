@@ -15,6 +15,10 @@ trials; ``unit="prompt"`` uses prompts as the unit instead (wider, and honest
 when prompts differ a lot). Per-position rates get Wilson intervals.
 
     m = summarize(results); m.acceptance_rate, m.ci, m.per_position, m.to_dict()
+
+Engines that report only per-request totals (llama-server's ``draft_n`` / ``draft_n_accepted``)
+go through :func:`summarize_totals`: the same figures, prompts as the interval's unit, and
+per-position rates only where the totals determine them (k = 1).
 """
 
 from __future__ import annotations
@@ -108,3 +112,39 @@ def summarize(results: Sequence[GenerationResult], confidence: float = 0.95, uni
         tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
         confidence=confidence,
     )
+
+
+@dataclass
+class DraftTotals:
+    """One request's totals, as an engine without per-round data reports them."""
+
+    generated: int  # tokens generated
+    drafted: int  # draft tokens proposed
+    accepted: int  # draft tokens accepted
+    seconds: float
+    k: int  # draft depth asked for
+
+
+def summarize_totals(totals: Sequence[DraftTotals], confidence: float = 0.95) -> AcceptanceMetrics:
+    """Metrics from per-request totals. Rounds are counted from the tokens: every round emits its
+    accepted drafts plus one token of the trunk's, after the prompt's first token (exact when every
+    round drafts; k = 1: rounds = drafted). Per-position rates need per-round data, except at k = 1
+    where position 0 is the acceptance rate itself; the interval uses requests as units."""
+    n_acc, n_dft = sum(t.accepted for t in totals), sum(t.drafted for t in totals)
+    ks = {t.k for t in totals}
+    if ks == {1}:
+        rounds = n_dft
+    else:
+        rounds = sum(max(0, t.generated - 1 - t.accepted) for t in totals)
+    per_position, per_position_ci = [], []
+    if ks == {1} and n_dft:
+        per_position, per_position_ci = [n_acc / n_dft], [wilson(n_acc, n_dft, confidence)]
+    n_gen, secs = sum(t.generated for t in totals), sum(t.seconds for t in totals)
+    return AcceptanceMetrics(
+        n_sequences=len(totals), n_drafts=rounds, n_drafted=n_dft, n_accepted=n_acc,
+        acceptance_rate=n_acc / n_dft if n_dft else float("nan"),
+        ci=ratio_ci([t.accepted for t in totals], [t.drafted for t in totals], confidence),
+        per_position=per_position, per_position_ci=per_position_ci,
+        mean_acceptance_length=1 + n_acc / rounds if rounds else float("nan"),
+        n_generated=n_gen, seconds=secs, tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
+        confidence=confidence)

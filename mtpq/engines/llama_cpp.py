@@ -1,0 +1,267 @@
+"""llama.cpp as the acceptance engine: ``llama-server`` drafting with the GGUF's own MTP head.
+
+The bundled torch runtime holds a model on one device; the quants people make of 100-700 B
+models run on several GPUs, a big Mac or llama.cpp's RPC backend across machines, and llama.cpp
+is what will serve them. Here mtpq starts ``llama-server --spec-type draft-mtp`` (or talks to one
+already running), sends the same prompts with the same sampling settings, and reads each
+response's ``timings.draft_n`` / ``timings.draft_n_accepted`` into the same report as the torch
+engine's (``mtpq.runtime.accept.AcceptReport``).
+
+    cfg = ServerConfig(find_server(None), ngl=999)
+    report = measure_with_llama_cpp("big-q4km.gguf", prompts, draft=3, max_new_tokens=64, server=cfg)
+
+The server's life is ours: a free port on 127.0.0.1, a ready check with a timeout, its log in a
+file (kept and named when anything fails), one line with the reason from that log when it cannot
+start, and no server left behind: it runs in its own process group, is stopped on every exit path
+(including Ctrl-C and SIGTERM, which mtpq turns into exceptions), and on Linux dies with mtpq even
+when mtpq is killed outright.
+
+Only the standard library talks HTTP here (urllib): no new dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InputError
+from ..runtime.accept import AcceptReport, PromptRun, load_prompts
+from ..runtime.metrics import DraftTotals, summarize_totals
+from ..runtime.speculative import GenerationResult
+
+SERVER_BINARY = "llama-server"
+ENV_BIN = "MTPQ_LLAMA_CPP_BIN"
+READY_TIMEOUT = 600.0  # seconds for a server to load its model (a 300 GB quant over a slow disk needs minutes)
+REQUEST_TIMEOUT = 3600.0
+PER_POSITION_NOTE = "llama-server reports per-request totals: per-position rates only at k=1"
+
+
+def find_server(bin_dir: Path | str | None = None) -> Path:
+    """``llama-server`` from ``--llama-cpp DIR``, else ``$MTPQ_LLAMA_CPP_BIN``, else PATH."""
+    places = [("--llama-cpp", bin_dir), (ENV_BIN, os.environ.get(ENV_BIN))]
+    for where, d in places:
+        if d:
+            exe = Path(d) / SERVER_BINARY
+            if exe.is_file() and os.access(exe, os.X_OK):
+                return exe
+            raise InputError(where, f"{exe}: no executable {SERVER_BINARY} there (build llama.cpp's "
+                                    f"{SERVER_BINARY} target, or point at its build/bin folder)")
+    found = shutil.which(SERVER_BINARY)
+    if found is None:
+        raise InputError("--engine llama.cpp", f"{SERVER_BINARY} not found: pass --llama-cpp DIR "
+                                               f"(llama.cpp's build/bin), set {ENV_BIN}, or put it on PATH")
+    return Path(found)
+
+
+@dataclass
+class ServerConfig:
+    """How to start llama-server; ``extra`` goes to it verbatim (e.g. ``--tensor-split 1,1``)."""
+
+    binary: Path
+    ngl: int | None = None  # layers on the GPU(s): llama-server's -ngl
+    ctx_size: int | None = None
+    threads: int | None = None
+    rpc: str | None = None  # HOST:PORT,HOST:PORT of rpc-server processes
+    extra: list[str] = field(default_factory=list)
+    ready_timeout: float = READY_TIMEOUT
+
+    def args(self, model: Path, draft: int, port: int) -> list[str]:
+        a = [str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft), "--spec-draft-n-min", "0",
+             "--spec-draft-p-min", "0",  # every round drafts k tokens, as the torch engine's loop does
+             "-np", "1", "--no-webui"]
+        for flag, value in (("-ngl", self.ngl), ("-c", self.ctx_size), ("-t", self.threads), ("--rpc", self.rpc)):
+            if value is not None:
+                a += [flag, str(value)]
+        return a + list(self.extra)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: its own process group, and (Linux) SIGTERM when mtpq dies, even by SIGKILL."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+_LOG_PREFIX = re.compile(r"^[\d.]+ [A-Z] +")  # llama.cpp's "0.00.008.775 E " timestamp and level
+
+
+def reason_from_log(text: str) -> str:
+    """The line of a server log that says why it stopped: the first error line (llama.cpp logs the cause
+    first, then what failed because of it), else the last line."""
+    lines = [_LOG_PREFIX.sub("", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln
+    return lines[-1] if lines else "no output"
+
+
+class LlamaServer:
+    """A llama-server process for one model: ``with LlamaServer(cfg, model, draft) as srv: srv.url``."""
+
+    def __init__(self, cfg: ServerConfig, model: Path, draft: int):
+        self.cfg, self.model, self.draft = cfg, Path(model), draft
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, name = tempfile.mkstemp(prefix="mtpq-llama-server-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaServer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop(keep_log=True)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(keep_log=exc_type is not None)
+
+    def start(self) -> None:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, self.port), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise InputError(self.model, f"llama-server could not start: {reason_from_log(self._log_text())} "
+                                             f"(exit {self.proc.returncode}; log: {self.log})")
+            if _health(self.url):
+                return
+            if time.monotonic() > deadline:
+                raise InputError(self.model, f"llama-server was not ready after {self.cfg.ready_timeout:.0f} s "
+                                             f"(log: {self.log})")
+            time.sleep(0.2)
+
+    def stop(self, keep_log: bool = False) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if not keep_log:
+            self.log.unlink(missing_ok=True)
+
+    def _log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _post(url: str, path: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:300].strip()
+        raise InputError(url, f"llama-server answered {e.code} to {path}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise InputError(url, f"cannot reach llama-server: {getattr(e, 'reason', e)}") from None
+    except json.JSONDecodeError:
+        raise InputError(url, f"llama-server's answer to {path} is not JSON") from None
+
+
+def complete(url: str, prompt: str, *, n_predict: int, temperature: float, top_k: int, top_p: float, seed: int,
+             timeout: float = REQUEST_TIMEOUT) -> tuple[GenerationResult, DraftTotals]:
+    """One request -> (the generation, its draft totals). The sampler chain is the torch engine's:
+    temperature, top-k, top-p only (llama.cpp's default min-p 0.05 is switched off)."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+            "min_p": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+    res = _post(url, "/completion", body, timeout)
+    t = res.get("timings")
+    if not isinstance(t, dict) or "predicted_n" not in t:
+        raise InputError(url, "llama-server's /completion answer has no timings: is this a llama-server?")
+    if "draft_n" not in t:
+        raise InputError(url, "llama-server drafted nothing: start it with --spec-type draft-mtp on a GGUF "
+                              "that has an MTP head")
+    generated = int(t["predicted_n"])
+    seconds = (float(t.get("prompt_ms", 0.0)) + float(t.get("predicted_ms", 0.0))) / 1000.0
+    tokens = [int(x) for x in res.get("tokens") or []]
+    gen = GenerationResult(prompt_len=int(t.get("prompt_n", 0)), tokens=tokens, k=0, seconds=seconds)
+    totals = DraftTotals(generated=generated, drafted=int(t["draft_n"]), accepted=int(t["draft_n_accepted"]),
+                         seconds=seconds, k=0)
+    return gen, totals
+
+
+def measure_with_llama_cpp(model: Path | str | None, prompts: str | Path | list[tuple[str, str]] = "builtin",
+                           draft: int = 3, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                           top_p: float = 1.0, seed: int = 0, max_prompts: int | None = None,
+                           server: ServerConfig | None = None, url: str | None = None,
+                           on_prompt: Callable[[int, int], None] | None = None) -> AcceptReport:
+    """Acceptance through llama-server: a server started for ``model`` from ``server``, or the one at ``url``."""
+    if (server is None) == (url is None):
+        raise ValueError("give exactly one of server (to start one) and url (one already running)")
+    if not 1 <= draft <= 8:
+        raise InputError("--draft", "must be between 1 and 8")
+    pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts
+    if url is not None:
+        return _measure(url.rstrip("/"), str(model or url), pairs, draft, max_new_tokens, temperature, top_k, top_p,
+                        seed, on_prompt)
+    model = Path(model)
+    with LlamaServer(server, model, draft) as srv:
+        return _measure(srv.url, str(model), pairs, draft, max_new_tokens, temperature, top_k, top_p, seed, on_prompt)
+
+
+def _measure(url, label, pairs, draft, max_new_tokens, temperature, top_k, top_p, seed, on_prompt) -> AcceptReport:
+    runs, totals = [], []
+    for i, (cat, text) in enumerate(pairs):
+        gen, tot = complete(url, text, n_predict=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed + i)
+        gen.k = tot.k = draft
+        runs.append(PromptRun(cat, text, gen, None))
+        totals.append((cat, tot))
+        if on_prompt:
+            on_prompt(i + 1, len(pairs))
+    by_cat: dict[str, list[DraftTotals]] = {}
+    for cat, tot in totals:
+        by_cat.setdefault(cat, []).append(tot)
+    return AcceptReport(model=label, draft=draft, temperature=temperature, max_new_tokens=max_new_tokens, runs=runs,
+                        overall=summarize_totals([t for _, t in totals]),
+                        by_category={c: summarize_totals(v) for c, v in by_cat.items()}, plain_tokens_per_s=None,
+                        greedy_outputs_identical=None, device="llama.cpp", engine="llama.cpp",
+                        extra={"server": url, "note": PER_POSITION_NOTE})
