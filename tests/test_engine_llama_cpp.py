@@ -212,6 +212,58 @@ def test_no_server_outlives_mtpq(fake_bin, model, monkeypatch, sig, code):
     assert _gone(_pid(fake_bin)), "llama-server outlived mtpq"
 
 
+BUILD_RECIPE = """
+[model]
+name = "tiny"
+source = "{source}"
+output = "dist"
+reference_type = "f16"
+
+[gate]
+draft = 1
+max_new_tokens = 20
+max_prompts = 3
+min_rate = 0.0
+{engine}
+
+[[variant]]
+name = "Q8_0"
+preset = "Q8_0"
+"""
+
+
+def test_build_gate_on_llama_cpp(glm_ckpt, fake_bin, tmp_path):
+    """[gate] engine = "llama.cpp": every GGUF is measured by a llama-server of its own; the manifest says so."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(BUILD_RECIPE.format(source=glm_ckpt, engine=f'engine = "llama.cpp"\nllama_cpp = "{fake_bin}"\n'
+                                                                   'ngl = 0\nserver_args = ["--mlock"]'))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
+    assert manifest["gate"]["engine"] == "llama.cpp" and manifest["gate"]["server_args"] == ["--mlock"]
+    gated = [f for f in manifest["files"] if "acceptance" in f]
+    assert len(gated) == 2  # the reference and the variant
+    for f in gated:
+        a = f["acceptance"]
+        assert a["engine"] == "llama.cpp" and a["drafted"] == 3 * 10  # the stand-in's rule: k * (n // (k + 1))
+    argv = json.loads((fake_bin.parent / "state" / "argv.json").read_text())
+    assert "--mlock" in argv and argv[argv.index("-ngl") + 1] == "0"
+    assert _gone(_pid(fake_bin))
+
+
+@pytest.mark.parametrize("engine, key", [
+    ('engine = "vllm"', "gate.engine"),
+    ('ngl = 3', "gate.ngl"),  # a llama.cpp key with the torch engine
+    ('engine = "llama.cpp"\nserver_args = [1]', "gate.server_args[0]"),
+    ('engine = "llama.cpp"\nctx_size = 0', "gate.ctx_size"),
+])
+def test_broken_engine_keys_name_the_key(glm_ckpt, tmp_path, engine, key):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(BUILD_RECIPE.format(source=glm_ckpt, engine=engine))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 2 and key in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+
+
 # ----------------------------------------------------------------------------- the real llama-server
 
 DEMOS = {"glm4moe": ("data/demo", "demo_heldout"), "qwen35": ("data/demo_qwen35", "demo_qwen35_heldout")}

@@ -12,6 +12,9 @@
     max_new_tokens = 64
     min_rate = 0.30               # fail below this acceptance rate
     max_drop = 0.10               # fail when the rate drops more than this below the reference
+    # engine = "llama.cpp"        # measure with llama-server's MTP drafting instead of the torch runtime,
+    # ngl = 999                   #   with its options: llama_cpp (bin folder), ngl, ctx_size, threads,
+    # rpc = "10.0.0.2:50052"      #   rpc, server_args = ["--tensor-split", "1,1"]
 
     [[variant]]
     name = "Q4_K_M"
@@ -55,6 +58,17 @@ class Gate:
     max_drop: float | None = None
     temperature: float = 0.0
     max_prompts: int | None = None
+    engine: str = "torch"  # or "llama.cpp": llama-server with --spec-type draft-mtp (mtpq.engines)
+    llama_cpp: str | None = None  # llama.cpp's bin folder (default: $MTPQ_LLAMA_CPP_BIN, then PATH)
+    ngl: int | None = None
+    ctx_size: int | None = None
+    threads: int | None = None
+    rpc: str | None = None
+    server_args: tuple[str, ...] = ()
+
+
+ENGINES = ("torch", "llama.cpp")
+LLAMA_CPP_GATE_KEYS = ("llama_cpp", "ngl", "ctx_size", "rpc", "server_args")
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,8 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     gate = None
     if "gate" in doc:
         g = _take(doc, "gate", dict, path, "")
-        _check_unknown(g, {"prompts", "draft", "max_new_tokens", "min_rate", "max_drop", "temperature", "max_prompts"}, path, "gate")
+        _check_unknown(g, {"prompts", "draft", "max_new_tokens", "min_rate", "max_drop", "temperature", "max_prompts",
+                           "engine", "threads", *LLAMA_CPP_GATE_KEYS}, path, "gate")
         prompts = _take(g, "prompts", str, path, "gate", default="builtin")
         if prompts != "builtin" and not (base / prompts).is_file():
             raise _err(path, "gate.prompts", f"{base / prompts} does not exist")
@@ -188,7 +203,27 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             max_drop=_take(g, "max_drop", float, path, "gate"),
             temperature=_take(g, "temperature", float, path, "gate", default=0.0),
             max_prompts=_take(g, "max_prompts", int, path, "gate"),
+            engine=_take(g, "engine", str, path, "gate", default="torch"),
+            llama_cpp=str(base / lc) if (lc := _take(g, "llama_cpp", str, path, "gate")) else None,
+            ngl=_take(g, "ngl", int, path, "gate"),
+            ctx_size=_take(g, "ctx_size", int, path, "gate"),
+            threads=_take(g, "threads", int, path, "gate"),
+            rpc=_take(g, "rpc", str, path, "gate"),
+            server_args=tuple(_take(g, "server_args", list, path, "gate", default=[])),
         )
+        if gate.engine not in ENGINES:
+            raise _err(path, "gate.engine", f"choose one of {', '.join(ENGINES)}, got {gate.engine!r}")
+        if gate.engine == "torch":
+            for k in LLAMA_CPP_GATE_KEYS:
+                if k in g:
+                    raise _err(path, f"gate.{k}", 'belongs to engine = "llama.cpp"')
+        for j, a in enumerate(gate.server_args):
+            if not isinstance(a, str):
+                raise _err(path, f"gate.server_args[{j}]", f"expected a string, got {a!r}")
+        for k in ("ngl", "ctx_size", "threads"):
+            v = getattr(gate, k)
+            if v is not None and v < (0 if k == "ngl" else 1):
+                raise _err(path, f"gate.{k}", f"must be {'0 or more' if k == 'ngl' else 'at least 1'}, got {v}")
         if not 1 <= gate.draft <= 8:
             raise _err(path, "gate.draft", "must be between 1 and 8")
         if gate.max_new_tokens < 1:

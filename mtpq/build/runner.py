@@ -119,11 +119,19 @@ def _produce_variant(reference: Path, v: Variant, out: Path) -> None:
 
 def measure(path: Path, gate: Gate) -> dict:
     """Greedy acceptance figures of one GGUF on the gate's prompts (deterministic: no timings)."""
-    from ..runtime.accept import measure_file
+    kw = dict(prompts=gate.prompts, draft=gate.draft, max_new_tokens=gate.max_new_tokens, temperature=gate.temperature,
+              max_prompts=gate.max_prompts)
+    if gate.engine == "llama.cpp":
+        from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
 
-    report = measure_file(path, prompts=gate.prompts, draft=gate.draft, max_new_tokens=gate.max_new_tokens,
-                          temperature=gate.temperature, max_prompts=gate.max_prompts)
-    return report.deterministic_summary()
+        cfg = ServerConfig(find_server(gate.llama_cpp), ngl=gate.ngl, ctx_size=gate.ctx_size, threads=gate.threads,
+                           rpc=gate.rpc, extra=list(gate.server_args))
+        report = measure_with_llama_cpp(path, **kw, server=cfg)
+    else:
+        from ..runtime.accept import measure_file
+
+        report = measure_file(path, **kw, threads=gate.threads)
+    return {**report.deterministic_summary(), "engine": report.engine}
 
 
 def judge(rate: float, ref_rate: float | None, gate: Gate) -> dict:
