@@ -28,12 +28,14 @@ DEMO_MODELS = {
 
 
 def results_table(names: list[str], draft: int, max_new_tokens: int) -> Table:
-    """The demo's table. The file names are the point: they never wrap or shrink; the other columns are
-    short so that it fits an 80-column terminal (acc. = acceptance, len = mean acceptance length)."""
+    """The demo's table. The file names are the point: they never wrap or shrink (they also name the
+    trunk's preset); the other columns are short so that it fits an 80-column terminal (head = the MTP
+    block's types, acc% = acceptance, Δpt = points against f16, len = mean acceptance length,
+    same = the drafting output equals plain greedy output)."""
     table = Table(title=f"MTP draft acceptance on held-out Python (k={draft}, greedy, {max_new_tokens} tokens/prompt)")
     table.add_column("file", no_wrap=True, min_width=max(len(n) for n in names))
-    for col in ("MiB", "trunk", "head", "acc.", "Δ f16", "len", "=greedy"):
-        table.add_column(col, justify="left" if col in ("trunk", "head") else "right")
+    for col in ("MiB", "head", "acc%", "Δpt", "len", "same"):
+        table.add_column(col, justify="left" if col == "head" else "right", no_wrap=True)
     return table
 
 
@@ -63,7 +65,7 @@ def demo(
                                  param_hint="--model")
     folder, prompt_set = DEMO_MODELS[model]
     src = Path(str(resources.files("mtpq").joinpath(folder)))
-    stem = "demo" if model == "glm4moe" else f"demo-{model}"
+    stem = "demo" if model == "glm4moe" else model  # file names short enough for an 80-column table
     workdir.mkdir(parents=True, exist_ok=True)
     ref = workdir / f"{stem}-F16.gguf"
     console.print(f"[bold]1.[/] convert {src} -> {ref}")
@@ -85,9 +87,9 @@ def demo(
         rate = r.overall.acceptance_rate
         ref_rate = rate if ref_rate is None else ref_rate
         rates[(preset, mtp)] = rate
-        head_types = ", ".join(summarize(path)["mtp_types"])
-        table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f}", preset, head_types,
-                      f"{100 * rate:.1f} %", f"{100 * (rate - ref_rate):+.1f} pt", f"{r.overall.mean_acceptance_length:.2f}",
+        head_types = "/".join(summarize(path)["mtp_types"])
+        table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f}", head_types,
+                      f"{100 * rate:.1f}", f"{100 * (rate - ref_rate):+.1f}", f"{r.overall.mean_acceptance_length:.2f}",
                       "yes" if r.greedy_outputs_identical else "NO")
     out.print(table)
     for preset in dict.fromkeys(p for p, _, _ in files[1:]):  # what this run measured, per trunk preset
