@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import KVCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
-from .weights import Scope
+from .weights import FusedLinear, Scope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,6 +126,7 @@ class Attention(nn.Module):
         self.cfg, self.rope = cfg, rope
         self.wq, self.wk, self.wv = w.linear("attn_q"), w.linear("attn_k"), w.linear("attn_v")
         self.wo = w.linear("attn_output")
+        self.qkv = FusedLinear(self.wq, self.wk, self.wv)
         self.q_norm, self.k_norm = w.optional("attn_q_norm"), w.optional("attn_k_norm")
 
     def new_cache(self) -> KVCache:
@@ -134,13 +135,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, cfg.n_heads, -1)
+        q, k, v = self.qkv(x)
+        q = q.view(B, T, cfg.n_heads, -1)
         gate = None
         if cfg.gated:
             q, gate = q.split(cfg.head_dim, dim=-1)
             gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
-        k = self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.eps)
         if self.k_norm is not None:
@@ -166,8 +168,11 @@ class SwiGLU(nn.Module):
         self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
         self.down = w.linear(f"ffn_down{suffix}")
 
+        self.gate_up = FusedLinear(self.gate, self.up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,12 @@ class MoE(nn.Module):
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
+        self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
+        if not self.gate.quantized and not self.up.quantized and self.gate.data.dtype == self.up.data.dtype:
+            E, F_, H = self.gate.data.shape
+            both = torch.cat([self.gate.data.reshape(E * F_, H), self.up.data.reshape(E * F_, H)])
+            self.gate.data, self.up.data = both[: E * F_].view(E, F_, H), both[E * F_:].view(E, F_, H)
+            self.gate_up = both  # (the expert stacks are now views of it)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] f32, expert ids [N, k])."""
@@ -240,8 +251,12 @@ class MoE(nn.Module):
         small ops per expert, whose overhead is what costs on a small model."""
         gate, up, down = (w.dequant().to(x.dtype) for w in (self.gate, self.up, self.down))  # [E, F, H], [E, H, F]
         E, F_, H = gate.shape
-        # gate and up as one [E*F, H] matrix each (a view: one GEMM, no transposed copies), down batched
-        h = F.silu(F.linear(x, gate.reshape(E * F_, H))) * F.linear(x, up.reshape(E * F_, H))  # [N, E*F]
+        # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched
+        if self.gate_up is not None:
+            g, u = F.linear(x, self.gate_up.to(x.dtype)).chunk(2, dim=-1)
+        else:
+            g, u = F.linear(x, gate.reshape(E * F_, H)), F.linear(x, up.reshape(E * F_, H))
+        h = F.silu(g) * u  # [N, E*F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)

@@ -196,3 +196,40 @@ class QuantLinear(nn.Module):
         out = torch.cat([F.linear(x, w.row_range(r, min(rows, r + step)).to(x.dtype)) for r in range(0, rows, step)],
                         dim=-1)
         return out if bias is None else out + bias
+
+
+class FusedLinear(nn.Module):
+    """Linear layers that read the same input, as one GEMM when every weight is a float matrix of one
+    dtype: ``q, k, v = FusedLinear(wq, wk, wv)(x)``. On small models the per-call overhead of a GEMM,
+    not its arithmetic, is what costs. The parts keep working on their own: their weights become views
+    into the fused matrix (no second copy). Quantized parts stay separate calls (each dequantizes its
+    own bytes)."""
+
+    def __init__(self, *parts: QuantLinear):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.sizes = [p.out_features for p in parts]
+        ws = [p.weight for p in parts]
+        fusable = all(not w.quantized and w.data.dim() == 2 for w in ws) and len({w.data.dtype for w in ws}) == 1
+        self.fused = fusable and len(parts) > 1
+        if not self.fused:
+            return
+        weight = torch.cat([w.data for w in ws])
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.to(weight.dtype) if b is not None else weight.new_zeros(n) for b, n in zip(biases, self.sizes)])
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        row = 0
+        for p, n in zip(parts, self.sizes):  # the parts now view the fused matrix
+            p.weight.data = weight[row:row + n]
+            row += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.fused:
+            return tuple(p(x) for p in self.parts)
+        if observer is not None:
+            for p in self.parts:
+                observer(p.weight.name, None, x)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias).split(self.sizes, dim=-1)
