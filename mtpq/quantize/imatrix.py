@@ -13,8 +13,10 @@ Two formats exist (llama.cpp ``tools/imatrix/imatrix.cpp``, ``common/imatrix-loa
   optionally int32 chunk count, int32 length and the dataset name.
 
 :func:`read_imatrix` keeps everything needed to write the same bytes back
-(:func:`write_imatrix`): the GGUF key/value pairs verbatim, each tensor's
-dimension count, the alignment; the legacy trailer as found.
+(:func:`write_imatrix`): the GGUF key/value pairs verbatim and in order, the
+tensor order, the alignment; the legacy trailer as found. GGUF files are read
+and written with gguf-py (``GGUFReader`` through :func:`mtpq.gguf_io.open_gguf`,
+``GGUFWriter``); only the legacy ``.dat`` layout is done by hand.
 :meth:`Imatrix.importance` gives the weights ``llama-quantize`` hands to
 ggml for a tensor: ``in_sum2 / float(lround(count))`` per matrix (1 where a
 matrix saw no token), or ``value / ncall`` for the legacy format.
@@ -25,22 +27,22 @@ Every problem with a file is an :class:`~mtpq.errors.InputError` naming it.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys
+from gguf.gguf_writer import GGUFValue
 
 from ..errors import InputError
 
 GGUF_MAGIC = b"GGUF"
-_ALIGN_KEY = "general.alignment"
 KV_DATASETS, KV_CHUNK_COUNT, KV_CHUNK_SIZE = "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"
 
-# GGUF value types: id -> struct format (scalars); 8 = string, 9 = array
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STR, _ARR = 8, 9
-_GGML_F32 = 0
+_LEGACY_TRAILER_FMT = "<ii"  # chunk count, dataset name length
 
 
 @dataclass
@@ -64,9 +66,8 @@ class Imatrix:
     legacy: bool = False
     path: Path | None = None
     # what a byte-identical rewrite needs
-    kv: list[tuple[str, int, object]] = field(default_factory=list)  # GGUF key/values in file order
+    kv: dict[str, GGUFValue] = field(default_factory=dict)  # GGUF key/values in file order
     alignment: int = 32
-    version: int = 3
     tensor_order: list[tuple[str, str]] = field(default_factory=list)  # (entry, "in_sum2"/"counts") in file order
     legacy_trailer: bool = True
 
@@ -117,6 +118,8 @@ def sha256_of(path: Path) -> str:
 
 
 class _Cursor:
+    """Reads the legacy ``.dat`` layout."""
+
     def __init__(self, data: bytes, where: str):
         self.data, self.pos, self.where = data, 0, where
 
@@ -130,38 +133,16 @@ class _Cursor:
     def unpack(self, fmt: str, what: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> str:
-        n = self.unpack("<Q", what)
-        raw = self.take(n, what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InputError(self.where, f"{what} is not valid UTF-8") from None
-
-    def value(self, vtype: int, what: str):
-        if vtype in _SCALAR:
-            return self.unpack(_SCALAR[vtype], what)
-        if vtype == _STR:
-            return self.string(what)
-        if vtype == _ARR:
-            etype = self.unpack("<I", what)
-            n = self.unpack("<Q", what)
-            if etype == _ARR or (etype not in _SCALAR and etype != _STR):
-                raise InputError(self.where, f"{what}: unsupported array element type {etype}")
-            if n > len(self.data):
-                raise InputError(self.where, f"truncated imatrix file (ends inside {what})")
-            return (etype, [self.value(etype, what) for _ in range(n)])
-        raise InputError(self.where, f"{what}: unknown GGUF value type {vtype}")
-
 
 def read_imatrix(path: str | Path) -> Imatrix:
     """Read a GGUF or legacy ``.dat`` imatrix file (the format is told by its first bytes)."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        im = _read_gguf(path) if magic == GGUF_MAGIC else _read_legacy(path.read_bytes(), str(path))
     except OSError as e:
         raise InputError(path, f"cannot read imatrix file: {e.strerror or e}") from None
-    im = _read_gguf(data, str(path)) if data[:4] == GGUF_MAGIC else _read_legacy(data, str(path))
     im.path = path
     for name, e in im.entries.items():
         if not (np.isfinite(e.sums).all() and np.isfinite(e.counts).all()):
@@ -169,70 +150,52 @@ def read_imatrix(path: str | Path) -> Imatrix:
     return im
 
 
-def _read_gguf(data: bytes, where: str) -> Imatrix:
-    c = _Cursor(data, where)
-    c.take(4, "the header")
-    version = c.unpack("<I", "the header")
-    if version not in (2, 3):
-        raise InputError(where, f"unsupported GGUF version {version}")
-    n_tensors = c.unpack("<Q", "the header")
-    n_kv = c.unpack("<Q", "the header")
-    kv: list[tuple[str, int, object]] = []
-    for i in range(n_kv):
-        key = c.string(f"key/value #{i}")
-        vtype = c.unpack("<I", f"key {key}")
-        kv.append((key, vtype, c.value(vtype, f"key {key}")))
-    meta = {k: v for k, _, v in kv}
+def _read_gguf(path: Path) -> Imatrix:
+    from ..gguf_io import open_gguf, reader_kv
+
+    where = str(path)
+    try:
+        reader = open_gguf(path)
+    except InputError as e:  # gguf-py could not parse it, or a tensor lies past the end
+        raise InputError(where, f"truncated imatrix file or corrupt GGUF ({e.problem})") from None
+    kv = reader_kv(reader)
+    meta = {k: v.value for k, v in kv.items()}
     if meta.get("general.type", "imatrix") != "imatrix" or KV_CHUNK_COUNT not in meta:
-        what = meta.get("general.architecture") or meta.get("general.type") or "unknown"
+        arch = reader.fields.get(Keys.General.ARCHITECTURE)
+        what = arch.contents() if arch is not None else meta.get("general.type") or "unknown"
         raise InputError(where, f"a GGUF without imatrix metadata ({what!r}), not an imatrix file")
-    alignment = int(meta.get(_ALIGN_KEY, 32))
-    infos = []
-    for i in range(n_tensors):
-        name = c.string(f"tensor info #{i}")
-        n_dims = c.unpack("<I", f"tensor info {name}")
-        if not 1 <= n_dims <= 4:
-            raise InputError(where, f"tensor {name} has {n_dims} dimensions")
-        ne = [c.unpack("<Q", f"tensor info {name}") for _ in range(n_dims)]
-        ttype = c.unpack("<I", f"tensor info {name}")
-        offset = c.unpack("<Q", f"tensor info {name}")
-        infos.append((name, ne, ttype, offset))
-    start = -(-c.pos // alignment) * alignment
+    align = int(reader.alignment)
     # ggml reads the data section whole, the last tensor's padding included
-    end = max((start + off + -(-4 * int(np.prod(ne)) // alignment) * alignment for _, ne, _, off in infos),
-              default=start)
-    if len(data) < end:
-        raise InputError(where, f"truncated imatrix file ({len(data)} bytes, the tensors need {end})")
+    end = max((t.data_offset + -(-int(t.n_bytes) // align) * align for t in reader.tensors), default=0)
+    size = path.stat().st_size
+    if size < end:
+        raise InputError(where, f"truncated imatrix file ({size} bytes, the tensors need {end})")
     tensors: dict[str, tuple[np.ndarray, list[int]]] = {}
     order = []
-    for name, ne, ttype, offset in infos:
-        if ttype != _GGML_F32:
-            raise InputError(where, f"tensor {name} is not F32 (llama.cpp's imatrix tensors are)")
-        n = int(np.prod(ne))
-        lo = start + offset
-        if lo + 4 * n > len(data):
-            raise InputError(where, f"truncated imatrix file (tensor {name} ends past the end of the file)")
-        tensors[name] = (np.frombuffer(data, dtype="<f4", count=n, offset=lo).astype(np.float32), ne)
-        base, _, kind = name.rpartition(".")
+    for t in reader.tensors:
+        if t.tensor_type != GGMLQuantizationType.F32:
+            raise InputError(where, f"tensor {t.name} is not F32 (llama.cpp's imatrix tensors are)")
+        tensors[t.name] = (np.array(t.data, dtype=np.float32).reshape(-1), [int(d) for d in t.shape])
+        base, _, kind = t.name.rpartition(".")
         if kind not in ("in_sum2", "counts") or not base:
-            raise InputError(where, f"tensor {name} is neither <name>.in_sum2 nor <name>.counts")
+            raise InputError(where, f"tensor {t.name} is neither <name>.in_sum2 nor <name>.counts")
         order.append((base, kind))
     entries: dict[str, Entry] = {}
     for base in dict.fromkeys(b for b, _ in order):
         s, k = tensors.get(base + ".in_sum2"), tensors.get(base + ".counts")
         if s is None or k is None:
             raise InputError(where, f"entry {base} has {'no counts' if k is None else 'no in_sum2'} tensor")
-        (sums, sne), (counts, cne) = s, k
+        (sums, sne), (counts, _) = s, k
         n_mat = counts.size
         if n_mat == 0 or sums.size % n_mat or (len(sne) > 1 and int(np.prod(sne[1:])) != n_mat):
             raise InputError(where, f"entry {base}: {sums.size} sums do not fit {n_mat} counts")
         entries[base] = Entry(sums.reshape(n_mat, -1), counts)
     if not entries:
         raise InputError(where, "no data in imatrix file")
-    datasets = meta.get(KV_DATASETS, (_STR, []))
-    return Imatrix(entries, list(datasets[1]) if isinstance(datasets, tuple) else [],
+    datasets = meta.get(KV_DATASETS, [])
+    return Imatrix(entries, list(datasets) if isinstance(datasets, list) else [str(datasets)],
                    int(meta.get(KV_CHUNK_COUNT, 0)), int(meta.get(KV_CHUNK_SIZE, 0)), legacy=False, kv=kv,
-                   alignment=alignment, version=version, tensor_order=order)
+                   alignment=align, tensor_order=order)
 
 
 def _read_legacy(data: bytes, where: str) -> Imatrix:
@@ -270,65 +233,69 @@ def _read_legacy(data: bytes, where: str) -> Imatrix:
 # ----------------------------------------------------------------------------- writing
 
 
-def _pack_value(vtype: int, value) -> bytes:
-    if vtype in _SCALAR:
-        return struct.pack(_SCALAR[vtype], value)
-    if vtype == _STR:
-        b = value.encode("utf-8")
-        return struct.pack("<Q", len(b)) + b
-    etype, items = value
-    return struct.pack("<IQ", etype, len(items)) + b"".join(_pack_value(etype, v) for v in items)
-
-
-def _default_kv(im: Imatrix) -> list[tuple[str, int, object]]:
+def _default_kv(im: Imatrix) -> dict[str, GGUFValue]:
     """The metadata llama-imatrix writes, in its order."""
-    return [("general.type", _STR, "imatrix"), (KV_DATASETS, _ARR, (_STR, list(im.datasets))),
-            (KV_CHUNK_COUNT, 4, int(im.chunk_count)), (KV_CHUNK_SIZE, 4, int(im.chunk_size))]
+    return {"general.type": GGUFValue("imatrix", GGUFValueType.STRING),
+            KV_DATASETS: GGUFValue(list(im.datasets), GGUFValueType.ARRAY, GGUFValueType.STRING),
+            KV_CHUNK_COUNT: GGUFValue(int(im.chunk_count), GGUFValueType.UINT32),
+            KV_CHUNK_SIZE: GGUFValue(int(im.chunk_size), GGUFValueType.UINT32)}
 
 
 def imatrix_bytes(im: Imatrix) -> bytes:
-    """The file's bytes: GGUF laid out as ggml's gguf writer does, or the legacy format."""
-    return _legacy_bytes(im) if im.legacy else _gguf_bytes(im)
+    """The file's bytes: GGUF as llama-imatrix lays it out (written by gguf-py), or the legacy format."""
+    if im.legacy:
+        return _legacy_bytes(im)
+    fd, name = tempfile.mkstemp(prefix="mtpq-imatrix-", suffix=".gguf")
+    os.close(fd)
+    try:
+        _write_gguf(im, Path(name))
+        return Path(name).read_bytes()
+    finally:
+        os.unlink(name)
 
 
 def write_imatrix(im: Imatrix, path: str | Path) -> None:
-    """Write ``im`` (to a temporary name, renamed when complete)."""
+    """Write ``im`` (to a temporary name beside the target, renamed when complete)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(imatrix_bytes(im))
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        if im.legacy:
+            tmp.write_bytes(_legacy_bytes(im))
+        else:
+            _write_gguf(im, tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def _gguf_bytes(im: Imatrix) -> bytes:
-    kv = im.kv or _default_kv(im)
-    if im.kv:  # keep the file's metadata, updated to the current values
-        cur = {k: v for k, _, v in _default_kv(im)}
-        kv = [(k, t, cur[k] if k in cur and k != "general.type" else v) for k, t, v in kv]
-    align = im.alignment
+def _write_gguf(im: Imatrix, path: Path) -> None:
+    kv = dict(im.kv) if im.kv else _default_kv(im)
+    for k, v in _default_kv(im).items():  # the file's metadata, updated to the current values
+        if k in kv and k != "general.type":
+            kv[k] = v
+    w = GGUFWriter(None, arch="")
+    w.kv_data[0].clear()  # an imatrix has no general.architecture (the writer adds one for models)
+    w.data_alignment = im.alignment
+    for k, v in kv.items():
+        if v.type == GGUFValueType.ARRAY and not v.value:
+            continue  # gguf-py writes no empty array; llama.cpp's loaders treat the key as optional
+        w.add_key_value(k, v.value, v.type, v.sub_type)
     order = [p for p in im.tensor_order if p[0] in im.entries]
     known = {b for b, _ in order}
     for name in sorted(n for n in im.entries if n not in known):
         order += [(name, "in_sum2"), (name, "counts")]
-    infos, blobs, offset = [], [], 0
     for base, kind in order:
         e = im.entries[base]
         n_mat = e.counts.size
-        arr = e.sums if kind == "in_sum2" else e.counts
-        ne = [arr.size // n_mat, n_mat] if kind == "in_sum2" else [1, n_mat]
-        if n_mat == 1:  # ggml writes ggml_n_dims: trailing 1s dropped
-            ne = ne[:1]
-        name = f"{base}.{kind}".encode("utf-8")
-        infos.append(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(ne))
-                     + b"".join(struct.pack("<Q", d) for d in ne) + struct.pack("<IQ", _GGML_F32, offset))
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        pad = -len(raw) % align
-        blobs.append(raw + b"\0" * pad)
-        offset += len(raw) + pad
-    head = GGUF_MAGIC + struct.pack("<IQQ", im.version, len(infos), len(kv))
-    head += b"".join(_pack_value(_STR, k) + struct.pack("<I", t) + _pack_value(t, v) for k, t, v in kv)
-    head += b"".join(infos)
-    head += b"\0" * (-len(head) % align)
-    return head + b"".join(blobs)
+        arr = np.ascontiguousarray(e.sums if kind == "in_sum2" else e.counts, dtype=np.float32)
+        # numpy shape = ggml's ne reversed; ggml drops trailing 1s (ggml_n_dims)
+        shape = ((n_mat, arr.size // n_mat) if kind == "in_sum2" else (n_mat, 1)) if n_mat > 1 else \
+            ((arr.size,) if kind == "in_sum2" else (1,))
+        w.add_tensor(f"{base}.{kind}", arr.reshape(shape))
+    w.write_header_to_file(path=path)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()  # tensor infos, then the data
+    w.close()
 
 
 def _legacy_bytes(im: Imatrix) -> bytes:
@@ -339,7 +306,7 @@ def _legacy_bytes(im: Imatrix) -> bytes:
         out.append(struct.pack("<i", len(b)) + b + struct.pack("<ii", int(e.counts[0]), vals.size) + vals.tobytes())
     if im.legacy_trailer:
         ds = im.datasets[-1].encode("utf-8") if im.datasets else b""
-        out.append(struct.pack("<ii", int(im.chunk_count), len(ds)) + ds)
+        out.append(struct.pack(_LEGACY_TRAILER_FMT, int(im.chunk_count), len(ds)) + ds)
     return b"".join(out)
 
 
@@ -356,4 +323,4 @@ def select_entries(im: Imatrix, include: list[str] | None, exclude: list[str] | 
         names = [n for n in names if any(x in n for x in include)]
     kept = {n: im.entries[n] for n in names}
     return Imatrix(kept, im.datasets, im.chunk_count, im.chunk_size, im.legacy, im.path, im.kv, im.alignment,
-                   im.version, im.tensor_order, im.legacy_trailer)
+                   im.tensor_order, im.legacy_trailer)
