@@ -14,7 +14,8 @@ GGUFReader reads it.  Runs with ``{"imatrix": true}`` pass ``--imatrix`` with
 a synthetic imatrix (:func:`synthetic_imatrix`: an entry of ones for every
 2-D/3-D weight, written by mtpq's imatrix writer): which types a preset picks
 depends only on whether importance data is given (Q4_0/Q5_0's first ffn_down
-layers, IQ4_NL/IQ4_XS's, and Q2_K_S, which needs one). The variants exercise: GLM-4.5 with 8 trunk
+layers, IQ4_NL/IQ4_XS's, IQ3_XXS's attn_v and ffn_down, and Q2_K_S and the
+IQ1/IQ2/IQ3_XXS/IQ3_XS presets, which need one). The variants exercise: GLM-4.5 with 8 trunk
 layers + 1 MTP block (so llama.cpp's use_more_bits layer pattern has room); an
 8-expert GLM with GQA 4 and tied embeddings (llama.cpp's n_expert == 8 and
 n_gqa >= 4 rules, token_embd following the output rules); rows that are not
@@ -63,7 +64,7 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
-           "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+           "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
 _OPTION_RUNS = {
     "glm4moe_8layers": [
         ("Q4_K_M", {"pure": True}),
@@ -82,7 +83,9 @@ _OPTION_RUNS = {
 }
 
 
-IMATRIX_PRESETS = ["Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K_S", "Q4_K_M"]
+IMATRIX_PRESETS = ["Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K_S", "Q4_K_M",
+                   # the i-quant presets; all but IQ3_S/IQ3_M exist only with an imatrix
+                   "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"]
 
 
 def runs_for(variant: str) -> list[tuple[str, dict]]:
@@ -413,8 +416,10 @@ def test_counters_skip_tensors_decided_before_the_mix(glm8):
 
     ctx = with_counters(PolicyContext(preset_named("Q4_K_M"), model_facts(glm8),
                                       overrides=(Override("x", re.compile(r"blk\.1\.attn_v"), T.Q8_0),)), glm8.tensors)
-    assert ctx.n_attn_v == 9 and "blk.1.attn_v.weight" not in ctx.attn_v_index
-    assert ctx.attn_v_index["blk.2.attn_v.weight"] == 1
+    assert ctx.n_attn_v == 9 and "blk.1.attn_v.weight" not in ctx.running_index
+    assert ctx.running_index["blk.2.attn_v.weight"] == 1
+    # llama.cpp counts every name containing "ffn_up": blk.0's dense ffn_up, blk.1's ffn_up_exps and ffn_up_shexp
+    assert ctx.running_index["blk.2.ffn_up_exps.weight"] == 3
     spec = _by_name(glm8)["blk.2.attn_v.weight"]
     assert first_answer(spec, ctx)[0] is preset_mix
 
@@ -472,7 +477,8 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
 
 @pytest.mark.parametrize("kwargs,where,says", [
     (dict(preset="Q9_X"), "PRESET", "unknown preset"),
-    (dict(preset="IQ2_XXS"), "PRESET", "not supported"),
+    (dict(preset="TQ1_0"), "PRESET", "not supported"),
+    (dict(preset="IQ2_XXS"), "--imatrix", "need importance data"),  # as llama-quantize, which refuses it
     (dict(preset="Q2_K_S"), "--imatrix", "need importance data"),  # Q2_K_S exists only with an imatrix
     (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
     (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),

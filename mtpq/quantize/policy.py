@@ -23,6 +23,7 @@ Order (what beats what):
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -66,10 +67,10 @@ class PolicyContext:
     token_embedding_type: Optional[GGMLQuantizationType] = None
     pure: bool = False
     has_imatrix: bool = False  # importance data given (after --include/--exclude-weights): some mixes change
-    # llama-quantize's running counters, precomputed in file order by with_counters()
+    # llama-quantize's running counters, precomputed in file order by with_counters(): the number of
+    # attn_v-like tensors, and each tensor's index among those of its counted category that reach the mix
     n_attn_v: int = 0
-    attn_v_index: Mapping[str, int] = field(default_factory=dict)
-    ffn_down_index: Mapping[str, int] = field(default_factory=dict)
+    running_index: Mapping[str, int] = field(default_factory=dict)
 
 
 Rule = Callable[[TensorSpec, PolicyContext], Optional[Decision]]
@@ -141,8 +142,8 @@ def float_preset(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
 
 def preset_mix(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
     return llama_mix(spec.name, _row(spec), ctx.preset, ctx.model,
-                     i_attn_v=ctx.attn_v_index.get(spec.name, 0), n_attn_v=ctx.n_attn_v,
-                     i_ffn_down=ctx.ffn_down_index.get(spec.name, 0), output_tensor_type=ctx.output_tensor_type,
+                     i_running=ctx.running_index.get(spec.name, 0), n_attn_v=ctx.n_attn_v,
+                     output_tensor_type=ctx.output_tensor_type,
                      has_imatrix=ctx.has_imatrix)
 
 
@@ -171,7 +172,7 @@ def decide(spec: TensorSpec, ctx: PolicyContext) -> Decision:
 
 
 def with_counters(ctx: PolicyContext, specs: list[TensorSpec]) -> PolicyContext:
-    """Fill in llama-quantize's attn_v / ffn_down counters.
+    """Fill in llama-quantize's attn_v / ffn_down / ffn_gate / ffn_up counters.
 
     llama.cpp counts every attn_v-like tensor in the file (n_attention_wv) but
     advances the running index only for tensors that reach the preset's mix, in
@@ -179,15 +180,19 @@ def with_counters(ctx: PolicyContext, specs: list[TensorSpec]) -> PolicyContext:
     MTP rule) do not advance it, exactly as there.
     """
     n_attn_v = sum(1 for s in specs if category(s.name) in ATTN_V_LIKE)
-    base = replace(ctx, n_attn_v=n_attn_v, attn_v_index={}, ffn_down_index={})
-    attn_v, ffn_down = {}, {}
+    base = replace(ctx, n_attn_v=n_attn_v, running_index={})
+    seen: dict[Category, int] = defaultdict(int)
+    index = {}
     for s in sorted(specs, key=lambda s: llama_order_key(s.name)):
         rule, _ = first_answer(s, base)
         if rule is not preset_mix:
             continue
         cat = category(s.name)
-        if cat in ATTN_V_LIKE:
-            attn_v[s.name] = len(attn_v)
-        elif cat is Category.FFN_DOWN:
-            ffn_down[s.name] = len(ffn_down)
-    return replace(base, attn_v_index=attn_v, ffn_down_index=ffn_down)
+        counter = "attn_v" if cat in ATTN_V_LIKE else cat if cat in _COUNTED else None
+        if counter is not None:
+            index[s.name] = seen[counter]
+            seen[counter] += 1
+    return replace(base, running_index=index)
+
+
+_COUNTED = (Category.FFN_DOWN, Category.FFN_GATE, Category.FFN_UP)

@@ -58,13 +58,18 @@ _PRESETS = [
     Preset("Q5_K_S", F.MOSTLY_Q5_K_S, T.Q5_K), Preset("Q5_K_M", F.MOSTLY_Q5_K_M, T.Q5_K),
     Preset("Q6_K", F.MOSTLY_Q6_K, T.Q6_K), Preset("Q8_0", F.MOSTLY_Q8_0, T.Q8_0),
     Preset("IQ4_NL", F.MOSTLY_IQ4_NL, T.IQ4_NL), Preset("IQ4_XS", F.MOSTLY_IQ4_XS, T.IQ4_XS),
+    # the i-quant presets: all but IQ3_S/IQ3_M need an importance matrix for most tensors
+    Preset("IQ1_S", F.MOSTLY_IQ1_S, T.IQ1_S), Preset("IQ1_M", F.MOSTLY_IQ1_M, T.IQ1_M),
+    Preset("IQ2_XXS", F.MOSTLY_IQ2_XXS, T.IQ2_XXS), Preset("IQ2_XS", F.MOSTLY_IQ2_XS, T.IQ2_XS),
+    Preset("IQ2_S", F.MOSTLY_IQ2_S, T.IQ2_XS), Preset("IQ2_M", F.MOSTLY_IQ2_M, T.IQ2_S),
+    Preset("IQ3_XXS", F.MOSTLY_IQ3_XXS, T.IQ3_XXS), Preset("IQ3_XS", F.MOSTLY_IQ3_XS, T.IQ3_S),
+    Preset("IQ3_S", F.MOSTLY_IQ3_S, T.IQ3_S), Preset("IQ3_M", F.MOSTLY_IQ3_M, T.IQ3_S),
     Preset("F16", F.MOSTLY_F16, T.F16), Preset("BF16", F.MOSTLY_BF16, T.BF16), Preset("F32", F.ALL_F32, T.F32),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
 # llama-quantize presets mtpq refuses, and why (so the error can say so)
 _UNSUPPORTED = {
-    "IQ": "IQ1/IQ2/IQ3 types need an importance matrix and kernels mtpq does not have",
     "TQ": "ternary types are not supported",
     "MXFP4_MOE": "MXFP4 is not supported",
 }
@@ -217,13 +222,18 @@ def block_of(name: str) -> int:
     return int(m.group(1))
 
 
+# 256-wide i-quants fall back to the 32-wide IQ4_NL, K-quants to the legacy 32-wide types
+_ROW_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+                 **{getattr(T, n): T.IQ4_NL for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                                                      "IQ3_S", "IQ4_XS")}}
+
+
 def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizationType, str]:
     """``tensor_type_fallback``: a type whose block does not divide the row length falls back."""
     block = GGML_QUANT_SIZES[qtype][0]
     if row % block == 0:
         return qtype, ""
-    fallback = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
-                T.IQ4_XS: T.IQ4_NL}.get(qtype, qtype)
+    fallback = _ROW_FALLBACK.get(qtype, qtype)
     if row % GGML_QUANT_SIZES[fallback][0] != 0:
         fallback = T.F16
     return fallback, f"row of {row} not a multiple of {block}: {qtype.name.lower()} -> {fallback.name.lower()}"
@@ -233,17 +243,27 @@ def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizatio
 
 Choice = tuple[GGMLQuantizationType, str]
 
+# the very-low-bit presets llama.cpp mixes with their own branch (attn_v, ffn_down, attn_output only)
+_IQ_LOW = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
+# output (and tied token_embd) at q5_k instead of q6_k
+_OUTPUT_Q5_K = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS")
+_TOKEN_EMBD = {"IQ1_S": T.Q2_K, "IQ1_M": T.Q2_K, "IQ2_XXS": T.Q2_K, "IQ2_XS": T.Q2_K,
+               "IQ2_S": T.IQ3_S, "IQ2_M": T.IQ3_S, "IQ3_XXS": T.IQ3_S}
+# attn_output of an 8-expert model goes to q5_k in these
+_ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS",
+                          "IQ3_XS", "IQ3_XXS", "IQ3_S", "IQ3_M")
 
-def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: int, n_attn_v: int,
-              i_ffn_down: int, output_tensor_type: GGMLQuantizationType | None = None,
-              has_imatrix: bool = False) -> Choice:
+
+def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: int, n_attn_v: int,
+              output_tensor_type: GGMLQuantizationType | None = None, has_imatrix: bool = False) -> Choice:
     """The type llama-quantize's preset gives one quantizable tensor, and why.
 
-    ``i_attn_v``/``i_ffn_down`` are the running counts of attn_v-like and ffn_down
-    tensors that reached the mix before this one (llama.cpp's qs.i_attention_wv,
-    qs.i_ffn_down); ``row`` is the row length (GGUF ne[0]).
+    ``i_running`` is llama.cpp's running count for the tensor's category
+    (qs.i_attention_wv, qs.i_ffn_down, qs.i_ffn_gate, qs.i_ffn_up): how many
+    tensors of that category reached the mix before this one; ``row`` is the
+    row length (GGUF ne[0]).
     """
-    p, base, cat, falcon = preset.name, preset.base, category(name), m.arch == "falcon"
+    p, base, cat = preset.name, preset.base, category(name)
 
     if m.arch == "glm5-next" and any(s in name for s in ("attn_q_a", "attn_q_b", "nextn.eh_proj")):
         return T.Q8_0, "glm5-next keeps this at q8_0"
@@ -252,52 +272,112 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
         what = "output" if cat is Category.OUTPUT else "token_embd (tied to output)"
         if output_tensor_type is not None:
             return output_tensor_type, f"{what}: --output-tensor-type"
-        if falcon or row % GGML_QUANT_SIZES[base][0] != 0:
+        if m.arch == "falcon" or row % GGML_QUANT_SIZES[base][0] != 0:
             return T.Q8_0, f"{what}: q8_0 (row does not fit {base.name.lower()})"
+        if p in _OUTPUT_Q5_K:
+            return T.Q5_K, f"{what}: q5_k in {p}"
         if base != T.Q8_0:
             return T.Q6_K, f"{what}: q6_k"
         return base, f"{what}: {p} base type"
 
+    if cat is Category.TOKEN_EMBD:
+        if p in _TOKEN_EMBD:
+            return _TOKEN_EMBD[p], f"token_embd in {p}"
+        return base, f"{p} base type"
+
+    if p in _IQ_LOW:
+        return _low_bit_mix(name, p, base, cat, m, i_running)
+    return _mix(name, p, base, cat, m, i_running, n_attn_v, has_imatrix)
+
+
+def _low_bit_mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelFacts,
+                 i_running: int) -> Choice:
+    """IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ2_M: llama.cpp's separate branch for these."""
+    iq2_sm = p in ("IQ2_S", "IQ2_M")
+    if cat in ATTN_V_LIKE:
+        if m.n_gqa >= 4 or m.n_expert >= 4:
+            return T.Q4_K, "attn_v with GQA >= 4 or >= 4 experts"
+        return (T.IQ3_S if iq2_sm else T.Q2_K), f"attn_v in {p}"
+    if m.n_expert == 8 and cat is Category.ATTN_K:
+        return T.Q4_K, "attn_k in an 8-expert model"
+    if cat is Category.FFN_DOWN:
+        # llama.cpp compares the running count of ffn_down tensors (experts and shared experts count
+        # one each) with an eighth of the layers, here even in MoE models
+        if i_running < m.n_layer_all // 8:
+            return (T.IQ3_S if iq2_sm else T.Q2_K), f"ffn_down #{i_running} < {m.n_layer_all // 8}"
+    if cat is Category.ATTN_OUTPUT:
+        if m.n_expert == 8:
+            return T.Q5_K, "attn_output in an 8-expert model"
+        if p in ("IQ1_S", "IQ1_M"):
+            return T.IQ2_XXS, f"attn_output in {p}"
+        if iq2_sm:
+            return T.IQ3_S, f"attn_output in {p}"
+    return base, f"{p} base type"
+
+
+def _mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelFacts, i_running: int,
+         n_attn_v: int, has_imatrix: bool) -> Choice:
+    """Every other quantized preset (llama.cpp's main chain)."""
+    falcon = m.arch == "falcon"
     if cat in ATTN_V_LIKE:
         new, why = base, f"{p} base type"
         if p == "Q2_K":
             new, why = (T.Q4_K, "attn_v with GQA >= 4") if m.n_gqa >= 4 else (T.Q3_K, "attn_v in Q2_K")
         elif p == "Q2_K_S" and m.n_gqa >= 4:
             new, why = T.Q4_K, "attn_v with GQA >= 4"
+        elif p == "IQ3_XXS":
+            if m.n_gqa >= 4:
+                new, why = T.Q4_K, "attn_v with GQA >= 4"
+            else:
+                new, why = (T.IQ3_XXS, "attn_v in IQ3_XXS") if has_imatrix else (T.IQ3_S, "attn_v (no imatrix)")
+        elif p in ("IQ3_XS", "IQ3_S") and m.n_gqa >= 4:
+            new, why = T.Q4_K, "attn_v with GQA >= 4"
+        elif p == "IQ3_M":
+            new, why = T.Q4_K, "attn_v in IQ3_M"
         elif p == "Q3_K_M":
-            new, why = (T.Q5_K, f"attn_v #{i_attn_v} < 2") if i_attn_v < 2 else (T.Q4_K, "attn_v in Q3_K_M")
+            new, why = (T.Q5_K, f"attn_v #{i_running} < 2") if i_running < 2 else (T.Q4_K, "attn_v in Q3_K_M")
         elif p == "Q3_K_L":
             new, why = T.Q5_K, "attn_v in Q3_K_L"
         elif p in ("IQ4_NL", "IQ4_XS") and m.n_gqa >= 4:
             new, why = T.Q5_K, "attn_v with GQA >= 4"
-        elif p in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_attn_v, n_attn_v):
-            new, why = T.Q6_K, f"attn_v #{i_attn_v} of {n_attn_v}: a more-bits layer"
-        elif p == "Q4_K_S" and i_attn_v < 4:
-            new, why = T.Q5_K, f"attn_v #{i_attn_v} < 4"
+        elif p in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_running, n_attn_v):
+            new, why = T.Q6_K, f"attn_v #{i_running} of {n_attn_v}: a more-bits layer"
+        elif p == "Q4_K_S" and i_running < 4:
+            new, why = T.Q5_K, f"attn_v #{i_running} < 4"
         if m.is_70b and new in (T.Q3_K, T.Q4_K):
             new, why = T.Q5_K, "attn_v in a 70B model"
         if m.n_expert == 8:
             new, why = T.Q8_0, "attn_v in an 8-expert model"
         return new, why
 
-    if cat is Category.ATTN_K and m.n_expert == 8:
-        return T.Q8_0, "attn_k in an 8-expert model"
+    if cat in (Category.ATTN_K, Category.ATTN_Q):
+        if cat is Category.ATTN_K and m.n_expert == 8:
+            return T.Q8_0, "attn_k in an 8-expert model"
+        if p == "IQ3_XS":
+            return T.IQ3_XXS, f"{cat.value} in IQ3_XS"
+        if p == "IQ3_XXS":
+            return T.IQ2_S, f"{cat.value} in IQ3_XXS"
+        return base, f"{p} base type"
 
     if cat is Category.FFN_DOWN:
         # with experts the layer comes from the name (experts need not be consecutive), else the running count
-        i, n = (block_of(name) if m.n_expert > 1 else i_ffn_down), m.n_layer_all
+        i, n = (block_of(name) if m.n_expert > 1 else i_running), m.n_layer_all
         more = use_more_bits(i, n)
         where = f"ffn_down of layer {i}/{n}"
         if p == "Q2_K":
             return T.Q3_K, "ffn_down in Q2_K"
         if p == "Q2_K_S":
             return (T.Q4_K, f"{where}: first eighth") if i < n // 8 else (base, f"{p} base type")
+        if p == "IQ3_XXS" and not has_imatrix:
+            return (T.Q4_K, f"{where}: first eighth (no imatrix)") if i < n // 8 else (T.Q3_K, f"{where} (no imatrix)")
         if p == "Q3_K_M":
             if i < n // 16:
                 return T.Q5_K, f"{where}: first sixteenth"
             if not falcon or more:
                 return T.Q4_K, f"{where} in Q3_K_M"
             return T.Q3_K, f"{where} in Q3_K_M (falcon)"
+        if p == "IQ3_M" and (i < n // 8 or (m.n_expert == 8 and more)):
+            return T.Q4_K, f"{where}: first eighth or an 8-expert more-bits layer"
         if p == "Q3_K_L":
             return (T.Q4_K if falcon else T.Q5_K), "ffn_down in Q3_K_L"
         if p == "Q4_K_M":
@@ -320,13 +400,19 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_attn_v: i
     if cat is Category.ATTN_OUTPUT:
         if not falcon:
             if m.n_expert == 8:
-                if p in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
+                if p in _ATTN_OUTPUT_8_EXPERTS:
                     return T.Q5_K, "attn_output in an 8-expert model"
             else:
-                bump = {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(p)
+                bump = {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K,
+                        "IQ3_M": T.Q4_K}.get(p)
                 if bump is not None:
                     return bump, f"attn_output in {p}"
         elif p == "Q3_K_L":
             return T.Q4_K, "attn_output in Q3_K_L (falcon)"
+
+    if cat in (Category.FFN_GATE, Category.FFN_UP) and p == "IQ3_XS":
+        i, n = (block_of(name) if m.n_expert > 1 else i_running), m.n_layer_all
+        if n // 8 <= i < 7 * n // 8:
+            return T.IQ3_XXS, f"{cat.value} of layer {i}/{n}: the middle layers in IQ3_XS"
 
     return base, f"{p} base type"
