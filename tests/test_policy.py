@@ -62,6 +62,9 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
     # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
+    # GLM-5.x: MLA + the DSA indexer (full/shared layers), arch glm-dsa; GLM-4.7-Flash: deepseek2 with its MTP block
+    "glm_dsa_8layers": ("glm_dsa", dict(num_hidden_layers=8, indexer_types=["full"] * 3 + ["shared"] * 3 + ["full"] * 2)),
+    "glm4_moe_lite_8layers": ("glm4_moe_lite", dict(num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
@@ -129,6 +132,10 @@ def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
         import tiny_deepseek
 
         return tiny_deepseek.deepseek_v3(folder / "ckpt", dtype=torch.float32, **config)
+    if builder in ("glm_dsa", "glm4_moe_lite"):
+        import tiny_glm_dsa
+
+        return getattr(tiny_glm_dsa, builder)(folder / "ckpt", dtype=torch.float32, **config)
     import tiny_qwen35
 
     return tiny_qwen35.qwen35(folder / "ckpt", dtype=torch.float32, **config)
