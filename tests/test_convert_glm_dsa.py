@@ -409,6 +409,28 @@ def test_inspect_shows_the_head(dsa_ckpt, lite_ckpt, tmp_path):
         assert info["arch"] == arch and info["mtp_blocks"] == [n] and info["trunk_blocks"] == n
 
 
+def test_flash_runs_in_the_torch_runtime_as_transformers(lite_ckpt, lite_f32, tmp_path):
+    """The Flash GGUF is deepseek2, so mtpq's runtime (accept) runs it: trunk logits == transformers'
+    Glm4MoeLiteForCausalLM on the same checkpoint (f32), over a whole prompt and token by token. Depends on the
+    expert_gating_func we write: routed with softmax (what the key's absence means) the logits move by ~0.05."""
+    from transformers import Glm4MoeLiteForCausalLM
+
+    from mtpq.runtime.model import load
+
+    out = tmp_path / "m.gguf"
+    convert(lite_ckpt, out, "--outtype", "f32")
+    model = load(out)
+    hf = Glm4MoeLiteForCausalLM.from_pretrained(str(lite_ckpt), dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    scale = ref.abs().max().item()
+    assert (model.trunk(ids, use_cache=False).logits - ref).abs().max().item() <= 1e-4 * scale
+    model.reset()
+    parts = [model.trunk(ids[:, :12]).logits] + [model.trunk(ids[:, i:i + 1]).logits for i in range(12, 24)]
+    assert (torch.cat(parts, dim=1) - ref).abs().max().item() <= 1e-4 * scale
+
+
 # ----------------------------------------------------------------------------- quantize
 
 

@@ -21,7 +21,8 @@ layers + 1 MTP block (so llama.cpp's use_more_bits layer pattern has room); an
 n_gqa >= 4 rules, token_embd following the output rules); rows that are not
 multiples of 256 or of 32 (the K-quant and q8_0 fallbacks); Qwen3.5 dense and
 MoE (attn_qkv counted as attn_v, dense ffn_down by running count, ssm tensors);
-DeepSeek-V3 (MLA's attn_kv_b, 8 experts). ``test_recorded_choices_are_current``
+DeepSeek-V3 (MLA's attn_kv_b, 8 experts); GLM-5.x (glm-dsa: its indexer tensors) and
+GLM-4.7-Flash (deepseek2 with the MTP block llama-quantize then sees). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
 """
 
