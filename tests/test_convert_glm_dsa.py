@@ -324,15 +324,16 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
 
-@pytest.mark.parametrize("types", ["full", ["full", "sparse", "full", "full"], ["full"]])
+@pytest.mark.parametrize("types", ["full", ["full", "sparse", "full", "full"], ["full"], [{}, [], 1, "full"]])
 def test_bad_indexer_types(dsa_ckpt, tmp_path, types):
     ck = _copy(dsa_ckpt, tmp_path / "ck", indexer_types=types)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "indexer_types" in line, line
 
 
-def test_missing_indexer_hparams(dsa_ckpt, tmp_path):
-    ck = _copy(dsa_ckpt, tmp_path / "ck", index_n_heads=None)
+@pytest.mark.parametrize("value", [None, "4", 0])
+def test_bad_indexer_hparams(dsa_ckpt, tmp_path, value):
+    ck = _copy(dsa_ckpt, tmp_path / "ck", index_n_heads=value)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "index_n_heads" in line, line
 

@@ -57,7 +57,7 @@ class GlmMoeDsa(DeepseekV3):
             else:
                 freq, offset = max(hp.get("index_topk_freq", 1), 1), hp.get("index_skip_topk_offset", 2)
                 types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-        if not (isinstance(types, list) and len(types) >= n and set(types[:n]) <= {"full", "shared"}):
+        if not (isinstance(types, list) and len(types) >= n and all(t in ("full", "shared") for t in types[:n])):
             raise InputError(self.ckpt.folder / "config.json",
                              f"indexer_types must list \"full\" or \"shared\" for each of the {n} layers, got {types!r}")
         return types  # as stored: llama.cpp writes every entry (the MTP block may have one too)

@@ -45,7 +45,8 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
         "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
         "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group")},
+        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
+        "index_n_heads", "index_head_dim", "index_topk")},
     **{k: ("int", _NON_NEGATIVE) for k in (
         "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
     **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
