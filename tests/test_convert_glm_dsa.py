@@ -211,9 +211,23 @@ def test_glm5_config_without_indexer_types(dsa_ckpt, dsa_f32, tmp_path):
     line = _refused(ck, tmp_path / "o.gguf")
     assert "model.layers.2.self_attn.indexer." in line, line
     full = tiny_glm_dsa.glm_dsa(tmp_path / "full", dtype=torch.float32, indexer_types=None)
+    assert "indexer_types" not in json.loads((full / "config.json").read_text())
     kv, tensors = convert(full, tmp_path / "full.gguf", "--outtype", "f32")
     assert kv["glm-dsa.attention.indexer.types"] == [True] * N_TRUNK
     assert all(f"blk.{b}.indexer.proj.weight" in tensors for b in range(N_TRUNK + 1))
+
+
+@pytest.mark.parametrize("keys", [{}, {"index_topk_freq": 4}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+                                  {"index_topk_pattern": "FFSFSSFS"}, {"index_topk_pattern": ["full", "shared"] * 4}])
+def test_indexer_types_derived_as_transformers_does(keys):
+    """Without indexer_types, the pattern comes from index_topk_freq/offset or index_topk_pattern: ours ==
+    transformers' GlmMoeDsaConfig (which llama.cpp's converter reads) on 8 layers."""
+    from transformers import GlmMoeDsaConfig
+
+    from mtpq.convert.glm_dsa import derived_indexer_types
+
+    cfg = {k: v for k, v in tiny_glm_dsa.glm_dsa_config(num_hidden_layers=8).items() if k != "indexer_types"}
+    assert derived_indexer_types({**cfg, **keys}, 8) == GlmMoeDsaConfig(**cfg, **keys).indexer_types
 
 
 @pytest.mark.parametrize("style", ["block", "per_channel"])
@@ -324,9 +338,12 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
 
-@pytest.mark.parametrize("types", ["full", ["full", "sparse", "full", "full"], ["full"], [{}, [], 1, "full"]])
-def test_bad_indexer_types(dsa_ckpt, tmp_path, types):
-    ck = _copy(dsa_ckpt, tmp_path / "ck", indexer_types=types)
+@pytest.mark.parametrize("keys", [{"indexer_types": "full"}, {"indexer_types": ["full", "sparse", "full", "full"]},
+                                  {"indexer_types": ["full"]}, {"indexer_types": [{}, [], 1, "full"]},
+                                  {"indexer_types": None, "index_topk_freq": "x"},
+                                  {"indexer_types": None, "index_topk_pattern": 7}])
+def test_bad_indexer_types(dsa_ckpt, tmp_path, keys):
+    ck = _copy(dsa_ckpt, tmp_path / "ck", **keys)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "indexer_types" in line, line
 
@@ -477,6 +494,14 @@ def test_glm5_same_gguf_as_llama_cpp_converter(dsa_ckpt, tmp_path, llama_cpp_src
     """llama.cpp's GlmMoeDsaModel keeps the MTP block: names, shapes, types, f32 bytes and every metadata
     key and value are identical, in all three modes."""
     _same_as_llama_cpp(llama_cpp_src, dsa_ckpt, tmp_path, mode)
+
+
+@pytest.mark.llama_cpp
+def test_glm5_config_without_indexer_types_same_as_llama_cpp(tmp_path, llama_cpp_src):
+    """A GLM-5 / 5.1 config (no indexer_types): llama.cpp writes the list transformers derives; so do we."""
+    ck = tiny_glm_dsa.glm_dsa(tmp_path / "ck", dtype=torch.float32, indexer_types=None)
+    kv = _same_as_llama_cpp(llama_cpp_src, ck, tmp_path, None)
+    assert kv["glm-dsa.attention.indexer.types"] == [True] * N_TRUNK
 
 
 @pytest.mark.llama_cpp

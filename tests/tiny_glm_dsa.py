@@ -21,6 +21,7 @@ releases' (sigmoid router with ``noaux_tc`` correction bias, GLM's special token
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -56,15 +57,22 @@ def glm4_moe_lite_config(**over) -> dict:
 
 def glm_dsa(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
             mtp_indexer: bool = True, **config_over) -> Path:
-    """Write a tiny GLM-5.x checkpoint; ``mtp_indexer=False`` stores the MTP block without an indexer."""
+    """Write a tiny GLM-5.x checkpoint; ``mtp_indexer=False`` stores the MTP block without an indexer,
+    ``indexer_types=None`` writes a GLM-5 / 5.1 config (no indexer_types: every layer has an indexer)."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     params = glm_dsa_config(**config_over)
     n = params["num_hidden_layers"]
     types = params.get("indexer_types")
     over = {"indexer_types": list(types) + ["full" if mtp_indexer else "shared"]} if types is not None else {}
-    return _build(folder, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, "GlmMoeDsaForCausalLM", params,
-                  {**params, "num_hidden_layers": n + 1, **over}, seed, dtype, n_shards)
+    folder = _build(folder, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, "GlmMoeDsaForCausalLM", params,
+                    {**params, "num_hidden_layers": n + 1, **over}, seed, dtype, n_shards)
+    if types is None:  # GLM-5 / 5.1: config.json lists none (every layer runs its indexer)
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        del config["indexer_types"]
+        path.write_text(json.dumps(config, indent=2))
+    return folder
 
 
 def glm4_moe_lite(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,

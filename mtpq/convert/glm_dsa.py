@@ -36,6 +36,16 @@ from .validate import Expected
 _INDEXER_TYPES_KEY = "{arch}.attention.indexer.types"  # not in gguf-py 0.19's Keys
 
 
+def derived_indexer_types(hp: dict, n_layers: int) -> list[str]:
+    """The indexer pattern transformers' GlmMoeDsaConfig derives when config.json lists no indexer_types
+    (and llama.cpp's converter then writes): from index_topk_pattern ("FFS..." or a list), else from
+    index_topk_freq / index_skip_topk_offset (defaults 1 / 2: every layer full, as GLM-5 / 5.1 run)."""
+    if (pattern := hp.get("index_topk_pattern")) is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    freq, offset = max(hp.get("index_topk_freq", 1), 1), hp.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+
+
 @register
 class GlmMoeDsa(DeepseekV3):
     hf_architectures = ("GlmMoeDsaForCausalLM",)
@@ -46,20 +56,19 @@ class GlmMoeDsa(DeepseekV3):
     write_vocab = Glm4Moe.write_vocab
 
     def indexer_types(self) -> list[str]:
-        """Per layer, "full" (runs its indexer) or "shared"; derived as transformers' config does when
-        config.json does not list them (GLM-5 / 5.1: every layer full)."""
-        n, hp = self.n_trunk, self.hparams
-        types = hp.get("indexer_types")
+        """Per layer, "full" (runs its indexer) or "shared": config.json's list, else :func:`derived_indexer_types`."""
+        n = self.n_trunk
+        types = self.hparams.get("indexer_types")
         if types is None:
-            pattern = hp.get("index_topk_pattern")
-            if pattern is not None:
-                types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
-            else:
-                freq, offset = max(hp.get("index_topk_freq", 1), 1), hp.get("index_skip_topk_offset", 2)
-                types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+            try:
+                types = derived_indexer_types(self.hparams, n)
+            except (TypeError, ValueError):  # a pattern that is not a sequence, a frequency that is not a number
+                types = {k: self.hparams.get(k) for k in ("index_topk_pattern", "index_topk_freq",
+                                                         "index_skip_topk_offset") if k in self.hparams}
         if not (isinstance(types, list) and len(types) >= n and all(t in ("full", "shared") for t in types[:n])):
             raise InputError(self.ckpt.folder / "config.json",
-                             f"indexer_types must list \"full\" or \"shared\" for each of the {n} layers, got {types!r}")
+                             "indexer_types (or the index_topk_* keys it derives from) must give "
+                             f"\"full\" or \"shared\" for each of the {n} layers, got {types!r}")
         return types  # as stored: llama.cpp writes every entry (the MTP block may have one too)
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
