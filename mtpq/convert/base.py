@@ -201,8 +201,8 @@ class Family:
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected] | None:
         """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned.
-        None: the family has not declared them yet (step35, mimo2), so only the checks that need no
-        declaration run (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
+        Every family in the tree declares them; None (a new family before it does) leaves only the checks
+        that need no declaration (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
         return None
 
     def resolve(self, name: str) -> str | None:
