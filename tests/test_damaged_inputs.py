@@ -1093,6 +1093,12 @@ def _(c):
     return acc(c, "--reference", c.inp / "ref.gguf"), ["ref.gguf", "no such file"]
 
 
+@case("accept-unknown-gating-function")
+def _(c):
+    bad = c.gguf(**{"glm4moe.expert_gating_func": (3, U32)})  # neither softmax (1) nor sigmoid (2)
+    return ["accept", bad, "-n", "2", "--max-prompts", "1"], ["model.gguf", "expert_gating_func 3"]
+
+
 @case("accept-model-truncated")
 def _(c):
     return ["accept", c.truncated(), "-n", "2", "--max-prompts", "1"], ["model.gguf"]

@@ -88,18 +88,12 @@ class MiMoV2(Family):
             sinks = hp.get("add_swa_attention_sink_bias" if swa else "add_full_attention_sink_bias")
             yield from V.switched(sinks, Expected(p + "self_attn.attention_sink_bias", (n_head,)))
             if bid < self.n_trunk and self._is_moe(bid):
-                n_exp = hp["n_routed_experts"]
-                yield Expected(p + "mlp.gate.weight", (n_exp, h))
-                yield Expected(p + "mlp.gate.e_score_correction_bias", (n_exp,))  # noaux_tc routing
-                yield from V.routed_experts(p + "mlp.experts.", h, n_exp, hp["moe_intermediate_size"])
+                yield from V.deepseek_moe(p + "mlp.", h, hp["n_routed_experts"], hp["moe_intermediate_size"])
             else:
                 yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
             if bid >= self.n_trunk:
-                yield Expected(p + "eh_proj.weight", (h, 2 * h))
-                yield from V.norms(p, h, "enorm", "hnorm", "final_layernorm")
-                yield Expected(p + "embed_tokens.weight", (vocab, h), optional=True)  # llama.cpp reads these
-                yield Expected(p + "shared_head.head.weight", (vocab, h), optional=True)  # when present
-                yield Expected(p + "shared_head.norm.weight", (h,), optional=True)
+                yield from V.nextn_head(p, h, vocab, norm="final_layernorm")
+                yield Expected(p + "shared_head.norm.weight", (h,), optional=True)  # llama.cpp prefers it if present
 
     def _is_swa(self, bid: int) -> bool:
         return bid >= self.n_trunk or self.hparams["hybrid_layer_pattern"][bid] == 1  # MTP blocks: sliding
@@ -111,13 +105,9 @@ class MiMoV2(Family):
 
     # -- metadata -----------------------------------------------------------------------
 
-    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
-        self._n_blocks = n_blocks
-        super().set_common_metadata(w, n_blocks)
-
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, K = self.hparams, gguf.Keys
-        hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self._n_blocks - self.n_trunk)  # MTP blocks: SWA
+        hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self.n_blocks - self.n_trunk)  # MTP blocks: SWA
         for key in (K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH, K.LLM.EXPERT_COUNT,
                     K.Attention.LAYERNORM_RMS_EPS):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # the values below replace the common ones

@@ -92,12 +92,8 @@ class Step35(Family):
             return float(theta[1])
         return super().swa_rope_theta()
 
-    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
-        self._n_blocks = n_blocks  # the per-layer arrays cover every written block
-        super().set_common_metadata(w, n_blocks)
-
     def set_metadata(self, w: GGUFWriter) -> None:
-        hp, n, K = self.hparams, self._n_blocks, gguf.Keys
+        hp, n, K = self.hparams, self.n_blocks, gguf.Keys
         cfg = self.ckpt.folder / "config.json"
         layer_types = _pad(hp.get("layer_types") or [], n, "full_attention")
         factors = _pad(hp.get("partial_rotary_factors") or [], n, 0.5)
@@ -199,10 +195,8 @@ class Step35(Family):
             else:
                 yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
             if bid >= self.n_trunk:
-                yield Expected(p + "eh_proj.weight", (h, 2 * h))
-                yield from V.norms(p, h, "enorm", "hnorm", "transformer.shared_head.norm")
-                yield Expected(p + "transformer.shared_head.output.weight", (vocab, h), optional=True)  # tied
-                yield Expected(p + "embed_tokens.weight", (vocab, h), optional=True)
+                yield from V.nextn_head(p, h, vocab, norm="transformer.shared_head.norm",
+                                        head="transformer.shared_head.output")
 
     # -- tensors: the base's per-layer loop; these hooks are the family's differences ----
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ..errors import InputError
 
@@ -271,16 +271,51 @@ def switched(on: bool | None, *expected: Expected) -> list[Expected]:
     return list(expected) if on else []
 
 
+def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0, *,
+                 router_bias: bool = True) -> Iterator[Expected]:
+    """A DeepSeek-style MoE FFN under ``p`` (``...mlp.``): the router (and its noaux_tc correction bias),
+    per-expert tensors, and ``n_shared`` shared experts stored as one FFN ``n_shared`` times as wide."""
+    yield Expected(p + "gate.weight", (n_expert, hidden))
+    if router_bias:
+        yield Expected(p + "gate.e_score_correction_bias", (n_expert,))
+    yield from routed_experts(p + "experts.", hidden, n_expert, ff)
+    if n_shared:
+        yield from dense_ffn(p + "shared_experts.", hidden, ff * n_shared)
+
+
+def deepseek_layout(family: "Family", keep_mtp: bool, attention: Callable[[str], Iterable[Expected]], *,
+                    moe_ff: int, router_bias: bool) -> Iterator[Expected]:
+    """DeepSeek-V3's checkpoint, which GLM-4.5 shares but for the attention: blocks ``model.layers.N.`` (the MTP
+    blocks appended past the trunk, with the NextN tensors), each two norms, ``attention(block prefix)``, then a
+    dense FFN in the first ``first_k_dense_replace`` blocks and MoE in the others (the MTP blocks included)."""
+    hp = family.hparams
+    h, vocab = hp["hidden_size"], hp["vocab_size"]
+    n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
+    yield from embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+    for bid in range(family.n_trunk + (family.n_mtp if keep_mtp else 0)):
+        p = f"model.layers.{bid}."
+        yield from norms(p, h, "input_layernorm", "post_attention_layernorm")
+        yield from attention(p)
+        if n_exp and bid >= dense:
+            yield from deepseek_moe(p + "mlp.", h, n_exp, moe_ff, hp.get("n_shared_experts") or 0,
+                                    router_bias=router_bias)
+        else:
+            yield from dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+        if bid >= family.n_trunk:
+            yield from nextn_head(p, h, vocab)
+
+
 def norms(p: str, hidden: int, *names: str) -> list[Expected]:
     return [Expected(f"{p}{n}.weight", (hidden,)) for n in names]
 
 
-def nextn_head(p: str, hidden: int, vocab: int) -> list[Expected]:
-    """The NextN tensors of a GLM/DeepSeek MTP layer; embed_tokens and shared_head.head may be tied (GLM-4.6)."""
-    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm"),
-            Expected(p + "shared_head.norm.weight", (hidden,)),
+def nextn_head(p: str, hidden: int, vocab: int, *, norm: str = "shared_head.norm",
+               head: str = "shared_head.head") -> list[Expected]:
+    """The NextN tensors of an MTP block: eh_proj, enorm, hnorm and ``norm`` (the one before its head); its own
+    embed_tokens and ``head`` may be absent, tied to the trunk's (GLM-4.6; llama.cpp falls back)."""
+    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm", norm),
             Expected(p + "embed_tokens.weight", (vocab, hidden), optional=True),
-            Expected(p + "shared_head.head.weight", (vocab, hidden), optional=True)]
+            Expected(p + head + ".weight", (vocab, hidden), optional=True)]
 
 
 def embeddings(hidden: int, vocab: int, tied: bool, prefix: str = "model.") -> list[Expected]:
