@@ -32,7 +32,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
 import tiny_deepseek  # noqa: E402
+import tiny_mimo2  # noqa: E402
 import tiny_qwen35  # noqa: E402
+import tiny_step35  # noqa: E402
 from runcli import run_cli  # noqa: E402
 
 from mtpq.convert import MtpMode, plan_checkpoint  # noqa: E402
@@ -43,16 +45,19 @@ from mtpq.gguf_io import plan_from_gguf, write_plan  # noqa: E402
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
-    """Good inputs every case copies from: three checkpoints and two GGUFs (with and without head)."""
+    """Good inputs every case copies from: five checkpoints and two GGUFs (with and without head)."""
     root = tmp_path_factory.mktemp("bases")
     qwen = tiny_qwen35.qwen35(root / "qwen35")
     ds = tiny_deepseek.deepseek_v3(root / "ds", dtype=torch.float32)
+    step = tiny_step35.step35(root / "step35")
+    mimo = tiny_mimo2.mimo2(root / "mimo2")
     full, trunk = root / "full.gguf", root / "trunk.gguf"
     write_plan(plan_checkpoint(glm_ckpt), full)
     write_plan(plan_checkpoint(glm_ckpt, mtp=MtpMode.DROP), trunk)
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"category": "code", "prompt": "def f(x):"}\n')
-    return {"glm": glm_ckpt, "qwen35": qwen, "ds": ds, "full": full, "trunk": trunk, "prompts": prompts}
+    return {"glm": glm_ckpt, "qwen35": qwen, "ds": ds, "step35": step, "mimo2": mimo, "full": full, "trunk": trunk,
+            "prompts": prompts}
 
 
 @dataclass
@@ -764,6 +769,107 @@ for _name, (_damage, _needles) in _DS.items():
     case(f"convert-deepseek-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("ds"))), nd))
 
 
+def _missing(t: str) -> tuple[Callable, list[str]]:
+    return (lambda c, f: c.drop(f, t)), [f"missing tensor {t}"]
+
+
+def _extra(t: str, value: torch.Tensor) -> tuple[Callable, list[str]]:
+    return (lambda c, f: c.add(f, t, value)), [t, "is stored, but config.json implies no such tensor"]
+
+
+def _shape(t: str, make: Callable) -> tuple[Callable, list[str]]:
+    return (lambda c, f: c.replace(f, t, make)), [t, "config.json implies", ".safetensors"]
+
+
+# Step3.5: blocks 0 (full, dense), 1 (sliding, MoE), 2 (full, MoE); MTP blocks 3, 4 (sliding, dense)
+_STEP = {
+    "missing-attn-gate": _missing("model.layers.1.self_attn.g_proj.weight"),
+    "missing-q-norm": _missing("model.layers.2.self_attn.q_norm.weight"),
+    "missing-router-bias": _missing("model.layers.1.moe.router_bias"),
+    "missing-stacked-experts": _missing("model.layers.2.moe.down_proj.weight"),
+    "missing-shared-expert": _missing("model.layers.1.share_expert.up_proj.weight"),
+    "missing-dense-mlp": _missing("model.layers.0.mlp.gate_proj.weight"),
+    "missing-mtp-eh-proj": _missing("model.layers.4.eh_proj.weight"),
+    "missing-mtp-shared-head-norm": _missing("model.layers.3.transformer.shared_head.norm.weight"),
+    "missing-mtp-mlp": _missing("model.layers.3.mlp.down_proj.weight"),
+    "missing-mtp-attn-k": _missing("model.layers.4.self_attn.k_proj.weight"),
+    "missing-whole-mtp-layer": ((lambda c, f: c.drop(f, "model.layers.4.")),
+                                ["no tensors for layer 4", "--no-mtp"]),
+    "extra-router-on-dense-layer": _extra("model.layers.0.moe.gate.weight", torch.zeros(4, 256)),
+    "extra-unknown-in-mtp-block": _extra("model.layers.3.foo.weight", torch.zeros(4)),
+    "extra-q-bias": _extra("model.layers.1.self_attn.q_proj.bias", torch.zeros(512)),
+    "router-bias-switched-off": ((lambda c, f: c.config(f, use_moe_router_bias=False)),
+                                 ["model.layers.1.moe.router_bias", "implies no such tensor"]),
+    "gate-switched-off": ((lambda c, f: c.config(f, use_head_wise_attn_gate=False)),
+                          ["model.layers.0.self_attn.g_proj.weight", "implies no such tensor"]),
+    "sliding-q-with-full-heads": _shape("model.layers.1.self_attn.q_proj.weight", lambda t: t[:256].contiguous()),
+    "mtp-o-proj-full-heads": _shape("model.layers.3.self_attn.o_proj.weight", lambda t: t[:, :256].contiguous()),
+    "gate-heads-short": _shape("model.layers.0.self_attn.g_proj.weight", lambda t: t[:2].contiguous()),
+    "stacked-experts-short": _shape("model.layers.2.moe.up_proj.weight", lambda t: t[:3].contiguous()),
+    "experts-per-expert-2d": _shape("model.layers.1.moe.gate_proj.weight", lambda t: t[0].contiguous()),
+    "mtp-eh-proj-square": _shape("model.layers.3.eh_proj.weight", lambda t: t[:, :256].contiguous()),
+    "mtp-head-short": _shape("model.layers.4.transformer.shared_head.output.weight", lambda t: t[:-1].contiguous()),
+    "sliding-heads-changed": ((lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": 4})),
+                              ["model.layers.1.self_attn.q_proj.weight", "config.json implies [256, 256]"]),
+    "layer-types-swapped": ((lambda c, f: c.config(f, layer_types=["sliding_attention", *tiny_step35.LAYER_TYPES[1:]])),
+                            ["model.layers.0.self_attn.q_proj.weight", "config.json implies [512, 256]"]),
+    "moe-layers-changed": ((lambda c, f: c.config(f, moe_layers_enum="1")),
+                           ["missing tensor model.layers.2.mlp.gate_proj.weight"]),
+    "moe-layers-not-numbers": ((lambda c, f: c.config(f, moe_layers_enum="one,two")),
+                               ["moe_layers_enum", "config.json"]),
+    "more-mtp-layers-declared": ((lambda c, f: c.config(f, num_nextn_predict_layers=3)),
+                                 ["no tensors for layer 5", "--no-mtp"]),
+    "missing-share-expert-dim": ((lambda c, f: c.config(f, share_expert_dim=_DELETE)), ["missing share_expert_dim"]),
+    "experts-count-string": ((lambda c, f: c.config(f, moe_num_experts="4")), ["moe_num_experts must be an integer"]),
+    "gate-switch-string": ((lambda c, f: c.config(f, use_head_wise_attn_gate="yes")),
+                           ["use_head_wise_attn_gate must be true or false"]),
+    "other-heads-string": ((lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": "8"})),
+                           ["attention_other_setting.num_attention_heads must be a positive integer"]),
+}
+for _name, (_damage, _needles) in _STEP.items():
+    case(f"convert-step35-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("step35"))), nd))
+
+# MiMo-V2: blocks 0 (full, dense), 1, 2 (sliding, MoE); MTP blocks model.mtp.layers.{0,1,2} (sliding, dense)
+_MIMO = {
+    "missing-sinks": _missing("model.layers.1.self_attn.attention_sink_bias"),
+    "missing-router-bias": _missing("model.layers.2.mlp.gate.e_score_correction_bias"),
+    "missing-expert": _missing("model.layers.2.mlp.experts.3.down_proj.weight"),
+    "missing-dense-up": _missing("model.layers.0.mlp.up_proj.weight"),
+    "missing-mtp-eh-proj": _missing("model.mtp.layers.0.eh_proj.weight"),
+    "missing-mtp-final-norm": _missing("model.mtp.layers.1.final_layernorm.weight"),
+    "missing-mtp-v-proj": _missing("model.mtp.layers.2.self_attn.v_proj.weight"),
+    "missing-mtp-sinks": _missing("model.mtp.layers.0.self_attn.attention_sink_bias"),
+    "missing-middle-mtp-layer": ((lambda c, f: c.drop(f, "model.mtp.layers.1.")),
+                                 ["model.mtp.layers.0..N-1", "[0, 2]"]),
+    "extra-sinks-on-full-layer": _extra("model.layers.0.self_attn.attention_sink_bias", torch.zeros(4)),
+    "extra-unknown-in-mtp-layer": _extra("model.mtp.layers.0.foo.weight", torch.zeros(4)),
+    "extra-shared-experts": _extra("model.layers.1.mlp.shared_experts.up_proj.weight", torch.zeros(256, 256)),
+    "sinks-switched-off": ((lambda c, f: c.config(f, add_swa_attention_sink_bias=False)),
+                           ["model.layers.1.self_attn.attention_sink_bias", "implies no such tensor"]),
+    "v-proj-with-qk-head-dim": _shape("model.layers.0.self_attn.v_proj.weight", lambda t: t.repeat(2, 1).contiguous()),
+    "o-proj-with-qk-head-dim": _shape("model.layers.1.self_attn.o_proj.weight", lambda t: t.repeat(1, 2).contiguous()),
+    "mtp-k-with-full-kv-heads": _shape("model.mtp.layers.0.self_attn.k_proj.weight",
+                                       lambda t: t.repeat(2, 1).contiguous()),
+    "expert-short": _shape("model.layers.1.mlp.experts.0.up_proj.weight", lambda t: t[:128].contiguous()),
+    "mtp-enorm-short": _shape("model.mtp.layers.2.enorm.weight", lambda t: t[:-1].contiguous()),
+    "swa-kv-heads-changed": ((lambda c, f: c.config(f, swa_num_key_value_heads=2)),
+                             ["model.layers.1.self_attn.k_proj.weight", "config.json implies [128, 256]"]),
+    "hybrid-pattern-changed": ((lambda c, f: c.config(f, hybrid_layer_pattern=[1, 1, 1])),
+                               ["model.layers.0.self_attn.k_proj.weight", "config.json implies [64, 256]"]),
+    "moe-freq-changed": ((lambda c, f: c.config(f, moe_layer_freq=[0, 0, 1])),
+                         ["missing tensor model.layers.1.mlp.gate_proj.weight"]),
+    "moe-freq-short": ((lambda c, f: c.config(f, moe_layer_freq=[0, 1])), ["moe_layer_freq", "config.json"]),
+    "hybrid-pattern-not-flags": ((lambda c, f: c.config(f, hybrid_layer_pattern=[0, 2, 1])),
+                                 ["hybrid_layer_pattern must be a list of 0/1 flags"]),
+    "missing-swa-kv-heads": ((lambda c, f: c.config(f, swa_num_key_value_heads=_DELETE)),
+                             ["missing swa_num_key_value_heads"]),
+    "sinks-switch-number": ((lambda c, f: c.config(f, add_swa_attention_sink_bias=1)),
+                            ["add_swa_attention_sink_bias must be true or false"]),
+}
+for _name, (_damage, _needles) in _MIMO.items():
+    case(f"convert-mimo2-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("mimo2"))), nd))
+
+
 # --- GGUF inputs: inspect, quantize, graft, extract-mtp --------------------------------------
 
 def _gguf_commands(c: Case, bad: Path) -> dict[str, list]:
@@ -987,6 +1093,12 @@ def _(c):
     return acc(c, "--reference", c.inp / "ref.gguf"), ["ref.gguf", "no such file"]
 
 
+@case("accept-unknown-gating-function")
+def _(c):
+    bad = c.gguf(**{"glm4moe.expert_gating_func": (3, U32)})  # neither softmax (1) nor sigmoid (2)
+    return ["accept", bad, "-n", "2", "--max-prompts", "1"], ["model.gguf", "expert_gating_func 3"]
+
+
 @case("accept-model-truncated")
 def _(c):
     return ["accept", c.truncated(), "-n", "2", "--max-prompts", "1"], ["model.gguf"]
@@ -1069,7 +1181,7 @@ def test_damaged_input(name, bases, tmp_path):
 
 def test_the_good_inputs_pass(bases, tmp_path):
     """The baseline every case damages converts, inspects, quantizes and extracts without a word on stderr."""
-    for key in ("glm", "qwen35", "ds"):
+    for key in ("glm", "qwen35", "ds", "step35", "mimo2"):
         res = run_cli("convert", bases[key], tmp_path / f"{key}.gguf", "--quiet")
         assert res.exit_code == 0 and not res.stderr.strip(), res.output
     assert run_cli("inspect", bases["full"]).exit_code == 0

@@ -34,8 +34,8 @@ def build(
     Exit codes: 0 every variant built and passed; 1 a gate failed (other variants
     still build; manifest.json says why); 2 a bad recipe or input (the key is named).
     """
-    from ..build import load_recipe, run_build, write_outputs
-    from ..build.runner import plan_jobs
+    from ..release import load_recipe, run_build, write_outputs
+    from ..release.runner import plan_jobs
 
     recipe = load_recipe(recipe_path, check_inputs=not merge)
     if merge:

@@ -112,6 +112,8 @@ class Family:
     nextn_tensors: ClassVar[dict[str, gguf.MODEL_TENSOR]] = NEXTN_TENSORS
     drop_tied_output: ClassVar[bool] = False  # lm_head skipped when tie_word_embeddings (as llama.cpp does)
 
+    n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
+
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config)
@@ -201,8 +203,8 @@ class Family:
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected] | None:
         """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned.
-        None: the family has not declared them yet (step35, mimo2), so only the checks that need no
-        declaration run (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
+        Every family in the tree declares them; None (a new family before it does) leaves only the checks
+        that need no declaration (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
         return None
 
     def resolve(self, name: str) -> str | None:
@@ -379,7 +381,7 @@ class Family:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
         keep_mtp = mtp is not MtpMode.DROP and self.n_mtp > 0
         validate.check_family(self, keep_mtp)
-        n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
+        self.n_blocks = n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
         specs: list[TensorSpec] = []
         seen: set[str] = set()

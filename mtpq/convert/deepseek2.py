@@ -28,7 +28,6 @@ import torch
 from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as MT
 
-from ..errors import InputError
 from . import validate as V
 from .base import Emit, Family, gguf_name, register
 from .validate import Expected
@@ -46,26 +45,13 @@ class DeepseekV3(Family):
     required_hparams = ("num_hidden_layers", "intermediate_size") + _REQUIRED
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
-        hp = self.hparams
-        h, vocab, nh = hp["hidden_size"], hp["vocab_size"], hp["num_attention_heads"]
-        n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
-        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
-        for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
-            p = f"model.layers.{bid}."
-            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
-            yield from (V.Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
-            if n_exp and bid >= dense:
-                ff = self.hp("moe_intermediate_size", "intermediate_size")
-                yield V.Expected(p + "mlp.gate.weight", (n_exp, h))
-                if hp.get("topk_method") == "noaux_tc":  # V3's router bias; V2 routers have none
-                    yield V.Expected(p + "mlp.gate.e_score_correction_bias", (n_exp,))
-                yield from V.routed_experts(p + "mlp.experts.", h, n_exp, ff)
-                if n_shared := hp.get("n_shared_experts"):
-                    yield from V.dense_ffn(p + "mlp.shared_experts.", h, ff * n_shared)
-            else:
-                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
-            if bid >= self.n_trunk:
-                yield from V.nextn_head(p, h, vocab)
+        def attention(p: str) -> Iterator[Expected]:
+            return (Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
+
+        # V3's routers carry a correction bias (noaux_tc); V2's have none
+        moe_ff = self.hp("moe_intermediate_size", "intermediate_size")
+        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=moe_ff,
+                                 router_bias=self.hparams.get("topk_method") == "noaux_tc")
 
     @property
     def rope_parameters(self) -> dict:

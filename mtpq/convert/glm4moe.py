@@ -14,13 +14,14 @@ Everything about the tensors is the base's declaration defaults: blocks at
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import gguf
 from gguf import GGUFWriter
 
 from . import validate as V
 from .base import Family, register
 from .validate import Expected
-
 
 
 @register
@@ -32,26 +33,14 @@ class Glm4Moe(Family):
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         hp = self.hparams
-        h, vocab, nh = hp["hidden_size"], hp["vocab_size"], hp["num_attention_heads"]
+        h, nh = hp["hidden_size"], hp["num_attention_heads"]
         hd = hp.get("head_dim") or h // nh
-        n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
-        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
-        for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
-            p = f"model.layers.{bid}."
-            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
-            yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
-                                   bias=bool(hp.get("attention_bias")), qk_norm=bool(hp.get("use_qk_norm")))
-            if n_exp and bid >= dense:  # MoE layer (the MTP layer too): router + bias, experts, shared experts
-                ff = hp["moe_intermediate_size"]
-                yield V.Expected(p + "mlp.gate.weight", (n_exp, h))
-                yield V.Expected(p + "mlp.gate.e_score_correction_bias", (n_exp,))
-                yield from V.routed_experts(p + "mlp.experts.", h, n_exp, ff)
-                if n_shared := hp.get("n_shared_experts"):
-                    yield from V.dense_ffn(p + "mlp.shared_experts.", h, ff * n_shared)
-            else:
-                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
-            if bid >= self.n_trunk:
-                yield from V.nextn_head(p, h, vocab)
+
+        def attention(p: str) -> list[Expected]:
+            return V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
+                               bias=bool(hp.get("attention_bias")), qk_norm=bool(hp.get("use_qk_norm")))
+
+        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=hp["moe_intermediate_size"], router_bias=True)
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp = self.hparams

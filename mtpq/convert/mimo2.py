@@ -20,14 +20,16 @@ experts, and its vision/audio towers (llama.cpp puts those in an mmproj file).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import gguf
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from . import validate as V
 from .base import NEXTN_TENSORS, Emit, Family, layer_of, register
+from .validate import Expected
 
-_REQUIRED = ("hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
-             "swa_num_key_value_heads", "sliding_window", "n_routed_experts", "moe_intermediate_size")
 VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
 
 
@@ -39,12 +41,13 @@ class MiMoV2(Family):
     # gguf-py 0.19's mimo2 table lacks the head's tensors; final_layernorm is the norm before the MTP head
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": gguf.MODEL_TENSOR.LAYER_OUT_NORM}
 
+    required_hparams = Family.required_hparams + (
+        "hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
+        "swa_num_key_value_heads", "sliding_window", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
+
     def __init__(self, ckpt):
         super().__init__(ckpt)
         cfg = ckpt.folder / "config.json"
-        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
-        if missing:
-            raise InputError(cfg, f"missing {', '.join(missing)}")
         hp = self.hparams
         # llama.cpp's converter asserts the same: its graph has one attention shape for both layer kinds
         for swa_key, key in (("swa_head_dim", "head_dim"), ("swa_num_attention_heads", "num_attention_heads"),
@@ -56,20 +59,55 @@ class MiMoV2(Family):
         if len(hp["hybrid_layer_pattern"]) != self.n_trunk:
             raise InputError(cfg, f"hybrid_layer_pattern has {len(hp['hybrid_layer_pattern'])} entries, "
                                   f"num_hidden_layers is {self.n_trunk}")
+        freq = hp.get("moe_layer_freq")
+        if freq is not None and not (isinstance(freq, list) and len(freq) >= self.n_trunk
+                                     and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
+            raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
         self.n_mtp = len(found)
 
-    # -- metadata -----------------------------------------------------------------------
+    # -- what config.json implies (checked before anything is planned) -------------------
 
-    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
-        self._n_blocks = n_blocks
-        super().set_common_metadata(w, n_blocks)
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        """Per block: attention with the layer kind's KV heads (q/k heads of head_dim, v heads of v_head_dim)
+        and its attention sinks, then MoE (moe_layer_freq) or a dense MLP; the MTP blocks are sliding-window,
+        dense-MLP blocks with eh_proj, enorm, hnorm and final_layernorm."""
+        hp = self.hparams
+        h, vocab, n_head = hp["hidden_size"], hp["vocab_size"], hp["num_attention_heads"]
+        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+        blocks = [f"model.layers.{bid}." for bid in range(self.n_trunk)]
+        blocks += [f"{self.mtp_prefix}{i}." for i in range(self.n_mtp if keep_mtp else 0)]
+        for bid, p in enumerate(blocks):
+            swa = self._is_swa(bid)
+            n_kv = hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
+            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            yield from V.attention(p + "self_attn.", h, n_head, n_kv, hp["head_dim"], v_head_dim=hp["v_head_dim"],
+                                   bias=bool(hp.get("attention_bias")))
+            sinks = hp.get("add_swa_attention_sink_bias" if swa else "add_full_attention_sink_bias")
+            yield from V.switched(sinks, Expected(p + "self_attn.attention_sink_bias", (n_head,)))
+            if bid < self.n_trunk and self._is_moe(bid):
+                yield from V.deepseek_moe(p + "mlp.", h, hp["n_routed_experts"], hp["moe_intermediate_size"])
+            else:
+                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+            if bid >= self.n_trunk:
+                yield from V.nextn_head(p, h, vocab, norm="final_layernorm")
+                yield Expected(p + "shared_head.norm.weight", (h,), optional=True)  # llama.cpp prefers it if present
+
+    def _is_swa(self, bid: int) -> bool:
+        return bid >= self.n_trunk or self.hparams["hybrid_layer_pattern"][bid] == 1  # MTP blocks: sliding
+
+    def _is_moe(self, bid: int) -> bool:
+        if (freq := self.hparams.get("moe_layer_freq")) is not None:
+            return bool(freq[bid])
+        return f"model.layers.{bid}.mlp.gate.weight" in self.ckpt  # no schedule given: the stored router decides
+
+    # -- metadata -----------------------------------------------------------------------
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, K = self.hparams, gguf.Keys
-        hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self._n_blocks - self.n_trunk)  # MTP blocks: SWA
+        hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self.n_blocks - self.n_trunk)  # MTP blocks: SWA
         for key in (K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH, K.LLM.EXPERT_COUNT,
                     K.Attention.LAYERNORM_RMS_EPS):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # the values below replace the common ones
@@ -94,14 +132,3 @@ class MiMoV2(Family):
         if rest == "self_attn.attention_sink_bias":  # llama.cpp appends .weight before naming it
             return [self.emit(self.map_name(f"{self.block_prefix}{bid}.{rest}.weight"), hf)]
         return None
-
-    def check_block(self, bid: int, prefix: str) -> None:
-        hp = self.hparams
-        swa = bid >= self.n_trunk or hp["hybrid_layer_pattern"][bid] == 1
-        n_head, n_kv = hp["num_attention_heads"], hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
-        d, dv, h = hp["head_dim"], hp["v_head_dim"], hp["hidden_size"]
-        want = {"self_attn.q_proj.weight": (n_head * d, h), "self_attn.k_proj.weight": (n_kv * d, h),
-                "self_attn.v_proj.weight": (n_kv * dv, h), "self_attn.o_proj.weight": (h, n_head * dv)}
-        for rest, shape in want.items():
-            if prefix + rest in self.ckpt:
-                self.expect_shape(prefix + rest, shape)

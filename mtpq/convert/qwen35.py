@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from gguf import GGUFWriter
@@ -38,7 +38,7 @@ from gguf import GGUFWriter
 from ..errors import InputError
 from ..tensors import tensor_kind
 from . import validate as V
-from .base import Emit, Family, check_unused, register
+from .base import Emit, Family, Transform, check_unused, register
 from .checkpoint import Checkpoint
 from .validate import Expected
 
@@ -59,7 +59,6 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # newer than gguf-py 0.19's Keys
 
-Transform = Callable[[torch.Tensor], torch.Tensor]
 _TEXT_PREFIX = re.compile(r"^model\.language_model\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -174,10 +173,6 @@ class Qwen35(Family):
 
     # -- metadata -----------------------------------------------------------------------
 
-    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
-        self._n_blocks = n_blocks  # the recurrent-layer flags below cover every written block
-        super().set_common_metadata(w, n_blocks)
-
     def set_metadata(self, w: GGUFWriter) -> None:
         hp = self.hparams
         rope = self.rope_parameters
@@ -194,7 +189,7 @@ class Qwen35(Family):
                 raise InputError(self.ckpt.folder / "config.json",
                                  f"layer_types has {len(layer_types)} entries, num_hidden_layers is {self.n_trunk}")
             recurrent = [t == "linear_attention" for t in layer_types]
-            recurrent += [False] * (self._n_blocks - self.n_trunk)  # MTP blocks use full attention
+            recurrent += [False] * (self.n_blocks - self.n_trunk)  # MTP blocks use full attention
             w.add_array(RECURRENT_LAYERS_KEY.format(arch=self.arch), recurrent)
         w.add_full_attention_interval(hp.get("full_attention_interval", 4))
         head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]

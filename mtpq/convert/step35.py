@@ -25,18 +25,19 @@ does); gates, router and experts are squeezed of size-1 dims.
 from __future__ import annotations
 
 import re
+from typing import Iterator
 
 import gguf
 import torch
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from . import validate as V
 from .base import NEXTN_TENSORS, Emit, Family, Transform, register
+from .validate import Expected
 
 _SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
              ".moe.down_proj.weight")
-_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_attention_groups", "head_dim",
-             "sliding_window", "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
 
 
 def _as_llama_cpp_reads(t: torch.Tensor) -> torch.Tensor:
@@ -60,11 +61,12 @@ class Step35(Family):
                      "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
                      "transformer.shared_head.output.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD}
 
+    required_hparams = Family.required_hparams + (
+        "num_attention_heads", "num_attention_groups", "head_dim", "intermediate_size", "sliding_window",
+        "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
+
     def __init__(self, ckpt):
         super().__init__(ckpt)
-        missing = [k for k in _REQUIRED if self.hparams.get(k) is None]
-        if missing:
-            raise InputError(ckpt.folder / "config.json", f"missing {', '.join(missing)}")
         rope = self.rope_parameters
         if (rope.get("rope_type") or "").lower() == "llama3":
             # llama.cpp writes an extra rope_freqs tensor for this; not reproduced yet, so refuse rather than differ
@@ -90,12 +92,8 @@ class Step35(Family):
             return float(theta[1])
         return super().swa_rope_theta()
 
-    def set_common_metadata(self, w: GGUFWriter, n_blocks: int) -> None:
-        self._n_blocks = n_blocks  # the per-layer arrays cover every written block
-        super().set_common_metadata(w, n_blocks)
-
     def set_metadata(self, w: GGUFWriter) -> None:
-        hp, n, K = self.hparams, self._n_blocks, gguf.Keys
+        hp, n, K = self.hparams, self.n_blocks, gguf.Keys
         cfg = self.ckpt.folder / "config.json"
         layer_types = _pad(hp.get("layer_types") or [], n, "full_attention")
         factors = _pad(hp.get("partial_rotary_factors") or [], n, 0.5)
@@ -103,14 +101,13 @@ class Step35(Family):
         if [float(f) for f in factors] != want:  # llama.cpp asserts the same: its graph assumes these factors
             raise InputError(cfg, f"partial_rotary_factors {factors} do not follow layer_types "
                                   "(0.5 for full attention, 1.0 for sliding)")
-        other = hp.get("attention_other_setting") or {}
-        n_head, n_kv = hp["num_attention_heads"], hp["num_attention_groups"]
         swa = [t == "sliding_attention" for t in layer_types]
         for key in (K.Attention.HEAD_COUNT, K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH,
                     K.Attention.LAYERNORM_RMS_EPS):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # per-layer values replace the common scalars
-        w.add_head_count([other.get("num_attention_heads", n_head) if s else n_head for s in swa])
-        w.add_head_count_kv([other.get("num_attention_groups", n_kv) if s else n_kv for s in swa])
+        heads = [self._heads(bid) for bid in range(n)]
+        w.add_head_count([n_head for n_head, _ in heads])
+        w.add_head_count_kv([n_kv for _, n_kv in heads])
         w.add_sliding_window(hp["sliding_window"])
         w.add_sliding_window_pattern(swa)
         w.add_value_length(hp["head_dim"])
@@ -132,15 +129,74 @@ class Step35(Family):
             w.add_swiglu_clamp_shexp(_pad([0.0 if v is None else float(v) for v in limits], n, 0.0))
 
     def _leading_dense(self) -> int:
-        enum = self.hparams.get("moe_layers_enum")
-        if isinstance(enum, str) and enum.strip():
-            try:
-                layers = sorted(int(i) for i in enum.strip().split(","))
-            except ValueError:
-                raise InputError(self.ckpt.folder / "config.json", f"moe_layers_enum {enum!r} is not a list of layer "
-                                                                   "numbers") from None
-            return max(0, layers[0]) if layers else 0
+        """As llama.cpp's converter reads it: the first MoE layer of a ``moe_layers_enum`` string, else 0."""
+        layers = self._moe_layers()
+        if isinstance(self.hparams.get("moe_layers_enum"), str) and layers:
+            return max(0, min(layers))
         return 0
+
+    def _moe_layers(self) -> set[int] | None:
+        """The MoE layers ``moe_layers_enum`` lists ("3,4,...,44", or a list); None when config.json omits it."""
+        enum = self.hparams.get("moe_layers_enum")
+        if enum is None or (isinstance(enum, str) and not enum.strip()):
+            return None
+        items = enum.strip().split(",") if isinstance(enum, str) else enum
+        try:
+            if not isinstance(items, list) or any(isinstance(i, (bool, float)) for i in items):
+                raise ValueError
+            return {int(i) for i in items}
+        except (TypeError, ValueError):
+            raise InputError(self.ckpt.folder / "config.json",
+                             f"moe_layers_enum {enum!r} is not a list of layer numbers") from None
+
+    def _is_moe(self, bid: int) -> bool:
+        if (layers := self._moe_layers()) is not None:
+            return bid in layers
+        # without moe_layers_enum the implementations disagree (MoE from layer 1, or 3): the stored router decides
+        return f"model.layers.{bid}.moe.gate.weight" in self.ckpt
+
+    def _heads(self, bid: int) -> tuple[int, int]:
+        """(query heads, KV groups) of block ``bid``: sliding layers take ``attention_other_setting``'s."""
+        hp = self.hparams
+        n_head, n_kv = hp["num_attention_heads"], hp["num_attention_groups"]
+        if _pad(hp.get("layer_types") or [], self.n_trunk + self.n_mtp, "full_attention")[bid] == "sliding_attention":
+            other = hp.get("attention_other_setting") or {}
+            n_head, n_kv = other.get("num_attention_heads", n_head), other.get("num_attention_groups", n_kv)
+        for key, v in (("num_attention_heads", n_head), ("num_attention_groups", n_kv)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(self.ckpt.folder / "config.json",
+                                 f"attention_other_setting.{key} must be a positive integer, got {v!r}")
+        return n_head, n_kv
+
+    # -- what config.json implies (checked before anything is planned) -------------------
+
+    def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
+        """Per block: GQA with q/k norms (head counts by layer type), the head-wise gate, then a dense MLP or
+        (layers in moe_layers_enum) router + selection bias + stacked experts + shared expert; past the trunk
+        the NextN tensors (the release's MTP blocks are sliding-attention, dense-MLP blocks)."""
+        hp = self.hparams
+        h, vocab, d = hp["hidden_size"], hp["vocab_size"], hp["head_dim"]
+        yield from V.embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+        for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
+            p = f"model.layers.{bid}."
+            n_head, n_kv = self._heads(bid)
+            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            yield from V.attention(p + "self_attn.", h, n_head, n_kv, d, bias=bool(hp.get("attention_bias")),
+                                   qk_norm=True)
+            yield from V.switched(hp.get("use_head_wise_attn_gate"),
+                                  Expected(p + "self_attn.g_proj.weight", (n_head, h)))
+            if self._is_moe(bid):
+                n_exp, ff = hp["moe_num_experts"], hp["moe_intermediate_size"]
+                yield Expected(p + "moe.gate.weight", (n_exp, h))
+                yield from V.switched(hp.get("use_moe_router_bias"), Expected(p + "moe.router_bias", (n_exp,)))
+                yield from (Expected(p + f"moe.{proj}.weight", (n_exp, *shape))
+                            for proj, shape in (("gate_proj", (ff, h)), ("up_proj", (ff, h)), ("down_proj", (h, ff))))
+                yield from V.dense_ffn(p + "share_expert.", h, hp["share_expert_dim"])
+            else:
+                yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+            if bid >= self.n_trunk:
+                yield from V.nextn_head(p, h, vocab, norm="transformer.shared_head.norm",
+                                        head="transformer.shared_head.output")
 
     # -- tensors: the base's per-layer loop; these hooks are the family's differences ----
 
@@ -159,17 +215,3 @@ class Step35(Family):
             name = self.map_name(re.sub(r"\.transformer\.", ".", hf, count=1))
             return None if name is None else [self.emit(name, hf)]
         return None
-
-    def check_block(self, bid: int, prefix: str) -> None:
-        hp = self.hparams
-        n = self.n_trunk + self.n_mtp
-        sliding = _pad(hp.get("layer_types") or [], n, "full_attention")[bid] == "sliding_attention"
-        other = hp.get("attention_other_setting") or {}
-        n_head = other.get("num_attention_heads", hp["num_attention_heads"]) if sliding else hp["num_attention_heads"]
-        n_kv = other.get("num_attention_groups", hp["num_attention_groups"]) if sliding else hp["num_attention_groups"]
-        d, h = hp["head_dim"], hp["hidden_size"]
-        want = {"self_attn.q_proj.weight": (n_head * d, h), "self_attn.k_proj.weight": (n_kv * d, h),
-                "self_attn.v_proj.weight": (n_kv * d, h), "self_attn.o_proj.weight": (h, n_head * d)}
-        for rest, shape in want.items():
-            if prefix + rest in self.ckpt:
-                self.expect_shape(prefix + rest, shape)

@@ -23,9 +23,9 @@ does the checking once for all of them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ..errors import InputError
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------- config.json
 
 # key -> (kind, minimum). "int" values must be JSON integers (not bools), "number" ints or floats,
-# "bool" true/false, "strs" a list of strings. null is allowed everywhere (families decide what null means).
+# "bool" true/false, "strs" a list of strings, "flags" a list of 0/1 (or true/false). null is allowed everywhere
+# (families decide what null means).
 _POSITIVE, _NON_NEGATIVE = 1, 0
 CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
     **{k: ("int", _POSITIVE) for k in (
@@ -46,12 +47,19 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
         "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
         "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
+        # Step3.5 and MiMo-V2 spellings
+        "num_attention_groups", "moe_num_experts", "moe_top_k", "share_expert_dim",
+        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim",
+        # GLM-5's sparse-attention indexer
         "index_n_heads", "index_head_dim", "index_topk")},
     **{k: ("int", _NON_NEGATIVE) for k in (
         "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
     **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
     "rope_theta": ("numbers", None),  # Step3.5 gives one base per attention kind: [full, sliding, ...]
-    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob")},
+    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob",
+                                   "use_head_wise_attn_gate", "use_moe_router_bias", "add_swa_attention_sink_bias",
+                                   "add_full_attention_sink_bias")},
+    "hybrid_layer_pattern": ("flags", None),  # MiMo-V2: per layer, 1 = sliding window
     **{k: ("strs", None) for k in ("architectures", "layer_types")},
     **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
 }
@@ -72,6 +80,9 @@ def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | No
         return f"{key} must be true or false, got {value!r}"
     if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         return f"{key} must be a list of strings, got {value!r}"
+    if kind == "flags" and not (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, float)
+                                                                for v in value)):
+        return f"{key} must be a list of 0/1 flags, got {value!r}"
     if kind == "dict" and not isinstance(value, dict):
         return f"{key} must be a JSON object, got {value!r}"
     if minimum is not None and value < minimum:
@@ -136,10 +147,11 @@ def check_dtypes(ckpt: "Checkpoint") -> None:
 
 def _in_mtp_block(name: str, n_trunk: int) -> bool:
     m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return name.startswith("mtp.") or (m is not None and int(m[1]) >= n_trunk)
+    return name.startswith(("mtp.", "model.mtp.")) or (m is not None and int(m[1]) >= n_trunk)
 
 
-_BLOCK = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")
+# a decoder block: trunk (model.layers.N.) or MTP (Qwen3.5's mtp.layers.i., MiMo-V2's model.mtp.layers.i.)
+_BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers)\.(\d+)\.")
 
 
 def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
@@ -226,14 +238,16 @@ def check_family(family: "Family", keep_mtp: bool) -> None:
 
 
 def attention(p: str, hidden: int, n_head: int, n_head_kv: int, head_dim: int, *, bias: bool = False,
-              qk_norm: bool = False, q_rows: int | None = None) -> list[Expected]:
-    """A (grouped-query) attention block under ``p`` (``...self_attn.``); ``q_rows`` for gated q_proj."""
-    q, kv = q_rows or n_head * head_dim, n_head_kv * head_dim
+              qk_norm: bool = False, q_rows: int | None = None, v_head_dim: int | None = None) -> list[Expected]:
+    """A (grouped-query) attention block under ``p`` (``...self_attn.``); ``q_rows`` for gated q_proj,
+    ``v_head_dim`` where value heads are narrower than query/key heads (MiMo-V2)."""
+    dv = v_head_dim or head_dim
+    q, kv, v = q_rows or n_head * head_dim, n_head_kv * head_dim, n_head_kv * dv
     out = [Expected(p + "q_proj.weight", (q, hidden)), Expected(p + "k_proj.weight", (kv, hidden)),
-           Expected(p + "v_proj.weight", (kv, hidden)), Expected(p + "o_proj.weight", (hidden, n_head * head_dim))]
+           Expected(p + "v_proj.weight", (v, hidden)), Expected(p + "o_proj.weight", (hidden, n_head * dv))]
     if bias:
         out += [Expected(p + "q_proj.bias", (n_head * head_dim,)), Expected(p + "k_proj.bias", (kv,)),
-                Expected(p + "v_proj.bias", (kv,))]
+                Expected(p + "v_proj.bias", (v,))]
     if qk_norm:
         out += [Expected(p + "q_norm.weight", (head_dim,)), Expected(p + "k_norm.weight", (head_dim,))]
     return out
@@ -251,16 +265,59 @@ def routed_experts(p: str, hidden: int, n_expert: int, ff: int) -> Iterator[Expe
         yield from dense_ffn(f"{p}{e}.", hidden, ff)
 
 
+def switched(on: bool | None, *expected: Expected) -> list[Expected]:
+    """Tensors a config.json switch adds: required when it is true, absent when false, and either way when
+    config.json leaves it out (the implementations disagree on the defaults of these switches)."""
+    if on is None:
+        return [replace(e, optional=True) for e in expected]
+    return list(expected) if on else []
+
+
+def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0, *,
+                 router_bias: bool = True) -> Iterator[Expected]:
+    """A DeepSeek-style MoE FFN under ``p`` (``...mlp.``): the router (and its noaux_tc correction bias),
+    per-expert tensors, and ``n_shared`` shared experts stored as one FFN ``n_shared`` times as wide."""
+    yield Expected(p + "gate.weight", (n_expert, hidden))
+    if router_bias:
+        yield Expected(p + "gate.e_score_correction_bias", (n_expert,))
+    yield from routed_experts(p + "experts.", hidden, n_expert, ff)
+    if n_shared:
+        yield from dense_ffn(p + "shared_experts.", hidden, ff * n_shared)
+
+
+def deepseek_layout(family: "Family", keep_mtp: bool, attention: Callable[[str], Iterable[Expected]], *,
+                    moe_ff: int, router_bias: bool) -> Iterator[Expected]:
+    """DeepSeek-V3's checkpoint, which GLM-4.5 shares but for the attention: blocks ``model.layers.N.`` (the MTP
+    blocks appended past the trunk, with the NextN tensors), each two norms, ``attention(block prefix)``, then a
+    dense FFN in the first ``first_k_dense_replace`` blocks and MoE in the others (the MTP blocks included)."""
+    hp = family.hparams
+    h, vocab = hp["hidden_size"], hp["vocab_size"]
+    n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
+    yield from embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
+    for bid in range(family.n_trunk + (family.n_mtp if keep_mtp else 0)):
+        p = f"model.layers.{bid}."
+        yield from norms(p, h, "input_layernorm", "post_attention_layernorm")
+        yield from attention(p)
+        if n_exp and bid >= dense:
+            yield from deepseek_moe(p + "mlp.", h, n_exp, moe_ff, hp.get("n_shared_experts") or 0,
+                                    router_bias=router_bias)
+        else:
+            yield from dense_ffn(p + "mlp.", h, hp["intermediate_size"])
+        if bid >= family.n_trunk:
+            yield from nextn_head(p, h, vocab)
+
+
 def norms(p: str, hidden: int, *names: str) -> list[Expected]:
     return [Expected(f"{p}{n}.weight", (hidden,)) for n in names]
 
 
-def nextn_head(p: str, hidden: int, vocab: int) -> list[Expected]:
-    """The NextN tensors of a GLM/DeepSeek MTP layer; embed_tokens and shared_head.head may be tied (GLM-4.6)."""
-    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm"),
-            Expected(p + "shared_head.norm.weight", (hidden,)),
+def nextn_head(p: str, hidden: int, vocab: int, *, norm: str = "shared_head.norm",
+               head: str = "shared_head.head") -> list[Expected]:
+    """The NextN tensors of an MTP block: eh_proj, enorm, hnorm and ``norm`` (the one before its head); its own
+    embed_tokens and ``head`` may be absent, tied to the trunk's (GLM-4.6; llama.cpp falls back)."""
+    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm", norm),
             Expected(p + "embed_tokens.weight", (vocab, hidden), optional=True),
-            Expected(p + "shared_head.head.weight", (vocab, hidden), optional=True)]
+            Expected(p + head + ".weight", (vocab, hidden), optional=True)]
 
 
 def embeddings(hidden: int, vocab: int, tied: bool, prefix: str = "model.") -> list[Expected]:

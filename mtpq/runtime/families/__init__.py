@@ -1,7 +1,8 @@
 """The runtime's families: one module per architecture, each a :class:`~mtpq.runtime.model.Family`.
 
 To add one: write ``families/<arch>.py`` with a Family subclass (config from GGUF metadata,
-the decoder block at each index) and list it in ``FAMILIES`` below.
+the decoder block at each index) and list it in ``FAMILIES`` below. ``common.py`` reads the
+metadata every family reads alike (GQA shapes, DeepSeek-style routing).
 """
 
 from __future__ import annotations

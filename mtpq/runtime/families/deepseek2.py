@@ -20,6 +20,7 @@ from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq, 
 from ..mla import MLA, MLAConfig, yarn_mla_scales
 from ..model import Family
 from ..weights import GGUFFile, Scope
+from .common import routed_moe_config
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,6 @@ class Deepseek2Config:
     moe: MoEConfig
     n_dense_lead: int
     rope_scale: float  # cos/sin multiplier (YaRN's attention factor as llama.cpp applies it)
-
 
 
 class Deepseek2(Family):
@@ -50,7 +50,6 @@ class Deepseek2(Family):
         mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
         rope_scale, softmax_mul = yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor",
                                                                                         1.0) or 1.0))
-        gating = int(g.value("expert_gating_func", ExpertGatingFuncType.SOFTMAX) or ExpertGatingFuncType.SOFTMAX)
         self.cfg = Deepseek2Config(
             vocab_size=g.shape("token_embd.weight")[0],
             mla=MLAConfig(
@@ -62,15 +61,7 @@ class Deepseek2(Family):
                 eps=self.eps,
                 kq_scale=softmax_mul / key_mla ** 0.5,
             ),
-            moe=MoEConfig(
-                n_experts=int(g.value("expert_count", 0)),
-                n_used=int(g.value("expert_used_count", 0)),
-                gating="sigmoid" if gating == ExpertGatingFuncType.SIGMOID else "softmax",
-                norm_topk=bool(g.value("expert_weights_norm", False)),
-                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
-                n_group=int(g.value("expert_group_count", 1) or 1),
-                topk_group=int(g.value("expert_group_used_count", 1) or 1),
-            ),
+            moe=routed_moe_config(g, ExpertGatingFuncType.SOFTMAX),  # llama.cpp's default for DeepSeek-V2
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
             rope_scale=rope_scale,
         )

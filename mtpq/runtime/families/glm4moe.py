@@ -17,6 +17,7 @@ from ...errors import InputError
 from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
 from ..model import Family
 from ..weights import GGUFFile, Scope
+from .common import gqa_config, routed_moe_config
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,6 @@ class Glm4MoeConfig:
     attn: AttnConfig
     moe: MoEConfig
     n_dense_lead: int
-
 
 
 def rope_scaling_factor(g: GGUFFile) -> float:
@@ -43,25 +43,13 @@ class Glm4Moe(Family):
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
-        hidden = int(g.require("embedding_length"))
-        n_heads = int(g.require("attention.head_count"))
-        head_dim = int(g.value("attention.key_length", hidden // n_heads))
-        gating = int(g.value("expert_gating_func", ExpertGatingFuncType.SIGMOID) or ExpertGatingFuncType.SIGMOID)
         self.cfg = Glm4MoeConfig(
             vocab_size=g.shape("token_embd.weight")[0],
-            attn=AttnConfig(n_heads, int(g.value("attention.head_count_kv", n_heads)), head_dim, self.eps),
-            moe=MoEConfig(
-                n_experts=int(g.value("expert_count", 0)),
-                n_used=int(g.value("expert_used_count", 0)),
-                gating="softmax" if gating == ExpertGatingFuncType.SOFTMAX else "sigmoid",
-                norm_topk=bool(g.value("expert_weights_norm", False)),
-                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
-                n_group=int(g.value("expert_group_count", 1) or 1),
-                topk_group=int(g.value("expert_group_used_count", 1) or 1),
-            ),
+            attn=gqa_config(g, self.eps),
+            moe=routed_moe_config(g, ExpertGatingFuncType.SIGMOID),
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
         )
-        rope_dim = int(g.value("rope.dimension_count", head_dim))
+        rope_dim = int(g.value("rope.dimension_count", self.cfg.attn.head_dim))
         self.rope = Rope(rope_inv_freq(rope_dim, float(g.value("rope.freq_base", 10000.0)), rope_scaling_factor(g)))
 
     def block(self, w: Scope, index: int) -> DecoderBlock:

@@ -25,6 +25,7 @@ from ..deltanet import DeltaNetConfig, GatedDeltaNet
 from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
 from ..model import Family
 from ..weights import GGUFFile, Scope
+from .common import gqa_config
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,11 @@ class Qwen35(Family):
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
-        hidden = int(g.require("embedding_length"))
-        n_heads = int(g.require("attention.head_count"))
-        head_dim = int(g.value("attention.key_length", hidden // n_heads))
         n_v = int(g.require("ssm.time_step_rank"))
         n_experts = int(g.value("expert_count", 0) or 0)
         self.cfg = Qwen35Config(
             vocab_size=g.shape("token_embd.weight")[0],
-            attn=AttnConfig(n_heads, int(g.value("attention.head_count_kv", n_heads)), head_dim, self.eps, gated=True),
+            attn=gqa_config(g, self.eps, gated=True),
             deltanet=DeltaNetConfig(
                 n_k_heads=int(g.require("ssm.group_count")), n_v_heads=n_v,
                 head_k_dim=int(g.require("ssm.state_size")), head_v_dim=int(g.require("ssm.inner_size")) // n_v,
@@ -74,7 +72,7 @@ class Qwen35(Family):
         if g.value("rope.scaling.type", "none") not in ("none", None):
             raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported "
                                      f"by the {g.arch} runtime")
-        rope_dim = int(g.value("rope.dimension_count", head_dim))
+        rope_dim = int(g.value("rope.dimension_count", self.cfg.attn.head_dim))
         self.rope = Rope(rope_inv_freq(rope_dim, float(g.value("rope.freq_base", 10000.0))), neox=True)
 
     def block(self, w: Scope, index: int) -> DecoderBlock:

@@ -1,0 +1,35 @@
+"""GGUF metadata -> the shared layer configs, read the same way by every family that has them."""
+
+from __future__ import annotations
+
+from gguf import ExpertGatingFuncType
+
+from ...errors import InputError
+from ..layers import AttnConfig, MoEConfig
+from ..weights import GGUFFile
+
+
+def gqa_config(g: GGUFFile, eps: float, **kw) -> AttnConfig:
+    """Grouped-query attention: head counts, and the head size (key_length, else embedding / heads)."""
+    n_heads = int(g.require("attention.head_count"))
+    head_dim = int(g.value("attention.key_length", int(g.require("embedding_length")) // n_heads))
+    return AttnConfig(n_heads, int(g.value("attention.head_count_kv", n_heads)), head_dim, eps, **kw)
+
+
+def routed_moe_config(g: GGUFFile, default_gating: ExpertGatingFuncType) -> MoEConfig:
+    """DeepSeek-style routing as llama.cpp reads it: gating function (``default_gating`` when the file names
+    none: llama.cpp's per-arch default), group-limited top-k, renormalisation, routed scaling factor."""
+    gating = int(g.value("expert_gating_func", default_gating) or default_gating)
+    names = {ExpertGatingFuncType.SOFTMAX: "softmax", ExpertGatingFuncType.SIGMOID: "sigmoid"}
+    if gating not in names:
+        raise InputError(g.path, f"{g.arch}.expert_gating_func {gating} is not supported by the runtime "
+                                 "(1 softmax, 2 sigmoid)")
+    return MoEConfig(
+        n_experts=int(g.value("expert_count", 0)),
+        n_used=int(g.value("expert_used_count", 0)),
+        gating=names[ExpertGatingFuncType(gating)],
+        norm_topk=bool(g.value("expert_weights_norm", False)),
+        scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
+        n_group=int(g.value("expert_group_count", 1) or 1),
+        topk_group=int(g.value("expert_group_used_count", 1) or 1),
+    )
