@@ -62,6 +62,7 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
     # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
+    "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
@@ -123,6 +124,11 @@ def llama_args(options: dict, imatrix_file: Path | None = None) -> list[str]:
 
 
 def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
+    if "." in builder:  # "tiny_<family>.<function>": a tests/tiny_*.py builder
+        import importlib
+
+        module, function = builder.split(".")
+        return getattr(importlib.import_module(module), function)(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "glm4moe":
         return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "deepseek_v3":
