@@ -21,7 +21,8 @@ layers + 1 MTP block (so llama.cpp's use_more_bits layer pattern has room); an
 n_gqa >= 4 rules, token_embd following the output rules); rows that are not
 multiples of 256 or of 32 (the K-quant and q8_0 fallbacks); Qwen3.5 dense and
 MoE (attn_qkv counted as attn_v, dense ffn_down by running count, ssm tensors);
-DeepSeek-V3 (MLA's attn_kv_b, 8 experts). ``test_recorded_choices_are_current``
+DeepSeek-V3 (MLA's attn_kv_b, 8 experts); Qwen3-Next (the split in_proj_qkvz,
+ssm_ba); DeepSeek-V3.2 (the lightning indexer). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
 """
 
@@ -63,6 +64,7 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
     "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
+    "deepseek_v32_8layers": ("tiny_deepseek32.deepseek_v32", dict(num_hidden_layers=8)),  # + lightning indexer
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
