@@ -30,6 +30,7 @@ from runcli import run_cli
 VARIANTS = {
     "release": dict(),  # config.json as the release has it, per-expert tensors
     "tf5_fused": dict(release_config=False, fused_experts=True),  # transformers 5's config keys, fused trunk experts
+    "release_bf16": dict(dtype=torch.bfloat16),  # the norms' +1 happens in f32, as llama.cpp adds it
 }
 N = 4  # trunk layers; the MTP block is blk.4
 LAYER = {
@@ -115,7 +116,7 @@ def ckpt(tmp_path_factory):
     def get(variant: str) -> Path:
         if variant not in cache:
             folder = tmp_path_factory.mktemp(variant) / "ckpt"
-            cache[variant] = tiny_qwen3next.qwen3next(folder, dtype=torch.float32, **VARIANTS[variant])
+            cache[variant] = tiny_qwen3next.qwen3next(folder, **{"dtype": torch.float32, **VARIANTS[variant]})
         return cache[variant]
 
     return get
@@ -196,6 +197,21 @@ def test_no_mtp_mtp_only_and_inspect(ckpt, tmp_path):
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)
     assert info["arch"] == "qwen3next" and len(info["mtp_blocks"]) == 1, info.get("mtp_blocks")
+
+
+def test_extract_and_graft(ckpt, tmp_path):
+    """The head cut out of one file and grafted onto a Q4_K_M trunk: per-block recurrent flags gain its entry."""
+    full, trunk, head, grafted = (tmp_path / f"{n}.gguf" for n in ("full", "trunk", "head", "grafted"))
+    convert(ckpt("release"), full, "--outtype", "f16")
+    convert(ckpt("release"), trunk, "--outtype", "f16", "--no-mtp", "--quant", "Q4_K_M")
+    assert run_cli("extract-mtp", full, head, "--quiet").exit_code == 0
+    res = run_cli("graft", "--mtp-from", head, "--into", trunk, grafted, "--mtp-type", "q8_0", "--quiet")
+    assert res.exit_code == 0, res.output
+    kv, tensors = read_gguf(grafted)
+    assert set(tensors) == set(expected_gguf(ckpt("release")))
+    assert kv["qwen3next.block_count"] == 5 and kv["qwen3next.nextn_predict_layers"] == 1
+    assert kv["qwen3next.attention.recurrent_layers"] == [True, True, True, False, False]
+    assert tensors["blk.4.nextn.eh_proj.weight"][0] == T.Q8_0 and tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
 
 
 def test_checkpoint_without_mtp_tensors(tmp_path):
@@ -345,8 +361,8 @@ def test_accept_says_the_runtime_lacks_qwen3next(ckpt, tmp_path):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("variant,mode", [("release", None), ("tf5_fused", None), ("release", "--no-mtp"),
-                                          ("release", "--mtp")])
+@pytest.mark.parametrize("variant,mode", [("release", None), ("tf5_fused", None), ("release_bf16", None),
+                                          ("release", "--no-mtp"), ("release", "--mtp")])
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys, values and value types, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP block for qwen3next)."""
