@@ -207,8 +207,9 @@ def test_indexer_shape_contradicts_config(ck, tmp_path):
     _refused(folder, tmp_path / "o.gguf", "indexer.wq_b.weight", "config.json implies [512, 256]", ".safetensors")
 
 
-def test_config_without_indexer_hparams(ck, tmp_path):
-    folder = _copy(ck, tmp_path / "ck", index_topk=None)
+@pytest.mark.parametrize("value", [None, "2048", 0])
+def test_config_without_indexer_hparams(ck, tmp_path, value):
+    folder = _copy(ck, tmp_path / "ck", index_topk=value)
     _refused(folder, tmp_path / "o.gguf", "config.json", "index_topk")
 
 
@@ -229,6 +230,12 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ck, tmp_path):
             n_mtp += 1
     assert n_mtp >= 12 and tensors[f"blk.{MTP}.indexer.attn_q_b.weight"][0] == T.Q8_0
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
+    assert tensors["blk.1.indexer.proj.weight"][0] != T.Q8_0  # the trunk follows the preset
+    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
+    res = run_cli("convert", ck, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, direct = read_gguf(one_pass)
+    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_accept_says_the_runtime_lacks_deepseek32(f32, ck, tmp_path):

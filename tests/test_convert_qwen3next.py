@@ -315,9 +315,11 @@ def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
     _fails(folder, tmp_path / "o.gguf", shard.name, victim, "[704, 256]", "config.json implies [768, 256]")
 
 
-def test_dense_layers_are_refused(ckpt, tmp_path):
+@pytest.mark.parametrize("change", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2),
+                                    dict(decoder_sparse_step="two")])
+def test_dense_layers_are_refused(ckpt, tmp_path, change):
     folder = _copy(ckpt, tmp_path)
-    _edit_config(folder, mlp_only_layers=[0])
+    _edit_config(folder, **change)
     _fails(folder, tmp_path / "o.gguf", "config.json", "mlp_only_layers")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gguf
 from gguf import GGUFWriter
 
+from ..errors import InputError
 from .base import register
 from .deepseek2 import DeepseekV3
 
@@ -37,6 +38,13 @@ class DeepseekV32(DeepseekV3):
     arch = "deepseek32"
     required_hparams = DeepseekV3.required_hparams + _INDEXER_HPARAMS
     f32_kinds = DeepseekV3.f32_kinds + ("indexer.proj",)
+
+    def __init__(self, ckpt):
+        super().__init__(ckpt)
+        for key in _INDEXER_HPARAMS[1:]:  # not in validate's schema: checked here, before any use
+            v = self.hparams[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InputError(ckpt.folder / "config.json", f"{key} must be a positive integer, got {v!r}")
 
     def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
         """The attention tensors of one layer: MLA's, and the indexer's (checked and expected alike)."""

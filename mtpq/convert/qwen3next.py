@@ -49,7 +49,7 @@ class Qwen3Next(Qwen35Moe):
     def __init__(self, ckpt: Checkpoint):
         super().__init__(ckpt)
         hp = self.hparams
-        if hp.get("mlp_only_layers") or int(hp.get("decoder_sparse_step") or 1) != 1:
+        if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step") not in (None, 1):
             raise InputError(ckpt.folder / "config.json",
                              "mlp_only_layers / decoder_sparse_step give dense layers; llama.cpp's qwen3next "
                              "needs an MoE block in every layer")
