@@ -315,25 +315,39 @@ def test_llama_cpp_drafts_with_the_head(ck, tmp_path, llama_cpp_bin):
     assert len(_speculative(llama_cpp_bin, gguf_path, "def add(a, b):", 10)) >= 5
 
 
-@pytest.mark.llama_cpp
-def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin):
-    """With index_topk above the sequence length (every key kept) llama.cpp's greedy tokens, produced while
-    drafting with the head, equal transformers' DeepseekV32ForCausalLM: MLA, MoE, yarn and the MTP wiring are
-    right. With a small top-k the two engines break ties among zero (ReLU) indexer scores differently on a
-    random tiny model, so token equality is not expected there; the indexer's values are checked against
-    llama.cpp's converter above."""
+def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
     import transformers as tf
 
-    folder = tiny_deepseek32.deepseek_v32(tmp_path / "ck", dtype=torch.float32, index_topk=2048)
-    gguf_path = tmp_path / "m.gguf"
-    convert(folder, gguf_path, "--outtype", "f32")
-    prompt, n = "def add(a, b):", 10
-    steps = _speculative(llama_cpp_bin, gguf_path, prompt, n)
     tok = tf.AutoTokenizer.from_pretrained(str(folder))
     model = tf.DeepseekV32ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=n + 4, do_sample=False)[0, ids.shape[1]:].tolist()
+        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("indexer", ["keeps_every_key", "top_4"])
+def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin, indexer):
+    """llama.cpp's greedy tokens, produced while drafting with the head, equal transformers'
+    DeepseekV32ForCausalLM on the same checkpoint.
+
+    keeps_every_key: index_topk above the sequence length, so MLA, MoE, yarn and the MTP wiring are compared
+    alone. top_4: the indexer picks 4 keys per query in every layer, and the continuation differs from
+    keeping every key (checked), so its four tensors and three metadata keys are compared end to end. That
+    needs a model without exact ties at the top-k boundary: with 4 heads and random-sign weights many keys
+    score exactly 0 (every head's ReLU(q.k) is 0), and the two engines break such ties differently.
+    """
+    prompt, n = "def add(a, b):", 10
+    config = dict(index_topk=2048) if indexer == "keeps_every_key" else \
+        dict(index_n_heads=16, positive_index_weights=True)
+    folder = tiny_deepseek32.deepseek_v32(tmp_path / "ck", dtype=torch.float32, **config)
+    gguf_path = tmp_path / "m.gguf"
+    convert(folder, gguf_path, "--outtype", "f32")
+    steps = _speculative(llama_cpp_bin, gguf_path, prompt, n)
+    want = _hf_greedy(folder, prompt, n + 4)
+    if indexer == "top_4":
+        every_key = _copy(folder, tmp_path / "every_key", index_topk=2048)
+        assert _hf_greedy(every_key, prompt, n + 4)[:8] != want[:8]  # the indexer's choice shows in the tokens
     pos, checked = 0, 0
     for accepted, _, target in steps:
         pos += accepted

@@ -30,8 +30,13 @@ def deepseek_v32_config(**over) -> dict:
 
 
 def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
-                 **config_over) -> Path:
-    """Write the tiny checkpoint to ``folder`` and return it."""
+                 positive_index_weights: bool = False, **config_over) -> Path:
+    """Write the tiny checkpoint to ``folder`` and return it.
+
+    ``positive_index_weights``: the indexer's per-head weights (``weights_proj``) made positive, so that a
+    key scores exactly 0 only when every head's ReLU(q.k) is 0; with many heads (``index_n_heads=16``) that
+    practically never happens, and engines cannot disagree on how to break ties at the top-k boundary.
+    """
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     folder = Path(folder)
@@ -50,6 +55,8 @@ def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bflo
                 p.copy_(_norm(p.numel(), gen) if name.endswith("norm.weight")
                         else 0.05 * torch.randn(p.numel(), generator=gen))
     sd = _hf_state_dict(model)
+    if positive_index_weights:
+        sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})
     h, p = cfg.hidden_size, f"model.layers.{n}."
     sd.update({
         p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
