@@ -297,7 +297,8 @@ def _drop_tensor(folder: Path, victim: str) -> None:
 
 
 @pytest.mark.parametrize("victim", ["model.layers.1.linear_attn.in_proj_ba.weight",
-                                    "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.mlp.experts.2.up_proj.weight"])
+                                    "mtp.layers.0.self_attn.q_norm.weight",
+                                    "mtp.layers.0.mlp.experts.2.up_proj.weight"])
 def test_missing_tensor(ckpt, tmp_path, victim):
     folder = _copy(ckpt, tmp_path)
     _drop_tensor(folder, victim)
