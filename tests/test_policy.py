@@ -22,7 +22,8 @@ n_gqa >= 4 rules, token_embd following the output rules); rows that are not
 multiples of 256 or of 32 (the K-quant and q8_0 fallbacks); Qwen3.5 dense and
 MoE (attn_qkv counted as attn_v, dense ffn_down by running count, ssm tensors);
 DeepSeek-V3 (MLA's attn_kv_b, 8 experts); GLM-5.x (glm-dsa: its indexer tensors) and
-GLM-4.7-Flash (deepseek2 with the MTP block llama-quantize then sees). ``test_recorded_choices_are_current``
+GLM-4.7-Flash (deepseek2 with the MTP block llama-quantize then sees); Qwen3-Next (the split
+in_proj_qkvz, ssm_ba); DeepSeek-V3.2 (the lightning indexer). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
 """
 
@@ -66,6 +67,8 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     # GLM-5.x: MLA + the DSA indexer (full/shared layers), arch glm-dsa; GLM-4.7-Flash: deepseek2 with its MTP block
     "glm_dsa_8layers": ("glm_dsa", dict(num_hidden_layers=8, indexer_types=["full"] * 3 + ["shared"] * 3 + ["full"] * 2)),
     "glm4_moe_lite_8layers": ("glm4_moe_lite", dict(num_hidden_layers=8)),
+    "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
+    "deepseek_v32_8layers": ("tiny_deepseek32.deepseek_v32", dict(num_hidden_layers=8)),  # + lightning indexer
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
@@ -127,6 +130,11 @@ def llama_args(options: dict, imatrix_file: Path | None = None) -> list[str]:
 
 
 def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
+    if "." in builder:  # "tiny_<family>.<function>": a tests/tiny_*.py builder
+        import importlib
+
+        module, function = builder.split(".")
+        return getattr(importlib.import_module(module), function)(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "glm4moe":
         return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "deepseek_v3":

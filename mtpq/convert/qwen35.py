@@ -195,8 +195,12 @@ class Qwen35(Family):
         head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
         partial = rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.25))
         w.add_rope_dimension_count(int(head_dim * partial))
-        sections = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
-        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
+        if (sections := self.rope_sections()) is not None:
+            w.add_rope_dimension_sections((list(sections) + [0] * 4)[:4])
+
+    def rope_sections(self) -> list[int] | None:
+        """The MRoPE sections to write (Qwen3.5 always has them: its loaders require the key)."""
+        return self.rope_parameters.get("mrope_section") or DEFAULT_MROPE_SECTION
 
     # -- tensors ------------------------------------------------------------------------
 
