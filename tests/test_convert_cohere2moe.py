@@ -27,7 +27,8 @@ from runcli import run_cli
 
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
 ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
-        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
         "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
         "attn_output.weight": ((256, 256), "self_attn.o_proj.weight")}
 DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),

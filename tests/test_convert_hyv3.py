@@ -27,11 +27,14 @@ from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
-ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"), "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
+        "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
         "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
         "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
-        "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"), "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight")}
+        "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
+        "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight")}
 DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
          "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
 MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.router.gate.weight"),

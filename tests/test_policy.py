@@ -63,6 +63,7 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
     "hyv3_8layers": ("hyv3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
+    "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]

@@ -61,7 +61,8 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
         t[p + "mlp.expert_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
         for e in range(n_exp):
             q = f"{p}mlp.experts.{e}."
-            t.update({q + "gate_proj.weight": _randn(moe_ff, H, gen=gen), q + "up_proj.weight": _randn(moe_ff, H, gen=gen),
+            t.update({q + "gate_proj.weight": _randn(moe_ff, H, gen=gen),
+                      q + "up_proj.weight": _randn(moe_ff, H, gen=gen),
                       q + "down_proj.weight": _randn(H, moe_ff, gen=gen)})
         shared = moe_ff * cfg["num_shared_experts"]
         t.update({p + "mlp.shared_mlp.gate_proj.weight": _randn(shared, H, gen=gen),
