@@ -64,6 +64,8 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
     "hyv3_8layers": ("hyv3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
     "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
+    # Mamba2 + attention + MoE (ReLU^2 experts: no ffn_gate_exps), the two mtp.layers folded into blk.8
+    "nemotronh_8layers": ("nemotronh", dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE")),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
