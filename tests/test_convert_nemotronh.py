@@ -271,6 +271,22 @@ def test_inspect_shows_the_head(nh_ckpt, nh_f32, tmp_path):
     assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(304) if n.startswith("blk.4.")}
 
 
+def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
+    """A --no-mtp quant given the head back by graft: the MTP block, and the per-layer arrays
+    (head_count_kv, feed_forward_length) regain its entry, as in the full conversion."""
+    full, trunk, head, grafted = (tmp_path / f"{n}.gguf" for n in ("full", "trunk", "head", "grafted"))
+    full_kv, full_t = convert(nh_ckpt, full, "--outtype", "f16")
+    convert(nh_ckpt, trunk, "--outtype", "f16", "--no-mtp", "--quant", "Q4_K_M")
+    assert run_cli("extract-mtp", full, head, "--quiet").exit_code == 0
+    res = run_cli("graft", "--mtp-from", head, "--into", trunk, grafted, "--mtp-type", "q8_0", "--quiet")
+    assert res.exit_code == 0, res.output
+    kv, tensors = read_gguf(grafted)
+    assert set(tensors) == set(full_t)
+    for key in ("block_count", "nextn_predict_layers", "attention.head_count_kv", "feed_forward_length"):
+        assert kv[f"nemotron_h_moe.{key}"] == full_kv[f"nemotron_h_moe.{key}"], key
+    assert tensors["blk.4.nextn.eh_proj.weight"][0] == T.Q8_0 and tensors["blk.4.ffn_up_exps.weight"][0] == T.Q8_0
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 
 
