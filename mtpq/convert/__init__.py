@@ -11,7 +11,7 @@ from . import glm4moe  # noqa: F401  (families register themselves)
 from . import qwen35, qwen35moe  # noqa: F401
 from . import deepseek2  # noqa: F401
 from . import step35, mimo2  # noqa: F401
-from . import hyv3, cohere2moe, nemotronh  # noqa: F401
+from . import hyv3, cohere2moe, nemotronh, bailingmoe3  # noqa: F401
 from .base import FAMILIES, OUTTYPES, MtpMode, family_for
 from .checkpoint import Checkpoint
 
