@@ -66,6 +66,8 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
     # Mamba2 + attention + MoE (ReLU^2 experts: no ffn_gate_exps), the two mtp.layers folded into blk.8
     "nemotronh_8layers": ("nemotronh", dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE")),
+    # KDA + MLA (attn_k_b/attn_v_b) + MoE, MTP layer appended; arch not in pip gguf 0.19
+    "bailingmoe3_8layers": ("bailingmoe3", dict(num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
