@@ -209,6 +209,36 @@ def test_unsupported_variants_exit_2(bl_ckpt, tmp_path, change, needle):
     assert res.exit_code == 2 and needle in res.stderr and "config.json" in res.stderr, res.output
 
 
+def test_fp8_block_scaled_dequantized(bl_ckpt, tmp_path):
+    """Ling 3.0 also ships FP8: e4m3 matrices with 128x128 weight_scale_inv tiles. GGUF values = the
+    dequantized source (computed here tile by tile), through the same transforms (kv_b split included)."""
+    import tiny
+
+    ck = shutil.copytree(bl_ckpt, tmp_path / "fp8")
+    tiny.to_fp8_block_scaled(ck)
+    stored = source_tensors(ck)
+    dequant: dict[str, torch.Tensor] = {}
+    for name, q in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if q.dtype != torch.float8_e4m3fn:
+            dequant[name] = q.float()
+            continue
+        w, sc = q.float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(w)
+        for i in range(sc.shape[0]):
+            for j in range(sc.shape[1]):
+                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+                want[tile] = w[tile] * sc[i, j]
+        dequant[name] = want
+    for n in ("model.layers.4.attention.kv_b_proj.weight", "model.layers.0.attention.f_proj.weight",
+              "model.layers.4.eh_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight"):
+        assert stored[n].dtype == torch.float8_e4m3fn, n
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    for name, (_, hf) in expected(_vocab(ck)).items():
+        np.testing.assert_array_equal(tensors[name][1], value(dequant, name, hf).numpy(), err_msg=name)
+
+
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(bl_ckpt, tmp_path):
     f16 = tmp_path / "f16.gguf"
     convert(bl_ckpt, f16, "--outtype", "f16")
