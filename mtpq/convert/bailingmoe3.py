@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-import gguf
 import torch
 from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
@@ -164,10 +163,11 @@ class BailingMoe3(Family):
         used: list[str] = []
         n_blocks = self.n_trunk + self.n_mtp
 
-        def one(hf: str, name: str | None = None) -> Emit:
+        def one(hf: str) -> Emit:
             used.append(hf)
-            transform, shape = self._transform(name or self.map_name(hf), tuple(self.ckpt.shape(hf)))
-            return self.emit(name or self.map_name(hf), hf, transform, shape)
+            name = self.map_name(hf)
+            transform, shape = self._transform(name, tuple(self.ckpt.shape(hf)))
+            return self.emit(name, hf, transform, shape)
 
         self.expect_shape(self.require("model.word_embeddings.weight"),
                           (self.hparams["vocab_size"], self.hparams["hidden_size"]))
