@@ -23,7 +23,8 @@ multiples of 256 or of 32 (the K-quant and q8_0 fallbacks); Qwen3.5 dense and
 MoE (attn_qkv counted as attn_v, dense ffn_down by running count, ssm tensors);
 DeepSeek-V3 (MLA's attn_kv_b, 8 experts); GLM-5.x (glm-dsa: its indexer tensors) and
 GLM-4.7-Flash (deepseek2 with the MTP block llama-quantize then sees); Qwen3-Next (the split
-in_proj_qkvz, ssm_ba); DeepSeek-V3.2 (the lightning indexer). ``test_recorded_choices_are_current``
+in_proj_qkvz, ssm_ba); DeepSeek-V3.2 (the lightning indexer); Hy3, Cohere2 MoE, Nemotron-H MoE
+and Ling 3.0 (their MTP blocks). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
 """
 
@@ -69,6 +70,12 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "glm4_moe_lite_8layers": ("glm4_moe_lite", dict(num_hidden_layers=8)),
     "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
     "deepseek_v32_8layers": ("tiny_deepseek32.deepseek_v32", dict(num_hidden_layers=8)),  # + lightning indexer
+    "hyv3_8layers": ("hyv3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
+    "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
+    # Mamba2 + attention + MoE (ReLU^2 experts: no ffn_gate_exps), the two mtp.layers folded into blk.8
+    "nemotronh_8layers": ("nemotronh", dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE")),
+    # KDA + MLA (attn_k_b/attn_v_b) + MoE, MTP layer appended; arch not in pip gguf 0.19
+    "bailingmoe3_8layers": ("bailingmoe3", dict(num_hidden_layers=8)),
 }
 PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
@@ -145,6 +152,11 @@ def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
         import tiny_glm_dsa
 
         return getattr(tiny_glm_dsa, builder)(folder / "ckpt", dtype=torch.float32, **config)
+    if builder != "qwen35":  # tests/tiny_<builder>.py with a function <builder>(folder, dtype=..., **config)
+        import importlib
+
+        return getattr(importlib.import_module(f"tiny_{builder}"), builder)(folder / "ckpt", dtype=torch.float32,
+                                                                          **config)
     import tiny_qwen35
 
     return tiny_qwen35.qwen35(folder / "ckpt", dtype=torch.float32, **config)

@@ -1,0 +1,315 @@
+"""Cohere2 MoE (Cohere2MoeForCausalLM) conversion: tensors and values, the MTP block, metadata, modes, quantizing.
+
+The expected GGUF names, shapes and metadata are written out here by hand (from
+llama.cpp's conversion/command_r.py Cohere2MoeModel, its gguf-py tensor map for
+cohere2moe and the loader src/models/cohere2moe.cpp), independently of mtpq's
+tables; the llama_cpp-marked tests compare against llama.cpp's own converter
+(which keeps the MTP block too), llama-quantize and llama-speculative-simple.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
+
+import tiny_cohere2moe
+from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from runcli import run_cli
+
+N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
+ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
+        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight")}
+DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
+MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
+       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
+       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
+       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight")}
+NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
+         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+         "nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight")}
+BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
+TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: no output.weight
+       "output_norm.weight": ((256,), "model.norm.weight")}
+
+
+def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
+    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
+    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
+    for bid in blocks:
+        for kind, (shape, hf) in BLOCKS[bid].items():
+            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
+    return out
+
+
+def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
+    if "*" in hf:
+        return torch.stack([src[hf.replace("*", str(e))] for e in range(4)])
+    return src[hf]
+
+
+@pytest.fixture(scope="module")
+def co_ckpt(tmp_path_factory):
+    return tiny_cohere2moe.cohere2moe(tmp_path_factory.mktemp("cohere2moe") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def co_f32(co_ckpt, tmp_path_factory):
+    return convert(co_ckpt, tmp_path_factory.mktemp("cohere2moe_out") / "m.gguf", "--outtype", "f32")
+
+
+def _vocab(folder) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
+    _, tensors = co_f32
+    want = expected(_vocab(co_ckpt))
+    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
+    src = source_tensors(co_ckpt)
+    for name, (_, hf) in want.items():
+        qtype, got = tensors[name]
+        assert qtype == T.F32, name
+        np.testing.assert_array_equal(got, source_value(src, hf).float().numpy(), err_msg=name)
+
+
+def test_metadata(co_ckpt, co_f32):
+    kv, _ = co_f32
+    want = {
+        "general.architecture": "cohere2moe", "cohere2moe.block_count": 5, "cohere2moe.nextn_predict_layers": 1,
+        "cohere2moe.context_length": 4096, "cohere2moe.embedding_length": 256,
+        "cohere2moe.feed_forward_length": 512,  # the dense prefix's width (prefix_dense_intermediate_size)
+        "cohere2moe.attention.head_count": 4, "cohere2moe.attention.head_count_kv": 2,
+        "cohere2moe.attention.key_length": 64, "cohere2moe.attention.value_length": 64,
+        "cohere2moe.rope.dimension_count": 64, "cohere2moe.rope.scaling.type": "none",
+        "cohere2moe.attention.sliding_window": 16,
+        "cohere2moe.attention.sliding_window_pattern": [True, True, True, False],  # trunk layers only
+        "cohere2moe.vocab_size": _vocab(co_ckpt), "cohere2moe.expert_count": 4, "cohere2moe.expert_used_count": 2,
+        "cohere2moe.expert_gating_func": 2, "cohere2moe.expert_feed_forward_length": 256,
+        "cohere2moe.expert_shared_count": 1, "cohere2moe.expert_shared_feed_forward_length": 256,
+        "cohere2moe.leading_dense_block_count": 1, "cohere2moe.expert_weights_norm": True,
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    assert kv["cohere2moe.logit_scale"] == pytest.approx(0.0625)
+    assert kv["cohere2moe.rope.freq_base"] == pytest.approx(50000.0)
+    assert kv["cohere2moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    # rms_norm_eps null: llama.cpp then runs LayerNorm (its loader needs one of the two epsilons)
+    assert "cohere2moe.attention.layer_norm_rms_epsilon" not in kv
+
+
+def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
+    kv, tensors = convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["cohere2moe.block_count"] == 4 and "cohere2moe.nextn_predict_layers" not in kv
+    assert set(tensors) == set(expected(_vocab(co_ckpt), range(4)))
+    kv, tensors = convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    assert kv["cohere2moe.block_count"] == 5 and kv["cohere2moe.nextn_predict_layers"] == 1
+    # tied embeddings: the head file carries token_embd (its lm_head too) and output_norm
+    assert set(tensors) == {n for n in expected(_vocab(co_ckpt)) if n.startswith("blk.4.")} | {
+        "token_embd.weight", "output_norm.weight"}
+
+
+def test_checkpoint_without_mtp_layer(tmp_path):
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "stripped", with_mtp=False)
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["cohere2moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2 and "layer 4" in res.stderr and "--no-mtp" in res.stderr
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_zero_biases_dropped_nonzero_refused(tmp_path):
+    """attention_bias: llama.cpp's graph has no biases; zero ones are dropped, others refused (exit 2)."""
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "bias", attention_bias=True)
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert set(tensors) == set(expected(_vocab(ck)))
+    shard = _rewrite(ck, "model.layers.2.self_attn.k_proj.bias", torch.full((128,), 0.5))
+    res = run_cli("convert", ck, tmp_path / "bad.gguf", "--quiet")
+    assert res.exit_code == 2 and "k_proj.bias is not zero" in res.stderr and shard.name in res.stderr
+    assert not (tmp_path / "bad.gguf").exists()
+
+
+def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
+    """Replace (or with None, delete) one stored tensor, keeping the index consistent."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    if value is None:
+        del tensors[name], index["weight_map"][name]
+    else:
+        tensors[name] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return shard
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
+    ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),
+    ("model.layers.4.mlp.experts.3.down_proj.weight", torch.zeros(256, 128), "config.json implies [256, 256]"),
+    ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
+])
+def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, needle):
+    ck = shutil.copytree(co_ckpt, tmp_path / "ck")
+    shard = _rewrite(ck, name, value)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and needle in line, line
+    assert (shard.name in line) if value is not None else (str(ck) in line), line
+    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
+    f16 = tmp_path / "f16.gguf"
+    convert(co_ckpt, f16, "--outtype", "f16")
+    out = tmp_path / "q.gguf"
+    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, tensors = read_gguf(out)
+    shapes = expected(_vocab(co_ckpt))
+    for name, (qtype, _) in tensors.items():
+        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        elif name.startswith("blk.4."):
+            assert qtype == T.Q8_0, name
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
+    one_pass = tmp_path / "one.gguf"
+    res = run_cli("convert", co_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, direct = read_gguf(one_pass)
+    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
+
+
+def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
+    out = tmp_path / "m.gguf"
+    convert(co_ckpt, out, "--outtype", "f16")
+    res = run_cli("inspect", out, "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(_vocab(co_ckpt))
+                                                                if n.startswith("blk.4.")}
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+def _strip(kv: dict) -> dict:
+    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
+    return {k: v for k, v in kv.items() if not k.startswith("general.") or k in keep}
+
+
+def _llama_cpp_reference(llama_cpp_src, ck: Path, out: Path, pre: str, *args: str):
+    from llamacpp_ref import llama_cpp_convert
+
+    return llama_cpp_convert(llama_cpp_src, ck, out, pre, *args)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("dtype,over", [(torch.float32, {}), (torch.bfloat16, {}),
+                                        (torch.float32, {"attention_bias": True, "rms_norm_eps": 1e-6})])
+def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, dtype, over):
+    """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
+    (which keeps the MTP block too), from f32 and bf16, and with zero biases + RMSNorm.
+
+    llama.cpp's converter crashes on Cohere's bias check in its default lazy mode ("len() of a
+    0-d tensor"), so the bias case runs it with --no-lazy.
+    """
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", dtype=dtype, **over)
+    out = tmp_path / "ours.gguf"
+    kv, tensors = convert(ck, out, "--outtype", "f32")
+    ref = _llama_cpp_reference(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
+                               *(["--no-lazy"] if over.get("attention_bias") else []))
+    ref_kv, ref_tensors = read_gguf(ref)
+    assert _strip(kv) == _strip(ref_kv)
+    assert _strip(kv_types(out)) == _strip(kv_types(ref))
+    assert set(tensors) == set(ref_tensors) and "blk.4.nextn.eh_proj.weight" in tensors
+    for name, (qtype, data) in tensors.items():
+        ref_type, ref_data = ref_tensors[name]
+        assert qtype == ref_type and data.shape == ref_data.shape, name
+        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+
+
+@pytest.mark.llama_cpp
+def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path, llama_cpp_src):
+    """llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); ours
+    gives its full file's trunk (block_count 4, no nextn key) and its MTP block + shared tensors."""
+    full = tmp_path / "full.gguf"
+    kv, _ = convert(co_ckpt, full, "--outtype", "f32")
+    ref_kv, ref = read_gguf(_llama_cpp_reference(llama_cpp_src, co_ckpt, tmp_path / "ref.gguf",
+                                                 kv["tokenizer.ggml.pre"]))
+    trunk_kv, trunk = convert(co_ckpt, tmp_path / "trunk.gguf", "--outtype", "f32", "--no-mtp")
+    want_kv = {k: v for k, v in _strip(ref_kv).items() if k != "cohere2moe.nextn_predict_layers"}
+    want_kv["cohere2moe.block_count"] = 4
+    want_kv["general.size_label"] = trunk_kv["general.size_label"]  # counts the parameters written
+    assert _strip(trunk_kv) == want_kv
+    assert set(trunk) == {n for n in ref if not n.startswith("blk.4.")}
+    head_kv, head = convert(co_ckpt, tmp_path / "head.gguf", "--outtype", "f32", "--mtp-only")
+    assert {k: v for k, v in _strip(head_kv).items() if k != "general.size_label"} == {
+        k: v for k, v in _strip(ref_kv).items() if k != "general.size_label"}
+    assert set(head) == {n for n in ref if n.startswith("blk.4.") or n in ("token_embd.weight", "output_norm.weight")}
+    for part in (trunk, head):
+        for name, (qtype, data) in part.items():
+            assert qtype == ref[name][0], name
+            np.testing.assert_array_equal(data, ref[name][1], err_msg=name)
+
+
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
+                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    assert res.returncode == 0, (cmd, res.stderr[-3000:])
+    return res
+
+
+@pytest.mark.llama_cpp
+def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
+    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
+    f16 = tmp_path / "f16.gguf"
+    convert(co_ckpt, f16, "--outtype", "f16")
+    ref = tmp_path / "ref.gguf"
+    _run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
+    ours = tmp_path / "ours.gguf"
+    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
+    _, a = read_gguf(ours)
+    _, b = read_gguf(ref)
+    assert set(a) == set(b)
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
+
+
+@pytest.mark.llama_cpp
+def test_loads_and_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin):
+    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
+    a --no-mtp trunk with a --mtp-only head file."""
+    convert(co_ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
+    convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
+    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
+            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    for banner, models in runs.items():
+        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp", *flags])
+        assert banner in res.stderr, res.stderr[-2000:]
+        if (drafted := re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)) is not None:
+            assert int(drafted.group(1)) > 0, res.stderr[-2000:]
