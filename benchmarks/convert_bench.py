@@ -118,7 +118,7 @@ def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> float:
     in_bytes = sum(s.stat().st_size for s in shards)
     buf = bytearray(64 << 20)
     t0 = time.perf_counter()
-    with open(work / "copy.bin", "wb") as dst_f:
+    with open(work / "mtpq-bench-copy.bin", "wb") as dst_f:
         for s in shards:
             with open(s, "rb") as src_f:
                 while n := src_f.readinto(buf):
@@ -127,7 +127,7 @@ def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> float:
                         dst_f.write(memoryview(buf)[:min(n, todo)])
                         todo -= min(n, todo)
     dt = time.perf_counter() - t0
-    (work / "copy.bin").unlink()
+    (work / "mtpq-bench-copy.bin").unlink()
     return dt
 
 
@@ -139,7 +139,7 @@ def output_bytes(src: Path, outtype: str) -> int:
     return sum(tensor_nbytes(t.shape, t.ggml_type) for t in plan_checkpoint(src, outtype=OUTTYPES.get(outtype)).tensors)
 
 
-def run_one(label: str, src: Path, work: Path, outtype: str, repeat: int) -> dict:
+def run_one(label: str, src: Path, outdir: Path, outtype: str, repeat: int) -> dict:
     """``repeat`` rounds of copy, convert; then one more copy. Times are the best of each (the noise on a
     shared machine only ever adds time), peak RSS the largest seen."""
     shards = sorted(src.glob("*.safetensors"))
@@ -149,10 +149,10 @@ def run_one(label: str, src: Path, work: Path, outtype: str, repeat: int) -> dic
             while f.read(1 << 24):
                 pass
     out_bytes = output_bytes(src, outtype)
-    out = work / "out.gguf"
+    out = outdir / "mtpq-bench-out.gguf"
     copies, runs = [], []
     for i in range(repeat):
-        copies.append(copy_seconds(shards, work, out_bytes))
+        copies.append(copy_seconds(shards, outdir, out_bytes))
         out.unlink(missing_ok=True)  # a fresh target, like the copies
         res = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), outtype],
                              capture_output=True, text=True, cwd=ROOT)
@@ -163,7 +163,7 @@ def run_one(label: str, src: Path, work: Path, outtype: str, repeat: int) -> dic
             largest = largest_tensor(src, out)
             out_gb = out.stat().st_size / 1e9
         out.unlink()
-    copies.append(copy_seconds(shards, work, out_bytes))
+    copies.append(copy_seconds(shards, outdir, out_bytes))
     copy_s = min(copies)
     best = {k: min(r[k] for r in runs) for k in ("seconds", "plan_seconds", "write_seconds")}
     peak = max(r["peak_rss"] for r in runs)
@@ -183,6 +183,10 @@ def main() -> None:
     ap.add_argument("--fp8-outtypes", default="bf16,f16,q8_0", help="outtypes for deepseek2-fp8")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the expert counts (checkpoint size)")
     ap.add_argument("--repeat", type=int, default=3, help="conversions (and copies) per row: the best counts")
+    shm = Path("/dev/shm")
+    ap.add_argument("--out-dir", type=Path, default=shm if shm.is_dir() else None,
+                    help="where the copies and the GGUF are written (default /dev/shm: in memory, so that the disk's "
+                         "writeback, shared with whatever else runs, does not decide the figures)")
     ap.add_argument("--keep", type=Path, help="work in this folder and keep the checkpoints (reused when present)")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-bench-"))
@@ -206,7 +210,7 @@ def main() -> None:
                 else:
                     build(fam, src, args.scale)
             for outtype in (args.fp8_outtypes.split(",") if fam.endswith("-fp8") else ["auto"]):
-                r = run_one(fam, src, work, outtype, args.repeat)
+                r = run_one(fam, src, args.out_dir or work, outtype, args.repeat)
                 rows.append(r)
                 if len(rows) == 1:
                     print(head)
