@@ -400,3 +400,4 @@ def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]
             if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
                 ahead = pool.submit(checked, specs[i + 1])
             yield spec, data
+            del data  # written: not held while the next tensor is encoded

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Iterator
 
 import gguf
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, LlamaFileType
@@ -30,7 +31,7 @@ from gguf import GGUFWriter, LlamaFileType
 from ..errors import InputError
 from ..gguf_io import size_label
 from ..tensors import Plan, TensorSpec, block_index, classify
-from . import validate
+from . import stream, validate
 from .checkpoint import Checkpoint
 from .validate import Expected
 
@@ -76,6 +77,9 @@ class Emit:
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
     source: str
+    # the bytes in a given output type, produced a slab at a time (:mod:`.stream`) instead of from the whole
+    # ``load()``; None: the writer encodes ``load()``
+    encode: Callable[[T], np.ndarray] | None = None
 
 
 FAMILIES: dict[str, type["Family"]] = {}
@@ -306,7 +310,9 @@ class Family:
             if step is not None:
                 load = (lambda inner, f: lambda: f(inner()))(load, step)
         src = f"{self.ckpt.stored[hf_name].file.name}:{hf_name}"
-        return Emit(name, tuple(shape if shape is not None else own_shape), load, src)
+        # untransformed values can be encoded band by band (no full-size float32 copy of an FP8 tensor)
+        encode = None if own or transform else (lambda q: stream.encode_tensor(self.ckpt, hf_name, name, src, q))
+        return Emit(name, tuple(shape if shape is not None else own_shape), load, src, encode)
 
     def stack(self, name: str, hf_names: list[str]) -> Emit:
         """Stack per-expert 2-D tensors into one 3-D tensor [n_expert, rows, cols]."""
@@ -321,14 +327,18 @@ class Family:
         ck = self.ckpt
 
         def load() -> torch.Tensor:
-            if any(ck.is_fp8(n) for n in hf_names):  # dequantized one expert at a time
-                return torch.stack([ck.load(n) for n in hf_names])
+            if any(ck.is_fp8(n) for n in hf_names):  # dequantized one expert at a time into one buffer
+                out = torch.empty(shape, dtype=torch.float32)
+                for i, n in enumerate(hf_names):
+                    out[i] = ck.load(n)
+                return out
             out = torch.empty(shape, dtype=_dtype_of(ck, hf_names[0]))
             for i, n in enumerate(hf_names):  # each expert read straight into its slice: no stacking copy
                 ck.read_into(n, out[i])
             return out
 
-        return Emit(name, shape, load, src)
+        # what the writer uses: the experts encoded one by one into the output type's buffer
+        return Emit(name, shape, load, src, lambda q: stream.encode_stack(ck, hf_names, name, src, shape, q))
 
     def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
         """Layer ``prefix``'s per-expert gate/up/down tensors as three stacked tensors, named as llama.cpp does."""
@@ -397,7 +407,10 @@ class Family:
             seen.add(e.name)
             role = classify(e.name, e.shape, self.n_trunk)
             qtype = self.output_type(e.name, e.shape, outtype)
-            specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}"))
+            # a streamed encoding is bytes already in qtype: the writer takes them as they are (load_raw)
+            raw = None if e.encode is None else (lambda f, q: lambda: f(q))(e.encode, qtype)
+            specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}",
+                                    source_type=qtype if raw else None, load_raw=raw))
 
         w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
         w.add_type("model")

@@ -12,12 +12,14 @@ on the fly, per tensor:
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import InputError
@@ -239,26 +241,32 @@ class Checkpoint:
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8
 
-    def _raw(self, name: str) -> torch.Tensor:
-        """Read one tensor with plain file I/O (positions come from the validated header).
+    def _raw(self, name: str, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Read one tensor (or its rows ``r0:r1`` along dim 0) with plain file I/O (positions come from the
+        validated header).
 
         Not a memory map: pages of a mapped checkpoint stay resident in the process
         (they count in its RSS) until the mapping closes; a read into a fresh buffer
         costs the same copy and leaves only this tensor in memory.
         """
         st = self.stored[name]
-        buf = bytearray(st.nbytes)
+        shape, offset, nbytes = st.shape, st.offset, st.nbytes
+        if r1 is not None or r0:  # a slab of leading rows is contiguous in the file
+            r1 = shape[0] if r1 is None else r1
+            row = st.nbytes // shape[0] if shape[0] else 0
+            shape, offset, nbytes = (r1 - r0, *shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+        buf = bytearray(nbytes)
         try:
             with open(st.file, "rb") as f:
-                f.seek(st.offset)
+                f.seek(offset)
                 got = f.readinto(buf)
         except OSError as exc:
             raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
-        if got != st.nbytes:
+        if got != nbytes:
             raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
-        if st.nbytes == 0:
-            return torch.empty(st.shape, dtype=_ST_DTYPES[st.dtype])
-        return torch.frombuffer(buf, dtype=_ST_DTYPES[st.dtype]).reshape(st.shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=_ST_DTYPES[st.dtype])
+        return torch.frombuffer(buf, dtype=_ST_DTYPES[st.dtype]).reshape(shape)
 
     def loader(self, name: str) -> Callable[[], torch.Tensor]:
         """A callable returning the tensor's values (FP8 dequantized to float32)."""
@@ -267,30 +275,80 @@ class Checkpoint:
         return lambda: self.load(name)
 
     def load(self, name: str) -> torch.Tensor:
-        st = self.stored[name]
         t = self._raw(name)
-        if st.dtype not in _FP8:
-            return t
-        w = t.to(torch.float32)
+        return self._dequantize(name, t, 0) if self.stored[name].dtype in _FP8 else t
+
+    def load_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` (dim 0) of a tensor, reading only their bytes (FP8 dequantized to float32). For a
+        2-D block-scaled FP8 tensor ``r0`` must start a tile (:meth:`row_step`)."""
+        t = self._raw(name, r0, r1)
+        return self._dequantize(name, t, r0) if self.stored[name].dtype in _FP8 else t
+
+    def row_step(self, name: str) -> int:
+        """The granularity of :meth:`load_rows`: a 2-D block-scaled tensor's tile height, else 1."""
+        st = self.stored[name]
+        if st.dtype in _FP8 and len(st.shape) == 2 and name + "_scale_inv" in self.stored:
+            return _block_size(self.config)[0]
+        return 1
+
+    def _dequantize(self, name: str, t: torch.Tensor, r0: int) -> torch.Tensor:
+        """float32 values of FP8 rows ``r0:r0+len(t)``; the scales are applied in place, tile band by band,
+        so the only full-size temporary is the float32 result itself."""
+        st = self.stored[name]
+        w = _fp8_to_f32(t)
+        del t
+        r1 = r0 + (w.shape[0] if w.dim() else 1)
         if name + "_scale_inv" in self.stored:  # block-scaled, 128x128 tiles by default
             s = self._raw(name + "_scale_inv").to(torch.float32)
-            return _apply_block_scale(w, s, self.config, st.file, name)
+            bh, bw = _block_size(self.config)
+            rows, cols = st.shape[-2], st.shape[-1]
+            want = (-(-rows // bh), -(-cols // bw))
+            if tuple(s.shape[-2:]) != want:
+                raise InputError(st.file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} "
+                                          f"for {bh}x{bw} tiles")
+            if len(st.shape) == 2:  # rows r0:r1 are tile rows r0/bh..
+                if r0 % bh:
+                    raise ValueError(f"{name}: rows from {r0} do not start a {bh}-row tile")
+                s = s[r0 // bh: -(-r1 // bh)]
+            elif s.dim() == len(st.shape):  # stacked [E, rows, cols]: dim 0 indexes the experts of both
+                s = s[r0:r1]
+            _scale_tiles_(w, s, bh, bw)
+            return w
         if name + "_scale" in self.stored:  # compressed-tensors: per-channel [out, 1] or per-tensor scalar
             s = self._raw(name + "_scale").to(torch.float32)
             if s.numel() == 1:
-                return w * s.reshape(())
-            if s.shape[0] != w.shape[0]:
-                raise InputError(st.file, f"{name}_scale has shape {tuple(s.shape)}, expected [{w.shape[0]}, 1]")
-            return w * s.reshape(w.shape[0], *([1] * (w.dim() - 1)))
+                w.numpy()[...] *= s.reshape(()).item()
+                return w
+            if s.shape[0] != st.shape[0] or s.numel() != st.shape[0]:
+                raise InputError(st.file, f"{name}_scale has shape {tuple(s.shape)}, expected [{st.shape[0]}, 1]")
+            w.numpy()[...] *= s.reshape(-1)[r0:r1].reshape(r1 - r0, *([1] * (w.dim() - 1))).numpy()
+            return w
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
-def _apply_block_scale(w: torch.Tensor, s: torch.Tensor, config: dict, file: Path, name: str) -> torch.Tensor:
+@functools.cache
+def _fp8_values(dtype: torch.dtype) -> np.ndarray:
+    """The 256 values of an FP8 format as float32, converted by torch once."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
+
+
+def _fp8_to_f32(t: torch.Tensor) -> torch.Tensor:
+    """FP8 -> float32 by table lookup: the same values as ``t.to(torch.float32)``, 4x quicker on CPU."""
+    return torch.from_numpy(np.take(_fp8_values(t.dtype), t.view(torch.uint8).numpy()))
+
+
+def _block_size(config: dict) -> tuple[int, int]:
     qcfg = config.get("quantization_config") or {}
     bh, bw = qcfg.get("weight_block_size") or [128, 128]
-    rows, cols = w.shape[-2], w.shape[-1]
-    want = (-(-rows // bh), -(-cols // bw))
-    if tuple(s.shape[-2:]) != want:
-        raise InputError(file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} for {bh}x{bw} tiles")
-    full = s.repeat_interleave(bh, dim=-2)[..., :rows, :].repeat_interleave(bw, dim=-1)[..., :cols]
-    return w * full
+    return int(bh), int(bw)
+
+
+def _scale_tiles_(w: torch.Tensor, s: torch.Tensor, bh: int, bw: int) -> None:
+    """w[..., rows, cols] *= each tile's scale s[..., rows/bh, cols/bw], in place: one band of bh rows at a
+    time, so the expanded scales never take more than one band's width (the same float32 products as a
+    full-size scale tensor would give). In numpy: memory-bound work that torch's intra-op threads only slow
+    down when the cores are busy (70x measured on a loaded 2-core machine)."""
+    wn, sn = w.numpy(), s.numpy()
+    cols = wn.shape[-1]
+    for i in range(-(-wn.shape[-2] // bh)):
+        wn[..., i * bh:(i + 1) * bh, :] *= np.repeat(sn[..., i:i + 1, :], bw, axis=-1)[..., :cols]

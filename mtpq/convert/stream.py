@@ -1,0 +1,126 @@
+"""Encoding a converted tensor slab by slab into one output buffer of the output type.
+
+Loading a whole tensor and then encoding it holds it twice, and for FP8 checkpoints in float32: one
+DeepSeek-V3 layer's stacked experts are 7.5 GB in bf16 but 15 GB dequantized (and ``torch.stack``
+of the dequantized experts held that twice). Here each slab (one expert of a stack, a band of rows
+of a single tensor) is read, dequantized, encoded into its place in the preallocated output and
+dropped, so the extra memory is one slab, not the tensor.
+
+The bytes are those of encoding the whole tensor: every type the converter writes (F32, F16, BF16,
+Q8_0) encodes each row independently of the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ..errors import InputError
+from .checkpoint import _ST_DTYPES, Checkpoint
+
+SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
+_TORCH_OF = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, and how to read them
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One torch thread for memory-bound element-wise work: more only add waits when the cores are busy
+    (a bf16 conversion 18x slower with 2 threads on a loaded 2-core machine). Per calling thread (OpenMP)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.ndarray:
+    """``quantize``, with a bad value reported as the source's fault (as the writer does)."""
+    from ..quantize.kernels import quantize
+
+    try:
+        if qtype in _TORCH_OF:
+            with _one_thread():
+                return quantize(values, qtype, name=name)
+        return quantize(values, qtype, name=name)  # quantized types: the kernels spread over the threads
+    except ValueError as exc:  # NaN/Inf, out of range: the source is at fault, say which tensor
+        raise InputError(source, str(exc)) from None
+
+
+def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
+    """The bytes of a tensor of ``shape`` in ``qtype`` (the array ``quantize`` would return for the whole
+    tensor), encoded slab by slab into one buffer allocated once."""
+    if qtype in _TORCH_OF:
+        with _one_thread():
+            return _float_slabs(name, source, shape, qtype, slabs)
+    out = None
+    for r0, r1, load in slabs:
+        part = encode_values(load(), qtype, name, source)
+        if out is None:
+            out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+        out[r0:r1] = part
+        del part
+    return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
+
+
+def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
+    """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
+    fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused first),
+    with ``quantize``'s checks and messages."""
+    from ..quantize.kernels import _all_finite
+
+    out = torch.empty(shape, dtype=_TORCH_OF[qtype])
+    for r0, r1, load in slabs:
+        values = load()
+        if not _all_finite(values):
+            raise InputError(source, f"{name}: contains NaN/Inf values")
+        dst = out[r0:r1]
+        dst.copy_(values.reshape(dst.shape))
+        del values
+        if qtype != T.F32 and not bool(torch.isfinite(torch.stack(torch.aminmax(dst))).all()):
+            what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
+            raise InputError(source, f"{name}: values exceed the {what}")
+    # the arrays quantize returns: BF16 as uint16 bit patterns
+    return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
+
+
+def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
+    """The stored values are already the output type's: their bits are written as they are."""
+    return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
+
+
+def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
+    """One HF tensor in ``qtype``, read and converted a band of rows at a time."""
+    shape = tuple(ck.shape(hf_name))
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    step = ck.row_step(hf_name)
+    per = max(step, SLAB_ELEMENTS // max(row, 1) // step * step)
+    if len(shape) < 2 or per >= shape[0] or passes_through(ck, hf_name, qtype):
+        return encode_values(ck.load(hf_name), qtype, name, source)  # one slab, or the bits are the output
+
+    def slab(r0: int) -> Slab:
+        r1 = min(shape[0], r0 + per)
+        return r0, r1, lambda: ck.load_rows(hf_name, r0, r1)
+
+    return encode_slabs(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
+
+
+def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
+                 qtype: T) -> np.ndarray:
+    """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one expert at a time."""
+    if all(passes_through(ck, n, qtype) for n in hf_names):
+        # the stored bits are the output: each expert read straight into its slice, no stacking copy
+        out = torch.empty(shape, dtype=_TORCH_OF[qtype])
+        for i, n in enumerate(hf_names):
+            ck.read_into(n, out[i])
+        return encode_values(out, qtype, name, source)  # checks the values, returns a view of ``out``
+    slabs = [(i, i + 1, (lambda n: lambda: ck.load(n).unsqueeze(0))(n)) for i, n in enumerate(hf_names)]
+    return encode_slabs(name, source, shape, qtype, slabs)
