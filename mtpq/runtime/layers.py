@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import KVCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
-from .weights import FusedLinear, Scope
+from .weights import FusedLinear, Scope, widened
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,6 +128,11 @@ class Attention(nn.Module):
         self.wo = w.linear("attn_output")
         self.qkv = FusedLinear(self.wq, self.wk, self.wv)
         self.q_norm, self.k_norm = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+        # q and k normed and rotated as one tensor of n_heads + n_kv_heads heads (half the small ops; the
+        # same arithmetic per element), with the two norms' weights stacked per head
+        self.joint = (self.q_norm is None) == (self.k_norm is None)
+        self.qk_norm = None if self.q_norm is None or not self.joint else torch.cat(
+            (self.q_norm.expand(cfg.n_heads, -1), self.k_norm.expand(cfg.n_kv_heads, -1)))
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -142,13 +147,18 @@ class Attention(nn.Module):
             q, gate = q.split(cfg.head_dim, dim=-1)
             gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.eps)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, cfg.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rope.apply(q, start), self.rope.apply(k, start)
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.joint:
+            qk = torch.cat((q, k), dim=2)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, cfg.eps)
+            q, k = self.rope.apply(qk.transpose(1, 2), start).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
+        else:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.eps)
+            q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
         if cache is not None:
             k, v = cache.update(k, v)
         out = causal_attention(q, k, v, start, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
@@ -249,15 +259,16 @@ class MoE(nn.Module):
         """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
         is at most twice the arithmetic of the sparse path, in a handful of batched ops instead of ~10
         small ops per expert, whose overhead is what costs on a small model."""
-        gate, up, down = (w.dequant().to(x.dtype) for w in (self.gate, self.up, self.down))  # [E, F, H], [E, H, F]
-        E, F_, H = gate.shape
-        # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched
+        E, F_, H = self.gate.shape
+        # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched.
+        # Each weight is fetched right before its one GEMM (matrix() may hand out a reused buffer).
         if self.gate_up is not None:
-            g, u = F.linear(x, self.gate_up.to(x.dtype)).chunk(2, dim=-1)
+            g, u = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g, u = F.linear(x, gate.reshape(E * F_, H)), F.linear(x, up.reshape(E * F_, H))
+            g = F.linear(x, self.gate.matrix().to(x.dtype).reshape(E * F_, H))
+            u = F.linear(x, self.up.matrix().to(x.dtype).reshape(E * F_, H))
         h = F.silu(g) * u  # [N, E*F]
-        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
+        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), self.down.matrix().to(x.dtype).transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
         return torch.einsum("ne,enh->nh", dense.to(x.dtype), y)
@@ -275,10 +286,11 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
+            g = F.silu(F.linear(h, self.gate.matrix(e).to(x.dtype)))
+            h = g * F.linear(h, self.up.matrix(e).to(x.dtype))
             if watch is not None:
                 watch(self.down.name, e, h)
-            h = F.linear(h, self.down.dequant(e).to(x.dtype))
+            h = F.linear(h, self.down.matrix(e).to(x.dtype))
             if one:
                 out += (h * weights[:, slot, None]).to(x.dtype)
             else:
