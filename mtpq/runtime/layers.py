@@ -19,11 +19,15 @@ from torch import nn
 
 from .cache import KVCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
-from .weights import FusedLinear, Scope, widened
+from .weights import FusedLinear, Scope, as_dtype, widened
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one call, bitwise the same arithmetic
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -95,15 +99,30 @@ class Rope:
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+_mask_memo: list = [None, None]  # (key, mask): the layers of one forward share it
+
+
+def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tensor:
+    key = (start, T, S, device)
+    if _mask_memo[0] != key:
+        _mask_memo[:] = key, torch.arange(S, device=device)[None, :] <= torch.arange(start, start + T, device=device)[:, None]
+    return _mask_memo[1]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA: query head h
     reads key head h // (Hq / Hkv))."""
-    T, S = q.shape[2], k.shape[2]
+    B, Hq, T, _ = q.shape
+    S, mqa = k.shape[2], k.shape[1] == 1 and Hq > 1
     if T == 1 and S <= start + 1:  # one new token (plain decoding): it sees every key, no mask to build
         allowed = None
     else:
-        allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        allowed = _causal_mask(start, T, S, q.device)
+    if mqa:  # one kv head (MLA's latent): the heads become rows of one query, ~4x faster than SDPA's GQA path
+        out = F.scaled_dot_product_attention(q.reshape(B, 1, Hq * T, -1), k, v, scale=scale,
+                                             attn_mask=None if allowed is None else allowed.repeat(Hq, 1))
+        return out.view(B, Hq, T, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=Hq != k.shape[1])
 
 
 # ----------------------------------------------------------------------------- attention
@@ -222,7 +241,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         if weight_io.observer is not None:
             weight_io.observer(self.router_name, None, x)
-        logits = F.linear(x.float(), self.router)
+        logits = F.linear(as_dtype(x, torch.float32), self.router)
         scores = logits.sigmoid() if cfg.gating == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.bias is None else scores + self.bias
         if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
@@ -265,13 +284,13 @@ class MoE(nn.Module):
         if self.gate_up is not None:
             g, u = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g = F.linear(x, self.gate.matrix().to(x.dtype).reshape(E * F_, H))
-            u = F.linear(x, self.up.matrix().to(x.dtype).reshape(E * F_, H))
+            g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
         h = F.silu(g) * u  # [N, E*F]
-        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), self.down.matrix().to(x.dtype).transpose(1, 2))  # [E, N, H]
+        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), as_dtype(self.down.matrix(), x.dtype).transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
-        return torch.einsum("ne,enh->nh", dense.to(x.dtype), y)
+        return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -286,11 +305,11 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(h, self.gate.matrix(e).to(x.dtype)))
-            h = g * F.linear(h, self.up.matrix(e).to(x.dtype))
+            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)))
+            h = g * F.linear(h, as_dtype(self.up.matrix(e), x.dtype))
             if watch is not None:
                 watch(self.down.name, e, h)
-            h = F.linear(h, self.down.matrix(e).to(x.dtype))
+            h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
             if one:
                 out += (h * weights[:, slot, None]).to(x.dtype)
             else:

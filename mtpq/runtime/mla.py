@@ -27,7 +27,7 @@ from torch import nn
 
 from .cache import KVCache
 from .layers import Rope, causal_attention, rms_norm
-from .weights import Scope
+from .weights import Scope, as_dtype
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ class MLA(nn.Module):
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
-        q_lat = torch.matmul(q_nope, self.k_b.matrix().to(x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
+        q_lat = torch.matmul(q_nope, as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
         lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, start, cfg.kq_scale)
-        out = torch.matmul(lat, self.v_b.matrix().to(x.dtype).transpose(1, 2))  # [B, H, T, v]
+        out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))

@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import InputError
 from .layers import rms_norm
 from .mtp import NextNHead
-from .weights import GGUFFile, QuantLinear, Scope, Weights
+from .weights import GGUFFile, QuantLinear, Scope, Weights, as_dtype
 
 HIDDEN_CHOICES = ("post_norm", "pre_norm")
 
@@ -134,7 +134,7 @@ class MtpModel(nn.Module):
             x = block(x, start, cache if use_cache else None)
         normed = rms_norm(x, self.out_norm, self.eps)
         logits = self.output(normed[:, -1:] if last_only else normed)
-        return TrunkOut(logits.float(), normed if self.hidden == "post_norm" else x)
+        return TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
 
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True) -> MtpOut:
@@ -144,7 +144,7 @@ class MtpModel(nn.Module):
         start = self.mtp_length if use_cache else 0
         logits, normed, raw = self.mtp(next_ids.to(self.device), hidden, start,
                                        self.mtp_cache if use_cache else None)
-        return MtpOut(logits.float(), normed if self.hidden == "post_norm" else raw)
+        return MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
 
 
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -68,6 +68,11 @@ def widened(t: torch.Tensor, dtype: torch.dtype, pool: dict) -> torch.Tensor:
     return buf.copy_(t)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without a dispatcher call when it is already ``dtype`` (the common case, per op)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _full_name(prefix: str, name: str) -> str:
     """``attn_q`` -> ``{prefix}attn_q.weight``; a name with a dot (``exp_probs_b.bias``) is taken as is."""
     return prefix + (name if "." in name else name + ".weight")
@@ -198,7 +203,7 @@ class QWeight(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D table (embedding lookup) without dequantizing the whole table."""
         if not self.quantized:
-            return F.embedding(ids, self.data).to(self.dtype)
+            return as_dtype(F.embedding(ids, self.data), self.dtype)
         flat = ids.reshape(-1)
         picked = self._dequant(self.data[flat], (flat.numel(), self.shape[-1]))
         return picked.reshape(*ids.shape, self.shape[-1])
@@ -230,10 +235,10 @@ class QuantLinear(nn.Module):
         w = self.weight
         if observer is not None:
             observer(w.name, None, x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None else as_dtype(self.bias, x.dtype)
         rows, cols = w.shape
         if not (w.quantized or w.narrow) or rows * cols <= DEQUANT_CHUNK:
-            return F.linear(x, w.matrix().to(x.dtype), bias)
+            return F.linear(x, as_dtype(w.matrix(), x.dtype), bias)
         # a big quantized or narrow matrix (the LM head: vocab x hidden) is decoded a slab of rows at a time
         step = max(1, DEQUANT_CHUNK // cols)
         out = torch.cat([F.linear(x, w.row_range(r, min(rows, r + step)).to(x.dtype)) for r in range(0, rows, step)],
@@ -276,5 +281,5 @@ class FusedLinear(nn.Module):
         if observer is not None:
             for p in self.parts:
                 observer(p.weight.name, None, x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None else as_dtype(self.bias, x.dtype)
         return F.linear(x, widened(self.weight, x.dtype, self.pool), bias).split(self.sizes, dim=-1)
