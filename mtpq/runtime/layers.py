@@ -113,7 +113,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA: query head h
     reads key head h // (Hq / Hkv))."""
     B, Hq, T, _ = q.shape
-    S, mqa = k.shape[2], k.shape[1] == 1 and Hq > 1
+    S, mqa = k.shape[2], k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
     if T == 1 and S <= start + 1:  # one new token (plain decoding): it sees every key, no mask to build
         allowed = None
     else:
@@ -215,6 +215,9 @@ class MoEConfig:
     topk_group: int = 1
 
 
+DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (stacked 3-D weights) plus an optional shared expert, optionally gated
     by ``sigmoid(ffn_gate_inp_shexp · x)`` (Qwen3.5-MoE). ``exp_probs_b`` (DeepSeek/GLM's correction
@@ -261,7 +264,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         watch = weight_io.observer
-        if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used:
+        # few tokens (decoding, verifying drafts) and few experts per pick: every expert, no host sync;
+        # many tokens (prefill, teacher forcing): arithmetic counts, only the experts in use
+        if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used and x.shape[0] <= DENSE_MOE_TOKENS:
             out = self._all_experts(x, weights, ids)
         else:
             out = self._used_experts(x, weights, ids, watch)
