@@ -340,6 +340,10 @@ class DecoderBlock(nn.Module):
     def new_cache(self):
         return self.attn.new_cache()
 
-    def forward(self, x: torch.Tensor, start: int, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache, rows_from: int = 0) -> torch.Tensor:
+        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row; the
+        feed-forward runs on the returned rows only)."""
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache)
+        if rows_from:
+            h = h[:, rows_from:]
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

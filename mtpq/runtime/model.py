@@ -141,8 +141,8 @@ class MtpModel(nn.Module):
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True,
               logits_from: int = 0) -> MtpOut:
-        """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2} (for pairs
-        ``logits_from``.. only)."""
+        """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}. With
+        ``logits_from``, logits and hidden cover pairs ``logits_from``.. only."""
         if self.mtp is None:
             raise InputError(self.path, "this GGUF has no MTP head (no blk.N.nextn.* tensors)")
         start = self.mtp_length if use_cache else 0
