@@ -105,7 +105,8 @@ _mask_memo: list = [None, None]  # (key, mask): the layers of one forward share 
 def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tensor:
     key = (start, T, S, device)
     if _mask_memo[0] != key:
-        _mask_memo[:] = key, torch.arange(S, device=device)[None, :] <= torch.arange(start, start + T, device=device)[:, None]
+        rows = torch.arange(start, start + T, device=device)[:, None]
+        _mask_memo[:] = key, torch.arange(S, device=device)[None, :] <= rows
     return _mask_memo[1]
 
 
@@ -292,7 +293,8 @@ class MoE(nn.Module):
             g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
         h = F.silu(g) * u  # [N, E*F]
-        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), as_dtype(self.down.matrix(), x.dtype).transpose(1, 2))  # [E, N, H]
+        down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
+        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
         return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
