@@ -14,7 +14,10 @@ machine is shared: quote the ratios.
 k=1 greedy loop over ``--report-prompts`` prompts x ``--report-tokens`` tokens, model
 loading included) next to llama.cpp's ``llama-speculative-simple --spec-type draft-mtp
 --spec-draft-n-max 1`` run once per prompt on the same GGUF (each run loads the model,
-as a user scripting it would), and both engines' acceptance.
+as a user scripting it would), and both engines' acceptance. ``--repeat N`` alternates
+the two N times (ours, theirs, ours, ...) and prints the median ratios. Every time is
+printed as wall-clock and as CPU seconds (``time.process_time`` / ``RUSAGE_CHILDREN``):
+on a loaded machine the CPU ratio is the steadier one.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--vs-llama-cpp", type=Path, default=None, help="folder with llama-speculative-simple")
     ap.add_argument("--report-prompts", type=int, default=20)
     ap.add_argument("--report-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=1, help="with --vs-llama-cpp: alternate ours and theirs N times")
+    ap.add_argument("--report-only", action="store_true", help="with --vs-llama-cpp: skip the decoding speeds")
     ap.add_argument("--busy", action="store_true", help="with --vs-llama-cpp: repeat the report comparison while "
                     "one CPU-burning process per core competes, and print CPU seconds per generated token")
     args = ap.parse_args()
@@ -61,32 +66,44 @@ def main() -> None:
         from gguf import GGMLQuantizationType as T
 
         write_plan(plan_checkpoint(Path(str(resources.files("mtpq").joinpath("data/demo"))), outtype=T.F16), path)
+    if args.report_only and args.vs_llama_cpp is not None:
+        report_vs_llama_cpp(path, args)
+        if tmp is not None:
+            tmp.cleanup()
+        return
     model, tok = load_model(path, device=args.device)
     prompts = [tok.encode(p) for _, p in load_prompts(args.prompts, args.max_prompts)]
     n = args.max_new_tokens
     run_plain(model, prompts[0], 8)  # warm-up
 
+    c0 = time.process_time()
     plain = [run_plain(model, ids, n) for ids in prompts]
+    plain_cpu = time.process_time() - c0
     base_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
     print(f"model {path.name}, {len(prompts)} prompts x {n} tokens, device {model.device}, "
           f"{torch.get_num_threads()} torch threads")
-    print(f"{'plain greedy':<16} {base_tps:8.1f} tok/s   1.00x")
-    loop_k1_seconds = None
+    print(f"{'plain greedy':<16} {base_tps:8.1f} tok/s   1.00x   (CPU {plain_cpu:.2f} s)")
+    loop_k1_seconds = loop_k1_cpu = None
     for k in (1, 2, 3, 4):
+        c0 = time.process_time()
         spec = [run_speculative(model, ids, n, k=k) for ids in prompts]
+        cpu = time.process_time() - c0
         m = summarize(spec)
         same = all(s.tokens == p.tokens for s, p in zip(spec, plain))
         print(f"{'speculative k=' + str(k):<16} {m.tokens_per_s:8.1f} tok/s   {m.tokens_per_s / base_tps:.2f}x   "
               f"acceptance {100 * m.acceptance_rate:5.1f} %   mean acc. length {m.mean_acceptance_length:.2f}   "
-              f"output == plain: {same}")
+              f"output == plain: {same}   (CPU {cpu:.2f} s, {plain_cpu / cpu:.2f}x)")
         if k == 1:
-            loop_k1_seconds = sum(s.seconds for s in spec)
-    t0 = time.perf_counter()
+            loop_k1_seconds, loop_k1_cpu = sum(s.seconds for s in spec), cpu
+    t0, c0 = time.perf_counter(), time.process_time()
     tf = [teacher_forced_acceptance(model, ids + p.tokens, prompt_len=len(ids)) for ids, p in zip(prompts, plain)]
-    tf_seconds = time.perf_counter() - t0
+    tf_seconds, tf_cpu = time.perf_counter() - t0, time.process_time() - c0
     rate = sum(sum(t.matches) for t in tf) / sum(len(t.matches) for t in tf)
+    loop_rate = sum(t.loop_accepted for t in tf) / sum(t.loop_drafts for t in tf)
     print(f"teacher-forced   {tf_seconds:.2f} s for depth-1 acceptance {100 * rate:.1f} % "
-          f"(all positions) vs the k=1 loop's {loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster")
+          f"(all positions; {100 * loop_rate:.1f} % at the loop's positions) vs the k=1 loop's "
+          f"{loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster; "
+          f"CPU {tf_cpu:.2f} s vs {loop_k1_cpu:.2f} s: {loop_k1_cpu / tf_cpu:.1f}x")
     if args.vs_llama_cpp is not None:
         report_vs_llama_cpp(path, args)
         if args.busy:
@@ -116,17 +133,42 @@ def _cpu(who) -> float:
 
 
 def report_vs_llama_cpp(path: Path, args) -> None:
-    import re
-    import subprocess
+    import statistics
 
-    from mtpq.runtime.accept import load_prompts, measure_file
+    from mtpq.runtime.accept import load_prompts
 
     texts = load_prompts(args.prompts, args.report_prompts)
+    walls, cpus = [], []
+    for i in range(max(1, args.repeat)):
+        ours, ours_cpu, ours_tokens, ours_rate = _ours(path, texts, args)
+        theirs, theirs_cpu, theirs_tokens, theirs_rate = _theirs(path, texts, args)
+        walls.append(ours / theirs)
+        cpus.append(ours_cpu / theirs_cpu)
+        print(f"  CPU s per generated token: mtpq {1e3 * ours_cpu / ours_tokens:.2f} ms, "
+              f"llama-speculative-simple {1e3 * theirs_cpu / theirs_tokens:.2f} ms (model load included on both sides)")
+        print(f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
+              f"(CPU {ours_cpu:.1f} s, {100 * ours_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
+              f"(CPU {theirs_cpu:.1f} s, {100 * theirs_rate:.1f} %): ours/theirs {ours / theirs:.2f}x wall, "
+              f"{ours_cpu / theirs_cpu:.2f}x CPU")
+    if len(walls) > 1:
+        print(f"median of {len(walls)} alternating runs: ours/theirs {statistics.median(walls):.2f}x wall, "
+              f"{statistics.median(cpus):.2f}x CPU")
+
+
+def _ours(path: Path, texts, args) -> tuple[float, float, int, float]:
+    from mtpq.runtime.accept import measure_file
+
     t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
     rep = measure_file(path, texts, draft=1, max_new_tokens=args.report_tokens, with_plain=False,
                        device=args.device, threads=args.threads)
     ours, ours_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_SELF) - c0
-    ours_tokens = sum(len(r.spec.tokens) for r in rep.runs)
+    return ours, ours_cpu, sum(len(r.spec.tokens) for r in rep.runs), rep.overall.acceptance_rate
+
+
+def _theirs(path: Path, texts, args) -> tuple[float, float, int, float]:
+    import re
+    import subprocess
+
     drafted = accepted = 0
     t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory(prefix="mtpq-bench-") as d:
@@ -144,11 +186,7 @@ def report_vs_llama_cpp(path: Path, args) -> None:
                 drafted, accepted = drafted + int(dn[1]), accepted + int(an[1])
     theirs, theirs_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_CHILDREN) - c0
     theirs_tokens = len(texts) * args.report_tokens  # llama-speculative-simple generates -n tokens (upper bound)
-    print(f"  CPU s per generated token: mtpq {1e3 * ours_cpu / ours_tokens:.2f} ms, "
-          f"llama-speculative-simple {1e3 * theirs_cpu / theirs_tokens:.2f} ms (model load included on both sides)")
-    print(f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
-          f"({100 * rep.overall.acceptance_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
-          f"({100 * accepted / max(drafted, 1):.1f} %): ours/theirs {ours / theirs:.2f}x")
+    return theirs, theirs_cpu, theirs_tokens, accepted / max(drafted, 1)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@ from torch import nn
 
 from .cache import KVCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
-from .weights import FusedLinear, Scope
+from .weights import FusedLinear, Scope, as_dtype, widened
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one call, bitwise the same arithmetic
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -95,15 +99,31 @@ class Rope:
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+_mask_memo: list = [None, None]  # (key, mask): the layers of one forward share it
+
+
+def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tensor:
+    key = (start, T, S, device)
+    if _mask_memo[0] != key:
+        rows = torch.arange(start, start + T, device=device)[:, None]
+        _mask_memo[:] = key, torch.arange(S, device=device)[None, :] <= rows
+    return _mask_memo[1]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA: query head h
     reads key head h // (Hq / Hkv))."""
-    T, S = q.shape[2], k.shape[2]
+    B, Hq, T, _ = q.shape
+    S, mqa = k.shape[2], k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
     if T == 1 and S <= start + 1:  # one new token (plain decoding): it sees every key, no mask to build
         allowed = None
     else:
-        allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        allowed = _causal_mask(start, T, S, q.device)
+    if mqa:  # one kv head (MLA's latent): the heads become rows of one query, ~4x faster than SDPA's GQA path
+        out = F.scaled_dot_product_attention(q.reshape(B, 1, Hq * T, -1), k, v, scale=scale,
+                                             attn_mask=None if allowed is None else allowed.repeat(Hq, 1))
+        return out.view(B, Hq, T, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=Hq != k.shape[1])
 
 
 # ----------------------------------------------------------------------------- attention
@@ -128,6 +148,11 @@ class Attention(nn.Module):
         self.wo = w.linear("attn_output")
         self.qkv = FusedLinear(self.wq, self.wk, self.wv)
         self.q_norm, self.k_norm = w.optional("attn_q_norm"), w.optional("attn_k_norm")
+        # q and k normed and rotated as one tensor of n_heads + n_kv_heads heads (half the small ops; the
+        # same arithmetic per element), with the two norms' weights stacked per head
+        self.joint = (self.q_norm is None) == (self.k_norm is None)
+        self.qk_norm = None if self.q_norm is None or not self.joint else torch.cat(
+            (self.q_norm.expand(cfg.n_heads, -1), self.k_norm.expand(cfg.n_kv_heads, -1)))
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -142,13 +167,18 @@ class Attention(nn.Module):
             q, gate = q.split(cfg.head_dim, dim=-1)
             gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.eps)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, cfg.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rope.apply(q, start), self.rope.apply(k, start)
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.joint:
+            qk = torch.cat((q, k), dim=2)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, cfg.eps)
+            q, k = self.rope.apply(qk.transpose(1, 2), start).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
+        else:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.eps)
+            q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
         if cache is not None:
             k, v = cache.update(k, v)
         out = causal_attention(q, k, v, start, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
@@ -186,6 +216,9 @@ class MoEConfig:
     topk_group: int = 1
 
 
+DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (stacked 3-D weights) plus an optional shared expert, optionally gated
     by ``sigmoid(ffn_gate_inp_shexp · x)`` (Qwen3.5-MoE). ``exp_probs_b`` (DeepSeek/GLM's correction
@@ -212,7 +245,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         if weight_io.observer is not None:
             weight_io.observer(self.router_name, None, x)
-        logits = F.linear(x.float(), self.router)
+        logits = F.linear(as_dtype(x, torch.float32), self.router)
         scores = logits.sigmoid() if cfg.gating == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.bias is None else scores + self.bias
         if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
@@ -232,7 +265,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         watch = weight_io.observer
-        if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used:
+        # few tokens (decoding, verifying drafts) and few experts per pick: every expert, no host sync;
+        # many tokens (prefill, teacher forcing): arithmetic counts, only the experts in use
+        if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used and x.shape[0] <= DENSE_MOE_TOKENS:
             out = self._all_experts(x, weights, ids)
         else:
             out = self._used_experts(x, weights, ids, watch)
@@ -249,18 +284,20 @@ class MoE(nn.Module):
         """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
         is at most twice the arithmetic of the sparse path, in a handful of batched ops instead of ~10
         small ops per expert, whose overhead is what costs on a small model."""
-        gate, up, down = (w.dequant().to(x.dtype) for w in (self.gate, self.up, self.down))  # [E, F, H], [E, H, F]
-        E, F_, H = gate.shape
-        # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched
+        E, F_, H = self.gate.shape
+        # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched.
+        # Each weight is fetched right before its one GEMM (matrix() may hand out a reused buffer).
         if self.gate_up is not None:
-            g, u = F.linear(x, self.gate_up.to(x.dtype)).chunk(2, dim=-1)
+            g, u = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g, u = F.linear(x, gate.reshape(E * F_, H)), F.linear(x, up.reshape(E * F_, H))
+            g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
         h = F.silu(g) * u  # [N, E*F]
+        down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
-        return torch.einsum("ne,enh->nh", dense.to(x.dtype), y)
+        return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -275,10 +312,11 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            h = F.silu(F.linear(h, self.gate.dequant(e).to(x.dtype))) * F.linear(h, self.up.dequant(e).to(x.dtype))
+            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)))
+            h = g * F.linear(h, as_dtype(self.up.matrix(e), x.dtype))
             if watch is not None:
                 watch(self.down.name, e, h)
-            h = F.linear(h, self.down.dequant(e).to(x.dtype))
+            h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
             if one:
                 out += (h * weights[:, slot, None]).to(x.dtype)
             else:
@@ -304,6 +342,10 @@ class DecoderBlock(nn.Module):
     def new_cache(self):
         return self.attn.new_cache()
 
-    def forward(self, x: torch.Tensor, start: int, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache, rows_from: int = 0) -> torch.Tensor:
+        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row; the
+        feed-forward runs on the returned rows only)."""
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache)
+        if rows_from:
+            h = h[:, rows_from:]
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

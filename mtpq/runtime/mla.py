@@ -23,11 +23,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
 from .layers import Rope, causal_attention, rms_norm
-from .weights import Scope
+from .weights import Scope, as_dtype
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: fl
     return rope_scale, rope_scale ** 2
 
 
+EXPAND_MIN_T = 16  # from this many new tokens on, attention runs on expanded keys/values (fewer FLOPs)
+
+
 class MLA(nn.Module):
     """Multi-head latent attention; ``forward(x, start, cache)`` like every sequence mixer (layers.py)."""
 
@@ -93,9 +97,20 @@ class MLA(nn.Module):
         q_pe, k_pe = self.rope.apply(q_pe, start), self.rope.apply(k_pe[:, None], start)
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
+        if T >= EXPAND_MIN_T:
+            # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
+            # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
+            k_nope = torch.matmul(c, as_dtype(self.k_b.matrix(), x.dtype))  # [B, H, S, nope]
+            v = torch.matmul(c, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, S, v]
+            k = torch.cat((k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)), dim=-1)
+            pad = k.shape[-1] - cfg.v_dim  # v zero-padded to the key width: SDPA's CPU flash kernel (~2x) needs it
+            if pad > 0:
+                v = F.pad(v, (0, pad))
+            out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, start, cfg.kq_scale)[..., : cfg.v_dim]
+            return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
-        q_lat = torch.matmul(q_nope, self.k_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
+        q_lat = torch.matmul(q_nope, as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
         lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, start, cfg.kq_scale)
-        out = torch.matmul(lat, self.v_b.dequant().to(x.dtype).transpose(1, 2))  # [B, H, T, v]
+        out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))

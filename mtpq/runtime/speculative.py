@@ -333,12 +333,12 @@ def teacher_forced_acceptance(model: MtpModel, ids: list[int], prompt_len: int) 
     if not 1 <= n < total:
         raise ValueError("need 1 <= prompt_len < len(ids)")
     seq = torch.tensor([list(ids)])
-    trunk = model.trunk(seq, use_cache=False)
-    target = trunk.logits[0].argmax(dim=-1)  # target[j]: the trunk's choice for x_{j+1}
-    head = model.draft(seq[:, 1:], trunk.hidden[:, :-1], use_cache=False)
-    draft = head.logits[0].argmax(dim=-1)  # draft[t]: the head's choice for x_{t+2} from (h_t, x_{t+1})
-    js = torch.arange(n, total, device=target.device)
-    matches = (draft[js - 1] == target[js]).tolist()
+    # logits only where they are compared (the prompt's are most of a long prompt's output GEMMs)
+    trunk = model.trunk(seq, use_cache=False, logits_from=n)
+    target = trunk.logits[0].argmax(dim=-1)  # target[j - n]: the trunk's choice for x_{j+1}, j = n..total-1
+    head = model.draft(seq[:, 1:], trunk.hidden[:, :-1], use_cache=False, logits_from=n - 1)
+    draft = head.logits[0].argmax(dim=-1)  # draft[t - n + 1]: the head's x_{t+2} from (h_t, x_{t+1}), t = n-1..
+    matches = (draft == target).tolist()  # pairs (draft from t = j - 1, target at j) for j = n..total-1
     # the k=1 loop: round at j drafts x_{j+1}; accepted -> next round at j+2, else j+1; runs while fewer
     # than len(continuation) tokens were generated (j - n + 1 < total - n)
     j, drafts, accepted = n, 0, 0
