@@ -22,7 +22,7 @@ but only for the lattice points the search can reach.
 
 Layout: sub-blocks are processed element-major, ``X`` of shape (32, S), so
 the C loops' sequential float sums are numpy reductions along axis 0
-(:func:`mtpq.quantize.kquants._seq_sum`), and a group of ``gw`` values is a
+(:func:`mtpq.quantize.cfloat._seq_sum`), and a group of ``gw`` values is a
 run of rows.  The neighbour search is done only for the groups that are off
 the grid, all their neighbours at once (lists padded with +inf errors);
 ``argmin`` returns the first minimum, which is the C loop's strict ``<``.
@@ -39,7 +39,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
-from .kquants import _seq_sum
+from .cfloat import _seq_sum
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
 __all__ = [

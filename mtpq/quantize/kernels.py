@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import iquants, kquants, legacy, weighted
+from . import cfloat, iq4, iquants, kquants, legacy, weighted
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -70,8 +70,8 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 64 * _K, _M),
     T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 64 * _K, _M),
     T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 64 * _K, _M),
-    T.IQ4_NL: (kquants.quantize_iq4_nl, kquants.dequantize_iq4_nl, 64 * _K, 64 * _K),
-    T.IQ4_XS: (kquants.quantize_iq4_xs, kquants.dequantize_iq4_xs, 64 * _K, 64 * _K),
+    T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.dequantize_iq4_nl, 64 * _K, 64 * _K),
+    T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.dequantize_iq4_xs, 64 * _K, 64 * _K),
     # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS
     T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 64 * _K, 64 * _K),
     T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 64 * _K, 64 * _K),
@@ -348,8 +348,8 @@ def _row_sigma2(rows2d: torch.Tensor) -> torch.Tensor:
     for r0 in range(0, n_rows, step):
         xt = np.ascontiguousarray(rows2d[r0:r0 + step].to(torch.float32).cpu().numpy().T)  # (n, k)
         with np.errstate(all="ignore"):
-            # row after row, like the C loop (also for a lone row: see kquants.seq_sum_np)
-            out[r0:r0 + step] = kquants.seq_sum_np(xt * xt) / np.float32(n)
+            # row after row, like the C loop (also for a lone row: see cfloat.seq_sum_np)
+            out[r0:r0 + step] = cfloat.seq_sum_np(xt * xt) / np.float32(n)
     return torch.from_numpy(out).to(rows2d.device)
 
 
