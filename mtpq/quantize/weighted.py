@@ -75,8 +75,6 @@ def _per_sub(v: torch.Tensor, per: int) -> torch.Tensor:
     return v.repeat_interleave(per)[None]
 
 
-
-
 def _two_columns(*mats: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     """The search routines sum along columns with numpy, which sums a lone column pairwise
     (not in C order): a single column is doubled, and the caller keeps the first result."""
