@@ -3,7 +3,7 @@ quantized Q4_K_M with the head at IQ2_XXS, importance from ``mtpq imatrix --mtp`
 it drafts) vs the static fallback (uniform importance for the head: what is left when a tool has
 no statistics for it), next to the head at q8_0 and the f32 reference, all in one run.
 
-    python benchmarks/head_imatrix_bench.py [--model glm4moe|qwen35] [--chunks 64] [-n 128]
+    python benchmarks/head_imatrix_bench.py [--model glm4moe|qwen35] [--chunks 64] [-n 128] [--windows 400]
 
 IQ2_XXS cannot be made without importance weights (ggml aborts, llama-quantize refuses); with
 uniform weights ggml's own weighting reduces to sqrt(sigma^2 + x^2), its nearest "static" form.
@@ -11,15 +11,23 @@ The calibration text is Python standard-library source outside the demo's held-o
 acceptance is the teacher-forced depth-1 greedy rate (equal to the k=1 loop's) on the demo's
 held-out prompts. Prints one line per file and the difference in points, with a 95 % interval
 from the per-prompt spread (the demo is small: read differences of a point or two as noise).
+
+The demo prompts give only ~1,700 drafts; ``--windows N`` adds N windows of 256 tokens cut from
+the demo's held-out source files (those its training never saw, less any used for calibration)
+and counts, over every position, whether the head's draft equals the trunk's greedy choice
+(teacher-forced on the real text: one forward per window, tens of thousands of positions), with
+a 95 % interval of the paired difference from the per-window spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import math
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -28,8 +36,9 @@ import numpy as np
 import torch
 
 DEMOS = {"glm4moe": ("data/demo", "demo_heldout"), "qwen35": ("data/demo_qwen35", "demo_qwen35_heldout")}
-CALIBRATION_MODULES = ("json.decoder", "json.encoder", "argparse", "textwrap", "csv", "difflib", "inspect",
-                       "configparser")  # none of them is a held-out file of the demos
+CALIBRATION_MODULES = ("json.decoder", "json.encoder", "argparse", "textwrap", "difflib", "inspect",
+                       "configparser", "tokenize")  # none of them is a held-out file of the demos
+WINDOW = 256
 
 
 def mtpq(*args) -> None:
@@ -48,11 +57,62 @@ def per_prompt_rates(path: Path, prompts: list[str], n_new: int) -> list[tuple[i
     return out
 
 
+def heldout_windows(folder: str, n: int) -> list[str]:
+    """``n`` texts of about WINDOW tokens from the demo's held-out stdlib files, spread over all files."""
+    meta = json.loads(resources.files("mtpq").joinpath(folder, "demo_training.json").read_text())
+    held = set(meta["heldout_files"])
+    assert not held & {m + ".py" for m in CALIBRATION_MODULES}, "calibration text overlaps the held-out files"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = []
+    for f in sorted(held):
+        p = stdlib / f
+        if p.is_file():
+            lines += [(f, line) for line in p.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)]
+    # cut into pieces of ~4 characters a token x WINDOW, at line ends, never across files
+    pieces, cur, cur_f = [], "", None
+    for f, line in lines:
+        if cur and (f != cur_f or len(cur) + len(line) > 4 * WINDOW):
+            pieces.append(cur)
+            cur = ""
+        cur, cur_f = cur + line, f
+    if cur:
+        pieces.append(cur)
+    step = max(1, len(pieces) // n)
+    return pieces[::step][:n]
+
+
+def window_matches(path: Path, texts: list[str]) -> list[tuple[int, int]]:
+    """Per text: positions where the head's draft of x_{t+2} equals the trunk's greedy choice, and positions."""
+    from mtpq.runtime.speculative import load_model
+
+    model, tok = load_model(path, device="cpu")
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            seq = torch.tensor([tok.encode(text)[:WINDOW]])
+            trunk = model.trunk(seq, use_cache=False)
+            target = trunk.logits[0].argmax(-1)
+            draft = model.draft(seq[:, 1:], trunk.hidden[:, :-1], use_cache=False).logits[0].argmax(-1)
+            ok = draft == target[1:]  # draft[t] from (h_t, x_{t+1}); target[t+1]: the trunk's x_{t+2}
+            out.append((int(ok.sum()), ok.numel()))
+    return out
+
+
+def paired_interval(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """Mean per-item difference of rates a - b and its 95 % interval (normal approximation)."""
+    diffs = [x[0] / x[1] - y[0] / y[1] for x, y in zip(a, b) if x[1] and y[1]]
+    mean = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
+    half = 1.96 * sd / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(DEMOS), default="glm4moe")
     ap.add_argument("--chunks", type=int, default=64, help="imatrix chunks of 128 tokens")
     ap.add_argument("-n", "--new-tokens", type=int, default=128)
+    ap.add_argument("--windows", type=int, default=0, help="also measure on this many held-out text windows")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import importlib
@@ -94,14 +154,21 @@ def main() -> None:
             acc, n = sum(a for a, _ in pp), sum(b for _, b in pp)
             print(f"  {label:<32} {100 * acc / n:5.1f} %  ({acc}/{n})  {path.stat().st_size / 2**20:5.1f} MiB")
         a, b = rates["head IQ2_XXS, head imatrix"], rates["head IQ2_XXS, static (uniform)"]
-        diffs = [x[0] / x[1] - y[0] / y[1] for x, y in zip(a, b) if x[1] and y[1]]
-        mean = sum(diffs) / len(diffs)
-        sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
+        mean, lo, hi = paired_interval(a, b)
         rate = lambda pp: sum(x for x, _ in pp) / sum(y for _, y in pp)  # noqa: E731
         print(f"head imatrix - static: {100 * (rate(a) - rate(b)):+.1f} points (per-prompt mean {100 * mean:+.1f}, "
-              f"95 % interval {100 * (mean - 1.96 * sd / math.sqrt(len(diffs))):+.1f} .. "
-              f"{100 * (mean + 1.96 * sd / math.sqrt(len(diffs))):+.1f})")
-
+              f"95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})")
+        if args.windows:
+            texts = heldout_windows(folder, args.windows)
+            print(f"held-out text: {len(texts)} windows of <= {WINDOW} tokens, draft == trunk's greedy choice")
+            wrates = {}
+            for label, path in files.items():
+                wrates[label] = pw = window_matches(path, texts)
+                print(f"  {label:<32} {100 * rate(pw):5.1f} %  ({sum(x for x, _ in pw)}/{sum(y for _, y in pw)})")
+            a, b = wrates["head IQ2_XXS, head imatrix"], wrates["head IQ2_XXS, static (uniform)"]
+            mean, lo, hi = paired_interval(a, b)
+            print(f"head imatrix - static on held-out text: {100 * (rate(a) - rate(b)):+.1f} points (per-window mean "
+                  f"{100 * mean:+.1f}, 95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})")
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,8 @@ column (``exp(N(0, 1.5^2))``, like llama-imatrix's mean squared activations),
 given to ours as ``importance=`` and to llama-quantize as an imatrix GGUF
 (written by mtpq's imatrix writer, count 1, so the weights reach ggml
 unchanged) passed with ``--imatrix``; the types timed against llama-quantize
-are then Q4_K, Q6_K, Q4_0 and IQ4_XS (ggml's importance-weighted paths).  The two
+are then Q4_K, Q6_K, Q4_0, IQ4_XS, IQ2_XXS and IQ3_XXS (ggml's importance-weighted paths;
+``--compare`` picks others).  The two
 are run alternately and the best of ``--repeat`` runs of each is kept, since a
 shared machine's load changes from one second to the next; the last column is
 the ratio of CPU time (user + system, workers and llama-quantize's threads
@@ -96,6 +97,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-quantize", type=Path, default=None, metavar="PATH")
     ap.add_argument("--imatrix", action="store_true", help="quantize with importance weights (both sides)")
+    ap.add_argument("--compare", default=None, help="types timed against llama-quantize (default: Q8_0,Q4_K,Q6_K; "
+                    "with --imatrix Q4_K,Q6_K,Q4_0,IQ4_XS,IQ2_XXS,IQ3_XXS)")
+    ap.add_argument("--no-table", action="store_true", help="skip the first table (ours alone, every --types)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -109,7 +113,7 @@ def main() -> None:
     print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, device {args.device}, "
           f"{args.threads} threads (torch {torch.__version__}){', with importance weights' if args.imatrix else ''}")
     print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
-    for name in args.types.split(","):
+    for name in [] if args.no_table else args.types.split(","):
         qt = T[name]
         tq, raw = _best_of(lambda: quantize(x, qt, name, importance=imp), args.repeat)
         rawt = torch.from_numpy(np.ascontiguousarray(raw)).to(args.device)
@@ -127,7 +131,9 @@ def main() -> None:
             im_file = Path(tmp) / "imatrix.gguf"
             write_imatrix(Imatrix({"blk.0.ffn_down.weight": Entry(imp[None], np.ones(1, dtype=np.float32))},
                                   datasets=["bench"], chunk_count=1, chunk_size=1), im_file)
-            extra, names = ["--imatrix", str(im_file)], ["Q4_K", "Q6_K", "Q4_0", "IQ4_XS"]
+            extra, names = ["--imatrix", str(im_file)], ["Q4_K", "Q6_K", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"]
+        if args.compare:
+            names = args.compare.split(",")
         print(f"\nllama-quantize --pure {' '.join(extra[:1])} ({args.llama_quantize}), {args.threads} threads, "
               "whole-process wall time")
         print(f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}"

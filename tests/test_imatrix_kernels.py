@@ -27,7 +27,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import kernels, kquants
+from mtpq.quantize import kernels, vecops
 from mtpq.quantize.kernels import IMPORTANCE_TYPES, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
@@ -94,7 +94,7 @@ def test_importance_in_small_chunks_and_workers(qtype, inputs, importance, monke
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q6_K, T.IQ4_NL], ids=lambda t: t.name)
 def test_importance_generic_torch_path(qtype, inputs, importance, monkeypatch):
-    monkeypatch.setattr(kquants, "_vec_ops", lambda X: kquants._TorchVec)
+    monkeypatch.setattr(vecops, "_vec_ops", lambda X: vecops._TorchVec)
     ref = _load(f"{qtype.name}_imatrix.npz")
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False, importance=importance[case])

@@ -76,7 +76,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import iquants, kernels, kquants
+from mtpq.quantize import cfloat, iquants, kernels, vecops
 from mtpq.quantize.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
@@ -195,7 +195,7 @@ SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 @pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_generic_torch_path(qtype, inputs, monkeypatch):
     """The all-torch bookkeeping used on CUDA gives the same bytes (run here on CPU)."""
-    monkeypatch.setattr(kquants, "_vec_ops", lambda X: kquants._TorchVec)
+    monkeypatch.setattr(vecops, "_vec_ops", lambda X: vecops._TorchVec)
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
         assert np.array_equal(ours, golden(qtype)[case]), case
@@ -204,8 +204,8 @@ def test_golden_bytes_generic_torch_path(qtype, inputs, monkeypatch):
 @pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_without_einsum(qtype, inputs, monkeypatch):
     """The fallback for numpy builds whose einsum fuses (multiply, then row-by-row sum)."""
-    monkeypatch.setattr(kquants._NumpyVec, "dot", staticmethod(kquants._dot_reduce))
-    monkeypatch.setattr(kquants._NumpyVec, "dot3", staticmethod(kquants._dot3_reduce))
+    monkeypatch.setattr(vecops._NumpyVec, "dot", staticmethod(cfloat._dot_reduce))
+    monkeypatch.setattr(vecops._NumpyVec, "dot3", staticmethod(cfloat._dot3_reduce))
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
         assert np.array_equal(ours, golden(qtype)[case]), case
@@ -213,7 +213,7 @@ def test_golden_bytes_without_einsum(qtype, inputs, monkeypatch):
 
 def test_einsum_probe():
     """The probe accepts this numpy's einsum and rejects fused, pairwise or float64 variants."""
-    assert kquants._einsum_is_exact()
+    assert cfloat._einsum_is_exact()
     real = np.einsum
 
     def wide(spec, *ops):  # products and sums in float64, rounded once: what an FMA build does, roughly
@@ -223,8 +223,8 @@ def test_einsum_probe():
         return real(spec, *(o[::-1] for o in ops))
 
     for fake in (wide, backwards):
-        assert not kquants._einsum_is_exact(fake), fake.__name__
-    assert kquants._einsum_is_exact(real)
+        assert not cfloat._einsum_is_exact(fake), fake.__name__
+    assert cfloat._einsum_is_exact(real)
 
 
 def test_leading_dims_and_input_dtypes(inputs):

@@ -180,3 +180,94 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
         np.testing.assert_array_equal(theirs[name + ".counts"].reshape(-1), st.counts, err_msg=name)
         np.testing.assert_allclose(theirs[name + ".in_sum2"].reshape(st.sums.shape), st.sums, rtol=1e-3,
                                    atol=1e-6 * st.sums.max(), err_msg=name)
+
+
+def hf_head_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndarray]:
+    """The head's statistics from an independent forward: transformers' trunk gives the post-norm
+    hidden states (its ``last_hidden_state``), the head's nextn tensors come from the checkpoint, and its
+    decoder block is transformers' own Glm4MoeDecoderLayer (loaded by from_pretrained with one more
+    layer, so transformers' weight conversion fills it). Pairs (h_t, x_{t+1}) at transformers' drafting
+    positions (shifted by one: RoPE is relative, so the sums must not change). Keyed by GGUF name."""
+    from transformers import Glm4MoeForCausalLM
+
+    hf = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32).eval()
+    n = hf.config.num_hidden_layers
+    layer = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32,
+                                               num_hidden_layers=n + 1).eval().model.layers[n]
+    t = {}
+    for shard in sorted(glm_ckpt.glob("*.safetensors")):
+        t.update({k: v.float() for k, v in load_file(shard).items() if k.startswith(f"model.layers.{n}.")})
+    p, eps = f"model.layers.{n}.", hf.config.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    sums: dict = {}
+
+    def add(name, x):
+        x = x.reshape(-1, x.shape[-1]).double()
+        sums[name] = sums.get(name, 0) + x.pow(2).sum(0).numpy()
+
+    def hook(name):
+        return lambda _m, args: add(name, args[0])
+
+    def experts_hook(mod, args):  # per expert: the routed rows, and what its down projection gets
+        x, ids = args[0], args[1]
+        for e in range(mod.num_experts):
+            rows = x[(ids == e).any(dim=-1)]
+            gate, up = torch.nn.functional.linear(rows, mod.gate_up_proj[e]).chunk(2, dim=-1)
+            for key, v in (("ffn_gate_exps", rows), ("ffn_down_exps", mod.act_fn(gate) * up)):
+                s = sums.setdefault(key, [np.zeros((mod.num_experts, v.shape[-1])), np.zeros(mod.num_experts)])
+                s[0][e] += v.double().pow(2).sum(0).numpy()
+                s[1][e] += rows.shape[0]
+
+    gguf = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj":
+            "ffn_gate_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+    for name, mod in layer.named_modules():
+        if name in gguf:
+            mod.register_forward_pre_hook(hook(gguf[name]))
+        elif name == "mlp.experts":
+            mod.register_forward_pre_hook(experts_hook)
+    eh = torch.nn.Linear(2 * hf.config.hidden_size, hf.config.hidden_size, bias=False)
+    eh.weight.data = t[p + "eh_proj.weight"]
+    head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size, bias=False)
+    head.weight.data = t[p + "shared_head.head.weight"]
+    eh.register_forward_pre_hook(hook("nextn.eh_proj"))
+    head.register_forward_pre_hook(hook("nextn.shared_head_head"))
+    with torch.no_grad():
+        for c in chunks:
+            ids = torch.tensor([c])
+            h = hf.model(ids).last_hidden_state[:, :-1]
+            e = t[p + "embed_tokens.weight"][ids[:, 1:]]
+            u = eh(torch.cat([rms(e, t[p + "enorm.weight"]), rms(h, t[p + "hnorm.weight"])], dim=-1))
+            m = u.shape[1]
+            pos = torch.arange(1, m + 1)[None]
+            mask = torch.full((m, m), float("-inf")).triu(1)[None, None]
+            g = layer(u, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(u, pos))
+            head(rms(g, t[p + "shared_head.norm.weight"]))
+    return {f"blk.{n}.{k}.weight": v for k, v in sums.items()}
+
+
+def test_head_statistics_equal_an_independent_forward(setup, glm_ckpt):
+    """Every matrix of the head: our sums and counts are what a forward built from transformers' pieces
+    feeds it (eh_proj's whole input [enorm(E[x_{t+1}]); hnorm(h_t)], attention, router, shared and
+    routed experts, the head's output matrix)."""
+    model, chunks, stats = setup
+    ref = hf_head_inputs(glm_ckpt, chunks)
+    n = len(model.blocks)
+    pairs = len(chunks) * (N_CTX - 1)
+    assert len(ref) == 11
+    for name, want in ref.items():
+        st = stats.tensors[name]
+        if isinstance(want, list):  # routed experts: per expert
+            np.testing.assert_allclose(st.sums, want[0], rtol=1e-4, err_msg=name)
+            assert st.counts.tolist() == want[1].astype(int).tolist(), name
+            assert st.counts.sum() == pairs * model.cfg.moe.n_used
+        else:
+            np.testing.assert_allclose(st.sums[0], want, rtol=1e-4, err_msg=name)
+            assert st.counts.tolist() == [pairs], name
+    # the other projections read the same inputs as the ones compared above
+    for same, as_ in (("attn_k", "attn_q"), ("ffn_up_shexp", "ffn_gate_shexp"), ("ffn_up_exps", "ffn_gate_exps")):
+        np.testing.assert_array_equal(stats.tensors[f"blk.{n}.{same}.weight"].sums,
+                                      stats.tensors[f"blk.{n}.{as_}.weight"].sums)

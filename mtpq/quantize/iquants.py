@@ -22,7 +22,7 @@ but only for the lattice points the search can reach.
 
 Layout: sub-blocks are processed element-major, ``X`` of shape (32, S), so
 the C loops' sequential float sums are numpy reductions along axis 0
-(:func:`mtpq.quantize.kquants._seq_sum`), and a group of ``gw`` values is a
+(:func:`mtpq.quantize.cfloat._seq_sum`), and a group of ``gw`` values is a
 run of rows.  The neighbour search is done only for the groups that are off
 the grid, all their neighbours at once (lists padded with +inf errors);
 ``argmin`` returns the first minimum, which is the C loop's strict ``<``.
@@ -39,7 +39,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
-from .kquants import _seq_sum
+from .cfloat import _seq_sum
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
 __all__ = [
@@ -221,7 +221,7 @@ def _nearest_neighbours(xg, wg, scale, u, nb, gofs, n_lv, qvals=None):
     cnt = count[u]
     if dev.type == "cpu":  # numpy's gathers and segment reductions cost a half to a third of torch's
         return torch.from_numpy(_nearest_numpy(table.numpy(), u.numpy(), cnt.numpy(), start.numpy(),
-                                               flat.numpy(), gofs.numpy(), gw * n_lv))
+                                               flat.numpy(), gofs, gw * n_lv))
     seg = torch.repeat_interleave(torch.arange(n, device=dev), cnt)
     N = seg.shape[0]
     offs = torch.cumsum(cnt, 0) - cnt
@@ -235,14 +235,28 @@ def _nearest_neighbours(xg, wg, scale, u, nb, gofs, n_lv, qvals=None):
     return flat[e[first]]
 
 
+_ROWS: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+
+def _entry_rows(gofs: torch.Tensor) -> np.ndarray:
+    """``gofs`` (gw, n_entries), a cached CPU table, as contiguous numpy rows (n_entries, gw), made once."""
+    hit = _ROWS.get(id(gofs))
+    if hit is None or hit[0] is not gofs:  # holding the tensor keeps its id from being reused
+        hit = _ROWS[id(gofs)] = (gofs, np.ascontiguousarray(gofs.numpy().T))
+    return hit[1]
+
+
 def _nearest_numpy(table, u, cnt, start, flat, gofs, stride):
     n = len(u)
     N = int(cnt.sum())
     offs = np.cumsum(cnt) - cnt
     e = np.arange(N, dtype=np.int64) + np.repeat(start[u] - offs, cnt)
-    idx = np.take(gofs, e, axis=1)
-    idx += np.repeat(np.arange(0, n * stride, stride, dtype=idx.dtype), cnt)
-    d2 = np.add.reduce(np.take(table, idx), axis=0)  # row after row: the C sum's order
+    # an entry's gw offsets are one 32-byte row to copy (a take along axis 1 copies them one by one),
+    # and gathering through the transposed view reads each entry's table values together: 2-3x quicker
+    idx = np.take(_entry_rows(gofs), e, axis=0)  # (N, gw)
+    idx += np.repeat(np.arange(0, n * stride, stride, dtype=idx.dtype), cnt)[:, None]
+    vals = np.take(table, idx.T)  # (gw, N), C order
+    d2 = np.add.reduce(vals, axis=0)  # row after row: the C sum's order
     segmin = np.minimum.reduceat(d2, offs)
     first = np.minimum.reduceat(np.where(d2 == np.repeat(segmin, cnt), np.arange(N), N), offs)
     return flat[e[first]]

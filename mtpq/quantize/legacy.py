@@ -4,7 +4,7 @@ Every function here reproduces, byte for byte, ggml's reference quantizers
 (``quantize_row_*_ref`` in ``ggml/src/ggml-quants.c``), which is what
 ``ggml_quantize_chunk`` -- and therefore ``llama-quantize`` -- runs when no
 importance matrix is given.  The shared float helpers at the top are also used
-by :mod:`mtpq.quantize.kquants`.
+by the K-quant, IQ4 and i-quant kernels.
 
 Rules followed to stay bit-exact with the C code (compiled without FMA, see
 ``tests/test_quant_kernels.py``):

@@ -4,8 +4,8 @@ With importance weights ``qw`` (one per column of the matrix, from an imatrix
 file) ``ggml_quantize_chunk`` leaves the reference quantizers for
 ``quantize_row_*_impl``: the same block layouts, other searches.  This module
 reproduces them byte for byte, reusing the vectorised search routines of
-:mod:`mtpq.quantize.kquants` (same float rules: see its notes and
-:mod:`mtpq.quantize.legacy`):
+:mod:`mtpq.quantize.search` (same float rules: see :mod:`mtpq.quantize.cfloat`
+and :mod:`mtpq.quantize.legacy`):
 
 * Q4_0 / Q5_0: ``make_qx_quants(32, 8|16, x, L, 1, w)``, the levels as found;
 * Q4_1 / Q5_1: ``make_qkx3_quants(32, 15|31, w, -0.9, 0.05, 36)``;
@@ -21,20 +21,20 @@ or of the whole ROW for the legacy types: those kernels take the row's
 ``sum_x2`` per block from the caller (:func:`mtpq.quantize.kernels.quantize`
 cuts chunks inside rows).  Q8_0 has no importance path in ggml.
 
-make_qkx3_quants with weights is make_qkx2_quants (kquants'
+make_qkx3_quants with weights is make_qkx2_quants (search's
 ``_make_qkx2_quants``) with other step constants; ``max <= min`` vs
 ``max == min`` only differ for NaN, which never gets here.
 """
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import torch
 
 from . import kquants as kq
-from .legacy import _qh_pack, div, fp16_bits, fp16_round, nearest_int, rdiv, sqrt_f32, u8
+from .cfloat import _from_sub_blocks, _seq_sum, _sub_blocks
+from .iq4 import quantize_iq4_nl as _iq4_nl, quantize_iq4_xs as _iq4_xs
+from .search import _final_levels, _make_qkx2_quants, _make_qx_quants_rmse1, make_qp_quants
+from .legacy import _qh_pack, div, fp16_bits, fp16_round, sqrt_f32, u8
 
 _F32 = torch.float32
 QK_K = 256
@@ -51,12 +51,12 @@ _SUB_CACHE: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _qw_sub_blocks(qw: torch.Tensor, n: int) -> torch.Tensor:
-    """``kq._sub_blocks(qw, n)``, kept for the next chunk: the facade hands every chunk of
+    """``_sub_blocks(qw, n)``, kept for the next chunk: the facade hands every chunk of
     the same shape the same weights tensor, so its transpose is made once."""
     hit = _SUB_CACHE.get((id(qw), n))
     if hit is not None and hit[0] is qw:
         return hit[1]
-    out = kq._sub_blocks(qw, n)
+    out = _sub_blocks(qw, n)
     if len(_SUB_CACHE) >= 4:
         _SUB_CACHE.clear()
     _SUB_CACHE[(id(qw), n)] = (qw, out)  # holding qw keeps its id from being reused
@@ -65,108 +65,14 @@ def _qw_sub_blocks(qw: torch.Tensor, n: int) -> torch.Tensor:
 
 def _super_sigma2(x: torch.Tensor, n: int, twice: bool) -> torch.Tensor:
     """Per super-block of ``n`` values (rows of ``x``): ``[2*]sum_x2/n``, the sum in C order."""
-    xt = kq._sub_blocks(x, n)  # (n, nb): one row per position
-    s = kq._seq_sum(xt * xt)
+    xt = _sub_blocks(x, n)  # (n, nb): one row per position
+    s = _seq_sum(xt * xt)
     return div(s * 2.0 if twice else s, float(n))
 
 
 def _per_sub(v: torch.Tensor, per: int) -> torch.Tensor:
-    """(nb,) per super-block -> (1, nb*per) per sub-block (column order of kq._sub_blocks)."""
+    """(nb,) per super-block -> (1, nb*per) per sub-block (column order of cfloat._sub_blocks)."""
     return v.repeat_interleave(per)[None]
-
-
-def make_qp_quants(X: torch.Tensor, nmax: int, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``make_qp_quants(n, nmax, x, L, quant_weights=w)`` for every column of ``X`` (n, m).
-
-    Returns (scale (m,), L (n, m) int32 as stored in the C ``uint8_t`` array).
-    n is 8 or 16 (a super-block's scales): small vectors, so numpy (a third of
-    torch's per-op cost), on CPU whatever the device of the input.  The
-    refinement passes run element by element like the C loop; a column that
-    changed nothing in a pass is at its fixed point, so passes stop when no
-    column changes.
-    """
-    s, L = _qp_numpy(X.cpu().numpy(), nmax, W.cpu().numpy())
-    return torch.from_numpy(s).to(X.device), torch.from_numpy(L).to(X.device)
-
-
-def _qp_numpy(X: np.ndarray, nmax: int, W: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    n, m = X.shape
-    f0 = np.float32(0.0)
-    mx = np.zeros(m, dtype=np.float32)  # float max = 0; max = MAX(max, x[i]) = max > x ? max : x
-    for i in range(n):
-        mx = np.where(mx > X[i], mx, X[i])
-    zero = mx < kq._GROUP_MAX_EPS
-    with np.errstate(all="ignore"):
-        iscale = rdiv(float(nmax), mx)
-        L0 = u8(nearest_int(iscale * X)).astype(np.float32)
-        scale = rdiv(1.0, iscale)
-        d = X - scale * L0
-        best = kq.seq_sum_np((W * d) * d)
-        # the 8 other candidates side by side, (8, n, m): a few large ops instead of many small ones;
-        # each mse is summed along n in C order (numpy adds row after row along a middle axis)
-        ISC = np.divide(np.array(_qp_candidates(nmax), dtype=np.float32)[:, None], mx[None])  # (0.1f*is + nmax)/max
-        SC = rdiv(1.0, ISC)
-        LF = np.minimum(nearest_int(ISC[:, None, :] * X[None]), nmax).astype(np.float32)
-        D = X[None] - SC[:, None, :] * LF
-        MSE = np.add.reduce((W[None] * D) * D, axis=1, initial=np.float32(0.0)) if m > 1 else \
-            np.stack([kq.seq_sum_np(((W * D[k]) * D[k])) for k in range(len(ISC))])
-        for k in range(len(ISC)):  # the C loop's choice: each candidate strictly better than the best so far
-            upd = MSE[k] < best
-            best = np.where(upd, MSE[k], best)
-            iscale = np.where(upd, ISC[k], iscale)
-        li = np.minimum(nearest_int(iscale * X), nmax)
-        lf = li.astype(np.float32)
-        WX = W * X
-        sumlx = kq.seq_sum_np(WX * lf)
-        suml2 = kq.seq_sum_np((W * lf) * lf)
-        L = u8(li).astype(np.int32)  # L[i] is a uint8_t
-        _qp_refine(X, W, WX, L, sumlx, suml2, nmax)
-        scale = np.where(suml2 > 0, sumlx / suml2, f0)
-    L[:, zero] = 0
-    return np.where(zero, f0, scale).astype(np.float32), L
-
-
-def _qp_refine(X, W, WX, L, sumlx, suml2, nmax: int) -> None:
-    """make_qp_quants' up to 5 passes of one-level moves, in place on L, sumlx, suml2.
-
-    A column that a pass leaves unchanged is at its fixed point; the next pass
-    runs only on the columns that changed (smaller arrays: the ops cost less).
-    """
-    cols = None  # None: every column
-    for _ in range(5):
-        if cols is None:
-            x, w, wx, lv, slx_all, sl2_all = X, W, WX, L, sumlx, suml2
-        else:
-            x, w, wx, lv = X[:, cols], W[:, cols], WX[:, cols], L[:, cols]
-            slx_all, sl2_all = sumlx[cols], suml2[cols]
-        changed = np.zeros(lv.shape[1], dtype=bool)
-        for i in range(x.shape[0]):
-            l = lv[i].astype(np.float32)
-            slx = slx_all - wx[i] * l
-            sl2 = sl2_all - (w[i] * l) * l
-            new_l = np.minimum(nearest_int((x[i] * sl2) / slx), nmax)
-            nl = new_l.astype(np.float32)
-            slx2 = slx + wx[i] * nl
-            sl22 = sl2 + (w[i] * nl) * nl
-            upd = (np.minimum(slx, sl2) > 0) & (new_l != lv[i]) & ((slx2 * slx2) * sl2_all > (slx_all * slx_all) * sl22)
-            if not np.count_nonzero(upd):
-                continue
-            changed |= upd
-            np.copyto(lv[i], u8(new_l), where=upd, casting="unsafe")
-            np.copyto(slx_all, slx2, where=upd)
-            np.copyto(sl2_all, sl22, where=upd)
-        if cols is not None:  # write the subset back
-            L[:, cols], sumlx[cols], suml2[cols] = lv, slx_all, sl2_all
-        if not changed.any():
-            return
-        cols = np.nonzero(changed)[0] if cols is None else cols[changed]
-
-
-@functools.lru_cache(maxsize=None)
-def _qp_candidates(nmax: int) -> tuple[float, ...]:
-    """make_qp_quants' numerators ``0.1f*is + nmax`` for is = -4..4, is != 0 (float32)."""
-    return tuple(float(np.float32(np.float32(0.1) * np.float32(i)) + np.float32(nmax))
-                 for i in (-4, -3, -2, -1, 1, 2, 3, 4))
 
 
 def _two_columns(*mats: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
@@ -185,7 +91,7 @@ def _qp_scales_and_mins(SM: torch.Tensor, swc: torch.Tensor, nb: int, nmax: int)
 
 
 def _cols(T: torch.Tensor, nb: int) -> torch.Tensor:
-    """A per-sub-block vector (nb*k,) in kq._sub_blocks order -> (k, nb): row j = sub-block j."""
+    """A per-sub-block vector (nb*k,) in cfloat._sub_blocks order -> (k, nb): row j = sub-block j."""
     return T.reshape(nb, -1).t().contiguous()
 
 
@@ -193,30 +99,30 @@ def _cols(T: torch.Tensor, nb: int) -> torch.Tensor:
 
 def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
+    X, QW = _sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
     sigma2 = _super_sigma2(x, QK_K, twice=False)
     W = _weights(X, QW, _per_sub(sigma2, 16))
-    sw = kq._seq_sum(W)
-    SM, levels = kq._make_qkx2_quants(X, W, 3, -0.9, 0.05, 36, False)
+    sw = _seq_sum(W)
+    SM, levels = _make_qkx2_quants(X, W, 3, -0.9, 0.05, 36, False)
     (dm, mm), (Ls, Lm) = _qp_scales_and_mins(SM, _cols(sw, nb), nb, 15)
     sbyte = u8(Ls.t() | (Lm.t() << 4)).to(torch.int32)  # (nb, 16)
     d, dmin = fp16_round(dm), fp16_round(mm)
     dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
     ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
-    L = kq._final_levels(X + ml[None], dl, 0, 3, 0, levels)
-    qs = kq._pack_2bit(kq._from_sub_blocks(L, nb))
+    L = _final_levels(X + ml[None], dl, 0, 3, 0, levels)
+    qs = kq._pack_2bit(_from_sub_blocks(L, nb))
     return torch.cat([u8(sbyte), qs, fp16_bits(dm), fp16_bits(mm)], dim=1)
 
 
 def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
+    X, QW = _sub_blocks(x, 16), _qw_sub_blocks(qw, 16)
     sigma2 = _super_sigma2(x, QK_K, twice=True)
     W = _weights(X, QW, _per_sub(sigma2, 16))
-    sw = kq._seq_sum(W)
-    scales, levels = kq._make_qx_quants_rmse1(X, 4, W)
+    sw = _seq_sum(W)
+    scales, levels = _make_qx_quants_rmse1(X, 4, W)
     (SC, SW), one = _two_columns(_cols(scales, nb), _cols(sw, nb))
-    d_block, ls_levels = kq._make_qx_quants_rmse1(SC, 32, SW)
+    d_block, ls_levels = _make_qx_quants_rmse1(SC, 32, SW)
     ls = ls_levels().to(torch.int32).t()[:nb]  # (nb, 16) in [0, 63]: Ls[j] = l + 32
     d_block = d_block[:nb]
     sb_low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
@@ -225,8 +131,8 @@ def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     sb = u8(torch.cat([sb_low, sb_high], dim=1))
     d = fp16_round(d_block)
     dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
-    L = kq._final_levels(X, dl, -4, 3, 4, levels).to(torch.int32)
-    Lb = kq._from_sub_blocks(L, nb)
+    L = _final_levels(X, dl, -4, 3, 4, levels).to(torch.int32)
+    Lb = _from_sub_blocks(L, nb)
     high = (Lb > 3).to(torch.int32)
     Lb = Lb - 4 * high
     hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
@@ -235,11 +141,11 @@ def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool):
     nb = x.shape[0]
-    X, QW = kq._sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
+    X, QW = _sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
     sigma2 = _super_sigma2(x, QK_K, twice=True)
     W = _weights(X, QW, _per_sub(sigma2, 8))
-    sw = kq._seq_sum(W)
-    SM, levels = kq._make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False)
+    sw = _seq_sum(W)
+    SM, levels = _make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False)
     (d_block, m_block), (Ls, Lm) = _qp_scales_and_mins(SM, _cols(sw, nb), nb, 63)
     ls, lm = Ls.t(), Lm.t()
     if clamp63:
@@ -248,9 +154,9 @@ def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool)
     sc, mn = kq._k4_scale_min(packed)  # what the C code reads back (get_scale_min_k4)
     dl = (fp16_round(d_block)[:, None] * sc.to(_F32)).reshape(-1)
     ml = (fp16_round(m_block)[:, None] * mn.to(_F32)).reshape(-1)
-    L = kq._final_levels(X + ml[None], dl, 0, nmax, 0, levels)
+    L = _final_levels(X + ml[None], dl, 0, nmax, 0, levels)
     head = torch.cat([fp16_bits(d_block), fp16_bits(m_block), packed], dim=1)
-    return head, kq._from_sub_blocks(L, nb)
+    return head, _from_sub_blocks(L, nb)
 
 
 def quantize_q4_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
@@ -277,16 +183,16 @@ def quantize_q6_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 def quantize_iq4_nl(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     X = x.t().contiguous()  # (32, nb)
-    sigma2 = kq._seq_sum(X * X) * 0.0625  # sigma2 *= 2.f/32
-    return kq.quantize_iq4_nl(x, _weights(X, qw.t().contiguous(), sigma2[None]))
+    sigma2 = _seq_sum(X * X) * 0.0625  # sigma2 *= 2.f/32
+    return _iq4_nl(x, _weights(X, qw.t().contiguous(), sigma2[None]))
 
 
 def quantize_iq4_xs(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    X, QW = kq._sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
-    xt = kq._sub_blocks(x, QK_K)
-    sigma2 = kq._seq_sum(xt * xt) * 0.0078125  # sigma2 *= 2.f/256
+    X, QW = _sub_blocks(x, 32), _qw_sub_blocks(qw, 32)
+    xt = _sub_blocks(x, QK_K)
+    sigma2 = _seq_sum(xt * xt) * 0.0078125  # sigma2 *= 2.f/256
     W = _weights(X, QW, _per_sub(sigma2, 8))
-    return kq.quantize_iq4_xs(x, W)
+    return _iq4_xs(x, W)
 
 
 # --------------------------------------------------------------------------- legacy (sigma2 of the row)
@@ -304,14 +210,14 @@ def _pack_nibbles(L: torch.Tensor) -> torch.Tensor:
 
 def _qx_legacy(x, qw, sigma2, nmax):
     (X, W), one = _two_columns(*_legacy_weights(x, qw, sigma2))
-    d, levels = kq._make_qx_quants_rmse1(X, nmax, W)
+    d, levels = _make_qx_quants_rmse1(X, nmax, W)
     L = levels().t().to(torch.int32)
     return (d[:1], L[:1]) if one else (d, L)
 
 
 def _qkx3_legacy(x, qw, sigma2, nmax):
     (X, W), one = _two_columns(*_legacy_weights(x, qw, sigma2))
-    SM, levels = kq._make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False, zero_sign=True)
+    SM, levels = _make_qkx2_quants(X, W, nmax, -0.9, 0.05, 36, False, zero_sign=True)
     L = levels().t().to(torch.int32)
     return (SM[0, :1], -SM[1, :1], L[:1]) if one else (SM[0], -SM[1], L)
 
