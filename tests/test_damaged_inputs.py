@@ -1041,6 +1041,25 @@ for _name, (_extra, _needles) in _ACCEPT.items():
     case(f"accept-{_name}")(lambda c, ex=_extra, nd=_needles: (acc(c, *ex), nd))
 
 
+# the other commands that compute check --device the same way, before any work
+@case("imatrix-device-tpu9")
+def _(c):
+    t = c.inp / "calib.txt"
+    t.write_text("def f(x):\n    return x\n" * 50)
+    return ["imatrix", c.copy("full"), "-f", t, "-o", c.out / "i.gguf", "--device", "tpu9"], ["--device", "tpu9"]
+
+
+@case("sweep-device-cuda7")
+def _(c):
+    return ["sweep", c.copy("full"), "--mtp", "q8_0", "--trunk", "Q8_0", "--device", "cuda:7"], \
+        ["--device", "cuda:7"]
+
+
+@case("demo-device-tpu9")
+def _(c):
+    return ["demo", "--workdir", c.out / "w", "--device", "tpu9"], ["--device", "tpu9"]
+
+
 @case("accept-empty-prompt")
 def _(c):
     p = c.inp / "p.jsonl"

@@ -13,7 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .app import app
-from .common import EXIT_CHECK_FAILED, EXIT_OK, console, fail, guarded, out, RUNTIME_THREADS_HELP
+from .common import EXIT_CHECK_FAILED, EXIT_OK, check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -57,23 +57,6 @@ def check_numbers(*, draft: int, temperature: float, top_k: int, top_p: float, m
     for opt, v in (("--min-rate", min_rate), ("--max-drop", max_drop)):
         if v is not None and not 0.0 <= v <= 1.0:
             fail(opt, f"must be between 0 and 1, got {v}")
-
-
-def check_device(device: str | None) -> str | None:
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        fail("--device", f"unknown device {device!r}; use cpu, cuda or cuda:N")
-    if dev.type not in ("cpu", "cuda"):
-        fail("--device", f"unsupported device {device!r}; use cpu, cuda or cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            fail("--device", f"{device}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            fail("--device", f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def check_writable(option: str, path: Path, inputs: list[Path]) -> None:

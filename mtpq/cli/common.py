@@ -115,3 +115,23 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def check_device(device: str | None) -> str | None:
+    """A --device the runtime can use, refused with one line before any work (cpu, cuda, cuda:N)."""
+    if device is None:
+        return None
+    import torch  # only the commands that compute pay for it
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        fail("--device", f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda"):
+        fail("--device", f"unsupported device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            fail("--device", f"{device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            fail("--device", f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import console, guarded, out, RUNTIME_THREADS_HELP
+from .common import check_device, console, guarded, out, RUNTIME_THREADS_HELP
 
 # (file suffix, trunk preset, --mtp-type): the head at q8_0 vs quantized like the trunk
 DEMO_VARIANTS = [
@@ -64,6 +64,7 @@ def demo(
         raise typer.BadParameter(f"unknown demo model {model!r}; choose one of: {', '.join(DEMO_MODELS)}",
                                  param_hint="--model")
     folder, prompt_set = DEMO_MODELS[model]
+    device = check_device(device)
     src = Path(str(resources.files("mtpq").joinpath(folder)))
     stem = "demo" if model == "glm4moe" else model  # file names short enough for an 80-column table
     workdir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import typer
 from rich.progress import Progress
 
 from .app import app
-from .common import console, fail, guarded, out
+from .common import check_device, console, fail, guarded, out
 
 
 @app.command(
@@ -53,6 +53,7 @@ def imatrix(
         fail("--chunk", f"must be at least 2 tokens, got {chunk}")
     if chunks is not None and chunks < 1:
         fail("--chunks", f"must be at least 1, got {chunks}")
+    device = check_device(device)
     for p in (model, text, merge_into):
         if p is not None and not p.is_file():
             fail(str(p), "no such file")

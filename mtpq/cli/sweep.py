@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import console, fail, guarded, out, RUNTIME_THREADS_HELP
+from .common import check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
 
 
 def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float]], title: str) -> bool:
@@ -72,6 +72,7 @@ def sweep(
     trunks = [t.strip().upper() for t in trunk.split(",") if t.strip()]
     if not mtps or not trunks:
         fail("--mtp/--trunk", "need at least one value each")
+    device = check_device(device)
     ref_plan = plan_from_gguf(reference)
     if ref_plan.n_mtp_layers == 0:
         fail(str(reference), "has no MTP head to sweep")
