@@ -157,18 +157,29 @@ class Attention(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows_from: int = 0) -> torch.Tensor:
+        """``rows_from``: outputs for x[:, rows_from:] only (every row still gives its key and value)."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)
-        q = q.view(B, T, cfg.n_heads, -1)
+        if rows_from:  # queries (and the gate) only where outputs are wanted
+            q, (k, v) = self.wq(x[:, rows_from:]), (self.wk(x), self.wv(x))
+        else:
+            q, k, v = self.qkv(x)
+        Tq = T - rows_from
+        q = q.view(B, Tq, cfg.n_heads, -1)
         gate = None
         if cfg.gated:
             q, gate = q.split(cfg.head_dim, dim=-1)
-            gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
+            gate = gate.reshape(B, Tq, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        if self.joint:
+        if rows_from:  # q and k differ in length: normed and rotated apart
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.eps)
+            q, k = self.rope.apply(q.transpose(1, 2), start + rows_from), self.rope.apply(k.transpose(1, 2), start)
+        elif self.joint:
             qk = torch.cat((q, k), dim=2)
             if self.qk_norm is not None:
                 qk = rms_norm(qk, self.qk_norm, cfg.eps)
@@ -181,7 +192,7 @@ class Attention(nn.Module):
             q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = causal_attention(q, k, v, start, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
+        out = causal_attention(q, k, v, start + rows_from, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, Tq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out)
@@ -343,9 +354,11 @@ class DecoderBlock(nn.Module):
         return self.attn.new_cache()
 
     def forward(self, x: torch.Tensor, start: int, cache, rows_from: int = 0) -> torch.Tensor:
-        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row; the
-        feed-forward runs on the returned rows only)."""
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache)
+        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row as
+        context but computes queries for those rows only; the feed-forward runs on them only)."""
+        normed = rms_norm(x, self.attn_norm, self.eps)
         if rows_from:
-            h = h[:, rows_from:]
+            h = x[:, rows_from:] + self.attn(normed, start, cache, rows_from=rows_from)
+        else:
+            h = x + self.attn(normed, start, cache)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
