@@ -312,13 +312,21 @@ class MoE(nn.Module):
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
         out = torch.zeros_like(x)
-        one = x.shape[0] == 1  # decoding one token: its experts and weights need no search
-        picks = sorted(zip(ids[0].tolist(), range(ids.shape[1]))) if one else None
-        for e in [e for e, _ in picks] if one else ids.unique().tolist():  # only the experts some token uses
-            if one:
-                tok, slot = slice(None), next(s for i, s in picks if i == e)
-            else:
-                tok, slot = torch.where(ids == e)
+        k = ids.shape[1]
+        one = x.shape[0] == 1
+        if one:  # decoding one token: its experts and weights need no search
+            groups = [(e, slice(None), weights[:, s, None]) for e, s in sorted(zip(ids[0].tolist(), range(k)))]
+        else:  # the (token, slot) picks grouped by expert with one stable sort (tokens stay in order) and one
+            # host sync, instead of a search per expert; only the experts some token uses
+            flat = ids.reshape(-1)
+            order = flat.argsort(stable=True)
+            tok_sorted, w_sorted = order // k, weights.reshape(-1)[order, None]
+            groups, at = [], 0
+            for e, count in enumerate(torch.bincount(flat, minlength=self.cfg.n_experts).tolist()):
+                if count:
+                    groups.append((e, tok_sorted[at:at + count], w_sorted[at:at + count]))
+                at += count
+        for e, tok, w in groups:
             h = x[tok]
             if watch is not None:
                 watch(self.gate.name, e, h)
@@ -329,9 +337,9 @@ class MoE(nn.Module):
                 watch(self.down.name, e, h)
             h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
             if one:
-                out += (h * weights[:, slot, None]).to(x.dtype)
+                out += (h * w).to(x.dtype)
             else:
-                out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
+                out.index_add_(0, tok, (h * w).to(x.dtype))
         return out
 
 
