@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import InputError
 from .cache import RecurrentCache
 from .layers import rms_norm
-from .weights import Scope
+from .weights import Scope, as_dtype
 
 CHUNK = 64  # tokens per chunk of the chunked form
 RECURRENT_MAX_T = 16  # up to this many tokens the token-by-token form is cheaper
@@ -130,6 +130,7 @@ class GatedDeltaNet(nn.Module):
         self.a = w.tensor("ssm_a", torch.float32)  # -exp(A_log), per value head
         self.dt_bias = w.tensor("ssm_dt.bias", torch.float32)
         self.conv = w.tensor("ssm_conv1d")  # [C, K]
+        self.taps = self.conv.t().contiguous()  # [K, C]: tap i over every channel, contiguous
         self.norm = w.tensor("ssm_norm")  # [d_v], shared by the heads
         self.wo = w.linear("ssm_out")
         want = (cfg.conv_channels, cfg.conv_kernel)
@@ -140,7 +141,7 @@ class GatedDeltaNet(nn.Module):
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows_from: int = 0) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         K = cfg.conv_kernel
@@ -148,7 +149,13 @@ class GatedDeltaNet(nn.Module):
         mixed = self.wqkv(x)  # [B, T, C]
         prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
         window = torch.cat((prev, mixed), dim=1)  # [B, K-1+T, C]
-        qkv = F.silu((window.unfold(1, K, 1) * self.conv.to(mixed.dtype)).sum(-1))  # [B, T, C]
+        # depthwise causal conv as K shifted slices times contiguous taps: the same products and sums as
+        # (unfold * kernel).sum(-1), bit for bit, in ~half the time (both of those operands are strided)
+        taps = as_dtype(self.taps, mixed.dtype)
+        acc = window[:, :T] * taps[0]
+        for i in range(1, K):
+            acc = acc + window[:, i:i + T] * taps[i]
+        qkv = F.silu(acc)  # [B, T, C]
 
         nk, nv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.head_k_dim, cfg.head_v_dim
         q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
@@ -171,6 +178,8 @@ class GatedDeltaNet(nn.Module):
         elif cache is not None:
             cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
 
+        if rows_from:  # outputs for the rows from rows_from on only (the recurrence saw every row)
+            x, out, T = x[:, rows_from:], out[:, :, rows_from:], T - rows_from
         z = self.wz(x).view(B, T, nv, dv)
         out = out.transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
         out = rms_norm(out, self.norm, cfg.eps) * F.silu(z.float()).to(x.dtype)

@@ -157,18 +157,29 @@ class Attention(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows_from: int = 0) -> torch.Tensor:
+        """``rows_from``: outputs for x[:, rows_from:] only (every row still gives its key and value)."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)
-        q = q.view(B, T, cfg.n_heads, -1)
+        if rows_from:  # queries (and the gate) only where outputs are wanted
+            q, (k, v) = self.wq(x[:, rows_from:]), (self.wk(x), self.wv(x))
+        else:
+            q, k, v = self.qkv(x)
+        Tq = T - rows_from
+        q = q.view(B, Tq, cfg.n_heads, -1)
         gate = None
         if cfg.gated:
             q, gate = q.split(cfg.head_dim, dim=-1)
-            gate = gate.reshape(B, T, cfg.n_heads * cfg.head_dim)
+            gate = gate.reshape(B, Tq, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        if self.joint:
+        if rows_from:  # q and k differ in length: normed and rotated apart
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.eps)
+            q, k = self.rope.apply(q.transpose(1, 2), start + rows_from), self.rope.apply(k.transpose(1, 2), start)
+        elif self.joint:
             qk = torch.cat((q, k), dim=2)
             if self.qk_norm is not None:
                 qk = rms_norm(qk, self.qk_norm, cfg.eps)
@@ -181,7 +192,7 @@ class Attention(nn.Module):
             q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = causal_attention(q, k, v, start, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
+        out = causal_attention(q, k, v, start + rows_from, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, Tq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out)
@@ -301,13 +312,21 @@ class MoE(nn.Module):
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
         out = torch.zeros_like(x)
-        one = x.shape[0] == 1  # decoding one token: its experts and weights need no search
-        picks = sorted(zip(ids[0].tolist(), range(ids.shape[1]))) if one else None
-        for e in [e for e, _ in picks] if one else ids.unique().tolist():  # only the experts some token uses
-            if one:
-                tok, slot = slice(None), next(s for i, s in picks if i == e)
-            else:
-                tok, slot = torch.where(ids == e)
+        k = ids.shape[1]
+        one = x.shape[0] == 1
+        if one:  # decoding one token: its experts and weights need no search
+            groups = [(e, slice(None), weights[:, s, None]) for e, s in sorted(zip(ids[0].tolist(), range(k)))]
+        else:  # the (token, slot) picks grouped by expert with one stable sort (tokens stay in order) and one
+            # host sync, instead of a search per expert; only the experts some token uses
+            flat = ids.reshape(-1)
+            order = flat.argsort(stable=True)
+            tok_sorted, w_sorted = order // k, weights.reshape(-1)[order, None]
+            groups, at = [], 0
+            for e, count in enumerate(torch.bincount(flat, minlength=self.cfg.n_experts).tolist()):
+                if count:
+                    groups.append((e, tok_sorted[at:at + count], w_sorted[at:at + count]))
+                at += count
+        for e, tok, w in groups:
             h = x[tok]
             if watch is not None:
                 watch(self.gate.name, e, h)
@@ -318,9 +337,9 @@ class MoE(nn.Module):
                 watch(self.down.name, e, h)
             h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
             if one:
-                out += (h * weights[:, slot, None]).to(x.dtype)
+                out += (h * w).to(x.dtype)
             else:
-                out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
+                out.index_add_(0, tok, (h * w).to(x.dtype))
         return out
 
 
@@ -343,9 +362,11 @@ class DecoderBlock(nn.Module):
         return self.attn.new_cache()
 
     def forward(self, x: torch.Tensor, start: int, cache, rows_from: int = 0) -> torch.Tensor:
-        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row; the
-        feed-forward runs on the returned rows only)."""
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache)
+        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row as
+        context but computes queries for those rows only; the feed-forward runs on them only)."""
+        normed = rms_norm(x, self.attn_norm, self.eps)
         if rows_from:
-            h = h[:, rows_from:]
+            h = x[:, rows_from:] + self.attn(normed, start, cache, rows_from=rows_from)
+        else:
+            h = x + self.attn(normed, start, cache)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

@@ -86,15 +86,18 @@ class MLA(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()  # latent c [B, 1, T, kv_lora] and k_pe [B, 1, T, rope]
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows_from: int = 0) -> torch.Tensor:
+        """``rows_from``: outputs for x[:, rows_from:] only (every row still gives its latent key/value)."""
         cfg = self.cfg
-        B, T, _ = x.shape
-        q = self.wq(x if self.wq_a is None else rms_norm(self.wq_a(x), self.q_a_norm, cfg.eps))
+        xq = x[:, rows_from:] if rows_from else x
+        B, T, _ = xq.shape  # T: the query rows
+        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
         q = q.view(B, T, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
         q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
         c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]  # [B, 1, T, kv_lora]: one head shared by all
-        q_pe, k_pe = self.rope.apply(q_pe, start), self.rope.apply(k_pe[:, None], start)
+        q_pe, k_pe = self.rope.apply(q_pe, start + rows_from), self.rope.apply(k_pe[:, None], start)
+        start += rows_from  # the queries' first position, from here on
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
         if T >= EXPAND_MIN_T:
