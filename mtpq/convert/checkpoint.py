@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +239,27 @@ class Checkpoint:
             f.seek(st.offset)
             if f.readinto(view) != st.nbytes:
                 raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+
+    def map_bits(self, name: str) -> np.ndarray:
+        """A stored float tensor's bits (uint16 for 2-byte types, uint32 for F32), read-only, mapped from the
+        file: no copy into fresh memory (whose page faults cost as much as the copy). The mapping, and the
+        file pages it holds in this process's RSS, goes when the array does; the writer drops each tensor
+        once written."""
+        st = self.stored[name]
+        bits = {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[st.dtype]]
+        if st.nbytes == 0:
+            return np.empty(st.shape, dtype=bits)
+        start = st.offset - st.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(st.file, "rb") as f:
+                if os.fstat(f.fileno()).st_size < st.offset + st.nbytes:  # shrunk since the header was read
+                    raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+                mm = mmap.mmap(f.fileno(), st.offset + st.nbytes - start, offset=start, prot=mmap.PROT_READ,
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # mapped in one go
+        except OSError as exc:
+            raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
+        n = st.nbytes // np.dtype(bits).itemsize
+        return np.frombuffer(mm, dtype=bits, count=n, offset=st.offset - start).reshape(st.shape)
 
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8

@@ -13,6 +13,7 @@ Q8_0) encodes each row independently of the others.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterable
 
 import numpy as np
@@ -90,6 +91,49 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
 
 
+_BITS_AS = {T.BF16: np.uint16, T.F16: np.float16, T.F32: np.float32}  # the arrays ``quantize`` returns
+
+
+def bits_finite(bits: np.ndarray, dtype: str) -> bool:
+    """No NaN/Inf among stored ``dtype`` (safetensors name) values given as their bits: ``quantize``'s check
+    (min and max propagate NaN), on a view of the bits, 4M values per step, one thread."""
+    from ..quantize.kernels import _all_finite
+
+    signed = bits.reshape(-1).view(np.int16 if bits.itemsize == 2 else np.int32)
+    with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.from_numpy(signed).view(_ST_DTYPES[dtype])
+    with _one_thread():
+        return all(_all_finite(c) for c in values.split(1 << 22))
+
+
+def _passed_bits(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
+    """A passed-through tensor: its stored bits mapped from the file and checked, as the output type's array."""
+    bits = ck.map_bits(hf_name)
+    if not bits_finite(bits, ck.source_dtype(hf_name)):
+        raise InputError(source, f"{name}: contains NaN/Inf values")
+    return bits.view(_BITS_AS[qtype])
+
+
+class Pieces:
+    """One tensor's bytes as consecutive arrays (a passed-through expert stack: each expert mapped from its
+    file), written one after the other with no stacking copy. Has what GGUFWriter.write_tensor_data uses of
+    an array: ``nbytes`` and ``tofile``; ``np.asarray`` joins them (a copy) for any other reader."""
+
+    def __init__(self, parts: list[np.ndarray], shape: tuple[int, ...]):
+        self.parts, self.shape, self.dtype = parts, shape, parts[0].dtype
+        self.nbytes = sum(p.nbytes for p in parts)
+
+    def tofile(self, f) -> None:
+        for p in self.parts:
+            if p.nbytes:
+                f.write(memoryview(p).cast("B"))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.concatenate([p.reshape(-1) for p in self.parts]).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+
 def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
     """The stored values are already the output type's: their bits are written as they are."""
     return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
@@ -103,8 +147,10 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
         row *= d
     step = ck.row_step(hf_name)
     per = max(step, SLAB_ELEMENTS // max(row, 1) // step * step)
-    if len(shape) < 2 or per >= shape[0] or passes_through(ck, hf_name, qtype):
-        return encode_values(ck.load(hf_name), qtype, name, source)  # one slab, or the bits are the output
+    if passes_through(ck, hf_name, qtype):  # the bits are the output
+        return _passed_bits(ck, hf_name, name, source, qtype)
+    if len(shape) < 2 or per >= shape[0]:  # one slab
+        return encode_values(ck.load(hf_name), qtype, name, source)
 
     def slab(r0: int) -> Slab:
         r1 = min(shape[0], r0 + per)
@@ -114,13 +160,10 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
 
 
 def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
-                 qtype: T) -> np.ndarray:
+                 qtype: T) -> np.ndarray | Pieces:
     """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one expert at a time."""
-    if all(passes_through(ck, n, qtype) for n in hf_names):
-        # the stored bits are the output: each expert read straight into its slice, no stacking copy
-        out = torch.empty(shape, dtype=_TORCH_OF[qtype])
-        for i, n in enumerate(hf_names):
-            ck.read_into(n, out[i])
-        return encode_values(out, qtype, name, source)  # checks the values, returns a view of ``out``
+    if hf_names and all(passes_through(ck, n, qtype) for n in hf_names):
+        # the stored bits are the output: every expert mapped and checked before any is written
+        return Pieces([_passed_bits(ck, n, name, source, qtype) for n in hf_names], shape)
     slabs = [(i, i + 1, (lambda n: lambda: ck.load(n).unsqueeze(0))(n)) for i, n in enumerate(hf_names)]
     return encode_slabs(name, source, shape, qtype, slabs)
