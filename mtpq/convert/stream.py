@@ -24,6 +24,10 @@ from ..errors import InputError
 from .checkpoint import _ST_DTYPES, Checkpoint
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
+# to a float type: 4 MB of float32 per slab, so that the lookup, scaling, checks and rounding of one slab
+# find it in the CPU's cache and glibc reuses the buffers (each pass over DRAM-sized slabs cost as much as
+# the copy); the quantized types keep big slabs, the kernels share them out among threads
+FLOAT_SLAB_ELEMENTS = 1 << 20
 _TORCH_OF = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, and how to read them
@@ -74,8 +78,9 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
     fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused first),
     with ``quantize``'s checks and messages."""
-    from ..quantize.kernels import _all_finite
+    from ..quantize.kernels import _all_finite, _keep_freed_buffers
 
+    _keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     out = torch.empty(shape, dtype=_TORCH_OF[qtype])
     for r0, r1, load in slabs:
         values = load()
@@ -139,17 +144,23 @@ def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
     return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
 
 
+def _band(ck: Checkpoint, hf_name: str, row: int, qtype: T) -> int:
+    """Rows per slab of ``hf_name`` (``row`` values each), a multiple of its :meth:`Checkpoint.row_step`."""
+    step = ck.row_step(hf_name)
+    elems = FLOAT_SLAB_ELEMENTS if qtype in _TORCH_OF else SLAB_ELEMENTS
+    return max(step, elems // max(row, 1) // step * step)
+
+
 def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
     """One HF tensor in ``qtype``, read and converted a band of rows at a time."""
     shape = tuple(ck.shape(hf_name))
+    if passes_through(ck, hf_name, qtype):  # the bits are the output
+        return _passed_bits(ck, hf_name, name, source, qtype)
     row = 1
     for d in shape[1:]:
         row *= d
-    step = ck.row_step(hf_name)
-    per = max(step, SLAB_ELEMENTS // max(row, 1) // step * step)
-    if passes_through(ck, hf_name, qtype):  # the bits are the output
-        return _passed_bits(ck, hf_name, name, source, qtype)
-    if len(shape) < 2 or per >= shape[0]:  # one slab
+    per = _band(ck, hf_name, row, qtype)
+    if not shape or not shape[0] or (per >= shape[0] and qtype not in _TORCH_OF):  # one slab
         return encode_values(ck.load(hf_name), qtype, name, source)
 
     def slab(r0: int) -> Slab:
@@ -161,9 +172,19 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
 
 def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
                  qtype: T) -> np.ndarray | Pieces:
-    """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one expert at a time."""
+    """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one band of an expert's
+    rows at a time."""
     if hf_names and all(passes_through(ck, n, qtype) for n in hf_names):
         # the stored bits are the output: every expert mapped and checked before any is written
         return Pieces([_passed_bits(ck, n, name, source, qtype) for n in hf_names], shape)
-    slabs = [(i, i + 1, (lambda n: lambda: ck.load(n).unsqueeze(0))(n)) for i, n in enumerate(hf_names)]
-    return encode_slabs(name, source, shape, qtype, slabs)
+    n_exp, rows, cols = shape
+    if not rows:
+        return encode_values(torch.zeros(shape), qtype, name, source)
+    slabs = []  # bands of rows of the stack seen as [n_expert * rows, cols]
+    for i, n in enumerate(hf_names):
+        per = _band(ck, n, cols, qtype)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            slabs.append((i * rows + r0, i * rows + r1, (lambda n, r0, r1: lambda: ck.load_rows(n, r0, r1))(n, r0, r1)))
+    out = encode_slabs(name, source, (n_exp * rows, cols), qtype, slabs)
+    return out.reshape(n_exp, rows, -1)
