@@ -190,3 +190,22 @@ def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, sh
             slabs.append((i * rows + r0, i * rows + r1, (lambda n, r0, r1: lambda: ck.load_rows(n, r0, r1))(n, r0, r1)))
     out = encode_slabs(name, source, (n_exp * rows, cols), qtype, slabs)
     return out.reshape(n_exp, rows, -1)
+
+
+def encode_rows_of_stack(ck: Checkpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
+                         qtype: T) -> np.ndarray | Pieces:
+    """Rows ``lo:hi`` of every expert of a stored stack [n_expert, rows, cols] (one half of a fused
+    gate_up_proj) in ``qtype``, one expert at a time: neither the whole stack nor its other half is loaded."""
+    n_exp, _, cols = ck.shape(hf_name)
+    if passes_through(ck, hf_name, qtype):  # each expert's half is contiguous in the file: mapped, as stored
+        bits = ck.map_bits(hf_name)
+        parts = [bits[e, lo:hi] for e in range(n_exp)]
+        if not all(bits_finite(p, ck.source_dtype(hf_name)) for p in parts):
+            raise InputError(source, f"{name}: contains NaN/Inf values")
+        return Pieces([p.view(_BITS_AS[qtype]) for p in parts], (n_exp, hi - lo, cols))
+    n = hi - lo
+    slabs = [(e * n, (e + 1) * n, (lambda e: lambda: ck.load_rows(hf_name, e, e + 1)[0, lo:hi])(e))
+             for e in range(n_exp)]
+    if not slabs or not n:
+        return encode_values(torch.zeros(n_exp, n, cols), qtype, name, source)
+    return encode_slabs(name, source, (n_exp * n, cols), qtype, slabs).reshape(n_exp, n, -1)
