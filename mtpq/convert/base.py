@@ -69,6 +69,13 @@ def gguf_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".w
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
+def keeps_bytes(fn: Transform) -> Transform:
+    """Mark a transform that only adds or drops size-1 dims (``squeeze``): the stored bytes, in order, are
+    the result's, so :meth:`Family.emit` can still stream the tensor (map or convert it band by band)."""
+    fn.keeps_bytes = True
+    return fn
+
+
 @dataclass
 class Emit:
     """One tensor a family produces: GGUF name, torch-order shape, lazy values, where from."""
@@ -310,9 +317,14 @@ class Family:
             if step is not None:
                 load = (lambda inner, f: lambda: f(inner()))(load, step)
         src = f"{self.ckpt.stored[hf_name].file.name}:{hf_name}"
-        # untransformed values can be encoded band by band (no full-size float32 copy of an FP8 tensor)
-        encode = None if own or transform else (lambda q: stream.encode_tensor(self.ckpt, hf_name, name, src, q))
-        return Emit(name, tuple(shape if shape is not None else own_shape), load, src, encode)
+        out_shape = tuple(shape if shape is not None else own_shape)
+        stored = tuple(self.ckpt.shape(hf_name))
+        # untransformed values (or only squeezed, rows unchanged: the same bytes) can be encoded band by band
+        # (no full-size float32 copy of an FP8 tensor) or mapped as they are
+        plain = all(getattr(f, "keeps_bytes", False) for f in (own, transform) if f is not None) and (
+            own is None and transform is None or stored[-1:] == out_shape[-1:] and len(out_shape) > 1)
+        encode = (lambda q: stream.encode_tensor(self.ckpt, hf_name, name, src, q)) if plain else None
+        return Emit(name, out_shape, load, src, encode)
 
     def stack(self, name: str, hf_names: list[str]) -> Emit:
         """Stack per-expert 2-D tensors into one 3-D tensor [n_expert, rows, cols]."""

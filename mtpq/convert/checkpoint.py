@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
+import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -238,6 +241,27 @@ class Checkpoint:
             if f.readinto(view) != st.nbytes:
                 raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
 
+    def map_bits(self, name: str) -> np.ndarray:
+        """A stored float tensor's bits (uint16 for 2-byte types, uint32 for F32), read-only, mapped from the
+        file: no copy into fresh memory (whose page faults cost as much as the copy). The mapping, and the
+        file pages it holds in this process's RSS, goes when the array does; the writer drops each tensor
+        once written."""
+        st = self.stored[name]
+        bits = {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[st.dtype]]
+        if st.nbytes == 0:
+            return np.empty(st.shape, dtype=bits)
+        start = st.offset - st.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(st.file, "rb") as f:
+                if os.fstat(f.fileno()).st_size < st.offset + st.nbytes:  # shrunk since the header was read
+                    raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+                mm = mmap.mmap(f.fileno(), st.offset + st.nbytes - start, offset=start, prot=mmap.PROT_READ,
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # mapped in one go
+        except OSError as exc:
+            raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
+        n = st.nbytes // np.dtype(bits).itemsize
+        return np.frombuffer(mm, dtype=bits, count=n, offset=st.offset - start).reshape(st.shape)
+
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8
 
@@ -332,9 +356,23 @@ def _fp8_values(dtype: torch.dtype) -> np.ndarray:
     return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
 
 
+@functools.cache
+def _fp8_pairs(dtype: torch.dtype) -> np.ndarray:
+    """The float32 values of every two consecutive FP8 bytes (read as one little-endian uint16), each pair
+    as one uint64: 65536 entries, 512 KB, in the CPU's cache."""
+    one, i = _fp8_values(dtype), np.arange(1 << 16)
+    pairs = np.empty((1 << 16, 2), dtype=np.float32)
+    pairs[:, 0], pairs[:, 1] = one[i & 0xFF], one[i >> 8]
+    return pairs.view(np.uint64).reshape(-1)
+
+
 def _fp8_to_f32(t: torch.Tensor) -> torch.Tensor:
-    """FP8 -> float32 by table lookup: the same values as ``t.to(torch.float32)``, 4x quicker on CPU."""
-    return torch.from_numpy(np.take(_fp8_values(t.dtype), t.view(torch.uint8).numpy()))
+    """FP8 -> float32 by table lookup: the same values as ``t.to(torch.float32)``, 4x quicker on CPU; two
+    values per lookup when the rows allow (1.3x quicker again)."""
+    q = t.view(torch.uint8).numpy()
+    if q.ndim and q.shape[-1] % 2 == 0 and q.flags.c_contiguous and sys.byteorder == "little":
+        return torch.from_numpy(np.take(_fp8_pairs(t.dtype), q.view(np.uint16)).view(np.float32))
+    return torch.from_numpy(np.asarray(np.take(_fp8_values(t.dtype), q), dtype=np.float32))
 
 
 def _block_size(config: dict) -> tuple[int, int]:

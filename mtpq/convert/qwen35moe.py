@@ -19,6 +19,7 @@ from typing import Iterator
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from . import stream
 from . import validate as V
 from .base import Emit, register
 from .validate import Expected
@@ -95,8 +96,12 @@ class Qwen35Moe(Qwen35):
             self.used.append(hf)
             load = self.ckpt.loader(hf)
             src = f"{self.ckpt.stored[hf].file.name}:{hf}"
-            yield Emit(gguf_name["gate_proj"], (n_exp, ff, h), lambda: load()[:, :ff, :], src + " [gate half]")
-            yield Emit(gguf_name["up_proj"], (n_exp, ff, h), lambda: load()[:, ff:, :], src + " [up half]")
+            for proj, lo, what in (("gate_proj", 0, "gate"), ("up_proj", ff, "up")):
+                # what the writer uses: this half alone, one expert at a time (not the fused stack, twice)
+                encode = (lambda hf, name, lo, s: lambda q: stream.encode_rows_of_stack(
+                    self.ckpt, hf, name, s, lo, lo + ff, q))(hf, gguf_name[proj], lo, f"{src} [{what} half]")
+                yield Emit(gguf_name[proj], (n_exp, ff, h), (lambda lo: lambda: load()[:, lo:lo + ff, :])(lo),
+                           f"{src} [{what} half]", encode)
         if (hf := fused.get("down_proj")) is not None:
             self.expect_shape(hf, (n_exp, h, ff))
             self.used.append(hf)

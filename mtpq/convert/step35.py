@@ -33,7 +33,7 @@ from gguf import GGUFWriter
 
 from ..errors import InputError
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, Transform, register
+from .base import NEXTN_TENSORS, Emit, Family, Transform, keeps_bytes, register
 from .validate import Expected
 
 _SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
@@ -204,7 +204,7 @@ class Step35(Family):
         if hf_name.endswith("norm.weight"):
             return (lambda t: _as_llama_cpp_reads(t) + 1.0), shape
         if hf_name.endswith(_SQUEEZED):
-            return (lambda t: t.squeeze().contiguous()), tuple(d for d in shape if d != 1)
+            return keeps_bytes(lambda t: t.squeeze().contiguous()), tuple(d for d in shape if d != 1)
         return None, shape
 
     def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:

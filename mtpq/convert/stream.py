@@ -13,6 +13,7 @@ Q8_0) encodes each row independently of the others.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterable
 
 import numpy as np
@@ -23,6 +24,10 @@ from ..errors import InputError
 from .checkpoint import _ST_DTYPES, Checkpoint
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
+# to a float type: 4 MB of float32 per slab, so that the lookup, scaling, checks and rounding of one slab
+# find it in the CPU's cache and glibc reuses the buffers (each pass over DRAM-sized slabs cost as much as
+# the copy); the quantized types keep big slabs, the kernels share them out among threads
+FLOAT_SLAB_ELEMENTS = 1 << 20
 _TORCH_OF = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, and how to read them
@@ -71,23 +76,69 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
 
 def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
     """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
-    fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused first),
+    fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
     with ``quantize``'s checks and messages."""
-    from ..quantize.kernels import _all_finite
+    from ..quantize.kernels import _all_finite, _keep_freed_buffers
 
+    _keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     out = torch.empty(shape, dtype=_TORCH_OF[qtype])
     for r0, r1, load in slabs:
         values = load()
-        if not _all_finite(values):
-            raise InputError(source, f"{name}: contains NaN/Inf values")
         dst = out[r0:r1]
         dst.copy_(values.reshape(dst.shape))
-        del values
-        if qtype != T.F32 and not bool(torch.isfinite(torch.stack(torch.aminmax(dst))).all()):
+        # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
+        # only when it is not are the source values looked at, to say which of the two went wrong
+        if not _all_finite(dst):
+            if not _all_finite(values):
+                raise InputError(source, f"{name}: contains NaN/Inf values")
             what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
             raise InputError(source, f"{name}: values exceed the {what}")
+        del values
     # the arrays quantize returns: BF16 as uint16 bit patterns
     return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
+
+
+_BITS_AS = {T.BF16: np.uint16, T.F16: np.float16, T.F32: np.float32}  # the arrays ``quantize`` returns
+
+
+def bits_finite(bits: np.ndarray, dtype: str) -> bool:
+    """No NaN/Inf among stored ``dtype`` (safetensors name) values given as their bits: ``quantize``'s check
+    (min and max propagate NaN), on a view of the bits, 4M values per step, one thread."""
+    from ..quantize.kernels import _all_finite
+
+    signed = bits.reshape(-1).view(np.int16 if bits.itemsize == 2 else np.int32)
+    with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.from_numpy(signed).view(_ST_DTYPES[dtype])
+    with _one_thread():
+        return all(_all_finite(c) for c in values.split(1 << 22))
+
+
+def _passed_bits(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
+    """A passed-through tensor: its stored bits mapped from the file and checked, as the output type's array."""
+    bits = ck.map_bits(hf_name)
+    if not bits_finite(bits, ck.source_dtype(hf_name)):
+        raise InputError(source, f"{name}: contains NaN/Inf values")
+    return bits.view(_BITS_AS[qtype])
+
+
+class Pieces:
+    """One tensor's bytes as consecutive arrays (a passed-through expert stack: each expert mapped from its
+    file), written one after the other with no stacking copy. Has what GGUFWriter.write_tensor_data uses of
+    an array: ``nbytes`` and ``tofile``; ``np.asarray`` joins them (a copy) for any other reader."""
+
+    def __init__(self, parts: list[np.ndarray], shape: tuple[int, ...]):
+        self.parts, self.shape, self.dtype = parts, shape, parts[0].dtype
+        self.nbytes = sum(p.nbytes for p in parts)
+
+    def tofile(self, f) -> None:
+        for p in self.parts:
+            if p.nbytes:
+                f.write(memoryview(p).cast("B"))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.concatenate([p.reshape(-1) for p in self.parts]).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
 
 
 def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
@@ -95,16 +146,24 @@ def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
     return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
 
 
+def _band(ck: Checkpoint, hf_name: str, row: int, qtype: T) -> int:
+    """Rows per slab of ``hf_name`` (``row`` values each), a multiple of its :meth:`Checkpoint.row_step`."""
+    step = ck.row_step(hf_name)
+    elems = FLOAT_SLAB_ELEMENTS if qtype in _TORCH_OF else SLAB_ELEMENTS
+    return max(step, elems // max(row, 1) // step * step)
+
+
 def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
     """One HF tensor in ``qtype``, read and converted a band of rows at a time."""
     shape = tuple(ck.shape(hf_name))
+    if passes_through(ck, hf_name, qtype):  # the bits are the output
+        return _passed_bits(ck, hf_name, name, source, qtype)
     row = 1
     for d in shape[1:]:
         row *= d
-    step = ck.row_step(hf_name)
-    per = max(step, SLAB_ELEMENTS // max(row, 1) // step * step)
-    if len(shape) < 2 or per >= shape[0] or passes_through(ck, hf_name, qtype):
-        return encode_values(ck.load(hf_name), qtype, name, source)  # one slab, or the bits are the output
+    per = _band(ck, hf_name, row, qtype)
+    if not shape or not shape[0] or (per >= shape[0] and qtype not in _TORCH_OF):  # one slab
+        return encode_values(ck.load(hf_name), qtype, name, source)
 
     def slab(r0: int) -> Slab:
         r1 = min(shape[0], r0 + per)
@@ -114,13 +173,39 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
 
 
 def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
-                 qtype: T) -> np.ndarray:
-    """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one expert at a time."""
-    if all(passes_through(ck, n, qtype) for n in hf_names):
-        # the stored bits are the output: each expert read straight into its slice, no stacking copy
-        out = torch.empty(shape, dtype=_TORCH_OF[qtype])
-        for i, n in enumerate(hf_names):
-            ck.read_into(n, out[i])
-        return encode_values(out, qtype, name, source)  # checks the values, returns a view of ``out``
-    slabs = [(i, i + 1, (lambda n: lambda: ck.load(n).unsqueeze(0))(n)) for i, n in enumerate(hf_names)]
-    return encode_slabs(name, source, shape, qtype, slabs)
+                 qtype: T) -> np.ndarray | Pieces:
+    """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one band of an expert's
+    rows at a time."""
+    if hf_names and all(passes_through(ck, n, qtype) for n in hf_names):
+        # the stored bits are the output: every expert mapped and checked before any is written
+        return Pieces([_passed_bits(ck, n, name, source, qtype) for n in hf_names], shape)
+    n_exp, rows, cols = shape
+    if not rows:
+        return encode_values(torch.zeros(shape), qtype, name, source)
+    slabs = []  # bands of rows of the stack seen as [n_expert * rows, cols]
+    for i, n in enumerate(hf_names):
+        per = _band(ck, n, cols, qtype)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            slabs.append((i * rows + r0, i * rows + r1, (lambda n, r0, r1: lambda: ck.load_rows(n, r0, r1))(n, r0, r1)))
+    out = encode_slabs(name, source, (n_exp * rows, cols), qtype, slabs)
+    return out.reshape(n_exp, rows, -1)
+
+
+def encode_rows_of_stack(ck: Checkpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
+                         qtype: T) -> np.ndarray | Pieces:
+    """Rows ``lo:hi`` of every expert of a stored stack [n_expert, rows, cols] (one half of a fused
+    gate_up_proj) in ``qtype``, one expert at a time: neither the whole stack nor its other half is loaded."""
+    n_exp, _, cols = ck.shape(hf_name)
+    if passes_through(ck, hf_name, qtype):  # each expert's half is contiguous in the file: mapped, as stored
+        bits = ck.map_bits(hf_name)
+        parts = [bits[e, lo:hi] for e in range(n_exp)]
+        if not all(bits_finite(p, ck.source_dtype(hf_name)) for p in parts):
+            raise InputError(source, f"{name}: contains NaN/Inf values")
+        return Pieces([p.view(_BITS_AS[qtype]) for p in parts], (n_exp, hi - lo, cols))
+    n = hi - lo
+    slabs = [(e * n, (e + 1) * n, (lambda e: lambda: ck.load_rows(hf_name, e, e + 1)[0, lo:hi])(e))
+             for e in range(n_exp)]
+    if not slabs or not n:
+        return encode_values(torch.zeros(n_exp, n, cols), qtype, name, source)
+    return encode_slabs(name, source, (n_exp * n, cols), qtype, slabs).reshape(n_exp, n, -1)
