@@ -98,6 +98,18 @@ def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" 
     return _hf_state_dict(model), gen
 
 
+def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[str, torch.Tensor]:
+    """The DeepSeek-style MTP layer's own tensors, stored as layer n; with head, its embed_tokens and
+    shared_head.head too (checkpoints that tie them to the trunk's leave them out)."""
+    h, p = cfg.hidden_size, f"model.layers.{n}."
+    t = {p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
+         p + "hnorm.weight": _norm(h, gen), p + "shared_head.norm.weight": _norm(h, gen)}
+    if head:
+        t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+    return t
+
+
 def _hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The state dict as save_pretrained writes it (per-expert tensors, original names)."""
     import tempfile

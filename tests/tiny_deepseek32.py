@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, random_hf_state_dict, save_checkpoint
+from tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 from tiny_deepseek import SPECIALS, YARN, _use_bos, deepseek_v3_config
 
 
@@ -49,13 +49,7 @@ def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bflo
     sd, gen = random_hf_state_dict(DeepseekV32ForCausalLM, cfg, seed, is_norm=lambda name: name.endswith("norm.weight"))
     if positive_index_weights:
         sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})
-    h, p = cfg.hidden_size, f"model.layers.{n}."
-    sd.update({
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen), p + "shared_head.norm.weight": _norm(h, gen),
-        p + "embed_tokens.weight": _randn(cfg.vocab_size, h, gen=gen),
-        p + "shared_head.head.weight": _randn(cfg.vocab_size, h, gen=gen),
-    })
+    sd.update(nextn_tensors(cfg, n, gen))
     config = cfg.to_dict()
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "head_dim", "qk_head_dim"):
         config.pop(key, None)

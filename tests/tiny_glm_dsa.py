@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, random_hf_state_dict, save_checkpoint
+from tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 
 _MLA = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=256,
@@ -91,15 +91,7 @@ def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, 
     n = params["num_hidden_layers"]
     cfg = config_cls(**build)
     sd, gen = random_hf_state_dict(model_cls, cfg, seed)
-    h, p = cfg.hidden_size, f"model.layers.{n}."
-    sd.update({
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-        p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen),
-        p + "shared_head.norm.weight": _norm(h, gen),
-        p + "embed_tokens.weight": _randn(cfg.vocab_size, h, gen=gen),
-        p + "shared_head.head.weight": _randn(cfg.vocab_size, h, gen=gen),
-    })
+    sd.update(nextn_tensors(cfg, n, gen))
     config = cfg.to_dict()
     for key in ("indexer_types", "mlp_layer_types", "layer_types"):
         if isinstance(config.get(key), list):
