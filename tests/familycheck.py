@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from ggufcheck import convert, kv_types, read_gguf
@@ -45,6 +47,15 @@ def expected_table(top: dict, blocks: list[dict], vocab: int, block_ids) -> dict
     return out
 
 
+def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+    assert set(tensors) == set(exp)
+    for name, want in exp.items():
+        qtype, got = tensors[name]
+        assert qtype == T.F32, name
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+
+
 def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:
     """The float value of each stored tensor: e4m3 weights times their weight_scale_inv tile, done tile by tile."""
     dequant: dict[str, torch.Tensor] = {}
@@ -55,7 +66,7 @@ def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> d
             dequant[name] = q.float()
             continue
         w, s = q.float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(w)
+        want = torch.empty_like(w)  # independent dequant: loop over the tiles (the last ones may be partial)
         for i in range(s.shape[0]):
             for j in range(s.shape[1]):
                 tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
@@ -65,6 +76,15 @@ def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> d
 
 
 # ----------------------------------------------------------------------------- bad input
+
+
+def copy_with_config(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of checkpoint src at dst, its config.json updated with config_changes."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def rewrite_tensor(folder: Path, name: str, value: torch.Tensor | None) -> Path:
@@ -148,24 +168,28 @@ def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     return res
 
 
-def convert_with_both(llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str | None = None, *ref_args: str):
-    """Our f32 conversion in llama.cpp converter mode ``mode`` and llama.cpp's own:
-    (our path, our kv, our tensors, reference path)."""
+def convert_with_both(llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str | None = None, *ref_args: str,
+                      raw_config: bool = False):
+    """Our f32 conversion in llama.cpp converter mode ``mode`` and llama.cpp's own (ref_args and raw_config
+    passed to llamacpp_ref.llama_cpp_convert): (our path, our kv, our tensors, reference path)."""
     from llamacpp_ref import llama_cpp_convert
 
     out = tmp_path / "ours.gguf"
     kv, tensors = convert(ck, out, "--outtype", "f32", *OUR_MODE[mode])
     ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []), *ref_args)
+                            *([mode] if mode else []), *ref_args, raw_config=raw_config)
     return out, kv, tensors, ref
 
 
-def assert_same_gguf(out: Path, kv: dict, tensors: dict, ref: Path) -> dict:
-    """Every metadata key, value and value type, every tensor name, type, shape and byte equal the reference
-    file's (general.* writer keys aside); returns the reference tensors."""
+def assert_same_gguf(out: Path, kv: dict, tensors: dict, ref: Path, value_types: bool = True,
+                     ignore: tuple[str, ...] = ()) -> dict:
+    """Every metadata key and value (and with value_types, each value's GGUF type), every tensor name, type,
+    shape and byte equal the reference file's (general.* writer keys aside; our keys in ignore left out);
+    returns the reference tensors."""
     ref_kv, ref_tensors = read_gguf(ref)
-    assert strip_general(kv) == strip_general(ref_kv)
-    assert strip_general(kv_types(out)) == strip_general(kv_types(ref))
+    assert {k: v for k, v in strip_general(kv).items() if k not in ignore} == strip_general(ref_kv)
+    if value_types:  # bool arrays stay bools, floats stay f32
+        assert strip_general(kv_types(out)) == strip_general(kv_types(ref))
     assert set(tensors) == set(ref_tensors)
     for name, (qtype, data) in tensors.items():
         ref_type, ref_data = ref_tensors[name]

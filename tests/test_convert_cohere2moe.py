@@ -17,9 +17,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_cohere2moe
-from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
-                         convert_with_both, expected_table, inspect_json, quantize_q4_k_m, quantize_with_both,
-                         rewrite_tensor, stack_experts, strip_general, vocab)
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, expected_table, inspect_json, quantize_q4_k_m,
+                         quantize_with_both, rewrite_tensor, stack_experts, strip_general, vocab)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -70,10 +70,7 @@ def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
     want = expected(vocab(co_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(co_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, source_value(src, hf).float().numpy(), err_msg=name)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
 
 
 def test_metadata(co_ckpt, co_f32):

@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as T
 
 import tiny
 import tiny_hyv3
-from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
-                         convert_with_both, dequant_block_scaled, expected_table, inspect_json, quantize_q4_k_m,
-                         quantize_with_both, stack_experts, vocab)
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
+                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
 from ggufcheck import convert, source_tensors
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
@@ -74,10 +74,7 @@ def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
     want = expected(vocab(hy_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(hy_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, source_value(src, hf).float().numpy(), err_msg=name)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
 
 
 def test_metadata(hy_f32):
