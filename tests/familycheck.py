@@ -239,3 +239,17 @@ def assert_refused(folder: Path, out: Path, *needles: str) -> str:
     assert "\n" not in line and all(n in line for n in needles), line
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
     return line
+
+
+def assert_targets_are_greedy(steps: list[tuple[int, int]], want: list[int], at_least: int = 5):
+    """llama-speculative-simple's verification steps, (accepted drafts, target token) each, follow the greedy
+    continuation want: a step accepts some drafts, then emits one target token, which must be the next of
+    want. At least at_least targets are checked."""
+    pos, checked = 0, 0
+    for accepted, target in steps:
+        pos += accepted
+        if pos >= len(want):
+            break
+        assert target == want[pos], (steps, want)
+        pos, checked = pos + 1, checked + 1
+    assert checked >= at_least, steps
