@@ -75,6 +75,18 @@ def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> d
     return dequant
 
 
+def built_once(tmp_path_factory, build):
+    """get(variant): the checkpoint ``build(folder, variant)`` writes on first use, the same folder after."""
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = build(tmp_path_factory.mktemp(variant) / "ckpt", variant)
+        return cache[variant]
+
+    return get
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen35
-from familycheck import assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, convert_with_both
+from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
+                         convert_with_both)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -136,15 +137,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            folder = tmp_path_factory.mktemp(variant) / "ckpt"
-            cache[variant] = tiny_qwen35.qwen35(folder, dtype=torch.float32, **VARIANTS[variant])
-        return cache[variant]
-
-    return get
+    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen35.qwen35(
+        folder, dtype=torch.float32, **VARIANTS[variant]))
 
 
 # ----------------------------------------------------------------------------- tensors

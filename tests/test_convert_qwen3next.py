@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen3next
-from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy,
+from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
                          convert_with_both, quantize_q4_k_m, quantize_with_both, rewrite_tensor)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
@@ -113,15 +113,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            folder = tmp_path_factory.mktemp(variant) / "ckpt"
-            cache[variant] = tiny_qwen3next.qwen3next(folder, **{"dtype": torch.float32, **VARIANTS[variant]})
-        return cache[variant]
-
-    return get
+    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen3next.qwen3next(
+        folder, **{"dtype": torch.float32, **VARIANTS[variant]}))
 
 
 # ----------------------------------------------------------------------------- tensors and metadata
