@@ -10,19 +10,18 @@ and llama-speculative-simple.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
 
 import tiny_bailingmoe3
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
+                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 N_HEAD, NOPE, ROPE, V_DIM, KV_LORA = 4, 64, 64, 64, 256
@@ -60,18 +59,13 @@ TOP = {"token_embd.weight": (("V", 256), "model.word_embeddings.weight"),
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
-    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
-    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
-    for bid in blocks:
-        for kind, (shape, hf) in BLOCKS[bid].items():
-            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
-    return out
+    return expected_table(TOP, BLOCKS, vocab, blocks)
 
 
 def value(src: dict[str, torch.Tensor], name: str, hf: str) -> torch.Tensor:
     """The GGUF tensor's values from the HF one, by the documented transforms (computed here per head)."""
     if "*" in hf:
-        return torch.stack([src[hf.replace("*", str(e))] for e in range(4)])
+        return stack_experts(src, hf)
     t = src[hf].float()
     if ".ssm_conv1d_" in name:
         return t[:, 0, :].reshape(1, 256, 1, 4)
@@ -95,19 +89,12 @@ def bl_f32(bl_ckpt, tmp_path_factory):
     return convert(bl_ckpt, tmp_path_factory.mktemp("bailingmoe3_out") / "m.gguf", "--outtype", "f32")
 
 
-def _vocab(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
-
-
 def test_f32_every_tensor_named_shaped_and_valued(bl_ckpt, bl_f32):
     _, tensors = bl_f32
-    want = expected(_vocab(bl_ckpt))
+    want = expected(vocab(bl_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(bl_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, value(src, name, hf).numpy(), err_msg=name)
+    assert_f32_equal(tensors, {name: value(src, name, hf) for name, (_, hf) in want.items()})
 
 
 def test_metadata(bl_ckpt, bl_f32):
@@ -120,7 +107,7 @@ def test_metadata(bl_ckpt, bl_f32):
         "bailingmoe3.attention.key_length": KV_LORA + ROPE, "bailingmoe3.attention.value_length": 64,
         "bailingmoe3.attention.key_length_mla": NOPE + ROPE, "bailingmoe3.attention.value_length_mla": V_DIM,
         "bailingmoe3.attention.kv_lora_rank": KV_LORA, "bailingmoe3.rope.dimension_count": ROPE,
-        "bailingmoe3.vocab_size": _vocab(bl_ckpt), "bailingmoe3.ssm.conv_kernel": 4, "bailingmoe3.kda.head_dim": 64,
+        "bailingmoe3.vocab_size": vocab(bl_ckpt), "bailingmoe3.ssm.conv_kernel": 4, "bailingmoe3.kda.head_dim": 64,
         "bailingmoe3.kda.safe_gate": True, "bailingmoe3.expert_count": 4, "bailingmoe3.expert_used_count": 2,
         "bailingmoe3.expert_group_count": 1, "bailingmoe3.expert_group_used_count": 1,
         "bailingmoe3.expert_gating_func": 2, "bailingmoe3.expert_feed_forward_length": 256,
@@ -148,10 +135,10 @@ def test_no_mtp_and_mtp_only(bl_ckpt, tmp_path):
     kv, tensors = convert(bl_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["bailingmoe3.block_count"] == 4 and "bailingmoe3.nextn_predict_layers" not in kv
     assert kv["bailingmoe3.attention.head_count_kv"] == [0, 1, 0, 1]
-    assert set(tensors) == set(expected(_vocab(bl_ckpt), range(4)))
+    assert set(tensors) == set(expected(vocab(bl_ckpt), range(4)))
     kv, tensors = convert(bl_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["bailingmoe3.block_count"] == 5 and kv["bailingmoe3.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in expected(_vocab(bl_ckpt)) if n.startswith("blk.4.")} | {
+    assert set(tensors) == {n for n in expected(vocab(bl_ckpt)) if n.startswith("blk.4.")} | {
         "token_embd.weight", "output_norm.weight", "output.weight"}
 
 
@@ -159,23 +146,7 @@ def test_checkpoint_without_mtp_layer(tmp_path):
     ck = tiny_bailingmoe3.bailingmoe3(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["bailingmoe3.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2 and "layer 4" in res.stderr and "--no-mtp" in res.stderr
-    assert not (tmp_path / "m.gguf").exists()
-
-
-def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
-    index_path = folder / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"][name]
-    tensors = load_file(str(shard))
-    if value is None:
-        del tensors[name], index["weight_map"][name]
-    else:
-        tensors[name] = value
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    index_path.write_text(json.dumps(index))
-    return shard
+    assert_needs_no_mtp(ck, tmp_path, "layer 4")
 
 
 @pytest.mark.parametrize("name,value,needle", [
@@ -185,16 +156,7 @@ def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
     ("model.layers.0.attention.k_conv1d.weight", torch.zeros(256, 1, 3), "config.json implies [256, 1, 4]"),
 ])
 def test_missing_or_misshaped_tensor_exits_2(bl_ckpt, tmp_path, name, value, needle):
-    ck = shutil.copytree(bl_ckpt, tmp_path / "ck")
-    shard = _rewrite(ck, name, value)
-    before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and needle in line, line
-    assert (shard.name in line) if value is not None else (str(ck) in line), line
-    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
-    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert_bad_tensor_refused(shutil.copytree(bl_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
 @pytest.mark.parametrize("change,needle", [({"no_kda_lora": False}, "no_kda_lora"),
@@ -217,57 +179,30 @@ def test_fp8_block_scaled_dequantized(bl_ckpt, tmp_path):
     ck = shutil.copytree(bl_ckpt, tmp_path / "fp8")
     tiny.to_fp8_block_scaled(ck)
     stored = source_tensors(ck)
-    dequant: dict[str, torch.Tensor] = {}
-    for name, q in stored.items():
-        if name.endswith("_scale_inv"):
-            continue
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q.float()
-            continue
-        w, sc = q.float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(w)
-        for i in range(sc.shape[0]):
-            for j in range(sc.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                want[tile] = w[tile] * sc[i, j]
-        dequant[name] = want
+    dequant = dequant_block_scaled(stored)
     for n in ("model.layers.4.attention.kv_b_proj.weight", "model.layers.0.attention.f_proj.weight",
               "model.layers.4.eh_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight"):
         assert stored[n].dtype == torch.float8_e4m3fn, n
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
-    for name, (_, hf) in expected(_vocab(ck)).items():
+    for name, (_, hf) in expected(vocab(ck)).items():
         np.testing.assert_array_equal(tensors[name][1], value(dequant, name, hf).numpy(), err_msg=name)
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(bl_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(bl_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
-    shapes = expected(_vocab(bl_ckpt))
+    tensors = quantize_q4_k_m(bl_ckpt, tmp_path)
+    shapes = expected(vocab(bl_ckpt))
     for name, (qtype, _) in tensors.items():
         if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name or "ssm_conv1d" in name or name.endswith("ssm_a"):
             assert qtype == T.F32, name
         elif name.startswith("blk.4.") and shapes[name][0][-1] % 32 == 0:
             assert qtype == T.Q8_0, name
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.ssm_f_a.weight"][0] == T.Q4_K
-    one_pass = tmp_path / "one.gguf"
-    res = run_cli("convert", bl_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_inspect_shows_the_head(bl_ckpt, tmp_path):
-    out = tmp_path / "m.gguf"
-    convert(bl_ckpt, out, "--outtype", "f16")
-    res = run_cli("inspect", out, "--json")
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
+    info = inspect_json(bl_ckpt, tmp_path)
     assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(_vocab(bl_ckpt))
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(vocab(bl_ckpt))
                                                                 if n.startswith("blk.4.")}
 
 
@@ -284,25 +219,10 @@ def test_inspect_shows_the_head(bl_ckpt, tmp_path):
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP layer too), in its three modes, from bf16, and with q LoRA + SwiGLU clamps."""
-    from llamacpp_ref import llama_cpp_convert
-
     ck = tiny_bailingmoe3.bailingmoe3(tmp_path / "ckpt", dtype=dtype, **over)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
     assert any(".nextn." in n for n in tensors) == (mode != "--no-mtp")
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
 
 
 @pytest.mark.llama_cpp
@@ -315,13 +235,6 @@ def test_f16_types_as_llama_cpp_converter(bl_ckpt, tmp_path, llama_cpp_src):
     assert {n: t for n, (t, _) in tensors.items()} == {n: t for n, (t, _) in ref.items()}
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(bl_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included).
@@ -330,15 +243,7 @@ def test_same_bytes_as_llama_quantize(bl_ckpt, tmp_path, llama_cpp_bin):
     the KDA convolutions' trailing ne[3] = 1 ([1, d, 1, k] -> [d, 1, k]); mtpq keeps the shape the
     converters wrote. Same bytes, and llama.cpp's loader accepts both.
     """
-    f16 = tmp_path / "f16.gguf"
-    convert(bl_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    _run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(bl_ckpt, tmp_path, llama_cpp_bin)
     for name in b:
         ours, theirs = a[name][1], b[name][1]
         if "ssm_conv1d_" in name:
@@ -352,14 +257,4 @@ def test_same_bytes_as_llama_quantize(bl_ckpt, tmp_path, llama_cpp_bin):
 def test_loads_and_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP layer and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
-    convert(bl_ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-    convert(bl_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(bl_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
-    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
-    for banner, models in runs.items():
-        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp", *flags])
-        assert banner in res.stderr, res.stderr[-2000:]
-        if (drafted := re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)) is not None:
-            assert int(drafted.group(1)) > 0, res.stderr[-2000:]
+    assert_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin)

@@ -9,20 +9,18 @@ tables; the llama_cpp-marked tests compare against llama.cpp's own converter
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
 
 import tiny_cohere2moe
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, expected_table, inspect_json, quantize_q4_k_m,
+                         quantize_with_both, rewrite_tensor, stack_experts, strip_general, vocab)
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
@@ -50,18 +48,11 @@ TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
-    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
-    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
-    for bid in blocks:
-        for kind, (shape, hf) in BLOCKS[bid].items():
-            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
-    return out
+    return expected_table(TOP, BLOCKS, vocab, blocks)
 
 
 def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
-    if "*" in hf:
-        return torch.stack([src[hf.replace("*", str(e))] for e in range(4)])
-    return src[hf]
+    return stack_experts(src, hf)
 
 
 @pytest.fixture(scope="module")
@@ -74,19 +65,12 @@ def co_f32(co_ckpt, tmp_path_factory):
     return convert(co_ckpt, tmp_path_factory.mktemp("cohere2moe_out") / "m.gguf", "--outtype", "f32")
 
 
-def _vocab(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
-
-
 def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
     _, tensors = co_f32
-    want = expected(_vocab(co_ckpt))
+    want = expected(vocab(co_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(co_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, source_value(src, hf).float().numpy(), err_msg=name)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
 
 
 def test_metadata(co_ckpt, co_f32):
@@ -100,7 +84,7 @@ def test_metadata(co_ckpt, co_f32):
         "cohere2moe.rope.dimension_count": 64, "cohere2moe.rope.scaling.type": "none",
         "cohere2moe.attention.sliding_window": 16,
         "cohere2moe.attention.sliding_window_pattern": [True, True, True, False],  # trunk layers only
-        "cohere2moe.vocab_size": _vocab(co_ckpt), "cohere2moe.expert_count": 4, "cohere2moe.expert_used_count": 2,
+        "cohere2moe.vocab_size": vocab(co_ckpt), "cohere2moe.expert_count": 4, "cohere2moe.expert_used_count": 2,
         "cohere2moe.expert_gating_func": 2, "cohere2moe.expert_feed_forward_length": 256,
         "cohere2moe.expert_shared_count": 1, "cohere2moe.expert_shared_feed_forward_length": 256,
         "cohere2moe.leading_dense_block_count": 1, "cohere2moe.expert_weights_norm": True,
@@ -117,11 +101,11 @@ def test_metadata(co_ckpt, co_f32):
 def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
     kv, tensors = convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["cohere2moe.block_count"] == 4 and "cohere2moe.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(_vocab(co_ckpt), range(4)))
+    assert set(tensors) == set(expected(vocab(co_ckpt), range(4)))
     kv, tensors = convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["cohere2moe.block_count"] == 5 and kv["cohere2moe.nextn_predict_layers"] == 1
     # tied embeddings: the head file carries token_embd (its lm_head too) and output_norm
-    assert set(tensors) == {n for n in expected(_vocab(co_ckpt)) if n.startswith("blk.4.")} | {
+    assert set(tensors) == {n for n in expected(vocab(co_ckpt)) if n.startswith("blk.4.")} | {
         "token_embd.weight", "output_norm.weight"}
 
 
@@ -129,35 +113,18 @@ def test_checkpoint_without_mtp_layer(tmp_path):
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["cohere2moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2 and "layer 4" in res.stderr and "--no-mtp" in res.stderr
-    assert not (tmp_path / "m.gguf").exists()
+    assert_needs_no_mtp(ck, tmp_path, "layer 4")
 
 
 def test_zero_biases_dropped_nonzero_refused(tmp_path):
     """attention_bias: llama.cpp's graph has no biases; zero ones are dropped, others refused (exit 2)."""
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "bias", attention_bias=True)
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
-    assert set(tensors) == set(expected(_vocab(ck)))
-    shard = _rewrite(ck, "model.layers.2.self_attn.k_proj.bias", torch.full((128,), 0.5))
+    assert set(tensors) == set(expected(vocab(ck)))
+    shard = rewrite_tensor(ck, "model.layers.2.self_attn.k_proj.bias", torch.full((128,), 0.5))
     res = run_cli("convert", ck, tmp_path / "bad.gguf", "--quiet")
     assert res.exit_code == 2 and "k_proj.bias is not zero" in res.stderr and shard.name in res.stderr
     assert not (tmp_path / "bad.gguf").exists()
-
-
-def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
-    """Replace (or with None, delete) one stored tensor, keeping the index consistent."""
-    index_path = folder / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"][name]
-    tensors = load_file(str(shard))
-    if value is None:
-        del tensors[name], index["weight_map"][name]
-    else:
-        tensors[name] = value
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    index_path.write_text(json.dumps(index))
-    return shard
 
 
 @pytest.mark.parametrize("name,value,needle", [
@@ -167,62 +134,28 @@ def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
     ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
 ])
 def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, needle):
-    ck = shutil.copytree(co_ckpt, tmp_path / "ck")
-    shard = _rewrite(ck, name, value)
-    before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and needle in line, line
-    assert (shard.name in line) if value is not None else (str(ck) in line), line
-    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
-    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert_bad_tensor_refused(shutil.copytree(co_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(co_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
-    shapes = expected(_vocab(co_ckpt))
+    tensors = quantize_q4_k_m(co_ckpt, tmp_path)
+    shapes = expected(vocab(co_ckpt))
     for name, (qtype, _) in tensors.items():
         if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
             assert qtype == T.F32, name
         elif name.startswith("blk.4."):
             assert qtype == T.Q8_0, name
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-    one_pass = tmp_path / "one.gguf"
-    res = run_cli("convert", co_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
-    out = tmp_path / "m.gguf"
-    convert(co_ckpt, out, "--outtype", "f16")
-    res = run_cli("inspect", out, "--json")
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
+    info = inspect_json(co_ckpt, tmp_path)
     assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(_vocab(co_ckpt))
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(vocab(co_ckpt))
                                                                 if n.startswith("blk.4.")}
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-
-
-def _strip(kv: dict) -> dict:
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    return {k: v for k, v in kv.items() if not k.startswith("general.") or k in keep}
-
-
-def _llama_cpp_reference(llama_cpp_src, ck: Path, out: Path, pre: str, *args: str):
-    from llamacpp_ref import llama_cpp_convert
-
-    return llama_cpp_convert(llama_cpp_src, ck, out, pre, *args)
 
 
 @pytest.mark.llama_cpp
@@ -236,37 +169,30 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, dtype, over):
     0-d tensor"), so the bias case runs it with --no-lazy.
     """
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", dtype=dtype, **over)
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32")
-    ref = _llama_cpp_reference(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                               *(["--no-lazy"] if over.get("attention_bias") else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    assert _strip(kv) == _strip(ref_kv)
-    assert _strip(kv_types(out)) == _strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors) and "blk.4.nextn.eh_proj.weight" in tensors
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None,
+                                              *(["--no-lazy"] if over.get("attention_bias") else []))
+    assert_same_gguf(out, kv, tensors, ref)
+    assert "blk.4.nextn.eh_proj.weight" in tensors
 
 
 @pytest.mark.llama_cpp
 def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path, llama_cpp_src):
     """llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); ours
     gives its full file's trunk (block_count 4, no nextn key) and its MTP block + shared tensors."""
+    from llamacpp_ref import llama_cpp_convert
+
     full = tmp_path / "full.gguf"
     kv, _ = convert(co_ckpt, full, "--outtype", "f32")
-    ref_kv, ref = read_gguf(_llama_cpp_reference(llama_cpp_src, co_ckpt, tmp_path / "ref.gguf",
-                                                 kv["tokenizer.ggml.pre"]))
+    ref_kv, ref = read_gguf(llama_cpp_convert(llama_cpp_src, co_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"]))
     trunk_kv, trunk = convert(co_ckpt, tmp_path / "trunk.gguf", "--outtype", "f32", "--no-mtp")
-    want_kv = {k: v for k, v in _strip(ref_kv).items() if k != "cohere2moe.nextn_predict_layers"}
+    want_kv = {k: v for k, v in strip_general(ref_kv).items() if k != "cohere2moe.nextn_predict_layers"}
     want_kv["cohere2moe.block_count"] = 4
     want_kv["general.size_label"] = trunk_kv["general.size_label"]  # counts the parameters written
-    assert _strip(trunk_kv) == want_kv
+    assert strip_general(trunk_kv) == want_kv
     assert set(trunk) == {n for n in ref if not n.startswith("blk.4.")}
     head_kv, head = convert(co_ckpt, tmp_path / "head.gguf", "--outtype", "f32", "--mtp-only")
-    assert {k: v for k, v in _strip(head_kv).items() if k != "general.size_label"} == {
-        k: v for k, v in _strip(ref_kv).items() if k != "general.size_label"}
+    assert {k: v for k, v in strip_general(head_kv).items() if k != "general.size_label"} == {
+        k: v for k, v in strip_general(ref_kv).items() if k != "general.size_label"}
     assert set(head) == {n for n in ref if n.startswith("blk.4.") or n in ("token_embd.weight", "output_norm.weight")}
     for part in (trunk, head):
         for name, (qtype, data) in part.items():
@@ -274,25 +200,10 @@ def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path
             np.testing.assert_array_equal(data, ref[name][1], err_msg=name)
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    f16 = tmp_path / "f16.gguf"
-    convert(co_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    _run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(co_ckpt, tmp_path, llama_cpp_bin)
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
@@ -302,14 +213,4 @@ def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
 def test_loads_and_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
-    convert(co_ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-    convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
-    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
-    for banner, models in runs.items():
-        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp", *flags])
-        assert banner in res.stderr, res.stderr[-2000:]
-        if (drafted := re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)) is not None:
-            assert int(drafted.group(1)) > 0, res.stderr[-2000:]
+    assert_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin)

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 import tiny
 import tiny_deepseek
 from llamacpp_ref import llama_cpp_convert
+from familycheck import assert_f32_equal, copy_with_config, dequant_block_scaled
 from runcli import run_cli
 from ggufcheck import convert, read_gguf, source_tensors
 
@@ -98,26 +99,14 @@ def ds_f32(ds_ckpt, tmp_path_factory):
     return convert(ds_ckpt, tmp_path_factory.mktemp("dsv3_out") / "m.gguf", "--outtype", "f32")
 
 
-def _copy(src: Path, dst: Path, **config_changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
 # ----------------------------------------------------------------------------- tensors
 
 
 def test_f32_every_tensor_equals_source(ds_ckpt, ds_f32):
     kv, tensors = ds_f32
     exp = expected_gguf(source_tensors(ds_ckpt))
-    assert set(tensors) == set(exp)
+    assert_f32_equal(tensors, exp)
     assert not any("attn_kv_b" in n for n in tensors)  # llama.cpp's converter writes only the split k_b / v_b
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
 
 
 def test_kv_b_split_matches_mla_attention_math(ds_ckpt, ds_f32):
@@ -198,22 +187,8 @@ def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
     reference = source_tensors(ck)
     tiny.to_fp8_block_scaled(ck)
     stored = source_tensors(ck)
-    dequant: dict[str, torch.Tensor] = {}
-    n_fp8 = 0
-    for name, q in stored.items():
-        if name.endswith("_scale_inv"):
-            continue
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q.float()
-            continue
-        n_fp8 += 1
-        w, s = q.float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(w)  # independent dequant: loop over the tiles (the last ones may be partial)
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                want[tile] = w[tile] * s[i, j]
-        dequant[name] = want
+    dequant = dequant_block_scaled(stored)
+    n_fp8 = sum(q.dtype == torch.float8_e4m3fn for q in stored.values())
     assert n_fp8 > 30 and any(stored[n].shape[0] % 128 for n in stored if n.endswith("kv_a_proj_with_mqa.weight"))
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
@@ -273,7 +248,7 @@ def test_config_as_deepseek_ships_it(ds_ckpt, ds_f32, tmp_path):
         cfg.pop(k, None)
     cfg["rope_theta"] = rp.pop("rope_theta")
     rp["type"] = rp.pop("rope_type")
-    ck = _copy(ds_ckpt, tmp_path / "ck")
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck")
     (ck / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rp}, indent=2))
     kv, _ = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     assert kv == ds_f32[0]
@@ -289,13 +264,13 @@ def _refused(ck: Path, out: Path, *args: str) -> str:
 
 
 def test_kv_b_shape_contradicts_config(ds_ckpt, tmp_path):
-    ck = _copy(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "kv_b_proj" in line and "config.json" in line and ".safetensors" in line, line
 
 
 def test_config_without_mla_dims(ds_ckpt, tmp_path):
-    ck = _copy(ds_ckpt, tmp_path / "ck", kv_lora_rank=None)
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck", kv_lora_rank=None)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "kv_lora_rank" in line, line
 
@@ -304,7 +279,7 @@ def test_checkpoint_without_mtp_layer(ds_ckpt, ds_f32, tmp_path):
     """Many published DeepSeek-V3 copies drop layer 61: --no-mtp converts them, the default says why it cannot."""
     from safetensors.torch import load_file, save_file
 
-    ck = _copy(ds_ckpt, tmp_path / "ck")
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck")
     index = json.loads((ck / "model.safetensors.index.json").read_text())
     for shard in sorted(set(index["weight_map"].values())):
         kept = {n: t for n, t in load_file(str(ck / shard)).items() if not n.startswith(f"model.layers.{MTP}.")}
@@ -363,7 +338,7 @@ def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama
     """llama.cpp keeps the same MTP block for DeepSeek-V3.2 (arch deepseek32): its names, shapes and values
     for blk.2.* must equal ours (same checkpoint relabelled DeepseekV32ForCausalLM; no indexer tensors)."""
     kv, tensors = ds_f32
-    ck = _copy(ds_ckpt, tmp_path / "ck32", architectures=["DeepseekV32ForCausalLM"],
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck32", architectures=["DeepseekV32ForCausalLM"],
                index_n_heads=4, index_head_dim=64, index_topk=64)
     ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref32.gguf")
     assert set(ref) == set(tensors)

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_deepseek32
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy,
+                         convert_with_both, copy_with_config, dequant_block_scaled, quantize_q4_k_m, quantize_with_both,
+                         rewrite_tensor)
+from ggufcheck import convert, source_tensors
 from runcli import run_cli
 from test_convert_deepseek import LAYER_NAMES, TOP_NAMES, split_kv_b
 
@@ -69,25 +71,13 @@ def f32(ck, tmp_path_factory):
     return convert(ck, tmp_path_factory.mktemp("dsv32_out") / "m.gguf", "--outtype", "f32")
 
 
-def _copy(src: Path, dst: Path, **config_changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
 # ----------------------------------------------------------------------------- tensors and metadata
 
 
 def test_f32_every_tensor_equals_source(ck, f32):
     kv, tensors = f32
     exp = expected_gguf(source_tensors(ck))
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+    assert_f32_equal(tensors, exp)
     for bid in range(N_TRUNK + 1):  # every layer has its indexer, the MTP block's included
         assert {f"blk.{bid}.{g}" for g in INDEXER.values()} <= set(tensors), bid
     assert tensors["blk.2.indexer.attn_q_b.weight"][1].shape == (4 * 64, 256)
@@ -153,21 +143,10 @@ def test_fp8_block_scaled_dequantized(ck, tmp_path):
     reference = source_tensors(fp8)
     tiny.to_fp8_block_scaled(fp8)
     stored = source_tensors(fp8)
-    dequant: dict[str, torch.Tensor] = {}
+    dequant = dequant_block_scaled(stored)
     for name, q in stored.items():
-        if name.endswith("_scale_inv"):
-            continue
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q.float()
-            continue
-        w, s = q.float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(w)  # independent dequant: loop over the tiles (the last ones may be partial)
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                want[tile] = w[tile] * s[i, j]
-        dequant[name] = want
-        assert (want - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+        if q.dtype == torch.float8_e4m3fn:
+            assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
     assert stored["model.layers.2.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.0.self_attn.indexer.wk.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(fp8, tmp_path / "m.gguf", "--outtype", "f32")
@@ -180,49 +159,30 @@ def test_fp8_block_scaled_dequantized(ck, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _refused(folder: Path, out: Path, *needles: str) -> str:
-    res = run_cli("convert", folder, out, "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and all(n in line for n in needles), line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 @pytest.mark.parametrize("victim", ["model.layers.2.self_attn.indexer.k_norm.bias",
                                     "model.layers.0.self_attn.indexer.weights_proj.weight"])
 def test_missing_indexer_tensor(ck, tmp_path, victim):
-    folder = _copy(ck, tmp_path / "ck")
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    shard = folder / index["weight_map"].pop(victim)
-    tensors = load_file(str(shard))
-    del tensors[victim]
-    save_file(tensors, str(shard))
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    _refused(folder, tmp_path / "o.gguf", str(folder), f"missing tensor {victim}")
+    folder = copy_with_config(ck, tmp_path / "ck")
+    rewrite_tensor(folder, victim, None)
+    assert_refused(folder, tmp_path / "o.gguf", str(folder), f"missing tensor {victim}")
 
 
 def test_indexer_shape_contradicts_config(ck, tmp_path):
-    folder = _copy(ck, tmp_path / "ck", index_n_heads=8)  # wq_b would have 8 * 64 rows; it has 256
-    _refused(folder, tmp_path / "o.gguf", "indexer.wq_b.weight", "config.json implies [512, 256]", ".safetensors")
+    folder = copy_with_config(ck, tmp_path / "ck", index_n_heads=8)  # wq_b would have 8 * 64 rows; it has 256
+    assert_refused(folder, tmp_path / "o.gguf", "indexer.wq_b.weight", "config.json implies [512, 256]", ".safetensors")
 
 
 @pytest.mark.parametrize("value", [None, "2048", 0])
 def test_config_without_indexer_hparams(ck, tmp_path, value):
-    folder = _copy(ck, tmp_path / "ck", index_topk=value)
-    _refused(folder, tmp_path / "o.gguf", "config.json", "index_topk")
+    folder = copy_with_config(ck, tmp_path / "ck", index_topk=value)
+    assert_refused(folder, tmp_path / "o.gguf", "config.json", "index_topk")
 
 
 # ----------------------------------------------------------------------------- quantize, accept
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(ck, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(ck, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
+    tensors = quantize_q4_k_m(ck, tmp_path)
     n_mtp = 0
     for name, (qtype, _) in tensors.items():
         if name.startswith(f"blk.{MTP}.") and qtype not in (T.F32, T.F16):  # F16: rows not a multiple of 32
@@ -231,11 +191,6 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ck, tmp_path):
     assert n_mtp >= 12 and tensors[f"blk.{MTP}.indexer.attn_q_b.weight"][0] == T.Q8_0
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
     assert tensors["blk.1.indexer.proj.weight"][0] != T.Q8_0  # the trunk follows the preset
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", ck, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_accept_says_the_runtime_lacks_deepseek32(f32, ck, tmp_path):
@@ -255,39 +210,14 @@ def test_accept_says_the_runtime_lacks_deepseek32(f32, ck, tmp_path):
 def test_same_gguf_as_llama_cpp_converter(ck, tmp_path, llama_cpp_src, mode):
     """Names, shapes, types, metadata keys, values and value types, and f32 bytes equal llama.cpp's
     DeepseekV32Model output (which keeps the MTP block, indexer included)."""
-    from llamacpp_ref import llama_cpp_convert
-
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
 
 
 @pytest.mark.llama_cpp
 def test_same_types_and_bytes_as_llama_quantize(ck, tmp_path, llama_cpp_bin):
     """With --mtp-type same, Q4_K_M equals llama-quantize tensor for tensor, MTP block and indexer included."""
-    f16 = tmp_path / "f16.gguf"
-    convert(ck, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    proc = subprocess.run([str(llama_cpp_bin / "llama-quantize"), str(f16), str(ref), "Q4_K_M", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(ck, tmp_path, llama_cpp_bin)
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
 
@@ -346,13 +276,6 @@ def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin, ind
     steps = _speculative(llama_cpp_bin, gguf_path, prompt, n)
     want = _hf_greedy(folder, prompt, n + 4)
     if indexer == "top_4":
-        every_key = _copy(folder, tmp_path / "every_key", index_topk=2048)
+        every_key = copy_with_config(folder, tmp_path / "every_key", index_topk=2048)
         assert _hf_greedy(every_key, prompt, n + 4)[:8] != want[:8]  # the indexer's choice shows in the tokens
-    pos, checked = 0, 0
-    for accepted, _, target in steps:
-        pos += accepted
-        if pos >= len(want):
-            break
-        assert target == want[pos], (steps, want)
-        pos, checked = pos + 1, checked + 1
-    assert checked >= 5, steps
+    assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)

@@ -16,7 +16,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny
-from ggufcheck import convert, read_gguf, source_tensors
+from familycheck import assert_f32_equal, assert_same_gguf, convert_with_both
+from ggufcheck import convert, source_tensors
 from runcli import run_cli
 
 LAYER_NAMES = {
@@ -77,11 +78,7 @@ def expected_gguf(folder: Path) -> dict[str, torch.Tensor]:
 def test_f32_every_tensor_equals_source(glm_ckpt, tmp_path):
     kv, tensors = convert(glm_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(glm_ckpt)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+    assert_f32_equal(tensors, exp)
     # the MTP block is the layer after the trunk, with its nextn tensors and its own MoE block
     n = kv["glm4moe.block_count"] - kv["glm4moe.nextn_predict_layers"]
     assert n == 2 and kv["glm4moe.nextn_predict_layers"] == 1
@@ -276,22 +273,9 @@ def test_failed_write_leaves_nothing(ck_copy, tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp"])
 def test_same_gguf_as_llama_cpp_converter(glm_ckpt, tmp_path, llama_cpp_src, mode):
     """Names, shapes, types, metadata keys and values, and f32 bytes equal llama.cpp's own converter's."""
-    from llamacpp_ref import llama_cpp_convert
-
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    kv, tensors = convert(glm_ckpt, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, glm_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, glm_ckpt, tmp_path, mode)
     # other general.* keys are provenance (name, basename) that llama.cpp reads from folder names and model cards
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    assert_same_gguf(out, kv, tensors, ref, value_types=False)
 
 
 @pytest.mark.llama_cpp

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,8 @@ from gguf import GGMLQuantizationType as T
 
 import tiny
 import tiny_glm_dsa
-from ggufcheck import convert, read_gguf, source_tensors
-from llamacpp_ref import llama_cpp_convert
+from familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, copy_with_config, run
+from ggufcheck import convert, source_tensors
 from runcli import run_cli
 
 CFG = tiny_glm_dsa.glm_dsa_config()
@@ -105,14 +104,6 @@ def lite_f32(lite_ckpt, tmp_path_factory):
     return convert(lite_ckpt, tmp_path_factory.mktemp("flash_out") / "m.gguf", "--outtype", "f32")
 
 
-def _copy(src: Path, dst: Path, **config_changes) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
 def _rewrite(ck: Path, edit) -> None:
     """Apply ``edit(name, tensor) -> tensor or None`` (None drops it) to every stored tensor."""
     from safetensors.torch import load_file, save_file
@@ -136,12 +127,8 @@ def _rewrite(ck: Path, edit) -> None:
 def test_f32_every_tensor_equals_source(dsa_ckpt, dsa_f32):
     _, tensors = dsa_f32
     exp = expected_gguf(source_tensors(dsa_ckpt))
-    assert set(tensors) == set(exp)
+    assert_f32_equal(tensors, exp)
     assert not any("attn_kv_b" in n for n in tensors)  # only the split k_b / v_b, as llama.cpp writes them
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
 
 
 def test_indexer_only_in_full_layers_and_the_mtp_block(dsa_f32):
@@ -206,7 +193,7 @@ def test_glm5_config_without_indexer_types(dsa_ckpt, dsa_f32, tmp_path):
     shared layer 2 of the tiny checkpoint now lacks its indexer -> one line naming it; all-full checkpoints convert."""
     cfg = json.loads((dsa_ckpt / "config.json").read_text())
     del cfg["indexer_types"]
-    ck = _copy(dsa_ckpt, tmp_path / "ck")
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     (ck / "config.json").write_text(json.dumps(cfg))
     line = _refused(ck, tmp_path / "o.gguf")
     assert "model.layers.2.self_attn.indexer." in line, line
@@ -301,7 +288,7 @@ def test_metadata(dsa_ckpt, dsa_f32):
 
 def test_partial_rotary_factor_scales_rope_dims(dsa_ckpt, tmp_path):
     rp = json.loads((dsa_ckpt / "config.json").read_text())["rope_parameters"]
-    ck = _copy(dsa_ckpt, tmp_path / "ck", rope_parameters={**rp, "partial_rotary_factor": 0.5})
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck", rope_parameters={**rp, "partial_rotary_factor": 0.5})
     kv, _ = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     assert kv["glm-dsa.rope.dimension_count"] == 16
 
@@ -319,21 +306,21 @@ def _refused(ck: Path, out: Path, *args: str) -> str:
 
 
 def test_missing_indexer_tensor(dsa_ckpt, tmp_path):
-    ck = _copy(dsa_ckpt, tmp_path / "ck")
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n == "model.layers.3.self_attn.indexer.wk.weight" else t)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "model.layers.3.self_attn.indexer.wk.weight" in line and str(ck) in line, line
 
 
 def test_indexer_shape_contradicts_config(dsa_ckpt, tmp_path):
-    ck = _copy(dsa_ckpt, tmp_path / "ck", index_head_dim=32)
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_head_dim=32)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "indexer" in line and "config.json implies" in line and ".safetensors" in line, line
 
 
 def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     """A "shared" layer stores no indexer: one there contradicts config.json."""
-    ck = _copy(dsa_ckpt, tmp_path / "ck", indexer_types=["full", "shared", "shared", "full"])
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck", indexer_types=["full", "shared", "shared", "full"])
     line = _refused(ck, tmp_path / "o.gguf")
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
@@ -343,20 +330,20 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
                                   {"indexer_types": None, "index_topk_freq": "x"},
                                   {"indexer_types": None, "index_topk_pattern": 7}])
 def test_bad_indexer_types(dsa_ckpt, tmp_path, keys):
-    ck = _copy(dsa_ckpt, tmp_path / "ck", **keys)
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck", **keys)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "indexer_types" in line, line
 
 
 @pytest.mark.parametrize("value", [None, "4", 0])
 def test_bad_indexer_hparams(dsa_ckpt, tmp_path, value):
-    ck = _copy(dsa_ckpt, tmp_path / "ck", index_n_heads=value)
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_n_heads=value)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "index_n_heads" in line, line
 
 
 def test_checkpoint_without_mtp_layer(dsa_ckpt, dsa_f32, tmp_path):
-    ck = _copy(dsa_ckpt, tmp_path / "ck")
+    ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n.startswith(f"model.layers.{N_TRUNK}.") else t)
     line = _refused(ck, tmp_path / "o.gguf")
     assert f"layer {N_TRUNK}" in line and "--no-mtp" in line, line
@@ -412,7 +399,7 @@ def test_flash_no_mtp_and_mtp_only(lite_ckpt, lite_f32, tmp_path):
 
 
 def test_flash_shape_contradicts_config(lite_ckpt, tmp_path):
-    ck = _copy(lite_ckpt, tmp_path / "ck", v_head_dim=32)
+    ck = copy_with_config(lite_ckpt, tmp_path / "ck", v_head_dim=32)
     line = _refused(ck, tmp_path / "o.gguf")
     assert "config.json implies" in line and ".safetensors" in line, line
 
@@ -468,23 +455,10 @@ def test_q4_k_m_with_the_head_at_q8_0(dsa_ckpt, lite_ckpt, tmp_path, which):
 # ----------------------------------------------------------------------------- llama.cpp
 
 
-def _strip(kv: dict) -> dict:
-    """general.* keys other than these are provenance llama.cpp reads from folder names and model cards."""
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    return {k: v for k, v in kv.items() if not k.startswith("general.") or k in keep}
-
-
 def _same_as_llama_cpp(src: Path, ck: Path, tmp_path: Path, mode: str | None, ignore: tuple[str, ...] = ()):
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    kv, tensors = convert(ck, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"], *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    assert {k: v for k, v in _strip(kv).items() if k not in ignore} == _strip(ref_kv)
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    # metadata values compared, not their GGUF types; general.* provenance keys left out (see familycheck)
+    out, kv, tensors, ref = convert_with_both(src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref, value_types=False, ignore=ignore)
     return kv
 
 
@@ -513,13 +487,6 @@ def test_flash_same_gguf_as_llama_cpp_converter(lite_ckpt, tmp_path, llama_cpp_s
     assert kv["deepseek2.expert_gating_func"] == 2
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 # --no-repack: see test_convert_deepseek.py (AMX buffers cannot run MLA's 3-D attn_k_b product)
 _LLAMA_FLAGS = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
 
@@ -536,7 +503,7 @@ def test_loads_and_drafts_in_llama_cpp(dsa_ckpt, lite_ckpt, llama_cpp_bin, tmp_p
     runs = {"creating MTP draft context": ["-m", tmp_path / "full.gguf"],
             "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
     for banner, models in runs.items():
-        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp",
+        res = run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp",
                     "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS])
         assert banner in res.stderr, res.stderr[-2000:]
         # llama.cpp's async logger may lose its last lines on a busy machine: checked when they made it out

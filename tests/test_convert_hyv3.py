@@ -9,22 +9,19 @@ Hy3's MTP block too), llama-quantize and llama-speculative-simple.
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_hyv3
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
-from runcli import run_cli
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
+                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
+from ggufcheck import convert, source_tensors
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
 ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
@@ -55,18 +52,11 @@ TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
 
 def expected(vocab: int, blocks=range(4)) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
-    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
-    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
-    for bid in blocks:
-        for kind, (shape, hf) in BLOCKS[bid].items():
-            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
-    return out
+    return expected_table(TOP, BLOCKS, vocab, blocks)
 
 
 def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
-    if "*" in hf:
-        return torch.stack([src[hf.replace("*", str(e))] for e in range(4)])
-    return src[hf]
+    return stack_experts(src, hf)
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +69,12 @@ def hy_f32(hy_ckpt, tmp_path_factory):
     return convert(hy_ckpt, tmp_path_factory.mktemp("hyv3_out") / "m.gguf", "--outtype", "f32")
 
 
-def _vocab(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
-
-
 def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
     _, tensors = hy_f32
-    want = expected(_vocab(hy_ckpt))
+    want = expected(vocab(hy_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(hy_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, source_value(src, hf).float().numpy(), err_msg=name)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
 
 
 def test_metadata(hy_f32):
@@ -124,10 +107,10 @@ def test_f16_types(hy_ckpt, tmp_path):
 def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
     kv, tensors = convert(hy_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["hy_v3.block_count"] == 3 and "hy_v3.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(_vocab(hy_ckpt), range(3)))
+    assert set(tensors) == set(expected(vocab(hy_ckpt), range(3)))
     kv, tensors = convert(hy_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["hy_v3.block_count"] == 4 and kv["hy_v3.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in expected(_vocab(hy_ckpt)) if n.startswith("blk.3.")} | {
+    assert set(tensors) == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")} | {
         "token_embd.weight", "output_norm.weight", "output.weight"}
 
 
@@ -136,24 +119,7 @@ def test_checkpoint_without_mtp_layer(tmp_path):
     ck = tiny_hyv3.hyv3(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["hy_v3.block_count"] == 3 and not any(n.startswith("blk.3.") for n in tensors)
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2 and "layer 3" in res.stderr and "--no-mtp" in res.stderr
-    assert not (tmp_path / "m.gguf").exists()
-
-
-def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
-    """Replace (or with None, delete) one stored tensor, keeping the index consistent."""
-    index_path = folder / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"][name]
-    tensors = load_file(str(shard))
-    if value is None:
-        del tensors[name], index["weight_map"][name]
-    else:
-        tensors[name] = value
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    index_path.write_text(json.dumps(index))
-    return shard
+    assert_needs_no_mtp(ck, tmp_path, "layer 3")
 
 
 @pytest.mark.parametrize("name,value,needle", [
@@ -163,16 +129,7 @@ def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
     ("model.layers.1.self_attn.k_norm.weight", torch.zeros(32), "config.json implies [64]"),
 ])
 def test_missing_or_misshaped_tensor_exits_2(hy_ckpt, tmp_path, name, value, needle):
-    ck = shutil.copytree(hy_ckpt, tmp_path / "ck")
-    shard = _rewrite(ck, name, value)
-    before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and needle in line, line
-    assert (shard.name in line) if value is not None else (str(ck) in line), line  # names the file (or folder)
-    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
-    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert_bad_tensor_refused(shutil.copytree(hy_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
 def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
@@ -180,57 +137,30 @@ def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
     ck = shutil.copytree(hy_ckpt, tmp_path / "fp8")
     tiny.to_fp8_block_scaled(ck)
     stored = source_tensors(ck)
-    dequant: dict[str, torch.Tensor] = {}
-    for name, q in stored.items():
-        if name.endswith("_scale_inv"):
-            continue
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q.float()
-            continue
-        w, s = q.float(), stored[name + "_scale_inv"]
-        want = torch.empty_like(w)
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                want[tile] = w[tile] * s[i, j]
-        dequant[name] = want
+    dequant = dequant_block_scaled(stored)
     assert stored["model.layers.3.eh_proj.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.3.mlp.experts.2.down_proj.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
-    for name, (_, hf) in expected(_vocab(ck)).items():
+    for name, (_, hf) in expected(vocab(ck)).items():
         np.testing.assert_array_equal(tensors[name][1], source_value(dequant, hf).numpy(), err_msg=name)
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(hy_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(hy_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
-    shapes = expected(_vocab(hy_ckpt))
+    tensors = quantize_q4_k_m(hy_ckpt, tmp_path)
+    shapes = expected(vocab(hy_ckpt))
     for name, (qtype, _) in tensors.items():
         if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
             assert qtype == T.F32, name
         elif name.startswith("blk.3."):
             assert qtype == T.Q8_0, name
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", hy_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_inspect_shows_the_head(hy_ckpt, tmp_path):
-    out = tmp_path / "m.gguf"
-    convert(hy_ckpt, out, "--outtype", "f16")
-    res = run_cli("inspect", out, "--json")
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
+    info = inspect_json(hy_ckpt, tmp_path)
     assert info["mtp_blocks"] == [3] and info["trunk_blocks"] == 3 and info["nextn_predict_layers"] == 1
     mtp = {t["name"] for t in info["tensors"] if t["mtp"]}
-    assert mtp == {n for n in expected(_vocab(hy_ckpt)) if n.startswith("blk.3.")}
+    assert mtp == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")}
     assert {t["role"] for t in info["tensors"] if t["mtp"]} == {"mtp"}
 
 
@@ -243,46 +173,16 @@ def test_inspect_shows_the_head(hy_ckpt, tmp_path):
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps Hy3's MTP block, as ours does), in all three modes and from a bf16 source."""
-    from llamacpp_ref import llama_cpp_convert
-
     ck = tiny_hyv3.hyv3(tmp_path / "ckpt", dtype=dtype)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
     assert any(n.startswith("blk.3.nextn.") for n in tensors) == (mode != "--no-mtp")
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
-
-
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
 
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    f16 = tmp_path / "f16.gguf"
-    convert(hy_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    _run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(hy_ckpt, tmp_path, llama_cpp_bin)
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     assert b["blk.3.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
@@ -292,15 +192,4 @@ def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
 def test_loads_and_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
-    convert(hy_ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-    convert(hy_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(hy_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
-    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
-    for banner, models in runs.items():
-        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp", *flags])
-        assert banner in res.stderr, res.stderr[-2000:]
-        # llama.cpp's async logger may lose its last lines when the process exits: checked when present
-        if (drafted := re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)) is not None:
-            assert int(drafted.group(1)) > 0, res.stderr[-2000:]
+    assert_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin)

@@ -8,7 +8,6 @@ llama_cpp-marked tests compare against llama.cpp's converter and llama-quantize.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_mimo2
+from familycheck import assert_same_gguf, convert_with_both, quantize_with_both
 from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -136,37 +136,12 @@ def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
 @pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp"])
 def test_same_gguf_as_llama_cpp_converter(mimo_ckpt, tmp_path, llama_cpp_src, mode):
     """Names, shapes, types, every metadata key (value and GGUF type) and f32 bytes equal llama.cpp's converter's."""
-    from llamacpp_ref import llama_cpp_convert
-
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(mimo_ckpt, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, mimo_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []), raw_config=True)
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, mimo_ckpt, tmp_path, mode, raw_config=True)
+    assert_same_gguf(out, kv, tensors, ref)
 
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(mimo_ckpt, tmp_path, llama_cpp_bin):
-    f16 = tmp_path / "f16.gguf"
-    convert(mimo_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    proc = subprocess.run([str(llama_cpp_bin / "llama-quantize"), str(f16), str(ref), "Q4_K_M", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(mimo_ckpt, tmp_path, llama_cpp_bin)
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name

@@ -11,10 +11,7 @@ MTP head too), llama-quantize and llama-speculative-simple.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +20,9 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 import tiny_nemotronh
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
+                         convert_with_both, inspect_json, quantize_q4_k_m, quantize_with_both)
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 MTP = 4  # pattern "ME*E": blk.4 is the folded MTP block
@@ -188,23 +187,7 @@ def test_checkpoint_without_mtp_head(tmp_path):
     ck = tiny_nemotronh.nemotronh(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["nemotron_h_moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2 and "mtp.layers" in res.stderr and "--no-mtp" in res.stderr
-    assert not (tmp_path / "m.gguf").exists()
-
-
-def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
-    index_path = folder / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"][name]
-    tensors = load_file(str(shard))
-    if value is None:
-        del tensors[name], index["weight_map"][name]
-    else:
-        tensors[name] = value
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    index_path.write_text(json.dumps(index))
-    return shard
+    assert_needs_no_mtp(ck, tmp_path, "mtp.layers")
 
 
 @pytest.mark.parametrize("name,value,needle", [
@@ -214,16 +197,7 @@ def _rewrite(folder: Path, name: str, value: torch.Tensor | None) -> Path:
     ("backbone.layers.0.mixer.in_proj.weight", torch.zeros(1280, 256), "config.json implies [1288, 256]"),
 ])
 def test_missing_or_misshaped_tensor_exits_2(nh_ckpt, tmp_path, name, value, needle):
-    ck = shutil.copytree(nh_ckpt, tmp_path / "ck")
-    shard = _rewrite(ck, name, value)
-    before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and needle in line, line
-    assert (shard.name in line) if value is not None else (str(ck) in line), line
-    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
-    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert_bad_tensor_refused(shutil.copytree(nh_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
 def test_unsupported_configs_exit_2(nh_ckpt, tmp_path):
@@ -240,12 +214,7 @@ def test_unsupported_configs_exit_2(nh_ckpt, tmp_path):
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(nh_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(nh_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
+    tensors = quantize_q4_k_m(nh_ckpt, tmp_path)
     shapes = expected(304)
     for name, (qtype, _) in tensors.items():
         if len(shapes[name]) == 1 or "ffn_gate_inp" in name or not name.endswith(".weight") or "_norm" in name \
@@ -254,19 +223,10 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(nh_ckpt, tmp_path):
         elif name.startswith("blk.4."):
             assert qtype == T.Q8_0, name
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.ssm_in.weight"][0] != T.F16
-    one_pass = tmp_path / "one.gguf"
-    res = run_cli("convert", nh_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_inspect_shows_the_head(nh_ckpt, nh_f32, tmp_path):
-    out = tmp_path / "m.gguf"
-    convert(nh_ckpt, out, "--outtype", "f16")
-    res = run_cli("inspect", out, "--json")
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
+    info = inspect_json(nh_ckpt, tmp_path)
     assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
     assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(304) if n.startswith("blk.4.")}
 
@@ -290,11 +250,6 @@ def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
 # ----------------------------------------------------------------------------- llama.cpp
 
 
-def _strip(kv: dict) -> dict:
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    return {k: v for k, v in kv.items() if not k.startswith("general.") or k in keep}
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("mode,dtype,over", [
     (None, torch.float32, {}), ("--no-mtp", torch.float32, {}), ("--mtp", torch.float32, {}),
@@ -305,23 +260,10 @@ def _strip(kv: dict) -> dict:
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the folded MTP block too), in its three modes, from bf16 and with another layout."""
-    from llamacpp_ref import llama_cpp_convert
-
     ck = tiny_nemotronh.nemotronh(tmp_path / "ckpt", dtype=dtype, **over)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    assert _strip(kv) == _strip(ref_kv)
-    assert _strip(kv_types(out)) == _strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
     assert any(n.startswith("blk.") and ".nextn." in n for n in tensors) == (mode != "--no-mtp")
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
 
 
 @pytest.mark.llama_cpp
@@ -338,25 +280,10 @@ def test_f16_types_as_llama_cpp_converter(nh_ckpt, tmp_path, llama_cpp_src):
     assert diff == {"blk.4.ffn_gate_inp.weight": (T.F32, T.F16)}
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    f16 = tmp_path / "f16.gguf"
-    convert(nh_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    _run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(nh_ckpt, tmp_path, llama_cpp_bin)
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
@@ -366,14 +293,4 @@ def test_same_bytes_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin):
 def test_loads_and_drafts_in_llama_cpp(nh_ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
-    convert(nh_ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-    convert(nh_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(nh_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
-    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
-    for banner, models in runs.items():
-        res = _run([llama_cpp_bin / "llama-speculative-simple", *models, "--spec-type", "draft-mtp", *flags])
-        assert banner in res.stderr, res.stderr[-2000:]
-        if (drafted := re.search(r"n_drafted\s*=\s*(\d+)", res.stderr)) is not None:
-            assert int(drafted.group(1)) > 0, res.stderr[-2000:]
+    assert_drafts_in_llama_cpp(nh_ckpt, tmp_path, llama_cpp_bin)

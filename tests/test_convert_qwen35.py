@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen35
-from llamacpp_ref import llama_cpp_convert
+from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
+                         convert_with_both)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -136,15 +137,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            folder = tmp_path_factory.mktemp(variant) / "ckpt"
-            cache[variant] = tiny_qwen35.qwen35(folder, dtype=torch.float32, **VARIANTS[variant])
-        return cache[variant]
-
-    return get
+    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen35.qwen35(
+        folder, dtype=torch.float32, **VARIANTS[variant]))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -155,11 +149,7 @@ def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
     folder = ckpt(variant)
     kv, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+    assert_f32_equal(tensors, exp)
     arch = kv["general.architecture"]
     assert arch == ("qwen35moe" if "moe" in variant else "qwen35")
     assert kv[f"{arch}.block_count"] == 5 and kv[f"{arch}.nextn_predict_layers"] == 1
@@ -319,25 +309,16 @@ def _edit_text_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def _fails(folder: Path, out: Path, *needles: str) -> str:
-    res = run_cli("convert", folder, out, "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and all(n in line for n in needles), line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 def test_mtp_layer_count_contradicts_config(ckpt, tmp_path):
     folder = _copy(ckpt, "moe_cg", tmp_path)
     _edit_text_config(folder, mtp_num_hidden_layers=2)
-    _fails(folder, tmp_path / "o.gguf", "config.json", "mtp_num_hidden_layers")
+    assert_refused(folder, tmp_path / "o.gguf", "config.json", "mtp_num_hidden_layers")
 
 
 def test_linear_attention_shape_contradicts_config(ckpt, tmp_path):
     folder = _copy(ckpt, "dense", tmp_path)
     _edit_text_config(folder, linear_num_value_heads=8)
-    _fails(folder, tmp_path / "o.gguf", "linear_attn", "config.json")
+    assert_refused(folder, tmp_path / "o.gguf", "linear_attn", "config.json")
 
 
 def test_missing_expert(ckpt, tmp_path):
@@ -349,7 +330,7 @@ def test_missing_expert(ckpt, tmp_path):
     del tensors[victim]
     save_file(tensors, str(shard))
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    _fails(folder, tmp_path / "o.gguf", "missing tensor mtp.layers.0.mlp.experts.3.up_proj.weight")
+    assert_refused(folder, tmp_path / "o.gguf", "missing tensor mtp.layers.0.mlp.experts.3.up_proj.weight")
 
 
 # ----------------------------------------------------------------------------- llama.cpp
@@ -362,21 +343,9 @@ def test_missing_expert(ckpt, tmp_path):
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys and values, and f32 bytes equal llama.cpp's converter's output."""
     folder = ckpt(variant)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    kv, tensors = convert(folder, tmp_path / "ours.gguf", "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, folder, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, folder, tmp_path, mode)
     # other general.* keys are provenance (name, basename, version) read from the folder name and HF card
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in  # noqa: E731
-                       ("general.architecture", "general.file_type", "general.quantization_version",
-                        "general.size_label")}
-    assert strip(kv) == strip(ref_kv)
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    assert_same_gguf(out, kv, tensors, ref, value_types=False)
 
 
 def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
@@ -411,11 +380,4 @@ def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, vari
     step = r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)"
     steps = [(int(a), int(t)) for a, t in re.findall(step, log)]
     want = _hf_greedy(folder, prompt, n + 4)
-    pos, checked = 0, 0
-    for accepted, target in steps:  # each verification step accepts some drafts, then emits one target token
-        pos += accepted
-        if pos >= len(want):
-            break
-        assert target == want[pos], (steps, want)
-        pos, checked = pos + 1, checked + 1
-    assert checked >= 5, steps
+    assert_targets_are_greedy(steps, want)

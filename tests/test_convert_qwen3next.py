@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 import tiny_qwen3next
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
+                         convert_with_both, quantize_q4_k_m, quantize_with_both, rewrite_tensor)
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 VARIANTS = {
@@ -111,15 +113,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            folder = tmp_path_factory.mktemp(variant) / "ckpt"
-            cache[variant] = tiny_qwen3next.qwen3next(folder, **{"dtype": torch.float32, **VARIANTS[variant]})
-        return cache[variant]
-
-    return get
+    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen3next.qwen3next(
+        folder, **{"dtype": torch.float32, **VARIANTS[variant]}))
 
 
 # ----------------------------------------------------------------------------- tensors and metadata
@@ -130,11 +125,7 @@ def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
     folder = ckpt(variant)
     kv, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+    assert_f32_equal(tensors, exp)
     assert tensors["blk.0.attn_qkv.weight"][1].shape == (512, 256) and tensors["blk.0.attn_gate.weight"][1].shape \
         == (256, 256)
     # the MTP block: its nextn tensors AND a full-attention MoE decoder block
@@ -278,31 +269,13 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def _fails(folder: Path, out: Path, *needles: str) -> str:
-    res = run_cli("convert", folder, out, "--quiet")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line and all(n in line for n in needles), line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
-def _drop_tensor(folder: Path, victim: str) -> None:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    shard = folder / index["weight_map"].pop(victim)
-    tensors = load_file(str(shard))
-    del tensors[victim]
-    save_file(tensors, str(shard))
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
 @pytest.mark.parametrize("victim", ["model.layers.1.linear_attn.in_proj_ba.weight",
                                     "mtp.layers.0.self_attn.q_norm.weight",
                                     "mtp.layers.0.mlp.experts.2.up_proj.weight"])
 def test_missing_tensor(ckpt, tmp_path, victim):
     folder = _copy(ckpt, tmp_path)
-    _drop_tensor(folder, victim)
-    _fails(folder, tmp_path / "o.gguf", str(folder), f"missing tensor {victim}")
+    rewrite_tensor(folder, victim, None)
+    assert_refused(folder, tmp_path / "o.gguf", str(folder), f"missing tensor {victim}")
 
 
 def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
@@ -313,7 +286,7 @@ def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
     tensors = load_file(str(shard))
     tensors[victim] = tensors[victim][:704].clone()
     save_file(tensors, str(shard))
-    _fails(folder, tmp_path / "o.gguf", shard.name, victim, "[704, 256]", "config.json implies [768, 256]")
+    assert_refused(folder, tmp_path / "o.gguf", shard.name, victim, "[704, 256]", "config.json implies [768, 256]")
 
 
 @pytest.mark.parametrize("change", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2),
@@ -321,7 +294,7 @@ def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
 def test_dense_layers_are_refused(ckpt, tmp_path, change):
     folder = _copy(ckpt, tmp_path)
     _edit_config(folder, **change)
-    _fails(folder, tmp_path / "o.gguf", "config.json", "mlp_only_layers")
+    assert_refused(folder, tmp_path / "o.gguf", "config.json", "mlp_only_layers")
 
 
 # ----------------------------------------------------------------------------- quantize, accept
@@ -329,12 +302,7 @@ def test_dense_layers_are_refused(ckpt, tmp_path, change):
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(ckpt, tmp_path):
     folder = ckpt("release")
-    f16 = tmp_path / "f16.gguf"
-    convert(folder, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
+    tensors = quantize_q4_k_m(folder, tmp_path)
     n_mtp = 0
     for name, (qtype, data) in tensors.items():
         if name.startswith(f"blk.{N}.") and qtype != T.F32:
@@ -343,11 +311,6 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ckpt, tmp_path):
     assert n_mtp >= 10  # eh_proj, attention, router-free FFN: the whole block
     assert tensors["blk.4.ffn_gate_inp.weight"][0] == T.F32  # routers are never quantized
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_qkv.weight"][0] != T.Q8_0
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", folder, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 def test_accept_says_the_runtime_lacks_qwen3next(ckpt, tmp_path):
@@ -369,24 +332,9 @@ def test_accept_says_the_runtime_lacks_qwen3next(ckpt, tmp_path):
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys, values and value types, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP block for qwen3next)."""
-    from llamacpp_ref import llama_cpp_convert
-
     folder = ckpt(variant)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(folder, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, folder, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []))
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, folder, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
 
 
 def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
@@ -418,30 +366,13 @@ def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_p
     steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
     assert sum(d for _, d, _ in steps) > 0  # the MTP head drafted
     want = _hf_greedy(folder, prompt, n + 4)
-    pos, checked = 0, 0
-    for accepted, _, target in steps:  # each verification step accepts some drafts, then emits one target token
-        pos += accepted
-        if pos >= len(want):
-            break
-        assert target == want[pos], (steps, want)
-        pos, checked = pos + 1, checked + 1
-    assert checked >= 5, steps
+    assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)
 
 
 @pytest.mark.llama_cpp
 def test_same_types_and_bytes_as_llama_quantize(ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same, Q4_K_M equals llama-quantize tensor for tensor (types and bytes), MTP block included."""
-    f16 = tmp_path / "f16.gguf"
-    convert(ckpt("release"), f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    proc = subprocess.run([str(llama_cpp_bin / "llama-quantize"), str(f16), str(ref), "Q4_K_M", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(ckpt("release"), tmp_path, llama_cpp_bin)
     for name in b:
         # llama-quantize rewrites the [1, n_embd] shared-expert gate as 1-D (ggml's n_dims drops the 1); mtpq keeps
         # the converter's 2-D shape: the same values, which llama.cpp's loader accepts either way

@@ -17,7 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_step35
-from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, quantize_q4_k_m, quantize_with_both
+from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
 
@@ -74,11 +75,9 @@ def test_f32_every_tensor_named_shaped_and_valued(step_ckpt, tmp_path):
     want = expected(_vocab(step_ckpt))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(step_ckpt)
-    for name, (_, hf) in want.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        value = src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0)  # zero-centred norms: 1 + w
-        np.testing.assert_array_equal(got, value.numpy(), err_msg=name)
+    # zero-centred norms: 1 + w
+    assert_f32_equal(tensors, {name: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0)
+                               for name, (_, hf) in want.items()})
 
 
 def test_metadata(step_ckpt, tmp_path):
@@ -136,12 +135,7 @@ def test_bad_rotary_factors_are_refused(tmp_path):
 
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
     """Quantizing never fails on the MTP blocks (dense FFNs after MoE layers), and holds them at q8_0."""
-    f16 = tmp_path / "f16.gguf"
-    convert(step_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    kv, tensors = read_gguf(out)
+    tensors = quantize_q4_k_m(step_ckpt, tmp_path)
     for name, (qtype, _) in tensors.items():
         mtp = name.startswith(("blk.3.", "blk.4."))
         if len(expected(_vocab(step_ckpt))[name][0]) == 1 or "ffn_gate_inp" in name:
@@ -149,11 +143,6 @@ def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
         elif mtp:
             assert qtype == T.Q8_0, name
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", step_ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
-    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
 
 
 @pytest.mark.llama_cpp
@@ -165,39 +154,15 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     Its Step3.5 code reads config.json as stored (see llamacpp_ref); the bf16 source checks that
     the +1 of the zero-centred norms happens where llama.cpp does it (in f32).
     """
-    from llamacpp_ref import llama_cpp_convert
-
     ck = tiny_step35.step35(tmp_path / "ckpt", dtype=dtype)
-    ours = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}[mode]
-    out = tmp_path / "ours.gguf"
-    kv, tensors = convert(ck, out, "--outtype", "f32", *ours)
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []), raw_config=True)
-    ref_kv, ref_tensors = read_gguf(ref)
-    keep = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
-    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("general.") or k in keep}  # noqa: E731
-    assert strip(kv) == strip(ref_kv)
-    assert strip(kv_types(out)) == strip(kv_types(ref))  # bool arrays stay bools, floats stay f32
-    assert set(tensors) == set(ref_tensors)
-    for name, (qtype, data) in tensors.items():
-        ref_type, ref_data = ref_tensors[name]
-        assert qtype == ref_type and data.shape == ref_data.shape, name
-        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode, raw_config=True)
+    assert_same_gguf(out, kv, tensors, ref)
 
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize_and_drafts(step_ckpt, tmp_path, llama_cpp_bin):
-    f16 = tmp_path / "f16.gguf"
-    convert(step_ckpt, f16, "--outtype", "f16")
-    ref = tmp_path / "ref.gguf"
-    proc = subprocess.run([str(llama_cpp_bin / "llama-quantize"), str(f16), str(ref), "Q4_K_M", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ours = tmp_path / "ours.gguf"
-    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
-    _, a = read_gguf(ours)
-    _, b = read_gguf(ref)
-    assert set(a) == set(b)
+    a, b = quantize_with_both(step_ckpt, tmp_path, llama_cpp_bin)
+    f16 = tmp_path / "f16.gguf"  # the f16 file both quantized
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     # llama.cpp builds its MTP draft context from the appended blocks

@@ -64,6 +64,52 @@ def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def start_checkpoint(folder: Path, config, specials: list[str], seed: int, **over):
+    """A hand-built family checkpoint's start: (folder, now holding its tokenizer; vocab = the tokenizer's
+    size + 4 padding ids, as releases have; ``config(vocab, **over)``; the seeded generator for every tensor)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder, specials=specials) + 4
+    return folder, vocab, config(vocab, **over), torch.Generator().manual_seed(seed)
+
+
+def n_blocks(cfg: dict, with_mtp: bool) -> int:
+    """The trunk layers, and with_mtp the MTP layers stored after them (model.layers.{N}...)."""
+    return cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if with_mtp else 0)
+
+
+def finish_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                      n_shards: int) -> Path:
+    """save_checkpoint with every tensor cast to dtype; returns the folder."""
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in tensors.items()}, n_shards=n_shards)
+    return folder
+
+
+def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" in name):
+    """(state dict as save_pretrained writes it, generator for further tensors) of a seeded random
+    transformers model whose 1-D parameters are made informative (random init leaves norms at 1, biases 0)."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(_norm(p.numel(), gen) if is_norm(name) else 0.05 * torch.randn(p.numel(), generator=gen))
+    return _hf_state_dict(model), gen
+
+
+def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[str, torch.Tensor]:
+    """The DeepSeek-style MTP layer's own tensors, stored as layer n; with head, its embed_tokens and
+    shared_head.head too (checkpoints that tie them to the trunk's leave them out)."""
+    h, p = cfg.hidden_size, f"model.layers.{n}."
+    t = {p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
+         p + "hnorm.weight": _norm(h, gen), p + "shared_head.norm.weight": _norm(h, gen)}
+    if head:
+        t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+    return t
+
+
 def _hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The state dict as save_pretrained writes it (per-expert tensors, original names)."""
     import tempfile
@@ -108,14 +154,7 @@ def glm4moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer(folder)
     cfg = Glm4MoeConfig(**glm4moe_config(**config_over))
-    torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(_norm(p.numel(), gen) if "norm" in name else 0.05 * torch.randn(p.numel(), generator=gen))
-    sd = _hf_state_dict(model)
+    sd, gen = random_hf_state_dict(Glm4MoeForCausalLM, cfg, seed)
     sd.update(glm4moe_mtp_tensors(cfg, gen, glm46=glm46))
     config = cfg.to_dict()
     config["architectures"] = ["Glm4MoeForCausalLM"]

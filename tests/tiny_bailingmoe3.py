@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
 
 SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
 H = 256
@@ -95,15 +95,10 @@ def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.T
 
 def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
                 with_mtp: bool = True, **over) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, specials=SPECIALS) + 4
-    cfg = config(vocab, **over)
-    gen = torch.Generator().manual_seed(seed)
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {"model.word_embeddings.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
           "lm_head.weight": _randn(vocab, H, gen=gen)}
-    n_blocks = cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if with_mtp else 0)
-    for bid in range(n_blocks):
+    for bid in range(n_blocks(cfg, with_mtp)):
         p = f"model.layers.{bid}."
         sd.update({p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)})
         sd.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
@@ -111,5 +106,4 @@ def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float
         if bid >= cfg["num_hidden_layers"]:
             sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
                        p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
-    save_checkpoint(folder, cfg, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _hf_state_dict, _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
@@ -60,24 +60,8 @@ def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloa
     params = deepseek_v3_config(**config_over)
     n = params["num_hidden_layers"]
     cfg = DeepseekV3Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(_norm(p.numel(), gen) if "norm" in name else 0.05 * torch.randn(p.numel(), generator=gen))
-    sd = _hf_state_dict(model)
-    h, p = cfg.hidden_size, f"model.layers.{n}."
-    sd.update({
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-        p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen),
-        p + "shared_head.norm.weight": _norm(h, gen),
-    })
-    if mtp_head_tensors:
-        sd[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
-        sd[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+    sd, gen = random_hf_state_dict(DeepseekV3ForCausalLM, cfg, seed)
+    sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
     config = cfg.to_dict()
     config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
     save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)

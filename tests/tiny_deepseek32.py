@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _hf_state_dict, _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 from tiny_deepseek import SPECIALS, YARN, _use_bos, deepseek_v3_config
 
 
@@ -46,24 +46,10 @@ def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bflo
     params = deepseek_v32_config(**config_over)
     n = params["num_hidden_layers"]
     cfg = DeepseekV32Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
-    torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(_norm(p.numel(), gen) if name.endswith("norm.weight")
-                        else 0.05 * torch.randn(p.numel(), generator=gen))
-    sd = _hf_state_dict(model)
+    sd, gen = random_hf_state_dict(DeepseekV32ForCausalLM, cfg, seed, is_norm=lambda name: name.endswith("norm.weight"))
     if positive_index_weights:
         sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})
-    h, p = cfg.hidden_size, f"model.layers.{n}."
-    sd.update({
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen), p + "shared_head.norm.weight": _norm(h, gen),
-        p + "embed_tokens.weight": _randn(cfg.vocab_size, h, gen=gen),
-        p + "shared_head.head.weight": _randn(cfg.vocab_size, h, gen=gen),
-    })
+    sd.update(nextn_tensors(cfg, n, gen))
     config = cfg.to_dict()
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "head_dim", "qk_head_dim"):
         config.pop(key, None)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _hf_state_dict, _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 
 _MLA = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=256,
@@ -90,23 +90,8 @@ def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, 
     make_tokenizer(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
     n = params["num_hidden_layers"]
     cfg = config_cls(**build)
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them informative
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(_norm(p.numel(), gen) if "norm" in name else 0.05 * torch.randn(p.numel(), generator=gen))
-    sd = _hf_state_dict(model)
-    h, p = cfg.hidden_size, f"model.layers.{n}."
-    sd.update({
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-        p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen),
-        p + "shared_head.norm.weight": _norm(h, gen),
-        p + "embed_tokens.weight": _randn(cfg.vocab_size, h, gen=gen),
-        p + "shared_head.head.weight": _randn(cfg.vocab_size, h, gen=gen),
-    })
+    sd, gen = random_hf_state_dict(model_cls, cfg, seed)
+    sd.update(nextn_tensors(cfg, n, gen))
     config = cfg.to_dict()
     for key in ("indexer_types", "mlp_layer_types", "layer_types"):
         if isinstance(config.get(key), list):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
@@ -76,15 +76,9 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
 
 def hyv3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
          with_mtp: bool = True, **over) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, specials=SPECIALS) + 4  # a few padding ids, as releases have
-    cfg = config(vocab, **over)
-    gen = torch.Generator().manual_seed(seed)
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
           "lm_head.weight": _randn(vocab, H, gen=gen)}
-    n_blocks = cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if with_mtp else 0)
-    for bid in range(n_blocks):
+    for bid in range(n_blocks(cfg, with_mtp)):
         sd.update(block_tensors(bid, cfg, gen))
-    save_checkpoint(folder, cfg, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import _norm, _randn, finish_checkpoint, start_checkpoint
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 3
@@ -68,11 +68,7 @@ def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator) -> dict[st
 
 def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
           n_mtp: int = N_MTP, **over) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, specials=SPECIALS) + 4
-    cfg = config(vocab, **over)
-    gen = torch.Generator().manual_seed(seed)
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
           "lm_head.weight": _randn(vocab, H, gen=gen)}
     for bid in range(N_TRUNK):
@@ -82,5 +78,4 @@ def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_
         sd.update(block_tensors(p, True, False, gen))
         sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
                    p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
-    save_checkpoint(folder, cfg, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import _norm, _randn, make_tokenizer, save_checkpoint
+from tiny import _norm, _randn, finish_checkpoint, start_checkpoint
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 H = 256
@@ -84,11 +84,7 @@ _MIXERS = {"M": _mamba, "*": _attention, "E": _moe}
 
 def nemotronh(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
               with_mtp: bool = True, **over) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, specials=SPECIALS) + 4  # a few padding ids, as releases have
-    cfg = config(vocab, **over)
-    gen = torch.Generator().manual_seed(seed)
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {"backbone.embeddings.weight": _randn(vocab, H, gen=gen), "backbone.norm_f.weight": _norm(H, gen),
           "lm_head.weight": _randn(vocab, H, gen=gen)}
     for i, kind in enumerate(cfg["hybrid_override_pattern"]):
@@ -103,5 +99,4 @@ def nemotronh(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32
         sd.update({"mtp.layers.0.enorm.weight": _norm(H, gen), "mtp.layers.0.hnorm.weight": _norm(H, gen),
                    "mtp.layers.0.eh_proj.weight": _randn(H, 2 * H, gen=gen),
                    "mtp.layers.1.final_layernorm.weight": _norm(H, gen)})
-    save_checkpoint(folder, cfg, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
