@@ -81,16 +81,7 @@ def build(family: str, folder: Path, scale: float) -> None:
 
     new = NEW_BUILDERS.get(family)
     if new is not None:
-        new(folder, scale)
-        # transformers-built configs say "dtype": "float32" (the model was made in float32) over bf16
-        # tensors; --outtype auto would then convert to f16. Releases declare bfloat16: say so.
-        path = folder / "config.json"
-        config = json.loads(path.read_text())
-        for key in ("dtype", "torch_dtype"):
-            if config.get(key) == "float32":
-                config[key] = "bfloat16"
-        path.write_text(json.dumps(config, indent=2))
-        return
+        return new(folder, scale)
     n_exp = max(2, int(32 * scale))
     bf16 = torch.bfloat16
     if family == "glm4moe":  # layers 0-1 dense, the MTP layer (2) MoE: one layer of experts
