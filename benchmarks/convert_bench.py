@@ -4,7 +4,8 @@
                                        [--scale 1.0] [--keep DIR]
 
 For each family (glm4moe, qwen35, qwen35moe, deepseek2, deepseek2 with DeepSeek's block-scaled FP8
-weights, step35, mimo2) builds a checkpoint with the tiny test models' layout but big matrices
+weights, step35, mimo2,
+glm_dsa, glm4_moe_lite, deepseek32, qwen3next, hy_v3, cohere2moe, nemotron_h_moe, bailingmoe3) builds a checkpoint with the tiny test models' layout but big matrices
 (random bf16 weights, fixed seed; the stacked routed experts are the largest tensors, a few hundred MB
 each), then in the same run:
   1. copies the shard bytes to the output folder (the baseline: read into memory and write out, the least
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's mtpq, not an installed one
 
 CHILD = r"""
 import json, resource, sys, time
@@ -78,6 +79,9 @@ def build(family: str, folder: Path, scale: float) -> None:
     import tiny_qwen35
     import tiny_step35
 
+    new = NEW_BUILDERS.get(family)
+    if new is not None:
+        return new(folder, scale)
     n_exp = max(2, int(32 * scale))
     bf16 = torch.bfloat16
     if family == "glm4moe":  # layers 0-1 dense, the MTP layer (2) MoE: one layer of experts
@@ -101,6 +105,70 @@ def build(family: str, folder: Path, scale: float) -> None:
             mod.H, mod.MOE_FF, mod.N_EXP = saved
     else:
         raise ValueError(family)
+
+
+def _with_hidden(mod, fn, folder: Path, **over) -> None:
+    """Builders that take the hidden size from the module constant H: set it for the build only."""
+    saved, mod.H = mod.H, H
+    try:
+        fn(folder, dtype=torch.bfloat16, **over)
+    finally:
+        mod.H = saved
+
+
+def _new_builders() -> dict:
+    """The families added later (one builder each). Layer counts cut so that one or two MoE layers hold
+    ~0.8 GB of experts: 64 experts of 2048 x 1024 make a 268 MB stack, 32 a 134 MB one."""
+    def n(scale: float, k: int = 32) -> int:
+        return max(2, int(k * scale))
+
+    def glm_dsa(folder, scale):  # layers 0-1 dense, the MTP layer MoE
+        import tiny_glm_dsa
+        tiny_glm_dsa.glm_dsa(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
+                             n_routed_experts=n(scale, 64), num_hidden_layers=2, first_k_dense_replace=2,
+                             indexer_types=["full", "full"])
+
+    def glm4_moe_lite(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE (transformers' model
+        import tiny_glm_dsa                # makes layer 1 MoE whatever first_k_dense_replace says)
+        tiny_glm_dsa.glm4_moe_lite(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
+                                   n_routed_experts=n(scale), num_hidden_layers=2, first_k_dense_replace=1)
+
+    def deepseek32(folder, scale):
+        import tiny_deepseek32
+        tiny_deepseek32.deepseek_v32(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
+                                     n_routed_experts=n(scale, 64), first_k_dense_replace=2)
+
+    def qwen3next(folder, scale):  # every layer MoE (4 + the MTP layer), smaller experts, as qwen35moe
+        import tiny_qwen3next
+        tiny_qwen3next.qwen3next(folder, hidden_size=H // 2, moe_intermediate_size=FF,
+                                 shared_expert_intermediate_size=FF, num_experts=n(scale))
+
+    def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
+        import tiny_hyv3
+        _with_hidden(tiny_hyv3, tiny_hyv3.hyv3, folder, num_hidden_layers=2, intermediate_size=2 * FF,
+                     moe_intermediate_size=FF, expert_hidden_dim=FF, num_experts=n(scale))
+
+    def cohere2moe(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
+        import tiny_cohere2moe
+        _with_hidden(tiny_cohere2moe, tiny_cohere2moe.cohere2moe, folder, num_hidden_layers=2,
+                     intermediate_size=FF, prefix_dense_intermediate_size=2 * FF, num_experts=n(scale))
+
+    def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
+        import tiny_nemotronh
+        _with_hidden(tiny_nemotronh, tiny_nemotronh.nemotronh, folder, moe_intermediate_size=FF,
+                     moe_shared_expert_intermediate_size=FF, n_routed_experts=n(scale))
+
+    def bailingmoe3(folder, scale):  # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
+        import tiny_bailingmoe3
+        _with_hidden(tiny_bailingmoe3, tiny_bailingmoe3.bailingmoe3, folder, num_hidden_layers=2,
+                     intermediate_size=2 * FF, moe_intermediate_size=FF, moe_shared_expert_intermediate_size=FF,
+                     num_experts=n(scale))
+
+    return dict(glm_dsa=glm_dsa, glm4_moe_lite=glm4_moe_lite, deepseek32=deepseek32, qwen3next=qwen3next,
+                hy_v3=hy_v3, cohere2moe=cohere2moe, nemotron_h_moe=nemotron_h_moe, bailingmoe3=bailingmoe3)
+
+
+NEW_BUILDERS = _new_builders()
 
 
 def largest_tensor(ckpt: Path, out: Path) -> int:
@@ -174,7 +242,7 @@ def run_one(label: str, src: Path, outdir: Path, outtype: str, repeat: int) -> d
                 rss_mb=peak / 1e6, rss_bound=peak / (1e9 + largest))
 
 
-ALL = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "deepseek2-fp8", "step35", "mimo2")
+ALL = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "deepseek2-fp8", "step35", "mimo2") + tuple(NEW_BUILDERS)
 
 
 def main() -> None:
