@@ -33,7 +33,7 @@ from gguf import MODEL_TENSOR as K
 
 from ..errors import InputError
 from . import validate as V
-from .base import Emit, Family, MtpMode, check_unused, gguf_name, register
+from .base import Emit, Family, MtpMode, check_unused, gguf_name, name_from_tables, register
 from .validate import Expected
 
 # name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); KDA/MLA-specific names are resolved in _name()
@@ -145,18 +145,8 @@ class BailingMoe3(Family):
     # -- tensors -----------------------------------------------------------------------
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        if hf_name in _TOP:
-            return gguf_name(_TOP[hf_name])
-        m = re.match(r"model\.layers\.(\d+)\.(.+)$", hf_name)
-        if m is None:
-            return None
-        bid, rest = int(m[1]), m[2]
-        table = {**_COMMON, **(_MLA if self.is_full_attention(bid) else _KDA),
-                 **(_NEXTN if bid >= self.n_trunk else {})}
-        if rest not in table:
-            return None
-        kind, suffix = table[rest]
-        return gguf_name(kind, bid, suffix)
+        return name_from_tables(hf_name, _TOP, lambda bid: {
+            **_COMMON, **(_MLA if self.is_full_attention(bid) else _KDA), **(_NEXTN if bid >= self.n_trunk else {})})
 
     def tensors(self) -> Iterator[Emit]:
         """The base's loop, but with ``model.word_embeddings`` and MLA's kv_b split."""

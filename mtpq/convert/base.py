@@ -448,6 +448,19 @@ def _dtype_of(ckpt: Checkpoint, hf_name: str) -> torch.dtype:
     return _ST_DTYPES[ckpt.source_dtype(hf_name)]
 
 
+def name_from_tables(hf_name: str, top: dict[str, gguf.MODEL_TENSOR],
+                     blocks: Callable[[int], dict[str, tuple[gguf.MODEL_TENSOR, str]]],
+                     prefix: str = "model.layers.") -> str | None:
+    """GGUF name from a family's own tables (for architectures whose names pip's gguf lacks): a top-level
+    name, else ``{prefix}{N}.<rest>`` looked up in block N's table of ``rest -> (kind, suffix)``."""
+    if hf_name in top:
+        return gguf_name(top[hf_name])
+    m = re.match(re.escape(prefix) + r"(\d+)\.(.+)$", hf_name)
+    if m is None or (entry := blocks(int(m[1])).get(m[2])) is None:
+        return None
+    return gguf_name(entry[0], int(m[1]), entry[1])
+
+
 def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:
     m = re.match(re.escape(prefix) + r"(\d+)\.", hf_name)
     return int(m.group(1)) if m else None

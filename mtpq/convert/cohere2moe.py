@@ -22,7 +22,6 @@ tensor_mapping.py), with gguf-py's MODEL_TENSOR kinds for the name templates.
 
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import gguf
@@ -31,7 +30,7 @@ from gguf import MODEL_TENSOR as K
 
 from ..errors import InputError
 from . import validate as V
-from .base import Emit, Family, gguf_name, register
+from .base import Emit, Family, name_from_tables, register
 from .validate import Expected
 
 _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind
@@ -45,6 +44,7 @@ _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" d
     "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_experts.down_proj": K.FFN_DOWN_SHEXP,
 }
+_WEIGHTS = {f"{rest}.weight": (kind, ".weight") for rest, kind in _BLOCK_NAMES.items()}
 _TOP_NAMES = {"model.embed_tokens.weight": K.TOKEN_EMBD, "model.norm.weight": K.OUTPUT_NORM,
               "lm_head.weight": K.OUTPUT}
 
@@ -66,12 +66,7 @@ class Cohere2Moe(Family):
             raise InputError(cfg, f"layer_types has {len(hp['layer_types'])} entries for {self.n_trunk} layers")
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        if hf_name in _TOP_NAMES:
-            return gguf_name(_TOP_NAMES[hf_name])
-        m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", hf_name)
-        if m is None or m[2] not in _BLOCK_NAMES:
-            return None
-        return gguf_name(_BLOCK_NAMES[m[2]], int(m[1]))
+        return name_from_tables(hf_name, _TOP_NAMES, lambda bid: _WEIGHTS)  # biases: see modify()
 
     def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:
         if rest.endswith(".bias"):  # tiny 1-D tensors: checked now, before anything is written

@@ -21,7 +21,6 @@ gguf-py's MODEL_TENSOR kinds for the name templates.
 
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import gguf
@@ -29,7 +28,7 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
 
 from . import validate as V
-from .base import NEXTN_TENSORS, Family, gguf_name, register
+from .base import NEXTN_TENSORS, Family, name_from_tables, register
 from .validate import Expected
 
 # name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); the stacked expert names are the base loop's
@@ -68,13 +67,7 @@ class HyV3(Family):
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": K.NEXTN_SHARED_HEAD_NORM}
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        if hf_name in _TOP_NAMES:
-            return gguf_name(_TOP_NAMES[hf_name])
-        m = re.match(r"model\.layers\.(\d+)\.(.+)$", hf_name)
-        if m is None or m[2] not in _BLOCK_NAMES:
-            return None
-        kind, suffix = _BLOCK_NAMES[m[2]]
-        return gguf_name(kind, int(m[1]), suffix)
+        return name_from_tables(hf_name, _TOP_NAMES, lambda bid: _BLOCK_NAMES)
 
     def _is_dense(self, bid: int) -> bool:
         types = self.hparams.get("mlp_layer_types") or []
