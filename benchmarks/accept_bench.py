@@ -182,6 +182,7 @@ def _theirs(path: Path, texts, args) -> tuple[float, float, int, float]:
                                   capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
             dn = re.search(r"n_drafted\s*=\s*(\d+)", proc.stderr)
             an = re.search(r"n_accept\s*=\s*(\d+)", proc.stderr)
+            # its logger may not drain before exit: the time still counts, the rate is over the prompts it printed
             if dn and an:
                 drafted, accepted = drafted + int(dn[1]), accepted + int(an[1])
     theirs, theirs_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_CHILDREN) - c0

@@ -1,4 +1,5 @@
-"""Running llama.cpp's own converter on a tiny checkpoint, for parity tests (``@pytest.mark.llama_cpp``).
+"""Running llama.cpp on tiny checkpoints, for parity tests (``@pytest.mark.llama_cpp``): its own converter,
+and ``llama-speculative-simple``'s draft counters.
 
 The converter runs in a child process with the llama.cpp tree's own gguf-py. Two
 patches make it accept tiny test checkpoints, and change nothing else: its
@@ -15,8 +16,10 @@ becomes ``num_key_value_heads``, per-layer ``rope_theta`` moves into
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 _HARNESS = """
@@ -47,3 +50,27 @@ def llama_cpp_convert(src: Path, folder: Path, out: Path, pre: str, *args: str, 
                            "--outtype", outtype, *args], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+def speculative_simple(bin_dir: Path, *args, tries: int = 5, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    """One ``llama-speculative-simple`` run and its counters ``{"n_predict", "n_drafted", "n_accept"}``.
+
+    llama.cpp logs from a worker thread that the process does not wait for at exit, so the closing
+    counters can go missing: mostly under the OMP_WAIT_POLICY=PASSIVE that ``mtpq.cli`` sets for torch
+    (left out here, as for every llama.cpp child of mtpq), rarely otherwise. Greedy runs are
+    deterministic, so a run without them is repeated; never getting them fails the test.
+    """
+    from mtpq.engines.llama_cpp import child_env
+
+    cmd = [str(bin_dir / "llama-speculative-simple"), *map(str, args)]
+    for _ in range(tries):
+        with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
+            code = subprocess.run(cmd, stdout=out, stderr=err, timeout=timeout, stdin=subprocess.DEVNULL,
+                                  env=child_env()).returncode
+            out.seek(0), err.seek(0)
+            proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        stats = {k: int(v) for k, v in re.findall(r"\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)", proc.stderr)}
+        if {"n_drafted", "n_accept"} <= set(stats):
+            return proc, stats
+    raise AssertionError(f"no draft counters in {tries} runs of llama-speculative-simple: {proc.stderr[-2000:]}")

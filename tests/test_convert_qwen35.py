@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import tiny_qwen35
 from familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
                          convert_with_both)
 from ggufcheck import convert, read_gguf, source_tensors
+from llamacpp_ref import speculative_simple
 from runcli import run_cli
 
 VARIANTS = {
@@ -370,13 +370,10 @@ def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, vari
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")
     prompt, n = "def add(a, b):", 10
-    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(gguf_path), "-p", prompt,
-                           "-n", str(n), "--spec-type", "draft-mtp", "--temp", "0", "-t", "1", "-c", "256",
-                           "-lv", "5"], capture_output=True, timeout=300)
-    log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
-    assert proc.returncode == 0, log[-3000:]
-    drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log)[1])
-    assert drafted > 0  # the MTP head ran
+    proc, stats = speculative_simple(llama_cpp_bin, "-m", gguf_path, "-p", prompt, "-n", n, "--spec-type", "draft-mtp",
+                                     "--temp", "0", "-t", "1", "-c", "256", "-lv", "5")
+    log = proc.stdout + proc.stderr
+    assert stats["n_drafted"] > 0  # the MTP head ran
     step = r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)"
     steps = [(int(a), int(t)) for a, t in re.findall(step, log)]
     want = _hf_greedy(folder, prompt, n + 4)

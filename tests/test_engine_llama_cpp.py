@@ -323,3 +323,16 @@ def test_acceptance_through_rpc_servers_equals_local(llama_cpp_bin, tmp_path):
             s.wait(timeout=10)
     assert spread["drafted"] > 100
     assert (spread["drafted"], spread["accepted"]) == (local["drafted"], local["accepted"])
+
+
+def test_llama_cpp_children_get_the_users_omp_wait_policy(monkeypatch):
+    """mtpq sets OMP_WAIT_POLICY=PASSIVE for its own torch; llama.cpp children must not inherit it (under it
+    llama.cpp exits before its log thread writes the closing lines), but a user's own setting passes."""
+    from mtpq.engines.llama_cpp import child_env
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("MTPQ_SET_OMP_WAIT_POLICY", "1")
+    env = child_env()
+    assert "OMP_WAIT_POLICY" not in env and "MTPQ_SET_OMP_WAIT_POLICY" not in env
+    monkeypatch.delenv("MTPQ_SET_OMP_WAIT_POLICY")
+    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"

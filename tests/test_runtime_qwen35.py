@@ -484,8 +484,7 @@ def test_llama_cpp_acceptance_agrees(bigram_models, work, llama_cpp_bin, tmp_pat
     llama-speculative-simple stops once it has more than -n tokens (our loop is run to n + 1, so both decode
     the same stretch), or early at any end-of-generation token it recognises (<|im_end|>, ...): such prompts
     are left out of the comparison."""
-    import re
-    import subprocess
+    from llamacpp_ref import speculative_simple
 
     from mtpq.runtime.speculative import load_model, run_speculative
 
@@ -495,18 +494,14 @@ def test_llama_cpp_acceptance_agrees(bigram_models, work, llama_cpp_bin, tmp_pat
     for i, text in enumerate(LLAMA_PROMPTS):
         prompt_file = tmp_path / f"p{i}.txt"
         prompt_file.write_text(text)  # no trailing newline: llama.cpp's -f would drop it
-        proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(path), "-f", str(prompt_file),
-                               "--no-escape", "-n", str(n_new), "--temp", "0", "--spec-type", "draft-mtp",
-                               "--spec-draft-n-max", "1", "--no-repack", "-t", "1"],
-                              capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        stats = [re.search(rf"{key}\s*=\s*(\d+)", proc.stderr) for key in ("n_predict", "n_drafted", "n_accept")]
-        if not all(stats) or int(stats[0][1]) <= n_new:  # log lines dropped at exit, or stopped early
+        _, stats = speculative_simple(llama_cpp_bin, "-m", path, "-f", prompt_file, "--no-escape", "-n", n_new, "--temp", "0",
+                                      "--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--no-repack", "-t", "1")
+        if stats.get("n_predict", 0) <= n_new:  # stopped early at an end-of-generation token
             continue
         r = run_speculative(model, tok.encode(text), n_new + 1, k=1)
         ours_acc, ours_drafts = ours_acc + r.n_accepted, ours_drafts + r.n_drafts
-        theirs_acc, theirs_drafts = theirs_acc + int(stats[2][1]), theirs_drafts + int(stats[1][1])
-        assert abs(int(stats[2][1]) - r.n_accepted) <= 1, (text, r.n_accepted, stats[2][1])
+        theirs_acc, theirs_drafts = theirs_acc + stats["n_accept"], theirs_drafts + stats["n_drafted"]
+        assert abs(stats["n_accept"] - r.n_accepted) <= 1, (text, r.n_accepted, stats["n_accept"])
         compared += 1
     assert compared >= len(LLAMA_PROMPTS) // 2 and ours_acc > 0, compared
     ours, theirs = ours_acc / ours_drafts, theirs_acc / theirs_drafts

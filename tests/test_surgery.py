@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
+from llamacpp_ref import speculative_simple  # noqa: E402
 
 from mtpq.cli import app  # noqa: E402
 from mtpq.convert import MtpMode, plan_checkpoint  # noqa: E402
@@ -261,15 +261,9 @@ def repeat_head_donor(a_path: Path, out: Path) -> Path:
 def speculate(bin_dir: Path, model: Path, *extra: str) -> tuple[str, dict[str, int]]:
     """Greedy text and draft counts of one llama-speculative-simple run."""
     # --no-repack: ggml's AMX repacked Q8_0 kernels die with SIGILL on CPUs that list AMX but do not grant it
-    cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(model), "-p", "def", "-n", "16", "--temp", "0",
-           "--spec-type", "draft-mtp", "-t", "1", "--no-repack", *extra]
-    for _ in range(3):  # llama.cpp's async logger can drop its last lines at exit on a busy machine: run again
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        stats = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", proc.stderr)}
-        if set(stats) == {"n_drafted", "n_accept"}:
-            return proc.stdout, stats
-    raise AssertionError(f"no draft statistics in llama.cpp's log: {proc.stderr[-2000:]}")
+    proc, stats = speculative_simple(bin_dir, "-m", model, "-p", "def", "-n", "16", "--temp", "0",
+                                     "--spec-type", "draft-mtp", "-t", "1", "--no-repack", *extra)
+    return proc.stdout, {k: stats[k] for k in ("n_drafted", "n_accept")}
 
 
 @pytest.mark.llama_cpp

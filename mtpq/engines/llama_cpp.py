@@ -89,6 +89,15 @@ class ServerConfig:
         return a + list(self.extra)
 
 
+def child_env() -> dict[str, str]:
+    """The environment for llama.cpp processes: the user's, without the OpenMP wait policy mtpq set for
+    its own torch (see mtpq.cli; under it llama.cpp may exit before its log thread drains)."""
+    env = dict(os.environ)
+    if env.pop("MTPQ_SET_OMP_WAIT_POLICY", None):
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -147,7 +156,8 @@ class LlamaServer:
     def start(self) -> None:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, self.port), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.cfg.ready_timeout
         while True:
             if self.proc.poll() is not None:
