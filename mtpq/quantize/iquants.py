@@ -40,6 +40,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
 from .cfloat import _seq_sum
+from .cfloat import seq_sum_np as _seq_sum_np
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
 __all__ = [
@@ -354,6 +355,134 @@ def _make_qp_quants(nmax: int, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor
     return torch.where(zero, torch.zeros_like(res), res)
 
 
+# --------------------------------------------------------------------------- the grid search on CPU
+
+_U = 2.0 ** -24  # float32 unit roundoff
+
+
+@functools.cache
+def _host_tables(qtype: GGMLQuantizationType, max_level: int):
+    """The CSR neighbour lists and grid as int32/float32 numpy arrays for :class:`_Scorer`."""
+    g = _grid(qtype)
+    start, count, flat = g.neighbours(max_level)
+    values = g.values.astype(np.float32)  # (n_grid, gw) odd q = 2*l+1
+    n_grid, gw = values.shape
+    # A_j = sum w q^2 and B_j = sum w x q of every grid point j in one matmul: [w, w*x] @ this,
+    # the columns interleaved so that (A_j, B_j) is one complex64
+    m = np.zeros((2 * gw, 2 * n_grid), dtype=np.float32)
+    m[:gw, 0::2] = (values * values).T
+    m[gw:, 1::2] = values.T
+    return (g.kmap.astype(np.int32), start.astype(np.int32), count.astype(np.int32), flat.astype(np.int32),
+            values, np.ascontiguousarray(values.T), torch.from_numpy(m), start, flat)
+
+
+class _Scorer:
+    """``iq*_find_best_neighbour`` for the off-grid groups of a chunk, at any scale (CPU, numpy).
+
+    The C loop's error of neighbour j at scale s is the float sum of ``w_i*(s*q_i - x_i)^2``;
+    in real numbers that is ``s^2*A_j - 2*s*B_j + sum w x^2`` with A_j = sum w q^2 and
+    B_j = sum w x q, which depend on the group but not on s.  So A and B of every
+    (group, grid point) are one matmul per chunk, and a candidate scale costs a gather
+    and three flops per neighbour instead of gw table lookups and adds.
+
+    That score is not the C float sum, but it is close: with m_i = s*qmax + |x_i| and
+    M = sum w_i*m_i^2, the C value is within 14.1u*M of the real one (u = 2^-24: each
+    diff has error <= u*(s*q + |diff|) <= 2u*m, w*diff*diff adds 2 roundings, the 7 sums
+    7u), and our float32 score (matmul of at most 16 terms, 3 more ops) within 20u*M.  A
+    group whose best score beats every other neighbour's by more than 100u*M has the
+    same winner in C; the rest (near ties, e.g. from zero weights) go through the exact
+    C-order sums of :func:`_nearest_numpy`, which also keeps ggml's first-in-list choice.
+    """
+
+    def __init__(self, qtype, max_level: int, xval: np.ndarray, waux: np.ndarray):
+        (self.kmap, self.start, self.count, self.flat, self.values, self.qcols, m, self.start64,
+         self.flat64) = _host_tables(qtype, max_level)
+        self.n_grid, gw = self.values.shape
+        n, S = xval.shape
+        self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
+        self.shifts = (_grid(qtype).bits * np.arange(gw, dtype=np.int32)).reshape(1, gw, 1)
+        # group-major copies: row g = k*S + s is group k of sub-block s
+        self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
+        self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
+        self.ab = torch.mm(torch.from_numpy(np.concatenate([self.wg, self.wg * self.xg], 1)), m).numpy()
+        self.ab = self.ab.view(np.complex64).reshape(-1)  # (G*n_grid,): A + iB
+        ax = np.abs(self.xg)
+        qmax = np.float32(2 * max_level + 1)
+        # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
+        self.m2 = self.wg.sum(1) * (qmax * qmax)
+        self.m1 = (self.wg * ax).sum(1) * (2 * qmax)
+        self.m0 = (self.wg * ax * ax).sum(1)
+        # below 2^-126 the float ops err by up to 2^-150 each, not relatively: a slack of
+        # 2^-140*(1+s)^2*p covers every such error of both computations
+        self.p = self.m2 + self.m1 + self.m0 + ax.max(1) + np.float32(1.0)
+        self.xval = xval
+        self.gofs = _device_tables(qtype, max_level, "cpu")[5]
+
+    def round(self, id_: np.ndarray, scale: np.ndarray, mask: np.ndarray | None = None):
+        """Grid index of every group rounded at each candidate ``id_`` (C, S), off-grid ones
+        snapped at ``scale`` (C, S).
+
+        All candidates at once, candidate innermost: a group's neighbour scores for every
+        candidate then come from the same row of A, B, read once from memory.  Returns
+        (gi (ng, S, C) int32, on_grid (ng, S, C)); off-grid groups outside ``mask``
+        (ng, S, C) keep -1.
+        """
+        C = id_.shape[0]
+        with np.errstate(all="ignore"):
+            t = self.xval[:, :, None] * id_.T[None]  # (n, S, C)
+            t -= np.float32(1.0)
+            t *= np.float32(0.5)
+        lv = nearest_int(t)
+        np.clip(lv, 0, self.max_level, out=lv)
+        u = (lv.reshape(self.ng, self.gw, self.S, C) << self.shifts[..., None]).sum(1, dtype=np.int32)
+        gi = np.ascontiguousarray(self.kmap[u])  # written through a flat view below
+        on = gi >= 0
+        off = ~on if mask is None else (~on & mask)
+        sel = np.flatnonzero(off)  # (k*S + s)*C + c
+        if sel.size:
+            grp = sel // C
+            s = np.ascontiguousarray(scale.T).reshape(-1)[sel % (self.S * C)]
+            gi.reshape(-1)[sel] = self._pick(grp, u.reshape(-1)[sel], s)
+        return gi, on
+
+    def _pick(self, sel, u, s):
+        """Best neighbour of lattice point u (m,) for groups ``sel`` (m,) at scales s (m,)."""
+        cnt = self.count[u]
+        offs = np.cumsum(cnt) - cnt
+        e = np.arange(int(offs[-1] + cnt[-1]), dtype=np.int32) + np.repeat(self.start[u] - offs, cnt)
+        j = self.flat[e]
+        ab = self.ab[j + np.repeat(sel.astype(np.int32) * self.n_grid, cnt)]
+        s2, c = s * s, s * np.float32(2.0)
+        with np.errstate(all="ignore"):
+            score = ab.real * np.repeat(s2, cnt)
+            score -= ab.imag * np.repeat(c, cnt)
+            best = np.minimum.reduceat(score, offs)
+            thr = best + np.float32(100 * _U) * ((s2 * self.m2[sel] + s * self.m1[sel]) + self.m0[sel])
+            thr += np.float32(2.0 ** -140) * np.square(s + np.float32(1.0)) * self.p[sel]
+            near = score <= np.repeat(thr, cnt)
+        n_near = np.add.reduceat(near, offs, dtype=np.int32)
+        pos = np.flatnonzero(near)
+        out = j[pos[np.cumsum(n_near) - 1]] if pos.size else np.zeros(len(u), np.int32)
+        amb = np.flatnonzero(n_near != 1)
+        if amb.size:  # near ties (or NaN): the exact C sums
+            g = sel[amb]
+            xg, wg, sa = self.xg[g], self.wg[g], s[amb]
+            qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
+            diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
+            table = (wg[:, :, None] * diff) * diff
+            out[amb] = _nearest_numpy(table.reshape(-1), u[amb].astype(np.int64), cnt[amb].astype(np.int64),
+                                      self.start64, self.flat64, self.gofs,
+                                      self.gw * (self.max_level + 1))
+        return out
+
+    def sums(self, wx: np.ndarray, W: np.ndarray, gi: np.ndarray):
+        """The C loop's sumqx = sum w*xval*q, sumq2 = sum w*q*q (sequential) over the grid
+        points gi (ng, S, C): (S, C) each."""
+        q = self.qcols[:, gi]  # (gw, ng, S, C)
+        q = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(-1, *gi.shape[1:])
+        return _seq_sum_np(wx[:, :, None] * q), _seq_sum_np((W[:, :, None] * q) * q)
+
+
 # --------------------------------------------------------------------------- the grid search
 
 class _Spec:
@@ -404,13 +533,28 @@ def _search(spec: _Spec, x: torch.Tensor, qw: torch.Tensor | None):
         start = div(mxs, float(2 * kmax - 1))
         denom = mxs
     ids = [f32((2 * kmax - 1) + f32(f32(i) * f32(spec.step))) for i in range(-spec.steps, spec.steps + 1)]
-    qtype, max_level = spec.qtype, kmax - 1
-    ng = n // _grid(qtype).gw
+    if X.device.type == "cpu":
+        scale, gi = _candidates_np(spec, ids, xval.numpy(), W.numpy(), waux.numpy(), denom.numpy(), start.numpy())
+        scale, gi = torch.from_numpy(scale), torch.from_numpy(gi.astype(np.int64))
+    else:
+        scale, gi = _candidates(spec, ids, xval, W, waux, denom, start)
+    negs = scale < 0  # "should never happen": flip the scale and the signs
+    scale = torch.where(negs, -scale, scale)
+    signs = torch.where(negs.unsqueeze(0), (~signs) & spec.flip_mask, signs)
+    scale = torch.where(alive, scale, torch.zeros_like(scale))
+    return nb, scale, gi, signs, alive
+
+
+def _candidates(spec, ids, xval, W, waux, denom, start):
+    """The candidate scales, then the refit (any device): (scale (S,), grid indices (ng, S))."""
+    qtype, max_level = spec.qtype, spec.kmax - 1
+    n, S = xval.shape
     gw = _grid(qtype).gw
-    best = torch.zeros(S, dtype=_F32, device=X.device)
+    ng = n // gw
+    best = torch.zeros(S, dtype=_F32, device=xval.device)
     scale = start.clone()
-    L = torch.zeros((n, S), dtype=torch.int64, device=X.device)
-    on_grid = torch.full((ng, S), spec.on_grid0, dtype=torch.bool, device=X.device)
+    L = torch.zeros((n, S), dtype=torch.int64, device=xval.device)
+    on_grid = torch.full((ng, S), spec.on_grid0, dtype=torch.bool, device=xval.device)
     for num in ids:
         id_ = rdiv(num, denom)
         La, _, on = _round_groups(qtype, xval, waux, id_, rdiv(1.0, id_), max_level)
@@ -436,13 +580,54 @@ def _search(spec: _Spec, x: torch.Tensor, qw: torch.Tensor | None):
         L = torch.where(mask.unsqueeze(1).expand(ng, gw, S).reshape(n, S), Lr, L)
         sumqx, sumq2 = _sums(W, xval, L)
         scale = torch.where(need & (sumq2 > 0), div(sumqx, sumq2), scale)
-    negs = scale < 0  # "should never happen": flip the scale and the signs
-    scale = torch.where(negs, -scale, scale)
-    signs = torch.where(negs.unsqueeze(0), (~signs) & spec.flip_mask, signs)
-    gi = _grid_index_of(qtype, L, max_level)
-    scale = torch.where(alive, scale, torch.zeros_like(scale))
-    return nb, scale, gi, signs, alive
+    return scale, _grid_index_of(qtype, L, max_level)
 
+
+def _candidates_np(spec, ids, xval, W, waux, denom, start):
+    """:func:`_candidates` on CPU in numpy: every candidate's groups are rounded and snapped
+    at once (they do not depend on each other), then the C loop's choice between them runs
+    on the (S, C) sums."""
+    qtype, max_level = spec.qtype, spec.kmax - 1
+    sc = _Scorer(qtype, max_level, xval, waux)
+    S = xval.shape[1]
+    wx = W * xval
+    with np.errstate(all="ignore"):
+        id_ = np.array(ids, dtype=np.float32)[:, None] / denom[None, :]  # (C, S)
+        gi, on = sc.round(id_, np.float32(1.0) / id_)
+        sumqx, sumq2 = sc.sums(wx, W, gi)
+        best = np.zeros(S, dtype=np.float32)
+        scale = start.copy()
+        pick = np.full(S, -1)
+        for c in range(len(ids)):
+            qx, q2 = sumqx[:, c], sumq2[:, c]
+            take = (q2 > 0) & (qx * qx > best * q2)
+            new_scale = qx / q2
+            scale = np.where(take, new_scale, scale)
+            best = np.where(take, new_scale * qx, best)
+            pick = np.where(take, c, pick)
+        # no candidate taken: L stays all 0 and every group counts as on the grid (as on_grid0)
+        none = pick < 0
+        p = np.maximum(pick, 0)[None, :, None]
+        gi_best = np.where(none, sc.kmap[0], np.take_along_axis(gi, p, 2)[..., 0])
+        on_best = np.where(none, spec.on_grid0, np.take_along_axis(on, p, 2)[..., 0])
+        pos = scale > 0
+        if spec.refit == "all":  # IQ2_XXS: every group, whenever scale > 0
+            need = pos
+            mask = np.broadcast_to(need, on_best.shape)
+        elif spec.refit == "all_if_off":  # IQ3_S: every group, if any was off the grid
+            need = pos & (~on_best).any(0)
+            mask = np.broadcast_to(need, on_best.shape)
+        else:  # only the groups that were off the grid
+            need = pos & (~on_best).any(0)
+            mask = need & ~on_best
+        if need.any():
+            gi, _ = sc.round(np.float32(1.0) / scale[None, :], scale[None, :], mask[..., None])
+            gi_best = np.where(mask, gi[..., 0], gi_best)
+            sumqx, sumq2 = sc.sums(wx, W, gi_best[..., None])
+            scale = np.where(need & (sumq2[:, 0] > 0), sumqx[:, 0] / sumq2[:, 0], scale)
+    if (gi_best < 0).any():
+        raise RuntimeError(f"{qtype.name}: a point off the grid after the search (ggml aborts here too)")
+    return scale, gi_best
 
 def _grid_index_of(qtype, L, max_level):
     """kmap lookup of final levels (the C code's last loop; it aborts on an off-grid point)."""
