@@ -360,20 +360,39 @@ def _make_qp_quants(nmax: int, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor
 _U = 2.0 ** -24  # float32 unit roundoff
 
 
+_WIDTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)  # padded neighbour-list lengths
+
+
 @functools.cache
 def _host_tables(qtype: GGMLQuantizationType, max_level: int):
-    """The CSR neighbour lists and grid as int32/float32 numpy arrays for :class:`_Scorer`."""
+    """numpy tables of :class:`_Scorer`: kmap, the CSR lists, the grid's q values, the matmul
+    giving A and B, and the neighbour lists padded per length class."""
     g = _grid(qtype)
     start, count, flat = g.neighbours(max_level)
     values = g.values.astype(np.float32)  # (n_grid, gw) odd q = 2*l+1
     n_grid, gw = values.shape
-    # A_j = sum w q^2 and B_j = sum w x q of every grid point j in one matmul: [w, w*x] @ this,
-    # the columns interleaved so that (A_j, B_j) is one complex64
-    m = np.zeros((2 * gw, 2 * n_grid), dtype=np.float32)
-    m[:gw, 0::2] = (values * values).T
-    m[gw:, 1::2] = values.T
-    return (g.kmap.astype(np.int32), start.astype(np.int32), count.astype(np.int32), flat.astype(np.int32),
-            values, np.ascontiguousarray(values.T), torch.from_numpy(m), start, flat)
+    # A_j = sum w q^2 and B_j = sum w x q of every grid point j in one matmul: [w, w*x] @ m,
+    # the columns interleaved so that (A_j, B_j) is one complex64; column n_grid is the padding
+    m = np.zeros((2 * gw, 2 * (n_grid + 1)), dtype=np.float32)
+    m[:gw, 0:-2:2] = (values * values).T
+    m[gw:, 1:-2:2] = values.T
+    # lists of up to w points padded with n_grid: a class's lists are one (n_u, w) table
+    cls = np.full(len(g.kmap), -1, dtype=np.int8)
+    row = np.zeros(len(g.kmap), dtype=np.int32)
+    pads = []
+    lo = 0
+    for k, w in enumerate(_WIDTHS):
+        us = np.flatnonzero((count > lo) & (count <= w))
+        lo = w
+        cls[us], row[us] = k, np.arange(len(us))
+        pad = np.full((len(us), w), n_grid, dtype=np.int32)
+        col = np.arange(w)[None, :]
+        ok = col < count[us][:, None]
+        pad[ok] = flat[(start[us][:, None] + col)[ok]]
+        pads.append(pad)
+    assert count.max() <= _WIDTHS[-1]
+    return (g.kmap.astype(np.int32), values, np.ascontiguousarray(values.T), torch.from_numpy(m),
+            cls, row, pads, start, count, flat)
 
 
 class _Scorer:
@@ -395,8 +414,8 @@ class _Scorer:
     """
 
     def __init__(self, qtype, max_level: int, xval: np.ndarray, waux: np.ndarray):
-        (self.kmap, self.start, self.count, self.flat, self.values, self.qcols, m, self.start64,
-         self.flat64) = _host_tables(qtype, max_level)
+        (self.kmap, self.values, self.qcols, m, self.cls, self.row, self.pads, self.start, self.count,
+         self.flat) = _host_tables(qtype, max_level)
         self.n_grid, gw = self.values.shape
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
@@ -404,8 +423,10 @@ class _Scorer:
         # group-major copies: row g = k*S + s is group k of sub-block s
         self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
         self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        self.ab = torch.mm(torch.from_numpy(np.concatenate([self.wg, self.wg * self.xg], 1)), m).numpy()
-        self.ab = self.ab.view(np.complex64).reshape(-1)  # (G*n_grid,): A + iB
+        ab = torch.mm(torch.from_numpy(np.concatenate([self.wg, self.wg * self.xg], 1)), m).numpy()
+        ab = ab.view(np.complex64)  # (G, n_grid + 1): A + iB
+        ab[:, -1] = np.inf  # the padding column never wins
+        self.ab = ab.reshape(-1)
         ax = np.abs(self.xg)
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
@@ -446,32 +467,44 @@ class _Scorer:
         return gi, on
 
     def _pick(self, sel, u, s):
-        """Best neighbour of lattice point u (m,) for groups ``sel`` (m,) at scales s (m,)."""
-        cnt = self.count[u]
-        offs = np.cumsum(cnt) - cnt
-        e = np.arange(int(offs[-1] + cnt[-1]), dtype=np.int32) + np.repeat(self.start[u] - offs, cnt)
-        j = self.flat[e]
-        ab = self.ab[j + np.repeat(sel.astype(np.int32) * self.n_grid, cnt)]
-        s2, c = s * s, s * np.float32(2.0)
-        with np.errstate(all="ignore"):
-            score = ab.real * np.repeat(s2, cnt)
-            score -= ab.imag * np.repeat(c, cnt)
-            best = np.minimum.reduceat(score, offs)
-            thr = best + np.float32(100 * _U) * ((s2 * self.m2[sel] + s * self.m1[sel]) + self.m0[sel])
-            thr += np.float32(2.0 ** -140) * np.square(s + np.float32(1.0)) * self.p[sel]
-            near = score <= np.repeat(thr, cnt)
-        n_near = np.add.reduceat(near, offs, dtype=np.int32)
-        pos = np.flatnonzero(near)
-        out = j[pos[np.cumsum(n_near) - 1]] if pos.size else np.zeros(len(u), np.int32)
-        amb = np.flatnonzero(n_near != 1)
+        """Best neighbour of lattice point u (m,) for groups ``sel`` (m,) at scales s (m,).
+
+        The lists are taken by length class, as dense (pairs, width) arrays padded with a
+        column that scores +inf: row-wise min and argmin, no segment reductions.
+        """
+        out = np.empty(len(u), dtype=np.int32)
+        cls = self.cls[u]
+        order = np.argsort(cls, kind="stable")
+        bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
+        stride = self.n_grid + 1
+        amb = []
+        for k, pad in enumerate(self.pads):
+            o = order[bounds[k]:bounds[k + 1]]
+            if not o.size:
+                continue
+            g, sk = sel[o], s[o]
+            nb = pad[self.row[u[o]]]  # (P, w) grid indices
+            ab = np.take(self.ab, nb + (g * stride)[:, None])
+            s2, c = sk * sk, sk * np.float32(2.0)
+            with np.errstate(all="ignore"):
+                score = ab.real * s2[:, None]
+                score -= ab.imag * c[:, None]
+                i = score.argmin(1)
+                best = np.take_along_axis(score, i[:, None], 1)[:, 0]
+                thr = best + np.float32(100 * _U) * ((s2 * self.m2[g] + sk * self.m1[g]) + self.m0[g])
+                thr += np.float32(2.0 ** -140) * np.square(sk + np.float32(1.0)) * self.p[g]
+                n_near = (score <= thr[:, None]).sum(1)
+            out[o] = np.take_along_axis(nb, i[:, None], 1)[:, 0]
+            amb.append(o[n_near != 1])
+        amb = np.concatenate(amb)
         if amb.size:  # near ties (or NaN): the exact C sums
             g = sel[amb]
             xg, wg, sa = self.xg[g], self.wg[g], s[amb]
             qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
             diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
             table = (wg[:, :, None] * diff) * diff
-            out[amb] = _nearest_numpy(table.reshape(-1), u[amb].astype(np.int64), cnt[amb].astype(np.int64),
-                                      self.start64, self.flat64, self.gofs,
+            ua = u[amb].astype(np.int64)
+            out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
                                       self.gw * (self.max_level + 1))
         return out
 
