@@ -365,17 +365,16 @@ _WIDTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)  # padded
 
 @functools.cache
 def _host_tables(qtype: GGMLQuantizationType, max_level: int):
-    """numpy tables of :class:`_Scorer`: kmap, the CSR lists, the grid's q values, the matmul
-    giving A and B, and the neighbour lists padded per length class."""
+    """numpy tables of :class:`_Scorer`: kmap, the grid's q values, each grid point's two half
+    codes, the CSR lists, and the lists padded per length class."""
     g = _grid(qtype)
     start, count, flat = g.neighbours(max_level)
-    values = g.values.astype(np.float32)  # (n_grid, gw) odd q = 2*l+1
-    n_grid, gw = values.shape
-    # A_j = sum w q^2 and B_j = sum w x q of every grid point j in one matmul: [w, w*x] @ m,
-    # the columns interleaved so that (A_j, B_j) is one complex64; column n_grid is the padding
-    m = np.zeros((2 * gw, 2 * (n_grid + 1)), dtype=np.float32)
-    m[:gw, 0:-2:2] = (values * values).T
-    m[gw:, 1:-2:2] = values.T
+    n_grid, gw = g.levels.shape
+    n_lv, h = max_level + 1, gw // 2
+    # a grid point's levels as two codes, the first and second half of its coordinates
+    # (base n_lv, first coordinate least significant); the padding point n_grid gets code -1
+    half = [np.append((g.levels[:, i:i + h] * n_lv ** np.arange(h)).sum(1), -1).astype(np.int32)
+            for i in (0, h)]
     # lists of up to w points padded with n_grid: a class's lists are one (n_u, w) table
     cls = np.full(len(g.kmap), -1, dtype=np.int8)
     row = np.zeros(len(g.kmap), dtype=np.int32)
@@ -391,8 +390,8 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
         pad[ok] = flat[(start[us][:, None] + col)[ok]]
         pads.append(pad)
     assert count.max() <= _WIDTHS[-1]
-    return (g.kmap.astype(np.int32), values, np.ascontiguousarray(values.T), torch.from_numpy(m),
-            cls, row, pads, start, count, flat)
+    return (g.kmap.astype(np.int32), np.ascontiguousarray(g.values.T.astype(np.float32)), half, cls, row, pads,
+            start, count, flat)
 
 
 class _Scorer:
@@ -400,33 +399,46 @@ class _Scorer:
 
     The C loop's error of neighbour j at scale s is the float sum of ``w_i*(s*q_i - x_i)^2``;
     in real numbers that is ``s^2*A_j - 2*s*B_j + sum w x^2`` with A_j = sum w q^2 and
-    B_j = sum w x q, which depend on the group but not on s.  So A and B of every
-    (group, grid point) are one matmul per chunk, and a candidate scale costs a gather
-    and three flops per neighbour instead of gw table lookups and adds.
+    B_j = sum w x q, which depend on the group but not on s.  A and B of a (group, lattice
+    point) pair's neighbours are computed once (as two half-group partial sums from
+    tables of all level combinations) for all the consecutive candidates at which the
+    group rounds to that point; a candidate then costs a row copy and three flops per
+    neighbour instead of gw table lookups and adds.
 
     That score is not the C float sum, but it is close: with m_i = s*qmax + |x_i| and
     M = sum w_i*m_i^2, the C value is within 14.1u*M of the real one (u = 2^-24: each
     diff has error <= u*(s*q + |diff|) <= 2u*m, w*diff*diff adds 2 roundings, the 7 sums
-    7u), and our float32 score (matmul of at most 16 terms, 3 more ops) within 20u*M.  A
-    group whose best score beats every other neighbour's by more than 100u*M has the
-    same winner in C; the rest (near ties, e.g. from zero weights) go through the exact
-    C-order sums of :func:`_nearest_numpy`, which also keeps ggml's first-in-list choice.
+    7u), and our float32 score (A, B of at most 10 roundings, 3 more ops) within 20u*M.
+    A group whose best score beats every other neighbour's by more than 100u*M has the
+    same winner in C; the rest (near ties, e.g. from zero weights: a few in a thousand)
+    go through the exact C-order sums of :func:`_nearest_numpy`, which also keeps ggml's
+    first-in-list choice.
     """
 
     def __init__(self, qtype, max_level: int, xval: np.ndarray, waux: np.ndarray):
-        (self.kmap, self.values, self.qcols, m, self.cls, self.row, self.pads, self.start, self.count,
+        (self.kmap, self.qcols, half, self.cls, self.row, self.pads, self.start, self.count,
          self.flat) = _host_tables(qtype, max_level)
-        self.n_grid, gw = self.values.shape
+        gw = self.qcols.shape[0]
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
         self.shifts = (_grid(qtype).bits * np.arange(gw, dtype=np.int32)).reshape(1, gw, 1)
         # group-major copies: row g = k*S + s is group k of sub-block s
         self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
         self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        ab = torch.mm(torch.from_numpy(np.concatenate([self.wg, self.wg * self.xg], 1)), m).numpy()
-        ab = ab.view(np.complex64)  # (G, n_grid + 1): A + iB
-        ab[:, -1] = np.inf  # the padding column never wins
-        self.ab = ab.reshape(-1)
+        G, n_lv, h = len(self.xg), max_level + 1, gw // 2
+        q = np.float32(2) * np.arange(n_lv, dtype=np.float32) + np.float32(1)
+        # per coordinate and level: w*q^2 + i*(w*x)*q, then summed over every level combination
+        # of each half of the group: (G, n_lv**h) tables, one appended +inf column for padding
+        t = (self.wg[:, :, None] * (q * q)) + 1j * ((self.wg * self.xg)[:, :, None] * q)
+        t = t.astype(np.complex64)
+        self.halves = []
+        for i0 in (0, h):
+            acc = t[:, i0]
+            for i in range(i0 + 1, i0 + h):
+                acc = (t[:, i][:, :, None] + acc[:, None, :]).reshape(G, -1)  # first coordinate fastest
+            self.halves.append(np.concatenate([acc, np.full((G, 1), np.inf, np.complex64)], 1).reshape(-1))
+        self.ncombo = n_lv ** h + 1
+        self.half_code = [np.where(c < 0, n_lv ** h, c) for c in half]
         ax = np.abs(self.xg)
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
@@ -443,10 +455,8 @@ class _Scorer:
         """Grid index of every group rounded at each candidate ``id_`` (C, S), off-grid ones
         snapped at ``scale`` (C, S).
 
-        All candidates at once, candidate innermost: a group's neighbour scores for every
-        candidate then come from the same row of A, B, read once from memory.  Returns
-        (gi (ng, S, C) int32, on_grid (ng, S, C)); off-grid groups outside ``mask``
-        (ng, S, C) keep -1.
+        All candidates at once, candidate innermost.  Returns (gi (ng, S, C) int32,
+        on_grid (ng, S, C)); off-grid groups outside ``mask`` (ng, S, C) keep -1.
         """
         C = id_.shape[0]
         with np.errstate(all="ignore"):
@@ -460,31 +470,77 @@ class _Scorer:
         on = gi >= 0
         off = ~on if mask is None else (~on & mask)
         sel = np.flatnonzero(off)  # (k*S + s)*C + c
-        if sel.size:
-            grp = sel // C
-            s = np.ascontiguousarray(scale.T).reshape(-1)[sel % (self.S * C)]
-            gi.reshape(-1)[sel] = self._pick(grp, u.reshape(-1)[sel], s)
+        if not sel.size:
+            return gi, on
+        uf = u.reshape(-1)[sel]
+        sf = np.ascontiguousarray(scale.T).reshape(-1)[sel % (self.S * C)]
+        # A group keeps its lattice point u over a run of consecutive candidates (5-7 on
+        # average): its neighbours' A, B are made once per run.  Scores at scale s are
+        # s*(s*A - 2B): divided by s, linear in s, and the margin we demand, divided by s,
+        # is convex in s.  So a neighbour that wins with that margin at both ends of a run
+        # wins with it at every candidate in between (s is monotonic in the candidate):
+        # only the ends are scored, then the inside of the runs whose ends disagree.
+        c = sel % C
+        first = np.ones(len(sel), dtype=bool)
+        first[1:] = (uf[1:] != uf[:-1]) | (sel[1:] != sel[:-1] + 1) | (c[1:] == 0)
+        last = np.ones(len(sel), dtype=bool)
+        last[:-1] = first[1:]
+        run = np.cumsum(first) - 1
+        a, b = np.flatnonzero(first), np.flatnonzero(last)
+        runs = self._runs(sel[a] // C, uf[a])
+        ends = first | last
+        out = np.empty(len(sel), dtype=np.int32)
+        sure = np.zeros(len(sel), dtype=bool)
+        e = np.flatnonzero(ends)
+        out[e], sure[e] = self._pick(runs, run[e], sf[e])
+        same = (sure[a] & sure[b] & (out[a] == out[b]))[run]
+        fill = np.flatnonzero(~ends & same)
+        out[fill] = out[a][run[fill]]
+        rest = np.flatnonzero(~ends & ~same)
+        if rest.size:
+            out[rest] = self._pick(runs, run[rest], sf[rest])[0]
+        gi.reshape(-1)[sel] = out
         return gi, on
 
-    def _pick(self, sel, u, s):
-        """Best neighbour of lattice point u (m,) for groups ``sel`` (m,) at scales s (m,).
-
-        The lists are taken by length class, as dense (pairs, width) arrays padded with a
-        column that scores +inf: row-wise min and argmin, no segment reductions.
-        """
-        out = np.empty(len(u), dtype=np.int32)
+    def _runs(self, g, u):
+        """Per run (group g, lattice point u): its length class, its row there, and per class
+        the padded neighbour lists and their (A + iB) scores' coefficients."""
         cls = self.cls[u]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
-        stride = self.n_grid + 1
-        amb = []
+        row = np.empty(len(u), dtype=np.int64)
+        tabs = []
         for k, pad in enumerate(self.pads):
+            o = order[bounds[k]:bounds[k + 1]]
+            row[o] = np.arange(len(o))
+            if not o.size:
+                tabs.append(None)
+                continue
+            nb = pad[self.row[u[o]]]  # (R, w) grid indices, n_grid for padding
+            base = (g[o] * self.ncombo)[:, None]
+            ab = np.take(self.halves[0], self.half_code[0][nb] + base)
+            ab += np.take(self.halves[1], self.half_code[1][nb] + base)
+            tabs.append((nb, ab))
+        return g, u, cls, row, tabs
+
+    def _pick(self, runs, r, s):
+        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,), and whether it
+        won by the margin (False where it came from the exact sums)."""
+        g_r, u_r, cls_r, row_r, tabs = runs
+        out = np.empty(len(r), dtype=np.int32)
+        sure = np.ones(len(r), dtype=bool)
+        cls = cls_r[r]
+        order = np.argsort(cls, kind="stable")
+        bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
+        amb = []
+        for k, tab in enumerate(tabs):
             o = order[bounds[k]:bounds[k + 1]]
             if not o.size:
                 continue
-            g, sk = sel[o], s[o]
-            nb = pad[self.row[u[o]]]  # (P, w) grid indices
-            ab = np.take(self.ab, nb + (g * stride)[:, None])
+            nb, abk = tab
+            rows = row_r[r[o]]
+            ab = abk[rows]  # (P, w)
+            g, sk = g_r[r[o]], s[o]
             s2, c = sk * sk, sk * np.float32(2.0)
             with np.errstate(all="ignore"):
                 score = ab.real * s2[:, None]
@@ -494,19 +550,20 @@ class _Scorer:
                 thr = best + np.float32(100 * _U) * ((s2 * self.m2[g] + sk * self.m1[g]) + self.m0[g])
                 thr += np.float32(2.0 ** -140) * np.square(sk + np.float32(1.0)) * self.p[g]
                 n_near = (score <= thr[:, None]).sum(1)
-            out[o] = np.take_along_axis(nb, i[:, None], 1)[:, 0]
+            out[o] = nb[rows, i]
             amb.append(o[n_near != 1])
         amb = np.concatenate(amb)
+        sure[amb] = False
         if amb.size:  # near ties (or NaN): the exact C sums
-            g = sel[amb]
+            g = g_r[r[amb]]
             xg, wg, sa = self.xg[g], self.wg[g], s[amb]
             qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
             diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
             table = (wg[:, :, None] * diff) * diff
-            ua = u[amb].astype(np.int64)
+            ua = u_r[r[amb]].astype(np.int64)
             out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
                                       self.gw * (self.max_level + 1))
-        return out
+        return out, sure
 
     def sums(self, wx: np.ndarray, W: np.ndarray, gi: np.ndarray):
         """The C loop's sumqx = sum w*xval*q, sumq2 = sum w*q*q (sequential) over the grid
