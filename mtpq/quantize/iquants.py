@@ -375,7 +375,7 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
     # (base n_lv, first coordinate least significant); the padding point n_grid gets code -1
     half = [np.append((g.levels[:, i:i + h] * n_lv ** np.arange(h)).sum(1), -1).astype(np.int32)
             for i in (0, h)]
-    # lists of up to w points padded with n_grid: a class's lists are one (n_u, w) table
+    # lists of up to w points padded with n_grid: a class's lists are one (w, n_u) table
     cls = np.full(len(g.kmap), -1, dtype=np.int8)
     row = np.zeros(len(g.kmap), dtype=np.int32)
     pads = []
@@ -388,7 +388,7 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
         col = np.arange(w)[None, :]
         ok = col < count[us][:, None]
         pad[ok] = flat[(start[us][:, None] + col)[ok]]
-        pads.append(pad)
+        pads.append(np.ascontiguousarray(pad.T))  # (w, n_u)
     assert count.max() <= _WIDTHS[-1]
     return (g.kmap.astype(np.int32), np.ascontiguousarray(g.values.T.astype(np.float32)), half, cls, row, pads,
             start, count, flat)
@@ -450,6 +450,7 @@ class _Scorer:
         self.p = self.m2 + self.m1 + self.m0 + ax.max(1) + np.float32(1.0)
         self.xval = xval
         self.gofs = _device_tables(qtype, max_level, "cpu")[5]
+        self.karange = np.arange(_WIDTHS[-1], dtype=np.int32)
 
     def round(self, id_: np.ndarray, scale: np.ndarray, mask: np.ndarray | None = None):
         """Grid index of every group rounded at each candidate ``id_`` (C, S), off-grid ones
@@ -503,30 +504,31 @@ class _Scorer:
         return gi, on
 
     def _runs(self, g, u):
-        """Per run (group g, lattice point u): its length class, its row there, and per class
-        the padded neighbour lists and their (A + iB) scores' coefficients."""
+        """Per run (group g, lattice point u): its length class, its column there, and per
+        class the padded neighbour lists and their A + iB, (w, runs) so that the reductions
+        over a list are row after row, vectorised over runs."""
         cls = self.cls[u]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
-        row = np.empty(len(u), dtype=np.int64)
+        col = np.empty(len(u), dtype=np.int64)
         tabs = []
         for k, pad in enumerate(self.pads):
             o = order[bounds[k]:bounds[k + 1]]
-            row[o] = np.arange(len(o))
+            col[o] = np.arange(len(o))
             if not o.size:
                 tabs.append(None)
                 continue
-            nb = pad[self.row[u[o]]]  # (R, w) grid indices, n_grid for padding
-            base = (g[o] * self.ncombo)[:, None]
+            nb = np.take(pad, self.row[u[o]], axis=1)  # (w, R) grid indices, n_grid for padding
+            base = g[o] * self.ncombo
             ab = np.take(self.halves[0], self.half_code[0][nb] + base)
             ab += np.take(self.halves[1], self.half_code[1][nb] + base)
             tabs.append((nb, ab))
-        return g, u, cls, row, tabs
+        return g, u, cls, col, tabs
 
     def _pick(self, runs, r, s):
         """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,), and whether it
         won by the margin (False where it came from the exact sums)."""
-        g_r, u_r, cls_r, row_r, tabs = runs
+        g_r, u_r, cls_r, col_r, tabs = runs
         out = np.empty(len(r), dtype=np.int32)
         sure = np.ones(len(r), dtype=bool)
         cls = cls_r[r]
@@ -538,19 +540,21 @@ class _Scorer:
             if not o.size:
                 continue
             nb, abk = tab
-            rows = row_r[r[o]]
-            ab = abk[rows]  # (P, w)
+            cols = col_r[r[o]]
+            ab = np.take(abk, cols, axis=1)  # (w, P)
             g, sk = g_r[r[o]], s[o]
             s2, c = sk * sk, sk * np.float32(2.0)
             with np.errstate(all="ignore"):
-                score = ab.real * s2[:, None]
-                score -= ab.imag * c[:, None]
-                i = score.argmin(1)
-                best = np.take_along_axis(score, i[:, None], 1)[:, 0]
-                thr = best + np.float32(100 * _U) * ((s2 * self.m2[g] + sk * self.m1[g]) + self.m0[g])
+                score = ab.real * s2
+                score -= ab.imag * c
+                thr = score.min(0)
+                thr += np.float32(100 * _U) * ((s2 * self.m2[g] + sk * self.m1[g]) + self.m0[g])
                 thr += np.float32(2.0 ** -140) * np.square(sk + np.float32(1.0)) * self.p[g]
-                n_near = (score <= thr[:, None]).sum(1)
-            out[o] = nb[rows, i]
+                near = score <= thr
+            n_near = near.sum(0, dtype=np.int32)
+            # the one near neighbour's position, where there is one (the others go below)
+            i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
+            out[o] = nb.reshape(-1)[i * nb.shape[1] + cols]
             amb.append(o[n_near != 1])
         amb = np.concatenate(amb)
         sure[amb] = False
