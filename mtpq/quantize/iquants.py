@@ -429,14 +429,19 @@ class _Scorer:
         q = np.float32(2) * np.arange(n_lv, dtype=np.float32) + np.float32(1)
         # per coordinate and level: w*q^2 + i*(w*x)*q, then summed over every level combination
         # of each half of the group: (G, n_lv**h) tables, one appended +inf column for padding
-        t = (self.wg[:, :, None] * (q * q)) + 1j * ((self.wg * self.xg)[:, :, None] * q)
-        t = t.astype(np.complex64)
+        t = np.empty((G, gw, n_lv), dtype=np.complex64)
+        t.real = self.wg[:, :, None] * (q * q)
+        t.imag = (self.wg * self.xg)[:, :, None] * q
         self.halves = []
         for i0 in (0, h):
+            half_tab = np.empty((G, n_lv ** h + 1), dtype=np.complex64)
+            half_tab[:, -1] = np.inf
             acc = t[:, i0]
-            for i in range(i0 + 1, i0 + h):
-                acc = (t[:, i][:, :, None] + acc[:, None, :]).reshape(G, -1)  # first coordinate fastest
-            self.halves.append(np.concatenate([acc, np.full((G, 1), np.inf, np.complex64)], 1).reshape(-1))
+            for i in range(i0 + 1, i0 + h):  # first coordinate fastest
+                dst = half_tab[:, :-1] if i == i0 + h - 1 else np.empty((G, n_lv ** (i - i0 + 1)), np.complex64)
+                np.add(t[:, i][:, :, None], acc[:, None, :], out=dst.reshape(G, n_lv, -1))
+                acc = dst
+            self.halves.append(half_tab.reshape(-1))
         self.ncombo = n_lv ** h + 1
         self.half_code = [np.where(c < 0, n_lv ** h, c) for c in half]
         ax = np.abs(self.xg)
