@@ -39,7 +39,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
-from .cfloat import _seq_sum
+from .cfloat import _EINSUM_EXACT, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
 from .cfloat import seq_sum_np as _seq_sum_np
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
@@ -414,6 +414,7 @@ def _make_qp_quants_np(nmax: int, X: np.ndarray, W: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- the grid search on CPU
 
 _U = 2.0 ** -24  # float32 unit roundoff
+_DOT, _DOT3 = (_dot_einsum, _dot3_einsum) if _EINSUM_EXACT else (_dot_reduce, _dot3_reduce)
 
 
 _WIDTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)  # padded neighbour-list lengths
@@ -471,7 +472,7 @@ class _Scorer:
     first-in-list choice.
     """
 
-    def __init__(self, qtype, max_level: int, xval: np.ndarray, waux: np.ndarray):
+    def __init__(self, qtype, max_level: int, xval: np.ndarray, W: np.ndarray, waux: np.ndarray):
         (self.kmap, self.qcols, half, self.cls, self.row, self.pads, self.start, self.count,
          self.flat) = _host_tables(qtype, max_level)
         gw = self.qcols.shape[0]
@@ -509,9 +510,12 @@ class _Scorer:
         # below 2^-126 the float ops err by up to 2^-150 each, not relatively: a slack of
         # 2^-140*(1+s)^2*p covers every such error of both computations
         self.p = self.m2 + self.m1 + self.m0 + ax.max(1) + np.float32(1.0)
-        self.xval = xval
+        self.xval, self.W = xval, W
         self.gofs = _device_tables(qtype, max_level, "cpu")[5]
         self.karange = np.arange(_WIDTHS[-1], dtype=np.int32)
+        self.qflat = self.qcols.reshape(-1)
+        self.qoffs = (np.arange(gw, dtype=np.int32) * self.qcols.shape[1]).reshape(1, gw, 1, 1)
+        self._rep = {}
 
     def round(self, id_: np.ndarray, scale: np.ndarray, mask: np.ndarray | None = None):
         """Grid index of every group rounded at each candidate ``id_`` (C, S), off-grid ones
@@ -630,12 +634,18 @@ class _Scorer:
                                       self.gw * (self.max_level + 1))
         return out, sure
 
-    def sums(self, wx: np.ndarray, W: np.ndarray, gi: np.ndarray):
+    def sums(self, gi: np.ndarray):
         """The C loop's sumqx = sum w*xval*q, sumq2 = sum w*q*q (sequential) over the grid
-        points gi (ng, S, C): (S, C) each."""
-        q = self.qcols[:, gi]  # (gw, ng, S, C)
-        q = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(-1, *gi.shape[1:])
-        return _seq_sum_np(wx[:, :, None] * q), _seq_sum_np((W[:, :, None] * q) * q)
+        points gi (ng, S, C): (S, C) each.  q is gathered straight into (n, S*C) rows and
+        each sum is one fused pass (:mod:`.cfloat`'s exact einsum)."""
+        C = gi.shape[2]
+        if C not in self._rep:  # w*xval and w repeated over the candidates, once per chunk
+            self._rep[C] = [np.repeat(v[:, :, None], C, 2).reshape(len(v), -1) for v in (self.W * self.xval, self.W)]
+        wx, w = self._rep[C]
+        q = np.take(self.qflat, gi[:, None] + self.qoffs).reshape(len(wx), -1)  # (n, S*C)
+        shape = gi.shape[1:]
+        return _DOT(wx, q, np.empty(q.shape[1], np.float32)).reshape(shape), \
+            _DOT3(w, q, q, np.empty(q.shape[1], np.float32)).reshape(shape)
 
 
 # --------------------------------------------------------------------------- the grid search
@@ -746,13 +756,12 @@ def _candidates_np(spec, ids, xval, W, waux, denom, start):
     at once (they do not depend on each other), then the C loop's choice between them runs
     on the (S, C) sums."""
     qtype, max_level = spec.qtype, spec.kmax - 1
-    sc = _Scorer(qtype, max_level, xval, waux)
+    sc = _Scorer(qtype, max_level, xval, W, waux)
     S = xval.shape[1]
-    wx = W * xval
     with np.errstate(all="ignore"):
         id_ = np.array(ids, dtype=np.float32)[:, None] / denom[None, :]  # (C, S)
         gi, on = sc.round(id_, np.float32(1.0) / id_)
-        sumqx, sumq2 = sc.sums(wx, W, gi)
+        sumqx, sumq2 = sc.sums(gi)
         best = np.zeros(S, dtype=np.float32)
         scale = start.copy()
         pick = np.full(S, -1)
@@ -781,7 +790,7 @@ def _candidates_np(spec, ids, xval, W, waux, denom, start):
         if need.any():
             gi, _ = sc.round(np.float32(1.0) / scale[None, :], scale[None, :], mask[..., None])
             gi_best = np.where(mask, gi[..., 0], gi_best)
-            sumqx, sumq2 = sc.sums(wx, W, gi_best[..., None])
+            sumqx, sumq2 = sc.sums(gi_best[..., None])
             scale = np.where(need & (sumq2[:, 0] > 0), sumqx[:, 0] / sumq2[:, 0], scale)
     if (gi_best < 0).any():
         raise RuntimeError(f"{qtype.name}: a point off the grid after the search (ggml aborts here too)")
