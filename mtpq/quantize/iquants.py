@@ -553,7 +553,7 @@ class _Scorer:
         last[:-1] = first[1:]
         run = np.cumsum(first) - 1
         a, b = np.flatnonzero(first), np.flatnonzero(last)
-        runs = self._runs(sel[a] // C, uf[a])
+        runs = self._runs(sel[a] // C, uf[a], np.maximum(sf[a], sf[b]))
         ends = first | last
         out = np.empty(len(sel), dtype=np.int32)
         sure = np.zeros(len(sel), dtype=bool)
@@ -568,10 +568,14 @@ class _Scorer:
         gi.reshape(-1)[sel] = out
         return gi, on
 
-    def _runs(self, g, u):
-        """Per run (group g, lattice point u): its length class, its column there, and per
+    def _runs(self, g, u, s):
+        """Per run (group g, lattice point u, largest scale s): its length class, its column
+        there, the margin (at s, which bounds it over the run: it grows with s), and per
         class the padded neighbour lists and their A + iB, (w, runs) so that the reductions
         over a list are row after row, vectorised over runs."""
+        with np.errstate(all="ignore"):
+            margin = np.float32(100 * _U) * ((s * s * self.m2[g] + s * self.m1[g]) + self.m0[g])
+            margin += np.float32(2.0 ** -140) * np.square(s + np.float32(1.0)) * self.p[g]
         cls = self.cls[u]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
@@ -588,12 +592,12 @@ class _Scorer:
             ab = np.take(self.halves[0], self.half_code[0][nb] + base)
             ab += np.take(self.halves[1], self.half_code[1][nb] + base)
             tabs.append((nb, ab))
-        return g, u, cls, col, tabs
+        return g, u, cls, col, margin, tabs
 
     def _pick(self, runs, r, s):
         """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,), and whether it
         won by the margin (False where it came from the exact sums)."""
-        g_r, u_r, cls_r, col_r, tabs = runs
+        g_r, u_r, cls_r, col_r, margin, tabs = runs
         out = np.empty(len(r), dtype=np.int32)
         sure = np.ones(len(r), dtype=bool)
         cls = cls_r[r]
@@ -607,15 +611,11 @@ class _Scorer:
             nb, abk = tab
             cols = col_r[r[o]]
             ab = np.take(abk, cols, axis=1)  # (w, P)
-            g, sk = g_r[r[o]], s[o]
-            s2, c = sk * sk, sk * np.float32(2.0)
+            sk = s[o]
             with np.errstate(all="ignore"):
-                score = ab.real * s2
-                score -= ab.imag * c
-                thr = score.min(0)
-                thr += np.float32(100 * _U) * ((s2 * self.m2[g] + sk * self.m1[g]) + self.m0[g])
-                thr += np.float32(2.0 ** -140) * np.square(sk + np.float32(1.0)) * self.p[g]
-                near = score <= thr
+                score = ab.real * (sk * sk)
+                score -= ab.imag * (sk * np.float32(2.0))
+                near = score <= score.min(0) + margin[r[o]]
             n_near = near.sum(0, dtype=np.int32)
             # the one near neighbour's position, where there is one (the others go below)
             i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
