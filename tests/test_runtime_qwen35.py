@@ -115,24 +115,25 @@ def hf_model(folder: Path, moe: bool):
 # ----------------------------------------------------------------------------- the DeltaNet rule
 
 
-def random_rule_inputs(B, H, T, dk, dv, seed):
+def random_rule_inputs(B, H, T, dk, dv, seed, decay_scale: float = 1.0):
     from mtpq.runtime.deltanet import l2norm
 
     gen = torch.Generator().manual_seed(seed)
     q = l2norm(torch.randn(B, H, T, dk, generator=gen)) * dk ** -0.5
     k = l2norm(torch.randn(B, H, T, dk, generator=gen))
     v = torch.randn(B, H, T, dv, generator=gen)
-    g = -F.softplus(torch.randn(B, H, T, generator=gen))  # log decay <= 0
+    g = -F.softplus(torch.randn(B, H, T, generator=gen)) * decay_scale  # log decay <= 0
     beta = torch.rand(B, H, T, generator=gen)
     state = torch.randn(B, H, dk, dv, generator=gen)
     return q, k, v, g, beta, state
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 150])
-def test_chunked_rule_equals_recurrent_rule(T):
+@pytest.mark.parametrize("decay_scale", [1.0, 40.0])  # 40: decays that underflow float32 within a chunk (the demo's)
+def test_chunked_rule_equals_recurrent_rule(T, decay_scale):
     from mtpq.runtime.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
-    q, k, v, g, beta, state = random_rule_inputs(2, 3, T, 16, 8, seed=T)
+    q, k, v, g, beta, state = random_rule_inputs(2, 3, T, 16, 8, seed=T, decay_scale=decay_scale)
     for init in (None, state):
         ref_out, ref_state, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, init, keep_all=True)
         out, final = chunked_gated_delta_rule(q, k, v, g, beta, init, chunk=64)
