@@ -86,6 +86,11 @@ def _write_f32_gguf(path: Path, x: np.ndarray) -> None:
     w.close()
 
 
+# the llama-quantize preset whose --pure output is the tensor type: its IQ2_S preset writes IQ2_XS
+# (llama-quant.cpp's default type per ftype); the IQ2_S type comes from the IQ2_M preset
+LLAMA_FTYPE = {"IQ2_S": "IQ2_M"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
@@ -149,14 +154,17 @@ def main() -> None:
                 ours_t, ours_c = min(ours_t, t), min(ours_c, _cpu_seconds() - c0)
                 t0, c0 = time.perf_counter(), _cpu_seconds()
                 subprocess.run(
-                    [str(args.llama_quantize), "--pure", *extra, str(src), str(out), name, str(args.threads)],
+                    [str(args.llama_quantize), "--pure", *extra, str(src), str(out), LLAMA_FTYPE.get(name, name),
+                     str(args.threads)],
                     check=True, capture_output=True,
                 )
                 theirs_t, theirs_c = min(theirs_t, time.perf_counter() - t0), min(theirs_c, _cpu_seconds() - c0)
             import gguf
 
-            data = np.asarray(gguf.GGUFReader(out).tensors[0].data)
-            same = data.tobytes() == raw.tobytes()
+            written = gguf.GGUFReader(out).tensors[0]
+            if written.tensor_type != qt:  # a wrong preset mapping would compare two different types
+                raise SystemExit(f"llama-quantize wrote {written.tensor_type.name}, not {name}")
+            same = np.asarray(written.data).tobytes() == raw.tobytes()
             print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
                   f" {ours_c / theirs_c:14.2f}", flush=True)
             out.unlink()
