@@ -246,21 +246,29 @@ class Checkpoint:
         file: no copy into fresh memory (whose page faults cost as much as the copy). The mapping, and the
         file pages it holds in this process's RSS, goes when the array does; the writer drops each tensor
         once written."""
+        return self._map(name, {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[self.stored[name].dtype]])
+
+    def _map(self, name: str, dtype, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows ``r0:r1`` (dim 0) of a stored tensor as a read-only array of ``dtype`` mapped from the file."""
         st = self.stored[name]
-        bits = {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[st.dtype]]
-        if st.nbytes == 0:
-            return np.empty(st.shape, dtype=bits)
-        start = st.offset - st.offset % mmap.ALLOCATIONGRANULARITY
+        shape, offset, nbytes = st.shape, st.offset, st.nbytes
+        if r1 is not None or r0:  # a slab of leading rows is contiguous in the file
+            r1 = shape[0] if r1 is None else r1
+            row = st.nbytes // shape[0] if shape[0] else 0
+            shape, offset, nbytes = (r1 - r0, *shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+        if nbytes == 0:
+            return np.empty(shape, dtype=dtype)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
             with open(st.file, "rb") as f:
                 if os.fstat(f.fileno()).st_size < st.offset + st.nbytes:  # shrunk since the header was read
                     raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
-                mm = mmap.mmap(f.fileno(), st.offset + st.nbytes - start, offset=start, prot=mmap.PROT_READ,
+                mm = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # mapped in one go
         except OSError as exc:
             raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
-        n = st.nbytes // np.dtype(bits).itemsize
-        return np.frombuffer(mm, dtype=bits, count=n, offset=st.offset - start).reshape(st.shape)
+        n = nbytes // np.dtype(dtype).itemsize
+        return np.frombuffer(mm, dtype=dtype, count=n, offset=offset - start).reshape(shape)
 
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8
@@ -325,20 +333,20 @@ class Checkpoint:
         the caller then rounds :meth:`load_rows`, whose checks say which."""
         if not self._tile_scaled(name):
             return False
-        t = self._raw(name, r0, r1)
+        q = self._map(name, np.uint8, r0, r1)  # mapped: no copy, no fresh memory
         s, bh, bw = self._tile_scales(name, r0, r1)
-        tables = torch.from_numpy(s[..., None] * _fp8_values(t.dtype)).to(out.dtype)  # [tile rows, tile cols, 256]
+        fp8 = _ST_DTYPES[self.stored[name].dtype]
+        tables = torch.from_numpy(s[..., None] * _fp8_values(fp8)).to(out.dtype)  # [tile rows, tile cols, 256]
         # a value that is not finite comes from a byte whose magnitude bits (the low 7: e4m3's and e5m2's
         # magnitude grows with them) reach a bad entry's; two reductions over the bytes rule that out
         low7 = torch.arange(256) & 0x7F
         first_bad = torch.where(torch.isfinite(tables), 128, low7).amin(dim=(1, 2)).tolist()
-        q = t.view(torch.uint8).numpy()
         for i, thr in enumerate(first_bad):
             band = q[i * bh:(i + 1) * bh]
             if thr < 128 and band.size and (band.max() >= 128 + thr or band.view(np.int8).max() >= thr):
                 return False
         bits = torch.int16 if out.element_size() == 2 else torch.int32  # index_select of the bits: no float ops
-        _tile_lookup(t.view(torch.uint8), tables.view(bits), bh, bw, out.view(bits))
+        _tile_lookup(q, tables.view(bits), bh, bw, out.view(bits))
         return True
 
     def _tile_scales(self, name: str, r0: int, r1: int) -> tuple[np.ndarray, int, int]:
@@ -369,7 +377,7 @@ class Checkpoint:
             # each tile's 256 possible values, scaled: the float32 products w * s, looked up
             tables = torch.from_numpy(s[..., None] * _fp8_values(t.dtype))
             w = torch.empty(t.shape, dtype=torch.float32)
-            _tile_lookup(t.view(torch.uint8), tables, bh, bw, w)
+            _tile_lookup(t.view(torch.uint8).numpy(), tables, bh, bw, w)
             return w
         w = _fp8_to_f32(t)
         del t
@@ -416,7 +424,7 @@ def _block_size(config: dict) -> tuple[int, int]:
     return int(bh), int(bw)
 
 
-def _tile_lookup(q: torch.Tensor, tables: torch.Tensor, bh: int, bw: int, out: torch.Tensor) -> None:
+def _tile_lookup(q: np.ndarray, tables: torch.Tensor, bh: int, bw: int, out: torch.Tensor) -> None:
     """out[..., r, c] = tables[..., r // bh, c // bw, q[..., r, c]] for bytes ``q`` [..., rows, cols] and one table
     of 256 entries per tile [..., rows/bh, cols/bw, 256] (leading dims broadcast): one gather per band of bh rows,
     at byte + 256 * tile column. int32 indices, which torch's index_select takes as they are (numpy's take
@@ -433,8 +441,9 @@ def _tile_lookup(q: torch.Tensor, tables: torch.Tensor, bh: int, bw: int, out: t
         for e in range(q.shape[0]):
             for i in range(-(-rows // bh)):
                 band = q[e, i * bh:(i + 1) * bh]
-                at = idx[:band.numel()]
-                torch.add(band, offs, out=at.view(band.shape))
+                at = idx[:band.size]
+                np.copyto(at.numpy().reshape(band.shape), band)  # numpy: q may be a read-only mapping
+                at.view(band.shape).add_(offs)
                 torch.index_select(tables[e, i], 0, at, out=out[e, i * bh:(i + 1) * bh].view(-1))
     finally:
         torch.set_num_threads(n)
