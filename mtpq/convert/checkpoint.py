@@ -376,7 +376,7 @@ class Checkpoint:
             s, bh, bw = self._tile_scales(name, r0, r1)
             # each tile's 256 possible values, scaled: the float32 products w * s, looked up
             tables = torch.from_numpy(s[..., None] * _fp8_values(t.dtype))
-            w = torch.empty(t.shape, dtype=torch.float32)
+            w = torch.from_numpy(np.empty(t.shape, dtype=np.float32))  # numpy's: huge pages (see stream._float_slabs)
             _tile_lookup(t.view(torch.uint8).numpy(), tables, bh, bw, w)
             return w
         w = _fp8_to_f32(t)
