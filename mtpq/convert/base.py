@@ -420,9 +420,9 @@ class Family:
             role = classify(e.name, e.shape, self.n_trunk)
             qtype = self.output_type(e.name, e.shape, outtype)
             # the bytes in qtype, which the writer takes as they are (load_raw): streamed, or ``load()`` encoded
-            # by encode_values, which converts to a float type on one torch thread (the writer's quantize
-            # would use all of them: 150x slower on tensors like attn_k_b when the other core is busy)
-            encode = e.encode or (lambda e: lambda q: stream.encode_values(e.load(), q, e.name, e.source))(e)
+            # by encode_loaded, which loads and converts to a float type on one torch thread (the writer's
+            # quantize would use all of them: 150x slower on tensors like attn_k_b when the other core is busy)
+            encode = e.encode or (lambda e: lambda q: stream.encode_loaded(e.load, q, e.name, e.source))(e)
             raw = (lambda f, q: lambda: f(q))(encode, qtype)
             specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}",
                                     source_type=qtype, load_raw=raw))
