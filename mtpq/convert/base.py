@@ -85,7 +85,7 @@ class Emit:
     load: Callable[[], torch.Tensor]
     source: str
     # the bytes in a given output type, produced a slab at a time (:mod:`.stream`) instead of from the whole
-    # ``load()``; None: the writer encodes ``load()``
+    # ``load()``; None: ``load()`` encoded whole (stream.encode_loaded)
     encode: Callable[[T], np.ndarray] | None = None
 
 

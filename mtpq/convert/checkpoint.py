@@ -326,7 +326,7 @@ class Checkpoint:
 
     def rows_as(self, name: str, r0: int, r1: int, out: torch.Tensor) -> bool:
         """Rows ``r0:r1`` of a 2-D block-scaled FP8 tensor written into ``out`` (bfloat16, float16 or float32,
-        their shape) with no float32 intermediate: each tile's 256 possible values w * s are rounded to ``out``'s
+        their shape) with no float32 copy of the rows: each tile's 256 possible values w * s are rounded to ``out``'s
         type (by torch, as rounding the float32 rows would) and the rows looked up in that table, the bytes
         of rounding :meth:`load_rows`. False, ``out`` left unspecified, for any other tensor, or when the
         rows may hold a value that is not finite in ``out``'s type (a NaN byte, a product past its range):

@@ -40,7 +40,7 @@ Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, an
 
 class Rows:
     """A slab's reader: rows ``r0:r1`` of one stored tensor (block-scaled FP8 ones can also be rounded
-    straight into their place in a bf16/f16 output, :meth:`Checkpoint.rows_as`)."""
+    straight into their place in a float output, :meth:`Checkpoint.rows_as`)."""
 
     def __init__(self, ck: Checkpoint, name: str, r0: int, r1: int):
         self.ck, self.name, self.r0, self.r1 = ck, name, r0, r1
@@ -110,6 +110,7 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     # not: the first writes into a fresh output in 4 KB page faults took 5x as long
     out = torch.from_numpy(np.empty(shape, dtype=np.float32 if qtype == T.F32 else np.int16))
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
+
     def one(slab: Slab) -> None:
         r0, r1, load = slab
         dst = out[r0:r1]
