@@ -114,3 +114,67 @@ def test_streamed_float_encoding_is_quantizes_encoding():
         with pytest.raises(InputError) as got:
             encode_slabs("t", "src", tuple(v.shape), qtype, [(0, 64, lambda: v)])
         assert str(want.value) in str(got.value)
+
+
+def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
+    """Block-scaled FP8 rows rounded through each tile's table of 256 rounded products (Checkpoint.rows_as)
+    give the bytes of rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
+    tiny (subnormal products) to huge. Rows that may hold a value that is not finite in the output type (a
+    NaN byte, a product past F16's range) are left to the float32 path, whose checks and messages the
+    conversion keeps."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from safetensors.torch import save_file
+
+    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.stream import encode_tensor
+    from mtpq.errors import InputError
+
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 300, 520  # 3 x 5 tiles of 128, the last row and column of tiles ragged
+    q = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    for i in range(0, rows, 128):  # every byte value in every tile
+        for j in range(0, cols, 128):
+            tile = q[i:i + 128, j:j + 128]
+            flat = tile.flatten()
+            flat[:256] = torch.arange(256, dtype=torch.uint8)
+            tile.copy_(flat.view(tile.shape))
+    q[(q & 0x7F) == 0x7F] = 0x3C  # no NaN byte yet
+    s = torch.exp(torch.randn(3, 5, generator=gen) * 4).clamp(max=100.0)  # 448 * 100 fits F16
+    s[0, 1], s[2, 0], s[2, 4] = 1e-41, 2e-6, 3e-3  # subnormal float32 products; F16 subnormals; a ragged corner
+    s[1, 2] = 300.0  # 448 * 300 is past F16's 65504: rows 128:256 leave F16 to the float32 path
+
+    def checkpoint(q: torch.Tensor, folder: Path) -> Checkpoint:
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        save_file({"w": q.view(torch.float8_e4m3fn), "w_scale_inv": s}, str(folder / "model.safetensors"))
+        return Checkpoint(folder)
+
+    ck = checkpoint(q, tmp_path / "ok")
+    direct = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for r0, r1 in ((0, 128), (128, 256), (256, 300), (0, 300)):
+            want = ck.load_rows("w", r0, r1).to(dtype)
+            out = torch.full((r1 - r0, cols), float("nan"), dtype=dtype)
+            direct[dtype, r0, r1] = ck.rows_as("w", r0, r1, out)
+            if direct[dtype, r0, r1]:
+                assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (dtype, r0, r1)
+            else:
+                assert not torch.isfinite(want).all(), (dtype, r0, r1)  # only when the rows need the checks
+    assert [k for k, ok in direct.items() if not ok] == [(torch.float16, 128, 256), (torch.float16, 0, 300)]
+
+    # the conversion's bytes and errors: quantize's, from the float32 values
+    from mtpq.quantize.kernels import quantize
+
+    for qtype in (T.BF16, T.F32):
+        got = encode_tensor(ck, "w", "t", "src", qtype)
+        assert np.array_equal(got.view(np.uint8), quantize(ck.load("w"), qtype, name="t").view(np.uint8))
+    with pytest.raises(InputError, match="exceed the F16 range"):
+        encode_tensor(ck, "w", "t", "src", T.F16)
+    q[200, 300] = 0xFF  # NaN
+    nan = checkpoint(q, tmp_path / "nan")
+    assert not nan.rows_as("w", 128, 256, torch.empty(128, cols, dtype=torch.bfloat16))
+    assert nan.rows_as("w", 0, 128, torch.empty(128, cols, dtype=torch.bfloat16))
+    with pytest.raises(InputError, match="contains NaN/Inf values"):
+        encode_tensor(nan, "w", "t", "src", T.BF16)

@@ -85,7 +85,7 @@ class Emit:
     load: Callable[[], torch.Tensor]
     source: str
     # the bytes in a given output type, produced a slab at a time (:mod:`.stream`) instead of from the whole
-    # ``load()``; None: the writer encodes ``load()``
+    # ``load()``; None: ``load()`` encoded whole (stream.encode_loaded)
     encode: Callable[[T], np.ndarray] | None = None
 
 
@@ -419,10 +419,13 @@ class Family:
             seen.add(e.name)
             role = classify(e.name, e.shape, self.n_trunk)
             qtype = self.output_type(e.name, e.shape, outtype)
-            # a streamed encoding is bytes already in qtype: the writer takes them as they are (load_raw)
-            raw = None if e.encode is None else (lambda f, q: lambda: f(q))(e.encode, qtype)
+            # the bytes in qtype, which the writer takes as they are (load_raw): streamed, or ``load()`` encoded
+            # by encode_loaded, which loads and converts to a float type on one torch thread (the writer's
+            # quantize would use all of them: 150x slower on tensors like attn_k_b when the other core is busy)
+            encode = e.encode or (lambda e: lambda q: stream.encode_loaded(e.load, q, e.name, e.source))(e)
+            raw = (lambda f, q: lambda: f(q))(encode, qtype)
             specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}",
-                                    source_type=qtype if raw else None, load_raw=raw))
+                                    source_type=qtype, load_raw=raw))
 
         w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
         w.add_type("model")

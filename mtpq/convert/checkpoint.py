@@ -246,21 +246,29 @@ class Checkpoint:
         file: no copy into fresh memory (whose page faults cost as much as the copy). The mapping, and the
         file pages it holds in this process's RSS, goes when the array does; the writer drops each tensor
         once written."""
+        return self._map(name, {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[self.stored[name].dtype]])
+
+    def _map(self, name: str, dtype, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows ``r0:r1`` (dim 0) of a stored tensor as a read-only array of ``dtype`` mapped from the file."""
         st = self.stored[name]
-        bits = {2: np.uint16, 4: np.uint32}[_ST_ITEMSIZE[st.dtype]]
-        if st.nbytes == 0:
-            return np.empty(st.shape, dtype=bits)
-        start = st.offset - st.offset % mmap.ALLOCATIONGRANULARITY
+        shape, offset, nbytes = st.shape, st.offset, st.nbytes
+        if r1 is not None or r0:  # a slab of leading rows is contiguous in the file
+            r1 = shape[0] if r1 is None else r1
+            row = st.nbytes // shape[0] if shape[0] else 0
+            shape, offset, nbytes = (r1 - r0, *shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+        if nbytes == 0:
+            return np.empty(shape, dtype=dtype)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
             with open(st.file, "rb") as f:
                 if os.fstat(f.fileno()).st_size < st.offset + st.nbytes:  # shrunk since the header was read
                     raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
-                mm = mmap.mmap(f.fileno(), st.offset + st.nbytes - start, offset=start, prot=mmap.PROT_READ,
+                mm = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # mapped in one go
         except OSError as exc:
             raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
-        n = st.nbytes // np.dtype(bits).itemsize
-        return np.frombuffer(mm, dtype=bits, count=n, offset=st.offset - start).reshape(st.shape)
+        n = nbytes // np.dtype(dtype).itemsize
+        return np.frombuffer(mm, dtype=dtype, count=n, offset=offset - start).reshape(shape)
 
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8
@@ -310,34 +318,69 @@ class Checkpoint:
 
     def row_step(self, name: str) -> int:
         """The granularity of :meth:`load_rows`: a 2-D block-scaled tensor's tile height, else 1."""
+        return _block_size(self.config)[0] if self._tile_scaled(name) else 1
+
+    def _tile_scaled(self, name: str) -> bool:
         st = self.stored[name]
-        if st.dtype in _FP8 and len(st.shape) == 2 and name + "_scale_inv" in self.stored:
-            return _block_size(self.config)[0]
-        return 1
+        return st.dtype in _FP8 and len(st.shape) == 2 and name + "_scale_inv" in self.stored
+
+    def rows_as(self, name: str, r0: int, r1: int, out: torch.Tensor) -> bool:
+        """Rows ``r0:r1`` of a 2-D block-scaled FP8 tensor written into ``out`` (bfloat16, float16 or float32,
+        their shape) with no float32 copy of the rows: each tile's 256 possible values w * s are rounded to ``out``'s
+        type (by torch, as rounding the float32 rows would) and the rows looked up in that table, the bytes
+        of rounding :meth:`load_rows`. False, ``out`` left unspecified, for any other tensor, or when the
+        rows may hold a value that is not finite in ``out``'s type (a NaN byte, a product past its range):
+        the caller then rounds :meth:`load_rows`, whose checks say which."""
+        if not self._tile_scaled(name):
+            return False
+        q = self._map(name, np.uint8, r0, r1)  # mapped: no copy, no fresh memory
+        s, bh, bw = self._tile_scales(name, r0, r1)
+        fp8 = _ST_DTYPES[self.stored[name].dtype]
+        tables = torch.from_numpy(s[..., None] * _fp8_values(fp8)).to(out.dtype)  # [tile rows, tile cols, 256]
+        # a value that is not finite comes from a byte whose magnitude bits (the low 7: e4m3's and e5m2's
+        # magnitude grows with them) reach a bad entry's; two reductions over the bytes rule that out
+        low7 = torch.arange(256) & 0x7F
+        first_bad = torch.where(torch.isfinite(tables), 128, low7).amin(dim=(1, 2)).tolist()
+        for i, thr in enumerate(first_bad):
+            band = q[i * bh:(i + 1) * bh]
+            if thr < 128 and band.size and (band.max() >= 128 + thr or band.view(np.int8).max() >= thr):
+                return False
+        bits = torch.int16 if out.element_size() == 2 else torch.int32  # index_select of the bits: no float ops
+        _tile_lookup(q, tables.view(bits), bh, bw, out.view(bits))
+        return True
+
+    def _tile_scales(self, name: str, r0: int, r1: int) -> tuple[np.ndarray, int, int]:
+        """The float32 ``_scale_inv`` of the tiles of rows ``r0:r1`` (dim 0; of a stack [E, rows, cols], of its
+        experts r0:r1), tile height and width."""
+        st = self.stored[name]
+        s = self._raw(name + "_scale_inv").to(torch.float32).numpy()
+        bh, bw = _block_size(self.config)
+        rows, cols = st.shape[-2], st.shape[-1]
+        want = (-(-rows // bh), -(-cols // bw))
+        if tuple(s.shape[-2:]) != want:
+            raise InputError(st.file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} "
+                                      f"for {bh}x{bw} tiles")
+        if len(st.shape) == 2:  # rows r0:r1 are tile rows r0/bh..
+            if r0 % bh:
+                raise ValueError(f"{name}: rows from {r0} do not start a {bh}-row tile")
+            s = s[r0 // bh: -(-r1 // bh)]
+        elif s.ndim == len(st.shape):  # stacked [E, rows, cols]: dim 0 indexes the experts of both
+            s = s[r0:r1]
+        return s, bh, bw
 
     def _dequantize(self, name: str, t: torch.Tensor, r0: int) -> torch.Tensor:
-        """float32 values of FP8 rows ``r0:r0+len(t)``; the scales are applied in place, tile band by band,
-        so the only full-size temporary is the float32 result itself."""
+        """float32 values of FP8 rows ``r0:r0+len(t)``."""
         st = self.stored[name]
+        r1 = r0 + (t.shape[0] if t.dim() else 1)
+        if name + "_scale_inv" in self.stored:  # block-scaled, 128x128 tiles by default
+            s, bh, bw = self._tile_scales(name, r0, r1)
+            # each tile's 256 possible values, scaled: the float32 products w * s, looked up
+            tables = torch.from_numpy(s[..., None] * _fp8_values(t.dtype))
+            w = torch.from_numpy(np.empty(t.shape, dtype=np.float32))  # numpy's: huge pages (see stream._float_slabs)
+            _tile_lookup(t.view(torch.uint8).numpy(), tables, bh, bw, w)
+            return w
         w = _fp8_to_f32(t)
         del t
-        r1 = r0 + (w.shape[0] if w.dim() else 1)
-        if name + "_scale_inv" in self.stored:  # block-scaled, 128x128 tiles by default
-            s = self._raw(name + "_scale_inv").to(torch.float32)
-            bh, bw = _block_size(self.config)
-            rows, cols = st.shape[-2], st.shape[-1]
-            want = (-(-rows // bh), -(-cols // bw))
-            if tuple(s.shape[-2:]) != want:
-                raise InputError(st.file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} "
-                                          f"for {bh}x{bw} tiles")
-            if len(st.shape) == 2:  # rows r0:r1 are tile rows r0/bh..
-                if r0 % bh:
-                    raise ValueError(f"{name}: rows from {r0} do not start a {bh}-row tile")
-                s = s[r0 // bh: -(-r1 // bh)]
-            elif s.dim() == len(st.shape):  # stacked [E, rows, cols]: dim 0 indexes the experts of both
-                s = s[r0:r1]
-            _scale_tiles_(w, s, bh, bw)
-            return w
         if name + "_scale" in self.stored:  # compressed-tensors: per-channel [out, 1] or per-tensor scalar
             s = self._raw(name + "_scale").to(torch.float32)
             if s.numel() == 1:
@@ -381,12 +424,26 @@ def _block_size(config: dict) -> tuple[int, int]:
     return int(bh), int(bw)
 
 
-def _scale_tiles_(w: torch.Tensor, s: torch.Tensor, bh: int, bw: int) -> None:
-    """w[..., rows, cols] *= each tile's scale s[..., rows/bh, cols/bw], in place: one band of bh rows at a
-    time, so the expanded scales never take more than one band's width (the same float32 products as a
-    full-size scale tensor would give). In numpy: memory-bound work that torch's intra-op threads only slow
-    down when the cores are busy (70x measured on a loaded 2-core machine)."""
-    wn, sn = w.numpy(), s.numpy()
-    cols = wn.shape[-1]
-    for i in range(-(-wn.shape[-2] // bh)):
-        wn[..., i * bh:(i + 1) * bh, :] *= np.repeat(sn[..., i:i + 1, :], bw, axis=-1)[..., :cols]
+def _tile_lookup(q: np.ndarray, tables: torch.Tensor, bh: int, bw: int, out: torch.Tensor) -> None:
+    """out[..., r, c] = tables[..., r // bh, c // bw, q[..., r, c]] for bytes ``q`` [..., rows, cols] and one table
+    of 256 entries per tile [..., rows/bh, cols/bw, 256] (leading dims broadcast): one gather per band of bh rows,
+    at byte + 256 * tile column. int32 indices, which torch's index_select takes as they are (numpy's take
+    widens them to int64 first: 1.4x the time); one torch thread, as the rest of the conversion."""
+    rows, cols = q.shape[-2:]
+    lead = q.shape[:-2]
+    tables = tables.expand(*lead, *tables.shape[-3:]).reshape(-1, tables.shape[-3], tables.shape[-2] * 256)
+    q, out = q.reshape(-1, rows, cols), out.view(-1, rows, cols)
+    offs = torch.arange(cols, dtype=torch.int32) // bw * 256
+    idx = torch.empty(min(bh, rows) * cols, dtype=torch.int32)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for e in range(q.shape[0]):
+            for i in range(-(-rows // bh)):
+                band = q[e, i * bh:(i + 1) * bh]
+                at = idx[:band.size]
+                np.copyto(at.numpy().reshape(band.shape), band)  # numpy: q may be a read-only mapping
+                at.view(band.shape).add_(offs)
+                torch.index_select(tables[e, i], 0, at, out=out[e, i * bh:(i + 1) * bh].view(-1))
+    finally:
+        torch.set_num_threads(n)

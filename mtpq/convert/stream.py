@@ -13,7 +13,9 @@ Q8_0) encodes each row independently of the others.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import numpy as np
@@ -28,9 +30,23 @@ SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
 # find it in the CPU's cache and glibc reuses the buffers (each pass over DRAM-sized slabs cost as much as
 # the copy); the quantized types keep big slabs, the kernels share them out among threads
 FLOAT_SLAB_ELEMENTS = 1 << 20
+# threads converting the slabs of one tensor to a float type: the machine's cores, at most 2 (the writer
+# writes the previous tensor meanwhile)
+FLOAT_WORKERS = min(2, os.cpu_count() or 1)
 _TORCH_OF = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, and how to read them
+
+
+class Rows:
+    """A slab's reader: rows ``r0:r1`` of one stored tensor (block-scaled FP8 ones can also be rounded
+    straight into their place in a float output, :meth:`Checkpoint.rows_as`)."""
+
+    def __init__(self, ck: Checkpoint, name: str, r0: int, r1: int):
+        self.ck, self.name, self.r0, self.r1 = ck, name, r0, r1
+
+    def __call__(self) -> torch.Tensor:
+        return self.ck.load_rows(self.name, self.r0, self.r1)
 
 
 @contextlib.contextmanager
@@ -58,6 +74,15 @@ def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.
         raise InputError(source, str(exc)) from None
 
 
+def encode_loaded(load: Callable[[], torch.Tensor], qtype: T, name: str, source: str) -> np.ndarray:
+    """``encode_values(load())`` with the loading (a family's transform: concatenations, strided copies, all
+    memory-bound) on one torch thread: 20x quicker than on two (attn_qkv of qwen3next) when the other
+    core is busy, as it is while the writer writes the previous tensor."""
+    with _one_thread():
+        values = load()
+    return encode_values(values, qtype, name, source)
+
+
 def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
     """The bytes of a tensor of ``shape`` in ``qtype`` (the array ``quantize`` would return for the whole
     tensor), encoded slab by slab into one buffer allocated once."""
@@ -65,12 +90,25 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
         with _one_thread():
             return _float_slabs(name, source, shape, qtype, slabs)
     out = None
-    for r0, r1, load in slabs:
-        part = encode_values(load(), qtype, name, source)
-        if out is None:
-            out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
-        out[r0:r1] = part
-        del part
+    slabs = list(slabs)
+
+    def loaded(load: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with _one_thread():
+            return load()
+
+    # the next slab is read (an FP8 one dequantized) on another thread while the kernels quantize this one:
+    # FP8 -> q8_0 spent a third of its time dequantizing with the kernels' threads idle
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(loaded, slabs[0][2]) if slabs else None
+        for i, (r0, r1, _) in enumerate(slabs):
+            values = ahead.result()
+            ahead = pool.submit(loaded, slabs[i + 1][2]) if i + 1 < len(slabs) else None
+            part = encode_values(values, qtype, name, source)
+            del values
+            if out is None:
+                out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+            out[r0:r1] = part
+            del part
     return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
 
 
@@ -81,10 +119,17 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     from ..quantize.kernels import _all_finite, _keep_freed_buffers
 
     _keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
-    out = torch.empty(shape, dtype=_TORCH_OF[qtype])
-    for r0, r1, load in slabs:
-        values = load()
+    # allocated by numpy, which asks the kernel for huge pages (madvise) for big arrays, as torch.empty does
+    # not: the first writes into a fresh output in 4 KB page faults took 5x as long
+    out = torch.from_numpy(np.empty(shape, dtype=np.float32 if qtype == T.F32 else np.int16))
+    out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
+
+    def one(slab: Slab) -> None:
+        r0, r1, load = slab
         dst = out[r0:r1]
+        if isinstance(load, Rows) and load.ck.rows_as(load.name, load.r0, load.r1, dst):
+            return
+        values = load()
         dst.copy_(values.reshape(dst.shape))
         # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
         # only when it is not are the source values looked at, to say which of the two went wrong
@@ -93,7 +138,19 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
                 raise InputError(source, f"{name}: contains NaN/Inf values")
             what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
             raise InputError(source, f"{name}: values exceed the {what}")
-        del values
+
+    slabs = list(slabs)
+    workers = min(FLOAT_WORKERS, len(slabs))
+    if workers < 2:
+        for slab in slabs:
+            one(slab)
+    else:  # Python threads, one torch thread each (torch and numpy release the GIL in the gathers and casts)
+        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
+        try:
+            for f in [pool.submit(one, slab) for slab in slabs]:
+                f.result()  # the first bad slab's error, in order
+        finally:
+            pool.shutdown(cancel_futures=True)
     # the arrays quantize returns: BF16 as uint16 bit patterns
     return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
 
@@ -167,7 +224,7 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
 
     def slab(r0: int) -> Slab:
         r1 = min(shape[0], r0 + per)
-        return r0, r1, lambda: ck.load_rows(hf_name, r0, r1)
+        return r0, r1, Rows(ck, hf_name, r0, r1)
 
     return encode_slabs(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
 
@@ -187,7 +244,7 @@ def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, sh
         per = _band(ck, n, cols, qtype)
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
-            slabs.append((i * rows + r0, i * rows + r1, (lambda n, r0, r1: lambda: ck.load_rows(n, r0, r1))(n, r0, r1)))
+            slabs.append((i * rows + r0, i * rows + r1, Rows(ck, n, r0, r1)))
     out = encode_slabs(name, source, (n_exp * rows, cols), qtype, slabs)
     return out.reshape(n_exp, rows, -1)
 
