@@ -90,25 +90,12 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
         with _one_thread():
             return _float_slabs(name, source, shape, qtype, slabs)
     out = None
-    slabs = list(slabs)
-
-    def loaded(load: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with _one_thread():
-            return load()
-
-    # the next slab is read (an FP8 one dequantized) on another thread while the kernels quantize this one:
-    # FP8 -> q8_0 spent a third of its time dequantizing with the kernels' threads idle
-    with ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(loaded, slabs[0][2]) if slabs else None
-        for i, (r0, r1, _) in enumerate(slabs):
-            values = ahead.result()
-            ahead = pool.submit(loaded, slabs[i + 1][2]) if i + 1 < len(slabs) else None
-            part = encode_values(values, qtype, name, source)
-            del values
-            if out is None:
-                out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
-            out[r0:r1] = part
-            del part
+    for r0, r1, load in slabs:
+        part = encode_values(load(), qtype, name, source)
+        if out is None:
+            out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+        out[r0:r1] = part
+        del part
     return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
 
 
