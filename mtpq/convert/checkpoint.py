@@ -12,6 +12,7 @@ on the fly, per tensor:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -251,11 +252,7 @@ class Checkpoint:
     def _map(self, name: str, dtype, r0: int = 0, r1: int | None = None) -> np.ndarray:
         """Rows ``r0:r1`` (dim 0) of a stored tensor as a read-only array of ``dtype`` mapped from the file."""
         st = self.stored[name]
-        shape, offset, nbytes = st.shape, st.offset, st.nbytes
-        if r1 is not None or r0:  # a slab of leading rows is contiguous in the file
-            r1 = shape[0] if r1 is None else r1
-            row = st.nbytes // shape[0] if shape[0] else 0
-            shape, offset, nbytes = (r1 - r0, *shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+        shape, offset, nbytes = _rows_extent(st, r0, r1)
         if nbytes == 0:
             return np.empty(shape, dtype=dtype)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -282,11 +279,7 @@ class Checkpoint:
         costs the same copy and leaves only this tensor in memory.
         """
         st = self.stored[name]
-        shape, offset, nbytes = st.shape, st.offset, st.nbytes
-        if r1 is not None or r0:  # a slab of leading rows is contiguous in the file
-            r1 = shape[0] if r1 is None else r1
-            row = st.nbytes // shape[0] if shape[0] else 0
-            shape, offset, nbytes = (r1 - r0, *shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+        shape, offset, nbytes = _rows_extent(st, r0, r1)
         buf = bytearray(nbytes)
         try:
             with open(st.file, "rb") as f:
@@ -393,6 +386,28 @@ class Checkpoint:
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """One torch thread for memory-bound element-wise work: more only add waits when the cores are busy
+    (a bf16 conversion 18x slower with 2 threads on a loaded 2-core machine). Per calling thread (OpenMP)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _rows_extent(st, r0: int, r1: int | None) -> tuple[tuple[int, ...], int, int]:
+    """Shape, file offset and byte count of rows ``r0:r1`` (dim 0) of a stored tensor: a slab of leading
+    rows is contiguous in the file."""
+    if r1 is None and not r0:
+        return st.shape, st.offset, st.nbytes
+    r1 = st.shape[0] if r1 is None else r1
+    row = st.nbytes // st.shape[0] if st.shape[0] else 0
+    return (r1 - r0, *st.shape[1:]), st.offset + r0 * row, (r1 - r0) * row
+
+
 @functools.cache
 def _fp8_values(dtype: torch.dtype) -> np.ndarray:
     """The 256 values of an FP8 format as float32, converted by torch once."""
@@ -435,9 +450,7 @@ def _tile_lookup(q: np.ndarray, tables: torch.Tensor, bh: int, bw: int, out: tor
     q, out = q.reshape(-1, rows, cols), out.view(-1, rows, cols)
     offs = torch.arange(cols, dtype=torch.int32) // bw * 256
     idx = torch.empty(min(bh, rows) * cols, dtype=torch.int32)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         for e in range(q.shape[0]):
             for i in range(-(-rows // bh)):
                 band = q[e, i * bh:(i + 1) * bh]
@@ -445,5 +458,3 @@ def _tile_lookup(q: np.ndarray, tables: torch.Tensor, bh: int, bw: int, out: tor
                 np.copyto(at.numpy().reshape(band.shape), band)  # numpy: q may be a read-only mapping
                 at.view(band.shape).add_(offs)
                 torch.index_select(tables[e, i], 0, at, out=out[e, i * bh:(i + 1) * bh].view(-1))
-    finally:
-        torch.set_num_threads(n)

@@ -12,7 +12,6 @@ Q8_0) encodes each row independently of the others.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
-from .checkpoint import _ST_DTYPES, Checkpoint
+from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
 # to a float type: 4 MB of float32 per slab, so that the lookup, scaling, checks and rounding of one slab
@@ -49,25 +48,13 @@ class Rows:
         return self.ck.load_rows(self.name, self.r0, self.r1)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread for memory-bound element-wise work: more only add waits when the cores are busy
-    (a bf16 conversion 18x slower with 2 threads on a loaded 2-core machine). Per calling thread (OpenMP)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.ndarray:
     """``quantize``, with a bad value reported as the source's fault (as the writer does)."""
     from ..quantize.kernels import quantize
 
     try:
         if qtype in _TORCH_OF:
-            with _one_thread():
+            with one_torch_thread():
                 return quantize(values, qtype, name=name)
         return quantize(values, qtype, name=name)  # quantized types: the kernels spread over the threads
     except ValueError as exc:  # NaN/Inf, out of range: the source is at fault, say which tensor
@@ -78,7 +65,7 @@ def encode_loaded(load: Callable[[], torch.Tensor], qtype: T, name: str, source:
     """``encode_values(load())`` with the loading (a family's transform: concatenations, strided copies, all
     memory-bound) on one torch thread: 20x quicker than on two (attn_qkv of qwen3next) when the other
     core is busy, as it is while the writer writes the previous tensor."""
-    with _one_thread():
+    with one_torch_thread():
         values = load()
     return encode_values(values, qtype, name, source)
 
@@ -87,7 +74,7 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     """The bytes of a tensor of ``shape`` in ``qtype`` (the array ``quantize`` would return for the whole
     tensor), encoded slab by slab into one buffer allocated once."""
     if qtype in _TORCH_OF:
-        with _one_thread():
+        with one_torch_thread():
             return _float_slabs(name, source, shape, qtype, slabs)
     out = None
     for r0, r1, load in slabs:
@@ -103,9 +90,9 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
     fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
     with ``quantize``'s checks and messages."""
-    from ..quantize.kernels import _all_finite, _keep_freed_buffers
+    from ..quantize.kernels import _all_finite, keep_freed_buffers
 
-    _keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
+    keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     # allocated by numpy, which asks the kernel for huge pages (madvise) for big arrays, as torch.empty does
     # not: the first writes into a fresh output in 4 KB page faults took 5x as long
     out = torch.from_numpy(np.empty(shape, dtype=np.float32 if qtype == T.F32 else np.int16))
@@ -154,7 +141,7 @@ def bits_finite(bits: np.ndarray, dtype: str) -> bool:
     with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
         warnings.simplefilter("ignore", UserWarning)
         values = torch.from_numpy(signed).view(_ST_DTYPES[dtype])
-    with _one_thread():
+    with one_torch_thread():
         return all(_all_finite(c) for c in values.split(1 << 22))
 
 

@@ -303,7 +303,7 @@ def quantize(
         qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
     iquants.prepare(qtype, rows2d.device.type)  # grid tables built once, before any fork
     if on_cpu:
-        _keep_freed_buffers()
+        keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
     forked = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
@@ -382,8 +382,9 @@ _THREAD_LOCK = threading.Lock()
 
 
 @functools.cache
-def _keep_freed_buffers() -> None:
-    """Have glibc keep the kernels' freed temporaries for the next chunk (once per process).
+def keep_freed_buffers() -> None:
+    """Have glibc keep freed temporaries for reuse (once per process): the kernels' chunks here, and the
+    converter's slabs and the runtime's long passes, which call it too.
 
     Every chunk allocates and frees the same few 0.25-4 MB buffers.  With
     glibc's default policy (mmap above a threshold that only grows when an

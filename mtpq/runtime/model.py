@@ -154,12 +154,12 @@ class MtpModel(nn.Module):
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          hidden: str = "post_norm", g: GGUFFile | None = None) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (see ``families``)."""
-    from ..quantize.kernels import _keep_freed_buffers
+    from ..quantize.kernels import keep_freed_buffers
     from .families import family_for
 
     # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
     # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a
     # teacher-forced pass on the Qwen3.5 demo)
-    _keep_freed_buffers()
+    keep_freed_buffers()
     g = g or GGUFFile(Path(path))
     return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden).eval()
