@@ -16,7 +16,10 @@ The demo prompts give only ~1,700 drafts; ``--windows N`` adds N windows of 256 
 the demo's held-out source files (those its training never saw, less any used for calibration)
 and counts, over every position, whether the head's draft equals the trunk's greedy choice
 (teacher-forced on the real text: one forward per window, tens of thousands of positions), with
-a 95 % interval of the paired difference from the per-window spread.
+a 95 % interval of the paired difference from the per-window spread. With windows it also prints,
+for every matrix of the head, the relative output error ||X (Wq - W)^T||^2 / ||X W^T||^2 of both
+IQ2_XXS heads on the head's real inputs X over the first 60 windows: what importance weighting is
+meant to lower, so a matrix where it does not shows up by name.
 """
 
 from __future__ import annotations
@@ -98,6 +101,42 @@ def window_matches(path: Path, texts: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def head_output_errors(ref: Path, quants: dict[str, Path], texts: list[str]) -> dict[str, dict[str, float]]:
+    """Per head matrix and quantized file: ||X (Wq - W)^T||^2 / ||X W^T||^2 on the inputs X the head's
+    matrices receive when it drafts (collected from the reference model as ``mtpq imatrix`` does)."""
+    from mtpq.runtime import weights
+    from mtpq.runtime.speculative import load_model
+
+    def head_matrices(model) -> dict[str, torch.Tensor]:
+        return {m.name: m.matrix().double() for m in model.modules()
+                if isinstance(m, weights.QWeight) and m.name.startswith(f"blk.{len(model.blocks)}.")}
+
+    model, tok = load_model(ref, device="cpu")
+    inputs: dict[str, list[torch.Tensor]] = {}
+
+    def observe(name: str, expert: int | None, x: torch.Tensor) -> None:
+        if expert is None:
+            inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).double())
+
+    with torch.inference_mode():
+        for text in texts:
+            seq = torch.tensor([tok.encode(text)[:WINDOW]])
+            hidden = model.trunk(seq, use_cache=False).hidden
+            weights.observer = observe
+            try:
+                model.draft(seq[:, 1:], hidden[:, :-1], use_cache=False)
+            finally:
+                weights.observer = None
+        ref_w = head_matrices(model)
+        xs = {k: torch.cat(v) for k, v in inputs.items() if k in ref_w}
+        out: dict[str, dict[str, float]] = {k: {} for k in sorted(xs)}
+        for label, path in quants.items():
+            q_w = head_matrices(load_model(path, device="cpu")[0])
+            for k, x in xs.items():
+                out[k][label] = float(((x @ (q_w[k] - ref_w[k]).T) ** 2).sum() / ((x @ ref_w[k].T) ** 2).sum())
+    return out
+
+
 def paired_interval(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> tuple[float, float, float]:
     """Mean per-item difference of rates a - b and its 95 % interval (normal approximation)."""
     diffs = [x[0] / x[1] - y[0] / y[1] for x, y in zip(a, b) if x[1] and y[1]]
@@ -169,6 +208,13 @@ def main() -> None:
             mean, lo, hi = paired_interval(a, b)
             print(f"head imatrix - static on held-out text: {100 * (rate(a) - rate(b)):+.1f} points (per-window mean "
                   f"{100 * mean:+.1f}, 95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})")
+            iq2 = {k: files[k] for k in ("head IQ2_XXS, head imatrix", "head IQ2_XXS, static (uniform)")}
+            errors = head_output_errors(ref, iq2, texts[:60])
+            print("relative output error of each head matrix on its drafting inputs (60 windows; lower is better)")
+            print(f"  {'tensor':<40} {'head imatrix':>12} {'static':>8}")
+            for name, e in errors.items():
+                mine, static = e["head IQ2_XXS, head imatrix"], e["head IQ2_XXS, static (uniform)"]
+                print(f"  {name:<40} {mine:12.4f} {static:8.4f}  {100 * (mine / static - 1):+5.1f} %")
 
 if __name__ == "__main__":
     main()
