@@ -235,7 +235,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate, inplace=True).mul_(up))  # in place: no [rows, F] temporaries
 
 
 @dataclass(frozen=True)
@@ -353,8 +353,8 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)))
-            h = g * F.linear(h, as_dtype(self.up.matrix(e), x.dtype))
+            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
+            h = g.mul_(F.linear(h, as_dtype(self.up.matrix(e), x.dtype)))
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))

@@ -104,8 +104,14 @@ class MLA(nn.Module):
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            k_nope = torch.matmul(c, as_dtype(self.k_b.matrix(), x.dtype))  # [B, H, S, nope]
-            v = torch.matmul(c, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, S, v]
+            # both expansions as one GEMM over the latent rows: [kv_lora, H*nope | H*v] (a broadcast
+            # matmul per head would copy c once per head and run H small GEMMs)
+            H, S = cfg.n_heads, c.shape[2]
+            w = torch.cat((as_dtype(self.k_b.matrix(), x.dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
+                           as_dtype(self.v_b.matrix(), x.dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
+            k_nope, v = torch.matmul(c[:, 0], w).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+            k_nope = k_nope.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope]
+            v = v.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, v]
             k = torch.cat((k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)), dim=-1)
             pad = k.shape[-1] - cfg.v_dim  # v zero-padded to the key width: SDPA's CPU flash kernel (~2x) needs it
             if pad > 0:
