@@ -6,8 +6,8 @@
 Without MODEL, converts the bundled demo model to f16 first. Prints, for the same
 prompts: tokens/s of plain greedy decoding (the baseline), of speculative decoding
 with k = 1..4 (and each one's ratio to the baseline and its acceptance), and the
-time of the teacher-forced depth-1 estimator (one batched pass per prompt over
-the greedy continuation) as a ratio to the k=1 loop that it replaces. The
+time of the teacher-forced depth-1 estimator (the prompts and their greedy
+continuations packed into passes of up to 1024 tokens) as a ratio to the k=1 loop that it replaces. The
 machine is shared: quote the ratios.
 
 ``--vs-llama-cpp DIR`` adds the time to an acceptance report (``measure_file``: the
@@ -56,7 +56,7 @@ def main() -> None:
     from mtpq.gguf_io import write_plan
     from mtpq.runtime.accept import load_prompts
     from mtpq.runtime.metrics import summarize
-    from mtpq.runtime.speculative import load_model, run_plain, run_speculative, teacher_forced_acceptance
+    from mtpq.runtime.speculative import load_model, run_plain, run_speculative, teacher_forced_acceptances
 
     tmp = None
     path = args.model
@@ -96,7 +96,7 @@ def main() -> None:
         if k == 1:
             loop_k1_seconds, loop_k1_cpu = sum(s.seconds for s in spec), cpu
     t0, c0 = time.perf_counter(), time.process_time()
-    tf = [teacher_forced_acceptance(model, ids + p.tokens, prompt_len=len(ids)) for ids, p in zip(prompts, plain)]
+    tf = teacher_forced_acceptances(model, [(ids + p.tokens, len(ids)) for ids, p in zip(prompts, plain)])
     tf_seconds, tf_cpu = time.perf_counter() - t0, time.process_time() - c0
     rate = sum(sum(t.matches) for t in tf) / sum(len(t.matches) for t in tf)
     loop_rate = sum(t.loop_accepted for t in tf) / sum(t.loop_drafts for t in tf)

@@ -358,13 +358,17 @@ def test_greedy_speculative_equals_plain_greedy(copy_model):
 
 def test_teacher_forced_acceptance_equals_loop(copy_model):
     from mtpq.runtime.metrics import summarize
-    from mtpq.runtime.speculative import run_plain, run_speculative, teacher_forced_acceptance
+    from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
+                                          teacher_forced_acceptances)
 
     model, tok = copy_model
     matched = mismatched = 0
-    for ids in prompt_ids(tok):
-        base = run_plain(model, ids, 40)
-        tf = teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids))
+    prompts = prompt_ids(tok)
+    bases = [run_plain(model, ids, 40) for ids in prompts]
+    # all sequences packed into one pass == each on its own (the packing keeps them apart)
+    packed = teacher_forced_acceptances(model, [(ids + b.tokens, len(ids)) for ids, b in zip(prompts, bases)])
+    for ids, base, tf in zip(prompts, bases, packed):
+        assert tf.matches == teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids)).matches
         loop = run_speculative(model, ids, 40, k=1)
         assert (tf.loop_drafts, tf.loop_accepted) == (loop.n_drafts, loop.n_accepted)
         assert summarize([loop]).per_position[0] == pytest.approx(tf.loop_rate)

@@ -395,13 +395,18 @@ def test_speculative_fails_without_recurrent_rollback(bigram_models, monkeypatch
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_teacher_forced_acceptance_equals_loop(variant, bigram_models):
-    from mtpq.runtime.speculative import run_plain, run_speculative, teacher_forced_acceptance
+    from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
+                                          teacher_forced_acceptances)
 
     model = bigram_models[variant]
     matched = mismatched = 0
-    for ids in random_prompts(3, 12, model.cfg.vocab_size, seed=1):
-        base = run_plain(model, ids, 40)
-        tf = teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids))
+    # lengths 8, 10, 12: the packed pass pads the shorter ones
+    prompts = [p[: 8 + 2 * i] for i, p in enumerate(random_prompts(3, 12, model.cfg.vocab_size, seed=1))]
+    bases = [run_plain(model, ids, 40) for ids in prompts]
+    # all sequences packed into one pass == each on its own (the packing keeps them apart)
+    packed = teacher_forced_acceptances(model, [(ids + b.tokens, len(ids)) for ids, b in zip(prompts, bases)])
+    for ids, base, tf in zip(prompts, bases, packed):
+        assert tf.matches == teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids)).matches
         loop = run_speculative(model, ids, 40, k=1)
         assert (tf.loop_drafts, tf.loop_accepted) == (loop.n_drafts, loop.n_accepted)
         j, n = len(ids), len(ids)

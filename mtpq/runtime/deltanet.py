@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import InputError
 from .cache import RecurrentCache
-from .layers import rms_norm
+from .layers import rms_norm, take_rows
 from .weights import Scope, as_dtype
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -159,7 +159,8 @@ class GatedDeltaNet(nn.Module):
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows_from: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         K = cfg.conv_kernel
@@ -196,9 +197,10 @@ class GatedDeltaNet(nn.Module):
         elif cache is not None:
             cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
 
-        if rows_from:  # outputs for the rows from rows_from on only (the recurrence saw every row)
-            x, out, T = x[:, rows_from:], out[:, :, rows_from:], T - rows_from
+        out = out.transpose(1, 2)  # [B, T, nv, dv]
+        if rows is not None:  # outputs for those rows only (the recurrence saw every row)
+            x, out, T = take_rows(x, rows), take_rows(out, rows), rows.shape[1]
         z = self.wz(x).view(B, T, nv, dv)
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, nv, dv]
+        out = out.to(x.dtype)
         out = rms_norm(out, self.norm, cfg.eps) * F.silu(z.float()).to(x.dtype)
         return self.wo(out.reshape(B, T, nv * dv))

@@ -3,13 +3,16 @@
 Every module is built from a :class:`~mtpq.runtime.weights.Scope` (the GGUF tensors under
 one prefix, already bound to a device and dtype) plus a small config. Sequence-mixing
 layers (attention here, MLA in ``mla.py``, DeltaNet in ``deltanet.py``) share one
-call signature, ``layer(x, start, cache)`` with ``x`` [B, T, H], ``start`` the position
-of x[:, 0] and ``cache`` a :mod:`~mtpq.runtime.cache` object or None (uncached: any
-batch, positions from 0), and say which cache they need with ``new_cache()``.
+call signature, ``layer(x, start, cache, rows=None)`` with ``x`` [B, T, H], ``start`` the
+position of x[:, 0] and ``cache`` a :mod:`~mtpq.runtime.cache` object or None (uncached: any
+batch, positions from 0), and say which cache they need with ``new_cache()``. ``rows`` [B, M]
+(uncached passes): outputs for those positions of each sequence only. :class:`Packing` runs
+several sequences as the rows of one tensor (the teacher-forced estimator).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -75,7 +78,12 @@ class Rope:
         self.dim = 2 * inv_freq.numel()
         self._memo: tuple | None = None
 
-    def cos_sin(self, start: int, length: int, device: torch.device, dtype: torch.dtype):
+    def cos_sin(self, start: int | torch.Tensor, length: int, device: torch.device, dtype: torch.dtype):
+        """(cos, sin) [length, dim] at positions start..; for a tensor of positions [B, T], [B, 1, T, dim]."""
+        if isinstance(start, torch.Tensor):  # (the MTP head's query rows of packed sequences: one layer, no memo)
+            freqs = start.to(torch.float32)[..., None] * self.inv_freq.to(device)
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+            return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
         key = (start, length, device, dtype)
         if self._memo is None or self._memo[0] != key:  # layers of one forward share the table
             pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
@@ -84,8 +92,8 @@ class Rope:
             self._memo = (key, (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype))
         return self._memo[1], self._memo[2]
 
-    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x [B, H, T, head_dim] at positions start..start+T-1."""
+    def apply(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, head_dim] at positions start..start+T-1, or at positions ``start`` [B, T]."""
         cos, sin = self.cos_sin(start, x.shape[2], x.device, x.dtype)
         d = self.dim
         rot, rest = x[..., :d], x[..., d:]
@@ -99,6 +107,11 @@ class Rope:
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] -> [B, M, ...]: row rows[b, m] of sequence b."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], rows]
+
+
 _mask_memo: list = [None, None]  # (key, mask): the layers of one forward share it
 
 
@@ -110,11 +123,18 @@ def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tens
     return _mask_memo[1]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions start.., k/v [B, Hkv, S, D] at positions 0..S-1 (GQA: query head h
-    reads key head h // (Hq / Hkv))."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions start.. (or at positions ``start`` [B, T]), k/v [B, Hkv, S, D] at
+    positions 0..S-1 (GQA: query head h reads key head h // (Hq / Hkv))."""
     B, Hq, T, _ = q.shape
-    S, mqa = k.shape[2], k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
+    S, gqa = k.shape[2], Hq != k.shape[1]
+    if isinstance(start, torch.Tensor):  # each sequence's own query positions
+        allowed = (torch.arange(S, device=q.device) <= start[..., None])[:, None]  # [B, 1, T, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    mqa = k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
+    if start == 0 and T == S and not mqa:  # a whole sequence (prefill, uncached): bitwise the mask's result, faster
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if T == 1 and S <= start + 1:  # one new token (plain decoding): it sees every key, no mask to build
         allowed = None
     else:
@@ -123,7 +143,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         out = F.scaled_dot_product_attention(q.reshape(B, 1, Hq * T, -1), k, v, scale=scale,
                                              attn_mask=None if allowed is None else allowed.repeat(Hq, 1))
         return out.view(B, Hq, T, -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=Hq != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -157,15 +177,16 @@ class Attention(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows_from: int = 0) -> torch.Tensor:
-        """``rows_from``: outputs for x[:, rows_from:] only (every row still gives its key and value)."""
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``rows`` [B, M]: outputs for those positions only (every row still gives its key and value)."""
         cfg = self.cfg
         B, T, _ = x.shape
-        if rows_from:  # queries (and the gate) only where outputs are wanted
-            q, (k, v) = self.wq(x[:, rows_from:]), (self.wk(x), self.wv(x))
+        if rows is not None:  # queries (and the gate) only where outputs are wanted
+            q, (k, v) = self.wq(take_rows(x, rows)), (self.wk(x), self.wv(x))
         else:
             q, k, v = self.qkv(x)
-        Tq = T - rows_from
+        Tq = q.shape[1]
         q = q.view(B, Tq, cfg.n_heads, -1)
         gate = None
         if cfg.gated:
@@ -173,12 +194,12 @@ class Attention(nn.Module):
             gate = gate.reshape(B, Tq, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        if rows_from:  # q and k differ in length: normed and rotated apart
+        if rows is not None:  # q and k differ in length: normed and rotated apart
             if self.q_norm is not None:
                 q = rms_norm(q, self.q_norm, cfg.eps)
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.eps)
-            q, k = self.rope.apply(q.transpose(1, 2), start + rows_from), self.rope.apply(k.transpose(1, 2), start)
+            q, k = self.rope.apply(q.transpose(1, 2), start + rows), self.rope.apply(k.transpose(1, 2), start)
         elif self.joint:
             qk = torch.cat((q, k), dim=2)
             if self.qk_norm is not None:
@@ -192,7 +213,8 @@ class Attention(nn.Module):
             q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = causal_attention(q, k, v, start + rows_from, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, Tq, -1)
+        at = start if rows is None else start + rows
+        out = causal_attention(q, k, v, at, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, Tq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out)
@@ -213,7 +235,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate, inplace=True).mul_(up))  # in place: no [rows, F] temporaries
 
 
 @dataclass(frozen=True)
@@ -331,8 +353,8 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)))
-            h = g * F.linear(h, as_dtype(self.up.matrix(e), x.dtype))
+            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
+            h = g.mul_(F.linear(h, as_dtype(self.up.matrix(e), x.dtype)))
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
@@ -344,6 +366,41 @@ class MoE(nn.Module):
 
 
 # ----------------------------------------------------------------------------- block
+
+
+class Packing:
+    """Sequences packed one after another as the rows of one [1, N, H] tensor, each from position 0,
+    uncached (the teacher-forced estimator's pass). The per-row work (norms, projections, feed-forward,
+    logits) runs once over all N rows; a sequence mixer sees them as a right-padded batch [B, T, H]
+    (``pad``: padding follows each sequence's own rows, so causal mixing never reads it into them) and
+    gives back one output per row (``unpad``). With ``out_from`` (per sequence) only rows out_from[b]..
+    of sequence b give outputs (the MTP head's compared pairs): ``rows`` [B, M] are their positions
+    (a sequence with fewer repeats its last row; those outputs are dropped), ``kept`` their flat rows."""
+
+    def __init__(self, lengths: list[int], device: torch.device, out_from: list[int] | None = None):
+        B, T = len(lengths), max(lengths)
+        self.shape = (B, T)
+        self.slots = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)]).to(device)
+        if out_from is None:
+            self.rows = self.kept = None
+            self.out_slots = self.slots
+            return
+        firsts = torch.tensor(out_from)
+        M = max(n - f for n, f in zip(lengths, out_from))
+        self.rows = torch.minimum(firsts[:, None] + torch.arange(M), torch.tensor(lengths)[:, None] - 1).to(device)
+        at = [0] + list(itertools.accumulate(lengths))
+        self.kept = torch.cat([torch.arange(a + f, a + n) for a, f, n in zip(at, out_from, lengths)]).to(device)
+        self.out_slots = torch.cat([torch.arange(n - f) + b * M for b, (n, f) in
+                                    enumerate(zip(lengths, out_from))]).to(device)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, H] -> [B, T, H] (padding rows zero)."""
+        B, T = self.shape
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.slots, x[0]).view(B, T, -1)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """A mixer's output [B, T or M, H] -> [1, rows, H] (the kept rows only with ``out_from``)."""
+        return y.reshape(-1, y.shape[-1]).index_select(0, self.out_slots)[None]
 
 
 class DecoderBlock(nn.Module):
@@ -361,12 +418,14 @@ class DecoderBlock(nn.Module):
     def new_cache(self):
         return self.attn.new_cache()
 
-    def forward(self, x: torch.Tensor, start: int, cache, rows_from: int = 0) -> torch.Tensor:
-        """``rows_from``: return only the outputs of x[:, rows_from:] (the mixer still sees every row as
-        context but computes queries for those rows only; the feed-forward runs on them only)."""
+    def forward(self, x: torch.Tensor, start: int, cache, packing: Packing | None = None) -> torch.Tensor:
+        """With ``packing`` (x [1, N, H], uncached): the mixer runs on the padded batch; only the kept rows'
+        outputs are returned (the mixer still sees every row as context but computes queries for the
+        kept rows only; the feed-forward runs on them only)."""
         normed = rms_norm(x, self.attn_norm, self.eps)
-        if rows_from:
-            h = x[:, rows_from:] + self.attn(normed, start, cache, rows_from=rows_from)
-        else:
+        if packing is None:
             h = x + self.attn(normed, start, cache)
+        else:
+            mixed = packing.unpad(self.attn(packing.pad(normed), 0, None, rows=packing.rows))
+            h = (x if packing.kept is None else x[:, packing.kept]) + mixed
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

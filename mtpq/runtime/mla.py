@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .layers import Rope, causal_attention, rms_norm
+from .layers import Rope, causal_attention, rms_norm, take_rows
 from .weights import Scope, as_dtype
 
 
@@ -86,34 +86,41 @@ class MLA(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()  # latent c [B, 1, T, kv_lora] and k_pe [B, 1, T, rope]
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows_from: int = 0) -> torch.Tensor:
-        """``rows_from``: outputs for x[:, rows_from:] only (every row still gives its latent key/value)."""
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``rows`` [B, M]: outputs for those positions only (every row still gives its latent key/value)."""
         cfg = self.cfg
-        xq = x[:, rows_from:] if rows_from else x
+        xq = x if rows is None else take_rows(x, rows)
         B, T, _ = xq.shape  # T: the query rows
         q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
         q = q.view(B, T, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
         q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
         c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]  # [B, 1, T, kv_lora]: one head shared by all
-        q_pe, k_pe = self.rope.apply(q_pe, start + rows_from), self.rope.apply(k_pe[:, None], start)
-        start += rows_from  # the queries' first position, from here on
+        at = start if rows is None else start + rows  # the queries' positions
+        q_pe, k_pe = self.rope.apply(q_pe, at), self.rope.apply(k_pe[:, None], start)
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            k_nope = torch.matmul(c, as_dtype(self.k_b.matrix(), x.dtype))  # [B, H, S, nope]
-            v = torch.matmul(c, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, S, v]
+            # both expansions as one GEMM over the latent rows: [kv_lora, H*nope | H*v] (a broadcast
+            # matmul per head would copy c once per head and run H small GEMMs)
+            H, S = cfg.n_heads, c.shape[2]
+            w = torch.cat((as_dtype(self.k_b.matrix(), x.dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
+                           as_dtype(self.v_b.matrix(), x.dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
+            k_nope, v = torch.matmul(c[:, 0], w).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+            k_nope = k_nope.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope]
+            v = v.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, v]
             k = torch.cat((k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)), dim=-1)
             pad = k.shape[-1] - cfg.v_dim  # v zero-padded to the key width: SDPA's CPU flash kernel (~2x) needs it
             if pad > 0:
                 v = F.pad(v, (0, pad))
-            out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, start, cfg.kq_scale)[..., : cfg.v_dim]
+            out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
         q_lat = torch.matmul(q_nope, as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
-        lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, start, cfg.kq_scale)
+        lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale)
         out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))

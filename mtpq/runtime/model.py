@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .layers import rms_norm
+from .layers import Packing, rms_norm
 from .mtp import NextNHead
 from .weights import GGUFFile, QuantLinear, Scope, Weights, as_dtype
 
@@ -126,28 +126,30 @@ class MtpModel(nn.Module):
 
     @torch.inference_mode()
     def trunk(self, ids: torch.Tensor, use_cache: bool = True, last_only: bool = False,
-              logits_from: int = 0) -> TrunkOut:
-        """Run the trunk on ids [B, T] (appended to the caches when ``use_cache``); logits for positions
-        ``logits_from``.. of ids only (the last one with ``last_only``)."""
+              packing: Packing | None = None, logit_rows: torch.Tensor | None = None) -> TrunkOut:
+        """Run the trunk on ids [B, T] (appended to the caches when ``use_cache``); logits for the last
+        position only with ``last_only``, for positions ``logit_rows`` of ids only with those. ``packing``:
+        ids [1, N] are the sequences it packs (uncached)."""
         ids = ids.to(self.device)
         start = self.trunk_length if use_cache else 0
         x = self.tok_embd.rows(ids)
         for block, cache in zip(self.blocks, self.trunk_cache):
-            x = block(x, start, cache if use_cache else None)
+            x = block(x, start, cache if use_cache else None, packing=packing)
         normed = rms_norm(x, self.out_norm, self.eps)
-        logits = self.output(normed[:, -1:] if last_only else normed[:, logits_from:])
+        logits = self.output(normed[:, -1:] if last_only else normed if logit_rows is None else normed[:, logit_rows])
         return TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
 
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True,
-              logits_from: int = 0) -> MtpOut:
+              packing: Packing | None = None) -> MtpOut:
         """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}. With
-        ``logits_from``, logits and hidden cover pairs ``logits_from``.. only."""
+        ``packing`` (pairs [1, N] of the sequences it packs, uncached), logits and hidden cover its kept
+        pairs only."""
         if self.mtp is None:
             raise InputError(self.path, "this GGUF has no MTP head (no blk.N.nextn.* tensors)")
         start = self.mtp_length if use_cache else 0
         logits, normed, raw = self.mtp(next_ids.to(self.device), hidden, start,
-                                       self.mtp_cache if use_cache else None, logits_from)
+                                       self.mtp_cache if use_cache else None, packing)
         return MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
 
 

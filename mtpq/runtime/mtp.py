@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import rms_norm
+from .layers import Packing, rms_norm
 from .weights import QuantLinear, QWeight, Scope, as_dtype
 
 
@@ -37,12 +37,12 @@ class NextNHead(nn.Module):
     def new_cache(self):
         return self.block.new_cache()
 
-    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache, logits_from: int = 0):
-        """-> (logits [B, T, V] of x_{t+2}, the normed output, the raw block output), each for pairs
-        ``logits_from``.. only (the earlier pairs still feed the block's attention)."""
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache, packing: Packing | None = None):
+        """-> (logits [B, T, V] of x_{t+2}, the normed output, the raw block output); with ``packing``, for
+        its kept pairs only (the others still feed the block's attention)."""
         e = rms_norm(self.embed.rows(next_ids), self.enorm, self.eps)
         h = rms_norm(as_dtype(hidden, e.dtype), self.hnorm, self.eps)
         u = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
-        g = self.block(u, start, cache, rows_from=logits_from)
+        g = self.block(u, start, cache, packing=packing)
         normed = rms_norm(g, self.head_norm, self.eps)
         return self.head(normed), normed, g

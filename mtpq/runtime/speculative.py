@@ -35,12 +35,14 @@ run is reproducible for a given seed (the model may run on CUDA).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .layers import Packing
 from .model import MtpModel, load
 from .weights import GGUFFile
 
@@ -326,25 +328,67 @@ class TeacherForcedResult:
         return self.loop_accepted / self.loop_drafts if self.loop_drafts else float("nan")
 
 
-@torch.no_grad()
+PACK_ROWS = 1024  # rows (tokens) per packed pass: bigger packs measured no faster (their per-op tensors outgrow
+# the caches) and hold more activations and padded mixer batches
+PACK_LOGITS = 1 << 26  # and its logits (compared rows x vocabulary): 256 MB in float32
+
+
 def teacher_forced_acceptance(model: MtpModel, ids: list[int], prompt_len: int) -> TeacherForcedResult:
     """``ids`` = prompt + continuation (a greedy one, for agreement with the loop)."""
-    n, total = prompt_len, len(ids)
-    if not 1 <= n < total:
-        raise ValueError("need 1 <= prompt_len < len(ids)")
-    seq = torch.tensor([list(ids)])
+    return teacher_forced_acceptances(model, [(ids, prompt_len)])[0]
+
+
+@torch.no_grad()
+def teacher_forced_acceptances(model: MtpModel, seqs: list[tuple[list[int], int]]) -> list[TeacherForcedResult]:
+    """:func:`teacher_forced_acceptance` of each (ids, prompt_len), the sequences packed into few passes.
+
+    A pass over one short sequence is mostly per-op overhead (hundreds of small ops per layer) and
+    widening each 16-bit weight; packed (:class:`~mtpq.runtime.layers.Packing`), every per-row op runs
+    once over all the sequences' rows and only the sequence mixers see them apart. Passes take
+    consecutive sequences up to PACK_ROWS rows and PACK_LOGITS logits (a longer sequence gets its own)."""
+    for ids, n in seqs:
+        if not 1 <= n < len(ids):
+            raise ValueError("need 1 <= prompt_len < len(ids)")
+    matches, group, rows, logits = [], [], 0, 0
+    for ids, n in seqs:
+        more = (len(ids) - n) * model.vocab_size
+        if group and (rows + len(ids) > PACK_ROWS or logits + more > PACK_LOGITS):
+            matches += _packed_matches(model, group)
+            group, rows, logits = [], 0, 0
+        group.append((ids, n))
+        rows, logits = rows + len(ids), logits + more
+    matches += _packed_matches(model, group)
+    return [TeacherForcedResult(n, m, *_loop_counts(m)) for (_, n), m in zip(seqs, matches)]
+
+
+def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]]) -> list[list[bool]]:
+    """One packed pass: for each sequence, matches[i] compares the head's draft from the pair
+    (h_{j-1}, x_j) with the trunk's argmax at j, j = prompt_len + i (see TeacherForcedResult)."""
+    dev = model.device
+    lengths, firsts = [len(ids) for ids, _ in group], [n for _, n in group]
+    at = [0, *itertools.accumulate(lengths)]
+    seq = torch.tensor([[t for ids, _ in group for t in ids]])
     # logits only where they are compared (the prompt's are most of a long prompt's output GEMMs)
-    trunk = model.trunk(seq, use_cache=False, logits_from=n)
-    target = trunk.logits[0].argmax(dim=-1)  # target[j - n]: the trunk's choice for x_{j+1}, j = n..total-1
-    head = model.draft(seq[:, 1:], trunk.hidden[:, :-1], use_cache=False, logits_from=n - 1)
-    draft = head.logits[0].argmax(dim=-1)  # draft[t - n + 1]: the head's x_{t+2} from (h_t, x_{t+1}), t = n-1..
-    matches = (draft == target).tolist()  # pairs (draft from t = j - 1, target at j) for j = n..total-1
-    # the k=1 loop: round at j drafts x_{j+1}; accepted -> next round at j+2, else j+1; runs while fewer
-    # than len(continuation) tokens were generated (j - n + 1 < total - n)
-    j, drafts, accepted = n, 0, 0
-    while j - n + 1 < total - n:
-        ok = matches[j - n]
+    compared = torch.cat([torch.arange(a + n, a + T) for a, n, T in zip(at, firsts, lengths)])
+    trunk = model.trunk(seq, use_cache=False, packing=Packing(lengths, dev), logit_rows=compared.to(dev))
+    target = trunk.logits[0].argmax(dim=-1)  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
+    # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
+    pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
+    head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
+    head = model.draft(seq[:, pairs + 1], trunk.hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
+    same = (head.logits[0].argmax(dim=-1) == target).tolist()
+    counts = [T - n for T, n in zip(lengths, firsts)]
+    return [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
+
+
+def _loop_counts(matches: list[bool]) -> tuple[int, int]:
+    """(drafts, accepted) of the k=1 loop over the same continuation: the round at j drafts x_{j+1};
+    accepted -> the next round is at j+2, else at j+1; rounds run while fewer than len(matches) tokens
+    were generated (i = j - prompt_len, i + 1 < len(matches))."""
+    i, drafts, accepted = 0, 0, 0
+    while i + 1 < len(matches):
+        ok = matches[i]
         drafts += 1
         accepted += int(ok)
-        j += 2 if ok else 1
-    return TeacherForcedResult(prompt_len=n, matches=matches, loop_drafts=drafts, loop_accepted=accepted)
+        i += 2 if ok else 1
+    return drafts, accepted
