@@ -430,11 +430,11 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
     g = _grid(qtype)
     start, count, flat = g.neighbours(max_level)
     n_grid, gw = g.levels.shape
-    n_lv, h = max_level + 1, gw // 2
-    # a grid point's levels as two codes, the first and second half of its coordinates
-    # (base n_lv, first coordinate least significant); the padding point n_grid gets code -1
-    half = [np.append((g.levels[:, i:i + h] * n_lv ** np.arange(h)).sum(1), -1).astype(np.int32)
-            for i in (0, h)]
+    # per coordinate, each grid point's q^2 + i*q; the padding point n_grid gets inf + 0i (see _Scorer._runs)
+    q = g.values.T.astype(np.float32)
+    qpair = np.zeros((gw, n_grid + 1), dtype=np.complex64)
+    qpair.real[:, :-1], qpair.imag[:, :-1] = q * q, q
+    qpair[0, -1] = np.inf
     # lists of up to w points padded with n_grid: a class's lists are one (w, n_u) table
     cls = np.full(len(g.kmap), -1, dtype=np.int8)
     row = np.zeros(len(g.kmap), dtype=np.int32)
@@ -450,7 +450,7 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
         pad[ok] = flat[(start[us][:, None] + col)[ok]]
         pads.append(np.ascontiguousarray(pad.T))  # (w, n_u)
     assert count.max() <= _WIDTHS[-1]
-    return (g.kmap.astype(np.int32), np.ascontiguousarray(g.values.T.astype(np.float32)), half, cls, row, pads,
+    return (g.kmap.astype(np.int32), np.ascontiguousarray(q), qpair, cls, row, pads,
             start, count, flat)
 
 
@@ -460,9 +460,9 @@ class _Scorer:
     The C loop's error of neighbour j at scale s is the float sum of ``w_i*(s*q_i - x_i)^2``;
     in real numbers that is ``s^2*A_j - 2*s*B_j + sum w x^2`` with A_j = sum w q^2 and
     B_j = sum w x q, which depend on the group but not on s.  A and B of a (group, lattice
-    point) pair's neighbours are computed once (as two half-group partial sums from
-    tables of all level combinations) for all the consecutive candidates at which the
-    group rounds to that point; a candidate then costs a row copy and three flops per
+    point) pair's neighbours are computed once (per coordinate, the grid point's q^2 and q
+    from a small table times the group's w and w*x, summed over the coordinates) for all
+    the consecutive candidates at which the group rounds to that point; a candidate then costs a row copy and three flops per
     neighbour instead of gw table lookups and adds.
 
     That score is not the C float sum, but it is close: with m_i = s*qmax + |x_i| and
@@ -476,7 +476,7 @@ class _Scorer:
     """
 
     def __init__(self, qtype, max_level: int, xval: np.ndarray, W: np.ndarray, waux: np.ndarray):
-        (self.kmap, self.qcols, half, self.cls, self.row, self.pads, self.start, self.count,
+        (self.kmap, self.qcols, self.qpair, self.cls, self.row, self.pads, self.start, self.count,
          self.flat) = _host_tables(qtype, max_level)
         gw = self.qcols.shape[0]
         n, S = xval.shape
@@ -485,25 +485,11 @@ class _Scorer:
         # group-major copies: row g = k*S + s is group k of sub-block s
         self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
         self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        G, n_lv, h = len(self.xg), max_level + 1, gw // 2
-        q = np.float32(2) * np.arange(n_lv, dtype=np.float32) + np.float32(1)
-        # per coordinate and level: w*q^2 + i*(w*x)*q, then summed over every level combination
-        # of each half of the group: (G, n_lv**h) tables, one appended +inf column for padding
-        t = np.empty((G, gw, n_lv), dtype=np.complex64)
-        t.real = self.wg[:, :, None] * (q * q)
-        t.imag = (self.wg * self.xg)[:, :, None] * q
-        self.halves = []
-        for i0 in (0, h):
-            half_tab = np.empty((G, n_lv ** h + 1), dtype=np.complex64)
-            half_tab[:, -1] = np.inf
-            acc = t[:, i0]
-            for i in range(i0 + 1, i0 + h):  # first coordinate fastest
-                dst = half_tab[:, :-1] if i == i0 + h - 1 else np.empty((G, n_lv ** (i - i0 + 1)), np.complex64)
-                np.add(t[:, i][:, :, None], acc[:, None, :], out=dst.reshape(G, n_lv, -1))
-                acc = dst
-            self.halves.append(half_tab.reshape(-1))
-        self.ncombo = n_lv ** h + 1
-        self.half_code = [np.where(c < 0, n_lv ** h, c) for c in half]
+        # per coordinate and group w + i*(w*x): a neighbour's A + iB is the sum over coordinates of
+        # these times its q^2 + i*q, part by part
+        self.coef = np.empty((gw, len(self.xg)), dtype=np.complex64)
+        self.coef.real = self.wg.T
+        self.coef.imag = (self.wg * self.xg).T
         ax = np.abs(self.xg)
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
@@ -591,9 +577,16 @@ class _Scorer:
                 tabs.append(None)
                 continue
             nb = np.take(pad, self.row[u[o]], axis=1)  # (w, R) grid indices, n_grid for padding
-            base = g[o] * self.ncombo
-            ab = np.take(self.halves[0], self.half_code[0][nb] + base)
-            ab += np.take(self.halves[1], self.half_code[1][nb] + base)
+            go = g[o]
+            ab = np.take(self.qpair[0], nb)
+            abf = ab.view(np.float32)  # (w, 2R): q^2, q pairs times w, w*x of the run's group
+            abf *= np.take(self.coef[0], go).view(np.float32)
+            tmp = np.empty_like(ab)
+            tmpf = tmp.view(np.float32)
+            for i in range(1, self.gw):
+                np.take(self.qpair[i], nb, out=tmp)
+                tmpf *= np.take(self.coef[i], go).view(np.float32)
+                abf += tmpf
             tabs.append((nb, ab))
         return g, u, cls, col, margin, tabs
 
@@ -618,7 +611,8 @@ class _Scorer:
             with np.errstate(all="ignore"):
                 score = ab.real * (sk * sk)
                 score -= ab.imag * (sk * np.float32(2.0))
-                near = score <= score.min(0) + margin[r[o]]
+                # fmin: a padding entry scores inf, or NaN where its group's first weight is 0
+                near = score <= np.fmin.reduce(score, axis=0) + margin[r[o]]
             n_near = near.sum(0, dtype=np.int32)
             # the one near neighbour's position, where there is one (the others go below)
             i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
