@@ -481,7 +481,7 @@ class _Scorer:
         gw = self.qcols.shape[0]
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
-        self.shifts = (_grid(qtype).bits * np.arange(gw, dtype=np.int32)).reshape(1, gw, 1)
+        self.lweights = (2.0 ** (_grid(qtype).bits * np.arange(gw))).astype(np.float32)
         # group-major copies: row g = k*S + s is group k of sub-block s
         self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
         self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
@@ -514,13 +514,22 @@ class _Scorer:
         on_grid (ng, S, C)); off-grid groups outside ``mask`` (ng, S, C) keep -1.
         """
         C = id_.shape[0]
+        # the level nearest_int((x*id - 1)*0.5), from t = x*id*0.5 - 0.5: where x*id >= 0.5 the
+        # two are the same float (the subtractions are exact or round alike), below both levels
+        # are 0.  Within nearest_int's range (|t| < 2^22) it is rint (round half to even, as
+        # the magic-number add); outside (inf/NaN scales, e.g. a refit at scale 0, whose groups
+        # the mask drops) the bit trick as in C.  Clipped levels and the lattice point
+        # u = sum l_i << bits*i are small integers, exact in float32.
         with np.errstate(all="ignore"):
             t = self.xval[:, :, None] * id_.T[None]  # (n, S, C)
-            t -= np.float32(1.0)
             t *= np.float32(0.5)
-        lv = nearest_int(t)
-        np.clip(lv, 0, self.max_level, out=lv)
-        u = (lv.reshape(self.ng, self.gw, self.S, C) << self.shifts[..., None]).sum(1, dtype=np.int32)
+            t -= np.float32(0.5)
+            if t.max() <= np.float32(4194303.0):
+                np.rint(t, out=t)
+            else:
+                t = nearest_int(t).astype(np.float32)
+            np.clip(t, 0, self.max_level, out=t)
+        u = np.einsum("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
         gi = np.ascontiguousarray(self.kmap[u])  # written through a flat view below
         on = gi >= 0
         off = ~on if mask is None else (~on & mask)
@@ -542,34 +551,30 @@ class _Scorer:
         last[:-1] = first[1:]
         run = np.cumsum(first) - 1
         a, b = np.flatnonzero(first), np.flatnonzero(last)
-        runs = self._runs(sel[a] // C, uf[a], np.maximum(sf[a], sf[b]))
-        ends = first | last
-        out = np.empty(len(sel), dtype=np.int32)
-        sure = np.zeros(len(sel), dtype=bool)
-        e = np.flatnonzero(ends)
-        out[e], sure[e] = self._pick(runs, run[e], sf[e])
-        same = (sure[a] & sure[b] & (out[a] == out[b]))[run]
-        fill = np.flatnonzero(~ends & same)
-        out[fill] = out[a][run[fill]]
-        rest = np.flatnonzero(~ends & ~same)
+        runs, out_a, out_b, agree = self._runs(sel[a] // C, uf[a], sf[a], sf[b])
+        out = out_a[run]
+        out[b] = out_b
+        rest = np.flatnonzero(~agree[run] & ~first & ~last)
         if rest.size:
-            out[rest] = self._pick(runs, run[rest], sf[rest])[0]
+            out[rest] = self._pick(runs, run[rest], sf[rest])
         gi.reshape(-1)[sel] = out
         return gi, on
 
-    def _runs(self, g, u, s):
-        """Per run (group g, lattice point u, largest scale s): its length class, its column
-        there, the margin (at s, which bounds it over the run: it grows with s), and per
-        class the padded neighbour lists and their A + iB, (w, runs) so that the reductions
-        over a list are row after row, vectorised over runs."""
+    def _runs(self, g, u, s_a, s_b):
+        """Per run (group g, lattice point u, scales s_a >= s_b at its ends): the run's table
+        (its length class, its column there, the margin at s_a, which bounds it over the run:
+        it grows with s; per class the padded neighbour lists and their A + iB, (w, runs) so
+        that the reductions over a list are row after row, vectorised over runs), the
+        winners at both ends, and whether they are the same, by the margin at both."""
         with np.errstate(all="ignore"):
-            margin = np.float32(100 * _U) * ((s * s * self.m2[g] + s * self.m1[g]) + self.m0[g])
-            margin += np.float32(2.0 ** -140) * np.square(s + np.float32(1.0)) * self.p[g]
+            margin = np.float32(100 * _U) * ((s_a * s_a * self.m2[g] + s_a * self.m1[g]) + self.m0[g])
+            margin += np.float32(2.0 ** -140) * np.square(s_a + np.float32(1.0)) * self.p[g]
         cls = self.cls[u]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
         col = np.empty(len(u), dtype=np.int64)
-        tabs = []
+        out_a, out_b = np.empty(len(u), dtype=np.int32), np.empty(len(u), dtype=np.int32)
+        unsure_a, unsure_b, tabs = [], [], []
         for k, pad in enumerate(self.pads):
             o = order[bounds[k]:bounds[k + 1]]
             col[o] = np.arange(len(o))
@@ -588,18 +593,50 @@ class _Scorer:
                 tmpf *= np.take(self.coef[i], go).view(np.float32)
                 abf += tmpf
             tabs.append((nb, ab))
-        return g, u, cls, col, margin, tabs
+            cols = np.arange(len(o))
+            for s, out_e, unsure in ((s_a, out_a, unsure_a), (s_b, out_b, unsure_b)):
+                out_e[o], n_near = self._best(nb, ab, cols, s[o], margin[o])
+                unsure.append(o[n_near != 1])
+        sure_a, sure_b = self._exact(g, u, s_a, out_a, unsure_a), self._exact(g, u, s_b, out_b, unsure_b)
+        return (g, u, cls, col, margin, tabs), out_a, out_b, sure_a & sure_b & (out_a == out_b)
+
+    def _best(self, nb, ab, cols, s, margin):
+        """The neighbour with the smallest score at scale s among columns ``cols`` of a class's
+        table (ab (w, P), already those columns), and how many score within the margin of it."""
+        with np.errstate(all="ignore"):
+            score = ab.real * (s * s)
+            score -= ab.imag * (s * np.float32(2.0))
+            # fmin: a padding entry scores inf, or NaN where its group's first weight is 0
+            near = score <= np.fmin.reduce(score, axis=0) + margin
+        n_near = near.sum(0, dtype=np.int32)
+        # the one near neighbour's position, where there is one (the others go to the exact sums)
+        i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
+        return nb.reshape(-1)[i * nb.shape[1] + cols], n_near
+
+    def _exact(self, g, u, s, out, unsure):
+        """Where no neighbour won by the margin (near ties, or NaN): ggml's C-order sums
+        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,)."""
+        sure = np.ones(len(u), dtype=bool)
+        amb = np.concatenate(unsure)
+        if amb.size:
+            sure[amb] = False
+            xg, wg, sa = self.xg[g[amb]], self.wg[g[amb]], s[amb]
+            qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
+            diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
+            table = (wg[:, :, None] * diff) * diff
+            ua = u[amb].astype(np.int64)
+            out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
+                                      self.gw * (self.max_level + 1))
+        return sure
 
     def _pick(self, runs, r, s):
-        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,), and whether it
-        won by the margin (False where it came from the exact sums)."""
+        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,)."""
         g_r, u_r, cls_r, col_r, margin, tabs = runs
         out = np.empty(len(r), dtype=np.int32)
-        sure = np.ones(len(r), dtype=bool)
         cls = cls_r[r]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
-        amb = []
+        unsure = []
         for k, tab in enumerate(tabs):
             o = order[bounds[k]:bounds[k + 1]]
             if not o.size:
@@ -607,29 +644,10 @@ class _Scorer:
             nb, abk = tab
             cols = col_r[r[o]]
             ab = np.take(abk, cols, axis=1)  # (w, P)
-            sk = s[o]
-            with np.errstate(all="ignore"):
-                score = ab.real * (sk * sk)
-                score -= ab.imag * (sk * np.float32(2.0))
-                # fmin: a padding entry scores inf, or NaN where its group's first weight is 0
-                near = score <= np.fmin.reduce(score, axis=0) + margin[r[o]]
-            n_near = near.sum(0, dtype=np.int32)
-            # the one near neighbour's position, where there is one (the others go below)
-            i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
-            out[o] = nb.reshape(-1)[i * nb.shape[1] + cols]
-            amb.append(o[n_near != 1])
-        amb = np.concatenate(amb)
-        sure[amb] = False
-        if amb.size:  # near ties (or NaN): the exact C sums
-            g = g_r[r[amb]]
-            xg, wg, sa = self.xg[g], self.wg[g], s[amb]
-            qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
-            diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
-            table = (wg[:, :, None] * diff) * diff
-            ua = u_r[r[amb]].astype(np.int64)
-            out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
-                                      self.gw * (self.max_level + 1))
-        return out, sure
+            out[o], n_near = self._best(nb, ab, cols, s[o], margin[r[o]])
+            unsure.append(o[n_near != 1])
+        self._exact(g_r[r], u_r[r], s, out, unsure)
+        return out
 
     def sums(self, gi: np.ndarray):
         """The C loop's sumqx = sum w*xval*q, sumq2 = sum w*q*q (sequential) over the grid
