@@ -430,11 +430,11 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
     g = _grid(qtype)
     start, count, flat = g.neighbours(max_level)
     n_grid, gw = g.levels.shape
-    n_lv, h = max_level + 1, gw // 2
-    # a grid point's levels as two codes, the first and second half of its coordinates
-    # (base n_lv, first coordinate least significant); the padding point n_grid gets code -1
-    half = [np.append((g.levels[:, i:i + h] * n_lv ** np.arange(h)).sum(1), -1).astype(np.int32)
-            for i in (0, h)]
+    # per coordinate, each grid point's q^2 + i*q; the padding point n_grid gets inf + 0i (see _Scorer._runs)
+    q = g.values.T.astype(np.float32)
+    qpair = np.zeros((gw, n_grid + 1), dtype=np.complex64)
+    qpair.real[:, :-1], qpair.imag[:, :-1] = q * q, q
+    qpair[0, -1] = np.inf
     # lists of up to w points padded with n_grid: a class's lists are one (w, n_u) table
     cls = np.full(len(g.kmap), -1, dtype=np.int8)
     row = np.zeros(len(g.kmap), dtype=np.int32)
@@ -450,7 +450,7 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
         pad[ok] = flat[(start[us][:, None] + col)[ok]]
         pads.append(np.ascontiguousarray(pad.T))  # (w, n_u)
     assert count.max() <= _WIDTHS[-1]
-    return (g.kmap.astype(np.int32), np.ascontiguousarray(g.values.T.astype(np.float32)), half, cls, row, pads,
+    return (g.kmap.astype(np.int32), np.ascontiguousarray(q), qpair, cls, row, pads,
             start, count, flat)
 
 
@@ -460,9 +460,9 @@ class _Scorer:
     The C loop's error of neighbour j at scale s is the float sum of ``w_i*(s*q_i - x_i)^2``;
     in real numbers that is ``s^2*A_j - 2*s*B_j + sum w x^2`` with A_j = sum w q^2 and
     B_j = sum w x q, which depend on the group but not on s.  A and B of a (group, lattice
-    point) pair's neighbours are computed once (as two half-group partial sums from
-    tables of all level combinations) for all the consecutive candidates at which the
-    group rounds to that point; a candidate then costs a row copy and three flops per
+    point) pair's neighbours are computed once (per coordinate, the grid point's q^2 and q
+    from a small table times the group's w and w*x, summed over the coordinates) for all
+    the consecutive candidates at which the group rounds to that point; a candidate then costs a row copy and three flops per
     neighbour instead of gw table lookups and adds.
 
     That score is not the C float sum, but it is close: with m_i = s*qmax + |x_i| and
@@ -476,34 +476,20 @@ class _Scorer:
     """
 
     def __init__(self, qtype, max_level: int, xval: np.ndarray, W: np.ndarray, waux: np.ndarray):
-        (self.kmap, self.qcols, half, self.cls, self.row, self.pads, self.start, self.count,
+        (self.kmap, self.qcols, self.qpair, self.cls, self.row, self.pads, self.start, self.count,
          self.flat) = _host_tables(qtype, max_level)
         gw = self.qcols.shape[0]
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
-        self.shifts = (_grid(qtype).bits * np.arange(gw, dtype=np.int32)).reshape(1, gw, 1)
+        self.lweights = (2.0 ** (_grid(qtype).bits * np.arange(gw))).astype(np.float32)
         # group-major copies: row g = k*S + s is group k of sub-block s
         self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
         self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        G, n_lv, h = len(self.xg), max_level + 1, gw // 2
-        q = np.float32(2) * np.arange(n_lv, dtype=np.float32) + np.float32(1)
-        # per coordinate and level: w*q^2 + i*(w*x)*q, then summed over every level combination
-        # of each half of the group: (G, n_lv**h) tables, one appended +inf column for padding
-        t = np.empty((G, gw, n_lv), dtype=np.complex64)
-        t.real = self.wg[:, :, None] * (q * q)
-        t.imag = (self.wg * self.xg)[:, :, None] * q
-        self.halves = []
-        for i0 in (0, h):
-            half_tab = np.empty((G, n_lv ** h + 1), dtype=np.complex64)
-            half_tab[:, -1] = np.inf
-            acc = t[:, i0]
-            for i in range(i0 + 1, i0 + h):  # first coordinate fastest
-                dst = half_tab[:, :-1] if i == i0 + h - 1 else np.empty((G, n_lv ** (i - i0 + 1)), np.complex64)
-                np.add(t[:, i][:, :, None], acc[:, None, :], out=dst.reshape(G, n_lv, -1))
-                acc = dst
-            self.halves.append(half_tab.reshape(-1))
-        self.ncombo = n_lv ** h + 1
-        self.half_code = [np.where(c < 0, n_lv ** h, c) for c in half]
+        # per coordinate and group w + i*(w*x): a neighbour's A + iB is the sum over coordinates of
+        # these times its q^2 + i*q, part by part
+        self.coef = np.empty((gw, len(self.xg)), dtype=np.complex64)
+        self.coef.real = self.wg.T
+        self.coef.imag = (self.wg * self.xg).T
         ax = np.abs(self.xg)
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
@@ -517,8 +503,8 @@ class _Scorer:
         self.gofs = _device_tables(qtype, max_level, "cpu")[5]
         self.karange = np.arange(_WIDTHS[-1], dtype=np.int32)
         self.qflat = self.qcols.reshape(-1)
-        self.qoffs = (np.arange(gw, dtype=np.int32) * self.qcols.shape[1]).reshape(1, gw, 1, 1)
-        self._rep = {}
+        self.qoffs = (np.arange(gw, dtype=np.int32) * self.qcols.shape[1]).reshape(1, gw, 1)
+        self.wx = self.W * self.xval
 
     def round(self, id_: np.ndarray, scale: np.ndarray, mask: np.ndarray | None = None):
         """Grid index of every group rounded at each candidate ``id_`` (C, S), off-grid ones
@@ -528,13 +514,22 @@ class _Scorer:
         on_grid (ng, S, C)); off-grid groups outside ``mask`` (ng, S, C) keep -1.
         """
         C = id_.shape[0]
+        # the level nearest_int((x*id - 1)*0.5), from t = x*id*0.5 - 0.5: where x*id >= 0.5 the
+        # two are the same float (the subtractions are exact or round alike), below both levels
+        # are 0.  Within nearest_int's range (|t| < 2^22) it is rint (round half to even, as
+        # the magic-number add); outside (inf/NaN scales, e.g. a refit at scale 0, whose groups
+        # the mask drops) the bit trick as in C.  Clipped levels and the lattice point
+        # u = sum l_i << bits*i are small integers, exact in float32.
         with np.errstate(all="ignore"):
             t = self.xval[:, :, None] * id_.T[None]  # (n, S, C)
-            t -= np.float32(1.0)
             t *= np.float32(0.5)
-        lv = nearest_int(t)
-        np.clip(lv, 0, self.max_level, out=lv)
-        u = (lv.reshape(self.ng, self.gw, self.S, C) << self.shifts[..., None]).sum(1, dtype=np.int32)
+            t -= np.float32(0.5)
+            if t.max() <= np.float32(4194303.0):
+                np.rint(t, out=t)
+            else:
+                t = nearest_int(t).astype(np.float32)
+            np.clip(t, 0, self.max_level, out=t)
+        u = np.einsum("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
         gi = np.ascontiguousarray(self.kmap[u])  # written through a flat view below
         on = gi >= 0
         off = ~on if mask is None else (~on & mask)
@@ -556,34 +551,30 @@ class _Scorer:
         last[:-1] = first[1:]
         run = np.cumsum(first) - 1
         a, b = np.flatnonzero(first), np.flatnonzero(last)
-        runs = self._runs(sel[a] // C, uf[a], np.maximum(sf[a], sf[b]))
-        ends = first | last
-        out = np.empty(len(sel), dtype=np.int32)
-        sure = np.zeros(len(sel), dtype=bool)
-        e = np.flatnonzero(ends)
-        out[e], sure[e] = self._pick(runs, run[e], sf[e])
-        same = (sure[a] & sure[b] & (out[a] == out[b]))[run]
-        fill = np.flatnonzero(~ends & same)
-        out[fill] = out[a][run[fill]]
-        rest = np.flatnonzero(~ends & ~same)
+        runs, out_a, out_b, agree = self._runs(sel[a] // C, uf[a], sf[a], sf[b])
+        out = out_a[run]
+        out[b] = out_b
+        rest = np.flatnonzero(~agree[run] & ~first & ~last)
         if rest.size:
-            out[rest] = self._pick(runs, run[rest], sf[rest])[0]
+            out[rest] = self._pick(runs, run[rest], sf[rest])
         gi.reshape(-1)[sel] = out
         return gi, on
 
-    def _runs(self, g, u, s):
-        """Per run (group g, lattice point u, largest scale s): its length class, its column
-        there, the margin (at s, which bounds it over the run: it grows with s), and per
-        class the padded neighbour lists and their A + iB, (w, runs) so that the reductions
-        over a list are row after row, vectorised over runs."""
+    def _runs(self, g, u, s_a, s_b):
+        """Per run (group g, lattice point u, scales s_a >= s_b at its ends): the run's table
+        (its length class, its column there, the margin at s_a, which bounds it over the run:
+        it grows with s; per class the padded neighbour lists and their A + iB, (w, runs) so
+        that the reductions over a list are row after row, vectorised over runs), the
+        winners at both ends, and whether they are the same, by the margin at both."""
         with np.errstate(all="ignore"):
-            margin = np.float32(100 * _U) * ((s * s * self.m2[g] + s * self.m1[g]) + self.m0[g])
-            margin += np.float32(2.0 ** -140) * np.square(s + np.float32(1.0)) * self.p[g]
+            margin = np.float32(100 * _U) * ((s_a * s_a * self.m2[g] + s_a * self.m1[g]) + self.m0[g])
+            margin += np.float32(2.0 ** -140) * np.square(s_a + np.float32(1.0)) * self.p[g]
         cls = self.cls[u]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
         col = np.empty(len(u), dtype=np.int64)
-        tabs = []
+        out_a, out_b = np.empty(len(u), dtype=np.int32), np.empty(len(u), dtype=np.int32)
+        unsure_a, unsure_b, tabs = [], [], []
         for k, pad in enumerate(self.pads):
             o = order[bounds[k]:bounds[k + 1]]
             col[o] = np.arange(len(o))
@@ -591,22 +582,61 @@ class _Scorer:
                 tabs.append(None)
                 continue
             nb = np.take(pad, self.row[u[o]], axis=1)  # (w, R) grid indices, n_grid for padding
-            base = g[o] * self.ncombo
-            ab = np.take(self.halves[0], self.half_code[0][nb] + base)
-            ab += np.take(self.halves[1], self.half_code[1][nb] + base)
+            go = g[o]
+            ab = np.take(self.qpair[0], nb)
+            abf = ab.view(np.float32)  # (w, 2R): q^2, q pairs times w, w*x of the run's group
+            abf *= np.take(self.coef[0], go).view(np.float32)
+            tmp = np.empty_like(ab)
+            tmpf = tmp.view(np.float32)
+            for i in range(1, self.gw):
+                np.take(self.qpair[i], nb, out=tmp)
+                tmpf *= np.take(self.coef[i], go).view(np.float32)
+                abf += tmpf
             tabs.append((nb, ab))
-        return g, u, cls, col, margin, tabs
+            cols = np.arange(len(o))
+            for s, out_e, unsure in ((s_a, out_a, unsure_a), (s_b, out_b, unsure_b)):
+                out_e[o], n_near = self._best(nb, ab, cols, s[o], margin[o])
+                unsure.append(o[n_near != 1])
+        sure_a, sure_b = self._exact(g, u, s_a, out_a, unsure_a), self._exact(g, u, s_b, out_b, unsure_b)
+        return (g, u, cls, col, margin, tabs), out_a, out_b, sure_a & sure_b & (out_a == out_b)
+
+    def _best(self, nb, ab, cols, s, margin):
+        """The neighbour with the smallest score at scale s among columns ``cols`` of a class's
+        table (ab (w, P), already those columns), and how many score within the margin of it."""
+        with np.errstate(all="ignore"):
+            score = ab.real * (s * s)
+            score -= ab.imag * (s * np.float32(2.0))
+            # fmin: a padding entry scores inf, or NaN where its group's first weight is 0
+            near = score <= np.fmin.reduce(score, axis=0) + margin
+        n_near = near.sum(0, dtype=np.int32)
+        # the one near neighbour's position, where there is one (the others go to the exact sums)
+        i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
+        return nb.reshape(-1)[i * nb.shape[1] + cols], n_near
+
+    def _exact(self, g, u, s, out, unsure):
+        """Where no neighbour won by the margin (near ties, or NaN): ggml's C-order sums
+        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,)."""
+        sure = np.ones(len(u), dtype=bool)
+        amb = np.concatenate(unsure)
+        if amb.size:
+            sure[amb] = False
+            xg, wg, sa = self.xg[g[amb]], self.wg[g[amb]], s[amb]
+            qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
+            diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
+            table = (wg[:, :, None] * diff) * diff
+            ua = u[amb].astype(np.int64)
+            out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
+                                      self.gw * (self.max_level + 1))
+        return sure
 
     def _pick(self, runs, r, s):
-        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,), and whether it
-        won by the margin (False where it came from the exact sums)."""
+        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,)."""
         g_r, u_r, cls_r, col_r, margin, tabs = runs
         out = np.empty(len(r), dtype=np.int32)
-        sure = np.ones(len(r), dtype=bool)
         cls = cls_r[r]
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
-        amb = []
+        unsure = []
         for k, tab in enumerate(tabs):
             o = order[bounds[k]:bounds[k + 1]]
             if not o.size:
@@ -614,41 +644,29 @@ class _Scorer:
             nb, abk = tab
             cols = col_r[r[o]]
             ab = np.take(abk, cols, axis=1)  # (w, P)
-            sk = s[o]
-            with np.errstate(all="ignore"):
-                score = ab.real * (sk * sk)
-                score -= ab.imag * (sk * np.float32(2.0))
-                near = score <= score.min(0) + margin[r[o]]
-            n_near = near.sum(0, dtype=np.int32)
-            # the one near neighbour's position, where there is one (the others go below)
-            i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
-            out[o] = nb.reshape(-1)[i * nb.shape[1] + cols]
-            amb.append(o[n_near != 1])
-        amb = np.concatenate(amb)
-        sure[amb] = False
-        if amb.size:  # near ties (or NaN): the exact C sums
-            g = g_r[r[amb]]
-            xg, wg, sa = self.xg[g], self.wg[g], s[amb]
-            qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
-            diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
-            table = (wg[:, :, None] * diff) * diff
-            ua = u_r[r[amb]].astype(np.int64)
-            out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
-                                      self.gw * (self.max_level + 1))
-        return out, sure
+            out[o], n_near = self._best(nb, ab, cols, s[o], margin[r[o]])
+            unsure.append(o[n_near != 1])
+        self._exact(g_r[r], u_r[r], s, out, unsure)
+        return out
 
     def sums(self, gi: np.ndarray):
         """The C loop's sumqx = sum w*xval*q, sumq2 = sum w*q*q (sequential) over the grid
-        points gi (ng, S, C): (S, C) each.  q is gathered straight into (n, S*C) rows and
-        each sum is one fused pass (:mod:`.cfloat`'s exact einsum)."""
-        C = gi.shape[2]
-        if C not in self._rep:  # w*xval and w repeated over the candidates, once per chunk
-            self._rep[C] = [np.repeat(v[:, :, None], C, 2).reshape(len(v), -1) for v in (self.W * self.xval, self.W)]
-        wx, w = self._rep[C]
-        q = np.take(self.qflat, gi[:, None] + self.qoffs).reshape(len(wx), -1)  # (n, S*C)
-        shape = gi.shape[1:]
-        return _DOT(wx, q, np.empty(q.shape[1], np.float32)).reshape(shape), \
-            _DOT3(w, q, q, np.empty(q.shape[1], np.float32)).reshape(shape)
+        points gi (ng, S, C): (S, C) each.  A candidate whose groups all take the same grid
+        points as the one before has its sums (IQ3_XXS: ~60 % of them): only the others are
+        summed, q gathered straight into (n, columns) rows, each sum one fused pass
+        (:mod:`.cfloat`'s exact einsum)."""
+        ng, S, C = gi.shape
+        new = np.ones((S, C), dtype=bool)
+        new[:, 1:] = (gi[:, :, 1:] != gi[:, :, :-1]).any(0)
+        new = new.reshape(-1)
+        cols = np.flatnonzero(new)  # s*C + c
+        sub = cols // C
+        q = np.take(self.qflat, np.take(gi.reshape(ng, -1), cols, axis=1)[:, None] + self.qoffs)
+        q = q.reshape(len(self.W), -1)  # (n, K)
+        qx = _DOT(np.take(self.wx, sub, axis=1), q, np.empty(len(cols), np.float32))
+        q2 = _DOT3(np.take(self.W, sub, axis=1), q, q, np.empty(len(cols), np.float32))
+        src = np.cumsum(new) - 1  # the summed candidate each one copies
+        return qx[src].reshape(S, C), q2[src].reshape(S, C)
 
 
 # --------------------------------------------------------------------------- the grid search

@@ -73,9 +73,9 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.dequantize_iq4_nl, 64 * _K, 64 * _K),
     T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.dequantize_iq4_xs, 64 * _K, 64 * _K),
     # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS.
-    # IQ2_XXS/IQ3_XXS: the fastest of 2**15..2**18 on one core (their search holds all candidates at once)
+    # IQ2_XXS/IQ3_XXS: the fastest of 2**14..2**19 on one core (their search holds all candidates at once)
     T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 128 * _K, 128 * _K),
-    T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 32 * _K, 64 * _K),
+    T.IQ3_XXS: (iquants.quantize_iq3_xxs, iquants.dequantize_iq3_xxs, 64 * _K, 64 * _K),
     T.IQ2_XS: (iquants.quantize_iq2_xs, iquants.dequantize_iq2_xs, 64 * _K, 64 * _K),
     T.IQ3_S: (iquants.quantize_iq3_s, iquants.dequantize_iq3_s, 64 * _K, 64 * _K),
     T.IQ2_S: (iquants.quantize_iq2_s, iquants.dequantize_iq2_s, 64 * _K, 64 * _K),
