@@ -12,6 +12,7 @@ Q8_0) encodes each row independently of the others.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
+from ..gguf_io import output_buffer
 from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
@@ -80,7 +82,8 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     for r0, r1, load in slabs:
         part = encode_values(load(), qtype, name, source)
         if out is None:
-            out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+            out = output_buffer(shape[0] * (part.nbytes // part.shape[0])).view(part.dtype)
+            out = out.reshape(shape[0], *part.shape[1:])
         out[r0:r1] = part
         del part
     return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
@@ -93,9 +96,10 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     from ..quantize.kernels import _all_finite, keep_freed_buffers
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
-    # allocated by numpy, which asks the kernel for huge pages (madvise) for big arrays, as torch.empty does
-    # not: the first writes into a fresh output in 4 KB page faults took 5x as long
-    out = torch.from_numpy(np.empty(shape, dtype=np.float32 if qtype == T.F32 else np.int16))
+    # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
+    # 5x as long), and the memory of the previous tensor of this size when it could keep it
+    dtype = np.dtype(np.float32 if qtype == T.F32 else np.int16)
+    out = torch.from_numpy(output_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape))
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
     def one(slab: Slab) -> None:
