@@ -393,7 +393,7 @@ def output_buffer(nbytes: int) -> np.ndarray:
     when it may keep one, :func:`_keep_spare`); the array and every view of it hold the mapping, which goes
     back to the writer when the last goes."""
     if nbytes < 32 << 20:  # below malloc's mmap threshold (quantize.kernels.keep_freed_buffers): it reuses its heap
-        return np.empty(nbytes, dtype=np.uint8)
+        return _claimed(np.empty(nbytes, dtype=np.uint8))
     with _spare_lock:
         mem, _spare["mem"] = _spare["mem"], None
     if mem is None or len(mem) != nbytes:
@@ -402,7 +402,75 @@ def output_buffer(nbytes: int) -> np.ndarray:
             mem.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for its big arrays: fewer, cheaper faults
     arr = np.frombuffer(mem, dtype=np.uint8)  # its base is the mapping, not an array: views keep arr alive
     weakref.finalize(arr, _returned, mem)
+    return _claimed(arr)
+
+
+class _Progress:
+    """The tensor encoded ahead: its output buffer (the first :func:`output_buffer` of its encoding) and how
+    much of it, from the start, is final -- which the writer writes while the rest is encoded."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.buf: np.ndarray | None = None
+        self.done = 0
+        self.finished = False
+
+    def advance(self, nbytes: int) -> None:
+        with self.cond:
+            self.done = max(self.done, nbytes)
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+
+_encoding = threading.local()  # the _Progress of the tensor this thread encodes ahead, if any
+
+
+def _claimed(arr: np.ndarray) -> np.ndarray:
+    progress = getattr(_encoding, "progress", None)
+    if progress is not None and progress.buf is None:
+        progress.buf = arr
     return arr
+
+
+def report_progress(arr: np.ndarray) -> Callable[[int], None] | None:
+    """For an encoder that fills an :func:`output_buffer` ``arr`` from its start (called in the thread that
+    got it): the function to call with the length of its final prefix as it grows, or None if nobody reads
+    it (the writer is not waiting for this tensor)."""
+    progress = getattr(_encoding, "progress", None)
+    return progress.advance if progress is not None and progress.buf is arr else None
+
+
+class _Ahead:
+    """A tensor still being encoded: GGUFWriter's ``tofile`` writes its buffer's final prefix as it grows,
+    then the rest once the encoding returns (rewriting it whole if what returned is not that buffer)."""
+
+    def __init__(self, future, progress: _Progress, nbytes: int):
+        self.future, self.progress, self.nbytes = future, progress, nbytes
+
+    def tofile(self, f) -> None:
+        p, written, start = self.progress, 0, f.tell()
+        while True:
+            with p.cond:
+                p.cond.wait_for(lambda: p.done > written or p.finished)
+                buf, done, finished = p.buf, p.done, p.finished
+            if done > written:
+                f.write(memoryview(buf)[written:done])
+                written = done
+            elif finished:
+                break
+        data = self.future.result()  # the encoder's error, if any
+        same = (buf is not None and isinstance(data, np.ndarray) and data.flags.c_contiguous
+                and data.nbytes == buf.nbytes and data.ctypes.data == buf.ctypes.data)
+        if same:
+            f.write(memoryview(buf)[written:])
+            return
+        if written:
+            f.seek(start)
+        data.tofile(f)
 
 
 def _returned(mem: mmap.mmap) -> None:
@@ -425,12 +493,18 @@ def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]
     PREFETCH_BUDGET: memory stays near the largest tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def checked(spec: TensorSpec, inflight: int) -> np.ndarray:
+    def checked(spec: TensorSpec, inflight: int, progress: _Progress | None = None) -> np.ndarray:
         # a buffer of this size kept for reuse is a third tensor in memory (while the previous one, written,
         # and this one, encoded, are held): only within the same budget as the look-ahead
         size = tensor_nbytes(spec.shape, spec.ggml_type)
         _keep_spare(size if inflight + 2 * size <= PREFETCH_BUDGET else 0)
-        data = encode_tensor(spec)
+        _encoding.progress = progress
+        try:
+            data = encode_tensor(spec)
+        finally:
+            _encoding.progress = None
+            if progress is not None:
+                progress.finish()
         if data.nbytes != size:
             raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {size} for {spec.ggml_type.name}")
         return data
@@ -440,10 +514,13 @@ def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]
         with ThreadPoolExecutor(max_workers=1) as pool:
             ahead = None
             for i, spec in enumerate(specs):
-                data = ahead.result() if ahead is not None else checked(spec, 0)
+                # encoded ahead: written as it is encoded (no wait for the whole tensor; the next one is
+                # encoded once this one is, as before)
+                data = _Ahead(*ahead, size[i]) if ahead is not None else checked(spec, 0)
                 ahead = None
                 if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
-                    ahead = pool.submit(checked, specs[i + 1], size[i])
+                    progress = _Progress()
+                    ahead = pool.submit(checked, specs[i + 1], size[i], progress), progress
                 yield spec, data
                 del data  # written: not held while the next tensor is encoded
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
@@ -23,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
-from ..gguf_io import output_buffer
+from ..gguf_io import output_buffer, report_progress
 from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
@@ -99,7 +100,8 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
     # 5x as long), and the memory of the previous tensor of this size when it could keep it
     dtype = np.dtype(np.float32 if qtype == T.F32 else np.int16)
-    out = torch.from_numpy(output_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape))
+    buf = output_buffer(math.prod(shape) * dtype.itemsize)
+    out = torch.from_numpy(buf.view(dtype).reshape(shape))
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
     def one(slab: Slab) -> None:
@@ -118,14 +120,29 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
             raise InputError(source, f"{name}: values exceed the {what}")
 
     slabs = list(slabs)
+    report = report_progress(buf)  # the writer writes the finished rows while the rest are converted
+    row = out[0].nbytes if len(out) else 0
+    finished, upto, lock = set(), [0], threading.Lock()
+
+    def done(i: int) -> None:  # slab i is final: report the rows finished from the start
+        if report is None:
+            return
+        with lock:
+            finished.add(i)
+            while upto[0] in finished:
+                upto[0] += 1
+            end = slabs[upto[0] - 1][1] * row if upto[0] else 0
+        report(end)
+
     workers = min(FLOAT_WORKERS, len(slabs))
     if workers < 2:
-        for slab in slabs:
+        for i, slab in enumerate(slabs):
             one(slab)
+            done(i)
     else:  # Python threads, one torch thread each (torch and numpy release the GIL in the gathers and casts)
         pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
         try:
-            for f in [pool.submit(one, slab) for slab in slabs]:
+            for f in [pool.submit(lambda i, slab: (one(slab), done(i)), i, slab) for i, slab in enumerate(slabs)]:
                 f.result()  # the first bad slab's error, in order
         finally:
             pool.shutdown(cancel_futures=True)
