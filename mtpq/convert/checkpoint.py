@@ -462,7 +462,7 @@ def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int
     high mantissa bits, its sign into the sign bit, make a float32 that is exactly the FP8 value times
     2**(bias - 127), subnormals included (exponent field e, mantissa m: 2**(e - 127) * (1 + m) against
     2**(e - bias) * (1 + m)); times s * 2**(127 - bias), itself exact, that is one rounding of w * s, as
-    the table's product. NaN and Inf bytes come out finite: the caller has ruled them out."""
+    load_rows' ``f32(fp8) * s``. NaN and Inf bytes come out finite: the caller has ruled them out."""
     man, bias = _FP8_LAYOUT[fp8]
     bits = x.view(torch.int32)
     np.copyto(bits.numpy(), q.view(np.int8))  # sign-extended: the sign reaches bit 31 after the shift
@@ -472,7 +472,7 @@ def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int
         scaled = s * up
     if np.isfinite(scaled).all():
         s = scaled
-    else:  # a scale of 2**8 or more: the power of two applied on its own, exactly
+    else:  # a scale so large that s * 2**(127 - bias) overflows: the power of two applied on its own, exactly
         x.mul_(float(up))
     rows, cols = x.shape
     rf, cf = rows // bh, cols // bw  # whole tiles; the ragged last row and column of tiles apart
