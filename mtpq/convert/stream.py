@@ -120,7 +120,10 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
             raise InputError(source, f"{name}: values exceed the {what}")
 
     slabs = list(slabs)
-    report = report_progress(buf)  # the writer writes the finished rows while the rest are converted
+    # the writer writes the finished rows while the rest are converted: slabs i < k finished are rows
+    # 0:slabs[k - 1][1] when the slabs follow one another from row 0 (as every caller here gives them)
+    in_order = all(s[0] == (slabs[i - 1][1] if i else 0) for i, s in enumerate(slabs))
+    report = report_progress(buf) if in_order else None
     row = out[0].nbytes if len(out) else 0
     finished, upto, lock = set(), [0], threading.Lock()
 
@@ -139,7 +142,7 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
         for i, slab in enumerate(slabs):
             one(slab)
             done(i)
-    else:  # Python threads, one torch thread each (torch and numpy release the GIL in the gathers and casts)
+    else:  # Python threads, one torch thread each (torch and numpy release the GIL in their passes)
         pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
         try:
             for f in [pool.submit(lambda i, slab: (one(slab), done(i)), i, slab) for i, slab in enumerate(slabs)]:
