@@ -178,3 +178,56 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     assert nan.rows_as("w", 0, 128, torch.empty(128, cols, dtype=torch.bfloat16))
     with pytest.raises(InputError, match="contains NaN/Inf values"):
         encode_tensor(nan, "w", "t", "src", T.BF16)
+
+
+def test_tensors_encoded_ahead_are_written_as_encoded(tmp_path, monkeypatch):
+    """The writer writes a tensor's finished rows while the rest are converted (gguf_io._Ahead): the file holds
+    the bytes the encoder returns, also when they are not the buffer whose rows were reported (rewritten
+    whole), and an encoder's error mid-tensor still fails the write and leaves no file."""
+    import time
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+
+    import mtpq.gguf_io as gio
+    from mtpq.convert import stream
+    from mtpq.errors import InputError
+    from mtpq.tensors import Plan, Role, TensorSpec
+
+    monkeypatch.setattr(stream, "FLOAT_WORKERS", 1)  # slabs in order, one at a time: the writer sees each
+    rows, cols = 64, 256
+    values = [torch.randn(rows, cols, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def slabs(v: torch.Tensor, fail: bool = False):
+        def load(r0: int) -> torch.Tensor:
+            time.sleep(0.01)  # the writer gets the finished rows before the tensor is done
+            if fail and r0 >= rows // 2:
+                raise InputError("src", "broken slab")
+            return v[r0:r0 + 8]
+        return [(r0, r0 + 8, (lambda r0: lambda: load(r0))(r0)) for r0 in range(0, rows, 8)]
+
+    def encoded(i: int, how: str):
+        def run():
+            out = stream.encode_slabs(f"t{i}", "src", (rows, cols), T.BF16, slabs(values[i], how == "fail"))
+            if how == "copy":  # the same bytes, elsewhere
+                return out.copy()
+            if how == "other":  # other bytes than the rows reported
+                return np.ascontiguousarray(out[::-1])
+            return out
+        return run
+
+    def plan(hows: list[str]) -> Plan:
+        specs = [TensorSpec(f"t{i}", (rows, cols), Role.OTHER, T.BF16, lambda: None, "src", T.BF16, encoded(i, how))
+                 for i, how in enumerate(hows)]
+        return Plan("llama", {}, specs)
+
+    hows = ["same", "same", "copy", "other"]
+    gio.write_plan(plan(hows), tmp_path / "ok.gguf")
+    got = {t.name: np.array(t.data).view(np.uint16).reshape(rows, cols) for t in GGUFReader(tmp_path / "ok.gguf").tensors}
+    for i, how in enumerate(hows):
+        want = values[i].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(got[f"t{i}"], want[::-1] if how == "other" else want), how
+    with pytest.raises(InputError, match="broken slab"):
+        gio.write_plan(plan(["same", "fail"]), tmp_path / "bad.gguf")
+    assert not (tmp_path / "bad.gguf").exists()

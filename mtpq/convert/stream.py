@@ -12,7 +12,9 @@ Q8_0) encodes each row independently of the others.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
@@ -22,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
+from ..gguf_io import output_buffer, report_progress
 from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
@@ -80,7 +83,8 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     for r0, r1, load in slabs:
         part = encode_values(load(), qtype, name, source)
         if out is None:
-            out = np.empty((shape[0], *part.shape[1:]), dtype=part.dtype)
+            out = output_buffer(shape[0] * (part.nbytes // part.shape[0])).view(part.dtype)
+            out = out.reshape(shape[0], *part.shape[1:])
         out[r0:r1] = part
         del part
     return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
@@ -93,9 +97,11 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     from ..quantize.kernels import _all_finite, keep_freed_buffers
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
-    # allocated by numpy, which asks the kernel for huge pages (madvise) for big arrays, as torch.empty does
-    # not: the first writes into a fresh output in 4 KB page faults took 5x as long
-    out = torch.from_numpy(np.empty(shape, dtype=np.float32 if qtype == T.F32 else np.int16))
+    # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
+    # 5x as long), and the memory of the previous tensor of this size when it could keep it
+    dtype = np.dtype(np.float32 if qtype == T.F32 else np.int16)
+    buf = output_buffer(math.prod(shape) * dtype.itemsize)
+    out = torch.from_numpy(buf.view(dtype).reshape(shape))
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
     def one(slab: Slab) -> None:
@@ -114,14 +120,32 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
             raise InputError(source, f"{name}: values exceed the {what}")
 
     slabs = list(slabs)
+    # the writer writes the finished rows while the rest are converted: slabs i < k finished are rows
+    # 0:slabs[k - 1][1] when the slabs follow one another from row 0 (as every caller here gives them)
+    in_order = all(s[0] == (slabs[i - 1][1] if i else 0) for i, s in enumerate(slabs))
+    report = report_progress(buf) if in_order else None
+    row = out[0].nbytes if len(out) else 0
+    finished, upto, lock = set(), [0], threading.Lock()
+
+    def done(i: int) -> None:  # slab i is final: report the rows finished from the start
+        if report is None:
+            return
+        with lock:
+            finished.add(i)
+            while upto[0] in finished:
+                upto[0] += 1
+            end = slabs[upto[0] - 1][1] * row if upto[0] else 0
+        report(end)
+
     workers = min(FLOAT_WORKERS, len(slabs))
     if workers < 2:
-        for slab in slabs:
+        for i, slab in enumerate(slabs):
             one(slab)
-    else:  # Python threads, one torch thread each (torch and numpy release the GIL in the gathers and casts)
+            done(i)
+    else:  # Python threads, one torch thread each (torch and numpy release the GIL in their passes)
         pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
         try:
-            for f in [pool.submit(one, slab) for slab in slabs]:
+            for f in [pool.submit(lambda i, slab: (one(slab), done(i)), i, slab) for i, slab in enumerate(slabs)]:
                 f.result()  # the first bad slab's error, in order
         finally:
             pool.shutdown(cancel_futures=True)
