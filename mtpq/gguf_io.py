@@ -24,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.gguf_writer import GGUFValue
 
 from .errors import InputError
+from .malloc import MMAP_THRESHOLD
 from .tensors import Plan, TensorSpec, block_index, classify
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -392,7 +393,7 @@ def output_buffer(nbytes: int) -> np.ndarray:
     anonymous mapping of their own, reused for the next tensor of that size once written (the writer says
     when it may keep one, :func:`_keep_spare`); the array and every view of it hold the mapping, which goes
     back to the writer when the last goes."""
-    if nbytes < 32 << 20:  # below malloc's mmap threshold (quantize.kernels.keep_freed_buffers): it reuses its heap
+    if nbytes < MMAP_THRESHOLD:  # below malloc's mmap threshold (malloc.keep_freed_buffers): it reuses its heap
         return _claimed(np.empty(nbytes, dtype=np.uint8))
     with _spare_lock:
         mem, _spare["mem"] = _spare["mem"], None

@@ -94,7 +94,8 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
     fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
     with ``quantize``'s checks and messages."""
-    from ..quantize.kernels import _all_finite, keep_freed_buffers
+    from ..malloc import keep_freed_buffers
+    from ..quantize.kernels import _all_finite
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took

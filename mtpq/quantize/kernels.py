@@ -30,8 +30,6 @@ environment, Python threads.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import gc
 import mmap
 import os
@@ -46,6 +44,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .. import malloc
 from . import cfloat, iq4, iquants, kquants, legacy, weighted
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
@@ -303,7 +302,7 @@ def quantize(
         qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
     iquants.prepare(qtype, rows2d.device.type)  # grid tables built once, before any fork
     if on_cpu:
-        keep_freed_buffers()
+        malloc.keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
     forked = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
@@ -379,32 +378,6 @@ def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2:
 
 
 _THREAD_LOCK = threading.Lock()
-
-
-@functools.cache
-def keep_freed_buffers() -> None:
-    """Have glibc keep freed temporaries for reuse (once per process): the kernels' chunks here, and the
-    converter's slabs and the runtime's long passes, which call it too.
-
-    Every chunk allocates and frees the same few 0.25-4 MB buffers.  With
-    glibc's default policy (mmap above a threshold that only grows when an
-    mmapped block is freed; trim the heap top above twice that) they go back to
-    the kernel and are faulted in again, page by page, at the next chunk: 3x
-    the page faults and about 20 % of Q6_K's time (benchmarks/quant_bench.py).
-    Fixing the mmap threshold at 32 MB -- the ceiling of glibc's own dynamic
-    threshold -- and trimming only above 128 MB keeps them.  Larger blocks
-    (whole tensors) are still mmapped and returned.  A no-op off glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_trim_threshold, 128 << 20)
 
 
 def _can_fork() -> bool:

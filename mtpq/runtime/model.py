@@ -156,7 +156,7 @@ class MtpModel(nn.Module):
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          hidden: str = "post_norm", g: GGUFFile | None = None) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (see ``families``)."""
-    from ..quantize.kernels import keep_freed_buffers
+    from ..malloc import keep_freed_buffers
     from .families import family_for
 
     # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
