@@ -49,15 +49,11 @@ def mtpq(*args) -> None:
 
 
 def per_prompt_rates(path: Path, prompts: list[str], n_new: int) -> list[tuple[int, int]]:
-    from mtpq.runtime.speculative import load_model, run_plain, teacher_forced_acceptance
+    from mtpq.runtime.speculative import load_model, run_plain, teacher_forced_acceptances
 
     model, tok = load_model(path, device="cpu")
-    out = []
-    for text in prompts:
-        ids = tok.encode(text)
-        tf = teacher_forced_acceptance(model, ids + run_plain(model, ids, n_new).tokens, prompt_len=len(ids))
-        out.append((tf.loop_accepted, tf.loop_drafts))
-    return out
+    seqs = [(ids + run_plain(model, ids, n_new).tokens, len(ids)) for ids in map(tok.encode, prompts)]
+    return [(tf.loop_accepted, tf.loop_drafts) for tf in teacher_forced_acceptances(model, seqs)]
 
 
 def heldout_windows(folder: str, n: int) -> list[str]:

@@ -279,16 +279,7 @@ class Checkpoint:
         if buf is None or buf.nbytes < nbytes:
             buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
         view = buf[:nbytes]
-        try:
-            fd = os.open(st.file, os.O_RDONLY)
-            try:
-                got = os.preadv(fd, [view], offset) if nbytes else 0
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
-        if got != nbytes:
-            raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+        _read_into(st, offset, view)
         return view.reshape(shape[0], -1) if shape else view
 
     def is_fp8(self, name: str) -> bool:
@@ -305,14 +296,7 @@ class Checkpoint:
         st = self.stored[name]
         shape, offset, nbytes = _rows_extent(st, r0, r1)
         buf = bytearray(nbytes)
-        try:
-            with open(st.file, "rb") as f:
-                f.seek(offset)
-                got = f.readinto(buf)
-        except OSError as exc:
-            raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
-        if got != nbytes:
-            raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
+        _read_into(st, offset, buf)
         if nbytes == 0:
             return torch.empty(shape, dtype=_ST_DTYPES[st.dtype])
         return torch.frombuffer(buf, dtype=_ST_DTYPES[st.dtype]).reshape(shape)
@@ -424,6 +408,26 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def _read_into(st, offset: int, buf) -> None:
+    """Fill ``buf`` (a writable buffer) from byte ``offset`` of the stored tensor ``st``'s shard; a read error
+    or a short read is the shard's fault, named in one line."""
+    view, got = memoryview(buf).cast("B"), 0
+    try:
+        fd = os.open(st.file, os.O_RDONLY)
+        try:
+            while got < len(view):  # one read returns at most ~2 GB on Linux
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise InputError(st.file, f"cannot read tensor {st.name} ({exc.strerror or exc})") from None
+    if got != len(view):
+        raise InputError(st.file, f"truncated safetensors file: {st.name} is incomplete")
 
 
 def _rows_extent(st, r0: int, r1: int | None) -> tuple[tuple[int, ...], int, int]:
