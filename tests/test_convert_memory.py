@@ -117,8 +117,8 @@ def test_streamed_float_encoding_is_quantizes_encoding():
 
 
 def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
-    """Block-scaled FP8 rows rounded through each tile's table of 256 rounded products (Checkpoint.rows_as)
-    give the bytes of rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
+    """Block-scaled FP8 rows rounded straight into the output type (Checkpoint.rows_as) give the bytes of
+    rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
     tiny (subnormal products) to huge. Rows that may hold a value that is not finite in the output type (a
     NaN byte, a product past F16's range) are left to the float32 path, whose checks and messages the
     conversion keeps."""
