@@ -254,7 +254,9 @@ def main() -> None:
     ap.add_argument("--family", default=",".join(ALL), help="comma-separated, of: " + ", ".join(ALL))
     ap.add_argument("--fp8-outtypes", default="bf16,f16,q8_0", help="outtypes for deepseek2-fp8")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the expert counts (checkpoint size)")
-    ap.add_argument("--repeat", type=int, default=3, help="conversions (and copies) per row: the best counts")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="conversions (and copies) per row: the best counts (5: the FP8 rows, ~0.5 s each, vary 2x run to run "
+                         "on a shared machine)")
     shm = Path("/dev/shm")
     ap.add_argument("--out-dir", type=Path, default=shm if shm.is_dir() else None,
                     help="where the copies and the GGUF are written (default /dev/shm: in memory, so that the disk's "

@@ -117,8 +117,8 @@ def test_streamed_float_encoding_is_quantizes_encoding():
 
 
 def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
-    """Block-scaled FP8 rows rounded through each tile's table of 256 rounded products (Checkpoint.rows_as)
-    give the bytes of rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
+    """Block-scaled FP8 rows rounded straight into the output type (Checkpoint.rows_as) give the bytes of
+    rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
     tiny (subnormal products) to huge. Rows that may hold a value that is not finite in the output type (a
     NaN byte, a product past F16's range) are left to the float32 path, whose checks and messages the
     conversion keeps."""
@@ -178,6 +178,41 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     assert nan.rows_as("w", 0, 128, torch.empty(128, cols, dtype=torch.bfloat16))
     with pytest.raises(InputError, match="contains NaN/Inf values"):
         encode_tensor(nan, "w", "t", "src", T.BF16)
+
+
+def test_fp8_block_scaled_values_are_torchs_products(tmp_path):
+    """load_rows' float32 values of block-scaled FP8 (the bit decoding rows_as shares) are torch's own: the
+    FP8 value ``.to(torch.float32)`` times its tile's scale, one rounding. Every byte of e4m3fn and e5m2, NaN
+    and Inf ones too (they stay NaN and Inf, for the conversion's checks), ragged tiles, scales from tiny to
+    past float32's range once scaled by the decoding's power of two; a stack [E, rows, cols] too."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mtpq.convert.checkpoint import Checkpoint
+
+    gen = torch.Generator().manual_seed(1)
+    rows, cols = 200, 300  # 2 x 3 tiles of 128, ragged
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for nan in (False, True):
+            q = torch.randint(0, 256, (2, rows, cols), generator=gen, dtype=torch.uint8)
+            q[:, :2, :128] = torch.arange(256, dtype=torch.uint8).view(2, 128)  # every byte in a tile
+            if not nan:  # the rows without a byte that is not finite take the bit decoding
+                q[(q & 0x7F) >= (0x7F if fp8 == torch.float8_e4m3fn else 0x7C)] = 0x30
+            s = torch.exp(torch.randn(2, 2, 3, generator=gen) * 4)
+            s[0, 0, 1], s[0, 1, 2], s[1, 1, 0] = 1e-41, 3e36, 1e-30  # subnormal products; s * 2**120 overflows
+            folder = tmp_path / f"{fp8}-{nan}"
+            folder.mkdir()
+            (folder / "config.json").write_text("{}")
+            save_file({"w": q[0].clone().view(fp8), "w_scale_inv": s[0].clone(), "e": q.view(fp8), "e_scale_inv": s},
+                      str(folder / "model.safetensors"))
+            ck = Checkpoint(folder)
+            want = q.view(fp8).to(torch.float32)
+            want *= s.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols]
+            for got, exp in ((ck.load_rows("w", 0, rows), want[0]), (ck.load_rows("w", 128, rows), want[0, 128:]),
+                             (ck.load("e"), want), (ck.load_rows("e", 1, 2), want[1:])):
+                assert torch.equal(got.view(torch.int32), exp.view(torch.int32)) or (
+                    torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num())), (fp8, nan)
+            assert bool(want.isnan().any()) == nan
 
 
 def test_tensors_encoded_ahead_are_written_as_encoded(tmp_path, monkeypatch):

@@ -337,16 +337,11 @@ class Checkpoint:
         q = self._scratch_rows(name, r0, r1)
         s, bh, bw = self._tile_scales(name, r0, r1)
         fp8 = _ST_DTYPES[self.stored[name].dtype]
-        # a value that is not finite comes from a byte whose magnitude bits (the low 7: e4m3's and e5m2's
-        # magnitude grows with them) reach the first that is not finite times the largest scale (rounding
-        # is monotonic: no other tile's product of that byte is larger); two reductions rule that out
-        table = torch.from_numpy(np.abs(s).max() * _fp8_values(fp8)).to(out.dtype)
-        bad = int(torch.where(torch.isfinite(table), 128, torch.arange(256) & 0x7F).min())
-        if bad < 128 and (q.max() >= 128 + bad or q.view(np.int8).max() >= bad):
+        if not _codes_below(q, _first_not_finite(fp8, float(np.abs(s).max()), out.dtype)):
             return False
         # float32 work space: ``out`` itself, or a slab's worth (small: malloc reuses it, no page faults)
         x = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
-        _fp8_scaled(q, fp8, s, bh, bw, x)
+        _fp8_scaled(q, fp8, s, bh, bw, x, finite=True)
         if x is not out:
             out.copy_(x)  # torch's rounding, as of load_rows' values
         return True
@@ -376,10 +371,13 @@ class Checkpoint:
         r1 = r0 + (t.shape[0] if t.dim() else 1)
         if name + "_scale_inv" in self.stored:  # block-scaled, 128x128 tiles by default
             s, bh, bw = self._tile_scales(name, r0, r1)
-            # each tile's 256 possible values, scaled: the float32 products w * s, looked up
-            tables = torch.from_numpy(s[..., None] * _fp8_values(t.dtype))
             w = torch.from_numpy(np.empty(t.shape, dtype=np.float32))  # numpy's: huge pages (see stream._float_slabs)
-            _tile_lookup(t.view(torch.uint8).numpy(), tables, bh, bw, w)
+            q = t.view(torch.uint8).numpy()
+            rows, cols = q.shape[-2:]
+            q, x = q.reshape(-1, rows, cols), w.view(-1, rows, cols)
+            with one_torch_thread():
+                for e in range(len(q)):  # the experts of a stack [E, rows, cols], with their own tiles or shared ones
+                    _fp8_scaled(q[e], t.dtype, s[e] if s.ndim == 3 else s, bh, bw, x[e])
             return w
         w = _fp8_to_f32(t)
         del t
@@ -456,27 +454,53 @@ def _fp8_pairs(dtype: torch.dtype) -> np.ndarray:
     return pairs.view(np.uint64).reshape(-1)
 
 
-_FP8_LAYOUT = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}  # mantissa bits, exponent bias
+# mantissa bits, exponent bias, and the first magnitude (the low 7 bits of a byte) that is not finite:
+# e4m3fn's NaN, e5m2's Inf
+_FP8_LAYOUT = {torch.float8_e4m3fn: (3, 7, 0x7F), torch.float8_e5m2: (2, 15, 0x7C)}
 
 
-def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor) -> None:
+def _codes_below(q: np.ndarray, bad: int) -> bool:
+    """No byte of ``q`` (uint8) has a magnitude (its low 7 bits) of ``bad`` or more: two reductions."""
+    return bad >= 128 or not (q.max() >= 128 + bad or q.view(np.int8).max() >= bad)
+
+
+def _first_not_finite(fp8: torch.dtype, smax: float, dtype: torch.dtype) -> int:
+    """The first magnitude (0..127) of an FP8 byte whose value times a scale up to ``smax`` may not be finite
+    in ``dtype`` once rounded (magnitudes grow with the low 7 bits, rounding is monotonic: no smaller scale
+    makes a larger product); 128 if none."""
+    bad = _FP8_LAYOUT[fp8][2]
+    if smax * float(_fp8_values(fp8)[bad - 1]) <= torch.finfo(dtype).max:  # exact in float64: 24 + 24 bits
+        return bad  # every finite byte's product is at most the type's largest value: the common case, quick
+    table = torch.from_numpy(smax * _fp8_values(fp8)).to(dtype)
+    return int(torch.where(torch.isfinite(table), 128, torch.arange(256) & 0x7F).min())
+
+
+def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor,
+                finite: bool = False) -> None:
     """float32 ``x`` [rows, cols] = the FP8 bytes ``q`` (uint8, same shape) times the float32 scale of their
     bh x bw tile ``s`` [rows/bh, cols/bw]: the products of :meth:`Checkpoint.load_rows`, bit for bit, without
     a gather (2.3x quicker). The byte's exponent and mantissa bits moved into a float32's low exponent and
     high mantissa bits, its sign into the sign bit, make a float32 that is exactly the FP8 value times
     2**(bias - 127), subnormals included (exponent field e, mantissa m: 2**(e - 127) * (1 + m) against
     2**(e - bias) * (1 + m)); times s * 2**(127 - bias), itself exact, that is one rounding of w * s, as
-    load_rows' ``f32(fp8) * s``. NaN and Inf bytes come out finite: the caller has ruled them out."""
-    man, bias = _FP8_LAYOUT[fp8]
-    bits = x.view(torch.int32)
-    np.copyto(bits.numpy(), q.view(np.int8))  # sign-extended: the sign reaches bit 31 after the shift
-    bits.bitwise_left_shift_(23 - man).bitwise_and_(-(1 << 31) | 0x7F << (23 - man))
-    up = np.float32(2.0 ** (127 - bias))
+    ``f32(fp8) * s``. NaN and Inf bytes would come out finite: unless the caller has ruled them out
+    (``finite``), rows that hold one are converted by torch instead (NaN and Inf kept), then scaled."""
+    man, bias, bad = _FP8_LAYOUT[fp8]
+    if finite or _codes_below(q, bad):
+        bits = x.view(torch.int32)
+        # sign-extended (the sign reaches bit 31 after the shift); torch's widening: 1.5x numpy's on a slab in
+        # cache (the same in a conversion, where writing the slab's float32 out of cache is the cost)
+        bits.copy_(torch.from_numpy(q).view(torch.int8))
+        bits.bitwise_left_shift_(23 - man).bitwise_and_(-(1 << 31) | 0x7F << (23 - man))
+        up = np.float32(2.0 ** (127 - bias))
+    else:
+        x.copy_(torch.from_numpy(q).view(fp8))
+        up = np.float32(1.0)
     with np.errstate(over="ignore"):
         scaled = s * up
     if np.isfinite(scaled).all():
         s = scaled
-    else:  # a scale so large that s * 2**(127 - bias) overflows: the power of two applied on its own, exactly
+    elif up != 1:  # a scale so large that s * 2**(127 - bias) overflows: the power of two applied on its own, exactly
         x.mul_(float(up))
     rows, cols = x.shape
     rf, cf = rows // bh, cols // bw  # whole tiles; the ragged last row and column of tiles apart
@@ -506,23 +530,3 @@ def _block_size(config: dict) -> tuple[int, int]:
     bh, bw = qcfg.get("weight_block_size") or [128, 128]
     return int(bh), int(bw)
 
-
-def _tile_lookup(q: np.ndarray, tables: torch.Tensor, bh: int, bw: int, out: torch.Tensor) -> None:
-    """out[..., r, c] = tables[..., r // bh, c // bw, q[..., r, c]] for bytes ``q`` [..., rows, cols] and one table
-    of 256 entries per tile [..., rows/bh, cols/bw, 256] (leading dims broadcast): one gather per band of bh rows,
-    at byte + 256 * tile column. int32 indices, which torch's index_select takes as they are (numpy's take
-    widens them to int64 first: 1.4x the time); one torch thread, as the rest of the conversion."""
-    rows, cols = q.shape[-2:]
-    lead = q.shape[:-2]
-    tables = tables.expand(*lead, *tables.shape[-3:]).reshape(-1, tables.shape[-3], tables.shape[-2] * 256)
-    q, out = q.reshape(-1, rows, cols), out.view(-1, rows, cols)
-    offs = torch.arange(cols, dtype=torch.int32) // bw * 256
-    idx = torch.empty(min(bh, rows) * cols, dtype=torch.int32)
-    with one_torch_thread():
-        for e in range(q.shape[0]):
-            for i in range(-(-rows // bh)):
-                band = q[e, i * bh:(i + 1) * bh]
-                at = idx[:band.size]
-                np.copyto(at.numpy().reshape(band.shape), band)  # numpy: q may be a read-only mapping
-                at.view(band.shape).add_(offs)
-                torch.index_select(tables[e, i], 0, at, out=out[e, i * bh:(i + 1) * bh].view(-1))
