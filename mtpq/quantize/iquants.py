@@ -474,12 +474,15 @@ class _Scorer:
         gf = gi.reshape(-1)
         gf[off.reshape(-1)] = np.repeat(out_a, n_run)  # the entries off the grid are the runs, in order
         gf[b] = out_b
-        dis = np.flatnonzero(~agree & (n_run > 2))  # runs whose insides need scoring
+        order = runs[-1]  # the runs by length class
+        dis = order[(~agree & (n_run > 2))[order]]  # runs whose insides need scoring, by class
         if dis.size:
             m = n_run[dis] - 2
             r = np.repeat(dis, m)
             pos = np.arange(len(r)) + np.repeat(a[dis] + 1 - (np.cumsum(m) - m), m)
-            gf[pos] = self._pick(runs, r, scale_t[base[r] + pos])
+            bounds = np.zeros(len(self.pads) + 1, dtype=np.intp)
+            bounds[1:] = np.cumsum(np.bincount(runs[2][dis], weights=m, minlength=len(self.pads)))
+            gf[pos] = self._pick(runs, r, scale_t[base[r] + pos], bounds)
         return gi, on
 
     def _runs(self, g, u, s_a, s_b):
@@ -517,9 +520,9 @@ class _Scorer:
                 out_e[o], n_near = self._best(nb, ab, cols, s[o], margin[o])
                 unsure.append(o[n_near != 1])
         if one:
-            return (g, u, cls, col, margin, tabs), out_a, out_a, self._exact(g, u, s_a, out_a, unsure_a)
+            return (g, u, cls, col, margin, tabs, order), out_a, out_a, self._exact(g, u, s_a, out_a, unsure_a)
         sure_a, sure_b = self._exact(g, u, s_a, out_a, unsure_a), self._exact(g, u, s_b, out_b, unsure_b)
-        return (g, u, cls, col, margin, tabs), out_a, out_b, sure_a & sure_b & (out_a == out_b)
+        return (g, u, cls, col, margin, tabs, order), out_a, out_b, sure_a & sure_b & (out_a == out_b)
 
     def _best(self, nb, ab, cols, s, margin):
         """The neighbour with the smallest score at scale s among columns ``cols`` of a class's
@@ -536,40 +539,41 @@ class _Scorer:
         i = np.minimum(code >> 10, len(near) - 1)  # the others go to the exact sums
         return nb.reshape(-1)[i * nb.shape[1] + cols], n_near
 
-    def _exact(self, g, u, s, out, unsure):
+    def _exact(self, g, u, s, out, unsure, r=None):
         """Where no neighbour won by the margin (near ties, or NaN): ggml's C-order sums
-        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,)."""
-        sure = np.ones(len(u), dtype=bool)
+        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,).
+        Entry e is of group g[e], point u[e], or with runs ``r``, of g[r[e]], u[r[e]]."""
+        sure = np.ones(len(s), dtype=bool)
         amb = np.concatenate(unsure)
         if amb.size:
             sure[amb] = False
-            xg, wg, sa = self.xg[g[amb]], self.wg[g[amb]], s[amb]
+            ra = amb if r is None else r[amb]
+            xg, wg, sa = self.xg[g[ra]], self.wg[g[ra]], s[amb]
             qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
             diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
             table = (wg[:, :, None] * diff) * diff
-            ua = u[amb].astype(np.int64)
+            ua = u[ra].astype(np.int64)
             out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
                                       self.gw * (self.max_level + 1))
         return sure
 
-    def _pick(self, runs, r, s):
-        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,)."""
-        g_r, u_r, cls_r, col_r, margin, tabs = runs
+    def _pick(self, runs, r, s, bounds):
+        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,); the candidates
+        come by length class, those of class k at bounds[k]:bounds[k + 1]."""
+        g_r, u_r, cls_r, col_r, margin, tabs, _ = runs
         out = np.empty(len(r), dtype=np.int32)
-        cls = cls_r[r]
-        order = np.argsort(cls, kind="stable")
-        bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
         unsure = []
         for k, tab in enumerate(tabs):
-            o = order[bounds[k]:bounds[k + 1]]
-            if not o.size:
+            lo, hi = bounds[k], bounds[k + 1]
+            if lo == hi:
                 continue
             nb, abk = tab
-            cols = col_r[r[o]]
+            rk = r[lo:hi]
+            cols = col_r[rk]
             ab = np.take(abk, cols, axis=1)  # (w, P)
-            out[o], n_near = self._best(nb, ab, cols, s[o], margin[r[o]])
-            unsure.append(o[n_near != 1])
-        self._exact(g_r[r], u_r[r], s, out, unsure)
+            out[lo:hi], n_near = self._best(nb, ab, cols, s[lo:hi], margin[rk])
+            unsure.append(lo + np.flatnonzero(n_near != 1))
+        self._exact(g_r, u_r, s, out, unsure, r)
         return out
 
     def sums(self, gi: np.ndarray):
