@@ -398,23 +398,25 @@ class _Scorer:
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
         self.lweights = (2.0 ** (_grid(qtype).bits * np.arange(gw))).astype(np.float32)
-        # group-major copies: row g = k*S + s is group k of sub-block s
-        self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
+        # coordinate-major copies: column g = k*S + s is group k of sub-block s, so that the sums
+        # over a group's coordinates are row after row (not reductions over rows of 4)
+        self.xc = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(1, 0, 2)).reshape(gw, -1)
+        self.wc = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(1, 0, 2)).reshape(gw, -1)
         # per coordinate and group w + i*(w*x): a neighbour's A + iB is the sum over coordinates of
         # these times its q^2 + i*q, part by part
-        self.coef = np.empty((gw, len(self.xg)), dtype=np.complex64)
-        self.coef.real = self.wg.T
-        self.coef.imag = (self.wg * self.xg).T
-        ax = np.abs(self.xg)
+        self.coef = np.empty(self.xc.shape, dtype=np.complex64)
+        self.coef.real = self.wc
+        self.coef.imag = self.wc * self.xc
+        ax = np.abs(self.xc)
+        wax = self.wc * ax
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
-        self.m2 = self.wg.sum(1) * (qmax * qmax)
-        self.m1 = (self.wg * ax).sum(1) * (2 * qmax)
-        self.m0 = (self.wg * ax * ax).sum(1)
+        self.m2 = self.wc.sum(0) * (qmax * qmax)
+        self.m1 = wax.sum(0) * (2 * qmax)
+        self.m0 = (wax * ax).sum(0)
         # below 2^-126 the float ops err by up to 2^-150 each, not relatively: a slack of
         # 2^-140*(1+s)^2*p covers every such error of both computations
-        self.p = self.m2 + self.m1 + self.m0 + ax.max(1) + np.float32(1.0)
+        self.p = self.m2 + self.m1 + self.m0 + ax.max(0) + np.float32(1.0)
         self.xval, self.W = xval, W
         self.gofs = _device_tables(qtype, max_level, "cpu")[5]
         self.near_code = (np.arange(_WIDTHS[-1], dtype=np.float32) * np.float32(1024) + np.float32(1))
@@ -548,7 +550,8 @@ class _Scorer:
         if amb.size:
             sure[amb] = False
             ra = amb if r is None else r[amb]
-            xg, wg, sa = self.xg[g[ra]], self.wg[g[ra]], s[amb]
+            ga = g[ra]
+            xg, wg, sa = self.xc[:, ga].T, self.wc[:, ga].T, s[amb]
             qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
             diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
             table = (wg[:, :, None] * diff) * diff
