@@ -42,7 +42,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
-from .cfloat import _EINSUM_EXACT, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
+from .cfloat import _EINSUM, _EINSUM_EXACT, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
 from .cfloat import seq_sum_np as _seq_sum_np
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
@@ -447,7 +447,7 @@ class _Scorer:
             else:
                 t = nearest_int(t).astype(np.float32)
             np.clip(t, 0, self.max_level, out=t)
-        u = np.einsum("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
+        u = _EINSUM("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
         gi = np.take(self.kmap, u)  # written through a flat view below; take: half a fancy index's time
         on = gi >= 0
         off = ~on if mask is None else (~on & mask)
@@ -515,7 +515,7 @@ class _Scorer:
             # summed over i: one gather and one einsum pass
             qq = np.take(self.qpair, nb, axis=1).view(np.float32)
             cf = np.take(self.coef, g[o], axis=1).view(np.float32)
-            ab = np.einsum("iwr,ir->wr", qq, cf).view(np.complex64)  # (w, R) A + iB
+            ab = _EINSUM("iwr,ir->wr", qq, cf).view(np.complex64)  # (w, R) A + iB
             tabs.append((nb, ab))
             cols = np.arange(len(o))
             for s, out_e, unsure in ends:
@@ -536,7 +536,7 @@ class _Scorer:
             near = np.less_equal(score, np.fmin.reduce(score, axis=0) + margin, out=score)  # 1.0 or 0.0
         # one pass for the count of near neighbours and, where there is one, its position k:
         # sum of near * (1 + 1024k), exact in float32 (< 2^24)
-        code = np.einsum("k,kp->p", self.near_code[:len(near)], near).astype(np.int32)
+        code = _EINSUM("k,kp->p", self.near_code[:len(near)], near).astype(np.int32)
         n_near = code & 1023
         i = np.minimum(code >> 10, len(near) - 1)  # the others go to the exact sums
         return nb.reshape(-1)[i * nb.shape[1] + cols], n_near
