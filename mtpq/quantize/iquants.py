@@ -42,7 +42,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gq
 
-from .cfloat import _EINSUM_EXACT, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
+from .cfloat import _EINSUM, _EINSUM_EXACT, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
 from .cfloat import seq_sum_np as _seq_sum_np
 from .legacy import div, f32, fp16_bits, from_fp16_bytes, nearest_int, rdiv, sqrt_f32
 
@@ -352,14 +352,15 @@ def _host_tables(qtype: GGMLQuantizationType, max_level: int):
     qpair[0, -1] = np.inf
     # lists of up to w points padded with n_grid: a class's lists are one (w, n_u) table
     cls = np.full(len(g.kmap), -1, dtype=np.int8)
-    row = np.zeros(len(g.kmap), dtype=np.int32)
+    # index arrays in np.intp: np.take converts any other index type first, a slow path with out=
+    row = np.zeros(len(g.kmap), dtype=np.intp)
     pads = []
     lo = 0
     for k, w in enumerate(_WIDTHS):
         us = np.flatnonzero((count > lo) & (count <= w))
         lo = w
         cls[us], row[us] = k, np.arange(len(us))
-        pad = np.full((len(us), w), n_grid, dtype=np.int32)
+        pad = np.full((len(us), w), n_grid, dtype=np.intp)
         col = np.arange(w)[None, :]
         ok = col < count[us][:, None]
         pad[ok] = flat[(start[us][:, None] + col)[ok]]
@@ -397,28 +398,30 @@ class _Scorer:
         n, S = xval.shape
         self.gw, self.ng, self.S, self.max_level = gw, n // gw, S, max_level
         self.lweights = (2.0 ** (_grid(qtype).bits * np.arange(gw))).astype(np.float32)
-        # group-major copies: row g = k*S + s is group k of sub-block s
-        self.xg = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
-        self.wg = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(0, 2, 1)).reshape(-1, gw)
+        # coordinate-major copies: column g = k*S + s is group k of sub-block s, so that the sums
+        # over a group's coordinates are row after row (not reductions over rows of 4)
+        self.xc = np.ascontiguousarray(xval.reshape(self.ng, gw, S).transpose(1, 0, 2)).reshape(gw, -1)
+        self.wc = np.ascontiguousarray(waux.reshape(self.ng, gw, S).transpose(1, 0, 2)).reshape(gw, -1)
         # per coordinate and group w + i*(w*x): a neighbour's A + iB is the sum over coordinates of
         # these times its q^2 + i*q, part by part
-        self.coef = np.empty((gw, len(self.xg)), dtype=np.complex64)
-        self.coef.real = self.wg.T
-        self.coef.imag = (self.wg * self.xg).T
-        ax = np.abs(self.xg)
+        self.coef = np.empty(self.xc.shape, dtype=np.complex64)
+        self.coef.real = self.wc
+        self.coef.imag = self.wc * self.xc
+        ax = np.abs(self.xc)
+        wax = self.wc * ax
         qmax = np.float32(2 * max_level + 1)
         # M = s^2*qmax^2*sum(w) + 2s*qmax*sum(w|x|) + sum(w x^2), coefficients per group
-        self.m2 = self.wg.sum(1) * (qmax * qmax)
-        self.m1 = (self.wg * ax).sum(1) * (2 * qmax)
-        self.m0 = (self.wg * ax * ax).sum(1)
+        self.m2 = self.wc.sum(0) * (qmax * qmax)
+        self.m1 = wax.sum(0) * (2 * qmax)
+        self.m0 = (wax * ax).sum(0)
         # below 2^-126 the float ops err by up to 2^-150 each, not relatively: a slack of
         # 2^-140*(1+s)^2*p covers every such error of both computations
-        self.p = self.m2 + self.m1 + self.m0 + ax.max(1) + np.float32(1.0)
+        self.p = self.m2 + self.m1 + self.m0 + ax.max(0) + np.float32(1.0)
         self.xval, self.W = xval, W
         self.gofs = _device_tables(qtype, max_level, "cpu")[5]
-        self.karange = np.arange(_WIDTHS[-1], dtype=np.int32)
+        self.near_code = (np.arange(_WIDTHS[-1], dtype=np.float32) * np.float32(1024) + np.float32(1))
         self.qflat = self.qcols.reshape(-1)
-        self.qoffs = (np.arange(gw, dtype=np.int32) * self.qcols.shape[1]).reshape(1, gw, 1)
+        self.qoffs = (np.arange(gw, dtype=np.intp) * self.qcols.shape[1]).reshape(1, gw, 1)
         self.wx = self.W * self.xval
 
     def round(self, id_: np.ndarray, scale: np.ndarray, mask: np.ndarray | None = None):
@@ -444,35 +447,44 @@ class _Scorer:
             else:
                 t = nearest_int(t).astype(np.float32)
             np.clip(t, 0, self.max_level, out=t)
-        u = np.einsum("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
-        gi = np.ascontiguousarray(self.kmap[u])  # written through a flat view below
+        u = _EINSUM("gisc,i->gsc", t.reshape(self.ng, self.gw, self.S, C), self.lweights).astype(np.int32)
+        gi = np.take(self.kmap, u)  # written through a flat view below; take: half a fancy index's time
         on = gi >= 0
         off = ~on if mask is None else (~on & mask)
-        sel = np.flatnonzero(off)  # (k*S + s)*C + c
-        if not sel.size:
-            return gi, on
-        uf = u.reshape(-1)[sel]
-        sf = np.ascontiguousarray(scale.T).reshape(-1)[sel % (self.S * C)]
         # A group keeps its lattice point u over a run of consecutive candidates (5-7 on
         # average): its neighbours' A, B are made once per run.  Scores at scale s are
         # s*(s*A - 2B): divided by s, linear in s, and the margin we demand, divided by s,
         # is convex in s.  So a neighbour that wins with that margin at both ends of a run
         # wins with it at every candidate in between (s is monotonic in the candidate):
         # only the ends are scored, then the inside of the runs whose ends disagree.
-        c = sel % C
-        first = np.ones(len(sel), dtype=bool)
-        first[1:] = (uf[1:] != uf[:-1]) | (sel[1:] != sel[:-1] + 1) | (c[1:] == 0)
-        last = np.ones(len(sel), dtype=bool)
-        last[:-1] = first[1:]
-        run = np.cumsum(first) - 1
-        a, b = np.flatnonzero(first), np.flatnonzero(last)
-        runs, out_a, out_b, agree = self._runs(sel[a] // C, uf[a], sf[a], sf[b])
-        out = out_a[run]
-        out[b] = out_b
-        rest = np.flatnonzero(~agree[run] & ~first & ~last)
-        if rest.size:
-            out[rest] = self._pick(runs, run[rest], sf[rest])
-        gi.reshape(-1)[sel] = out
+        # The runs are found on the dense (ng, S, C) arrays (bool and int32 passes), not on
+        # the list of off-grid entries.
+        same = off[..., 1:] & off[..., :-1]
+        same &= u[..., 1:] == u[..., :-1]  # entry c continues the run of entry c-1
+        first, last = off.copy(), off.copy()
+        first[..., 1:] &= ~same
+        last[..., :-1] &= ~same
+        a, b = np.flatnonzero(first), np.flatnonzero(last)  # (k*S + s)*C + c of the run ends
+        if not a.size:
+            return gi, on
+        g = a // C  # the group, k*S + s
+        scale_t = np.ascontiguousarray(scale.T).reshape(-1)  # s*C + c
+        base = (g % self.S) * C - g * C  # flat entry -> its scale
+        s_a = scale_t[base + a]
+        runs, out_a, out_b, agree = self._runs(g, u.reshape(-1)[a], s_a, s_a if C == 1 else scale_t[base + b])
+        n_run = b - a + 1
+        gf = gi.reshape(-1)
+        gf[off.reshape(-1)] = np.repeat(out_a, n_run)  # the entries off the grid are the runs, in order
+        gf[b] = out_b
+        order = runs[-1]  # the runs by length class
+        dis = order[(~agree & (n_run > 2))[order]]  # runs whose insides need scoring, by class
+        if dis.size:
+            m = n_run[dis] - 2
+            r = np.repeat(dis, m)
+            pos = np.arange(len(r)) + np.repeat(a[dis] + 1 - (np.cumsum(m) - m), m)
+            bounds = np.zeros(len(self.pads) + 1, dtype=np.intp)
+            bounds[1:] = np.cumsum(np.bincount(runs[2][dis], weights=m, minlength=len(self.pads)))
+            gf[pos] = self._pick(runs, r, scale_t[base[r] + pos], bounds)
         return gi, on
 
     def _runs(self, g, u, s_a, s_b):
@@ -490,6 +502,8 @@ class _Scorer:
         col = np.empty(len(u), dtype=np.int64)
         out_a, out_b = np.empty(len(u), dtype=np.int32), np.empty(len(u), dtype=np.int32)
         unsure_a, unsure_b, tabs = [], [], []
+        one = s_b is s_a  # one-candidate runs (the refit): its single scale scored once
+        ends = ((s_a, out_a, unsure_a),) if one else ((s_a, out_a, unsure_a), (s_b, out_b, unsure_b))
         for k, pad in enumerate(self.pads):
             o = order[bounds[k]:bounds[k + 1]]
             col[o] = np.arange(len(o))
@@ -497,23 +511,20 @@ class _Scorer:
                 tabs.append(None)
                 continue
             nb = np.take(pad, self.row[u[o]], axis=1)  # (w, R) grid indices, n_grid for padding
-            go = g[o]
-            ab = np.take(self.qpair[0], nb)
-            abf = ab.view(np.float32)  # (w, 2R): q^2, q pairs times w, w*x of the run's group
-            abf *= np.take(self.coef[0], go).view(np.float32)
-            tmp = np.empty_like(ab)
-            tmpf = tmp.view(np.float32)
-            for i in range(1, self.gw):
-                np.take(self.qpair[i], nb, out=tmp)
-                tmpf *= np.take(self.coef[i], go).view(np.float32)
-                abf += tmpf
+            # per coordinate i the q^2, q pairs (gw, w, 2R) times w, w*x of the run's group (gw, 2R),
+            # summed over i: one gather and one einsum pass
+            qq = np.take(self.qpair, nb, axis=1).view(np.float32)
+            cf = np.take(self.coef, g[o], axis=1).view(np.float32)
+            ab = _EINSUM("iwr,ir->wr", qq, cf).view(np.complex64)  # (w, R) A + iB
             tabs.append((nb, ab))
             cols = np.arange(len(o))
-            for s, out_e, unsure in ((s_a, out_a, unsure_a), (s_b, out_b, unsure_b)):
+            for s, out_e, unsure in ends:
                 out_e[o], n_near = self._best(nb, ab, cols, s[o], margin[o])
                 unsure.append(o[n_near != 1])
+        if one:
+            return (g, u, cls, col, margin, tabs, order), out_a, out_a, self._exact(g, u, s_a, out_a, unsure_a)
         sure_a, sure_b = self._exact(g, u, s_a, out_a, unsure_a), self._exact(g, u, s_b, out_b, unsure_b)
-        return (g, u, cls, col, margin, tabs), out_a, out_b, sure_a & sure_b & (out_a == out_b)
+        return (g, u, cls, col, margin, tabs, order), out_a, out_b, sure_a & sure_b & (out_a == out_b)
 
     def _best(self, nb, ab, cols, s, margin):
         """The neighbour with the smallest score at scale s among columns ``cols`` of a class's
@@ -522,46 +533,50 @@ class _Scorer:
             score = ab.real * (s * s)
             score -= ab.imag * (s * np.float32(2.0))
             # fmin: a padding entry scores inf, or NaN where its group's first weight is 0
-            near = score <= np.fmin.reduce(score, axis=0) + margin
-        n_near = near.sum(0, dtype=np.int32)
-        # the one near neighbour's position, where there is one (the others go to the exact sums)
-        i = np.minimum((near * self.karange[:len(near), None]).sum(0, dtype=np.int32), len(near) - 1)
+            near = np.less_equal(score, np.fmin.reduce(score, axis=0) + margin, out=score)  # 1.0 or 0.0
+        # one pass for the count of near neighbours and, where there is one, its position k:
+        # sum of near * (1 + 1024k), exact in float32 (< 2^24)
+        code = _EINSUM("k,kp->p", self.near_code[:len(near)], near).astype(np.int32)
+        n_near = code & 1023
+        i = np.minimum(code >> 10, len(near) - 1)  # the others go to the exact sums
         return nb.reshape(-1)[i * nb.shape[1] + cols], n_near
 
-    def _exact(self, g, u, s, out, unsure):
+    def _exact(self, g, u, s, out, unsure, r=None):
         """Where no neighbour won by the margin (near ties, or NaN): ggml's C-order sums
-        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,)."""
-        sure = np.ones(len(u), dtype=bool)
+        (:func:`_nearest_numpy`), which also keep its first-in-list choice.  Returns sure (m,).
+        Entry e is of group g[e], point u[e], or with runs ``r``, of g[r[e]], u[r[e]]."""
+        sure = np.ones(len(s), dtype=bool)
         amb = np.concatenate(unsure)
         if amb.size:
             sure[amb] = False
-            xg, wg, sa = self.xg[g[amb]], self.wg[g[amb]], s[amb]
+            ra = amb if r is None else r[amb]
+            ga = g[ra]
+            xg, wg, sa = self.xc[:, ga].T, self.wc[:, ga].T, s[amb]
             qv = np.float32(2) * np.arange(self.max_level + 1, dtype=np.float32) + np.float32(1)
             diff = sa[:, None, None] * qv[None, None, :] - xg[:, :, None]
             table = (wg[:, :, None] * diff) * diff
-            ua = u[amb].astype(np.int64)
+            ua = u[ra].astype(np.int64)
             out[amb] = _nearest_numpy(table.reshape(-1), ua, self.count[ua], self.start, self.flat, self.gofs,
                                       self.gw * (self.max_level + 1))
         return sure
 
-    def _pick(self, runs, r, s):
-        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,)."""
-        g_r, u_r, cls_r, col_r, margin, tabs = runs
+    def _pick(self, runs, r, s, bounds):
+        """Best neighbour for candidates of runs ``r`` (m,) at scales s (m,); the candidates
+        come by length class, those of class k at bounds[k]:bounds[k + 1]."""
+        g_r, u_r, cls_r, col_r, margin, tabs, _ = runs
         out = np.empty(len(r), dtype=np.int32)
-        cls = cls_r[r]
-        order = np.argsort(cls, kind="stable")
-        bounds = np.searchsorted(cls[order], np.arange(len(self.pads) + 1))
         unsure = []
         for k, tab in enumerate(tabs):
-            o = order[bounds[k]:bounds[k + 1]]
-            if not o.size:
+            lo, hi = bounds[k], bounds[k + 1]
+            if lo == hi:
                 continue
             nb, abk = tab
-            cols = col_r[r[o]]
+            rk = r[lo:hi]
+            cols = col_r[rk]
             ab = np.take(abk, cols, axis=1)  # (w, P)
-            out[o], n_near = self._best(nb, ab, cols, s[o], margin[r[o]])
-            unsure.append(o[n_near != 1])
-        self._exact(g_r[r], u_r[r], s, out, unsure)
+            out[lo:hi], n_near = self._best(nb, ab, cols, s[lo:hi], margin[rk])
+            unsure.append(lo + np.flatnonzero(n_near != 1))
+        self._exact(g_r, u_r, s, out, unsure, r)
         return out
 
     def sums(self, gi: np.ndarray):
