@@ -96,8 +96,9 @@ def _decay(log_decay: torch.Tensor, keep: torch.Tensor | None = None) -> torch.T
     return torch.where(live, log_decay, DECAY_FLOOR).exp().masked_fill_(~live, 0.0)
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """The same recurrence, ``chunk`` tokens at a time. -> (out [B, H, T, d_v], final state).
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final: bool = True):
+    """The same recurrence, ``chunk`` tokens at a time. -> (out [B, H, T, d_v], final state, or None
+    without ``final``: an uncached pass needs no state after its last chunk).
 
     Inside a chunk with cumulative log decay c_t and start state S0, the updates u_t = beta_t (v_t - ...)
     solve the unit lower-triangular system (I + L) U = beta V - beta e^c K S0 with
@@ -127,13 +128,44 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     q_decayed = q * e_c[..., None]
     k_to_end = k * _decay(c[..., -1:] - c)[..., None]
     chunk_decay = e_c[..., -1, None, None]
-    S = state if state is not None else q.new_zeros(B, H, dk, dv)
+    S = state  # None: zeros, whose products are skipped (x @ 0 = 0 and 0 + y = y: the same values)
     out = torch.empty(B, H, n, chunk, dv, dtype=q.dtype, device=q.device)
     for i in range(n):
-        u = u_from_v[:, :, i] - u_from_s[:, :, i] @ S
-        out[:, :, i] = q_decayed[:, :, i] @ S + attn[:, :, i] @ u
-        S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    return out.reshape(B, H, n * chunk, dv)[:, :, :T], S
+        if S is None:
+            u = u_from_v[:, :, i]
+            torch.matmul(attn[:, :, i], u, out=out[:, :, i])
+        else:
+            u = u_from_v[:, :, i] - u_from_s[:, :, i] @ S
+            out[:, :, i] = q_decayed[:, :, i] @ S + attn[:, :, i] @ u
+        if i + 1 < n or final:
+            to_end = k_to_end[:, :, i].transpose(-1, -2) @ u
+            S = to_end if S is None else S * chunk_decay[:, :, i] + to_end
+    return out.reshape(B, H, n * chunk, dv)[:, :, :T], S if final else None
+
+
+CONV_ROWS = 64  # rows of one sequence convolved at a time: a few [rows, C] temporaries stay in the core's cache
+
+
+def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """silu of the depthwise causal conv: window [B, K-1+T, C] (K-1 rows of history, then the inputs),
+    taps [K, C] -> [B, T, C].
+
+    K shifted slices times contiguous taps: the same products and sums as (unfold * kernel).sum(-1),
+    bit for bit, in ~half the time (both of those operands are strided). Run over a long batch at once,
+    each of its 2K elementwise passes streams multi-megabyte tensors through memory; CONV_ROWS rows of
+    one sequence at a time (the same ops, so the same bits) keep them in cache."""
+    B, W, C = window.shape
+    K = taps.shape[0]
+    T = W - K + 1
+    out = window.new_empty(B, T, C)
+    for b in range(B):
+        for t in range(0, T, CONV_ROWS):
+            rows = min(CONV_ROWS, T - t)
+            acc = torch.mul(window[b, t:t + rows], taps[0], out=out[b, t:t + rows])
+            for i in range(1, K):
+                acc += window[b, t + i:t + i + rows] * taps[i]
+            F.silu(acc, inplace=True)
+    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -168,13 +200,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.wqkv(x)  # [B, T, C]
         prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
         window = torch.cat((prev, mixed), dim=1)  # [B, K-1+T, C]
-        # depthwise causal conv as K shifted slices times contiguous taps: the same products and sums as
-        # (unfold * kernel).sum(-1), bit for bit, in ~half the time (both of those operands are strided)
-        taps = as_dtype(self.taps, mixed.dtype)
-        acc = window[:, :T] * taps[0]
-        for i in range(1, K):
-            acc = acc + window[:, i:i + T] * taps[i]
-        qkv = F.silu(acc)  # [B, T, C]
+        qkv = causal_conv(window, as_dtype(self.taps, mixed.dtype))  # [B, T, C]
 
         nk, nv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.head_k_dim, cfg.head_v_dim
         q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
@@ -190,7 +216,7 @@ class GatedDeltaNet(nn.Module):
         if recording or T <= RECURRENT_MAX_T:
             out, final, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, keep_all=recording)
         else:
-            (out, final), per_token = chunked_gated_delta_rule(q, k, v, g, beta, ssm), None
+            (out, final), per_token = chunked_gated_delta_rule(q, k, v, g, beta, ssm, final=cache is not None), None
         if recording:  # the state after every token: the conv window ends at that token
             after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
             cache.push(T, after[-1], after)
