@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import InputError
 from .cache import RecurrentCache
 from .layers import rms_norm, take_rows
-from .weights import Scope, as_dtype
+from .weights import FusedLinear, Scope, as_dtype
 
 CHUNK = 64  # tokens per chunk of the chunked form
 RECURRENT_MAX_T = 16  # up to this many tokens the token-by-token form is cheaper
@@ -145,35 +145,18 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     return out.reshape(B, H, n * chunk, dv)[:, :, :T], S if final else None
 
 
-CONV_ROWS = 64  # rows of one sequence convolved at a time: a few [rows, C] temporaries stay in the core's cache
-
-
 def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """silu of the depthwise causal conv: window [B, K-1+T, C] (K-1 rows of history, then the inputs),
     taps [K, C] -> [B, T, C].
 
     K shifted slices times contiguous taps: the same products and sums as (unfold * kernel).sum(-1),
-    bit for bit, in ~half the time (both of those operands are strided). Run over a long batch at once,
-    each of its 2K elementwise passes streams multi-megabyte tensors through memory; CONV_ROWS rows of
-    one sequence at a time (the same ops, so the same bits) keep them in cache."""
+    bit for bit, in ~half the time (both of those operands are strided); accumulated in place (fewer
+    fresh multi-megabyte temporaries on long inputs)."""
     B, W, C = window.shape
     T = W - taps.shape[0] + 1
-    out = window.new_empty(B, T, C)
-    if B * T <= CONV_ROWS:  # decoding, verifying drafts: one block
-        return _conv_block(window, taps, out)
-    for b in range(B):
-        for t in range(0, T, CONV_ROWS):
-            rows = min(CONV_ROWS, T - t)
-            _conv_block(window[b, t:t + rows + taps.shape[0] - 1], taps, out[b, t:t + rows])
-    return out
-
-
-def _conv_block(window: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """causal_conv of window [..., rows + K-1, C] into out [..., rows, C]."""
-    rows = out.shape[-2]
-    acc = torch.mul(window[..., :rows, :], taps[0], out=out)
+    acc = torch.mul(window[:, :T], taps[0], out=window.new_empty(B, T, C))
     for i in range(1, taps.shape[0]):
-        acc += window[..., i:i + rows, :] * taps[i]
+        acc += window[:, i:i + T] * taps[i]
     return F.silu(acc, inplace=True)
 
 
@@ -192,6 +175,8 @@ class GatedDeltaNet(nn.Module):
         self.taps = self.conv.t().contiguous()  # [K, C]: tap i over every channel, contiguous
         self.norm = w.tensor("ssm_norm")  # [d_v], shared by the heads
         self.wo = w.linear("ssm_out")
+        # everything read from x, as one GEMM (the two per-head projections alone are GEMMs 4 columns wide)
+        self.inputs = FusedLinear(self.wqkv, self.walpha, self.wbeta, self.wz)
         want = (cfg.conv_channels, cfg.conv_kernel)
         if tuple(self.conv.shape) != want or self.wqkv.out_features != cfg.conv_channels:
             raise InputError(w.file.path, f"{w.name('ssm_conv1d')} / attn_qkv do not fit the ssm metadata "
@@ -206,7 +191,10 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         K = cfg.conv_kernel
         state = cache.state if cache is not None else None
-        mixed = self.wqkv(x)  # [B, T, C]
+        if rows is None:
+            mixed, alpha, beta, z = self.inputs(x)  # [B, T, C], [B, T, nv] twice, [B, T, nv * dv]
+        else:  # the gate only for the output rows (below)
+            mixed, alpha, beta, z = self.wqkv(x), self.walpha(x), self.wbeta(x), None
         prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
         window = torch.cat((prev, mixed), dim=1)  # [B, K-1+T, C]
         qkv = causal_conv(window, as_dtype(self.taps, mixed.dtype))  # [B, T, C]
@@ -217,8 +205,8 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.view(B, T, nk, dk)).transpose(1, 2)
         q, k = tile_key_heads(q, nv), tile_key_heads(k, nv)
         v = v.view(B, T, nv, dv).transpose(1, 2)
-        g = (self.a * F.softplus(self.walpha(x).float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
-        beta = torch.sigmoid(self.wbeta(x).float()).transpose(1, 2)
+        g = (self.a * F.softplus(alpha.float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
+        beta = torch.sigmoid(beta.float()).transpose(1, 2)
         ssm = state["ssm"] if state is not None else None
 
         recording = cache is not None and cache.recording
@@ -235,7 +223,8 @@ class GatedDeltaNet(nn.Module):
         out = out.transpose(1, 2)  # [B, T, nv, dv]
         if rows is not None:  # outputs for those rows only (the recurrence saw every row)
             x, out, T = take_rows(x, rows), take_rows(out, rows), rows.shape[1]
-        z = self.wz(x).view(B, T, nv, dv)
+            z = self.wz(x)
+        z = z.view(B, T, nv, dv)
         out = out.to(x.dtype)
         out = rms_norm(out, self.norm, cfg.eps) * F.silu(z.float()).to(x.dtype)
         return self.wo(out.reshape(B, T, nv * dv))
