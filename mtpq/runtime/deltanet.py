@@ -89,11 +89,13 @@ def _decay(log_decay: torch.Tensor, keep: torch.Tensor | None = None) -> torch.T
 
     exp leaves its fast path when the result under- or overflows (~30x slower per element on this CPU):
     the demo's chunk log decays reach -6000, and the entries outside ``keep`` (j > t) are large and
-    positive. Those are replaced by the floor before exp, and the results zeroed after it."""
+    positive. Those are replaced by the floor before exp, and the results zeroed after it. ``log_decay``
+    is overwritten (pass a temporary): no new [.., chunk, chunk] tensors per pass over it."""
     live = log_decay > DECAY_FLOOR
     if keep is not None:
         live &= keep
-    return torch.where(live, log_decay, DECAY_FLOOR).exp().masked_fill_(~live, 0.0)
+    dead = live.logical_not_()
+    return log_decay.masked_fill_(dead, DECAY_FLOOR).exp_().masked_fill_(dead, 0.0)
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final: bool = True):
@@ -118,15 +120,15 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = _decay(c[..., :, None] - c[..., None, :], causal)  # e^(c_t - c_j), j <= t; 0 above the diagonal
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is ignored: unitriangular
+    system = (k_beta @ k.transpose(-1, -2)).mul_(decay)  # its diagonal is ignored: unitriangular
     # one solve for both right-hand sides (U = u_from_v - u_from_s S0), posed transposed (U^T system^T = rhs^T,
     # left=False): LAPACK reads both operands in place, where the direct form copies the right-hand sides to
     # column-major first (half the solve's time on the estimator's batches; the same result to ~1e-7)
-    e_c = _decay(c)
+    e_c = _decay(c.clone())
     rhs = torch.cat((v * beta[..., None], k_beta * e_c[..., None]), dim=-1)
     both = torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
     u_from_v, u_from_s = both.split((dv, dk), dim=-1)
-    attn = (q @ k.transpose(-1, -2)) * decay
+    attn = (q @ k.transpose(-1, -2)).mul_(decay)
     q_decayed = q * e_c[..., None]
     k_to_end = k * _decay(c[..., -1:] - c)[..., None]
     chunk_decay = e_c[..., -1, None, None]
