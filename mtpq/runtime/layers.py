@@ -100,11 +100,10 @@ class Rope:
         if self.neox:
             x1, x2 = rot[..., : d // 2], rot[..., d // 2:]
             out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-        else:  # pairs (2i, 2i+1) share frequency i: (x1 c - x2 s, x2 c + x1 s) as rot * [c, c] + swapped * [-s, s]
-            # (a + (-b) is a - b exactly: the same bits in 4 ops over whole rows instead of 7 over strided halves)
+        else:  # pairs (2i, 2i+1) share frequency i
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
             c, s = cos[..., : d // 2], sin[..., : d // 2]
-            swapped = rot.unflatten(-1, (d // 2, 2)).flip(-1).flatten(-2)
-            out = rot * torch.stack((c, c), dim=-1).flatten(-2) + swapped * torch.stack((-s, s), dim=-1).flatten(-2)
+            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
@@ -314,14 +313,12 @@ class MoE(nn.Module):
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
-        # float stacks: expert e's gate and up rows adjacent, [E * 2F, H]: one GEMM for both, over every
-        # expert (_all_experts) or one (_used_experts)
-        self.register_buffer("gate_up", None, persistent=False)
+        self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
         if not self.gate.quantized and not self.up.quantized and self.gate.data.dtype == self.up.data.dtype:
             E, F_, H = self.gate.data.shape
-            both = torch.stack((self.gate.data, self.up.data), dim=1)  # [E, 2, F, H]
-            self.gate.data, self.up.data = both[:, 0], both[:, 1]
-            self.gate_up = both.view(E * 2 * F_, H)  # (the expert stacks are now views of it)
+            both = torch.cat([self.gate.data.reshape(E * F_, H), self.up.data.reshape(E * F_, H)])
+            self.gate.data, self.up.data = both[: E * F_].view(E, F_, H), both[E * F_:].view(E, F_, H)
+            self.gate_up = both  # (the expert stacks are now views of it)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] f32, expert ids [N, k])."""
@@ -371,14 +368,13 @@ class MoE(nn.Module):
         # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched.
         # Each weight is fetched right before its one GEMM (matrix() may hand out a reused buffer).
         if self.gate_up is not None:
-            gu = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).view(-1, E, 2, F_)
-            g, u = gu[:, :, 0], gu[:, :, 1]
+            g, u = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H)).view(-1, E, F_)
-            u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H)).view(-1, E, F_)
-        h = F.silu(g) * u  # [N, E, F]
+            g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
+        h = F.silu(g) * u  # [N, E*F]
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
-        y = torch.bmm(h.transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
+        y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
         return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
@@ -404,14 +400,8 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            if self.gate_up is not None:
-                F_ = self.gate.shape[1]
-                g, u = F.linear(h, widened(self.gate_up[2 * F_ * e: 2 * F_ * (e + 1)], x.dtype, self.gate.pool)
-                                ).split(F_, dim=-1)
-                h = F.silu(g, inplace=True).mul_(u)
-            else:
-                g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
-                h = g.mul_(F.linear(h, as_dtype(self.up.matrix(e), x.dtype)))
+            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
+            h = g.mul_(F.linear(h, as_dtype(self.up.matrix(e), x.dtype)))
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
