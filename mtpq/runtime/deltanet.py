@@ -155,9 +155,8 @@ def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     K shifted slices times contiguous taps: the same products and sums as (unfold * kernel).sum(-1),
     bit for bit, in ~half the time (both of those operands are strided); accumulated in place (fewer
     fresh multi-megabyte temporaries on long inputs)."""
-    B, W, C = window.shape
-    T = W - taps.shape[0] + 1
-    acc = torch.mul(window[:, :T], taps[0], out=window.new_empty(B, T, C))
+    T = window.shape[1] - taps.shape[0] + 1
+    acc = window[:, :T] * taps[0]
     for i in range(1, taps.shape[0]):
         acc += window[:, i:i + T] * taps[i]
     return F.silu(acc, inplace=True)
