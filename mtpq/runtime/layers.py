@@ -146,7 +146,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: "Packing", scale: float
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float
                      ) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows),
     k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv]. One causal attention per sequence at its own length:
@@ -418,9 +418,10 @@ class MoE(nn.Module):
 class Packing:
     """Sequences packed one after another as the rows of one [1, N, H] tensor, each from position 0,
     uncached (the teacher-forced estimator's pass). The per-row work (norms, projections, feed-forward,
-    logits) runs once over all N rows; a sequence mixer sees them as a right-padded batch [B, T, H]
-    (``pad``: padding follows each sequence's own rows, so causal mixing never reads it into them) and
-    gives back one output per row (``unpad``). With ``out_from`` (per sequence) only rows out_from[b]..
+    logits) runs once over all N rows; a sequence mixer with ``forward_packed`` (attention, MLA) takes the rows
+    as they are and attends per sequence, any other sees them as a right-padded batch [B, T, H] (``pad``:
+    padding follows each sequence's own rows, so causal mixing never reads it into them) and gives back one
+    output per row (``unpad``). With ``out_from`` (per sequence) only rows out_from[b]..
     of sequence b give outputs (the MTP head's compared pairs): ``rows`` [B, M] are their positions
     (a sequence with fewer repeats its last row; those outputs are dropped), ``kept`` their flat rows."""
 
