@@ -146,6 +146,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float
+                     ) -> torch.Tensor:
+    """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows),
+    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv]. One causal attention per sequence at its own length:
+    a padded batch would spend its longest sequence's T^2 on every sequence."""
+    outs, at, aq = [], 0, 0
+    for T, first in zip(packing.lengths, packing.firsts):
+        M = T - first  # its output rows: positions first..T-1
+        qb, kb, vb = (t[a:a + n].transpose(0, 1)[None] for t, a, n in ((q, aq, M), (k, at, T), (v, at, T)))
+        outs.append(causal_attention(qb, kb, vb, first, scale)[0].transpose(0, 1))
+        at, aq = at + T, aq + M
+    return torch.cat(outs)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -176,6 +190,39 @@ class Attention(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache()
+
+    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """:meth:`forward` over packed sequences (:class:`Packing`), x [1, N, H] -> [1, kept rows, H]: the
+        projections, norms and RoPE run on the real rows, attention per sequence."""
+        cfg = self.cfg
+        if packing.kept is not None:
+            q, k, v = self.wq(x[:, packing.kept]), self.wk(x), self.wv(x)
+        else:
+            q, k, v = self.qkv(x)
+        Nq, N = q.shape[1], k.shape[1]
+        q = q.view(1, Nq, cfg.n_heads, -1)
+        gate = None
+        if cfg.gated:
+            q, gate = q.split(cfg.head_dim, dim=-1)
+            gate = gate.reshape(1, Nq, cfg.n_heads * cfg.head_dim)
+        k = k.view(1, N, cfg.n_kv_heads, cfg.head_dim)
+        if packing.kept is None and self.joint:  # as in forward
+            qk = torch.cat((q, k), dim=2)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, cfg.eps)
+            q, k = self.rope.apply(qk.transpose(1, 2), packing.positions).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
+        else:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.eps)
+            q = self.rope.apply(q.transpose(1, 2), packing.out_positions)
+            k = self.rope.apply(k.transpose(1, 2), packing.positions)
+        out = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v.view(N, cfg.n_kv_heads, cfg.head_dim),
+                               packing, cfg.head_dim ** -0.5).reshape(1, Nq, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out)
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -371,15 +418,21 @@ class MoE(nn.Module):
 class Packing:
     """Sequences packed one after another as the rows of one [1, N, H] tensor, each from position 0,
     uncached (the teacher-forced estimator's pass). The per-row work (norms, projections, feed-forward,
-    logits) runs once over all N rows; a sequence mixer sees them as a right-padded batch [B, T, H]
-    (``pad``: padding follows each sequence's own rows, so causal mixing never reads it into them) and
-    gives back one output per row (``unpad``). With ``out_from`` (per sequence) only rows out_from[b]..
+    logits) runs once over all N rows; a sequence mixer with ``forward_packed`` (attention, MLA) takes the rows
+    as they are and attends per sequence, any other sees them as a right-padded batch [B, T, H] (``pad``:
+    padding follows each sequence's own rows, so causal mixing never reads it into them) and gives back one
+    output per row (``unpad``). With ``out_from`` (per sequence) only rows out_from[b]..
     of sequence b give outputs (the MTP head's compared pairs): ``rows`` [B, M] are their positions
     (a sequence with fewer repeats its last row; those outputs are dropped), ``kept`` their flat rows."""
 
     def __init__(self, lengths: list[int], device: torch.device, out_from: list[int] | None = None):
         B, T = len(lengths), max(lengths)
         self.shape = (B, T)
+        self.lengths, self.firsts = list(lengths), list(out_from) if out_from is not None else [0] * B
+        # each row's position in its sequence, and the output rows' ([1, N] / [1, kept]: RoPE's tensor form)
+        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        self.out_positions = self.positions if out_from is None else torch.cat(
+            [torch.arange(f, n) for f, n in zip(out_from, lengths)]).to(device)[None]
         self.slots = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)]).to(device)
         if out_from is None:
             self.rows = self.kept = None
@@ -425,6 +478,8 @@ class DecoderBlock(nn.Module):
         normed = rms_norm(x, self.attn_norm, self.eps)
         if packing is None:
             h = x + self.attn(normed, start, cache)
+        elif hasattr(self.attn, "forward_packed"):  # per-row work on the real rows only, no padded batch
+            h = (x if packing.kept is None else x[:, packing.kept]) + self.attn.forward_packed(normed, packing)
         else:
             mixed = packing.unpad(self.attn(packing.pad(normed), 0, None, rows=packing.rows))
             h = (x if packing.kept is None else x[:, packing.kept]) + mixed

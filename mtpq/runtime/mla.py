@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .layers import Rope, causal_attention, rms_norm, take_rows
+from .layers import Packing, Rope, causal_attention, packed_attention, rms_norm, take_rows
 from .weights import Scope, as_dtype
 
 
@@ -86,6 +86,35 @@ class MLA(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()  # latent c [B, 1, T, kv_lora] and k_pe [B, 1, T, rope]
 
+    def _expansion(self, dtype: torch.dtype) -> torch.Tensor:
+        """k_b and v_b as one [kv_lora, H*nope | H*v] matrix: both expansions of the latent rows in one GEMM
+        (a broadcast matmul per head would copy c once per head and run H small GEMMs)."""
+        cfg = self.cfg
+        return torch.cat((as_dtype(self.k_b.matrix(), dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
+                          as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
+
+    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """The expanded form over packed sequences (layers.Packing), x [1, N, H] -> [1, kept rows, H]: the
+        projections and the expansion run on the real rows, attention per sequence."""
+        cfg = self.cfg
+        H = cfg.n_heads
+        xq = x if packing.kept is None else x[:, packing.kept]
+        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
+        q = q.view(1, -1, H, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)  # [1, H, Nq, nope + rope]
+        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
+        c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
+        c = rms_norm(c, self.kv_a_norm, cfg.eps)
+        q_pe = self.rope.apply(q_pe, packing.out_positions)
+        k_pe = self.rope.apply(k_pe[:, None], packing.positions)[0, 0]  # [N, rope]
+        k_nope, v = torch.matmul(c[0], self._expansion(x.dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+        N = k_nope.shape[0]
+        k = torch.cat((k_nope.view(N, H, -1), k_pe[:, None].expand(-1, H, -1)), dim=-1)  # [N, H, nope + rope]
+        v = v.view(N, H, -1)
+        if (pad := k.shape[-1] - cfg.v_dim) > 0:  # SDPA's CPU flash kernel needs v as wide as k (see forward)
+            v = F.pad(v, (0, pad))
+        out = packed_attention(torch.cat((q_nope, q_pe), dim=-1)[0].transpose(0, 1), k, v, packing, cfg.kq_scale)
+        return self.wo(out[..., : cfg.v_dim].reshape(1, -1, H * cfg.v_dim))
+
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``rows`` [B, M]: outputs for those positions only (every row still gives its latent key/value)."""
@@ -104,12 +133,9 @@ class MLA(nn.Module):
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            # both expansions as one GEMM over the latent rows: [kv_lora, H*nope | H*v] (a broadcast
-            # matmul per head would copy c once per head and run H small GEMMs)
             H, S = cfg.n_heads, c.shape[2]
-            w = torch.cat((as_dtype(self.k_b.matrix(), x.dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
-                           as_dtype(self.v_b.matrix(), x.dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
-            k_nope, v = torch.matmul(c[:, 0], w).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+            k_nope, v = torch.matmul(c[:, 0], self._expansion(x.dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim),
+                                                                                dim=-1)
             k_nope = k_nope.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope]
             v = v.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, v]
             k = torch.cat((k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)), dim=-1)

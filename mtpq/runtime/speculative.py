@@ -371,14 +371,30 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]]) -> list
     # logits only where they are compared (the prompt's are most of a long prompt's output GEMMs)
     compared = torch.cat([torch.arange(a + n, a + T) for a, n, T in zip(at, firsts, lengths)])
     trunk = model.trunk(seq, use_cache=False, packing=Packing(lengths, dev), logit_rows=compared.to(dev))
-    target = trunk.logits[0].argmax(dim=-1)  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
+    target = _argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
     # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
     pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
     head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
     head = model.draft(seq[:, pairs + 1], trunk.hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
-    same = (head.logits[0].argmax(dim=-1) == target).tolist()
+    same = (_argmax(head.logits[0]) == target).tolist()
     counts = [T - n for T, n in zip(lengths, firsts)]
     return [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
+
+
+ARGMAX_BLOCK = 128  # vocabulary entries per block of _argmax
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [N, V], the same indices (the first maximum; NaN counts as the maximum)
+    ~4x faster: the maximum of each block of ARGMAX_BLOCK entries (a vectorized reduction, where argmax's
+    is not), the first block holding the row's maximum, then argmax inside that block only."""
+    N, V = logits.shape
+    if V % ARGMAX_BLOCK or V < 4 * ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    blocks = logits.view(N, V // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # [N]
+    inside = blocks[torch.arange(N, device=logits.device), best].argmax(dim=-1)
+    return best * ARGMAX_BLOCK + inside
 
 
 def _loop_counts(matches: list[bool]) -> tuple[int, int]:
