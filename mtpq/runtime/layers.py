@@ -191,46 +191,14 @@ class Attention(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """:meth:`forward` over packed sequences (:class:`Packing`), x [1, N, H] -> [1, kept rows, H]: the
-        projections, norms and RoPE run on the real rows, attention per sequence."""
-        cfg = self.cfg
-        if packing.kept is not None:
-            q, k, v = self.wq(x[:, packing.kept]), self.wk(x), self.wv(x)
-        else:
-            q, k, v = self.qkv(x)
-        Nq, N = q.shape[1], k.shape[1]
-        q = q.view(1, Nq, cfg.n_heads, -1)
-        gate = None
-        if cfg.gated:
-            q, gate = q.split(cfg.head_dim, dim=-1)
-            gate = gate.reshape(1, Nq, cfg.n_heads * cfg.head_dim)
-        k = k.view(1, N, cfg.n_kv_heads, cfg.head_dim)
-        if packing.kept is None and self.joint:  # as in forward
-            qk = torch.cat((q, k), dim=2)
-            if self.qk_norm is not None:
-                qk = rms_norm(qk, self.qk_norm, cfg.eps)
-            q, k = self.rope.apply(qk.transpose(1, 2), packing.positions).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
-        else:
-            if self.q_norm is not None:
-                q = rms_norm(q, self.q_norm, cfg.eps)
-            if self.k_norm is not None:
-                k = rms_norm(k, self.k_norm, cfg.eps)
-            q = self.rope.apply(q.transpose(1, 2), packing.out_positions)
-            k = self.rope.apply(k.transpose(1, 2), packing.positions)
-        out = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v.view(N, cfg.n_kv_heads, cfg.head_dim),
-                               packing, cfg.head_dim ** -0.5).reshape(1, Nq, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.wo(out)
-
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """``rows`` [B, M]: outputs for those positions only (every row still gives its key and value)."""
+    def _project(self, x: torch.Tensor, xq: torch.Tensor | None, q_at, k_at):
+        """Queries (and the output gate) from the rows ``xq`` (all of ``x`` when None), keys and values from
+        ``x``; q and k normed and rotated, at positions ``q_at`` / ``k_at`` (a start or a tensor, as
+        :meth:`Rope.apply`). -> q [B, n_heads, Tq, D], k [B, n_kv, T, D], v [B, T, n_kv, D], gate or None."""
         cfg = self.cfg
         B, T, _ = x.shape
-        if rows is not None:  # queries (and the gate) only where outputs are wanted
-            q, (k, v) = self.wq(take_rows(x, rows)), (self.wk(x), self.wv(x))
+        if xq is not None:  # queries (and the gate) only where outputs are wanted
+            q, k, v = self.wq(xq), self.wk(x), self.wv(x)
         else:
             q, k, v = self.qkv(x)
         Tq = q.shape[1]
@@ -240,31 +208,41 @@ class Attention(nn.Module):
             q, gate = q.split(cfg.head_dim, dim=-1)
             gate = gate.reshape(B, Tq, cfg.n_heads * cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        if rows is not None:  # q and k differ in length: normed and rotated apart
-            if self.q_norm is not None:
-                q = rms_norm(q, self.q_norm, cfg.eps)
-            if self.k_norm is not None:
-                k = rms_norm(k, self.k_norm, cfg.eps)
-            q, k = self.rope.apply(q.transpose(1, 2), start + rows), self.rope.apply(k.transpose(1, 2), start)
-        elif self.joint:
+        if xq is None and self.joint:
             qk = torch.cat((q, k), dim=2)
             if self.qk_norm is not None:
                 qk = rms_norm(qk, self.qk_norm, cfg.eps)
-            q, k = self.rope.apply(qk.transpose(1, 2), start).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
-        else:
+            q, k = self.rope.apply(qk.transpose(1, 2), k_at).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
+        else:  # q and k differ in length, or only one of them is normed: normed and rotated apart
             if self.q_norm is not None:
                 q = rms_norm(q, self.q_norm, cfg.eps)
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.eps)
-            q, k = self.rope.apply(q.transpose(1, 2), start), self.rope.apply(k.transpose(1, 2), start)
+            q, k = self.rope.apply(q.transpose(1, 2), q_at), self.rope.apply(k.transpose(1, 2), k_at)
+        return q, k, v.view(B, T, cfg.n_kv_heads, cfg.head_dim), gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The heads' outputs [B, Tq, n_heads * D], gated, through attn_output."""
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
+
+    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """:meth:`forward` over packed sequences (:class:`Packing`), x [1, N, H] -> [1, kept rows, H]: the
+        projections, norms and RoPE run on the real rows, attention per sequence."""
+        xq = None if packing.kept is None else x[:, packing.kept]
+        q, k, v, gate = self._project(x, xq, packing.out_positions, packing.positions)
+        out = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], packing, self.cfg.head_dim ** -0.5)
+        return self._output(out.reshape(1, q.shape[2], -1), gate)
+
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``rows`` [B, M]: outputs for those positions only (every row still gives its key and value)."""
+        at = start if rows is None else start + rows  # the queries' positions
+        q, k, v, gate = self._project(x, None if rows is None else take_rows(x, rows), at, start)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        at = start if rows is None else start + rows
-        out = causal_attention(q, k, v, at, cfg.head_dim ** -0.5).transpose(1, 2).reshape(B, Tq, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.wo(out)
+        out = causal_attention(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
+        return self._output(out.reshape(x.shape[0], q.shape[2], -1), gate)
 
 
 # ----------------------------------------------------------------------------- feed-forward

@@ -93,27 +93,43 @@ class MLA(nn.Module):
         return torch.cat((as_dtype(self.k_b.matrix(), dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
                           as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
 
+    def _project(self, x: torch.Tensor, xq: torch.Tensor, q_at, k_at):
+        """From the query rows ``xq``: q_nope and the rotated q_pe [B, H, Tq, .]; from all rows ``x``: the normed
+        latent c [B, 1, T, kv_lora] (one head shared by all) and the rotated k_pe [B, 1, T, rope]; positions
+        ``q_at`` / ``k_at`` as :meth:`Rope.apply` takes them."""
+        cfg = self.cfg
+        B, Tq, _ = xq.shape
+        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
+        q = q.view(B, Tq, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
+        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
+        c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
+        c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]
+        return q_nope, self.rope.apply(q_pe, q_at), c, self.rope.apply(k_pe[:, None], k_at)
+
+    def _expanded_kv(self, c: torch.Tensor, k_pe: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values expanded per head from the latent rows c [B, 1, S, kv_lora] and k_pe [B, 1, S, rope]:
+        k [B, H, S, nope + rope], v [B, H, S, v] zero-padded to the key width (SDPA's CPU flash kernel, ~2x,
+        needs it)."""
+        cfg = self.cfg
+        H, (B, _, S, _) = cfg.n_heads, c.shape
+        k_nope, v = torch.matmul(c[:, 0], self._expansion(dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+        k = torch.cat((k_nope.view(B, S, H, -1).transpose(1, 2), k_pe.expand(-1, H, -1, -1)), dim=-1)
+        v = v.view(B, S, H, -1).transpose(1, 2)
+        if (pad := k.shape[-1] - cfg.v_dim) > 0:
+            v = F.pad(v, (0, pad))
+        return k, v
+
     def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         """The expanded form over packed sequences (layers.Packing), x [1, N, H] -> [1, kept rows, H]: the
         projections and the expansion run on the real rows, attention per sequence."""
         cfg = self.cfg
-        H = cfg.n_heads
         xq = x if packing.kept is None else x[:, packing.kept]
-        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
-        q = q.view(1, -1, H, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)  # [1, H, Nq, nope + rope]
-        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
-        c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
-        c = rms_norm(c, self.kv_a_norm, cfg.eps)
-        q_pe = self.rope.apply(q_pe, packing.out_positions)
-        k_pe = self.rope.apply(k_pe[:, None], packing.positions)[0, 0]  # [N, rope]
-        k_nope, v = torch.matmul(c[0], self._expansion(x.dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
-        N = k_nope.shape[0]
-        k = torch.cat((k_nope.view(N, H, -1), k_pe[:, None].expand(-1, H, -1)), dim=-1)  # [N, H, nope + rope]
-        v = v.view(N, H, -1)
-        if (pad := k.shape[-1] - cfg.v_dim) > 0:  # SDPA's CPU flash kernel needs v as wide as k (see forward)
-            v = F.pad(v, (0, pad))
-        out = packed_attention(torch.cat((q_nope, q_pe), dim=-1)[0].transpose(0, 1), k, v, packing, cfg.kq_scale)
-        return self.wo(out[..., : cfg.v_dim].reshape(1, -1, H * cfg.v_dim))
+        q_nope, q_pe, c, k_pe = self._project(x, xq, packing.out_positions, packing.positions)
+        k, v = self._expanded_kv(c, k_pe, x.dtype)
+        out = packed_attention(torch.cat((q_nope, q_pe), dim=-1)[0].transpose(0, 1), k[0].transpose(0, 1),
+                               v[0].transpose(0, 1), packing, cfg.kq_scale)
+        return self.wo(out[..., : cfg.v_dim].reshape(1, -1, cfg.n_heads * cfg.v_dim))
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -121,27 +137,14 @@ class MLA(nn.Module):
         cfg = self.cfg
         xq = x if rows is None else take_rows(x, rows)
         B, T, _ = xq.shape  # T: the query rows
-        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
-        q = q.view(B, T, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
-        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
-        c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
-        c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]  # [B, 1, T, kv_lora]: one head shared by all
         at = start if rows is None else start + rows  # the queries' positions
-        q_pe, k_pe = self.rope.apply(q_pe, at), self.rope.apply(k_pe[:, None], start)
+        q_nope, q_pe, c, k_pe = self._project(x, xq, at, start)
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            H, S = cfg.n_heads, c.shape[2]
-            k_nope, v = torch.matmul(c[:, 0], self._expansion(x.dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim),
-                                                                                dim=-1)
-            k_nope = k_nope.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope]
-            v = v.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, v]
-            k = torch.cat((k_nope, k_pe.expand(-1, cfg.n_heads, -1, -1)), dim=-1)
-            pad = k.shape[-1] - cfg.v_dim  # v zero-padded to the key width: SDPA's CPU flash kernel (~2x) needs it
-            if pad > 0:
-                v = F.pad(v, (0, pad))
+            k, v = self._expanded_kv(c, k_pe, x.dtype)
             out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
