@@ -25,7 +25,7 @@ import pytest
 from runcli import run_cli
 
 FAKE_SERVER = r'''
-import json, os, sys, time
+import json, os, socketserver, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 args = sys.argv[1:]
@@ -71,7 +71,13 @@ class H(BaseHTTPRequestHandler):
             t.update(draft_n=drafted, draft_n_accepted=accepted)
         self.send(200, {"content": "x" * n, "tokens": list(range(n)), "timings": t})
 
-ThreadingHTTPServer(("127.0.0.1", int(opt("--port"))), H).serve_forever()
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+host = opt("--host")
+if host.endswith(".sock"):  # llama-server's rule: such a host is a unix socket path
+    UnixHTTPServer(host, H).serve_forever()
+ThreadingHTTPServer((host, int(opt("--port"))), H).serve_forever()
 '''
 
 
@@ -106,6 +112,14 @@ def _gone(pid: int, wait: float = 10.0) -> bool:
     return False
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _pid(fake_bin: Path) -> int:
     return int((fake_bin.parent / "state" / "pid").read_text())
 
@@ -123,7 +137,13 @@ def test_report_from_server_counters(fake_bin, model, tmp_path):
                         ("--tensor-split", "1,1"), ("-m", str(model))):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert _gone(_pid(fake_bin)), "llama-server left running"
+    # a unix socket in a folder only we can enter, not a TCP port: a port picked free and bound later by the
+    # server can be taken by another server started at the same moment, and we would read its counters
+    sock = Path(argv[argv.index("--host") + 1])
+    assert sock.name.endswith(".sock") and "--port" not in argv, argv
+    assert not sock.parent.exists(), "the socket's folder was left behind"
     doc = json.loads(out.read_text())
+    assert doc["server"] == f"unix:{sock}"
     prompts = [p for _, p in load_prompts("builtin", 5)]
     drafted = [2 * (30 // 3)] * 5
     accepted = [len(p) % (d + 1) for p, d in zip(prompts, drafted)]
@@ -169,6 +189,7 @@ def test_running_server_by_url(fake_bin, model, tmp_path):
     from mtpq.engines.llama_cpp import LlamaServer, ServerConfig
 
     with LlamaServer(ServerConfig(fake_bin / "llama-server"), model, draft=1) as srv:
+        assert srv.socket_dir.stat().st_mode & 0o777 == 0o700  # no other user can reach or replace the socket
         out = tmp_path / "r.json"
         res = run_cli("accept", model, "--engine", "llama.cpp", "--server", srv.url, "-k", "1", "--max-prompts", "2",
                       "--json", out)
@@ -190,6 +211,28 @@ def test_running_server_by_url(fake_bin, model, tmp_path):
 def test_engine_options_are_checked(model, args, where):
     res = run_cli("accept", model, *args)
     assert res.exit_code == 2 and res.stderr.startswith(f"error: {where}"), res.output
+
+
+def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
+    """--server http://HOST:PORT: a server someone started on a TCP port."""
+    port = _free_port()
+    srv = subprocess.Popen([str(fake_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
+                            str(port), "--spec-draft-n-max", "1"])
+    try:
+        from mtpq.engines.llama_cpp import _health
+
+        deadline = time.monotonic() + 30
+        while not _health(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = tmp_path / "r.json"
+        res = run_cli("accept", model, "--engine", "llama.cpp", "--server", f"http://127.0.0.1:{port}", "-k", "1",
+                      "--max-prompts", "2", "--json", out)
+        assert res.exit_code == 0, res.output
+        doc = json.loads(out.read_text())
+        assert doc["server"] == f"http://127.0.0.1:{port}" and doc["drafted"] > 0, doc
+    finally:
+        srv.kill()
+        srv.wait()
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGKILL, -9)])
@@ -301,7 +344,6 @@ def test_acceptance_through_rpc_servers_equals_local(llama_cpp_bin, tmp_path):
         rpc_bin = llama_cpp_bin / "rpc-server"
     if not rpc_bin.exists():
         pytest.skip("llama.cpp built without -DGGML_RPC=ON (no rpc-server)")
-    from mtpq.engines.llama_cpp import _free_port
 
     gguf = tmp_path / "demo.gguf"
     assert run_cli("convert", Path(str(resources.files("mtpq").joinpath("data/demo"))), gguf, "--outtype", "f32",

@@ -87,8 +87,8 @@ def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ng
         if v != default:
             fail(opt, "belongs to --engine torch (llama-server decides devices and precision itself)")
     if server is not None:
-        if not server.startswith(("http://", "https://")):
-            fail("--server", f"{server}: expected http://HOST:PORT")
+        if not server.startswith(("http://", "https://", "unix:")):
+            fail("--server", f"{server}: expected http://HOST:PORT or unix:/path/to/llama.sock")
         for opt in ("--llama-cpp", "--ngl", "--ctx-size", "--rpc"):
             if llama_only[opt] is not None:
                 fail(opt, "starts a server: not with --server (that server was started by someone else)")
@@ -157,8 +157,9 @@ def accept(
                                "llama-server with its MTP drafter, for models that need several GPUs or machines."),
     llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: "
                                    "$MTPQ_LLAMA_CPP_BIN, then PATH)."),
-    server: str = typer.Option(None, "--server", help="llama.cpp: use this running llama-server (http://HOST:PORT, "
-                               "started with --spec-type draft-mtp) instead of starting one."),
+    server: str = typer.Option(None, "--server", help="llama.cpp: use this running llama-server (http://HOST:PORT, or "
+                               "unix:PATH for one started with --host PATH.sock; started with --spec-type "
+                               "draft-mtp) instead of starting one."),
     ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="llama.cpp: context size of the server."),
     rpc: str = typer.Option(None, "--rpc", help="llama.cpp: rpc-server endpoints HOST:PORT,HOST:PORT to spread "

@@ -10,17 +10,22 @@ engine's (``mtpq.runtime.accept.AcceptReport``).
     cfg = ServerConfig(find_server(None), ngl=999)
     report = measure_with_llama_cpp("big-q4km.gguf", prompts, draft=3, max_new_tokens=64, server=cfg)
 
-The server's life is ours: a free port on 127.0.0.1, a ready check with a timeout, its log in a
-file (kept and named when anything fails), one line with the reason from that log when it cannot
+The server's life is ours: a unix socket in a private temporary folder (no other process can be
+listening there, unlike a TCP port picked free and bound later, which a second server started at
+the same moment can take: then mtpq would read that server's counters), a ready check with a
+timeout, its log in a file (kept and named when anything fails), one line with the reason from that log when it cannot
 start, and no server left behind: it runs in its own process group, is stopped on every exit path
 (including Ctrl-C and SIGTERM, which mtpq turns into exceptions), and on Linux dies with mtpq even
 when mtpq is killed outright.
 
-Only the standard library talks HTTP here (urllib): no new dependency.
+Only the standard library talks HTTP here (urllib, and http.client over the unix socket): no new
+dependency. ``--server`` takes ``http(s)://HOST:PORT`` or ``unix:/path/to/llama.sock`` (llama-server
+``--host /path/to/llama.sock``).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -78,8 +83,8 @@ class ServerConfig:
     extra: list[str] = field(default_factory=list)
     ready_timeout: float = READY_TIMEOUT
 
-    def args(self, model: Path, draft: int, port: int) -> list[str]:
-        a = [str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+    def args(self, model: Path, draft: int, host: str) -> list[str]:
+        a = [str(self.binary), "-m", str(model), "--host", host,
              "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft), "--spec-draft-n-min", "0",
              "--spec-draft-p-min", "0",  # every round drafts k tokens, as the torch engine's loop does
              "-np", "1", "--no-webui"]
@@ -96,12 +101,6 @@ def child_env() -> dict[str, str]:
     if env.pop("MTPQ_SET_OMP_WAIT_POLICY", None):
         env.pop("OMP_WAIT_POLICY", None)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -135,8 +134,10 @@ class LlamaServer:
 
     def __init__(self, cfg: ServerConfig, model: Path, draft: int):
         self.cfg, self.model, self.draft = cfg, Path(model), draft
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # llama-server binds a path ending in .sock as a unix socket; the folder is ours alone
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="mtpq-llama-server-"))
+        self.socket = self.socket_dir / "llama-server.sock"
+        self.url = f"unix:{self.socket}"
         fd, name = tempfile.mkstemp(prefix="mtpq-llama-server-", suffix=".log")
         os.close(fd)
         self.log = Path(name)
@@ -155,7 +156,7 @@ class LlamaServer:
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, self.port), stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, str(self.socket)), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=child_env(),
                                          preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.cfg.ready_timeout
@@ -183,6 +184,7 @@ class LlamaServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         if not keep_log:
             self.log.unlink(missing_ok=True)
 
@@ -193,25 +195,58 @@ class LlamaServer:
             return ""
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def _request(url: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
+    """GET (no body) or POST JSON -> (HTTP status, payload) for any answer; OSError when nothing answers."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    if url.startswith("unix:"):
+        conn = _UnixHTTPConnection(url[len("unix:"):], timeout)
+        try:
+            conn.request("GET" if data is None else "POST", path, body=data, headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        except http.client.HTTPException as e:
+            raise OSError(f"bad HTTP answer: {e}") from None
+        finally:
+            conn.close()
+    req = urllib.request.Request(url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except urllib.error.URLError as e:
+        raise OSError(str(e.reason)) from None
+
+
 def _health(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+        return _request(url, "/health", None, timeout=2)[0] == 200
+    except (OSError, ValueError):
         return False
 
 
 def _post(url: str, path: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:300].strip()
-        raise InputError(url, f"llama-server answered {e.code} to {path}: {detail}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise InputError(url, f"cannot reach llama-server: {getattr(e, 'reason', e)}") from None
+        status, payload = _request(url, path, body, timeout)
+    except (OSError, ValueError) as e:
+        raise InputError(url, f"cannot reach llama-server: {e}") from None
+    if status != 200:
+        detail = payload.decode(errors="replace")[:300].strip()
+        raise InputError(url, f"llama-server answered {status} to {path}: {detail}")
+    try:
+        return json.loads(payload)
     except json.JSONDecodeError:
         raise InputError(url, f"llama-server's answer to {path} is not JSON") from None
 
