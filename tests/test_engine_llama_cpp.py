@@ -240,9 +240,12 @@ def test_no_server_outlives_mtpq(fake_bin, model, monkeypatch, sig, code):
     """mtpq stopped while the server is busy: the server goes too (SIGKILL: it dies with its parent)."""
     monkeypatch.setenv("FAKE_SLOW", "1")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # SIGINT as a terminal's Ctrl-C delivers it: a shell that starts a job in the background (`make test &`)
+    # leaves SIGINT ignored in it, and Python keeps an inherited SIG_IGN; that child would run on to exit 0
     p = subprocess.Popen([sys.executable, "-m", "mtpq.cli", "accept", str(model), "--engine", "llama.cpp",
                           "--llama-cpp", str(fake_bin), "--max-prompts", "1"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pidfile = fake_bin.parent / "state" / "pid"
     deadline = time.monotonic() + 60
     while not pidfile.exists() and time.monotonic() < deadline:
