@@ -372,10 +372,12 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]]) -> list
     compared = torch.cat([torch.arange(a + n, a + T) for a, n, T in zip(at, firsts, lengths)])
     trunk = model.trunk(seq, use_cache=False, packing=Packing(lengths, dev), logit_rows=compared.to(dev))
     target = _argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
+    hidden = trunk.hidden
+    del trunk  # its logits: the head's reuse their memory
     # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
     pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
     head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
-    head = model.draft(seq[:, pairs + 1], trunk.hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
+    head = model.draft(seq[:, pairs + 1], hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
     same = (_argmax(head.logits[0]) == target).tolist()
     counts = [T - n for T, n in zip(lengths, firsts)]
     return [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
