@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.gguf_writer import GGUFValue
 
 from .errors import InputError
+from .malloc import MMAP_THRESHOLD
 from .tensors import Plan, TensorSpec, block_index, classify
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -377,30 +381,148 @@ def _expected_size(writer: GGUFWriter, plan: Plan) -> int | None:
 
 PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once
 
+# One written tensor's memory, kept for the next tensor of its size when the writer has the budget for it:
+# a fresh buffer's pages are faulted in and zeroed by the kernel as the encoder first writes them, a third
+# of an FP8 -> bf16 conversion's time (the copy it is measured against writes from one reused buffer).
+_spare_lock = threading.RLock()  # also taken by _returned, which runs wherever a buffer's last user drops it
+_spare: dict = {"size": 0, "mem": None}
+
+
+def output_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array of ``nbytes`` for one tensor's encoded bytes (contents unspecified). Big ones are an
+    anonymous mapping of their own, reused for the next tensor of that size once written (the writer says
+    when it may keep one, :func:`_keep_spare`); the array and every view of it hold the mapping, which goes
+    back to the writer when the last goes."""
+    if nbytes < MMAP_THRESHOLD:  # below malloc's mmap threshold (malloc.keep_freed_buffers): it reuses its heap
+        return _claimed(np.empty(nbytes, dtype=np.uint8))
+    with _spare_lock:
+        mem, _spare["mem"] = _spare["mem"], None
+    if mem is None or len(mem) != nbytes:
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem: no huge pages
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mem.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for its big arrays: fewer, cheaper faults
+    arr = np.frombuffer(mem, dtype=np.uint8)  # its base is the mapping, not an array: views keep arr alive
+    weakref.finalize(arr, _returned, mem)
+    return _claimed(arr)
+
+
+class _Progress:
+    """The tensor encoded ahead: its output buffer (the first :func:`output_buffer` of its encoding) and how
+    much of it, from the start, is final -- which the writer writes while the rest is encoded."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.buf: np.ndarray | None = None
+        self.done = 0
+        self.finished = False
+
+    def advance(self, nbytes: int) -> None:
+        with self.cond:
+            self.done = max(self.done, nbytes)
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+
+_encoding = threading.local()  # the _Progress of the tensor this thread encodes ahead, if any
+
+
+def _claimed(arr: np.ndarray) -> np.ndarray:
+    progress = getattr(_encoding, "progress", None)
+    if progress is not None and progress.buf is None:
+        progress.buf = arr
+    return arr
+
+
+def report_progress(arr: np.ndarray) -> Callable[[int], None] | None:
+    """For an encoder that fills an :func:`output_buffer` ``arr`` from its start (called in the thread that
+    got it): the function to call with the length of its final prefix as it grows, or None if nobody reads
+    it (the writer is not waiting for this tensor)."""
+    progress = getattr(_encoding, "progress", None)
+    return progress.advance if progress is not None and progress.buf is arr else None
+
+
+class _Ahead:
+    """A tensor still being encoded: GGUFWriter's ``tofile`` writes its buffer's final prefix as it grows,
+    then the rest once the encoding returns (rewriting it whole if what returned is not that buffer)."""
+
+    def __init__(self, future, progress: _Progress, nbytes: int):
+        self.future, self.progress, self.nbytes = future, progress, nbytes
+
+    def tofile(self, f) -> None:
+        p, written, start = self.progress, 0, f.tell()
+        while True:
+            with p.cond:
+                p.cond.wait_for(lambda: p.done > written or p.finished)
+                buf, done, finished = p.buf, p.done, p.finished
+            if done > written:
+                f.write(memoryview(buf)[written:done])
+                written = done
+            elif finished:
+                break
+        data = self.future.result()  # the encoder's error, if any
+        same = (buf is not None and isinstance(data, np.ndarray) and data.flags.c_contiguous
+                and data.nbytes == buf.nbytes and data.ctypes.data == buf.ctypes.data)
+        if same:
+            f.write(memoryview(buf)[written:])
+            return
+        if written:
+            f.seek(start)
+        data.tofile(f)
+
+
+def _returned(mem: mmap.mmap) -> None:
+    with _spare_lock:
+        if len(mem) == _spare["size"] and _spare["mem"] is None:
+            _spare["mem"] = mem  # else unmapped as it is dropped
+
+
+def _keep_spare(nbytes: int) -> None:
+    """Let a written tensor's buffer of ``nbytes`` be kept for the next one (0: keep none, drop any kept)."""
+    with _spare_lock:
+        _spare["size"] = nbytes
+        if _spare["mem"] is not None and len(_spare["mem"]) != nbytes:
+            _spare["mem"] = None
+
 
 def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
     """Each spec with its bytes, in order. The next tensor is read and encoded in a worker thread while
     the current one is written (file I/O and torch release the GIL), unless the two together exceed
-    PREFETCH_BUDGET: memory stays near the largest tensor. (A tensor the converter streams slab by slab,
-    convert.stream.Streamed, is encoded as it is written, with its own look-ahead of a few slabs.)"""
+    PREFETCH_BUDGET: memory stays near the largest tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def checked(spec: TensorSpec) -> np.ndarray:
-        data = encode_tensor(spec)
+    def checked(spec: TensorSpec, inflight: int, progress: _Progress | None = None) -> np.ndarray:
+        # a buffer of this size kept for reuse is a third tensor in memory (while the previous one, written,
+        # and this one, encoded, are held): only within the same budget as the look-ahead
         size = tensor_nbytes(spec.shape, spec.ggml_type)
+        _keep_spare(size if inflight + 2 * size <= PREFETCH_BUDGET else 0)
+        _encoding.progress = progress
+        try:
+            data = encode_tensor(spec)
+        finally:
+            _encoding.progress = None
+            if progress is not None:
+                progress.finish()
         if data.nbytes != size:
             raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {size} for {spec.ggml_type.name}")
-        if hasattr(data, "start"):  # encoded as it is written: its first slabs now, while the previous is written
-            data.start()
         return data
 
     size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        ahead = None
-        for i, spec in enumerate(specs):
-            data = ahead.result() if ahead is not None else checked(spec)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
             ahead = None
-            if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
-                ahead = pool.submit(checked, specs[i + 1])
-            yield spec, data
-            del data  # written: not held while the next tensor is encoded
+            for i, spec in enumerate(specs):
+                # encoded ahead: written as it is encoded (no wait for the whole tensor; the next one is
+                # encoded once this one is, as before)
+                data = _Ahead(*ahead, size[i]) if ahead is not None else checked(spec, 0)
+                ahead = None
+                if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
+                    progress = _Progress()
+                    ahead = pool.submit(checked, specs[i + 1], size[i], progress), progress
+                yield spec, data
+                del data  # written: not held while the next tensor is encoded
+    finally:
+        _keep_spare(0)  # nothing kept past the file

@@ -1,10 +1,10 @@
-"""Encoding a converted tensor slab by slab, each slab written as soon as it is encoded.
+"""Encoding a converted tensor slab by slab into one output buffer of the output type.
 
 Loading a whole tensor and then encoding it holds it twice, and for FP8 checkpoints in float32: one
 DeepSeek-V3 layer's stacked experts are 7.5 GB in bf16 but 15 GB dequantized (and ``torch.stack``
 of the dequantized experts held that twice). Here each slab (one expert of a stack, a band of rows
-of a single tensor) is read, dequantized, encoded and written by the writer (:class:`Streamed`), so the
-extra memory is a few slabs, not the tensor.
+of a single tensor) is read, dequantized, encoded into its place in the preallocated output and
+dropped, so the extra memory is one slab, not the tensor.
 
 The bytes are those of encoding the whole tensor: every type the converter writes (F32, F16, BF16,
 Q8_0) encodes each row independently of the others.
@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
+from ..gguf_io import output_buffer, report_progress
 from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
@@ -32,7 +33,7 @@ SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
 # the copy); the quantized types keep big slabs, the kernels share them out among threads
 FLOAT_SLAB_ELEMENTS = 1 << 20
 # threads converting the slabs of one tensor to a float type: the machine's cores, at most 2 (the writer
-# writes the slabs they finished meanwhile)
+# writes the previous tensor meanwhile)
 FLOAT_WORKERS = min(2, os.cpu_count() or 1)
 _TORCH_OF = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
@@ -72,50 +73,43 @@ def encode_loaded(load: Callable[[], torch.Tensor], qtype: T, name: str, source:
     return encode_values(values, qtype, name, source)
 
 
-def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> Streamed | np.ndarray:
-    """The bytes of a tensor of ``shape`` in ``qtype`` (what ``quantize`` would return for the whole tensor), as
-    a :class:`Streamed` that encodes the slabs (rows ``r0:r1`` following one another from row 0) as the writer
-    writes them."""
-    slabs = list(slabs)
-    if not slabs:
-        return encode_values(torch.zeros(shape), qtype, name, source)
-    if any(s[0] != (slabs[i - 1][1] if i else 0) for i, s in enumerate(slabs)) or slabs[-1][1] != shape[0]:
-        raise ValueError(f"{name}: the slabs do not cover rows 0..{shape[0]} in order")
+def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
+    """The bytes of a tensor of ``shape`` in ``qtype`` (the array ``quantize`` would return for the whole
+    tensor), encoded slab by slab into one buffer allocated once."""
     if qtype in _TORCH_OF:
-        return _float_slabs(name, source, shape, qtype, slabs)
-    from gguf.quants import quant_shape_to_byte_shape
-
-    row = quant_shape_to_byte_shape((1, *shape[1:]), qtype)[1:]
-    row_bytes = math.prod(row)
-
-    def encode(slab: Slab, buf: None) -> np.ndarray:
-        r0, r1, load = slab
+        with one_torch_thread():
+            return _float_slabs(name, source, shape, qtype, slabs)
+    out = None
+    for r0, r1, load in slabs:
         part = encode_values(load(), qtype, name, source)
-        if part.nbytes != (r1 - r0) * row_bytes:
-            raise InputError(source, f"{name}: rows {r0}:{r1} gave {part.nbytes} bytes, expected {(r1 - r0) * row_bytes}")
-        return part
-    # one slab encoded while the previous is written (the kernels share each slab out among the threads)
-    return Streamed((shape[0], *row), np.uint8, slabs, encode, workers=1)
+        if out is None:
+            out = output_buffer(shape[0] * (part.nbytes // part.shape[0])).view(part.dtype)
+            out = out.reshape(shape[0], *part.shape[1:])
+        out[r0:r1] = part
+        del part
+    return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
 
 
-def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]) -> Streamed:
-    """F32/F16/BF16: each slab converted by torch straight into a buffer of the output type that the writer
-    writes from (one pass; ggml's fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they
-    differ, is refused), with ``quantize``'s checks and messages."""
+def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
+    """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
+    fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
+    with ``quantize``'s checks and messages."""
     from ..malloc import keep_freed_buffers
     from ..quantize.kernels import _all_finite
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
-    dtype = np.dtype(_BITS_AS[qtype])
-    row = math.prod(shape[1:]) * dtype.itemsize
+    # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
+    # 5x as long), and the memory of the previous tensor of this size when it could keep it
+    dtype = np.dtype(np.float32 if qtype == T.F32 else np.int16)
+    buf = output_buffer(math.prod(shape) * dtype.itemsize)
+    out = torch.from_numpy(buf.view(dtype).reshape(shape))
+    out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
-    def convert(slab: Slab, buf: np.ndarray) -> np.ndarray:
+    def one(slab: Slab) -> None:
         r0, r1, load = slab
-        part = buf[:(r1 - r0) * row]
-        dst = torch.from_numpy(part.view(np.int16 if qtype == T.BF16 else dtype).reshape(r1 - r0, *shape[1:]))
-        dst = dst.view(torch.bfloat16) if qtype == T.BF16 else dst
+        dst = out[r0:r1]
         if isinstance(load, Rows) and load.ck.rows_as(load.name, load.r0, load.r1, dst):
-            return part
+            return
         values = load()
         dst.copy_(values.reshape(dst.shape))
         # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
@@ -125,76 +119,39 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
                 raise InputError(source, f"{name}: contains NaN/Inf values")
             what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
             raise InputError(source, f"{name}: values exceed the {what}")
-        return part
 
-    ring = max(r1 - r0 for r0, r1, _ in slabs) * row
-    return Streamed(shape, dtype, slabs, convert, workers=min(FLOAT_WORKERS, len(slabs)), ring=ring)
+    slabs = list(slabs)
+    # the writer writes the finished rows while the rest are converted: slabs i < k finished are rows
+    # 0:slabs[k - 1][1] when the slabs follow one another from row 0 (as every caller here gives them)
+    in_order = all(s[0] == (slabs[i - 1][1] if i else 0) for i, s in enumerate(slabs))
+    report = report_progress(buf) if in_order else None
+    row = out[0].nbytes if len(out) else 0
+    finished, upto, lock = set(), [0], threading.Lock()
 
-
-class Streamed:
-    """One tensor's bytes, encoded slab by slab as the writer writes them (GGUFWriter.write_tensor_data uses
-    ``nbytes`` and ``tofile``): no buffer of the whole tensor. A fresh tensor-sized buffer cost the kernel's
-    zeroing of its pages as the encoder first wrote them, and the write then read it back from DRAM; a slab
-    written from a small ring of buffers reused from slab to slab is still in the CPU's cache. ``np.asarray``
-    runs the slabs into one array, for any other reader.
-
-    ``encode(slab, buf)`` returns the slab's bytes: written into ``buf`` (one of the ring's ``ring``-byte
-    buffers, the next free one; None without a ring) or an array of its own. ``workers`` threads encode the
-    next slabs while the writer writes one; each is reused only once written."""
-
-    def __init__(self, shape: tuple[int, ...], dtype, slabs: list[Slab],
-                 encode: Callable[[Slab, np.ndarray | None], np.ndarray], workers: int, ring: int = 0):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-        self.slabs, self.encode, self.workers, self.ring = slabs, encode, max(1, workers), ring
-        self._pending: deque | None = None  # (future, its buffer) of the slabs under way, in order
-
-    def reshape(self, *shape: int) -> Streamed:
-        """The same bytes seen as ``shape`` (one dimension may be -1)."""
-        rest = math.prod(self.shape) // math.prod(d for d in shape if d != -1)
-        return Streamed(tuple(rest if d == -1 else d for d in shape), self.dtype, self.slabs, self.encode,
-                        self.workers, self.ring)
-
-    def start(self) -> None:
-        """Begin encoding the first slabs (the writer calls it while it writes the tensor before: no wait for
-        this one's first slabs). Once only; :meth:`_parts` starts them if nobody did."""
-        if self._pending is not None:
+    def done(i: int) -> None:  # slab i is final: report the rows finished from the start
+        if report is None:
             return
-        depth = self.workers + 2  # a slab being written, one done waiting, one per worker being encoded
-        # the float encoders' passes are memory-bound: one torch thread each (more only wait when cores are busy)
-        init = dict(initializer=torch.set_num_threads, initargs=(1,)) if self.ring else {}
-        self._pool = ThreadPoolExecutor(self.workers, **init)
-        self._todo, self._pending = iter(self.slabs), deque()
-        for _ in range(min(depth, len(self.slabs))):
-            self._submit(np.empty(self.ring, dtype=np.uint8) if self.ring else None)
+        with lock:
+            finished.add(i)
+            while upto[0] in finished:
+                upto[0] += 1
+            end = slabs[upto[0] - 1][1] * row if upto[0] else 0
+        report(end)
 
-    def _submit(self, buf: np.ndarray | None) -> None:
-        slab = next(self._todo, None)
-        if slab is not None:
-            self._pending.append((self._pool.submit(self.encode, slab, buf), buf))
-
-    def _parts(self) -> Iterator[np.ndarray]:
-        """The slabs' bytes in order, each valid until the next one is asked for. Once only."""
-        self.start()
+    workers = min(FLOAT_WORKERS, len(slabs))
+    if workers < 2:
+        for i, slab in enumerate(slabs):
+            one(slab)
+            done(i)
+    else:  # Python threads, one torch thread each (torch and numpy release the GIL in their passes)
+        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
         try:
-            while self._pending:
-                future, buf = self._pending.popleft()
-                yield future.result()  # the first bad slab's error, in order
-                self._submit(buf)
+            for f in [pool.submit(lambda i, slab: (one(slab), done(i)), i, slab) for i, slab in enumerate(slabs)]:
+                f.result()  # the first bad slab's error, in order
         finally:
-            self._pool.shutdown(cancel_futures=True)
-
-    def tofile(self, f) -> None:
-        for part in self._parts():
-            f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out, at = np.empty(self.nbytes, dtype=np.uint8), 0
-        for part in self._parts():
-            out[at:at + part.nbytes] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-            at += part.nbytes
-        out = out.view(self.dtype).reshape(self.shape)
-        return out if dtype is None else out.astype(dtype)
+            pool.shutdown(cancel_futures=True)
+    # the arrays quantize returns: BF16 as uint16 bit patterns
+    return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
 
 
 _BITS_AS = {T.BF16: np.uint16, T.F16: np.float16, T.F32: np.float32}  # the arrays ``quantize`` returns
