@@ -266,3 +266,34 @@ def test_tensors_encoded_ahead_are_written_as_encoded(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="broken slab"):
         gio.write_plan(plan(["same", "fail"]), tmp_path / "bad.gguf")
     assert not (tmp_path / "bad.gguf").exists()
+
+
+def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
+    """Compressed-tensors FP8 (a per-channel [out, 1] or per-tensor ``_scale``) decoded by the bit moves of the
+    block-scaled tensors: torch's ``.to(torch.float32)`` times the scale, one rounding, for every byte of
+    e4m3fn and e5m2 (NaN and Inf kept), 1-D to 3-D tensors, scales with subnormal or past-range products."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mtpq.convert.checkpoint import Checkpoint
+
+    gen = torch.Generator().manual_seed(3)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for shape in ((300, 130), (64,), (5, 7, 9)):
+            q = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            q.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[:q.numel()]
+            for kind in ("channel", "tensor"):
+                if kind == "channel":
+                    s = torch.exp(torch.randn(shape[0], 1, generator=gen) * 6)
+                    s[0, 0], s[1, 0] = 1e-41, 3e36
+                else:
+                    s = torch.tensor(3e-3)
+                folder = tmp_path / f"{fp8}-{len(shape)}-{kind}"
+                folder.mkdir()
+                (folder / "config.json").write_text("{}")
+                save_file({"w": q.view(fp8), "w_scale": s}, str(folder / "model.safetensors"))
+                ck = Checkpoint(folder)
+                want = q.view(fp8).to(torch.float32) * (s.reshape(-1, *[1] * (len(shape) - 1)) if kind == "channel" else s)
+                for got, exp in ((ck.load("w"), want), (ck.load_rows("w", 2, 4), want[2:4])):
+                    assert got.shape == exp.shape and torch.equal(got.isnan(), exp.isnan()), (fp8, shape, kind)
+                    assert torch.equal(got.nan_to_num().view(torch.int32), exp.nan_to_num().view(torch.int32)), (fp8, shape, kind)
