@@ -84,9 +84,9 @@ class Rope:
         """The two factors of :meth:`apply`, [length, dim] at positions start.., or [B, 1, T, dim] at positions
         ``start`` [B, T] (memoized by identity: a packing's tensors). neox: (cos, sin); adjacent pairs:
         cos and (-sin, sin) per pair, repeated to the pair's two dims."""
-        for key, tables in self._memo:
-            if (key[0] is start if isinstance(start, torch.Tensor) else key[0] == start) and key[1:] == (
-                    length, device, dtype):
+        for key, tables in self._memo or ():  # (None: cleared)
+            tensors = isinstance(start, torch.Tensor) or isinstance(key[0], torch.Tensor)
+            if (key[0] is start if tensors else key[0] == start) and key[1:] == (length, device, dtype):
                 return tables
         if isinstance(start, torch.Tensor):
             freqs = start.to(torch.float32)[..., None] * self.inv_freq.to(device)
@@ -101,7 +101,7 @@ class Rope:
             cos, sin = c.repeat_interleave(2, dim=-1), torch.stack((-s, s), dim=-1).flatten(-2)
         if isinstance(start, torch.Tensor):
             cos, sin = cos[:, None], sin[:, None]
-        self._memo = [((start, length, device, dtype), (cos, sin)), *self._memo][: self.MEMO]
+        self._memo = [((start, length, device, dtype), (cos, sin)), *(self._memo or ())][: self.MEMO]
         return cos, sin
 
     def apply(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
@@ -157,16 +157,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float
-                     ) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float,
+                     width: int | None = None) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows),
-    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv]. One causal attention per sequence at its own length:
+    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv] (its first ``width`` dims only: v zero-padded for SDPA). One causal attention per sequence at its own length:
     a padded batch would spend its longest sequence's T^2 on every sequence."""
     outs, at, aq = [], 0, 0
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1
         qb, kb, vb = (t[a:a + n].transpose(0, 1)[None] for t, a, n in ((q, aq, M), (k, at, T), (v, at, T)))
-        outs.append(causal_attention(qb, kb, vb, first, scale)[0].transpose(0, 1))
+        outs.append(causal_attention(qb, kb, vb, first, scale)[0, ..., :width].transpose(0, 1))
         at, aq = at + T, aq + M
     return torch.cat(outs)
 
