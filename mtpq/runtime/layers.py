@@ -76,34 +76,45 @@ class Rope:
         self.inv_freq = inv_freq.float()
         self.neox, self.mscale = neox, mscale
         self.dim = 2 * inv_freq.numel()
-        self._memo: tuple | None = None
+        self._memo: list = []  # the last MEMO (key, tables): the layers of one forward share them
 
-    def cos_sin(self, start: int | torch.Tensor, length: int, device: torch.device, dtype: torch.dtype):
-        """(cos, sin) [length, dim] at positions start..; for a tensor of positions [B, T], [B, 1, T, dim]."""
-        if isinstance(start, torch.Tensor):  # (the MTP head's query rows of packed sequences: one layer, no memo)
+    MEMO = 2  # a packed head pass alternates two position tensors (queries, keys)
+
+    def tables(self, start: int | torch.Tensor, length: int, device: torch.device, dtype: torch.dtype):
+        """The two factors of :meth:`apply`, [length, dim] at positions start.., or [B, 1, T, dim] at positions
+        ``start`` [B, T] (memoized by identity: a packing's tensors). neox: (cos, sin); adjacent pairs:
+        cos and (-sin, sin) per pair, repeated to the pair's two dims."""
+        for key, tables in self._memo or ():  # (None: cleared)
+            tensors = isinstance(start, torch.Tensor) or isinstance(key[0], torch.Tensor)
+            if (key[0] is start if tensors else key[0] == start) and key[1:] == (length, device, dtype):
+                return tables
+        if isinstance(start, torch.Tensor):
             freqs = start.to(torch.float32)[..., None] * self.inv_freq.to(device)
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-            return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
-        key = (start, length, device, dtype)
-        if self._memo is None or self._memo[0] != key:  # layers of one forward share the table
+        else:
             pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+        if self.neox:
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._memo = (key, (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype))
-        return self._memo[1], self._memo[2]
+            cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
+        else:
+            c, s = (freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype)
+            cos, sin = c.repeat_interleave(2, dim=-1), torch.stack((-s, s), dim=-1).flatten(-2)
+        if isinstance(start, torch.Tensor):
+            cos, sin = cos[:, None], sin[:, None]
+        self._memo = [((start, length, device, dtype), (cos, sin)), *(self._memo or ())][: self.MEMO]
+        return cos, sin
 
     def apply(self, x: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
         """x [B, H, T, head_dim] at positions start..start+T-1, or at positions ``start`` [B, T]."""
-        cos, sin = self.cos_sin(start, x.shape[2], x.device, x.dtype)
+        cos, sin = self.tables(start, x.shape[2], x.device, x.dtype)
         d = self.dim
         rot, rest = x[..., :d], x[..., d:]
         if self.neox:
             x1, x2 = rot[..., : d // 2], rot[..., d // 2:]
             out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-        else:  # pairs (2i, 2i+1) share frequency i
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            c, s = cos[..., : d // 2], sin[..., : d // 2]
-            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        else:  # pairs (2i, 2i+1) share frequency i: (x1 c - x2 s, x2 c + x1 s) as rot * cos + swapped pairs *
+            # (-s, s), the same bits (a + (-b) == a - b) in 4 contiguous ops instead of 6 strided ones and a stack
+            out = rot * cos + rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
@@ -146,16 +157,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float
-                     ) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float,
+                     width: int | None = None) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows),
-    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv]. One causal attention per sequence at its own length:
+    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv] (its first ``width`` dims only: v zero-padded for SDPA). One causal attention per sequence at its own length:
     a padded batch would spend its longest sequence's T^2 on every sequence."""
     outs, at, aq = [], 0, 0
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1
         qb, kb, vb = (t[a:a + n].transpose(0, 1)[None] for t, a, n in ((q, aq, M), (k, at, T), (v, at, T)))
-        outs.append(causal_attention(qb, kb, vb, first, scale)[0].transpose(0, 1))
+        outs.append(causal_attention(qb, kb, vb, first, scale)[0, ..., :width].transpose(0, 1))
         at, aq = at + T, aq + M
     return torch.cat(outs)
 

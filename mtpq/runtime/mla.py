@@ -94,17 +94,17 @@ class MLA(nn.Module):
                           as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
 
     def _project(self, x: torch.Tensor, xq: torch.Tensor, q_at, k_at):
-        """From the query rows ``xq``: q_nope and the rotated q_pe [B, H, Tq, .]; from all rows ``x``: the normed
-        latent c [B, 1, T, kv_lora] (one head shared by all) and the rotated k_pe [B, 1, T, rope]; positions
-        ``q_at`` / ``k_at`` as :meth:`Rope.apply` takes them."""
+        """From the query rows ``xq``: q [B, H, Tq, nope + rope] (its rope part not yet rotated: the expanded form
+        writes the rotated q_pe into it instead of a cat of both) and the rotated q_pe; from all rows ``x``: the
+        normed latent c [B, 1, T, kv_lora] (one head shared by all) and the rotated k_pe [B, 1, T, rope];
+        positions ``q_at`` / ``k_at`` as :meth:`Rope.apply` takes them."""
         cfg = self.cfg
         B, Tq, _ = xq.shape
         q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
         q = q.view(B, Tq, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
-        q_nope, q_pe = q.split((cfg.qk_nope_dim, cfg.qk_rope_dim), dim=-1)
         c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]
-        return q_nope, self.rope.apply(q_pe, q_at), c, self.rope.apply(k_pe[:, None], k_at)
+        return q, self.rope.apply(q[..., cfg.qk_nope_dim:], q_at), c, self.rope.apply(k_pe[:, None], k_at)
 
     def _expanded_kv(self, c: torch.Tensor, k_pe: torch.Tensor, dtype: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,11 +125,12 @@ class MLA(nn.Module):
         projections and the expansion run on the real rows, attention per sequence."""
         cfg = self.cfg
         xq = x if packing.kept is None else x[:, packing.kept]
-        q_nope, q_pe, c, k_pe = self._project(x, xq, packing.out_positions, packing.positions)
+        q, q_pe, c, k_pe = self._project(x, xq, packing.out_positions, packing.positions)
+        q[..., cfg.qk_nope_dim:] = q_pe
         k, v = self._expanded_kv(c, k_pe, x.dtype)
-        out = packed_attention(torch.cat((q_nope, q_pe), dim=-1)[0].transpose(0, 1), k[0].transpose(0, 1),
-                               v[0].transpose(0, 1), packing, cfg.kq_scale)
-        return self.wo(out[..., : cfg.v_dim].reshape(1, -1, cfg.n_heads * cfg.v_dim))
+        out = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), packing,
+                               cfg.kq_scale, cfg.v_dim)
+        return self.wo(out.view(1, -1, cfg.n_heads * cfg.v_dim))
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -138,17 +139,18 @@ class MLA(nn.Module):
         xq = x if rows is None else take_rows(x, rows)
         B, T, _ = xq.shape  # T: the query rows
         at = start if rows is None else start + rows  # the queries' positions
-        q_nope, q_pe, c, k_pe = self._project(x, xq, at, start)
+        q, q_pe, c, k_pe = self._project(x, xq, at, start)
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
             k, v = self._expanded_kv(c, k_pe, x.dtype)
-            out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
+            q[..., cfg.qk_nope_dim:] = q_pe
+            out = causal_attention(q, k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
-        q_lat = torch.matmul(q_nope, as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
+        q_lat = torch.matmul(q[..., : cfg.qk_nope_dim], as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
         lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale)
         out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
