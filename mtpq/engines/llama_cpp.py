@@ -156,8 +156,8 @@ class LlamaServer:
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, str(self.socket)), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, str(self.socket)),
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
                                          preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.cfg.ready_timeout
         while True:

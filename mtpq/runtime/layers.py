@@ -160,8 +160,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float,
                      width: int | None = None) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows),
-    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv] (its first ``width`` dims only: v zero-padded for SDPA). One causal attention per sequence at its own length:
-    a padded batch would spend its longest sequence's T^2 on every sequence."""
+    k/v [N, Hkv, D] (all its rows) -> [Nq, Hq, Dv], or its first ``width`` dims (v zero-padded for SDPA).
+    One causal attention per sequence at its own length: a padded batch would spend its longest
+    sequence's T^2 on every sequence."""
     outs, at, aq = [], 0, 0
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1

@@ -150,7 +150,8 @@ class MLA(nn.Module):
             out = causal_attention(q, k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
-        q_lat = torch.matmul(q[..., : cfg.qk_nope_dim], as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, kv_lora]
+        q_lat = torch.matmul(q[..., : cfg.qk_nope_dim],  # [B, H, T, kv_lora]
+                             as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
         lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale)
         out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
