@@ -74,3 +74,13 @@ def speculative_simple(bin_dir: Path, *args, tries: int = 5, timeout: int = 300)
         if {"n_drafted", "n_accept"} <= set(stats):
             return proc, stats
     raise AssertionError(f"no draft counters in {tries} runs of llama-speculative-simple: {proc.stderr[-2000:]}")
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for the tests' own llama.cpp servers (rpc-server, a llama-server
+    started by hand): mtpq's engine itself listens on a private unix socket instead."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

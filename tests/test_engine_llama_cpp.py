@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from llamacpp_ref import free_port
 from runcli import run_cli
 
 FAKE_SERVER = r'''
@@ -110,14 +111,6 @@ def _gone(pid: int, wait: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pid(fake_bin: Path) -> int:
@@ -215,7 +208,7 @@ def test_engine_options_are_checked(model, args, where):
 
 def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
     """--server http://HOST:PORT: a server someone started on a TCP port."""
-    port = _free_port()
+    port = free_port()
     srv = subprocess.Popen([str(fake_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
                             str(port), "--spec-draft-n-max", "1"])
     try:
@@ -351,7 +344,7 @@ def test_acceptance_through_rpc_servers_equals_local(llama_cpp_bin, tmp_path):
     gguf = tmp_path / "demo.gguf"
     assert run_cli("convert", Path(str(resources.files("mtpq").joinpath("data/demo"))), gguf, "--outtype", "f32",
                    "-q").exit_code == 0
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     servers = [subprocess.Popen([str(rpc_bin), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
                for port in ports]

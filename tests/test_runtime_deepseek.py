@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as T
 
 import tiny_deepseek
 from hfmtp import accepted_like_transformers
+from llamacpp_ref import free_port
 from runcli import run_cli
 from test_runtime_glm import dequantized_copy  # the GLM tests' gguf-py dequantization of a whole GGUF
 
@@ -392,21 +393,13 @@ def test_gguf_without_split_kv_b_is_refused(v3_gguf, tmp_path):
 F32_CACHES = ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list[int]], n: int) -> list[dict]:
     """Greedy completions of token prompts from llama-server drafting with the file's MTP head (k=1)."""
     import subprocess
     import time
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf_path), "--spec-type", "draft-mtp",
                                "--spec-draft-n-max", "1", "-c", "512", "-t", "1", "-np", "1", "--no-repack",
                                *F32_CACHES,
