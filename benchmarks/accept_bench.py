@@ -1,9 +1,11 @@
 """Decode speed with and without MTP drafting, and the teacher-forced estimator's speed, in one run.
 
-    python benchmarks/accept_bench.py [MODEL.gguf] [--prompts demo_heldout] [-n 96] [--max-prompts 8]
-    python benchmarks/accept_bench.py [MODEL.gguf] --vs-llama-cpp DIR [--report-prompts 20 --report-tokens 128]
+    python benchmarks/accept_bench.py [MODEL.gguf | --demo glm|qwen35|deepseek] [--prompts demo_heldout] [-n 96]
+    python benchmarks/accept_bench.py [MODEL.gguf | --demo ...] --vs-llama-cpp DIR [--report-prompts 20 --report-tokens 128]
 
-Without MODEL, converts the bundled demo model to f16 first. Prints, for the same
+Without MODEL, converts a model to f16 first: ``--demo glm`` (the default) and ``--demo qwen35`` the bundled
+demos, ``--demo deepseek`` the tests' tiny DeepSeek-V3 with a drafting "trunk copy" head (one MoE layer of
+MLA + 8 experts, hidden 256, tests/tiny_deepseek.py: random weights, fixed seed, so the same file every time). Prints, for the same
 prompts: tokens/s of plain greedy decoding (the baseline), of speculative decoding
 with k = 1..4 (and each one's ratio to the baseline and its acceptance), and the
 time of the teacher-forced depth-1 estimator (the prompts and their greedy
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 import tempfile
 import time
 from importlib import resources
@@ -36,6 +39,7 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", type=Path)
+    ap.add_argument("--demo", choices=sorted(DEMOS), default="glm", help="the model to convert when no MODEL is given")
     ap.add_argument("--prompts", default="demo_heldout")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
     ap.add_argument("--max-prompts", type=int, default=8)
@@ -62,10 +66,10 @@ def main() -> None:
     path = args.model
     if path is None:
         tmp = tempfile.TemporaryDirectory(prefix="mtpq-bench-")
-        path = Path(tmp.name) / "demo-f16.gguf"
+        path = Path(tmp.name) / f"{args.demo}-f16.gguf"
         from gguf import GGMLQuantizationType as T
 
-        write_plan(plan_checkpoint(Path(str(resources.files("mtpq").joinpath("data/demo"))), outtype=T.F16), path)
+        write_plan(plan_checkpoint(DEMOS[args.demo](Path(tmp.name)), outtype=T.F16), path)
     if args.report_only and args.vs_llama_cpp is not None:
         report_vs_llama_cpp(path, args)
         if tmp is not None:
@@ -120,6 +124,23 @@ def main() -> None:
                     b.terminate()
     if tmp is not None:
         tmp.cleanup()
+
+
+def _bundled(name: str):
+    return lambda work: Path(str(resources.files("mtpq").joinpath("data", name)))
+
+
+def _tiny_deepseek(work: Path) -> Path:
+    """The checkpoint of tests/test_runtime_deepseek.py's ``copy_ckpt`` (float32, converted to f16 here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import tiny_deepseek
+
+    folder = tiny_deepseek.deepseek_v3(work / "deepseek", dtype=torch.float32, mtp_head_tensors=False,
+                                       num_hidden_layers=1, first_k_dense_replace=0)
+    return tiny_deepseek.trunk_copy_head(folder)
+
+
+DEMOS = {"glm": _bundled("demo"), "qwen35": _bundled("demo_qwen35"), "deepseek": _tiny_deepseek}
 
 
 def _burn() -> None:

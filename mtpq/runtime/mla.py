@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
@@ -106,30 +105,31 @@ class MLA(nn.Module):
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]
         return q, self.rope.apply(q[..., cfg.qk_nope_dim:], q_at), c, self.rope.apply(k_pe[:, None], k_at)
 
-    def _expanded_kv(self, c: torch.Tensor, k_pe: torch.Tensor, dtype: torch.dtype
+    def _expanded_kv(self, c: torch.Tensor, k_pe: torch.Tensor, expansion: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values expanded per head from the latent rows c [B, 1, S, kv_lora] and k_pe [B, 1, S, rope]:
-        k [B, H, S, nope + rope], v [B, H, S, v] zero-padded to the key width (SDPA's CPU flash kernel, ~2x,
-        needs it)."""
+        """Keys and values expanded per head from the latent rows c [B, 1, S, kv_lora] and k_pe [B, 1, S, rope]
+        (``expansion``: :meth:`_expansion`): k [B, H, S, nope + rope], v [B, H, S, v]."""
         cfg = self.cfg
         H, (B, _, S, _) = cfg.n_heads, c.shape
-        k_nope, v = torch.matmul(c[:, 0], self._expansion(dtype)).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
+        k_nope, v = torch.matmul(c[:, 0], expansion).split((H * cfg.qk_nope_dim, H * cfg.v_dim), dim=-1)
         k = torch.cat((k_nope.view(B, S, H, -1).transpose(1, 2), k_pe.expand(-1, H, -1, -1)), dim=-1)
-        v = v.view(B, S, H, -1).transpose(1, 2)
-        if (pad := k.shape[-1] - cfg.v_dim) > 0:
-            v = F.pad(v, (0, pad))
-        return k, v
+        return k, v.view(B, S, H, -1).transpose(1, 2)
 
     def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         """The expanded form over packed sequences (layers.Packing), x [1, N, H] -> [1, kept rows, H]: the
-        projections and the expansion run on the real rows, attention per sequence."""
+        projections run on the real rows; keys and values are expanded one sequence at a time, right before
+        its attention reads them (in cache then, and never the whole pack's expanded rows in memory)."""
         cfg = self.cfg
         xq = x if packing.kept is None else x[:, packing.kept]
         q, q_pe, c, k_pe = self._project(x, xq, packing.out_positions, packing.positions)
         q[..., cfg.qk_nope_dim:] = q_pe
-        k, v = self._expanded_kv(c, k_pe, x.dtype)
-        out = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), packing,
-                               cfg.kq_scale, cfg.v_dim)
+        expansion = self._expansion(x.dtype)
+
+        def kv(a: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = self._expanded_kv(c[:, :, a:a + n], k_pe[:, :, a:a + n], expansion)
+            return k[0].transpose(0, 1), v[0].transpose(0, 1)
+
+        out = packed_attention(q[0].transpose(0, 1), kv, packing, cfg.kq_scale)
         return self.wo(out.view(1, -1, cfg.n_heads * cfg.v_dim))
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
@@ -145,9 +145,9 @@ class MLA(nn.Module):
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            k, v = self._expanded_kv(c, k_pe, x.dtype)
+            k, v = self._expanded_kv(c, k_pe, self._expansion(x.dtype))
             q[..., cfg.qk_nope_dim:] = q_pe
-            out = causal_attention(q, k, v, at, cfg.kq_scale)[..., : cfg.v_dim]
+            out = causal_attention(q, k, v, at, cfg.kq_scale)
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
         q_lat = torch.matmul(q[..., : cfg.qk_nope_dim],  # [B, H, T, kv_lora]
