@@ -489,16 +489,19 @@ def _keep_spare(nbytes: int) -> None:
 
 
 def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
-    """Each spec with its bytes, in order. The next tensor is read and encoded in a worker thread while
-    the current one is written (file I/O and torch release the GIL), unless the two together exceed
-    PREFETCH_BUDGET: memory stays near the largest tensor."""
+    """Each spec with its bytes (an :class:`_Ahead`), in order. Tensors are read and encoded in a worker
+    thread, and written as their rows are finished (file I/O and torch release the GIL); the next tensor is
+    encoded while the current one is written unless the two together exceed PREFETCH_BUDGET: memory stays
+    near the largest tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
     def checked(spec: TensorSpec, inflight: int, progress: _Progress | None = None) -> np.ndarray:
-        # a buffer of this size kept for reuse is a third tensor in memory (while the previous one, written,
-        # and this one, encoded, are held): only within the same budget as the look-ahead
+        # a buffer of this size kept for reuse: encoded ahead (``inflight`` bytes being written meanwhile), it
+        # can be a third tensor in memory, so only within the look-ahead's budget; encoded alone (the tensors
+        # too big to overlap), the one kept is the buffer this tensor then takes: never more than one tensor,
+        # and a multi-GB expert stack is not mapped and faulted in afresh after each one of its size
         size = tensor_nbytes(spec.shape, spec.ggml_type)
-        _keep_spare(size if inflight + 2 * size <= PREFETCH_BUDGET else 0)
+        _keep_spare(size if not inflight or inflight + 2 * size <= PREFETCH_BUDGET else 0)
         _encoding.progress = progress
         try:
             data = encode_tensor(spec)
@@ -513,15 +516,20 @@ def _encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]
     size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
+
+            def encoding(spec: TensorSpec, inflight: int) -> tuple:  # the future and the progress to follow
+                progress = _Progress()
+                return pool.submit(checked, spec, inflight, progress), progress
+
             ahead = None
             for i, spec in enumerate(specs):
-                # encoded ahead: written as it is encoded (no wait for the whole tensor; the next one is
-                # encoded once this one is, as before)
-                data = _Ahead(*ahead, size[i]) if ahead is not None else checked(spec, 0)
+                # every tensor is encoded in the worker and written as its rows are finished: one too big to be
+                # encoded ahead still overlaps its own encoding and writing; the next one is encoded ahead, once
+                # this one is, when the two fit the budget
+                data = _Ahead(*(ahead or encoding(spec, 0)), size[i])
                 ahead = None
                 if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
-                    progress = _Progress()
-                    ahead = pool.submit(checked, specs[i + 1], size[i], progress), progress
+                    ahead = encoding(specs[i + 1], size[i])
                 yield spec, data
                 del data  # written: not held while the next tensor is encoded
     finally:

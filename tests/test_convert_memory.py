@@ -297,3 +297,45 @@ def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
                 for got, exp in ((ck.load("w"), want), (ck.load_rows("w", 2, 4), want[2:4])):
                     assert got.shape == exp.shape and torch.equal(got.isnan(), exp.isnan()), (fp8, shape, kind)
                     assert torch.equal(got.nan_to_num().view(torch.int32), exp.nan_to_num().view(torch.int32)), (fp8, shape, kind)
+
+
+CHILD_BUDGET = r"""
+import gc, json, sys
+from pathlib import Path
+import mtpq.gguf_io as gio
+from mtpq.convert import OUTTYPES, plan_checkpoint
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+src, out, budget = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+gio.PREFETCH_BUDGET = budget
+plan = plan_checkpoint(src, outtype=OUTTYPES["bf16"])
+gc.collect()
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+gio.write_plan(plan, out)
+print(json.dumps(status("VmHWM") - base))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
+def test_a_stack_encoded_ahead_is_not_held_past_its_write(tmp_path):
+    """The look-ahead budget fits a small tensor plus one experts stack but not two stacks: the first stack is
+    encoded ahead (while the small tensor before it is written), the second is not, and the first one's buffer
+    must be gone before the second's is filled. The writer's loop once kept it (a local that outlived the
+    write): two stacks in memory, over the 1 GB + largest tensor bound at scale (a 671 MB stack: 1.04x)."""
+    n_exp = 3 * N_EXP  # 96 experts: 101 MB stacks in bf16
+    folder = tiny_deepseek.deepseek_v3(tmp_path / "fp8", n_routed_experts=n_exp, moe_intermediate_size=FF,
+                                       first_k_dense_replace=2, n_group=1, topk_group=1)
+    tiny.to_fp8_block_scaled(folder)
+    stack = n_exp * FF * H * 2
+    res = subprocess.run([sys.executable, "-c", CHILD_BUDGET, str(folder), str(tmp_path / "out.gguf"),
+                          str(stack * 3 // 2)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    peak = json.loads(res.stdout.strip().splitlines()[-1])
+    # one stack and the slabs' work space (~40 MB); two stacks are 200 MB and more
+    assert stack <= peak < 2 * stack, f"writing added {peak / 1e6:.0f} MB for {stack / 1e6:.0f} MB stacks"
