@@ -70,3 +70,13 @@ def test_packed_attention_is_each_sequence_on_its_own():
                         v[at:at + T].transpose(0, 1)[None], f, 0.1)
         torch.testing.assert_close(out[aq:aq + T - f], ref[0].transpose(0, 1), atol=5e-6, rtol=1e-5)
         at, aq = at + T, aq + T - f
+
+
+def test_many_heads_times_keys_take_sdpa_and_stay_the_definition(monkeypatch):
+    """Where a block would hold fewer than MIN_BLOCK_ROWS rows (the score budget over heads x keys), long
+    queries go to SDPA instead; both paths give the definition."""
+    monkeypatch.setattr(layers, "blocked_causal_attention", lambda *a: pytest.fail("blocked path taken"))
+    monkeypatch.setattr(layers, "ATTN_BLOCK_SCORES", 4 * 300 * (layers.MIN_BLOCK_ROWS - 1))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 4, 300, 96, generator=g), torch.randn(1, 4, 300, 96, generator=g), torch.randn(1, 4, 300, 64, generator=g)
+    torch.testing.assert_close(layers.causal_attention(q, k, v, 0, 0.1), reference(q, k, v, 0, 0.1), atol=5e-6, rtol=1e-5)

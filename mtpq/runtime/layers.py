@@ -144,7 +144,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     if isinstance(start, torch.Tensor):  # each sequence's own query positions
         allowed = (torch.arange(S, device=q.device) <= start[..., None])[:, None]  # [B, 1, T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    if T >= BLOCKED_MIN_T and q.device.type == "cpu":
+    if T >= BLOCKED_MIN_T and q.device.type == "cpu" and _block_rows(B, Hq, S) >= MIN_BLOCK_ROWS:
         return blocked_causal_attention(q, k, v, start, scale)
     mqa = k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
     if (pad := q.shape[-1] - v.shape[-1]) > 0 and not mqa:  # SDPA's CPU flash kernel wants v as wide as q (~2x)
@@ -168,7 +168,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 BLOCKED_MIN_T = 128
 ATTN_BLOCK = 64  # query rows per block: the blocks skip all but 1/(2 n_blocks) of the masked triangle
 ATTN_BLOCK_SCORES = 1 << 22  # and at most this many scores per block (memory with many heads x long contexts)
+MIN_BLOCK_ROWS = 16  # blocks thinner than this (very many heads x keys): SDPA's flash kernel, whose memory is its tiles
 _upper_memo: dict = {}
+
+
+def _block_rows(B: int, Hq: int, S: int) -> int:
+    return min(ATTN_BLOCK, ATTN_BLOCK_SCORES // (B * Hq * S))
 
 
 def _strict_upper(n: int, device: torch.device) -> torch.Tensor:
@@ -191,7 +196,7 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k, v = k.reshape(BH, S, D), v.reshape(BH, S, Dv)
     q = q.reshape(BH, g, T, D)
     out = q.new_empty(BH, g, T, Dv)
-    rows = max(1, min(ATTN_BLOCK, ATTN_BLOCK_SCORES // (B * Hq * S)))
+    rows = max(1, _block_rows(B, Hq, S))
     n_blocks = -(-T // rows)
     edges = [T * i // n_blocks for i in range(n_blocks + 1)]
     for a, b in zip(edges, edges[1:]):
