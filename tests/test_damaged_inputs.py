@@ -246,6 +246,8 @@ _CONFIG_CASES = {
     "architectures-string": (dict(architectures="Glm4MoeForCausalLM"), "architectures must be a list of strings"),
     "architectures-unknown": (dict(architectures=["FooForCausalLM"]), "unsupported architecture"),
     "architectures-missing": (dict(architectures=_DELETE), "unsupported architecture"),
+    # MiMo-7B has an MTP head but no GGUF architecture anywhere: the refusal says so rather than "unknown"
+    "architectures-mimo-7b": (dict(architectures=["MiMoForCausalLM"]), "llama.cpp's converter does not register"),
     "rope-scaling-string": (dict(rope_scaling="yarn"), "rope_scaling must be a JSON object"),
     "text-config-number": (dict(text_config=5), "text_config must be a JSON object"),
     "text-config-bad-value": (dict(text_config={"hidden_size": "big"}), "text_config.hidden_size must be an integer"),

@@ -103,8 +103,20 @@ def family_for(ckpt: Checkpoint) -> "Family":
     for a in archs:
         if a in FAMILIES:
             return FAMILIES[a](ckpt)
+    for a in archs:
+        if a in NO_LLAMA_CPP_HEAD:
+            raise InputError(ckpt.folder / "config.json", f"unsupported architecture {a}: {NO_LLAMA_CPP_HEAD[a]}")
     known = ", ".join(sorted(FAMILIES))
     raise InputError(ckpt.folder / "config.json", f"unsupported architecture {archs or '(none)'}; mtpq converts: {known}")
+
+
+# MTP checkpoints that llama.cpp neither converts nor runs: no GGUF arch holds their head, so a file keeping it
+# would load nowhere (llama.cpp refuses tensors its graph does not use). Said plainly instead of "unknown".
+NO_LLAMA_CPP_HEAD = {
+    "MiMoForCausalLM": "MiMo-7B's MTP head (model.mtp_layers.*) has no GGUF architecture: llama.cpp's converter "
+                       "does not register MiMoForCausalLM and no llama.cpp graph runs that head, so a GGUF "
+                       "keeping it would load nowhere (MiMo-V2-Flash / MiMo-V2.5 convert as mimo2)",
+}
 
 
 class Family:
