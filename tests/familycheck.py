@@ -114,6 +114,21 @@ def rewrite_tensor(folder: Path, name: str, value: torch.Tensor | None) -> Path:
     return shard
 
 
+def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Store tensors under new names in the checkpoint's last shard, keeping the index consistent; returns it."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / sorted(set(index["weight_map"].values()))[-1]
+    stored = load_file(str(shard))
+    for name, value in tensors.items():
+        assert name not in index["weight_map"], name
+        stored[name] = value
+        index["weight_map"][name] = shard.name
+    save_file(stored, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return shard
+
+
 def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str):
     """After rewrite_tensor(ck, name, value): convert exits 2 with one line holding needle and naming the
     shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""

@@ -17,7 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_step35
-from familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, quantize_q4_k_m, quantize_with_both
+from familycheck import (add_tensors, assert_f32_equal, assert_refused, assert_same_gguf, convert_with_both, copy_with_config,
+                         quantize_q4_k_m, quantize_with_both, strip_general)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -116,6 +117,22 @@ def test_no_mtp_and_mtp_only(step_ckpt, tmp_path):
         "token_embd.weight", "output_norm.weight", "output.weight"}
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["text_config", "flat_config"])
+def test_step37_layout_converts_as_its_text_model(step_ckpt, tmp_path, nested):
+    """Step3.7 Flash (Step3p7ForConditionalGeneration): hparams under text_config, a vision tower beside the
+    text tensors. The GGUF is the text model's, tensor for tensor and key for key (the tower is llama.cpp's
+    mmproj file's, not this one's); a tensor that is neither text nor tower is still refused."""
+    want_kv, want = convert(step_ckpt, tmp_path / "s35.gguf", "--outtype", "f32")
+    ck = tiny_step35.as_step37(copy_with_config(step_ckpt, tmp_path / "s37"), nested=nested)
+    kv, tensors = convert(ck, tmp_path / "s37.gguf", "--outtype", "f32")
+    assert strip_general(kv) == strip_general(want_kv)
+    assert set(tensors) == set(want)
+    for name, (qtype, data) in tensors.items():
+        assert qtype == want[name][0] and np.array_equal(data, want[name][1]), name
+    add_tensors(ck, {"model.stray_adapter.weight": torch.zeros(4, 4)})
+    assert_refused(ck, tmp_path / "bad.gguf", "not recognised", "model.stray_adapter.weight")
+
+
 def test_checkpoint_without_mtp_layers(tmp_path):
     """Published copies often drop the appended layers: --no-mtp converts them; without it, one clear line."""
     ck = tiny_step35.step35(tmp_path / "stripped", with_mtp=False)
@@ -156,6 +173,14 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     """
     ck = tiny_step35.step35(tmp_path / "ckpt", dtype=dtype)
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode, raw_config=True)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.llama_cpp
+def test_step37_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
+    ck = tiny_step35.as_step37(tiny_step35.step35(tmp_path / "ckpt"))
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None, raw_config=True)
     assert_same_gguf(out, kv, tensors, ref)
 
 

@@ -109,3 +109,31 @@ def step35(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n
     for bid in range(n_blocks(cfg, with_mtp)):
         sd.update(block_tensors(bid, cfg, gen))
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+
+
+VISION_TOWER = {"vision_model.positional_embedding": (4, 64), "vision_model.vit_downsampler1.weight": (64, 64),
+                "vision_model.transformer.layers.0.attn.in_proj_weight": (192, 64),
+                "vit_large_projector.weight": (H, 64)}
+
+
+def as_step37(folder: Path, nested: bool = True) -> Path:
+    """Rewrite a step35() checkpoint in place into Step3.7 Flash's layout (``Step3p7ForConditionalGeneration``):
+    the text model's hparams under ``text_config`` (or, ``nested=False``, left at the top) beside a
+    ``vision_config``, and a vision tower (``vision_model.*``, ``vit_large_projector``) stored beside the
+    text tensors, as llama.cpp's conversion/step3.py reads the release (the tower goes to its mmproj file)."""
+    import json
+
+    from familycheck import add_tensors
+
+    cfg = json.loads((folder / "config.json").read_text())
+    vision = {"hidden_size": 64, "num_hidden_layers": 1}
+    if nested:
+        text = {k: v for k, v in cfg.items() if k != "architectures"}
+        cfg = {"model_type": "step3p7", "text_config": text, "vision_config": vision}
+    else:
+        cfg["vision_config"] = vision
+    cfg["architectures"] = ["Step3p7ForConditionalGeneration"]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = torch.Generator().manual_seed(7)
+    add_tensors(folder, {name: torch.randn(shape, generator=gen) for name, shape in VISION_TOWER.items()})
+    return folder

@@ -134,6 +134,9 @@ class Family:
     per_expert_infix: ClassVar[str] = "mlp.experts."  # {infix}{e}.{gate,up,down}_proj.weight, stacked into *_exps
     nextn_tensors: ClassVar[dict[str, gguf.MODEL_TENSOR]] = NEXTN_TENSORS
     drop_tied_output: ClassVar[bool] = False  # lm_head skipped when tie_word_embeddings (as llama.cpp does)
+    # name prefixes of a multimodal release's other towers (vision, audio): llama.cpp writes those to a separate
+    # mmproj file, so they are left out here, knowingly (any other unused tensor is an error)
+    other_towers: ClassVar[tuple[str, ...]] = ()
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
@@ -222,7 +225,7 @@ class Family:
                 used.append("lm_head.weight")  # output falls back to token_embd
             else:
                 yield one("lm_head.weight")
-        check_unused(ck, used)
+        check_unused(ck, used, ignore=self.other_towers)
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected] | None:
         """Every HF tensor (logical name, shape) config.json implies; checked before anything is planned.
@@ -235,8 +238,8 @@ class Family:
         return name if name in self.ckpt else None
 
     def logical_names(self) -> list[str]:
-        """Every stored tensor under the names :meth:`expected_tensors` uses."""
-        return self.ckpt.names()
+        """Every stored tensor under the names :meth:`expected_tensors` uses (the other towers left out)."""
+        return [n for n in self.ckpt.names() if not n.startswith(self.other_towers)]
 
     def vocab_size(self) -> int:
         return int(self.hparams["vocab_size"])

@@ -54,7 +54,6 @@ MTP_HEAD = {
 }
 ZERO_CENTRED_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm",
                       "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
-VISION_PREFIXES = ("model.visual.", "visual.")
 # llama.cpp's loaders require rope.dimension_sections; its converter writes Qwen3.5's default when absent
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # newer than gguf-py 0.19's Keys
@@ -79,6 +78,7 @@ def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> to
 @register
 class Qwen35(Family):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    other_towers = ("model.visual.", "visual.")
     arch = "qwen35"
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
@@ -99,7 +99,7 @@ class Qwen35(Family):
         self.mtp_head: dict[str, str] = {}  # "fc.weight" -> HF name
         self.logical: dict[str, str] = {}  # "model.layers.0.x" / "mtp.fc.weight" -> HF name
         for hf in self.ckpt.names():
-            if hf.startswith(VISION_PREFIXES):
+            if hf.startswith(self.other_towers):
                 continue
             name = _TEXT_PREFIX.sub("model.", hf)
             if name.startswith("model.mtp."):
@@ -228,7 +228,7 @@ class Qwen35(Family):
             yield self._emit("output_norm.weight", self.top["model.norm.weight"])
         if "lm_head.weight" in self.top:  # absent when tied to token_embd (the small models)
             yield self._emit("output.weight", self.top["lm_head.weight"])
-        check_unused(self.ckpt, self.used, ignore=VISION_PREFIXES)
+        check_unused(self.ckpt, self.used, ignore=self.other_towers)
 
     def block_tensors(self, bid: int, names: dict[str, str]) -> Iterator[Emit]:
         """Every tensor of one decoder block; ``names`` maps the name inside the layer to the HF name."""

@@ -8,6 +8,8 @@ layers (``mlp.*``), then MoE layers (``moe_layers_enum``): a sigmoid router
 ``moe.gate`` with a selection bias ``moe.router_bias``, experts stored already
 stacked (``moe.{gate,up,down}_proj`` [E, rows, cols]) and a shared expert
 ``share_expert.*``. Per-layer SwiGLU clamps (``swiglu_limits[_shared]``).
+Step3.7 Flash is the same text model under ``text_config`` beside a vision tower
+(``vision_model.*``, ``vit_large_projector``) that llama.cpp writes to its mmproj file.
 
 The MTP blocks are appended past ``num_hidden_layers`` (3 in the release, dense
 MLP, sliding attention): ``model.layers.{N+i}.{eh_proj, enorm, hnorm}`` and
@@ -56,6 +58,7 @@ class Step35(Family):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     arch = "step35"
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
+    other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
     nextn_tensors = {**NEXTN_TENSORS,
                      "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
