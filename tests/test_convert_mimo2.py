@@ -15,7 +15,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_mimo2
-from familycheck import assert_same_gguf, convert_with_both, quantize_with_both
+from familycheck import (add_tensors, assert_refused, assert_same_gguf, convert_with_both, copy_with_config,
+                         quantize_with_both, rewrite_tensor)
 from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -114,6 +115,19 @@ def test_unsupported_config_is_refused(tmp_path):
     res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
     assert res.exit_code == 2 and "config.json" in res.stderr and "swa_head_dim" in res.stderr
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_mimo_v25_release_format_is_refused_by_name(mimo_ckpt, tmp_path):
+    """MiMo-V2.5's release stores one qkv_proj per layer (FP8, rows sharded per tensor-parallel rank) and
+    MXFP4 experts: not converted yet, and the refusal says which, instead of "missing q_proj"."""
+    ck = copy_with_config(mimo_ckpt, tmp_path / "fused")
+    p = "model.layers.0.self_attn."
+    rewrite_tensor(ck, p + "q_proj.weight", None)
+    add_tensors(ck, {p + "qkv_proj.weight": torch.zeros(8, 8)})
+    assert_refused(ck, tmp_path / "a.gguf", p + "qkv_proj.weight", "fused qkv_proj", "not supported yet")
+    ck = copy_with_config(mimo_ckpt, tmp_path / "mxfp4", quantization_config={"quant_method": "fp8",
+                                                                              "store_dtype": "mxfp4"})
+    assert_refused(ck, tmp_path / "b.gguf", "config.json", "MXFP4 experts")
 
 
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):

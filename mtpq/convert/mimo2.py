@@ -14,8 +14,9 @@ counts what the checkpoint holds). Each is a sliding-window decoder block plus
 the norm before the head). Metadata as llama.cpp's converter (conversion/mimo.py)
 writes it: the SWA pattern and KV head counts extended over the MTP blocks.
 
-Not handled yet: MiMo-V2.5's FP8 fused ``qkv_proj`` sharded per TP rank, MXFP4
-experts, and its vision/audio towers (llama.cpp puts those in an mmproj file).
+Not handled yet, and refused by name (exit 2): MiMo-V2.5's FP8 fused ``qkv_proj``
+sharded per TP rank and its MXFP4 experts; its vision/audio towers would go to
+llama.cpp's mmproj file.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class MiMoV2(Family):
         if freq is not None and not (isinstance(freq, list) and len(freq) >= self.n_trunk
                                      and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
             raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
+        qc = hp.get("quantization_config")
+        if (fused := next((n for n in ckpt.names() if n.endswith(".self_attn.qkv_proj.weight")), None)) is not None:
+            # MiMo-V2.5 / V2.5-Pro: one FP8 qkv_proj whose rows are sharded per tensor-parallel rank
+            raise InputError(ckpt.stored[fused].file, f"{fused}: MiMo-V2.5's fused qkv_proj (FP8, rows sharded per "
+                                                      "tensor-parallel rank) is not supported yet")
+        if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":
+            raise InputError(cfg, "quantization_config: MXFP4 experts (MiMo-V2.5) are not supported yet")
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
