@@ -15,8 +15,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_mimo2
-from familycheck import (add_tensors, assert_refused, assert_same_gguf, convert_with_both, copy_with_config,
-                         quantize_with_both, rewrite_tensor)
+from familycheck import (assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf, convert_with_both,
+                         copy_with_config, quantize_with_both, rewrite_tensor)
 from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -117,16 +117,38 @@ def test_unsupported_config_is_refused(tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_mimo_v25_release_format_is_refused_by_name(mimo_ckpt, tmp_path):
-    """MiMo-V2.5's release stores one qkv_proj per layer (FP8, rows sharded per tensor-parallel rank) and
-    MXFP4 experts: not converted yet, and the refusal says which, instead of "missing q_proj"."""
-    ck = copy_with_config(mimo_ckpt, tmp_path / "fused")
-    p = "model.layers.0.self_attn."
-    rewrite_tensor(ck, p + "q_proj.weight", None)
-    add_tensors(ck, {p + "qkv_proj.weight": torch.zeros(8, 8)})
-    assert_refused(ck, tmp_path / "a.gguf", p + "qkv_proj.weight", "fused qkv_proj", "not supported yet")
-    ck = copy_with_config(mimo_ckpt, tmp_path / "mxfp4", quantization_config={"quant_method": "fp8",
-                                                                              "store_dtype": "mxfp4"})
+def _v25(tmp_path, tp: int = 4):
+    return tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25"), tp=tp)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
+    """MiMo-V2.5 (-Pro: 8 ranks): attn_qkv holds q, k and v of the block, in that order, each at the values the
+    unfused checkpoint has (within e4m3's rounding; a row from another rank or another projection would be off
+    by its whole size); the vision and audio towers are not in the file."""
+    plain = source_tensors(tiny_mimo2.mimo2(tmp_path / "plain"))
+    kv, tensors = convert(_v25(tmp_path, tp), tmp_path / "v25.gguf", "--outtype", "f32")
+    assert set(tensors) == {n for n in expected(_vocab(tmp_path / "plain"))
+                            if not n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))} | {
+        f"blk.{b}.attn_qkv.weight" for b in range(6)}
+    for bid in range(6):
+        p = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
+        want = torch.cat([plain[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float()
+        got = torch.from_numpy(tensors[f"blk.{bid}.attn_qkv.weight"][1].copy())
+        assert got.shape == want.shape
+        # twice e4m3-rounded (the unfused file's tiles, then the ranks'): 1/16 each relative, and the tiles'
+        # subnormal steps (max / 448 * 2^-9) absolute
+        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2 ** -16, msg=str(bid))
+    assert kv["general.architecture"] == "mimo2" and kv["mimo2.block_count"] == 6
+
+
+def test_mimo_v25_bad_rank_tiles_and_mxfp4_are_refused(tmp_path):
+    ck = _v25(tmp_path)
+    p = "model.layers.1.self_attn.qkv_proj.weight"
+    rewrite_tensor(ck, p + "_scale_inv", torch.ones(3, 2))  # neither 4 nor 8 ranks' tiles
+    assert_refused(ck, tmp_path / "a.gguf", p + "_scale_inv", "tensor-parallel ranks")
+    ck = copy_with_config(tiny_mimo2.mimo2(tmp_path / "plain"), tmp_path / "mxfp4",
+                          quantization_config={"quant_method": "fp8", "store_dtype": "mxfp4"})
     assert_refused(ck, tmp_path / "b.gguf", "config.json", "MXFP4 experts")
 
 
@@ -152,6 +174,32 @@ def test_same_gguf_as_llama_cpp_converter(mimo_ckpt, tmp_path, llama_cpp_src, mo
     """Names, shapes, types, every metadata key (value and GGUF type) and f32 bytes equal llama.cpp's converter's."""
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, mimo_ckpt, tmp_path, mode, raw_config=True)
     assert_same_gguf(out, kv, tensors, ref)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("tp", [4, 8])
+def test_mimo_v25_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, tp):
+    """MiMo-V2.5's fused FP8 qkv_proj sharded over 4 (V2.5) or 8 (V2.5-Pro) ranks: dequantized with each rank's
+    tiles and regrouped exactly as llama.cpp's converter does (f32 bytes equal)."""
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, _v25(tmp_path, tp), tmp_path, None, raw_config=True)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
+@pytest.mark.llama_cpp
+def test_mimo_v25_same_bytes_as_llama_quantize(tmp_path, llama_cpp_bin):
+    a, b = quantize_with_both(_v25(tmp_path), tmp_path, llama_cpp_bin)
+    assert a["blk.0.attn_qkv.weight"][0] == b["blk.0.attn_qkv.weight"][0]
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+
+
+@pytest.mark.llama_cpp
+def test_mimo_v25_drafts_in_llama_cpp(tmp_path, llama_cpp_bin):
+    """llama.cpp's mimo2 MTP graph needs the fused attn_qkv (MiMo-V2-Flash's split q/k/v files load but cannot
+    draft: "MIMO2 MTP requires fused attn_qkv"): the V2.5 layout drafts, as one Q4_K_M file and as trunk + head
+    file. (A RoPE width of 32: llama.cpp's CPU rope needs an even one, the tiny default 0.334 x 64 is 21.)"""
+    ck = tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", partial_rotary_factor=0.5))
+    assert_drafts_in_llama_cpp(ck, tmp_path, llama_cpp_bin)
 
 
 @pytest.mark.llama_cpp

@@ -17,8 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_step35
-from familycheck import (add_tensors, assert_f32_equal, assert_refused, assert_same_gguf, convert_with_both, copy_with_config,
-                         quantize_q4_k_m, quantize_with_both, strip_general)
+from familycheck import (add_tensors, assert_f32_equal, assert_refused, assert_same_gguf, convert_with_both,
+                         copy_with_config, quantize_q4_k_m, quantize_with_both, strip_general)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 

@@ -79,3 +79,58 @@ def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_
         sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
                    p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+
+
+def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
+    """Rewrite a mimo2() checkpoint in place into MiMo-V2.5's release layout (``MiMoV2ForCausalLM``): every
+    2-D weight FP8 with 128x128 ``weight_scale_inv`` tiles, and q/k/v of each block fused into one
+    ``self_attn.qkv_proj`` whose rows are sharded over ``tp`` tensor-parallel ranks -- rank r holds
+    [Q_r | K_r | V_r], quantized in its own 128-row tiles (so the scale has tp x ceil(rows/tp/128) rows),
+    as llama.cpp's conversion/mimo.py reads the release. Plus a vision and an audio tower beside the text
+    tensors (llama.cpp's mmproj file takes those)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tiny import to_fp8_block_scaled
+
+    to_fp8_block_scaled(folder)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def dequant(t: dict, name: str) -> torch.Tensor:
+        w, s = t.pop(name).float(), t.pop(name + "_scale_inv")
+        del index["weight_map"][name], index["weight_map"][name + "_scale_inv"]
+        return w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+
+    def per_rank_tiles(rank_rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = [], []
+        for rows in rank_rows:  # each rank: its own tiles, the last one short
+            for a in range(0, rows.shape[0], 128):
+                tile_rows = rows[a:a + 128]
+                scales = torch.stack([c.abs().max().clamp(min=1e-12) / fp8_max for c in tile_rows.split(128, 1)])
+                s.append(scales)
+                q.append(tile_rows / scales.repeat_interleave(128)[: rows.shape[1]])
+        return torch.cat(q).to(torch.float8_e4m3fn), torch.stack(s)
+
+    for shard in sorted(set(index["weight_map"].values())):
+        t = load_file(str(folder / shard))
+        for name in [n for n in t if n.endswith("self_attn.q_proj.weight")]:
+            p = name[: -len("q_proj.weight")]
+            q, k, v = (dequant(t, p + x + "_proj.weight") for x in "qkv")
+            ranks = [torch.cat([m.chunk(tp)[r] for m in (q, k, v)]) for r in range(tp)]
+            t[p + "qkv_proj.weight"], t[p + "qkv_proj.weight_scale_inv"] = per_rank_tiles(ranks)
+            index["weight_map"][p + "qkv_proj.weight"] = index["weight_map"][p + "qkv_proj.weight_scale_inv"] = shard
+        save_file(t, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MiMoV2ForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    from familycheck import add_tensors
+
+    gen = torch.Generator().manual_seed(5)
+    add_tensors(folder, {"visual.patch_embed.proj.weight": torch.randn(32, 48, generator=gen),
+                         "audio_encoder.projection.mlp.0.weight": torch.randn(32, 32, generator=gen),
+                         "speech_embeddings.0.weight": torch.randn(8, 32, generator=gen)})
+    return folder

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable, Iterator
+from typing import Callable, ClassVar, Container, Iterable, Iterator
 
 import gguf
 import numpy as np
@@ -137,6 +137,7 @@ class Family:
     # name prefixes of a multimodal release's other towers (vision, audio): llama.cpp writes those to a separate
     # mmproj file, so they are left out here, knowingly (any other unused tensor is an error)
     other_towers: ClassVar[tuple[str, ...]] = ()
+    own_fp8_scales: Container[str] = frozenset()  # FP8 weights whose scale layout the family checks and applies
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 

@@ -14,9 +14,12 @@ counts what the checkpoint holds). Each is a sliding-window decoder block plus
 the norm before the head). Metadata as llama.cpp's converter (conversion/mimo.py)
 writes it: the SWA pattern and KV head counts extended over the MTP blocks.
 
-Not handled yet, and refused by name (exit 2): MiMo-V2.5's FP8 fused ``qkv_proj``
-sharded per TP rank and its MXFP4 experts; its vision/audio towers would go to
-llama.cpp's mmproj file.
+MiMo-V2.5 / V2.5-Pro store one ``self_attn.qkv_proj`` per block (-> ``attn_qkv``), in FP8
+with its rows sharded per tensor-parallel rank (4 or 8): each rank's rows are
+[Q_r | K_r | V_r] with their own 128-row scale tiles. They are dequantized with each
+rank's tiles and regrouped into [Q | K | V], as llama.cpp's converter does; its
+vision/audio towers are left for llama.cpp's mmproj file. Not handled yet, and
+refused by name (exit 2): MXFP4 experts.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from __future__ import annotations
 from typing import Iterator
 
 import gguf
+import torch
 from gguf import GGUFWriter
 
 from ..errors import InputError
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, layer_of, register
+from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, register
 from .validate import Expected
 
 VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
+QKV = "self_attn.qkv_proj.weight"  # MiMo-V2.5's fused projection
 
 
 @register
@@ -39,6 +44,7 @@ class MiMoV2(Family):
     hf_architectures = ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM")
     arch = "mimo2"
     mtp_prefix = "model.mtp.layers."
+    other_towers = ("visual.", "speech_embeddings.", "audio_encoder.")  # MiMo-V2.5's: llama.cpp's mmproj file
     # gguf-py 0.19's mimo2 table lacks the head's tensors; final_layernorm is the norm before the MTP head
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": gguf.MODEL_TENSOR.LAYER_OUT_NORM}
 
@@ -65,16 +71,18 @@ class MiMoV2(Family):
                                      and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
             raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
         qc = hp.get("quantization_config")
-        if (fused := next((n for n in ckpt.names() if n.endswith(".self_attn.qkv_proj.weight")), None)) is not None:
-            # MiMo-V2.5 / V2.5-Pro: one FP8 qkv_proj whose rows are sharded per tensor-parallel rank
-            raise InputError(ckpt.stored[fused].file, f"{fused}: MiMo-V2.5's fused qkv_proj (FP8, rows sharded per "
-                                                      "tensor-parallel rank) is not supported yet")
         if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":
             raise InputError(cfg, "quantization_config: MXFP4 experts (MiMo-V2.5) are not supported yet")
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
         self.n_mtp = len(found)
+        fused = [n for n in ckpt.names() if n.endswith("." + QKV)]
+        if fused and hp.get("attention_bias"):
+            raise InputError(cfg, "attention_bias with a fused qkv_proj is not supported")
+        # FP8 fused qkv_proj -> its tensor-parallel rank count (scale tiles per rank), checked before anything
+        self.tp_ranks = {n: self._tp_ranks(n) for n in fused if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
+        self.own_fp8_scales = frozenset(self.tp_ranks)
 
     # -- what config.json implies (checked before anything is planned) -------------------
 
@@ -91,8 +99,13 @@ class MiMoV2(Family):
             swa = self._is_swa(bid)
             n_kv = hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
             yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
-            yield from V.attention(p + "self_attn.", h, n_head, n_kv, hp["head_dim"], v_head_dim=hp["v_head_dim"],
-                                   bias=bool(hp.get("attention_bias")))
+            attention = V.attention(p + "self_attn.", h, n_head, n_kv, hp["head_dim"], v_head_dim=hp["v_head_dim"],
+                                    bias=bool(hp.get("attention_bias")))
+            if self.resolve(p + QKV) is not None:  # MiMo-V2.5: q, k and v rows in one tensor
+                qkv = [e for e in attention if e.name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+                attention = [e for e in attention if e not in qkv]
+                attention.append(Expected(p + QKV, (sum(e.shape[0] for e in qkv), h)))
+            yield from attention
             sinks = hp.get("add_swa_attention_sink_bias" if swa else "add_full_attention_sink_bias")
             yield from V.switched(sinks, Expected(p + "self_attn.attention_sink_bias", (n_head,)))
             if bid < self.n_trunk and self._is_moe(bid):
@@ -139,4 +152,49 @@ class MiMoV2(Family):
     def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:
         if rest == "self_attn.attention_sink_bias":  # llama.cpp appends .weight before naming it
             return [self.emit(self.map_name(f"{self.block_prefix}{bid}.{rest}.weight"), hf)]
+        if rest == QKV:  # (gguf-py 0.19's mimo2 table lacks attn_qkv)
+            name = gguf_name(gguf.MODEL_TENSOR.ATTN_QKV, bid)
+            if hf not in self.tp_ranks:
+                return [self.emit(name, hf)]
+            src = f"{self.ckpt.stored[hf].file.name}:{hf}"
+            return [Emit(name, tuple(self.ckpt.shape(hf)), lambda: self._tp_qkv(hf, bid), src)]
         return None
+
+    def _qkv_rows(self, bid: int) -> tuple[int, int, int]:
+        hp = self.hparams
+        n_kv = hp["swa_num_key_value_heads" if self._is_swa(bid) else "num_key_value_heads"]
+        return hp["num_attention_heads"] * hp["head_dim"], n_kv * hp["head_dim"], n_kv * hp["v_head_dim"]
+
+    def _tp_ranks(self, hf: str) -> int:
+        """The ranks a fused FP8 qkv_proj is sharded over, from its scale rows: each of the ``tp`` ranks holds
+        rows/tp rows in its own tiles of 128 (llama.cpp tries 8, then 4; an unsharded layout it refuses too)."""
+        st, scale = self.ckpt.stored[hf], self.ckpt.stored[hf + "_scale_inv"]
+        bh, bw = V.fp8_block_size(self.ckpt)
+        rows, cols = st.shape if len(st.shape) == 2 else (0, 0)
+        tp = next((tp for tp in (8, 4) if rows % tp == 0
+                   and tuple(scale.shape) == (tp * -(-rows // tp // bh), -(-cols // bw))), None)
+        if tp is None:
+            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}: not the per-rank {bh}x{bw} "
+                                         f"tiles of {hf} {list(st.shape)} sharded over 8 or 4 tensor-parallel ranks")
+        i = layer_of(hf, self.mtp_prefix)
+        sizes = self._qkv_rows(self.n_trunk + i if i is not None else layer_of(hf))
+        if sum(sizes) != rows or any(n % tp for n in sizes):
+            raise InputError(st.file, f"{hf} has {rows} rows: config.json implies q/k/v rows {list(sizes)}, "
+                                      f"split over {tp} tensor-parallel ranks")
+        return tp
+
+    def _tp_qkv(self, hf: str, bid: int) -> torch.Tensor:
+        """A fused FP8 qkv_proj dequantized with each rank's tiles, its rows regrouped from per rank
+        [Q_r | K_r | V_r] into [Q | K | V] (float32: one multiply per value, as llama.cpp's converter)."""
+        ck, tp = self.ckpt, self.tp_ranks[hf]
+        bh, bw = V.fp8_block_size(ck)
+        w = ck._raw(hf).to(torch.float32)
+        scale = ck._raw(hf + "_scale_inv").to(torch.float32)
+        rows, cols = w.shape
+        per_rank = rows // tp
+        parts = [n // tp for n in self._qkv_rows(bid)]  # (checked to split evenly: _tp_ranks)
+        r = torch.arange(rows)
+        tile_row = (r // per_rank) * -(-per_rank // bh) + (r % per_rank) // bh
+        w *= scale[tile_row].repeat_interleave(bw, dim=1)[:, :cols]
+        ranks = w.view(tp, per_rank, cols).split(parts, dim=1)  # q, k, v: [tp, rows per rank, cols] each
+        return torch.cat([part.reshape(-1, cols) for part in ranks])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Container, Iterable, Iterator
 
 from ..errors import InputError
 
@@ -129,14 +129,16 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
-def check_dtypes(ckpt: "Checkpoint") -> None:
-    """Weights are floating point (FP8 with its scale companion); an integer lm_head is an error, not a conversion."""
+def check_dtypes(ckpt: "Checkpoint", own_scales: Container[str] = ()) -> None:
+    """Weights are floating point (FP8 with its scale companion); an integer lm_head is an error, not a conversion.
+    ``own_scales``: FP8 weights whose scale layout the family itself has checked (MiMo-V2.5's per-rank tiles)."""
     for name in ckpt.names():
         st = ckpt.stored[name]
         if st.dtype in FLOAT_DTYPES:
             continue
         if st.dtype in FP8_DTYPES:
-            _check_fp8_scale(ckpt, name)
+            if name not in own_scales:
+                _check_fp8_scale(ckpt, name)
             continue
         raise InputError(st.file, f"tensor {name} has dtype {st.dtype}; a weight must be floating point "
                                   "(F32, F16, BF16 or FP8 with a scale)")
@@ -227,7 +229,7 @@ def _check_no_extra(family: "Family", names: set[str]) -> None:
 
 def check_family(family: "Family", keep_mtp: bool) -> None:
     """All tensor-level checks of one checkpoint for one family; called before any tensor is planned."""
-    check_dtypes(family.ckpt)
+    check_dtypes(family.ckpt, family.own_fp8_scales)
     layout = f"config.json has {family.n_trunk} layers" + (f" + {family.n_mtp} MTP" if family.n_mtp else "")
     expected = family.expected_tensors(keep_mtp)
     if expected is not None:
