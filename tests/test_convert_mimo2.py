@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_mimo2
-from familycheck import (assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf, convert_with_both,
+from familycheck import (add_tensors, assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf, convert_with_both,
                          copy_with_config, quantize_with_both, rewrite_tensor)
 from ggufcheck import convert, kv_types, read_gguf, source_tensors
 from runcli import run_cli
@@ -147,6 +147,10 @@ def test_mimo_v25_bad_rank_tiles_and_mxfp4_are_refused(tmp_path):
     p = "model.layers.1.self_attn.qkv_proj.weight"
     rewrite_tensor(ck, p + "_scale_inv", torch.ones(3, 2))  # neither 4 nor 8 ranks' tiles
     assert_refused(ck, tmp_path / "a.gguf", p + "_scale_inv", "tensor-parallel ranks")
+    ck = _v25(tmp_path / "stray")  # a fused qkv_proj in a block config.json does not declare: refused, no crash
+    stray = "model.layers.9.self_attn.qkv_proj.weight"
+    add_tensors(ck, {stray: torch.zeros(448, 256).to(torch.float8_e4m3fn), stray + "_scale_inv": torch.ones(4, 2)})
+    assert_refused(ck, tmp_path / "c.gguf", stray)
     ck = copy_with_config(tiny_mimo2.mimo2(tmp_path / "plain"), tmp_path / "mxfp4",
                           quantization_config={"quant_method": "fp8", "store_dtype": "mxfp4"})
     assert_refused(ck, tmp_path / "b.gguf", "config.json", "MXFP4 experts")

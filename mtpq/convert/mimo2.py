@@ -77,11 +77,12 @@ class MiMoV2(Family):
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
         self.n_mtp = len(found)
-        fused = [n for n in ckpt.names() if n.endswith("." + QKV)]
+        fused = {n: bid for n in ckpt.names() if n.endswith("." + QKV) and (bid := self._block_of(n)) is not None}
         if fused and hp.get("attention_bias"):
             raise InputError(cfg, "attention_bias with a fused qkv_proj is not supported")
         # FP8 fused qkv_proj -> its tensor-parallel rank count (scale tiles per rank), checked before anything
-        self.tp_ranks = {n: self._tp_ranks(n) for n in fused if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
+        self.tp_ranks = {n: self._tp_ranks(n, bid) for n, bid in fused.items()
+                         if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
         self.own_fp8_scales = frozenset(self.tp_ranks)
 
     # -- what config.json implies (checked before anything is planned) -------------------
@@ -165,7 +166,14 @@ class MiMoV2(Family):
         n_kv = hp["swa_num_key_value_heads" if self._is_swa(bid) else "num_key_value_heads"]
         return hp["num_attention_heads"] * hp["head_dim"], n_kv * hp["head_dim"], n_kv * hp["v_head_dim"]
 
-    def _tp_ranks(self, hf: str) -> int:
+    def _block_of(self, hf: str) -> int | None:
+        """The block a name is in (MTP blocks after the trunk's), None outside the blocks config.json declares."""
+        if (i := layer_of(hf, self.mtp_prefix)) is not None:
+            return self.n_trunk + i  # (n_mtp is counted from these names)
+        bid = layer_of(hf)
+        return bid if bid is not None and bid < self.n_trunk else None
+
+    def _tp_ranks(self, hf: str, bid: int) -> int:
         """The ranks a fused FP8 qkv_proj is sharded over, from its scale rows: each of the ``tp`` ranks holds
         rows/tp rows in its own tiles of 128 (llama.cpp tries 8, then 4; an unsharded layout it refuses too)."""
         st, scale = self.ckpt.stored[hf], self.ckpt.stored[hf + "_scale_inv"]
@@ -176,8 +184,7 @@ class MiMoV2(Family):
         if tp is None:
             raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}: not the per-rank {bh}x{bw} "
                                          f"tiles of {hf} {list(st.shape)} sharded over 8 or 4 tensor-parallel ranks")
-        i = layer_of(hf, self.mtp_prefix)
-        sizes = self._qkv_rows(self.n_trunk + i if i is not None else layer_of(hf))
+        sizes = self._qkv_rows(bid)
         if sum(sizes) != rows or any(n % tp for n in sizes):
             raise InputError(st.file, f"{hf} has {rows} rows: config.json implies q/k/v rows {list(sizes)}, "
                                       f"split over {tp} tensor-parallel ranks")
