@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,9 @@ from gguf import GGMLQuantizationType as T
 
 import tiny_mimo2
 from familycheck import (add_tensors, assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf, convert_with_both,
-                         copy_with_config, quantize_with_both, rewrite_tensor)
+                         copy_with_config, quantize_with_both, rewrite_tensor, run)
 from ggufcheck import convert, kv_types, read_gguf, source_tensors
+from llamacpp_ref import speculative_simple
 from runcli import run_cli
 
 ATTN_FULL = {"attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
@@ -142,7 +144,7 @@ def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
     assert kv["general.architecture"] == "mimo2" and kv["mimo2.block_count"] == 6
 
 
-def test_mimo_v25_bad_rank_tiles_and_mxfp4_are_refused(tmp_path):
+def test_mimo_v25_bad_rank_tiles_are_refused(tmp_path):
     ck = _v25(tmp_path)
     p = "model.layers.1.self_attn.qkv_proj.weight"
     rewrite_tensor(ck, p + "_scale_inv", torch.ones(3, 2))  # neither 4 nor 8 ranks' tiles
@@ -151,9 +153,47 @@ def test_mimo_v25_bad_rank_tiles_and_mxfp4_are_refused(tmp_path):
     stray = "model.layers.9.self_attn.qkv_proj.weight"
     add_tensors(ck, {stray: torch.zeros(448, 256).to(torch.float8_e4m3fn), stray + "_scale_inv": torch.ones(4, 2)})
     assert_refused(ck, tmp_path / "c.gguf", stray)
-    ck = copy_with_config(tiny_mimo2.mimo2(tmp_path / "plain"), tmp_path / "mxfp4",
-                          quantization_config={"quant_method": "fp8", "store_dtype": "mxfp4"})
-    assert_refused(ck, tmp_path / "b.gguf", "config.json", "MXFP4 experts")
+
+
+def _mxfp4(tmp_path):
+    return tiny_mimo2.as_mxfp4_experts(_v25(tmp_path))
+
+
+def test_mxfp4_experts_keep_their_bits(tmp_path):
+    """MXFP4 experts are written as ggml MXFP4 whatever the outtype (file type MOSTLY_MXFP4_MOE), and the values
+    gguf-py reads from them are the checkpoint's by the OCP definition (E2M1 code x 2^(e - 127)), bit for bit."""
+    ck = _mxfp4(tmp_path)
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f16")
+    assert kv["general.file_type"] == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    src = source_tensors(ck)
+    for bid, proj in ((1, "gate"), (1, "down"), (2, "up")):
+        qtype, data = tensors[f"blk.{bid}.ffn_{proj}_exps.weight"]
+        assert qtype == T.MXFP4
+        got = gguf.dequantize(data, T.MXFP4)
+        for e in range(tiny_mimo2.N_EXP):
+            hf = f"model.layers.{bid}.mlp.experts.{e}.{proj}_proj.weight"
+            want = tiny_mimo2.mxfp4_values(src[hf], src[hf + "_scale"]).numpy()
+            assert np.array_equal(got[e], want), hf
+    assert tensors["blk.0.attn_qkv.weight"][0] == T.F16 and tensors["blk.1.ffn_gate_inp.weight"][0] == T.F32
+
+
+def test_mxfp4_experts_requantize_only_when_asked(tmp_path):
+    ck = _mxfp4(tmp_path)
+    res = run_cli("convert", ck, tmp_path / "a.gguf", "--quant", "Q4_K_M", "--quiet")
+    assert res.exit_code == 2 and "--allow-requantize" in res.stderr and "mxfp4" in res.stderr
+    assert not (tmp_path / "a.gguf").exists()
+    kv, tensors = convert(ck, tmp_path / "b.gguf", "--quant", "Q4_K_M", "--allow-requantize")
+    assert tensors["blk.1.ffn_gate_exps.weight"][0] == T.Q4_K and tensors["blk.3.attn_qkv.weight"][0] == T.Q8_0
+
+
+def test_bad_mxfp4_layouts_are_refused(tmp_path):
+    ck = _mxfp4(tmp_path)
+    hf = "model.layers.1.mlp.experts.0.up_proj.weight"
+    rewrite_tensor(ck, hf + "_scale", torch.zeros(256, 4, dtype=torch.uint8))  # 8 groups of 32 values per row
+    assert_refused(ck, tmp_path / "a.gguf", hf + "_scale", "E8M0")
+    ck = copy_with_config(_mxfp4(tmp_path / "b"), tmp_path / "c", quantization_config={
+        "quant_method": "fp8", "weight_block_size": [128, 128], "store_dtype": "mxfp4", "mxfp4_block_size": 16})
+    assert_refused(ck, tmp_path / "c.gguf", "config.json", "mxfp4_block_size")
 
 
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
@@ -195,6 +235,35 @@ def test_mimo_v25_same_bytes_as_llama_quantize(tmp_path, llama_cpp_bin):
     assert a["blk.0.attn_qkv.weight"][0] == b["blk.0.attn_qkv.weight"][0]
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp"])
+def test_mxfp4_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode):
+    """MXFP4 experts: the same ggml blocks, file type and every other tensor as llama.cpp's converter."""
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, _mxfp4(tmp_path), tmp_path, mode, raw_config=True)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
+@pytest.mark.llama_cpp
+def test_mxfp4_requantized_as_llama_quantize_and_drafts(tmp_path, llama_cpp_bin):
+    """Q4_K_M from MXFP4 experts (--allow-requantize on both sides): llama-quantize's bytes; the f16 file with
+    its MXFP4 experts drafts in llama.cpp."""
+    ck = tiny_mimo2.as_mxfp4_experts(tiny_mimo2.as_v25_fused_fp8(
+        tiny_mimo2.mimo2(tmp_path / "ckpt", partial_rotary_factor=0.5)))
+    f16 = tmp_path / "f16.gguf"
+    convert(ck, f16, "--outtype", "f16")
+    run([llama_cpp_bin / "llama-quantize", "--allow-requantize", f16, tmp_path / "ref.gguf", "Q4_K_M", "1"])
+    res = run_cli("quantize", f16, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--allow-requantize",
+                  "--quiet")
+    assert res.exit_code == 0, res.output
+    (_, a), (_, b) = read_gguf(tmp_path / "ours.gguf"), read_gguf(tmp_path / "ref.gguf")
+    assert set(a) == set(b) and a["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    res, stats = speculative_simple(llama_cpp_bin, "-m", f16, "--spec-type", "draft-mtp", "-c", "256", "-t", "1",
+                                    "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16)
+    assert "MTP draft context" in res.stderr and stats["n_drafted"] > 0, res.stderr[-2000:]
 
 
 @pytest.mark.llama_cpp

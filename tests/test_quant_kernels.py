@@ -449,3 +449,18 @@ def test_llama_quantize_agrees(qtype, inputs, llama_cpp_bin, tmp_path):
         assert t.tensor_type == qtype
         ours = quantize(torch.from_numpy(inputs[c]), qtype, c)
         assert np.asarray(t.data).tobytes() == ours.tobytes(), f"{qtype.name}/{c}"
+
+
+def test_mxfp4_dequantize_is_gguf_py_bit_for_bit():
+    """MXFP4 is read, not written (a checkpoint's experts kept by the converter): every exponent byte (the two
+    subnormal scales, 255's overflow to inf) and every code decode to gguf-py's float32 bits."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(4096, 17), dtype=np.uint8)
+    raw[:256, 0] = np.arange(256)
+    with np.errstate(over="ignore"):
+        want = gguf.quants.dequantize(raw, T.MXFP4).reshape(4096, 32)
+    got = kernels.dequantize(raw, T.MXFP4, (4096, 32)).numpy()
+    assert np.isinf(want).any() and (want[:2] != 0).any()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="no kernel"):
+        kernels.quantize(torch.zeros(4, 32), T.MXFP4)

@@ -134,3 +134,55 @@ def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
                          "audio_encoder.projection.mlp.0.weight": torch.randn(32, 32, generator=gen),
                          "speech_embeddings.0.weight": torch.randn(8, 32, generator=gen)})
     return folder
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP4 of w [rows, cols]: per group of 32 an E8M0 exponent byte (scale 2^(e-127), the group's
+    maximum at most 6 after scaling) and E2M1 codes packed two per byte, element 2i in the low nibble
+    -> (packed uint8 [rows, cols/2], scale uint8 [rows, cols/32])."""
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    q = groups / torch.exp2(e)[..., None]
+    codes = (q[..., None] - E2M1).abs().argmin(-1).to(torch.uint8).reshape(rows, cols)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, (e + 127).to(torch.uint8)
+
+
+def mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The values an MXFP4 pair stands for (OCP's definition: E2M1 code x 2^(e-127)), float32."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    return (E2M1[codes].reshape(packed.shape[0], -1, 32) * torch.exp2(scale.float() - 127)[..., None]).reshape(
+        packed.shape[0], -1)
+
+
+def as_mxfp4_experts(folder: Path) -> Path:
+    """Rewrite the routed experts of an as_v25_fused_fp8() checkpoint into MXFP4 (``weight`` packed uint8 plus a
+    uint8 ``weight_scale``; the rest stays FP8), ``quantization_config.store_dtype: mxfp4``, as llama.cpp's
+    conversion/mimo.py reads MiMo-V2.5's MXFP4 checkpoints."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    expert = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+    for shard in sorted(set(index["weight_map"].values())):
+        t = load_file(str(folder / shard))
+        for name in [n for n in t if expert.match(n)]:
+            w, s = t.pop(name).float(), t.pop(name + "_scale_inv")
+            del index["weight_map"][name + "_scale_inv"]
+            w = w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+            t[name], t[name + "_scale"] = to_mxfp4(w)
+            index["weight_map"][name + "_scale"] = shard
+        save_file(t, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {**cfg["quantization_config"], "store_dtype": "mxfp4", "mxfp4_block_size": 32}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

@@ -42,6 +42,9 @@ def convert(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
         None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
+    allow_requantize: bool = typer.Option(
+        False, "--allow-requantize", help="With --quant: also requantize the tensors a checkpoint stores already "
+                                          "quantized (MiMo-V2.5's MXFP4 experts), as llama-quantize's flag."),
     imatrix: Optional[Path] = typer.Option(
         None, "--imatrix", help="With --quant: importance matrix (llama-imatrix's GGUF or .dat), as llama-quantize --imatrix."),
     include_weights: Optional[List[str]] = typer.Option(
@@ -66,6 +69,7 @@ def convert(
     if quant is None:
         for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
                             ("--tensor-type", tensor_type), ("--imatrix", imatrix),
+                            ("--allow-requantize", allow_requantize),
                             ("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
             if given:
                 fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
@@ -75,8 +79,9 @@ def convert(
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     if quant is not None:
-        plan = plan_quantize(plan, quant, imatrix=imatrix_data, include_weights=include_weights or [],
-                             exclude_weights=exclude_weights or [], **quant_options)
+        plan = plan_quantize(plan, quant, allow_requantize=allow_requantize, imatrix=imatrix_data,
+                             include_weights=include_weights or [], exclude_weights=exclude_weights or [],
+                             **quant_options)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
         write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))

@@ -87,6 +87,8 @@ class Emit:
     # the bytes in a given output type, produced a slab at a time (:mod:`.stream`) instead of from the whole
     # ``load()``; None: ``load()`` encoded whole (stream.encode_loaded)
     encode: Callable[[T], np.ndarray] | None = None
+    # a type the tensor keeps whatever the outtype (bits stored already quantized, e.g. MXFP4 experts)
+    ggml_type: T | None = None
 
 
 FAMILIES: dict[str, type["Family"]] = {}
@@ -137,7 +139,8 @@ class Family:
     # name prefixes of a multimodal release's other towers (vision, audio): llama.cpp writes those to a separate
     # mmproj file, so they are left out here, knowingly (any other unused tensor is an error)
     other_towers: ClassVar[tuple[str, ...]] = ()
-    own_fp8_scales: Container[str] = frozenset()  # FP8 weights whose scale layout the family checks and applies
+    # stored weights whose encoding (an FP8 scale layout, MXFP4 packing) the family itself checks and decodes
+    own_encodings: Container[str] = frozenset()
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
@@ -237,6 +240,10 @@ class Family:
     def resolve(self, name: str) -> str | None:
         """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
         return name if name in self.ckpt else None
+
+    def logical_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The shape of the values a stored tensor holds (packed encodings hold more values than bytes)."""
+        return tuple(self.ckpt.shape(hf_name))
 
     def logical_names(self) -> list[str]:
         """Every stored tensor under the names :meth:`expected_tensors` uses (the other towers left out)."""
@@ -401,6 +408,10 @@ class Family:
 
     # -- plan ---------------------------------------------------------------------------
 
+    def file_type(self, outtype: T) -> gguf.LlamaFileType:
+        """general.file_type, as llama.cpp's converter writes it for this outtype."""
+        return FILE_TYPES[outtype]
+
     def output_type(self, name: str, shape: tuple[int, ...], outtype: T) -> T:
         """Output type at conversion, as llama.cpp's converter chooses it."""
         kind = name.rsplit(".", 1)[0] if block_index(name) is None else name.split(".", 2)[2].rsplit(".", 1)[0]
@@ -434,20 +445,21 @@ class Family:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")
             seen.add(e.name)
             role = classify(e.name, e.shape, self.n_trunk)
-            qtype = self.output_type(e.name, e.shape, outtype)
+            qtype = e.ggml_type or self.output_type(e.name, e.shape, outtype)
             # the bytes in qtype, which the writer takes as they are (load_raw): streamed, or ``load()`` encoded
             # by encode_loaded, which loads and converts to a float type on one torch thread (the writer's
             # quantize would use all of them: 150x slower on tensors like attn_k_b when the other core is busy)
             encode = e.encode or (lambda e: lambda q: stream.encode_loaded(e.load, q, e.name, e.source))(e)
             raw = (lambda f, q: lambda: f(q))(encode, qtype)
-            specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=f"--outtype {outtype.name.lower()}",
+            reason = f"stored as {qtype.name.lower()}" if e.ggml_type else f"--outtype {outtype.name.lower()}"
+            specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=reason,
                                     source_type=qtype, load_raw=raw))
 
         w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
         w.add_type("model")
         if name := self.ckpt.config.get("_name_or_path"):
             w.add_name(Path(name).name)
-        w.add_file_type(FILE_TYPES[outtype])
+        w.add_file_type(self.file_type(outtype))
         self.set_common_metadata(w, n_blocks)
         self.set_metadata(w)
         if keep_mtp:

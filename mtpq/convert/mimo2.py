@@ -18,16 +18,22 @@ MiMo-V2.5 / V2.5-Pro store one ``self_attn.qkv_proj`` per block (-> ``attn_qkv``
 with its rows sharded per tensor-parallel rank (4 or 8): each rank's rows are
 [Q_r | K_r | V_r] with their own 128-row scale tiles. They are dequantized with each
 rank's tiles and regrouped into [Q | K | V], as llama.cpp's converter does; its
-vision/audio towers are left for llama.cpp's mmproj file. Not handled yet, and
-refused by name (exit 2): MXFP4 experts.
+vision/audio towers are left for llama.cpp's mmproj file. Checkpoints with
+``quantization_config.store_dtype: mxfp4`` keep their routed experts in OCP MXFP4
+(``weight``: E2M1 codes two per byte, ``weight_scale``: an E8M0 byte per 32 values):
+the bits are moved, not requantized, into ggml's ``MXFP4`` blocks and stay MXFP4
+whatever the outtype (general.file_type MOSTLY_MXFP4_MOE), as llama.cpp's converter does.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import gguf
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ..errors import InputError
@@ -37,6 +43,8 @@ from .validate import Expected
 
 VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
 QKV = "self_attn.qkv_proj.weight"  # MiMo-V2.5's fused projection
+MXFP4_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+MXFP4_GROUP = 32  # values per E8M0 scale, in the checkpoint and in ggml's block_mxfp4
 
 
 @register
@@ -71,8 +79,13 @@ class MiMoV2(Family):
                                      and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
             raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
         qc = hp.get("quantization_config")
+        self.mxfp4: dict[str, str] = {}  # MXFP4 expert weight -> its E8M0 scale tensor
         if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":
-            raise InputError(cfg, "quantization_config: MXFP4 experts (MiMo-V2.5) are not supported yet")
+            if qc.get("mxfp4_block_size", MXFP4_GROUP) != MXFP4_GROUP:
+                raise InputError(cfg, f"quantization_config.mxfp4_block_size {qc['mxfp4_block_size']!r}: ggml's "
+                                      f"MXFP4 groups {MXFP4_GROUP} values")
+            self.mxfp4 = {n: self._mxfp4_scale(n) for n in ckpt.names()
+                          if MXFP4_EXPERT.match(n) and ckpt.source_dtype(n) == "U8"}
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
@@ -83,7 +96,7 @@ class MiMoV2(Family):
         # FP8 fused qkv_proj -> its tensor-parallel rank count (scale tiles per rank), checked before anything
         self.tp_ranks = {n: self._tp_ranks(n, bid) for n, bid in fused.items()
                          if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
-        self.own_fp8_scales = frozenset(self.tp_ranks)
+        self.own_encodings = frozenset(self.tp_ranks) | frozenset(self.mxfp4)
 
     # -- what config.json implies (checked before anything is planned) -------------------
 
@@ -160,6 +173,68 @@ class MiMoV2(Family):
             src = f"{self.ckpt.stored[hf].file.name}:{hf}"
             return [Emit(name, tuple(self.ckpt.shape(hf)), lambda: self._tp_qkv(hf, bid), src)]
         return None
+
+    def file_type(self, outtype: T) -> gguf.LlamaFileType:
+        return gguf.LlamaFileType.MOSTLY_MXFP4_MOE if self.mxfp4 else super().file_type(outtype)
+
+    def logical_shape(self, hf_name: str) -> tuple[int, ...]:
+        if hf_name in self.mxfp4:  # two E2M1 codes per byte
+            rows, packed = self.ckpt.shape(hf_name)
+            return rows, 2 * packed
+        return super().logical_shape(hf_name)
+
+    def _mxfp4_scale(self, hf: str) -> str:
+        """The scale of an MXFP4 expert weight, checked: uint8 [rows, values / 32]."""
+        st, scale = self.ckpt.stored[hf], self.ckpt.stored.get(hf + "_scale")
+        if len(st.shape) != 2 or (2 * st.shape[1]) % MXFP4_GROUP:
+            raise InputError(st.file, f"MXFP4 tensor {hf} has shape {list(st.shape)}: expected [rows, values / 2] "
+                                      f"with values a multiple of {MXFP4_GROUP}")
+        want = [st.shape[0], 2 * st.shape[1] // MXFP4_GROUP]
+        if scale is None:
+            raise InputError(st.file, f"MXFP4 tensor {hf} has no {hf}_scale")
+        if scale.dtype != "U8" or list(scale.shape) != want:
+            raise InputError(scale.file, f"{scale.name} is {scale.dtype} {list(scale.shape)}, expected U8 {want} "
+                                         f"(one E8M0 exponent per {MXFP4_GROUP} values of {hf})")
+        return scale.name
+
+    def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
+        parts = {proj: [f"{prefix}{self.per_expert_infix}{e}.{proj}.weight" for e in range(n_experts)]
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        packed = sum(n in self.mxfp4 for names in parts.values() for n in names)
+        if not packed:
+            yield from super().stack_experts(prefix, n_experts, used, bid)
+            return
+        if packed != 3 * n_experts:
+            raise InputError(self.ckpt.folder, f"{prefix}mlp.experts: {packed} of {3 * n_experts} expert tensors "
+                                               "are MXFP4; a stack is all MXFP4 or none")
+        for proj, names in parts.items():
+            used.extend(names)
+            yield self._mxfp4_stack(self.map_name(f"{self.block_prefix}{bid}.{self.per_expert_infix}{proj}.weight"),
+                                    names)
+
+    def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
+        """Experts stacked as ggml MXFP4 blocks (per 32 values: the E8M0 byte, then 16 bytes whose byte j holds
+        value j in its low nibble and value j + 16 in its high one): the checkpoint's bits, moved."""
+        ck = self.ckpt
+        rows, values = self.logical_shape(parts[0])
+        groups = values // MXFP4_GROUP
+
+        def encode(qtype: T) -> np.ndarray:
+            assert qtype == T.MXFP4, qtype
+            out = np.empty((len(parts), rows, groups * 17), dtype=np.uint8)
+            for e, hf in enumerate(parts):
+                codes = ck._raw(hf).numpy().reshape(rows, groups, 16)  # value 2i low nibble, 2i + 1 high
+                codes = np.stack((codes & 15, codes >> 4), axis=-1).reshape(rows, groups, 32)
+                block = out[e].reshape(rows, groups, 17)
+                block[..., 0] = ck._raw(self.mxfp4[hf]).numpy()
+                block[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+            return out
+
+        def load() -> torch.Tensor:
+            return torch.from_numpy(gguf.quants.dequantize(encode(T.MXFP4), T.MXFP4))
+
+        src = f"{ck.stored[parts[0]].file.name}:{parts[0]} (+{len(parts) - 1} experts, MXFP4)"
+        return Emit(name, (len(parts), rows, values), load, src, encode, ggml_type=T.MXFP4)
 
     def _qkv_rows(self, bid: int) -> tuple[int, int, int]:
         hp = self.hparams

@@ -129,21 +129,22 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
-def check_dtypes(ckpt: "Checkpoint", own_scales: Container[str] = ()) -> None:
+def check_dtypes(ckpt: "Checkpoint", own_encodings: Container[str] = ()) -> None:
     """Weights are floating point (FP8 with its scale companion); an integer lm_head is an error, not a conversion.
-    ``own_scales``: FP8 weights whose scale layout the family itself has checked (MiMo-V2.5's per-rank tiles)."""
+    ``own_encodings``: weights (and their scales) the family itself has checked (MiMo-V2.5's per-rank FP8 tiles,
+    its MXFP4 experts)."""
     for name in ckpt.names():
         st = ckpt.stored[name]
-        if st.dtype in FLOAT_DTYPES:
+        if st.dtype in FLOAT_DTYPES or name in own_encodings:
             continue
         if st.dtype in FP8_DTYPES:
-            if name not in own_scales:
-                _check_fp8_scale(ckpt, name)
+            _check_fp8_scale(ckpt, name)
             continue
         raise InputError(st.file, f"tensor {name} has dtype {st.dtype}; a weight must be floating point "
                                   "(F32, F16, BF16 or FP8 with a scale)")
     for name, st in ckpt.stored.items():  # scale companions: float, as every FP8 recipe stores them
-        if ckpt.is_scale(name) and name.endswith(("_scale_inv", "_scale")) and st.dtype not in FLOAT_DTYPES:
+        if (ckpt.is_scale(name) and name.endswith(("_scale_inv", "_scale")) and st.dtype not in FLOAT_DTYPES
+                and name.rsplit("_scale", 1)[0] not in own_encodings):
             raise InputError(st.file, f"scale tensor {name} has dtype {st.dtype}; expected F32, F16 or BF16")
 
 
@@ -210,7 +211,7 @@ def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -
             if layer and not any(n.startswith(layer[0]) for n in family.logical_names()):
                 raise InputError(ckpt.folder, f"no tensors for layer {layer[1]} ({layer[0]}*; {layout}{hint})")
             raise InputError(ckpt.folder, f"missing tensor {e.name} ({layout}{hint})")
-        got = tuple(ckpt.shape(hf))
+        got = family.logical_shape(hf)
         if got != tuple(e.shape):
             raise InputError(ckpt.stored[hf].file, f"{hf} has shape {list(got)}, but config.json implies {list(e.shape)}")
     _check_no_extra(family, names)
@@ -229,7 +230,7 @@ def _check_no_extra(family: "Family", names: set[str]) -> None:
 
 def check_family(family: "Family", keep_mtp: bool) -> None:
     """All tensor-level checks of one checkpoint for one family; called before any tensor is planned."""
-    check_dtypes(family.ckpt, family.own_fp8_scales)
+    check_dtypes(family.ckpt, family.own_encodings)
     layout = f"config.json has {family.n_trunk} layers" + (f" + {family.n_mtp} MTP" if family.n_mtp else "")
     expected = family.expected_tensors(keep_mtp)
     if expected is not None:

@@ -45,7 +45,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import malloc
-from . import cfloat, iq4, iquants, kquants, legacy, weighted
+from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -108,6 +108,9 @@ _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
                            T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
 
+# types mtpq reads but does not write (a checkpoint's own encoding kept by the converter)
+_DEQUANT_ONLY: dict[GGMLQuantizationType, Callable] = {T.MXFP4: mxfp4.dequantize_mxfp4}
+
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
@@ -146,7 +149,7 @@ def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantization
         qtype = GGMLQuantizationType(qtype)
     except ValueError:
         raise ValueError(f"{name}: unknown ggml type {qtype!r}") from None
-    if qtype not in SUPPORTED_TYPES:
+    if qtype not in SUPPORTED_TYPES and not (name == "dequantize" and qtype in _DEQUANT_ONLY):
         raise ValueError(f"{name}: mtpq has no kernel for type {qtype.name}")
     return qtype
 
@@ -545,7 +548,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shap
         bits = u8.view(torch.int16).to(torch.int32) << 16
         return bits.view(torch.float32).reshape(shape)
 
-    _, dfn, _, _ = _KERNELS[qtype]
+    dfn = _DEQUANT_ONLY[qtype] if qtype in _DEQUANT_ONLY else _KERNELS[qtype][1]
     bs, ts = GGML_QUANT_SIZES[qtype]
     if shape[-1] % bs:
         raise ValueError(f"dequantize: row length {shape[-1]} is not a multiple of the {qtype.name} block size {bs}")
