@@ -208,6 +208,16 @@ def convert_with_both(llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str |
     return out, kv, tensors, ref
 
 
+def assert_fp8_source_same_as_llama_cpp(llama_cpp_src: Path, ck: Path, tmp_path: Path, raw_config: bool = False):
+    """Checkpoint ck rewritten as FP8 (e4m3, 128x128 weight_scale_inv tiles) dequantizes to llama.cpp's
+    converter's bytes."""
+    from tiny import to_fp8_block_scaled
+
+    to_fp8_block_scaled(ck)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None, raw_config=raw_config)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
 def assert_same_gguf(out: Path, kv: dict, tensors: dict, ref: Path, value_types: bool = True,
                      ignore: tuple[str, ...] = ()) -> dict:
     """Every metadata key and value (and with value_types, each value's GGUF type), every tensor name, type,

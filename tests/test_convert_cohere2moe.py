@@ -17,10 +17,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_cohere2moe
-from tiny import to_fp8_block_scaled
-from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
-                         assert_same_gguf, convert_with_both, expected_table, inspect_json, quantize_q4_k_m,
-                         quantize_with_both, rewrite_tensor, stack_experts, strip_general, vocab)
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal,
+                         assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf, convert_with_both,
+                         expected_table, inspect_json, quantize_q4_k_m, quantize_with_both, rewrite_tensor,
+                         stack_experts, strip_general, vocab)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -161,11 +161,7 @@ def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
 
 @pytest.mark.llama_cpp
 def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    """An FP8 checkpoint (e4m3, 128x128 weight_scale_inv tiles) dequantizes to llama.cpp's converter's bytes."""
-    ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt")
-    to_fp8_block_scaled(ck)
-    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None)
-    assert_same_gguf(out, kv, tensors, ref)
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_cohere2moe.cohere2moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp

@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 import tiny_nemotronh
-from tiny import to_fp8_block_scaled
-from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
-                         convert_with_both, inspect_json, quantize_q4_k_m, quantize_with_both)
+from familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_fp8_source_same_as_llama_cpp,
+                         assert_needs_no_mtp, assert_same_gguf, convert_with_both, inspect_json, quantize_q4_k_m,
+                         quantize_with_both)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -253,11 +253,7 @@ def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
 
 @pytest.mark.llama_cpp
 def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    """An FP8 checkpoint (e4m3, 128x128 weight_scale_inv tiles) dequantizes to llama.cpp's converter's bytes."""
-    ck = tiny_nemotronh.nemotronh(tmp_path / "ckpt")
-    to_fp8_block_scaled(ck)
-    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None)
-    assert_same_gguf(out, kv, tensors, ref)
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_nemotronh.nemotronh(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp

@@ -17,9 +17,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import tiny_step35
-from tiny import to_fp8_block_scaled
-from familycheck import (add_tensors, assert_f32_equal, assert_refused, assert_same_gguf, convert_with_both,
-                         copy_with_config, quantize_q4_k_m, quantize_with_both, strip_general)
+from familycheck import (add_tensors, assert_f32_equal, assert_fp8_source_same_as_llama_cpp, assert_refused,
+                         assert_same_gguf, convert_with_both, copy_with_config, quantize_q4_k_m, quantize_with_both,
+                         strip_general)
 from ggufcheck import convert, read_gguf, source_tensors
 from runcli import run_cli
 
@@ -180,11 +180,7 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
 @pytest.mark.llama_cpp
 @pytest.mark.llama_cpp
 def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    """An FP8 checkpoint (e4m3, 128x128 weight_scale_inv tiles) dequantizes to llama.cpp's converter's bytes."""
-    ck = tiny_step35.step35(tmp_path / "ckpt")
-    to_fp8_block_scaled(ck)
-    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None, raw_config=True)
-    assert_same_gguf(out, kv, tensors, ref)
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_step35.step35(tmp_path / "ckpt"), tmp_path, raw_config=True)
 
 
 @pytest.mark.llama_cpp
