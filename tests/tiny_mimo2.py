@@ -81,6 +81,16 @@ def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
 
 
+def _pop_dequantized(tensors: dict, index: dict, name: str) -> torch.Tensor:
+    """Take FP8 weight ``name`` and its 128x128 weight_scale_inv out of a shard's tensors (and the scale out of the
+    index) -> its float32 values."""
+    from familycheck import dequant_block_scaled
+
+    pair = {name: tensors.pop(name), name + "_scale_inv": tensors.pop(name + "_scale_inv")}
+    del index["weight_map"][name + "_scale_inv"]
+    return dequant_block_scaled(pair)[name]
+
+
 def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
     """Rewrite a mimo2() checkpoint in place into MiMo-V2.5's release layout (``MiMoV2ForCausalLM``): every
     2-D weight FP8 with 128x128 ``weight_scale_inv`` tiles, and q/k/v of each block fused into one
@@ -99,11 +109,6 @@ def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
     index = json.loads(index_path.read_text())
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
 
-    def dequant(t: dict, name: str) -> torch.Tensor:
-        w, s = t.pop(name).float(), t.pop(name + "_scale_inv")
-        del index["weight_map"][name], index["weight_map"][name + "_scale_inv"]
-        return w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-
     def per_rank_tiles(rank_rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = [], []
         for rows in rank_rows:  # each rank: its own tiles, the last one short
@@ -118,7 +123,9 @@ def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
         t = load_file(str(folder / shard))
         for name in [n for n in t if n.endswith("self_attn.q_proj.weight")]:
             p = name[: -len("q_proj.weight")]
-            q, k, v = (dequant(t, p + x + "_proj.weight") for x in "qkv")
+            q, k, v = (_pop_dequantized(t, index, p + x + "_proj.weight") for x in "qkv")
+            for x in "qkv":
+                del index["weight_map"][p + x + "_proj.weight"]
             ranks = [torch.cat([m.chunk(tp)[r] for m in (q, k, v)]) for r in range(tp)]
             t[p + "qkv_proj.weight"], t[p + "qkv_proj.weight_scale_inv"] = per_rank_tiles(ranks)
             index["weight_map"][p + "qkv_proj.weight"] = index["weight_map"][p + "qkv_proj.weight_scale_inv"] = shard
@@ -175,10 +182,7 @@ def as_mxfp4_experts(folder: Path) -> Path:
     for shard in sorted(set(index["weight_map"].values())):
         t = load_file(str(folder / shard))
         for name in [n for n in t if expert.match(n)]:
-            w, s = t.pop(name).float(), t.pop(name + "_scale_inv")
-            del index["weight_map"][name + "_scale_inv"]
-            w = w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-            t[name], t[name + "_scale"] = to_mxfp4(w)
+            t[name], t[name + "_scale"] = to_mxfp4(_pop_dequantized(t, index, name))
             index["weight_map"][name + "_scale"] = shard
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))

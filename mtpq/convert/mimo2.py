@@ -37,6 +37,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ..errors import InputError
+from ..quantize.mxfp4 import blocks_from_packed
 from . import validate as V
 from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, register
 from .validate import Expected
@@ -96,7 +97,6 @@ class MiMoV2(Family):
         # FP8 fused qkv_proj -> its tensor-parallel rank count (scale tiles per rank), checked before anything
         self.tp_ranks = {n: self._tp_ranks(n, bid) for n, bid in fused.items()
                          if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
-        self.own_encodings = frozenset(self.tp_ranks) | frozenset(self.mxfp4)
 
     # -- what config.json implies (checked before anything is planned) -------------------
 
@@ -174,6 +174,10 @@ class MiMoV2(Family):
             return [Emit(name, tuple(self.ckpt.shape(hf)), lambda: self._tp_qkv(hf, bid), src)]
         return None
 
+    @property
+    def own_encodings(self) -> frozenset[str]:
+        return frozenset(self.tp_ranks) | frozenset(self.mxfp4)
+
     def file_type(self, outtype: T) -> gguf.LlamaFileType:
         return gguf.LlamaFileType.MOSTLY_MXFP4_MOE if self.mxfp4 else super().file_type(outtype)
 
@@ -213,8 +217,7 @@ class MiMoV2(Family):
                                     names)
 
     def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
-        """Experts stacked as ggml MXFP4 blocks (per 32 values: the E8M0 byte, then 16 bytes whose byte j holds
-        value j in its low nibble and value j + 16 in its high one): the checkpoint's bits, moved."""
+        """Experts stacked as ggml MXFP4 blocks: the checkpoint's bits, moved (quantize/mxfp4.py)."""
         ck = self.ckpt
         rows, values = self.logical_shape(parts[0])
         groups = values // MXFP4_GROUP
@@ -223,11 +226,7 @@ class MiMoV2(Family):
             assert qtype == T.MXFP4, qtype
             out = np.empty((len(parts), rows, groups * 17), dtype=np.uint8)
             for e, hf in enumerate(parts):
-                codes = ck._raw(hf).numpy().reshape(rows, groups, 16)  # value 2i low nibble, 2i + 1 high
-                codes = np.stack((codes & 15, codes >> 4), axis=-1).reshape(rows, groups, 32)
-                block = out[e].reshape(rows, groups, 17)
-                block[..., 0] = ck._raw(self.mxfp4[hf]).numpy()
-                block[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+                out[e] = blocks_from_packed(ck._raw(hf).numpy(), ck._raw(self.mxfp4[hf]).numpy())
             return out
 
         def load() -> torch.Tensor:
