@@ -44,12 +44,19 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def llama_cpp_convert(src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32",
                       raw_config: bool = False) -> Path:
     """``convert_hf_to_gguf.py folder --outfile out --outtype outtype *args``; asserts success."""
+    ok, log = llama_cpp_convert_result(src, folder, out, pre, *args, outtype=outtype, raw_config=raw_config)
+    assert ok, log[-3000:]
+    return out
+
+
+def llama_cpp_convert_result(src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32",
+                             raw_config: bool = False) -> tuple[bool, str]:
+    """(whether llama.cpp's converter wrote ``out``, its stderr): for matrices where refusing is an answer."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", _HARNESS, str(src), pre, "raw" if raw_config else "auto",
                            str(folder), "--outfile", str(out),
                            "--outtype", outtype, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return proc.returncode == 0 and out.exists(), proc.stderr
 
 
 def speculative_simple(bin_dir: Path, *args, tries: int = 5, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:

@@ -1,0 +1,114 @@
+"""Release manifests: checkpoints shaped like the ones actually published, not like our reading of a converter.
+
+One module per published release layout (``glm45_air.py``, ``step35_flash.py``, ...). Each declares, as data:
+
+``RELEASE``   the Hugging Face repository (or repositories) it describes, e.g. ``"stepfun-ai/Step-3.5-Flash"``.
+``SOURCES``   where every config key and tensor name below was read: the release's own config.json and
+              safetensors index where they could be found, else the loaders of inference engines (vLLM,
+              SGLang, transformers' modeling code, llama.cpp's conversion/*.py) -- file paths, cited.
+``CONFIG``    the release's config.json with every key it has; sizes (hidden, layers, experts, heads, ...)
+              shrunk, everything else as released. ``vocab_size`` is replaced by the tiny tokenizer's size.
+``tensors(cfg) -> dict[name, shape]``
+              every tensor the release stores (bf16 form), named as released, MTP layers included, with the
+              shape ``cfg`` implies.
+``FORMS``     ``{form: encoder or None}``: the forms the release ships ("bf16", "fp8", "mxfp4" ...); an encoder
+              ``(folder) -> None`` rewrites the bf16 folder into that form (config.json included).
+optional:
+``SPECIALS``  the tokenizer's special tokens (default GLM's, which llama.cpp's GLM vocab code expects).
+``LLAMA_CPP_RAW_CONFIG``  True where llama.cpp's converter must read config.json as stored because it cannot
+              read transformers 5's rewritten view of it (say why in the module).
+``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
+              converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
+              reported instead of the comparison.
+``DRAFTS``    True when llama.cpp has an MTP graph for the GGUF arch (the file must draft there).
+
+:func:`build` writes the tiny checkpoint; tests/test_release_matrix.py runs every manifest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+MODES = (None, "--no-mtp", "--mtp")  # llama.cpp converter's flags: the full file, trunk only, head only
+
+
+def manifests() -> dict[str, ModuleType]:
+    """Every manifest module in this package, by module name."""
+    out = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        out[info.name] = importlib.import_module(f"{__name__}.{info.name}")
+    return out
+
+
+def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
+    """(manifest, form, mode) for every manifest, each form it ships and each converter mode."""
+    out = []
+    for name, m in manifests().items():
+        for form in m.FORMS:
+            for mode in (MODES if with_modes else (None,)):
+                out.append((name, form, mode))
+    return out
+
+
+def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random values of a plausible kind: norms near 1, other 1-D tensors small, matrices ~N(0, 0.02)."""
+    if len(shape) == 1:
+        base = 1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0
+        return base + 0.05 * torch.randn(shape, generator=gen)
+    return 0.02 * torch.randn(shape, generator=gen)
+
+
+def _shrink_token_ids(table: dict, n_specials: int) -> None:
+    """Token ids (``eos_token_id``: 151329, ...) are shrunk with the vocab: each becomes one of the tiny
+    tokenizer's special tokens (ids 0..n_specials-1), deterministically, so the release's structure (one id or
+    a list) stays."""
+    for key, value in table.items():
+        if key.endswith("_token_id") and value is not None:
+            table[key] = [v % n_specials for v in value] if isinstance(value, list) else value % n_specials
+
+
+def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0) -> Path:
+    """The tiny checkpoint of ``manifest`` in ``form``: config.json, tokenizer, 2 safetensors shards + index."""
+    import tiny
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = getattr(manifest, "SPECIALS", tiny.GLM_SPECIALS)
+    vocab = tiny.make_tokenizer(folder, specials=specials) + 4  # + padding ids, as releases have
+    cfg = json.loads(json.dumps(manifest.CONFIG))  # a deep copy
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) and "vocab_size" in cfg.get(
+        "text_config", {}) else cfg
+    text["vocab_size"] = vocab
+    for table in {id(cfg): cfg, id(text): text}.values():
+        _shrink_token_ids(table, len(specials))
+    gen = torch.Generator().manual_seed(seed)
+    shapes = manifest.tensors(cfg)
+    dtype = getattr(manifest, "DTYPE", torch.bfloat16)
+    tensors = {n: _values(n, tuple(s), gen).to(dtype) for n, s in shapes.items()}
+    tiny.save_checkpoint(folder, cfg, tensors, n_shards=2)
+    encoder = manifest.FORMS[form]
+    if encoder is not None:
+        encoder(folder)
+    return folder
+
+
+def fp8_block_scaled(folder: Path, **quantization_config) -> None:
+    """The release's FP8 form as DeepSeek-V3 ships it: every 2-D projection e4m3 with 128x128 ``weight_scale_inv``
+    tiles (embeddings, lm_head, norms and routers stay bf16); ``quantization_config`` entries override the
+    written ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``."""
+    import tiny
+
+    tiny.to_fp8_block_scaled(folder)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    qc = {"activation_scheme": "dynamic", **cfg["quantization_config"], **quantization_config}
+    cfg["quantization_config"] = qc
+    path.write_text(json.dumps(cfg, indent=2))
