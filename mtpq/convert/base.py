@@ -146,7 +146,7 @@ class Family:
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
-        self.hparams = self.text_config(ckpt.config)
+        self.hparams = self.text_config(ckpt.hparams)
         validate.check_required_hparams(self)
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)

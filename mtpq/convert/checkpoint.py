@@ -162,6 +162,7 @@ class Checkpoint:
         except json.JSONDecodeError as exc:
             raise InputError(cfg_path, f"invalid JSON ({exc})") from None
         check_config(self.config, cfg_path)
+        self._hparams: dict | None = None
         self.shards = self._find_shards()
         # the last few block-scaled tensors' float32 tile scales: each slab of a tensor needs them, and reading
         # them again (a file open, a read, a conversion) was a fifth of a small slab's time
@@ -206,6 +207,16 @@ class Checkpoint:
             st = self.stored.get(name)
             if st is None or st.file.name != Path(fname).name:
                 raise InputError(index, f"maps {name} to {fname}, but that shard does not contain it")
+
+    @property
+    def hparams(self) -> dict:
+        """config.json as llama.cpp's converter reads it: the stored keys plus those transformers derives
+        (:mod:`.hfconfig`); ``config`` stays the file as stored."""
+        if self._hparams is None:
+            from .hfconfig import hparams_view
+
+            self._hparams = hparams_view(self.folder, self.config)
+        return self._hparams
 
     @property
     def files(self) -> list[Path]:

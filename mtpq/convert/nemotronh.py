@@ -78,13 +78,15 @@ class NemotronHMoe(Family):
     @staticmethod
     def text_config(config: dict) -> dict:
         hp = {**config, **(config.get("llm_config") or {})}
-        if isinstance(hp.get("layers_block_type"), list):  # llama.cpp takes the layer count from the list
+        # llama.cpp takes the layer count from the list (a stored pattern string is checked against the count
+        # instead: transformers derives the list from it, so the list cannot disagree with it)
+        if isinstance(hp.get("layers_block_type"), list) and not isinstance(hp.get("hybrid_override_pattern"), str):
             hp["num_hidden_layers"] = len(hp["layers_block_type"])
         return hp
 
     def __init__(self, ckpt):
         cfg = ckpt.folder / "config.json"
-        if "num_experts_per_tok" not in Family.text_config(ckpt.config):
+        if "num_experts_per_tok" not in Family.text_config(ckpt.hparams):
             raise InputError(cfg, "a Nemotron-H without experts (arch nemotron_h) has no MTP head; not supported")
         super().__init__(ckpt)
         pattern = self.hparams.get("hybrid_override_pattern") or self.hparams.get("layers_block_type")
