@@ -11,6 +11,7 @@ in the manifest's ``DIFFERS`` with the reason (mtpq must still convert them).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import releases
@@ -96,3 +97,50 @@ def test_release_same_as_llama_cpp(cell, release_ckpt, tmp_path, llama_cpp_src):
     if ok:
         kv, tensors = read_gguf(out)
         assert_same_gguf(out, kv, tensors, ref_path)
+
+
+@pytest.mark.parametrize("name", sorted(MANIFESTS))
+def test_release_quantizes_with_the_head_at_q8_0_and_extracts(name, release_ckpt, tmp_path):
+    """On each release-shaped file (its first form): Q4_K_M with every MTP tensor at q8_0 (1-D ones F32),
+    ``inspect`` reports the MTP blocks, ``extract-mtp`` writes the head-only file of exactly those blocks."""
+    import json
+
+    from gguf import GGMLQuantizationType as T
+
+    m = MANIFESTS[name]
+    ck = release_ckpt(name, next(iter(m.FORMS)))
+    f16 = tmp_path / "f16.gguf"
+    assert run_cli("convert", ck, f16, "--quiet", "--outtype", "f16").exit_code == 0
+    q = tmp_path / "q.gguf"
+    res = run_cli("quantize", f16, q, "Q4_K_M", "--mtp-type", "q8_0", "--quiet")
+    assert res.exit_code == 0, res.output
+    kv, tensors = read_gguf(q)
+    arch = kv["general.architecture"]
+    n_blocks, n_mtp = kv[f"{arch}.block_count"], kv[f"{arch}.nextn_predict_layers"]
+    mtp = {t: qt for t, (qt, data) in tensors.items() if t.startswith("blk.") and int(t.split(".")[1]) >= n_blocks - n_mtp}
+    assert mtp
+    for t, qt in mtp.items():
+        two_d = tensors[t][1].ndim > 1 and qt not in (T.F32,)
+        assert qt == (T.Q8_0 if two_d else T.F32) or qt in (T.F16, T.MXFP4) and not two_d, (t, qt)
+    assert any(qt == T.Q4_K for qt, _ in tensors.values())  # the trunk went to 4 bits
+    res = run_cli("inspect", q, "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["mtp_blocks"] == list(range(n_blocks - n_mtp, n_blocks)) and report["by_role"]["mtp"]["tensors"] == len(mtp)
+    head = tmp_path / "head.gguf"
+    res = run_cli("extract-mtp", q, head, "--quiet")
+    assert res.exit_code == 0, res.output
+    _, head_tensors = read_gguf(head)
+    assert {t for t in head_tensors if t.startswith("blk.")} == set(mtp)
+    for t in mtp:
+        np.testing.assert_array_equal(head_tensors[t][1], tensors[t][1], err_msg=t)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", sorted(n for n, m in MANIFESTS.items() if getattr(m, "DRAFTS", False)))
+def test_release_drafts_in_llama_cpp(name, release_ckpt, tmp_path, llama_cpp_bin):
+    """llama.cpp loads the release-shaped file (Q4_K_M, head at q8_0; and trunk + head-only file) and drafts."""
+    from familycheck import assert_drafts_in_llama_cpp
+
+    m = MANIFESTS[name]
+    assert_drafts_in_llama_cpp(release_ckpt(name, next(iter(m.FORMS))), tmp_path, llama_cpp_bin)
