@@ -95,6 +95,7 @@ class TensorSpec:
     reason: str = ""  # why ggml_type was chosen (the policy's explanation)
     # importance weights from an imatrix, (n_mat, row length) float32 (one row per expert), or None
     importance: "np.ndarray | None" = None
+    input_name: str | None = None  # the name it had in the input, when renamed (--prune-layers renumbers blocks)
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)
