@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from gguf.gguf_writer import GGUFValue
 
 from .errors import InputError
+from .gguf_fields import FastFieldsReader
 from .malloc import MMAP_THRESHOLD
 from .tensors import Plan, TensorSpec, block_index, classify
 
@@ -36,7 +36,7 @@ _INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGU
 # ----------------------------------------------------------------------------- reading
 
 
-class _CheckedReader(GGUFReader):
+class _CheckedReader(FastFieldsReader):
     """GGUFReader that checks every tensor's byte range before gguf-py maps it, so a truncated or
     corrupt file is refused with what is wrong with it instead of numpy's reshape message."""
 
@@ -161,8 +161,10 @@ def _raw_loader(t) -> Callable[[], np.ndarray]:
     return lambda: np.asarray(t.data)
 
 
-def _float_loader(t, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
+def _float_loader(t, shape: tuple[int, ...]) -> Callable[[], "torch.Tensor"]:
+    def load() -> "torch.Tensor":
+        import torch
+
         qtype = GGMLQuantizationType(t.tensor_type)
         data = np.asarray(t.data)
         if qtype == GGMLQuantizationType.BF16:

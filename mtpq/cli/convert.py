@@ -9,7 +9,6 @@ from typing import List, Optional
 
 import typer
 
-from ..convert import OUTTYPES, MtpMode, plan_checkpoint
 from ..gguf_io import tensor_nbytes, write_plan
 from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
@@ -75,6 +74,8 @@ def convert(
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
+    from ..convert import OUTTYPES, MtpMode, plan_checkpoint  # the families (and torch): only when converting
+
     if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
     if no_mtp and mtp_only:

@@ -46,6 +46,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import malloc
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
+from .ggml_types import WRITABLE_TYPES
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -120,6 +121,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
+assert SUPPORTED_TYPES == WRITABLE_TYPES, "ggml_types.WRITABLE_TYPES names the types these kernels write"
 
 _FLOAT_CHUNK = 1 << 22
 _DEQUANT_CHUNK = 1 << 24  # output elements per dequantization chunk
