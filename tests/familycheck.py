@@ -129,12 +129,13 @@ def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return shard
 
 
-def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str):
-    """After rewrite_tensor(ck, name, value): convert exits 2 with one line holding needle and naming the
-    shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
+def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str,
+                              *args: str):
+    """After rewrite_tensor(ck, name, value): convert (with ``args``) exits 2 with one line holding needle and
+    naming the shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
     shard = rewrite_tensor(ck, name, value)
     before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet", *args)
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
     assert "\n" not in line and needle in line, line

@@ -133,6 +133,13 @@ class DeepseekV4(Family):
             elif st.dtype in ("I8", "U8") and _EXPERT.match(name.split(".", 2)[-1]):
                 self.fp4[name] = self._scale_of(name, (st.shape[0], 2 * st.shape[1] // _FP4_GROUP)
                                                 if len(st.shape) == 2 and (2 * st.shape[1]) % _FP4_GROUP == 0 else None)
+        claimed = set(self.fp8.values()) | set(self.fp4.values())
+        for name, st in ckpt.stored.items():
+            if name.endswith(".scale") and name not in claimed:
+                weight = name.removesuffix(".scale") + ".weight"
+                what = ckpt.stored[weight].dtype if weight in ckpt.stored else "not stored"
+                raise InputError(st.file, f"{name} scales {weight}, which is {what}: expected F8_E4M3 (FP8) or "
+                                          "I8 (FP4 experts), as released")
 
     def _scale_of(self, name: str, want: tuple[int, ...] | None) -> str:
         st, scale_name = self.ckpt.stored[name], name.removesuffix(".weight") + ".scale"
