@@ -13,6 +13,7 @@ import contextlib
 import errno
 import mmap
 import os
+import shutil
 import threading
 import weakref
 from pathlib import Path
@@ -280,12 +281,26 @@ def remove_stale_partials(out: Path) -> list[Path]:
     except OSError:
         return removed
     for p in candidates:
-        pid = p.name[len(prefix):]
+        pid = p.name[len(prefix):].removesuffix(".d")  # (.d: a folder of a run's temporaries, see partial_folder)
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
                 removed.append(p)
     return removed
+
+
+@contextlib.contextmanager
+def partial_folder(out: Path) -> Iterator[Path]:
+    """A private folder beside ``out`` for a run's intermediate files (``.NAME.partial-PID.d``), removed on every
+    exit path; one left by a killed run is removed by the next (:func:`remove_stale_partials`)."""
+    out = Path(out)
+    remove_stale_partials(out)
+    folder = out.with_name(f".{out.name}.partial-{os.getpid()}.d")
+    folder.mkdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _disk_full(folder: Path) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import List, Optional
 
@@ -37,7 +39,10 @@ def convert(
                               "from the checkpoint's own values: no intermediate full-precision GGUF."),
     mtp_type: Optional[str] = typer.Option(
         None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk, "
-                              "'keep' = the --outtype)."),
+                              "'keep' = the --outtype; 'auto' = measured, see mtpq quantize --help)."),
+    max_drop: float = typer.Option(0.02, "--max-drop", help="With --mtp-type auto: the acceptance a head may lose "
+                                   "against the f16 head (a fraction)."),
+    prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
@@ -65,7 +70,13 @@ def convert(
         fail("--no-mtp/--mtp-only", "choose at most one")
     set_threads(threads)
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
-    quant_options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [])
+    auto = (mtp_type or "").strip().lower() == "auto"
+    if auto and (quant is None or mode is not MtpMode.KEEP):
+        fail("--mtp-type auto", "needs --quant PRESET and the MTP head (not --no-mtp / --mtp-only)")
+    if auto and not 0.0 <= max_drop <= 1.0:
+        fail("--max-drop", f"must be between 0 and 1, got {max_drop}")
+    quant_options = dict(mtp_type="keep" if auto else mtp_type, mtp_experts_type=mtp_experts_type,
+                         tensor_types=tensor_type or [])
     if quant is None:
         for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
                             ("--tensor-type", tensor_type), ("--imatrix", imatrix),
@@ -78,13 +89,23 @@ def convert(
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
+    source = plan
     if quant is not None:
-        plan = plan_quantize(plan, quant, allow_requantize=allow_requantize, imatrix=imatrix_data,
-                             include_weights=include_weights or [], exclude_weights=exclude_weights or [],
-                             **quant_options)
+        extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],
+                     exclude_weights=exclude_weights or [])
+        plan = plan_quantize(plan, quant, **extra, **quant_options)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
-    with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
-        write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
+    if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
+        from .auto_head import quantize_with_auto_head
+
+        plan = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts, quiet,
+                                       {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra)
+        parsed = parse_options(quant, **{**quant_options, "mtp_type": json.loads(
+            plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"]}, preset_option="--quant")
+        total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
+    else:
+        with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
+            write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
     if not quiet:
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""

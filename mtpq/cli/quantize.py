@@ -27,7 +27,8 @@ _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_n
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type same   # exactly llama-quantize\n\n"
         "  mtpq quantize glm-bf16.gguf glm-q3.gguf Q3_K_M --mtp-experts-type q4_k\n\n"
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run\n\n"
-        "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix"
+        "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix\n\n"
+        "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type auto --max-drop 0.02   # measured choice"
     )
 )
 @guarded
@@ -37,8 +38,14 @@ def quantize(
     preset: str = typer.Argument(..., metavar="PRESET", help=f"llama-quantize preset: {', '.join(PRESETS)}."),
     mtp_type: Optional[str] = typer.Option(
         None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ...; 'keep' (the type "
-                                 "it has in IN) or 'same' (treat like the trunk, as llama-quantize does). "
+                                 "it has in IN) or 'same' (treat like the trunk, as llama-quantize does); 'auto': "
+                                 "the narrowest of f16, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k whose greedy acceptance on "
+                                 "the quantized trunk stays within --max-drop of the f16 head's. "
                                  "Float presets default to same."),
+    max_drop: float = typer.Option(0.02, "--max-drop", help="With --mtp-type auto: the acceptance a head may lose "
+                                   "against the f16 head (a fraction)."),
+    prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on "
+                                "('builtin' or a JSONL file)."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
     tensor_type: Optional[List[str]] = typer.Option(
@@ -64,6 +71,14 @@ def quantize(
     Per-tensor types follow llama-quantize (with --imatrix as llama-quantize --imatrix) for the trunk; every
     tensor of an MTP block gets --mtp-type. 1-D tensors and routers stay as they are.
     """
+    auto = (mtp_type or "").strip().lower() == "auto"
+    if auto:
+        if not 0.0 <= max_drop <= 1.0:
+            raise typer.BadParameter(f"must be between 0 and 1, got {max_drop}", param_hint="--max-drop")
+        if dry_run:
+            raise typer.BadParameter("measures heads on the quantized trunk: not with --dry-run",
+                                     param_hint="--mtp-type auto")
+        mtp_type = "keep"  # the trunk is written once with the input's head; the chosen head is grafted in
     options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
                    output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type)
     parse_options(preset, **options)  # a bad option fails before any file is read
@@ -80,8 +95,18 @@ def quantize(
             print_decisions(info)
         return
     total = info["totals"]["bytes"]
-    with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
-        write_plan(after, dst, on_tensor=lambda spec, n: advance(n, spec.name))
+    if auto:
+        from .auto_head import quantize_with_auto_head
+
+        after = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts, quiet or as_json,
+                                        {k: v for k, v in options.items() if k != "mtp_type"},
+                                        dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
+                                             include_weights=include_weights or [],
+                                             exclude_weights=exclude_weights or []))
+        info = summarize(before, after)
+    else:
+        with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
+            write_plan(after, dst, on_tensor=lambda spec, n: advance(n, spec.name))
     if as_json:
         typer.echo(json.dumps({"file": str(dst), "dry_run": False, **info}, indent=2))
     elif not quiet:

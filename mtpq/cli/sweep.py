@@ -44,7 +44,9 @@ def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float
     epilog=(
         "Examples:\n\n"
         "  mtpq sweep air-f16.gguf                                      # default grid\n\n"
-        "  mtpq sweep air-f16.gguf --mtp f16,q8_0,q4_k --trunk Q4_K_M,Q2_K --png sweep.png --json sweep.json"
+        "  mtpq sweep air-f16.gguf --mtp f16,q8_0,q4_k --trunk Q4_K_M,Q2_K --png sweep.png --json sweep.json\n\n"
+        "  mtpq sweep air-f16.gguf --text wiki.test.raw                 # + each trunk preset's mean KLD\n\n"
+        "  mtpq sweep big-f16.gguf --engine llama.cpp --ngl 999 --keep sweep/   # models beyond one device"
     )
 )
 @guarded
@@ -53,60 +55,118 @@ def sweep(
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin', 'demo_heldout' or a JSONL file."),
-    draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
     max_prompts: int = typer.Option(None, "--max-prompts"),
+    text: Path = typer.Option(None, "--text", "-f", help="Also score each trunk preset's mean KLD against the "
+                              "reference on this text (llama-perplexity's chunking, see mtpq compare)."),
+    ctx_size: int = typer.Option(512, "--ctx-size", "-c", help="With --text: tokens per chunk."),
+    chunks: int = typer.Option(None, "--chunks", help="With --text: score only the first N chunks."),
     json_out: Path = typer.Option(None, "--json", help="Write the grid as JSON here."),
     png_out: Path = typer.Option(None, "--png", help="Write a heat map here (needs matplotlib)."),
-    workdir: Path = typer.Option(None, "--keep", help="Keep the quantized GGUFs in this folder."),
+    workdir: Path = typer.Option(None, "--keep", help="Keep the trunk GGUFs (one per preset) in this folder."),
+    engine: str = typer.Option("torch", "--engine", help="torch: one trunk pass per preset, every head drafting "
+                               "from it. llama.cpp: one grafted file per pair, measured by llama-server."),
+    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server."),
+    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
     device: str = typer.Option(None, "--device"),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
 ) -> None:
-    """How many bits does my head need? Quantize REFERENCE for every (head type, trunk preset)
-    pair, measure each file's greedy acceptance, and print the grid."""
+    """How many bits does my head need? For every trunk preset the trunk is quantized ONCE; for every head
+    type only the head's tensors are quantized (exactly as `mtpq quantize --mtp-type T` writes them) and
+    measured on that trunk: greedy k=1 acceptance (what `mtpq accept --draft 1` reports for the full file),
+    from the teacher-forced estimator. Prints the grid; with --text, each trunk preset's mean KLD too."""
     from ..gguf_io import plan_from_gguf, write_plan
     from ..quantize.pipeline import plan_quantize
-    from ..runtime.accept import measure_file
+    from ..runtime.accept import load_prompts, use_threads
 
     mtps = [m.strip().lower() for m in mtp.split(",") if m.strip()]
     trunks = [t.strip().upper() for t in trunk.split(",") if t.strip()]
     if not mtps or not trunks:
         fail("--mtp/--trunk", "need at least one value each")
+    if engine not in ("torch", "llama.cpp"):
+        fail("--engine", "choose torch or llama.cpp")
+    if engine == "torch" and (llama_cpp is not None or ngl is not None):
+        fail("--llama-cpp" if llama_cpp is not None else "--ngl", "belongs to --engine llama.cpp")
+    if text is not None and not text.is_file():
+        fail(str(text), "no such file")
     device = check_device(device)
     ref_plan = plan_from_gguf(reference)
     if ref_plan.n_mtp_layers == 0:
         fail(str(reference), "has no MTP head to sweep")
+    for m in mtps:  # every head type parsed before any work
+        plan_quantize(ref_plan, trunks[0], mtp_type=m)
+    pairs = load_prompts(prompts, max_prompts)
+    use_threads(reference, threads)
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mtpq-sweep-", dir=reference.parent)
     folder = workdir or Path(tmp.name)
     folder.mkdir(parents=True, exist_ok=True)
-    kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, max_prompts=max_prompts,
-              device=device, with_plain=False, threads=threads)
+    grid = {m: {} for m in mtps}
+    kld: dict[str, float] = {}
     try:
-        ref_rate = measure_file(reference, **kw).overall.acceptance_rate
-        grid: list[list[float]] = []
-        for m in mtps:
-            row = []
-            for t in trunks:
-                path = folder / f"{reference.stem}-{t}-mtp_{m}.gguf"
-                console.print(f"{t} trunk, {m} head -> {path.name}")
-                write_plan(plan_quantize(plan_from_gguf(reference), t, mtp_type=m), path)
-                row.append(measure_file(path, **kw).overall.acceptance_rate)
-                if workdir is None:
-                    path.unlink()
-            grid.append(row)
+        ref_rate = _rates(engine, reference, reference, "F16", ["keep"], pairs, max_new_tokens, device, folder,
+                          llama_cpp, ngl, threads)["keep"]
+        for t in trunks:
+            path = folder / f"{reference.stem}-{t}.gguf"
+            console.print(f"{t}: quantizing the trunk -> {path.name}")
+            write_plan(plan_quantize(ref_plan, t, mtp_type="keep"), path)  # the head is measured per type below
+            for m, rate in _rates(engine, path, reference, t, mtps, pairs, max_new_tokens, device, folder,
+                                  llama_cpp, ngl, threads).items():
+                grid[m][t] = rate
+            if text is not None:
+                kld[t] = _trunk_kld(reference, path, text, ctx_size, chunks, device)
+            if workdir is None:
+                path.unlink()
     finally:
         if tmp is not None:
             tmp.cleanup()
-    table = Table(title=f"greedy acceptance (k={draft}) of {reference.name}: reference {100 * ref_rate:.1f} %")
+    rows = [[grid[m][t] for t in trunks] for m in mtps]
+    table = Table(title=f"greedy k=1 acceptance of {reference.name}'s head: reference {100 * ref_rate:.1f} %")
     table.add_column("MTP head \\ trunk")
     for t in trunks:
         table.add_column(t, justify="right")
-    for m, row in zip(mtps, grid):
+    for m, row in zip(mtps, rows):
         table.add_row(m, *(f"{100 * v:.1f} %" for v in row))
+    if kld:
+        table.add_row("[dim]trunk mean KLD[/]", *(f"{kld[t]:.4f}" for t in trunks))
     out.print(table)
-    doc = {"reference": str(reference), "reference_rate": ref_rate, "draft": draft, "mtp_types": mtps,
-           "trunk_presets": trunks, "acceptance": grid}
+    doc = {"reference": str(reference), "reference_rate": ref_rate, "draft": 1, "mtp_types": mtps,
+           "trunk_presets": trunks, "acceptance": rows, "engine": engine,
+           "trunk_kld_mean": [kld[t] for t in trunks] if kld else None}
     if json_out:
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
-    if png_out and not _heatmap(png_out, mtps, trunks, grid, f"MTP acceptance, k={draft}"):
+    if png_out and not _heatmap(png_out, mtps, trunks, rows, "MTP acceptance, k=1"):
         console.print("[yellow]--png needs matplotlib: pip install 'mtpq[plot]'[/]")
+
+
+def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: list[str], pairs, max_new_tokens: int,
+           device, folder: Path, llama_cpp, ngl, threads) -> dict[str, float]:
+    """Each head type's greedy k=1 acceptance on ``trunk``'s trunk."""
+    prompts = [p for _, p in pairs]
+    if engine == "torch":
+        from ..runtime.headsweep import head_rates
+
+        return {t: r.rate for t, r in head_rates(trunk, reference, preset, head_types, prompts, max_new_tokens,
+                                                 device=device, workdir=folder).items()}
+    from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
+    from ..gguf_io import plan_from_gguf, write_plan
+    from ..quantize.surgery import plan_graft
+    from ..runtime.headsweep import head_plan
+
+    server = ServerConfig(find_server(llama_cpp), ngl=ngl, threads=threads)
+    ref_plan, out = plan_from_gguf(reference), {}
+    for t in head_types:
+        path = folder / f"{trunk.stem}-mtp_{t}.gguf"  # the trunk's bytes copied, the head quantized as type t
+        write_plan(plan_graft(head_plan(ref_plan, preset, t), plan_from_gguf(trunk), replace=True), path)
+        out[t] = measure_with_llama_cpp(path, pairs, draft=1, max_new_tokens=max_new_tokens,
+                                        server=server).overall.acceptance_rate
+        path.unlink()
+    return out
+
+
+def _trunk_kld(reference: Path, quant: Path, text: Path, ctx_size: int, chunks: int | None, device) -> float:
+    from ..runtime.quality import QualityRun, compare_runs
+
+    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    ref, q = QualityRun(reference, device=dev), QualityRun(quant, device=dev)
+    compare_runs(ref, [q], text.read_text(), n_ctx=ctx_size, n_chunks=chunks)
+    return q.quality.summary(ref.quality)["kld_mean"]

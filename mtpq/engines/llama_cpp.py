@@ -28,7 +28,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -43,12 +42,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
+from .binaries import ENV_BIN, child_env, find_binary, reason_from_log  # noqa: F401  (shared by the engines)
 from ..runtime.accept import AcceptReport, PromptRun, load_prompts
 from ..runtime.metrics import DraftTotals, summarize_totals
 from ..runtime.speculative import GenerationResult
 
 SERVER_BINARY = "llama-server"
-ENV_BIN = "MTPQ_LLAMA_CPP_BIN"
 READY_TIMEOUT = 600.0  # seconds for a server to load its model (a 300 GB quant over a slow disk needs minutes)
 REQUEST_TIMEOUT = 3600.0
 PER_POSITION_NOTE = "llama-server reports per-request totals: per-position rates only at k=1"
@@ -56,19 +55,7 @@ PER_POSITION_NOTE = "llama-server reports per-request totals: per-position rates
 
 def find_server(bin_dir: Path | str | None = None) -> Path:
     """``llama-server`` from ``--llama-cpp DIR``, else ``$MTPQ_LLAMA_CPP_BIN``, else PATH."""
-    places = [("--llama-cpp", bin_dir), (ENV_BIN, os.environ.get(ENV_BIN))]
-    for where, d in places:
-        if d:
-            exe = Path(d) / SERVER_BINARY
-            if exe.is_file() and os.access(exe, os.X_OK):
-                return exe
-            raise InputError(where, f"{exe}: no executable {SERVER_BINARY} there (build llama.cpp's "
-                                    f"{SERVER_BINARY} target, or point at its build/bin folder)")
-    found = shutil.which(SERVER_BINARY)
-    if found is None:
-        raise InputError("--engine llama.cpp", f"{SERVER_BINARY} not found: pass --llama-cpp DIR "
-                                               f"(llama.cpp's build/bin), set {ENV_BIN}, or put it on PATH")
-    return Path(found)
+    return find_binary(SERVER_BINARY, bin_dir)
 
 
 @dataclass
@@ -94,15 +81,6 @@ class ServerConfig:
         return a + list(self.extra)
 
 
-def child_env() -> dict[str, str]:
-    """The environment for llama.cpp processes: the user's, without the OpenMP wait policy mtpq set for
-    its own torch (see mtpq.cli; under it llama.cpp may exit before its log thread drains)."""
-    env = dict(os.environ)
-    if env.pop("MTPQ_SET_OMP_WAIT_POLICY", None):
-        env.pop("OMP_WAIT_POLICY", None)
-    return env
-
-
 def _die_with_parent() -> None:
     """In the child, before exec: its own process group, and (Linux) SIGTERM when mtpq dies, even by SIGKILL."""
     os.setsid()
@@ -113,20 +91,6 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-
-
-_LOG_PREFIX = re.compile(r"^[\d.]+ [A-Z] +")  # llama.cpp's "0.00.008.775 E " timestamp and level
-
-
-def reason_from_log(text: str) -> str:
-    """The line of a server log that says why it stopped: the first error line (llama.cpp logs the cause
-    first, then what failed because of it), else the last line."""
-    lines = [_LOG_PREFIX.sub("", ln).strip() for ln in text.splitlines()]
-    lines = [ln for ln in lines if ln]
-    for ln in lines:
-        if "error" in ln.lower():
-            return ln
-    return lines[-1] if lines else "no output"
 
 
 class LlamaServer:

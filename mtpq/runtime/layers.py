@@ -413,11 +413,12 @@ class MoE(nn.Module):
         # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched.
         # Each weight is fetched right before its one GEMM (matrix() may hand out a reused buffer).
         if self.gate_up is not None:
-            g, u = F.linear(x, widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
+            g, u = F.linear(self.gate.input(x), widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g = F.linear(x, as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
-            u = F.linear(x, as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
+            g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
         h = F.silu(g) * u  # [N, E*F]
+        h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
@@ -445,11 +446,11 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(h, as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
-            h = g.mul_(F.linear(h, as_dtype(self.up.matrix(e), x.dtype)))
+            g = F.silu(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
+            h = g.mul_(F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)))
             if watch is not None:
                 watch(self.down.name, e, h)
-            h = F.linear(h, as_dtype(self.down.matrix(e), x.dtype))
+            h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))
             if one:
                 out += (h * w).to(x.dtype)
             else:

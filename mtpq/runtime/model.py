@@ -72,7 +72,7 @@ class Checkpoint:
 
 class MtpModel(nn.Module):
     def __init__(self, g: GGUFFile, family: Family, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm"):
+                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm", llama_cpp_numerics: bool = False):
         super().__init__()
         if hidden not in HIDDEN_CHOICES:
             raise ValueError(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
@@ -82,7 +82,8 @@ class MtpModel(nn.Module):
         self.cfg = getattr(family, "cfg", None)
         self.device, self.dtype, self.hidden = torch.device(device), dtype, hidden
         self.eps = family.eps
-        w = Weights(g, device, dtype)
+        # llama_cpp_numerics: every weight's input rounded as llama.cpp's CPU backend rounds it (mtpq compare)
+        w = Weights(g, device, dtype, round_inputs=llama_cpp_numerics)
         top = w.at()
         self.tok_embd = top.qweight("token_embd")
         self.vocab_size = self.tok_embd.shape[0]
@@ -154,7 +155,7 @@ class MtpModel(nn.Module):
 
 
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         hidden: str = "post_norm", g: GGUFFile | None = None) -> MtpModel:
+         hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (see ``families``)."""
     from ..malloc import keep_freed_buffers
     from .families import family_for
@@ -164,4 +165,5 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
     # teacher-forced pass on the Qwen3.5 demo)
     keep_freed_buffers()
     g = g or GGUFFile(Path(path))
-    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden).eval()
+    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
+                    llama_cpp_numerics=llama_cpp_numerics).eval()

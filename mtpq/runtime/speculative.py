@@ -350,20 +350,36 @@ def teacher_forced_acceptances(model: MtpModel, seqs: list[tuple[list[int], int]
     widening each 16-bit weight; packed (:class:`~mtpq.runtime.layers.Packing`), every per-row op runs
     once over all the sequences' rows and only the sequence mixers see them apart. Passes take
     consecutive sequences up to :func:`pack_rows` rows and PACK_LOGITS logits (a longer sequence gets its own)."""
+    return teacher_forced_heads(model, seqs, {"": model.mtp})[""]
+
+
+@torch.no_grad()
+def teacher_forced_heads(model: MtpModel, seqs: list[tuple[list[int], int]],
+                         heads: dict[str, object]) -> dict[str, list[TeacherForcedResult]]:
+    """:func:`teacher_forced_acceptances` for several MTP heads on one trunk: each packed trunk pass runs once
+    and every head (a :class:`~mtpq.runtime.mtp.NextNHead` built for this trunk) drafts from its hidden states
+    (``mtpq sweep`` and ``--mtp-type auto`` compare head precisions this way)."""
     for ids, n in seqs:
         if not 1 <= n < len(ids):
             raise ValueError("need 1 <= prompt_len < len(ids)")
-    matches, group, rows, logits = [], [], 0, 0
+    matches: dict[str, list[list[bool]]] = {h: [] for h in heads}
+    group, rows, logits = [], 0, 0
     limit = pack_rows(model)
+
+    def flush():
+        for h, m in _packed_matches(model, group, heads).items():
+            matches[h] += m
+
     for ids, n in seqs:
         more = (len(ids) - n) * model.vocab_size
         if group and (rows + len(ids) > limit or logits + more > PACK_LOGITS):
-            matches += _packed_matches(model, group)
+            flush()
             group, rows, logits = [], 0, 0
         group.append((ids, n))
         rows, logits = rows + len(ids), logits + more
-    matches += _packed_matches(model, group)
-    return [TeacherForcedResult(n, m, *_loop_counts(m)) for (_, n), m in zip(seqs, matches)]
+    flush()
+    return {h: [TeacherForcedResult(n, m, *_loop_counts(m)) for (_, n), m in zip(seqs, ms)]
+            for h, ms in matches.items()}
 
 
 def pack_rows(model: MtpModel) -> int:
@@ -371,9 +387,10 @@ def pack_rows(model: MtpModel) -> int:
     return min(PACK_ROWS[1], max(PACK_ROWS[0], PACK_VALUES // model.tok_embd.shape[-1]))
 
 
-def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]]) -> list[list[bool]]:
-    """One packed pass: for each sequence, matches[i] compares the head's draft from the pair
-    (h_{j-1}, x_j) with the trunk's argmax at j, j = prompt_len + i (see TeacherForcedResult)."""
+def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
+                    heads: dict[str, object]) -> dict[str, list[list[bool]]]:
+    """One packed trunk pass, then each head's: for each sequence, matches[i] compares the head's draft from the
+    pair (h_{j-1}, x_j) with the trunk's argmax at j, j = prompt_len + i (see TeacherForcedResult)."""
     dev = model.device
     lengths, firsts = [len(ids) for ids, _ in group], [n for _, n in group]
     at = [0, *itertools.accumulate(lengths)]
@@ -387,10 +404,18 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]]) -> list
     # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
     pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
     head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
-    head = model.draft(seq[:, pairs + 1], hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
-    same = (_argmax(head.logits[0]) == target).tolist()
     counts = [T - n for T, n in zip(lengths, firsts)]
-    return [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
+    out = {}
+    own = model.mtp
+    try:
+        for name, head in heads.items():
+            model.mtp = head
+            drafted = model.draft(seq[:, pairs + 1], hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
+            same = (_argmax(drafted.logits[0]) == target).tolist()
+            out[name] = [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
+    finally:
+        model.mtp = own
+    return out
 
 
 ARGMAX_BLOCK = 128  # vocabulary entries per block of _argmax

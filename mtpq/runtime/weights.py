@@ -44,9 +44,10 @@ class Weights:
     ``(file, prefix, device, dtype)`` through every constructor.
     """
 
-    def __init__(self, g: GGUFFile, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, g: GGUFFile, device: torch.device | str, dtype: torch.dtype, round_inputs: bool = False):
         self.file, self.device, self.dtype = g, torch.device(device), dtype
         self.pool: dict = {}  # widening buffers shared by this model's weights (see widened)
+        self.round_inputs = round_inputs  # llama.cpp's CPU numerics (see vec_dot_input)
 
     def at(self, prefix: str = "") -> "Scope":
         return Scope(self, prefix)
@@ -109,8 +110,10 @@ class Scope:
         if full not in self.file:
             raise InputError(self.file.path, f"missing tensor {full}")
         t = self.file.tensors[full]
-        return QWeight.from_reader(t, self.file.shape(full), self.weights.device, self.weights.dtype,
-                                   pool=self.weights.pool)
+        q = QWeight.from_reader(t, self.file.shape(full), self.weights.device, self.weights.dtype,
+                                pool=self.weights.pool)
+        q.round_inputs = self.weights.round_inputs
+        return q
 
     def linear(self, name: str, bias: bool = True) -> "QuantLinear":
         """``{name}.weight`` as a linear layer, with ``{name}.bias`` when the file has one (and bias=True)."""
@@ -150,6 +153,12 @@ class QWeight(nn.Module):
         # raw: uint8 [..., rows, bytes_per_row] (quantized), float [..., rows, cols] in the compute dtype,
         # or (narrow) f16/bf16 under a wider compute dtype
         self.register_buffer("data", data, persistent=False)
+        self.round_inputs = False  # True: inputs rounded as llama.cpp's CPU backend rounds them (vec_dot_input)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this weight's matrix products see it: as it is, or (``round_inputs``) rounded to the
+        type llama.cpp's CPU backend converts activations to before its dot products with this weight."""
+        return vec_dot_input(x, self.qtype) if self.round_inputs else x
 
     @classmethod
     def from_reader(cls, t, shape: tuple[int, ...], device, dtype: torch.dtype, pool: dict | None = None) -> "QWeight":
@@ -235,6 +244,7 @@ class QuantLinear(nn.Module):
         w = self.weight
         if observer is not None:
             observer(w.name, None, x)
+        x = w.input(x)
         bias = None if self.bias is None else as_dtype(self.bias, x.dtype)
         rows, cols = w.shape
         if not (w.quantized or w.narrow) or rows * cols <= DEQUANT_CHUNK:
@@ -282,4 +292,48 @@ class FusedLinear(nn.Module):
             for p in self.parts:
                 observer(p.weight.name, None, x)
         bias = None if self.bias is None else as_dtype(self.bias, x.dtype)
+        x = self.parts[0].weight.input(x)  # (fused parts share one float dtype, so one rounding)
         return F.linear(x, widened(self.weight, x.dtype, self.pool), bias).split(self.sizes, dim=-1)
+
+
+# ----------------------------------------------------------------------------- llama.cpp's CPU numerics
+
+_KQ = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                          "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS")}
+_Q8_0 = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")}
+
+
+def vec_dot_input(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The values llama.cpp's CPU backend multiplies a weight of ``qtype`` with: it first converts the
+    activations to the weight type's ``vec_dot_type`` (ggml-cpu.c's type traits): Q8_K blocks of 256 for
+    k-quants and i-quants, Q8_0/Q8_1 blocks of 32 for the legacy types, f16/bf16 for 16-bit weights. A quant's
+    KLD as llama-perplexity reports it includes that rounding, so ``mtpq compare`` reproduces it."""
+    if qtype in _KQ and x.shape[-1] % 256 == 0:
+        return _q8_k(x)
+    if qtype in _Q8_0 and x.shape[-1] % 32 == 0:
+        return _q8_0(x)
+    if qtype == GGMLQuantizationType.F16:
+        return x.to(torch.float16).to(x.dtype)
+    if qtype == GGMLQuantizationType.BF16:
+        return x.to(torch.bfloat16).to(x.dtype)
+    return x
+
+
+def _q8_k(x: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_K_ref: per 256 values the one of largest magnitude m; q = nearest(-127/m * x) <= 127,
+    value q / (-127/m) (the scale kept in f32)."""
+    b = x.float().reshape(-1, 256)
+    m = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    iscale = torch.where(m == 0, torch.zeros_like(m), -127.0 / m)
+    q = torch.round(iscale * b).clamp(max=127)  # torch.round: half to even, as ggml's nearest_int
+    d = torch.where(m == 0, torch.zeros_like(m), 1.0 / iscale)
+    return (q * d).reshape(x.shape).to(x.dtype)
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_0 (AVX2): per 32 values d = amax / 127 kept as f16, q = round(x * 127 / amax)."""
+    b = x.float().reshape(-1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax == 0, torch.zeros_like(amax), 127.0 / amax)
+    q = torch.round(b * inv)
+    return (q * (amax / 127.0).to(torch.float16).float()).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,110 @@
+"""The quality report of ``mtpq compare`` (and of ``mtpq build``'s gates): per file the trunk's figures as
+llama-perplexity defines them and the MTP head's acceptance, with gates; JSON, Markdown and a Rich table.
+
+    report = {"reference": {...figures}, "files": [{"file": ..., "ppl": ..., "kld_mean": ...}, ...],
+              "ctx_size": 512, "chunks": 40, "engine": {"trunk": "torch", "head": "torch"}, "numerics": "llama.cpp"}
+    failures = judge(report["files"], Gates(max_kld=0.05))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# key -> (column title, how it prints); fractions print as percents
+COLUMNS = {
+    "ppl": ("PPL", "{:.4f}"), "ppl_ratio": ("PPL ratio", "{:.4f}"), "kld_mean": ("mean KLD", "{:.6f}"),
+    "kld_median": ("median KLD", "{:.6f}"), "kld_p99": ("99% KLD", "{:.6f}"), "kld_max": ("max KLD", "{:.4f}"),
+    "top1": ("same top", "pct"), "dp_rms": ("RMS Δp", "pct"), "accept_rate": ("head accept", "pct"),
+    "accept_drop": ("accept drop", "pts"),
+}
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Thresholds a file must meet (None: not checked). KLD in nats, the rest fractions."""
+
+    max_kld: float | None = None  # mean KLD
+    min_top1: float | None = None
+    max_ppl_ratio: float | None = None
+    min_rate: float | None = None  # the head's acceptance
+    max_drop: float | None = None  # the head's acceptance below the reference's
+
+    def any(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in fields(self))
+
+
+def judge(files: list[dict], gates: Gates) -> dict[str, list[str]]:
+    """file -> the gates it fails (each as a sentence); a file missing a gated figure fails that gate."""
+    checks = (("max_kld", "kld_mean", "mean KLD {v:.6f} above {g}", lambda v, g: v > g),
+              ("min_top1", "top1", "same top {v:.2%} below {g:.2%}", lambda v, g: v < g),
+              ("max_ppl_ratio", "ppl_ratio", "PPL ratio {v:.4f} above {g}", lambda v, g: v > g),
+              ("min_rate", "accept_rate", "head acceptance {v:.2%} below {g:.2%}", lambda v, g: v < g),
+              ("max_drop", "accept_drop", "head acceptance {v:.2%} below the reference's (limit {g:.2%})",
+               lambda v, g: v > g))
+    out = {}
+    for f in files:
+        reasons = []
+        for gate, key, text, failed in checks:
+            g = getattr(gates, gate)
+            if g is None:
+                continue
+            v = f.get(key)
+            if v is None:
+                reasons.append(f"no {COLUMNS[key][0]} measured (gate {gate.replace('_', '-')})")
+            elif failed(v, g):
+                reasons.append(text.format(v=v, g=g))
+        out[f["file"]] = reasons
+    return out
+
+
+def cell(key: str, value, short: bool = False) -> str:
+    if value is None:
+        return "—"
+    fmt = COLUMNS[key][1]
+    if fmt == "pct":
+        return f"{100 * value:.1f}%" if short else f"{100 * value:.2f} %"
+    if fmt == "pts":
+        return f"{100 * value:+.1f}" if short else f"{100 * value:+.2f} pt"
+    if short:
+        return f"{value:.4f}" if key.startswith("kld") else f"{value:.3f}" if key == "ppl_ratio" else f"{value:.2f}"
+    return fmt.format(value)
+
+
+def _name(path: str) -> str:
+    return path.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def to_markdown(report: dict, failures: dict[str, list[str]] | None = None) -> str:
+    keys = list(COLUMNS)
+    head = "| file | size | bits/weight | " + " | ".join(COLUMNS[k][0] for k in keys) + " |"
+    lines = [f"### Quality against `{_name(report['reference']['file'])}`", "",
+             f"{report['chunks']} chunks of {report['ctx_size']} tokens (llama-perplexity's chunking); trunk "
+             f"measured by {report['engine']['trunk']}, head by {report['engine']['head']}.", "",
+             head, "|" + "---|" * (len(keys) + 3)]
+    for f in [report["reference"], *report["files"]]:
+        size = f"{f['size_bytes'] / 2**20:,.1f} MiB" if f.get("size_bytes") else "—"
+        bpw = f"{f['bits_per_weight']:.2f}" if f.get("bits_per_weight") else "—"
+        lines.append(f"| `{_name(f['file'])}` | {size} | {bpw} | " + " | ".join(cell(k, f.get(k)) for k in keys) + " |")
+    for file, reasons in (failures or {}).items():
+        if reasons:
+            lines.append(f"\n**FAIL** `{_name(file)}`: " + "; ".join(reasons))
+    return "\n".join(lines) + "\n\n"
+
+
+# the terminal's columns (80 wide): key -> short title
+TABLE = {"ppl": "PPL", "ppl_ratio": "ratio", "kld_mean": "KLD", "kld_p99": "KLD 99%", "top1": "top1",
+         "dp_rms": "RMS Δp", "accept_rate": "head", "accept_drop": "drop"}
+
+
+def rich_table(report: dict):
+    """The terminal's table (the figures that fit 80 columns; JSON and Markdown carry all)."""
+    from rich.table import Table
+
+    t = Table(title=f"Quality against {_name(report['reference']['file'])}  ({report['chunks']} chunks x "
+                    f"{report['ctx_size']} tokens)")
+    t.add_column("file", overflow="fold")
+    for title in TABLE.values():
+        t.add_column(title, justify="right")
+    for f in [report["reference"], *report["files"]]:
+        t.add_row(_name(f["file"]), *(cell(k, f.get(k), short=True) for k in TABLE))
+    return t

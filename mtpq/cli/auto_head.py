@@ -1,0 +1,57 @@
+"""``--mtp-type auto``: the head's type chosen by measuring, not guessed.
+
+The trunk is quantized once (the head kept as the input has it) into a temporary file beside OUT; every
+candidate head type is quantized alone from the input and drafts from that trunk's hidden states
+(:mod:`mtpq.runtime.headsweep`); the narrowest type within ``--max-drop`` of the f16 head's acceptance is
+grafted in, the trunk's bytes copied, to OUT. The choice and its figures are printed and recorded in OUT
+(``mtpq.mtp_type_auto``, a JSON string).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gguf import GGUFValueType
+
+from ..gguf_io import partial_folder, plan_from_gguf, write_plan
+from .common import byte_progress, console
+
+
+def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: str, max_drop: float, prompts: str,
+                            quiet: bool, options: dict, extra: dict):
+    """Write ``dst`` with the measured head type; returns the plan written."""
+    from ..quantize.surgery import plan_graft
+    from ..runtime.accept import load_prompts, use_threads
+    from ..runtime.headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
+
+    if before.n_mtp_layers == 0:
+        from ..errors import InputError
+
+        raise InputError(src, "has no MTP head to choose a type for")
+    pairs = load_prompts(prompts)
+    use_threads(src if src.is_file() else next(iter(before.inputs), src), None)
+    with partial_folder(dst) as tmp:  # the trunk and the candidate heads; removed whatever happens
+        trunk_file = tmp / "trunk.gguf"
+        with byte_progress(f"quantize trunk -> {dst.name}", _nbytes(trunk_plan), enabled=not quiet) as advance:
+            write_plan(trunk_plan, trunk_file, on_tensor=lambda spec, n: advance(n, spec.name))
+        if not quiet:
+            console.print(f"measuring {len(AUTO_CANDIDATES)} head types on the {preset} trunk ({len(pairs)} prompts)")
+        rates = head_rates(trunk_file, before, preset, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp,
+                           **options, **extra)
+        choice = AutoChoice(choose_head_type(rates, max_drop), max_drop, rates)
+        head = head_plan(before, preset, choice.head_type, **options, **extra)
+        final = plan_graft(head, plan_from_gguf(trunk_file), replace=True)  # the trunk's bytes copied
+        final.set_kv(AUTO_KEY, json.dumps(choice.to_dict(), sort_keys=True), GGUFValueType.STRING)
+        final.inputs = [src, trunk_file]
+        write_plan(final, dst)
+    line = ", ".join(f"{t} {100 * r.rate:.1f} %" for t, r in rates.items())
+    console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
+                  f"{100 * choice.baseline:.1f} %; {line})")
+    return final
+
+
+def _nbytes(plan) -> int:
+    from ..gguf_io import tensor_nbytes
+
+    return sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)

@@ -1,0 +1,181 @@
+"""``mtpq compare``: one quality report per quant — the trunk's KLD/PPL/top-1 as llama-perplexity measures them,
+next to the MTP head's acceptance. Exit 1 when a gate fails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import Progress
+
+from .accept import check_writable
+from .app import app
+from .common import EXIT_CHECK_FAILED, EXIT_OK, RUNTIME_THREADS_HELP, check_device, console, fail, guarded, out
+
+ENGINES = ("torch", "llama.cpp")
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        fail(str(path), "no such file" if not path.exists() else "not a file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        fail(str(path), f"not UTF-8 text (byte {exc.start})")
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    epilog=(
+        "Examples:\n\n"
+        "  mtpq compare f16.gguf q4km.gguf q2k.gguf -f wiki.test.raw            # the KLD table, + head column\n\n"
+        "  mtpq compare f16.gguf q4km.gguf -f wiki.test.raw -c 512 --chunks 40 --md $GITHUB_STEP_SUMMARY\n\n"
+        "  mtpq compare f16.gguf q4km.gguf -f text.txt --max-kld 0.05 --max-drop 0.05   # a CI gate\n\n"
+        "  mtpq compare big-f16.gguf big-q4km.gguf -f wiki.test.raw --engine llama.cpp --ngl 999\n\n"
+        "The trunk's figures follow llama-perplexity's --kl-divergence: chunks of -c tokens, each scored from its "
+        "middle on. With --engine llama.cpp, arguments after `--` go to llama-perplexity."
+    ),
+)
+@guarded
+def compare(
+    ctx: typer.Context,
+    reference: Path = typer.Argument(..., help="The full-precision GGUF (f16/bf16/q8_0) the quants are measured against."),
+    quants: list[Path] = typer.Argument(..., help="One or more quantized GGUFs of the same model."),
+    text: Path = typer.Option(..., "--text", "-f", help="UTF-8 text to score (e.g. wikitext-2's wiki.test.raw)."),
+    ctx_size: int = typer.Option(512, "--ctx-size", "-c", help="Tokens per chunk (llama-perplexity's -c)."),
+    chunks: int = typer.Option(None, "--chunks", help="Score only the first N chunks."),
+    json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout)."),
+    md_out: Path = typer.Option(None, "--md", help="Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."),
+    max_kld: float = typer.Option(None, "--max-kld", help="Fail (exit 1) when a quant's mean KLD is above this (nats)."),
+    min_top1: float = typer.Option(None, "--min-top1", help="Fail when the top token agrees less often (fraction)."),
+    max_ppl_ratio: float = typer.Option(None, "--max-ppl-ratio", help="Fail when PPL(Q)/PPL(ref) is above this."),
+    min_rate: float = typer.Option(None, "--min-rate", help="Fail when the head's acceptance is below this."),
+    max_drop: float = typer.Option(None, "--max-drop", help="Fail when the head's acceptance drops more than this "
+                                   "below the reference's."),
+    engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
+                               "llama-perplexity for the trunk, llama-server for the head."),
+    numerics: str = typer.Option("llama.cpp", "--numerics", help="torch engine: 'llama.cpp' rounds each weight's "
+                                 "inputs as llama.cpp's CPU backend does (the figures llama-perplexity prints); "
+                                 "'exact' multiplies in f32 (the quantization error alone)."),
+    device: str = typer.Option(None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."),
+    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
+    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-perplexity and "
+                                   "llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."),
+    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
+) -> None:
+    """Score quants against their full-precision reference: PPL, PPL ratio, mean/median/99 %/max KLD, how often
+    the top token agrees, RMS Δp — the table quant publishers put on model cards, computed as llama-perplexity
+    computes it — and the MTP head's depth-1 acceptance on the same chunks, with its drop against the
+    reference's head. Exit codes: 0 pass, 1 a gate failed, 2 bad input."""
+    from ..acceptance.quality import Gates, judge, rich_table, to_markdown
+
+    if engine not in ENGINES:
+        fail("--engine", f"choose one of {', '.join(ENGINES)}")
+    if numerics not in ("llama.cpp", "exact"):
+        fail("--numerics", "choose llama.cpp or exact")
+    if ctx_size < 4:
+        fail("--ctx-size", f"must be at least 4, got {ctx_size}")
+    if chunks is not None and chunks < 1:
+        fail("--chunks", f"must be at least 1, got {chunks}")
+    if engine == "torch":
+        for opt, v in (("--llama-cpp", llama_cpp), ("--ngl", ngl)):
+            if v is not None:
+                fail(opt, "belongs to --engine llama.cpp")
+        if ctx.args:
+            fail(" ".join(ctx.args), "extra arguments go to llama-perplexity: only with --engine llama.cpp")
+    elif device is not None or numerics != "llama.cpp":
+        fail("--device" if device is not None else "--numerics", "belongs to --engine torch")
+    for opt, v in (("--min-top1", min_top1), ("--min-rate", min_rate), ("--max-drop", max_drop)):
+        if v is not None and not 0.0 <= v <= 1.0:
+            fail(opt, f"must be between 0 and 1, got {v}")
+    for p in (reference, *quants):
+        if not p.is_file():
+            fail(str(p), "no such file")
+    inputs = [reference, *quants, text]
+    for opt, path in (("--json", json_out), ("--md", md_out)):
+        if path is not None and str(path) != "-":
+            check_writable(opt, path, inputs)
+    body = _read_text(text)
+    device = check_device(device)
+
+    if engine == "torch":
+        report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
+    else:
+        report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
+    gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,
+                  max_drop=max_drop)
+    failures = judge(report["files"], gates)
+    report["passed"] = not any(failures.values())
+    report["failures"] = {f: r for f, r in failures.items() if r}
+    if json_out is not None:
+        doc = json.dumps(report, indent=2, sort_keys=True)
+        typer.echo(doc) if str(json_out) == "-" else json_out.write_text(doc + "\n")
+    if md_out is not None:
+        with open(md_out, "a") as f:
+            f.write(to_markdown(report, failures))
+    if str(json_out) != "-":
+        out.print(rich_table(report))
+        out.print(f"trunk: {report['engine']['trunk']}; head: {report['engine']['head']}")
+        if gates.any():
+            for f, reasons in failures.items():
+                out.print(f"[red]FAIL[/] {Path(f).name}: " + "; ".join(reasons) if reasons else f"[green]PASS[/] {Path(f).name}")
+    raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
+
+
+def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, chunks: int | None, device,
+                threads: int | None, numerics: str) -> dict:
+    from ..runtime.accept import use_threads
+    from ..runtime.quality import QualityRun, compare_runs
+
+    use_threads(reference, threads)
+    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("loading", total=None)
+        runs = []
+        for p in (reference, *quants):
+            progress.update(task, description=f"loading {p.name}")
+            runs.append(QualityRun(p, device=dev, numerics=numerics))
+        progress.update(task, description=f"scoring {len(quants) + 1} files")
+        n = compare_runs(runs[0], runs[1:], text, n_ctx=ctx_size, n_chunks=chunks,
+                         on_chunk=lambda i, total: progress.update(task, completed=i, total=total))
+    ref = runs[0].quality
+    label = f"torch ({dev}, numerics {numerics})"
+    return {"reference": ref.summary(ref), "files": [r.quality.summary(ref) for r in runs[1:]], "ctx_size": ctx_size,
+            "chunks": n, "numerics": numerics,
+            "engine": {"trunk": label, "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"}}
+
+
+def _with_llama_cpp(reference: Path, quants: list[Path], text: Path, ctx_size: int, chunks: int | None,
+                    threads: int | None, ngl: int | None, bin_dir: Path | None, extra: list[str]) -> dict:
+    from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
+    from ..engines.perplexity import PerplexityConfig, find_perplexity, kld_with_llama_cpp
+    from ..gguf_io import GGUFFile
+
+    cfg = PerplexityConfig(find_perplexity(bin_dir), ctx_size=ctx_size, chunks=chunks, threads=threads, ngl=ngl,
+                           extra=list(extra))
+    server = ServerConfig(find_server(bin_dir), ngl=ngl, threads=threads)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("llama-perplexity", total=len(quants) + 1)
+        ref, figures, n_chunks = kld_with_llama_cpp(reference, quants, text, cfg,
+                                          on_file=lambda i: progress.update(task, completed=i + 1))
+        rates = {}
+        for p in (reference, *quants):  # the head: llama-server's draft counters, k=1, greedy, built-in prompts
+            progress.update(task, description=f"llama-server: {p.name}")
+            if GGUFFile(p).n_mtp:
+                rates[p] = measure_with_llama_cpp(p, "builtin", draft=1, max_new_tokens=64, server=server
+                                                  ).overall.acceptance_rate
+    rows = []
+    for p, f in [(reference, ref), *zip(quants, figures)]:
+        g = GGUFFile(p)
+        size = sum(int(t.n_bytes) for t in g.reader.tensors)
+        n = sum(int(t.n_elements) for t in g.reader.tensors)
+        rate = rates.get(p)
+        drop = rates[reference] - rate if rate is not None and rates.get(reference) is not None else None
+        rows.append({"file": str(p), "size_bytes": size, "bits_per_weight": round(8 * size / max(n, 1), 4), **f,
+                     "accept_rate": rate, "accept_drop": drop})
+    scored = ctx_size - 1 - ctx_size // 2
+    return {"reference": rows[0], "files": rows[1:], "ctx_size": ctx_size, "chunks": n_chunks,
+            "positions_per_chunk": scored, "numerics": "llama.cpp",
+            "engine": {"trunk": f"llama.cpp ({cfg.binary.name} --kl-divergence)",
+                       "head": f"llama.cpp ({server.binary.name} --spec-type draft-mtp, k=1, greedy, built-in prompts)"}}

@@ -1,0 +1,102 @@
+"""llama.cpp as the trunk-quality engine: ``llama-perplexity --kl-divergence-base`` once on the reference, then
+``--kl-divergence`` per quant, read into the figures ``mtpq compare`` reports (no torch here).
+
+For models beyond one device: llama-perplexity offloads (``-ngl``), splits over GPUs and RPC as llama.cpp does.
+Its base file holds every scored position's log-probabilities over the whole vocabulary (2 bytes each): it is
+written into a private temporary folder and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InputError
+from .binaries import child_env, find_binary, reason_from_log
+
+PERPLEXITY_BINARY = "llama-perplexity"
+
+# the closing statistics of --kl-divergence -> our keys, and how each is scaled (llama.cpp prints percents)
+_FIELDS = {
+    r"Mean PPL\(Q\)\s*:\s*([-\d.eE+naif]+)": ("ppl", 1.0),
+    r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([-\d.eE+naif]+)": ("ppl_ratio", 1.0),
+    r"Mean\s+KLD:\s*([-\d.eE+naif]+)": ("kld_mean", 1.0),
+    r"Median\s+KLD:\s*([-\d.eE+naif]+)": ("kld_median", 1.0),
+    r"99\.0%\s+KLD:\s*([-\d.eE+naif]+)": ("kld_p99", 1.0),
+    r"Maximum KLD:\s*([-\d.eE+naif]+)": ("kld_max", 1.0),
+    r"Same top p:\s*([-\d.eE+naif]+)": ("top1", 0.01),
+    r"RMS Δp\s*:\s*([-\d.eE+naif]+)": ("dp_rms", 0.01),
+}
+
+
+@dataclass
+class PerplexityConfig:
+    binary: Path
+    ctx_size: int = 512
+    chunks: int | None = None
+    threads: int | None = None
+    ngl: int | None = None
+    extra: list[str] = field(default_factory=list)
+
+    def args(self, model: Path, text: Path) -> list[str]:
+        a = [str(self.binary), "-m", str(model), "-f", str(text), "-c", str(self.ctx_size)]
+        for flag, value in (("--chunks", self.chunks), ("-t", self.threads), ("-ngl", self.ngl)):
+            if value is not None:
+                a += [flag, str(value)]
+        return a + list(self.extra)
+
+
+def find_perplexity(bin_dir: Path | str | None = None) -> Path:
+    return find_binary(PERPLEXITY_BINARY, bin_dir)
+
+
+def _run(cmd: list[str], what: Path) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                          env=child_env())
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise InputError(what, f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {reason_from_log(log)}")
+    return log
+
+
+def parse_kld_log(log: str, what: Path) -> dict:
+    """The closing statistics of ``llama-perplexity --kl-divergence`` (fractions and nats)."""
+    out = {}
+    for pattern, (key, scale) in _FIELDS.items():
+        m = re.search(pattern, log)
+        if m is None:
+            raise InputError(what, f"llama-perplexity printed no '{key}' statistics (it prints them only from 100 "
+                                   "scored tokens on: give more text or a larger --ctx-size)")
+        out[key] = float(m.group(1)) * scale
+    return out
+
+
+def parse_ppl_log(log: str, what: Path) -> float:
+    m = re.search(r"Final estimate: PPL = ([\d.eE+-]+)", log)
+    if m is None:
+        raise InputError(what, "llama-perplexity printed no final PPL estimate")
+    return float(m.group(1))
+
+
+def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: PerplexityConfig,
+                       on_file=None) -> tuple[dict, list[dict], int]:
+    """(the reference's figures, each quant's, the chunk count), measured by llama-perplexity on ``text``."""
+    with tempfile.TemporaryDirectory(prefix="mtpq-kld-") as tmp:
+        base = Path(tmp) / "base.kld"
+        log = _run(cfg.args(reference, text) + ["--kl-divergence-base", str(base)], reference)
+        m = re.search(r"over (\d+) chunks", log)
+        n_chunks = int(m.group(1)) if m else 0
+        ref = {"ppl": parse_ppl_log(log, reference), "ppl_ratio": 1.0, "kld_mean": 0.0, "kld_median": 0.0,
+               "kld_p99": 0.0, "kld_max": 0.0, "top1": 1.0, "dp_rms": 0.0}
+        if on_file:
+            on_file(0)
+        out = []
+        for i, q in enumerate(quants, 1):
+            log = _run(cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q)
+            out.append(parse_kld_log(log, q))
+            if on_file:
+                on_file(i)
+    return ref, out, n_chunks

@@ -1,0 +1,128 @@
+"""How many bits does a head need? Several MTP-head precisions measured on ONE trunk.
+
+A head's acceptance depends on its own bytes and on the trunk's hidden states. For every candidate head type
+only the MTP block's tensors are quantized (from the reference, exactly as ``mtpq quantize --mtp-type T``
+would write them) into a small head-only GGUF; the trunk's greedy continuations and its packed teacher-forced
+pass run once, and each head drafts from the same hidden states
+(:func:`~mtpq.runtime.speculative.teacher_forced_heads`). The rates are the greedy k=1 loop's
+(accepted / drafted over the same continuations), which ``mtpq accept --draft 1`` reports for each full file.
+
+    rates = head_rates(trunk_gguf, reference_gguf, preset="Q4_K_M", head_types=["f16", "q8_0", "q4_k"])
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InputError
+from .speculative import TeacherForcedResult, load_model, run_plain, teacher_forced_heads
+
+
+@dataclass
+class HeadRate:
+    head_type: str
+    drafts: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafts if self.drafts else float("nan")
+
+
+def head_plan(reference_plan, preset: str, head_type: str, **options):
+    """The MTP block's tensors of ``mtpq quantize REF OUT preset --mtp-type head_type`` (with ``options``, the
+    rest of that command's; lazy: nothing else is quantized), as a plan with the reference's metadata."""
+    from ..quantize.pipeline import plan_quantize
+
+    full = plan_quantize(reference_plan, preset, **{**options, "mtp_type": head_type})
+    n = full.n_trunk_layers
+    keep = [s for s in full.tensors if s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n]
+    return replace(full, tensors=keep)
+
+
+def _build_head(model, path: Path):
+    """A NextNHead for ``model``'s trunk from a head-only GGUF (its missing embed/head fall back to the trunk's)."""
+    from ..gguf_io import GGUFFile
+    from .mtp import NextNHead
+    from .weights import Weights
+
+    g = GGUFFile(path)
+    w = Weights(g, model.device, model.dtype)
+    n = len(model.blocks)  # the head's block follows the trunk's
+    return NextNHead(w.at(f"blk.{n}."), model.family.block(w.at(f"blk.{n}."), n), model.eps,
+                     trunk_embd=model.tok_embd, trunk_output=model.output, trunk_norm=model.out_norm,
+                     hidden_first=model.family.hidden_first).eval()
+
+
+def greedy_sequences(model, tok, prompts: list[str], max_new_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + the trunk's greedy continuation, prompt length) per prompt, stopping at EOS as ``accept`` does."""
+    stop = {i for i in (getattr(tok, "eos_token_id", None),) if i is not None}
+    out = []
+    for text in prompts:
+        ids = tok.encode(text)
+        cont = run_plain(model, ids, max_new_tokens, stop_ids=stop).tokens
+        if len(cont) >= 1:
+            out.append((ids + cont, len(ids)))
+    return out
+
+
+def head_rates(trunk: Path, reference, preset: str, head_types: list[str], prompts: list[str],
+               max_new_tokens: int = 48, device: str | None = None, workdir: Path | None = None,
+               on_head: Callable[[str], None] | None = None, **options) -> dict[str, HeadRate]:
+    """Greedy k=1 acceptance of each head type (quantized from ``reference``, a GGUF path or a plan, for
+    ``preset``) on ``trunk``'s trunk, from one trunk pass."""
+    from ..gguf_io import plan_from_gguf, write_plan
+
+    model, tok = load_model(trunk, device=device)
+    if model.mtp is None:
+        raise InputError(trunk, "has no MTP block to compare heads in")
+    seqs = greedy_sequences(model, tok, prompts, max_new_tokens)
+    if not seqs:
+        raise InputError(trunk, "no prompt gave a continuation to measure on")
+    ref_plan = plan_from_gguf(reference) if isinstance(reference, (str, Path)) else reference
+    heads = {}
+    with tempfile.TemporaryDirectory(prefix="mtpq-heads-", dir=workdir) as tmp:
+        for t in head_types:
+            if on_head:
+                on_head(t)
+            path = Path(tmp) / f"head-{t}.gguf"
+            write_plan(head_plan(ref_plan, preset, t, **options), path)
+            heads[t] = _build_head(model, path)
+        results = teacher_forced_heads(model, seqs, heads)
+        del heads
+    return {t: _totals(t, r) for t, r in results.items()}
+
+
+def _totals(head_type: str, results: list[TeacherForcedResult]) -> HeadRate:
+    return HeadRate(head_type, sum(r.loop_drafts for r in results), sum(r.loop_accepted for r in results))
+
+
+
+# --mtp-type auto: the candidates, widest first (bits per weight of a 256-wide row: f16 16, q8_0 8.5, q6_k 6.56 ...)
+AUTO_CANDIDATES = ("f16", "q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k")
+AUTO_KEY = "mtpq.mtp_type_auto"  # the choice and its figures, recorded in the file (no general.* key)
+
+
+@dataclass
+class AutoChoice:
+    head_type: str
+    max_drop: float
+    rates: dict[str, HeadRate]
+
+    @property
+    def baseline(self) -> float:
+        return self.rates["f16"].rate
+
+    def to_dict(self) -> dict:
+        return {"mtp_type": self.head_type, "max_drop": self.max_drop, "baseline": "f16",
+                "rates": {t: {"rate": r.rate, "drafted": r.drafts, "accepted": r.accepted} for t, r in self.rates.items()}}
+
+
+def choose_head_type(rates: dict[str, HeadRate], max_drop: float) -> str:
+    """The narrowest candidate whose acceptance stays within ``max_drop`` of the f16 head's."""
+    base = rates["f16"].rate
+    ok = [t for t in AUTO_CANDIDATES if t in rates and rates[t].rate >= base - max_drop]
+    return ok[-1]  # f16 itself always qualifies
