@@ -245,13 +245,37 @@ def test_accept_says_no_runtime_yet(head_q4):
     assert res.exit_code == 2 and "deepseek4" in line and "no runtime yet" in line and "\n" not in line, res.output
 
 
+def without_chat_template(ds4, folder):
+    """The checkpoint as DeepSeek ships it: no Jinja chat template (its encoding is Python code)."""
+    import json
+
+    ck = shutil.copytree(ds4, folder)
+    (ck / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def test_without_a_chat_template_llama_cpps_is_written(ds4, tmp_path):
+    from importlib import resources
+
+    kv, _ = convert(without_chat_template(ds4, tmp_path / "ck"), tmp_path / "m.gguf", "--no-mtp")
+    bundled = resources.files("mtpq").joinpath("data/templates/deepseek-ai-DeepSeek-V4.jinja").read_text()
+    assert kv["tokenizer.chat_template"] == bundled
+    kv, _ = convert(ds4, tmp_path / "own.gguf", "--no-mtp")  # the tokenizer's own wins
+    assert kv["tokenizer.chat_template"] != bundled
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 
 
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("mode", ["--no-mtp", "--mtp"])
-def test_same_gguf_as_llama_cpp_converter(ds4, tmp_path, llama_cpp_src, mode):
-    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ds4, tmp_path, mode)
+@pytest.mark.parametrize("template", [True, False], ids=["own-template", "no-template"])
+def test_same_gguf_as_llama_cpp_converter(ds4, tmp_path, llama_cpp_src, mode, template):
+    ck = ds4 if template else without_chat_template(ds4, tmp_path / "ck")
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
     assert_same_gguf(out, kv, tensors, ref)
 
 

@@ -274,6 +274,17 @@ class DeepseekV4(Family):
             getattr(w, f"add_{kind}")(key.format(arch=self.arch), hp[hkey])
         w.add_embedding_length_out(hp["hidden_size"] * hp["hc_mult"])  # the trunk's state: hc_mult streams
 
+    def write_vocab(self, w: GGUFWriter) -> None:
+        super().write_vocab(w)
+        if gguf.Keys.Tokenizer.CHAT_TEMPLATE not in w.kv_data[0]:  # DeepSeek ships Python encoders, no template:
+            # llama.cpp's converter writes its own (models/templates/, copied to mtpq/data/templates/), by the
+            # folder's name as it picks it
+            from importlib import resources
+
+            name = "DeepSeek-V4-Flash-0731" if "0731" in self.ckpt.folder.name else "DeepSeek-V4"
+            w.add_chat_template(resources.files("mtpq").joinpath(f"data/templates/deepseek-ai-{name}.jinja")
+                                .read_text(encoding="utf-8"))
+
     def file_type(self, outtype: T) -> gguf.LlamaFileType:
         return gguf.LlamaFileType.MOSTLY_MXFP4_MOE  # as llama.cpp's converter, whatever the outtype
 
