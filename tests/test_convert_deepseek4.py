@@ -194,6 +194,24 @@ def test_trunk_without_the_mtp_layer(ds4, tmp_path):
     assert res.exit_code == 2 and "mtp.0.*" in res.stderr and "--no-mtp" in res.stderr, res.output
 
 
+def test_dspark_stages_in_place_of_the_head(ds4, tmp_path):
+    """DeepSeek-V4-Flash-0731 stores DSpark draft stages under mtp.0..2 (main_proj, markov_head, confidence_head,
+    each beside a layer; names as public loaders list them, stage layers left out here): the trunk converts with
+    --no-mtp, as llama.cpp's default does; keeping them says why not."""
+    from familycheck import add_tensors
+
+    ck = shutil.copytree(ds4, tmp_path / "ck")
+    for n in [n for n in source_tensors(ck) if n.startswith("mtp.")]:
+        rewrite_tensor(ck, n, None)
+    add_tensors(ck, {f"mtp.{i}.{n}": torch.zeros(256, 256, dtype=torch.bfloat16) for i in range(3)
+                     for n in ("main_proj.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight")})
+    _, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert set(tensors) == set(expected(False))
+    for args in ((), ("--mtp-only",)):
+        res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet", *args)
+        assert res.exit_code == 2 and "DSpark" in res.stderr and "--no-mtp" in res.stderr, res.output
+
+
 @pytest.fixture(scope="module")
 def head_q4(ds4, tmp_path_factory):
     """The head-only file (f16 outtype) quantized Q4_K_M with the head at q8_0 (default --mtp-type)."""

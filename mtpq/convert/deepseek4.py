@@ -25,6 +25,10 @@ reads the head from a file of its own (its converter's ``--mtp``: the MTP block,
 mtpq writes the same two files (``--mtp-only``, ``--no-mtp``) and refuses to write one file that would keep
 the head with the trunk's hyper-connection in place of its own.
 
+DeepSeek-V4-Flash-0731 stores DSpark draft stages under ``mtp.*`` instead: its trunk converts with ``--no-mtp``
+(llama.cpp's default does the same), the stages are refused with the reason (llama.cpp writes them into a separate
+``dflash`` file with its ``--dspark``, not an MTP head).
+
 The pip ``gguf`` (0.19) mtpq depends on predates ``deepseek4``: tensor names and metadata keys are written out
 below as llama.cpp's gguf-py spells them (constants.py ``TENSOR_NAMES`` / ``Keys``).
 """
@@ -118,10 +122,9 @@ class DeepseekV4(Family):
             raise InputError(cfg, f"num_hash_layers must be 0..{self.n_trunk}, got {hp['num_hash_layers']!r}")
         if hp.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":  # llama.cpp's deepseek4 loader: the only one
             raise InputError(cfg, f"scoring_func {hp['scoring_func']!r}: llama.cpp's deepseek4 runs sqrtsoftplus only")
-        found = sorted({i for n in ckpt.names() if (i := layer_of(n, "mtp.")) is not None})
-        if any(i >= self.n_mtp for i in found):  # llama.cpp's converter stops at the same
-            raise InputError(ckpt.folder, f"MTP layers {found} stored, config.json has num_nextn_predict_layers "
-                                          f"{self.n_mtp}")
+        self.mtp_layers = sorted({i for n in ckpt.names() if (i := layer_of(n, "mtp.")) is not None})
+        # DeepSeek-V4-Flash-0731 stores DSpark draft stages under mtp.i instead of the MTP layer
+        self.dspark = any(n.startswith("mtp.") and ".main_proj." in n for n in ckpt.stored)
         # FP8 weight -> its scale, FP4 expert -> its scale (checked now, before anything is written)
         self.fp8: dict[str, str] = {}
         self.fp4: dict[str, str] = {}
@@ -291,6 +294,14 @@ class DeepseekV4(Family):
     # -- tensors ------------------------------------------------------------------------
 
     def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16):
+        if mtp is not MtpMode.DROP and self.dspark:  # the trunk converts (--no-mtp), as llama.cpp's default does
+            raise InputError(self.ckpt.folder, "mtp.* holds DeepSeek-V4 DSpark draft stages (main_proj, "
+                                               "markov_head, ...), not an MTP head: llama.cpp writes them into a "
+                                               "separate dflash file (its converter's --dspark); convert the trunk "
+                                               "with --no-mtp")
+        if mtp is not MtpMode.DROP and any(i >= self.n_mtp for i in self.mtp_layers):  # llama.cpp stops the same
+            raise InputError(self.ckpt.folder, f"MTP layers {self.mtp_layers} stored, config.json has "
+                                               f"num_nextn_predict_layers {self.n_mtp}")
         if mtp is MtpMode.KEEP and self.n_mtp:
             raise InputError(self.ckpt.folder, "DeepSeek-V4's MTP head has its own output hyper-connection "
                                                "(mtp.0.hc_head_*), which llama.cpp reads from a head-only file "
