@@ -158,8 +158,9 @@ def _in_mtp_block(name: str, n_trunk: int) -> bool:
     return name.startswith(("mtp.", "model.mtp.")) or (m is not None and int(m[1]) >= n_trunk)
 
 
-# a decoder block: trunk (model.layers.N.) or MTP (Qwen3.5's mtp.layers.i., MiMo-V2's model.mtp.layers.i.)
-_BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers)\.(\d+)\.")
+# a decoder block: trunk (model.layers.N., DeepSeek-V4's layers.N.) or MTP (Qwen3.5's mtp.layers.i., MiMo-V2's
+# model.mtp.layers.i., DeepSeek-V4's mtp.i.)
+_BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers|layers|mtp)\.(\d+)\.")
 
 
 def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
