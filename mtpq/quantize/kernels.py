@@ -111,8 +111,10 @@ _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.I
 # A fork and its exit cost the parent ~10-25 ms of system time each (page tables of a process holding
 # torch; more under load), twice per tensor with two workers: on the 1-8M-value tensors of a small model
 # (benchmarks/quant_bench.py --whole-file) that was a fifth of a Q6_K run's CPU time and more of its wall
-# time. Tensors below this many values go to threads instead; a real model's tensors are far above it.
-_FORK_MIN_VALUES = 1 << 24
+# time. Tensors below this many values (16 MB of float32) go to threads instead: on that file, at load
+# 2.8 on 2 cores, a Q6_K run took 5.5-5.7 s of CPU forking every tensor, 4.0-4.2 s with this threshold,
+# 3.8-5.1 s with 16M. A real model's tensors are far above it.
+_FORK_MIN_VALUES = 1 << 22
 
 # types mtpq reads but does not write (a checkpoint's own encoding kept by the converter)
 _DEQUANT_ONLY: dict[GGMLQuantizationType, Callable] = {T.MXFP4: mxfp4.dequantize_mxfp4}
