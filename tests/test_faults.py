@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SLOW_CLI = """
 import sys, time
-import mtpq.gguf_io as g
+import mtpq.gguf_io.buffers as g
 encode = g.encode_tensor
 def slow(spec):
     time.sleep(0.05)  # a slow disk: the signal arrives mid-write

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from ..gguf_io import open_model
 from .metrics import AcceptanceMetrics, summarize
 from .speculative import GenerationResult, load_model, run_plain, run_speculative
 
@@ -156,7 +157,7 @@ def use_threads(path: Path, threads: int | None = None) -> int:
     if threads is not None and threads < 1:
         raise InputError("--threads", f"must be at least 1, got {threads}")
     if threads is None:
-        small = Path(path).stat().st_size < SMALL_MODEL_BYTES
+        small = open_model(path).nbytes < SMALL_MODEL_BYTES  # a split model: all its shards
         threads = 1 if small else max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                       else (os.cpu_count() or 1))
     torch.set_num_threads(threads)
