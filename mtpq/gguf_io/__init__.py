@@ -35,6 +35,7 @@ from .write import (
     parse_size,
     partial_folder,
     refresh_size_label,
+    remove_partial,
     remove_stale_partials,
     size_label,
     write_plan,
@@ -44,6 +45,6 @@ __all__ = [
     "FLOAT_TYPES", "SPLIT_KEYS", "GGUFFile", "ModelFiles", "SplitRule", "atomic_output",
     "atomic_outputs", "check_not_an_input", "encode_tensor", "first_shard", "open_gguf", "open_model",
     "output_buffer", "output_paths", "parse_size", "partial_folder", "plan_from_gguf", "reader_arch", "reader_kv",
-    "refresh_size_label", "remove_stale_partials", "report_progress", "shard_name", "shard_paths", "size_label",
+    "refresh_size_label", "remove_partial", "remove_stale_partials", "report_progress", "shard_name", "shard_paths", "size_label",
     "split_prefix", "tensor_nbytes", "write_plan",
 ]

@@ -137,10 +137,29 @@ def _pid_alive(pid: int) -> bool:
 _PUBLISHING = "publishing"  # in a shard set's partial folder while its shards are renamed into place: their names
 
 
+def remove_partial(p: Path) -> list[Path]:
+    """Remove one run's ``.NAME.partial-PID`` file or folder, and the shards it had begun to rename into place
+    (its folder's list of them): what a run killed while publishing a split set leaves. Returns what was removed."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        if p.is_dir() and not p.is_symlink():
+            journal = p / _PUBLISHING
+            for name in journal.read_text().split("\n") if journal.is_file() else []:
+                if name and "/" not in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        (p.parent / name).unlink()
+                        removed.append(p.parent / name)
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        removed.append(p)
+    return removed
+
+
 def remove_stale_partials(out: Path) -> list[Path]:
     """Remove ``.NAME.partial-PID`` files and folders beside ``out`` whose process is gone (a SIGKILL leaves them:
-    it cannot be caught), and the shards a killed run had begun to rename into place (its folder's list). A live
-    process's temporary files are left alone. Returns what was removed."""
+    it cannot be caught), with :func:`remove_partial`. A live process's temporary files are left alone. Returns
+    what was removed."""
     removed = []
     prefix = f".{out.name}.partial-"
     try:
@@ -150,18 +169,7 @@ def remove_stale_partials(out: Path) -> list[Path]:
     for p in candidates:
         pid = p.name[len(prefix):].removesuffix(".d")  # (.d: a folder of a run's temporaries, see partial_folder)
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                if p.is_dir() and not p.is_symlink():
-                    journal = p / _PUBLISHING
-                    for name in journal.read_text().split("\n") if journal.is_file() else []:
-                        if name and "/" not in name:
-                            with contextlib.suppress(FileNotFoundError):
-                                (out.parent / name).unlink()
-                                removed.append(out.parent / name)
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
-                removed.append(p)
+            removed += remove_partial(p)
     return removed
 
 
