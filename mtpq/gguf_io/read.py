@@ -170,7 +170,7 @@ def open_model(path: Path) -> ModelFiles:
             readers.append(reader)
             continue
         if not p.is_file():
-            raise InputError(p, f"missing: shard {i + 1} of the {count} of {path.name}'s split set")
+            raise InputError(p, f"missing: shard {i + 1} of {count} of the split set {path.name} is in")
         r = open_gguf(p)
         theirs = _split_value(r, SPLIT_COUNT, p)
         if theirs != count:

@@ -310,7 +310,7 @@ def write_plan(
     out = Path(out)
     groups = (split or SplitRule()).groups(plan.tensors)
     finals = output_paths(out, len(groups))
-    for f in {out, *finals}:
+    for f in dict.fromkeys([out, *finals]):
         check_not_an_input(f, plan.inputs)
     with atomic_outputs(out, finals) as tmps:
         writer = _ShardWriter(tmps, plan.arch)
