@@ -97,6 +97,9 @@ class TensorSpec:
     importance: "np.ndarray | None" = None
     # the shard of a split GGUF it was read from (0: the first, or an unsplit file): the layout --keep-split keeps
     shard: int = 0
+    # rows r0:r1 along dim 0 (experts of a stack, rows of a matrix) as float values, like ``load``'s (GGUF sources):
+    # a big tensor is then encoded slab by slab, never held whole in float32
+    load_rows: Callable[[int, int], torch.Tensor] | None = None
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)

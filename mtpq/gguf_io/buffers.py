@@ -25,16 +25,45 @@ def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     return n // block * type_size
 
 
+SLAB_ELEMENTS = 1 << 24  # values a big tensor is encoded in at a time (64 MB as float32)
+
+
 def encode_tensor(spec: TensorSpec) -> np.ndarray:
-    """The bytes (as the numpy array GGUFWriter wants) of one tensor in ``spec.ggml_type``."""
+    """The bytes (as the numpy array GGUFWriter wants) of one tensor in ``spec.ggml_type``; a big one with a row
+    reader (``load_rows``) slab by slab, into its place in one output buffer."""
     if spec.load_raw is not None and spec.source_type == spec.ggml_type:
         return spec.load_raw()
     from ..quantize.kernels import quantize
 
     try:
+        if spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS:
+            return _encode_slabs(spec, quantize)
         return quantize(spec.load(), spec.ggml_type, name=spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
         raise InputError(spec.source, str(exc)) from None
+
+
+def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
+    """Slabs along dim 0 (whole experts of a stack, bands of rows), each encoded as the whole tensor's rows are:
+    every ggml type encodes a row on its own, an imatrix weighs each expert's rows with that expert's row, so
+    the bytes are those of encoding the tensor at once. The writer writes each slab's rows once encoded."""
+    rows = spec.shape[0]
+    total = tensor_nbytes(spec.shape, spec.ggml_type)
+    out = output_buffer(total)
+    report = report_progress(out)
+    imp = spec.importance
+    per_expert = imp is not None and np.ndim(imp) == 2 and len(spec.shape) == 3 and np.shape(imp)[0] == rows > 1
+    step = max(1, SLAB_ELEMENTS // (spec.n_elements // rows))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part = quantize(spec.load_rows(r0, r1), spec.ggml_type, name=spec.name,
+                        importance=imp[r0:r1] if per_expert else imp)
+        a, b = r0 * total // rows, r1 * total // rows
+        out[a:b] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        del part
+        if report is not None:
+            report(b)
+    return out
 
 
 PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once

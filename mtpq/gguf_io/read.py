@@ -12,7 +12,9 @@ is written. The ``split.*`` keys describe files, not the model: they are not par
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -283,25 +285,77 @@ class GGUFFile:
         return sum(int(t.n_elements) for t in self.tensors.values())
 
 
-def _raw_loader(t) -> Callable[[], np.ndarray]:
-    return lambda: np.asarray(t.data)
+# Plans read tensor bytes with pread, not through gguf-py's mapping of the whole file: every page read through
+# a mapping stays in the process's RSS while the file is open, so quantizing a 300 GB model would end with
+# 300 GB resident. Read, a tensor's bytes go when the tensor is written.
 
 
-def _float_loader(t, shape: tuple[int, ...]) -> Callable:
-    def load():
-        import torch
+def _read_at(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
+    """Fill ``out`` (C-contiguous) with ``path``'s bytes from ``offset``; returns ``out``."""
+    view = memoryview(out).cast("B")
+    with open(path, "rb") as f:
+        got = 0
+        while got < len(view):
+            n = os.preadv(f.fileno(), [view[got:]], offset + got)
+            if n == 0:
+                raise InputError(path, f"truncated: ends within a tensor's data at byte {offset + got}")
+            got += n
+    return out
 
-        qtype = GGMLQuantizationType(t.tensor_type)
-        data = np.asarray(t.data)
-        if qtype == GGMLQuantizationType.BF16:
-            return torch.from_numpy(data.view(np.uint16).astype(np.int32) << 16).view(torch.float32).reshape(shape)
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return torch.from_numpy(data.astype(np.float32)).reshape(shape)
-        from ..quantize.kernels import dequantize
 
-        return dequantize(data, qtype, shape)
+_scratch = threading.local()  # each thread's buffer for the rows it reads (reused: no fresh pages per slab)
+
+
+def _raw_loader(t: ReaderTensor, path: Path) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        from .buffers import output_buffer  # the writer's buffers: reused from tensor to tensor
+
+        buf = _read_at(path, int(t.data_offset), output_buffer(int(t.n_bytes)))
+        return buf.view(t.data.dtype).reshape(t.data.shape)
 
     return load
+
+
+def _as_float(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]):
+    """Stored values (as gguf-py shapes them) as a new float32 torch tensor of ``shape`` (never a view of
+    ``data``)."""
+    import torch
+
+    if qtype == GGMLQuantizationType.BF16:
+        return torch.from_numpy(data.view(np.uint16).astype(np.int32) << 16).view(torch.float32).reshape(shape)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(data.astype(np.float32)).reshape(shape)
+    from ..quantize.kernels import dequantize
+
+    return dequantize(data, qtype, shape)
+
+
+def _float_loader(t: ReaderTensor, path: Path, shape: tuple[int, ...]) -> Callable:
+    qtype = GGMLQuantizationType(t.tensor_type)
+
+    def load():
+        data = _read_at(path, int(t.data_offset), np.empty(int(t.n_bytes), dtype=np.uint8))
+        return _as_float(data.view(t.data.dtype).reshape(t.data.shape), qtype, shape)
+
+    return load
+
+
+def _rows_loader(t: ReaderTensor, path: Path, shape: tuple[int, ...]) -> Callable | None:
+    """Rows ``r0:r1`` along dim 0 as float32 (for slab-wise encoding); None for a 1-D tensor."""
+    if len(shape) < 2:
+        return None
+    qtype = GGMLQuantizationType(t.tensor_type)
+    row_bytes = int(t.n_bytes) // shape[0]
+
+    def rows(r0: int, r1: int):
+        nbytes = (r1 - r0) * row_bytes
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
+        data = _read_at(path, int(t.data_offset) + r0 * row_bytes, buf[:nbytes])
+        return _as_float(data.view(t.data.dtype).reshape(r1 - r0, *t.data.shape[1:]), qtype, (r1 - r0, *shape[1:]))
+
+    return rows
 
 
 def plan_from_gguf(path: Path) -> Plan:
@@ -332,12 +386,13 @@ def plan_from_gguf(path: Path) -> Plan:
                 shape=shape,
                 role=classify(t.name, shape, n_trunk),
                 ggml_type=qtype,
-                load=_float_loader(t, shape),
+                load=_float_loader(t, where, shape),
                 source=f"{where.name}:{t.name}",
                 source_type=qtype,
-                load_raw=_raw_loader(t),
+                load_raw=_raw_loader(t, where),
                 reason="kept as stored",
                 shard=shard,
+                load_rows=_rows_loader(t, where, shape),
             )
         )
     return Plan(arch=arch, kv=kv, tensors=specs, inputs=list(files.paths), n_trunk_layers=n_trunk, n_mtp_layers=n_mtp)
