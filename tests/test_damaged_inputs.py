@@ -1091,9 +1091,11 @@ _BAD_SPLIT = {  # (damage the copied set, return the shard to give and the needl
     "split-no-out-of-range": lambda c, s: (c.rewrite(s[0], {"split.no": (7, U16)}), s[0],
                                            [s[0].name, "split.no = 7 is outside split.count = 4"]),
 }
-for _name, _damage in _BAD_SPLIT.items():
-    for _cmd in ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target", "accept", "imatrix", "sweep",
-                 "compare"):
+_EVERY_COMMAND = ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target", "accept", "imatrix", "sweep",
+                  "compare")
+for _name, _damage in _BAD_SPLIT.items():  # the checks live in one place (gguf_io.open_model): every command
+    # meets the first two damages, the rest are met by two commands
+    for _cmd in _EVERY_COMMAND if _name in ("missing-last-shard", "shard-of-another-split") else ("inspect", "quantize"):
         case(f"split-{_cmd}-{_name}")(
             lambda c, dmg=_damage, cmd=_cmd: (lambda r: (_split_commands(c, r[1])[cmd], r[2]))(dmg(c, c.shards())))
 

@@ -7,7 +7,7 @@
 - A full disk (a 1 MiB tmpfs, where the test may mount one) is one line naming the
   output and how far the write got, with the temporary file removed.
 - An unexpected exception is one line, exit 3; its traceback only with ``--debug``.
-- A split output (``--split-max-size``) is written into ``.NAME.partial-PID.d`` and its shards renamed into
+- A split output (``--split-max-size``) is written into ``.NAME.partial-PID.shards/`` and its shards renamed into
   place only when all are complete: the same holds for it, and a renaming that is interrupted (or killed: the
   folder lists the shards it was renaming) leaves no shard behind.
 
@@ -70,7 +70,7 @@ def _size(p: Path) -> int:
 
 def _wait_for_partial(proc: subprocess.Popen, out: Path, timeout: float = 120.0, split: bool = False) -> Path:
     """The process's temporary file (a split output's folder), once it holds tensor data."""
-    partial = out.with_name(f".{out.name}.partial-{proc.pid}" + (".d" if split else ""))
+    partial = out.with_name(f".{out.name}.partial-{proc.pid}" + (".shards" if split else ""))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if partial.exists() and _size(partial) > 100_000:
@@ -156,14 +156,14 @@ def test_a_publish_killed_halfway_is_removed_by_the_next_run(tmp_path):
     try:
         finals = output_paths(out, 3)
         for pid in (dead.pid, live.pid):
-            folder = tmp_path / f".o.gguf.partial-{pid}.d"
+            folder = tmp_path / f".o.gguf.partial-{pid}.shards"
             folder.mkdir()
             (folder / "publishing").write_text("\n".join(f.name for f in finals))
         finals[2].write_bytes(b"renamed before the kill")
-        (tmp_path / ".o.gguf.partial-{}.d".format(dead.pid) / finals[0].name).write_bytes(b"not yet renamed")
+        (tmp_path / f".o.gguf.partial-{dead.pid}.shards" / finals[0].name).write_bytes(b"not yet renamed")
         removed = remove_stale_partials(out)
-        assert set(removed) == {finals[2], tmp_path / f".o.gguf.partial-{dead.pid}.d"}
-        assert sorted(p.name for p in tmp_path.iterdir()) == [f".o.gguf.partial-{live.pid}.d"]
+        assert set(removed) == {finals[2], tmp_path / f".o.gguf.partial-{dead.pid}.shards"}
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f".o.gguf.partial-{live.pid}.shards"]
     finally:
         live.kill()
         live.wait()

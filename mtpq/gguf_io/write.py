@@ -167,7 +167,7 @@ def remove_stale_partials(out: Path) -> list[Path]:
     except OSError:
         return removed
     for p in candidates:
-        pid = p.name[len(prefix):].removesuffix(".d")  # (.d: a folder of a run's temporaries, see partial_folder)
+        pid = p.name[len(prefix):].split(".")[0]  # .d: a run's intermediate files, .shards: a split output's
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             removed += remove_partial(p)
     return removed
@@ -232,7 +232,7 @@ def atomic_outputs(out: Path, finals: list[Path]) -> Iterator[list[Path]]:
     if len(finals) == 1:
         tmps = [out.with_name(f".{out.name}.partial-{pid}")]
     else:  # a private folder: one name to find and clean, whatever the shards are called
-        folder = out.with_name(f".{out.name}.partial-{pid}.d")
+        folder = out.with_name(f".{out.name}.partial-{pid}.shards")
         folder.mkdir()
         tmps = [folder / f.name for f in finals]
     try:
