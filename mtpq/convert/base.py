@@ -47,7 +47,9 @@ FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16,
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
-MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+# what a head-only file keeps besides the MTP blocks: llama.cpp's --mtp export keeps these three, and the tensors
+# its converter generates rather than reads (Step3.5's llama3 ``rope_freqs``), which it writes in every mode
+MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
 # The MTP-only tensors inside an MTP block (name inside ``model.layers.{N}.``) -> GGUF kind. Named here because
 # the gguf-py we depend on (0.19) lacks the nextn entries in several architectures' tensor tables.
