@@ -68,6 +68,12 @@ def _pad(values: list, n: int, default) -> list:
 class Step35(Family):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     arch = "step35"
+    # The releases' config.json is remote-code format (num_attention_groups, attention_other_setting, per-layer
+    # rope_theta, layer_types covering the MTP layers). The transformers llama.cpp pins for its converter (4.57)
+    # does not know step3p5 / step3p7, so llama.cpp reads the file as stored; transformers 5 knows them and
+    # rewrites the config into keys llama.cpp's Step code does not read (KeyError 'num_attention_groups') and
+    # layer lists cut to the trunk, dropping the MTP layers' entries. So the stored file is what counts here.
+    stored_config = True
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
