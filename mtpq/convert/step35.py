@@ -46,7 +46,7 @@ from gguf import GGUFWriter
 
 from ..errors import InputError
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, Transform, gguf_name, keeps_bytes, register
+from .base import MTP_ONLY_KEEP, NEXTN_TENSORS, Emit, Family, Transform, gguf_name, keeps_bytes, register
 from .validate import Expected
 
 _SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
@@ -74,6 +74,8 @@ class Step35(Family):
     # rewrites the config into keys llama.cpp's Step code does not read (KeyError 'num_attention_groups') and
     # layer lists cut to the trunk, dropping the MTP layers' entries. So the stored file is what counts here.
     stored_config = True
+    # llama.cpp's converter writes the llama3 rope_freqs in every mode, its --mtp head-only file included
+    mtp_only_keep = MTP_ONLY_KEEP + ("rope_freqs.weight",)
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
