@@ -97,7 +97,7 @@ class LlamaServer:
     """A llama-server process for one model: ``with LlamaServer(cfg, model, draft) as srv: srv.url``."""
 
     def __init__(self, cfg: ServerConfig, model: Path, draft: int):
-        from ..gguf_io import first_shard
+        from ..gguf_io.files import first_shard
 
         # llama.cpp loads a split model from shard 1 only (any shard may be given): the set is checked here,
         # so that a missing shard is one line before any server starts

@@ -24,7 +24,7 @@ from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFValueType, GGUFWriter
 from ..errors import InputError
 from ..tensors import Plan, TensorSpec
 from .buffers import encoded, tensor_nbytes
-from .read import SPLIT_COUNT, shard_name, split_prefix
+from .files import SPLIT_COUNT, shard_name, split_prefix
 
 
 def size_label(specs: list[TensorSpec]) -> str:
