@@ -11,12 +11,14 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.gguf_writer import GGUFValue
+
+if TYPE_CHECKING:  # (annotations only: the tensor identity needs no torch)
+    import torch
 
 
 class Role(str, Enum):

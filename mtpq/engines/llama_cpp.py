@@ -71,7 +71,7 @@ class ServerConfig:
     ready_timeout: float = READY_TIMEOUT
 
     def args(self, model: Path, draft: int, host: str) -> list[str]:
-        from ..gguf_io import first_shard  # llama.cpp loads a split model from shard 1 only; any shard may be given
+        from ..gguf_io.read import first_shard  # llama.cpp loads a split model from shard 1 only; any shard may be given
 
         a = [str(self.binary), "-m", str(first_shard(model)), "--host", host,
              "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft), "--spec-draft-n-min", "0",
