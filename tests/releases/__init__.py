@@ -20,6 +20,11 @@ optional:
 ``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
               converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
               reported instead of the comparison.
+``LLAMA_CPP_MODE``  ``{mode: llama.cpp's mode}``: cells compared with another mode of llama.cpp's converter
+              (deepseek2: it drops the MTP layer by default and refuses --no-mtp, so its default file is what
+              mtpq's --no-mtp writes).
+``DIFFERS_KEYS``  ``{metadata key: reason}``: keys mtpq knowingly writes where llama.cpp's converter writes another
+              value or none (each must really differ); every other key and tensor is still compared.
 ``DRAFTS``    True when llama.cpp has an MTP graph for the GGUF arch (the file must draft there).
 
 :func:`build` writes the tiny checkpoint; tests/test_release_matrix.py runs every manifest.
