@@ -20,6 +20,11 @@ optional:
 ``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
               converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
               reported instead of the comparison.
+``LLAMA_CPP_MODE``  ``{mode: llama.cpp's mode}``: cells compared with another mode of llama.cpp's converter
+              (deepseek2: it drops the MTP layer by default and refuses --no-mtp, so its default file is what
+              mtpq's --no-mtp writes).
+``DIFFERS_KEYS``  ``{metadata key: reason}``: keys mtpq knowingly writes where llama.cpp's converter writes another
+              value or none (each must really differ); every other key and tensor is still compared.
 ``REFUSES``   ``{(form, mode): reason}``: cells where mtpq knowingly refuses (exit 2, one line) what llama.cpp's
               converter writes; the reason is reported instead of the comparison. Where the default mode is
               refused, the head is checked in its head-only file (``--mtp-only``) beside a ``--no-mtp`` trunk.
