@@ -15,12 +15,14 @@ whether both top tokens agree, and p_quant(next) - p_ref(next).
 The head column is the teacher-forced estimator's depth-1 acceptance on the same chunks: at every position
 j >= first, the head's draft from the pair (h_{j-1}, x_j) against the file's own trunk's argmax at j.
 
-Reference and quants run chunk by chunk (all files loaded): a chunk's reference log-probabilities are computed
-once, compared with every quant's and dropped; nothing vocabulary-sized is kept across chunks.
+Reference and quants run a group of chunks at a time (all files loaded; as many chunks per packed pass as keep
+its logits under PACK_LOGITS values, one chunk for a 150k vocabulary): a group's reference log-probabilities are
+computed once, compared with every quant's and dropped; nothing vocabulary-sized is kept across groups.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,7 @@ import torch
 
 from ..errors import InputError
 from .layers import Packing
-from .speculative import _argmax
+from .speculative import PACK_LOGITS, _argmax, pack_rows
 
 # "llama.cpp": every weight's input rounded as llama.cpp's CPU backend rounds it before its dot products (Q8_K for
 # k-quants, Q8_0 for legacy types, f16 for f16 weights), so the figures are llama-perplexity's; "exact": f32
@@ -121,7 +123,7 @@ class QualityRun:
     def __init__(self, path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  numerics: str = "llama.cpp"):
         from ..gguf_io import GGUFFile
-        from .model import load
+        from .families import load
         from .tokenizer import tokenizer_from_gguf
 
         self.path = Path(path)
@@ -139,20 +141,31 @@ class QualityRun:
     def chunk(self, ids: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probabilities at positions first..n-1 [n - first, V] in float32, the head's depth-1 matches at
         those positions [n - first] or None without a head), from one uncached trunk pass and one head pass."""
-        model, n = self.model, len(ids)
+        return self.chunks([ids], first)[0]
+
+    @torch.inference_mode()
+    def chunks(self, group: list[list[int]], first: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`chunk` of each of ``group``, packed into one trunk pass and one head pass (a pass over one short
+        chunk is mostly per-op overhead and dequantizing every weight)."""
+        model = self.model
         dev = model.device
-        seq = torch.tensor([ids])
-        rows = torch.arange(first, n)
-        trunk = model.trunk(seq, use_cache=False, packing=Packing([n], dev), logit_rows=rows.to(dev))
+        lengths = [len(ids) for ids in group]
+        at = [0, *itertools.accumulate(lengths)]
+        seq = torch.tensor([[t for ids in group for t in ids]])
+        rows = torch.cat([torch.arange(a + first, a + n) for a, n in zip(at, lengths)])
+        trunk = model.trunk(seq, use_cache=False, packing=Packing(lengths, dev), logit_rows=rows.to(dev))
         logits = trunk.logits[0]
-        matches = None
+        counts = [n - first for n in lengths]
+        matches = [None] * len(group)
         if model.mtp is not None:
-            # pairs (h_t, x_{t+1}), t = 0..n-2; the drafts from t = first-1.. predict x_{t+2}: compared with
-            # the trunk's argmax at t+1 = first..n-1
-            head = model.draft(seq[:, 1:], trunk.hidden[:, :n - 1], use_cache=False,
-                               packing=Packing([n - 1], dev, out_from=[first - 1]))
-            matches = _argmax(head.logits[0]) == _argmax(logits)
-        return torch.log_softmax(logits.float(), dim=-1), matches
+            # per chunk the pairs (h_t, x_{t+1}), t = 0..n-2; the drafts from t = first-1.. predict x_{t+2}:
+            # compared with the trunk's argmax at t+1 = first..n-1
+            pairs = torch.cat([torch.arange(a, a + n - 1) for a, n in zip(at, lengths)])
+            head = model.draft(seq[:, pairs + 1], trunk.hidden[:, pairs.to(dev)], use_cache=False,
+                               packing=Packing([n - 1 for n in lengths], dev, out_from=[first - 1] * len(group)))
+            matches = list((_argmax(head.logits[0]) == _argmax(logits)).split(counts))
+        logp = torch.log_softmax(logits.float(), dim=-1).split(counts)
+        return list(zip(logp, matches))
 
 
 def score_chunk(q: FileQuality, logp: torch.Tensor, logp_ref: torch.Tensor, next_ids: torch.Tensor) -> None:
@@ -186,16 +199,21 @@ def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_c
                                    f"{2 * n_ctx} (llama-perplexity's rule): give more text or a smaller --ctx-size")
     chunks = perplexity_chunks(tokens, n_ctx, n_chunks, bos)
     first = n_ctx // 2
-    for i, ids in enumerate(chunks):
-        logp_ref, matches = reference.chunk(ids, first)
-        next_ids = torch.tensor(ids[first + 1:], device=logp_ref.device)
-        _add(reference, logp_ref, logp_ref, matches, next_ids)
-        for q in quants:  # one quant's chunk at a time: one vocabulary-sized block beside the reference's
-            logp, matches = q.chunk(ids, first)
-            _add(q, logp.to(logp_ref.device), logp_ref, matches, next_ids)
-            del logp
+    per_pass = max(1, min(pack_rows(reference.model) // n_ctx, PACK_LOGITS // ((n_ctx - first) * vocab)))
+    done = 0
+    for g in range(0, len(chunks), per_pass):
+        group = chunks[g:g + per_pass]
+        refs = reference.chunks(group, first)
+        for ids, (logp_ref, matches) in zip(group, refs):
+            _add(reference, logp_ref, logp_ref, matches, torch.tensor(ids[first + 1:], device=logp_ref.device))
+        for q in quants:  # one quant's group at a time beside the reference's
+            for ids, (logp_ref, _), (logp, matches) in zip(group, refs, q.chunks(group, first)):
+                _add(q, logp.to(logp_ref.device), logp_ref, matches,
+                     torch.tensor(ids[first + 1:], device=logp_ref.device))
+        del refs
+        done += len(group)
         if on_chunk is not None:
-            on_chunk(i + 1, len(chunks))
+            on_chunk(done, len(chunks))
     return len(chunks)
 
 

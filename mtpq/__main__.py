@@ -1,0 +1,5 @@
+"""``python -m mtpq``: the same command line as ``mtpq``."""
+
+from .cli import main
+
+main()
