@@ -39,15 +39,13 @@ import re
 from typing import Iterator
 
 import gguf
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ..errors import InputError
-from ..quantize.mxfp4 import blocks_from_packed
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, register
+from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, mxfp4_stack, register
 from .validate import Expected
 
 VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
@@ -238,22 +236,7 @@ class MiMoV2(Family):
 
     def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
         """Experts stacked as ggml MXFP4 blocks: the checkpoint's bits, moved (quantize/mxfp4.py)."""
-        ck = self.ckpt
-        rows, values = self.logical_shape(parts[0])
-        groups = values // MXFP4_GROUP
-
-        def encode(qtype: T) -> np.ndarray:
-            assert qtype == T.MXFP4, qtype
-            out = np.empty((len(parts), rows, groups * 17), dtype=np.uint8)
-            for e, hf in enumerate(parts):
-                out[e] = blocks_from_packed(ck._raw(hf).numpy(), ck._raw(self.mxfp4[hf]).numpy())
-            return out
-
-        def load() -> torch.Tensor:
-            return torch.from_numpy(gguf.quants.dequantize(encode(T.MXFP4), T.MXFP4))
-
-        src = f"{ck.stored[parts[0]].file.name}:{parts[0]} (+{len(parts) - 1} experts, MXFP4)"
-        return Emit(name, (len(parts), rows, values), load, src, encode, ggml_type=T.MXFP4)
+        return mxfp4_stack(self.ckpt, name, [(hf, self.mxfp4[hf]) for hf in parts])
 
     def _qkv_rows(self, bid: int) -> tuple[int, int, int]:
         hp = self.hparams
