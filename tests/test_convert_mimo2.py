@@ -30,6 +30,7 @@ ATTN_SWA = {"attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.we
             "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
             "attn_sinks.weight": ((4,), "self_attn.attention_sink_bias")}
 NORMS = {"attn_norm.weight": ((256,), "input_layernorm.weight"), "ffn_norm.weight": ((256,), "post_attention_layernorm.weight")}
+MTP_NORMS = {**NORMS, "ffn_norm.weight": ((256,), "pre_mlp_layernorm.weight")}  # the MTP blocks' name, as released
 DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
          "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
 MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"), "exp_probs_b.bias": ((4,), "mlp.gate.e_score_correction_bias"),
@@ -47,7 +48,7 @@ def expected(vocab: int, blocks=range(6)) -> dict[str, tuple[tuple[int, ...], st
            "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": ((vocab, 256), "lm_head.weight")}
     for bid in blocks:
         prefix = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
-        for kind, (shape, hf) in (BLOCKS[bid] | NORMS).items():
+        for kind, (shape, hf) in (BLOCKS[bid] | (NORMS if bid < 3 else MTP_NORMS)).items():
             out[f"blk.{bid}.{kind}"] = (shape, prefix + hf)
     return out
 
@@ -112,6 +113,63 @@ def test_mtp_layers_counted_from_the_checkpoint(tmp_path):
     assert kv["mimo2.block_count"] == 3 and "mimo2.nextn_predict_layers" not in kv
 
 
+def test_mtp_ffn_norm_as_released_or_as_the_trunk_names_it(mimo_ckpt, tmp_path):
+    """The MTP blocks' FFN norm is pre_mlp_layernorm as released (vLLM's and SGLang's MTP loaders; the fixture's
+    name, converted above); post_attention_layernorm in its place, which llama.cpp's converter maps to ffn_norm
+    alike, gives the same file; both at once is refused (which one is the block's?)."""
+    _, want = convert(mimo_ckpt, tmp_path / "released.gguf", "--outtype", "f32")
+    legacy = copy_with_config(mimo_ckpt, tmp_path / "legacy")
+    src = source_tensors(mimo_ckpt)
+    for i in range(3):
+        p = f"model.mtp.layers.{i}."
+        rewrite_tensor(legacy, p + "pre_mlp_layernorm.weight", None)
+        add_tensors(legacy, {p + "post_attention_layernorm.weight": src[p + "pre_mlp_layernorm.weight"]})
+    _, got = convert(legacy, tmp_path / "legacy.gguf", "--outtype", "f32")
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name][1], want[name][1], err_msg=name)
+    both = copy_with_config(mimo_ckpt, tmp_path / "both")
+    extra = "model.mtp.layers.1.post_attention_layernorm.weight"
+    add_tensors(both, {extra: src["model.mtp.layers.1.pre_mlp_layernorm.weight"]})
+    assert_refused(both, tmp_path / "both.gguf", extra, "implies no such tensor")
+
+
+@pytest.mark.parametrize("model_type,arch", [("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
+                                             ("mimo_v2", "MiMoV2ForCausalLM")])
+def test_sliding_window_size_alone_is_read_as_transformers_reads_it(mimo_ckpt, tmp_path, model_type, arch):
+    """A config with sliding_window_size and no sliding_window: transformers' MiMoV2FlashConfig (the view
+    llama.cpp's converter reads) makes it sliding_window = sliding_window_size + 1 (the reference attends to
+    that many previous tokens plus the query); the same for MiMo-V2.5's model type, which transformers does
+    not know."""
+    ck = copy_with_config(mimo_ckpt, tmp_path / "ck", model_type=model_type, architectures=[arch],
+                          sliding_window_size=16)
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg["sliding_window"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    kv, _ = convert(ck, tmp_path / "m.gguf")
+    assert kv["mimo2.attention.sliding_window"] == 17
+    del cfg["sliding_window_size"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    if model_type == "mimo_v2":  # (transformers gives MiMo-V2-Flash its default window)
+        assert_refused(ck, tmp_path / "n.gguf", "config.json", "sliding_window")
+
+
+def test_qkv_ranks_are_the_kv_heads_where_8_and_4_both_fit(tmp_path):
+    """A fused qkv_proj of 8 heads of 64 with 4 KV heads (values 32) has 896 rows: 4 ranks of 224 rows and 8 ranks
+    of 112 both need 8 scale rows. The checkpoint is sharded over num_key_value_heads (4) ranks (SGLang's
+    get_mimo_v2_fused_qkv_expected_tp_size; vLLM groups the rows per KV head too): read as 8 ranks, rows of one
+    rank's Q would land in another's K."""
+    heads = dict(num_attention_heads=8, swa_num_attention_heads=8, num_key_value_heads=4, swa_num_key_value_heads=8)
+    plain = source_tensors(tiny_mimo2.mimo2(tmp_path / "plain", **heads))
+    ck = tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", **heads))
+    _, tensors = convert(ck, tmp_path / "v25.gguf", "--outtype", "f32")
+    for bid in range(6):
+        p = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
+        want = torch.cat([plain[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float()
+        got = torch.from_numpy(tensors[f"blk.{bid}.attn_qkv.weight"][1].copy())
+        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2 ** -16, msg=str(bid))
+
+
 def test_unsupported_config_is_refused(tmp_path):
     ck = tiny_mimo2.mimo2(tmp_path / "bad", swa_head_dim=128)
     res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
@@ -120,7 +178,8 @@ def test_unsupported_config_is_refused(tmp_path):
 
 
 def _v25(tmp_path, tp: int = 4):
-    return tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25"), tp=tp)
+    """MiMo-V2.5's layout (tp 4) or V2.5-Pro's (tp 8): qkv_proj sharded over num_key_value_heads ranks."""
+    return tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", **tiny_mimo2.v25_heads(tp)))
 
 
 @pytest.mark.parametrize("tp", [4, 8])
@@ -128,7 +187,7 @@ def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
     """MiMo-V2.5 (-Pro: 8 ranks): attn_qkv holds q, k and v of the block, in that order, each at the values the
     unfused checkpoint has (within e4m3's rounding; a row from another rank or another projection would be off
     by its whole size); the vision and audio towers are not in the file."""
-    plain = source_tensors(tiny_mimo2.mimo2(tmp_path / "plain"))
+    plain = source_tensors(tiny_mimo2.mimo2(tmp_path / "plain", **tiny_mimo2.v25_heads(tp)))
     kv, tensors = convert(_v25(tmp_path, tp), tmp_path / "v25.gguf", "--outtype", "f32")
     assert set(tensors) == {n for n in expected(_vocab(tmp_path / "plain"))
                             if not n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))} | {
@@ -250,7 +309,7 @@ def test_mxfp4_requantized_as_llama_quantize_and_drafts(tmp_path, llama_cpp_bin)
     """Q4_K_M from MXFP4 experts (--allow-requantize on both sides): llama-quantize's bytes; the f16 file with
     its MXFP4 experts drafts in llama.cpp."""
     ck = tiny_mimo2.as_mxfp4_experts(tiny_mimo2.as_v25_fused_fp8(
-        tiny_mimo2.mimo2(tmp_path / "ckpt", partial_rotary_factor=0.5)))
+        tiny_mimo2.mimo2(tmp_path / "ckpt", partial_rotary_factor=0.5, **tiny_mimo2.v25_heads(4))))
     f16 = tmp_path / "f16.gguf"
     convert(ck, f16, "--outtype", "f16")
     run([llama_cpp_bin / "llama-quantize", "--allow-requantize", f16, tmp_path / "ref.gguf", "Q4_K_M", "1"])
@@ -271,7 +330,8 @@ def test_mimo_v25_drafts_in_llama_cpp(tmp_path, llama_cpp_bin):
     """llama.cpp's mimo2 MTP graph needs the fused attn_qkv (MiMo-V2-Flash's split q/k/v files load but cannot
     draft: "MIMO2 MTP requires fused attn_qkv"): the V2.5 layout drafts, as one Q4_K_M file and as trunk + head
     file. (A RoPE width of 32: llama.cpp's CPU rope needs an even one, the tiny default 0.334 x 64 is 21.)"""
-    ck = tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", partial_rotary_factor=0.5))
+    ck = tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", partial_rotary_factor=0.5,
+                                                      **tiny_mimo2.v25_heads(4)))
     assert_drafts_in_llama_cpp(ck, tmp_path, llama_cpp_bin)
 
 

@@ -839,6 +839,7 @@ _MIMO = {
     "missing-dense-up": _missing("model.layers.0.mlp.up_proj.weight"),
     "missing-mtp-eh-proj": _missing("model.mtp.layers.0.eh_proj.weight"),
     "missing-mtp-final-norm": _missing("model.mtp.layers.1.final_layernorm.weight"),
+    "missing-mtp-ffn-norm": _missing("model.mtp.layers.1.pre_mlp_layernorm.weight"),
     "missing-mtp-v-proj": _missing("model.mtp.layers.2.self_attn.v_proj.weight"),
     "missing-mtp-sinks": _missing("model.mtp.layers.0.self_attn.attention_sink_bias"),
     "missing-middle-mtp-layer": ((lambda c, f: c.drop(f, "model.mtp.layers.1.")),

@@ -5,7 +5,8 @@ stored) as llama.cpp's converter (conversion/mimo.py) and gguf-py's tensor map r
 them: ``hybrid_layer_pattern`` (1 = sliding window), ``swa_*`` head settings,
 q/k ``head_dim`` != ``v_head_dim``, attention sinks on sliding layers, a dense first
 layer then MoE layers with per-expert tensors, and 3 MTP layers (sliding attention,
-dense MLP) with ``eh_proj``/``enorm``/``hnorm``/``final_layernorm``.
+dense MLP) with ``eh_proj``/``enorm``/``hnorm``, ``pre_mlp_layernorm`` (the MTP block's FFN norm, as the
+releases name it; the trunk's is ``post_attention_layernorm``) and ``final_layernorm``.
 Weights are random (fixed seed).
 """
 
@@ -41,28 +42,32 @@ def config(vocab: int, **over) -> dict:
     return cfg
 
 
-def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    n_kv = KV[1] if swa else KV[0]
+def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator, cfg: dict | None = None) -> dict[str, torch.Tensor]:
+    """One block's tensors, shaped by ``cfg``'s head counts and widths (the module's defaults without one)."""
+    cfg = cfg or config(0)
+    n_head, d, dv = cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
+    n_kv = cfg["swa_num_key_value_heads" if swa else "num_key_value_heads"]
+    h, ff, moe_ff, n_exp = cfg["hidden_size"], cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     t = {
-        p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen),
-        p + "self_attn.q_proj.weight": _randn(N_HEAD * D, H, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(n_kv * D, H, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(n_kv * DV, H, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(H, N_HEAD * DV, gen=gen),
+        p + "input_layernorm.weight": _norm(h, gen), p + "post_attention_layernorm.weight": _norm(h, gen),
+        p + "self_attn.q_proj.weight": _randn(n_head * d, h, gen=gen),
+        p + "self_attn.k_proj.weight": _randn(n_kv * d, h, gen=gen),
+        p + "self_attn.v_proj.weight": _randn(n_kv * dv, h, gen=gen),
+        p + "self_attn.o_proj.weight": _randn(h, n_head * dv, gen=gen),
     }
     if swa:
-        t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(N_HEAD, generator=gen)
+        t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(n_head, generator=gen)
     if moe:
-        t[p + "mlp.gate.weight"] = _randn(N_EXP, H, gen=gen)
-        t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(N_EXP, generator=gen)
-        for e in range(N_EXP):
-            t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(MOE_FF, H, gen=gen)
-            t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(MOE_FF, H, gen=gen)
-            t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(H, MOE_FF, gen=gen)
+        t[p + "mlp.gate.weight"] = _randn(n_exp, h, gen=gen)
+        t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
+        for e in range(n_exp):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(moe_ff, h, gen=gen)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(moe_ff, h, gen=gen)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(h, moe_ff, gen=gen)
     else:
-        t[p + "mlp.gate_proj.weight"] = _randn(FF, H, gen=gen)
-        t[p + "mlp.up_proj.weight"] = _randn(FF, H, gen=gen)
-        t[p + "mlp.down_proj.weight"] = _randn(H, FF, gen=gen)
+        t[p + "mlp.gate_proj.weight"] = _randn(ff, h, gen=gen)
+        t[p + "mlp.up_proj.weight"] = _randn(ff, h, gen=gen)
+        t[p + "mlp.down_proj.weight"] = _randn(h, ff, gen=gen)
     return t
 
 
@@ -72,10 +77,12 @@ def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_
     sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
           "lm_head.weight": _randn(vocab, H, gen=gen)}
     for bid in range(N_TRUNK):
-        sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen))
+        sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen, cfg))
     for i in range(n_mtp):
         p = f"model.mtp.layers.{i}."
-        sd.update(block_tensors(p, True, False, gen))
+        block = block_tensors(p, True, False, gen, cfg)  # as released: the MTP block's FFN norm is pre_mlp_layernorm
+        block[p + "pre_mlp_layernorm.weight"] = block.pop(p + "post_attention_layernorm.weight")
+        sd.update(block)
         sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
                    p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
@@ -91,34 +98,48 @@ def _pop_dequantized(tensors: dict, index: dict, name: str) -> torch.Tensor:
     return dequant_block_scaled(pair)[name]
 
 
-def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
+def v25_heads(tp: int) -> dict:
+    """Config overrides giving MiMo-V2.5's head layout at tiny size: the fused qkv_proj is sharded over
+    ``num_key_value_heads`` ranks (V2.5: 4 full-attention KV heads, 8 sliding; V2.5-Pro: 8 and 8). With 16 heads
+    of 48 (rope 16, even for llama.cpp's CPU rope) and values of 32, the per-rank scale tiles of 4 and 8 ranks
+    differ in count, as in the releases, so llama.cpp's converter (which tries 8 ranks, then 4) reads them too."""
+    return dict(num_attention_heads=16, swa_num_attention_heads=16, head_dim=48, swa_head_dim=48,
+                num_key_value_heads=tp, swa_num_key_value_heads=8)
+
+
+def fp8_rank_tiles(ranks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 of the rows of ``ranks`` stacked, each rank quantized in its own 128x128 tiles (its last tile row short,
+    so the scale has sum(ceil(rows_r / 128)) rows); one rank is the usual block-scaled FP8."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    q, s = [], []
+    for rows in ranks:
+        rows = rows.float()
+        for a in range(0, rows.shape[0], 128):
+            tile_rows = rows[a:a + 128]
+            scales = torch.stack([c.abs().max().clamp(min=1e-12) / fp8_max for c in tile_rows.split(128, 1)])
+            s.append(scales)
+            q.append(tile_rows / scales.repeat_interleave(128)[: rows.shape[1]])
+    return torch.cat(q).to(torch.float8_e4m3fn), torch.stack(s)
+
+
+def as_v25_fused_fp8(folder: Path, tp: int | None = None) -> Path:
     """Rewrite a mimo2() checkpoint in place into MiMo-V2.5's release layout (``MiMoV2ForCausalLM``): every
     2-D weight FP8 with 128x128 ``weight_scale_inv`` tiles, and q/k/v of each block fused into one
-    ``self_attn.qkv_proj`` whose rows are sharded over ``tp`` tensor-parallel ranks -- rank r holds
-    [Q_r | K_r | V_r], quantized in its own 128-row tiles (so the scale has tp x ceil(rows/tp/128) rows),
-    as llama.cpp's conversion/mimo.py reads the release. Plus a vision and an audio tower beside the text
-    tensors (llama.cpp's mmproj file takes those)."""
+    ``self_attn.qkv_proj`` whose rows are sharded over ``tp`` tensor-parallel ranks (default: config.json's
+    num_key_value_heads, as the releases are) -- rank r holds [Q_r | K_r | V_r], quantized in its own 128-row
+    tiles (so the scale has tp x ceil(rows/tp/128) rows), as llama.cpp's conversion/mimo.py reads the release.
+    Plus a vision and an audio tower beside the text tensors (llama.cpp's mmproj file takes those)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from tiny import to_fp8_block_scaled
 
+    cfg = json.loads((folder / "config.json").read_text())
+    tp = tp or cfg["num_key_value_heads"]
     to_fp8_block_scaled(folder)
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-
-    def per_rank_tiles(rank_rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        q, s = [], []
-        for rows in rank_rows:  # each rank: its own tiles, the last one short
-            for a in range(0, rows.shape[0], 128):
-                tile_rows = rows[a:a + 128]
-                scales = torch.stack([c.abs().max().clamp(min=1e-12) / fp8_max for c in tile_rows.split(128, 1)])
-                s.append(scales)
-                q.append(tile_rows / scales.repeat_interleave(128)[: rows.shape[1]])
-        return torch.cat(q).to(torch.float8_e4m3fn), torch.stack(s)
-
     for shard in sorted(set(index["weight_map"].values())):
         t = load_file(str(folder / shard))
         for name in [n for n in t if n.endswith("self_attn.q_proj.weight")]:
@@ -127,7 +148,7 @@ def as_v25_fused_fp8(folder: Path, tp: int = 4) -> Path:
             for x in "qkv":
                 del index["weight_map"][p + x + "_proj.weight"]
             ranks = [torch.cat([m.chunk(tp)[r] for m in (q, k, v)]) for r in range(tp)]
-            t[p + "qkv_proj.weight"], t[p + "qkv_proj.weight_scale_inv"] = per_rank_tiles(ranks)
+            t[p + "qkv_proj.weight"], t[p + "qkv_proj.weight_scale_inv"] = fp8_rank_tiles(ranks)
             index["weight_map"][p + "qkv_proj.weight"] = index["weight_map"][p + "qkv_proj.weight_scale_inv"] = shard
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))

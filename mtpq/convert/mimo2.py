@@ -9,15 +9,23 @@ bias and per-expert tensors stacked into ``*_exps``.
 
 The MTP blocks live under ``model.mtp.layers.{i}`` and become blocks N + i (the
 config does not count them: llama.cpp's converter assumes the release's 3; mtpq
-counts what the checkpoint holds). Each is a sliding-window decoder block plus
-``eh_proj``, ``enorm``, ``hnorm`` and ``final_layernorm`` (-> ``layer_output_norm``,
-the norm before the head). Metadata as llama.cpp's converter (conversion/mimo.py)
-writes it: the SWA pattern and KV head counts extended over the MTP blocks.
+counts what the checkpoint holds). Each is a sliding-window decoder block whose FFN
+norm the releases call ``pre_mlp_layernorm`` (-> ``ffn_norm``; ``post_attention_layernorm``,
+the trunk's name, which llama.cpp's converter maps alike, is accepted in its place), plus
+``eh_proj``, ``enorm``, ``hnorm`` and ``final_layernorm`` (-> ``layer_output_norm``, the
+norm before the head). Metadata as llama.cpp's converter (conversion/mimo.py) writes
+it: the SWA pattern and KV head counts extended over the MTP blocks; the window is
+``sliding_window``, else ``sliding_window_size`` + 1 (what transformers' MiMoV2FlashConfig,
+and so llama.cpp's converter, derive: the reference attends to that many previous tokens
+plus the query).
 
 MiMo-V2.5 / V2.5-Pro store one ``self_attn.qkv_proj`` per block (-> ``attn_qkv``), in FP8
-with its rows sharded per tensor-parallel rank (4 or 8): each rank's rows are
-[Q_r | K_r | V_r] with their own 128-row scale tiles. They are dequantized with each
-rank's tiles and regrouped into [Q | K | V], as llama.cpp's converter does; its
+with its rows sharded over ``num_key_value_heads`` tensor-parallel ranks (V2.5: 4,
+V2.5-Pro: 8; SGLang's get_mimo_v2_fused_qkv_expected_tp_size, for every layer kind):
+each rank's rows are [Q_r | K_r | V_r] with their own 128-row scale tiles. They are
+dequantized with each rank's tiles and regrouped into [Q | K | V], as llama.cpp's
+converter does (it guesses the rank count from the scale rows, 8 before 4, which can
+fit both; the head count cannot be wrong); its
 vision/audio towers are left for llama.cpp's mmproj file. Checkpoints with
 ``quantization_config.store_dtype: mxfp4`` keep their routed experts in OCP MXFP4
 (``weight``: E2M1 codes two per byte, ``weight_scale``: an E8M0 byte per 32 values):
@@ -59,7 +67,7 @@ class MiMoV2(Family):
 
     required_hparams = Family.required_hparams + (
         "hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
-        "swa_num_key_value_heads", "sliding_window", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
+        "swa_num_key_value_heads", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
 
     def __init__(self, ckpt):
         super().__init__(ckpt)
@@ -70,6 +78,8 @@ class MiMoV2(Family):
                              ("swa_v_head_dim", "v_head_dim")):
             if hp.get(swa_key, hp[key]) != hp[key]:
                 raise InputError(cfg, f"{swa_key} {hp[swa_key]} differs from {key} {hp[key]} (not supported)")
+        if hp.get("sliding_window") is None and hp.get("sliding_window_size") is None:
+            raise InputError(cfg, "missing sliding_window (or sliding_window_size)")
         if hp.get("topk_method", "noaux_tc") != "noaux_tc":
             raise InputError(cfg, f"topk_method {hp['topk_method']!r} is not supported (noaux_tc only)")
         if len(hp["hybrid_layer_pattern"]) != self.n_trunk:
@@ -112,7 +122,7 @@ class MiMoV2(Family):
         for bid, p in enumerate(blocks):
             swa = self._is_swa(bid)
             n_kv = hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
-            yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
+            yield from V.norms(p, h, "input_layernorm", self._ffn_norm(bid, p))
             attention = V.attention(p + "self_attn.", h, n_head, n_kv, hp["head_dim"], v_head_dim=hp["v_head_dim"],
                                     bias=bool(hp.get("attention_bias")))
             if self.resolve(p + QKV) is not None:  # MiMo-V2.5: q, k and v rows in one tensor
@@ -129,6 +139,15 @@ class MiMoV2(Family):
             if bid >= self.n_trunk:
                 yield from V.nextn_head(p, h, vocab, norm="final_layernorm")
                 yield Expected(p + "shared_head.norm.weight", (h,), optional=True)  # llama.cpp prefers it if present
+
+    def _ffn_norm(self, bid: int, p: str) -> str:
+        """The block's FFN norm: the trunk's post_attention_layernorm; in an MTP block pre_mlp_layernorm, as
+        released (vLLM's and SGLang's MTP loaders), or post_attention_layernorm in its place (both are ffn_norm
+        to llama.cpp's converter; both stored is refused: which one is the block's?)."""
+        legacy = "post_attention_layernorm"
+        if bid < self.n_trunk or (f"{p}{legacy}.weight" in self.ckpt and f"{p}pre_mlp_layernorm.weight" not in self.ckpt):
+            return legacy
+        return "pre_mlp_layernorm"
 
     def _is_swa(self, bid: int) -> bool:
         return bid >= self.n_trunk or self.hparams["hybrid_layer_pattern"][bid] == 1  # MTP blocks: sliding
@@ -148,7 +167,8 @@ class MiMoV2(Family):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # the values below replace the common ones
         n_kv, n_kv_swa = hp["num_key_value_heads"], hp["swa_num_key_value_heads"]
         w.add_head_count_kv([n_kv_swa if s == 1 else n_kv for s in hybrid])
-        w.add_sliding_window(hp["sliding_window"])
+        window = hp.get("sliding_window")
+        w.add_sliding_window(window if window is not None else hp["sliding_window_size"] + 1)
         w.add_sliding_window_pattern(hybrid)  # 0/1 integers, as llama.cpp's converter writes them
         w.add_value_length(hp["v_head_dim"])
         w.add_expert_count(hp["n_routed_experts"])
@@ -248,16 +268,16 @@ class MiMoV2(Family):
         return bid if bid is not None and bid < self.n_trunk else None
 
     def _tp_ranks(self, hf: str, bid: int) -> int:
-        """The ranks a fused FP8 qkv_proj is sharded over, from its scale rows: each of the ``tp`` ranks holds
-        rows/tp rows in its own tiles of 128 (llama.cpp tries 8, then 4; an unsharded layout it refuses too)."""
+        """The ranks a fused FP8 qkv_proj is sharded over: num_key_value_heads, each rank holding rows/tp rows
+        in its own tiles of 128 (checked against the scale rows; an unsharded layout llama.cpp refuses too)."""
         st, scale = self.ckpt.stored[hf], self.ckpt.stored[hf + "_scale_inv"]
         bh, bw = V.fp8_block_size(self.ckpt)
         rows, cols = st.shape if len(st.shape) == 2 else (0, 0)
-        tp = next((tp for tp in (8, 4) if rows % tp == 0
-                   and tuple(scale.shape) == (tp * -(-rows // tp // bh), -(-cols // bw))), None)
-        if tp is None:
+        tp = self.hparams["num_key_value_heads"]
+        if rows % tp or tuple(scale.shape) != (tp * -(-rows // tp // bh), -(-cols // bw)):
             raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}: not the per-rank {bh}x{bw} "
-                                         f"tiles of {hf} {list(st.shape)} sharded over 8 or 4 tensor-parallel ranks")
+                                         f"tiles of {hf} {list(st.shape)} sharded over num_key_value_heads ({tp}) "
+                                         "tensor-parallel ranks")
         sizes = self._qkv_rows(bid)
         if sum(sizes) != rows or any(n % tp for n in sizes):
             raise InputError(st.file, f"{hf} has {rows} rows: config.json implies q/k/v rows {list(sizes)}, "

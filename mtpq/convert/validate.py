@@ -49,7 +49,7 @@ CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
         "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
         # Step3.5 and MiMo-V2 spellings
         "num_attention_groups", "moe_num_experts", "moe_top_k", "share_expert_dim",
-        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim",
+        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size",
         # GLM-5's sparse-attention indexer
         "index_n_heads", "index_head_dim", "index_topk")},
     **{k: ("int", _NON_NEGATIVE) for k in (
