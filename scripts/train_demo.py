@@ -411,6 +411,20 @@ def parse() -> Args:
     return a
 
 
+
+def _portable(value) -> str:
+    """An argument as recorded: a path inside the repository relative to it, the standard library by name (no
+    machine's paths in the packaged record)."""
+    text = str(value)
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(text).resolve().relative_to(repo))
+    except (ValueError, OSError):
+        pass
+    if Path(text).resolve() == Path(sysconfig.get_paths()["stdlib"]).resolve():
+        return f"<stdlib of Python {sys.version.split()[0]}>"
+    return text
+
 def main() -> None:
     a = parse()
     torch.set_num_threads(a.threads)
@@ -440,7 +454,7 @@ def main() -> None:
     n_trunk = sum(p.numel() for p in model.lm.parameters())
     n_mtp = sum(p.numel() for p in model.mtp.parameters())
     print(f"model: trunk {n_trunk / 1e6:.2f} M params, MTP layer {n_mtp / 1e6:.2f} M (+ shared embedding/head)", flush=True)
-    record: dict = {"args": {k: str(v) for k, v in asdict(a).items()}, "python": sys.version.split()[0],
+    record: dict = {"args": {k: _portable(v) for k, v in asdict(a).items()}, "python": sys.version.split()[0],
                     "train_files": len(train_files), "heldout_files": [p.name for p in held_files],
                     "train_corpus_sha256": corpus_hash, "train_tokens": len(train_ids), "params_trunk": n_trunk,
                     "params_mtp_layer": n_mtp}

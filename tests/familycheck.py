@@ -129,12 +129,13 @@ def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return shard
 
 
-def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str):
-    """After rewrite_tensor(ck, name, value): convert exits 2 with one line holding needle and naming the
-    shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
+def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str,
+                              *args: str):
+    """After rewrite_tensor(ck, name, value): convert (with ``args``) exits 2 with one line holding needle and
+    naming the shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
     shard = rewrite_tensor(ck, name, value)
     before = {p.name: p.read_bytes() for p in ck.iterdir()}
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet", *args)
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
     assert "\n" not in line and needle in line, line
@@ -250,15 +251,17 @@ def quantize_with_both(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple
     return a, b
 
 
-def assert_drafts_in_llama_cpp(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path):
+def assert_drafts_in_llama_cpp(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path, one_file: bool = True):
     """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp): one file (quantized,
-    head at q8_0), and a --no-mtp trunk with a --mtp-only head file."""
-    convert(ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
+    head at q8_0; unless not ``one_file``: a head that converts only into its own file), and a --no-mtp
+    trunk with a --mtp-only head file."""
     convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ckpt, tmp_path / "head.gguf", "--mtp-only")
     flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
-    runs = {"MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    runs = {"loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    if one_file:
+        convert(ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
+        runs["MTP draft context"] = ["-m", tmp_path / "full.gguf"]
     for banner, models in runs.items():
         res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", *flags)
         assert banner in res.stderr, res.stderr[-2000:]

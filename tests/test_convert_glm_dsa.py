@@ -420,7 +420,7 @@ def test_flash_runs_in_the_torch_runtime_as_transformers(lite_ckpt, lite_f32, tm
     expert_gating_func we write: routed with softmax (what the key's absence means) the logits move by ~0.05."""
     from transformers import Glm4MoeLiteForCausalLM
 
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     out = tmp_path / "m.gguf"
     convert(lite_ckpt, out, "--outtype", "f32")

@@ -15,7 +15,7 @@ goldens: llama-cpp-python 0.3.36's vendor/llama.cpp, ggml 0.25.3, default CMake
 options, x86-64, libggml-base without FMA) writes with the case's importance
 vector, and under ``<case>__noimatrix`` with ``imatrix = NULL`` for the types
 whose ggml quantizer accepts that (not IQ2_XXS / IQ2_XS / IQ1_S, which abort).
-They were made by the harness in ``HARNESS_C`` below (public ggml API only:
+They were made by the harness tests/golden/qharness.c (public ggml API only:
 ``ggml_quantize_init`` + ``ggml_quantize_chunk``), compiled as::
 
     gcc -O2 -o qh qh.c -I vendor/llama.cpp/ggml/include \\
@@ -46,25 +46,7 @@ GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 IQ_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
 
-HARNESS_C = r"""
-// qh TYPE ROWS N_PER_ROW IN.f32 IMATRIX.f32|- OUT.bin : ggml_quantize_chunk with an optional imatrix
-#include <stdio.h>
-#include <stdlib.h>
-#include "ggml.h"
-int main(int argc, char **argv) {
-    if (argc != 7) return 2;
-    int type = atoi(argv[1]); long rows = atol(argv[2]); long n = atol(argv[3]);
-    float *x = malloc(rows*n*4); float *w = NULL;
-    FILE *f = fopen(argv[4], "rb"); if (fread(x, 4, rows*n, f) != (size_t)(rows*n)) return 3; fclose(f);
-    if (argv[5][0] != '-') { w = malloc(n*4); f = fopen(argv[5], "rb"); if (fread(w, 4, n, f) != (size_t)n) return 4; fclose(f); }
-    size_t sz = ggml_row_size(type, n) * rows;
-    void *out = malloc(sz);
-    ggml_quantize_init(type);
-    if (ggml_quantize_chunk(type, x, out, 0, rows, n, w) != sz) return 5;
-    f = fopen(argv[6], "wb"); fwrite(out, 1, sz, f); fclose(f);
-    return 0;
-}
-"""
+HARNESS_C = Path(__file__).parent / "golden" / "qharness.c"  # (tests/golden/make_golden_quants.py makes the goldens)
 
 
 def _load(name: str) -> dict[str, np.ndarray]:
@@ -184,7 +166,7 @@ def _harness(tmp_path_factory) -> Path:
     if not src or not lib or not shutil.which("gcc"):
         pytest.skip("needs gcc, MTPQ_LLAMA_CPP_SRC and MTPQ_LLAMA_CPP_BIN (with libggml-base)")
     d = tmp_path_factory.mktemp("qh")
-    (d / "qh.c").write_text(HARNESS_C)
+    (d / "qh.c").write_text(HARNESS_C.read_text())
     subprocess.run(["gcc", "-O2", "-o", str(d / "qh"), str(d / "qh.c"), f"-I{src}/ggml/include", f"-L{lib}",
                     "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
     return d / "qh"

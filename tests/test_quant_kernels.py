@@ -30,14 +30,12 @@ The llama.cpp used is the copy vendored in the llama-cpp-python 0.3.36 sdist
 (``vendor/llama.cpp``, git commit 0c1e57098bba43ac29e6e3b677cdceebdd22334f,
 ``llama.cpp version 0.5.0-dev``, ggml 0.25.3), configured with its default
 CMake options (Release, GGML_NATIVE=ON, shared libs, gcc 12.2.0, x86-64) and
-built with ``cmake --build build``.  A 20-line C harness (not committed: it
+built with ``cmake --build build``.  The C harness tests/golden/qharness.c (it
 reads ``rows*n_per_row`` float32 from a file, calls ``ggml_quantize_chunk`` and
-writes the bytes out) was compiled against the built library::
-
-    gcc -O2 -o qharness qharness.c -I vendor/llama.cpp/ggml/include \\
-        -L vendor/llama.cpp/build/bin -lggml-base -Wl,-rpath,vendor/llama.cpp/build/bin
-
-and a Python script ran it once per (type, case) and saved the npz files.
+writes the bytes out) was compiled against the built library, and
+tests/golden/make_golden_quants.py ran it once per (type, case) and saved the npz
+files; ``make_golden_quants.py --llama-cpp SRC`` checks (or ``--write`` remakes)
+every golden from the committed inputs.
 ``llama-quantize --pure`` of the same build, run on an F32 GGUF holding these
 cases, writes the very same bytes (``test_llama_quantize_agrees`` checks it
 when ``MTPQ_LLAMA_CPP_BIN`` is set); except for ``large`` in Q4_1 / Q5_1,

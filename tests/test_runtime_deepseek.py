@@ -112,7 +112,7 @@ def prompt_ids(tok) -> list[list[int]]:
 def test_trunk_logits_match_transformers(variant, work):
     from mtpq.runtime.layers import MoE
     from mtpq.runtime.mla import MLA
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     folder = checkpoint(work, variant, **VARIANTS[variant])
     model = load(convert(folder, work / f"{variant}-f32.gguf"))
@@ -145,7 +145,7 @@ def test_yarn_and_pair_order_matter(v3_ckpt, v3_gguf):
     from dataclasses import replace
 
     from mtpq.runtime.layers import rope_inv_freq
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     hf = hf_model(v3_ckpt)
     ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(3))
@@ -176,7 +176,7 @@ def test_bf16_compute_matches_transformers_bf16(v3_ckpt, v3_gguf):
     transformers in bf16: on this prompt both flip the same expert choice, far from f32 (0.27 of 1.35)."""
     from transformers import DeepseekV3ForCausalLM
 
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
     from mtpq.runtime.speculative import run_speculative
 
     half = load(v3_gguf, dtype=torch.bfloat16)
@@ -197,7 +197,7 @@ def test_mtp_head_matches_transformers_mtp_model(work):
     """Our NextN head on (h_t, x_{t+1}) == transformers' MtpModel (random head, YaRN, head tied to the trunk)."""
     from transformers.modeling_layers import MtpModel
 
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     folder = checkpoint(work, "tied", mtp_head_tensors=False, seed=4)
     model = load(convert(folder, work / "tied-f32.gguf"))
@@ -294,7 +294,7 @@ def test_transformers_generate_use_mtp_agrees(copy_ckpt, copy_model):
 
 def test_q4_k_m_gguf_stays_quantized_and_equals_dequantized(v3_gguf, work, monkeypatch):
     from mtpq.runtime import weights
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
     from mtpq.runtime.speculative import run_plain, run_speculative
 
     qpath = work / "v3-q4_k_m.gguf"
@@ -356,7 +356,7 @@ def test_unsupported_rope_scaling_names_the_file(v3_gguf, tmp_path):
 
     from mtpq.errors import InputError
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     plan = plan_from_gguf(v3_gguf)
     plan.set_kv("deepseek2.rope.scaling.type", "linear", gguf.GGUFValueType.STRING)
@@ -373,7 +373,7 @@ def test_gguf_without_split_kv_b_is_refused(v3_gguf, tmp_path):
     """Old GGUFs keep MLA's kv_b unsplit (attn_kv_b): refused with the file named, not misread."""
     from mtpq.errors import InputError
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     plan = plan_from_gguf(v3_gguf)
     plan.tensors = [t for t in plan.tensors if not t.name.startswith(("blk.1.attn_k_b", "blk.1.attn_v_b"))]
@@ -462,7 +462,7 @@ BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddin
 def test_llama_cpp_agrees(v3_gguf, copy_gguf, copy_model, llama_cpp_bin, work):
     """llama.cpp runs the same GGUFs (MLA, YaRN, its MTP draft context): greedy output == ours, and with
     its pairing convention emulated (see run_like_llama_cpp) it drafts and accepts exactly what we do."""
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
     from mtpq.runtime.speculative import run_plain, run_speculative
 
     model, tok = copy_model

@@ -25,7 +25,7 @@ N_CTX = 64
 @pytest.fixture(scope="module")
 def setup(glm_ckpt, tmp_path_factory):
     from mtpq.runtime.imatrix import chunk_tokens, collect
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     work = tmp_path_factory.mktemp("imatrix")
     path = work / "glm-f32.gguf"

@@ -91,7 +91,7 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
 
 @pytest.fixture(scope="module")
 def bigram_models(work) -> dict[str, object]:
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     out = {}
     for v in VARIANTS:
@@ -145,7 +145,7 @@ def test_chunked_rule_equals_recurrent_rule(T, decay_scale):
 def test_recurrent_rollback_is_decoding_the_kept_tokens_one_by_one(ggufs):
     """One DeltaNet layer: verify k tokens under a checkpoint, keep a; == feeding those a one at a time."""
     from mtpq.runtime.deltanet import GatedDeltaNet
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     model = load(ggufs["dense"])
     layer = model.blocks[0].attn
@@ -180,7 +180,7 @@ def test_recurrent_rollback_is_decoding_the_kept_tokens_one_by_one(ggufs):
 def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
     from mtpq.runtime.deltanet import GatedDeltaNet
     from mtpq.runtime.layers import Attention, MoE
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     model = load(ggufs[variant])
     hf = hf_model(ckpts[variant], variant == "moe")
@@ -207,7 +207,7 @@ def test_trunk_logits_match_transformers(variant, ckpts, ggufs):
 
 def test_bf16_compute_is_as_accurate_as_transformers_bf16(ckpts, ggufs):
     """bf16 compute (the recurrence itself stays f32): as far from the f32 truth as transformers in bf16 is."""
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
     from mtpq.runtime.speculative import run_speculative
 
     half = load(ggufs["dense"], dtype=torch.bfloat16)
@@ -225,7 +225,7 @@ def test_bf16_compute_is_as_accurate_as_transformers_bf16(ckpts, ggufs):
 def test_layer_pattern_without_recurrent_flags(ggufs, work):
     """Files without attention.recurrent_layers: llama.cpp's full_attention_interval rule gives the same model."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     plan = plan_from_gguf(ggufs["dense"])
     del plan.kv["qwen35.attention.recurrent_layers"]
@@ -239,7 +239,7 @@ def test_layer_pattern_without_recurrent_flags(ggufs, work):
 
 def test_value_head_order_matters(ckpts, ggufs, monkeypatch):
     """The tiled value-head order is load-bearing: reading key heads grouped breaks the agreement."""
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     model = load(ggufs["dense"])
     ids = torch.randint(0, model.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
@@ -312,7 +312,7 @@ class MtpOracle:
 
 @pytest.mark.parametrize("variant", CHECKPOINTS)
 def test_mtp_head_matches_independent_implementation(variant, ckpts, ggufs):
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
 
     model = load(ggufs[variant])
     assert model.mtp.tied_embed and model.mtp.tied_head  # Qwen3.5's head shares token_embd / output
@@ -424,7 +424,7 @@ def test_teacher_forced_acceptance_equals_loop(variant, bigram_models):
 def test_quantized_q4_k_m_stays_quantized_and_equals_dequantized(ggufs, work):
     from gguf import GGMLQuantizationType as T
 
-    from mtpq.runtime.model import load
+    from mtpq.runtime.families import load
     from mtpq.runtime.speculative import run_speculative
 
     qpath = work / "moe-q4_k_m.gguf"

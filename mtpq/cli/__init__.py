@@ -13,4 +13,17 @@ if "OMP_WAIT_POLICY" not in os.environ:
 
 from .app import app, main  # noqa: E402
 
+# Command modules register themselves on `app` (cli/app.py, which imports none of them) when imported here;
+# --help lists them in this order.
+from . import convert as _convert  # noqa: E402,F401
+from . import quantize as _quantize  # noqa: E402,F401
+from . import inspect as _inspect  # noqa: E402,F401
+from . import surgery as _surgery  # noqa: E402,F401
+from . import accept as _accept  # noqa: E402,F401
+from . import compare as _compare  # noqa: E402,F401
+from . import sweep as _sweep  # noqa: E402,F401
+from . import build as _build  # noqa: E402,F401
+from . import demo as _demo  # noqa: E402,F401
+from . import imatrix as _imatrix  # noqa: E402,F401
+
 __all__ = ["app", "main"]

@@ -87,16 +87,3 @@ def root(version: bool = typer.Option(False, "--version", callback=_version, is_
 
 def main() -> None:
     app()
-
-
-# Command modules register themselves on `app` when imported; --help lists them in this order.
-from . import convert as _convert  # noqa: E402,F401
-from . import quantize as _quantize  # noqa: E402,F401
-from . import inspect as _inspect  # noqa: E402,F401
-from . import surgery as _surgery  # noqa: E402,F401
-from . import accept as _accept  # noqa: E402,F401
-from . import compare as _compare  # noqa: E402,F401
-from . import sweep as _sweep  # noqa: E402,F401
-from . import build as _build  # noqa: E402,F401
-from . import demo as _demo  # noqa: E402,F401
-from . import imatrix as _imatrix  # noqa: E402,F401

@@ -16,6 +16,7 @@ from . import step35, mimo2  # noqa: F401
 from . import glm_dsa  # noqa: F401
 from . import glm4moe_lite  # noqa: F401
 from . import hyv3, cohere2moe, nemotronh, bailingmoe3  # noqa: F401
+from . import deepseek4  # noqa: F401
 from .base import FAMILIES, OUTTYPES, MtpMode, family_for
 from .checkpoint import Checkpoint
 

@@ -48,6 +48,8 @@ FILE_TYPES = {
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
 MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+# llama.cpp's llama_expert_gating_func_type, as its converter writes scoring_func (sqrtsoftplus: newer than gguf 0.19)
+EXPERT_GATING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
 # The MTP-only tensors inside an MTP block (name inside ``model.layers.{N}.``) -> GGUF kind. Named here because
 # the gguf-py we depend on (0.19) lacks the nextn entries in several architectures' tensor tables.
@@ -141,6 +143,8 @@ class Family:
     other_towers: ClassVar[tuple[str, ...]] = ()
     # stored weights whose encoding (an FP8 scale layout, MXFP4 packing) the family itself checks and decodes
     own_encodings: Container[str] = frozenset()
+    # the top-level tensors a head-only (--mtp-only) file keeps beside the MTP blocks
+    mtp_only_keep: ClassVar[tuple[str, ...]] = MTP_ONLY_KEEP
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
@@ -318,10 +322,9 @@ class Family:
             w.add_expert_group_used_count(v)
         if (v := self.hp("score_function", "scoring_func", "score_func", "moe_router_activation",
                          "moe_router_activation_func", "expert_selection_fn")) is not None:
-            gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
-            if v not in gating:
+            if v not in EXPERT_GATING:
                 raise InputError(self.ckpt.folder / "config.json", f"unsupported scoring_func {v!r}")
-            w.add_expert_gating_func(gating[v])
+            w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=self.arch), EXPERT_GATING[v])
         if (v := self.hparams.get("head_dim")) is not None:
             w.add_key_length(v)
             w.add_value_length(v)
@@ -439,7 +442,7 @@ class Family:
             is_mtp = bid is not None and bid >= self.n_trunk
             if is_mtp and not keep_mtp:
                 continue
-            if mtp is MtpMode.ONLY and not is_mtp and e.name not in MTP_ONLY_KEEP:
+            if mtp is MtpMode.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
                 continue
             if e.name in seen:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")
@@ -471,6 +474,37 @@ class Family:
 
         return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
                     n_mtp_layers=self.n_mtp if keep_mtp else 0)
+
+
+def mtp_only_keep(arch: str) -> tuple[str, ...]:
+    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps (its family's declaration)."""
+    return next((f.mtp_only_keep for f in FAMILIES.values() if f.arch == arch), MTP_ONLY_KEEP)
+
+
+def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
+    """Per-expert MXFP4 pairs (``weight``: E2M1 codes two per byte [rows, values / 2], ``scale``: E8M0 bytes
+    [rows, values / 32]; (weight, scale) names in ``parts``) stacked as ggml MXFP4 blocks [n_expert, rows, values]:
+    the checkpoint's bits, moved (quantize/mxfp4.py), whatever the outtype."""
+    from ..quantize.mxfp4 import blocks_from_packed
+
+    rows, packed = ckpt.shape(parts[0][0])
+    groups = 2 * packed // 32
+
+    def raw(n: str) -> np.ndarray:
+        return ckpt._raw(n).view(torch.uint8).numpy()
+
+    def encode(qtype: T) -> np.ndarray:
+        assert qtype == T.MXFP4, qtype
+        out = np.empty((len(parts), rows, groups * 17), dtype=np.uint8)
+        for e, (w, s) in enumerate(parts):
+            out[e] = blocks_from_packed(raw(w), raw(s))
+        return out
+
+    def load() -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(encode(T.MXFP4), T.MXFP4))
+
+    src = f"{ckpt.stored[parts[0][0]].file.name}:{parts[0][0]} (+{len(parts) - 1} experts, MXFP4)"
+    return Emit(name, (len(parts), rows, 2 * packed), load, src, encode, ggml_type=T.MXFP4)
 
 
 def _dtype_of(ckpt: Checkpoint, hf_name: str) -> torch.dtype:

@@ -5,7 +5,8 @@ Each expert weight is packed E2M1 codes, U8 [rows, values / 2] (value 2i in the 
 exponent byte per 32 values, U8 [rows, values / 32] (the name of that companion differs per release). The bits
 are moved, not requantized, into ggml's ``block_mxfp4`` (quantize/mxfp4.py), and the stacked tensor stays MXFP4
 whatever the outtype (general.file_type MOSTLY_MXFP4_MOE), as llama.cpp's converters do it
-(conversion/base.py ``repack_mxfp4_blocks``, used by its mimo, deepseek4 and kimi_k3 converters).
+(conversion/base.py ``repack_mxfp4_blocks``, used by its mimo, deepseek4 and kimi_k3 converters). This mixin
+finds, checks and routes the expert weights; the stacking is base.mxfp4_stack (deepseek4's FP4 experts use it too).
 """
 
 from __future__ import annotations
@@ -14,13 +15,10 @@ import re
 from typing import Iterator
 
 import gguf
-import numpy as np
-import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
-from ..quantize.mxfp4 import blocks_from_packed
-from .base import Emit
+from .base import Emit, mxfp4_stack
 
 GROUP = 32  # values per E8M0 scale, in the checkpoint and in ggml's block_mxfp4
 EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
@@ -85,19 +83,4 @@ class Mxfp4Experts:
 
     def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
         """Experts stacked as ggml MXFP4 blocks: the checkpoint's bits, moved."""
-        ck = self.ckpt
-        rows, values = self.logical_shape(parts[0])
-        groups = values // GROUP
-
-        def encode(qtype: T) -> np.ndarray:
-            assert qtype == T.MXFP4, qtype
-            out = np.empty((len(parts), rows, groups * 17), dtype=np.uint8)
-            for e, hf in enumerate(parts):
-                out[e] = blocks_from_packed(ck._raw(hf).numpy(), ck._raw(self.mxfp4[hf]).numpy())
-            return out
-
-        def load() -> torch.Tensor:
-            return torch.from_numpy(gguf.quants.dequantize(encode(T.MXFP4), T.MXFP4))
-
-        src = f"{ck.stored[parts[0]].file.name}:{parts[0]} (+{len(parts) - 1} experts, MXFP4)"
-        return Emit(name, (len(parts), rows, values), load, src, encode, ggml_type=T.MXFP4)
+        return mxfp4_stack(self.ckpt, name, [(hf, self.mxfp4[hf]) for hf in parts])

@@ -107,7 +107,12 @@ def check_config(config, path: Path) -> None:
 
 
 def check_required_hparams(family: "Family") -> None:
-    missing = [k for k in family.required_hparams if family.hparams.get(k) is None]
+    """The keys a family cannot do without must be STORED: transformers' view fills a missing hidden_size with its
+    class default (4096), and a checkpoint refused for "shape [512, 256], config.json implies [512, 4096]" would
+    blame the wrong thing. (Keys transformers derives from other stored keys are not required; families read
+    them from the view.)"""
+    stored = family.text_config(family.ckpt.config)
+    missing = [k for k in family.required_hparams if stored.get(k) is None]
     if missing:
         raise InputError(family.ckpt.folder / "config.json",
                          f"missing {', '.join(missing)} (needed to convert {family.hf_architectures[0]})")
@@ -153,8 +158,9 @@ def _in_mtp_block(name: str, n_trunk: int) -> bool:
     return name.startswith(("mtp.", "model.mtp.")) or (m is not None and int(m[1]) >= n_trunk)
 
 
-# a decoder block: trunk (model.layers.N.) or MTP (Qwen3.5's mtp.layers.i., MiMo-V2's model.mtp.layers.i.)
-_BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers)\.(\d+)\.")
+# a decoder block: trunk (model.layers.N., DeepSeek-V4's layers.N.) or MTP (Qwen3.5's mtp.layers.i., MiMo-V2's
+# model.mtp.layers.i., DeepSeek-V4's mtp.i.)
+_BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers|layers|mtp)\.(\d+)\.")
 
 
 def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:

@@ -19,7 +19,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, Keys
 
-from ..convert.base import MTP_ONLY_KEEP
+from ..convert.base import mtp_only_keep
 from ..errors import InputError
 from ..gguf_io import refresh_size_label
 from ..tensors import Plan, TensorSpec, block_index
@@ -187,7 +187,8 @@ def plan_extract_mtp(plan: Plan) -> Plan:
         if required not in names:
             raise InputError(where, f"has no {required}, which a head-only draft file needs")
     head_ids = {id(s) for s in head}
-    tensors = [s for s in plan.tensors if id(s) in head_ids or s.name in MTP_ONLY_KEEP]
+    keep = mtp_only_keep(plan.arch)  # DeepSeek-V4's head file also holds its output hyper-connection
+    tensors = [s for s in plan.tensors if id(s) in head_ids or s.name in keep]
     if any((b := block_index(s.name)) is not None and b < plan.n_trunk_layers for s in tensors):
         raise AssertionError("a head-only plan kept a trunk block")  # never write a full model as "head-only"
     out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=tensors, inputs=list(plan.inputs),

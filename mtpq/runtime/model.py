@@ -22,7 +22,6 @@ transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -153,17 +152,3 @@ class MtpModel(nn.Module):
                                        self.mtp_cache if use_cache else None, packing)
         return MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
 
-
-def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
-    """The model in a GGUF, for any architecture the runtime has (see ``families``)."""
-    from ..malloc import keep_freed_buffers
-    from .families import family_for
-
-    # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
-    # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a
-    # teacher-forced pass on the Qwen3.5 demo)
-    keep_freed_buffers()
-    g = g or GGUFFile(Path(path))
-    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
-                    llama_cpp_numerics=llama_cpp_numerics).eval()

@@ -123,7 +123,7 @@ class QualityRun:
     def __init__(self, path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  numerics: str = "llama.cpp"):
         from ..gguf_io import GGUFFile
-        from .model import load
+        from .families import load
         from .tokenizer import tokenizer_from_gguf
 
         self.path = Path(path)

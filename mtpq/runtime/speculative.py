@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from .layers import Packing
-from .model import MtpModel, load
+from .families import load
+from .model import MtpModel
 from .weights import GGUFFile
 
 

@@ -20,6 +20,9 @@ optional:
 ``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
               converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
               reported instead of the comparison.
+``REFUSES``   ``{(form, mode): reason}``: cells where mtpq knowingly refuses (exit 2, one line) what llama.cpp's
+              converter writes; the reason is reported instead of the comparison. Where the default mode is
+              refused, the head is checked in its head-only file (``--mtp-only``) beside a ``--no-mtp`` trunk.
 ``DRAFTS``    True when llama.cpp has an MTP graph for the GGUF arch (the file must draft there).
 
 :func:`build` writes the tiny checkpoint; tests/test_release_matrix.py runs every manifest.
@@ -61,7 +64,7 @@ def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
 def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random values of a plausible kind: norms near 1, other 1-D tensors small, matrices ~N(0, 0.02)."""
     if len(shape) == 1:
-        base = 1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0
+        base = 1.0 if "norm" in name.rsplit(".", 2)[-2:][0] else 0.0  # (a top-level name may have no dot)
         return base + 0.05 * torch.randn(shape, generator=gen)
     return 0.02 * torch.randn(shape, generator=gen)
 

@@ -1,4 +1,5 @@
-"""The runtime's families: one module per architecture, each a :class:`~mtpq.runtime.model.Family`.
+"""The runtime's families: one module per architecture, each a :class:`~mtpq.runtime.model.Family`, and
+:func:`load`, which picks the family of a GGUF.
 
 To add one: write ``families/<arch>.py`` with a Family subclass (config from GGUF metadata,
 the decoder block at each index) and list it in ``FAMILIES`` below. ``common.py`` reads the
@@ -7,8 +8,12 @@ metadata every family reads alike (GQA shapes, DeepSeek-style routing).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from ...errors import InputError
-from ..model import Family
+from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
 from .glm4moe import Glm4Moe
@@ -23,3 +28,17 @@ def family_for(g: GGUFFile) -> type[Family]:
         raise InputError(g.path, f"architecture {g.arch!r} has no runtime yet; the runtime runs "
                                  f"{', '.join(sorted(FAMILIES))}")
     return fam
+
+
+def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
+    """The model in a GGUF, for any architecture the runtime has (:data:`FAMILIES`)."""
+    from ...malloc import keep_freed_buffers
+
+    # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
+    # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a
+    # teacher-forced pass on the Qwen3.5 demo)
+    keep_freed_buffers()
+    g = g or GGUFFile(Path(path))
+    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
+                    llama_cpp_numerics=llama_cpp_numerics).eval()
