@@ -71,7 +71,9 @@ class ServerConfig:
     ready_timeout: float = READY_TIMEOUT
 
     def args(self, model: Path, draft: int, host: str) -> list[str]:
-        a = [str(self.binary), "-m", str(model), "--host", host,
+        from ..gguf_io.read import first_shard  # llama.cpp loads a split model from shard 1 only; any shard may be given
+
+        a = [str(self.binary), "-m", str(first_shard(model)), "--host", host,
              "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft), "--spec-draft-n-min", "0",
              "--spec-draft-p-min", "0",  # every round drafts k tokens, as the torch engine's loop does
              "-np", "1", "--no-webui"]

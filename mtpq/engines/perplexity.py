@@ -42,7 +42,9 @@ class PerplexityConfig:
     extra: list[str] = field(default_factory=list)
 
     def args(self, model: Path, text: Path) -> list[str]:
-        a = [str(self.binary), "-m", str(model), "-f", str(text), "-c", str(self.ctx_size)]
+        from ..gguf_io.read import first_shard  # llama.cpp loads a split model from shard 1 only; any shard may be given
+
+        a = [str(self.binary), "-m", str(first_shard(model)), "-f", str(text), "-c", str(self.ctx_size)]
         for flag, value in (("--chunks", self.chunks), ("-t", self.threads), ("-ngl", self.ngl)):
             if value is not None:
                 a += [flag, str(value)]

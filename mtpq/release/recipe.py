@@ -5,6 +5,8 @@
     source = "./GLM-4.5-Air"      # HF checkpoint folder (relative to the recipe)
     output = "dist"               # output folder (relative to the recipe)
     reference_type = "bf16"       # the reference GGUF converted once: f32, f16, bf16 or q8_0
+    split_max_size = "48G"        # optional: shards of at most this much (Hugging Face takes files up to 50 GB);
+                                  #   a file that fits stays whole
 
     [gate]                        # optional: the acceptance check every variant must pass
     prompts = "builtin"           # or a JSONL file of {"category", "prompt"}
@@ -26,6 +28,7 @@
     # exclude_weights = ["ffn_down"]    # optional, with imatrix: llama-quantize's --exclude/--include-weights
     # graft_into = "published-Q4_K_M.gguf"  # optional: give this existing quant the reference's head
     # gate = false                # optional: build without the acceptance gate
+    # split_max_size = "20G"      # optional: this variant's shard size (default: [model]'s)
 
     [extras]
     mtp_only = true               # also publish the head-only GGUF
@@ -83,6 +86,7 @@ class Variant:
     imatrix: Path | None = None
     include_weights: tuple[str, ...] = ()
     exclude_weights: tuple[str, ...] = ()
+    split_max_size: int | None = None  # bytes per shard; None: the recipe's
 
 
 @dataclass
@@ -98,6 +102,11 @@ class Recipe:
     no_mtp: bool = False
     raw_sha256: str = ""
     extras: dict = field(default_factory=dict)
+    split_max_size: int = 0  # bytes per shard of every artifact (0: whole files); a variant may say otherwise
+
+    def split_of(self, v: Variant | None) -> int:
+        """The shard size of an artifact: its variant's, else the recipe's (0: one file)."""
+        return v.split_max_size if v is not None and v.split_max_size is not None else self.split_max_size
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -129,6 +138,18 @@ def _check_unknown(table: dict, allowed: set[str], path: Path, where: str) -> No
     for k in table:
         if k not in allowed:
             raise _err(path, f"{where}.{k}" if where else k, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _split_size(table: dict, path: Path, where: str) -> int | None:
+    """``split_max_size``: bytes, or a string with K, M or G as llama.cpp's tools take it ("48G")."""
+    if "split_max_size" not in table:
+        return None
+    from ..gguf_io import parse_size
+
+    try:
+        return parse_size(_take(table, "split_max_size", (str, int), path, where))
+    except ValueError as exc:
+        raise _err(path, f"{where}.split_max_size", str(exc)) from None
 
 
 def _imatrix_keys(v: dict, path: Path, where: str, base: Path, check_inputs: bool):
@@ -171,7 +192,7 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     base = path.parent
 
     model = _take(doc, "model", dict, path, "", required=True)
-    _check_unknown(model, {"name", "source", "output", "reference_type"}, path, "model")
+    _check_unknown(model, {"name", "source", "output", "reference_type", "split_max_size"}, path, "model")
     name = _take(model, "name", str, path, "model", required=True)
     if not _NAME.match(name):
         raise _err(path, "model.name", f"{name!r} must be letters, digits, '.', '_' or '-' (it starts file names)")
@@ -256,7 +277,7 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         if not isinstance(v, dict):
             raise _err(path, where, "must be a table")
         _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate",
-                           "imatrix", "include_weights", "exclude_weights"}, path, where)
+                           "imatrix", "include_weights", "exclude_weights", "split_max_size"}, path, where)
         vname = _take(v, "name", str, path, where, required=True)
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
@@ -288,7 +309,8 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             raise _err(path, f"{where}.imatrix", "a grafted variant is not quantized: drop imatrix or graft_into")
         variants.append(Variant(vname, preset, mtp_type, mtp_experts,
                                 tuple(overrides), base / graft if graft else None,
-                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights))
+                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights,
+                                _split_size(v, path, where)))
     names = [v.name for v in variants]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -299,4 +321,4 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     return Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
                   gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
                   no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
-                  raw_sha256=hashlib.sha256(raw).hexdigest())
+                  raw_sha256=hashlib.sha256(raw).hexdigest(), split_max_size=_split_size(model, path, "model") or 0)

@@ -132,8 +132,7 @@ class QualityRun:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.model = load(self.path, device=device, dtype=dtype, g=g, llama_cpp_numerics=numerics == "llama.cpp")
         self.tokenizer = tokenizer_from_gguf(g)
-        size = sum(int(t.n_bytes) for t in g.reader.tensors)
-        n = sum(int(t.n_elements) for t in g.reader.tensors)
+        size, n = g.nbytes, g.n_elements
         self.add_bos = bool(g.kv.get("tokenizer.ggml.add_bos_token"))
         self.quality = FileQuality(str(self.path), size, 8 * size / max(n, 1), has_head=self.model.mtp is not None)
 
