@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
-if TYPE_CHECKING:  # (annotations only: the tensor identity needs no torch)
+if TYPE_CHECKING:  # annotations only: plans are built and read where torch is not installed
     import torch
 
 

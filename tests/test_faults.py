@@ -30,7 +30,7 @@ import pytest
 from runcli import run_cli
 
 from mtpq.convert import plan_checkpoint
-from mtpq.gguf_io import SplitRule, atomic_outputs, output_paths, remove_stale_partials, write_plan
+from mtpq.gguf_io import atomic_outputs, output_paths, remove_stale_partials, write_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -302,3 +302,22 @@ def test_split_rule_cuts_as_llama_gguf_split():
     big_first = SplitRule(max_size=100).groups([spec(0, 4000), spec(1, 8)])
     assert [[s.name for s in g] for g in big_first] == [["t0"], ["t1"]]
     assert SplitRule(max_tensors=3).groups([spec(i, 8) for i in range(7)])[-1][0].name == "t6"
+
+
+@pytest.mark.llama_cpp
+def test_the_llama_cpp_engine_refuses_a_broken_set_before_starting(models, tmp_path, llama_cpp_bin, monkeypatch):
+    """A missing shard: our one line naming it (exit 2), not llama-server's log, and no server started."""
+    import shutil
+
+    monkeypatch.setenv("MTPQ_LLAMA_CPP_BIN", str(llama_cpp_bin))
+    for p in models["shards"][:-1]:
+        shutil.copy(p, tmp_path / p.name)
+    started = []
+    import mtpq.engines.llama_cpp as engine
+
+    monkeypatch.setattr(engine.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
+    res = run_cli("accept", tmp_path / models["shards"][0].name, "--engine", "llama.cpp", "-n", "4")
+    missing = tmp_path / models["shards"][-1].name
+    assert res.exit_code == 2 and res.stderr.strip() == \
+        f"error: {missing}: missing: shard 4 of 4 of the split set {models['shards'][0].name} is in", res.stderr
+    assert not started

@@ -1,8 +1,10 @@
 """GGUF in and out: models read whole (a file or every shard of a split set), plans streamed into a file or a
 split set, atomically.
 
-- :mod:`.read`: :func:`open_model` (one file or a whole split set, checked), :class:`GGUFFile` (metadata and
-  tensors by name, for the runtime and ``inspect``), :func:`plan_from_gguf` (a plan that rewrites a model);
+- :mod:`.files`: :func:`open_model` (one file or a whole split set, checked; torch-free, for the llama.cpp
+  engines too);
+- :mod:`.read`: :class:`GGUFFile` (metadata and tensors by name, for the runtime and ``inspect``),
+  :func:`plan_from_gguf` (a plan that rewrites a model);
 - :mod:`.write`: :func:`write_plan` (one file, or shards by a :class:`SplitRule`), atomic outputs and the clean-up
   of what killed runs left;
 - :mod:`.buffers`: each tensor encoded and written as its rows are finished, memory near one tensor.
@@ -11,21 +13,18 @@ Both directions use gguf-py (GGUFReader, GGUFWriter); nothing here serializes GG
 """
 
 from .buffers import encode_tensor, output_buffer, report_progress, tensor_nbytes
-from .read import (
-    FLOAT_TYPES,
+from .files import (
     SPLIT_KEYS,
-    GGUFFile,
     ModelFiles,
     first_shard,
     open_gguf,
     open_model,
-    plan_from_gguf,
     reader_arch,
-    reader_kv,
     shard_name,
     shard_paths,
     split_prefix,
 )
+from .read import FLOAT_TYPES, GGUFFile, plan_from_gguf, reader_kv
 from .write import (
     SplitRule,
     atomic_output,

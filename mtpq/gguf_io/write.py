@@ -24,7 +24,7 @@ from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFValueType, GGUFWriter
 from ..errors import InputError
 from ..tensors import Plan, TensorSpec
 from .buffers import encoded, tensor_nbytes
-from .read import SPLIT_COUNT, shard_name, split_prefix
+from .files import SPLIT_COUNT, shard_name, split_prefix
 
 
 def size_label(specs: list[TensorSpec]) -> str:
@@ -233,6 +233,7 @@ def atomic_outputs(out: Path, finals: list[Path]) -> Iterator[list[Path]]:
         tmps = [out.with_name(f".{out.name}.partial-{pid}")]
     else:  # a private folder: one name to find and clean, whatever the shards are called
         folder = out.with_name(f".{out.name}.partial-{pid}.shards")
+        shutil.rmtree(folder, ignore_errors=True)  # a killed run's with our pid (reused) is no live run's
         folder.mkdir()
         tmps = [folder / f.name for f in finals]
     try:
