@@ -129,7 +129,7 @@ def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
         "import sys\n"
         "from mtpq.engines import binaries, perplexity\n"
         "from mtpq.acceptance.quality import Gates, judge, to_markdown\n"
-        "from mtpq.gguf_io.read import first_shard\n"
+        "from mtpq.gguf_io.files import first_shard\n"
         f"assert first_shard({str(model)!r}).name == 'm.gguf'\n"
         "f = {'file': 'q.gguf', 'kld_mean': 0.1, 'top1': 0.9}\n"
         "assert judge([f], Gates(max_kld=0.05)) == {'q.gguf': ['mean KLD 0.100000 above 0.05']}\n"
