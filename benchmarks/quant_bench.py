@@ -3,6 +3,18 @@
     python benchmarks/quant_bench.py                          # 4096x4096, all types
     python benchmarks/quant_bench.py --rows 1024 --types Q4_K,Q6_K --threads 2
     python benchmarks/quant_bench.py --llama-quantize /path/to/llama-quantize
+    python benchmarks/quant_bench.py --whole-file --llama-quantize /path/to/llama-quantize --threads 2
+
+``--whole-file``: ``mtpq quantize`` and ``llama-quantize`` on the same whole GGUF, a GLM-4.5-shaped f32
+file of ~420 MB built here (tests/tiny.py's GLM-4.5 at hidden 1024: 8 query / 2 KV heads of 128, a dense
+block of 2816, MoE blocks of 16 experts of 352 -- GLM-4.5-Air's 1408 / 4, so their ffn_down rows take
+llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, vocab 8192; kept with
+``--keep DIR``), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
+N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
+quantizes a GGUF with the same metadata and a single 256x256 tensor: that time is its start-up (process,
+imports, reading the metadata, until its first tensor is quantized); the marginal throughput is the
+difference in input MB over the difference in time. The types that need an importance matrix get one
+(an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for both). Bytes are compared.
 
 For every type it prints the time to quantize an f32 matrix of N(0, 0.02^2)
 values and the input throughput (MB of f32 per second), and the time and
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +58,8 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix  # noqa: E402
 from mtpq.quantize.kernels import SUPPORTED_TYPES, dequantize, quantize  # noqa: E402
+from mtpq.quantize.iquants import REQUIRES_WEIGHTS  # noqa: E402
+from mtpq.quantize.presets import IMATRIX_ONLY_TYPES  # noqa: E402
 
 ALL = [t.name for t in SUPPORTED_TYPES if t not in (T.F32,)]
 
@@ -67,6 +82,11 @@ def _cpu_seconds() -> float:
 
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _synthetic_importance(seed: int, cols: int) -> np.ndarray:
+    """A weight per column like llama-imatrix's mean squared activations: exp(N(0, 1.5^2))."""
+    return np.exp(np.random.default_rng(seed).normal(0.0, 1.5, cols)).astype(np.float32)
 
 
 def _write_f32_gguf(path: Path, x: np.ndarray) -> None:
@@ -105,7 +125,14 @@ def main() -> None:
     ap.add_argument("--compare", default=None, help="types timed against llama-quantize (default: Q8_0,Q4_K,Q6_K; "
                     "with --imatrix Q4_K,Q6_K,Q4_0,IQ4_XS,IQ2_XXS,IQ3_XXS)")
     ap.add_argument("--no-table", action="store_true", help="skip the first table (ours alone, every --types)")
+    ap.add_argument("--whole-file", action="store_true", help="quantize a whole GLM-shaped GGUF with both tools")
+    ap.add_argument("--keep", type=Path, help="--whole-file: build (or reuse) the GGUFs in this folder")
     args = ap.parse_args()
+    if args.whole_file:
+        if args.llama_quantize is None:
+            raise SystemExit("--whole-file needs --llama-quantize PATH")
+        whole_file(args)
+        return
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
@@ -113,17 +140,19 @@ def main() -> None:
     mb = x.numel() * 4 / 1e6
     imp = None
     if args.imatrix:
-        rng = np.random.default_rng(args.seed)
-        imp = np.exp(rng.normal(0.0, 1.5, args.cols)).astype(np.float32)
+        imp = _synthetic_importance(args.seed, args.cols)
     print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, device {args.device}, "
           f"{args.threads} threads (torch {torch.__version__}){', with importance weights' if args.imatrix else ''}")
     print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
     for name in [] if args.no_table else args.types.split(","):
         qt = T[name]
-        tq, raw = _best_of(lambda: quantize(x, qt, name, importance=imp), args.repeat)
+        # i-quants that ggml refuses to write without importance data get the synthetic weights
+        need = imp if imp is not None or qt not in REQUIRES_WEIGHTS else _synthetic_importance(args.seed, args.cols)
+        tq, raw = _best_of(lambda: quantize(x, qt, name, importance=need), args.repeat)
         rawt = torch.from_numpy(np.ascontiguousarray(raw)).to(args.device)
         td, _ = _best_of(lambda: dequantize(rawt, qt, x.shape), args.repeat)
-        print(f"{name:8} {tq:10.3f} {mb / tq:9.1f} {td:10.3f} {mb / td:9.1f}", flush=True)
+        mark = " (with importance weights)" if need is not imp else ""
+        print(f"{name:8} {tq:10.3f} {mb / tq:9.1f} {td:10.3f} {mb / td:9.1f}{mark}", flush=True)
 
     if args.llama_quantize is None:
         return
@@ -168,6 +197,107 @@ def main() -> None:
             print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
                   f" {ours_c / theirs_c:14.2f}", flush=True)
             out.unlink()
+
+
+# ----------------------------------------------------------------------------- --whole-file
+
+WHOLE_TYPES = "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_0,Q4_0,IQ4_XS"
+# GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408)
+GLM_SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 intermediate_size=2816, moe_intermediate_size=352, n_routed_experts=16, num_experts_per_tok=4,
+                 n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, vocab_size=8192)
+
+
+def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
+    """(the GLM-shaped f32 GGUF, the same metadata with one 256x256 tensor, an imatrix for both), built once."""
+    import torch as _torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import tiny
+    from mtpq.convert import plan_checkpoint
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.tensors import Plan
+
+    big, mini, im_file = folder / "glm-f32.gguf", folder / "glm-mini-f32.gguf", folder / "glm.imatrix.gguf"
+    if not big.exists():
+        print(f"building {big} ...", file=sys.stderr, flush=True)
+        ckpt = tiny.glm4moe(folder / "ckpt", dtype=_torch.float32, n_shards=1, **GLM_SHAPE)
+        write_plan(plan_checkpoint(ckpt, outtype=T.F32), big)
+        shutil.rmtree(ckpt)
+    plan = plan_from_gguf(big)
+    if not mini.exists():
+        one = next(s for s in plan.tensors if s.name == "blk.0.attn_q.weight")
+        small = type(one)(one.name, (256, 256), one.role, T.F32, lambda: torch.zeros(256, 256), "mini",
+                          source_type=T.F32, load_raw=lambda: np.full((256, 256), 0.01, dtype=np.float32))
+        write_plan(Plan(plan.arch, plan.kv, [small], n_trunk_layers=plan.n_trunk_layers,
+                        n_mtp_layers=plan.n_mtp_layers), mini)
+    if not im_file.exists():
+        rng = np.random.default_rng(0)
+        entries = {}
+        for s in plan.tensors:
+            if len(s.shape) >= 2 and s.name.endswith("weight"):
+                n_mat = s.shape[0] if len(s.shape) == 3 else 1
+                entries[s.name] = Entry(np.exp(rng.normal(0.0, 1.5, (n_mat, s.shape[-1]))).astype(np.float32),
+                                        np.ones(n_mat, dtype=np.float32))
+        write_imatrix(Imatrix(entries, datasets=["bench"], chunk_count=1, chunk_size=1), im_file)
+    return big, mini, im_file
+
+
+def _timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child and its threads / workers)."""
+    t0, c0 = time.perf_counter(), _cpu_seconds()
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    return time.perf_counter() - t0, _cpu_seconds() - c0
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    import gguf
+
+    ta = {t.name: t for t in gguf.GGUFReader(a).tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(b).tensors}
+    return set(ta) == set(tb) and all(ta[n].tensor_type == tb[n].tensor_type and
+                                      np.asarray(ta[n].data).tobytes() == np.asarray(tb[n].data).tobytes()
+                                      for n in ta)
+
+
+def whole_file(args) -> None:
+    work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        big, mini, im_file = build_glm_gguf(work)
+        mb_big, mb_mini = big.stat().st_size / 1e6, mini.stat().st_size / 1e6
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        llama_env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_quantize).resolve().parent)}
+        types = args.types if args.types != ",".join(ALL) else WHOLE_TYPES
+        load = os.getloadavg()[0]
+        print(f"{big.name}: {mb_big:.0f} MB f32, {args.threads} threads, best of {args.repeat}, load average "
+              f"{load:.2f} at the start ({os.cpu_count()} CPUs)")
+        print(f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu ours/theirs':>15} "
+              f"{'start theirs':>12} {'start ours':>10} {'same bytes':>10}")
+        for name in types.split(","):
+            qt = T[name]
+            im = ["--imatrix", str(im_file)] if qt in IMATRIX_ONLY_TYPES else []
+            ours = lambda src, out: [sys.executable, "-m", "mtpq", "quantize", str(src), str(out),  # noqa: E731
+                                     LLAMA_FTYPE.get(name, name), "--pure", "--mtp-type", "same",
+                                     "--threads", str(args.threads), "--quiet", *im]
+            theirs = lambda src, out: [str(args.llama_quantize), "--pure", *im, str(src), str(out),  # noqa: E731
+                                       LLAMA_FTYPE.get(name, name), str(args.threads)]
+            best = {k: float("inf") for k in ("o", "t", "oc", "tc", "os", "ts")}
+            for _ in range(args.repeat):  # alternating: the machine's load changes from second to second
+                for key, cmd, e in (("o", ours, env), ("t", theirs, llama_env)):
+                    wall, cpu = _timed(cmd(big, work / f"{key}.gguf"), e)
+                    start, _ = _timed(cmd(mini, work / f"{key}-mini.gguf"), e)
+                    best[key], best[key + "c"] = min(best[key], wall - start), min(best[key + "c"], cpu)
+                    best[key + "s"] = min(best[key + "s"], start)
+            same = _same_tensors(work / "o.gguf", work / "t.gguf")
+            o_mbs, t_mbs = (mb_big - mb_mini) / best["o"], (mb_big - mb_mini) / best["t"]
+            print(f"{name:8} {t_mbs:11.1f} {o_mbs:9.1f} {o_mbs / t_mbs:10.2f}x {best['tc'] / best['oc']:14.2f}x "
+                  f"{best['ts']:11.2f}s {best['os']:9.2f}s {str(same):>10}", flush=True)
+        print("ours/theirs: marginal throughput (input MB / (whole file - start-up)), above 1: mtpq is faster; "
+              "cpu: whole-file CPU time, theirs / ours; start: a one-tensor file with the same metadata")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
-if TYPE_CHECKING:  # annotations only: plans are built and read where torch is not installed
+if TYPE_CHECKING:  # torch only when something computes: `inspect` and `--dry-run` start in well under a second
     import torch
 
 
@@ -102,6 +102,7 @@ class TensorSpec:
     # rows r0:r1 along dim 0 (experts of a stack, rows of a matrix) as float values, like ``load``'s (GGUF sources):
     # a big tensor is then encoded slab by slab, never held whole in float32
     load_rows: Callable[[int, int], torch.Tensor] | None = None
+    input_name: str | None = None  # the name it had in the input, when renamed (--prune-layers renumbers blocks)
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)

@@ -26,6 +26,14 @@ GLM-4.7-Flash (deepseek2 with the MTP block llama-quantize then sees); Qwen3-Nex
 in_proj_qkvz, ssm_ba); DeepSeek-V3.2 (the lightning indexer); Hy3, Cohere2 MoE, Nemotron-H MoE
 and Ling 3.0 (their MTP blocks). ``test_recorded_choices_are_current``
 (marked llama_cpp, slow) re-records into a temporary folder and compares.
+
+Runs with llama-quantize's other options (``--leave-output-tensor``,
+``--tensor-type-file``, ``--override-kv``, ``--prune-layers``) record, besides
+the types, the output's tensor names when they differ from the input's
+(``names``: pruning renumbers blocks) and, for ``--override-kv`` and
+``--prune-layers``, the metadata those touch (``kv``: block and MTP counts,
+per-layer arrays, the overridden keys), where ``test_metadata_as_llama_quantize_but_consistent``
+shows what mtpq writes differently and why. ``--record --variant NAME`` re-records one variant.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -88,11 +97,25 @@ _OPTION_RUNS = {
         ("Q4_K_M", {"output_tensor_type": "q8_0", "token_embedding_type": "q5_k"}),
         ("F16", {}), ("BF16", {}),
         ("F16", {"tensor_types": ["attn_v=q8_0"]}),  # llama-quantize ignores overrides here; mtpq applies them
+        ("Q4_K_M", {"leave_output_tensor": True}),
+        ("Q4_K_M", {"leave_output_tensor": True, "output_tensor_type": "q8_0"}),  # leaving it wins
+        # the file's entries after --tensor-type's, first match wins; blk.1's attn_v leaves the count
+        ("Q3_K_M", {"tensor_types": ["attn_q=q4_0"], "tensor_type_file": [r"blk\.1\.attn_v=q8_0", "attn_q=q2_k",
+                                                                          "ffn_down_exps=q5_k"]}),
+        # the loader reads the override: 8 experts change attn_output's and attn_k's types
+        ("Q4_K_M", {"override_kv": ["glm4moe.expert_count=int:8", "general.name=str:eight experts",
+                                    "general.file_type=int:7"]}),
+        # trunk blocks pruned: the rest renumbered, the MTP block 8 -> 6; layer counts stay the input's
+        ("Q4_K_M", {"prune_layers": "1,3"}),
+        ("Q3_K_M", {"prune_layers": "0,8"}),  # the dense block 0 and the MTP block
     ],
     "glm4moe_8experts_gqa4_tied": [
         ("Q4_K_M", {"output_tensor_type": "q8_0"}),  # tied token_embd follows --output-tensor-type
         ("Q4_K_M", {"token_embedding_type": "q4_0"}),
+        ("Q4_K_M", {"leave_output_tensor": True}),  # no output.weight: the tied token_embd is still quantized
     ],
+    # per-layer attention.recurrent_layers: blocks 0 and 2 pruned, the rest renumbered
+    "qwen35_8layers": [("Q5_K_M", {"prune_layers": "0,2"})],
     "glm4moe_odd_rows": [("Q4_K_M", {"tensor_types": ["ffn_gate_exps=q6_k", "attn_q=q2_k"]})],
 }
 
@@ -123,17 +146,49 @@ def _plan_weights(plan) -> list[tuple[str, int, int]]:
             for s in plan.tensors if len(s.shape) >= 2 and s.name.endswith("weight")]
 
 
-def llama_args(options: dict, imatrix_file: Path | None = None) -> list[str]:
+def llama_args(options: dict, imatrix_file: Path | None = None, work: Path | None = None) -> list[str]:
     args = ["--pure"] if options.get("pure") else []
     if options.get("imatrix"):
         args += ["--imatrix", str(imatrix_file)]
     for pattern in options.get("tensor_types", []):
         args += ["--tensor-type", pattern]
+    if "tensor_type_file" in options:
+        args += ["--tensor-type-file", str(tensor_type_file(options, work))]
     if "output_tensor_type" in options:
         args += ["--output-tensor-type", options["output_tensor_type"]]
     if "token_embedding_type" in options:
         args += ["--token-embedding-type", options["token_embedding_type"]]
+    if options.get("leave_output_tensor"):
+        args += ["--leave-output-tensor"]
+    for kv in options.get("override_kv", []):
+        args += ["--override-kv", kv]
+    if "prune_layers" in options:
+        args += ["--prune-layers", options["prune_layers"]]
     return args
+
+
+def tensor_type_file(options: dict, folder: Path) -> Path:
+    """The run's --tensor-type-file entries written as a file: one per line, the last two on one line."""
+    entries = options["tensor_type_file"]
+    path = folder / "tensor_types.txt"
+    path.write_text("\n".join(entries[:-2] + [" ".join(entries[-2:])]) + "\n")
+    return path
+
+
+def recorded_kv(reader: GGUFReader, options: dict) -> dict | None:
+    """For runs that change metadata: the block and MTP counts, the per-layer arrays and the overridden keys,
+    as {key: [GGUF type, value]}."""
+    if "prune_layers" not in options and "override_kv" not in options:
+        return None
+    from gguf import GGUFValueType
+
+    arch = reader.fields["general.architecture"].contents()
+    keys = {f"{arch}.block_count", f"{arch}.nextn_predict_layers", f"{arch}.leading_dense_block_count"}
+    keys |= {k.partition("=")[0] for k in options.get("override_kv", [])}
+    keys |= {k for k, f in reader.fields.items()
+             if k.startswith(f"{arch}.") and f.types[0] == GGUFValueType.ARRAY}
+    return {k: [GGUFValueType(reader.fields[k].types[0]).name, reader.fields[k].contents()]
+            for k in sorted(keys) if k in reader.fields}
 
 
 def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
@@ -176,10 +231,12 @@ def n_trunk_layers(doc: dict) -> int:
     return doc["config"]["num_hidden_layers"]
 
 
-def record(bin_dir: Path, out_dir: Path, work: Path) -> None:
-    """Run llama-quantize for every variant and run; write one JSON file per variant."""
+def record(bin_dir: Path, out_dir: Path, work: Path, variants: list[str] | None = None) -> None:
+    """Run llama-quantize for every variant (or those named) and run; write one JSON file per variant."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for variant, (builder, config) in VARIANTS.items():
+        if variants and variant not in variants:
+            continue
         (work / variant).mkdir(parents=True, exist_ok=True)
         f32 = make_f32_gguf(work / variant, builder, config)
         reader = GGUFReader(f32)
@@ -193,10 +250,20 @@ def record(bin_dir: Path, out_dir: Path, work: Path) -> None:
         runs = []
         for preset, options in runs_for(variant):
             q = work / variant / "q.gguf"
-            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options, imatrix_file), str(f32), str(q), preset, "1"]
+            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options, imatrix_file, work / variant), str(f32),
+                   str(q), preset, "1"]
             subprocess.run(cmd, check=True, capture_output=True)
-            types = {t.name: T(t.tensor_type).name for t in GGUFReader(q).tensors}
-            runs.append({"preset": preset, "options": options, "types": [types[n] for n in names]})
+            out = GGUFReader(q)
+            types = {t.name: T(t.tensor_type).name for t in out.tensors}
+            run = {"preset": preset, "options": options}
+            if set(types) != set(names):  # pruned: fewer tensors, renumbered
+                run["names"] = list(types)
+            run["types"] = [types[n] for n in run.get("names", names)]
+            kv = recorded_kv(out, options)
+            if kv is not None:
+                run["kv"] = kv
+            runs.append(run)
+            del out
             q.unlink()
         head = {
             "_doc": "llama-quantize's per-tensor types for a tiny GGUF; tests/test_policy.py says how it was recorded",
@@ -204,11 +271,15 @@ def record(bin_dir: Path, out_dir: Path, work: Path) -> None:
             "builder": f"tests/tiny*.py {builder}(dtype=float32, **config) -> mtpq convert --outtype f32",
             "config": config,
         }
-        # one line per tensor name and per run: small diffs when llama.cpp changes its mind
-        text = json.dumps(head, indent=1)[:-2] + ',\n "tensors": [\n  '
-        text += ",\n  ".join(json.dumps(n) for n in names) + '\n ],\n "runs": [\n  '
-        text += ",\n  ".join(json.dumps(r) for r in runs) + "\n ]\n}\n"
-        (out_dir / f"{variant}.json").write_text(text)
+        write_doc(out_dir / f"{variant}.json", head, names, runs)
+
+
+def write_doc(path: Path, head: dict, names: list[str], runs: list[dict]) -> None:
+    # one line per tensor name and per run: small diffs when llama.cpp changes its mind
+    text = json.dumps(head, indent=1)[:-2] + ',\n "tensors": [\n  '
+    text += ",\n  ".join(json.dumps(n) for n in names) + '\n ],\n "runs": [\n  '
+    text += ",\n  ".join(json.dumps(r) for r in runs) + "\n ]\n}\n"
+    path.write_text(text)
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -248,20 +319,28 @@ def _cases():
             yield pytest.param(f.stem, i, id=f"{f.stem}-{run['preset']}{'-' + opts if opts else ''}")
 
 
-def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
+def _quantized(plan, preset: str, options: dict, **extra):
     if options.get("imatrix"):
         extra["imatrix"] = synthetic_imatrix(_plan_weights(plan))
-    plan = plan_quantize(plan, preset, pure=options.get("pure", False),
-                         tensor_types=options.get("tensor_types", ()),
-                         output_tensor_type=options.get("output_tensor_type"),
-                         token_embedding_type=options.get("token_embedding_type"), **extra)
-    return {s.name: s.ggml_type.name for s in plan.tensors}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [tensor_type_file(options, Path(tmp))] if "tensor_type_file" in options else []
+        return plan_quantize(plan, preset, pure=options.get("pure", False),
+                             tensor_types=options.get("tensor_types", ()), tensor_type_files=files,
+                             output_tensor_type=options.get("output_tensor_type"),
+                             token_embedding_type=options.get("token_embedding_type"),
+                             leave_output_tensor=options.get("leave_output_tensor", False),
+                             kv_overrides=options.get("override_kv", ()), prune_layers=options.get("prune_layers"),
+                             **extra)
+
+
+def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
+    return {s.name: s.ggml_type.name for s in _quantized(plan, preset, options, **extra).tensors}
 
 
 def _theirs(doc: dict, run: dict, plan) -> dict[str, str]:
     """llama-quantize's types, with one documented difference: it ignores --tensor-type for float
     presets; mtpq applies it (first match; never to 1-D tensors, norms or routers)."""
-    theirs = dict(zip(doc["tensors"], run["types"]))
+    theirs = dict(zip(run.get("names", doc["tensors"]), run["types"]))
     if run["preset"] not in ("F16", "BF16", "F32") or not run["options"].get("tensor_types"):
         return theirs
     patterns = [p.rpartition("=") for p in run["options"]["tensor_types"]]
@@ -299,9 +378,14 @@ def test_default_holds_mtp_block_at_q8_0_and_nothing_else_changes(f32_plan, vari
     plan = f32_plan(variant)
     theirs = _theirs(doc, run, plan)
     ours = _ours(plan, run["preset"], run["options"])
-    rows = {s.name: s.shape[-1] for s in plan.tensors}
-    overridden = [re.compile(p.rpartition("=")[0]) for p in run["options"].get("tensor_types", [])]
-    mtp_prefix = f"blk.{n_trunk_layers(doc)}."
+    pruned = [int(b) for b in run["options"].get("prune_layers", "").split(",") if b]
+    n_trunk = n_trunk_layers(doc)
+    if n_trunk in pruned:
+        pytest.skip("the MTP block is pruned")
+    rows = {_renumbered(s.name, pruned): s.shape[-1] for s in plan.tensors}
+    overridden = [re.compile(p.rpartition("=")[0]) for p in
+                  run["options"].get("tensor_types", []) + run["options"].get("tensor_type_file", [])]
+    mtp_prefix = f"blk.{n_trunk - sum(1 for b in pruned if b < n_trunk)}."  # the MTP block, renumbered
     n_mtp_checked = 0
     for name, their_type in theirs.items():
         if name.startswith(mtp_prefix) and their_type != "F32" and not any(p.search(name) for p in overridden):
@@ -311,6 +395,60 @@ def test_default_holds_mtp_block_at_q8_0_and_nothing_else_changes(f32_plan, vari
         else:
             assert ours[name] == their_type, name
     assert n_mtp_checked >= 7  # eh_proj + attention + FFN/experts of the MTP block
+
+
+def _renumbered(name: str, pruned: list[int]) -> str:
+    """A tensor's name after llama-quantize's --prune-layers (block i -> i minus the pruned blocks below it)."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m is None or not pruned:
+        return name
+    b = int(m.group(1))
+    return f"blk.{b - sum(1 for p in pruned if p < b)}.{name[m.end():]}"
+
+
+def _kv_cases():
+    for case in _cases():
+        variant, i = case.values
+        if "kv" in _load(variant)["runs"][i]:
+            yield case
+
+
+@pytest.mark.parametrize("variant,i", list(_kv_cases()))
+def test_metadata_as_llama_quantize_but_consistent(f32_plan, variant, i):
+    """The metadata --override-kv and --prune-layers write, against llama-quantize's. Equal, but where
+    llama-quantize's file is broken (each checked in llama.cpp by test_quantize_options.py):
+
+    - a pruned MTP block leaves its nextn_predict_layers behind there (llama.cpp then runs the last trunk
+      block as the head); here the key counts the MTP blocks kept, and goes with the last;
+    - per-layer arrays keep their old length there (llama.cpp: "wrong array length"); here they lose the
+      pruned blocks' entries;
+    - leading_dense_block_count keeps counting a pruned dense block there; here only the kept ones.
+    """
+    doc = _load(variant)
+    run = doc["runs"][i]
+    plan = f32_plan(variant)
+    ours = _quantized(plan, run["preset"], run["options"], mtp_type="same")
+    pruned = [int(b) for b in run["options"].get("prune_layers", "").split(",") if b]
+    kept = [b for b in range(plan.n_trunk_layers + plan.n_mtp_layers) if b not in pruned]
+    arch = plan.arch
+    for key, (vtype, value) in run["kv"].items():
+        want = value
+        if key == f"{arch}.nextn_predict_layers" and pruned:
+            want = sum(1 for b in kept if b >= plan.n_trunk_layers) or None  # None: no key
+        elif key == f"{arch}.leading_dense_block_count" and pruned:
+            want = sum(1 for b in kept if b < plan.kv_value(key))
+        elif vtype == "ARRAY" and pruned and len(plan.kv_value(key)) == len(kept) + len(pruned):
+            want = [plan.kv_value(key)[b] for b in kept]
+        have = ours.kv.get(key)
+        if want is None:
+            assert have is None, key
+            continue
+        assert have is not None and have.value == want, (key, have, want)
+        assert have.type.name == vtype, key
+    if pruned:  # llama-quantize left a stale key where mtpq writes the consistent one: say so
+        theirs_nextn = run["kv"].get(f"{arch}.nextn_predict_layers", [None, None])[1]
+        if plan.n_trunk_layers in pruned:
+            assert theirs_nextn == plan.n_mtp_layers and ours.kv_value(f"{arch}.nextn_predict_layers") is None
 
 
 def test_plan_from_gguf_decides_the_same(f32_plan, tmp_path):
@@ -530,7 +668,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Record llama-quantize's per-tensor choices as test data.")
     ap.add_argument("--record", action="store_true", required=True)
     ap.add_argument("--bin", default=os.environ.get("MTPQ_LLAMA_CPP_BIN"), help="folder with llama-quantize")
+    ap.add_argument("--variant", action="append", help="only this variant (repeatable)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        record(Path(a.bin), DATA, Path(d))
+        record(Path(a.bin), DATA, Path(d), a.variant)
     print(f"wrote {', '.join(sorted(p.name for p in DATA.glob('*.json')))}")

@@ -138,6 +138,7 @@ def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkey
     if workers == "fork" and not sys.platform.startswith("linux"):
         pytest.skip("forked workers are Linux-only")
     monkeypatch.setenv("MTPQ_WORKERS", workers)
+    monkeypatch.setattr(kernels, "_FORK_MIN_VALUES", 0)  # forked however small the tensor
     q, d, _, _ = kernels._KERNELS[qtype]
     monkeypatch.setitem(kernels._KERNELS, qtype, (q, d, 256, 256))  # one super-block per chunk
     used = []
@@ -161,6 +162,7 @@ def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkey
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
 def test_forked_workers_report_errors(monkeypatch):
     """An error in a forked worker comes back as the same one line, and nothing lingers."""
+    monkeypatch.setattr(kernels, "_FORK_MIN_VALUES", 0)
     monkeypatch.setitem(kernels._KERNELS, T.Q4_K, (*kernels._KERNELS[T.Q4_K][:2], 256, 256))
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -185,6 +187,31 @@ def test_forked_workers_report_errors(monkeypatch):
         torch.set_num_threads(saved)
     with pytest.raises(ChildProcessError):
         os.waitpid(-1, os.WNOHANG)
+
+
+def test_small_tensors_go_to_threads_big_ones_to_forked_workers(monkeypatch):
+    """Forking costs the parent milliseconds of system time per worker: only tensors of at least
+    _FORK_MIN_VALUES values are split over forked workers, smaller ones over threads."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("forked workers are Linux-only")
+    monkeypatch.setenv("MTPQ_WORKERS", "fork")
+    monkeypatch.setattr(kernels, "_FORK_MIN_VALUES", 4 * 1024)
+    used = []
+    for name in ("_run_forked", "_run_parallel"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: (used.append(_name), _real(*a)))
+    monkeypatch.setitem(kernels._KERNELS, T.Q6_K, (*kernels._KERNELS[T.Q6_K][:2], 1024, 1024))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        small, big = torch.randn(3, 1024), torch.randn(4, 1024)
+        assert np.array_equal(quantize(small, T.Q6_K), quantize(small[None], T.Q6_K)[0])
+        assert used == ["_run_parallel", "_run_parallel"]
+        used.clear()
+        quantize(big, T.Q6_K)
+        assert used == ["_run_forked"]
+    finally:
+        torch.set_num_threads(saved)
 
 
 SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]

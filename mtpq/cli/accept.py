@@ -7,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
 import typer
 from rich.progress import Progress
 from rich.table import Table
@@ -15,7 +14,7 @@ from rich.table import Table
 from .app import app
 from .common import EXIT_CHECK_FAILED, EXIT_OK, check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
 
 
 def _table(report, reference=None) -> Table:
@@ -200,7 +199,10 @@ def accept(
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
               top_p=top_p, seed=seed, max_prompts=max_prompts)
     if engine == "torch":
-        kw.update(device=device, dtype=DTYPES[dtype], hidden=hidden, threads=threads)
+        import torch
+
+        kw.update(device=device, dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
+                  hidden=hidden, threads=threads)
     reports = {}
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):

@@ -50,8 +50,9 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
         final.tensors = [dataclasses.replace(s, shard=shard.get(s.name, 0)) for s in final.tensors]
         written = write_plan(final, dst, split=split)
     line = ", ".join(f"{t} {100 * r.rate:.1f} %" for t, r in rates.items())
-    console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
-                  f"{100 * choice.baseline:.1f} %; {line})")
+    if not quiet:
+        console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
+                      f"{100 * choice.baseline:.1f} %; {line})")
     return final, written
 
 

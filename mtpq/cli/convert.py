@@ -9,9 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from ..convert import OUTTYPES, MtpMode, plan_checkpoint
 from ..gguf_io import tensor_nbytes, write_plan
 from ..quantize.imatrix import read_imatrix
+from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
 from .common import (SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console, fail,
@@ -49,6 +49,16 @@ def convert(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
     tensor_type: Optional[List[str]] = typer.Option(
         None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
+    tensor_type_file: Optional[List[Path]] = typer.Option(
+        None, "--tensor-type-file", help="With --quant: a file of REGEX=TYPE entries (after --tensor-type's)."),
+    leave_output_tensor: bool = typer.Option(
+        False, "--leave-output-tensor", help="With --quant: output.weight stays at --outtype."),
+    prune_layers: Optional[str] = typer.Option(
+        None, "--prune-layers", help="With --quant: L0,L1,... blocks dropped, the rest renumbered "
+                                     "(as mtpq quantize --prune-layers)."),
+    override_kv: Optional[List[str]] = typer.Option(
+        None, "--override-kv", help="KEY=TYPE:VALUE (int, float, bool, str), repeatable: metadata written "
+                                    "(with --quant also read for the choices, as llama-quantize)."),
     allow_requantize: bool = typer.Option(
         False, "--allow-requantize", help="With --quant: also requantize the tensors a checkpoint stores already "
                                           "quantized (MiMo-V2.5's MXFP4 experts), as llama-quantize's flag."),
@@ -68,6 +78,8 @@ def convert(
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
+    from ..convert import OUTTYPES, MtpMode, plan_checkpoint  # the families (and torch): only when converting
+
     if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
     if no_mtp and mtp_only:
@@ -81,10 +93,15 @@ def convert(
     if auto and not 0.0 <= max_drop <= 1.0:
         fail("--max-drop", f"must be between 0 and 1, got {max_drop}")
     quant_options = dict(mtp_type="keep" if auto else mtp_type, mtp_experts_type=mtp_experts_type,
-                         tensor_types=tensor_type or [])
+                         tensor_types=tensor_type or [], tensor_type_files=tensor_type_file or [],
+                         leave_output_tensor=leave_output_tensor, kv_overrides=override_kv or [],
+                         prune_layers=prune_layers)
     if quant is None:
+        kv_overrides = parse_kv_overrides(override_kv or [])  # fails before anything is read
         for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
-                            ("--tensor-type", tensor_type), ("--imatrix", imatrix),
+                            ("--tensor-type", tensor_type), ("--tensor-type-file", tensor_type_file),
+                            ("--leave-output-tensor", leave_output_tensor), ("--prune-layers", prune_layers),
+                            ("--imatrix", imatrix),
                             ("--allow-requantize", allow_requantize),
                             ("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
             if given:
@@ -99,6 +116,8 @@ def convert(
         extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],
                      exclude_weights=exclude_weights or [])
         plan = plan_quantize(plan, quant, **extra, **quant_options)
+    elif kv_overrides:
+        apply_kv_overrides(plan, kv_overrides)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
         from .auto_head import quantize_with_auto_head

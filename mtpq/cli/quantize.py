@@ -28,6 +28,8 @@ _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_n
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type same   # exactly llama-quantize\n\n"
         "  mtpq quantize glm-bf16.gguf glm-q3.gguf Q3_K_M --mtp-experts-type q4_k\n\n"
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run\n\n"
+        "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type-file types.txt --leave-output-tensor\n\n"
+        "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --prune-layers 20,21 --override-kv general.name=str:Air-pruned\n\n"
         "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix\n\n"
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type auto --max-drop 0.02   # measured choice\n\n"
         "  mtpq quantize air-bf16-00001-of-00005.gguf air-q4km.gguf Q4_K_M --split-max-size 48G   # split in and out"
@@ -52,7 +54,19 @@ def quantize(
         None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
     tensor_type: Optional[List[str]] = typer.Option(
         None, "--tensor-type", help="REGEX=TYPE, repeatable, first match wins; beats the preset and the MTP rule."),
+    tensor_type_file: Optional[List[Path]] = typer.Option(
+        None, "--tensor-type-file", help="A file of REGEX=TYPE entries separated by spaces or newlines (as "
+                                         "llama-quantize reads it), after the --tensor-type ones; repeatable."),
     output_tensor_type: Optional[str] = typer.Option(None, "--output-tensor-type", help=f"Type of output.weight: {_TYPES_HELP}."),
+    leave_output_tensor: bool = typer.Option(
+        False, "--leave-output-tensor", help="Leave output.weight as it is in IN (beats --output-tensor-type; a tied "
+                                             "token_embd is still quantized), as llama-quantize."),
+    override_kv: Optional[List[str]] = typer.Option(
+        None, "--override-kv", help="KEY=TYPE:VALUE (TYPE int, float, bool or str), repeatable: metadata written "
+                                    "to OUT and read for the choices, as llama-quantize."),
+    prune_layers: Optional[str] = typer.Option(
+        None, "--prune-layers", help="L0,L1,...: drop these blocks and renumber the rest, as llama-quantize; "
+                                     "nextn_predict_layers, per-layer arrays and the dense-block count follow."),
     token_embedding_type: Optional[str] = typer.Option(None, "--token-embedding-type", help="Type of token_embd.weight."),
     imatrix: Optional[Path] = typer.Option(
         None, "--imatrix", help="Importance matrix (llama-imatrix's GGUF or legacy .dat): the same bytes as "
@@ -85,7 +99,9 @@ def quantize(
                                      param_hint="--mtp-type auto")
         mtp_type = "keep"  # the trunk is written once with the input's head; the chosen head is grafted in
     options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
-                   output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type)
+                   output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
+                   tensor_type_files=tensor_type_file or [], leave_output_tensor=leave_output_tensor,
+                   kv_overrides=override_kv or [], prune_layers=prune_layers)
     parse_options(preset, **options)  # a bad option fails before any file is read
     split = split_rule(split_max_size, split_max_tensors, keep_split)
     set_threads(threads)
@@ -130,9 +146,10 @@ def print_decisions(info: dict) -> None:
     for r in rows:
         style = "magenta" if r["role"] == "mtp" else None
         new = r["type"] if r["type"] == r["old_type"] else f"[bold]{r['type']}[/]"
-        table.add_row(r["name"], r["role"], r["old_type"], new, f"{r['bytes']:,}", r["rule"], style=style)
+        name = f"{r['name']} (was {r['input_name']})" if "input_name" in r else r["name"]
+        table.add_row(name, r["role"], r["old_type"], new, f"{r['bytes']:,}", r["rule"], style=style)
     # never wrap a row: a table meant for grep and diff
-    width = max((len(r["name"]) + len(r["rule"]) for r in rows), default=0) + 60
+    width = max((2 * len(r["name"]) + len(r["rule"]) for r in rows), default=0) + 60
     Console(width=max(out.width, width)).print(table)
     totals = Table("role", "tensors", "old bytes", "new bytes", "bits/weight", title="totals by role", box=None)
     for role, v in info["by_role"].items():
@@ -141,3 +158,5 @@ def print_decisions(info: dict) -> None:
     totals.add_row("[bold]all[/]", str(t["tensors"]), f"{t['old_bytes']:,}", f"{t['bytes']:,}",
                    f"{t['bits_per_weight']:.2f}")
     out.print(totals)
+    if t["pruned_tensors"]:
+        out.print(f"--prune-layers: {t['pruned_tensors']} tensors dropped")

@@ -7,14 +7,13 @@ from pathlib import Path
 import typer
 
 from ..gguf_io import plan_from_gguf, tensor_nbytes, write_plan
-from ..quantize.kernels import SUPPORTED_TYPES
+from ..quantize.ggml_types import WRITABLE_TYPES
 from ..quantize.mtp_precision import parse_mtp
-from ..quantize.surgery import GRAFT_MODES, plan_extract_mtp, plan_graft
 from ..tensors import Plan, Role
 from .app import app
 from .common import SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, byte_progress, console, files_written, guarded, split_rule
 
-MTP_TYPES = {t.name.lower(): t for t in SUPPORTED_TYPES}  # what mtpq's kernels write
+MTP_TYPES = {t.name.lower(): t for t in WRITABLE_TYPES}  # what mtpq's kernels write
 
 
 def _write(plan: Plan, out: Path, label: str, quiet: bool, split=None) -> tuple[int, list[Path]]:
@@ -69,6 +68,8 @@ def graft(
     match; fixes block_count and nextn_predict_layers. The target's tensors
     and metadata are copied byte for byte.
     """
+    from ..quantize.surgery import GRAFT_MODES, plan_graft  # imports the converter's keep-lists (and torch)
+
     precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_MODES)  # before any file is read
     split = split_rule(split_max_size, split_max_tensors)
     plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
@@ -101,6 +102,8 @@ def extract_mtp(
     token_embd, output_norm and output, and the full model's metadata. Tensors
     are copied byte for byte.
     """
+    from ..quantize.surgery import plan_extract_mtp
+
     plan = plan_extract_mtp(plan_from_gguf(src))
     total, written = _write(plan, out, "extract-mtp", quiet)
     if not quiet:

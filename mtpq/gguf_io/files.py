@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.gguf_reader import ReaderTensor
 
 from ..errors import InputError
+from ..gguf_fields import FastFieldsReader
 
 INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
               GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
@@ -41,7 +42,7 @@ def split_prefix(name: str) -> str | None:
     return m.group("prefix") if m else None
 
 
-class _CheckedReader(GGUFReader):
+class _CheckedReader(FastFieldsReader):
     """GGUFReader that checks every tensor's byte range before gguf-py maps it, so a truncated or
     corrupt file is refused with what is wrong with it instead of numpy's reshape message."""
 

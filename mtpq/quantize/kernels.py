@@ -46,6 +46,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import malloc
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
+from .ggml_types import WRITABLE_TYPES
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -107,6 +108,11 @@ _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
 _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
                            T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
+# A fork and its exit cost the parent ~10-25 ms of system time each (page tables of a process holding
+# torch; more under load), twice per tensor with two workers: on the 1-8M-value tensors of a small model
+# (benchmarks/quant_bench.py --whole-file) that was a fifth of a Q6_K run's CPU time and more of its wall
+# time. Tensors below this many values go to threads instead; a real model's tensors are far above it.
+_FORK_MIN_VALUES = 1 << 24
 
 # types mtpq reads but does not write (a checkpoint's own encoding kept by the converter)
 _DEQUANT_ONLY: dict[GGMLQuantizationType, Callable] = {T.MXFP4: mxfp4.dequantize_mxfp4}
@@ -120,6 +126,7 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)
+assert SUPPORTED_TYPES == WRITABLE_TYPES, "ggml_types.WRITABLE_TYPES names the types these kernels write"
 
 _FLOAT_CHUNK = 1 << 22
 _DEQUANT_CHUNK = 1 << 24  # output elements per dequantization chunk
@@ -308,7 +315,8 @@ def quantize(
         malloc.keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
-    forked = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
+    forked = (workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and n_rows * n >= _FORK_MIN_VALUES
+              and _can_fork())
     if on_cpu and workers > 1 and not forked:
         # big chunks, but at least two per worker so that all of them stay busy
         todo = pieces(max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers))))

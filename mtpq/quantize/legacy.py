@@ -193,9 +193,12 @@ def _qh_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _qh_pack(hi: torch.Tensor) -> torch.Tensor:
-    """(N, 32) bits (int) -> (N, 4) little-endian bytes of the uint32 bit mask."""
-    shifts = torch.arange(8, device=hi.device, dtype=torch.int32)
-    return u8((hi.view(-1, 4, 8) << shifts).sum(dim=-1))
+    """(N, 32) bits (int) -> (N, 4) little-endian bytes of the uint32 bit mask: neighbouring bits ORed
+    together in three halving steps, in uint8 (a shifted sum over int32 cost Q5_0 a third of its time)."""
+    b = u8(hi).reshape(-1, 4, 8)
+    b = b[..., 0::2] | (b[..., 1::2] << 1)
+    b = b[..., 0::2] | (b[..., 1::2] << 2)
+    return (b[..., 0] | (b[..., 1] << 4)).reshape(-1, 4)
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -220,26 +223,58 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _row_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's min and max. Rows of 32 (a legacy block) by halving: elementwise min/max of the two
+    halves, five times, is twice as fast as torch's reduction over such short rows (NaN propagates both
+    ways)."""
+    w = x.shape[1]
+    if w & (w - 1):
+        return torch.aminmax(x, dim=1)
+    lo = hi = x
+    while w > 1:
+        w //= 2
+        lo, hi = torch.minimum(lo[:, :w], lo[:, w:2 * w]), torch.maximum(hi[:, :w], hi[:, w:2 * w])
+    return lo[:, 0], hi[:, 0]
+
+
+def _first_absmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``max`` of :func:`first_absmax` along the rows from one min/max pass: the first element of largest
+    |x| is +amax or -amax, and only a row holding both (or a NaN) needs the index scan."""
+    lo, hi = _row_min_max(x)
+    amax = torch.maximum(hi, -lo)
+    if bool(((hi == amax) & (lo == -amax) & (amax > 0) | (amax != amax)).any()):
+        return first_absmax(x, 1)[1]
+    return torch.where(amax > 0, torch.where(hi == amax, hi, lo), torch.zeros((), dtype=_F32, device=x.device))
+
+
 def _absmax_signed_scale(x: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, mx = first_absmax(x, 1)
-    d = div(mx, divisor)
+    d = div(_first_absmax_rows(x), divisor)
     idv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
     return d, idv
 
 
+def _levels_plus(x: torch.Tensor, idv: torch.Tensor, offset: float, top: int) -> torch.Tensor:
+    """``MIN(top, (int8_t)(x*id + offset))`` as uint8, for the signed legacy types (offset = nmax + 0.5).
+    With a finite ``id`` every ``x*id + offset`` lies in [0.5, 2*offset]: truncated straight to uint8, in
+    place; a deep-subnormal scale (``id`` inf) takes the general path (non-finite values store 0)."""
+    v = x * idv[:, None]
+    v.add_(offset)  # two roundings, as C's x*id + offset (no fused multiply-add)
+    if bool(torch.isinf(idv).any()):
+        return u8(torch.clamp(trunc_small(v), max=top))
+    return v.to(torch.uint8).clamp_(max=top)
+
+
 def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     d, idv = _absmax_signed_scale(x, -8.0)
-    v = x * idv[:, None] + 8.5
-    q = u8(torch.clamp(trunc_small(v), max=15))
+    q = _levels_plus(x, idv, 8.5, 15)
     qs = q[:, :16] | (q[:, 16:] << 4)
     return torch.cat([fp16_bits(d), qs], dim=1)
 
 
 def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     d, idv = _absmax_signed_scale(x, -16.0)
-    v = x * idv[:, None] + 16.5
-    q = torch.clamp(trunc_small(v), max=31)
-    qs = u8((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4))
+    q = _levels_plus(x, idv, 16.5, 31)
+    qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
     qh = _qh_pack((q & 0x10) >> 4)
     return torch.cat([fp16_bits(d), qh, qs], dim=1)
 

@@ -13,16 +13,19 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional, Sequence
 
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..errors import InputError
-from ..gguf_io import tensor_nbytes
+from ..gguf_io import refresh_size_label, tensor_nbytes
 from ..tensors import Plan, Role, TensorSpec
 from .imatrix import Imatrix, select_entries
+from .kv_override import KvOverride, apply_kv_overrides, parse_kv_overrides
 from .mtp_precision import Q8_0, SAME, MtpPrecision, parse_mtp
 from .policy import Override, PolicyContext, decide, never_quantized, with_counters
+from .prune import parse_prune_layers, prune_blocks
 from .presets import (FLOAT_TYPES, Category, ModelFacts, Preset, category, preset_named, requires_imatrix,
                       type_named)
 
@@ -44,6 +47,21 @@ def parse_overrides(items: Sequence[str], option: str = "--tensor-type") -> tupl
             raise InputError(option, f"bad regular expression {pattern!r}: {exc}") from None
         out.append(Override(text, compiled, type_named(typ, option)))
     return tuple(out)
+
+
+def read_tensor_type_file(path: str | Path) -> list[str]:
+    """``--tensor-type-file``: the ``REGEX=TYPE`` entries of a file, separated by spaces or newlines (as
+    llama-quantize reads them: whitespace-separated words, no comments)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(path, f"cannot read the tensor type file ({getattr(exc, 'strerror', None) or exc})") from None
+    words = text.split()
+    if not words:
+        raise InputError(path, "the tensor type file has no REGEX=TYPE entries")
+    parse_overrides(words, option=str(path))  # a bad entry names the file
+    return words
 
 
 def _optional_type(text: Optional[str], option: str) -> Optional[GGMLQuantizationType]:
@@ -81,6 +99,9 @@ class QuantOptions:
     overrides: tuple[Override, ...]
     output_tensor_type: Optional[GGMLQuantizationType]
     token_embedding_type: Optional[GGMLQuantizationType]
+    leave_output_tensor: bool = False
+    kv_overrides: tuple[KvOverride, ...] = ()
+    prune_layers: tuple[int, ...] = ()
 
 
 def parse_options(
@@ -91,17 +112,28 @@ def parse_options(
     output_tensor_type: Optional[str] = None,
     token_embedding_type: Optional[str] = None,
     preset_option: str = "PRESET",
+    tensor_type_files: Sequence[str | Path] = (),
+    leave_output_tensor: bool = False,
+    kv_overrides: Sequence[str] = (),
+    prune_layers: str | Sequence[int] | None = None,
 ) -> QuantOptions:
-    """Validate every option (InputError naming the option); nothing is read."""
+    """Validate every option (InputError naming the option or file); nothing but ``tensor_type_files`` is read.
+
+    The entries of ``tensor_type_files`` follow those of ``tensor_types``, file after file (first match wins).
+    """
     p = preset if isinstance(preset, Preset) else preset_named(preset, preset_option)
     mtp = parse_mtp(mtp_type, "--mtp-type", SAME if p.is_float else MTP_DEFAULT)
+    from_files = [w for f in tensor_type_files for w in read_tensor_type_file(f)]
     return QuantOptions(
         preset=p,
         mtp_type=mtp,
         mtp_experts_type=parse_mtp(mtp_experts_type, "--mtp-experts-type", mtp),
-        overrides=parse_overrides(tensor_types),
+        overrides=parse_overrides(tensor_types) + parse_overrides(from_files, "--tensor-type-file"),
         output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
         token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
+        leave_output_tensor=leave_output_tensor,
+        kv_overrides=parse_kv_overrides(kv_overrides),
+        prune_layers=parse_prune_layers(prune_layers),
     )
 
 
@@ -118,6 +150,10 @@ def plan_quantize(
     imatrix: Optional[Imatrix] = None,
     include_weights: Sequence[str] = (),
     exclude_weights: Sequence[str] = (),
+    tensor_type_files: Sequence[str | Path] = (),
+    leave_output_tensor: bool = False,
+    kv_overrides: Sequence[str] = (),
+    prune_layers: str | Sequence[int] | None = None,
 ) -> Plan:
     """``plan`` with every tensor's type (and reason) decided by the policy for ``preset``.
 
@@ -133,19 +169,34 @@ def plan_quantize(
     made coarser than its trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps``
     (default: ``mtp_type``). Options are validated before anything is decided;
     a bad one raises InputError naming the option.
+
+    llama-quantize's other options: ``tensor_type_files`` (``--tensor-type-file``, entries after
+    ``tensor_types``), ``leave_output_tensor``, ``kv_overrides`` (``KEY=TYPE:VALUE``: written, and read
+    for the choices as llama.cpp's loader reads them, :mod:`.kv_override`) and ``prune_layers`` (blocks
+    dropped and the rest renumbered, the metadata kept consistent, :mod:`.prune`; the choices count
+    layers as llama-quantize does, from the unpruned ``block_count``). Roles are the input's: an MTP
+    block keeps the MTP rule wherever it is renumbered to.
     """
-    o = parse_options(preset, mtp_type, mtp_experts_type, tensor_types, output_tensor_type, token_embedding_type)
+    o = parse_options(preset, mtp_type, mtp_experts_type, tensor_types, output_tensor_type, token_embedding_type,
+                      tensor_type_files=tensor_type_files, leave_output_tensor=leave_output_tensor,
+                      kv_overrides=kv_overrides, prune_layers=prune_layers)
     p = o.preset
     selected = _select_imatrix(plan, imatrix, include_weights, exclude_weights)
+    if o.kv_overrides:  # what the loader (and so llama-quantize's choices) reads, and the output's start
+        plan = replace(plan, kv=dict(plan.kv))
+        apply_kv_overrides(plan, o.kv_overrides)
+    facts = model_facts(plan)
+    plan = prune_blocks(plan, o.prune_layers)
     ctx = PolicyContext(
         preset=p,
-        model=model_facts(plan),
+        model=facts,
         mtp_type=o.mtp_type,
         mtp_experts_type=o.mtp_experts_type,
         overrides=o.overrides,
         output_tensor_type=o.output_tensor_type,
         token_embedding_type=o.token_embedding_type,
         pure=pure,
+        leave_output=o.leave_output_tensor,
         has_imatrix=selected is not None,
     )
     ctx = with_counters(ctx, plan.tensors)
@@ -177,8 +228,13 @@ def plan_quantize(
     kv = dict(plan.kv)
     out = Plan(plan.arch, kv, specs, inputs=list(plan.inputs), n_trunk_layers=plan.n_trunk_layers,
                n_mtp_layers=plan.n_mtp_layers)
-    out.set_kv(Keys.General.FILE_TYPE, int(p.ftype), GGUFValueType.UINT32)
-    out.set_kv(Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    overridden = {kvo.key for kvo in o.kv_overrides}  # llama-quantize applies them after these two
+    if Keys.General.FILE_TYPE not in overridden:
+        out.set_kv(Keys.General.FILE_TYPE, int(p.ftype), GGUFValueType.UINT32)
+    if Keys.General.QUANTIZATION_VERSION not in overridden:
+        out.set_kv(Keys.General.QUANTIZATION_VERSION, GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    if o.prune_layers:
+        refresh_size_label(out)
     if selected is not None:  # what llama-quantize records about the imatrix
         out.set_kv("quantize.imatrix.file", str(imatrix.path or "imatrix")[:127], GGUFValueType.STRING)
         if selected.datasets:
@@ -208,14 +264,15 @@ def _select_imatrix(plan: Plan, imatrix: Optional[Imatrix], include: Sequence[st
 
 
 def _with_importance(spec: TensorSpec, im: Imatrix) -> TensorSpec:
-    """``spec`` carrying its importance weights, if the imatrix has an entry for it.
+    """``spec`` carrying its importance weights, if the imatrix has an entry for it (under its name in the
+    input: llama-quantize looks a renumbered block's weights up under its old number).
 
     A size that does not fit is an error (an imatrix for another model), except for
     token_embd, which llama-quantize quantizes without weights then.
     """
     n_mat = spec.shape[0] if len(spec.shape) == 3 else 1
     try:
-        w = im.importance(spec.name, spec.shape[-1], n_mat)
+        w = im.importance(spec.input_name or spec.name, spec.shape[-1], n_mat)
     except InputError:
         if category(spec.name) is Category.TOKEN_EMBD:
             return spec
@@ -251,11 +308,14 @@ def summarize(before: Plan, after: Plan) -> dict:
     """A JSON-ready account of the decisions: one row per tensor and totals by role."""
     rows = []
     by_role: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "elements": 0, "old_bytes": 0, "bytes": 0})
-    for old, new in zip(before.tensors, after.tensors):
+    inputs = {s.name: s for s in before.tensors}
+    for new in after.tensors:  # --prune-layers: fewer tensors, renamed
+        old = inputs[new.input_name or new.name]
         old_bytes, new_bytes = tensor_nbytes(old.shape, old.ggml_type), tensor_nbytes(new.shape, new.ggml_type)
         rows.append({"name": new.name, "role": new.role.value, "shape": list(new.shape),
                      "old_type": old.ggml_type.name, "type": new.ggml_type.name,
-                     "old_bytes": old_bytes, "bytes": new_bytes, "rule": new.reason})
+                     "old_bytes": old_bytes, "bytes": new_bytes, "rule": new.reason,
+                     **({"input_name": old.name} if old.name != new.name else {})})
         r = by_role[new.role.value]
         r["tensors"] += 1
         r["elements"] += new.n_elements
@@ -272,5 +332,6 @@ def summarize(before: Plan, after: Plan) -> dict:
         "tensors": rows,
         "by_role": roles,
         "totals": {"tensors": len(rows), "elements": n_el, "old_bytes": total_old, "bytes": total_new,
-                   "bits_per_weight": round(8 * total_new / max(n_el, 1), 3)},
+                   "bits_per_weight": round(8 * total_new / max(n_el, 1), 3),
+                   "pruned_tensors": len(before.tensors) - len(rows)},
     }

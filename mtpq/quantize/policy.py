@@ -8,7 +8,9 @@ q2_k/q3_k -> q4_0, then f16).
 
 Order (what beats what):
 
-1. never quantized: 1-D tensors, norms, routers, conv1d... keep their type
+1. never quantized: 1-D tensors, norms, routers, conv1d... keep their type; with
+   ``--leave-output-tensor`` also ``output.weight`` (as llama-quantize: it beats
+   ``--output-tensor-type``; a tied token_embd is still quantized)
 2. ``--token-embedding-type`` / ``--output-tensor-type`` (as in llama-quantize)
 3. ``--tensor-type REGEX=TYPE``, first match (beats the MTP rule; applies even
    when the preset is f16/bf16, where llama-quantize ignores it)
@@ -66,6 +68,7 @@ class PolicyContext:
     output_tensor_type: Optional[GGMLQuantizationType] = None
     token_embedding_type: Optional[GGMLQuantizationType] = None
     pure: bool = False
+    leave_output: bool = False  # --leave-output-tensor: output.weight keeps its type
     has_imatrix: bool = False  # importance data given (after --include/--exclude-weights): some mixes change
     # llama-quantize's running counters, precomputed in file order by with_counters(): the number of
     # attn_v-like tensors, and each tensor's index among those of its counted category that reach the mix
@@ -93,6 +96,12 @@ def never_quantized(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
     else:
         what = "never quantized by llama-quantize"
     return spec.ggml_type, f"{what}: kept at {spec.ggml_type.name.lower()}"
+
+
+def leave_output_tensor(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
+    if ctx.leave_output and spec.name == "output.weight":
+        return spec.ggml_type, f"--leave-output-tensor: kept at {spec.ggml_type.name.lower()}"
+    return None
 
 
 def token_embedding_option(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
@@ -147,8 +156,8 @@ def preset_mix(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
                      has_imatrix=ctx.has_imatrix)
 
 
-RULES: list[Rule] = [never_quantized, token_embedding_option, output_tensor_option, user_override, mtp_block,
-                     pure_preset, float_preset, preset_mix]
+RULES: list[Rule] = [never_quantized, leave_output_tensor, token_embedding_option, output_tensor_option,
+                     user_override, mtp_block, pure_preset, float_preset, preset_mix]
 
 
 # ----------------------------------------------------------------------------- deciding
@@ -165,7 +174,7 @@ def first_answer(spec: TensorSpec, ctx: PolicyContext, rules: Iterable[Rule] = R
 def decide(spec: TensorSpec, ctx: PolicyContext) -> Decision:
     """The type of one tensor and the reason, after llama-quantize's row-length fallback."""
     rule, (qtype, reason) = first_answer(spec, ctx)
-    if rule is never_quantized:
+    if rule in _KEPT:
         return qtype, reason
     new, why = row_fallback(qtype, _row(spec))
     return (new, f"{reason}; {why}") if why else (qtype, reason)
@@ -195,4 +204,5 @@ def with_counters(ctx: PolicyContext, specs: list[TensorSpec]) -> PolicyContext:
     return replace(base, running_index=index)
 
 
+_KEPT = (never_quantized, leave_output_tensor)  # the type it has: no row fallback
 _COUNTED = (Category.FFN_DOWN, Category.FFN_GATE, Category.FFN_UP)

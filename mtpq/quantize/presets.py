@@ -28,11 +28,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
 
-from .kernels import SUPPORTED_TYPES
+from .ggml_types import WRITABLE_TYPES
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-USER_TYPES = frozenset(SUPPORTED_TYPES)  # what mtpq's kernels write: users may name any of these
+USER_TYPES = frozenset(WRITABLE_TYPES)  # what mtpq's kernels write: users may name any of these
 
 
 @dataclass(frozen=True)

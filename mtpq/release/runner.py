@@ -120,7 +120,7 @@ def _produce_extra(recipe: Recipe, mode: str, out: Path, split_max_size: int) ->
     return _write(plan, out, split_max_size)
 
 
-def _produce_variant(reference: Path, v: Variant, out: Path, split_max_size: int) -> list[Path]:
+def _produce_variant(reference: Path, v: Variant, out: Path, split_max_size: int, prompts: str = "builtin") -> list[Path]:
     from ..gguf_io import plan_from_gguf
     from ..quantize.pipeline import plan_quantize
 
@@ -132,10 +132,17 @@ def _produce_variant(reference: Path, v: Variant, out: Path, split_max_size: int
     else:
         from ..quantize.imatrix import read_imatrix
 
-        plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type,
-                             tensor_types=list(v.tensor_types),
-                             imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
-                             include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
+        options = dict(mtp_experts_type=v.mtp_experts_type, tensor_types=list(v.tensor_types))
+        extra = dict(imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
+                     include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
+        plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, **options, **extra)
+        if v.auto_max_drop is not None:  # mtp_type = "auto": measured on the quantized trunk, then grafted in
+            from ..cli.auto_head import quantize_with_auto_head
+            from ..gguf_io import SplitRule
+
+            _, written = quantize_with_auto_head(reference, out, ref, plan, v.preset, v.auto_max_drop, prompts, True,
+                                                 options, extra, split=SplitRule(max_size=split_max_size))
+            return written
     return _write(plan, out, split_max_size)
 
 
@@ -156,13 +163,44 @@ def measure(path: Path, gate: Gate) -> dict:
     return {**report.deterministic_summary(), "engine": report.engine}
 
 
-def judge(rate: float, ref_rate: float | None, gate: Gate) -> dict:
+def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
+    """The trunk's figures against the reference on gate.text (mtpq compare's), deterministic: no timings."""
+    if gate.engine == "llama.cpp":
+        from ..engines.perplexity import PerplexityConfig, find_perplexity, kld_with_llama_cpp
+
+        cfg = PerplexityConfig(find_perplexity(gate.llama_cpp), ctx_size=gate.kld_ctx_size, chunks=gate.kld_chunks,
+                               threads=gate.threads, ngl=gate.ngl)
+        _, (figures,), chunks = kld_with_llama_cpp(reference, [path], Path(gate.text), cfg)
+        return {**figures, "chunks": chunks, "ctx_size": gate.kld_ctx_size, "engine": "llama.cpp"}
+    from ..runtime.accept import use_threads
+    from ..runtime.quality import QualityRun, compare_runs
+
+    use_threads(path, gate.threads)
+    ref, q = QualityRun(reference), QualityRun(path)
+    chunks = compare_runs(ref, [q], Path(gate.text).read_text(), n_ctx=gate.kld_ctx_size, n_chunks=gate.kld_chunks)
+    keep = ("ppl", "ppl_ratio", "kld_mean", "kld_median", "kld_p99", "kld_max", "top1", "dp_rms")
+    return {**{k: v for k, v in q.quality.summary(ref.quality).items() if k in keep}, "chunks": chunks,
+            "ctx_size": gate.kld_ctx_size, "engine": "torch"}
+
+
+def judge(rate: float | None, ref_rate: float | None, gate: Gate, quality: dict | None = None) -> dict:
+    from ..acceptance.quality import Gates
+    from ..acceptance.quality import judge as judge_quality
+
     reasons = []
-    if gate.min_rate is not None and rate < gate.min_rate:
-        reasons.append(f"acceptance {rate:.3f} < min_rate {gate.min_rate:.3f}")
-    if gate.max_drop is not None and ref_rate is not None and ref_rate - rate > gate.max_drop:
-        reasons.append(f"drop {ref_rate - rate:.3f} vs reference {ref_rate:.3f} > max_drop {gate.max_drop:.3f}")
+    if rate is not None:
+        if gate.min_rate is not None and rate < gate.min_rate:
+            reasons.append(f"acceptance {rate:.3f} < min_rate {gate.min_rate:.3f}")
+        if gate.max_drop is not None and ref_rate is not None and ref_rate - rate > gate.max_drop:
+            reasons.append(f"drop {ref_rate - rate:.3f} vs reference {ref_rate:.3f} > max_drop {gate.max_drop:.3f}")
+    if gate.scores_quality:
+        trunk = Gates(max_kld=gate.max_kld, min_top1=gate.min_top1, max_ppl_ratio=gate.max_ppl_ratio)
+        reasons += judge_quality([{"file": "", **(quality or {})}], trunk)[""]
     return {"passed": not reasons, "reason": "; ".join(reasons) or "ok"}
+
+
+def _judge_entry(entry: dict, ref_rate: float | None, gate: Gate) -> dict:
+    return judge(entry.get("acceptance", {}).get("acceptance_rate"), ref_rate, gate, entry.get("quality"))
 
 
 # ----------------------------------------------------------------------------- one artifact
@@ -190,7 +228,9 @@ def build_artifact(job: dict) -> dict:
         elif kind in ("only", "drop"):
             written = _produce_extra(job["recipe"], kind, out, split)
         else:
-            written = _produce_variant(Path(job["reference"]), job["variant"], out, split)
+            gate = job["recipe"].gate if job.get("recipe") else None
+            written = _produce_variant(Path(job["reference"]), job["variant"], out, split,
+                                       gate.prompts if gate else "builtin")
         files = [{"file": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in written]
         for f in files_of(old) if old else []:  # the previous build's files of this artifact (another layout)
             if f["file"] not in {g["file"] for g in files}:
@@ -199,14 +239,20 @@ def build_artifact(job: dict) -> dict:
                  "build_key": job["build_key"], **({"sha256": files[0]["sha256"]} if len(files) == 1 else {}),
                  **describe(written[0]), **({"shards": files} if len(files) > 1 else {}), **job["options"]}
     else:
-        entry = {k: v for k, v in old.items() if k not in ("acceptance", "gate", "gate_key")}
+        entry = {k: v for k, v in old.items() if k not in ("acceptance", "quality", "gate", "gate_key")}
     entry["reused"] = reused
     gate: Gate | None = job["gate"]
     if gate is not None and job["gated"]:
-        if reused and old.get("gate_key") == job["gate_key"] and "acceptance" in old:
+        same_gate = reused and old.get("gate_key") == job["gate_key"]
+        if same_gate and "acceptance" in old:
             entry["acceptance"] = old["acceptance"]
         else:
             entry["acceptance"] = measure(out.parent / entry["file"], gate)  # a split artifact: from its shard 1
+        if gate.scores_quality and job["kind"] == "variant":  # the trunk against the reference, on gate.text
+            if same_gate and "quality" in old:
+                entry["quality"] = old["quality"]
+            else:
+                entry["quality"] = measure_quality(Path(job["reference"]), out.parent / entry["file"], gate)
         entry["gate_key"] = job["gate_key"]
     write_json(part_path, {k: v for k, v in entry.items() if k != "reused"})
     return entry
@@ -222,6 +268,8 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool
     ref_key = key_of(TOOL, src, recipe.reference_type)  # what the reference holds: the key variants build on
     gate = recipe.gate
     gate_opts = asdict(gate) if gate else None
+    if gate is not None and gate.text is not None:  # the text's bytes, not its name, decide the quality figures
+        gate_opts["text"] = sha256_file(Path(gate.text))
 
     def split_key(key: str, size: int) -> str:  # the shard size changes an artifact's files, not what it holds
         return key_of(key, {"split_max_size": size}) if size else key
@@ -300,7 +348,7 @@ def run_build(recipe: Recipe, only: list[str] | None = None, jobs: int = 1, forc
             log(f"  {'reused' if results[-1]['reused'] else 'built'}" + _acc(results[-1]))
     for job, entry in zip(todo, results):
         if job["gated"]:
-            entry["gate"] = judge(entry["acceptance"]["acceptance_rate"], ref_rate, recipe.gate)
+            entry["gate"] = _judge_entry(entry, ref_rate, recipe.gate)
             write_json(Path(job["part"]), {k: v for k, v in entry.items() if k != "reused"})
         entries.append(entry)
     failed = [e for e in entries if e.get("gate") and not e["gate"]["passed"]]
@@ -352,7 +400,7 @@ def write_outputs(recipe: Recipe, source: dict[str, str] | None = None) -> dict:
     ref_rate = (ref or {}).get("acceptance", {}).get("acceptance_rate")
     for e in entries:  # re-judge on merge: partial builds did not know every rate
         if "acceptance" in e and e["kind"] == "variant" and recipe.gate is not None:
-            e["gate"] = judge(e["acceptance"]["acceptance_rate"], ref_rate, recipe.gate)
+            e["gate"] = _judge_entry(e, ref_rate, recipe.gate)
     manifest = {
         "model": recipe.name,
         "tool": TOOL,
@@ -364,6 +412,8 @@ def write_outputs(recipe: Recipe, source: dict[str, str] | None = None) -> dict:
     }
     if recipe.gate and manifest["gate"]["prompts"] != "builtin":
         manifest["gate"]["prompts"] = Path(manifest["gate"]["prompts"]).name
+    if recipe.gate and manifest["gate"]["text"] is not None:  # no machine's path in a published manifest
+        manifest["gate"]["text"] = Path(manifest["gate"]["text"]).name
     write_json(recipe.output / "manifest.json", manifest)
     sums = "".join(f"{f['sha256']}  {f['file']}\n" for e in entries for f in files_of(e))
     _write_text(recipe.output / "SHA256SUMS", sums)
@@ -395,14 +445,23 @@ def model_card(recipe: Recipe, manifest: dict) -> str:
     if gate:
         lines += [f"Acceptance: greedy draft acceptance rate at depth k={gate.draft} on the `{Path(gate.prompts).name}` "
                   f"prompts ({gate.max_new_tokens} new tokens each), measured by `mtpq accept`.", ""]
-    lines += ["| file | size | bits/weight | MTP type | acceptance | gate |", "|---|---:|---:|---|---:|---|"]
+    quality = gate is not None and gate.scores_quality
+    if quality:
+        lines += [f"Quality: the trunk against the reference on `{Path(gate.text).name}` as llama-perplexity "
+                  f"--kl-divergence measures it (chunks of {gate.kld_ctx_size} tokens): mean KLD, how often the "
+                  "top token agrees, PPL ratio; computed by `mtpq compare`.", ""]
+    head = "| file | size | bits/weight | MTP type | acceptance |" + (" mean KLD | same top | PPL ratio |" if quality else "")
+    lines += [head + " gate |", "|---|---:|---:|---|---:|" + ("---:|---:|---:|" if quality else "") + "---|"]
     for f in manifest["files"]:
         acc = f.get("acceptance", {}).get("acceptance_rate")
         g = f.get("gate")
+        q = f.get("quality") or {}
         shards = f" + {len(f['shards']) - 1} more shards" if "shards" in f else ""
+        cells = (f" {q['kld_mean']:.4f} | {100 * q['top1']:.1f} % | {q['ppl_ratio']:.4f} |" if q else " — | — | — |"
+                 ) if quality else ""
         lines.append(f"| `{f['file']}`{shards} | {f['bytes'] / 2**20:,.1f} MiB | {f['bits_per_weight']:.2f} | "
-                     f"{', '.join(f['mtp_precision']) or '—'} | {'—' if acc is None else f'{100 * acc:.1f} %'} | "
-                     f"{'—' if g is None else ('pass' if g['passed'] else 'FAIL: ' + g['reason'])} |")
+                     f"{', '.join(f['mtp_precision']) or '—'} | {'—' if acc is None else f'{100 * acc:.1f} %'} |"
+                     f"{cells} {'—' if g is None else ('pass' if g['passed'] else 'FAIL: ' + g['reason'])} |")
     split = [f for f in manifest["files"] if "shards" in f]
     if split:
         first = split[0]
