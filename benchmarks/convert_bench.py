@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -62,11 +64,14 @@ validate.check_required_hparams = timed(validate.check_required_hparams)
 t0 = time.perf_counter()
 plan = plan_checkpoint(src, outtype=OUTTYPES.get(outtype))  # None = auto
 t1 = time.perf_counter()
+c1 = resource.getrusage(resource.RUSAGE_SELF)
 write_plan(plan, out)
 t2 = time.perf_counter()
+c2 = resource.getrusage(resource.RUSAGE_SELF)
 # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss still counts the parent's peak (GBs: it built checkpoints)
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({"seconds": t2 - t0, "plan_seconds": t1 - t0, "write_seconds": t2 - t1,
+write_cpu = (c2.ru_utime + c2.ru_stime) - (c1.ru_utime + c1.ru_stime)  # every thread of the process
+print(json.dumps({"seconds": t2 - t0, "plan_seconds": t1 - t0, "write_seconds": t2 - t1, "write_cpu": write_cpu,
                   "validation_seconds": spent[0], "peak_rss": hwm}))
 """
 
@@ -184,11 +189,18 @@ def largest_tensor(ckpt: Path, out: Path) -> int:
     return max(src, dst)
 
 
-def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> float:
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> tuple[float, float]:
     """The baseline: bring the checkpoint's bytes into memory and write out as many bytes as the conversion
-    writes, as any converter must (a plain copy when the sizes match; FP8 -> bf16 writes twice what it reads)."""
+    writes, as any converter must (a plain copy when the sizes match; FP8 -> bf16 writes twice what it reads).
+    Returns (wall seconds, CPU seconds)."""
     in_bytes = sum(s.stat().st_size for s in shards)
     buf = bytearray(64 << 20)
+    c0 = _cpu()
     t0 = time.perf_counter()
     with open(work / "mtpq-bench-copy.bin", "wb") as dst_f:
         for s in shards:
@@ -198,9 +210,9 @@ def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> float:
                     while todo > 0:
                         dst_f.write(memoryview(buf)[:min(n, todo)])
                         todo -= min(n, todo)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, _cpu() - c0
     (work / "mtpq-bench-copy.bin").unlink()
-    return dt
+    return dt, cpu
 
 
 def output_bytes(src: Path, outtype: str) -> int:
@@ -236,12 +248,13 @@ def run_one(label: str, src: Path, outdir: Path, outtype: str, repeat: int) -> d
             out_gb = out.stat().st_size / 1e9
         out.unlink()
     copies.append(copy_seconds(shards, outdir, out_bytes))
-    copy_s = min(copies)
-    best = {k: min(r[k] for r in runs) for k in ("seconds", "plan_seconds", "write_seconds")}
+    copy_s, copy_cpu = min(c[0] for c in copies), min(c[1] for c in copies)
+    best = {k: min(r[k] for r in runs) for k in ("seconds", "plan_seconds", "write_seconds", "write_cpu")}
     peak = max(r["peak_rss"] for r in runs)
     return dict(label=label, outtype=outtype, ckpt_gb=nbytes / 1e9, out_gb=out_gb,
                 largest_mb=largest / 1e6, copy_s=copy_s, convert_s=best["seconds"], plan_s=best["plan_seconds"],
                 speed=copy_s / best["seconds"], stream=copy_s / best["write_seconds"],
+                cpu=copy_cpu / best["write_cpu"], load=os.getloadavg()[0],
                 validation=max(r["validation_seconds"] / r["seconds"] for r in runs),
                 rss_mb=peak / 1e6, rss_bound=peak / (1e9 + largest))
 
@@ -265,9 +278,15 @@ def main() -> None:
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.out_dir is not None:
+        try:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"--out-dir {args.out_dir}: cannot create it ({exc.strerror or exc})") from None
     rows = []
     head = (f"{'family':<14} {'outtype':<7} {'ckpt GB':>7} {'out GB':>6} {'largest MB':>10} {'streaming':>9} "
-            f"{'overall':>7} {'start s':>7} {'peak RSS MB':>11} {'RSS/bound':>9} {'validation':>10}")
+            f"{'cpu':>6} {'overall':>7} {'start s':>7} {'peak RSS MB':>11} {'RSS/bound':>9} {'validation':>10} "
+            f"{'load':>5}")
     try:
         for fam in args.family.split(","):
             base = fam.removesuffix("-fp8")
@@ -283,18 +302,24 @@ def main() -> None:
                     tiny.to_fp8_block_scaled(src)
                 else:
                     build(fam, src, args.scale)
+                # the checkpoint's GBs are dirty pages: written back now, not during the copies and conversions
+                print("syncing ...", file=sys.stderr, flush=True)
+                os.sync()
             for outtype in (args.fp8_outtypes.split(",") if fam.endswith("-fp8") else ["auto"]):
                 r = run_one(fam, src, args.out_dir or work, outtype, args.repeat)
                 rows.append(r)
                 if len(rows) == 1:
                     print(head)
                 print(f"{r['label']:<14} {r['outtype']:<7} {r['ckpt_gb']:>7.2f} {r['out_gb']:>6.2f} "
-                      f"{r['largest_mb']:>10.0f} {r['stream']:>8.2f}x {r['speed']:>6.2f}x {r['plan_s']:>7.1f} "
-                      f"{r['rss_mb']:>11.0f} {r['rss_bound']:>8.2f}x {100 * r['validation']:>9.2f}%", flush=True)
-        print("streaming: copy time / time to read, convert and write the tensors; overall: copy time / whole "
+                      f"{r['largest_mb']:>10.0f} {r['stream']:>8.2f}x {r['cpu']:>5.2f}x {r['speed']:>6.2f}x "
+                      f"{r['plan_s']:>7.1f} {r['rss_mb']:>11.0f} {r['rss_bound']:>8.2f}x {100 * r['validation']:>9.2f}% "
+                      f"{r['load']:>5.1f}", flush=True)
+        print("streaming: copy time / time to read, convert and write the tensors; cpu: the same in CPU time (the "
+              "conversion's threads included: what other jobs on the machine disturb least); overall: copy time / whole "
               "conversion, including the start (validation, tokenizer: a fixed few seconds, most of it importing "
-              "transformers). Copy: read the checkpoint, write as many bytes as the conversion. Best of --repeat runs each."
-              " Targets: >= 0.75x, peak RSS / (1 GB + largest tensor) <= 1, validation < 3 %")
+              "transformers). Copy: read the checkpoint, write as many bytes as the conversion. Best of --repeat runs each;"
+              " load: the 1-minute load average after the row. Targets: >= 0.75x, peak RSS / (1 GB + largest tensor) "
+              "<= 1, validation < 3 %")
         slow = [f"{r['label']} {r['outtype']}" for r in rows if r["stream"] < 0.75]
         big = [f"{r['label']} {r['outtype']}" for r in rows if r["rss_bound"] > 1]
         print(f"streaming below the speed target: {', '.join(slow) or 'none'}; over the memory bound: {', '.join(big) or 'none'}")

@@ -13,12 +13,16 @@ llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, 
 N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
 quantizes a GGUF with the same metadata and a single 256x256 tensor: that time is its start-up (process,
 imports, reading the metadata, until its first tensor is quantized); the marginal throughput is the
-difference in input MB over the difference in time. The types that need an importance matrix get one
-(an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for both). Bytes are compared.
+difference in input MB over the difference in time, in wall time and in CPU time (the child's threads
+and workers included: what other jobs on a shared machine disturb least). The types that need an
+importance matrix get one (an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for
+both). Bytes are compared.
 
 For every type it prints the time to quantize an f32 matrix of N(0, 0.02^2)
 values and the input throughput (MB of f32 per second), and the time and
-output throughput of ``dequantize`` (on CPU, or ``--device cuda``).
+output throughput of ``dequantize`` (on CPU, or ``--device cuda``). The types
+ggml refuses to write without importance data (IQ2_XXS, IQ2_XS, IQ1_S) get
+the synthetic weights below, marked in the table.
 
 With ``--llama-quantize``, an F32 GGUF holding the same matrix (one tensor,
 ``blk.0.ffn_down.weight``) is written with gguf-py, and ``llama-quantize --pure
@@ -272,8 +276,8 @@ def whole_file(args) -> None:
         load = os.getloadavg()[0]
         print(f"{big.name}: {mb_big:.0f} MB f32, {args.threads} threads, best of {args.repeat}, load average "
               f"{load:.2f} at the start ({os.cpu_count()} CPUs)")
-        print(f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu ours/theirs':>15} "
-              f"{'start theirs':>12} {'start ours':>10} {'same bytes':>10}")
+        print(f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu':>6} "
+              f"{'start theirs':>12} {'start ours':>10} {'ours cpu':>8} {'same bytes':>10} {'load':>5}")
         for name in types.split(","):
             qt = T[name]
             im = ["--imatrix", str(im_file)] if qt in IMATRIX_ONLY_TYPES else []
@@ -282,19 +286,24 @@ def whole_file(args) -> None:
                                      "--threads", str(args.threads), "--quiet", *im]
             theirs = lambda src, out: [str(args.llama_quantize), "--pure", *im, str(src), str(out),  # noqa: E731
                                        LLAMA_FTYPE.get(name, name), str(args.threads)]
-            best = {k: float("inf") for k in ("o", "t", "oc", "tc", "os", "ts")}
+            # per tool: best marginal wall and CPU (whole file minus the one-tensor file), best start-up
+            best = {k: [float("inf")] * 4 for k in ("o", "t")}
             for _ in range(args.repeat):  # alternating: the machine's load changes from second to second
                 for key, cmd, e in (("o", ours, env), ("t", theirs, llama_env)):
                     wall, cpu = _timed(cmd(big, work / f"{key}.gguf"), e)
-                    start, _ = _timed(cmd(mini, work / f"{key}-mini.gguf"), e)
-                    best[key], best[key + "c"] = min(best[key], wall - start), min(best[key + "c"], cpu)
-                    best[key + "s"] = min(best[key + "s"], start)
+                    start, start_cpu = _timed(cmd(mini, work / f"{key}-mini.gguf"), e)
+                    b = best[key]
+                    best[key] = [min(b[0], wall - start), min(b[1], cpu - start_cpu), min(b[2], start),
+                                 min(b[3], start_cpu)]
             same = _same_tensors(work / "o.gguf", work / "t.gguf")
-            o_mbs, t_mbs = (mb_big - mb_mini) / best["o"], (mb_big - mb_mini) / best["t"]
-            print(f"{name:8} {t_mbs:11.1f} {o_mbs:9.1f} {o_mbs / t_mbs:10.2f}x {best['tc'] / best['oc']:14.2f}x "
-                  f"{best['ts']:11.2f}s {best['os']:9.2f}s {str(same):>10}", flush=True)
-        print("ours/theirs: marginal throughput (input MB / (whole file - start-up)), above 1: mtpq is faster; "
-              "cpu: whole-file CPU time, theirs / ours; start: a one-tensor file with the same metadata")
+            (o_wall, o_cpu, o_start, o_start_cpu), (t_wall, t_cpu, t_start, _) = best["o"], best["t"]
+            mb = mb_big - mb_mini
+            print(f"{name:8} {mb / t_wall:11.1f} {mb / o_wall:9.1f} {t_wall / o_wall:10.2f}x {t_cpu / o_cpu:5.2f}x "
+                  f"{t_start:11.2f}s {o_start:9.2f}s {o_start_cpu:7.2f}s {str(same):>10} {os.getloadavg()[0]:5.1f}",
+                  flush=True)
+        print("ours/theirs: marginal throughput (input MB / (whole file - one-tensor file), wall), above 1: mtpq is "
+              "faster; cpu: the same in CPU time (threads and workers included), theirs / ours; start: the one-tensor "
+              "file's wall time (ours cpu: its CPU time); load: the 1-minute load average after the row")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
