@@ -2,7 +2,7 @@
 
 convert builds a plan from an HF checkpoint, quantize from a GGUF with new
 types, graft from two GGUFs, extract-mtp keeps the MTP subset. One writer
-(:mod:`mtpq.gguf_out`) streams any plan to disk, tensor by tensor.
+(:func:`mtpq.gguf_io.write_plan`) streams any plan to disk, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ class TensorSpec:
     reason: str = ""  # why ggml_type was chosen (the policy's explanation)
     # importance weights from an imatrix, (n_mat, row length) float32 (one row per expert), or None
     importance: "np.ndarray | None" = None
+    # the shard of a split GGUF it was read from (0: the first, or an unsplit file): the layout --keep-split keeps
+    shard: int = 0
+    # rows r0:r1 along dim 0 (experts of a stack, rows of a matrix) as float values, like ``load``'s (GGUF sources):
+    # a big tensor is then encoded slab by slab, never held whole in float32
+    load_rows: Callable[[int, int], torch.Tensor] | None = None
     input_name: str | None = None  # the name it had in the input, when renamed (--prune-layers renumbers blocks)
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":

@@ -345,3 +345,72 @@ def test_graft_into_refuses_what_graft_cannot_do(glm_ckpt, tmp_path, mtp, key, s
     line = res.stderr.strip()
     assert "\n" not in line and key in line and says in line, line
     assert not (tmp_path / "dist").exists()
+
+
+def test_split_artifacts(glm_ckpt, tmp_path, prompts):
+    """split_max_size (the recipe's, a variant's own): the artifacts are llama.cpp shards holding the unsplit
+    build's bytes; the parts and the manifest list each shard (bytes, sha256), SHA256SUMS has a line per shard,
+    the card names shard 1; the gate measures the split files (the whole build's figures); an unchanged build is
+    reused, and one with another size removes the shards it replaces."""
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+
+    gate = GATE.format(prompts=prompts, min_rate=0.0)
+    whole = write_recipe(tmp_path / "whole.toml", glm_ckpt, output="whole", gate=gate)
+    assert run_cli("build", whole).exit_code == 0
+    text = RECIPE.format(source=glm_ckpt, output="split", mtp="q8_0", gate=gate)
+    text = text.replace('reference_type = "f16"', 'reference_type = "f16"\nsplit_max_size = "2M"')
+    recipe = tmp_path / "split.toml"
+    recipe.write_text(text.replace('preset = "Q8_0"', 'preset = "Q8_0"\nsplit_max_size = 1000000'))
+    res = run_cli("build", recipe)
+    assert res.exit_code == 0, res.output
+    dist, ref = tmp_path / "split", tmp_path / "whole"
+    manifest = json.loads((dist / "manifest.json").read_text())
+    by_file = {f["file"]: f for f in manifest["files"]}
+    assert set(by_file) == {"tiny-F16-00001-of-00004.gguf", "tiny-Q8_0-00001-of-00005.gguf",
+                            "tiny-Q4_K_M-00001-of-00002.gguf", "tiny-F16-MTP-only-00001-of-00002.gguf"}
+    sums = dict(reversed(line.split("  ")) for line in (dist / "SHA256SUMS").read_text().splitlines())
+    assert set(sums) == {p.name for p in dist.glob("*.gguf")}
+    whole_manifest = {f["kind"] + str(f["variant"]): f for f in json.loads((ref / "manifest.json").read_text())["files"]}
+    for name, f in by_file.items():
+        shards = sorted(dist.glob(name.replace("00001-of", "*-of")))
+        assert [s["file"] for s in f["shards"]] == [p.name for p in shards] and len(shards) > 1
+        for s, p in zip(f["shards"], shards):
+            assert s["bytes"] == p.stat().st_size and s["sha256"] == sha(p) == sums[p.name]
+        assert f["bytes"] == sum(p.stat().st_size for p in shards)
+        w = whole_manifest[f["kind"] + str(f["variant"])]
+        write_plan(plan_from_gguf(shards[-1]), tmp_path / "rewritten.gguf")
+        assert sha(tmp_path / "rewritten.gguf") == w["sha256"], name  # the unsplit build's bytes
+        assert f.get("acceptance") == w.get("acceptance"), name  # measured on the shards: the same figures
+    assert "acceptance" in by_file["tiny-Q4_K_M-00001-of-00002.gguf"]
+    assert by_file["tiny-Q8_0-00001-of-00005.gguf"]["split_max_size"] == 1_000_000
+    card = (dist / "README.md").read_text()
+    assert "`tiny-Q4_K_M-00001-of-00002.gguf` + 1 more shards" in card and "-m tiny-F16-00001-of-00004.gguf" in card
+
+    before = stamps(dist)
+    res = run_cli("build", recipe, "--dry-run")
+    assert res.exit_code == 0 and "build" not in res.stderr.replace("tiny", ""), res.stderr
+    assert run_cli("build", recipe).exit_code == 0 and stamps(dist) == before
+    recipe.write_text(text)  # Q8_0 back to the recipe's 2M: fewer shards, the 4 it had removed
+    assert run_cli("build", recipe).exit_code == 0
+    q8 = next(f for f in json.loads((dist / "manifest.json").read_text())["files"] if f["variant"] == "Q8_0")
+    assert sorted(p.name for p in dist.glob("tiny-Q8_0*")) == [s["file"] for s in q8["shards"]]
+    assert q8["file"] == "tiny-Q8_0-00001-of-00003.gguf"
+    assert {n: t for n, t in stamps(dist).items() if "Q8_0" not in n} == \
+           {n: t for n, t in before.items() if "Q8_0" not in n}
+
+
+def test_examples_are_what_the_readme_says():
+    """The example recipes load; the workflow builds the big-model recipe on a self-hosted runner, gates through
+    llama.cpp with every layer offloaded, keeps files under Hugging Face's 50 GB and uploads with huggingface-cli."""
+    from mtpq.release import load_recipe
+
+    yaml = pytest.importorskip("yaml")
+    small = load_recipe(ROOT / "examples" / "recipe.toml")
+    assert small.split_max_size == 48 * 10**9
+    flow = yaml.safe_load((ROOT / "examples" / "github-actions.yml").read_text())
+    recipe = load_recipe(ROOT / flow["env"]["RECIPE"], check_inputs=False)
+    assert recipe.gate.engine == "llama.cpp" and recipe.gate.ngl == 999 and recipe.split_max_size <= 48 * 10**9
+    job = flow["jobs"]["build"]
+    assert "self-hosted" in job["runs-on"]
+    steps = " ".join(s.get("run", "") for s in job["steps"])
+    assert 'mtpq build "$RECIPE"' in steps and "huggingface-cli upload" in steps and "sha256sum -c" in steps

@@ -188,6 +188,72 @@ def test_fp8_block_scaled_dequantized(bl_ckpt, tmp_path):
         np.testing.assert_array_equal(tensors[name][1], value(dequant, name, hf).numpy(), err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def ling_mxfp4(tmp_path_factory):
+    """Ling 3.0 Flash's FP8 release with MXFP4 routed experts (tests/releases/ling3_flash.py)."""
+    import releases
+
+    return releases.build(releases.manifests()["ling3_flash"], tmp_path_factory.mktemp("mx") / "ckpt", "fp8_mxfp4")
+
+
+MXFP4_STACKS = [f"blk.{bid}.ffn_{proj}_exps.weight" for bid in (2, 3, 4) for proj in ("gate", "up", "down")]
+
+
+def test_mxfp4_experts_keep_their_bits(ling_mxfp4, tmp_path):
+    """routed_experts_quant_method mxfp4: every expert stack (the MTP layer's too) is written as ggml MXFP4 whatever
+    the outtype (file type MOSTLY_MXFP4_MOE), its values the checkpoint's by the OCP definition (E2M1 code x
+    2^(e - 127)) bit for bit; the rest is the FP8 dequantized to the outtype."""
+    import gguf
+    import tiny_mimo2
+
+    kv, tensors = convert(ling_mxfp4, tmp_path / "m.gguf", "--outtype", "f16")
+    assert kv["general.file_type"] == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    src = source_tensors(ling_mxfp4)
+    for name in MXFP4_STACKS:
+        qtype, data = tensors[name]
+        assert qtype == T.MXFP4, name
+        got = gguf.dequantize(data, T.MXFP4)
+        bid, proj = int(name.split(".")[1]), name.split("_")[1]
+        for e in range(4):
+            hf = f"model.layers.{bid}.mlp.experts.{e}.{proj}_proj.weight"
+            assert src[hf].dtype == torch.uint8 and src[hf + "_scale_inv"].dtype == torch.uint8
+            np.testing.assert_array_equal(got[e], tiny_mimo2.mxfp4_values(src[hf], src[hf + "_scale_inv"]).numpy(),
+                                          err_msg=hf)
+    assert tensors["blk.2.ffn_gate_exps.weight"][1].shape == (4, 256, 512 // 32 * 17)  # full width: 512 values
+    assert tensors["blk.3.attn_q.weight"][0] == T.F16 and tensors["blk.0.ssm_f_a.weight"][0] == T.F16
+
+
+def test_mxfp4_file_quantizes_inspects_and_extracts(ling_mxfp4, tmp_path):
+    """Q4_K_M with the head at q8_0 from MXFP4 experts requantizes them only when asked (as llama-quantize);
+    inspect reports the MTP block and extract-mtp writes exactly its tensors."""
+    f16 = tmp_path / "f16.gguf"
+    convert(ling_mxfp4, f16, "--outtype", "f16")
+    res = run_cli("quantize", f16, tmp_path / "a.gguf", "Q4_K_M", "--mtp-type", "q8_0", "--quiet")
+    assert res.exit_code == 2 and "--allow-requantize" in res.stderr, res.output
+    q = tmp_path / "q.gguf"
+    res = run_cli("quantize", f16, q, "Q4_K_M", "--mtp-type", "q8_0", "--allow-requantize", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, tensors = read_gguf(q)
+    assert tensors["blk.2.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.4.ffn_up_exps.weight"][0] == T.Q8_0
+    info = json.loads(run_cli("inspect", q, "--json").stdout)
+    assert info["mtp_blocks"] == [4]
+    head = tmp_path / "head.gguf"
+    assert run_cli("extract-mtp", q, head, "--quiet").exit_code == 0
+    _, head_tensors = read_gguf(head)
+    assert {n for n in head_tensors if n.startswith("blk.")} == {n for n in tensors if n.startswith("blk.4.")}
+
+
+@pytest.mark.parametrize("change,needle", [({"routed_experts_quant_method": "nvfp4"}, "routed_experts_quant_method"),
+                                           ({"routed_experts_group_size": 16}, "routed_experts_group_size")])
+def test_unsupported_mxfp4_declarations_exit_2(ling_mxfp4, tmp_path, change, needle):
+    ck = shutil.copytree(ling_mxfp4, tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2 and needle in res.stderr and "config.json" in res.stderr, res.output
+
+
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(bl_ckpt, tmp_path):
     tensors = quantize_q4_k_m(bl_ckpt, tmp_path)
     shapes = expected(vocab(bl_ckpt))
@@ -258,3 +324,43 @@ def test_loads_and_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP layer and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
     assert_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin)
+
+
+@pytest.mark.llama_cpp
+def test_mxfp4_blocks_as_llama_cpp_repacks_them(ling_mxfp4, tmp_path, llama_cpp_src):
+    """The MXFP4 blocks are the bytes llama.cpp's own repacker (conversion/base.py repack_mxfp4_blocks, which its
+    mimo/deepseek4/kimi_k3 converters use) makes of each expert's pair. Its bailingmoe3 converter does not use it:
+    it writes the experts at half width (the manifest's DIFFERS reason, checked here so that it stays true)."""
+    import subprocess
+    import sys
+
+    from llamacpp_ref import llama_cpp_convert_result
+
+    _, tensors = convert(ling_mxfp4, tmp_path / "m.gguf", "--outtype", "f16")
+    script = (
+        "import sys, numpy as np\n"
+        "sys.path[:0] = [sys.argv[1] + '/gguf-py', sys.argv[1]]\n"
+        "from conversion.base import ModelBase\n"
+        "from safetensors.torch import load_file\n"
+        "import glob\n"
+        "src = {}\n"
+        "for f in sorted(glob.glob(sys.argv[2] + '/*.safetensors')): src.update(load_file(f))\n"
+        "out = {}\n"
+        "for bid in (2, 3, 4):\n"
+        "    for proj in ('gate', 'up', 'down'):\n"
+        "        hf = [f'model.layers.{bid}.mlp.experts.{e}.{proj}_proj.weight' for e in range(4)]\n"
+        "        out[f'blk.{bid}.ffn_{proj}_exps.weight'] = np.stack(\n"
+        "            [ModelBase.repack_mxfp4_blocks(src[n], src[n + '_scale_inv']) for n in hf])\n"
+        "np.savez(sys.argv[3], **out)\n")
+    ref = tmp_path / "ref.npz"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", script, str(llama_cpp_src), str(ling_mxfp4), str(ref)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = np.load(ref)
+    for name in MXFP4_STACKS:
+        np.testing.assert_array_equal(tensors[name][1], want[name], err_msg=name)
+    ok, log = llama_cpp_convert_result(llama_cpp_src, ling_mxfp4, tmp_path / "llama.gguf", "gpt-2", raw_config=True)
+    assert ok, log[-2000:]
+    _, theirs = read_gguf(tmp_path / "llama.gguf")
+    assert theirs["blk.2.ffn_gate_exps.weight"][1].shape == (4, 256, 256)  # 512 values per row, read as 256

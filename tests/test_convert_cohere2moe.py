@@ -128,6 +128,38 @@ def test_zero_biases_dropped_nonzero_refused(tmp_path):
     assert not (tmp_path / "bad.gguf").exists()
 
 
+def _drop_config_keys(ck, *keys: str, **changes) -> None:
+    import json
+
+    path = ck / "config.json"
+    cfg = json.loads(path.read_text())
+    for k in keys:
+        cfg.pop(k)
+    path.write_text(json.dumps({**cfg, **changes}, indent=2))
+
+
+def test_layer_types_derived_where_config_json_omits_them(tmp_path):
+    """A config without layer_types (transformers derives them: the dense prefix every
+    prefix_dense_sliding_window_pattern-th layer full, the rest every sliding_window_pattern-th) converts with
+    that derived pattern, as llama.cpp's converter (which reads the derived view) writes it."""
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", num_hidden_layers=6)
+    _drop_config_keys(ck, "layer_types", "mlp_layer_types", first_k_dense_replace=1)
+    kv, tensors = convert(ck, tmp_path / "m.gguf")
+    # layer 0: the dense prefix (pattern 1: full); layers 1-5: sliding, sliding, sliding, full, sliding
+    assert kv["cohere2moe.attention.sliding_window_pattern"] == [False, True, True, True, False, True]
+    assert kv["cohere2moe.leading_dense_block_count"] == 1 and "blk.0.ffn_gate.weight" in tensors
+
+
+def test_layer_types_neither_stored_nor_derivable_exits_2(co_ckpt, tmp_path):
+    """transformers does not know the model type: config.json is read as stored, and without layer_types
+    one clear line names the key (llama.cpp's converter stops with KeyError 'layer_types' there)."""
+    ck = shutil.copytree(co_ckpt, tmp_path / "ck")
+    _drop_config_keys(ck, "layer_types", model_type="cohere2_moe_unknown")
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2 and "missing layer_types" in res.stderr and "config.json" in res.stderr, res.output
+    assert not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize("name,value,needle", [
     ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
     ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),

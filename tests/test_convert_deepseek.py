@@ -254,6 +254,42 @@ def test_config_as_deepseek_ships_it(ds_ckpt, ds_f32, tmp_path):
     assert kv == ds_f32[0]
 
 
+def _without_keys(ck: Path, dst: Path, *keys: str) -> Path:
+    copy_with_config(ck, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k in keys:
+        cfg.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def test_config_saved_by_transformers_keeps_the_correction_bias(ds_ckpt, ds_f32, tmp_path):
+    """transformers' DeepseekV3Config has no topk_method (nor scoring_func), so save_pretrained writes neither,
+    while its router always stores e_score_correction_bias: the bias converts as from the release (it was
+    refused as "not implied by config.json"), and routing stays sigmoid."""
+    ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method", "scoring_func")
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert kv == ds_f32[0]
+    for name in ("blk.1.exp_probs_b.bias", f"blk.{MTP}.exp_probs_b.bias"):
+        np.testing.assert_array_equal(tensors[name][1], ds_f32[1][name][1])
+
+
+def test_correction_bias_required_where_the_reference_creates_it(ds_ckpt, tmp_path):
+    """Without topk_method (transformers) or with "noaux_tc" (DeepSeek's code) every reference creates the
+    bias: a router without it is an incomplete checkpoint. With another topk_method DeepSeek's own code
+    creates none and transformers' does: both are accepted."""
+    from familycheck import rewrite_tensor
+
+    victim = "model.layers.1.mlp.gate.e_score_correction_bias"
+    ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method")
+    rewrite_tensor(ck, victim, None)
+    line = _refused(ck, tmp_path / "o.gguf")
+    assert victim in line, line
+    greedy = copy_with_config(ck, tmp_path / "greedy", topk_method="greedy")
+    _, tensors = convert(greedy, tmp_path / "g.gguf", "--outtype", "f32")
+    assert "blk.1.exp_probs_b.bias" not in tensors and f"blk.{MTP}.exp_probs_b.bias" in tensors
+
+
 def _refused(ck: Path, out: Path, *args: str) -> str:
     res = run_cli("convert", ck, out, "--quiet", *args)
     assert res.exit_code == 2, res.output

@@ -164,6 +164,32 @@ def test_inspect_shows_the_head(hy_ckpt, tmp_path):
     assert {t["role"] for t in info["tensors"] if t["mtp"]} == {"mtp"}
 
 
+@pytest.mark.parametrize("stored,dense", [({"first_k_dense_replace": 2}, [0, 1]),
+                                          ({"first_k_dense_replace": None, "mlp_layer_types": None}, [0]),
+                                          ({"mlp_layer_types": ["dense", "dense", "sparse"]}, [0, 1])])
+def test_dense_layers_as_config_json_declares_them(tmp_path, stored, dense):
+    """The dense layers are config.json's (``mlp_layer_types``, else ``first_k_dense_replace``, which vLLM's hy_v3
+    builds them from), else transformers' default (layer 0). transformers' derived ``mlp_layer_types`` ignores a
+    stored ``first_k_dense_replace``: read first, it refused a checkpoint whose layer 1 is dense as config.json says."""
+    first_k = max(dense) + 1
+    ck = tiny_hyv3.hyv3(tmp_path / "ckpt", first_k_dense_replace=first_k)
+    _edit(ck, stored)
+    _, tensors = convert(ck, tmp_path / "m.gguf")
+    assert sorted(int(n.split(".")[1]) for n in tensors if n.endswith("ffn_gate.weight")) == dense
+    assert {int(n.split(".")[1]) for n in tensors if "ffn_gate_exps" in n} == set(range(len(dense), 4))
+
+
+def _edit(ck, changes: dict) -> None:
+    """config.json with ``changes`` (None: the key removed)."""
+    import json
+
+    path = ck / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        cfg.pop(k, None) if v is None else cfg.__setitem__(k, v)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 
 
@@ -177,6 +203,15 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
     assert_same_gguf(out, kv, tensors, ref)
     assert any(n.startswith("blk.3.nextn.") for n in tensors) == (mode != "--no-mtp")
+
+
+@pytest.mark.llama_cpp
+def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
+    """``first_k_dense_replace: 2`` (layers 0 and 1 dense): llama.cpp's converter maps what is stored; so do we."""
+    ck = tiny_hyv3.hyv3(tmp_path / "ckpt", first_k_dense_replace=2)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path)
+    assert_same_gguf(out, kv, tensors, ref)
+    assert "blk.1.ffn_gate.weight" in tensors
 
 
 @pytest.mark.llama_cpp

@@ -34,7 +34,7 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 
-gio.PREFETCH_BUDGET = 0  # one tensor at a time: the peak is one tensor's encoding
+gio.buffers.PREFETCH_BUDGET = 0  # one tensor at a time: the peak is one tensor's encoding
 src, out, outtype = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 plan = plan_checkpoint(src, outtype=OUTTYPES[outtype])
 gc.collect()
@@ -311,7 +311,7 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 src, out, budget = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-gio.PREFETCH_BUDGET = budget
+gio.buffers.PREFETCH_BUDGET = budget
 plan = plan_checkpoint(src, outtype=OUTTYPES["bf16"])
 gc.collect()
 base = status("VmRSS")

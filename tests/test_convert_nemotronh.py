@@ -156,6 +156,26 @@ def test_metadata(nh_ckpt, nh_f32):
     assert len(kv["tokenizer.ggml.tokens"]) == 304
 
 
+def test_latent_moe_of_nemotron_3_super(tmp_path):
+    """Nemotron 3 Super's LatentMoE (moe_latent_size; tests/releases/nemotron3_super.py): fc1_latent_proj /
+    fc2_latent_proj -> ffn_latent_down / ffn_latent_up in every MoE block (the MTP block's too), the routed experts
+    on the latent width, and the moe_latent_size key, as llama.cpp's converter writes them."""
+    import releases
+
+    ck = releases.build(releases.manifests()["nemotron3_super"], tmp_path / "ckpt")
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert kv["nemotron_h_moe.moe_latent_size"] == 256 and kv["nemotron_h_moe.block_count"] == 5
+    src = source_tensors(ck)
+    for bid, p in ((1, "backbone.layers.1.mixer."), (3, "backbone.layers.3.mixer."), (4, "mtp.layers.1.mixer.")):
+        for gg, hf, shape in (("ffn_latent_down", "fc1_latent_proj", (256, 512)),
+                              ("ffn_latent_up", "fc2_latent_proj", (512, 256))):
+            got = tensors[f"blk.{bid}.{gg}.weight"][1]
+            assert got.shape == shape
+            np.testing.assert_array_equal(got, src[p + hf + ".weight"].float().numpy())
+        assert tensors[f"blk.{bid}.ffn_up_exps.weight"][1].shape == (4, 256, 256)  # [E, ff, latent]
+        assert tensors[f"blk.{bid}.ffn_up_shexp.weight"][1].shape == (512, 512)  # the shared expert: full width
+
+
 def test_vocab_padded_to_a_multiple_of_8(tmp_path):
     """llama.cpp pads a Mamba model's vocabulary to a multiple of 8 ([PADn] tokens); the tensors keep their rows."""
     ck = tiny_nemotronh.nemotronh(tmp_path / "ck")
@@ -204,7 +224,8 @@ def test_missing_or_misshaped_tensor_exits_2(nh_ckpt, tmp_path, name, value, nee
 def test_unsupported_configs_exit_2(nh_ckpt, tmp_path):
     for i, (change, needle) in enumerate((({"mtp_hybrid_override_pattern": "*-"}, "mtp_hybrid_override_pattern"),
                                           ({"hybrid_override_pattern": "ME*"}, "hybrid_override_pattern"),
-                                          ({"moe_latent_size": 64}, "moe_latent_size"))):
+                                          # LatentMoE declared, its projections absent: refused, naming them
+                                          ({"moe_latent_size": 64}, "fc1_latent_proj"))):
         ck = shutil.copytree(nh_ckpt, tmp_path / f"ck{i}")
         cfg = _cfg(ck)
         cfg.update(change)

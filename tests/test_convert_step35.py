@@ -151,6 +151,67 @@ def test_bad_rotary_factors_are_refused(tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
+# The releases' RoPE (stepfun-ai/Step-3.5-Flash and Step-3.7-Flash config.json): Llama-3 scaling on the
+# full-attention layers only, per-layer bases (tiny_step35: 1e6 full, 1e4 sliding).
+LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
+                           "low_freq_factor": 1.0, "high_freq_factor": 32.0},
+          "yarn_only_types": ["full_attention"]}
+
+
+def llama3_factors(base: float, head_dim: int, rotary_share: float, factor=2.0, old_ctx=131072, low=1.0, high=32.0):
+    """Llama-3 frequency factors (transformers' _compute_llama3_parameters, as a ratio inv_freq / scaled), over
+    the rotary dims of the full-attention layers, padded with 1.0 to head_dim / 2 (llama.cpp's layout)."""
+    rot = int(head_dim * rotary_share)
+    inv_freq = 1.0 / base ** (np.arange(0, rot, 2) / rot)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    scaled = np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return np.concatenate([inv_freq / scaled, np.ones(head_dim // 2 - len(inv_freq))])
+
+
+@pytest.fixture(scope="module")
+def llama3_ckpt(tmp_path_factory):
+    return tiny_step35.step35(tmp_path_factory.mktemp("step35-llama3") / "ckpt", **LLAMA3)
+
+
+@pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp-only"])
+def test_llama3_rope_scaling_writes_rope_freqs(llama3_ckpt, tmp_path, mode):
+    """Every Step release was refused ("llama3 RoPE scaling is not supported"); llama.cpp converts it into one
+    F32 ``rope_freqs.weight`` [head_dim / 2] (no scaling keys): factors from the full-attention base (rope_theta[0],
+    not the sliding layers' 1e4) over the full layers' rotary dims (0.5 x 64), the rest 1.0. Every mode writes it."""
+    kv, tensors = convert(llama3_ckpt, tmp_path / "m.gguf", "--outtype", "bf16", *([mode] if mode else []))
+    qtype, data = tensors["rope_freqs.weight"]
+    assert qtype == T.F32 and data.shape == (32,)
+    want = llama3_factors(1e6, 64, 0.5)
+    np.testing.assert_allclose(data, want, rtol=1e-6)
+    assert set(np.round(data[:16], 4)) - {1.0, 2.0} and (data[16:] == 1.0).all()  # all three Llama-3 regimes
+    assert not np.allclose(data, llama3_factors(1e4, 64, 0.5))  # not the sliding base
+    assert not any(k.startswith("step35.rope.scaling") for k in kv)
+    assert kv["step35.rope.freq_base"] == pytest.approx(1e6) and kv["step35.rope.freq_base_swa"] == pytest.approx(1e4)
+
+
+def test_llama3_rope_scaling_without_full_attention_layers_is_refused(tmp_path):
+    """llama.cpp's factors need a full-attention layer's rotary share; without one its converter stops too."""
+    ck = tiny_step35.step35(tmp_path / "ck", **LLAMA3, layer_types=["sliding_attention"] * 5,
+                            partial_rotary_factors=[1.0] * 5)
+    assert_refused(ck, tmp_path / "m.gguf", "config.json", "full-attention")
+
+
+def test_llama3_rope_freqs_survive_quantize_and_extract(llama3_ckpt, tmp_path):
+    """Q4_K_M with the head at q8_0 keeps rope_freqs F32 (1-D); the head-only file keeps it, as llama.cpp's
+    --mtp export does (its graph reads it from the file whatever the blocks)."""
+    f16, q, head = (tmp_path / f"{n}.gguf" for n in ("f16", "q", "head"))
+    convert(llama3_ckpt, f16, "--outtype", "f16")
+    assert run_cli("quantize", f16, q, "Q4_K_M", "--mtp-type", "q8_0", "--quiet").exit_code == 0
+    _, tensors = read_gguf(q)
+    assert tensors["rope_freqs.weight"][0] == T.F32 and tensors["blk.3.nextn.eh_proj.weight"][0] == T.Q8_0
+    assert run_cli("extract-mtp", q, head, "--quiet").exit_code == 0
+    _, head_tensors = read_gguf(head)
+    np.testing.assert_array_equal(head_tensors["rope_freqs.weight"][1], tensors["rope_freqs.weight"][1])
+
+
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
     """Quantizing never fails on the MTP blocks (dense FFNs after MoE layers), and holds them at q8_0."""
     tensors = quantize_q4_k_m(step_ckpt, tmp_path)
@@ -178,6 +239,14 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
 
 
 @pytest.mark.llama_cpp
+@pytest.mark.parametrize("mode", [None, "--no-mtp", "--mtp"])
+def test_llama3_rope_freqs_same_as_llama_cpp_converter(llama3_ckpt, tmp_path, llama_cpp_src, mode):
+    """rope_freqs.weight byte for byte (and everything else) as llama.cpp's converter writes it, in every mode."""
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, llama3_ckpt, tmp_path, mode, raw_config=True)
+    assert "rope_freqs.weight" in tensors
+    assert_same_gguf(out, kv, tensors, ref)
+
+
 @pytest.mark.llama_cpp
 def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
     assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_step35.step35(tmp_path / "ckpt"), tmp_path, raw_config=True)

@@ -26,7 +26,9 @@ from typing import Callable
 
 import pytest
 import torch
-from gguf import GGUFValueType
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import GGUFValue
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,14 +40,15 @@ import tiny_step35  # noqa: E402
 from runcli import run_cli  # noqa: E402
 
 from mtpq.convert import MtpMode, plan_checkpoint  # noqa: E402
-from mtpq.gguf_io import plan_from_gguf, write_plan  # noqa: E402
+from mtpq.gguf_io import SplitRule, plan_from_gguf, write_plan  # noqa: E402
 
 # ----------------------------------------------------------------------------- the good inputs
 
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
-    """Good inputs every case copies from: five checkpoints and two GGUFs (with and without head)."""
+    """Good inputs every case copies from: five checkpoints, two GGUFs (with and without head) and the full one
+    split in 4 and in 3 shards (folders of ``model-0000k-of-0000N.gguf``)."""
     root = tmp_path_factory.mktemp("bases")
     qwen = tiny_qwen35.qwen35(root / "qwen35")
     ds = tiny_deepseek.deepseek_v3(root / "ds", dtype=torch.float32)
@@ -56,8 +59,13 @@ def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
     write_plan(plan_checkpoint(glm_ckpt, mtp=MtpMode.DROP), trunk)
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"category": "code", "prompt": "def f(x):"}\n')
+    splits = {}
+    for key, size, n in (("split", 2_000_000, 4), ("split3", 3_000_000, 3)):
+        (root / key).mkdir()
+        assert len(write_plan(plan_from_gguf(full), root / key / "model.gguf", split=SplitRule(max_size=size))) == n
+        splits[key] = root / key
     return {"glm": glm_ckpt, "qwen35": qwen, "ds": ds, "step35": step, "mimo2": mimo, "full": full, "trunk": trunk,
-            "prompts": prompts}
+            "prompts": prompts, **splits}
 
 
 @dataclass
@@ -186,6 +194,39 @@ class Case:
             raw[off_at:off_at + 8] = raw[other:other + 8]
         dst.write_bytes(bytes(raw))
         return dst
+
+    def shards(self, key: str = "split") -> list[Path]:
+        """A copy of a split set in the input folder: its shards, in order."""
+        for p in sorted(self.bases[key].iterdir()):
+            shutil.copy(p, self.inp / p.name)
+        return sorted(self.inp.glob("model-*-of-*.gguf"))
+
+    def rewrite(self, path: Path, kv: dict | None = None, drop_keys: tuple[str, ...] = (),
+                add: list | None = None, drop_last: bool = False) -> Path:
+        """Rewrite one GGUF (a shard) through gguf-py: metadata ``kv`` set (key -> (value, type)) or dropped,
+        tensors (gguf-py ReaderTensors) added or its last one dropped."""
+        r = GGUFReader(path)
+        arch = r.fields.get("general.architecture")
+        tensors = list(r.tensors)[:-1] if drop_last else list(r.tensors)
+        tmp = path.with_name("rewritten.tmp")
+        w = GGUFWriter(tmp, arch.contents() if arch else "none")
+        w.kv_data[0].clear()  # the fields as they are, general.architecture included where it is
+        for name, f in r.fields.items():
+            if not name.startswith("GGUF.") and name not in drop_keys:
+                vtype = GGUFValueType(f.types[0])
+                sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
+                w.kv_data[0][name] = GGUFValue(f.contents(), vtype, sub)
+        for name, (value, vtype) in (kv or {}).items():
+            w.kv_data[0][name] = GGUFValue(value, vtype)
+        for t in [*tensors, *(add or [])]:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=GGMLQuantizationType(t.tensor_type))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        del r
+        tmp.replace(path)
+        return path
 
     def truncated(self, key: str = "full", cut: int = 1000) -> Path:
         dst = self.copy(key, "model.gguf")
@@ -1012,6 +1053,80 @@ def _(c):
     return ["graft", c.out / "g.gguf", "--mtp-from", donor, "--into", c.copy("trunk")], ["hidden size"]
 
 
+# --- split GGUFs: every command that reads a model, given a shard of a broken set ---------------------
+
+def _split_commands(c: Case, bad: Path) -> dict[str, list]:
+    cmds = _gguf_commands(c, bad)
+    text = _write(c.inp / "text.txt", b"def f(x):\n    return x + 1\n" * 30)
+    return {**cmds,
+            "accept": ["accept", bad, "--max-prompts", "1", "-n", "2"],
+            "imatrix": ["imatrix", bad, "--text", text, "-o", c.out / "im.gguf"],
+            "sweep": ["sweep", bad, "--mtp", "q8_0", "--trunk", "Q8_0", "--max-prompts", "1"],
+            "compare": ["compare", bad, c.inp / "good.gguf", "--text", text]}
+
+
+U16, I32 = GGUFValueType.UINT16, GGUFValueType.INT32
+
+
+def _swap_in(c: Case, shards: list[Path], i: int, src: Path) -> None:
+    shutil.copy(src, shards[i])
+
+
+_BAD_SPLIT = {  # (damage the copied set, return the shard to give and the needles)
+    "missing-last-shard": lambda c, s: (s[3].unlink(), s[0], [s[3].name, "missing: shard 4 of 4"]),
+    "missing-first-shard": lambda c, s: (s[0].unlink(), s[1], [s[0].name, "missing: shard 1 of 4", s[1].name]),
+    "shard-of-another-split": lambda c, s: (_swap_in(c, s, 1, sorted(c.bases["split3"].iterdir())[1]), s[0],
+                                            [s[1].name, "split.count is 3", "another split"]),
+    "shard-of-another-set": lambda c, s: (_swap_in(c, s, 1, s[2]), s[0], [s[1].name, "split.no is 2", "another set"]),
+    "shard-of-another-model": lambda c, s: (c.rewrite(s[2], {"split.tensors.count": (99, I32)}), s[0],
+                                            [s[2].name, "split.tensors.count is 99", "another model"]),
+    "shard-of-another-arch": lambda c, s: (c.rewrite(s[1], {"general.architecture": ("llama", GGUFValueType.STRING)}),
+                                           s[0], [s[1].name, "general.architecture is 'llama'", "another model"]),
+    "tensor-duplicated": lambda c, s: (c.rewrite(s[1], add=[GGUFReader(s[0]).tensors[0]]), s[0],
+                                       [s[1].name, "is also in", s[0].name, "duplicated"]),
+    "tensor-missing": lambda c, s: (c.rewrite(s[3], drop_last=True), s[1],
+                                    [s[0].name, "split.tensors.count is 61", "hold 60 tensors"]),
+    "shard-renamed": lambda c, s: (s[0].rename(c.inp / "model.gguf"), c.inp / "model.gguf",
+                                   ["model.gguf", "must be named PREFIX-00001-of-00004.gguf"]),
+    "no-split-no": lambda c, s: (c.rewrite(s[0], drop_keys=("split.no",)), s[0], [s[0].name, "no split.no"]),
+    "split-no-out-of-range": lambda c, s: (c.rewrite(s[0], {"split.no": (7, U16)}), s[0],
+                                           [s[0].name, "split.no = 7 is outside split.count = 4"]),
+}
+_EVERY_COMMAND = ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target", "accept", "imatrix", "sweep",
+                  "compare")
+for _name, _damage in _BAD_SPLIT.items():  # the checks live in one place (gguf_io.open_model): every command
+    # meets the first two damages, the rest are met by two commands
+    for _cmd in _EVERY_COMMAND if _name in ("missing-last-shard", "shard-of-another-split") else ("inspect", "quantize"):
+        case(f"split-{_cmd}-{_name}")(
+            lambda c, dmg=_damage, cmd=_cmd: (lambda r: (_split_commands(c, r[1])[cmd], r[2]))(dmg(c, c.shards())))
+
+
+_SPLIT_OPTIONS = {
+    "size-zero": (["--split-max-size", "0"], ["--split-max-size", "must be positive"]),
+    "size-unit": (["--split-max-size", "12X"], ["--split-max-size", "expected bytes or a number with K, M or G"]),
+    "size-empty": (["--split-max-size", ""], ["--split-max-size", "expected bytes"]),
+    "tensors-zero": (["--split-max-tensors", "0"], ["--split-max-tensors", "must be at least 1"]),
+}
+for _name, (_opts, _needles) in _SPLIT_OPTIONS.items():
+    case(f"quantize-split-{_name}")(lambda c, o=_opts, nd=_needles: (
+        ["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", *o], nd))
+    case(f"convert-split-{_name}")(lambda c, o=_opts, nd=_needles: (conv(c, c.ckpt(), *o), nd))
+    case(f"graft-split-{_name}")(lambda c, o=_opts, nd=_needles: (
+        ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), *o], nd))
+
+
+@case("quantize-keep-split-with-size")
+def _(c):
+    return (["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", "--keep-split", "--split-max-size", "1M"],
+            ["--keep-split", "not with --split-max-size"])
+
+
+@case("quantize-keep-split-over-its-input")
+def _(c):
+    s = c.shards()
+    return ["quantize", s[0], s[0], "Q8_0", "--keep-split", "-q"], [f"{s[0]}: output path is an input"]
+
+
 # --- accept: options checked before any measuring ------------------------------------------------
 
 def acc(c: Case, *extra) -> list:
@@ -1154,6 +1269,10 @@ _BUILD = {
     "gate-temperature-negative": (lambda c: _recipe(c, extra="[gate]\ntemperature = -1.0\n"), ["gate.temperature"]),
     "gate-min-rate-string": (lambda c: _recipe(c, extra="[gate]\nmin_rate = \"high\"\n"), ["gate.min_rate"]),
     "graft-into-missing": (lambda c: _recipe(c, variant={"graft_into": "nope.gguf"}), ["graft_into", "does not exist"]),
+    "split-size-word": (lambda c: _recipe(c, {"split_max_size": "big"}), ["model.split_max_size", "expected bytes"]),
+    "split-size-zero": (lambda c: _recipe(c, variant={"split_max_size": 0}), ["variant[0].split_max_size",
+                                                                               "must be positive"]),
+    "split-size-bool": (lambda c: _recipe(c, variant={"split_max_size": True}), ["variant[0].split_max_size"]),
     "not-toml": (lambda c: _write(c.inp / "recipe.toml", b"[model\n"), ["not valid TOML"]),
     "missing": (lambda c: c.inp / "nope.toml", ["nope.toml", "no such recipe file"]),
 }

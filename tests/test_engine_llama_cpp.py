@@ -36,7 +36,7 @@ if state:
     open(os.path.join(state, "pid"), "w").write(str(os.getpid()))
     open(os.path.join(state, "argv.json"), "w").write(json.dumps(args))
 print("main: loading model", flush=True)
-if open(opt("-m"), "rb").read(4) == b"FAIL":
+if "FAIL" in os.path.basename(opt("-m")):
     print("llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' data is not within the file bounds",
           flush=True)
     print("main: exiting due to model loading error", flush=True)
@@ -95,11 +95,23 @@ def fake_bin(tmp_path, monkeypatch) -> Path:
     return d
 
 
+def _tiny_gguf(path: Path) -> Path:
+    """A valid GGUF of one tensor: mtpq checks a model (its split set) before it starts llama-server."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.fixture
 def model(tmp_path) -> Path:
-    p = tmp_path / "m.gguf"
-    p.write_bytes(b"GGUF" + bytes(60))
-    return p
+    return _tiny_gguf(tmp_path / "m.gguf")
 
 
 def _gone(pid: int, wait: float = 10.0) -> bool:
@@ -159,8 +171,7 @@ def test_k1_gives_the_position_rate(fake_bin, model, tmp_path):
 
 
 def test_server_that_cannot_load_the_model(fake_bin, tmp_path):
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"FAIL" + bytes(60))
+    bad = _tiny_gguf(tmp_path / "FAIL.gguf")  # the fake server fails to load it (its name says so)
     res = run_cli("accept", bad, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--max-prompts", "1")
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()

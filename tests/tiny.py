@@ -202,17 +202,18 @@ def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[
     return t
 
 
-def to_fp8_block_scaled(folder: Path, block: int = 128) -> None:
-    """Rewrite every 2-D weight of a checkpoint as e4m3 with 128x128 ``weight_scale_inv`` tiles (DeepSeek style)."""
-    _rewrite_fp8(folder, per_channel=False, block=block)
+def to_fp8_block_scaled(folder: Path, block: int = 128, keep=None) -> None:
+    """Rewrite every 2-D weight of a checkpoint as e4m3 with 128x128 ``weight_scale_inv`` tiles (DeepSeek style);
+    ``keep(name)`` true: that weight stays as it is (a release's ``modules_to_not_convert``)."""
+    _rewrite_fp8(folder, per_channel=False, block=block, keep=keep)
 
 
-def to_fp8_per_channel(folder: Path) -> None:
+def to_fp8_per_channel(folder: Path, keep=None) -> None:
     """Rewrite every 2-D weight as e4m3 with a per-channel ``weight_scale`` [out, 1] (compressed-tensors style)."""
-    _rewrite_fp8(folder, per_channel=True, block=0)
+    _rewrite_fp8(folder, per_channel=True, block=0, keep=keep)
 
 
-def _rewrite_fp8(folder: Path, per_channel: bool, block: int) -> None:
+def _rewrite_fp8(folder: Path, per_channel: bool, block: int, keep=None) -> None:
     from safetensors.torch import load_file
 
     index_path = folder / "model.safetensors.index.json"
@@ -223,7 +224,8 @@ def _rewrite_fp8(folder: Path, per_channel: bool, block: int) -> None:
         out = {}
         for name, w in tensors.items():
             quantizable = (w.dim() == 2 and name.endswith(".weight") and "norm" not in name
-                           and "embed_tokens" not in name and "lm_head" not in name and ".mlp.gate." not in name)
+                           and "embed_tokens" not in name and "lm_head" not in name and ".mlp.gate." not in name
+                           and not (keep and keep(name)))
             if not quantizable:
                 out[name] = w
                 continue

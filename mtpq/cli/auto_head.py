@@ -9,6 +9,7 @@ grafted in, the trunk's bytes copied, to OUT. The choice and its figures are pri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from .common import byte_progress, console
 
 
 def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: str, max_drop: float, prompts: str,
-                            quiet: bool, options: dict, extra: dict):
-    """Write ``dst`` with the measured head type; returns the plan written."""
+                            quiet: bool, options: dict, extra: dict, split=None):
+    """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
+    written."""
     from ..quantize.surgery import plan_graft
     from ..runtime.accept import load_prompts, use_threads
     from ..runtime.headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
@@ -43,12 +45,15 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
         head = head_plan(before, preset, choice.head_type, **options, **extra)
         final = plan_graft(head, plan_from_gguf(trunk_file), replace=True)  # the trunk's bytes copied
         final.set_kv(AUTO_KEY, json.dumps(choice.to_dict(), sort_keys=True), GGUFValueType.STRING)
-        final.inputs = [src, trunk_file]
-        write_plan(final, dst)
+        final.inputs = [src, *before.inputs, trunk_file]
+        shard = {s.name: s.shard for s in before.tensors}  # --keep-split: the input's layout, not the trunk file's
+        final.tensors = [dataclasses.replace(s, shard=shard.get(s.name, 0)) for s in final.tensors]
+        written = write_plan(final, dst, split=split)
     line = ", ".join(f"{t} {100 * r.rate:.1f} %" for t, r in rates.items())
-    console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
-                  f"{100 * choice.baseline:.1f} %; {line})")
-    return final
+    if not quiet:
+        console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
+                      f"{100 * choice.baseline:.1f} %; {line})")
+    return final, written
 
 
 def _nbytes(plan) -> int:

@@ -35,7 +35,7 @@ def build(
     still build; manifest.json says why); 2 a bad recipe or input (the key is named).
     """
     from ..release import load_recipe, run_build, write_outputs
-    from ..release.runner import plan_jobs
+    from ..release.runner import plan_jobs, reusable
 
     recipe = load_recipe(recipe_path, check_inputs=not merge)
     if merge:
@@ -48,8 +48,8 @@ def build(
         head, todo = plan_jobs(recipe, variant or None, force, dry_run=True)  # writes nothing
         for job in [head["reference"], *todo]:
             part = Path(job["part"])
-            old = json.loads(part.read_text()) if part.is_file() else {}
-            fresh = not force and old.get("build_key") == job["build_key"] and Path(job["out"]).is_file()
+            old = json.loads(part.read_text()) if part.is_file() else None
+            fresh = reusable(job, old)
             console.print(f"{'reuse' if fresh else 'build'}  {Path(job['out']).name}")
         return
     code = run_build(recipe, only=variant or None, jobs=jobs, force=force, log=lambda m: console.print(m, highlight=False))

@@ -135,3 +135,37 @@ def check_device(device: str | None) -> str | None:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             fail("--device", f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+SPLIT_MAX_SIZE_HELP = ("Write shards of at most this much tensor data: bytes, or a number with K, M or G (powers of "
+                       "1000: 48G, under Hugging Face's 50 GB per file), named OUT-00001-of-0000N.gguf as llama.cpp's "
+                       "tools name them (a model that fits stays one file, OUT).")
+SPLIT_MAX_TENSORS_HELP = "Write shards of at most this many tensors (as llama-gguf-split --split-max-tensors)."
+KEEP_SPLIT_HELP = "Write the shards the input has (each tensor into the shard it came from), as llama-quantize --keep-split."
+
+
+def split_rule(max_size: str | None, max_tensors: int | None, keep: bool = False):
+    """The ``--split-max-size`` / ``--split-max-tensors`` / ``--keep-split`` options as a SplitRule (None: one
+    file), refused with one line before any file is read."""
+    from ..gguf_io import SplitRule, parse_size
+
+    if keep and (max_size is not None or max_tensors is not None):
+        fail("--keep-split", "keeps the input's shards: not with --split-max-size / --split-max-tensors")
+    if max_tensors is not None and max_tensors < 1:
+        fail("--split-max-tensors", f"must be at least 1, got {max_tensors}")
+    size = 0
+    if max_size is not None:
+        try:
+            size = parse_size(max_size)
+        except ValueError as exc:
+            fail("--split-max-size", str(exc))
+    if not (keep or size or max_tensors):
+        return None
+    return SplitRule(max_size=size, max_tensors=max_tensors or 0, keep=keep)
+
+
+def files_written(paths: list) -> str:
+    """``out.gguf``, or ``out-00001-of-00003.gguf .. out-00003-of-00003.gguf (3 shards)``."""
+    if len(paths) == 1:
+        return str(paths[0])
+    return f"{paths[0]} .. {paths[-1].name} ({len(paths)} shards)"

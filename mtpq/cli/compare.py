@@ -168,8 +168,7 @@ def _with_llama_cpp(reference: Path, quants: list[Path], text: Path, ctx_size: i
     rows = []
     for p, f in [(reference, ref), *zip(quants, figures)]:
         g = GGUFFile(p)
-        size = sum(int(t.n_bytes) for t in g.reader.tensors)
-        n = sum(int(t.n_elements) for t in g.reader.tensors)
+        size, n = g.nbytes, g.n_elements
         rate = rates.get(p)
         drop = rates[reference] - rate if rate is not None and rates.get(reference) is not None else None
         rows.append({"file": str(p), "size_bytes": size, "bits_per_weight": round(8 * size / max(n, 1), 4), **f,

@@ -14,7 +14,8 @@ from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
-from .common import THREADS_HELP, byte_progress, console, fail, guarded, set_threads
+from .common import (SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console, fail,
+                     files_written, guarded, set_threads, split_rule)
 
 
 @app.command(
@@ -24,7 +25,8 @@ from .common import THREADS_HELP, byte_progress, console, fail, guarded, set_thr
         "  mtpq convert ./Qwen3.6-35B-A3B qwen-bf16.gguf --outtype bf16\n\n"
         "  mtpq convert ./DeepSeek-V3 ds-q8.gguf --outtype q8_0\n\n"
         "  mtpq convert ./GLM-4.5-Air air-mtp-only.gguf --mtp-only   # head-only draft file\n\n"
-        "  mtpq convert ./GLM-4.5-Air air-q4km.gguf --quant Q4_K_M --mtp-type q8_0   # one pass, no f16 file"
+        "  mtpq convert ./GLM-4.5-Air air-q4km.gguf --quant Q4_K_M --mtp-type q8_0   # one pass, no f16 file\n\n"
+        "  mtpq convert ./GLM-4.5-Air air-bf16.gguf --split-max-size 48G   # air-bf16-00001-of-00005.gguf, ..."
     )
 )
 @guarded
@@ -67,6 +69,8 @@ def convert(
     exclude_weights: Optional[List[str]] = typer.Option(
         None, "--exclude-weights", help="With --imatrix: do not use it for tensors whose name contains this."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
+    split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
+    split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, keeping every MTP tensor.
@@ -81,6 +85,7 @@ def convert(
     if no_mtp and mtp_only:
         fail("--no-mtp/--mtp-only", "choose at most one")
     set_threads(threads)
+    split = split_rule(split_max_size, split_max_tensors)
     mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
     auto = (mtp_type or "").strip().lower() == "auto"
     if auto and (quant is None or mode is not MtpMode.KEEP):
@@ -117,19 +122,20 @@ def convert(
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
         from .auto_head import quantize_with_auto_head
 
-        plan = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts, quiet,
-                                       {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra)
+        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts, quiet,
+                                                {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra,
+                                                split=split)
         parsed = parse_options(quant, **{**quant_options, "mtp_type": json.loads(
             plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"]}, preset_option="--quant")
         total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     else:
         with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
-            write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
+            written = write_plan(plan, out, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
     if not quiet:
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""
         if quant is not None:
             held = "the trunk's types" if parsed.mtp_type.is_same else str(parsed.mtp_type)
             quant_text = f", {parsed.preset.name} with MTP at {held}"
-        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
+        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
                       f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})")

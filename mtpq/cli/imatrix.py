@@ -44,7 +44,7 @@ def imatrix(
     import numpy as np
     import torch
 
-    from ..gguf_io import check_not_an_input
+    from ..gguf_io import check_not_an_input, shard_paths
     from ..quantize.imatrix import Entry, Imatrix, read_imatrix, write_imatrix
     from ..runtime.imatrix import chunk_tokens, collect
     from ..runtime.speculative import load_model
@@ -57,7 +57,7 @@ def imatrix(
     for p in (model, text, merge_into):
         if p is not None and not p.is_file():
             fail(str(p), "no such file")
-    check_not_an_input(output, [p for p in (model, text, merge_into) if p is not None])
+    check_not_an_input(output, [*shard_paths(model), *(p for p in (text, merge_into) if p is not None)])
     base = read_imatrix(merge_into) if merge_into is not None else None
     try:
         calib = text.read_text(encoding="utf-8")

@@ -16,7 +16,8 @@ from .common import guarded, out
 
 
 def summarize(path: Path) -> dict:
-    """A JSON-ready description of a GGUF: arch, blocks, MTP blocks, tensors, totals by role."""
+    """A JSON-ready description of a GGUF (a file, or a split set from any of its shards): arch, blocks, MTP
+    blocks, tensors, totals by role, and the files (``shards``: shard 1 first) with their sizes."""
     plan = plan_from_gguf(path)
     tensors = []
     by_role: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "elements": 0})
@@ -33,6 +34,7 @@ def summarize(path: Path) -> dict:
     mtp_blocks = list(range(plan.n_trunk_layers, plan.n_trunk_layers + plan.n_mtp_layers))
     return {
         "file": str(path),
+        "shards": [{"file": p.name, "bytes": p.stat().st_size} for p in plan.inputs],
         "arch": plan.arch,
         "name": plan.kv_value("general.name"),
         "block_count": plan.kv_value(f"{plan.arch}.block_count"),
@@ -50,10 +52,11 @@ def summarize(path: Path) -> dict:
     }
 
 
-@app.command(epilog="Examples:\n\n  mtpq inspect air-q4km.gguf\n\n  mtpq inspect air-q4km.gguf --json | jq .mtp_types")
+@app.command(epilog="Examples:\n\n  mtpq inspect air-q4km.gguf\n\n  mtpq inspect air-q4km.gguf --json | jq .mtp_types\n\n"
+                    "  mtpq inspect air-q4km-00002-of-00003.gguf   # any shard: the whole split model")
 @guarded
 def inspect(
-    file: Path = typer.Argument(..., help="GGUF file."),
+    file: Path = typer.Argument(..., help="GGUF file, or any shard of a split GGUF (the whole set is read)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     all_tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="List every tensor (default) or only totals."),
 ) -> None:
@@ -66,6 +69,9 @@ def inspect(
     out.print(f"[bold]{info['file']}[/]  arch [cyan]{info['arch']}[/]  blocks {info['block_count']} "
               f"(trunk {info['trunk_blocks']}, MTP {len(mtp)}{': blk.' + ', blk.'.join(map(str, mtp)) if mtp else ''})  "
               f"{info['bytes'] / 2**20:.1f} MiB, {info['bits_per_weight']} bits/weight")
+    shards = info["shards"]
+    if len(shards) > 1:
+        out.print(f"split in {len(shards)} shards: {shards[0]['file']} .. {shards[-1]['file']} (llama.cpp: -m the first)")
     if not mtp:
         out.print("[yellow]no MTP head: this file cannot self-draft (mtpq graft can add one)[/]")
     else:

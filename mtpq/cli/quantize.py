@@ -15,7 +15,8 @@ from ..quantize.imatrix import read_imatrix
 from ..quantize.pipeline import parse_options, plan_quantize, summarize
 from ..quantize.presets import PRESETS
 from .app import app
-from .common import THREADS_HELP, byte_progress, console, guarded, out, set_threads
+from .common import (KEEP_SPLIT_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console,
+                     files_written, guarded, out, set_threads, split_rule)
 
 _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
@@ -30,7 +31,8 @@ _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_n
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type-file types.txt --leave-output-tensor\n\n"
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --prune-layers 20,21 --override-kv general.name=str:Air-pruned\n\n"
         "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix\n\n"
-        "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type auto --max-drop 0.02   # measured choice"
+        "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type auto --max-drop 0.02   # measured choice\n\n"
+        "  mtpq quantize air-bf16-00001-of-00005.gguf air-q4km.gguf Q4_K_M --split-max-size 48G   # split in and out"
     )
 )
 @guarded
@@ -78,6 +80,9 @@ def quantize(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the decisions and totals as JSON on stdout."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
+    split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
+    split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
+    keep_split: bool = typer.Option(False, "--keep-split", help=KEEP_SPLIT_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
@@ -98,6 +103,7 @@ def quantize(
                    tensor_type_files=tensor_type_file or [], leave_output_tensor=leave_output_tensor,
                    kv_overrides=override_kv or [], prune_layers=prune_layers)
     parse_options(preset, **options)  # a bad option fails before any file is read
+    split = split_rule(split_max_size, split_max_tensors, keep_split)
     set_threads(threads)
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     before = plan_from_gguf(src)
@@ -114,22 +120,23 @@ def quantize(
     if auto:
         from .auto_head import quantize_with_auto_head
 
-        after = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts, quiet or as_json,
+        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts, quiet or as_json,
                                         {k: v for k, v in options.items() if k != "mtp_type"},
                                         dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                                              include_weights=include_weights or [],
-                                             exclude_weights=exclude_weights or []))
+                                             exclude_weights=exclude_weights or []), split=split)
         info = summarize(before, after)
     else:
         with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
-            write_plan(after, dst, on_tensor=lambda spec, n: advance(n, spec.name))
+            written = write_plan(after, dst, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
     if as_json:
-        typer.echo(json.dumps({"file": str(dst), "dry_run": False, **info}, indent=2))
+        typer.echo(json.dumps({"file": str(written[0]), "files": [str(p) for p in written], "dry_run": False, **info},
+                              indent=2))
     elif not quiet:
         t = info["totals"]
         mtp = info["by_role"].get("mtp")
         mtp_text = f", MTP {mtp['bits_per_weight']:.2f} bits/weight" if mtp else ", no MTP block"
-        console.print(f"wrote {dst} ({t['bytes'] / 2**20:.1f} MiB, {t['bits_per_weight']:.2f} bits/weight{mtp_text})")
+        console.print(f"wrote {files_written(written)} ({t['bytes'] / 2**20:.1f} MiB, {t['bits_per_weight']:.2f} bits/weight{mtp_text})")
 
 
 def print_decisions(info: dict) -> None:

@@ -11,16 +11,16 @@ from ..quantize.ggml_types import WRITABLE_TYPES
 from ..quantize.mtp_precision import parse_mtp
 from ..tensors import Plan, Role
 from .app import app
-from .common import byte_progress, console, guarded
+from .common import SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, byte_progress, console, files_written, guarded, split_rule
 
 MTP_TYPES = {t.name.lower(): t for t in WRITABLE_TYPES}  # what mtpq's kernels write
 
 
-def _write(plan: Plan, out: Path, label: str, quiet: bool) -> int:
+def _write(plan: Plan, out: Path, label: str, quiet: bool, split=None) -> tuple[int, list[Path]]:
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     with byte_progress(f"{label} -> {out.name}", total, enabled=not quiet) as advance:
-        write_plan(plan, out, on_tensor=lambda spec, n: advance(n, spec.name))
-    return total
+        written = write_plan(plan, out, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
+    return total, written
 
 
 def _head_summary(plan: Plan) -> str:
@@ -40,6 +40,9 @@ def _head_summary(plan: Plan) -> str:
         "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --mtp-type q8_0\n\n"
         "The donor may be a head-only file (mtpq convert --mtp-only, mtpq extract-mtp):\n\n"
         "  mtpq graft --mtp-from mtp-air.gguf --into air-Q4_K_M.gguf out.gguf\n\n"
+        "Both may be split GGUFs (give any shard); the output may be split too:\n\n"
+        "  mtpq graft --mtp-from air-f16-00001-of-00005.gguf --into air-Q4_K_M-00001-of-00002.gguf out.gguf "
+        "--split-max-size 48G\n\n"
         "The target already has a (say, 4-bit) head; swap it:\n\n"
         "  mtpq graft --mtp-from air-f16.gguf --into air-Q4_K_M.gguf out.gguf --replace\n\n"
         "Then: llama-speculative-simple -m out.gguf -p 'def' --spec-type draft-mtp"
@@ -55,6 +58,8 @@ def graft(
                                  help=f"Type of the head's weights: keep (byte copy) or {', '.join(MTP_TYPES)}. "
                                       "1-D tensors and routers stay as stored."),
     replace: bool = typer.Option(False, "--replace", help="Swap out a head the target already has."),
+    split_max_size: str = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
+    split_max_tensors: int = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Give a GGUF without an MTP head the MTP blocks of another GGUF of the same model.
@@ -66,10 +71,11 @@ def graft(
     from ..quantize.surgery import GRAFT_MODES, plan_graft  # imports the converter's keep-lists (and torch)
 
     precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_MODES)  # before any file is read
+    split = split_rule(split_max_size, split_max_tensors)
     plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
-    total = _write(plan, out, "graft", quiet)
+    total, written = _write(plan, out, "graft", quiet, split)
     if not quiet:
-        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
+        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
                       f"{_head_summary(plan)} from {mtp_from.name}", soft_wrap=True)
 
 
@@ -99,7 +105,7 @@ def extract_mtp(
     from ..quantize.surgery import plan_extract_mtp
 
     plan = plan_extract_mtp(plan_from_gguf(src))
-    total = _write(plan, out, "extract-mtp", quiet)
+    total, written = _write(plan, out, "extract-mtp", quiet)
     if not quiet:
-        console.print(f"wrote {out} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}",
+        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}",
                       soft_wrap=True)

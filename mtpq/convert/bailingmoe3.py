@@ -16,6 +16,12 @@ The MTP layer ``model.layers.{num_hidden_layers}`` (always full attention, MoE):
 ``eh_proj``/``enorm``/``hnorm`` (-> ``nextn.*``) and ``final_layernorm`` (->
 ``layer_output_norm``, which src/models/bailingmoe3.cpp uses as the head's norm).
 
+Ling 3.0's FP8 release with ``quantization_config.routed_experts_quant_method: mxfp4``
+stores its routed experts as OCP MXFP4 (E8M0 scales under ``weight_scale_inv``): kept as
+ggml MXFP4 blocks (mxfp4_experts.py). llama.cpp's bailingmoe3 converter has no MXFP4
+path (its FP8 dequantization multiplies the packed codes by the exponent bytes and
+writes half-width experts); mtpq writes what its mimo/deepseek4 converters write.
+
 The pip ``gguf`` (0.19) mtpq depends on predates ``bailingmoe3``: GGUF names are
 written out below from llama.cpp's gguf-py (constants.py, tensor_mapping.py), and the
 ``kda.safe_gate`` / ``kda.gate_lower_bound`` keys, which its GGUFWriter lacks, are
@@ -34,6 +40,8 @@ from gguf import MODEL_TENSOR as K
 from ..errors import InputError
 from . import validate as V
 from .base import Emit, Family, MtpMode, check_unused, gguf_name, name_from_tables, register
+from .mxfp4_experts import GROUP as MXFP4_GROUP
+from .mxfp4_experts import Mxfp4Experts
 from .validate import Expected
 
 # name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); KDA/MLA-specific names are resolved in _name()
@@ -80,7 +88,7 @@ def _as_llama_cpp_reads(t: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class BailingMoe3(Family):
+class BailingMoe3(Mxfp4Experts, Family):
     hf_architectures = ("BailingMoeV3ForCausalLM",)
     arch = "bailingmoe3"
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *_REQUIRED)
@@ -100,6 +108,13 @@ class BailingMoe3(Family):
             raise InputError(cfg, "gated_attention_proj_granularity_type must be 'head_wise'")
         if self.n_mtp > 1:
             raise InputError(cfg, "num_nextn_predict_layers > 1: llama.cpp's bailingmoe3 runs one MTP layer")
+        qc = hp.get("quantization_config")
+        if isinstance(qc, dict) and (method := qc.get("routed_experts_quant_method")) is not None:
+            if method != "mxfp4":  # vLLM's Ling loader knows no other either
+                raise InputError(cfg, f"quantization_config.routed_experts_quant_method {method!r} is not "
+                                      "supported (mxfp4 only)")
+            self.find_mxfp4_experts("_scale_inv", qc.get("routed_experts_group_size", MXFP4_GROUP),
+                                    "quantization_config.routed_experts_group_size")
 
     def is_full_attention(self, bid: int) -> bool:
         n, g = self.n_trunk, int(self.hparams["layer_group_size"])

@@ -143,6 +143,9 @@ class Family:
     other_towers: ClassVar[tuple[str, ...]] = ()
     # stored weights whose encoding (an FP8 scale layout, MXFP4 packing) the family itself checks and decodes
     own_encodings: Container[str] = frozenset()
+    # True where llama.cpp's converter reads config.json as stored, without transformers' derived keys (the
+    # transformers it pins does not know the model type): the family then reads exactly that too
+    stored_config: ClassVar[bool] = False
     # the top-level tensors a head-only (--mtp-only) file keeps beside the MTP blocks
     mtp_only_keep: ClassVar[tuple[str, ...]] = MTP_ONLY_KEEP
 
@@ -150,7 +153,7 @@ class Family:
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
-        self.hparams = self.text_config(ckpt.hparams)
+        self.hparams = self.text_config(ckpt.config if self.stored_config else ckpt.hparams)
         validate.check_required_hparams(self)
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)

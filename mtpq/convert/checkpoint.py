@@ -38,7 +38,10 @@ _ST_DTYPES = {
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _FP8 = {"F8_E4M3", "F8_E5M2"}
-_SCALE_SUFFIXES = ("_scale_inv", "_scale", ".input_scale", ".weight_zero_point")
+# activation-side companions (input and FP8 KV-cache scales: ModelOpt's k_proj.k_scale / v_proj.v_scale) are
+# unused by a converter, as llama.cpp's drops them
+_ACTIVATION_SCALES = (".input_scale", ".k_scale", ".v_scale", ".weight_zero_point")
+_SCALE_SUFFIXES = ("_scale_inv", "_scale", *_ACTIVATION_SCALES)
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ class Checkpoint:
         for suf in ("_scale_inv", "_scale"):
             if name.endswith(suf):
                 base = name[: -len(suf)]
-        return base in self.stored or name.endswith((".input_scale", ".weight_zero_point"))
+        return base in self.stored or name.endswith(_ACTIVATION_SCALES)
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored and not self.is_scale(name)

@@ -2,7 +2,8 @@
 
 Trunk: parallel blocks (one ``input_layernorm`` feeds attention and the MLP; a
 bias-free LayerNorm, or RMSNorm when ``rms_norm_eps`` is set), GQA attention,
-sliding-window and full layers (``layer_types``), dense prefix layers
+sliding-window and full layers (``layer_types``, stored or as transformers derives
+them from ``sliding_window_pattern``), dense prefix layers
 (``mlp_layer_types`` / ``first_k_dense_replace``, ``prefix_dense_intermediate_size``
 wide), then MoE layers: router ``mlp.gate``, per-expert ``mlp.experts.{e}.*``
 stacked into ``*_exps`` (``intermediate_size`` wide) and shared experts
@@ -53,8 +54,10 @@ _TOP_NAMES = {"model.embed_tokens.weight": K.TOKEN_EMBD, "model.norm.weight": K.
 class Cohere2Moe(Family):
     hf_architectures = ("Cohere2MoeForCausalLM",)
     arch = "cohere2moe"
+    # layer_types is not required as stored: transformers derives it (from sliding_window_pattern and the dense
+    # prefix), and llama.cpp's converter reads that derived view
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                        "intermediate_size", "num_experts", "logit_scale", "sliding_window", "layer_types")
+                        "intermediate_size", "num_experts", "logit_scale", "sliding_window")
     expert_count_keys = ("num_experts",)
 
     def __init__(self, ckpt):
@@ -62,6 +65,8 @@ class Cohere2Moe(Family):
         hp, cfg = self.hparams, ckpt.folder / "config.json"
         if hp.get("num_shared_experts") and hp.get("shared_expert_combination_strategy", "average") != "average":
             raise InputError(cfg, "shared_expert_combination_strategy must be 'average' (llama.cpp's graph averages)")
+        if hp.get("layer_types") is None:  # neither stored nor derived (transformers could not read config.json)
+            raise InputError(cfg, "missing layer_types (needed to convert Cohere2MoeForCausalLM)")
         if len(hp["layer_types"]) != self.n_trunk:
             raise InputError(cfg, f"layer_types has {len(hp['layer_types'])} entries for {self.n_trunk} layers")
 

@@ -48,10 +48,16 @@ class DeepseekV3(Family):
         def attention(p: str) -> Iterator[Expected]:
             return (Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
 
-        # V3's routers carry a correction bias (noaux_tc); V2's have none
         moe_ff = self.hp("moe_intermediate_size", "intermediate_size")
-        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=moe_ff,
-                                 router_bias=self.hparams.get("topk_method") == "noaux_tc")
+        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=moe_ff, router_bias=self.router_bias())
+
+    def router_bias(self) -> bool | None:
+        """Whether the routers store ``e_score_correction_bias``, as the reference implementations create it:
+        transformers' DeepseekV3 (and GLM-4.7-Flash, GLM-5, V3.2) router always has one, so a config.json
+        saved by transformers, which has no ``topk_method``, comes with it; DeepSeek's own remote code creates it
+        for ``topk_method`` "noaux_tc", its default. Any other ``topk_method``: one reference creates it, the other
+        does not, so either is accepted."""
+        return True if self.hparams.get("topk_method", "noaux_tc") == "noaux_tc" else None
 
     @property
     def rope_parameters(self) -> dict:

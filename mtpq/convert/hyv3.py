@@ -1,7 +1,7 @@
 """Hy3 (``HYV3ForCausalLM``, tencent/Hy3) -> GGUF arch ``hy_v3``.
 
-Trunk: GQA attention with q/k norms; dense first layers (``first_k_dense_replace``,
-or ``mlp_layer_types``), then MoE layers: a sigmoid router ``mlp.router.gate``
+Trunk: GQA attention with q/k norms; dense first layers (``mlp_layer_types``, or
+``first_k_dense_replace``, or transformers' default: layer 0), then MoE layers: a sigmoid router ``mlp.router.gate``
 with a selection bias ``mlp.expert_bias`` (GGUF ``exp_probs_b``, written without
 a ``.bias`` suffix, as llama.cpp's converter names it and src/models/hy-v3.cpp
 loads it), per-expert ``mlp.experts.{e}.*`` stacked into ``*_exps`` and a shared
@@ -70,10 +70,15 @@ class HyV3(Family):
         return name_from_tables(hf_name, _TOP_NAMES, lambda bid: _BLOCK_NAMES)
 
     def _is_dense(self, bid: int) -> bool:
-        types = self.hparams.get("mlp_layer_types") or []
-        if bid < len(types):
+        # config.json's own keys first: transformers derives mlp_layer_types (layer 0 dense) without reading a stored
+        # first_k_dense_replace, which the release's engine (vLLM's hy_v3.py) builds its dense layers from
+        stored = self.ckpt.config
+        types = stored.get("mlp_layer_types")
+        if types is None and stored.get("first_k_dense_replace") is None:
+            types = self.hparams.get("mlp_layer_types")  # neither stored: transformers' default
+        if types is not None and bid < len(types):
             return types[bid] == "dense"
-        return bid < int(self.hparams.get("first_k_dense_replace") or 0)
+        return bid < int(stored.get("first_k_dense_replace") or 0)
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         hp = self.hparams

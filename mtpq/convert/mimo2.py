@@ -30,32 +30,31 @@ vision/audio towers are left for llama.cpp's mmproj file. Checkpoints with
 ``quantization_config.store_dtype: mxfp4`` keep their routed experts in OCP MXFP4
 (``weight``: E2M1 codes two per byte, ``weight_scale``: an E8M0 byte per 32 values):
 the bits are moved, not requantized, into ggml's ``MXFP4`` blocks and stay MXFP4
-whatever the outtype (general.file_type MOSTLY_MXFP4_MOE), as llama.cpp's converter does.
+whatever the outtype (general.file_type MOSTLY_MXFP4_MOE), as llama.cpp's converter does
+(mxfp4_experts.py, shared with Ling 3.0).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import gguf
 import torch
-from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ..errors import InputError
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, mxfp4_stack, register
+from .base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, register
+from .mxfp4_experts import GROUP as MXFP4_GROUP
+from .mxfp4_experts import Mxfp4Experts
 from .validate import Expected
 
 VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Keys
 QKV = "self_attn.qkv_proj.weight"  # MiMo-V2.5's fused projection
-MXFP4_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-MXFP4_GROUP = 32  # values per E8M0 scale, in the checkpoint and in ggml's block_mxfp4
 
 
 @register
-class MiMoV2(Family):
+class MiMoV2(Mxfp4Experts, Family):
     hf_architectures = ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM")
     arch = "mimo2"
     mtp_prefix = "model.mtp.layers."
@@ -88,13 +87,9 @@ class MiMoV2(Family):
                                      and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
             raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
         qc = hp.get("quantization_config")
-        self.mxfp4: dict[str, str] = {}  # MXFP4 expert weight -> its E8M0 scale tensor
-        if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":
-            if qc.get("mxfp4_block_size", MXFP4_GROUP) != MXFP4_GROUP:
-                raise InputError(cfg, f"quantization_config.mxfp4_block_size {qc['mxfp4_block_size']!r}: ggml's "
-                                      f"MXFP4 groups {MXFP4_GROUP} values")
-            self.mxfp4 = {n: self._mxfp4_scale(n) for n in ckpt.names()
-                          if MXFP4_EXPERT.match(n) and ckpt.source_dtype(n) == "U8"}
+        if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":  # MXFP4 experts beside a weight_scale
+            self.find_mxfp4_experts("_scale", qc.get("mxfp4_block_size", MXFP4_GROUP),
+                                    "quantization_config.mxfp4_block_size")
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
@@ -194,49 +189,7 @@ class MiMoV2(Family):
 
     @property
     def own_encodings(self) -> frozenset[str]:
-        return frozenset(self.tp_ranks) | frozenset(self.mxfp4)
-
-    def file_type(self, outtype: T) -> gguf.LlamaFileType:
-        return gguf.LlamaFileType.MOSTLY_MXFP4_MOE if self.mxfp4 else super().file_type(outtype)
-
-    def logical_shape(self, hf_name: str) -> tuple[int, ...]:
-        if hf_name in self.mxfp4:  # two E2M1 codes per byte
-            rows, packed = self.ckpt.shape(hf_name)
-            return rows, 2 * packed
-        return super().logical_shape(hf_name)
-
-    def _mxfp4_scale(self, hf: str) -> str:
-        """The scale of an MXFP4 expert weight, checked: uint8 [rows, values / 32]."""
-        st, scale = self.ckpt.stored[hf], self.ckpt.stored.get(hf + "_scale")
-        if len(st.shape) != 2 or (2 * st.shape[1]) % MXFP4_GROUP:
-            raise InputError(st.file, f"MXFP4 tensor {hf} has shape {list(st.shape)}: expected [rows, values / 2] "
-                                      f"with values a multiple of {MXFP4_GROUP}")
-        want = [st.shape[0], 2 * st.shape[1] // MXFP4_GROUP]
-        if scale is None:
-            raise InputError(st.file, f"MXFP4 tensor {hf} has no {hf}_scale")
-        if scale.dtype != "U8" or list(scale.shape) != want:
-            raise InputError(scale.file, f"{scale.name} is {scale.dtype} {list(scale.shape)}, expected U8 {want} "
-                                         f"(one E8M0 exponent per {MXFP4_GROUP} values of {hf})")
-        return scale.name
-
-    def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
-        parts = {proj: [f"{prefix}{self.per_expert_infix}{e}.{proj}.weight" for e in range(n_experts)]
-                 for proj in ("gate_proj", "up_proj", "down_proj")}
-        packed = sum(n in self.mxfp4 for names in parts.values() for n in names)
-        if not packed:
-            yield from super().stack_experts(prefix, n_experts, used, bid)
-            return
-        if packed != 3 * n_experts:
-            raise InputError(self.ckpt.folder, f"{prefix}mlp.experts: {packed} of {3 * n_experts} expert tensors "
-                                               "are MXFP4; a stack is all MXFP4 or none")
-        for proj, names in parts.items():
-            used.extend(names)
-            yield self._mxfp4_stack(self.map_name(f"{self.block_prefix}{bid}.{self.per_expert_infix}{proj}.weight"),
-                                    names)
-
-    def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
-        """Experts stacked as ggml MXFP4 blocks: the checkpoint's bits, moved (quantize/mxfp4.py)."""
-        return mxfp4_stack(self.ckpt, name, [(hf, self.mxfp4[hf]) for hf in parts])
+        return super().own_encodings | frozenset(self.tp_ranks)
 
     def _qkv_rows(self, bid: int) -> tuple[int, int, int]:
         hp = self.hparams

@@ -8,7 +8,10 @@ Mamba2 mixers are transformed as llama.cpp's Mamba2 converter does: ``A_log`` ->
 to [channels, kernel], the gated ``norm`` split into ``n_groups`` rows. MoE mixers:
 sigmoid router ``gate`` + ``gate.e_score_correction_bias``, ReLU^2 experts with
 only ``up_proj``/``down_proj`` (stacked into ``ffn_{up,down}_exps``) and a shared
-expert.
+expert. Nemotron 3 Super's LatentMoE (``moe_latent_size``) adds ``fc1_latent_proj``
+[latent, hidden] / ``fc2_latent_proj`` [hidden, latent] around the routed experts,
+which then work on the latent width: ``ffn_latent_down`` / ``ffn_latent_up`` and the
+``moe_latent_size`` key, as llama.cpp's converter writes them (its MTP block too).
 
 The MTP head is stored apart, as two sub-layers (``mtp_hybrid_override_pattern``
 "*E"), which llama.cpp's converter (conversion/nemotron.py) folds into ONE block
@@ -53,6 +56,7 @@ _MIXER: dict[str, tuple[K, str]] = {  # name inside ``...mixer.`` -> (GGUF kind,
     "gate.weight": (K.FFN_GATE_INP, ".weight"), "gate.e_score_correction_bias": (K.FFN_EXP_PROBS_B, ".bias"),
     "shared_experts.up_proj.weight": (K.FFN_UP_SHEXP, ".weight"),
     "shared_experts.down_proj.weight": (K.FFN_DOWN_SHEXP, ".weight"),
+    "fc1_latent_proj.weight": (K.MOE_LATENT_DOWN, ".weight"), "fc2_latent_proj.weight": (K.MOE_LATENT_UP, ".weight"),
 }
 _MTP_OWN: dict[str, K] = {  # the MTP sub-layers' own tensors -> GGUF kind (all ".weight")
     "mtp.layers.0.enorm.weight": K.NEXTN_ENORM, "mtp.layers.0.hnorm.weight": K.NEXTN_HNORM,
@@ -99,8 +103,6 @@ class NemotronHMoe(Family):
         mtp = self.hparams.get("mtp_hybrid_override_pattern") or self.hparams.get("mtp_layers_block_type") or "*E"
         if self.n_mtp and self._kinds(mtp, "mtp_hybrid_override_pattern") != ["attention", "moe"]:
             raise InputError(cfg, f"mtp_hybrid_override_pattern {mtp!r}: only '*E' (attention, then MoE) is supported")
-        if self.hparams.get("moe_latent_size"):
-            raise InputError(cfg, "moe_latent_size (latent MoE projections) is not supported yet")
         self.d_inner = int(self.hparams["mamba_num_heads"]) * int(self.hparams["mamba_head_dim"])
 
     def _kinds(self, pattern, key: str) -> list[str]:
@@ -149,6 +151,8 @@ class NemotronHMoe(Family):
         w.add_expert_weights_scale(hp["routed_scaling_factor"])
         w.add_expert_group_count(hp["n_group"])
         w.add_expert_used_count(hp["num_experts_per_tok"])
+        if (latent := hp.get("moe_latent_size")) is not None:
+            w.add_moe_latent_size(latent)
 
     # -- tensors -----------------------------------------------------------------------
 
@@ -184,11 +188,16 @@ class NemotronHMoe(Family):
             yield from V.attention(p, h, hp["num_attention_heads"], hp["num_key_value_heads"], hp["head_dim"])
         elif kind == "moe":
             n_exp, ff, sff = hp["n_routed_experts"], hp["moe_intermediate_size"], hp["moe_shared_expert_intermediate_size"]
+            latent = hp.get("moe_latent_size")
             yield Expected(p + "gate.weight", (n_exp, h))
             yield Expected(p + "gate.e_score_correction_bias", (n_exp,))
+            if latent is not None:  # LatentMoE: the routed experts work on the latent width
+                yield Expected(p + "fc1_latent_proj.weight", (latent, h))
+                yield Expected(p + "fc2_latent_proj.weight", (h, latent))
+            width = h if latent is None else latent
             for e in range(n_exp):
-                yield Expected(f"{p}experts.{e}.up_proj.weight", (ff, h))
-                yield Expected(f"{p}experts.{e}.down_proj.weight", (h, ff))
+                yield Expected(f"{p}experts.{e}.up_proj.weight", (ff, width))
+                yield Expected(f"{p}experts.{e}.down_proj.weight", (width, ff))
             yield Expected(p + "shared_experts.up_proj.weight", (sff, h))
             yield Expected(p + "shared_experts.down_proj.weight", (h, sff))
         else:

@@ -17,8 +17,9 @@ full-attention MoE block). The differences, as llama.cpp's converter
   only Qwen3.5 reorders them to tiled order);
 - no MRoPE: ``rope.dimension_sections`` only when the config gives ``mrope_section``;
 - the release config.json has no ``layer_types`` and no ``mtp_num_hidden_layers``:
-  layer kinds follow ``full_attention_interval`` (as transformers derives them) and the
-  MTP layers are counted from the ``mtp.layers.*`` tensors.
+  layer kinds are the ``layer_types`` transformers derives from ``full_attention_interval``
+  (the config view, :mod:`.hfconfig`) and the MTP layers are counted from the
+  ``mtp.layers.*`` tensors.
 
 llama.cpp's qwen3next loader needs experts in every layer, so a config with dense
 layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1) is refused.
@@ -33,7 +34,7 @@ from typing import Iterator
 import torch
 
 from ..errors import InputError
-from .base import Emit, Family, Transform, register
+from .base import Emit, Transform, register
 from .checkpoint import Checkpoint
 from .qwen35 import _identity
 from .qwen35moe import Qwen35Moe
@@ -53,15 +54,6 @@ class Qwen3Next(Qwen35Moe):
             raise InputError(ckpt.folder / "config.json",
                              "mlp_only_layers / decoder_sparse_step give dense layers; llama.cpp's qwen3next "
                              "needs an MoE block in every layer")
-
-    @staticmethod
-    def text_config(config: dict) -> dict:
-        """hparams as transformers reads them: ``layer_types`` from ``full_attention_interval`` when absent."""
-        hp = Family.text_config(config)
-        n, every = hp.get("num_hidden_layers"), hp.get("full_attention_interval", 4)
-        if hp.get("layer_types") is None and isinstance(n, int) and isinstance(every, int) and every > 0:
-            hp["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-        return hp
 
     def rope_sections(self) -> list[int] | None:
         return self.rope_parameters.get("mrope_section")  # plain partial RoPE, unless a config says otherwise

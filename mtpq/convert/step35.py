@@ -22,10 +22,21 @@ converter (conversion/step3.py) writes them.
 Transforms, as there: every ``*norm.weight`` is zero-centred (x_hat * (1 + w)) and
 written as w + 1 (added in f32 for bf16 sources, in f16 for f16 ones, as llama.cpp
 does); gates, router and experts are squeezed of size-1 dims.
+
+RoPE: the releases (Step-3.5-Flash, Step-3.7-Flash) scale RoPE the Llama-3 way
+(``rope_scaling.rope_type: llama3``, factor 2 over 131072 positions) on full-attention
+layers only (``yarn_only_types: ["full_attention"]``), with ``rope_theta`` per layer.
+llama.cpp's converter writes no scaling keys for that but one F32 tensor,
+``rope_freqs.weight`` [head_dim / 2] (conversion/step3.py ``generate_extra_tensors``):
+Llama-3 factors over the full-attention layers' rotary dims (head_dim x their
+partial_rotary_factor), from the full-attention base (``rope_theta[0]``), padded with 1.0;
+its graph applies them to non-SWA layers only. It writes the tensor in every mode
+(--no-mtp and --mtp included); so does :meth:`Step35.tensors`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterator
 
@@ -35,7 +46,7 @@ from gguf import GGUFWriter
 
 from ..errors import InputError
 from . import validate as V
-from .base import NEXTN_TENSORS, Emit, Family, Transform, keeps_bytes, register
+from .base import MTP_ONLY_KEEP, NEXTN_TENSORS, Emit, Family, Transform, gguf_name, keeps_bytes, register
 from .validate import Expected
 
 _SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
@@ -57,6 +68,14 @@ def _pad(values: list, n: int, default) -> list:
 class Step35(Family):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     arch = "step35"
+    # The releases' config.json is remote-code format (num_attention_groups, attention_other_setting, per-layer
+    # rope_theta, layer_types covering the MTP layers). The transformers llama.cpp pins for its converter (4.57)
+    # does not know step3p5 / step3p7, so llama.cpp reads the file as stored; transformers 5 knows them and
+    # rewrites the config into keys llama.cpp's Step code does not read (KeyError 'num_attention_groups') and
+    # layer lists cut to the trunk, dropping the MTP layers' entries. So the stored file is what counts here.
+    stored_config = True
+    # llama.cpp's converter writes the llama3 rope_freqs in every mode, its --mtp head-only file included
+    mtp_only_keep = MTP_ONLY_KEEP + ("rope_freqs.weight",)
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
@@ -68,19 +87,14 @@ class Step35(Family):
         "num_attention_heads", "num_attention_groups", "head_dim", "intermediate_size", "sliding_window",
         "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
 
-    def __init__(self, ckpt):
-        super().__init__(ckpt)
-        rope = self.rope_parameters
-        if (rope.get("rope_type") or "").lower() == "llama3":
-            # llama.cpp writes an extra rope_freqs tensor for this; not reproduced yet, so refuse rather than differ
-            raise InputError(ckpt.folder / "config.json", "llama3 RoPE scaling is not supported for step35 yet")
-
     # -- metadata -----------------------------------------------------------------------
 
     @property
     def rope_parameters(self) -> dict:
         """Step3.5 may give ``rope_theta`` per layer: the first entry is the full-attention base, the second SWA's."""
         rp = dict(self.hparams.get("rope_parameters") or self.hparams.get("rope_scaling") or {})
+        if "full_attention" not in rp and "sliding_attention" not in rp and "rope_type" not in rp and "type" in rp:
+            rp["rope_type"] = rp["type"]  # llama.cpp's TextModel mirrors the 4.x spelling the same way
         rp = dict(rp.get("full_attention", rp))
         theta = self.hparams.get("rope_theta")
         if isinstance(theta, list):
@@ -202,6 +216,53 @@ class Step35(Family):
                                         head="transformer.shared_head.output")
 
     # -- tensors: the base's per-layer loop; these hooks are the family's differences ----
+
+    def tensors(self) -> Iterator[Emit]:
+        if (freqs := self._llama3_rope_freqs()) is not None:
+            yield freqs
+        yield from super().tensors()
+
+    def _llama3_rope_freqs(self) -> Emit | None:
+        """llama.cpp's ``rope_freqs.weight`` for ``rope_type: llama3`` (see the module docstring), computed with
+        the same float32 torch ops and float64 Python arithmetic, so its bytes are llama.cpp's."""
+        rp = self.rope_parameters
+        if (rp.get("rope_type") or "").lower() != "llama3":
+            return None
+        hp, cfg = self.hparams, self.ckpt.folder / "config.json"
+        theta = hp.get("rope_theta", 10000.0)  # not rope_parameters' own: llama.cpp reads the hparam
+        base = float(theta[0] if isinstance(theta, list) else theta)
+        storage_dim = int(hp["head_dim"] if hp.get("head_dim") is not None
+                          else hp["hidden_size"] // hp["num_attention_heads"])
+        # the first full-attention layer's rotary share, among the blocks this file holds (as stored, unpadded)
+        pairs = zip((hp.get("layer_types") or [])[:self.n_blocks], (hp.get("partial_rotary_factors") or [])[:self.n_blocks])
+        factor = next((float(f) for t, f in pairs if t == "full_attention"), None)
+        if factor is None:  # llama.cpp's converter stops here too (StopIteration)
+            raise InputError(cfg, "llama3 RoPE scaling applies to full-attention layers, but layer_types / "
+                                  "partial_rotary_factors name none")
+        rotary_dim = int(storage_dim * factor)
+
+        def load() -> torch.Tensor:
+            freqs = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+            scale = float(rp.get("factor", 8.0))
+            low, high = float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+            old_ctx = int(rp.get("original_max_position_embeddings", 8192))
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            out = []
+            for freq in freqs:
+                wavelen = 2 * math.pi / float(freq)
+                if wavelen < high_wavelen:
+                    out.append(1.0)
+                elif wavelen > low_wavelen:
+                    out.append(scale)
+                else:
+                    smooth = (old_ctx / wavelen - low) / (high - low)
+                    out.append(1.0 / ((1.0 - smooth) / scale + smooth))
+            out += [1.0] * (storage_dim // 2 - len(out))  # sliding layers' extra rotary dims stay unscaled
+            return torch.tensor(out, dtype=torch.float32)
+
+        name = gguf_name(gguf.MODEL_TENSOR.ROPE_FREQS)
+        n = len(range(0, rotary_dim, 2))
+        return Emit(name, (max(n, storage_dim // 2),), load, "config.json:rope_scaling (llama3)")
 
     def values(self, hf_name: str, shape: tuple[int, ...]) -> tuple[Transform | None, tuple[int, ...]]:
         if hf_name.endswith("norm.weight"):

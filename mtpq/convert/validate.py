@@ -283,19 +283,19 @@ def switched(on: bool | None, *expected: Expected) -> list[Expected]:
 
 
 def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0, *,
-                 router_bias: bool = True) -> Iterator[Expected]:
-    """A DeepSeek-style MoE FFN under ``p`` (``...mlp.``): the router (and its noaux_tc correction bias),
-    per-expert tensors, and ``n_shared`` shared experts stored as one FFN ``n_shared`` times as wide."""
+                 router_bias: bool | None = True) -> Iterator[Expected]:
+    """A DeepSeek-style MoE FFN under ``p`` (``...mlp.``): the router (and its noaux_tc correction bias:
+    ``router_bias`` as :func:`switched` reads it, None where it may be stored or not), per-expert tensors,
+    and ``n_shared`` shared experts stored as one FFN ``n_shared`` times as wide."""
     yield Expected(p + "gate.weight", (n_expert, hidden))
-    if router_bias:
-        yield Expected(p + "gate.e_score_correction_bias", (n_expert,))
+    yield from switched(router_bias, Expected(p + "gate.e_score_correction_bias", (n_expert,)))
     yield from routed_experts(p + "experts.", hidden, n_expert, ff)
     if n_shared:
         yield from dense_ffn(p + "shared_experts.", hidden, ff * n_shared)
 
 
 def deepseek_layout(family: "Family", keep_mtp: bool, attention: Callable[[str], Iterable[Expected]], *,
-                    moe_ff: int, router_bias: bool) -> Iterator[Expected]:
+                    moe_ff: int, router_bias: bool | None) -> Iterator[Expected]:
     """DeepSeek-V3's checkpoint, which GLM-4.5 shares but for the attention: blocks ``model.layers.N.`` (the MTP
     blocks appended past the trunk, with the NextN tensors), each two norms, ``attention(block prefix)``, then a
     dense FFN in the first ``first_k_dense_replace`` blocks and MoE in the others (the MTP blocks included)."""

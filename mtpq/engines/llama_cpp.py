@@ -97,7 +97,11 @@ class LlamaServer:
     """A llama-server process for one model: ``with LlamaServer(cfg, model, draft) as srv: srv.url``."""
 
     def __init__(self, cfg: ServerConfig, model: Path, draft: int):
-        self.cfg, self.model, self.draft = cfg, Path(model), draft
+        from ..gguf_io.files import first_shard
+
+        # llama.cpp loads a split model from shard 1 only (any shard may be given): the set is checked here,
+        # so that a missing shard is one line before any server starts
+        self.cfg, self.model, self.draft = cfg, first_shard(model), draft
         # llama-server binds a path ending in .sock as a unix socket; the folder is ours alone
         self.socket_dir = Path(tempfile.mkdtemp(prefix="mtpq-llama-server-"))
         self.socket = self.socket_dir / "llama-server.sock"

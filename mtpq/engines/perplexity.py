@@ -84,6 +84,10 @@ def parse_ppl_log(log: str, what: Path) -> float:
 def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: PerplexityConfig,
                        on_file=None) -> tuple[dict, list[dict], int]:
     """(the reference's figures, each quant's, the chunk count), measured by llama-perplexity on ``text``."""
+    from ..gguf_io.files import first_shard
+
+    # llama.cpp loads a split model from shard 1 only (any shard may be given); every set is checked first
+    reference, quants = first_shard(reference), [first_shard(q) for q in quants]
     with tempfile.TemporaryDirectory(prefix="mtpq-kld-") as tmp:
         base = Path(tmp) / "base.kld"
         log = _run(cfg.args(reference, text) + ["--kl-divergence-base", str(base)], reference)

@@ -12,7 +12,7 @@ after row; elsewhere by a Python loop over the 16/32 rows.
 
 See :mod:`mtpq.quantize.legacy` for the other float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around), and
-``NOTES.md`` beside this file for what was measured to make it fast.
+docs/notes/quantize.md for what was measured to make it fast.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reproduces byte for byte what ``ggml_quantize_chunk`` produces without an
 importance matrix: ``quantize_row_q{2..6}_K_ref`` (with ``make_qkx2_quants``,
 ``make_q3_quants`` and ``make_qx_quants``, in :mod:`.search`), and the
 dequantizers.  The float rules are in :mod:`.cfloat` and :mod:`.legacy`;
-``NOTES.md`` beside this file records what made these kernels fast (about
+docs/notes/quantize.md records what made these kernels fast (about
 0.9x ggml's time on one core) and what was tried and dropped.
 
 With an importance matrix ggml runs other searches (``quantize_row_*_impl``);

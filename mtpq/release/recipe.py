@@ -5,6 +5,8 @@
     source = "./GLM-4.5-Air"      # HF checkpoint folder (relative to the recipe)
     output = "dist"               # output folder (relative to the recipe)
     reference_type = "bf16"       # the reference GGUF converted once: f32, f16, bf16 or q8_0
+    split_max_size = "48G"        # optional: shards of at most this much (Hugging Face takes files up to 50 GB);
+                                  #   a file that fits stays whole
 
     [gate]                        # optional: the acceptance check every variant must pass
     prompts = "builtin"           # or a JSONL file of {"category", "prompt"}
@@ -12,6 +14,10 @@
     max_new_tokens = 64
     min_rate = 0.30               # fail below this acceptance rate
     max_drop = 0.10               # fail when the rate drops more than this below the reference
+    # text = "wiki.test.raw"      # optional: score the trunk against the reference on this text, as
+    # max_kld = 0.05              #   llama-perplexity --kl-divergence does (mtpq compare), and fail a variant
+    # min_top1 = 0.90             #   whose mean KLD, same-top fraction or PPL ratio misses these;
+    # max_ppl_ratio = 1.05        #   kld_ctx_size (default 512) and kld_chunks (default all) pick the chunks
     # engine = "llama.cpp"        # measure with llama-server's MTP drafting instead of the torch runtime,
     # ngl = 999                   #   with its options: llama_cpp (bin folder), ngl, ctx_size, threads,
     # rpc = "10.0.0.2:50052"      #   rpc, server_args = ["--tensor-split", "1,1"]
@@ -19,13 +25,15 @@
     [[variant]]
     name = "Q4_K_M"
     preset = "Q4_K_M"
-    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk, "keep" holds the reference type
+    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk, "keep" holds the reference type,
+                                  # "auto" measures (the narrowest head within auto_max_drop, default 0.02, of f16's)
     tensor_types = ["attn_v=q8_0"]  # optional llama-quantize style overrides
     # imatrix = "glm-air.imatrix.gguf"  # optional: importance matrix (llama-imatrix GGUF or .dat), as
     #                                   # llama-quantize --imatrix; its sha256 goes into the manifest
     # exclude_weights = ["ffn_down"]    # optional, with imatrix: llama-quantize's --exclude/--include-weights
     # graft_into = "published-Q4_K_M.gguf"  # optional: give this existing quant the reference's head
     # gate = false                # optional: build without the acceptance gate
+    # split_max_size = "20G"      # optional: this variant's shard size (default: [model]'s)
 
     [extras]
     mtp_only = true               # also publish the head-only GGUF
@@ -65,10 +73,22 @@ class Gate:
     threads: int | None = None
     rpc: str | None = None
     server_args: tuple[str, ...] = ()
+    # the trunk's quality against the reference (mtpq compare): on ``text``, chunks of kld_ctx_size tokens
+    text: str | None = None
+    kld_ctx_size: int = 512
+    kld_chunks: int | None = None
+    max_kld: float | None = None
+    min_top1: float | None = None
+    max_ppl_ratio: float | None = None
+
+    @property
+    def scores_quality(self) -> bool:
+        return self.text is not None
 
 
 ENGINES = ("torch", "llama.cpp")
 LLAMA_CPP_GATE_KEYS = ("llama_cpp", "ngl", "ctx_size", "rpc", "server_args")
+QUALITY_GATE_KEYS = ("text", "kld_ctx_size", "kld_chunks", "max_kld", "min_top1", "max_ppl_ratio")
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,8 @@ class Variant:
     imatrix: Path | None = None
     include_weights: tuple[str, ...] = ()
     exclude_weights: tuple[str, ...] = ()
+    split_max_size: int | None = None  # bytes per shard; None: the recipe's
+    auto_max_drop: float | None = None  # mtp_type = "auto": the head type measured (see mtpq quantize --mtp-type auto)
 
 
 @dataclass
@@ -98,6 +120,11 @@ class Recipe:
     no_mtp: bool = False
     raw_sha256: str = ""
     extras: dict = field(default_factory=dict)
+    split_max_size: int = 0  # bytes per shard of every artifact (0: whole files); a variant may say otherwise
+
+    def split_of(self, v: Variant | None) -> int:
+        """The shard size of an artifact: its variant's, else the recipe's (0: one file)."""
+        return v.split_max_size if v is not None and v.split_max_size is not None else self.split_max_size
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -129,6 +156,18 @@ def _check_unknown(table: dict, allowed: set[str], path: Path, where: str) -> No
     for k in table:
         if k not in allowed:
             raise _err(path, f"{where}.{k}" if where else k, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _split_size(table: dict, path: Path, where: str) -> int | None:
+    """``split_max_size``: bytes, or a string with K, M or G as llama.cpp's tools take it ("48G")."""
+    if "split_max_size" not in table:
+        return None
+    from ..gguf_io import parse_size
+
+    try:
+        return parse_size(_take(table, "split_max_size", (str, int), path, where))
+    except ValueError as exc:
+        raise _err(path, f"{where}.split_max_size", str(exc)) from None
 
 
 def _imatrix_keys(v: dict, path: Path, where: str, base: Path, check_inputs: bool):
@@ -171,7 +210,7 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     base = path.parent
 
     model = _take(doc, "model", dict, path, "", required=True)
-    _check_unknown(model, {"name", "source", "output", "reference_type"}, path, "model")
+    _check_unknown(model, {"name", "source", "output", "reference_type", "split_max_size"}, path, "model")
     name = _take(model, "name", str, path, "model", required=True)
     if not _NAME.match(name):
         raise _err(path, "model.name", f"{name!r} must be letters, digits, '.', '_' or '-' (it starts file names)")
@@ -191,7 +230,7 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     if "gate" in doc:
         g = _take(doc, "gate", dict, path, "")
         _check_unknown(g, {"prompts", "draft", "max_new_tokens", "min_rate", "max_drop", "temperature", "max_prompts",
-                           "engine", "threads", *LLAMA_CPP_GATE_KEYS}, path, "gate")
+                           "engine", "threads", *LLAMA_CPP_GATE_KEYS, *QUALITY_GATE_KEYS}, path, "gate")
         prompts = _take(g, "prompts", str, path, "gate", default="builtin")
         if prompts != "builtin" and not (base / prompts).is_file():
             raise _err(path, "gate.prompts", f"{base / prompts} does not exist")
@@ -210,7 +249,26 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             threads=_take(g, "threads", int, path, "gate"),
             rpc=_take(g, "rpc", str, path, "gate"),
             server_args=tuple(_take(g, "server_args", list, path, "gate", default=[])),
+            text=str(base / t) if (t := _take(g, "text", str, path, "gate")) else None,
+            kld_ctx_size=_take(g, "kld_ctx_size", int, path, "gate", default=512),
+            kld_chunks=_take(g, "kld_chunks", int, path, "gate"),
+            max_kld=_take(g, "max_kld", float, path, "gate"),
+            min_top1=_take(g, "min_top1", float, path, "gate"),
+            max_ppl_ratio=_take(g, "max_ppl_ratio", float, path, "gate"),
         )
+        if gate.text is not None and not Path(gate.text).is_file():
+            raise _err(path, "gate.text", f"{gate.text} does not exist")
+        for k in ("max_kld", "min_top1", "max_ppl_ratio", "kld_chunks"):
+            if getattr(gate, k) is not None and gate.text is None:
+                raise _err(path, f"gate.{k}", "needs gate.text (the text the trunk is scored on)")
+        if gate.kld_ctx_size < 4 or (gate.kld_chunks is not None and gate.kld_chunks < 1):
+            key = "kld_ctx_size" if gate.kld_ctx_size < 4 else "kld_chunks"
+            raise _err(path, f"gate.{key}", f"must be at least {4 if key == 'kld_ctx_size' else 1}")
+        for k in ("max_kld", "max_ppl_ratio"):
+            if (v := getattr(gate, k)) is not None and not v >= 0:
+                raise _err(path, f"gate.{k}", f"must be 0 or more, got {v}")
+        if gate.min_top1 is not None and not 0.0 <= gate.min_top1 <= 1.0:
+            raise _err(path, "gate.min_top1", "must be between 0 and 1")
         if gate.engine not in ENGINES:
             raise _err(path, "gate.engine", f"choose one of {', '.join(ENGINES)}, got {gate.engine!r}")
         if gate.engine == "torch":
@@ -256,7 +314,8 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         if not isinstance(v, dict):
             raise _err(path, where, "must be a table")
         _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate",
-                           "imatrix", "include_weights", "exclude_weights"}, path, where)
+                           "imatrix", "include_weights", "exclude_weights", "split_max_size", "auto_max_drop"},
+                       path, where)
         vname = _take(v, "name", str, path, where, required=True)
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
@@ -265,7 +324,17 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         # parsed once here; the runner hands the typed values on (graft cannot follow 'same': no trunk rule)
         allow = GRAFT_MODES if graft is not None else tuple(MtpMode)
         parse = lambda val, key: parse_mtp(val, key, allow=allow)  # noqa: E731
-        mtp_type = check(parse, _take(v, "mtp_type", str, path, where, default="q8_0"), f"{where}.mtp_type")
+        mtp_text = _take(v, "mtp_type", str, path, where, default="q8_0")
+        auto = mtp_text.strip().lower() == "auto"
+        auto_max_drop = _take(v, "auto_max_drop", float, path, where, default=0.02 if auto else None)
+        if auto_max_drop is not None and not auto:
+            raise _err(path, f"{where}.auto_max_drop", 'goes with mtp_type = "auto"')
+        if auto and graft is not None:
+            raise _err(path, f"{where}.mtp_type", '"auto" measures a quantized head: not with graft_into')
+        if auto_max_drop is not None and not 0.0 <= auto_max_drop <= 1.0:
+            raise _err(path, f"{where}.auto_max_drop", "must be between 0 and 1")
+        # "auto": the trunk is written with the reference's head, then the measured type replaces it
+        mtp_type = check(parse, "keep" if auto else mtp_text, f"{where}.mtp_type")
         mtp_experts = _take(v, "mtp_experts_type", str, path, where)
         if mtp_experts is not None:
             if graft is not None:
@@ -288,7 +357,8 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             raise _err(path, f"{where}.imatrix", "a grafted variant is not quantized: drop imatrix or graft_into")
         variants.append(Variant(vname, preset, mtp_type, mtp_experts,
                                 tuple(overrides), base / graft if graft else None,
-                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights))
+                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights,
+                                _split_size(v, path, where), auto_max_drop))
     names = [v.name for v in variants]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -299,4 +369,4 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     return Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
                   gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
                   no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
-                  raw_sha256=hashlib.sha256(raw).hexdigest())
+                  raw_sha256=hashlib.sha256(raw).hexdigest(), split_max_size=_split_size(model, path, "model") or 0)

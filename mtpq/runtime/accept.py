@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from ..gguf_io import shard_paths, split_prefix
 from .metrics import AcceptanceMetrics, summarize
 from .speculative import GenerationResult, load_model, run_plain, run_speculative
 
@@ -149,6 +150,12 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
 SMALL_MODEL_BYTES = 1 << 30
 
 
+def _model_bytes(path: Path) -> int:
+    """The size of the model at ``path``: every shard of a split GGUF (any shard given), else the file's."""
+    paths = shard_paths(path) if split_prefix(path.name) else [path]
+    return sum(p.stat().st_size for p in paths)
+
+
 def use_threads(path: Path, threads: int | None = None) -> int:
     """CPU threads for the runtime, chosen deliberately: ``threads`` when given; else one for a file under
     1 GiB (a tiny model's ops are too small to split, and torch's pool spin-waits against whatever else the
@@ -156,7 +163,7 @@ def use_threads(path: Path, threads: int | None = None) -> int:
     if threads is not None and threads < 1:
         raise InputError("--threads", f"must be at least 1, got {threads}")
     if threads is None:
-        small = Path(path).stat().st_size < SMALL_MODEL_BYTES
+        small = _model_bytes(Path(path)) < SMALL_MODEL_BYTES
         threads = 1 if small else max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                       else (os.cpu_count() or 1))
     torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from .imatrix import chunk_tokens
 from .layers import Packing
 from .speculative import PACK_LOGITS, _argmax, pack_rows
 
@@ -42,16 +43,9 @@ KLD_LOG_FLOOR = -16.0  # llama-perplexity skips reference log-probabilities at o
 
 
 def perplexity_chunks(tokens: list[int], n_ctx: int, n_chunks: int | None, bos: int | None) -> list[list[int]]:
-    """llama-perplexity's chunks: ``n_ctx`` tokens each, the first replaced by BOS when the vocabulary adds one."""
-    n_max = len(tokens) // n_ctx
-    n = n_max if n_chunks is None else min(n_chunks, n_max)
-    out = []
-    for i in range(n):
-        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
-        if bos is not None:
-            chunk[0] = bos
-        out.append(chunk)
-    return out
+    """llama-perplexity's chunks: ``n_ctx`` tokens each, the first replaced by BOS when the vocabulary adds one
+    (llama-imatrix cuts its text the same way)."""
+    return chunk_tokens(tokens, n_ctx, n_chunks, bos)
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
@@ -132,8 +126,7 @@ class QualityRun:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.model = load(self.path, device=device, dtype=dtype, g=g, llama_cpp_numerics=numerics == "llama.cpp")
         self.tokenizer = tokenizer_from_gguf(g)
-        size = sum(int(t.n_bytes) for t in g.reader.tensors)
-        n = sum(int(t.n_elements) for t in g.reader.tensors)
+        size, n = g.nbytes, g.n_elements
         self.add_bos = bool(g.kv.get("tokenizer.ggml.add_bos_token"))
         self.quality = FileQuality(str(self.path), size, 8 * size / max(n, 1), has_head=self.model.mtp is not None)
 

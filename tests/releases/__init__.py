@@ -20,6 +20,11 @@ optional:
 ``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
               converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
               reported instead of the comparison.
+``LLAMA_CPP_MODE``  ``{mode: llama.cpp's mode}``: cells compared with another mode of llama.cpp's converter
+              (deepseek2: it drops the MTP layer by default and refuses --no-mtp, so its default file is what
+              mtpq's --no-mtp writes).
+``DIFFERS_KEYS``  ``{metadata key: reason}``: keys mtpq knowingly writes where llama.cpp's converter writes another
+              value or none (each must really differ); every other key and tensor is still compared.
 ``REFUSES``   ``{(form, mode): reason}``: cells where mtpq knowingly refuses (exit 2, one line) what llama.cpp's
               converter writes; the reason is reported instead of the comparison. Where the default mode is
               refused, the head is checked in its head-only file (``--mtp-only``) beside a ``--no-mtp`` trunk.
@@ -103,15 +108,68 @@ def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0)
     return folder
 
 
-def fp8_block_scaled(folder: Path, **quantization_config) -> None:
+def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:
     """The release's FP8 form as DeepSeek-V3 ships it: every 2-D projection e4m3 with 128x128 ``weight_scale_inv``
-    tiles (embeddings, lm_head, norms and routers stay bf16); ``quantization_config`` entries override the
-    written ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``."""
+    tiles (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names: the release's
+    ``modules_to_not_convert``); ``quantization_config`` entries override the written
+    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``."""
     import tiny
 
-    tiny.to_fp8_block_scaled(folder)
+    tiny.to_fp8_block_scaled(folder, keep=keep)
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     qc = {"activation_scheme": "dynamic", **cfg["quantization_config"], **quantization_config}
     cfg["quantization_config"] = qc
     path.write_text(json.dumps(cfg, indent=2))
+
+
+# compressed-tensors' FP8 scheme as llm-compressor writes it (GLM-4.5/4.6/4.7-FP8): one group, every Linear, weights
+# per output channel (``weight_scale`` [out, 1]), activations dynamic per token
+COMPRESSED_TENSORS_FP8 = {
+    "config_groups": {"group_0": {
+        "input_activations": {"actorder": None, "block_structure": None, "dynamic": True, "group_size": None,
+                              "num_bits": 8, "observer": None, "observer_kwargs": {}, "strategy": "token",
+                              "symmetric": True, "type": "float"},
+        "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "channel", "symmetric": True,
+                    "type": "float"}}},
+    "format": "float-quantized", "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+def fp8_per_channel(folder: Path, keep=None, **quantization_config) -> None:
+    """The compressed-tensors FP8 form: every 2-D projection e4m3 with a per-channel ``weight_scale`` [out, 1]
+    (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names);
+    ``quantization_config`` entries override :data:`COMPRESSED_TENSORS_FP8`."""
+    import tiny
+
+    tiny.to_fp8_per_channel(folder, keep=keep)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = json.loads(json.dumps({**COMPRESSED_TENSORS_FP8, **quantization_config}))
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def transformers_saved(folder: Path) -> None:
+    """config.json as transformers 5 saves it (``AutoConfig.from_pretrained(folder).save_pretrained(folder)``, what a
+    fine-tune or merge written by ``save_pretrained`` holds): ``rope_parameters`` where 4.x wrote ``rope_scaling`` /
+    ``rope_theta`` / ``partial_rotary_factor``, ``dtype`` for ``torch_dtype``, the derived ``layer_types`` /
+    ``mlp_layer_types``; the keys its config class does not know are kept."""
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(folder), trust_remote_code=False).save_pretrained(str(folder))
+
+
+def without(*keys: str):
+    """An encoder dropping ``keys`` from config.json (and its ``text_config``): a config that omits what
+    transformers derives (``layer_types``, ``mlp_layer_types``, ...)."""
+    def encode(folder: Path) -> None:
+        path = folder / "config.json"
+        cfg = json.loads(path.read_text())
+        for table in (cfg, cfg.get("text_config") or {}):
+            for k in keys:
+                table.pop(k, None)
+        path.write_text(json.dumps(cfg, indent=2))
+    return encode

@@ -6,6 +6,7 @@ intermediate 10944 -> 512, moe_intermediate 1408 -> 256. Every other key as rele
 """
 
 from . import fp8_block_scaled
+from ._glm4moe import tensors  # noqa: F401  (the manifest's tensors: GLM-4.5's layout)
 
 RELEASE = "zai-org/GLM-4.5-Air"
 SOURCES = [
@@ -54,33 +55,3 @@ CONFIG = {
 FORMS = {"bf16": None, "fp8": lambda folder: fp8_block_scaled(folder)}
 DRAFTS = True
 
-
-def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv, ff, mff = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"], \
-        cfg["moe_intermediate_size"]
-    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for L in range(n + cfg["num_nextn_predict_layers"]):
-        p = f"model.layers.{L}."
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.q_proj.bias": (nh * d,),
-                p + "self_attn.k_proj.weight": (nkv * d, h), p + "self_attn.k_proj.bias": (nkv * d,),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.v_proj.bias": (nkv * d,),
-                p + "self_attn.o_proj.weight": (h, nh * d)}
-        if L < cfg["first_k_dense_replace"]:
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
-        else:
-            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
-            sff = mff * cfg["n_shared_experts"]
-            out |= {p + "mlp.shared_experts.gate_proj.weight": (sff, h), p + "mlp.shared_experts.up_proj.weight": (sff, h),
-                    p + "mlp.shared_experts.down_proj.weight": (h, sff)}
-        if L >= n:  # the MTP layer: NextN tensors beside a full MoE block
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h),
-                    p + "shared_head.norm.weight": (h,)}
-    return out

@@ -1,0 +1,114 @@
+"""What the DeepSeek-V3-shaped release manifests share (deepseek_v3*, deepseek_v32, glm5, glm47_flash): the
+checkpoint layout and the encodings the releases store it in.
+
+Layout (transformers' modeling_deepseek_v3.py / modeling_glm_moe_dsa.py / modeling_glm4_moe_lite.py, and the
+released safetensors indexes cited by each manifest): ``model.layers.N.`` blocks, the first
+``first_k_dense_replace`` with a dense MLP and the rest MoE (router ``mlp.gate.weight`` with its
+``e_score_correction_bias``, per-expert projections, one shared expert); MLA attention with ``q_a``/``q_b``
+(``q_a_layernorm``), ``kv_a_proj_with_mqa`` (``kv_a_layernorm``), ``kv_b_proj``, ``o_proj``; the MTP layer(s)
+appended at ``num_hidden_layers`` as full MoE blocks beside ``eh_proj``, ``enorm``, ``hnorm``, their own
+``embed_tokens`` and ``shared_head.{head,norm}`` (vLLM deepseek_mtp.py: DeepSeekMultiTokenPredictorLayer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import fp8_block_scaled
+
+# DeepSeek's tokenizer specials; BOS first so that the release's bos_token_id 0 / eos_token_id 1 name them
+SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+
+INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
+           "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
+
+
+def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor of a DeepSeek-V3-shaped checkpoint; ``indexed(bid)``: block bid carries the sparse
+    attention's lightning indexer (DeepSeek-V3.2, GLM-5)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nope, rope, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    ql, kvl, ff, mff = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["intermediate_size"], cfg["moe_intermediate_size"]
+    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for L in range(n + cfg["num_nextn_predict_layers"]):
+        p = f"model.layers.{L}."
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_a_proj.weight": (ql, h), p + "self_attn.q_a_layernorm.weight": (ql,),
+                p + "self_attn.q_b_proj.weight": (nh * (nope + rope), ql),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (kvl + rope, h), p + "self_attn.kv_a_layernorm.weight": (kvl,),
+                p + "self_attn.kv_b_proj.weight": (nh * (nope + vd), kvl), p + "self_attn.o_proj.weight": (h, nh * vd)}
+        if indexed(L):
+            heads, dim = cfg["index_n_heads"], cfg["index_head_dim"]
+            out |= dict(zip((p + k for k in INDEXER), ((heads * dim, ql), (dim, h), (dim,), (dim,), (heads, h))))
+        if L < cfg["first_k_dense_replace"]:
+            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                    p + "mlp.down_proj.weight": (h, ff)}
+        else:
+            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
+            for e in range(ne):
+                q = f"{p}mlp.experts.{e}."
+                out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
+            sff = mff * cfg["n_shared_experts"]
+            out |= {p + "mlp.shared_experts.gate_proj.weight": (sff, h),
+                    p + "mlp.shared_experts.up_proj.weight": (sff, h),
+                    p + "mlp.shared_experts.down_proj.weight": (h, sff)}
+        if L >= n:
+            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
+                    p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h),
+                    p + "shared_head.norm.weight": (h,)}
+    return out
+
+
+def _rewrite(folder: Path, change: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+    """Each stored tensor through ``change`` (None: dropped), the index kept consistent."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        out = {}
+        for name, t in load_file(str(folder / shard)).items():
+            if (new := change(name, t)) is None:
+                del index["weight_map"][name]
+            else:
+                out[name] = new
+        save_file(out, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def f32(*suffixes: str):
+    """An encoder storing the tensors whose names end with ``suffixes`` in F32 (the rest as built): the
+    routers' correction bias as DeepSeek's releases store it, or the routers as transformers 5 saves them
+    (``_keep_in_fp32_modules_strict``: gate.weight and e_score_correction_bias)."""
+    def encode(folder: Path) -> None:
+        _rewrite(folder, lambda name, t: t.float() if name.endswith(suffixes) else t)
+    return encode
+
+
+def fp8_release(keep: tuple[str, ...] = (), **quantization_config):
+    """The FP8 form DeepSeek ships (and GLM-5-FP8): every projection e4m3 with 128x128 ``weight_scale_inv``
+    tiles, except the tensors whose names end with ``keep`` (stored bf16, no scale: DeepSeek-V3's eh_proj and
+    shared_head.head, V3.2's indexer weights_proj), embeddings, norms and routers; the correction bias F32."""
+    def encode(folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        kept = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            kept.update({n: t for n, t in load_file(str(folder / shard)).items() if n.endswith(keep)})
+        fp8_block_scaled(folder, **quantization_config)
+
+        def restore(name: str, t: torch.Tensor) -> torch.Tensor | None:
+            if name in kept:
+                return kept[name]
+            if name.endswith("_scale_inv") and name[:-len("_scale_inv")] in kept:
+                return None
+            return t.float() if name.endswith("e_score_correction_bias") else t
+
+        _rewrite(folder, restore)
+    return encode
