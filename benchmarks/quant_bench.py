@@ -61,8 +61,8 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix  # noqa: E402
-from mtpq.quantize.kernels import SUPPORTED_TYPES, dequantize, quantize  # noqa: E402
-from mtpq.quantize.iquants import REQUIRES_WEIGHTS  # noqa: E402
+from mtpq.ggml.kernels import SUPPORTED_TYPES, dequantize, quantize  # noqa: E402
+from mtpq.ggml.iquants import REQUIRES_WEIGHTS  # noqa: E402
 from mtpq.quantize.presets import IMATRIX_ONLY_TYPES  # noqa: E402
 
 ALL = [t.name for t in SUPPORTED_TYPES if t not in (T.F32,)]

@@ -26,7 +26,7 @@ CHILD = r"""
 import gc, json, sys
 from pathlib import Path
 import mtpq.gguf_io as gio
-import mtpq.quantize.kernels  # imported before the measurement
+import mtpq.ggml.kernels  # imported before the measurement
 from mtpq.convert import OUTTYPES, plan_checkpoint
 
 def status(key):
@@ -88,7 +88,7 @@ def test_streamed_float_encoding_is_quantizes_encoding():
 
     from mtpq.convert.stream import encode_slabs
     from mtpq.errors import InputError
-    from mtpq.quantize.kernels import quantize
+    from mtpq.ggml.kernels import quantize
 
     gen = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (64, 256), generator=gen, dtype=torch.int64).to(torch.int32)
@@ -165,7 +165,7 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     assert [k for k, ok in direct.items() if not ok] == [(torch.float16, 128, 256), (torch.float16, 0, 300)]
 
     # the conversion's bytes and errors: quantize's, from the float32 values
-    from mtpq.quantize.kernels import quantize
+    from mtpq.ggml.kernels import quantize
 
     for qtype in (T.BF16, T.F32):
         got = encode_tensor(ck, "w", "t", "src", qtype)

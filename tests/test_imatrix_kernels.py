@@ -27,8 +27,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import kernels, vecops
-from mtpq.quantize.kernels import IMPORTANCE_TYPES, quantize
+from mtpq.ggml import kernels, vecops
+from mtpq.ggml.kernels import IMPORTANCE_TYPES, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]

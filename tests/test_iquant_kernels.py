@@ -1,4 +1,4 @@
-"""mtpq's i-quant kernels (mtpq.quantize.iquants) are byte-identical to ggml's.
+"""mtpq's i-quant kernels (mtpq.ggml.iquants) are byte-identical to ggml's.
 
 Golden vectors (``tests/data/golden_quants/``)
 ---------------------------------------------
@@ -39,8 +39,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import iquants, kernels
-from mtpq.quantize.kernels import dequantize, quantize
+from mtpq.ggml import iquants, kernels
+from mtpq.ggml.kernels import dequantize, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 IQ_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]

@@ -140,3 +140,13 @@ def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_ggml_formats_stand_alone():
+    """mtpq.ggml is ggml's formats alone: it imports nothing else from mtpq (the quantize policy, the converters
+    and the runtime import it, never the reverse)."""
+    graph = import_graph()
+    ggml = {m for m in graph if m == "mtpq.ggml" or m.startswith("mtpq.ggml.")}
+    assert len(ggml) >= 10
+    outside = {m: sorted(d for d in graph[m] if d.startswith("mtpq") and d not in ggml) for m in ggml}
+    assert {m: d for m, d in outside.items() if d} == {}

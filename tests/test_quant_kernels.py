@@ -74,12 +74,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.quantize import cfloat, iquants, kernels, vecops
-from mtpq.quantize.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
+from mtpq.ggml import cfloat, iquants, kernels, vecops
+from mtpq.ggml.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parent / "data" / "golden_quants"
 QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
-# the i-quants (mtpq.quantize.iquants) have their own goldens and tests: tests/test_iquant_kernels.py
+# the i-quants (mtpq.ggml.iquants) have their own goldens and tests: tests/test_iquant_kernels.py
 IQUANT_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
 # llama-quantize rejects these (an fp16 block scale overflows): mtpq's quantize does too
@@ -408,7 +408,7 @@ def test_sqrt_f32_is_correctly_rounded():
     """Both sqrt paths (numpy on CPU, the float64 midpoint test elsewhere) equal the
     float64 root rounded once to float32 (exact: 53 >= 2*24 + 2 bits), on random
     bit patterns over every exponent, subnormals included, and on sums of squares."""
-    from mtpq.quantize import legacy
+    from mtpq.ggml import legacy
 
     g = np.random.default_rng(7)
     bits = g.integers(0, 0x7F800000, size=1 << 20, dtype=np.uint32)

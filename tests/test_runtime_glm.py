@@ -152,7 +152,7 @@ def dequantized_copy(src: Path, out: Path) -> Path:
 
 def requantized(src: Path, out: Path, qtype: T) -> Path:
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.quantize.kernels import SUPPORTED_TYPES
+    from mtpq.ggml.kernels import SUPPORTED_TYPES
 
     assert qtype in SUPPORTED_TYPES, f"no {qtype.name} kernel"  # a dropped kernel fails here, never skips
     plan = plan_from_gguf(src)

@@ -487,8 +487,8 @@ def mtp_only_keep(arch: str) -> tuple[str, ...]:
 def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
     """Per-expert MXFP4 pairs (``weight``: E2M1 codes two per byte [rows, values / 2], ``scale``: E8M0 bytes
     [rows, values / 32]; (weight, scale) names in ``parts``) stacked as ggml MXFP4 blocks [n_expert, rows, values]:
-    the checkpoint's bits, moved (quantize/mxfp4.py), whatever the outtype."""
-    from ..quantize.mxfp4 import blocks_from_packed
+    the checkpoint's bits, moved (ggml/mxfp4.py), whatever the outtype."""
+    from ..ggml.mxfp4 import blocks_from_packed
 
     rows, packed = ckpt.shape(parts[0][0])
     groups = 2 * packed // 32

@@ -3,7 +3,7 @@
 
 Each expert weight is packed E2M1 codes, U8 [rows, values / 2] (value 2i in the low nibble), beside one E8M0
 exponent byte per 32 values, U8 [rows, values / 32] (the name of that companion differs per release). The bits
-are moved, not requantized, into ggml's ``block_mxfp4`` (quantize/mxfp4.py), and the stacked tensor stays MXFP4
+are moved, not requantized, into ggml's ``block_mxfp4`` (ggml/mxfp4.py), and the stacked tensor stays MXFP4
 whatever the outtype (general.file_type MOSTLY_MXFP4_MOE), as llama.cpp's converters do it
 (conversion/base.py ``repack_mxfp4_blocks``, used by its mimo, deepseek4 and kimi_k3 converters). This mixin
 finds, checks and routes the expert weights; the stacking is base.mxfp4_stack (deepseek4's FP4 experts use it too).

@@ -53,7 +53,7 @@ class Rows:
 
 def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.ndarray:
     """``quantize``, with a bad value reported as the source's fault (as the writer does)."""
-    from ..quantize.kernels import quantize
+    from ..ggml.kernels import quantize
 
     try:
         if qtype in _TORCH_OF:
@@ -94,8 +94,8 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
     fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
     with ``quantize``'s checks and messages."""
-    from ..malloc import keep_freed_buffers
-    from ..quantize.kernels import _all_finite
+    from ..ggml.malloc import keep_freed_buffers
+    from ..ggml.kernels import all_finite
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
@@ -114,8 +114,8 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
         dst.copy_(values.reshape(dst.shape))
         # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
         # only when it is not are the source values looked at, to say which of the two went wrong
-        if not _all_finite(dst):
-            if not _all_finite(values):
+        if not all_finite(dst):
+            if not all_finite(values):
                 raise InputError(source, f"{name}: contains NaN/Inf values")
             what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
             raise InputError(source, f"{name}: values exceed the {what}")
@@ -160,14 +160,14 @@ _BITS_AS = {T.BF16: np.uint16, T.F16: np.float16, T.F32: np.float32}  # the arra
 def bits_finite(bits: np.ndarray, dtype: str) -> bool:
     """No NaN/Inf among stored ``dtype`` (safetensors name) values given as their bits: ``quantize``'s check
     (min and max propagate NaN), on a view of the bits, 4M values per step, one thread."""
-    from ..quantize.kernels import _all_finite
+    from ..ggml.kernels import all_finite
 
     signed = bits.reshape(-1).view(np.int16 if bits.itemsize == 2 else np.int32)
     with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
         warnings.simplefilter("ignore", UserWarning)
         values = torch.from_numpy(signed).view(_ST_DTYPES[dtype])
     with one_torch_thread():
-        return all(_all_finite(c) for c in values.split(1 << 22))
+        return all(all_finite(c) for c in values.split(1 << 22))
 
 
 def _passed_bits(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:

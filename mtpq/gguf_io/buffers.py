@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
-from ..malloc import MMAP_THRESHOLD
+from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
 
 
@@ -33,7 +33,7 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
     reader (``load_rows``) slab by slab, into its place in one output buffer."""
     if spec.load_raw is not None and spec.source_type == spec.ggml_type:
         return spec.load_raw()
-    from ..quantize.kernels import quantize
+    from ..ggml.kernels import quantize
 
     try:
         if spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS:

@@ -129,7 +129,7 @@ def _as_float(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         return torch.from_numpy(data.view(np.uint16).astype(np.int32) << 16).view(torch.float32).reshape(shape)
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return torch.from_numpy(data.astype(np.float32)).reshape(shape)
-    from ..quantize.kernels import dequantize
+    from ..ggml.kernels import dequantize
 
     return dequantize(data, qtype, shape)
 

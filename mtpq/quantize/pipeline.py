@@ -2,7 +2,7 @@
 
 ``plan_quantize`` decides types only; bytes are produced later, tensor by
 tensor, when :func:`mtpq.gguf_io.write_plan` asks the kernels facade
-(:func:`mtpq.quantize.kernels.quantize`). The same function serves
+(:func:`mtpq.ggml.kernels.quantize`). The same function serves
 ``mtpq quantize`` (a plan read from a GGUF) and ``mtpq convert --quant`` (a plan
 read from an HF checkpoint, quantized from the source values in one pass).
 """

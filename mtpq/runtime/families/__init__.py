@@ -33,7 +33,7 @@ def family_for(g: GGUFFile) -> type[Family]:
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (:data:`FAMILIES`)."""
-    from ...malloc import keep_freed_buffers
+    from ...ggml.malloc import keep_freed_buffers
 
     # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
     # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a

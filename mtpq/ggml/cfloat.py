@@ -10,7 +10,7 @@ products (one pass, no temporary; probed at import, see
 :func:`_einsum_is_exact`) or one numpy reduction along dim 0, which adds row
 after row; elsewhere by a Python loop over the 16/32 rows.
 
-See :mod:`mtpq.quantize.legacy` for the other float rules (no fused ops, IEEE
+See :mod:`mtpq.ggml.legacy` for the other float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around), and
 docs/notes/quantize.md for what was measured to make it fast.
 """

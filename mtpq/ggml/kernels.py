@@ -44,9 +44,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .. import malloc
+from . import malloc
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
-from .ggml_types import WRITABLE_TYPES
+from .types import WRITABLE_TYPES
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
 
@@ -163,7 +163,7 @@ def _check_supported(qtype: GGMLQuantizationType, name: str) -> GGMLQuantization
     return qtype
 
 
-def _all_finite(c: torch.Tensor) -> bool:
+def all_finite(c: torch.Tensor) -> bool:
     """No NaN or Inf in ``c``: min and max (both propagate NaN), no full-size temporary."""
     if c.numel() == 0:
         return True
@@ -174,7 +174,7 @@ def _all_finite(c: torch.Tensor) -> bool:
 
 
 def _finite_piece(c: torch.Tensor, name: str) -> torch.Tensor:
-    if not _all_finite(c):
+    if not all_finite(c):
         raise ValueError(f"{name}: contains NaN/Inf values")
     return c
 
@@ -274,14 +274,14 @@ def quantize(
     def load(p: tuple[int, int, int, int]) -> torch.Tensor:
         r0, r1, c0, c1 = p
         c = rows2d[r0:r1, c0:c1]
-        if not _all_finite(c):
+        if not all_finite(c):
             raise ValueError(f"{name}: contains NaN/Inf values")
         return c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
 
     same = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}.get(qtype)
     if values.dtype == same:  # already in the target type: the bits pass through unchanged
         flat = values.contiguous()
-        if not all(_all_finite(c) for c in flat.view(-1).split(1 << 22)):  # bounded work per step
+        if not all(all_finite(c) for c in flat.view(-1).split(1 << 22)):  # bounded work per step
             raise ValueError(f"{name}: contains NaN/Inf values")
         raw = flat.view(torch.int16) if qtype == T.BF16 else flat
         out = raw.cpu().numpy()
@@ -294,7 +294,7 @@ def quantize(
             c = load(p) if qtype != T.F16 else _finite_piece(rows2d[p[0]:p[1], p[2]:p[3]], name)
             if qtype == T.F16:
                 r = c.to(torch.float16)
-                if check_scales and not _all_finite(r):
+                if check_scales and not all_finite(r):
                     raise ValueError(f"{name}: values exceed the F16 range (|x| > 65504)")
             elif qtype == T.BF16:
                 r = _bf16_bits(c)

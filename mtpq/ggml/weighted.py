@@ -4,8 +4,8 @@ With importance weights ``qw`` (one per column of the matrix, from an imatrix
 file) ``ggml_quantize_chunk`` leaves the reference quantizers for
 ``quantize_row_*_impl``: the same block layouts, other searches.  This module
 reproduces them byte for byte, reusing the vectorised search routines of
-:mod:`mtpq.quantize.search` (same float rules: see :mod:`mtpq.quantize.cfloat`
-and :mod:`mtpq.quantize.legacy`):
+:mod:`mtpq.ggml.search` (same float rules: see :mod:`mtpq.ggml.cfloat`
+and :mod:`mtpq.ggml.legacy`):
 
 * Q4_0 / Q5_0: ``make_qx_quants(32, 8|16, x, L, 1, w)``, the levels as found;
 * Q4_1 / Q5_1: ``make_qkx3_quants(32, 15|31, w, -0.9, 0.05, 36)``;
@@ -18,7 +18,7 @@ and :mod:`mtpq.quantize.legacy`):
 Everywhere but Q6_K the weights are ``w = qw * sqrtf(sigma2 + x*x)``, where
 sigma2 is the mean square (times 2 for Q3_K-Q5_K and IQ4) of the super-block,
 or of the whole ROW for the legacy types: those kernels take the row's
-``sum_x2`` per block from the caller (:func:`mtpq.quantize.kernels.quantize`
+``sum_x2`` per block from the caller (:func:`mtpq.ggml.kernels.quantize`
 cuts chunks inside rows).  Q8_0 has no importance path in ggml.
 
 make_qkx3_quants with weights is make_qkx2_quants (search's

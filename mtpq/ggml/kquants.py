@@ -8,7 +8,7 @@ docs/notes/quantize.md records what made these kernels fast (about
 0.9x ggml's time on one core) and what was tried and dropped.
 
 With an importance matrix ggml runs other searches (``quantize_row_*_impl``);
-:mod:`mtpq.quantize.weighted` builds them from the same routines.  IQ4_NL /
+:mod:`mtpq.ggml.weighted` builds them from the same routines.  IQ4_NL /
 IQ4_XS are in :mod:`.iq4`.
 """
 

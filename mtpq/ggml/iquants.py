@@ -22,14 +22,14 @@ but only for the lattice points the search can reach.
 
 Layout: sub-blocks are processed element-major, ``X`` of shape (32, S), so
 the C loops' sequential float sums are numpy reductions along axis 0
-(:func:`mtpq.quantize.cfloat._seq_sum`), and a group of ``gw`` values is a
+(:func:`mtpq.ggml.cfloat._seq_sum`), and a group of ``gw`` values is a
 run of rows.  The neighbour search is done only for the groups that are off
 the grid, all their neighbours at once (lists padded with +inf errors);
 ``argmin`` returns the first minimum, which is the C loop's strict ``<``.  On CPU
 the grid types' candidate loop runs in numpy instead (:func:`_candidates_np`,
 :class:`_Scorer`): all candidates at once, neighbours scored from per-group sums
 and decided exactly only where a proven error bound leaves a near tie.
-Float rules as in :mod:`mtpq.quantize.legacy` (one IEEE op at a time, in the
+Float rules as in :mod:`mtpq.ggml.legacy` (one IEEE op at a time, in the
 C order, ``nearest_int`` bit trick, C integer wrap-around).
 """
 
