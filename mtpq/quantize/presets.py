@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
 
-from .ggml_types import WRITABLE_TYPES
+from ..ggml.types import WRITABLE_TYPES
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
