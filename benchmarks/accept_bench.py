@@ -5,7 +5,7 @@
 
 Without MODEL, converts a model to f16 first: ``--demo glm`` (the default) and ``--demo qwen35`` the
 bundled demos, ``--demo deepseek`` the tests' tiny DeepSeek-V3 with a drafting "trunk copy" head (one MoE
-layer of MLA + 8 experts, hidden 256, tests/tiny_deepseek.py: random weights, fixed seed, the same file
+layer of MLA + 8 experts, hidden 256, tests/builders/tiny_deepseek.py: random weights, fixed seed, the same file
 every time). Prints, for the same prompts: tokens/s of plain greedy decoding (the baseline), of
 speculative decoding with k = 1..4 (and each one's ratio to the baseline and its acceptance), and the time
 of the teacher-forced depth-1 estimator (the prompts and their greedy continuations packed into passes of
@@ -138,9 +138,9 @@ def _bundled(name: str):
 
 
 def _tiny_deepseek(work: Path) -> Path:
-    """The checkpoint of tests/test_runtime_deepseek.py's ``copy_ckpt`` (float32, converted to f16 here)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import tiny_deepseek
+    """The checkpoint of tests/runtime/test_runtime_deepseek.py's ``copy_ckpt`` (float32, converted to f16 here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's test builders
+    from tests.builders import tiny_deepseek
 
     folder = tiny_deepseek.deepseek_v3(work / "deepseek", dtype=torch.float32, mtp_head_tensors=False,
                                        num_hidden_layers=1, first_k_dense_replace=0)

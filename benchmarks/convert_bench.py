@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's mtpq, not an installed one
+sys.path[:0] = [str(ROOT)]  # this tree's mtpq and test builders, not an installed mtpq
 
 CHILD = r"""
 import gc, json, resource, sys, time
@@ -82,11 +82,11 @@ H, FF = 2048, 1024
 
 def build(family: str, folder: Path, scale: float) -> None:
     """The family's tiny test checkpoint, with big matrices; DeepSeek's FP8 copy is made from the bf16 one."""
-    import tiny
-    import tiny_deepseek
-    import tiny_mimo2
-    import tiny_qwen35
-    import tiny_step35
+    from tests.builders import tiny
+    from tests.builders import tiny_deepseek
+    from tests.builders import tiny_mimo2
+    from tests.builders import tiny_qwen35
+    from tests.builders import tiny_step35
 
     new = NEW_BUILDERS.get(family)
     if new is not None:
@@ -132,43 +132,43 @@ def _new_builders() -> dict:
         return max(2, int(k * scale))
 
     def glm_dsa(folder, scale):  # layers 0-1 dense, the MTP layer MoE
-        import tiny_glm_dsa
+        from tests.builders import tiny_glm_dsa
         tiny_glm_dsa.glm_dsa(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
                              n_routed_experts=n(scale, 64), num_hidden_layers=2, first_k_dense_replace=2,
                              indexer_types=["full", "full"])
 
     def glm4_moe_lite(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE (transformers' model
-        import tiny_glm_dsa                # makes layer 1 MoE whatever first_k_dense_replace says)
+        from tests.builders import tiny_glm_dsa                # makes layer 1 MoE whatever first_k_dense_replace says)
         tiny_glm_dsa.glm4_moe_lite(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
                                    n_routed_experts=n(scale), num_hidden_layers=2, first_k_dense_replace=1)
 
     def deepseek32(folder, scale):
-        import tiny_deepseek32
+        from tests.builders import tiny_deepseek32
         tiny_deepseek32.deepseek_v32(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
                                      n_routed_experts=n(scale, 64), first_k_dense_replace=2)
 
     def qwen3next(folder, scale):  # every layer MoE (4 + the MTP layer), smaller experts, as qwen35moe
-        import tiny_qwen3next
+        from tests.builders import tiny_qwen3next
         tiny_qwen3next.qwen3next(folder, hidden_size=H // 2, moe_intermediate_size=FF,
                                  shared_expert_intermediate_size=FF, num_experts=n(scale))
 
     def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        import tiny_hyv3
+        from tests.builders import tiny_hyv3
         _with_hidden(tiny_hyv3, tiny_hyv3.hyv3, folder, num_hidden_layers=2, intermediate_size=2 * FF,
                      moe_intermediate_size=FF, expert_hidden_dim=FF, num_experts=n(scale))
 
     def cohere2moe(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        import tiny_cohere2moe
+        from tests.builders import tiny_cohere2moe
         _with_hidden(tiny_cohere2moe, tiny_cohere2moe.cohere2moe, folder, num_hidden_layers=2,
                      intermediate_size=FF, prefix_dense_intermediate_size=2 * FF, num_experts=n(scale))
 
     def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
-        import tiny_nemotronh
+        from tests.builders import tiny_nemotronh
         _with_hidden(tiny_nemotronh, tiny_nemotronh.nemotronh, folder, moe_intermediate_size=FF,
                      moe_shared_expert_intermediate_size=FF, n_routed_experts=n(scale))
 
     def bailingmoe3(folder, scale):  # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
-        import tiny_bailingmoe3
+        from tests.builders import tiny_bailingmoe3
         _with_hidden(tiny_bailingmoe3, tiny_bailingmoe3.bailingmoe3, folder, num_hidden_layers=2,
                      intermediate_size=2 * FF, moe_intermediate_size=FF, moe_shared_expert_intermediate_size=FF,
                      num_experts=n(scale))
@@ -294,7 +294,7 @@ def main() -> None:
             if not (src / "model.safetensors.index.json").exists():
                 print(f"building {fam} in {src} ...", file=sys.stderr, flush=True)
                 if fam.endswith("-fp8"):
-                    import tiny
+                    from tests.builders import tiny
 
                     if not (work / base / "model.safetensors.index.json").exists():
                         build(base, work / base, args.scale)

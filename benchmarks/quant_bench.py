@@ -6,7 +6,7 @@
     python benchmarks/quant_bench.py --whole-file --llama-quantize /path/to/llama-quantize --threads 2
 
 ``--whole-file``: ``mtpq quantize`` and ``llama-quantize`` on the same whole GGUF, a GLM-4.5-shaped f32
-file of ~420 MB built here (tests/tiny.py's GLM-4.5 at hidden 1024: 8 query / 2 KV heads of 128, a dense
+file of ~420 MB built here (tests/builders/tiny.py's GLM-4.5 at hidden 1024: 8 query / 2 KV heads of 128, a dense
 block of 2816, MoE blocks of 16 experts of 352 -- GLM-4.5-Air's 1408 / 4, so their ffn_down rows take
 llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, vocab 8192; kept with
 ``--keep DIR``), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
@@ -216,8 +216,7 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     """(the GLM-shaped f32 GGUF, the same metadata with one 256x256 tensor, an imatrix for both), built once."""
     import torch as _torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import tiny
+    from tests.builders import tiny
     from mtpq.convert import plan_checkpoint
     from mtpq.gguf_io import plan_from_gguf, write_plan
     from mtpq.tensors import Plan

@@ -1,14 +1,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the tiny checkpoint builders
-
-import tiny  # noqa: E402
+from tests.builders import tiny
 
 
 @pytest.fixture(scope="session", autouse=True)

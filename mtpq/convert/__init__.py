@@ -7,16 +7,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 from ..tensors import Plan
-from . import glm4moe  # noqa: F401  (families register themselves)
-from . import qwen35, qwen35moe  # noqa: F401
-from . import qwen3next  # noqa: F401
-from . import deepseek2  # noqa: F401
-from . import deepseek32  # noqa: F401
-from . import step35, mimo2  # noqa: F401
-from . import glm_dsa  # noqa: F401
-from . import glm4moe_lite  # noqa: F401
-from . import hyv3, cohere2moe, nemotronh, bailingmoe3  # noqa: F401
-from . import deepseek4  # noqa: F401
+from . import families  # noqa: F401  (the families register themselves)
 from .base import FAMILIES, OUTTYPES, MtpMode, family_for
 from .checkpoint import Checkpoint
 

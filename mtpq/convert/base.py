@@ -71,6 +71,12 @@ def gguf_name(kind: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".w
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
+def as_llama_cpp_reads(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as llama.cpp's converter holds it before its transforms: anything but f16/f32 upcast to f32
+    (so bf16 + 1, exp(bf16) round once, as there)."""
+    return t if t.dtype in (torch.float16, torch.float32) else t.float()
+
+
 def keeps_bytes(fn: Transform) -> Transform:
     """Mark a transform that only adds or drops size-1 dims (``squeeze``): the stored bytes, in order, are
     the result's, so :meth:`Family.emit` can still stream the tensor (map or convert it band by band)."""

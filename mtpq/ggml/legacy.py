@@ -7,7 +7,7 @@ importance matrix is given.  The shared float helpers at the top are also used
 by the K-quant, IQ4 and i-quant kernels.
 
 Rules followed to stay bit-exact with the C code (compiled without FMA, see
-``tests/test_quant_kernels.py``):
+``tests/ggml/test_quant_kernels.py``):
 
 * every arithmetic step is a separate IEEE float32 torch op, in the C order;
   float32 add/sub/mul/div/sqrt are correctly rounded on every torch backend, so

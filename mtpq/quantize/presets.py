@@ -15,7 +15,7 @@ exists only with one). The reference quirks are kept on purpose:
   the running count of ffn_down tensors otherwise; the layer total is
   ``block_count`` (trunk + MTP blocks).
 
-tests/test_policy.py checks every choice against llama-quantize's own output.
+tests/quantize/test_policy.py checks every choice against llama-quantize's own output.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Qwen3.5's gated DeltaNet (linear attention), as llama.cpp's qwen35 graph and transformers'
-``Qwen3_5GatedDeltaNet`` compute it, from the tensors our converter writes (convert/qwen35.py).
+``Qwen3_5GatedDeltaNet`` compute it, from the tensors our converter writes (convert/families/qwen35.py).
 
 Per token t and value head h (state S_h: [d_k, d_v], zeros at the start):
 

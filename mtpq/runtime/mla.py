@@ -1,6 +1,6 @@
 """DeepSeek's multi-head latent attention (MLA), as llama.cpp's deepseek2 graph runs it on our GGUFs.
 
-Tensors (``mtpq/convert/deepseek2.py`` writes them as llama.cpp's converter does):
+Tensors (``mtpq/convert/families/deepseek2.py`` writes them as llama.cpp's converter does):
 ``attn_q_a`` -> ``attn_q_a_norm`` -> ``attn_q_b`` (or a plain ``attn_q`` when q_lora_rank is null)
 gives per head [q_nope | q_pe]; ``attn_kv_a_mqa`` gives the latent ``c`` (kv_lora_rank wide, then
 ``attn_kv_a_norm``) and one rope key ``k_pe`` shared by all heads; ``kv_b_proj`` is stored split per

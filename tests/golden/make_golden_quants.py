@@ -4,8 +4,8 @@
 
 SRC is a llama.cpp source tree with a build in SRC/build (libggml-base); the goldens in the repo were made with
 the one vendored in the llama-cpp-python 0.3.36 sdist (ggml 0.25.3). The inputs are committed data:
-``inputs.npz`` (the float32 test matrices described in tests/test_quant_kernels.py), ``importance.npz`` and
-``iquant_weights.npz`` (importance vectors, see tests/test_imatrix_kernels.py and tests/test_iquant_kernels.py);
+``inputs.npz`` (the float32 test matrices described in tests/ggml/test_quant_kernels.py), ``importance.npz`` and
+``iquant_weights.npz`` (importance vectors, see tests/ggml/test_imatrix_kernels.py and tests/ggml/test_iquant_kernels.py);
 this script derives every output from them with qharness.c (``ggml_quantize_chunk``):
 
 - ``<TYPE>.npz``          legacy and k-quants and IQ4_NL/IQ4_XS without importance: one key per case;

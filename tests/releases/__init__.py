@@ -30,7 +30,7 @@ optional:
               refused, the head is checked in its head-only file (``--mtp-only``) beside a ``--no-mtp`` trunk.
 ``DRAFTS``    True when llama.cpp has an MTP graph for the GGUF arch (the file must draft there).
 
-:func:`build` writes the tiny checkpoint; tests/test_release_matrix.py runs every manifest.
+:func:`build` writes the tiny checkpoint; tests/convert/test_release_matrix.py runs every manifest.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _shrink_token_ids(table: dict, n_specials: int) -> None:
 
 def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0) -> Path:
     """The tiny checkpoint of ``manifest`` in ``form``: config.json, tokenizer, 2 safetensors shards + index."""
-    import tiny
+    from tests.builders import tiny
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:
     tiles (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names: the release's
     ``modules_to_not_convert``); ``quantization_config`` entries override the written
     ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``."""
-    import tiny
+    from tests.builders import tiny
 
     tiny.to_fp8_block_scaled(folder, keep=keep)
     path = folder / "config.json"
@@ -143,7 +143,7 @@ def fp8_per_channel(folder: Path, keep=None, **quantization_config) -> None:
     """The compressed-tensors FP8 form: every 2-D projection e4m3 with a per-channel ``weight_scale`` [out, 1]
     (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names);
     ``quantization_config`` entries override :data:`COMPRESSED_TENSORS_FP8`."""
-    import tiny
+    from tests.builders import tiny
 
     tiny.to_fp8_per_channel(folder, keep=keep)
     path = folder / "config.json"

@@ -83,7 +83,7 @@ def fp8_form(quantization_config: Callable[[dict], dict], mxfp4: bool = False,
     def encode(folder: Path) -> None:
         from safetensors.torch import load_file, save_file
 
-        from tiny_mimo2 import fp8_rank_tiles, to_mxfp4
+        from tests.builders.tiny_mimo2 import fp8_rank_tiles, to_mxfp4
 
         cfg = json.loads((folder / "config.json").read_text())
         tp = cfg["num_key_value_heads"]

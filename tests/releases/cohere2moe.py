@@ -72,7 +72,7 @@ DRAFTS = True
 
 
 # llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); mtpq writes the full
-# file's trunk / MTP block (tests/test_convert_cohere2moe.py checks both against llama.cpp's full file)
+# file's trunk / MTP block (tests/convert/test_convert_cohere2moe.py checks both against llama.cpp's full file)
 DIFFERS = {(form, mode): "llama.cpp's converter does not support --no-mtp / --mtp for Cohere2MoeForCausalLM; mtpq "
                          "writes the parts of its full file"
            for form in FORMS for mode in ("--no-mtp", "--mtp")}

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 import torch
-from tiny_deepseek import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
+from tests.builders.tiny_deepseek import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
 
 RELEASE = "deepseek-ai/DeepSeek-V4-Flash"
 SOURCES = [
@@ -178,8 +178,8 @@ def as_released(folder: Path) -> None:
     """The bf16 tiny checkpoint in the release's mixed encoding (see the module docstring)."""
     from safetensors.torch import load_file, save_file
 
-    from tiny_deepseek import _use_bos
-    from tiny_mimo2 import to_mxfp4
+    from tests.builders.tiny_deepseek import _use_bos
+    from tests.builders.tiny_mimo2 import to_mxfp4
 
     _use_bos(folder)
     cfg = json.loads((folder / "config.json").read_text())

@@ -9,7 +9,7 @@ moe_intermediate 1536 -> 256. Every other key as released: no scoring_func, top-
 stored F32, as GLM's and DeepSeek's releases store it.
 
 llama.cpp's Glm4MoeLiteModel (conversion/glm.py) keeps the MTP layer, so every cell is compared; the one
-knowing difference is the gating function key (see DIFFERS_KEYS and mtpq/convert/glm4moe_lite.py).
+knowing difference is the gating function key (see DIFFERS_KEYS and mtpq/convert/families/glm4moe_lite.py).
 """
 
 from ._deepseek import f32, tensors as _tensors

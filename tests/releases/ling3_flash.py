@@ -227,6 +227,6 @@ _NO_MXFP4_IN_LLAMA_CPP = (
     "by the E8M0 exponent bytes as numbers and writes the routed experts at half their width with meaningless "
     "values (a file its own loader refuses: 'ffn_gate_exps has wrong shape'); mtpq moves the bits into ggml MXFP4 "
     "blocks, as llama.cpp's mimo/deepseek4/kimi_k3 converters do (repack_mxfp4_blocks; bytes checked in "
-    "tests/test_convert_bailingmoe3.py)")
+    "tests/convert/test_convert_bailingmoe3.py)")
 DIFFERS = {("fp8_mxfp4", mode): _NO_MXFP4_IN_LLAMA_CPP for mode in (None, "--no-mtp", "--mtp")}
 FORMS = {"bf16": None, "fp8": lambda folder: _fp8(folder, False), "fp8_mxfp4": lambda folder: _fp8(folder, True)}

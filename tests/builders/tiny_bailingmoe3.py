@@ -1,0 +1,109 @@
+"""A tiny Ling 3.0 checkpoint (``BailingMoeV3ForCausalLM``, inclusionAI/Ling-3.0-*) with its MTP layer.
+
+Config keys and tensor names follow the release as llama.cpp's converter
+(conversion/bailingmoe3.py, gguf-py's tensor map) and vLLM's bailing_moe_v3.py read them:
+- ``model.word_embeddings``, ``model.norm``, ``lm_head``; per layer ``input_layernorm``,
+  ``post_attention_layernorm``, the mixer under ``attention.`` and the MLP under ``mlp.``;
+- Kimi-delta-attention (KDA) layers and, every ``layer_group_size``-th layer (and the
+  tail), gated MLA layers: ``q_proj`` (or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``),
+  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, head-wise ``g_proj``, ``dense``;
+- KDA: ``q/k/v_proj``, ``q/k/v_conv1d`` [d, 1, kernel], ``b_proj`` (beta), ``f_proj``
+  (forget gate, no LoRA), ``A_log``, ``dt_bias``, ``g_proj`` (output gate), ``o_norm``, ``o_proj``;
+- dense first layers, then MoE: ``mlp.gate`` + ``mlp.gate.expert_bias``, per-expert
+  ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``;
+- the MTP layer ``model.layers.{N}``: ``eh_proj``/``enorm``/``hnorm``/``final_layernorm`` and a
+  full-attention (MLA) MoE block.
+Weights are random (fixed seed); hidden and expert widths are multiples of 256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+
+SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
+H = 256
+
+
+def config(vocab: int, **over) -> dict:
+    cfg = dict(
+        architectures=["BailingMoeV3ForCausalLM"], model_type="bailing_moe_v3", vocab_size=vocab, hidden_size=H,
+        intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+        layer_group_size=2, short_conv_kernel_size=4, no_kda_lora=True, kda_safe_gate=True, kda_lower_bound=-5.0,
+        gated_attention_proj_granularity_type="head_wise", q_lora_rank=None, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, num_experts=4, num_experts_per_tok=2,
+        num_shared_experts=1, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
+        n_group=1, topk_group=1, rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=600000.0,
+        use_bias=False, tie_word_embeddings=False, num_nextn_predict_layers=1,
+        bos_token_id=1, eos_token_id=0, pad_token_id=0,
+    )
+    cfg.update(over)
+    return cfg
+
+
+def is_full_attention(bid: int, cfg: dict) -> bool:
+    n, g = cfg["num_hidden_layers"], cfg["layer_group_size"]
+    return bid >= n or (bid + 1) % g == 0 or bid >= n // g * g
+
+
+def _kda(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    nh, hd, k = cfg["num_attention_heads"], cfg["head_dim"], cfg["short_conv_kernel_size"]
+    d = nh * hd
+    t = {p + f"{x}_proj.weight": _randn(d, H, gen=gen) for x in ("q", "k", "v", "f", "g")}
+    t.update({p + f"{x}_conv1d.weight": _randn(d, 1, k, gen=gen, scale=0.3) for x in ("q", "k", "v")})
+    t.update({p + "b_proj.weight": _randn(nh, H, gen=gen), p + "A_log": torch.log(torch.linspace(1, 8, nh)),
+              p + "dt_bias": _randn(d, gen=gen, scale=0.5), p + "o_norm.weight": _norm(hd, gen),
+              p + "o_proj.weight": _randn(H, d, gen=gen)})
+    return t
+
+
+def _mla(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    nh, nope, rope, v, kv = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+                                              "v_head_dim", "kv_lora_rank"))
+    t = {p + "kv_a_proj_with_mqa.weight": _randn(kv + rope, H, gen=gen), p + "kv_a_layernorm.weight": _norm(kv, gen),
+         p + "kv_b_proj.weight": _randn(nh * (nope + v), kv, gen=gen), p + "g_proj.weight": _randn(nh, H, gen=gen),
+         p + "dense.weight": _randn(H, nh * v, gen=gen)}
+    if (q_lora := cfg["q_lora_rank"]) is None:
+        t[p + "q_proj.weight"] = _randn(nh * (nope + rope), H, gen=gen)
+    else:
+        t.update({p + "q_a_proj.weight": _randn(q_lora, H, gen=gen), p + "q_a_layernorm.weight": _norm(q_lora, gen),
+                  p + "q_b_proj.weight": _randn(nh * (nope + rope), q_lora, gen=gen)})
+    return t
+
+
+def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    if bid < cfg["first_k_dense_replace"]:
+        ff = cfg["intermediate_size"]
+        return {p + "gate_proj.weight": _randn(ff, H, gen=gen), p + "up_proj.weight": _randn(ff, H, gen=gen),
+                p + "down_proj.weight": _randn(H, ff, gen=gen)}
+    n_exp, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
+    sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
+    t = {p + "gate.weight": _randn(n_exp, H, gen=gen), p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen),
+         p + "shared_experts.gate_proj.weight": _randn(sff, H, gen=gen),
+         p + "shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
+         p + "shared_experts.down_proj.weight": _randn(H, sff, gen=gen)}
+    for e in range(n_exp):
+        q = f"{p}experts.{e}."
+        t.update({q + "gate_proj.weight": _randn(ff, H, gen=gen), q + "up_proj.weight": _randn(ff, H, gen=gen),
+                  q + "down_proj.weight": _randn(H, ff, gen=gen)})
+    return t
+
+
+def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
+                with_mtp: bool = True, **over) -> Path:
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
+    sd = {"model.word_embeddings.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
+          "lm_head.weight": _randn(vocab, H, gen=gen)}
+    for bid in range(n_blocks(cfg, with_mtp)):
+        p = f"model.layers.{bid}."
+        sd.update({p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)})
+        sd.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
+        sd.update(_mlp(p + "mlp.", cfg, bid, gen))
+        if bid >= cfg["num_hidden_layers"]:
+            sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
+                       p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -1,0 +1,92 @@
+"""A tiny Cohere2 MoE checkpoint (``Cohere2MoeForCausalLM``, CohereLabs/North-Mini-Code-1.0) with an MTP layer.
+
+Config keys are transformers' Cohere2MoeConfig's (``cohere2_moe``); tensor names are
+the ones its modeling code and llama.cpp's converter (conversion/command_r.py,
+gguf-py's tensor map) read:
+- parallel blocks: one ``input_layernorm`` (a bias-free LayerNorm, ``layer_norm_eps``,
+  as ``rms_norm_eps: null`` selects) feeds attention and the MLP;
+- dense prefix layers (``mlp_layer_types``) with ``prefix_dense_intermediate_size``,
+  then MoE layers: router ``mlp.gate``, per-expert ``mlp.experts.{e}.*`` and shared
+  experts ``mlp.shared_experts.*`` (``intermediate_size * num_shared_experts`` wide);
+- sliding/full attention by ``layer_types``; tied embeddings (no ``lm_head``);
+- the MTP layer ``model.layers.{N}``: DeepSeek-style ``eh_proj``/``enorm``/``hnorm``/
+  ``shared_head.norm`` plus a full-attention MoE block, as llama.cpp's
+  src/models/cohere2moe.cpp loads it (transformers' model does not run it).
+Weights are random (fixed seed), sized so every weight row is a multiple of 256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+
+SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
+H = 256
+
+
+def config(vocab: int, **over) -> dict:
+    n = over.pop("num_hidden_layers", 4)
+    cfg = dict(
+        architectures=["Cohere2MoeForCausalLM"], model_type="cohere2_moe", vocab_size=vocab, hidden_size=H,
+        intermediate_size=256, prefix_dense_intermediate_size=512, logit_scale=0.0625, num_hidden_layers=n,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="silu", max_position_embeddings=4096,
+        layer_norm_eps=1e-5, rms_norm_eps=None, bos_token_id=1, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=True, rope_theta=50000.0, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        attention_bias=False, sliding_window=16, num_experts_per_tok=2, num_experts=4, num_shared_experts=1,
+        shared_expert_combination_strategy="average", expert_selection_fn="sigmoid",
+        layer_types=["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), prefix_dense_sliding_window_pattern=1,
+        norm_topk_prob=True, sliding_window_pattern=4, num_nextn_predict_layers=1,
+    )
+    cfg.update(over)
+    return cfg
+
+
+def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    p = f"model.layers.{bid}."
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    t = {
+        p + "input_layernorm.weight": _norm(H, gen),
+        p + "self_attn.q_proj.weight": _randn(nh * hd, H, gen=gen),
+        p + "self_attn.k_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "self_attn.v_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "self_attn.o_proj.weight": _randn(H, nh * hd, gen=gen),
+    }
+    if cfg["attention_bias"]:  # zero, as Cohere ships them (llama.cpp drops zero biases)
+        t.update({p + f"self_attn.{x}_proj.bias": torch.zeros(n) for x, n in
+                  (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", H))})
+    types = cfg["mlp_layer_types"]
+    if bid < len(types) and types[bid] == "dense":
+        ff = cfg["prefix_dense_intermediate_size"]
+        t.update({p + "mlp.gate_proj.weight": _randn(ff, H, gen=gen), p + "mlp.up_proj.weight": _randn(ff, H, gen=gen),
+                  p + "mlp.down_proj.weight": _randn(H, ff, gen=gen)})
+    else:  # MoE, the MTP layer too
+        ff, n_exp = cfg["intermediate_size"], cfg["num_experts"]
+        t[p + "mlp.gate.weight"] = _randn(n_exp, H, gen=gen)
+        for e in range(n_exp):
+            q = f"{p}mlp.experts.{e}."
+            t.update({q + "gate_proj.weight": _randn(ff, H, gen=gen), q + "up_proj.weight": _randn(ff, H, gen=gen),
+                      q + "down_proj.weight": _randn(H, ff, gen=gen)})
+        if n_shared := cfg["num_shared_experts"]:
+            sff = ff * n_shared
+            t.update({p + "mlp.shared_experts.gate_proj.weight": _randn(sff, H, gen=gen),
+                      p + "mlp.shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
+                      p + "mlp.shared_experts.down_proj.weight": _randn(H, sff, gen=gen)})
+    if bid >= cfg["num_hidden_layers"]:
+        t.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
+                  p + "hnorm.weight": _norm(H, gen), p + "shared_head.norm.weight": _norm(H, gen)})
+    return t
+
+
+def cohere2moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
+               with_mtp: bool = True, **over) -> Path:
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
+    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen)}
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = _randn(vocab, H, gen=gen)
+    for bid in range(n_blocks(cfg, with_mtp)):
+        sd.update(block_tensors(bid, cfg, gen))
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -1,0 +1,129 @@
+"""A tiny DeepSeek-V3 / R1 checkpoint (``DeepseekV3ForCausalLM``) with its MTP layer.
+
+Weights come from transformers' own DeepseekV3ForCausalLM (random init, fixed
+seed). The model is built with ``num_hidden_layers + 1`` layers and saved with
+``num_hidden_layers`` in config.json: the extra (MoE) layer becomes the MTP
+block ``model.layers.{n}.*``, so its MLA attention and MoE tensors carry exactly
+the names and shapes transformers gives a real decoder layer. The MTP-only
+tensors (``eh_proj``, ``enorm``, ``hnorm``, ``embed_tokens``,
+``shared_head.{head,norm}``) are added under DeepSeek-V3's checkpoint names.
+
+Sizes keep weight rows multiples of 256 where the architecture allows
+(hidden 256, q_lora_rank 256, kv_lora_rank 256, 4 heads x v_head_dim 64,
+FFN/expert widths 256/512); the split ``attn_k_b`` rows are qk_nope_head_dim
+long (64 here, 128 in the real model), never a multiple of 256.
+The config mirrors DeepSeek-V3's: sigmoid router with correction bias
+(``noaux_tc``), expert groups, yarn RoPE with ``mscale_all_dim``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def deepseek_v3_config(**over) -> dict:
+    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+               first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+               num_nextn_predict_layers=1, max_position_embeddings=16384, rms_norm_eps=1e-6,
+               rope_parameters=dict(YARN), tie_word_embeddings=False,
+               scoring_func="sigmoid", topk_method="noaux_tc")  # as DeepSeek-V3's config.json has them
+    cfg.update(over)
+    return cfg
+
+
+def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
+                mtp_head_tensors: bool = True, **config_over) -> Path:
+    """Write the tiny checkpoint to ``folder`` and return it.
+
+    ``mtp_head_tensors=False`` leaves out the MTP layer's ``embed_tokens`` and
+    ``shared_head.head`` (checkpoints that tie them to the trunk's).
+    """
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=SPECIALS)
+    _use_bos(folder)
+    params = deepseek_v3_config(**config_over)
+    n = params["num_hidden_layers"]
+    cfg = DeepseekV3Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
+    sd, gen = random_hf_state_dict(DeepseekV3ForCausalLM, cfg, seed)
+    sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
+    config = cfg.to_dict()
+    config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
+
+
+def _use_bos(folder: Path) -> None:
+    """BOS is added to every prompt, as DeepSeek-V3's tokenizer does.
+
+    transformers bakes that into tokenizer.json's post-processor; gguf-py (and so
+    llama.cpp's converter) reads ``add_bos_token`` from tokenizer_config.json.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=BOS, eos_token=EOS,
+                                   add_bos_token=True, add_eos_token=False)
+    fast.chat_template = (folder / "chat_template.jinja").read_text()
+    fast.save_pretrained(str(folder))
+    path = folder / "tokenizer_config.json"
+    tc = json.loads(path.read_text())
+    tc.update(add_bos_token=True, add_eos_token=False)
+    path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+
+
+def trunk_copy_head(folder: Path, embed_rms: float = 0.02) -> Path:
+    """Rewrite the MTP layer of a ONE-layer tiny DeepSeek checkpoint into a copy of the trunk, so that it drafts.
+
+    The head's block gets layer 0's weights, ``eh_proj`` passes ``enorm(E[x_{t+1}])`` through and ignores
+    h_t, and ``enorm`` scales embeddings to the rms random init gives them (0.02): the head then runs the
+    trunk's only layer on x_1..x_{t+1} (without x_0, and with each embedding renormalised), so it
+    predicts roughly what the trunk will predict after x_{t+1} -- right often (~60 % on the test
+    prompts), wrong often enough, with runs of several accepted drafts. The head's own embedding and
+    output are dropped (transformers' MTP ties them to the trunk's anyway).
+    """
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["num_hidden_layers"] != 1 or cfg["first_k_dense_replace"] != 0:
+        raise ValueError("trunk_copy_head needs a one-layer MoE trunk (num_hidden_layers=1, first_k_dense_replace=0)")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    trunk = {}
+    for shard in shards:
+        trunk.update({k: v for k, v in load_file(str(folder / shard)).items() if k.startswith("model.layers.0.")})
+    p = "model.layers.1."
+    for shard in shards:
+        t = load_file(str(folder / shard))
+        for name in list(t):
+            if not name.startswith(p):
+                continue
+            rest = name[len(p):]
+            if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                del t[name]
+                del index["weight_map"][name]
+            elif "model.layers.0." + rest in trunk:
+                t[name] = trunk["model.layers.0." + rest].clone()
+            elif rest == "eh_proj.weight":
+                h = t[name].shape[0]
+                t[name] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(t[name].dtype)
+            elif rest == "enorm.weight":
+                t[name] = torch.full_like(t[name], embed_rms)
+        save_file(t, str(folder / shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    return folder

@@ -1,0 +1,60 @@
+"""A tiny DeepSeek-V3.2 checkpoint (``DeepseekV32ForCausalLM``) with its MTP layer.
+
+As tests/builders/tiny_deepseek.py builds DeepSeek-V3: transformers' own
+``DeepseekV32ForCausalLM`` (random init, fixed seed) is built with
+``num_hidden_layers + 1`` layers and saved with ``num_hidden_layers``, so the extra
+layer becomes the MTP block ``model.layers.{n}.*`` with exactly the names and shapes
+of a real decoder layer -- its lightning indexer (``self_attn.indexer.{wq_b, wk,
+k_norm.{weight,bias}, weights_proj}``) included; the MTP-only tensors are added
+under DeepSeek's names.
+
+config.json is written as the V3.2 release has it (``rope_scaling`` with
+``"type": "yarn"``, top-level ``rope_theta``, no ``layer_types`` /
+``mlp_layer_types``, which transformers derives). Sizes: hidden 256, q_lora 256,
+4 indexer heads of 64 (wq_b rows 256 long), ``index_topk`` 4 so that on any prompt
+longer than 4 tokens the indexer really drops keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny_deepseek import SPECIALS, YARN, _use_bos, deepseek_v3_config
+
+
+def deepseek_v32_config(**over) -> dict:
+    return deepseek_v3_config(**{"index_n_heads": 4, "index_head_dim": 64, "index_topk": 4, **over})
+
+
+def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
+                 positive_index_weights: bool = False, **config_over) -> Path:
+    """Write the tiny checkpoint to ``folder`` and return it.
+
+    ``positive_index_weights``: the indexer's per-head weights (``weights_proj``) made positive, so that a
+    key scores exactly 0 only when every head's ReLU(q.k) is 0; with many heads (``index_n_heads=16``) that
+    practically never happens, and engines cannot disagree on how to break ties at the top-k boundary.
+    """
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=SPECIALS)
+    _use_bos(folder)
+    params = deepseek_v32_config(**config_over)
+    n = params["num_hidden_layers"]
+    cfg = DeepseekV32Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
+    sd, gen = random_hf_state_dict(DeepseekV32ForCausalLM, cfg, seed, is_norm=lambda name: name.endswith("norm.weight"))
+    if positive_index_weights:
+        sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})
+    sd.update(nextn_tensors(cfg, n, gen))
+    config = cfg.to_dict()
+    for key in ("layer_types", "mlp_layer_types", "rope_parameters", "head_dim", "qk_head_dim"):
+        config.pop(key, None)
+    rope = dict(YARN)
+    config.update(num_hidden_layers=n, architectures=["DeepseekV32ForCausalLM"], rope_theta=rope.pop("rope_theta"),
+                  rope_scaling={"type": rope.pop("rope_type"), **rope})
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder

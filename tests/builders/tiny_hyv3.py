@@ -1,0 +1,84 @@
+"""A tiny Hy3 checkpoint (``HYV3ForCausalLM``, tencent/Hy3) with its MTP layer appended past the trunk.
+
+Names and config keys follow the release (tencent/Hy3's safetensors index and
+config.json, which transformers' hy_v3 conversion mapping renames on load):
+- GQA attention with q/k norms; layer 0 dense (``mlp.{gate,up,down}_proj``,
+  ``first_k_dense_replace: 1``), the others MoE: a sigmoid router
+  ``mlp.router.gate``, a selection bias ``mlp.expert_bias``, per-expert
+  ``mlp.experts.{e}.*`` and one shared expert ``mlp.shared_mlp.*``;
+- the MTP layer ``model.layers.{N}``: ``eh_proj``, ``enorm``, ``hnorm``,
+  ``final_layernorm`` (applied before the shared lm_head) plus a full MoE
+  decoder block. No ``embed_tokens`` / ``shared_head.head`` of its own: the
+  head shares the trunk's.
+Weights are random (fixed seed), sized so every weight row is a multiple of 256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
+
+
+def config(vocab: int, **over) -> dict:
+    cfg = dict(
+        architectures=["HYV3ForCausalLM"], model_type="hy_v3", vocab_size=vocab, hidden_size=H,
+        intermediate_size=FF, moe_intermediate_size=MOE_FF, expert_hidden_dim=MOE_FF, num_hidden_layers=3,
+        num_attention_heads=N_HEAD, num_key_value_heads=N_KV, head_dim=HEAD_DIM, qk_norm=True,
+        first_k_dense_replace=1, num_experts=N_EXP, num_experts_per_tok=2, num_shared_experts=1,
+        moe_router_use_sigmoid=True, moe_router_enable_expert_bias=True, route_norm=True,
+        router_scaling_factor=2.826, rms_norm_eps=1e-5, hidden_act="silu",
+        rope_parameters={"rope_theta": 11158840.0, "rope_type": "default"}, max_position_embeddings=4096,
+        tie_word_embeddings=False, num_nextn_predict_layers=1, enable_lm_head_fp32=True,
+        bos_token_id=1, eos_token_id=0,
+    )
+    cfg.update(over)
+    return cfg
+
+
+def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    p = f"model.layers.{bid}."
+    nh, nkv, hd, n_exp = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_experts"]
+    ff, moe_ff = cfg["intermediate_size"], cfg["moe_intermediate_size"]
+    t = {
+        p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen),
+        p + "self_attn.q_proj.weight": _randn(nh * hd, H, gen=gen),
+        p + "self_attn.k_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "self_attn.v_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "self_attn.o_proj.weight": _randn(H, nh * hd, gen=gen),
+        p + "self_attn.q_norm.weight": _norm(hd, gen), p + "self_attn.k_norm.weight": _norm(hd, gen),
+    }
+    if bid < cfg["first_k_dense_replace"]:
+        t.update({p + "mlp.gate_proj.weight": _randn(ff, H, gen=gen), p + "mlp.up_proj.weight": _randn(ff, H, gen=gen),
+                  p + "mlp.down_proj.weight": _randn(H, ff, gen=gen)})
+    else:  # MoE, the MTP layer too
+        t[p + "mlp.router.gate.weight"] = _randn(n_exp, H, gen=gen)
+        t[p + "mlp.expert_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
+        for e in range(n_exp):
+            q = f"{p}mlp.experts.{e}."
+            t.update({q + "gate_proj.weight": _randn(moe_ff, H, gen=gen),
+                      q + "up_proj.weight": _randn(moe_ff, H, gen=gen),
+                      q + "down_proj.weight": _randn(H, moe_ff, gen=gen)})
+        shared = moe_ff * cfg["num_shared_experts"]
+        t.update({p + "mlp.shared_mlp.gate_proj.weight": _randn(shared, H, gen=gen),
+                  p + "mlp.shared_mlp.up_proj.weight": _randn(shared, H, gen=gen),
+                  p + "mlp.shared_mlp.down_proj.weight": _randn(H, shared, gen=gen)})
+    if bid >= cfg["num_hidden_layers"]:
+        t.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
+                  p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
+    return t
+
+
+def hyv3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
+         with_mtp: bool = True, **over) -> Path:
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
+    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
+          "lm_head.weight": _randn(vocab, H, gen=gen)}
+    for bid in range(n_blocks(cfg, with_mtp)):
+        sd.update(block_tensors(bid, cfg, gen))
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -1,0 +1,160 @@
+"""Tiny Qwen3.5 / Qwen3.6 checkpoints (dense and MoE) that tests build for themselves.
+
+The trunk comes from transformers' own classes (``Qwen3_5ForCausalLM``,
+``Qwen3_5MoeForCausalLM`` or the ``...ForConditionalGeneration`` variants, whose
+text tensors live under ``model.language_model.`` next to a ``model.visual.``
+tower), saved the way ``save_pretrained`` writes them (per-expert MoE tensors,
+as transformers' checkpoint conversion map expects real Qwen3.5-MoE
+checkpoints to be). The MTP head is added under the real checkpoint names
+(``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+``mtp.norm``, ``mtp.layers.0.*``; vLLM's qwen3_5_mtp and llama.cpp's
+conversion/qwen.py read these), its block's names and shapes taken from
+transformers' full-attention decoder layer.
+
+``fused_experts=True`` stores the trunk's routed experts fused
+(``mlp.experts.gate_up_proj`` [E, 2F, H] + ``mlp.experts.down_proj`` [E, H, F]),
+the other layout llama.cpp's converter accepts; ``mtp_fused_experts`` chooses
+the MTP block's layout independently (default: same as the trunk).
+
+Sizes follow DESIGN.md (hidden 256, rows multiples of 256). The linear
+attention has 2 key heads and 4 value heads, so the V-head reordering that
+llama.cpp applies (grouped -> tiled) is exercised; zero-centred norms, A_log
+and dt_bias get informative random values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import _hf_state_dict, make_tokenizer, save_checkpoint
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
+
+
+def text_config(moe: bool, **over) -> dict:
+    cfg = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+               linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True})
+    if moe:
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    else:
+        cfg.update(intermediate_size=512)
+    cfg.update(over)
+    return cfg
+
+
+_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=4,
+               num_position_embeddings=16)
+
+
+def qwen35(folder: Path, *, moe: bool = False, conditional: bool = False, seed: int = 0,
+           dtype: torch.dtype = torch.bfloat16, fused_experts: bool = False, mtp_fused_experts: bool | None = None,
+           with_mtp: bool = True, n_shards: int = 2, **config_over) -> Path:
+    """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer)."""
+    import transformers as tf
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=QWEN_SPECIALS)
+    tcfg = text_config(moe, **config_over)
+    if conditional:
+        cfg_cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+        cfg = cfg_cls(text_config=tcfg, vision_config=dict(_VISION), tie_word_embeddings=tcfg["tie_word_embeddings"])
+        model_cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+        text = cfg.text_config
+    else:
+        cfg = (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**tcfg)
+        model_cls = tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM
+        text = cfg
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    sd = {k: v for k, v in _hf_state_dict(model).items()}
+    for name, t in sd.items():
+        if t.dim() == 1 and ("language_model." in name or not conditional):
+            sd[name] = _informative_1d(name, t.numel(), gen)
+    if fused_experts:
+        sd = fuse_experts(sd, text.num_experts)
+    if with_mtp:
+        fused_mtp = fused_experts if mtp_fused_experts is None else mtp_fused_experts
+        sd.update(mtp_tensors(text, moe, gen, fused=fused_mtp))
+
+    config = cfg.to_dict()
+    config["architectures"] = [model_cls.__name__]
+    sub = config["text_config"] if conditional else config
+    if with_mtp:  # as the real config.json files declare it (transformers' config class drops unknown keys)
+        sub["mtp_num_hidden_layers"] = 1
+        sub["mtp_use_dedicated_embeddings"] = False
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
+
+
+def _informative_1d(name: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Random init leaves norms at 0 (zero-centred) or 1 and dt_bias at 1: make every 1-D tensor distinct."""
+    if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: plain weight, around 1
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+    if name.endswith("A_log"):
+        return torch.empty(n).uniform_(0.01, 16, generator=gen).log()
+    if name.endswith("dt_bias"):
+        return 1.0 + 0.5 * torch.randn(n, generator=gen)
+    return 0.1 * torch.randn(n, generator=gen)  # zero-centred RMSNorm weights: y = x_hat * (1 + w)
+
+
+def fuse_experts(sd: dict[str, torch.Tensor], n_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> ``mlp.experts.gate_up_proj`` [E, 2F, H] and ``mlp.experts.down_proj`` [E, H, F]."""
+    out = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+    prefixes = sorted({k.split(".mlp.experts.")[0] for k in sd if ".mlp.experts." in k})
+    for p in prefixes:
+        e = range(n_experts)
+        gate = torch.stack([sd[f"{p}.mlp.experts.{i}.gate_proj.weight"] for i in e])
+        up = torch.stack([sd[f"{p}.mlp.experts.{i}.up_proj.weight"] for i in e])
+        out[f"{p}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{p}.mlp.experts.down_proj"] = torch.stack([sd[f"{p}.mlp.experts.{i}.down_proj.weight"] for i in e])
+    return out
+
+
+def mtp_tensors(text_cfg, moe: bool, gen: torch.Generator, fused: bool = False) -> dict[str, torch.Tensor]:
+    """The MTP head under Qwen3.5's checkpoint names, values random (transformers does not run this head).
+
+    The block is a full-attention decoder layer: names and shapes come from transformers' own layer.
+    """
+    import copy
+
+    import transformers.models.qwen3_5.modeling_qwen3_5 as dense
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as sparse
+
+    h = text_cfg.hidden_size
+    cfg = copy.deepcopy(text_cfg)
+    cfg.layer_types = ["full_attention"]
+    layer = (sparse.Qwen3_5MoeDecoderLayer if moe else dense.Qwen3_5DecoderLayer)(cfg, 0)
+    t: dict[str, torch.Tensor] = {}
+    for name, p in layer.state_dict().items():
+        if name.startswith("mlp.experts."):
+            continue
+        t["mtp.layers.0." + name] = (0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1
+                                     else 0.02 * torch.randn(p.shape, generator=gen))
+    if moe:
+        n, f = cfg.num_experts, cfg.moe_intermediate_size
+        per = {}
+        for i in range(n):
+            per[f"mtp.layers.0.mlp.experts.{i}.gate_proj.weight"] = 0.02 * torch.randn(f, h, generator=gen)
+            per[f"mtp.layers.0.mlp.experts.{i}.up_proj.weight"] = 0.02 * torch.randn(f, h, generator=gen)
+            per[f"mtp.layers.0.mlp.experts.{i}.down_proj.weight"] = 0.02 * torch.randn(h, f, generator=gen)
+        t.update(fuse_experts(per, n) if fused else per)
+    t["mtp.fc.weight"] = 0.02 * torch.randn(h, 2 * h, generator=gen)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        t[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)
+    return t
+
+
+def read_config(folder: Path) -> dict:
+    """The text hparams of a tiny checkpoint (text_config merged over the top level, as converters read it)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return {**cfg, **cfg.get("text_config", {})}

@@ -1,0 +1,103 @@
+"""Tiny Qwen3-Next checkpoints (``Qwen3NextForCausalLM``) that tests build for themselves.
+
+The trunk is transformers' own ``Qwen3NextForCausalLM`` (random init, fixed seed),
+saved as ``save_pretrained`` writes it: per-expert MoE tensors, the fused
+``linear_attn.in_proj_qkvz`` / ``in_proj_ba`` projections. The MTP head is added
+under the release's names (``mtp.fc``, ``mtp.pre_fc_norm_embedding``,
+``mtp.pre_fc_norm_hidden``, ``mtp.norm``, ``mtp.layers.0.*``; vLLM's
+qwen3_next_mtp reads these), its block's names and shapes taken from transformers'
+full-attention ``Qwen3NextDecoderLayer`` (an MoE block, like every layer).
+
+``release_config=True`` (the default) writes config.json as the Qwen3-Next-80B-A3B
+release has it: top-level ``rope_theta`` / ``partial_rotary_factor``,
+``full_attention_interval`` and no ``layer_types``, no ``mtp_num_hidden_layers``.
+``release_config=False`` keeps transformers 5's ``to_dict()`` (``layer_types``,
+``rope_parameters``). ``fused_experts=True`` stores the trunk's experts fused.
+
+Sizes follow DESIGN.md (hidden 256, weight rows multiples of 256); 2 key heads and
+4 value heads, so the per-key-head interleaving of ``in_proj_qkvz`` matters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.builders.tiny import _hf_state_dict, make_tokenizer, save_checkpoint
+from tests.builders.tiny_qwen35 import QWEN_SPECIALS, _informative_1d, fuse_experts
+
+
+def qwen3next_config(**over) -> dict:
+    cfg = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, norm_topk_prob=True,
+               rope_theta=10_000_000.0, partial_rotary_factor=0.25)
+    cfg.update(over)
+    return cfg
+
+
+def qwen3next(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
+              release_config: bool = True, fused_experts: bool = False, n_shards: int = 2, **config_over) -> Path:
+    """Write a tiny Qwen3-Next checkpoint (3 linear-attention + 1 full-attention layer, + 1 MTP layer)."""
+    import transformers as tf
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=QWEN_SPECIALS)
+    params = qwen3next_config(**config_over)
+    cfg = tf.Qwen3NextConfig(**params)
+    torch.manual_seed(seed)
+    model = tf.Qwen3NextForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    sd = _hf_state_dict(model)
+    for name, t in sd.items():  # random init leaves norms at 0 (zero-centred) or 1: make them informative
+        if t.dim() == 1:
+            sd[name] = _informative_1d(name, t.numel(), gen)
+    if fused_experts:
+        sd = fuse_experts(sd, cfg.num_experts)
+    if with_mtp:
+        sd.update(mtp_tensors(cfg, gen))
+
+    config = cfg.to_dict()
+    config["architectures"] = ["Qwen3NextForCausalLM"]
+    if release_config:
+        for key in ("layer_types", "rope_parameters"):
+            config.pop(key, None)
+        config.update(full_attention_interval=4, rope_theta=params["rope_theta"], rope_scaling=None,
+                      partial_rotary_factor=params["partial_rotary_factor"])
+    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
+    return folder
+
+
+def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The MTP head under the release's names; random values (transformers does not run this head)."""
+    import copy
+
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    h = cfg.hidden_size
+    layer_cfg = copy.deepcopy(cfg)
+    layer_cfg.layer_types = ["full_attention"]
+    layer = Qwen3NextDecoderLayer(layer_cfg, 0)
+    t: dict[str, torch.Tensor] = {}
+    for name, p in layer.state_dict().items():
+        if name.startswith("mlp.experts."):  # fused in the module; the release stores them per expert
+            continue
+        t["mtp.layers.0." + name] = (0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1
+                                     else 0.02 * torch.randn(p.shape, generator=gen))
+    f = cfg.moe_intermediate_size
+    for e in range(cfg.num_experts):
+        for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+            t[f"mtp.layers.0.mlp.experts.{e}.{proj}.weight"] = 0.02 * torch.randn(shape, generator=gen)
+    t["mtp.fc.weight"] = 0.02 * torch.randn(h, 2 * h, generator=gen)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        t[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)
+    return t
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())

@@ -1,0 +1,254 @@
+"""Cohere2 MoE (Cohere2MoeForCausalLM) conversion: tensors and values, the MTP block, metadata, modes, quantizing.
+
+The expected GGUF names, shapes and metadata are written out here by hand (from
+llama.cpp's conversion/command_r.py Cohere2MoeModel, its gguf-py tensor map for
+cohere2moe and the loader src/models/cohere2moe.cpp), independently of mtpq's
+tables; the llama_cpp-marked tests compare against llama.cpp's own converter
+(which keeps the MTP block too), llama-quantize and llama-speculative-simple.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tests.builders import tiny_cohere2moe
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal,
+                         assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf, convert_with_both,
+                         expected_table, inspect_json, quantize_q4_k_m, quantize_with_both, rewrite_tensor,
+                         stack_experts, strip_general, vocab)
+from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.runcli import run_cli
+
+N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
+ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
+        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight")}
+DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
+MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
+       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
+       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
+       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight")}
+NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
+         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+         "nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight")}
+BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
+TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: no output.weight
+       "output_norm.weight": ((256,), "model.norm.weight")}
+
+
+def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
+    return expected_table(TOP, BLOCKS, vocab, blocks)
+
+
+def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
+    return stack_experts(src, hf)
+
+
+@pytest.fixture(scope="module")
+def co_ckpt(tmp_path_factory):
+    return tiny_cohere2moe.cohere2moe(tmp_path_factory.mktemp("cohere2moe") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def co_f32(co_ckpt, tmp_path_factory):
+    return convert(co_ckpt, tmp_path_factory.mktemp("cohere2moe_out") / "m.gguf", "--outtype", "f32")
+
+
+def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
+    _, tensors = co_f32
+    want = expected(vocab(co_ckpt))
+    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
+    src = source_tensors(co_ckpt)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
+
+
+def test_metadata(co_ckpt, co_f32):
+    kv, _ = co_f32
+    want = {
+        "general.architecture": "cohere2moe", "cohere2moe.block_count": 5, "cohere2moe.nextn_predict_layers": 1,
+        "cohere2moe.context_length": 4096, "cohere2moe.embedding_length": 256,
+        "cohere2moe.feed_forward_length": 512,  # the dense prefix's width (prefix_dense_intermediate_size)
+        "cohere2moe.attention.head_count": 4, "cohere2moe.attention.head_count_kv": 2,
+        "cohere2moe.attention.key_length": 64, "cohere2moe.attention.value_length": 64,
+        "cohere2moe.rope.dimension_count": 64, "cohere2moe.rope.scaling.type": "none",
+        "cohere2moe.attention.sliding_window": 16,
+        "cohere2moe.attention.sliding_window_pattern": [True, True, True, False],  # trunk layers only
+        "cohere2moe.vocab_size": vocab(co_ckpt), "cohere2moe.expert_count": 4, "cohere2moe.expert_used_count": 2,
+        "cohere2moe.expert_gating_func": 2, "cohere2moe.expert_feed_forward_length": 256,
+        "cohere2moe.expert_shared_count": 1, "cohere2moe.expert_shared_feed_forward_length": 256,
+        "cohere2moe.leading_dense_block_count": 1, "cohere2moe.expert_weights_norm": True,
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    assert kv["cohere2moe.logit_scale"] == pytest.approx(0.0625)
+    assert kv["cohere2moe.rope.freq_base"] == pytest.approx(50000.0)
+    assert kv["cohere2moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    # rms_norm_eps null: llama.cpp then runs LayerNorm (its loader needs one of the two epsilons)
+    assert "cohere2moe.attention.layer_norm_rms_epsilon" not in kv
+
+
+def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
+    kv, tensors = convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["cohere2moe.block_count"] == 4 and "cohere2moe.nextn_predict_layers" not in kv
+    assert set(tensors) == set(expected(vocab(co_ckpt), range(4)))
+    kv, tensors = convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    assert kv["cohere2moe.block_count"] == 5 and kv["cohere2moe.nextn_predict_layers"] == 1
+    # tied embeddings: the head file carries token_embd (its lm_head too) and output_norm
+    assert set(tensors) == {n for n in expected(vocab(co_ckpt)) if n.startswith("blk.4.")} | {
+        "token_embd.weight", "output_norm.weight"}
+
+
+def test_checkpoint_without_mtp_layer(tmp_path):
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "stripped", with_mtp=False)
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["cohere2moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
+    assert_needs_no_mtp(ck, tmp_path, "layer 4")
+
+
+def test_zero_biases_dropped_nonzero_refused(tmp_path):
+    """attention_bias: llama.cpp's graph has no biases; zero ones are dropped, others refused (exit 2)."""
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "bias", attention_bias=True)
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert set(tensors) == set(expected(vocab(ck)))
+    shard = rewrite_tensor(ck, "model.layers.2.self_attn.k_proj.bias", torch.full((128,), 0.5))
+    res = run_cli("convert", ck, tmp_path / "bad.gguf", "--quiet")
+    assert res.exit_code == 2 and "k_proj.bias is not zero" in res.stderr and shard.name in res.stderr
+    assert not (tmp_path / "bad.gguf").exists()
+
+
+def _drop_config_keys(ck, *keys: str, **changes) -> None:
+    import json
+
+    path = ck / "config.json"
+    cfg = json.loads(path.read_text())
+    for k in keys:
+        cfg.pop(k)
+    path.write_text(json.dumps({**cfg, **changes}, indent=2))
+
+
+def test_layer_types_derived_where_config_json_omits_them(tmp_path):
+    """A config without layer_types (transformers derives them: the dense prefix every
+    prefix_dense_sliding_window_pattern-th layer full, the rest every sliding_window_pattern-th) converts with
+    that derived pattern, as llama.cpp's converter (which reads the derived view) writes it."""
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", num_hidden_layers=6)
+    _drop_config_keys(ck, "layer_types", "mlp_layer_types", first_k_dense_replace=1)
+    kv, tensors = convert(ck, tmp_path / "m.gguf")
+    # layer 0: the dense prefix (pattern 1: full); layers 1-5: sliding, sliding, sliding, full, sliding
+    assert kv["cohere2moe.attention.sliding_window_pattern"] == [False, True, True, True, False, True]
+    assert kv["cohere2moe.leading_dense_block_count"] == 1 and "blk.0.ffn_gate.weight" in tensors
+
+
+def test_layer_types_neither_stored_nor_derivable_exits_2(co_ckpt, tmp_path):
+    """transformers does not know the model type: config.json is read as stored, and without layer_types
+    one clear line names the key (llama.cpp's converter stops with KeyError 'layer_types' there)."""
+    ck = shutil.copytree(co_ckpt, tmp_path / "ck")
+    _drop_config_keys(ck, "layer_types", model_type="cohere2_moe_unknown")
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2 and "missing layer_types" in res.stderr and "config.json" in res.stderr, res.output
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
+    ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),
+    ("model.layers.4.mlp.experts.3.down_proj.weight", torch.zeros(256, 128), "config.json implies [256, 256]"),
+    ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
+])
+def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, needle):
+    assert_bad_tensor_refused(shutil.copytree(co_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
+
+
+def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
+    tensors = quantize_q4_k_m(co_ckpt, tmp_path)
+    shapes = expected(vocab(co_ckpt))
+    for name, (qtype, _) in tensors.items():
+        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        elif name.startswith("blk.4."):
+            assert qtype == T.Q8_0, name
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
+
+
+def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
+    info = inspect_json(co_ckpt, tmp_path)
+    assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(vocab(co_ckpt))
+                                                                if n.startswith("blk.4.")}
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+@pytest.mark.llama_cpp
+def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_cohere2moe.cohere2moe(tmp_path / "ckpt"), tmp_path)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("dtype,over", [(torch.float32, {}), (torch.bfloat16, {}),
+                                        (torch.float32, {"attention_bias": True, "rms_norm_eps": 1e-6})])
+def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, dtype, over):
+    """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
+    (which keeps the MTP block too), from f32 and bf16, and with zero biases + RMSNorm.
+
+    llama.cpp's converter crashes on Cohere's bias check in its default lazy mode ("len() of a
+    0-d tensor"), so the bias case runs it with --no-lazy.
+    """
+    ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", dtype=dtype, **over)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None,
+                                              *(["--no-lazy"] if over.get("attention_bias") else []))
+    assert_same_gguf(out, kv, tensors, ref)
+    assert "blk.4.nextn.eh_proj.weight" in tensors
+
+
+@pytest.mark.llama_cpp
+def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path, llama_cpp_src):
+    """llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); ours
+    gives its full file's trunk (block_count 4, no nextn key) and its MTP block + shared tensors."""
+    from tests.helpers.llamacpp_ref import llama_cpp_convert
+
+    full = tmp_path / "full.gguf"
+    kv, _ = convert(co_ckpt, full, "--outtype", "f32")
+    ref_kv, ref = read_gguf(llama_cpp_convert(llama_cpp_src, co_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"]))
+    trunk_kv, trunk = convert(co_ckpt, tmp_path / "trunk.gguf", "--outtype", "f32", "--no-mtp")
+    want_kv = {k: v for k, v in strip_general(ref_kv).items() if k != "cohere2moe.nextn_predict_layers"}
+    want_kv["cohere2moe.block_count"] = 4
+    want_kv["general.size_label"] = trunk_kv["general.size_label"]  # counts the parameters written
+    assert strip_general(trunk_kv) == want_kv
+    assert set(trunk) == {n for n in ref if not n.startswith("blk.4.")}
+    head_kv, head = convert(co_ckpt, tmp_path / "head.gguf", "--outtype", "f32", "--mtp-only")
+    assert {k: v for k, v in strip_general(head_kv).items() if k != "general.size_label"} == {
+        k: v for k, v in strip_general(ref_kv).items() if k != "general.size_label"}
+    assert set(head) == {n for n in ref if n.startswith("blk.4.") or n in ("token_embd.weight", "output_norm.weight")}
+    for part in (trunk, head):
+        for name, (qtype, data) in part.items():
+            assert qtype == ref[name][0], name
+            np.testing.assert_array_equal(data, ref[name][1], err_msg=name)
+
+
+@pytest.mark.llama_cpp
+def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
+    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
+    a, b = quantize_with_both(co_ckpt, tmp_path, llama_cpp_bin)
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
+
+
+@pytest.mark.llama_cpp
+def test_loads_and_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin):
+    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
+    a --no-mtp trunk with a --mtp-only head file."""
+    assert_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin)

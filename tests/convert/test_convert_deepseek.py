@@ -1,0 +1,413 @@
+"""DeepSeek-V3 / R1 conversion: MLA as llama.cpp writes it, the MTP block, metadata, modes, FP8.
+
+Expected GGUF names are written out here by hand (from llama.cpp's gguf-py
+tensor map for deepseek2); the kv_b_proj split is derived here per head from the
+safetensors, and checked against the attention math transformers runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tests.builders import tiny
+from tests.builders import tiny_deepseek
+from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
+from tests.helpers.familycheck import assert_f32_equal, copy_with_config, dequant_block_scaled
+from tests.helpers.runcli import run_cli
+from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+
+N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
+CFG = tiny_deepseek.deepseek_v3_config()
+N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
+KV_LORA = CFG["kv_lora_rank"]
+
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
+    "shared_head.head.weight": "nextn.shared_head_head.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def split_kv_b(kv_b: torch.Tensor, n_head: int = N_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_k_b [n_head, kv_lora, nope] and attn_v_b [n_head, v, kv_lora], head by head from kv_b's rows."""
+    k_b, v_b = [], []
+    for h in range(n_head):
+        rows = kv_b[h * (NOPE + V):(h + 1) * (NOPE + V)]
+        k_b.append(rows[:NOPE].T)
+        v_b.append(rows[NOPE:])
+    return torch.stack(k_b), torch.stack(v_b)
+
+
+def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
+    exp: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        t = t.float()
+        if name in TOP_NAMES:
+            exp[TOP_NAMES[name]] = t
+            continue
+        parts = name.split(".")
+        bid, rest = int(parts[2]), ".".join(parts[3:])
+        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
+            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
+        elif rest == "self_attn.kv_b_proj.weight":
+            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
+        else:
+            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
+    for gname, d in experts.items():
+        exp[gname] = torch.stack([d[e] for e in sorted(d)])
+    return exp
+
+
+@pytest.fixture(scope="module")
+def ds_ckpt(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards."""
+    return tiny_deepseek.deepseek_v3(tmp_path_factory.mktemp("dsv3") / "ckpt", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ds_f32(ds_ckpt, tmp_path_factory):
+    """(kv, tensors) of the f32 conversion, shared by the read-only checks."""
+    return convert(ds_ckpt, tmp_path_factory.mktemp("dsv3_out") / "m.gguf", "--outtype", "f32")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def test_f32_every_tensor_equals_source(ds_ckpt, ds_f32):
+    kv, tensors = ds_f32
+    exp = expected_gguf(source_tensors(ds_ckpt))
+    assert_f32_equal(tensors, exp)
+    assert not any("attn_kv_b" in n for n in tensors)  # llama.cpp's converter writes only the split k_b / v_b
+
+
+def test_kv_b_split_matches_mla_attention_math(ds_ckpt, ds_f32):
+    """k_b / v_b reproduce what transformers computes from kv_b_proj: k_nope = c·k_b[h], v = v_b[h]·c per head."""
+    _, tensors = ds_f32
+    src = source_tensors(ds_ckpt)
+    c = torch.randn(5, KV_LORA, generator=torch.Generator().manual_seed(3))  # compressed kv (after kv_a_layernorm)
+    for bid in range(N_TRUNK + 1):
+        kv_b = src[f"model.layers.{bid}.self_attn.kv_b_proj.weight"]
+        kv = torch.nn.functional.linear(c, kv_b).view(5, N_HEAD, NOPE + V)
+        k_nope, value = torch.split(kv, [NOPE, V], dim=-1)  # as DeepseekV3Attention splits it
+        k_b = torch.from_numpy(np.array(tensors[f"blk.{bid}.attn_k_b.weight"][1]))
+        v_b = torch.from_numpy(np.array(tensors[f"blk.{bid}.attn_v_b.weight"][1]))
+        assert k_b.shape == (N_HEAD, KV_LORA, NOPE) and v_b.shape == (N_HEAD, V, KV_LORA)
+        torch.testing.assert_close(torch.einsum("tc,hcn->thn", c, k_b), k_nope)
+        torch.testing.assert_close(torch.einsum("hvc,tc->thv", v_b, c), value)
+
+
+def test_mtp_block_present(ds_f32):
+    kv, tensors = ds_f32
+    assert kv["deepseek2.nextn_predict_layers"] == 1
+    assert kv["deepseek2.block_count"] == N_TRUNK + 1
+    nextn = {n for n in tensors if ".nextn." in n}
+    assert nextn == {f"blk.{MTP}.nextn.{k}.weight" for k in
+                     ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+    # the MTP block's own MLA attention and MoE, named as in the trunk's MoE layer
+    trunk_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.1.")}
+    mtp_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith(f"blk.{MTP}.") and ".nextn." not in n}
+    assert mtp_kinds == trunk_kinds and "attn_k_b.weight" in mtp_kinds and "ffn_gate_exps.weight" in mtp_kinds
+    assert tensors[f"blk.{MTP}.nextn.eh_proj.weight"][1].shape == (256, 512)
+
+
+def test_f16_types(ds_ckpt, tmp_path):
+    _, tensors = convert(ds_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
+    exp = expected_gguf(source_tensors(ds_ckpt))
+    for name, (qtype, data) in tensors.items():
+        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name  # 1-D tensors and routers stay f32, as llama.cpp writes them
+        else:
+            assert qtype == T.F16, name
+            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+
+
+def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
+    _, full = ds_f32
+    kv, tensors = convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
+    assert kv["deepseek2.block_count"] == N_TRUNK and "deepseek2.nextn_predict_layers" not in kv
+    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
+    kv, tensors = convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
+    assert kv["deepseek2.block_count"] == N_TRUNK + 1 and kv["deepseek2.nextn_predict_layers"] == 1
+    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
+                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    for name, (_, data) in tensors.items():
+        np.testing.assert_array_equal(data, full[name][1], err_msg=name)
+
+
+def test_plain_q_proj_and_tied_output(tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite style attention) writes attn_q; a tied lm_head is not written."""
+    ck = tiny_deepseek.deepseek_v3(tmp_path / "ck", dtype=torch.float32, q_lora_rank=None)
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    src = source_tensors(ck)
+    assert "deepseek2.attention.q_lora_rank" not in kv
+    for bid in range(N_TRUNK + 1):
+        assert not any(n.startswith(f"blk.{bid}.attn_q_") for n in tensors)
+        np.testing.assert_array_equal(tensors[f"blk.{bid}.attn_q.weight"][1],
+                                      src[f"model.layers.{bid}.self_attn.q_proj.weight"].numpy())
+        assert tensors[f"blk.{bid}.attn_q.weight"][1].shape == (N_HEAD * (NOPE + ROPE), 256)
+    assert "output.weight" in tensors
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    _, tensors = convert(ck, tmp_path / "tied.gguf", "--outtype", "f32")
+    assert "lm_head.weight" in src and "output.weight" not in tensors  # llama.cpp skips a tied lm_head too
+
+
+def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
+    """DeepSeek-V3 ships e4m3 weights with 128x128 weight_scale_inv tiles; GGUF values = dequantized source."""
+    ck = shutil.copytree(ds_ckpt, tmp_path / "fp8")
+    reference = source_tensors(ck)
+    tiny.to_fp8_block_scaled(ck)
+    stored = source_tensors(ck)
+    dequant = dequant_block_scaled(stored)
+    n_fp8 = sum(q.dtype == torch.float8_e4m3fn for q in stored.values())
+    assert n_fp8 > 30 and any(stored[n].shape[0] % 128 for n in stored if n.endswith("kv_a_proj_with_mqa.weight"))
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    exp = expected_gguf(dequant)
+    assert set(tensors) == set(exp)
+    for name, want in exp.items():
+        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    # and the FP8 round trip stays close to the original weights
+    orig = expected_gguf(reference)
+    for name in ("blk.2.attn_k_b.weight", "blk.2.nextn.eh_proj.weight", "blk.1.ffn_down_exps.weight"):
+        got = torch.from_numpy(np.array(tensors[name][1]))
+        assert (got - orig[name]).abs().max() <= 0.07 * orig[name].abs().max(), name
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def test_metadata(ds_ckpt, ds_f32):
+    kv, _ = ds_f32
+    want = {
+        "general.architecture": "deepseek2", "deepseek2.block_count": 3, "deepseek2.nextn_predict_layers": 1,
+        "deepseek2.context_length": 16384, "deepseek2.embedding_length": 256, "deepseek2.feed_forward_length": 512,
+        "deepseek2.attention.head_count": 4,
+        "deepseek2.attention.head_count_kv": 1,  # MLA runs as MQA over the compressed cache
+        "deepseek2.attention.q_lora_rank": 256, "deepseek2.attention.kv_lora_rank": 256,
+        "deepseek2.attention.key_length": 256 + 32, "deepseek2.attention.value_length": 256,
+        "deepseek2.attention.key_length_mla": 64 + 32, "deepseek2.attention.value_length_mla": 64,
+        "deepseek2.rope.dimension_count": 32, "deepseek2.leading_dense_block_count": 1,
+        "deepseek2.vocab_size": 512, "deepseek2.expert_count": 8, "deepseek2.expert_used_count": 2,
+        "deepseek2.expert_shared_count": 1, "deepseek2.expert_feed_forward_length": 256,
+        "deepseek2.expert_group_count": 2, "deepseek2.expert_group_used_count": 1,
+        "deepseek2.expert_gating_func": 2, "deepseek2.expert_weights_norm": True,
+        "deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.original_context_length": 4096,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.add_bos_token": True, "general.file_type": 0,
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    approx = {"deepseek2.expert_weights_scale": 2.5, "deepseek2.rope.freq_base": 10000.0,
+              "deepseek2.rope.scaling.factor": 4.0, "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
+              "deepseek2.rope.scaling.yarn_beta_slow": 1.0, "deepseek2.attention.layer_norm_rms_epsilon": 1e-6,
+              "deepseek2.rope.scaling.yarn_log_multiplier": 0.1}  # 0.1 * mscale_all_dim, as llama.cpp stores it
+    for k, v in approx.items():
+        assert kv[k] == pytest.approx(v), k
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ds_ckpt))
+    assert len(kv["tokenizer.ggml.tokens"]) == 512
+    assert kv["tokenizer.ggml.bos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.BOS)
+    assert kv["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.EOS)
+    assert kv["tokenizer.chat_template"] == tiny.CHAT_TEMPLATE
+
+
+def test_config_as_deepseek_ships_it(ds_ckpt, ds_f32, tmp_path):
+    """DeepSeek-V3's own config.json: rope_scaling {"type": "yarn"} + top-level rope_theta, no head_dim."""
+    cfg = json.loads((ds_ckpt / "config.json").read_text())
+    rp = cfg.pop("rope_parameters")
+    for k in ("head_dim", "qk_head_dim"):
+        cfg.pop(k, None)
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck")
+    (ck / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rp}, indent=2))
+    kv, _ = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert kv == ds_f32[0]
+
+
+def _without_keys(ck: Path, dst: Path, *keys: str) -> Path:
+    copy_with_config(ck, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k in keys:
+        cfg.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def test_config_saved_by_transformers_keeps_the_correction_bias(ds_ckpt, ds_f32, tmp_path):
+    """transformers' DeepseekV3Config has no topk_method (nor scoring_func), so save_pretrained writes neither,
+    while its router always stores e_score_correction_bias: the bias converts as from the release (it was
+    refused as "not implied by config.json"), and routing stays sigmoid."""
+    ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method", "scoring_func")
+    kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    assert kv == ds_f32[0]
+    for name in ("blk.1.exp_probs_b.bias", f"blk.{MTP}.exp_probs_b.bias"):
+        np.testing.assert_array_equal(tensors[name][1], ds_f32[1][name][1])
+
+
+def test_correction_bias_required_where_the_reference_creates_it(ds_ckpt, tmp_path):
+    """Without topk_method (transformers) or with "noaux_tc" (DeepSeek's code) every reference creates the
+    bias: a router without it is an incomplete checkpoint. With another topk_method DeepSeek's own code
+    creates none and transformers' does: both are accepted."""
+    from tests.helpers.familycheck import rewrite_tensor
+
+    victim = "model.layers.1.mlp.gate.e_score_correction_bias"
+    ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method")
+    rewrite_tensor(ck, victim, None)
+    line = _refused(ck, tmp_path / "o.gguf")
+    assert victim in line, line
+    greedy = copy_with_config(ck, tmp_path / "greedy", topk_method="greedy")
+    _, tensors = convert(greedy, tmp_path / "g.gguf", "--outtype", "f32")
+    assert "blk.1.exp_probs_b.bias" not in tensors and f"blk.{MTP}.exp_probs_b.bias" in tensors
+
+
+def _refused(ck: Path, out: Path, *args: str) -> str:
+    res = run_cli("convert", ck, out, "--quiet", *args)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line, line
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
+    return line
+
+
+def test_kv_b_shape_contradicts_config(ds_ckpt, tmp_path):
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
+    line = _refused(ck, tmp_path / "o.gguf")
+    assert "kv_b_proj" in line and "config.json" in line and ".safetensors" in line, line
+
+
+def test_config_without_mla_dims(ds_ckpt, tmp_path):
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck", kv_lora_rank=None)
+    line = _refused(ck, tmp_path / "o.gguf")
+    assert "config.json" in line and "kv_lora_rank" in line, line
+
+
+def test_checkpoint_without_mtp_layer(ds_ckpt, ds_f32, tmp_path):
+    """Many published DeepSeek-V3 copies drop layer 61: --no-mtp converts them, the default says why it cannot."""
+    from safetensors.torch import load_file, save_file
+
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck")
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        kept = {n: t for n, t in load_file(str(ck / shard)).items() if not n.startswith(f"model.layers.{MTP}.")}
+        save_file(kept, str(ck / shard), metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith(f"model.layers.{MTP}.")}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = _refused(ck, tmp_path / "o.gguf")
+    assert f"layer {MTP}" in line and "--no-mtp" in line, line
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
+    _, full = ds_f32
+    assert kv["deepseek2.block_count"] == N_TRUNK and "deepseek2.nextn_predict_layers" not in kv
+    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+def _llama_cpp_convert(src: Path, ck: Path, out: Path, outtype: str = "f32"):
+    return read_gguf(llama_cpp_convert(src, ck, out, "gpt-2", outtype=outtype))
+
+
+def _same_tensors(ours: dict, theirs: dict, names: set[str]):
+    for name in names:
+        (qa, a), (qb, b) = ours[name], theirs[name]
+        assert qa == qb and a.shape == b.shape, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+# llama.cpp's deepseek2 converter drops the MTP block, so its parameter count (size label) is smaller
+_NOT_COMPARED = {"general.size_label"}
+
+
+def _same_kv(ours: dict, theirs: dict):
+    """Same keys and values; tokenizer.ggml.pre only as a key, since the harness above forces llama.cpp's value."""
+    assert set(ours) == set(theirs)
+    assert {k: v for k, v in ours.items() if k != "tokenizer.ggml.pre"} == \
+        {k: v for k, v in theirs.items() if k != "tokenizer.ggml.pre"}
+
+
+@pytest.mark.llama_cpp
+def test_matches_llama_cpp_converter(ds_ckpt, ds_f32, llama_cpp_src, tmp_path):
+    """llama.cpp's DeepseekV2Model (deepseek2) drops the MTP block: everything else is identical."""
+    kv, tensors = ds_f32
+    ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ds_ckpt, tmp_path / "ref.gguf")
+    assert set(ref) == {n for n in tensors if not n.startswith(f"blk.{MTP}.")}
+    _same_tensors(tensors, ref, set(ref))
+    ours = {k: v for k, v in kv.items()
+            if k not in _NOT_COMPARED | {"deepseek2.nextn_predict_layers", "deepseek2.block_count"}}
+    theirs = {k: v for k, v in ref_kv.items() if k not in _NOT_COMPARED | {"deepseek2.block_count"}}
+    _same_kv(ours, theirs)
+    assert ref_kv["deepseek2.block_count"] == N_TRUNK and kv["deepseek2.block_count"] == N_TRUNK + 1
+
+
+@pytest.mark.llama_cpp
+def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama_cpp_src, tmp_path):
+    """llama.cpp keeps the same MTP block for DeepSeek-V3.2 (arch deepseek32): its names, shapes and values
+    for blk.2.* must equal ours (same checkpoint relabelled DeepseekV32ForCausalLM; no indexer tensors)."""
+    kv, tensors = ds_f32
+    ck = copy_with_config(ds_ckpt, tmp_path / "ck32", architectures=["DeepseekV32ForCausalLM"],
+               index_n_heads=4, index_head_dim=64, index_topk=64)
+    ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref32.gguf")
+    assert set(ref) == set(tensors)
+    _same_tensors(tensors, ref, set(ref))
+    renamed = {re.sub(r"^deepseek32\.", "deepseek2.", k): v for k, v in ref_kv.items() if ".indexer." not in k}
+    renamed["general.architecture"] = "deepseek2"
+    _same_kv(kv, renamed)
+
+
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
+                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    assert res.returncode == 0, (cmd, res.stderr[-3000:])
+    return res
+
+
+# --no-repack: on CPUs with AMX, llama.cpp puts f16/q8_0 weights in its AMX buffer, which cannot run MLA's 3-D
+# attn_k_b product, and aborts (GGML_ASSERT(*cur_backend_id != -1)) -- with its own converter's GGUF as well.
+_LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
+
+
+@pytest.mark.llama_cpp
+def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
+    """llama.cpp loads trunk + MTP (it checks every MTP tensor's presence and dims, and aborts otherwise),
+    builds the MTP draft context and generates with it -- from one file, and from --no-mtp + --mtp-only files."""
+    convert(ds_ckpt, tmp_path / "full.gguf", "--outtype", "q8_0")
+    convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    _run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
+    runs = {"creating MTP draft context": ["-m", tmp_path / "full.gguf"],
+            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    for banner, models in runs.items():
+        res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):",
+                                        "-n", 16, *_LLAMA_FLAGS)
+        assert banner in res.stderr, res.stderr[-2000:]
+        assert stats["n_drafted"] > 0, res.stderr[-2000:]

@@ -1,0 +1,230 @@
+"""Hy3 (HYV3ForCausalLM) conversion: every tensor and its values, the MTP block, metadata, modes, FP8, quantizing.
+
+The expected GGUF names, shapes and metadata are written out here by hand (from
+llama.cpp's conversion/hunyuan.py HYV3Model, its gguf-py tensor map for hy_v3 and
+the loader src/models/hy-v3.cpp), independently of mtpq's tables; the
+llama_cpp-marked tests compare against llama.cpp's own converter (which keeps
+Hy3's MTP block too), llama-quantize and llama-speculative-simple.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tests.builders import tiny
+from tests.builders import tiny_hyv3
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
+                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
+                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
+from tests.helpers.ggufcheck import convert, source_tensors
+
+N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
+ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
+        "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+        "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
+        "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight")}
+DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
+MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.router.gate.weight"),
+       "exp_probs_b": ((4,), "mlp.expert_bias"),  # no .bias suffix: hy-v3.cpp loads tn(FFN_EXP_PROBS_B, i)
+       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_mlp.gate_proj.weight"),
+       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_mlp.up_proj.weight"),
+       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_mlp.down_proj.weight")}
+NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
+         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+         "nextn.shared_head_norm.weight": ((256,), "final_layernorm.weight")}
+BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
+TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
+       "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": (("V", 256), "lm_head.weight")}
+
+
+def expected(vocab: int, blocks=range(4)) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
+    return expected_table(TOP, BLOCKS, vocab, blocks)
+
+
+def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
+    return stack_experts(src, hf)
+
+
+@pytest.fixture(scope="module")
+def hy_ckpt(tmp_path_factory):
+    return tiny_hyv3.hyv3(tmp_path_factory.mktemp("hyv3") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def hy_f32(hy_ckpt, tmp_path_factory):
+    return convert(hy_ckpt, tmp_path_factory.mktemp("hyv3_out") / "m.gguf", "--outtype", "f32")
+
+
+def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
+    _, tensors = hy_f32
+    want = expected(vocab(hy_ckpt))
+    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
+    src = source_tensors(hy_ckpt)
+    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
+
+
+def test_metadata(hy_f32):
+    kv, _ = hy_f32
+    want = {
+        "general.architecture": "hy_v3", "hy_v3.block_count": 4, "hy_v3.nextn_predict_layers": 1,
+        "hy_v3.context_length": 4096, "hy_v3.embedding_length": 256, "hy_v3.feed_forward_length": 512,
+        "hy_v3.attention.head_count": 4, "hy_v3.attention.head_count_kv": 2,
+        "hy_v3.attention.key_length": 64, "hy_v3.attention.value_length": 64,
+        "hy_v3.expert_count": 4, "hy_v3.expert_used_count": 2, "hy_v3.expert_feed_forward_length": 256,
+        "hy_v3.expert_shared_feed_forward_length": 256, "hy_v3.expert_weights_norm": True,
+        "hy_v3.expert_gating_func": 2, "general.file_type": 0,
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    assert kv["hy_v3.rope.freq_base"] == pytest.approx(11158840.0)
+    assert kv["hy_v3.expert_weights_scale"] == pytest.approx(2.826)
+    assert kv["hy_v3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    # llama.cpp's converter writes neither for hy_v3 (its loader infers dense/MoE from the tensors present)
+    assert "hy_v3.leading_dense_block_count" not in kv and "hy_v3.rope.dimension_count" not in kv
+
+
+def test_f16_types(hy_ckpt, tmp_path):
+    _, tensors = convert(hy_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
+    for name, (qtype, data) in tensors.items():
+        one_d = data.ndim == 1 or name.endswith("norm.weight")
+        assert qtype == (T.F32 if one_d or "ffn_gate_inp" in name else T.F16), name
+
+
+def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
+    kv, tensors = convert(hy_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["hy_v3.block_count"] == 3 and "hy_v3.nextn_predict_layers" not in kv
+    assert set(tensors) == set(expected(vocab(hy_ckpt), range(3)))
+    kv, tensors = convert(hy_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    assert kv["hy_v3.block_count"] == 4 and kv["hy_v3.nextn_predict_layers"] == 1
+    assert set(tensors) == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")} | {
+        "token_embd.weight", "output_norm.weight", "output.weight"}
+
+
+def test_checkpoint_without_mtp_layer(tmp_path):
+    """Published copies may drop layer N: --no-mtp converts them; without it, one clear line and no file."""
+    ck = tiny_hyv3.hyv3(tmp_path / "stripped", with_mtp=False)
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["hy_v3.block_count"] == 3 and not any(n.startswith("blk.3.") for n in tensors)
+    assert_needs_no_mtp(ck, tmp_path, "layer 3")
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("model.layers.3.final_layernorm.weight", None, "missing tensor model.layers.3.final_layernorm.weight"),
+    ("model.layers.2.mlp.expert_bias", None, "missing tensor model.layers.2.mlp.expert_bias"),
+    ("model.layers.3.mlp.experts.1.up_proj.weight", torch.zeros(128, 256), "[128, 256]"),
+    ("model.layers.1.self_attn.k_norm.weight", torch.zeros(32), "config.json implies [64]"),
+])
+def test_missing_or_misshaped_tensor_exits_2(hy_ckpt, tmp_path, name, value, needle):
+    assert_bad_tensor_refused(shutil.copytree(hy_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
+
+
+def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
+    """e4m3 weights with 128x128 weight_scale_inv tiles: GGUF values = the dequantized source, computed here."""
+    ck = shutil.copytree(hy_ckpt, tmp_path / "fp8")
+    tiny.to_fp8_block_scaled(ck)
+    stored = source_tensors(ck)
+    dequant = dequant_block_scaled(stored)
+    assert stored["model.layers.3.eh_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.3.mlp.experts.2.down_proj.weight"].dtype == torch.float8_e4m3fn
+    _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
+    for name, (_, hf) in expected(vocab(ck)).items():
+        np.testing.assert_array_equal(tensors[name][1], source_value(dequant, hf).numpy(), err_msg=name)
+
+
+def test_q4_k_m_holds_the_mtp_block_at_q8_0(hy_ckpt, tmp_path):
+    tensors = quantize_q4_k_m(hy_ckpt, tmp_path)
+    shapes = expected(vocab(hy_ckpt))
+    for name, (qtype, _) in tensors.items():
+        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        elif name.startswith("blk.3."):
+            assert qtype == T.Q8_0, name
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
+
+
+def test_inspect_shows_the_head(hy_ckpt, tmp_path):
+    info = inspect_json(hy_ckpt, tmp_path)
+    assert info["mtp_blocks"] == [3] and info["trunk_blocks"] == 3 and info["nextn_predict_layers"] == 1
+    mtp = {t["name"] for t in info["tensors"] if t["mtp"]}
+    assert mtp == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")}
+    assert {t["role"] for t in info["tensors"] if t["mtp"]} == {"mtp"}
+
+
+@pytest.mark.parametrize("stored,dense", [({"first_k_dense_replace": 2}, [0, 1]),
+                                          ({"first_k_dense_replace": None, "mlp_layer_types": None}, [0]),
+                                          ({"mlp_layer_types": ["dense", "dense", "sparse"]}, [0, 1])])
+def test_dense_layers_as_config_json_declares_them(tmp_path, stored, dense):
+    """The dense layers are config.json's (``mlp_layer_types``, else ``first_k_dense_replace``, which vLLM's hy_v3
+    builds them from), else transformers' default (layer 0). transformers' derived ``mlp_layer_types`` ignores a
+    stored ``first_k_dense_replace``: read first, it refused a checkpoint whose layer 1 is dense as config.json says."""
+    first_k = max(dense) + 1
+    ck = tiny_hyv3.hyv3(tmp_path / "ckpt", first_k_dense_replace=first_k)
+    _edit(ck, stored)
+    _, tensors = convert(ck, tmp_path / "m.gguf")
+    assert sorted(int(n.split(".")[1]) for n in tensors if n.endswith("ffn_gate.weight")) == dense
+    assert {int(n.split(".")[1]) for n in tensors if "ffn_gate_exps" in n} == set(range(len(dense), 4))
+
+
+def _edit(ck, changes: dict) -> None:
+    """config.json with ``changes`` (None: the key removed)."""
+    import json
+
+    path = ck / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        cfg.pop(k, None) if v is None else cfg.__setitem__(k, v)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32),
+                                        ("--mtp", torch.float32), (None, torch.bfloat16)])
+def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
+    """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
+    (which keeps Hy3's MTP block, as ours does), in all three modes and from a bf16 source."""
+    ck = tiny_hyv3.hyv3(tmp_path / "ckpt", dtype=dtype)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
+    assert any(n.startswith("blk.3.nextn.") for n in tensors) == (mode != "--no-mtp")
+
+
+@pytest.mark.llama_cpp
+def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
+    """``first_k_dense_replace: 2`` (layers 0 and 1 dense): llama.cpp's converter maps what is stored; so do we."""
+    ck = tiny_hyv3.hyv3(tmp_path / "ckpt", first_k_dense_replace=2)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path)
+    assert_same_gguf(out, kv, tensors, ref)
+    assert "blk.1.ffn_gate.weight" in tensors
+
+
+@pytest.mark.llama_cpp
+def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
+    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
+    a, b = quantize_with_both(hy_ckpt, tmp_path, llama_cpp_bin)
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert b["blk.3.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
+
+
+@pytest.mark.llama_cpp
+def test_loads_and_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin):
+    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
+    a --no-mtp trunk with a --mtp-only head file."""
+    assert_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin)

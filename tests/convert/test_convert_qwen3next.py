@@ -1,0 +1,379 @@
+"""Qwen3-Next conversion (qwen3next): tensors, MTP head, metadata, modes, FP8, bad input, quantize, llama.cpp.
+
+The expected GGUF names and transforms are written out here by hand, from
+llama.cpp's conversion/qwen.py (``Qwen3NextModel``) and gguf-py's tensor map,
+independently of the converter. The ``in_proj_qkvz`` split is an explicit list of
+source rows: key head k owns the row block [k*B, (k+1)*B) with B = 2*d_k + 2*r*d_v,
+laid out q (d_k rows), k (d_k), v (r*d_v), z (r*d_v); ``attn_qkv`` takes every head's
+q rows, then every head's k rows, then every head's v rows; ``attn_gate`` every z.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
+
+from tests.builders import tiny
+from tests.builders import tiny_qwen3next
+from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
+                         convert_with_both, quantize_q4_k_m, quantize_with_both, rewrite_tensor)
+from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.runcli import run_cli
+
+VARIANTS = {
+    "release": dict(),  # config.json as the release has it, per-expert tensors
+    "tf5_fused": dict(release_config=False, fused_experts=True),  # transformers 5's config keys, fused trunk experts
+    "release_bf16": dict(dtype=torch.bfloat16),  # the norms' +1 happens in f32, as llama.cpp adds it
+}
+N = 4  # trunk layers; the MTP block is blk.4
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+HEAD = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+# RMSNorms computed as x_hat * (1 + w): written as 1 + w. The gated linear_attn.norm (x_hat * w) is not.
+ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+                "model.norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+
+
+# ----------------------------------------------------------------------------- expected values
+
+
+def qkvz_rows(cfg: dict) -> tuple[list[int], list[int]]:
+    """Source rows of attn_qkv and attn_gate in in_proj_qkvz (see the module docstring)."""
+    nk, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    rdv = cfg["linear_num_value_heads"] // nk * dv
+    block = 2 * dk + 2 * rdv
+    q = [k * block + i for k in range(nk) for i in range(dk)]
+    kk = [k * block + dk + i for k in range(nk) for i in range(dk)]
+    v = [k * block + 2 * dk + i for k in range(nk) for i in range(rdv)]
+    z = [k * block + 2 * dk + rdv + i for k in range(nk) for i in range(rdv)]
+    return q + kk + v, z
+
+
+def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 values, from the HF tensors by the documented transforms."""
+    cfg = tiny_qwen3next.read_config(folder)
+    src = source_tensors(folder) if src is None else src
+    exp: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in src.items():
+        t = t.float()
+        if name.endswith("_scale_inv"):
+            continue
+        if name in TOP or name in HEAD:
+            gname = TOP.get(name) or f"blk.{N}.{HEAD[name]}"
+            exp[gname] = t + 1 if name.endswith(ZERO_CENTRED) else t
+            continue
+        m = re.fullmatch(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.(.+)", name)
+        bid = int(m[1]) if m[1] is not None else N + int(m[2])
+        inner = m[3]
+        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", inner):
+            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
+        elif inner == "mlp.experts.gate_up_proj":
+            ff = t.shape[1] // 2
+            exp[f"blk.{bid}.ffn_gate_exps.weight"], exp[f"blk.{bid}.ffn_up_exps.weight"] = t[:, :ff], t[:, ff:]
+        elif inner == "mlp.experts.down_proj":
+            exp[f"blk.{bid}.ffn_down_exps.weight"] = t
+        elif inner == "linear_attn.in_proj_qkvz.weight":
+            qkv, z = qkvz_rows(cfg)
+            exp[f"blk.{bid}.attn_qkv.weight"], exp[f"blk.{bid}.attn_gate.weight"] = t[qkv], t[z]
+        elif inner == "linear_attn.A_log":
+            exp[f"blk.{bid}.ssm_a"] = -torch.exp(t)
+        elif inner == "linear_attn.conv1d.weight":
+            exp[f"blk.{bid}.ssm_conv1d.weight"] = t[:, 0, :]
+        else:
+            exp[f"blk.{bid}.{LAYER[inner]}"] = t + 1 if inner.endswith(ZERO_CENTRED) else t
+    for gname, by_expert in experts.items():
+        exp[gname] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return exp
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Tiny f32 checkpoints by variant name, built once per module."""
+    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen3next.qwen3next(
+        folder, **{"dtype": torch.float32, **VARIANTS[variant]}))
+
+
+# ----------------------------------------------------------------------------- tensors and metadata
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
+    folder = ckpt(variant)
+    kv, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
+    exp = expected_gguf(folder)
+    assert_f32_equal(tensors, exp)
+    assert tensors["blk.0.attn_qkv.weight"][1].shape == (512, 256) and tensors["blk.0.attn_gate.weight"][1].shape \
+        == (256, 256)
+    # the MTP block: its nextn tensors AND a full-attention MoE decoder block
+    mtp = {n for n in tensors if n.startswith(f"blk.{N}.")}
+    for kind in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_q", "attn_k",
+                 "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate_inp", "ffn_gate_exps",
+                 "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_gate_inp_shexp"):
+        assert f"blk.{N}.{kind}.weight" in mtp, kind
+    assert not any("ssm" in n for n in mtp)
+
+
+def test_f16_types(ckpt, tmp_path):
+    _, tensors = convert(ckpt("release"), tmp_path / "m.gguf", "--outtype", "f16")
+    for name, (qtype, data) in tensors.items():  # as llama.cpp's converter types them
+        f32 = data.ndim == 1 or name.endswith(("_norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight",
+                                               "ffn_gate_inp_shexp.weight"))
+        assert qtype == (T.F32 if f32 else T.F16), name
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_metadata(ckpt, tmp_path, variant):
+    kv, _ = convert(ckpt(variant), tmp_path / "m.gguf", "--outtype", "f32")
+    a = "qwen3next"
+    want = {
+        "general.architecture": a, f"{a}.block_count": 5, f"{a}.nextn_predict_layers": 1,
+        f"{a}.context_length": 1024, f"{a}.embedding_length": 256, f"{a}.feed_forward_length": 512,
+        f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 2, f"{a}.attention.key_length": 64,
+        f"{a}.attention.value_length": 64, f"{a}.expert_count": 4, f"{a}.expert_used_count": 2,
+        f"{a}.expert_feed_forward_length": 256, f"{a}.expert_shared_feed_forward_length": 256,
+        f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.state_size": 64, f"{a}.ssm.group_count": 2,
+        f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 256, f"{a}.full_attention_interval": 4,
+        # from full_attention_interval when config.json has no layer_types; the MTP block is full attention
+        f"{a}.attention.recurrent_layers": [True, True, True, False, False],
+        f"{a}.rope.dimension_count": 16,  # head_dim 64 * partial_rotary_factor 0.25
+    }
+    for k, v in want.items():
+        assert kv[k] == v, k
+    assert f"{a}.rope.dimension_sections" not in kv  # plain partial RoPE, no MRoPE
+    assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
+    assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+
+
+# ----------------------------------------------------------------------------- modes, inspect
+
+
+def test_no_mtp_mtp_only_and_inspect(ckpt, tmp_path):
+    folder = ckpt("release")
+    exp = expected_gguf(folder)
+    kv, tensors = convert(folder, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv["qwen3next.block_count"] == 4 and "qwen3next.nextn_predict_layers" not in kv
+    assert kv["qwen3next.attention.recurrent_layers"] == [True, True, True, False]
+    assert set(tensors) == {n for n in exp if not n.startswith(f"blk.{N}.")}
+
+    kv, tensors = convert(folder, tmp_path / "head.gguf", "--mtp-only")
+    assert kv["qwen3next.block_count"] == 5 and kv["qwen3next.nextn_predict_layers"] == 1
+    assert set(tensors) == {n for n in exp if n.startswith(f"blk.{N}.")} | {"token_embd.weight",
+                                                                           "output_norm.weight", "output.weight"}
+    convert(folder, tmp_path / "full.gguf")
+    res = run_cli("inspect", tmp_path / "full.gguf", "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["arch"] == "qwen3next" and len(info["mtp_blocks"]) == 1, info.get("mtp_blocks")
+
+
+def test_extract_and_graft(ckpt, tmp_path):
+    """The head cut out of one file and grafted onto a Q4_K_M trunk: per-block recurrent flags gain its entry."""
+    full, trunk, head, grafted = (tmp_path / f"{n}.gguf" for n in ("full", "trunk", "head", "grafted"))
+    convert(ckpt("release"), full, "--outtype", "f16")
+    convert(ckpt("release"), trunk, "--outtype", "f16", "--no-mtp", "--quant", "Q4_K_M")
+    assert run_cli("extract-mtp", full, head, "--quiet").exit_code == 0
+    res = run_cli("graft", "--mtp-from", head, "--into", trunk, grafted, "--mtp-type", "q8_0", "--quiet")
+    assert res.exit_code == 0, res.output
+    kv, tensors = read_gguf(grafted)
+    assert set(tensors) == set(expected_gguf(ckpt("release")))
+    assert kv["qwen3next.block_count"] == 5 and kv["qwen3next.nextn_predict_layers"] == 1
+    assert kv["qwen3next.attention.recurrent_layers"] == [True, True, True, False, False]
+    assert tensors["blk.4.nextn.eh_proj.weight"][0] == T.Q8_0 and tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
+
+
+def test_checkpoint_without_mtp_tensors(tmp_path):
+    """Copies stripped of the head convert as a trunk; --mtp-only refuses them."""
+    folder = tiny_qwen3next.qwen3next(tmp_path / "ck", with_mtp=False)
+    kv, _ = convert(folder, tmp_path / "m.gguf")
+    assert kv["qwen3next.block_count"] == 4 and "qwen3next.nextn_predict_layers" not in kv
+    res = run_cli("convert", folder, tmp_path / "h.gguf", "--quiet", "--mtp-only")
+    assert res.exit_code == 2 and "no MTP layers" in res.stderr
+
+
+# ----------------------------------------------------------------------------- FP8
+
+
+def _dequant_tiles(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """w = q * s per 128x128 tile, one tile at a time."""
+    w, out = q.float(), torch.empty(q.shape)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            out[tile] = w[tile] * s[i, j]
+    return out
+
+
+def test_fp8_block_scaled_dequantized(tmp_path):
+    """Qwen3-Next-80B-A3B-*-FP8 stores e4m3 weights with 128x128 weight_scale_inv tiles."""
+    folder = tiny_qwen3next.qwen3next(tmp_path / "ck", dtype=torch.float32)
+    reference = source_tensors(folder)
+    tiny.to_fp8_block_scaled(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    stored = source_tensors(folder)
+    dequant = {}
+    for name, q in stored.items():
+        if q.dtype != torch.float8_e4m3fn:
+            dequant[name] = q
+            continue
+        dequant[name] = _dequant_tiles(q, stored[name + "_scale_inv"])
+        assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+    fp8 = {n for n, q in stored.items() if q.dtype == torch.float8_e4m3fn}
+    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "mtp.fc.weight",
+            "mtp.layers.0.mlp.experts.3.down_proj.weight"} <= fp8
+    _, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
+    exp = expected_gguf(folder, dequant)
+    assert set(tensors) == set(exp)
+    for name, want in exp.items():
+        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy(ckpt, tmp_path: Path, variant: str = "release") -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(ckpt(variant), dst)
+    return dst
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("victim", ["model.layers.1.linear_attn.in_proj_ba.weight",
+                                    "mtp.layers.0.self_attn.q_norm.weight",
+                                    "mtp.layers.0.mlp.experts.2.up_proj.weight"])
+def test_missing_tensor(ckpt, tmp_path, victim):
+    folder = _copy(ckpt, tmp_path)
+    rewrite_tensor(folder, victim, None)
+    assert_refused(folder, tmp_path / "o.gguf", str(folder), f"missing tensor {victim}")
+
+
+def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
+    folder = _copy(ckpt, tmp_path)
+    victim = "model.layers.1.linear_attn.in_proj_qkvz.weight"  # one head's z rows short: 704 rows, not 768
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"][victim]
+    tensors = load_file(str(shard))
+    tensors[victim] = tensors[victim][:704].clone()
+    save_file(tensors, str(shard))
+    assert_refused(folder, tmp_path / "o.gguf", shard.name, victim, "[704, 256]", "config.json implies [768, 256]")
+
+
+@pytest.mark.parametrize("change", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2),
+                                    dict(decoder_sparse_step="two")])
+def test_dense_layers_are_refused(ckpt, tmp_path, change):
+    folder = _copy(ckpt, tmp_path)
+    _edit_config(folder, **change)
+    assert_refused(folder, tmp_path / "o.gguf", "config.json", "mlp_only_layers")
+
+
+# ----------------------------------------------------------------------------- quantize, accept
+
+
+def test_q4_k_m_holds_the_mtp_block_at_q8_0(ckpt, tmp_path):
+    folder = ckpt("release")
+    tensors = quantize_q4_k_m(folder, tmp_path)
+    n_mtp = 0
+    for name, (qtype, data) in tensors.items():
+        if name.startswith(f"blk.{N}.") and qtype != T.F32:
+            assert qtype == T.Q8_0, name
+            n_mtp += 1
+    assert n_mtp >= 10  # eh_proj, attention, router-free FFN: the whole block
+    assert tensors["blk.4.ffn_gate_inp.weight"][0] == T.F32  # routers are never quantized
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_qkv.weight"][0] != T.Q8_0
+
+
+def test_accept_says_the_runtime_lacks_qwen3next(ckpt, tmp_path):
+    """The torch runtime has no qwen3next family yet: one line naming the file and the arch, exit 2."""
+    gguf_path = tmp_path / "m.gguf"
+    convert(ckpt("release"), gguf_path)
+    res = run_cli("accept", gguf_path, "--device", "cpu")
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and "qwen3next" in line and "m.gguf" in line, line
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("variant,mode", [("release", None), ("tf5_fused", None), ("release_bf16", None),
+                                          ("release", "--no-mtp"), ("release", "--mtp")])
+def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
+    """Names, shapes, types, metadata keys, values and value types, and f32 bytes equal llama.cpp's converter's
+    (which keeps the MTP block for qwen3next)."""
+    folder = ckpt(variant)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, folder, tmp_path, mode)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
+def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(folder))
+    model = tf.Qwen3NextForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_path, llama_cpp_bin):
+    """llama.cpp loads trunk + MTP block, drafts with the head (draft-mtp), and its greedy tokens equal
+    transformers' Qwen3NextForCausalLM on the same checkpoint (so the qkvz split, norms and ssm_a are right)."""
+    folder = ckpt("release")
+    gguf_path = tmp_path / "m.gguf"
+    convert(folder, gguf_path, "--outtype", "f32")
+    prompt, n = "def add(a, b):", 10
+    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(gguf_path), "-p", prompt,
+                           "-n", str(n), "--spec-type", "draft-mtp", "--temp", "0", "-t", "1", "-c", "256",
+                           "-lv", "5"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
+    assert proc.returncode == 0, log[-3000:]
+    assert "MTP draft context" in log, log[-3000:]
+    step = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
+    steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
+    assert sum(d for _, d, _ in steps) > 0  # the MTP head drafted
+    want = _hf_greedy(folder, prompt, n + 4)
+    assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)
+
+
+@pytest.mark.llama_cpp
+def test_same_types_and_bytes_as_llama_quantize(ckpt, tmp_path, llama_cpp_bin):
+    """With --mtp-type same, Q4_K_M equals llama-quantize tensor for tensor (types and bytes), MTP block included."""
+    a, b = quantize_with_both(ckpt("release"), tmp_path, llama_cpp_bin)
+    for name in b:
+        # llama-quantize rewrites the [1, n_embd] shared-expert gate as 1-D (ggml's n_dims drops the 1); mtpq keeps
+        # the converter's 2-D shape: the same values, which llama.cpp's loader accepts either way
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1].squeeze(), b[name][1].squeeze()), name

@@ -1,0 +1,191 @@
+"""Scale, measured (issue 24): a synthetic GLM-4.5 checkpoint of about 7 GB through convert -> quantize Q4_K_M,
+both with --split-max-size 2G, each command a child process as a user runs it.
+
+- Peak RSS of each child (VmHWM from /proc at its exit: ru_maxrss of an exec'd child would still count the
+  pages it shared with this process when forked) must stay within 1 GB + the largest tensor (the bf16 expert
+  stacks, 256 x 1024 x 2048: 1.07 GB, GLM-4.5-Air's are 1.47 GB).
+- The streaming speed (bytes written / the time write_plan takes) is printed next to a read + write copy of
+  the same bytes (the input read, as many bytes as the output written), as benchmarks/convert_bench.py does.
+
+The checkpoint is the tests' builder (tiny.glm4moe: tokenizer, config, layers) with two experts per MoE layer,
+then widened to MTPQ_SCALE_EXPERTS (256) experts per layer, written shard by shard: random bf16 weights, never
+the whole model in memory. Disk: about 24 GB at the peak. On 2 cores: about 6-8 minutes.
+
+    python -m pytest -m slow tests/end_to_end/test_scale.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGUFReader
+from safetensors.torch import load_file, save_file
+
+from tests.builders import tiny
+from tests.helpers.runcli import run_cli
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+H, FF = 2048, 1024
+N_EXPERTS = int(os.environ.get("MTPQ_SCALE_EXPERTS", "256"))
+SHARD_BYTES = 512 * 10**6  # the builder's safetensors shards (each built in memory once)
+SPLIT = "2G"
+
+CHILD = r"""
+import atexit, json, os, sys, time
+import mtpq.gguf_io as gio
+spent, real = [0.0], gio.write_plan
+def timed(*a, **k):  # the streaming: what write_plan takes (the commands import it after this)
+    t = time.perf_counter()
+    try:
+        return real(*a, **k)
+    finally:
+        spent[0] += time.perf_counter() - t
+gio.write_plan = timed
+t0 = time.perf_counter()
+def report():
+    hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    with open(os.environ["MTPQ_SCALE_REPORT"], "w") as f:
+        json.dump({"peak_rss": hwm, "seconds": time.perf_counter() - t0, "write_seconds": spent[0]}, f)
+atexit.register(report)
+from mtpq.cli import main
+sys.argv = ["mtpq", *sys.argv[1:]]
+main()
+"""
+
+
+def widen_experts(folder: Path, n_experts: int) -> None:
+    """Give every MoE layer of a glm4moe checkpoint ``n_experts`` routed experts: the router and its bias
+    regrown, the new experts' weights (random, bf16) written into new shards of at most SHARD_BYTES."""
+    cfg = json.loads((folder / "config.json").read_text())
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    wm = index["weight_map"]
+    have = cfg["n_routed_experts"]
+    layers = sorted({int(m.group(1)) for n in wm if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.0\.", n))})
+    gen = torch.Generator().manual_seed(7)
+    for shard in sorted({wm[f"model.layers.{i}.mlp.gate.weight"] for i in layers}):  # the routers, regrown
+        tensors = load_file(str(folder / shard))
+        for i in layers:
+            p = f"model.layers.{i}.mlp.gate."
+            if p + "weight" in tensors:
+                tensors[p + "weight"] = (torch.randn(n_experts, H, generator=gen) * 0.02).to(torch.bfloat16)
+                tensors[p + "e_score_correction_bias"] = 0.01 * torch.randn(n_experts, generator=gen)
+        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    todo = [(i, e, proj) for i in layers for e in range(have, n_experts) for proj in ("gate", "up", "down")]
+    per_shard = max(1, SHARD_BYTES // (FF * H * 2))
+    for k in range(0, len(todo), per_shard):
+        name = f"widened-{k // per_shard:05d}.safetensors"
+        part = {}
+        for i, e, proj in todo[k:k + per_shard]:
+            shape = (H, FF) if proj == "down" else (FF, H)
+            part[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] = (
+                torch.randn(*shape, generator=gen, dtype=torch.bfloat16) * 0.02)
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        wm.update({n: name for n in part})
+        del part
+    cfg["n_routed_experts"] = n_experts
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    index["metadata"]["total_size"] = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def run_child(*args, report: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MTPQ_SCALE_REPORT": str(report)}
+    res = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+def warm(files: list[Path]) -> int:
+    """Read the files once (both the command and the copy then read them from the page cache); their size."""
+    for p in files:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+    return sum(p.stat().st_size for p in files)
+
+
+def copy_seconds(inputs: list[Path], out_bytes: int, work: Path) -> float:
+    """Read ``inputs`` into memory and write ``out_bytes`` of them: what any streaming command must do."""
+    in_bytes = sum(p.stat().st_size for p in inputs)
+    buf = bytearray(64 << 20)
+    target = work / "copy.bin"
+    t0 = time.perf_counter()
+    with open(target, "wb") as dst:
+        for p in inputs:
+            with open(p, "rb") as src:
+                while n := src.readinto(buf):
+                    todo = round(n * out_bytes / in_bytes)
+                    while todo > 0:
+                        dst.write(memoryview(buf)[:min(n, todo)])
+                        todo -= min(n, todo)
+    dt = time.perf_counter() - t0
+    target.unlink()
+    return dt
+
+
+def shards(folder: Path, prefix: str) -> list[Path]:
+    """The shards written for ``prefix``.gguf, or the one file when it fitted (MTPQ_SCALE_EXPERTS small)."""
+    return sorted(folder.glob(f"{prefix}-*-of-*.gguf")) or [folder / f"{prefix}.gguf"]
+
+
+def test_seven_gb_through_convert_and_quantize(tmp_path_factory, capsys):
+    work = tmp_path_factory.mktemp("scale")
+    ck = work / "ckpt"
+    t0 = time.perf_counter()
+    tiny.glm4moe(ck, hidden_size=H, intermediate_size=2 * FF, moe_intermediate_size=FF, n_routed_experts=2,
+                 first_k_dense_replace=1, n_shards=1)
+    widen_experts(ck, N_EXPERTS)
+    build_s = time.perf_counter() - t0
+    ck_files = sorted(ck.glob("*.safetensors"))
+    largest = N_EXPERTS * FF * H * 2  # one bf16 experts stack (the output's largest tensor, and the input's)
+    bound = 10**9 + largest
+    rows = []
+
+    ck_bytes = warm(ck_files)
+    conv = run_child("convert", ck, work / "bf16.gguf", "--outtype", "bf16", "--split-max-size", SPLIT, "--quiet",
+                     report=work / "convert.json")
+    bf16 = shards(work, "bf16")
+    out_bytes = sum(p.stat().st_size for p in bf16)
+    rows.append(("convert -> bf16", ck_bytes, out_bytes, len(bf16), conv, copy_seconds(ck_files, out_bytes, work)))
+
+    in_bytes = warm(bf16)
+    quant = run_child("quantize", bf16[0], work / "q4km.gguf", "Q4_K_M", "--split-max-size", SPLIT, "--quiet",
+                      report=work / "quantize.json")
+    q4 = shards(work, "q4km")
+    out_bytes = sum(p.stat().st_size for p in q4)
+    rows.append(("quantize Q4_K_M", in_bytes, out_bytes, len(q4), quant, copy_seconds(bf16, out_bytes, work)))
+
+    with capsys.disabled():
+        print(f"\n{ck_bytes / 1e9:.2f} GB checkpoint ({N_EXPERTS} experts x 2 MoE layers, largest tensor "
+              f"{largest / 1e9:.2f} GB; built in {build_s:.0f} s), {os.cpu_count()} CPUs; RSS bound "
+              f"1 GB + largest = {bound / 1e9:.2f} GB")
+        for label, nin, nout, n, r, copy_s in rows:
+            stream = r["write_seconds"]
+            print(f"{label:16s} {nin / 1e9:5.2f} GB -> {nout / 1e9:5.2f} GB in {n} shards | command {r['seconds']:5.1f} s, "
+                  f"streaming {stream:5.1f} s ({nin / stream / 1e9:.2f} GB/s read) | copy of the same bytes "
+                  f"{copy_s:5.1f} s: streaming at {copy_s / stream:.2f}x the copy's speed | peak RSS "
+                  f"{r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / bound:.2f}x the bound")
+
+    for label, _, _, _, r, _ in rows:
+        assert r["peak_rss"] <= bound, (label, r)
+    for files in (bf16, q4):
+        assert (len(files) > 1) == (sum(p.stat().st_size for p in files) > 2 * 10**9)
+    for p in (*bf16, *q4):
+        r = GGUFReader(p)
+        data = sum(-(-int(t.n_bytes) // 32) * 32 for t in r.tensors)
+        assert data <= 2 * 10**9 or len(r.tensors) == 1, p.name
+    info = json.loads(run_cli("inspect", q4[-1], "--json", "--no-tensors").stdout)
+    assert info["tensor_count"] == sum(len(GGUFReader(p).tensors) for p in bf16) and info["mtp_types"] == ["Q8_0"]

@@ -1,0 +1,68 @@
+"""mtpq's GGUF reader parses metadata arrays in one pass (mtpq.gguf_fields): the same values as gguf-py's
+GGUFReader, truncated arrays refused; and the commands that only read metadata start without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from mtpq.errors import InputError
+from mtpq.gguf_io import open_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def meta_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fields") / "m.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_token_list(["a", "", "ünïcode", "x" * 300] + [f"t{i}" for i in range(1000)])
+    w.add_token_types([1, 2, 3, 4] + [1] * 1000)
+    w.add_token_scores(np.linspace(-1, 1, 1004, dtype=np.float32).tolist())
+    w.add_array("llama.empty_ints", [])
+    w.add_array("llama.flags", [True, False, True])
+    w.add_key_value("llama.i64", [-(2**40), 2**40], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT64)
+    w.add_string("general.name", "fields")
+    w.add_tensor("blk.0.attn_q.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_same_fields_as_gguf_py(meta_file):
+    ours, theirs = open_gguf(meta_file), gguf.GGUFReader(meta_file)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert g.contents() == f.contents(), name
+        assert g.types == f.types and g.offset == f.offset, name
+    assert [(t.name, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data.tobytes()) for t in theirs.tensors]
+
+
+def test_a_truncated_string_array_is_refused(meta_file, tmp_path):
+    data = meta_file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.index(b"t500")])  # inside tokenizer.ggml.tokens
+    with pytest.raises(InputError, match="truncated or corrupt GGUF header"):
+        open_gguf(cut)
+
+
+@pytest.mark.parametrize("args", [["inspect", "{f}"], ["quantize", "{f}", "{out}", "Q4_K_M", "--dry-run"],
+                                  ["--help"]])
+def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
+    """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine)."""
+    argv = [a.format(f=meta_file, out=tmp_path / "o.gguf") for a in args]
+    code = ("import sys\nfrom mtpq.cli import app\nsys.argv = ['mtpq', *sys.argv[1:]]\nrc = 0\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    rc = e.code or 0\n"
+            "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "0 NO TORCH", proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,0 +1,49 @@
+"""A GGUF's big tensors are quantized slab by slab (whole experts, bands of rows), read with pread rather than
+through a mapping of the file: the same bytes as encoding each tensor at once, for every kind of source and
+target -- k-quants, legacy quants, i-quants with an imatrix (per-expert rows), floats, requantized sources --
+while memory stays near one tensor (measured at scale in test_scale.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.runcli import run_cli
+
+import mtpq.gguf_io.buffers as buffers
+
+
+@pytest.fixture(scope="module")
+def inputs(glm_ckpt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("slabs")
+    full, q8, text, im = root / "full.gguf", root / "q8.gguf", root / "text.txt", root / "im.gguf"
+    assert run_cli("convert", glm_ckpt, full, "--quiet").exit_code == 0
+    assert run_cli("quantize", full, q8, "Q8_0", "--mtp-type", "same", "-q").exit_code == 0
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    assert run_cli("imatrix", full, "--text", text, "-o", im, "-c", "32", "--chunks", "2").exit_code == 0
+    return {"full": full, "q8": q8, "im": im}
+
+
+RUNS = {  # (input, preset, extra options)
+    "Q5_0": ("full", "Q5_0", ()),
+    "IQ4_XS-imatrix": ("full", "IQ4_XS", ("--imatrix", "im")),
+    "Q4_K_M-imatrix-head-too": ("full", "Q4_K_M", ("--imatrix", "im", "--mtp-type", "same")),
+    "BF16": ("full", "BF16", ()),
+    "requantized-Q8_0-to-Q3_K_M": ("q8", "Q3_K_M", ("--allow-requantize",)),
+}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_slabs_give_the_whole_tensors_bytes(run, inputs, tmp_path, monkeypatch):
+    src, preset, extra = RUNS[run]
+    extra = [str(inputs[x]) if x in inputs else x for x in extra]
+    whole, slabs = tmp_path / "whole.gguf", tmp_path / "slabs.gguf"
+    assert run_cli("quantize", inputs[src], whole, preset, "-q", *extra).exit_code == 0
+    calls = []
+    real = buffers._encode_slabs
+    monkeypatch.setattr(buffers, "SLAB_ELEMENTS", 20000)  # the tiny model's matrices: 2-7 slabs, stacks: 1 expert
+    monkeypatch.setattr(buffers, "_encode_slabs", lambda spec, q: calls.append(spec.name) or real(spec, q))
+    assert run_cli("quantize", inputs[src], slabs, preset, "-q", *extra).exit_code == 0
+    assert any("_exps" in n for n in calls) and len(calls) > 15  # expert stacks and matrices went by slabs
+    assert slabs.read_bytes() == whole.read_bytes()

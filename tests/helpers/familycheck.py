@@ -1,0 +1,294 @@
+"""Checks every converter family's tests repeat: bad-input refusals, quantizing with the head at q8_0, and
+the comparisons with llama.cpp (its converter, llama-quantize, llama-speculative-simple).
+
+The expectations themselves (name/shape tables, metadata, needles) stay in each family's test file;
+these helpers only run the commands and compare, so every family checks the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.ggufcheck import convert, kv_types, read_gguf
+from tests.helpers.llamacpp_ref import speculative_simple
+from tests.helpers.runcli import run_cli
+
+# our flag for each of llama.cpp's converter modes (None = the full file)
+OUR_MODE = {None: (), "--no-mtp": ("--no-mtp",), "--mtp": ("--mtp-only",)}
+_KEEP = ("general.architecture", "general.file_type", "general.quantization_version", "general.size_label")
+
+
+def vocab(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def stack_experts(src: dict[str, torch.Tensor], hf: str, n_experts: int = 4) -> torch.Tensor:
+    """``src[hf]``; a ``*`` in hf stands for the experts, stacked in order."""
+    if "*" in hf:
+        return torch.stack([src[hf.replace("*", str(e))] for e in range(n_experts)])
+    return src[hf]
+
+
+def expected_table(top: dict, blocks: list[dict], vocab: int, block_ids) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF name -> (shape, HF source name) from a family's TOP and per-block tables ("V" = vocab)."""
+    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
+    out = {k: (fix(s), hf) for k, (s, hf) in top.items()}
+    for bid in block_ids:
+        for kind, (shape, hf) in blocks[bid].items():
+            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
+    return out
+
+
+def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+    assert set(tensors) == set(exp)
+    for name, want in exp.items():
+        qtype, got = tensors[name]
+        assert qtype == T.F32, name
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+
+
+def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:
+    """The float value of each stored tensor: e4m3 weights times their weight_scale_inv tile, done tile by tile."""
+    dequant: dict[str, torch.Tensor] = {}
+    for name, q in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if q.dtype != torch.float8_e4m3fn:
+            dequant[name] = q.float()
+            continue
+        w, s = q.float(), stored[name + "_scale_inv"]
+        want = torch.empty_like(w)  # independent dequant: loop over the tiles (the last ones may be partial)
+        for i in range(s.shape[0]):
+            for j in range(s.shape[1]):
+                tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+                want[tile] = w[tile] * s[i, j]
+        dequant[name] = want
+    return dequant
+
+
+def built_once(tmp_path_factory, build):
+    """get(variant): the checkpoint ``build(folder, variant)`` writes on first use, the same folder after."""
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = build(tmp_path_factory.mktemp(variant) / "ckpt", variant)
+        return cache[variant]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def copy_with_config(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of checkpoint src at dst, its config.json updated with config_changes."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def rewrite_tensor(folder: Path, name: str, value: torch.Tensor | None) -> Path:
+    """Replace (or with None, delete) one stored tensor, keeping the index consistent; returns its shard."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    if value is None:
+        del tensors[name], index["weight_map"][name]
+    else:
+        tensors[name] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return shard
+
+
+def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Store tensors under new names in the checkpoint's last shard, keeping the index consistent; returns it."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / sorted(set(index["weight_map"].values()))[-1]
+    stored = load_file(str(shard))
+    for name, value in tensors.items():
+        assert name not in index["weight_map"], name
+        stored[name] = value
+        index["weight_map"][name] = shard.name
+    save_file(stored, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return shard
+
+
+def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str,
+                              *args: str):
+    """After rewrite_tensor(ck, name, value): convert (with ``args``) exits 2 with one line holding needle and
+    naming the shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
+    shard = rewrite_tensor(ck, name, value)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet", *args)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and needle in line, line
+    assert (shard.name in line) if value is not None else (str(ck) in line), line  # names the file (or folder)
+    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+def assert_needs_no_mtp(ck: Path, tmp_path: Path, needle: str):
+    """A checkpoint without its MTP weights: convert without --no-mtp exits 2 naming what is missing, no file."""
+    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
+    assert res.exit_code == 2 and needle in res.stderr and "--no-mtp" in res.stderr
+    assert not (tmp_path / "m.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- mtpq quantize / inspect
+
+
+def quantize_q4_k_m(ckpt: Path, tmp_path: Path) -> dict:
+    """f16 conversion then ``mtpq quantize Q4_K_M``; asserts ``convert --quant Q4_K_M`` in one pass chooses
+    the same type for every tensor; returns the quantized file's tensors for the family's type checks."""
+    f16 = tmp_path / "f16.gguf"
+    convert(ckpt, f16, "--outtype", "f16")
+    out = tmp_path / "q.gguf"
+    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, tensors = read_gguf(out)
+    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
+    res = run_cli("convert", ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
+    assert res.exit_code == 0, res.output
+    _, direct = read_gguf(one_pass)
+    assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
+    return tensors
+
+
+def inspect_json(ckpt: Path, tmp_path: Path) -> dict:
+    """``mtpq inspect --json`` of the checkpoint's f16 conversion."""
+    out = tmp_path / "m.gguf"
+    convert(ckpt, out, "--outtype", "f16")
+    res = run_cli("inspect", out, "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+def strip_general(kv: dict) -> dict:
+    """Metadata without the general.* keys that name the writer (kept: the ones that describe the model)."""
+    return {k: v for k, v in kv.items() if not k.startswith("general.") or k in _KEEP}
+
+
+def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a llama.cpp binary; asserts exit 0."""
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
+                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    assert res.returncode == 0, (cmd, res.stderr[-3000:])
+    return res
+
+
+def convert_with_both(llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str | None = None, *ref_args: str,
+                      raw_config: bool = False):
+    """Our f32 conversion in llama.cpp converter mode ``mode`` and llama.cpp's own (ref_args and raw_config
+    passed to llamacpp_ref.llama_cpp_convert): (our path, our kv, our tensors, reference path)."""
+    from tests.helpers.llamacpp_ref import llama_cpp_convert
+
+    out = tmp_path / "ours.gguf"
+    kv, tensors = convert(ck, out, "--outtype", "f32", *OUR_MODE[mode])
+    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
+                            *([mode] if mode else []), *ref_args, raw_config=raw_config)
+    return out, kv, tensors, ref
+
+
+def assert_fp8_source_same_as_llama_cpp(llama_cpp_src: Path, ck: Path, tmp_path: Path, raw_config: bool = False):
+    """Checkpoint ck rewritten as FP8 (e4m3, 128x128 weight_scale_inv tiles) dequantizes to llama.cpp's
+    converter's bytes."""
+    from tests.builders.tiny import to_fp8_block_scaled
+
+    to_fp8_block_scaled(ck)
+    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None, raw_config=raw_config)
+    assert_same_gguf(out, kv, tensors, ref)
+
+
+def assert_same_gguf(out: Path, kv: dict, tensors: dict, ref: Path, value_types: bool = True,
+                     ignore: tuple[str, ...] = ()) -> dict:
+    """Every metadata key and value (and with value_types, each value's GGUF type), every tensor name, type,
+    shape and byte equal the reference file's (general.* writer keys aside; the keys in ignore left out of
+    both); returns the reference tensors."""
+    ref_kv, ref_tensors = read_gguf(ref)
+    kept = lambda table: {k: v for k, v in strip_general(table).items() if k not in ignore}  # noqa: E731
+    assert kept(kv) == kept(ref_kv)
+    if value_types:  # bool arrays stay bools, floats stay f32
+        assert kept(kv_types(out)) == kept(kv_types(ref))
+    assert set(tensors) == set(ref_tensors)
+    for name, (qtype, data) in tensors.items():
+        ref_type, ref_data = ref_tensors[name]
+        assert qtype == ref_type and data.shape == ref_data.shape, name
+        np.testing.assert_array_equal(data, ref_data, err_msg=name)
+    return ref_tensors
+
+
+def quantize_with_both(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple[dict, dict]:
+    """f16 conversion quantized to Q4_K_M by llama-quantize and by ``mtpq quantize --mtp-type same``:
+    (our tensors, llama-quantize's), asserted to hold the same names."""
+    f16 = tmp_path / "f16.gguf"
+    convert(ckpt, f16, "--outtype", "f16")
+    ref = tmp_path / "ref.gguf"
+    run([llama_cpp_bin / "llama-quantize", f16, ref, "Q4_K_M", "1"])
+    ours = tmp_path / "ours.gguf"
+    assert run_cli("quantize", f16, ours, "Q4_K_M", "--mtp-type", "same", "--quiet").exit_code == 0
+    _, a = read_gguf(ours)
+    _, b = read_gguf(ref)
+    assert set(a) == set(b)
+    return a, b
+
+
+def assert_drafts_in_llama_cpp(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path, one_file: bool = True):
+    """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp): one file (quantized,
+    head at q8_0; unless not ``one_file``: a head that converts only into its own file), and a --no-mtp
+    trunk with a --mtp-only head file."""
+    convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp")
+    convert(ckpt, tmp_path / "head.gguf", "--mtp-only")
+    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
+    runs = {"loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    if one_file:
+        convert(ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
+        runs["MTP draft context"] = ["-m", tmp_path / "full.gguf"]
+    for banner, models in runs.items():
+        res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", *flags)
+        assert banner in res.stderr, res.stderr[-2000:]
+        assert stats["n_drafted"] > 0, res.stderr[-2000:]
+
+
+def assert_refused(folder: Path, out: Path, *needles: str) -> str:
+    """``mtpq convert folder out`` exits 2 with one line holding every needle, and leaves no output (nor a
+    partial one); returns the line."""
+    res = run_cli("convert", folder, out, "--quiet")
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and all(n in line for n in needles), line
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
+    return line
+
+
+def assert_targets_are_greedy(steps: list[tuple[int, int]], want: list[int], at_least: int = 5):
+    """llama-speculative-simple's verification steps, (accepted drafts, target token) each, follow the greedy
+    continuation want: a step accepts some drafts, then emits one target token, which must be the next of
+    want. At least at_least targets are checked."""
+    pos, checked = 0, 0
+    for accepted, target in steps:
+        pos += accepted
+        if pos >= len(want):
+            break
+        assert target == want[pos], (steps, want)
+        pos, checked = pos + 1, checked + 1
+    assert checked >= at_least, steps

@@ -1,0 +1,44 @@
+"""Reading what a conversion wrote, for tests: the source safetensors and the GGUF (through gguf-py's reader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from safetensors.torch import load_file
+
+from tests.helpers.runcli import run_cli
+
+
+def source_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, tuple[T, np.ndarray]]]:
+    """(metadata, {name: (type, data)}); float data in torch-order shape, quantized data as stored bytes."""
+    r = GGUFReader(path)
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    tensors = {}
+    for t in r.tensors:
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        data = np.asarray(t.data)
+        tensors[t.name] = (T(t.tensor_type), data.reshape(shape) if t.tensor_type in (T.F32, T.F16) else data)
+    return kv, tensors
+
+
+def convert(src: Path, out: Path, *args: str):
+    """``mtpq convert src out --quiet *args``; asserts success; returns read_gguf(out)."""
+    res = run_cli("convert", src, out, "--quiet", *args)
+    assert res.exit_code == 0, res.output
+    return read_gguf(out)
+
+
+def kv_types(path: Path) -> dict[str, list[int]]:
+    """Each metadata key's GGUF value types (an array's element type included): 0/1 ints are not bools."""
+    return {k: [int(t) for t in f.types] for k, f in GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
