@@ -53,13 +53,27 @@ def find_perplexity(bin_dir: Path | str | None = None) -> Path:
     return find_binary(PERPLEXITY_BINARY, bin_dir)
 
 
-def _run(cmd: list[str], what: Path) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
-                          env=child_env())
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise InputError(what, f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {reason_from_log(log)}")
+# llama.cpp logs through a worker thread that nobody joins at exit (common_log_main() is never destroyed), so
+# on a loaded machine a run can exit 0 with its last lines -- the closing statistics -- never printed. A run
+# whose log stops before its statistics but after scoring is rerun; the figures are deterministic.
+_ATTEMPTS = 3
+
+
+def _run(cmd: list[str], what: Path, complete=lambda log: True) -> str:
+    for _ in range(_ATTEMPTS):
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                              env=child_env())
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise InputError(what, f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {reason_from_log(log)}")
+        if complete(log) or not _log_cut_short(log):
+            return log
     return log
+
+
+def _log_cut_short(log: str) -> bool:
+    """The run scored chunks but its log ends without llama_perf's closing lines (printed after the statistics)."""
+    return "over " in log and "chunks" in log and "llama_perf_context_print" not in log
 
 
 def parse_kld_log(log: str, what: Path) -> dict:
@@ -90,7 +104,8 @@ def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: Per
     reference, quants = first_shard(reference), [first_shard(q) for q in quants]
     with tempfile.TemporaryDirectory(prefix="mtpq-kld-") as tmp:
         base = Path(tmp) / "base.kld"
-        log = _run(cfg.args(reference, text) + ["--kl-divergence-base", str(base)], reference)
+        log = _run(cfg.args(reference, text) + ["--kl-divergence-base", str(base)], reference,
+                   complete=lambda log: "Final estimate: PPL" in log)
         m = re.search(r"over (\d+) chunks", log)
         n_chunks = int(m.group(1)) if m else 0
         ref = {"ppl": parse_ppl_log(log, reference), "ppl_ratio": 1.0, "kld_mean": 0.0, "kld_median": 0.0,
@@ -99,7 +114,8 @@ def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: Per
             on_file(0)
         out = []
         for i, q in enumerate(quants, 1):
-            log = _run(cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q)
+            log = _run(cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q,
+                       complete=lambda log: "Mean    KLD" in log or re.search(r"Mean\s+KLD:", log) is not None)
             out.append(parse_kld_log(log, q))
             if on_file:
                 on_file(i)

@@ -136,3 +136,40 @@ def test_same_figures_as_llama_perplexity(files, llama_cpp_bin):
         assert abs(x["top1"] - y["top1"]) <= 0.005
         assert abs(x["dp_rms"] - y["dp_rms"]) <= 0.002
         assert y["accept_rate"] is not None and x["accept_rate"] is not None
+
+
+def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
+    """llama.cpp's logging thread is not joined at exit: under load a run can exit 0 without its closing
+    statistics. Such a run is repeated (the figures are deterministic); a run that scored too few tokens to print
+    statistics is not, and is refused with its reason."""
+    from mtpq.engines import perplexity as P
+    from mtpq.errors import InputError
+
+    stats = ("Mean PPL(Q)                   :  10.000000 ±   0.1\nMean PPL(Q)/PPL(base)         :   1.010000\n"
+             "Mean    KLD:   0.012300 ±   0.0001\nMedian  KLD:   0.005000\n99.0%   KLD:   0.090000\n"
+             "Maximum KLD:   0.500000\nSame top p: 91.500 ± 0.1 %\nRMS Δp    :  2.000 ± 0.1 %\n")
+    head = "perplexity: computing over 3 chunks, n_ctx=128\n[1]9.1,[2]9.5,[3]10.0\n"
+    perf = "llama_perf_context_print: load time = 1 ms\n"
+    count = tmp_path / "count"
+    fake = tmp_path / "llama-perplexity"
+    # the first call's log stops after the chunks (cut short), later calls print everything
+    fake.write_text("#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\n"
+                    "printf '%%s' \"$HEAD\"\n[ \"$n\" -ge 1 ] && printf '%%s%%s' \"$STATS\" \"$PERF\"\nexit 0\n"
+                    % (count, count))
+    fake.chmod(0o755)
+    monkeypatch.setenv("HEAD", head)
+    monkeypatch.setenv("STATS", stats)
+    monkeypatch.setenv("PERF", perf)
+    complete = lambda log: "Mean    KLD" in log  # noqa: E731
+    log = P._run([str(fake)], tmp_path / "q.gguf", complete=complete)
+    assert count.read_text().strip() == "2"
+    assert P.parse_kld_log(log, tmp_path / "q.gguf")["kld_mean"] == 0.0123
+    # too few tokens: the run ends normally (perf printed) without statistics -> no rerun, one clear refusal
+    count.write_text("0")
+    monkeypatch.setenv("HEAD", "perplexity: computing over 1 chunks\n")
+    monkeypatch.setenv("STATS", "")
+    fake.write_text("#!/bin/sh\nn=$(cat %s); echo $((n+1)) > %s\nprintf '%%s%%s' \"$HEAD\" \"$PERF\"\n" % (count, count))
+    log = P._run([str(fake)], tmp_path / "q.gguf", complete=complete)
+    assert count.read_text().strip() == "1"
+    with pytest.raises(InputError, match="give more text"):
+        P.parse_kld_log(log, tmp_path / "q.gguf")
