@@ -78,7 +78,7 @@ def convert(
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
-    from ..convert import OUTTYPES, MtpMode, plan_checkpoint  # the families (and torch): only when converting
+    from ..convert import OUTTYPES, BlockSelection, plan_checkpoint  # the families (and torch): only when converting
 
     if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
@@ -86,9 +86,9 @@ def convert(
         fail("--no-mtp/--mtp-only", "choose at most one")
     set_threads(threads)
     split = split_rule(split_max_size, split_max_tensors)
-    mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
+    blocks = BlockSelection.DROP if no_mtp else BlockSelection.ONLY if mtp_only else BlockSelection.KEEP
     auto = (mtp_type or "").strip().lower() == "auto"
-    if auto and (quant is None or mode is not MtpMode.KEEP):
+    if auto and (quant is None or blocks is not BlockSelection.KEEP):
         fail("--mtp-type auto", "needs --quant PRESET and the MTP head (not --no-mtp / --mtp-only)")
     if auto and not 0.0 <= max_drop <= 1.0:
         fail("--max-drop", f"must be between 0 and 1, got {max_drop}")
@@ -110,7 +110,7 @@ def convert(
         parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
-    plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
+    plan = plan_checkpoint(src, mtp=blocks, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     source = plan
     if quant is not None:
         extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],

@@ -68,9 +68,9 @@ def graft(
     match; fixes block_count and nextn_predict_layers. The target's tensors
     and metadata are copied byte for byte.
     """
-    from ..quantize.surgery import GRAFT_MODES, plan_graft  # imports the converter's keep-lists (and torch)
+    from ..quantize.surgery import GRAFT_KINDS, plan_graft  # imports the converter's keep-lists (and torch)
 
-    precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_MODES)  # before any file is read
+    precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_KINDS)  # before any file is read
     split = split_rule(split_max_size, split_max_tensors)
     plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
     total, written = _write(plan, out, "graft", quiet, split)

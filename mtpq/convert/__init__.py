@@ -8,13 +8,13 @@ from gguf import GGMLQuantizationType
 
 from ..tensors import Plan
 from . import families  # noqa: F401  (the families register themselves)
-from .base import FAMILIES, OUTTYPES, MtpMode, family_for
+from .base import FAMILIES, OUTTYPES, BlockSelection, family_for
 from .checkpoint import Checkpoint
 
-__all__ = ["FAMILIES", "OUTTYPES", "MtpMode", "plan_checkpoint"]
+__all__ = ["FAMILIES", "OUTTYPES", "BlockSelection", "plan_checkpoint"]
 
 
-def plan_checkpoint(src: Path, mtp: MtpMode = MtpMode.KEEP,
+def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
                     outtype: GGMLQuantizationType | None = GGMLQuantizationType.F16) -> Plan:
     """Validate ``src`` and return the conversion plan; nothing heavy is read yet.
 

@@ -36,7 +36,7 @@ from .checkpoint import Checkpoint
 from .validate import Expected
 
 
-class MtpMode(str, Enum):
+class BlockSelection(str, Enum):
     KEEP = "keep"  # trunk + MTP blocks (the default: the reason mtpq exists)
     DROP = "drop"  # --no-mtp: trunk only, no nextn_predict_layers
     ONLY = "only"  # --mtp-only: MTP blocks + token_embd, output_norm, output (llama.cpp's --mtp export)
@@ -164,7 +164,7 @@ class Family:
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
-        self.mtp_mode = MtpMode.KEEP  # set by plan(): --no-mtp converts checkpoints stripped of their MTP layers
+        self.block_selection = BlockSelection.KEEP  # set by plan(): --no-mtp converts checkpoints without MTP layers
 
     # -- hooks for families -------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class Family:
             p = f"{self.mtp_prefix}{bid - self.n_trunk}." if mtp and self.mtp_prefix else f"{self.block_prefix}{bid}."
             names = by_block.get(bid, [])
             if not names:
-                if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
+                if bid >= self.n_trunk and self.block_selection is BlockSelection.DROP:
                     continue  # many published copies lack the MTP layers: fine for a trunk-only GGUF
                 hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
                 raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
@@ -435,12 +435,12 @@ class Family:
             return T.F16  # llama.cpp falls back the same way
         return outtype
 
-    def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16) -> Plan:
-        self.mtp_mode = mtp
-        if mtp is not MtpMode.DROP and self.n_mtp == 0:
-            if mtp is MtpMode.ONLY:
+    def plan(self, mtp: BlockSelection = BlockSelection.KEEP, outtype: T = T.F16) -> Plan:
+        self.block_selection = mtp
+        if mtp is not BlockSelection.DROP and self.n_mtp == 0:
+            if mtp is BlockSelection.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
-        keep_mtp = mtp is not MtpMode.DROP and self.n_mtp > 0
+        keep_mtp = mtp is not BlockSelection.DROP and self.n_mtp > 0
         validate.check_family(self, keep_mtp)
         self.n_blocks = n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
@@ -451,7 +451,7 @@ class Family:
             is_mtp = bid is not None and bid >= self.n_trunk
             if is_mtp and not keep_mtp:
                 continue
-            if mtp is MtpMode.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
+            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
                 continue
             if e.name in seen:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")

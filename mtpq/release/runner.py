@@ -114,9 +114,9 @@ def _produce_reference(recipe: Recipe, out: Path, split_max_size: int) -> list[P
 
 
 def _produce_extra(recipe: Recipe, mode: str, out: Path, split_max_size: int) -> list[Path]:
-    from ..convert import OUTTYPES, MtpMode, plan_checkpoint
+    from ..convert import OUTTYPES, BlockSelection, plan_checkpoint
 
-    plan = plan_checkpoint(recipe.source, mtp=MtpMode(mode), outtype=OUTTYPES[recipe.reference_type])
+    plan = plan_checkpoint(recipe.source, mtp=BlockSelection(mode), outtype=OUTTYPES[recipe.reference_type])
     return _write(plan, out, split_max_size)
 
 
