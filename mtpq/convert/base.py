@@ -32,7 +32,7 @@ from ..errors import InputError
 from ..gguf_io import size_label
 from ..tensors import Plan, TensorSpec, block_index, classify
 from . import stream, validate
-from .checkpoint import Checkpoint
+from .checkpoint import HFCheckpoint
 from .validate import Expected
 
 
@@ -108,7 +108,7 @@ def register(cls: type["Family"]) -> type["Family"]:
     return cls
 
 
-def family_for(ckpt: Checkpoint) -> "Family":
+def family_for(ckpt: HFCheckpoint) -> "Family":
     archs = ckpt.config.get("architectures") or []
     for a in archs:
         if a in FAMILIES:
@@ -157,7 +157,7 @@ class Family:
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: HFCheckpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config if self.stored_config else ckpt.hparams)
         validate.check_required_hparams(self)
@@ -490,7 +490,7 @@ def mtp_only_keep(arch: str) -> tuple[str, ...]:
     return next((f.mtp_only_keep for f in FAMILIES.values() if f.arch == arch), MTP_ONLY_KEEP)
 
 
-def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
+def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
     """Per-expert MXFP4 pairs (``weight``: E2M1 codes two per byte [rows, values / 2], ``scale``: E8M0 bytes
     [rows, values / 32]; (weight, scale) names in ``parts``) stacked as ggml MXFP4 blocks [n_expert, rows, values]:
     the checkpoint's bits, moved (ggml/mxfp4.py), whatever the outtype."""
@@ -516,7 +516,7 @@ def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Em
     return Emit(name, (len(parts), rows, 2 * packed), load, src, encode, ggml_type=T.MXFP4)
 
 
-def _dtype_of(ckpt: Checkpoint, hf_name: str) -> torch.dtype:
+def _dtype_of(ckpt: HFCheckpoint, hf_name: str) -> torch.dtype:
     from .checkpoint import _ST_DTYPES
 
     return _ST_DTYPES[ckpt.source_dtype(hf_name)]
@@ -540,7 +540,7 @@ def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:
     return int(m.group(1)) if m else None
 
 
-def check_unused(ckpt: Checkpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
+def check_unused(ckpt: HFCheckpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
     """Every source tensor must be converted or knowingly ignored: silent drops hide bugs."""
     used = set(used)
     left = [n for n in ckpt.names() if n not in used and not n.startswith(ignore)]
