@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..gguf_io import plan_from_gguf, write_plan
 from ..quantize.imatrix import read_imatrix
-from ..quantize.pipeline import parse_options, plan_quantize, summarize
+from ..quantize.pipeline import parse_options, plan_quantize, plan_change_summary
 from ..quantize.presets import PRESETS
 from .app import app
 from .common import (KEEP_SPLIT_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console,
@@ -109,7 +109,7 @@ def quantize(
     before = plan_from_gguf(src)
     after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                           include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
-    info = summarize(before, after)
+    info = plan_change_summary(before, after)
     if dry_run:
         if as_json:
             typer.echo(json.dumps({"file": str(src), "dry_run": True, **info}, indent=2))  # plain: rich would wrap
@@ -125,7 +125,7 @@ def quantize(
                                         dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                                              include_weights=include_weights or [],
                                              exclude_weights=exclude_weights or []), split=split)
-        info = summarize(before, after)
+        info = plan_change_summary(before, after)
     else:
         with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
             written = write_plan(after, dst, split=split, on_tensor=lambda spec, n: advance(n, spec.name))

@@ -84,10 +84,10 @@ def write_json(path: Path, data) -> None:
 
 
 def describe(path: Path) -> dict:
-    """Per-role type table, MTP precision and size (all shards) of a GGUF (from mtpq inspect's summary)."""
-    from ..cli.inspect import summarize
+    """Per-role type table, MTP precision and size (all shards) of a GGUF (from :func:`~mtpq.gguf_io.summary.summarize_gguf`)."""
+    from ..gguf_io.summary import summarize_gguf
 
-    info = summarize(path)
+    info = summarize_gguf(path)
     by_role: dict[str, dict[str, int]] = {}
     for t in info["tensors"]:
         by_role.setdefault(t["role"], {}).setdefault(t["type"], 0)
