@@ -172,7 +172,9 @@ def accept(
     draft counters. Exit codes: 0 pass, 1 below --min-rate or drop above --max-drop,
     2 bad input.
     """
-    from ..runtime.accept import judge, load_prompts, measure_file, to_markdown
+    from ..acceptance.prompts import load_prompts
+    from ..acceptance.report import judge, to_markdown
+    from ..runtime.accept import measure_file
 
     if engine not in ENGINES:
         fail("--engine", f"choose one of {', '.join(ENGINES)}")

@@ -24,7 +24,8 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
     """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
     written."""
     from ..quantize.surgery import plan_graft
-    from ..runtime.accept import load_prompts, use_threads
+    from ..acceptance.prompts import load_prompts
+    from ..runtime.accept import use_threads
     from ..runtime.headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
 
     if before.n_mtp_layers == 0:
