@@ -97,6 +97,11 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
         yield lambda n, label="": progress.update(task, advance=n, label=label)
 
 
+def report_hooks(quiet: bool) -> dict:
+    """``progress`` and ``say`` for a library call that reports to a person: the byte bar and stderr (none if quiet)."""
+    return {} if quiet else {"progress": byte_progress, "say": console.print}
+
+
 THREADS_HELP = ("CPU workers for quantizing (default: torch's choice, all physical cores); on "
                 "Linux, forked processes (MTPQ_WORKERS=threads: Python threads). "
                 "The bytes written do not depend on it.")

@@ -15,7 +15,7 @@ from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
 from .common import (SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console, fail,
-                     files_written, guarded, set_threads, split_rule)
+                     files_written, guarded, report_hooks, set_threads, split_rule)
 
 
 @app.command(
@@ -120,11 +120,11 @@ def convert(
         apply_kv_overrides(plan, kv_overrides)
     total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
-        from .auto_head import quantize_with_auto_head
+        from ..runtime.auto_head import quantize_with_auto_head
 
-        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts, quiet,
+        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts,
                                                 {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra,
-                                                split=split)
+                                                split=split, **report_hooks(quiet))
         parsed = parse_options(quant, **{**quant_options, "mtp_type": json.loads(
             plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"]}, preset_option="--quant")
         total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)

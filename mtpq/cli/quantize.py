@@ -16,7 +16,7 @@ from ..quantize.pipeline import parse_options, plan_quantize, plan_change_summar
 from ..quantize.presets import PRESETS
 from .app import app
 from .common import (KEEP_SPLIT_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console,
-                     files_written, guarded, out, set_threads, split_rule)
+                     files_written, guarded, out, report_hooks, set_threads, split_rule)
 
 _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
@@ -118,13 +118,14 @@ def quantize(
         return
     total = info["totals"]["bytes"]
     if auto:
-        from .auto_head import quantize_with_auto_head
+        from ..runtime.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts, quiet or as_json,
+        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts,
                                         {k: v for k, v in options.items() if k != "mtp_type"},
                                         dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                                              include_weights=include_weights or [],
-                                             exclude_weights=exclude_weights or []), split=split)
+                                             exclude_weights=exclude_weights or []), split=split,
+                                        **report_hooks(quiet or as_json))
         info = plan_change_summary(before, after)
     else:
         with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:

@@ -137,10 +137,10 @@ def _produce_variant(reference: Path, v: Variant, out: Path, split_max_size: int
                      include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
         plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, **options, **extra)
         if v.auto_max_drop is not None:  # mtp_type = "auto": measured on the quantized trunk, then grafted in
-            from ..cli.auto_head import quantize_with_auto_head
             from ..gguf_io import SplitRule
+            from ..runtime.auto_head import quantize_with_auto_head
 
-            _, written = quantize_with_auto_head(reference, out, ref, plan, v.preset, v.auto_max_drop, prompts, True,
+            _, written = quantize_with_auto_head(reference, out, ref, plan, v.preset, v.auto_max_drop, prompts,
                                                  options, extra, split=SplitRule(max_size=split_max_size))
             return written
     return _write(plan, out, split_max_size)

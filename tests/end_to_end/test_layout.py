@@ -166,3 +166,13 @@ def test_ggml_formats_stand_alone():
     assert len(ggml) >= 10
     outside = {m: sorted(d for d in graph[m] if d.startswith("mtpq") and d not in ggml) for m in ggml}
     assert {m: d for m, d in outside.items() if d} == {}
+
+
+def test_only_the_cli_imports_the_cli():
+    """mtpq/cli is the top layer: the library (the release runner included) never imports it; only the entry point
+    ``python -m mtpq`` does."""
+    graph = import_graph()
+    cli = {m for m in graph if m == "mtpq.cli" or m.startswith("mtpq.cli.")}
+    assert len(cli) >= 10 and "mtpq.cli" in graph["mtpq.__main__"]
+    users = {m: sorted(d for d in deps if d in cli) for m, deps in graph.items() if m not in cli and m != "mtpq.__main__"}
+    assert {m: d for m, d in users.items() if d} == {}
