@@ -50,6 +50,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engines import ENGINES
 from ..errors import InputError
 from ..quantize.mtp_precision import Q8_0, MtpPrecision, parse_mtp
 
@@ -86,7 +87,6 @@ class Gate:
         return self.text is not None
 
 
-ENGINES = ("torch", "llama.cpp")
 LLAMA_CPP_GATE_KEYS = ("llama_cpp", "ngl", "ctx_size", "rpc", "server_args")
 QUALITY_GATE_KEYS = ("text", "kld_ctx_size", "kld_chunks", "max_kld", "min_top1", "max_ppl_ratio")
 
