@@ -56,10 +56,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from mtpq.acceptance.metrics import metrics_from_rounds
+    from mtpq.acceptance.prompts import load_prompts
     from mtpq.convert import plan_checkpoint
     from mtpq.gguf_io import write_plan
-    from mtpq.runtime.accept import load_prompts
-    from mtpq.runtime.metrics import summarize
     from mtpq.runtime.speculative import load_model, run_plain, run_speculative, teacher_forced_acceptances
 
     tmp = None
@@ -92,7 +92,7 @@ def main() -> None:
         c0 = time.process_time()
         spec = [run_speculative(model, ids, n, k=k) for ids in prompts]
         cpu = time.process_time() - c0
-        m = summarize(spec)
+        m = metrics_from_rounds(spec)
         same = all(s.tokens == p.tokens for s, p in zip(spec, plain))
         print(f"{'speculative k=' + str(k):<16} {m.tokens_per_s:8.1f} tok/s   {m.tokens_per_s / base_tps:.2f}x   "
               f"acceptance {100 * m.acceptance_rate:5.1f} %   mean acc. length {m.mean_acceptance_length:.2f}   "
@@ -163,7 +163,7 @@ def _cpu(who) -> float:
 def report_vs_llama_cpp(path: Path, args) -> None:
     import statistics
 
-    from mtpq.runtime.accept import load_prompts
+    from mtpq.acceptance.prompts import load_prompts
 
     texts = load_prompts(args.prompts, args.report_prompts)
     walls, cpus = [], []

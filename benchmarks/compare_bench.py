@@ -91,7 +91,7 @@ def main() -> None:
         _print(rows)
         if a.skip_sweep:
             return
-        from mtpq.runtime.accept import load_prompts  # noqa: F401  (fails early if mtpq is not importable)
+        from mtpq.acceptance.prompts import load_prompts  # noqa: F401  (fails early if mtpq is not importable)
 
         prompts = ["--prompts", "demo_heldout", "--max-prompts", "8", "-n", "32"]
 

@@ -181,10 +181,10 @@ NEW_BUILDERS = _new_builders()
 
 
 def largest_tensor(ckpt: Path, out: Path) -> int:
-    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.checkpoint import HFCheckpoint
     from mtpq.gguf_io import open_gguf
 
-    src = max(st.nbytes for st in Checkpoint(ckpt).stored.values())
+    src = max(st.nbytes for st in HFCheckpoint(ckpt).stored.values())
     dst = max(int(t.n_bytes) for t in open_gguf(out).tensors)
     return max(src, dst)
 

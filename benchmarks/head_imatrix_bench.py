@@ -153,7 +153,7 @@ def main() -> None:
     import importlib
 
     from mtpq.quantize.imatrix import read_imatrix, write_imatrix
-    from mtpq.runtime.accept import load_prompts
+    from mtpq.acceptance.prompts import load_prompts
 
     folder, prompt_set = DEMOS[args.model]
     prompts = [p for _, p in load_prompts(prompt_set)]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import typer
@@ -12,7 +10,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .app import app
-from .common import EXIT_CHECK_FAILED, EXIT_OK, check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
+from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
+                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded, out,
+                     write_reports)
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
 
@@ -53,22 +53,7 @@ def check_numbers(*, draft: int, temperature: float, top_k: int, top_p: float, m
         fail("--max-new-tokens", f"must be at least 1, got {max_new_tokens}")
     if max_prompts is not None and max_prompts < 1:
         fail("--max-prompts", f"must be at least 1, got {max_prompts}")
-    for opt, v in (("--min-rate", min_rate), ("--max-drop", max_drop)):
-        if v is not None and not 0.0 <= v <= 1.0:
-            fail(opt, f"must be between 0 and 1, got {v}")
-
-
-def check_writable(option: str, path: Path, inputs: list[Path]) -> None:
-    """A report path that cannot be written fails now, not after minutes of measuring; never an input."""
-    if path.is_dir():
-        fail(option, f"{path} is a folder")
-    if not path.parent.is_dir():
-        fail(option, f"{path}: folder {path.parent} does not exist")
-    if path.exists() and not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
-        fail(option, f"{path}: not writable")
-    for src in inputs:
-        if path.exists() and os.path.samefile(path, src):
-            fail(option, f"{path} is an input of this run; choose another file")
+    check_fractions(min_rate=min_rate, max_drop=max_drop)
 
 
 def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ngl, ctx_size, rpc, threads, device,
@@ -76,11 +61,7 @@ def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ng
     """The options that belong to one engine only; -> the llama-server configuration (None for torch or --server)."""
     llama_only = {"--llama-cpp": llama_cpp, "--server": server, "--ngl": ngl, "--ctx-size": ctx_size, "--rpc": rpc}
     if engine == "torch":
-        for opt, v in llama_only.items():
-            if v is not None:
-                fail(opt, "belongs to --engine llama.cpp")
-        if extra:
-            fail(" ".join(extra), "extra arguments go to llama-server: only with --engine llama.cpp")
+        check_torch_engine(llama_only, extra, "llama-server")
         return None
     for opt, v, default in (("--device", device, None), ("--dtype", dtype, "f32"), ("--hidden", hidden, "post_norm")):
         if v != default:
@@ -113,9 +94,6 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
     return pairs
 
 
-ENGINES = ("torch", "llama.cpp")
-
-
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
     epilog=(
@@ -145,8 +123,8 @@ def accept(
     max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
     min_rate: float = typer.Option(None, "--min-rate", help="Fail (exit 1) when the acceptance rate is below this."),
     max_drop: float = typer.Option(None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."),
-    json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout)."),
-    md_out: Path = typer.Option(None, "--md", help="Write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."),
+    json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
+    md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
@@ -172,10 +150,11 @@ def accept(
     draft counters. Exit codes: 0 pass, 1 below --min-rate or drop above --max-drop,
     2 bad input.
     """
-    from ..runtime.accept import judge, load_prompts, measure_file, to_markdown
+    from ..acceptance.prompts import load_prompts
+    from ..acceptance.report import judge, to_markdown
+    from ..runtime.accept import measure_file
 
-    if engine not in ENGINES:
-        fail("--engine", f"choose one of {', '.join(ENGINES)}")
+    check_engine(engine)
     server_cfg = check_engine_options(engine, ctx.args, llama_cpp=llama_cpp, server=server, ngl=ngl,
                                       ctx_size=ctx_size, rpc=rpc, threads=threads, device=device, dtype=dtype,
                                       hidden=hidden, reference=reference)
@@ -191,10 +170,7 @@ def accept(
     for p in (model, reference):
         if p is not None and not p.is_file() and server is None:
             fail(str(p), "no such file")
-    inputs = [p for p in (model, reference) if p is not None]
-    for opt, path in (("--json", json_out), ("--md", md_out)):  # before the measurement, not after it
-        if path is not None and str(path) != "-":
-            check_writable(opt, path, inputs)
+    check_report_paths(json_out, md_out, [p for p in (model, reference) if p is not None])
     prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
               top_p=top_p, seed=seed, max_prompts=max_prompts)
@@ -221,12 +197,7 @@ def accept(
     verdict = judge(report, ref, min_rate, max_drop)
     doc = {**report.to_dict(), "reference": ref.to_dict() if ref else None, "drop": verdict.drop,
            "passed": verdict.passed, "reasons": verdict.reasons}
-    if json_out is not None:
-        text = json.dumps(doc, indent=2, sort_keys=True)
-        typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
-    if md_out is not None:
-        with open(md_out, "a") as f:
-            f.write(to_markdown(report, ref, verdict))
+    write_reports(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict))
     if str(json_out) != "-":
         out.print(_table(report, ref))
         if report.engine == "llama.cpp":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 from typer._click import exceptions as click_errors  # typer vendors its own click
@@ -17,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from ..engines import ENGINES
 from ..errors import InputError
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -97,6 +100,21 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
         yield lambda n, label="": progress.update(task, advance=n, label=label)
 
 
+def write_with_progress(plan, out: Path, label: str, quiet: bool, split=None) -> tuple[int, list[Path]]:
+    """``plan`` written to ``out`` (split by ``split``, a SplitRule) under a byte bar; -> (tensor bytes, files)."""
+    from ..gguf_io import tensor_nbytes, write_plan
+
+    total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
+    with byte_progress(f"{label} -> {out.name}", total, enabled=not quiet) as advance:
+        written = write_plan(plan, out, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
+    return total, written
+
+
+def report_hooks(quiet: bool) -> dict:
+    """``progress`` and ``say`` for a library call that reports to a person: the byte bar and stderr (none if quiet)."""
+    return {} if quiet else {"progress": byte_progress, "say": console.print}
+
+
 THREADS_HELP = ("CPU workers for quantizing (default: torch's choice, all physical cores); on "
                 "Linux, forked processes (MTPQ_WORKERS=threads: Python threads). "
                 "The bytes written do not depend on it.")
@@ -169,3 +187,68 @@ def files_written(paths: list) -> str:
     if len(paths) == 1:
         return str(paths[0])
     return f"{paths[0]} .. {paths[-1].name} ({len(paths)} shards)"
+
+
+QUIET_HELP = "No progress bar or summary."
+AUTO_MAX_DROP_HELP = "With --mtp-type auto: the acceptance a head may lose against the f16 head (a fraction)."
+JSON_REPORT_HELP = "Write the report as JSON here ('-' = stdout)."
+MD_REPORT_HELP = "Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."
+
+
+def check_fractions(**options: float | None) -> None:
+    """Options that are fractions (``--min-rate=0.4``: pass them as ``min_rate=...``), each None or in [0, 1]."""
+    for name, v in options.items():
+        if v is not None and not 0.0 <= v <= 1.0:
+            fail("--" + name.replace("_", "-"), f"must be between 0 and 1, got {v}")
+
+
+def auto_head_asked(mtp_type: str | None, max_drop: float) -> bool:
+    """True for ``--mtp-type auto``, whose ``--max-drop`` is then checked."""
+    auto = (mtp_type or "").strip().lower() == "auto"
+    if auto:
+        check_fractions(max_drop=max_drop)
+    return auto
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        fail("--engine", f"choose one of {', '.join(ENGINES)}")
+
+
+def check_torch_engine(llama_cpp_options: dict, extra: list[str], tool: str) -> None:
+    """With --engine torch: no option of the llama.cpp engine, and no arguments after ``--`` (they go to ``tool``)."""
+    for opt, v in llama_cpp_options.items():
+        if v is not None:
+            fail(opt, "belongs to --engine llama.cpp")
+    if extra:
+        fail(" ".join(extra), f"extra arguments go to {tool}: only with --engine llama.cpp")
+
+
+def check_writable(option: str, path: Path, inputs: list[Path]) -> None:
+    """A report path that cannot be written fails now, not after minutes of measuring; never an input."""
+    if path.is_dir():
+        fail(option, f"{path} is a folder")
+    if not path.parent.is_dir():
+        fail(option, f"{path}: folder {path.parent} does not exist")
+    if path.exists() and not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        fail(option, f"{path}: not writable")
+    for src in inputs:
+        if path.exists() and os.path.samefile(path, src):
+            fail(option, f"{path} is an input of this run; choose another file")
+
+
+def check_report_paths(json_out: Path | None, md_out: Path | None, inputs: list[Path]) -> None:
+    """--json and --md checked before the measurement, not after it ('-': stdout)."""
+    for opt, path in (("--json", json_out), ("--md", md_out)):
+        if path is not None and str(path) != "-":
+            check_writable(opt, path, inputs)
+
+
+def write_reports(json_out: Path | None, doc: dict, md_out: Path | None, markdown: Callable[[], str]) -> None:
+    """``doc`` as JSON to --json ('-': stdout, plain: rich would wrap), ``markdown()`` appended to --md."""
+    if json_out is not None:
+        text = json.dumps(doc, indent=2, sort_keys=True)
+        typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
+    if md_out is not None:
+        with open(md_out, "a") as f:
+            f.write(markdown())

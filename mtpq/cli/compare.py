@@ -3,17 +3,15 @@ next to the MTP head's acceptance. Exit 1 when a gate fails."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.progress import Progress
 
-from .accept import check_writable
 from .app import app
-from .common import EXIT_CHECK_FAILED, EXIT_OK, RUNTIME_THREADS_HELP, check_device, console, fail, guarded, out
-
-ENGINES = ("torch", "llama.cpp")
+from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
+                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded,
+                     out, write_reports)
 
 
 def _read_text(path: Path) -> str:
@@ -45,8 +43,8 @@ def compare(
     text: Path = typer.Option(..., "--text", "-f", help="UTF-8 text to score (e.g. wikitext-2's wiki.test.raw)."),
     ctx_size: int = typer.Option(512, "--ctx-size", "-c", help="Tokens per chunk (llama-perplexity's -c)."),
     chunks: int = typer.Option(None, "--chunks", help="Score only the first N chunks."),
-    json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout)."),
-    md_out: Path = typer.Option(None, "--md", help="Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."),
+    json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
+    md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
     max_kld: float = typer.Option(None, "--max-kld", help="Fail (exit 1) when a quant's mean KLD is above this (nats)."),
     min_top1: float = typer.Option(None, "--min-top1", help="Fail when the top token agrees less often (fraction)."),
     max_ppl_ratio: float = typer.Option(None, "--max-ppl-ratio", help="Fail when PPL(Q)/PPL(ref) is above this."),
@@ -70,8 +68,7 @@ def compare(
     reference's head. Exit codes: 0 pass, 1 a gate failed, 2 bad input."""
     from ..acceptance.quality import Gates, judge, rich_table, to_markdown
 
-    if engine not in ENGINES:
-        fail("--engine", f"choose one of {', '.join(ENGINES)}")
+    check_engine(engine)
     if numerics not in ("llama.cpp", "exact"):
         fail("--numerics", "choose llama.cpp or exact")
     if ctx_size < 4:
@@ -79,23 +76,14 @@ def compare(
     if chunks is not None and chunks < 1:
         fail("--chunks", f"must be at least 1, got {chunks}")
     if engine == "torch":
-        for opt, v in (("--llama-cpp", llama_cpp), ("--ngl", ngl)):
-            if v is not None:
-                fail(opt, "belongs to --engine llama.cpp")
-        if ctx.args:
-            fail(" ".join(ctx.args), "extra arguments go to llama-perplexity: only with --engine llama.cpp")
+        check_torch_engine({"--llama-cpp": llama_cpp, "--ngl": ngl}, ctx.args, "llama-perplexity")
     elif device is not None or numerics != "llama.cpp":
         fail("--device" if device is not None else "--numerics", "belongs to --engine torch")
-    for opt, v in (("--min-top1", min_top1), ("--min-rate", min_rate), ("--max-drop", max_drop)):
-        if v is not None and not 0.0 <= v <= 1.0:
-            fail(opt, f"must be between 0 and 1, got {v}")
+    check_fractions(min_top1=min_top1, min_rate=min_rate, max_drop=max_drop)
     for p in (reference, *quants):
         if not p.is_file():
             fail(str(p), "no such file")
-    inputs = [reference, *quants, text]
-    for opt, path in (("--json", json_out), ("--md", md_out)):
-        if path is not None and str(path) != "-":
-            check_writable(opt, path, inputs)
+    check_report_paths(json_out, md_out, [reference, *quants, text])
     body = _read_text(text)
     device = check_device(device)
 
@@ -108,12 +96,7 @@ def compare(
     failures = judge(report["files"], gates)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
-    if json_out is not None:
-        doc = json.dumps(report, indent=2, sort_keys=True)
-        typer.echo(doc) if str(json_out) == "-" else json_out.write_text(doc + "\n")
-    if md_out is not None:
-        with open(md_out, "a") as f:
-            f.write(to_markdown(report, failures))
+    write_reports(json_out, report, md_out, lambda: to_markdown(report, failures))
     if str(json_out) != "-":
         out.print(rich_table(report))
         out.print(f"trunk: {report['engine']['trunk']}; head: {report['engine']['head']}")

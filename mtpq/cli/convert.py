@@ -9,13 +9,14 @@ from typing import List, Optional
 
 import typer
 
-from ..gguf_io import tensor_nbytes, write_plan
+from ..gguf_io import tensor_nbytes
 from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
-from .common import (SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console, fail,
-                     files_written, guarded, set_threads, split_rule)
+from .common import (AUTO_MAX_DROP_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
+                     auto_head_asked, console, fail, files_written, guarded, report_hooks, set_threads, split_rule,
+                     write_with_progress)
 
 
 @app.command(
@@ -42,8 +43,7 @@ def convert(
     mtp_type: Optional[str] = typer.Option(
         None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk, "
                               "'keep' = the --outtype; 'auto' = measured, see mtpq quantize --help)."),
-    max_drop: float = typer.Option(0.02, "--max-drop", help="With --mtp-type auto: the acceptance a head may lose "
-                                   "against the f16 head (a fraction)."),
+    max_drop: float = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP),
     prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
@@ -71,14 +71,14 @@ def convert(
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
     split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, keeping every MTP tensor.
 
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
-    from ..convert import OUTTYPES, MtpMode, plan_checkpoint  # the families (and torch): only when converting
+    from ..convert import OUTTYPES, BlockSelection, plan_checkpoint  # the families (and torch): only when converting
 
     if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
@@ -86,12 +86,10 @@ def convert(
         fail("--no-mtp/--mtp-only", "choose at most one")
     set_threads(threads)
     split = split_rule(split_max_size, split_max_tensors)
-    mode = MtpMode.DROP if no_mtp else MtpMode.ONLY if mtp_only else MtpMode.KEEP
-    auto = (mtp_type or "").strip().lower() == "auto"
-    if auto and (quant is None or mode is not MtpMode.KEEP):
+    blocks = BlockSelection.DROP if no_mtp else BlockSelection.ONLY if mtp_only else BlockSelection.KEEP
+    auto = auto_head_asked(mtp_type, max_drop)
+    if auto and (quant is None or blocks is not BlockSelection.KEEP):
         fail("--mtp-type auto", "needs --quant PRESET and the MTP head (not --no-mtp / --mtp-only)")
-    if auto and not 0.0 <= max_drop <= 1.0:
-        fail("--max-drop", f"must be between 0 and 1, got {max_drop}")
     quant_options = dict(mtp_type="keep" if auto else mtp_type, mtp_experts_type=mtp_experts_type,
                          tensor_types=tensor_type or [], tensor_type_files=tensor_type_file or [],
                          leave_output_tensor=leave_output_tensor, kv_overrides=override_kv or [],
@@ -110,7 +108,7 @@ def convert(
         parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
-    plan = plan_checkpoint(src, mtp=mode, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
+    plan = plan_checkpoint(src, mtp=blocks, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     source = plan
     if quant is not None:
         extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],
@@ -118,19 +116,17 @@ def convert(
         plan = plan_quantize(plan, quant, **extra, **quant_options)
     elif kv_overrides:
         apply_kv_overrides(plan, kv_overrides)
-    total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
-        from .auto_head import quantize_with_auto_head
+        from ..runtime.auto_head import quantize_with_auto_head
 
-        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts, quiet,
+        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts,
                                                 {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra,
-                                                split=split)
+                                                split=split, **report_hooks(quiet))
         parsed = parse_options(quant, **{**quant_options, "mtp_type": json.loads(
             plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"]}, preset_option="--quant")
         total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     else:
-        with byte_progress(f"convert -> {out.name}", total, enabled=not quiet) as advance:
-            written = write_plan(plan, out, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
+        total, written = write_with_progress(plan, out, "convert", quiet, split)
     if not quiet:
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""

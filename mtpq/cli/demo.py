@@ -56,9 +56,9 @@ def demo(
     the trunk, and measure each file's draft acceptance against the f16 reference."""
     from ..convert import OUTTYPES, plan_checkpoint
     from ..gguf_io import plan_from_gguf, write_plan
+    from ..gguf_io.summary import summarize_gguf
     from ..quantize.pipeline import plan_quantize
     from ..runtime.accept import measure_file
-    from .inspect import summarize
 
     if model not in DEMO_MODELS:
         raise typer.BadParameter(f"unknown demo model {model!r}; choose one of: {', '.join(DEMO_MODELS)}",
@@ -88,7 +88,7 @@ def demo(
         rate = r.overall.acceptance_rate
         ref_rate = rate if ref_rate is None else ref_rate
         rates[(preset, mtp)] = rate
-        head_types = "/".join(summarize(path)["mtp_types"])
+        head_types = "/".join(summarize_gguf(path)["mtp_types"])
         table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f}", head_types,
                       f"{100 * rate:.1f}", f"{100 * (rate - ref_rate):+.1f}", f"{r.overall.mean_acceptance_length:.2f}",
                       "yes" if r.greedy_outputs_identical else "NO")

@@ -10,13 +10,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..gguf_io import plan_from_gguf, write_plan
+from ..gguf_io import plan_from_gguf
 from ..quantize.imatrix import read_imatrix
-from ..quantize.pipeline import parse_options, plan_quantize, summarize
+from ..quantize.pipeline import parse_options, plan_quantize, plan_change_summary
 from ..quantize.presets import PRESETS
 from .app import app
-from .common import (KEEP_SPLIT_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP, byte_progress, console,
-                     files_written, guarded, out, set_threads, split_rule)
+from .common import (AUTO_MAX_DROP_HELP, KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP,
+                     THREADS_HELP, auto_head_asked, console, files_written, guarded, out, report_hooks, set_threads,
+                     split_rule, write_with_progress)
 
 _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
@@ -46,8 +47,7 @@ def quantize(
                                  "the narrowest of f16, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k whose greedy acceptance on "
                                  "the quantized trunk stays within --max-drop of the f16 head's. "
                                  "Float presets default to same."),
-    max_drop: float = typer.Option(0.02, "--max-drop", help="With --mtp-type auto: the acceptance a head may lose "
-                                   "against the f16 head (a fraction)."),
+    max_drop: float = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP),
     prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on "
                                 "('builtin' or a JSONL file)."),
     mtp_experts_type: Optional[str] = typer.Option(
@@ -83,17 +83,15 @@ def quantize(
     split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
     split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
     keep_split: bool = typer.Option(False, "--keep-split", help=KEEP_SPLIT_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
 
     Per-tensor types follow llama-quantize (with --imatrix as llama-quantize --imatrix) for the trunk; every
     tensor of an MTP block gets --mtp-type. 1-D tensors and routers stay as they are.
     """
-    auto = (mtp_type or "").strip().lower() == "auto"
+    auto = auto_head_asked(mtp_type, max_drop)
     if auto:
-        if not 0.0 <= max_drop <= 1.0:
-            raise typer.BadParameter(f"must be between 0 and 1, got {max_drop}", param_hint="--max-drop")
         if dry_run:
             raise typer.BadParameter("measures heads on the quantized trunk: not with --dry-run",
                                      param_hint="--mtp-type auto")
@@ -109,26 +107,25 @@ def quantize(
     before = plan_from_gguf(src)
     after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                           include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
-    info = summarize(before, after)
+    info = plan_change_summary(before, after)
     if dry_run:
         if as_json:
             typer.echo(json.dumps({"file": str(src), "dry_run": True, **info}, indent=2))  # plain: rich would wrap
         else:
             print_decisions(info)
         return
-    total = info["totals"]["bytes"]
     if auto:
-        from .auto_head import quantize_with_auto_head
+        from ..runtime.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts, quiet or as_json,
+        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts,
                                         {k: v for k, v in options.items() if k != "mtp_type"},
                                         dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                                              include_weights=include_weights or [],
-                                             exclude_weights=exclude_weights or []), split=split)
-        info = summarize(before, after)
+                                             exclude_weights=exclude_weights or []), split=split,
+                                        **report_hooks(quiet or as_json))
+        info = plan_change_summary(before, after)
     else:
-        with byte_progress(f"quantize -> {dst.name}", total, enabled=not quiet and not as_json) as advance:
-            written = write_plan(after, dst, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
+        written = write_with_progress(after, dst, "quantize", quiet or as_json, split)[1]
     if as_json:
         typer.echo(json.dumps({"file": str(written[0]), "files": [str(p) for p in written], "dry_run": False, **info},
                               indent=2))

@@ -6,21 +6,15 @@ from pathlib import Path
 
 import typer
 
-from ..gguf_io import plan_from_gguf, tensor_nbytes, write_plan
+from ..gguf_io import plan_from_gguf
 from ..ggml.types import WRITABLE_TYPES
 from ..quantize.mtp_precision import parse_mtp
 from ..tensors import Plan, Role
 from .app import app
-from .common import SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, byte_progress, console, files_written, guarded, split_rule
+from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, console, files_written, guarded, split_rule,
+                     write_with_progress)
 
 MTP_TYPES = {t.name.lower(): t for t in WRITABLE_TYPES}  # what mtpq's kernels write
-
-
-def _write(plan: Plan, out: Path, label: str, quiet: bool, split=None) -> tuple[int, list[Path]]:
-    total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
-    with byte_progress(f"{label} -> {out.name}", total, enabled=not quiet) as advance:
-        written = write_plan(plan, out, split=split, on_tensor=lambda spec, n: advance(n, spec.name))
-    return total, written
 
 
 def _head_summary(plan: Plan) -> str:
@@ -60,7 +54,7 @@ def graft(
     replace: bool = typer.Option(False, "--replace", help="Swap out a head the target already has."),
     split_max_size: str = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
     split_max_tensors: int = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Give a GGUF without an MTP head the MTP blocks of another GGUF of the same model.
 
@@ -68,12 +62,12 @@ def graft(
     match; fixes block_count and nextn_predict_layers. The target's tensors
     and metadata are copied byte for byte.
     """
-    from ..quantize.surgery import GRAFT_MODES, plan_graft  # imports the converter's keep-lists (and torch)
+    from ..quantize.surgery import GRAFT_KINDS, plan_graft  # imports the converter's keep-lists (and torch)
 
-    precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_MODES)  # before any file is read
+    precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_KINDS)  # before any file is read
     split = split_rule(split_max_size, split_max_tensors)
     plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
-    total, written = _write(plan, out, "graft", quiet, split)
+    total, written = write_with_progress(plan, out, "graft", quiet, split)
     if not quiet:
         console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
                       f"{_head_summary(plan)} from {mtp_from.name}", soft_wrap=True)
@@ -94,7 +88,7 @@ def graft(
 def extract_mtp(
     src: Path = typer.Argument(..., help="GGUF with MTP blocks."),
     out: Path = typer.Argument(..., help="Head-only GGUF to write: MTP blocks + token_embd, output_norm, output."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Write the head-only GGUF that llama.cpp loads as an MTP draft model.
 
@@ -105,7 +99,7 @@ def extract_mtp(
     from ..quantize.surgery import plan_extract_mtp
 
     plan = plan_extract_mtp(plan_from_gguf(src))
-    total, written = _write(plan, out, "extract-mtp", quiet)
+    total, written = write_with_progress(plan, out, "extract-mtp", quiet)
     if not quiet:
         console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}",
                       soft_wrap=True)

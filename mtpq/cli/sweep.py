@@ -77,7 +77,8 @@ def sweep(
     from the teacher-forced estimator. Prints the grid; with --text, each trunk preset's mean KLD too."""
     from ..gguf_io import plan_from_gguf, write_plan
     from ..quantize.pipeline import plan_quantize
-    from ..runtime.accept import load_prompts, use_threads
+    from ..acceptance.prompts import load_prompts
+    from ..runtime.accept import use_threads
 
     mtps = [m.strip().lower() for m in mtp.split(",") if m.strip()]
     trunks = [t.strip().upper() for t in trunk.split(",") if t.strip()]

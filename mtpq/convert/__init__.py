@@ -8,25 +8,25 @@ from gguf import GGMLQuantizationType
 
 from ..tensors import Plan
 from . import families  # noqa: F401  (the families register themselves)
-from .base import FAMILIES, OUTTYPES, MtpMode, family_for
-from .checkpoint import Checkpoint
+from .base import FAMILIES, OUTTYPES, BlockSelection, family_for
+from .checkpoint import HFCheckpoint
 
-__all__ = ["FAMILIES", "OUTTYPES", "MtpMode", "plan_checkpoint"]
+__all__ = ["FAMILIES", "OUTTYPES", "BlockSelection", "plan_checkpoint"]
 
 
-def plan_checkpoint(src: Path, mtp: MtpMode = MtpMode.KEEP,
+def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
                     outtype: GGMLQuantizationType | None = GGMLQuantizationType.F16) -> Plan:
     """Validate ``src`` and return the conversion plan; nothing heavy is read yet.
 
     ``outtype=None`` is llama.cpp's ``auto``: bf16 when the checkpoint stores bf16 weights
     (the bits pass through untouched), f16 otherwise.
     """
-    ckpt = Checkpoint(Path(src))
+    ckpt = HFCheckpoint(Path(src))
     if outtype is None:
         outtype = auto_outtype(ckpt)
     return family_for(ckpt).plan(mtp=mtp, outtype=outtype)
 
 
-def auto_outtype(ckpt: Checkpoint) -> GGMLQuantizationType:
+def auto_outtype(ckpt: HFCheckpoint) -> GGMLQuantizationType:
     dtypes = {ckpt.source_dtype(n) for n in ckpt.names() if len(ckpt.shape(n)) >= 2}
     return GGMLQuantizationType.BF16 if "BF16" in dtypes else GGMLQuantizationType.F16

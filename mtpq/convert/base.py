@@ -32,11 +32,11 @@ from ..errors import InputError
 from ..gguf_io import size_label
 from ..tensors import Plan, TensorSpec, block_index, classify
 from . import stream, validate
-from .checkpoint import Checkpoint
+from .checkpoint import HFCheckpoint
 from .validate import Expected
 
 
-class MtpMode(str, Enum):
+class BlockSelection(str, Enum):
     KEEP = "keep"  # trunk + MTP blocks (the default: the reason mtpq exists)
     DROP = "drop"  # --no-mtp: trunk only, no nextn_predict_layers
     ONLY = "only"  # --mtp-only: MTP blocks + token_embd, output_norm, output (llama.cpp's --mtp export)
@@ -108,7 +108,7 @@ def register(cls: type["Family"]) -> type["Family"]:
     return cls
 
 
-def family_for(ckpt: Checkpoint) -> "Family":
+def family_for(ckpt: HFCheckpoint) -> "Family":
     archs = ckpt.config.get("architectures") or []
     for a in archs:
         if a in FAMILIES:
@@ -157,14 +157,14 @@ class Family:
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: HFCheckpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config if self.stored_config else ckpt.hparams)
         validate.check_required_hparams(self)
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
-        self.mtp_mode = MtpMode.KEEP  # set by plan(): --no-mtp converts checkpoints stripped of their MTP layers
+        self.block_selection = BlockSelection.KEEP  # set by plan(): --no-mtp converts checkpoints without MTP layers
 
     # -- hooks for families -------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class Family:
             p = f"{self.mtp_prefix}{bid - self.n_trunk}." if mtp and self.mtp_prefix else f"{self.block_prefix}{bid}."
             names = by_block.get(bid, [])
             if not names:
-                if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
+                if bid >= self.n_trunk and self.block_selection is BlockSelection.DROP:
                     continue  # many published copies lack the MTP layers: fine for a trunk-only GGUF
                 hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
                 raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
@@ -435,12 +435,12 @@ class Family:
             return T.F16  # llama.cpp falls back the same way
         return outtype
 
-    def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16) -> Plan:
-        self.mtp_mode = mtp
-        if mtp is not MtpMode.DROP and self.n_mtp == 0:
-            if mtp is MtpMode.ONLY:
+    def plan(self, mtp: BlockSelection = BlockSelection.KEEP, outtype: T = T.F16) -> Plan:
+        self.block_selection = mtp
+        if mtp is not BlockSelection.DROP and self.n_mtp == 0:
+            if mtp is BlockSelection.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
-        keep_mtp = mtp is not MtpMode.DROP and self.n_mtp > 0
+        keep_mtp = mtp is not BlockSelection.DROP and self.n_mtp > 0
         validate.check_family(self, keep_mtp)
         self.n_blocks = n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
@@ -451,7 +451,7 @@ class Family:
             is_mtp = bid is not None and bid >= self.n_trunk
             if is_mtp and not keep_mtp:
                 continue
-            if mtp is MtpMode.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
+            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
                 continue
             if e.name in seen:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")
@@ -490,7 +490,7 @@ def mtp_only_keep(arch: str) -> tuple[str, ...]:
     return next((f.mtp_only_keep for f in FAMILIES.values() if f.arch == arch), MTP_ONLY_KEEP)
 
 
-def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
+def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
     """Per-expert MXFP4 pairs (``weight``: E2M1 codes two per byte [rows, values / 2], ``scale``: E8M0 bytes
     [rows, values / 32]; (weight, scale) names in ``parts``) stacked as ggml MXFP4 blocks [n_expert, rows, values]:
     the checkpoint's bits, moved (ggml/mxfp4.py), whatever the outtype."""
@@ -516,7 +516,7 @@ def mxfp4_stack(ckpt: Checkpoint, name: str, parts: list[tuple[str, str]]) -> Em
     return Emit(name, (len(parts), rows, 2 * packed), load, src, encode, ggml_type=T.MXFP4)
 
 
-def _dtype_of(ckpt: Checkpoint, hf_name: str) -> torch.dtype:
+def _dtype_of(ckpt: HFCheckpoint, hf_name: str) -> torch.dtype:
     from .checkpoint import _ST_DTYPES
 
     return _ST_DTYPES[ckpt.source_dtype(hf_name)]
@@ -540,7 +540,7 @@ def layer_of(hf_name: str, prefix: str = "model.layers.") -> int | None:
     return int(m.group(1)) if m else None
 
 
-def check_unused(ckpt: Checkpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
+def check_unused(ckpt: HFCheckpoint, used: Iterable[str], ignore: tuple[str, ...] = ()) -> None:
     """Every source tensor must be converted or knowingly ignored: silent drops hide bugs."""
     used = set(used)
     left = [n for n in ckpt.names() if n not in used and not n.startswith(ignore)]

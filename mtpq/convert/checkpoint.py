@@ -146,7 +146,7 @@ def _check_byte_ranges(path: Path, tensors: dict[str, StoredTensor], data_start:
                                f"{data_size} data bytes)")
 
 
-class Checkpoint:
+class HFCheckpoint:
     """config.json + safetensors shards (+ tokenizer files) of one model folder."""
 
     def __init__(self, folder: Path):
@@ -423,7 +423,7 @@ class Checkpoint:
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
-_scratch = threading.local()  # Checkpoint._scratch_rows' buffer, one per thread
+_scratch = threading.local()  # HFCheckpoint._scratch_rows' buffer, one per thread
 
 
 @contextlib.contextmanager
@@ -499,7 +499,7 @@ def _first_not_finite(fp8: torch.dtype, smax: float, dtype: torch.dtype) -> int:
 def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor,
                 finite: bool = False) -> None:
     """float32 ``x`` [rows, cols] = the FP8 bytes ``q`` (uint8, same shape) times the float32 scale of their
-    bh x bw tile ``s`` [rows/bh, cols/bw]: the products of :meth:`Checkpoint.load_rows`, bit for bit, without
+    bh x bw tile ``s`` [rows/bh, cols/bw]: the products of :meth:`HFCheckpoint.load_rows`, bit for bit, without
     a gather (2.3x quicker). The byte's exponent and mantissa bits moved into a float32's low exponent and
     high mantissa bits, its sign into the sign bit, make a float32 that is exactly the FP8 value times
     2**(bias - 127), subnormals included (exponent field e, mantissa m: 2**(e - 127) * (1 + m) against

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
 from ..gguf_io import output_buffer, report_progress
-from .checkpoint import _ST_DTYPES, Checkpoint, one_torch_thread
+from .checkpoint import _ST_DTYPES, HFCheckpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
 # to a float type: 4 MB of float32 per slab, so that the lookup, scaling, checks and rounding of one slab
@@ -42,9 +42,9 @@ Slab = tuple[int, int, Callable[[], torch.Tensor]]  # rows r0:r1 along dim 0, an
 
 class Rows:
     """A slab's reader: rows ``r0:r1`` of one stored tensor (block-scaled FP8 ones can also be rounded
-    straight into their place in a float output, :meth:`Checkpoint.rows_as`)."""
+    straight into their place in a float output, :meth:`HFCheckpoint.rows_as`)."""
 
-    def __init__(self, ck: Checkpoint, name: str, r0: int, r1: int):
+    def __init__(self, ck: HFCheckpoint, name: str, r0: int, r1: int):
         self.ck, self.name, self.r0, self.r1 = ck, name, r0, r1
 
     def __call__(self) -> torch.Tensor:
@@ -170,7 +170,7 @@ def bits_finite(bits: np.ndarray, dtype: str) -> bool:
         return all(all_finite(c) for c in values.split(1 << 22))
 
 
-def _passed_bits(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
+def _passed_bits(ck: HFCheckpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
     """A passed-through tensor: its stored bits mapped from the file and checked, as the output type's array."""
     bits = ck.map_bits(hf_name)
     if not bits_finite(bits, ck.source_dtype(hf_name)):
@@ -197,19 +197,19 @@ class Pieces:
         return out if dtype is None else out.astype(dtype)
 
 
-def passes_through(ck: Checkpoint, hf_name: str, qtype: T) -> bool:
+def passes_through(ck: HFCheckpoint, hf_name: str, qtype: T) -> bool:
     """The stored values are already the output type's: their bits are written as they are."""
     return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
 
 
-def _band(ck: Checkpoint, hf_name: str, row: int, qtype: T) -> int:
-    """Rows per slab of ``hf_name`` (``row`` values each), a multiple of its :meth:`Checkpoint.row_step`."""
+def _band(ck: HFCheckpoint, hf_name: str, row: int, qtype: T) -> int:
+    """Rows per slab of ``hf_name`` (``row`` values each), a multiple of its :meth:`HFCheckpoint.row_step`."""
     step = ck.row_step(hf_name)
     elems = FLOAT_SLAB_ELEMENTS if qtype in _TORCH_OF else SLAB_ELEMENTS
     return max(step, elems // max(row, 1) // step * step)
 
 
-def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
+def encode_tensor(ck: HFCheckpoint, hf_name: str, name: str, source: str, qtype: T) -> np.ndarray:
     """One HF tensor in ``qtype``, read and converted a band of rows at a time."""
     shape = tuple(ck.shape(hf_name))
     if passes_through(ck, hf_name, qtype):  # the bits are the output
@@ -228,7 +228,7 @@ def encode_tensor(ck: Checkpoint, hf_name: str, name: str, source: str, qtype: T
     return encode_slabs(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
 
 
-def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
+def encode_stack(ck: HFCheckpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
                  qtype: T) -> np.ndarray | Pieces:
     """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one band of an expert's
     rows at a time."""
@@ -248,7 +248,7 @@ def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, sh
     return out.reshape(n_exp, rows, -1)
 
 
-def encode_rows_of_stack(ck: Checkpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
+def encode_rows_of_stack(ck: HFCheckpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
                          qtype: T) -> np.ndarray | Pieces:
     """Rows ``lo:hi`` of every expert of a stored stack [n_expert, rows, cols] (one half of a fused
     gate_up_proj) in ``qtype``, one expert at a time: neither the whole stack nor its other half is loaded."""

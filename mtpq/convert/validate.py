@@ -31,7 +31,7 @@ from ..errors import InputError
 
 if TYPE_CHECKING:
     from .base import Family
-    from .checkpoint import Checkpoint
+    from .checkpoint import HFCheckpoint
 
 # ----------------------------------------------------------------------------- config.json
 
@@ -134,7 +134,7 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
-def check_dtypes(ckpt: "Checkpoint", own_encodings: Container[str] = ()) -> None:
+def check_dtypes(ckpt: "HFCheckpoint", own_encodings: Container[str] = ()) -> None:
     """Weights are floating point (FP8 with its scale companion); an integer lm_head is an error, not a conversion.
     ``own_encodings``: weights (and their scales) the family itself has checked (MiMo-V2.5's per-rank FP8 tiles,
     its MXFP4 experts)."""
@@ -163,7 +163,7 @@ def _in_mtp_block(name: str, n_trunk: int) -> bool:
 _BLOCK = re.compile(r"^(?:model\.layers|mtp\.layers|model\.mtp\.layers|layers|mtp)\.(\d+)\.")
 
 
-def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
+def fp8_block_size(ckpt: "HFCheckpoint") -> tuple[int, int]:
     """quantization_config.weight_block_size (default 128x128): two positive integers or an InputError."""
     qcfg = ckpt.config.get("quantization_config") or {}
     block = qcfg.get("weight_block_size") or [128, 128]
@@ -174,7 +174,7 @@ def fp8_block_size(ckpt: "Checkpoint") -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _check_fp8_scale(ckpt: "Checkpoint", name: str) -> None:
+def _check_fp8_scale(ckpt: "HFCheckpoint", name: str) -> None:
     """An FP8 weight has a scale companion whose shape fits it (checked now, not halfway through writing)."""
     st = ckpt.stored[name]
     if (scale := ckpt.stored.get(name + "_scale_inv")) is not None:  # block-scaled tiles

@@ -5,7 +5,7 @@ models run on several GPUs, a big Mac or llama.cpp's RPC backend across machines
 is what will serve them. Here mtpq starts ``llama-server --spec-type draft-mtp`` (or talks to one
 already running), sends the same prompts with the same sampling settings, and reads each
 response's ``timings.draft_n`` / ``timings.draft_n_accepted`` into the same report as the torch
-engine's (``mtpq.runtime.accept.AcceptReport``).
+engine's (``mtpq.acceptance.report.AcceptReport``).
 
     cfg = ServerConfig(find_server(None), ngl=999)
     report = measure_with_llama_cpp("big-q4km.gguf", prompts, draft=3, max_new_tokens=64, server=cfg)
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..acceptance.metrics import DraftTotals, GenerationResult, metrics_from_totals
+from ..acceptance.prompts import load_prompts
+from ..acceptance.report import AcceptReport, PromptRun
 from ..errors import InputError
 from .binaries import ENV_BIN, child_env, find_binary, reason_from_log  # noqa: F401  (shared by the engines)
-from ..runtime.accept import AcceptReport, PromptRun, load_prompts
-from ..runtime.metrics import DraftTotals, summarize_totals
-from ..runtime.speculative import GenerationResult
 
 SERVER_BINARY = "llama-server"
 READY_TIMEOUT = 600.0  # seconds for a server to load its model (a 300 GB quant over a slow disk needs minutes)
@@ -274,7 +274,7 @@ def _measure(url, label, pairs, draft, max_new_tokens, temperature, top_k, top_p
     for cat, tot in totals:
         by_cat.setdefault(cat, []).append(tot)
     return AcceptReport(model=label, draft=draft, temperature=temperature, max_new_tokens=max_new_tokens, runs=runs,
-                        overall=summarize_totals([t for _, t in totals]),
-                        by_category={c: summarize_totals(v) for c, v in by_cat.items()}, plain_tokens_per_s=None,
+                        overall=metrics_from_totals([t for _, t in totals]),
+                        by_category={c: metrics_from_totals(v) for c, v in by_cat.items()}, plain_tokens_per_s=None,
                         greedy_outputs_identical=None, device="llama.cpp", engine="llama.cpp",
                         extra={"server": url, "note": PER_POSITION_NOTE})

@@ -7,7 +7,8 @@ split set, atomically.
   :func:`plan_from_gguf` (a plan that rewrites a model);
 - :mod:`.write`: :func:`write_plan` (one file, or shards by a :class:`SplitRule`), atomic outputs and the clean-up
   of what killed runs left;
-- :mod:`.buffers`: each tensor encoded and written as its rows are finished, memory near one tensor.
+- :mod:`.buffers`: each tensor encoded and written as its rows are finished, memory near one tensor;
+- :mod:`.summary`: :func:`~.summary.summarize_gguf`, what a model holds as JSON-ready data (``mtpq inspect``).
 
 Both directions use gguf-py (GGUFReader, GGUFWriter); nothing here serializes GGUF by hand.
 """

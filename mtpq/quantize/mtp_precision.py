@@ -29,7 +29,7 @@ from ..errors import InputError
 from .presets import type_named
 
 
-class MtpMode(str, Enum):
+class MtpPrecisionKind(str, Enum):
     SAME = "same"
     KEEP = "keep"
     TYPE = "type"
@@ -37,40 +37,40 @@ class MtpMode(str, Enum):
 
 @dataclass(frozen=True)
 class MtpPrecision:
-    mode: MtpMode
-    qtype: Optional[GGMLQuantizationType] = None  # set iff mode is TYPE
+    kind: MtpPrecisionKind
+    qtype: Optional[GGMLQuantizationType] = None  # set iff kind is TYPE
 
     def __post_init__(self):
-        if (self.mode is MtpMode.TYPE) != (self.qtype is not None):
-            raise ValueError(f"MtpPrecision({self.mode}, {self.qtype}): a type goes with mode TYPE only")
+        if (self.kind is MtpPrecisionKind.TYPE) != (self.qtype is not None):
+            raise ValueError(f"MtpPrecision({self.kind}, {self.qtype}): a type goes with kind TYPE only")
 
     def __str__(self) -> str:
         """The user's spelling (recorded in manifests and build keys)."""
-        return self.qtype.name.lower() if self.qtype is not None else self.mode.value
+        return self.qtype.name.lower() if self.qtype is not None else self.kind.value
 
     @property
     def is_same(self) -> bool:
-        return self.mode is MtpMode.SAME
+        return self.kind is MtpPrecisionKind.SAME
 
     @property
     def is_keep(self) -> bool:
-        return self.mode is MtpMode.KEEP
+        return self.kind is MtpPrecisionKind.KEEP
 
 
-SAME = MtpPrecision(MtpMode.SAME)
-KEEP = MtpPrecision(MtpMode.KEEP)
-Q8_0 = MtpPrecision(MtpMode.TYPE, GGMLQuantizationType.Q8_0)  # the default: at least as precise as FP8 e4m3
+SAME = MtpPrecision(MtpPrecisionKind.SAME)
+KEEP = MtpPrecision(MtpPrecisionKind.KEEP)
+Q8_0 = MtpPrecision(MtpPrecisionKind.TYPE, GGMLQuantizationType.Q8_0)  # the default: at least as precise as FP8 e4m3
 
 
 def of_type(qtype: GGMLQuantizationType) -> MtpPrecision:
-    return MtpPrecision(MtpMode.TYPE, qtype)
+    return MtpPrecision(MtpPrecisionKind.TYPE, qtype)
 
 
 def parse_mtp(value: Union[str, MtpPrecision, None], option: str, default: Optional[MtpPrecision] = None,
-              allow: tuple[MtpMode, ...] = (MtpMode.SAME, MtpMode.KEEP, MtpMode.TYPE)) -> Optional[MtpPrecision]:
+              allow: tuple[MtpPrecisionKind, ...] = tuple(MtpPrecisionKind)) -> Optional[MtpPrecision]:
     """Text (or an already parsed value) -> MtpPrecision; ``None`` -> ``default``.
 
-    ``allow`` names the modes the caller can honour; anything else is an
+    ``allow`` names the kinds the caller can honour; anything else is an
     InputError naming ``option``.
     """
     if value is None:
@@ -79,9 +79,9 @@ def parse_mtp(value: Union[str, MtpPrecision, None], option: str, default: Optio
         parsed = value
     else:
         key = value.strip().lower()
-        words = {m.value for m in allow if m is not MtpMode.TYPE}
-        if key in (MtpMode.SAME.value, MtpMode.KEEP.value):
-            parsed = MtpPrecision(MtpMode(key))
+        words = {m.value for m in allow if m is not MtpPrecisionKind.TYPE}
+        if key in (MtpPrecisionKind.SAME.value, MtpPrecisionKind.KEEP.value):
+            parsed = MtpPrecision(MtpPrecisionKind(key))
         else:
             try:
                 parsed = of_type(type_named(key, option))
@@ -89,7 +89,7 @@ def parse_mtp(value: Union[str, MtpPrecision, None], option: str, default: Optio
                 if words:
                     raise InputError(option, f"{exc.problem}, or {' or '.join(sorted(words))}") from None
                 raise
-    if parsed.mode not in allow:
-        choices = " or ".join(m.value if m is not MtpMode.TYPE else "a ggml type" for m in allow)
+    if parsed.kind not in allow:
+        choices = " or ".join(m.value if m is not MtpPrecisionKind.TYPE else "a ggml type" for m in allow)
         raise InputError(option, f"{str(parsed)!r} is not accepted here; choose {choices}")
     return parsed

@@ -304,7 +304,7 @@ def _check_imatrix_coverage(specs: list[TensorSpec], preset: Preset, imatrix: Op
     raise InputError(imatrix.where(), f"{what}, and it has none for them: {remedy}")
 
 
-def summarize(before: Plan, after: Plan) -> dict:
+def plan_change_summary(before: Plan, after: Plan) -> dict:
     """A JSON-ready account of the decisions: one row per tensor and totals by role."""
     rows = []
     by_role: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "elements": 0, "old_bytes": 0, "bytes": 0})

@@ -23,7 +23,7 @@ from ..convert.base import mtp_only_keep
 from ..errors import InputError
 from ..gguf_io import refresh_size_label
 from ..tensors import Plan, TensorSpec, block_index
-from .mtp_precision import KEEP, MtpMode, MtpPrecision, parse_mtp
+from .mtp_precision import KEEP, MtpPrecisionKind, MtpPrecision, parse_mtp
 from .presets import llama_quantizes, row_fallback
 
 # Hyperparameters that fix the shapes of an MTP block's tensors: they must agree
@@ -117,7 +117,8 @@ def _set_nextn(out: Plan, n_mtp: int) -> None:
     out.kv = dict(items)
 
 
-GRAFT_MODES = (MtpMode.KEEP, MtpMode.TYPE)  # 'same' has no trunk rule to follow in an already-quantized target
+# 'same' has no trunk rule to follow in an already-quantized target
+GRAFT_KINDS = (MtpPrecisionKind.KEEP, MtpPrecisionKind.TYPE)
 
 
 def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, replace: bool = False) -> Plan:
@@ -130,7 +131,7 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, r
     parsed here, so a bad value is an InputError naming --mtp-type). A target that
     already has MTP tensors is refused unless ``replace``.
     """
-    precision = parse_mtp(mtp_type, "--mtp-type", KEEP, allow=GRAFT_MODES)
+    precision = parse_mtp(mtp_type, "--mtp-type", KEEP, allow=GRAFT_KINDS)
     a, b = _where(donor), _where(target)
     head = _mtp_specs(donor)
     if donor.n_mtp_layers == 0 or not head:

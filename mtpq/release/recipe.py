@@ -50,6 +50,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engines import ENGINES
 from ..errors import InputError
 from ..quantize.mtp_precision import Q8_0, MtpPrecision, parse_mtp
 
@@ -86,7 +87,6 @@ class Gate:
         return self.text is not None
 
 
-ENGINES = ("torch", "llama.cpp")
 LLAMA_CPP_GATE_KEYS = ("llama_cpp", "ngl", "ctx_size", "rpc", "server_args")
 QUALITY_GATE_KEYS = ("text", "kld_ctx_size", "kld_chunks", "max_kld", "min_top1", "max_ppl_ratio")
 
@@ -295,9 +295,9 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
             if v is not None and not 0.0 <= v <= 1.0:
                 raise _err(path, f"gate.{k}", "must be between 0 and 1")
 
-    from ..quantize.mtp_precision import MtpMode
+    from ..quantize.mtp_precision import MtpPrecisionKind
     from ..quantize.presets import preset_named, type_named  # llama-quantize's names
-    from ..quantize.surgery import GRAFT_MODES
+    from ..quantize.surgery import GRAFT_KINDS
 
     def check(fn, value: str, key: str):
         try:
@@ -322,7 +322,7 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         preset = check(preset_named, _take(v, "preset", str, path, where, required=True), f"{where}.preset").name
         graft = _take(v, "graft_into", str, path, where)
         # parsed once here; the runner hands the typed values on (graft cannot follow 'same': no trunk rule)
-        allow = GRAFT_MODES if graft is not None else tuple(MtpMode)
+        allow = GRAFT_KINDS if graft is not None else tuple(MtpPrecisionKind)
         parse = lambda val, key: parse_mtp(val, key, allow=allow)  # noqa: E731
         mtp_text = _take(v, "mtp_type", str, path, where, default="q8_0")
         auto = mtp_text.strip().lower() == "auto"

@@ -84,10 +84,10 @@ def write_json(path: Path, data) -> None:
 
 
 def describe(path: Path) -> dict:
-    """Per-role type table, MTP precision and size (all shards) of a GGUF (from mtpq inspect's summary)."""
-    from ..cli.inspect import summarize
+    """Per-role type table, MTP precision and size (all shards) of a GGUF (from :func:`~mtpq.gguf_io.summary.summarize_gguf`)."""
+    from ..gguf_io.summary import summarize_gguf
 
-    info = summarize(path)
+    info = summarize_gguf(path)
     by_role: dict[str, dict[str, int]] = {}
     for t in info["tensors"]:
         by_role.setdefault(t["role"], {}).setdefault(t["type"], 0)
@@ -114,9 +114,9 @@ def _produce_reference(recipe: Recipe, out: Path, split_max_size: int) -> list[P
 
 
 def _produce_extra(recipe: Recipe, mode: str, out: Path, split_max_size: int) -> list[Path]:
-    from ..convert import OUTTYPES, MtpMode, plan_checkpoint
+    from ..convert import OUTTYPES, BlockSelection, plan_checkpoint
 
-    plan = plan_checkpoint(recipe.source, mtp=MtpMode(mode), outtype=OUTTYPES[recipe.reference_type])
+    plan = plan_checkpoint(recipe.source, mtp=BlockSelection(mode), outtype=OUTTYPES[recipe.reference_type])
     return _write(plan, out, split_max_size)
 
 
@@ -137,10 +137,10 @@ def _produce_variant(reference: Path, v: Variant, out: Path, split_max_size: int
                      include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
         plan = plan_quantize(ref, v.preset, mtp_type=v.mtp_type, **options, **extra)
         if v.auto_max_drop is not None:  # mtp_type = "auto": measured on the quantized trunk, then grafted in
-            from ..cli.auto_head import quantize_with_auto_head
             from ..gguf_io import SplitRule
+            from ..runtime.auto_head import quantize_with_auto_head
 
-            _, written = quantize_with_auto_head(reference, out, ref, plan, v.preset, v.auto_max_drop, prompts, True,
+            _, written = quantize_with_auto_head(reference, out, ref, plan, v.preset, v.auto_max_drop, prompts,
                                                  options, extra, split=SplitRule(max_size=split_max_size))
             return written
     return _write(plan, out, split_max_size)

@@ -64,7 +64,8 @@ class MtpOut:
 
 
 @dataclass
-class Checkpoint:
+class RollbackPoint:
+    """Where each layer cache stood (a KV length; a recurrent state), to roll back to; no KV tensor is copied."""
     trunk: list
     mtp: object
 
@@ -110,11 +111,11 @@ class MtpModel(nn.Module):
     def mtp_length(self) -> int:
         return self.mtp_cache.length if self.mtp_cache is not None else 0
 
-    def checkpoint(self) -> Checkpoint:
-        return Checkpoint([c.checkpoint() for c in self.trunk_cache],
-                          self.mtp_cache.checkpoint() if self.mtp_cache is not None else None)
+    def checkpoint(self) -> RollbackPoint:
+        return RollbackPoint([c.checkpoint() for c in self.trunk_cache],
+                             self.mtp_cache.checkpoint() if self.mtp_cache is not None else None)
 
-    def rollback(self, ck: Checkpoint, trunk_kept: int | None = None, mtp_kept: int | None = None) -> None:
+    def rollback(self, ck: RollbackPoint, trunk_kept: int | None = None, mtp_kept: int | None = None) -> None:
         """Keep ``trunk_kept`` / ``mtp_kept`` of the tokens each part consumed since ``ck`` (None: leave it)."""
         if trunk_kept is not None:
             for c, point in zip(self.trunk_cache, ck.trunk):

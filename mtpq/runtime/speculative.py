@@ -8,7 +8,7 @@ API (what ``mtpq accept`` builds on):
     spec = run_speculative(model, ids, 64, k=3, temperature=0.8, top_p=0.95, seed=1)
     base = run_plain(model, ids, 64)                                          # no drafting
     tf = teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids))
-    from mtpq.runtime.metrics import summarize; summarize([spec]).acceptance_rate
+    from mtpq.acceptance.metrics import metrics_from_rounds; metrics_from_rounds([spec]).acceptance_rate
 
 One speculative round (``SpeculativeDecoder.step``), with x_j the last emitted token:
 1. the head consumes the pending real pairs (h_t, x_{t+1}) -- the trunk states of the
@@ -24,7 +24,7 @@ Greedy speculative output equals plain greedy output; sampling keeps the target
 distribution (p and q both pass through the same temperature/top-k/top-p).
 
 A round that drafted k tokens and accepted a of them emits a + 1 tokens;
-``GenerationResult.accepted[i]`` is a for round i (vLLM's counting, see metrics.py).
+``GenerationResult.accepted[i]`` is a for round i (vLLM's counting, see mtpq.acceptance.metrics).
 Generation stops after ``max_new_tokens`` (the last round's surplus is cut) or a
 token in ``stop_ids``. ``SpeculativeDecoder.save``/``restore`` rewind a decoder to a
 saved point (the caches are rolled back), e.g. to repeat one round many times.
@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..acceptance.metrics import GenerationResult
 from .layers import Packing
 from .families import load
 from .model import MtpModel
@@ -122,35 +123,6 @@ def accept_drafts(target_logits: torch.Tensor, drafts: list[int], draft_probs: t
             residual = p[i]
         return i, _draw(residual / residual.sum(), gen)
     return len(drafts), _draw(p[len(drafts)], gen)  # all accepted: the bonus token
-
-
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class GenerationResult:
-    """One generation. ``accepted``/``drafted`` have one entry per verify round (empty for plain decoding)."""
-
-    prompt_len: int
-    tokens: list[int]  # generated tokens, prompt excluded
-    k: int  # draft length; 0 for plain decoding
-    accepted: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    trunk_forwards: int = 0
-    draft_ids: list[list[int]] = field(default_factory=list)  # the drafts of each round (for inspection/tests)
-
-    @property
-    def n_drafts(self) -> int:
-        return len(self.drafted)
-
-    @property
-    def n_drafted(self) -> int:
-        return sum(self.drafted)
-
-    @property
-    def n_accepted(self) -> int:
-        return sum(self.accepted)
 
 
 def _sync(device: torch.device) -> None:

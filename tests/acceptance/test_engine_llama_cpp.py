@@ -130,7 +130,7 @@ def _pid(fake_bin: Path) -> int:
 
 
 def test_report_from_server_counters(fake_bin, model, tmp_path):
-    from mtpq.runtime.accept import load_prompts
+    from mtpq.acceptance.prompts import load_prompts
 
     out = tmp_path / "r.json"
     res = run_cli("accept", model, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--prompts", "builtin",

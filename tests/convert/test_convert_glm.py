@@ -252,13 +252,13 @@ def test_failed_write_leaves_nothing(ck_copy, tmp_path, monkeypatch):
     """A failure in the middle of writing (here: a NaN in one tensor) leaves no file under either name."""
     from mtpq.convert import checkpoint
 
-    real = checkpoint.Checkpoint.load
+    real = checkpoint.HFCheckpoint.load
 
     def poisoned(self, name):
         t = real(self, name)
         return t * float("nan") if name.endswith("layers.1.self_attn.o_proj.weight") else t
 
-    monkeypatch.setattr(checkpoint.Checkpoint, "load", poisoned)
+    monkeypatch.setattr(checkpoint.HFCheckpoint, "load", poisoned)
     out = tmp_path / "o.gguf"
     res = run_cli("convert", ck_copy, out, "--quiet", "--outtype", "q8_0")
     assert res.exit_code == 2, res.output

@@ -117,7 +117,7 @@ def test_streamed_float_encoding_is_quantizes_encoding():
 
 
 def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
-    """Block-scaled FP8 rows rounded straight into the output type (Checkpoint.rows_as) give the bytes of
+    """Block-scaled FP8 rows rounded straight into the output type (HFCheckpoint.rows_as) give the bytes of
     rounding the float32 rows (load_rows): every byte value, ragged edge tiles, scales from
     tiny (subnormal products) to huge. Rows that may hold a value that is not finite in the output type (a
     NaN byte, a product past F16's range) are left to the float32 path, whose checks and messages the
@@ -127,7 +127,7 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     from gguf import GGMLQuantizationType as T
     from safetensors.torch import save_file
 
-    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.checkpoint import HFCheckpoint
     from mtpq.convert.stream import encode_tensor
     from mtpq.errors import InputError
 
@@ -145,11 +145,11 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     s[0, 1], s[2, 0], s[2, 4] = 1e-41, 2e-6, 3e-3  # subnormal float32 products; F16 subnormals; a ragged corner
     s[1, 2] = 300.0  # 448 * 300 is past F16's 65504: rows 128:256 leave F16 to the float32 path
 
-    def checkpoint(q: torch.Tensor, folder: Path) -> Checkpoint:
+    def checkpoint(q: torch.Tensor, folder: Path) -> HFCheckpoint:
         folder.mkdir()
         (folder / "config.json").write_text("{}")
         save_file({"w": q.view(torch.float8_e4m3fn), "w_scale_inv": s}, str(folder / "model.safetensors"))
-        return Checkpoint(folder)
+        return HFCheckpoint(folder)
 
     ck = checkpoint(q, tmp_path / "ok")
     direct = {}
@@ -188,7 +188,7 @@ def test_fp8_block_scaled_values_are_torchs_products(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.checkpoint import HFCheckpoint
 
     gen = torch.Generator().manual_seed(1)
     rows, cols = 200, 300  # 2 x 3 tiles of 128, ragged
@@ -205,7 +205,7 @@ def test_fp8_block_scaled_values_are_torchs_products(tmp_path):
             (folder / "config.json").write_text("{}")
             save_file({"w": q[0].clone().view(fp8), "w_scale_inv": s[0].clone(), "e": q.view(fp8), "e_scale_inv": s},
                       str(folder / "model.safetensors"))
-            ck = Checkpoint(folder)
+            ck = HFCheckpoint(folder)
             want = q.view(fp8).to(torch.float32)
             want *= s.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols]
             for got, exp in ((ck.load_rows("w", 0, rows), want[0]), (ck.load_rows("w", 128, rows), want[0, 128:]),
@@ -275,7 +275,7 @@ def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.checkpoint import HFCheckpoint
 
     gen = torch.Generator().manual_seed(3)
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -292,7 +292,7 @@ def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
                 folder.mkdir()
                 (folder / "config.json").write_text("{}")
                 save_file({"w": q.view(fp8), "w_scale": s}, str(folder / "model.safetensors"))
-                ck = Checkpoint(folder)
+                ck = HFCheckpoint(folder)
                 want = q.view(fp8).to(torch.float32) * (s.reshape(-1, *[1] * (len(shape) - 1)) if kind == "channel" else s)
                 for got, exp in ((ck.load("w"), want), (ck.load_rows("w", 2, 4), want[2:4])):
                     assert got.shape == exp.shape and torch.equal(got.isnan(), exp.isnan()), (fp8, shape, kind)

@@ -234,12 +234,12 @@ def test_default_mrope_sections_when_absent(ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(ckpt, tmp_path):
-    from mtpq.convert import MtpMode, plan_checkpoint
+    from mtpq.convert import BlockSelection, plan_checkpoint
     from mtpq.gguf_io import write_plan
 
     folder = ckpt("moe_cg")
     exp = expected_gguf(folder)
-    write_plan(plan_checkpoint(folder, mtp=MtpMode.DROP), tmp_path / "trunk.gguf")
+    write_plan(plan_checkpoint(folder, mtp=BlockSelection.DROP), tmp_path / "trunk.gguf")
     kv, tensors = read_gguf(tmp_path / "trunk.gguf")
     assert kv["qwen35moe.block_count"] == 4 and "qwen35moe.nextn_predict_layers" not in kv
     assert kv["qwen35moe.attention.recurrent_layers"] == [True, True, True, False]

@@ -38,7 +38,7 @@ from tests.builders import tiny_qwen35  # noqa: E402
 from tests.builders import tiny_step35  # noqa: E402
 from tests.helpers.runcli import run_cli  # noqa: E402
 
-from mtpq.convert import MtpMode, plan_checkpoint  # noqa: E402
+from mtpq.convert import BlockSelection, plan_checkpoint  # noqa: E402
 from mtpq.gguf_io import SplitRule, plan_from_gguf, write_plan  # noqa: E402
 
 # ----------------------------------------------------------------------------- the good inputs
@@ -55,7 +55,7 @@ def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
     mimo = tiny_mimo2.mimo2(root / "mimo2")
     full, trunk = root / "full.gguf", root / "trunk.gguf"
     write_plan(plan_checkpoint(glm_ckpt), full)
-    write_plan(plan_checkpoint(glm_ckpt, mtp=MtpMode.DROP), trunk)
+    write_plan(plan_checkpoint(glm_ckpt, mtp=BlockSelection.DROP), trunk)
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"category": "code", "prompt": "def f(x):"}\n')
     splits = {}

@@ -41,7 +41,7 @@ def demo_gguf(demo, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(demo) -> list[str]:
-    from mtpq.runtime.accept import load_prompts
+    from mtpq.acceptance.prompts import load_prompts
 
     return [p for _, p in load_prompts(DEMOS[demo][1], N_PROMPTS)]
 

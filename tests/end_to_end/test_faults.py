@@ -224,7 +224,7 @@ def test_unexpected_exception_is_one_line_and_traceback_only_with_debug(full_ggu
     def boom(path):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(inspect_cli, "summarize", boom)
+    monkeypatch.setattr(inspect_cli, "summarize_gguf", boom)
     res = run_cli("inspect", full_gguf)
     assert res.exit_code == 3
     assert res.stderr.splitlines() == ["error: internal error in inspect: RuntimeError: boom second line; please report it"]

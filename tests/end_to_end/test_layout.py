@@ -110,8 +110,9 @@ def test_the_walk_sees_lazy_imports_and_cycles():
 
 
 def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
-    """llama-perplexity's engine, the binary lookup and the quality report load, find a split set's shard 1 and
-    format a report without importing torch (a process that never imports it: where torch is not installed)."""
+    """llama-perplexity's and llama-server's engines, the binary lookup and the quality and acceptance reports
+    load, find a split set's shard 1 and format reports without importing torch (a process that never imports it:
+    where torch is not installed)."""
     import subprocess
     import sys
 
@@ -136,6 +137,21 @@ def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
         "report = {'reference': {'file': 'r.gguf'}, 'files': [f], 'chunks': 1, 'ctx_size': 8,\n"
         "          'engine': {'trunk': 'llama.cpp', 'head': 'llama.cpp'}}\n"
         "assert '| `q.gguf` |' in to_markdown(report)\n"
+        "from mtpq.engines.llama_cpp import PER_POSITION_NOTE, measure_with_llama_cpp\n"
+        "from mtpq.acceptance.metrics import DraftTotals, GenerationResult, metrics_from_totals\n"
+        "from mtpq.acceptance.prompts import load_prompts\n"
+        "from mtpq.acceptance.report import AcceptReport, PromptRun, judge as judge_acceptance\n"
+        "from mtpq.acceptance.report import to_markdown as acceptance_markdown\n"
+        "pairs = load_prompts('builtin', 2)\n"
+        "tots = [DraftTotals(generated=9, drafted=8, accepted=6, seconds=1.0, k=1) for _ in pairs]\n"
+        "runs = [PromptRun(c, t, GenerationResult(prompt_len=3, tokens=list(range(9)), k=1), None) for c, t in pairs]\n"
+        "acc = AcceptReport(model='q.gguf', draft=1, temperature=0.0, max_new_tokens=9, runs=runs,\n"
+        "                   overall=metrics_from_totals(tots), by_category={pairs[0][0]: metrics_from_totals(tots)},\n"
+        "                   plain_tokens_per_s=None, greedy_outputs_identical=None, device='llama.cpp',\n"
+        "                   engine='llama.cpp', extra={'note': PER_POSITION_NOTE})\n"
+        "assert acc.to_dict()['acceptance_rate'] == 0.75 and acc.overall.per_position == [0.75]\n"
+        "assert judge_acceptance(acc, None, min_rate=0.8, max_drop=None).passed is False\n"
+        "assert 'engine llama.cpp' in acceptance_markdown(acc)\n"
         "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -150,3 +166,13 @@ def test_ggml_formats_stand_alone():
     assert len(ggml) >= 10
     outside = {m: sorted(d for d in graph[m] if d.startswith("mtpq") and d not in ggml) for m in ggml}
     assert {m: d for m, d in outside.items() if d} == {}
+
+
+def test_only_the_cli_imports_the_cli():
+    """mtpq/cli is the top layer: the library (the release runner included) never imports it; only the entry point
+    ``python -m mtpq`` does."""
+    graph = import_graph()
+    cli = {m for m in graph if m == "mtpq.cli" or m.startswith("mtpq.cli.")}
+    assert len(cli) >= 10 and "mtpq.cli" in graph["mtpq.__main__"]
+    users = {m: sorted(d for d in deps if d in cli) for m, deps in graph.items() if m not in cli and m != "mtpq.__main__"}
+    assert {m: d for m, d in users.items() if d} == {}

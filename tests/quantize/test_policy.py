@@ -555,13 +555,13 @@ def test_mtp_type_keep_holds_the_source_types(glm8):
 
 
 def test_one_parsed_mtp_precision_at_every_boundary():
-    from mtpq.quantize.mtp_precision import KEEP, SAME, MtpMode, of_type, parse_mtp
+    from mtpq.quantize.mtp_precision import KEEP, SAME, MtpPrecisionKind, of_type, parse_mtp
 
     assert parse_mtp("Q8_0", "--mtp-type") == of_type(T.Q8_0) and str(of_type(T.Q8_0)) == "q8_0"
     assert parse_mtp(" Same ", "--mtp-type") is not None and parse_mtp("same", "x") == SAME
     assert parse_mtp("keep", "x") == KEEP and parse_mtp(KEEP, "x") is KEEP and parse_mtp(None, "x", SAME) == SAME
     with pytest.raises(InputError) as exc:
-        parse_mtp("same", "--mtp-type", allow=(MtpMode.KEEP, MtpMode.TYPE))
+        parse_mtp("same", "--mtp-type", allow=(MtpPrecisionKind.KEEP, MtpPrecisionKind.TYPE))
     assert exc.value.where == "--mtp-type" and "keep or a ggml type" in exc.value.problem
     with pytest.raises(InputError) as exc:
         parse_mtp("q9_9", "recipe.toml: variant[0].mtp_type")

@@ -25,7 +25,7 @@ from tests.builders import tiny  # noqa: E402
 from tests.helpers.llamacpp_ref import speculative_simple  # noqa: E402
 
 from mtpq.cli import app  # noqa: E402
-from mtpq.convert import MtpMode, plan_checkpoint  # noqa: E402
+from mtpq.convert import BlockSelection, plan_checkpoint  # noqa: E402
 from mtpq.gguf_io import plan_from_gguf, write_plan  # noqa: E402
 from mtpq.quantize.surgery import plan_graft  # noqa: E402
 
@@ -36,7 +36,7 @@ def mtpq(*args) -> "object":
     return runner.invoke(app, [str(a) for a in args])
 
 
-def convert(src: Path, out: Path, mode: MtpMode) -> Path:
+def convert(src: Path, out: Path, mode: BlockSelection) -> Path:
     write_plan(plan_checkpoint(src, mtp=mode), out)
     return out
 
@@ -63,9 +63,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("surgery")
     src = tiny.glm4moe(d / "glm", seed=0)
     out = {"dir": d, "src": src,
-           "A": convert(src, d / "A.gguf", MtpMode.KEEP),
-           "B": convert(src, d / "B.gguf", MtpMode.DROP),
-           "H": convert(src, d / "H.gguf", MtpMode.ONLY)}
+           "A": convert(src, d / "A.gguf", BlockSelection.KEEP),
+           "B": convert(src, d / "B.gguf", BlockSelection.DROP),
+           "H": convert(src, d / "H.gguf", BlockSelection.ONLY)}
     stripped = plan_from_gguf(out["A"])
     stripped.tensors = [s for s in stripped.tensors if not is_mtp(s.name)]
     write_plan(stripped, d / "T.gguf")
@@ -192,7 +192,7 @@ def other_models(files) -> dict[str, Path]:
     for label, over in {"hidden": dict(hidden_size=512), "layers": dict(num_hidden_layers=3),
                         "vocab": dict(vocab_size=768)}.items():
         src = tiny.glm4moe(d / f"glm-{label}", seed=1, **over)
-        out[label] = convert(src, d / f"B-{label}.gguf", MtpMode.DROP)
+        out[label] = convert(src, d / f"B-{label}.gguf", BlockSelection.DROP)
     plan = plan_from_gguf(files["B"])  # the same file under another architecture name
     plan.arch = "deepseek2"
     plan.kv = {k.replace("glm4moe.", "deepseek2."): v for k, v in plan.kv.items()}

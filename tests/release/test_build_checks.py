@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.helpers.runcli import run_cli
 
-from mtpq.convert import MtpMode, plan_checkpoint
+from mtpq.convert import BlockSelection, plan_checkpoint
 from mtpq.gguf_io import write_plan
 
 
@@ -57,7 +57,7 @@ def test_bad_source_leaves_no_cache(glm_ckpt, tmp_path):
 
 def test_graft_into_variant_is_mtpq_graft(glm_ckpt, tmp_path):
     trunk = tmp_path / "published-Q8_0.gguf"
-    write_plan(plan_checkpoint(glm_ckpt, mtp=MtpMode.DROP), trunk)
+    write_plan(plan_checkpoint(glm_ckpt, mtp=BlockSelection.DROP), trunk)
     out = tmp_path / "dist"
     recipe = _recipe(tmp_path / "r.toml", glm_ckpt, out,
                      f'name = "G"\npreset = "Q8_0"\ngraft_into = "{trunk.name}"\nmtp_type = "q8_0"')

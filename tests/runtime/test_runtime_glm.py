@@ -356,7 +356,7 @@ def test_greedy_speculative_equals_plain_greedy(copy_model):
 
 
 def test_teacher_forced_acceptance_equals_loop(copy_model):
-    from mtpq.runtime.metrics import summarize
+    from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
                                           teacher_forced_acceptances)
 
@@ -370,7 +370,7 @@ def test_teacher_forced_acceptance_equals_loop(copy_model):
         assert tf.matches == teacher_forced_acceptance(model, ids + base.tokens, prompt_len=len(ids)).matches
         loop = run_speculative(model, ids, 40, k=1)
         assert (tf.loop_drafts, tf.loop_accepted) == (loop.n_drafts, loop.n_accepted)
-        assert summarize([loop]).per_position[0] == pytest.approx(tf.loop_rate)
+        assert metrics_from_rounds([loop]).per_position[0] == pytest.approx(tf.loop_rate)
         # round by round: the loop's verdicts are the teacher-forced ones at the positions it visits
         j, n = len(ids), len(ids)
         for a in loop.accepted:
@@ -524,12 +524,11 @@ def test_tokenizer_glm4_pre_tokenizer(glm_ckpt, f32_gguf, work):
 
 
 def test_metrics_follow_vllm_definitions():
-    from mtpq.runtime.metrics import summarize
-    from mtpq.runtime.speculative import GenerationResult
+    from mtpq.acceptance.metrics import GenerationResult, metrics_from_rounds
 
     a = GenerationResult(prompt_len=3, tokens=list(range(9)), k=3, accepted=[0, 2, 3], drafted=[3, 3, 3], seconds=2.0)
     b = GenerationResult(prompt_len=3, tokens=list(range(3)), k=3, accepted=[1], drafted=[3], seconds=1.0)
-    m = summarize([a, b])
+    m = metrics_from_rounds([a, b])
     assert (m.n_drafts, m.n_drafted, m.n_accepted) == (4, 12, 6)
     assert m.acceptance_rate == pytest.approx(6 / 12)
     assert m.per_position == pytest.approx([3 / 4, 2 / 4, 1 / 4])  # drafts that accepted > i tokens
@@ -537,7 +536,7 @@ def test_metrics_follow_vllm_definitions():
     assert m.tokens_per_s == pytest.approx(12 / 3.0)
     assert m.ci[0] <= m.acceptance_rate <= m.ci[1]
     wide = m.ci[1] - m.ci[0]
-    many = summarize([a, b] * 25)
+    many = metrics_from_rounds([a, b] * 25)
     assert many.acceptance_rate == pytest.approx(m.acceptance_rate)
     assert many.ci[1] - many.ci[0] < wide / 3  # the interval shrinks like 1/sqrt(n)
 

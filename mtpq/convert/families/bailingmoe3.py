@@ -39,7 +39,7 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, Family, MtpMode, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables, register
+from ..base import Emit, Family, BlockSelection, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables, register
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
@@ -177,7 +177,7 @@ class BailingMoe3(Mxfp4Experts, Family):
             p = f"model.layers.{bid}."
             mine = [n for n in names if n.startswith(p)]
             if not mine:
-                if bid >= self.n_trunk and self.mtp_mode is MtpMode.DROP:
+                if bid >= self.n_trunk and self.block_selection is BlockSelection.DROP:
                     continue
                 hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
                 raise InputError(self.ckpt.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} "

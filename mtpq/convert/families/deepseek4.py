@@ -46,7 +46,7 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import MTP_ONLY_KEEP, Emit, Family, MtpMode, check_unused, layer_of, mxfp4_stack, register
+from ..base import MTP_ONLY_KEEP, Emit, Family, BlockSelection, check_unused, layer_of, mxfp4_stack, register
 from ..checkpoint import _fp8_scaled
 from ..validate import Expected
 
@@ -293,16 +293,16 @@ class DeepseekV4(Family):
 
     # -- tensors ------------------------------------------------------------------------
 
-    def plan(self, mtp: MtpMode = MtpMode.KEEP, outtype: T = T.F16):
-        if mtp is not MtpMode.DROP and self.dspark:  # the trunk converts (--no-mtp), as llama.cpp's default does
+    def plan(self, mtp: BlockSelection = BlockSelection.KEEP, outtype: T = T.F16):
+        if mtp is not BlockSelection.DROP and self.dspark:  # the trunk converts (--no-mtp), as llama.cpp's default does
             raise InputError(self.ckpt.folder, "mtp.* holds DeepSeek-V4 DSpark draft stages (main_proj, "
                                                "markov_head, ...), not an MTP head: llama.cpp writes them into a "
                                                "separate dflash file (its converter's --dspark); convert the trunk "
                                                "with --no-mtp")
-        if mtp is not MtpMode.DROP and any(i >= self.n_mtp for i in self.mtp_layers):  # llama.cpp stops the same
+        if mtp is not BlockSelection.DROP and any(i >= self.n_mtp for i in self.mtp_layers):  # llama.cpp stops the same
             raise InputError(self.ckpt.folder, f"MTP layers {self.mtp_layers} stored, config.json has "
                                                f"num_nextn_predict_layers {self.n_mtp}")
-        if mtp is MtpMode.KEEP and self.n_mtp:
+        if mtp is BlockSelection.KEEP and self.n_mtp:
             raise InputError(self.ckpt.folder, "DeepSeek-V4's MTP head has its own output hyper-connection "
                                                "(mtp.0.hc_head_*), which llama.cpp reads from a head-only file "
                                                "(one GGUF holds one output_hc_*): convert the trunk with --no-mtp "
@@ -310,7 +310,7 @@ class DeepseekV4(Family):
         return super().plan(mtp, outtype)
 
     def tensors(self) -> Iterator[Emit]:
-        only, keep_mtp = self.mtp_mode is MtpMode.ONLY, self.mtp_mode is not MtpMode.DROP
+        only, keep_mtp = self.block_selection is BlockSelection.ONLY, self.block_selection is not BlockSelection.DROP
         used: list[str] = []
         yield self._one("token_embd.weight", self.require("embed.weight"), used)
         for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):

@@ -41,7 +41,7 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, Family, MtpMode, Transform, as_llama_cpp_reads, check_unused, gguf_name, register
+from ..base import Emit, Family, BlockSelection, Transform, as_llama_cpp_reads, check_unused, gguf_name, register
 from ..validate import Expected
 
 _KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
@@ -215,7 +215,7 @@ class NemotronHMoe(Family):
                 yield one(gguf_name(kind, bid), self.require(hf))
             for j in (0, 1):
                 yield from self._mixer_tensors(bid, f"mtp.layers.{j}.mixer.", one, used)
-        elif self.n_mtp and self.mtp_mode is not MtpMode.DROP:
+        elif self.n_mtp and self.block_selection is not BlockSelection.DROP:
             raise InputError(self.ckpt.folder, f"no tensors for the MTP layer (mtp.layers.*; config.json has "
                                                f"{self.n_mtp} MTP) (convert the trunk alone with --no-mtp)")
         yield one(gguf_name(K.OUTPUT_NORM), self.require("backbone.norm_f.weight"))

@@ -39,7 +39,7 @@ from ...errors import InputError
 from ...tensors import tensor_kind
 from .. import validate as V
 from ..base import Emit, Family, Transform, check_unused, register
-from ..checkpoint import Checkpoint
+from ..checkpoint import HFCheckpoint
 from ..validate import Expected
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Qwen35(Family):
                         "num_key_value_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
                         "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: HFCheckpoint):
         super().__init__(ckpt)
         self._sort_tensors()
         self.n_mtp = self._count_mtp_layers()

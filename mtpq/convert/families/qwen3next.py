@@ -35,7 +35,7 @@ import torch
 
 from ...errors import InputError
 from ..base import Emit, Transform, register
-from ..checkpoint import Checkpoint
+from ..checkpoint import HFCheckpoint
 from .qwen35 import _identity
 from .qwen35moe import Qwen35Moe
 
@@ -47,7 +47,7 @@ class Qwen3Next(Qwen35Moe):
     hf_architectures = ("Qwen3NextForCausalLM",)
     arch = "qwen3next"
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: HFCheckpoint):
         super().__init__(ckpt)
         hp = self.hparams
         if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step") not in (None, 1):

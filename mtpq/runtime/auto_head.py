@@ -9,23 +9,33 @@ grafted in, the trunk's bytes copied, to OUT. The choice and its figures are pri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
+from typing import Callable, ContextManager
 
 from gguf import GGUFValueType
 
 from ..gguf_io import partial_folder, plan_from_gguf, write_plan
-from .common import byte_progress, console
+
+# progress(description, total bytes) -> a context yielding advance(nbytes, label)
+Progress = Callable[[str, int], ContextManager[Callable[[int, str], None]]]
+
+
+def _no_progress(description: str, total: int) -> ContextManager[Callable[[int, str], None]]:
+    return contextlib.nullcontext(lambda n, label="": None)
 
 
 def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: str, max_drop: float, prompts: str,
-                            quiet: bool, options: dict, extra: dict, split=None):
+                            options: dict, extra: dict, split=None, progress: Progress = _no_progress,
+                            say: Callable[[str], None] | None = None):
     """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
-    written."""
+    written. ``progress`` (a byte bar) and ``say`` (a line) report to a person; by default nothing is shown."""
+    from ..acceptance.prompts import load_prompts
     from ..quantize.surgery import plan_graft
-    from ..runtime.accept import load_prompts, use_threads
-    from ..runtime.headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
+    from .accept import use_threads
+    from .headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
 
     if before.n_mtp_layers == 0:
         from ..errors import InputError
@@ -35,10 +45,10 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
     use_threads(src if src.is_file() else next(iter(before.inputs), src), None)
     with partial_folder(dst) as tmp:  # the trunk and the candidate heads; removed whatever happens
         trunk_file = tmp / "trunk.gguf"
-        with byte_progress(f"quantize trunk -> {dst.name}", _nbytes(trunk_plan), enabled=not quiet) as advance:
+        with progress(f"quantize trunk -> {dst.name}", _nbytes(trunk_plan)) as advance:
             write_plan(trunk_plan, trunk_file, on_tensor=lambda spec, n: advance(n, spec.name))
-        if not quiet:
-            console.print(f"measuring {len(AUTO_CANDIDATES)} head types on the {preset} trunk ({len(pairs)} prompts)")
+        if say:
+            say(f"measuring {len(AUTO_CANDIDATES)} head types on the {preset} trunk ({len(pairs)} prompts)")
         rates = head_rates(trunk_file, before, preset, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp,
                            **options, **extra)
         choice = AutoChoice(choose_head_type(rates, max_drop), max_drop, rates)
@@ -50,9 +60,9 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
         final.tensors = [dataclasses.replace(s, shard=shard.get(s.name, 0)) for s in final.tensors]
         written = write_plan(final, dst, split=split)
     line = ", ".join(f"{t} {100 * r.rate:.1f} %" for t, r in rates.items())
-    if not quiet:
-        console.print(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
-                      f"{100 * choice.baseline:.1f} %; {line})")
+    if say:
+        say(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
+            f"{100 * choice.baseline:.1f} %; {line})")
     return final, written
 
 

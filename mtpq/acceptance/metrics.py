@@ -1,6 +1,6 @@
 """Acceptance metrics with vLLM's definitions.
 
-Over a set of :class:`~mtpq.runtime.speculative.GenerationResult` (one per prompt),
+Over a set of :class:`GenerationResult` (one per prompt),
 with a "draft" = one verify round that proposed k tokens and accepted a of them:
 
 - acceptance rate = accepted tokens / drafted tokens
@@ -14,20 +14,44 @@ residuals a_i - r k_i), so tokens of one draft are not counted as independent
 trials; ``unit="prompt"`` uses prompts as the unit instead (wider, and honest
 when prompts differ a lot). Per-position rates get Wilson intervals.
 
-    m = summarize(results); m.acceptance_rate, m.ci, m.per_position, m.to_dict()
+    m = metrics_from_rounds(results); m.acceptance_rate, m.ci, m.per_position, m.to_dict()
 
 Engines that report only per-request totals (llama-server's ``draft_n`` / ``draft_n_accepted``)
-go through :func:`summarize_totals`: the same figures, prompts as the interval's unit, and
+go through :func:`metrics_from_totals`: the same figures, prompts as the interval's unit, and
 per-position rates only where the totals determine them (k = 1).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from .speculative import GenerationResult
+
+@dataclass
+class GenerationResult:
+    """One generation, by any engine. ``accepted``/``drafted`` have one entry per verify round (empty for plain decoding)."""
+
+    prompt_len: int
+    tokens: list[int]  # generated tokens, prompt excluded
+    k: int  # draft length; 0 for plain decoding
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    trunk_forwards: int = 0
+    draft_ids: list[list[int]] = field(default_factory=list)  # the drafts of each round (for inspection/tests)
+
+    @property
+    def n_drafts(self) -> int:
+        return len(self.drafted)
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
 
 
 @dataclass
@@ -82,7 +106,8 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], confidence: float = 0.9
     return (max(0.0, r - half), min(1.0, r + half))
 
 
-def summarize(results: Sequence[GenerationResult], confidence: float = 0.95, unit: str = "draft") -> AcceptanceMetrics:
+def metrics_from_rounds(results: Sequence[GenerationResult], confidence: float = 0.95,
+                        unit: str = "draft") -> AcceptanceMetrics:
     """Aggregate results (speculative ones; plain ones contribute only to tokens/s)."""
     if unit not in ("draft", "prompt"):
         raise ValueError("unit must be 'draft' or 'prompt'")
@@ -125,7 +150,7 @@ class DraftTotals:
     k: int  # draft depth asked for
 
 
-def summarize_totals(totals: Sequence[DraftTotals], confidence: float = 0.95) -> AcceptanceMetrics:
+def metrics_from_totals(totals: Sequence[DraftTotals], confidence: float = 0.95) -> AcceptanceMetrics:
     """Metrics from per-request totals. Rounds are counted from the tokens: every round emits its
     accepted drafts plus one token of the trunk's, after the prompt's first token (exact when every
     round drafts; k = 1: rounds = drafted). Per-position rates need per-round data, except at k = 1
