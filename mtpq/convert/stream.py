@@ -4,7 +4,8 @@ Loading a whole tensor and then encoding it holds it twice, and for FP8 checkpoi
 DeepSeek-V3 layer's stacked experts are 7.5 GB in bf16 but 15 GB dequantized (and ``torch.stack``
 of the dequantized experts held that twice). Here each slab (one expert of a stack, a band of rows
 of a single tensor) is read, dequantized, encoded into its place in the preallocated output and
-dropped, so the extra memory is one slab, not the tensor.
+dropped, so the extra memory is one slab, not the tensor. A big float tensor has no output buffer at all:
+its slabs are written to the file as they are encoded (:class:`SlabWrites`).
 
 The bytes are those of encoding the whole tensor: every type the converter writes (F32, F16, BF16,
 Q8_0) encodes each row independently of the others.
