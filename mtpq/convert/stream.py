@@ -324,7 +324,8 @@ def encode_stack(ck: Checkpoint, hf_names: list[str], name: str, source: str, sh
 
 def _encode_rows(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]) -> np.ndarray | SlabWrites:
     """:func:`encode_slabs`, or a big float tensor encoded as it is written (:class:`SlabWrites`)."""
-    if qtype in _TORCH_OF and math.prod(shape) * _BITS_AS[qtype]().itemsize >= WRITE_SLABS_BYTES:
+    big = math.prod(shape) * _BITS_AS[qtype]().itemsize >= WRITE_SLABS_BYTES if qtype in _TORCH_OF else False
+    if big and hasattr(os, "pwrite"):  # POSIX; elsewhere the buffered path
         return SlabWrites(name, source, shape, qtype, slabs)
     return encode_slabs(name, source, shape, qtype, slabs)
 
