@@ -4,7 +4,8 @@ Loading a whole tensor and then encoding it holds it twice, and for FP8 checkpoi
 DeepSeek-V3 layer's stacked experts are 7.5 GB in bf16 but 15 GB dequantized (and ``torch.stack``
 of the dequantized experts held that twice). Here each slab (one expert of a stack, a band of rows
 of a single tensor) is read, dequantized, encoded into its place in the preallocated output and
-dropped, so the extra memory is one slab, not the tensor.
+dropped, so the extra memory is one slab, not the tensor. A big float tensor has no output buffer at all:
+its slabs are written to the file as they are encoded (:class:`SlabWrites`).
 
 The bytes are those of encoding the whole tensor: every type the converter writes (F32, F16, BF16,
 Q8_0) encodes each row independently of the others.
@@ -90,12 +91,108 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
 
 
-def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
-    """F32/F16/BF16: each slab converted by torch straight into its place in the output (one pass; ggml's
-    fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused),
+def _float_slab(name: str, source: str, qtype: T, slab: Slab, dst: torch.Tensor) -> None:
+    """One slab's rows converted by torch into ``dst`` (their place in the output, or a slab buffer): one pass;
+    ggml's fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused,
     with ``quantize``'s checks and messages."""
-    from ..ggml.malloc import keep_freed_buffers
     from ..ggml.kernels import all_finite
+
+    r0, r1, load = slab
+    if isinstance(load, Rows) and load.ck.rows_as(load.name, load.r0, load.r1, dst):
+        return
+    values = load()
+    dst.copy_(values.reshape(dst.shape))
+    # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
+    # only when it is not are the source values looked at, to say which of the two went wrong
+    if not all_finite(dst):
+        if not all_finite(values):
+            raise InputError(source, f"{name}: contains NaN/Inf values")
+        what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
+        raise InputError(source, f"{name}: values exceed the {what}")
+
+
+def _run_slabs(slabs: list[Slab], one: Callable[[int, Slab], None]) -> None:
+    """``one(i, slab)`` for every slab, on FLOAT_WORKERS Python threads of one torch thread each (torch and
+    numpy release the GIL in their passes); the first bad slab's error, in order."""
+    workers = min(FLOAT_WORKERS, len(slabs))
+    if workers < 2:
+        for i, slab in enumerate(slabs):
+            one(i, slab)
+        return
+    pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
+    try:
+        for f in [pool.submit(one, i, slab) for i, slab in enumerate(slabs)]:
+            f.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+# a float tensor of this many bytes or more (a fresh mapping of its own in output_buffer, whose pages the
+# kernel zeroes as they are first written) is encoded when written, each slab into a small buffer
+# written to its place in the file: SlabWrites
+WRITE_SLABS_BYTES = 32 << 20
+
+
+class SlabWrites:
+    """A float tensor's bytes, encoded as the writer writes it: each slab converted into a buffer of its own
+    (reused by malloc) and written with ``pwrite`` at its place in the file by the worker that converted it.
+    No buffer of the whole tensor: the kernel's zeroing of its fresh pages (a third of an FP8 -> bf16
+    conversion's CPU, as much as the write's own copy) goes, and so does the writer's wait for the workers.
+    Has what GGUFWriter.write_tensor_data uses of an array (``nbytes``, ``tofile``); ``np.asarray`` encodes
+    into memory for any other reader. A bad value is refused when the tensor is written."""
+
+    def __init__(self, name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]):
+        self.name, self.source, self.qtype, self.slabs = name, source, qtype, slabs
+        self.base = self.shape = tuple(shape)  # base: the shape whose dim 0 the slabs' rows index
+        self.dtype = np.dtype(_BITS_AS[qtype])
+        self.nbytes = math.prod(shape) * self.dtype.itemsize
+
+    def reshape(self, *shape) -> "SlabWrites":
+        """The same bytes seen as ``shape`` (one -1 allowed), as an array's reshape."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if -1 in shape:
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
+        if math.prod(shape) != math.prod(self.shape):
+            raise ValueError(f"cannot reshape {self.shape} into {shape}")
+        new = SlabWrites(self.name, self.source, self.base, self.qtype, self.slabs)
+        new.shape = shape
+        return new
+
+    def tofile(self, f) -> None:
+        f.flush()
+        fd, start = f.fileno(), f.tell()
+        flat = (self.base[0], math.prod(self.base[1:]))  # rows along dim 0, as the slabs
+        row = flat[1] * self.dtype.itemsize
+        dtype = _TORCH_OF[self.qtype]
+
+        def one(i: int, slab: Slab) -> None:
+            r0, r1, _ = slab
+            dst = torch.empty((r1 - r0, flat[1]), dtype=dtype)
+            with one_torch_thread():
+                _float_slab(self.name, self.source, self.qtype, slab, dst)
+            _pwrite(fd, memoryview(dst.view(torch.uint8).numpy()).cast("B"), start + r0 * row)
+
+        from ..ggml.malloc import keep_freed_buffers
+
+        keep_freed_buffers()  # each slab's buffer is the previous one's memory, not faulted in again
+        _run_slabs(self.slabs, one)
+        f.seek(start + self.nbytes)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = _float_slabs(self.name, self.source, self.base, self.qtype, self.slabs).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: Iterable[Slab]) -> np.ndarray:
+    """F32/F16/BF16: each slab converted by torch straight into its place in the output (:func:`_float_slab`)."""
+    from ..ggml.malloc import keep_freed_buffers
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
     # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
@@ -106,19 +203,7 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
     def one(slab: Slab) -> None:
-        r0, r1, load = slab
-        dst = out[r0:r1]
-        if isinstance(load, Rows) and load.ck.rows_as(load.name, load.r0, load.r1, dst):
-            return
-        values = load()
-        dst.copy_(values.reshape(dst.shape))
-        # one check of the (smaller) result: NaN/Inf stay NaN/Inf, so a finite result had a finite source;
-        # only when it is not are the source values looked at, to say which of the two went wrong
-        if not all_finite(dst):
-            if not all_finite(values):
-                raise InputError(source, f"{name}: contains NaN/Inf values")
-            what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
-            raise InputError(source, f"{name}: values exceed the {what}")
+        _float_slab(name, source, qtype, slab, out[slab[0]:slab[1]])
 
     slabs = list(slabs)
     # the writer writes the finished rows while the rest are converted: slabs i < k finished are rows
@@ -138,18 +223,7 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
             end = slabs[upto[0] - 1][1] * row if upto[0] else 0
         report(end)
 
-    workers = min(FLOAT_WORKERS, len(slabs))
-    if workers < 2:
-        for i, slab in enumerate(slabs):
-            one(slab)
-            done(i)
-    else:  # Python threads, one torch thread each (torch and numpy release the GIL in their passes)
-        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
-        try:
-            for f in [pool.submit(lambda i, slab: (one(slab), done(i)), i, slab) for i, slab in enumerate(slabs)]:
-                f.result()  # the first bad slab's error, in order
-        finally:
-            pool.shutdown(cancel_futures=True)
+    _run_slabs(slabs, lambda i, slab: (one(slab), done(i)))
     # the arrays quantize returns: BF16 as uint16 bit patterns
     return out.view(torch.int16).numpy().view(np.uint16) if qtype == T.BF16 else out.numpy()
 
@@ -225,7 +299,7 @@ def encode_tensor(ck: HFCheckpoint, hf_name: str, name: str, source: str, qtype:
         r1 = min(shape[0], r0 + per)
         return r0, r1, Rows(ck, hf_name, r0, r1)
 
-    return encode_slabs(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
+    return _encode_rows(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
 
 
 def encode_stack(ck: HFCheckpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
@@ -244,8 +318,16 @@ def encode_stack(ck: HFCheckpoint, hf_names: list[str], name: str, source: str, 
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
             slabs.append((i * rows + r0, i * rows + r1, Rows(ck, n, r0, r1)))
-    out = encode_slabs(name, source, (n_exp * rows, cols), qtype, slabs)
+    out = _encode_rows(name, source, (n_exp * rows, cols), qtype, slabs)
     return out.reshape(n_exp, rows, -1)
+
+
+def _encode_rows(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]) -> np.ndarray | SlabWrites:
+    """:func:`encode_slabs`, or a big float tensor encoded as it is written (:class:`SlabWrites`)."""
+    big = math.prod(shape) * _BITS_AS[qtype]().itemsize >= WRITE_SLABS_BYTES if qtype in _TORCH_OF else False
+    if big and hasattr(os, "pwrite"):  # POSIX; elsewhere the buffered path
+        return SlabWrites(name, source, shape, qtype, slabs)
+    return encode_slabs(name, source, shape, qtype, slabs)
 
 
 def encode_rows_of_stack(ck: HFCheckpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
