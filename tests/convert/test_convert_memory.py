@@ -361,7 +361,7 @@ def test_float_tensors_encoded_as_written_are_the_buffered_bytes(fp8_experts, tm
 
     import mtpq.gguf_io as gio
     from mtpq.convert import stream
-    from mtpq.convert.checkpoint import Checkpoint
+    from mtpq.convert.checkpoint import HFCheckpoint
     from mtpq.errors import InputError
 
     def write(src: Path, outtype: str, streamed: bool) -> bytes:
@@ -376,7 +376,7 @@ def test_float_tensors_encoded_as_written_are_the_buffered_bytes(fp8_experts, tm
     for outtype in ("bf16", "f16", "f32"):
         assert write(fp8_experts, outtype, True) == write(fp8_experts, outtype, False), outtype
 
-    ck = Checkpoint(fp8_experts)
+    ck = HFCheckpoint(fp8_experts)
     name = next(n for n in ck.names() if ck.is_fp8(n) and len(ck.shape(n)) == 2 and ck.shape(n)[0] > 128)
     monkeypatch.setattr(stream, "WRITE_SLABS_BYTES", 0)
     lazy = stream.encode_tensor(ck, name, "t", "src", T.BF16)
