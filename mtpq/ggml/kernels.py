@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc
+from . import malloc, npquant
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
@@ -249,6 +249,10 @@ def quantize(
         importance = imp
     else:
         importance = None
+    if qtype in npquant.NUMPY_TYPES and importance is None and values.device.type == "cpu":
+        # numpy's kernels for these few-pass types (the same bytes; see npquant)
+        return npquant.quantize_rows(values.to(torch.float32).numpy(), qtype, name, check_scales=check_scales,
+                                     n_workers=torch.get_num_threads())
     if values.dim() == 0:
         values = values.reshape(1)
     shape = tuple(values.shape)
@@ -391,6 +395,8 @@ def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2:
 
 
 _THREAD_LOCK = threading.Lock()
+if npquant._workers["n"] is not None:  # --threads given before torch was loaded
+    torch.set_num_threads(npquant._workers["n"])
 
 
 def _can_fork() -> bool:
