@@ -53,9 +53,11 @@ _NUMPY_SOURCES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuanti
 
 
 def _whole_float(spec: TensorSpec) -> bool:
-    """A float GGUF tensor small enough to be read whole (the bigger ones are encoded slab by slab)."""
-    return (spec.load_raw is not None and spec.source_type in _NUMPY_SOURCES
-            and not (spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS))
+    """A float tensor read from a GGUF (the only plans with a row reader: there ``load_raw`` holds the very
+    values ``load`` gives; a checkpoint's holds them converted to the outtype), small enough to be read whole
+    (the bigger ones are encoded slab by slab)."""
+    return (spec.load_raw is not None and spec.load_rows is not None and spec.source_type in _NUMPY_SOURCES
+            and not (len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS))
 
 
 def _numpy_only(spec: TensorSpec) -> bool:
