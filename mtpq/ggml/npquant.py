@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from . import malloc
+
 T = GGMLQuantizationType
 NUMPY_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0})
 CHUNK = 1 << 18  # values per chunk: its temporaries (~5 MB) stay in L2/L3
@@ -185,6 +187,7 @@ def quantize_rows(values: np.ndarray, qtype: T, name: str = "tensor", *, check_s
     shape = values.shape if values.ndim else (1,)
     if shape[-1] % bs:
         raise ValueError(f"{name}: row length {shape[-1]} is not a multiple of the {qtype.name} block size {bs}")
+    malloc.keep_freed_buffers()  # the chunks' temporaries and the tensors' buffers: not faulted in afresh each time
     x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, bs)
     nb = x.shape[0]
     out = np.empty((nb, ts), dtype=np.uint8)
