@@ -249,9 +249,11 @@ def quantize(
         importance = imp
     else:
         importance = None
-    if qtype in npquant.NUMPY_TYPES and importance is None and values.device.type == "cpu":
-        # numpy's kernels for these few-pass types (the same bytes; see npquant)
-        return npquant.quantize_rows(values.to(torch.float32).numpy(), qtype, name, check_scales=check_scales,
+    if (qtype in npquant.NUMPY_TYPES and importance is None and values.device.type == "cpu"
+            and values.dtype == torch.float32 and values.is_contiguous()):
+        # numpy's kernels for these few-pass types (the same bytes; see npquant); other inputs take the torch
+        # path, which converts chunk by chunk (never a float32 copy of the whole tensor)
+        return npquant.quantize_rows(values.numpy(), qtype, name, check_scales=check_scales,
                                      n_workers=torch.get_num_threads())
     if values.dim() == 0:
         values = values.reshape(1)
