@@ -24,7 +24,8 @@ input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
 workers (one torch thread each); set that to choose the count.  On Linux the
 workers are forked processes writing into shared memory (see
 :func:`_run_forked`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the
-environment, Python threads.
+environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
+(:mod:`.npquant`, the same bytes; numpy threads), which ``mtpq quantize`` also calls without loading torch.
 """
 
 from __future__ import annotations
