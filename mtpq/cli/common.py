@@ -130,9 +130,9 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         fail("--threads", f"must be at least 1, got {threads}")
-    import torch
+    from ..ggml.npquant import set_workers  # torch's count if loaded, else applied when it is (not imported here)
 
-    torch.set_num_threads(threads)
+    set_workers(threads)
 
 
 def check_device(device: str | None) -> str | None:

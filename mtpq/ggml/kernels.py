@@ -24,11 +24,13 @@ input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
 workers (one torch thread each); set that to choose the count.  On Linux the
 workers are forked processes writing into shared memory (see
 :func:`_run_forked`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the
-environment, Python threads.
+environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
+(:mod:`.npquant`, the same bytes; numpy threads), which ``mtpq quantize`` also calls without loading torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc
+from . import malloc, npquant
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
@@ -249,6 +251,12 @@ def quantize(
         importance = imp
     else:
         importance = None
+    if (qtype in npquant.NUMPY_TYPES and importance is None and values.device.type == "cpu"
+            and values.dtype == torch.float32 and values.is_contiguous()):
+        # numpy's kernels for these few-pass types (the same bytes; see npquant); other inputs take the torch
+        # path, which converts chunk by chunk (never a float32 copy of the whole tensor)
+        return npquant.quantize_rows(values.numpy(), qtype, name, check_scales=check_scales,
+                                     n_workers=torch.get_num_threads())
     if values.dim() == 0:
         values = values.reshape(1)
     shape = tuple(values.shape)
@@ -391,6 +399,8 @@ def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2:
 
 
 _THREAD_LOCK = threading.Lock()
+if npquant._workers["n"] is not None:  # --threads given before torch was loaded
+    torch.set_num_threads(npquant._workers["n"])
 
 
 def _can_fork() -> bool:
@@ -405,7 +415,7 @@ def _shared_empty(shape: tuple[int, int]) -> np.ndarray:
 
 
 def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> None:
-    """Run ``work`` over chunks in ``workers`` forked processes, one torch thread each.
+    """Run ``work`` over chunks in this process and ``workers - 1`` forked ones, one torch thread each.
 
     The kernels are long sequences of short ops.  Threads sharing one GIL hand
     it over at every op, and on 2 cores reach only 1.3-1.4x one thread;
@@ -417,29 +427,33 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
     pipe of 4-byte indices, so a slow worker takes fewer.  A child only runs
     ``work`` and leaves with ``os._exit``; an error there (NaN/Inf, an fp16
     overflow) comes back through a second pipe and is raised here, with its
-    type (ValueError) kept.  Interrupted, the parent kills its children.
+    type (ValueError) kept; an error in this process's own chunks stops the
+    children and is raised the same way.  Interrupted, the parent kills its children.
     """
     task_r, task_w = os.pipe()
     err_r, err_w = os.pipe()
     pids: list[int] = []
+    order = b"".join(i.to_bytes(4, "little") for i in range(len(ranges)))
+    # this process takes chunks too, so workers - 1 children: each fork and exit costs this process
+    # 10-25 ms of system time; not where the order could fill the pipe before anyone reads it
+    helping = len(order) <= 32768
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # inherited: a child never enters an OpenMP region
+    mine: BaseException | None = None
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a multi-threaded process; the children run
             # only numpy/torch arithmetic on data that exists, no locks other threads may hold
             warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-            for _ in range(min(workers, len(ranges))):
+            for _ in range(min(workers, len(ranges)) - (1 if helping else 0)):
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - runs in the child, which never returns
                     os.close(task_w)
                     os.close(err_r)
                     _child(work, ranges, task_r, err_w)
                 pids.append(pid)
-        os.close(task_r)
         os.close(err_w)
-        task_r = err_w = -1
-        order = b"".join(i.to_bytes(4, "little") for i in range(len(ranges)))
+        err_w = -1
         try:
             for k in range(0, len(order), 4096):  # writes of at most PIPE_BUF bytes are atomic
                 os.write(task_w, order[k:k + 4096])
@@ -447,6 +461,20 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
             pass
         os.close(task_w)
         task_w = -1
+        if helping:
+            try:
+                while True:
+                    b = _read_all(task_r, 4)
+                    if len(b) < 4:
+                        break
+                    work(ranges[int.from_bytes(b, "little")])
+            except Exception as e:  # noqa: BLE001 - reported as a child's would be, after the children
+                mine = e
+                for pid in pids:  # the chunks left are not needed
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        os.close(task_r)
+        task_r = -1
         errors = _read_all(err_r).split(b"\0")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
         pids = []
@@ -463,11 +491,15 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
         for fd in (task_r, task_w, err_r, err_w):
             if fd >= 0:
                 os.close(fd)
+    if mine is not None:
+        if isinstance(mine, ValueError):
+            raise mine
+        raise RuntimeError(f"quantization worker failed: {type(mine).__name__}: {mine}") from mine
     for e in errors:
         if e:
             kind, msg = e[:1], e[1:].decode("utf-8", "replace")
             raise ValueError(msg) if kind == b"V" else RuntimeError(f"quantization worker failed: {msg}")
-    if failed:
+    if failed and mine is None:
         raise RuntimeError(f"{len(failed)} quantization worker(s) died (out of memory?)")
 
 

@@ -117,7 +117,11 @@ def _make_qx_quants_rmse1(
 def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``X``."""
     n, ns = X.shape
-    amax, mx = first_absmax(X, 0)
+    v = vecops._vec_ops(X)
+    if v is vecops._NumpyVec:  # from the column min and max: torch's max with indices along dim 0 is slow
+        amax, mx = (torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in _first_absmax_cols(X, v)[:2])
+    else:
+        amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
     iscale = rdiv(f32(-nmax), mx)
     L = torch.clamp(nearest_int(iscale[None] * X), -nmax, nmax - 1)
@@ -126,7 +130,7 @@ def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
     WX = W * X
     sumlx = _seq_sum(WX * Lf)
     suml2 = _seq_sum((W * Lf) * Lf)
-    if vecops._vec_ops(X) is vecops._NumpyVec:
+    if v is vecops._NumpyVec:
         L, sumlx, suml2 = (torch.from_numpy(a) for a in _q3_refine_np(X.numpy(), W.numpy(), WX.numpy(), L.numpy(),
                                                                       sumlx.numpy(), suml2.numpy(), nmax))
     else:

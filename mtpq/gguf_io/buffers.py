@@ -33,14 +33,52 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
     reader (``load_rows``) slab by slab, into its place in one output buffer."""
     if spec.load_raw is not None and spec.source_type == spec.ggml_type:
         return spec.load_raw()
-    from ..ggml.kernels import quantize
-
     try:
+        if _numpy_only(spec):  # numpy reads and quantizes it: no torch (~1.5 s to import), no float copy
+            from ..ggml.npquant import quantize_rows
+
+            return quantize_rows(_float_values(spec), spec.ggml_type, spec.name)
+        from ..ggml.kernels import quantize
+
         if spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS:
             return _encode_slabs(spec, quantize)
-        return quantize(spec.load(), spec.ggml_type, name=spec.name, importance=spec.importance)
+        # a float GGUF tensor read straight into a reused buffer (load() copies f32 once more)
+        values = _float_values(spec) if _whole_float(spec) else spec.load()
+        return quantize(values, spec.ggml_type, name=spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
         raise InputError(spec.source, str(exc)) from None
+
+
+_NUMPY_SOURCES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _whole_float(spec: TensorSpec) -> bool:
+    """A float tensor read from a GGUF (the only plans with a row reader: there ``load_raw`` holds the very
+    values ``load`` gives; a checkpoint's holds them converted to the outtype), small enough to be read whole
+    (the bigger ones are encoded slab by slab)."""
+    return (spec.load_raw is not None and spec.load_rows is not None and spec.source_type in _NUMPY_SOURCES
+            and not (len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS))
+
+
+def _numpy_only(spec: TensorSpec) -> bool:
+    """A float GGUF tensor read whole, of a type :mod:`mtpq.ggml.npquant` writes."""
+    from ..ggml.npquant import NUMPY_TYPES
+
+    return (spec.ggml_type in NUMPY_TYPES and _whole_float(spec)
+            and (spec.importance is None or spec.ggml_type == GGMLQuantizationType.Q8_0))  # Q8_0 has no imatrix path
+
+
+def _float_values(spec: TensorSpec) -> np.ndarray:
+    """The stored values of a float GGUF tensor as float32 numpy, read straight into place for F32."""
+    progress = getattr(_encoding, "progress", None)
+    _encoding.progress = None  # load_raw reads into an output_buffer: not the tensor's output the writer follows
+    try:
+        raw = spec.load_raw()
+    finally:
+        _encoding.progress = progress
+    if spec.source_type == GGMLQuantizationType.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw if raw.dtype == np.float32 else raw.astype(np.float32)
 
 
 def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:

@@ -74,7 +74,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.ggml import cfloat, iquants, kernels, vecops
+from mtpq.ggml import cfloat, iquants, kernels, legacy, npquant, vecops
 from mtpq.ggml.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden_quants"
@@ -130,6 +130,18 @@ def test_golden_bytes(qtype, case, inputs):
         assert np.array_equal(quantize(x, qtype, case), ref)
 
 
+@pytest.mark.parametrize("qtype", sorted(npquant.NUMPY_TYPES), ids=lambda t: t.name)
+def test_torch_legacy_kernels_match_the_numpy_ones(qtype, inputs):
+    """On CPU these types run in numpy (npquant); legacy's torch kernels remain for other devices and for
+    the chunks numpy hands back (deep-subnormal scales): both give ggml's bytes."""
+    fn = {T.Q8_0: legacy.quantize_q8_0, T.Q4_0: legacy.quantize_q4_0, T.Q5_0: legacy.quantize_q5_0}[qtype]
+    for case, x in inputs.items():
+        ref = golden(qtype)[case]
+        blocks = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(-1, block_size(qtype)))
+        assert np.array_equal(fn(blocks).numpy().reshape(ref.shape), ref), case
+        assert np.array_equal(npquant._torch_chunk(blocks.numpy(), qtype).reshape(ref.shape), ref), case
+
+
 @pytest.mark.parametrize("workers", ["fork", "threads"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkeypatch):
@@ -141,6 +153,7 @@ def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkey
     monkeypatch.setattr(kernels, "_FORK_MIN_VALUES", 0)  # forked however small the tensor
     q, d, _, _ = kernels._KERNELS[qtype]
     monkeypatch.setitem(kernels._KERNELS, qtype, (q, d, 256, 256))  # one super-block per chunk
+    monkeypatch.setattr(npquant, "CHUNK", 256)  # the numpy kernels' chunks (their own threads)
     used = []
     for name in ("_run_forked", "_run_parallel"):
         real = getattr(kernels, name)
@@ -154,7 +167,9 @@ def test_golden_bytes_in_small_chunks_and_workers(qtype, workers, inputs, monkey
         assert torch.get_num_threads() == 3  # restored after the workers
     finally:
         torch.set_num_threads(saved)
-    assert used == ["_run_forked" if workers == "fork" and qtype in kernels._FORKED_TYPES else "_run_parallel"]
+    numpy_only = qtype in npquant.NUMPY_TYPES  # never forked: numpy threads
+    assert used == [] if numpy_only else ["_run_forked" if workers == "fork" and qtype in kernels._FORKED_TYPES
+                                          else "_run_parallel"]
     with pytest.raises(ChildProcessError):  # every forked worker was reaped
         os.waitpid(-1, os.WNOHANG)
 

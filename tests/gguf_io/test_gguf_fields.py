@@ -56,9 +56,11 @@ def test_a_truncated_string_array_is_refused(meta_file, tmp_path):
 
 
 @pytest.mark.parametrize("args", [["inspect", "{f}"], ["quantize", "{f}", "{out}", "Q4_K_M", "--dry-run"],
-                                  ["--help"]])
+                                  ["--help"], ["quantize", "{f}", "{out}", "Q8_0", "--pure", "--quiet"],
+                                  ["quantize", "{f}", "{out}", "Q4_0", "--pure", "--threads", "2", "--quiet"]])
 def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
-    """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine)."""
+    """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine),
+    nor does quantizing a float GGUF to the types numpy writes alone (mtpq.ggml.npquant)."""
     argv = [a.format(f=meta_file, out=tmp_path / "o.gguf") for a in args]
     code = ("import sys\nfrom mtpq.cli import app\nsys.argv = ['mtpq', *sys.argv[1:]]\nrc = 0\n"
             "try:\n    app()\nexcept SystemExit as e:\n    rc = e.code or 0\n"
