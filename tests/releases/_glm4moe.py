@@ -9,6 +9,8 @@ head shares the trunk's, ``embed_tokens`` and ``shared_head.head``.
 
 from __future__ import annotations
 
+from . import experts, mlp, nextn
+
 
 def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
@@ -26,19 +28,13 @@ def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
         if cfg.get("use_qk_norm"):
             out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if L < cfg["first_k_dense_replace"]:
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
+            out |= mlp(p + "mlp.", ff, h)
         else:
             out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
-            sff = mff * cfg["n_shared_experts"]
-            out |= {p + "mlp.shared_experts.gate_proj.weight": (sff, h), p + "mlp.shared_experts.up_proj.weight": (sff, h),
-                    p + "mlp.shared_experts.down_proj.weight": (h, sff)}
+            out |= experts(p + "mlp.experts.", ne, mff, h)
+            out |= mlp(p + "mlp.shared_experts.", mff * cfg["n_shared_experts"], h)
         if L >= n:  # the MTP layer: NextN tensors beside a full MoE block
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "shared_head.norm.weight": (h,)}
+            out |= nextn(p, h, "shared_head.norm")
             if own_head:
                 out |= {p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h)}
     return out

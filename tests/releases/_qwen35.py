@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import fp8_block_scaled
+from . import experts, fp8_block_scaled, mlp
 
 
 def text_config(cfg: dict) -> dict:
@@ -70,16 +70,10 @@ def _block(t: dict, p: str, full: bool) -> dict[str, tuple[int, ...]]:
                     q + "in_proj_b.weight": (nv, h), q + "in_proj_a.weight": (nv, h)}
     if "num_experts" in t:
         ne, mff, sff = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-        out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.shared_expert_gate.weight": (1, h),
-                p + "mlp.shared_expert.gate_proj.weight": (sff, h), p + "mlp.shared_expert.up_proj.weight": (sff, h),
-                p + "mlp.shared_expert.down_proj.weight": (h, sff)}
-        for e in range(ne):
-            q = f"{p}mlp.experts.{e}."
-            out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
+        out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.shared_expert_gate.weight": (1, h)}
+        out |= mlp(p + "mlp.shared_expert.", sff, h) | experts(p + "mlp.experts.", ne, mff, h)
     else:
-        ff = t["intermediate_size"]
-        out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                p + "mlp.down_proj.weight": (h, ff)}
+        out |= mlp(p + "mlp.", t["intermediate_size"], h)
     return out
 
 

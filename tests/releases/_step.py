@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from . import mlp, nextn
+
 N_TRUNK, N_MTP = 4, 3
 LAYER_TYPES = ["full_attention"] + ["sliding_attention"] * 3 + ["sliding_attention"] * N_MTP
 N_ALL = N_TRUNK + N_MTP
@@ -149,17 +151,12 @@ def text_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
             ne, ff, sff = cfg["moe_num_experts"], cfg["moe_intermediate_size"], cfg["share_expert_dim"]
             out |= {p + "moe.gate.weight": (ne, h), p + "moe.router_bias": (ne,),
                     p + "moe.gate_proj.weight": (ne, ff, h), p + "moe.up_proj.weight": (ne, ff, h),
-                    p + "moe.down_proj.weight": (ne, h, ff),
-                    p + "share_expert.gate_proj.weight": (sff, h), p + "share_expert.up_proj.weight": (sff, h),
-                    p + "share_expert.down_proj.weight": (h, sff)}
+                    p + "moe.down_proj.weight": (ne, h, ff)} | mlp(p + "share_expert.", sff, h)
         else:
-            ff = cfg["intermediate_size"]
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
+            out |= mlp(p + "mlp.", cfg["intermediate_size"], h)
         if L >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "transformer.shared_head.norm.weight": (h,),
-                    p + "transformer.shared_head.output.weight": (vocab, h)}
+            out |= nextn(p, h, "transformer.shared_head.norm") | {
+                p + "transformer.shared_head.output.weight": (vocab, h)}
     return out
 
 

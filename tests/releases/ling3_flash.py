@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from . import experts, mlp, nextn
+
 RELEASE = "inclusionAI/Ling-3.0-flash"
 SOURCES = [
     "https://huggingface.co/inclusionAI/Ling-3.0-flash/blob/main/config.json (keys and values, as mirrored by "
@@ -153,19 +155,14 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
                     a + "o_norm.weight": (cfg["head_dim"],), a + "o_proj.weight": (h, d)}
         if bid < cfg["first_k_dense_replace"]:
             ff = cfg["intermediate_size"]
-            out |= {m + "gate_proj.weight": (ff, h), m + "up_proj.weight": (ff, h), m + "down_proj.weight": (h, ff)}
+            out |= mlp(m, ff, h)
         else:
             ne, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
             sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
-            out |= {m + "gate.weight": (ne, h), m + "gate.expert_bias": (ne,),
-                    m + "shared_experts.gate_proj.weight": (sff, h), m + "shared_experts.up_proj.weight": (sff, h),
-                    m + "shared_experts.down_proj.weight": (h, sff)}
-            for e in range(ne):
-                q = f"{m}experts.{e}."
-                out |= {q + "gate_proj.weight": (ff, h), q + "up_proj.weight": (ff, h), q + "down_proj.weight": (h, ff)}
+            out |= {m + "gate.weight": (ne, h), m + "gate.expert_bias": (ne,)} | mlp(m + "shared_experts.", sff, h)
+            out |= experts(m + "experts.", ne, ff, h)
         if bid >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "final_layernorm.weight": (h,)}
+            out |= nextn(p, h, "final_layernorm")
     return out
 
 
