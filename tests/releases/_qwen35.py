@@ -21,6 +21,18 @@ from pathlib import Path
 from . import experts, fp8_block_scaled, mlp
 
 
+# The text config keys every Qwen3.5 / 3.6 / Qwen3-Next manifest holds with the same values: the sizes they are all
+# shrunk to (hidden 256, 4 layers, heads 4/2 of 64, linear-attention heads 2/4 of 64) and fixed choices; each
+# manifest adds its release's own keys with ``variant``.
+SHARED_TEXT = {
+    "attention_bias": False, "attention_dropout": 0.0, "full_attention_interval": 4, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 64,
+    "max_position_embeddings": 262144, "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "use_cache": True,
+}
+
+
 def text_config(cfg: dict) -> dict:
     return cfg.get("text_config") or cfg
 
