@@ -140,6 +140,14 @@ def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0)
     return folder
 
 
+def set_config(folder: Path, **keys) -> None:
+    """Sets ``keys`` in the folder's config.json (written as the encoders write it: indent 2)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(keys)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
 def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:
     """The release's FP8 form as DeepSeek-V3 ships it: every 2-D projection e4m3 with 128x128 ``weight_scale_inv``
     tiles (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names: the release's

@@ -39,13 +39,22 @@ INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self
            "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
 
 
+def ffn(cfg: dict, p: str, L: int) -> dict[str, tuple[int, ...]]:
+    """Block L's MLP under ``p``: dense in the first ``first_k_dense_replace`` blocks, else the MoE block (router
+    ``gate.weight`` with its ``e_score_correction_bias``, experts one by one, shared experts); GLM-4.5's too."""
+    h, ne, mff = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    if L < cfg["first_k_dense_replace"]:
+        return mlp(p, cfg["intermediate_size"], h)
+    return ({p + "gate.weight": (ne, h), p + "gate.e_score_correction_bias": (ne,)} | experts(p + "experts.", ne, mff, h)
+            | mlp(p + "shared_experts.", mff * cfg["n_shared_experts"], h))
+
+
 def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> dict[str, tuple[int, ...]]:
     """Every stored tensor of a DeepSeek-V3-shaped checkpoint; ``indexed(bid)``: block bid carries the sparse
     attention's lightning indexer (DeepSeek-V3.2, GLM-5)."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, nope, rope, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    ql, kvl, ff, mff = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    ql, kvl, n = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["num_hidden_layers"]
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
@@ -57,12 +66,7 @@ def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> di
         if indexed(L):
             heads, dim = cfg["index_n_heads"], cfg["index_head_dim"]
             out |= dict(zip((p + k for k in INDEXER), ((heads * dim, ql), (dim, h), (dim,), (dim,), (heads, h))))
-        if L < cfg["first_k_dense_replace"]:
-            out |= mlp(p + "mlp.", ff, h)
-        else:
-            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            out |= experts(p + "mlp.experts.", ne, mff, h)
-            out |= mlp(p + "mlp.shared_experts.", mff * cfg["n_shared_experts"], h)
+        out |= ffn(cfg, p + "mlp.", L)
         if L >= n:
             out |= nextn(p, h) | {p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h),
                                   p + "shared_head.norm.weight": (h,)}

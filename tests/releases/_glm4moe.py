@@ -9,14 +9,13 @@ head shares the trunk's, ``embed_tokens`` and ``shared_head.head``.
 
 from __future__ import annotations
 
-from . import experts, mlp, nextn
+from . import nextn
+from ._deepseek import ffn
 
 
 def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv, ff, mff = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"], \
-        cfg["moe_intermediate_size"]
-    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    nh, nkv, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
@@ -27,12 +26,7 @@ def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.o_proj.weight": (h, nh * d)}
         if cfg.get("use_qk_norm"):
             out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-        if L < cfg["first_k_dense_replace"]:
-            out |= mlp(p + "mlp.", ff, h)
-        else:
-            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            out |= experts(p + "mlp.experts.", ne, mff, h)
-            out |= mlp(p + "mlp.shared_experts.", mff * cfg["n_shared_experts"], h)
+        out |= ffn(cfg, p + "mlp.", L)  # DeepSeek-V3's MoE block
         if L >= n:  # the MTP layer: NextN tensors beside a full MoE block
             out |= nextn(p, h, "shared_head.norm")
             if own_head:

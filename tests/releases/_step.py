@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import mlp, nextn
+from . import mlp, nextn, set_config
 
 N_TRUNK, N_MTP = 4, 3
 LAYER_TYPES = ["full_attention"] + ["sliding_attention"] * 3 + ["sliding_attention"] * N_MTP
@@ -182,8 +182,5 @@ def fp8_routed_experts(folder: Path, block: int = 128) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(tensors, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [block, block]}
-    path.write_text(json.dumps(cfg, indent=2))
+    set_config(folder, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                            "weight_block_size": [block, block]})

@@ -17,6 +17,7 @@ llama.cpp's GlmMoeDsaModel (conversion/glm.py) keeps the MTP layer: every cell i
 
 from . import variant
 from ._deepseek import SHARED_CONFIG, f32, fp8_release, tensors as _tensors
+from .glm47_flash import CONFIG as _GLM47_FLASH
 
 RELEASE = "zai-org/GLM-5"
 SOURCES = [
@@ -30,11 +31,10 @@ SOURCES = [
     "vllm/model_executor/models/deepseek_v2.py and deepseek_mtp.py (GlmMoeDsaForCausalLM; the MTP layer 78)",
     "llama.cpp conversion/glm.py GlmMoeDsaModel (keeps the MTP layer; indexer metadata)",
 ]
-# the release's keys beside the sizes every DeepSeek-V3-shaped manifest shrinks alike (_deepseek.SHARED_CONFIG)
-CONFIG = variant(SHARED_CONFIG, {
+# GLM-4.7-Flash's keys (the same GLM vocab, ids and sizes: glm47_flash.py) but DeepSeek-V3.2's indexer keys, a
+# transformers 5 rope_parameters for rope_scaling / rope_theta / partial_rotary_factor, and these values
+CONFIG = variant(_GLM47_FLASH, {
     "architectures": ["GlmMoeDsaForCausalLM"],
-    "dtype": "bfloat16",
-    "eos_token_id": [154820, 154827, 154829],
     "ep_size": 1,
     "head_dim": 32,
     "index_head_dim": 64,
@@ -42,21 +42,15 @@ CONFIG = variant(SHARED_CONFIG, {
     "index_topk": 64,
     "indexer_rope_interleave": True,
     "initializer_range": 0.02,
-    "max_position_embeddings": 202752,
     "model_type": "glm_moe_dsa",
     "moe_layer_freq": 1,
-    "n_group": 1,
-    "pad_token_id": 154820,
     "qk_head_dim": 96,
-    "rms_norm_eps": 1e-05,
     "rope_interleave": True,
     "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
     "transformers_version": "5.0.2.dev0",
-    "vocab_size": 154880,
-})
+}, drop=("partial_rotary_factor", "rope_scaling", "rope_theta"))
 FORMS = {"bf16": f32("mlp.gate.e_score_correction_bias"),
          "fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight", "indexer.weights_proj.weight"))}
 DRAFTS = True

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import experts, mlp, nextn
+from . import experts, mlp, nextn, set_config
 
 RELEASE = "inclusionAI/Ling-3.0-flash"
 SOURCES = [
@@ -209,14 +209,11 @@ def _fp8(folder: Path, mxfp4_experts: bool) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(out, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    cfg_path = folder / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
-                                  "modules_to_not_convert": ["lm_head", "b_proj"]}
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "scale_fmt": "ue8m0", "modules_to_not_convert": ["lm_head", "b_proj"]}
     if mxfp4_experts:
-        cfg["quantization_config"] |= {"routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+        qc |= {"routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
+    set_config(folder, quantization_config=qc)
 
 
 _NO_MXFP4_IN_LLAMA_CPP = (
