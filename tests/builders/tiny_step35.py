@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _randn, finish_checkpoint, n_blocks, rand_attention, rand_mlp, rand_nextn, start_checkpoint
+from tests.builders.tiny import (_randn, finish_checkpoint, n_blocks, rand_attention, rand_mlp, rand_nextn,
+                                 start_checkpoint)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 2

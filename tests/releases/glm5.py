@@ -16,7 +16,7 @@ llama.cpp's GlmMoeDsaModel (conversion/glm.py) keeps the MTP layer: every cell i
 """
 
 from . import variant
-from ._deepseek import SHARED_CONFIG, f32, fp8_release, tensors as _tensors
+from ._deepseek import f32, fp8_release, tensors as _tensors
 from .glm47_flash import CONFIG as _GLM47_FLASH
 
 RELEASE = "zai-org/GLM-5"
