@@ -85,6 +85,22 @@ def finish_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tenso
     return folder
 
 
+def block_checkpoint(folder: Path, config, specials: list[str], block_tensors, h: int, *, seed: int,
+                     dtype: torch.dtype, n_shards: int, with_mtp: bool, embed: str = "model.embed_tokens.weight",
+                     norm=None, **over) -> Path:
+    """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
+    final norm (drawn by ``norm``, default _norm), lm_head unless the config ties it, then
+    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
+    norm = norm or _norm
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
+    sd = {embed: _randn(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
+    if not cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = _randn(vocab, h, gen=gen)
+    for bid in range(n_blocks(cfg, with_mtp)):
+        sd.update(block_tensors(bid, cfg, gen))
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+
+
 def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" in name):
     """(state dict as save_pretrained writes it, generator for further tensors) of a seeded random
     transformers model whose 1-D parameters are made informative (random init leaves norms at 1, biases 0)."""

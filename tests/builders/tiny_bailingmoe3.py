@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import (_norm, _randn, finish_checkpoint, n_blocks, rand_experts, rand_mlp, rand_nextn,
-                                 start_checkpoint)
+from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_experts, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
 H = 256
@@ -86,16 +85,17 @@ def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.T
     return t | rand_experts(p + "experts.", n_exp, ff, H, gen)
 
 
+def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    p = f"model.layers.{bid}."
+    t = {p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)}
+    t.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
+    t.update(_mlp(p + "mlp.", cfg, bid, gen))
+    if bid >= cfg["num_hidden_layers"]:
+        t.update(rand_nextn(p, H, gen, "final_layernorm"))
+    return t
+
+
 def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
                 with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.word_embeddings.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        p = f"model.layers.{bid}."
-        sd.update({p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)})
-        sd.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
-        sd.update(_mlp(p + "mlp.", cfg, bid, gen))
-        if bid >= cfg["num_hidden_layers"]:
-            sd.update(rand_nextn(p, H, gen, "final_layernorm"))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, _block, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, embed="model.word_embeddings.weight", **over)

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import (_norm, _randn, finish_checkpoint, n_blocks, rand_attention, rand_experts, rand_mlp,
-                                 rand_nextn, start_checkpoint)
+from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
@@ -63,9 +62,5 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
 
 def hyv3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
          with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        sd.update(block_tensors(bid, cfg, gen))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, **over)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import (_randn, finish_checkpoint, n_blocks, rand_attention, rand_mlp, rand_nextn,
-                                 start_checkpoint)
+from tests.builders.tiny import _randn, block_checkpoint, rand_attention, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 2
@@ -90,12 +89,8 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
 
 def step35(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
            with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _zero_centred(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        sd.update(block_tensors(bid, cfg, gen))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, norm=_zero_centred, **over)
 
 
 VISION_TOWER = {"vision_model.positional_embedding": (4, 64), "vision_model.vit_downsampler1.weight": (64, 64),
