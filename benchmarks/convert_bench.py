@@ -198,18 +198,11 @@ def copy_seconds(shards: list[Path], work: Path, out_bytes: int) -> tuple[float,
     """The baseline: bring the checkpoint's bytes into memory and write out as many bytes as the conversion
     writes, as any converter must (a plain copy when the sizes match; FP8 -> bf16 writes twice what it reads).
     Returns (wall seconds, CPU seconds)."""
-    in_bytes = sum(s.stat().st_size for s in shards)
-    buf = bytearray(64 << 20)
+    from tests.helpers.baseline import scaled_copy
+
     c0 = _cpu()
     t0 = time.perf_counter()
-    with open(work / "mtpq-bench-copy.bin", "wb") as dst_f:
-        for s in shards:
-            with open(s, "rb") as src_f:
-                while n := src_f.readinto(buf):
-                    todo = round(n * out_bytes / in_bytes)
-                    while todo > 0:
-                        dst_f.write(memoryview(buf)[:min(n, todo)])
-                        todo -= min(n, todo)
+    scaled_copy(shards, out_bytes, work / "mtpq-bench-copy.bin")
     dt, cpu = time.perf_counter() - t0, _cpu() - c0
     (work / "mtpq-bench-copy.bin").unlink()
     return dt, cpu

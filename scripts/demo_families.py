@@ -58,6 +58,17 @@ def _shell(lm: nn.Module) -> DemoModel:
 
 # --------------------------------------------------------------------------- GLM-4.5
 
+def _with_head(lm: nn.Module, mtp: nn.Module, norm_weight: torch.Tensor) -> DemoModel:
+    """A fresh model to train: ``lm`` and its MTP head ``mtp`` (initialised as the trunk's layers), the trunk's
+    final norm weight set to ``norm_weight``."""
+    model = DemoModel()
+    model.lm, model.mtp = lm, mtp
+    model.mtp.apply(lm._init_weights)
+    with torch.no_grad():
+        lm.model.norm.weight.copy_(norm_weight)
+    return model
+
+
 class Glm4Moe:
     name = "glm4moe"
     architecture = "Glm4MoeForCausalLM"
@@ -87,13 +98,9 @@ class Glm4Moe:
     def build(self, config, norm_spread: float, gen: torch.Generator) -> DemoModel:
         from transformers import Glm4MoeForCausalLM
 
-        model = DemoModel()
-        model.lm = Glm4MoeForCausalLM(config)
-        model.mtp = GlmMtpLayer(config)
-        model.mtp.apply(model.lm._init_weights)
-        with torch.no_grad():  # a final norm far from uniform: pre- and post-norm states differ in direction
-            model.lm.model.norm.weight.copy_(torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen)))
-        return model
+        # a final norm far from uniform: pre- and post-norm states differ in direction
+        return _with_head(Glm4MoeForCausalLM(config), GlmMtpLayer(config),
+                          torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen)))
 
     def routers(self, model: DemoModel) -> list[nn.Module]:
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
@@ -198,14 +205,9 @@ class Qwen35:
     def build(self, config, norm_spread: float, gen: torch.Generator) -> DemoModel:
         from transformers import Qwen3_5ForCausalLM
 
-        model = DemoModel()
-        model.lm = Qwen3_5ForCausalLM(config)
-        model.mtp = QwenMtpLayer(config)
-        model.mtp.apply(model.lm._init_weights)
-        with torch.no_grad():  # zero-centred norm (scale 1 + w): a wide log-normal scale, as for GLM
-            scale = torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen))
-            model.lm.model.norm.weight.copy_(scale - 1)
-        return model
+        # zero-centred norm (scale 1 + w): a wide log-normal scale, as for GLM
+        scale = torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen))
+        return _with_head(Qwen3_5ForCausalLM(config), QwenMtpLayer(config), scale - 1)
 
     def routers(self, model: DemoModel) -> list[nn.Module]:
         return []  # dense

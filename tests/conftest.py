@@ -27,19 +27,21 @@ def glm_ckpt(tmp_path_factory) -> Path:
     return tiny.glm4moe(tmp_path_factory.mktemp("glm") / "ckpt", dtype=__import__("torch").float32)
 
 
+def _folder_from_env(var: str, holds: str, what: str) -> Path:
+    """The folder environment variable ``var`` names; the test is skipped unless it holds ``holds``."""
+    d = os.environ.get(var)
+    if not d or not (Path(d) / holds).exists():
+        pytest.skip(f"set {var} to {what}")
+    return Path(d)
+
+
 @pytest.fixture(scope="session")
 def llama_cpp_bin() -> Path:
     """Folder with llama.cpp binaries (llama-cli, llama-quantize, llama-speculative-simple)."""
-    d = os.environ.get("MTPQ_LLAMA_CPP_BIN")
-    if not d or not (Path(d) / "llama-quantize").exists():
-        pytest.skip("set MTPQ_LLAMA_CPP_BIN to a folder with llama.cpp binaries")
-    return Path(d)
+    return _folder_from_env("MTPQ_LLAMA_CPP_BIN", "llama-quantize", "a folder with llama.cpp binaries")
 
 
 @pytest.fixture(scope="session")
 def llama_cpp_src() -> Path:
     """The llama.cpp source tree (its convert_hf_to_gguf.py and gguf-py) for cross-checks."""
-    d = os.environ.get("MTPQ_LLAMA_CPP_SRC")
-    if not d or not (Path(d) / "convert_hf_to_gguf.py").exists():
-        pytest.skip("set MTPQ_LLAMA_CPP_SRC to a llama.cpp source tree")
-    return Path(d)
+    return _folder_from_env("MTPQ_LLAMA_CPP_SRC", "convert_hf_to_gguf.py", "a llama.cpp source tree")

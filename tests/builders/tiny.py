@@ -85,6 +85,22 @@ def finish_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tenso
     return folder
 
 
+def block_checkpoint(folder: Path, config, specials: list[str], block_tensors, h: int, *, seed: int,
+                     dtype: torch.dtype, n_shards: int, with_mtp: bool, embed: str = "model.embed_tokens.weight",
+                     norm=None, **over) -> Path:
+    """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
+    final norm (drawn by ``norm``, default _norm), lm_head unless the config ties it, then
+    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
+    norm = norm or _norm
+    folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
+    sd = {embed: _randn(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
+    if not cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = _randn(vocab, h, gen=gen)
+    for bid in range(n_blocks(cfg, with_mtp)):
+        sd.update(block_tensors(bid, cfg, gen))
+    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+
+
 def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" in name):
     """(state dict as save_pretrained writes it, generator for further tensors) of a seeded random
     transformers model whose 1-D parameters are made informative (random init leaves norms at 1, biases 0)."""
@@ -132,6 +148,34 @@ def _norm(n: int, gen: torch.Generator) -> torch.Tensor:
     return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
 
+def rand_mlp(p: str, ff: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's projections under ``p``, drawn in the order gate, up, down (what every builder draws)."""
+    return {p + "gate_proj.weight": _randn(ff, h, gen=gen), p + "up_proj.weight": _randn(ff, h, gen=gen),
+            p + "down_proj.weight": _randn(h, ff, gen=gen)}
+
+
+def rand_experts(p: str, n_exp: int, ff: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``n_exp`` routed experts one by one (``p + "{e}.gate_proj.weight"``, ...), expert by expert."""
+    t = {}
+    for e in range(n_exp):
+        t.update(rand_mlp(f"{p}{e}.", ff, h, gen))
+    return t
+
+
+def rand_attention(p: str, h: int, nh: int, nkv: int, hd: int, gen: torch.Generator,
+                   dv: int | None = None) -> dict[str, torch.Tensor]:
+    """q/k/v/o projections under ``p`` (v and o ``dv`` wide per head, default ``hd``), drawn in that order."""
+    dv = dv or hd
+    return {p + "q_proj.weight": _randn(nh * hd, h, gen=gen), p + "k_proj.weight": _randn(nkv * hd, h, gen=gen),
+            p + "v_proj.weight": _randn(nkv * dv, h, gen=gen), p + "o_proj.weight": _randn(h, nh * dv, gen=gen)}
+
+
+def rand_nextn(p: str, h: int, gen: torch.Generator, *norms: str, norm=_norm) -> dict[str, torch.Tensor]:
+    """An MTP layer's NextN tensors under ``p``: eh_proj, enorm, hnorm, then ``norms``, drawn in that order."""
+    return {p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+            **{p + n + ".weight": norm(h, gen) for n in ("enorm", "hnorm", *norms)}}
+
+
 def glm4moe_config(**over) -> dict:
     cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -168,16 +212,10 @@ def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[
     p = f"model.layers.{n}."
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     t = {
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-        p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen),
-        p + "shared_head.norm.weight": _norm(h, gen),
+        **rand_nextn(p, h, gen, "shared_head.norm"),
         p + "input_layernorm.weight": _norm(h, gen),
         p + "post_attention_layernorm.weight": _norm(h, gen),
-        p + "self_attn.q_proj.weight": _randn(nh * hd, h, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(nkv * hd, h, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(nkv * hd, h, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(h, nh * hd, gen=gen),
+        **rand_attention(p + "self_attn.", h, nh, nkv, hd, gen),
         p + "mlp.gate.weight": _randn(cfg.n_routed_experts, h, gen=gen),
         p + "mlp.gate.e_score_correction_bias": 0.01 * torch.randn(cfg.n_routed_experts, generator=gen),
     }
@@ -188,14 +226,8 @@ def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[
         t[p + "self_attn.q_norm.weight"] = _norm(hd, gen)
         t[p + "self_attn.k_norm.weight"] = _norm(hd, gen)
     ff = cfg.moe_intermediate_size
-    for e in range(cfg.n_routed_experts):
-        t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(ff, h, gen=gen)
-        t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(ff, h, gen=gen)
-        t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(h, ff, gen=gen)
-    sff = ff * cfg.n_shared_experts
-    t[p + "mlp.shared_experts.gate_proj.weight"] = _randn(sff, h, gen=gen)
-    t[p + "mlp.shared_experts.up_proj.weight"] = _randn(sff, h, gen=gen)
-    t[p + "mlp.shared_experts.down_proj.weight"] = _randn(h, sff, gen=gen)
+    t.update(rand_experts(p + "mlp.experts.", cfg.n_routed_experts, ff, h, gen))
+    t.update(rand_mlp(p + "mlp.shared_experts.", ff * cfg.n_shared_experts, h, gen))
     if not glm46:
         t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
         t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)

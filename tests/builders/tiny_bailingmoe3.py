@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_experts, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
 H = 256
@@ -77,33 +77,25 @@ def _mla(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     if bid < cfg["first_k_dense_replace"]:
-        ff = cfg["intermediate_size"]
-        return {p + "gate_proj.weight": _randn(ff, H, gen=gen), p + "up_proj.weight": _randn(ff, H, gen=gen),
-                p + "down_proj.weight": _randn(H, ff, gen=gen)}
+        return rand_mlp(p, cfg["intermediate_size"], H, gen)
     n_exp, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
     sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
-    t = {p + "gate.weight": _randn(n_exp, H, gen=gen), p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen),
-         p + "shared_experts.gate_proj.weight": _randn(sff, H, gen=gen),
-         p + "shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
-         p + "shared_experts.down_proj.weight": _randn(H, sff, gen=gen)}
-    for e in range(n_exp):
-        q = f"{p}experts.{e}."
-        t.update({q + "gate_proj.weight": _randn(ff, H, gen=gen), q + "up_proj.weight": _randn(ff, H, gen=gen),
-                  q + "down_proj.weight": _randn(H, ff, gen=gen)})
+    t = {p + "gate.weight": _randn(n_exp, H, gen=gen), p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen)}
+    t.update(rand_mlp(p + "shared_experts.", sff, H, gen))
+    return t | rand_experts(p + "experts.", n_exp, ff, H, gen)
+
+
+def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    p = f"model.layers.{bid}."
+    t = {p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)}
+    t.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
+    t.update(_mlp(p + "mlp.", cfg, bid, gen))
+    if bid >= cfg["num_hidden_layers"]:
+        t.update(rand_nextn(p, H, gen, "final_layernorm"))
     return t
 
 
 def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
                 with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.word_embeddings.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        p = f"model.layers.{bid}."
-        sd.update({p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)})
-        sd.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
-        sd.update(_mlp(p + "mlp.", cfg, bid, gen))
-        if bid >= cfg["num_hidden_layers"]:
-            sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
-                       p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, _block, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, embed="model.word_embeddings.weight", **over)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn
 
 SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
 H = 256
@@ -48,45 +48,25 @@ def config(vocab: int, **over) -> dict:
 def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     p = f"model.layers.{bid}."
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    t = {
-        p + "input_layernorm.weight": _norm(H, gen),
-        p + "self_attn.q_proj.weight": _randn(nh * hd, H, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(H, nh * hd, gen=gen),
-    }
+    t = {p + "input_layernorm.weight": _norm(H, gen)} | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
     if cfg["attention_bias"]:  # zero, as Cohere ships them (llama.cpp drops zero biases)
         t.update({p + f"self_attn.{x}_proj.bias": torch.zeros(n) for x, n in
                   (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", H))})
     types = cfg["mlp_layer_types"]
     if bid < len(types) and types[bid] == "dense":
-        ff = cfg["prefix_dense_intermediate_size"]
-        t.update({p + "mlp.gate_proj.weight": _randn(ff, H, gen=gen), p + "mlp.up_proj.weight": _randn(ff, H, gen=gen),
-                  p + "mlp.down_proj.weight": _randn(H, ff, gen=gen)})
+        t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], H, gen))
     else:  # MoE, the MTP layer too
         ff, n_exp = cfg["intermediate_size"], cfg["num_experts"]
         t[p + "mlp.gate.weight"] = _randn(n_exp, H, gen=gen)
-        for e in range(n_exp):
-            q = f"{p}mlp.experts.{e}."
-            t.update({q + "gate_proj.weight": _randn(ff, H, gen=gen), q + "up_proj.weight": _randn(ff, H, gen=gen),
-                      q + "down_proj.weight": _randn(H, ff, gen=gen)})
+        t.update(rand_experts(p + "mlp.experts.", n_exp, ff, H, gen))
         if n_shared := cfg["num_shared_experts"]:
-            sff = ff * n_shared
-            t.update({p + "mlp.shared_experts.gate_proj.weight": _randn(sff, H, gen=gen),
-                      p + "mlp.shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
-                      p + "mlp.shared_experts.down_proj.weight": _randn(H, sff, gen=gen)})
+            t.update(rand_mlp(p + "mlp.shared_experts.", ff * n_shared, H, gen))
     if bid >= cfg["num_hidden_layers"]:
-        t.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
-                  p + "hnorm.weight": _norm(H, gen), p + "shared_head.norm.weight": _norm(H, gen)})
+        t.update(rand_nextn(p, H, gen, "shared_head.norm"))
     return t
 
 
 def cohere2moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
                with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen)}
-    if not cfg["tie_word_embeddings"]:
-        sd["lm_head.weight"] = _randn(vocab, H, gen=gen)
-    for bid in range(n_blocks(cfg, with_mtp)):
-        sd.update(block_tensors(bid, cfg, gen))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, **over)

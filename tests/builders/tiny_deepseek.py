@@ -53,19 +53,24 @@ def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloa
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=SPECIALS)
-    _use_bos(folder)
-    params = deepseek_v3_config(**config_over)
-    n = params["num_hidden_layers"]
-    cfg = DeepseekV3Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
+    folder, n, cfg = start(folder, DeepseekV3Config, deepseek_v3_config(**config_over))
     sd, gen = random_hf_state_dict(DeepseekV3ForCausalLM, cfg, seed)
     sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
     config = cfg.to_dict()
     config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
     save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
     return folder
+
+
+def start(folder: Path, config_cls, params: dict):
+    """The folder with DeepSeek's tokenizer (BOS added), the trunk's layer count n and the transformers config of
+    ``params`` with one more layer: layer n is the MTP block."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=SPECIALS)
+    _use_bos(folder)
+    n = params["num_hidden_layers"]
+    return folder, n, config_cls(**{**params, "num_hidden_layers": n + 1})
 
 
 def _use_bos(folder: Path) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
-from tests.builders.tiny_deepseek import SPECIALS, YARN, _use_bos, deepseek_v3_config
+from tests.builders.tiny import nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny_deepseek import YARN, deepseek_v3_config, start
 
 
 def deepseek_v32_config(**over) -> dict:
@@ -39,13 +39,7 @@ def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bflo
     """
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=SPECIALS)
-    _use_bos(folder)
-    params = deepseek_v32_config(**config_over)
-    n = params["num_hidden_layers"]
-    cfg = DeepseekV32Config(**{**params, "num_hidden_layers": n + 1})  # layer n is the MTP block
+    folder, n, cfg = start(folder, DeepseekV32Config, deepseek_v32_config(**config_over))
     sd, gen = random_hf_state_dict(DeepseekV32ForCausalLM, cfg, seed, is_norm=lambda name: name.endswith("norm.weight"))
     if positive_index_weights:
         sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})

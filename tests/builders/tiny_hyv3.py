@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, finish_checkpoint, n_blocks, start_checkpoint
+from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
@@ -45,40 +45,22 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     p = f"model.layers.{bid}."
     nh, nkv, hd, n_exp = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_experts"]
     ff, moe_ff = cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    t = {
-        p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen),
-        p + "self_attn.q_proj.weight": _randn(nh * hd, H, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(H, nh * hd, gen=gen),
-        p + "self_attn.q_norm.weight": _norm(hd, gen), p + "self_attn.k_norm.weight": _norm(hd, gen),
-    }
+    t = {p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)}
+    t |= rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
+    t |= {p + "self_attn.q_norm.weight": _norm(hd, gen), p + "self_attn.k_norm.weight": _norm(hd, gen)}
     if bid < cfg["first_k_dense_replace"]:
-        t.update({p + "mlp.gate_proj.weight": _randn(ff, H, gen=gen), p + "mlp.up_proj.weight": _randn(ff, H, gen=gen),
-                  p + "mlp.down_proj.weight": _randn(H, ff, gen=gen)})
+        t.update(rand_mlp(p + "mlp.", ff, H, gen))
     else:  # MoE, the MTP layer too
         t[p + "mlp.router.gate.weight"] = _randn(n_exp, H, gen=gen)
         t[p + "mlp.expert_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
-        for e in range(n_exp):
-            q = f"{p}mlp.experts.{e}."
-            t.update({q + "gate_proj.weight": _randn(moe_ff, H, gen=gen),
-                      q + "up_proj.weight": _randn(moe_ff, H, gen=gen),
-                      q + "down_proj.weight": _randn(H, moe_ff, gen=gen)})
-        shared = moe_ff * cfg["num_shared_experts"]
-        t.update({p + "mlp.shared_mlp.gate_proj.weight": _randn(shared, H, gen=gen),
-                  p + "mlp.shared_mlp.up_proj.weight": _randn(shared, H, gen=gen),
-                  p + "mlp.shared_mlp.down_proj.weight": _randn(H, shared, gen=gen)})
+        t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, H, gen))
+        t.update(rand_mlp(p + "mlp.shared_mlp.", moe_ff * cfg["num_shared_experts"], H, gen))
     if bid >= cfg["num_hidden_layers"]:
-        t.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
-                  p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
+        t.update(rand_nextn(p, H, gen, "final_layernorm"))
     return t
 
 
 def hyv3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
          with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        sd.update(block_tensors(bid, cfg, gen))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, **over)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, finish_checkpoint, start_checkpoint
+from tests.builders.tiny import (_norm, _randn, finish_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn,
+                                 start_checkpoint)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 3
@@ -48,26 +49,16 @@ def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator, cfg: dict 
     n_head, d, dv = cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
     n_kv = cfg["swa_num_key_value_heads" if swa else "num_key_value_heads"]
     h, ff, moe_ff, n_exp = cfg["hidden_size"], cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-    t = {
-        p + "input_layernorm.weight": _norm(h, gen), p + "post_attention_layernorm.weight": _norm(h, gen),
-        p + "self_attn.q_proj.weight": _randn(n_head * d, h, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(n_kv * d, h, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(n_kv * dv, h, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(h, n_head * dv, gen=gen),
-    }
+    t = {p + "input_layernorm.weight": _norm(h, gen), p + "post_attention_layernorm.weight": _norm(h, gen)}
+    t |= rand_attention(p + "self_attn.", h, n_head, n_kv, d, gen, dv=dv)
     if swa:
         t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(n_head, generator=gen)
     if moe:
         t[p + "mlp.gate.weight"] = _randn(n_exp, h, gen=gen)
         t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
-        for e in range(n_exp):
-            t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn(moe_ff, h, gen=gen)
-            t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn(moe_ff, h, gen=gen)
-            t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn(h, moe_ff, gen=gen)
+        t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, h, gen))
     else:
-        t[p + "mlp.gate_proj.weight"] = _randn(ff, h, gen=gen)
-        t[p + "mlp.up_proj.weight"] = _randn(ff, h, gen=gen)
-        t[p + "mlp.down_proj.weight"] = _randn(h, ff, gen=gen)
+        t.update(rand_mlp(p + "mlp.", ff, h, gen))
     return t
 
 
@@ -83,8 +74,7 @@ def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_
         block = block_tensors(p, True, False, gen, cfg)  # as released: the MTP block's FFN norm is pre_mlp_layernorm
         block[p + "pre_mlp_layernorm.weight"] = block.pop(p + "post_attention_layernorm.weight")
         sd.update(block)
-        sd.update({p + "eh_proj.weight": _randn(H, 2 * H, gen=gen), p + "enorm.weight": _norm(H, gen),
-                   p + "hnorm.weight": _norm(H, gen), p + "final_layernorm.weight": _norm(H, gen)})
+        sd.update(rand_nextn(p, H, gen, "final_layernorm"))
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
 
 

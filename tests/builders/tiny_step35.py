@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _randn, finish_checkpoint, n_blocks, start_checkpoint
+from tests.builders.tiny import _randn, block_checkpoint, rand_attention, rand_mlp, rand_nextn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 2
@@ -64,10 +64,7 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     t = {
         p + "input_layernorm.weight": _zero_centred(H, gen),
         p + "post_attention_layernorm.weight": _zero_centred(H, gen),
-        p + "self_attn.q_proj.weight": _randn(n_head * HEAD_DIM, H, gen=gen),
-        p + "self_attn.k_proj.weight": _randn(n_kv * HEAD_DIM, H, gen=gen),
-        p + "self_attn.v_proj.weight": _randn(n_kv * HEAD_DIM, H, gen=gen),
-        p + "self_attn.o_proj.weight": _randn(H, n_head * HEAD_DIM, gen=gen),
+        **rand_attention(p + "self_attn.", H, n_head, n_kv, HEAD_DIM, gen),
         p + "self_attn.q_norm.weight": _zero_centred(HEAD_DIM, gen),
         p + "self_attn.k_norm.weight": _zero_centred(HEAD_DIM, gen),
         p + "self_attn.g_proj.weight": _randn(n_head, H, gen=gen),
@@ -80,35 +77,20 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
             p + "moe.gate_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
             p + "moe.up_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
             p + "moe.down_proj.weight": _randn(N_EXP, H, MOE_FF, gen=gen),
-            p + "share_expert.gate_proj.weight": _randn(SHARE_FF, H, gen=gen),
-            p + "share_expert.up_proj.weight": _randn(SHARE_FF, H, gen=gen),
-            p + "share_expert.down_proj.weight": _randn(H, SHARE_FF, gen=gen),
+            **rand_mlp(p + "share_expert.", SHARE_FF, H, gen),
         })
     else:  # the leading dense layer and the MTP blocks
-        t.update({
-            p + "mlp.gate_proj.weight": _randn(FF, H, gen=gen),
-            p + "mlp.up_proj.weight": _randn(FF, H, gen=gen),
-            p + "mlp.down_proj.weight": _randn(H, FF, gen=gen),
-        })
+        t.update(rand_mlp(p + "mlp.", FF, H, gen))
     if bid >= cfg["num_hidden_layers"]:
-        t.update({
-            p + "eh_proj.weight": _randn(H, 2 * H, gen=gen),
-            p + "enorm.weight": _zero_centred(H, gen),
-            p + "hnorm.weight": _zero_centred(H, gen),
-            p + "transformer.shared_head.norm.weight": _zero_centred(H, gen),
-            p + "transformer.shared_head.output.weight": _randn(cfg["vocab_size"], H, gen=gen),
-        })
+        t.update(rand_nextn(p, H, gen, "transformer.shared_head.norm", norm=_zero_centred))
+        t[p + "transformer.shared_head.output.weight"] = _randn(cfg["vocab_size"], H, gen=gen)
     return t
 
 
 def step35(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
            with_mtp: bool = True, **over) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _zero_centred(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
-    for bid in range(n_blocks(cfg, with_mtp)):
-        sd.update(block_tensors(bid, cfg, gen))
-    return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
+                            with_mtp=with_mtp, norm=_zero_centred, **over)
 
 
 VISION_TOWER = {"vision_model.positional_embedding": (4, 64), "vision_model.vit_downsampler1.weight": (64, 64),

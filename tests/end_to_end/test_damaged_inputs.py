@@ -270,6 +270,23 @@ def conv(c: Case, folder: Path, *extra: str) -> list:
     return ["convert", folder, c.out / "o.gguf", "--quiet", *extra]
 
 
+def file_cases(table: dict[str, tuple[str, str | bytes | None, list[str]]]) -> None:
+    """Cases ``{name: (file, content, needles)}``: convert a checkpoint whose ``file`` holds ``content`` (text or
+    bytes; None: the file removed) and expect the ``needles``."""
+    def run(c: Case, file: str, content, needles: list[str]) -> tuple:
+        f = c.ckpt()
+        if content is None:
+            (f / file).unlink()
+        elif isinstance(content, bytes):
+            (f / file).write_bytes(content)
+        else:
+            (f / file).write_text(content)
+        return conv(c, f), needles
+
+    for name, (file, content, needles) in table.items():
+        case(name)(lambda c, fi=file, co=content, nd=needles: run(c, fi, co, nd))
+
+
 # --- convert: config.json ----------------------------------------------------------------
 
 _CONFIG_CASES = {
@@ -318,39 +335,13 @@ for _name, (_changes, _needle) in _CONFIG_CASES.items():
         conv(c, c.config(c.ckpt(), **ch)), ["config.json", nd] if cfg else [nd]))
 
 
-@case("convert-config-missing")
-def _(c):
-    f = c.ckpt()
-    (f / "config.json").unlink()
-    return conv(c, f), ["config.json", "missing config.json"]
-
-
-@case("convert-config-not-json")
-def _(c):
-    f = c.ckpt()
-    (f / "config.json").write_text("{ not json")
-    return conv(c, f), ["config.json", "invalid JSON"]
-
-
-@case("convert-config-list")
-def _(c):
-    f = c.ckpt()
-    (f / "config.json").write_text("[1, 2, 3]")
-    return conv(c, f), ["config.json", "expected a JSON object"]
-
-
-@case("convert-config-not-utf8")
-def _(c):
-    f = c.ckpt()
-    (f / "config.json").write_bytes(b'{"hidden_size": "\xff\xfe"}')
-    return conv(c, f), ["config.json", "not UTF-8"]
-
-
-@case("convert-config-empty")
-def _(c):
-    f = c.ckpt()
-    (f / "config.json").write_text("")
-    return conv(c, f), ["config.json", "invalid JSON"]
+file_cases({  # config.json damaged or gone
+    "convert-config-missing": ("config.json", None, ["config.json", "missing config.json"]),
+    "convert-config-not-json": ("config.json", "{ not json", ["config.json", "invalid JSON"]),
+    "convert-config-list": ("config.json", "[1, 2, 3]", ["config.json", "expected a JSON object"]),
+    "convert-config-not-utf8": ("config.json", b'{"hidden_size": "\xff\xfe"}', ["config.json", "not UTF-8"]),
+    "convert-config-empty": ("config.json", "", ["config.json", "invalid JSON"]),
+})
 
 
 @case("convert-config-is-folder")
@@ -598,25 +589,13 @@ def _(c):
     return conv(c, f), ["also stored in", name]
 
 
-@case("convert-index-not-json")
-def _(c):
-    f = c.ckpt()
-    (f / "model.safetensors.index.json").write_text("{")
-    return conv(c, f), ["model.safetensors.index.json", "invalid index"]
-
-
-@case("convert-index-no-weight-map")
-def _(c):
-    f = c.ckpt()
-    (f / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    return conv(c, f), ["model.safetensors.index.json", "invalid index"]
-
-
-@case("convert-index-weight-map-list")
-def _(c):
-    f = c.ckpt()
-    (f / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
-    return conv(c, f), ["model.safetensors.index.json", "invalid index"]
+_INDEX = "model.safetensors.index.json"
+file_cases({  # the safetensors index damaged
+    "convert-index-not-json": (_INDEX, "{", [_INDEX, "invalid index"]),
+    "convert-index-no-weight-map": (_INDEX, '{"metadata": {}}', [_INDEX, "invalid index"]),
+    "convert-index-weight-map-list": (_INDEX, '{"weight_map": [1, 2]}', [_INDEX, "invalid index"]),
+    "convert-index-not-utf8": (_INDEX, b'{"weight_map": {"\xff": 1}}', [_INDEX, "invalid index"]),
+})
 
 
 @case("convert-index-shard-missing")
@@ -637,13 +616,6 @@ def _(c):
     return conv(c, f), ["model.safetensors.index.json", name]
 
 
-@case("convert-index-not-utf8")
-def _(c):
-    f = c.ckpt()
-    (f / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"\xff": 1}}')
-    return conv(c, f), ["model.safetensors.index.json", "invalid index"]
-
-
 @case("convert-no-weights")
 def _(c):
     f = c.ckpt()
@@ -654,46 +626,15 @@ def _(c):
 
 # --- convert: tokenizer ---------------------------------------------------------------------
 
-@case("convert-tokenizer-json-missing")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer.json").unlink()
-    return conv(c, f), ["tokenizer.json", "missing"]
-
-
-@case("convert-tokenizer-json-corrupt")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer.json").write_text('{"model": ')
-    return conv(c, f), ["tokenizer.json", "invalid JSON"]
-
-
-@case("convert-tokenizer-json-list")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer.json").write_text("[]")
-    return conv(c, f), ["tokenizer.json", "expected a JSON object"]
-
-
-@case("convert-tokenizer-config-corrupt")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer_config.json").write_text("{ broken")
-    return conv(c, f), ["tokenizer_config.json", "invalid JSON"]
-
-
-@case("convert-tokenizer-config-not-utf8")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer_config.json").write_bytes(b"\xff\xfe{}")
-    return conv(c, f), ["tokenizer_config.json", "not UTF-8"]
-
-
-@case("convert-tokenizer-json-not-a-tokenizer")
-def _(c):
-    f = c.ckpt()
-    (f / "tokenizer.json").write_text('{"hello": 1}')
-    return conv(c, f), ["cannot load the tokenizer"]
+file_cases({  # the tokenizer's files damaged or gone
+    "convert-tokenizer-json-missing": ("tokenizer.json", None, ["tokenizer.json", "missing"]),
+    "convert-tokenizer-json-corrupt": ("tokenizer.json", '{"model": ', ["tokenizer.json", "invalid JSON"]),
+    "convert-tokenizer-json-list": ("tokenizer.json", "[]", ["tokenizer.json", "expected a JSON object"]),
+    "convert-tokenizer-config-corrupt": ("tokenizer_config.json", "{ broken",
+                                         ["tokenizer_config.json", "invalid JSON"]),
+    "convert-tokenizer-config-not-utf8": ("tokenizer_config.json", b"\xff\xfe{}", ["tokenizer_config.json", "not UTF-8"]),
+    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}', ["cannot load the tokenizer"]),
+})
 
 
 @case("convert-tokenizer-vocab-too-small")

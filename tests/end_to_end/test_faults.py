@@ -92,14 +92,20 @@ def _outputs(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("command", ["convert", "convert-split", pytest.param("quantize", marks=pytest.mark.slow)])
-def test_sigterm_mid_write_cleans_up(command, glm_ckpt, full_gguf, tmp_path):
+def _interrupted_run(command: str, glm_ckpt: Path, full_gguf: Path, tmp_path: Path):
+    """``command`` run to the end into tmp_path/clean, then started again into tmp_path/out: (the output path, the
+    process, its partial file once one appeared)."""
     (tmp_path / "clean").mkdir()
     assert run_cli(*_commands(glm_ckpt, full_gguf, tmp_path / "clean" / "o.gguf")[command]).exit_code == 0
     out = tmp_path / "out" / "o.gguf"
     out.parent.mkdir()
     proc = _start(*_commands(glm_ckpt, full_gguf, out)[command])
-    _wait_for_partial(proc, out, split=command.endswith("split"))
+    return out, proc, _wait_for_partial(proc, out, split=command.endswith("split"))
+
+
+@pytest.mark.parametrize("command", ["convert", "convert-split", pytest.param("quantize", marks=pytest.mark.slow)])
+def test_sigterm_mid_write_cleans_up(command, glm_ckpt, full_gguf, tmp_path):
+    out, proc, _ = _interrupted_run(command, glm_ckpt, full_gguf, tmp_path)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
@@ -112,12 +118,7 @@ def test_sigterm_mid_write_cleans_up(command, glm_ckpt, full_gguf, tmp_path):
 @pytest.mark.parametrize("command", ["convert-split", *(pytest.param(c, marks=pytest.mark.slow)
                                                        for c in ("convert", "quantize"))])
 def test_rerun_after_sigkill_removes_the_stale_partial(command, glm_ckpt, full_gguf, tmp_path):
-    (tmp_path / "clean").mkdir()
-    assert run_cli(*_commands(glm_ckpt, full_gguf, tmp_path / "clean" / "o.gguf")[command]).exit_code == 0
-    out = tmp_path / "out" / "o.gguf"
-    out.parent.mkdir()
-    proc = _start(*_commands(glm_ckpt, full_gguf, out)[command])
-    partial = _wait_for_partial(proc, out, split=command.endswith("split"))
+    out, proc, partial = _interrupted_run(command, glm_ckpt, full_gguf, tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     assert [p.name for p in out.parent.iterdir()] == [partial.name]  # what SIGKILL leaves: it cannot be caught

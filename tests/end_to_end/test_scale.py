@@ -30,6 +30,7 @@ from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny
+from tests.helpers.baseline import scaled_copy
 from tests.helpers.runcli import run_cli
 
 pytestmark = pytest.mark.slow
@@ -119,18 +120,9 @@ def warm(files: list[Path]) -> int:
 
 def copy_seconds(inputs: list[Path], out_bytes: int, work: Path) -> float:
     """Read ``inputs`` into memory and write ``out_bytes`` of them: what any streaming command must do."""
-    in_bytes = sum(p.stat().st_size for p in inputs)
-    buf = bytearray(64 << 20)
     target = work / "copy.bin"
     t0 = time.perf_counter()
-    with open(target, "wb") as dst:
-        for p in inputs:
-            with open(p, "rb") as src:
-                while n := src.readinto(buf):
-                    todo = round(n * out_bytes / in_bytes)
-                    while todo > 0:
-                        dst.write(memoryview(buf)[:min(n, todo)])
-                        todo -= min(n, todo)
+    scaled_copy(inputs, out_bytes, target)
     dt = time.perf_counter() - t0
     target.unlink()
     return dt

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,21 +27,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from mtpq.ggml import kernels, vecops
+from tests.helpers.golden_quants import CASES, load_golden as _load
 from mtpq.ggml.kernels import IMPORTANCE_TYPES, quantize
-
-GOLDEN = Path(__file__).parents[1] / "data" / "golden_quants"
-CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
-
-
-def _load(name: str) -> dict[str, np.ndarray]:
-    with np.load(GOLDEN / name) as z:
-        return {k: z[k] for k in z.files}
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    return _load("inputs.npz")
-
 
 @pytest.fixture(scope="module")
 def importance():

@@ -41,22 +41,10 @@ from gguf import GGMLQuantizationType as T
 
 from mtpq.ggml import iquants, kernels
 from mtpq.ggml.kernels import dequantize, quantize
+from tests.helpers.golden_quants import CASES, load_golden as _load
 
-GOLDEN = Path(__file__).parents[1] / "data" / "golden_quants"
 IQ_TYPES = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
-CASES = ["gauss_512", "gauss_256", "zeros", "const", "outliers", "tiny", "signs", "misc", "large"]
-
 HARNESS_C = Path(__file__).parents[1] / "golden" / "qharness.c"  # (tests/golden/make_golden_quants.py makes the goldens)
-
-
-def _load(name: str) -> dict[str, np.ndarray]:
-    with np.load(GOLDEN / name) as z:
-        return {k: z[k] for k in z.files}
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    return _load("inputs.npz")
 
 
 @pytest.fixture(scope="module")

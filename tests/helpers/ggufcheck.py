@@ -39,6 +39,24 @@ def convert(src: Path, out: Path, *args: str):
     return read_gguf(out)
 
 
+def f32_gguf(src: Path, out: Path) -> Path:
+    """``mtpq convert src out --outtype f32 --quiet``; asserts success; returns out."""
+    res = run_cli("convert", src, out, "--outtype", "f32", "--quiet")
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def gguf_tensors(path: Path) -> dict:
+    """gguf-py's ReaderTensor of every tensor, by name."""
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+def gguf_field(path: Path, key: str):
+    """Metadata value ``key`` (None when absent)."""
+    f = GGUFReader(path).fields.get(key)
+    return None if f is None else f.contents()
+
+
 def kv_types(path: Path) -> dict[str, list[int]]:
     """Each metadata key's GGUF value types (an array's element type included): 0/1 ints are not bools."""
     return {k: [int(t) for t in f.types] for k, f in GGUFReader(path).fields.items() if not k.startswith("GGUF.")}

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from tests.builders import tiny
+from tests.helpers.ggufcheck import f32_gguf, gguf_field as _field, gguf_tensors as _tensors
 from tests.helpers.runcli import run_cli
 
 from mtpq.errors import InputError
@@ -160,21 +161,7 @@ def glm1_f32(tmp_path_factory) -> Path:
     """The 1-layer GLM the committed glm1 imatrix files were made on (same builder, same seed)."""
     folder = tmp_path_factory.mktemp("glm1im")
     ckpt = tiny.glm4moe(folder / "ckpt", num_hidden_layers=1, dtype=torch.float32)
-    out = folder / "tiny-f32.gguf"
-    assert run_cli("convert", ckpt, out, "--outtype", "f32", "--quiet").exit_code == 0
-    return out
-
-
-def _tensors(path: Path) -> dict:
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def _field(path: Path, key: str):
-    f = GGUFReader(path).fields.get(key)
-    if f is None:
-        return None
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if f.types[0].name == "STRING" else int(v[0])
+    return f32_gguf(ckpt, folder / "tiny-f32.gguf")
 
 
 def test_quantize_with_imatrix_uses_it_where_it_has_entries(glm1_f32, tmp_path):

@@ -82,15 +82,21 @@ def test_bad_input_is_one_line(work, args, needle):
     assert not (work / "x.gguf").exists()
 
 
-@pytest.mark.llama_cpp
-def test_merged_head_lets_llama_quantize_make_an_iq2_xxs_head(llama_cpp_bin, tmp_path):
-    """llama-imatrix has no entries for the head: llama-quantize refuses an IQ2_XXS head. Merged with ours,
-    the same quantization goes through."""
+def _demo_f32_and_calibration(tmp_path: Path) -> tuple[Path, Path]:
+    """The packaged demo checkpoint as an f32 GGUF, and a calibration text (Python's json sources)."""
     src = Path(str(resources.files("mtpq").joinpath("data/demo")))
     model = tmp_path / "demo.gguf"
     assert run_cli("convert", src, model, "--outtype", "f32", "-q").exit_code == 0
     calib = tmp_path / "calib.txt"
     calib.write_text(inspect.getsource(json.decoder) + inspect.getsource(json.encoder))
+    return model, calib
+
+
+@pytest.mark.llama_cpp
+def test_merged_head_lets_llama_quantize_make_an_iq2_xxs_head(llama_cpp_bin, tmp_path):
+    """llama-imatrix has no entries for the head: llama-quantize refuses an IQ2_XXS head. Merged with ours,
+    the same quantization goes through."""
+    model, calib = _demo_f32_and_calibration(tmp_path)
     theirs = tmp_path / "theirs.gguf"
     run = lambda *a: subprocess.run([str(x) for x in a], capture_output=True, text=True, timeout=600,  # noqa: E731
                                     stdin=subprocess.DEVNULL, errors="replace")
@@ -114,11 +120,7 @@ def test_iq2_xxs_head_from_our_imatrix_equals_llama_quantize(llama_cpp_bin, tmp_
     bytes as llama-quantize given the same imatrix file and a tensor-type override for the head."""
     import gguf
 
-    src = Path(str(resources.files("mtpq").joinpath("data/demo")))
-    model = tmp_path / "demo.gguf"
-    assert run_cli("convert", src, model, "--outtype", "f32", "-q").exit_code == 0
-    calib = tmp_path / "calib.txt"
-    calib.write_text(inspect.getsource(json.decoder) + inspect.getsource(json.encoder))
+    model, calib = _demo_f32_and_calibration(tmp_path)
     im = tmp_path / "im.gguf"
     assert run_cli("imatrix", model, "-f", calib, "-o", im, "-c", "128", "--chunks", "4").exit_code == 0
     ours = tmp_path / "ours.gguf"

@@ -22,6 +22,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from tests.builders import tiny
+from tests.helpers.ggufcheck import f32_gguf, gguf_tensors as tensors
 from tests.helpers.runcli import run_cli
 from tests.helpers.llamacpp_ref import speculative_simple
 
@@ -38,10 +39,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def f32(ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("f32") / "tiny-f32.gguf"
-    res = run_cli("convert", ckpt, out, "--outtype", "f32", "--quiet")
-    assert res.exit_code == 0, res.output
-    return out
+    return f32_gguf(ckpt, tmp_path_factory.mktemp("f32") / "tiny-f32.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +49,6 @@ def q4km(f32, tmp_path_factory) -> tuple[Path, dict]:
     res = run_cli("quantize", f32, out, "Q4_K_M", "--json")
     assert res.exit_code == 0, res.output
     return out, json.loads(res.stdout)
-
-
-def tensors(path: Path) -> dict:
-    return {t.name: t for t in GGUFReader(path).tensors}
 
 
 def field(path: Path, key: str):

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from tests.builders import tiny
+from tests.helpers.ggufcheck import f32_gguf, gguf_field as field, gguf_tensors as tensors
 from tests.helpers.runcli import run_cli
 
 
@@ -33,18 +34,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def f32(ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("f32") / "glm3-f32.gguf"
-    assert run_cli("convert", ckpt, out, "--outtype", "f32", "--quiet").exit_code == 0
-    return out
-
-
-def tensors(path: Path) -> dict:
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def field(path: Path, key: str):
-    f = GGUFReader(path).fields.get(key)
-    return None if f is None else f.contents()
+    return f32_gguf(ckpt, tmp_path_factory.mktemp("f32") / "glm3-f32.gguf")
 
 
 def quantize(src: Path, out: Path, *args) -> None:

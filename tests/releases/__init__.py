@@ -66,6 +66,38 @@ def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
     return out
 
 
+def variant(base: dict, changes: dict, drop: tuple[str, ...] = (), first: tuple[str, ...] = ()) -> dict:
+    """A config.json derived from a sibling release's (or from keys several releases share): ``base`` without
+    ``drop``, with ``changes``. A key ``base`` has keeps its place; a new one goes before the first key that sorts
+    after it (so a sorted ``base`` stays sorted, as transformers writes config.json); ``first`` names the keys the
+    release lists at the top, in its order."""
+    out = [[k, v] for k, v in base.items() if k not in drop]
+    for key, value in changes.items():
+        at = next((i for i, (k, _) in enumerate(out) if k == key), None)
+        if at is not None:
+            out[at][1] = value
+        else:
+            out.insert(next((i for i, (k, _) in enumerate(out) if k > key), len(out)), [key, value])
+    table = dict(out)
+    return {**{k: table[k] for k in first}, **table}
+
+
+def mlp(p: str, ff: int, h: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's projections under ``p`` (``p + "gate_proj.weight"``, up, down), in the releases' order."""
+    return {p + "gate_proj.weight": (ff, h), p + "up_proj.weight": (ff, h), p + "down_proj.weight": (h, ff)}
+
+
+def experts(p: str, ne: int, ff: int, h: int) -> dict[str, tuple[int, ...]]:
+    """``ne`` routed experts stored one by one (``p + "{e}.gate_proj.weight"``, ...)."""
+    return {n: s for e in range(ne) for n, s in mlp(f"{p}{e}.", ff, h).items()}
+
+
+def nextn(p: str, h: int, *norms: str) -> dict[str, tuple[int, ...]]:
+    """An MTP layer's NextN tensors under ``p``: ``eh_proj`` [h, 2h], ``enorm``, ``hnorm``, then the ``norms``
+    the release adds (``shared_head.norm``, ``final_layernorm``)."""
+    return {p + "eh_proj.weight": (h, 2 * h), **{p + n + ".weight": (h,) for n in ("enorm", "hnorm", *norms)}}
+
+
 def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random values of a plausible kind: norms near 1, other 1-D tensors small, matrices ~N(0, 0.02)."""
     if len(shape) == 1:
@@ -106,6 +138,14 @@ def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0)
     if encoder is not None:
         encoder(folder)
     return folder
+
+
+def set_config(folder: Path, **keys) -> None:
+    """Sets ``keys`` in the folder's config.json (written as the encoders write it: indent 2)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(keys)
+    path.write_text(json.dumps(cfg, indent=2))
 
 
 def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:

@@ -18,13 +18,35 @@ from typing import Callable
 
 import torch
 
-from . import fp8_block_scaled
+from . import experts, fp8_block_scaled, mlp, nextn
 
 # DeepSeek's tokenizer specials; BOS first so that the release's bos_token_id 0 / eos_token_id 1 name them
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 
+# The config.json keys every DeepSeek-V3-shaped manifest holds with the same values: the sizes they are all shrunk
+# to (hidden 256, 2 layers + 1 MTP, 4 experts, MLA ranks 256, qk_nope/rope/v 64/32/64) and the layout's fixed
+# choices; each manifest adds its release's own keys with ``variant``.
+SHARED_CONFIG = {
+    "attention_bias": False, "attention_dropout": 0.0, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 256, "intermediate_size": 512, "kv_lora_rank": 256, "moe_intermediate_size": 256,
+    "n_routed_experts": 4, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+    "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 4, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "tie_word_embeddings": False,
+    "topk_group": 1, "use_cache": True, "v_head_dim": 64,
+}
+
 INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
            "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
+
+
+def ffn(cfg: dict, p: str, L: int) -> dict[str, tuple[int, ...]]:
+    """Block L's MLP under ``p``: dense in the first ``first_k_dense_replace`` blocks, else the MoE block (router
+    ``gate.weight`` with its ``e_score_correction_bias``, experts one by one, shared experts); GLM-4.5's too."""
+    h, ne, mff = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    if L < cfg["first_k_dense_replace"]:
+        return mlp(p, cfg["intermediate_size"], h)
+    return ({p + "gate.weight": (ne, h), p + "gate.e_score_correction_bias": (ne,)} | experts(p + "experts.", ne, mff, h)
+            | mlp(p + "shared_experts.", mff * cfg["n_shared_experts"], h))
 
 
 def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> dict[str, tuple[int, ...]]:
@@ -32,8 +54,7 @@ def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> di
     attention's lightning indexer (DeepSeek-V3.2, GLM-5)."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, nope, rope, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    ql, kvl, ff, mff = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    ql, kvl, n = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["num_hidden_layers"]
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
@@ -45,22 +66,10 @@ def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> di
         if indexed(L):
             heads, dim = cfg["index_n_heads"], cfg["index_head_dim"]
             out |= dict(zip((p + k for k in INDEXER), ((heads * dim, ql), (dim, h), (dim,), (dim,), (heads, h))))
-        if L < cfg["first_k_dense_replace"]:
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
-        else:
-            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
-            sff = mff * cfg["n_shared_experts"]
-            out |= {p + "mlp.shared_experts.gate_proj.weight": (sff, h),
-                    p + "mlp.shared_experts.up_proj.weight": (sff, h),
-                    p + "mlp.shared_experts.down_proj.weight": (h, sff)}
+        out |= ffn(cfg, p + "mlp.", L)
         if L >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h),
-                    p + "shared_head.norm.weight": (h,)}
+            out |= nextn(p, h) | {p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h),
+                                  p + "shared_head.norm.weight": (h,)}
     return out
 
 

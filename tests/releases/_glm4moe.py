@@ -9,12 +9,13 @@ head shares the trunk's, ``embed_tokens`` and ``shared_head.head``.
 
 from __future__ import annotations
 
+from . import nextn
+from ._deepseek import ffn
+
 
 def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv, ff, mff = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"], \
-        cfg["moe_intermediate_size"]
-    n, ne = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    nh, nkv, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
@@ -25,20 +26,9 @@ def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.o_proj.weight": (h, nh * d)}
         if cfg.get("use_qk_norm"):
             out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-        if L < cfg["first_k_dense_replace"]:
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
-        else:
-            out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
-            sff = mff * cfg["n_shared_experts"]
-            out |= {p + "mlp.shared_experts.gate_proj.weight": (sff, h), p + "mlp.shared_experts.up_proj.weight": (sff, h),
-                    p + "mlp.shared_experts.down_proj.weight": (h, sff)}
+        out |= ffn(cfg, p + "mlp.", L)  # DeepSeek-V3's MoE block
         if L >= n:  # the MTP layer: NextN tensors beside a full MoE block
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "shared_head.norm.weight": (h,)}
+            out |= nextn(p, h, "shared_head.norm")
             if own_head:
                 out |= {p + "embed_tokens.weight": (v, h), p + "shared_head.head.weight": (v, h)}
     return out

@@ -24,11 +24,34 @@ from typing import Callable
 
 import torch
 
+from . import experts, mlp, nextn
+
+# The config.json keys every MiMo-V2 manifest holds with the same values: the backbone's shrunk sizes (hidden 256,
+# 4 layers in pattern [0, 1, 1, 0], 4 experts, heads 16 with head_dim 48 / v_head_dim 32) and its fixed choices;
+# each manifest adds its release's own keys with ``variant``.
+SHARED_CONFIG = {
+    "add_full_attention_sink_bias": False, "add_swa_attention_sink_bias": True, "attention_bias": False,
+    "attention_chunk_size": 128, "attention_dropout": 0.0, "head_dim": 48, "hidden_act": "silu", "hidden_size": 256,
+    "hybrid_layer_pattern": [0, 1, 1, 0], "initializer_range": 0.02, "intermediate_size": 512,
+    "layernorm_epsilon": 1e-05, "moe_intermediate_size": 256, "moe_layer_freq": [0, 1, 1, 1], "n_group": 1,
+    "n_routed_experts": 4, "n_shared_experts": None, "norm_topk_prob": True, "num_attention_heads": 16,
+    "num_experts_per_tok": 2, "num_hidden_layers": 4, "partial_rotary_factor": 0.334, "routed_scaling_factor": None,
+    "scoring_func": "sigmoid", "sliding_window": 128, "sliding_window_size": 128, "swa_head_dim": 48,
+    "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_rope_theta": 10000, "swa_v_head_dim": 32,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "use_cache": True, "v_head_dim": 32,
+    "vocab_size": 152576,
+}
 N_MTP = 3  # every MiMo-V2 release ships 3 MTP layers (llama.cpp's conversion/mimo.py hardcodes 3)
 FP8_LINEAR = re.compile(r"^model\.(?:mtp\.)?layers\.\d+\.(?:self_attn\.(?:q|k|v|qkv)_proj"
                         r"|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)\.weight$")
 ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
 ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.(?:weight|e_score_correction_bias)$")
+
+
+def auto_map(module: str, prefix: str) -> dict[str, str]:
+    """config.json's ``auto_map`` to the release's remote code (``configuration_{module}.{prefix}Config``, ...)."""
+    return {"AutoConfig": f"configuration_{module}.{prefix}Config", "AutoModel": f"modeling_{module}.{prefix}Model",
+            "AutoModelForCausalLM": f"modeling_{module}.{prefix}ForCausalLM"}
 
 
 def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
@@ -54,16 +77,11 @@ def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
         if not mtp and cfg["moe_layer_freq"][L]:
             ne, ff = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
             out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.e_score_correction_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (ff, h), q + "up_proj.weight": (ff, h), q + "down_proj.weight": (h, ff)}
+            out |= experts(p + "mlp.experts.", ne, ff, h)
         else:
-            ff = cfg["intermediate_size"]
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
+            out |= mlp(p + "mlp.", cfg["intermediate_size"], h)
         if mtp:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "final_layernorm.weight": (h,)}
+            out |= nextn(p, h, "final_layernorm")
     return out
 
 

@@ -18,7 +18,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import fp8_block_scaled
+from . import experts, fp8_block_scaled, mlp
+
+
+# The text config keys every Qwen3.5 / 3.6 / Qwen3-Next manifest holds with the same values: the sizes they are all
+# shrunk to (hidden 256, 4 layers, heads 4/2 of 64, linear-attention heads 2/4 of 64) and fixed choices; each
+# manifest adds its release's own keys with ``variant``.
+SHARED_TEXT = {
+    "attention_bias": False, "attention_dropout": 0.0, "full_attention_interval": 4, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 64,
+    "max_position_embeddings": 262144, "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "use_cache": True,
+}
 
 
 def text_config(cfg: dict) -> dict:
@@ -70,16 +82,10 @@ def _block(t: dict, p: str, full: bool) -> dict[str, tuple[int, ...]]:
                     q + "in_proj_b.weight": (nv, h), q + "in_proj_a.weight": (nv, h)}
     if "num_experts" in t:
         ne, mff, sff = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-        out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.shared_expert_gate.weight": (1, h),
-                p + "mlp.shared_expert.gate_proj.weight": (sff, h), p + "mlp.shared_expert.up_proj.weight": (sff, h),
-                p + "mlp.shared_expert.down_proj.weight": (h, sff)}
-        for e in range(ne):
-            q = f"{p}mlp.experts.{e}."
-            out |= {q + "gate_proj.weight": (mff, h), q + "up_proj.weight": (mff, h), q + "down_proj.weight": (h, mff)}
+        out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.shared_expert_gate.weight": (1, h)}
+        out |= mlp(p + "mlp.shared_expert.", sff, h) | experts(p + "mlp.experts.", ne, mff, h)
     else:
-        ff = t["intermediate_size"]
-        out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                p + "mlp.down_proj.weight": (h, ff)}
+        out |= mlp(p + "mlp.", t["intermediate_size"], h)
     return out
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from . import mlp, nextn, set_config
+
 N_TRUNK, N_MTP = 4, 3
 LAYER_TYPES = ["full_attention"] + ["sliding_attention"] * 3 + ["sliding_attention"] * N_MTP
 N_ALL = N_TRUNK + N_MTP
@@ -149,17 +151,12 @@ def text_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
             ne, ff, sff = cfg["moe_num_experts"], cfg["moe_intermediate_size"], cfg["share_expert_dim"]
             out |= {p + "moe.gate.weight": (ne, h), p + "moe.router_bias": (ne,),
                     p + "moe.gate_proj.weight": (ne, ff, h), p + "moe.up_proj.weight": (ne, ff, h),
-                    p + "moe.down_proj.weight": (ne, h, ff),
-                    p + "share_expert.gate_proj.weight": (sff, h), p + "share_expert.up_proj.weight": (sff, h),
-                    p + "share_expert.down_proj.weight": (h, sff)}
+                    p + "moe.down_proj.weight": (ne, h, ff)} | mlp(p + "share_expert.", sff, h)
         else:
-            ff = cfg["intermediate_size"]
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
+            out |= mlp(p + "mlp.", cfg["intermediate_size"], h)
         if L >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "transformer.shared_head.norm.weight": (h,),
-                    p + "transformer.shared_head.output.weight": (vocab, h)}
+            out |= nextn(p, h, "transformer.shared_head.norm") | {
+                p + "transformer.shared_head.output.weight": (vocab, h)}
     return out
 
 
@@ -185,8 +182,5 @@ def fp8_routed_experts(folder: Path, block: int = 128) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(tensors, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [block, block]}
-    path.write_text(json.dumps(cfg, indent=2))
+    set_config(folder, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                            "weight_block_size": [block, block]})

@@ -13,7 +13,7 @@ Shrunk: hidden 2048 -> 256, layers 40 -> 4 (+1 MTP), heads 32/4 -> 4/2 (head_dim
 (8 -> 2 per token), expert width 768 -> 256, dense prefix width 3072 -> 512. Every other key as released.
 """
 
-from . import transformers_saved, without
+from . import experts, mlp, nextn, transformers_saved, without
 
 RELEASE = "CohereLabs/North-Mini-Code-1.0"
 SOURCES = [
@@ -89,14 +89,9 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
                 p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d)}
         if L < cfg["first_k_dense_replace"]:
-            out |= {p + "mlp.gate_proj.weight": (dff, h), p + "mlp.up_proj.weight": (dff, h),
-                    p + "mlp.down_proj.weight": (h, dff)}
+            out |= mlp(p + "mlp.", dff, h)
         else:
-            out[p + "mlp.gate.weight"] = (ne, h)
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (eff, h), q + "up_proj.weight": (eff, h), q + "down_proj.weight": (h, eff)}
+            out |= {p + "mlp.gate.weight": (ne, h)} | experts(p + "mlp.experts.", ne, eff, h)
         if L >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "shared_head.norm.weight": (h,)}
+            out |= nextn(p, h, "shared_head.norm")
     return out

@@ -15,7 +15,8 @@ has no --no-mtp / --mtp for it, so its default file is the trunk mtpq writes wit
 layer as blk.2.nextn.* plus its block, which llama.cpp's deepseek2 loader reads and drafts with.
 """
 
-from ._deepseek import SPECIALS, fp8_release, tensors as _tensors
+from . import variant
+from ._deepseek import SHARED_CONFIG, SPECIALS, fp8_release, tensors as _tensors
 
 RELEASE = "deepseek-ai/DeepSeek-V3"
 SOURCES = [
@@ -30,10 +31,9 @@ SOURCES = [
     "transformers src/transformers/models/deepseek_v3/modeling_deepseek_v3.py (per-layer names)",
     "llama.cpp conversion/deepseek.py DeepseekV2Model (skip_mtp, no supports_mtp_export)",
 ]
-CONFIG = {
+# the release's keys beside the sizes every DeepSeek-V3-shaped manifest shrinks alike (_deepseek.SHARED_CONFIG)
+CONFIG = variant(SHARED_CONFIG, {
     "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
     "auto_map": {
         "AutoConfig": "configuration_deepseek.DeepseekV3Config",
         "AutoModel": "modeling_deepseek.DeepseekV3Model",
@@ -43,29 +43,12 @@ CONFIG = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "ep_size": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 256,
     "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "kv_lora_rank": 256,
     "max_position_embeddings": 163840,
     "model_type": "deepseek_v3",
-    "moe_intermediate_size": 256,
     "moe_layer_freq": 1,
     "n_group": 2,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "num_nextn_predict_layers": 1,
     "pretraining_tp": 1,
-    "q_lora_rank": 256,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": [128, 128]},
     "rms_norm_eps": 1e-06,
@@ -75,15 +58,11 @@ CONFIG = {
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
     "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
     "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16",
     "transformers_version": "4.33.1",
-    "use_cache": True,
-    "v_head_dim": 64,
     "vocab_size": 129280,
-}
+})
 FORMS = {"fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight"))}
 # llama.cpp's deepseek2 converter drops the MTP layer: its default file is the trunk, mtpq's --no-mtp file
 LLAMA_CPP_MODE = {"--no-mtp": None}

@@ -15,7 +15,9 @@ and with no ``scoring_func`` it writes no ``expert_gating_func``, so its loader 
 softmax; transformers' DeepseekV3 always routes with sigmoid, which mtpq writes.
 """
 
+from . import variant
 from ._deepseek import SPECIALS, tensors as _tensors  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from .deepseek_v3 import CONFIG as _V3
 
 RELEASE = "deepseek-ai/DeepSeek-V3 (saved by transformers 4.x)"
 SOURCES = [
@@ -26,50 +28,18 @@ SOURCES = [
     "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (the values)",
     "vllm/model_executor/models/deepseek_mtp.py (the MTP layer's tensor names)",
 ]
-CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 0,
+# DeepSeek-V3's values (deepseek_v3.py); what DeepseekV3Config adds (dtype, head_dim, qk_head_dim, rope_interleave,
+# rope_scaling's rope_type and floats) and the remote config's keys it has no attribute for, dropped
+CONFIG = variant(_V3, {
     "dtype": "bfloat16",
-    "eos_token_id": 1,
-    "first_k_dense_replace": 1,
     "head_dim": 32,
-    "hidden_act": "silu",
-    "hidden_size": 256,
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "kv_lora_rank": 256,
-    "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3",
-    "moe_intermediate_size": 256,
-    "n_group": 2,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "num_nextn_predict_layers": 1,
-    "pretraining_tp": 1,
-    "q_lora_rank": 256,
     "qk_head_dim": 96,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
-    "rms_norm_eps": 1e-06,
     "rope_interleave": True,
     "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "rope_type": "yarn", "type": "yarn"},
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
     "transformers_version": "4.57.1",
-    "use_cache": True,
-    "v_head_dim": 64,
-    "vocab_size": 129280,
-}
+}, drop=("auto_map", "aux_loss_alpha", "ep_size", "moe_layer_freq", "quantization_config", "scoring_func", "seq_aux",
+         "topk_method", "torch_dtype"))
 FORMS = {"bf16": None}
 LLAMA_CPP_MODE = {"--no-mtp": None}  # as deepseek_v3.py
 _DROPS = ("llama.cpp's deepseek2 converter drops the MTP layer (DeepseekV2Model.skip_mtp) and refuses --mtp / "

@@ -12,7 +12,8 @@ llama.cpp's Glm4MoeLiteModel (conversion/glm.py) keeps the MTP layer, so every c
 knowing difference is the gating function key (see DIFFERS_KEYS and mtpq/convert/families/glm4moe_lite.py).
 """
 
-from ._deepseek import f32, tensors as _tensors
+from . import variant
+from ._deepseek import SHARED_CONFIG, f32, tensors as _tensors
 
 RELEASE = "zai-org/GLM-4.7-Flash"
 SOURCES = [
@@ -25,46 +26,24 @@ SOURCES = [
     "vllm/model_executor/models/glm4_moe_lite_mtp.py (the MTP layer)",
     "llama.cpp conversion/glm.py Glm4MoeLiteModel (keeps the MTP layer, --mtp / --no-mtp)",
 ]
-CONFIG = {
+# the release's keys beside the sizes every DeepSeek-V3-shaped manifest shrinks alike (_deepseek.SHARED_CONFIG)
+CONFIG = variant(SHARED_CONFIG, {
     "architectures": ["Glm4MoeLiteForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
     "dtype": "bfloat16",
     "eos_token_id": [154820, 154827, 154829],
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "kv_lora_rank": 256,
     "max_position_embeddings": 202752,
     "model_type": "glm4_moe_lite",
-    "moe_intermediate_size": 256,
     "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "num_nextn_predict_layers": 1,
     "pad_token_id": 154820,
     "partial_rotary_factor": 1.0,
-    "q_lora_rank": 256,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
     "rms_norm_eps": 1e-05,
     "rope_scaling": None,
     "rope_theta": 1000000,
     "routed_scaling_factor": 1.8,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
     "topk_method": "noaux_tc",
     "transformers_version": "5.0.0.dev0",
-    "use_cache": True,
-    "v_head_dim": 64,
     "vocab_size": 154880,
-}
+})
 FORMS = {"bf16": f32("mlp.gate.e_score_correction_bias")}
 DIFFERS_KEYS = {"deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
                 "no gating function and leaves it to its loader, which guesses sigmoid only for 47/48 layers "

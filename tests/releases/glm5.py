@@ -15,7 +15,9 @@ The FP8 release as vLLM and SGLang load it through their DeepSeek-V2 path: 128x1
 llama.cpp's GlmMoeDsaModel (conversion/glm.py) keeps the MTP layer: every cell is compared.
 """
 
+from . import variant
 from ._deepseek import f32, fp8_release, tensors as _tensors
+from .glm47_flash import CONFIG as _GLM47_FLASH
 
 RELEASE = "zai-org/GLM-5"
 SOURCES = [
@@ -29,55 +31,26 @@ SOURCES = [
     "vllm/model_executor/models/deepseek_v2.py and deepseek_mtp.py (GlmMoeDsaForCausalLM; the MTP layer 78)",
     "llama.cpp conversion/glm.py GlmMoeDsaModel (keeps the MTP layer; indexer metadata)",
 ]
-CONFIG = {
+# GLM-4.7-Flash's keys (the same GLM vocab, ids and sizes: glm47_flash.py) but DeepSeek-V3.2's indexer keys, a
+# transformers 5 rope_parameters for rope_scaling / rope_theta / partial_rotary_factor, and these values
+CONFIG = variant(_GLM47_FLASH, {
     "architectures": ["GlmMoeDsaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "dtype": "bfloat16",
-    "eos_token_id": [154820, 154827, 154829],
     "ep_size": 1,
-    "first_k_dense_replace": 1,
     "head_dim": 32,
-    "hidden_act": "silu",
-    "hidden_size": 256,
     "index_head_dim": 64,
     "index_n_heads": 4,
     "index_topk": 64,
     "indexer_rope_interleave": True,
     "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "kv_lora_rank": 256,
-    "max_position_embeddings": 202752,
     "model_type": "glm_moe_dsa",
-    "moe_intermediate_size": 256,
     "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "num_nextn_predict_layers": 1,
-    "pad_token_id": 154820,
-    "q_lora_rank": 256,
     "qk_head_dim": 96,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
-    "rms_norm_eps": 1e-05,
     "rope_interleave": True,
     "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
     "transformers_version": "5.0.2.dev0",
-    "use_cache": True,
-    "v_head_dim": 64,
-    "vocab_size": 154880,
-}
+}, drop=("partial_rotary_factor", "rope_scaling", "rope_theta"))
 FORMS = {"bf16": f32("mlp.gate.e_score_correction_bias"),
          "fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight", "indexer.weights_proj.weight"))}
 DRAFTS = True

@@ -16,7 +16,7 @@ Shrunk: hidden 4096 -> 256, layers 80 -> 2 (+1 MTP), heads 64/8 -> 4/2 (head_dim
 import json
 from pathlib import Path
 
-from . import transformers_saved, without
+from . import experts, mlp, nextn, transformers_saved, without
 
 RELEASE = "tencent/Hy3"
 SOURCES = [
@@ -99,17 +99,11 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
                 p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if L < cfg.get("first_k_dense_replace", 1):
-            out |= {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)}
+            out |= mlp(p + "mlp.", ff, h)
         else:
             out |= {p + "mlp.router.gate.weight": (ne, h), p + "mlp.expert_bias": (ne,)}
-            for e in range(ne):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (eff, h), q + "up_proj.weight": (eff, h), q + "down_proj.weight": (h, eff)}
-            sff = eff * cfg["num_shared_experts"]
-            out |= {p + "mlp.shared_mlp.gate_proj.weight": (sff, h), p + "mlp.shared_mlp.up_proj.weight": (sff, h),
-                    p + "mlp.shared_mlp.down_proj.weight": (h, sff)}
+            out |= experts(p + "mlp.experts.", ne, eff, h)
+            out |= mlp(p + "mlp.shared_mlp.", eff * cfg["num_shared_experts"], h)
         if L >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "final_layernorm.weight": (h,)}
+            out |= nextn(p, h, "final_layernorm")
     return out

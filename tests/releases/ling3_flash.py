@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from . import experts, mlp, nextn, set_config
+
 RELEASE = "inclusionAI/Ling-3.0-flash"
 SOURCES = [
     "https://huggingface.co/inclusionAI/Ling-3.0-flash/blob/main/config.json (keys and values, as mirrored by "
@@ -153,19 +155,14 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
                     a + "o_norm.weight": (cfg["head_dim"],), a + "o_proj.weight": (h, d)}
         if bid < cfg["first_k_dense_replace"]:
             ff = cfg["intermediate_size"]
-            out |= {m + "gate_proj.weight": (ff, h), m + "up_proj.weight": (ff, h), m + "down_proj.weight": (h, ff)}
+            out |= mlp(m, ff, h)
         else:
             ne, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
             sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
-            out |= {m + "gate.weight": (ne, h), m + "gate.expert_bias": (ne,),
-                    m + "shared_experts.gate_proj.weight": (sff, h), m + "shared_experts.up_proj.weight": (sff, h),
-                    m + "shared_experts.down_proj.weight": (h, sff)}
-            for e in range(ne):
-                q = f"{m}experts.{e}."
-                out |= {q + "gate_proj.weight": (ff, h), q + "up_proj.weight": (ff, h), q + "down_proj.weight": (h, ff)}
+            out |= {m + "gate.weight": (ne, h), m + "gate.expert_bias": (ne,)} | mlp(m + "shared_experts.", sff, h)
+            out |= experts(m + "experts.", ne, ff, h)
         if bid >= n:
-            out |= {p + "eh_proj.weight": (h, 2 * h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
-                    p + "final_layernorm.weight": (h,)}
+            out |= nextn(p, h, "final_layernorm")
     return out
 
 
@@ -212,14 +209,11 @@ def _fp8(folder: Path, mxfp4_experts: bool) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(out, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    cfg_path = folder / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
-                                  "modules_to_not_convert": ["lm_head", "b_proj"]}
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "scale_fmt": "ue8m0", "modules_to_not_convert": ["lm_head", "b_proj"]}
     if mxfp4_experts:
-        cfg["quantization_config"] |= {"routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+        qc |= {"routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
+    set_config(folder, quantization_config=qc)
 
 
 _NO_MXFP4_IN_LLAMA_CPP = (

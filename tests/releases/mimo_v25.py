@@ -17,7 +17,7 @@ the per-rank scale tiles of 4 and 8 ranks differ in count), intermediate 16384 -
 256; the towers' widths and depths likewise. Every other key as released.
 """
 
-from . import _mimo
+from . import _mimo, variant
 
 RELEASE = "XiaomiMiMo/MiMo-V2.5"
 SOURCES = [
@@ -36,20 +36,12 @@ SOURCES = [
     "MiMo-V2.x-Flash MXFP4 config transcription ('The MiMo-V2.6-Flash config.json (XiaomiMiMo/MiMo-V2.6-Flash-RL)', "
     "a C++ test fixture): quantization_config {store_dtype mxfp4, mxfp4_block_size 32}, moe_router_dtype bfloat16",
 ]
-CONFIG = {
+# the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
+CONFIG = variant(_mimo.SHARED_CONFIG, {
     "architectures": ["MiMoV2ForCausalLM"],
-    "auto_map": {
-        "AutoConfig": "configuration_mimo_v2.MiMoV2Config",
-        "AutoModel": "modeling_mimo_v2.MiMoV2Model",
-        "AutoModelForCausalLM": "modeling_mimo_v2.MiMoV2ForCausalLM",
-    },
-    "attention_bias": False,
-    "attention_chunk_size": 128,
-    "attention_dropout": 0.0,
+    "auto_map": _mimo.auto_map("mimo_v2", "MiMoV2"),
     "attention_value_scale": 0.707,
     "attention_projection_layout": "fused_qkv",
-    "add_full_attention_sink_bias": False,
-    "add_swa_attention_sink_bias": True,
     "audio_config": {
         "add_post_norm": True,
         "audio_channels": 2,
@@ -69,35 +61,14 @@ CONFIG = {
         "speech_vocab_size": "16",
         "speech_zeroemb_idx": "8",
     },
-    "swa_num_key_value_heads": 8,
-    "swa_num_attention_heads": 16,
-    "swa_head_dim": 48,
-    "swa_v_head_dim": 32,
     "dtype": "bfloat16",
     "eos_token_id": 151645,
-    "head_dim": 48,
-    "hidden_act": "silu",
-    "hidden_size": 256,
     "hybrid_block_size": None,
-    "hybrid_layer_pattern": [0, 1, 1, 0],
     "image_token_id": 151655,
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "layernorm_epsilon": 1e-05,
     "max_position_embeddings": 1048576,
     "model_type": "mimo_v2",
-    "moe_intermediate_size": 256,
-    "moe_layer_freq": [0, 1, 1, 1],
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": None,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
     "num_key_value_heads": 4,
     "pad_token_id": 151643,
-    "partial_rotary_factor": 0.334,
     "processor_config": {
         "audio_avg_pooler": 2, "audio_channels": 2, "audio_end_token_id": 151674, "audio_fmax": None,
         "audio_fmin": 0, "audio_group_size": 4, "audio_hop_length": 240, "audio_input_id_per_second": 25.0,
@@ -114,17 +85,7 @@ CONFIG = {
     },
     "rope_scaling": {"rope_type": "default", "type": "default"},
     "rope_theta": 10000000,
-    "routed_scaling_factor": None,
-    "scoring_func": "sigmoid",
-    "sliding_window": 128,
-    "sliding_window_size": 128,
-    "swa_rope_theta": 10000,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
     "transformers_version": "4.57.1",
-    "use_cache": True,
-    "v_head_dim": 32,
     "video_token_id": 151656,
     "vision_config": {
         "depth": 2,
@@ -150,8 +111,10 @@ CONFIG = {
     "vision_end_token_id": 151653,
     "vision_model_type": "mimovl",
     "vision_start_token_id": 151652,
-    "vocab_size": 152576,
-}
+}, first=("architectures", "auto_map", "attention_bias", "attention_chunk_size", "attention_dropout",
+          "attention_value_scale", "attention_projection_layout", "add_full_attention_sink_bias",
+          "add_swa_attention_sink_bias", "audio_config", "swa_num_key_value_heads", "swa_num_attention_heads",
+          "swa_head_dim", "swa_v_head_dim", "dtype", "eos_token_id"))  # the release's order: these keys first
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

@@ -8,7 +8,7 @@ Shrunk: hidden 6144 -> 256, layers 70 -> 4 (pattern [0, 1, 1, 0], dense first la
 moe_intermediate 2048 -> 256. Every other key as released.
 """
 
-from . import _mimo
+from . import _mimo, variant
 
 RELEASE = "XiaomiMiMo/MiMo-V2.5-Pro"
 SOURCES = [
@@ -20,59 +20,19 @@ SOURCES = [
     "sgl-project/sglang python/sglang/srt/configs/model_config.py (get_mimo_v2_fused_qkv_expected_tp_size)",
     "llama.cpp conversion/mimo.py (MimoV2Model: 'V2.5-Pro (TP=8) ship qkv_proj sharded across TP ranks')",
 ]
-CONFIG = {
+# the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
+CONFIG = variant(_mimo.SHARED_CONFIG, {
     "architectures": ["MiMoV2ForCausalLM"],
-    "auto_map": {
-        "AutoConfig": "configuration_mimo_v2.MiMoV2Config",
-        "AutoModel": "modeling_mimo_v2.MiMoV2Model",
-        "AutoModelForCausalLM": "modeling_mimo_v2.MiMoV2ForCausalLM",
-    },
-    "add_full_attention_sink_bias": False,
-    "add_swa_attention_sink_bias": True,
-    "attention_bias": False,
-    "attention_chunk_size": 128,
-    "attention_dropout": 0.0,
+    "auto_map": _mimo.auto_map("mimo_v2", "MiMoV2"),
     "attention_projection_layout": "fused_qkv",
     "attention_value_scale": 0.612,
-    "head_dim": 48,
-    "hidden_act": "silu",
-    "hidden_size": 256,
-    "hybrid_layer_pattern": [0, 1, 1, 0],
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "layernorm_epsilon": 1e-05,
     "max_position_embeddings": 1048576,
     "model_type": "mimo_v2",
-    "moe_intermediate_size": 256,
-    "moe_layer_freq": [0, 1, 1, 1],
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": None,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
     "num_key_value_heads": 8,
-    "partial_rotary_factor": 0.334,
     "rope_theta": 10000000,
-    "routed_scaling_factor": None,
-    "scoring_func": "sigmoid",
-    "sliding_window": 128,
-    "sliding_window_size": 128,
-    "swa_head_dim": 48,
-    "swa_num_attention_heads": 16,
-    "swa_num_key_value_heads": 8,
-    "swa_rope_theta": 10000,
-    "swa_v_head_dim": 32,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16",
     "transformers_version": "4.57.1",
-    "use_cache": True,
-    "v_head_dim": 32,
-    "vocab_size": 152576,
-}
+}, first=("architectures", "auto_map"))  # listed first in the release
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

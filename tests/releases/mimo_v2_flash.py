@@ -20,7 +20,7 @@ KeyError 'partial_rotary_factor' on every MiMo-V2-Flash release; with transforme
 model type (<= 4.57, which the release names) it reads config.json as stored, which is what is compared.
 """
 
-from . import _mimo
+from . import _mimo, variant
 
 RELEASE = "XiaomiMiMo/MiMo-V2-Flash"
 SOURCES = [
@@ -43,59 +43,19 @@ SOURCES = [
     "unquantized)",
     "llama.cpp conversion/mimo.py (MimoV2Model: the keys it reads, 3 MTP layers)",
 ]
-CONFIG = {
-    "add_full_attention_sink_bias": False,
-    "add_swa_attention_sink_bias": True,
+# the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
+CONFIG = variant(_mimo.SHARED_CONFIG, {
     "architectures": ["MiMoV2FlashForCausalLM"],
-    "attention_bias": False,
-    "attention_chunk_size": 128,
-    "attention_dropout": 0.0,
     "attention_value_scale": 0.707,
-    "auto_map": {
-        "AutoConfig": "configuration_mimo_v2_flash.MiMoV2FlashConfig",
-        "AutoModel": "modeling_mimo_v2_flash.MiMoV2FlashModel",
-        "AutoModelForCausalLM": "modeling_mimo_v2_flash.MiMoV2FlashForCausalLM",
-    },
-    "head_dim": 48,
-    "hidden_act": "silu",
-    "hidden_size": 256,
+    "auto_map": _mimo.auto_map("mimo_v2_flash", "MiMoV2Flash"),
     "hybrid_block_size": None,
-    "hybrid_layer_pattern": [0, 1, 1, 0],
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "layernorm_epsilon": 1e-05,
     "max_position_embeddings": 262144,
     "model_type": "mimo_v2_flash",
-    "moe_intermediate_size": 256,
-    "moe_layer_freq": [0, 1, 1, 1],
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": None,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
     "num_key_value_heads": 4,
-    "partial_rotary_factor": 0.334,
     "rope_theta": 5000000,
-    "routed_scaling_factor": None,
-    "scoring_func": "sigmoid",
-    "sliding_window": 128,
-    "sliding_window_size": 128,
-    "swa_head_dim": 48,
-    "swa_num_attention_heads": 16,
-    "swa_num_key_value_heads": 8,
-    "swa_rope_theta": 10000,
-    "swa_v_head_dim": 32,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16",
     "transformers_version": "4.40.1",
-    "use_cache": True,
-    "v_head_dim": 32,
-    "vocab_size": 152576,
-}
+})
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

@@ -12,8 +12,8 @@ head_dim rotates); vision depth 27 -> 1, hidden 1152 -> 64, intermediate 4304 ->
 position embeddings 2304 -> 16, out_hidden 5120 -> 256. Every other key as released.
 """
 
-from . import transformers_saved
-from ._qwen35 import fp8, tensors  # noqa: F401  (the manifest's tensors)
+from . import transformers_saved, variant
+from ._qwen35 import SHARED_TEXT, fp8, tensors  # noqa: F401  (the manifest's tensors)
 
 RELEASE = "Qwen/Qwen3.5-27B"
 SOURCES = [
@@ -39,39 +39,20 @@ CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "image_token_id": 248056,
     "model_type": "qwen3_5",
-    "text_config": {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+    "text_config": {**variant(SHARED_TEXT, {
         "attn_output_gate": True,
         "dtype": "bfloat16",
         "eos_token_id": 248044,
-        "full_attention_interval": 4,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "hidden_size": 256,
         "initializer_range": 0.02,
         "intermediate_size": 512,
         "layer_types": LAYER_TYPES,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_value_head_dim": 64,
-        "max_position_embeddings": 262144,
         "mlp_only_layers": [],
         "model_type": "qwen3_5_text",
         "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06,
         "tie_word_embeddings": False,
-        "use_cache": True,
         "vocab_size": 248320,
-        "mamba_ssm_dtype": "float32",
-        "rope_parameters": ROPE,
-    },
+    }), "mamba_ssm_dtype": "float32", "rope_parameters": ROPE},  # these two last, as released
     "tie_word_embeddings": False,
     "transformers_version": "4.57.0.dev0",
     "video_token_id": 248057,

@@ -10,9 +10,9 @@ Shrunk: hidden 4096 -> 256, layers 60 -> 4, heads 32/2 -> 4/2 (head_dim 256 -> 6
 vision tower as qwen35.py. Every other key as released.
 """
 
-from . import transformers_saved
+from . import transformers_saved, variant
 from ._qwen35 import fp8, tensors  # noqa: F401  (the manifest's tensors)
-from .qwen35 import LAYER_TYPES, ROPE, SPECIALS, VISION  # noqa: F401  (SPECIALS: the Qwen tokenizer's)
+from .qwen35 import CONFIG as _QWEN35, SPECIALS, VISION  # noqa: F401  (SPECIALS: the Qwen tokenizer's)
 
 RELEASE = "Qwen/Qwen3.5-397B-A17B"
 SOURCES = [
@@ -25,52 +25,20 @@ SOURCES = [
     "vllm/model_executor/models/qwen3_5_mtp.py (the MTP layer's MoE block, per-expert or fused)",
     "llama.cpp conversion/qwen.py Qwen3_5MoeTextModel",
 ]
-CONFIG = {
+# Qwen3.5's config.json (qwen35.py) with an MoE block in every layer: the MoE keys for intermediate_size, no
+# text-level tie_word_embeddings, the MoE model types
+CONFIG = variant(_QWEN35, {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "image_token_id": 248056,
     "model_type": "qwen3_5_moe",
-    "text_config": {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "attn_output_gate": True,
-        "dtype": "bfloat16",
-        "eos_token_id": 248044,
-        "full_attention_interval": 4,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "hidden_size": 256,
-        "initializer_range": 0.02,
-        "layer_types": LAYER_TYPES,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_value_head_dim": 64,
-        "max_position_embeddings": 262144,
-        "mlp_only_layers": [],
+    "text_config": variant(_QWEN35["text_config"], {
         "model_type": "qwen3_5_moe_text",
         "moe_intermediate_size": 256,
-        "mtp_num_hidden_layers": 1,
-        "mtp_use_dedicated_embeddings": False,
-        "num_attention_heads": 4,
         "num_experts": 4,
         "num_experts_per_tok": 2,
-        "num_hidden_layers": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06,
         "router_aux_loss_coef": 0.001,
         "shared_expert_intermediate_size": 256,
-        "use_cache": True,
-        "vocab_size": 248320,
-        "mamba_ssm_dtype": "float32",
-        "rope_parameters": ROPE,
-    },
-    "tie_word_embeddings": False,
-    "transformers_version": "4.57.0.dev0",
-    "video_token_id": 248057,
+    }, drop=("intermediate_size", "tie_word_embeddings")),
     "vision_config": {**VISION, "model_type": "qwen3_5_moe"},
-    "vision_end_token_id": 248054,
-    "vision_start_token_id": 248053,
-}
+})
 FORMS = {"bf16": None, "fp8": fp8, "tf5": transformers_saved}
 DRAFTS = True

@@ -7,7 +7,8 @@ Forms: ``bf16``; ``fp8`` (128x128 block-scaled). Shrunk as qwen35_moe.py (hidden
 linear-attention heads 16/32 -> 2/4, moe/shared intermediate 512 -> 256, vision out_hidden 2048 -> 256).
 """
 
-from ._qwen35 import fp8, tensors  # noqa: F401  (the manifest's tensors)
+from . import variant
+from ._qwen35 import SHARED_TEXT, fp8, tensors  # noqa: F401  (the manifest's tensors)
 from .qwen35 import LAYER_TYPES, ROPE, SPECIALS, VISION  # noqa: F401  (SPECIALS: the Qwen tokenizer's)
 
 RELEASE = "Qwen/Qwen3.6-35B-A3B"
@@ -23,44 +24,27 @@ CONFIG = {
     "dtype": "bfloat16",
     "image_token_id": 248056,
     "model_type": "qwen3_5_moe",
-    "text_config": {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+    "text_config": variant(SHARED_TEXT, {
         "attn_output_gate": True,
         "bos_token_id": 248044,
         "dtype": "bfloat16",
         "eos_token_id": 248044,
-        "full_attention_interval": 4,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "hidden_size": 256,
         "layer_types": LAYER_TYPES,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_value_head_dim": 64,
         "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": 262144,
         "model_type": "qwen3_5_moe_text",
         "moe_intermediate_size": 256,
         "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
-        "num_attention_heads": 4,
         "num_experts": 4,
         "num_experts_per_tok": 2,
-        "num_hidden_layers": 4,
-        "num_key_value_heads": 2,
         "output_router_logits": False,
         "pad_token_id": None,
         "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-6,
         "rope_parameters": ROPE,
         "shared_expert_intermediate_size": 256,
         "tie_word_embeddings": False,
-        "use_cache": True,
         "vocab_size": 248320,
-    },
+    }),
     "tie_word_embeddings": False,
     "video_token_id": 248057,
     "vision_config": {k: v for k, v in {**VISION, "dtype": "bfloat16", "model_type": "qwen3_5_moe_vision"}.items()

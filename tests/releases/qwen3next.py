@@ -12,8 +12,8 @@ linear-attention heads 16/32 -> 2/4 (dims 128 -> 64), experts 512 -> 4 (10 -> 2 
 intermediate 512 -> 256. Every other key as released.
 """
 
-from . import transformers_saved
-from ._qwen35 import fp8, tensors  # noqa: F401  (the manifest's tensors)
+from . import transformers_saved, variant
+from ._qwen35 import SHARED_TEXT, fp8, tensors  # noqa: F401  (the manifest's tensors)
 from .qwen35 import SPECIALS  # noqa: F401  (the Qwen tokenizer's)
 
 RELEASE = "Qwen/Qwen3-Next-80B-A3B-Instruct"
@@ -26,37 +26,21 @@ SOURCES = [
     "vllm/model_executor/models/qwen3_next_mtp.py (mtp.fc / pre_fc_norm_* / norm / layers.0.*)",
     "llama.cpp conversion/qwen.py Qwen3NextModel (MTP layers counted from mtp.layers.*: the config has no count)",
 ]
-CONFIG = {
+CONFIG = variant(SHARED_TEXT, {
     "architectures": ["Qwen3NextForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
     "bos_token_id": 151643,
     "decoder_sparse_step": 1,
     "eos_token_id": 151645,
-    "full_attention_interval": 4,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 256,
     "initializer_range": 0.02,
     "intermediate_size": 512,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_value_head_dim": 64,
-    "max_position_embeddings": 262144,
     "mlp_only_layers": [],
     "model_type": "qwen3_next",
     "moe_intermediate_size": 256,
     "norm_topk_prob": True,
-    "num_attention_heads": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
     "output_router_logits": False,
     "partial_rotary_factor": 0.25,
-    "rms_norm_eps": 1e-06,
     "rope_scaling": None,
     "rope_theta": 10000000,
     "router_aux_loss_coef": 0.001,
@@ -64,9 +48,8 @@ CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
     "transformers_version": "4.57.0.dev0",
-    "use_cache": True,
     "use_sliding_window": False,
     "vocab_size": 151936,
-}
+})
 FORMS = {"bf16": None, "fp8": fp8, "tf5": transformers_saved}
 DRAFTS = True
