@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny
 from tests.builders import tiny_deepseek
 from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
+from tests.helpers import mla
 from tests.helpers.familycheck import assert_f32_equal, copy_with_config, dequant_block_scaled
 from tests.helpers.runcli import run_cli
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
@@ -30,61 +31,14 @@ CFG = tiny_deepseek.deepseek_v3_config()
 N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
 KV_LORA = CFG["kv_lora_rank"]
 
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.q_a_proj.weight": "attn_q_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-    "self_attn.q_b_proj.weight": "attn_q_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
 
 
-def split_kv_b(kv_b: torch.Tensor, n_head: int = N_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_k_b [n_head, kv_lora, nope] and attn_v_b [n_head, v, kv_lora], head by head from kv_b's rows."""
-    k_b, v_b = [], []
-    for h in range(n_head):
-        rows = kv_b[h * (NOPE + V):(h + 1) * (NOPE + V)]
-        k_b.append(rows[:NOPE].T)
-        v_b.append(rows[NOPE:])
-    return torch.stack(k_b), torch.stack(v_b)
+def split_kv_b(kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla.split_kv_b(kv_b, N_HEAD, NOPE, V)
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        parts = name.split(".")
-        bid, rest = int(parts[2]), ".".join(parts[3:])
-        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
-            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
-        elif rest == "self_attn.kv_b_proj.weight":
-            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
-        else:
-            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, CFG)
 
 
 @pytest.fixture(scope="module")

@@ -26,38 +26,14 @@ from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_
                          rewrite_tensor)
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
-from tests.convert.test_convert_deepseek import LAYER_NAMES, TOP_NAMES, split_kv_b
+from tests.helpers import mla
 
 N_TRUNK, MTP = 2, 2  # 2 trunk layers; the MTP block is blk.2
-INDEXER = {"self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight":
-           "indexer.attn_k.weight", "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
-           "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-           "self_attn.indexer.weights_proj.weight": "indexer.proj.weight"}
-NAMES = {**LAYER_NAMES, **INDEXER}
+INDEXER = mla.INDEXER_NAMES
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name.endswith("_scale_inv"):
-            continue
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        bid, rest = int(m[1]), m[2]
-        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", rest):
-            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
-        elif rest == "self_attn.kv_b_proj.weight":
-            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
-        else:
-            exp[f"blk.{bid}.{NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, tiny_deepseek32.deepseek_v32_config())
 
 
 @pytest.fixture(scope="module")

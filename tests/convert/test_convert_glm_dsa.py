@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
 from tests.builders import tiny_glm_dsa
+from tests.helpers import mla
 from tests.helpers.familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, copy_with_config
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
@@ -26,60 +27,12 @@ from tests.helpers.runcli import run_cli
 CFG = tiny_glm_dsa.glm_dsa_config()
 N_TRUNK = CFG["num_hidden_layers"]  # 4: blk.4 is GLM-5's MTP block
 LITE_TRUNK = tiny_glm_dsa.glm4_moe_lite_config()["num_hidden_layers"]  # 2: blk.2 is GLM-4.7-Flash's
-N_HEAD, NOPE, V, KV_LORA = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["v_head_dim"], CFG["kv_lora_rank"]
 
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_a_proj.weight": "attn_q_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-    "self_attn.q_b_proj.weight": "attn_q_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
-    "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
-    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
-    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
 F32_ALWAYS = ("ffn_gate_inp.weight", "indexer.proj.weight")  # kept F32 by llama.cpp's converter at any outtype
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        parts = name.split(".")
-        bid, rest = int(parts[2]), ".".join(parts[3:])
-        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
-            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
-        elif rest == "self_attn.kv_b_proj.weight":  # per head: nope rows (k part, transposed), then v rows
-            heads = t.view(N_HEAD, NOPE + V, KV_LORA)
-            exp[f"blk.{bid}.attn_k_b.weight"] = torch.stack([heads[h, :NOPE].T for h in range(N_HEAD)])
-            exp[f"blk.{bid}.attn_v_b.weight"] = torch.stack([heads[h, NOPE:] for h in range(N_HEAD)])
-        else:
-            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, CFG)
 
 
 @pytest.fixture(scope="module")
