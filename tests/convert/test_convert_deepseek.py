@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
 from tests.builders import tiny_deepseek
 from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
 from tests.helpers import mla
-from tests.helpers.familycheck import assert_f32_equal, copy_with_config, dequant_block_scaled
-from tests.helpers.runcli import run_cli
+from tests.helpers.familycheck import (assert_f16_as_llama_cpp, assert_f32_equal, assert_refused, checkpoint_fixtures,
+                                       copy_with_config, dequant_block_scaled)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
@@ -41,16 +40,8 @@ def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return mla.expected_mla_gguf(tensors, CFG)
 
 
-@pytest.fixture(scope="module")
-def ds_ckpt(tmp_path_factory) -> Path:
-    """A tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards."""
-    return tiny_deepseek.deepseek_v3(tmp_path_factory.mktemp("dsv3") / "ckpt", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def ds_f32(ds_ckpt, tmp_path_factory):
-    """(kv, tensors) of the f32 conversion, shared by the read-only checks."""
-    return convert(ds_ckpt, tmp_path_factory.mktemp("dsv3_out") / "m.gguf", "--outtype", "f32")
+# a tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards
+ds_ckpt, ds_f32 = checkpoint_fixtures("ds", lambda f: tiny_deepseek.deepseek_v3(f, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -96,12 +87,7 @@ def test_mtp_block_present(ds_f32):
 def test_f16_types(ds_ckpt, tmp_path):
     _, tensors = convert(ds_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
     exp = expected_gguf(source_tensors(ds_ckpt))
-    for name, (qtype, data) in tensors.items():
-        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name  # 1-D tensors and routers stay f32, as llama.cpp writes them
-        else:
-            assert qtype == T.F16, name
-            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+    assert_f16_as_llama_cpp(tensors, exp)
 
 
 def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
@@ -237,31 +223,22 @@ def test_correction_bias_required_where_the_reference_creates_it(ds_ckpt, tmp_pa
     victim = "model.layers.1.mlp.gate.e_score_correction_bias"
     ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method")
     rewrite_tensor(ck, victim, None)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert victim in line, line
     greedy = copy_with_config(ck, tmp_path / "greedy", topk_method="greedy")
     _, tensors = convert(greedy, tmp_path / "g.gguf", "--outtype", "f32")
     assert "blk.1.exp_probs_b.bias" not in tensors and f"blk.{MTP}.exp_probs_b.bias" in tensors
 
 
-def _refused(ck: Path, out: Path, *args: str) -> str:
-    res = run_cli("convert", ck, out, "--quiet", *args)
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line, line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 def test_kv_b_shape_contradicts_config(ds_ckpt, tmp_path):
     ck = copy_with_config(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "kv_b_proj" in line and "config.json" in line and ".safetensors" in line, line
 
 
 def test_config_without_mla_dims(ds_ckpt, tmp_path):
     ck = copy_with_config(ds_ckpt, tmp_path / "ck", kv_lora_rank=None)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "kv_lora_rank" in line, line
 
 
@@ -276,7 +253,7 @@ def test_checkpoint_without_mtp_layer(ds_ckpt, ds_f32, tmp_path):
         save_file(kept, str(ck / shard), metadata={"format": "pt"})
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith(f"model.layers.{MTP}.")}
     (ck / "model.safetensors.index.json").write_text(json.dumps(index))
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert f"layer {MTP}" in line and "--no-mtp" in line, line
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
     _, full = ds_f32

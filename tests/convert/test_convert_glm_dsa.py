@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny
 from tests.builders import tiny_glm_dsa
 from tests.helpers import mla
-from tests.helpers.familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, copy_with_config
+from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, checkpoint_fixtures,
+                                       convert_with_both, copy_with_config)
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -35,26 +36,12 @@ def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return mla.expected_mla_gguf(tensors, CFG)
 
 
-@pytest.fixture(scope="module")
-def dsa_ckpt(tmp_path_factory) -> Path:
-    """A tiny GLM-5.2-style checkpoint in f32: 4 layers (indexers full, full, shared, full) + the MTP layer."""
-    return tiny_glm_dsa.glm_dsa(tmp_path_factory.mktemp("glm5") / "ckpt", dtype=torch.float32)
+# a tiny GLM-5.2-style checkpoint in f32: 4 layers (indexers full, full, shared, full) + the MTP layer
+dsa_ckpt, dsa_f32 = checkpoint_fixtures("dsa", lambda f: tiny_glm_dsa.glm_dsa(f, dtype=torch.float32))
 
 
-@pytest.fixture(scope="module")
-def dsa_f32(dsa_ckpt, tmp_path_factory):
-    return convert(dsa_ckpt, tmp_path_factory.mktemp("glm5_out") / "m.gguf", "--outtype", "f32")
-
-
-@pytest.fixture(scope="module")
-def lite_ckpt(tmp_path_factory) -> Path:
-    """A tiny GLM-4.7-Flash checkpoint in f32: 2 layers + the MTP layer."""
-    return tiny_glm_dsa.glm4_moe_lite(tmp_path_factory.mktemp("flash") / "ckpt", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def lite_f32(lite_ckpt, tmp_path_factory):
-    return convert(lite_ckpt, tmp_path_factory.mktemp("flash_out") / "m.gguf", "--outtype", "f32")
+# a tiny GLM-4.7-Flash checkpoint in f32: 2 layers + the MTP layer
+lite_ckpt, lite_f32 = checkpoint_fixtures("lite", lambda f: tiny_glm_dsa.glm4_moe_lite(f, dtype=torch.float32))
 
 
 def _rewrite(ck: Path, edit) -> None:
@@ -148,7 +135,7 @@ def test_glm5_config_without_indexer_types(dsa_ckpt, dsa_f32, tmp_path):
     del cfg["indexer_types"]
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     (ck / "config.json").write_text(json.dumps(cfg))
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.2.self_attn.indexer." in line, line
     full = tiny_glm_dsa.glm_dsa(tmp_path / "full", dtype=torch.float32, indexer_types=None)
     assert "indexer_types" not in json.loads((full / "config.json").read_text())
@@ -249,32 +236,23 @@ def test_partial_rotary_factor_scales_rope_dims(dsa_ckpt, tmp_path):
 # ----------------------------------------------------------------------------- GLM-5.x bad input
 
 
-def _refused(ck: Path, out: Path, *args: str) -> str:
-    res = run_cli("convert", ck, out, "--quiet", *args)
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line, line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 def test_missing_indexer_tensor(dsa_ckpt, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n == "model.layers.3.self_attn.indexer.wk.weight" else t)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.3.self_attn.indexer.wk.weight" in line and str(ck) in line, line
 
 
 def test_indexer_shape_contradicts_config(dsa_ckpt, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "indexer" in line and "config.json implies" in line and ".safetensors" in line, line
 
 
 def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     """A "shared" layer stores no indexer: one there contradicts config.json."""
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", indexer_types=["full", "shared", "shared", "full"])
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
 
@@ -284,21 +262,21 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
                                   {"indexer_types": None, "index_topk_pattern": 7}])
 def test_bad_indexer_types(dsa_ckpt, tmp_path, keys):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", **keys)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "indexer_types" in line, line
 
 
 @pytest.mark.parametrize("value", [None, "4", 0])
 def test_bad_indexer_hparams(dsa_ckpt, tmp_path, value):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_n_heads=value)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "index_n_heads" in line, line
 
 
 def test_checkpoint_without_mtp_layer(dsa_ckpt, dsa_f32, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n.startswith(f"model.layers.{N_TRUNK}.") else t)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert f"layer {N_TRUNK}" in line and "--no-mtp" in line, line
     _, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
     assert set(tensors) == {n for n in dsa_f32[1] if not n.startswith(f"blk.{N_TRUNK}.")}
@@ -353,7 +331,7 @@ def test_flash_no_mtp_and_mtp_only(lite_ckpt, lite_f32, tmp_path):
 
 def test_flash_shape_contradicts_config(lite_ckpt, tmp_path):
     ck = copy_with_config(lite_ckpt, tmp_path / "ck", v_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json implies" in line and ".safetensors" in line, line
 
 

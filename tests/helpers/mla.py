@@ -7,6 +7,9 @@ import re
 
 import torch
 
+from tests.helpers.familycheck import Experts
+from tests.helpers.names import FFN_MOE_NEXTN_NAMES, TOP_NAMES
+
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -17,19 +20,8 @@ LAYER_NAMES = {
     "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
     "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+    **FFN_MOE_NEXTN_NAMES,
 }
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
 INDEXER_NAMES = {  # DeepSeek-V3.2's / GLM-5's sparse-attention indexer
     "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
     "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
@@ -52,7 +44,7 @@ def expected_mla_gguf(tensors: dict[str, torch.Tensor], cfg: dict) -> dict[str, 
     the checkpoint's config (head counts and dims for the kv_b split). FP8 scales are left out."""
     n_head, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    experts = Experts()
     for name, t in tensors.items():
         t = t.float()
         if name.endswith("_scale_inv"):
@@ -62,12 +54,10 @@ def expected_mla_gguf(tensors: dict[str, torch.Tensor], cfg: dict) -> dict[str, 
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         bid, rest = int(m[1]), m[2]
-        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", rest):
-            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
+        if experts.take(exp, bid, rest, t):
+            pass
         elif rest == "self_attn.kv_b_proj.weight":
             exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t, n_head, nope, v)
         else:
             exp[f"blk.{bid}.{LAYER_NAMES.get(rest) or INDEXER_NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return {**exp, **experts.stacked()}
