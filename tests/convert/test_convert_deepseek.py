@@ -23,6 +23,7 @@ from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
 from tests.helpers import mla
 from tests.helpers.familycheck import (assert_f16_as_llama_cpp, assert_f32_equal, assert_refused, checkpoint_fixtures,
                                        copy_with_config, dequant_block_scaled)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
@@ -92,13 +93,7 @@ def test_f16_types(ds_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
     _, full = ds_f32
-    kv, tensors = convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["deepseek2.block_count"] == N_TRUNK and "deepseek2.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
-    kv, tensors = convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["deepseek2.block_count"] == N_TRUNK + 1 and kv["deepseek2.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    _, (_, tensors) = assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32")
     for name, (_, data) in tensors.items():
         np.testing.assert_array_equal(data, full[name][1], err_msg=name)
 

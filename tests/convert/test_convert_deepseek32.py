@@ -24,6 +24,7 @@ from tests.builders import tiny_deepseek32
 from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy,
                          convert_with_both, copy_with_config, dequant_block_scaled, quantize_q4_k_m, quantize_with_both,
                          rewrite_tensor)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
 from tests.helpers import mla
@@ -97,13 +98,7 @@ def test_metadata(f32):
 
 def test_no_mtp_mtp_only_and_inspect(ck, f32, tmp_path):
     _, full = f32
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["deepseek32.block_count"] == N_TRUNK and "deepseek32.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
-    kv, tensors = convert(ck, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["deepseek32.block_count"] == N_TRUNK + 1 and kv["deepseek32.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    assert_mode_files(ck, tmp_path, "deepseek32", N_TRUNK, full, "--outtype", "f32")
     res = run_cli("inspect", tmp_path / "head.gguf", "--json")
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)

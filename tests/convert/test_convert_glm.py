@@ -16,6 +16,7 @@ import torch
 
 from tests.builders import tiny
 from tests.helpers.familycheck import assert_f16_as_llama_cpp, assert_f32_equal, assert_same_gguf, convert_with_both
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.names import FFN_MOE_NEXTN_NAMES, TOP_NAMES
 from tests.helpers.runcli import run_cli
@@ -116,13 +117,7 @@ def test_f16_types(glm_ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(glm_ckpt, tmp_path):
-    kv, tensors = convert(glm_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["glm4moe.block_count"] == 2 and "glm4moe.nextn_predict_layers" not in kv
-    assert not any(n.startswith("blk.2.") for n in tensors)
-    kv, tensors = convert(glm_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["glm4moe.block_count"] == 3 and kv["glm4moe.nextn_predict_layers"] == 1
-    assert {n for n in tensors if not n.startswith("blk.2.")} == {"token_embd.weight", "output_norm.weight", "output.weight"}
-    assert sum(n.startswith("blk.2.") for n in tensors) == sum(n.startswith("blk.2.") for n in expected_gguf(glm_ckpt))
+    assert_mode_files(glm_ckpt, tmp_path, "glm4moe", 2, expected_gguf(glm_ckpt))
 
 
 def test_glm46_head_without_embed_and_head(tmp_path):

@@ -21,6 +21,7 @@ from tests.builders import tiny_glm_dsa
 from tests.helpers import mla
 from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, checkpoint_fixtures,
                                        convert_with_both, copy_with_config)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -108,14 +109,7 @@ def test_f16_types(dsa_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(dsa_ckpt, dsa_f32, tmp_path):
     _, full = dsa_f32
-    mtp = f"blk.{N_TRUNK}."
-    kv, tensors = convert(dsa_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["glm-dsa.block_count"] == N_TRUNK and "glm-dsa.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(mtp)}
-    kv, tensors = convert(dsa_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["glm-dsa.block_count"] == N_TRUNK + 1 and kv["glm-dsa.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(mtp)}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    _, (_, tensors) = assert_mode_files(dsa_ckpt, tmp_path, "glm-dsa", N_TRUNK, full, "--outtype", "f32")
     for name, (_, data) in tensors.items():
         np.testing.assert_array_equal(data, full[name][1], err_msg=name)
 

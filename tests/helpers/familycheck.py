@@ -92,6 +92,24 @@ def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
             np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
 
 
+HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # what a --mtp-only file carries
+
+
+def assert_mode_files(ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str,
+                      top: tuple[str, ...] = HEAD_FILE_TOP) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but block n_trunk's;
+    ``--mtp-only``: n_trunk + 1 blocks, one NextN layer, block n_trunk's names and ``top``. ``args``: more
+    convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
+    mtp = f"blk.{n_trunk}."
+    trunk = convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp", *args)
+    assert trunk[0][f"{arch}.block_count"] == n_trunk and f"{arch}.nextn_predict_layers" not in trunk[0]
+    assert set(trunk[1]) == {n for n in names if not n.startswith(mtp)}
+    head = convert(ckpt, tmp_path / "head.gguf", "--mtp-only", *args)
+    assert head[0][f"{arch}.block_count"] == n_trunk + 1 and head[0][f"{arch}.nextn_predict_layers"] == 1
+    assert set(head[1]) == {n for n in names if n.startswith(mtp)} | set(top)
+    return trunk, head
+
+
 def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value) -> None:
     """The file holds exactly ``want``'s names (GGUF name -> (shape, HF name)) at those shapes, each F32 and equal
     to ``value(src, name, hf)`` over the checkpoint's tensors ``src``."""
