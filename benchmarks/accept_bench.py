@@ -138,7 +138,7 @@ def _bundled(name: str):
 
 
 def _tiny_deepseek(work: Path) -> Path:
-    """The checkpoint of tests/runtime/test_runtime_deepseek.py's ``copy_ckpt`` (float32, converted to f16 here)."""
+    """The checkpoint of the deepseek2 "copy" checkpoint of tests/helpers/runtime.py (float32, converted to f16 here)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's test builders
     from tests.builders import tiny_deepseek
 

@@ -522,6 +522,16 @@ def _dtype_of(ckpt: HFCheckpoint, hf_name: str) -> torch.dtype:
     return _ST_DTYPES[ckpt.source_dtype(hf_name)]
 
 
+# the top-level names of Llama-style checkpoints, for families with their own name tables
+LLAMA_TOP_NAMES = {"model.embed_tokens.weight": gguf.MODEL_TENSOR.TOKEN_EMBD,
+                   "model.norm.weight": gguf.MODEL_TENSOR.OUTPUT_NORM, "lm_head.weight": gguf.MODEL_TENSOR.OUTPUT}
+
+
+def weight_table(names: dict[str, gguf.MODEL_TENSOR]) -> dict[str, tuple[gguf.MODEL_TENSOR, str]]:
+    """A block table for ``name_from_tables`` from ``rest -> kind`` (".weight" dropped on both sides)."""
+    return {f"{rest}.weight": (kind, ".weight") for rest, kind in names.items()}
+
+
 def name_from_tables(hf_name: str, top: dict[str, gguf.MODEL_TENSOR],
                      blocks: Callable[[int], dict[str, tuple[gguf.MODEL_TENSOR, str]]],
                      prefix: str = "model.layers.") -> str | None:

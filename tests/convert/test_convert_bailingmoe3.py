@@ -18,9 +18,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_bailingmoe3
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
-                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
-                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp,
+                                       assert_same_gguf, assert_table_f32, checkpoint_fixtures, convert_with_both,
+                                       dequant_block_scaled, expected_table, inspect_json, quantize_q4_k_m,
+                                       quantize_with_both, stack_experts, vocab)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
@@ -79,22 +81,12 @@ def value(src: dict[str, torch.Tensor], name: str, hf: str) -> torch.Tensor:
     return t
 
 
-@pytest.fixture(scope="module")
-def bl_ckpt(tmp_path_factory):
-    return tiny_bailingmoe3.bailingmoe3(tmp_path_factory.mktemp("bailingmoe3") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def bl_f32(bl_ckpt, tmp_path_factory):
-    return convert(bl_ckpt, tmp_path_factory.mktemp("bailingmoe3_out") / "m.gguf", "--outtype", "f32")
+bl_ckpt, bl_f32 = checkpoint_fixtures("bl", tiny_bailingmoe3.bailingmoe3)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(bl_ckpt, bl_f32):
     _, tensors = bl_f32
-    want = expected(vocab(bl_ckpt))
-    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
-    src = source_tensors(bl_ckpt)
-    assert_f32_equal(tensors, {name: value(src, name, hf) for name, (_, hf) in want.items()})
+    assert_table_f32(tensors, expected(vocab(bl_ckpt)), bl_ckpt, value)
 
 
 def test_metadata(bl_ckpt, bl_f32):
@@ -132,14 +124,8 @@ def test_f16_keeps_the_short_convolutions_f32(bl_ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(bl_ckpt, tmp_path):
-    kv, tensors = convert(bl_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["bailingmoe3.block_count"] == 4 and "bailingmoe3.nextn_predict_layers" not in kv
+    (kv, _), _ = assert_mode_files(bl_ckpt, tmp_path, "bailingmoe3", 4, expected(vocab(bl_ckpt)))
     assert kv["bailingmoe3.attention.head_count_kv"] == [0, 1, 0, 1]
-    assert set(tensors) == set(expected(vocab(bl_ckpt), range(4)))
-    kv, tensors = convert(bl_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["bailingmoe3.block_count"] == 5 and kv["bailingmoe3.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in expected(vocab(bl_ckpt)) if n.startswith("blk.4.")} | {
-        "token_embd.weight", "output_norm.weight", "output.weight"}
 
 
 def test_checkpoint_without_mtp_layer(tmp_path):

@@ -17,11 +17,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_cohere2moe
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal,
-                         assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf, convert_with_both,
-                         expected_table, inspect_json, quantize_q4_k_m, quantize_with_both, rewrite_tensor,
-                         stack_experts, strip_general, vocab)
-from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp,
+                                       assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
+                                       assert_table_f32, checkpoint_fixtures, convert_with_both, expected_table,
+                                       inspect_json, quantize_q4_k_m, quantize_with_both, rewrite_tensor, stack_experts,
+                                       strip_general, vocab)
+from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
@@ -56,22 +58,12 @@ def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
     return stack_experts(src, hf)
 
 
-@pytest.fixture(scope="module")
-def co_ckpt(tmp_path_factory):
-    return tiny_cohere2moe.cohere2moe(tmp_path_factory.mktemp("cohere2moe") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def co_f32(co_ckpt, tmp_path_factory):
-    return convert(co_ckpt, tmp_path_factory.mktemp("cohere2moe_out") / "m.gguf", "--outtype", "f32")
+co_ckpt, co_f32 = checkpoint_fixtures("co", tiny_cohere2moe.cohere2moe)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
     _, tensors = co_f32
-    want = expected(vocab(co_ckpt))
-    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
-    src = source_tensors(co_ckpt)
-    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
+    assert_table_f32(tensors, expected(vocab(co_ckpt)), co_ckpt, lambda src, name, hf: source_value(src, hf))
 
 
 def test_metadata(co_ckpt, co_f32):
@@ -100,14 +92,9 @@ def test_metadata(co_ckpt, co_f32):
 
 
 def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
-    kv, tensors = convert(co_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["cohere2moe.block_count"] == 4 and "cohere2moe.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(vocab(co_ckpt), range(4)))
-    kv, tensors = convert(co_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["cohere2moe.block_count"] == 5 and kv["cohere2moe.nextn_predict_layers"] == 1
     # tied embeddings: the head file carries token_embd (its lm_head too) and output_norm
-    assert set(tensors) == {n for n in expected(vocab(co_ckpt)) if n.startswith("blk.4.")} | {
-        "token_embd.weight", "output_norm.weight"}
+    assert_mode_files(co_ckpt, tmp_path, "cohere2moe", 4, expected(vocab(co_ckpt)),
+                      top=("token_embd.weight", "output_norm.weight"))
 
 
 def test_checkpoint_without_mtp_layer(tmp_path):

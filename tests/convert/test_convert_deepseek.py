@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
 from tests.builders import tiny_deepseek
 from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
-from tests.helpers.familycheck import assert_f32_equal, copy_with_config, dequant_block_scaled
-from tests.helpers.runcli import run_cli
+from tests.helpers import mla
+from tests.helpers.familycheck import (assert_f16_as_llama_cpp, assert_f32_equal, assert_refused, checkpoint_fixtures,
+                                       copy_with_config, dequant_block_scaled)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
@@ -30,73 +31,18 @@ CFG = tiny_deepseek.deepseek_v3_config()
 N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
 KV_LORA = CFG["kv_lora_rank"]
 
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.q_a_proj.weight": "attn_q_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-    "self_attn.q_b_proj.weight": "attn_q_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
 
 
-def split_kv_b(kv_b: torch.Tensor, n_head: int = N_HEAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_k_b [n_head, kv_lora, nope] and attn_v_b [n_head, v, kv_lora], head by head from kv_b's rows."""
-    k_b, v_b = [], []
-    for h in range(n_head):
-        rows = kv_b[h * (NOPE + V):(h + 1) * (NOPE + V)]
-        k_b.append(rows[:NOPE].T)
-        v_b.append(rows[NOPE:])
-    return torch.stack(k_b), torch.stack(v_b)
+def split_kv_b(kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla.split_kv_b(kv_b, N_HEAD, NOPE, V)
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        parts = name.split(".")
-        bid, rest = int(parts[2]), ".".join(parts[3:])
-        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
-            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
-        elif rest == "self_attn.kv_b_proj.weight":
-            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
-        else:
-            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, CFG)
 
 
-@pytest.fixture(scope="module")
-def ds_ckpt(tmp_path_factory) -> Path:
-    """A tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards."""
-    return tiny_deepseek.deepseek_v3(tmp_path_factory.mktemp("dsv3") / "ckpt", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def ds_f32(ds_ckpt, tmp_path_factory):
-    """(kv, tensors) of the f32 conversion, shared by the read-only checks."""
-    return convert(ds_ckpt, tmp_path_factory.mktemp("dsv3_out") / "m.gguf", "--outtype", "f32")
+# a tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards
+ds_ckpt, ds_f32 = checkpoint_fixtures("ds", lambda f: tiny_deepseek.deepseek_v3(f, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -142,23 +88,12 @@ def test_mtp_block_present(ds_f32):
 def test_f16_types(ds_ckpt, tmp_path):
     _, tensors = convert(ds_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
     exp = expected_gguf(source_tensors(ds_ckpt))
-    for name, (qtype, data) in tensors.items():
-        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name  # 1-D tensors and routers stay f32, as llama.cpp writes them
-        else:
-            assert qtype == T.F16, name
-            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+    assert_f16_as_llama_cpp(tensors, exp)
 
 
 def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
     _, full = ds_f32
-    kv, tensors = convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["deepseek2.block_count"] == N_TRUNK and "deepseek2.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
-    kv, tensors = convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["deepseek2.block_count"] == N_TRUNK + 1 and kv["deepseek2.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    _, (_, tensors) = assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32")
     for name, (_, data) in tensors.items():
         np.testing.assert_array_equal(data, full[name][1], err_msg=name)
 
@@ -283,31 +218,22 @@ def test_correction_bias_required_where_the_reference_creates_it(ds_ckpt, tmp_pa
     victim = "model.layers.1.mlp.gate.e_score_correction_bias"
     ck = _without_keys(ds_ckpt, tmp_path / "ck", "topk_method")
     rewrite_tensor(ck, victim, None)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert victim in line, line
     greedy = copy_with_config(ck, tmp_path / "greedy", topk_method="greedy")
     _, tensors = convert(greedy, tmp_path / "g.gguf", "--outtype", "f32")
     assert "blk.1.exp_probs_b.bias" not in tensors and f"blk.{MTP}.exp_probs_b.bias" in tensors
 
 
-def _refused(ck: Path, out: Path, *args: str) -> str:
-    res = run_cli("convert", ck, out, "--quiet", *args)
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line, line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 def test_kv_b_shape_contradicts_config(ds_ckpt, tmp_path):
     ck = copy_with_config(ds_ckpt, tmp_path / "ck", qk_nope_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "kv_b_proj" in line and "config.json" in line and ".safetensors" in line, line
 
 
 def test_config_without_mla_dims(ds_ckpt, tmp_path):
     ck = copy_with_config(ds_ckpt, tmp_path / "ck", kv_lora_rank=None)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "kv_lora_rank" in line, line
 
 
@@ -322,7 +248,7 @@ def test_checkpoint_without_mtp_layer(ds_ckpt, ds_f32, tmp_path):
         save_file(kept, str(ck / shard), metadata={"format": "pt"})
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith(f"model.layers.{MTP}.")}
     (ck / "model.safetensors.index.json").write_text(json.dumps(index))
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert f"layer {MTP}" in line and "--no-mtp" in line, line
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
     _, full = ds_f32

@@ -24,40 +24,17 @@ from tests.builders import tiny_deepseek32
 from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy,
                          convert_with_both, copy_with_config, dequant_block_scaled, quantize_q4_k_m, quantize_with_both,
                          rewrite_tensor)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
-from tests.convert.test_convert_deepseek import LAYER_NAMES, TOP_NAMES, split_kv_b
+from tests.helpers import mla
 
 N_TRUNK, MTP = 2, 2  # 2 trunk layers; the MTP block is blk.2
-INDEXER = {"self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight":
-           "indexer.attn_k.weight", "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
-           "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-           "self_attn.indexer.weights_proj.weight": "indexer.proj.weight"}
-NAMES = {**LAYER_NAMES, **INDEXER}
+INDEXER = mla.INDEXER_NAMES
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name.endswith("_scale_inv"):
-            continue
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        bid, rest = int(m[1]), m[2]
-        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", rest):
-            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
-        elif rest == "self_attn.kv_b_proj.weight":
-            exp[f"blk.{bid}.attn_k_b.weight"], exp[f"blk.{bid}.attn_v_b.weight"] = split_kv_b(t)
-        else:
-            exp[f"blk.{bid}.{NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, tiny_deepseek32.deepseek_v32_config())
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +98,7 @@ def test_metadata(f32):
 
 def test_no_mtp_mtp_only_and_inspect(ck, f32, tmp_path):
     _, full = f32
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["deepseek32.block_count"] == N_TRUNK and "deepseek32.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(f"blk.{MTP}.")}
-    kv, tensors = convert(ck, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["deepseek32.block_count"] == N_TRUNK + 1 and kv["deepseek32.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(f"blk.{MTP}.")}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    assert_mode_files(ck, tmp_path, "deepseek32", N_TRUNK, full, "--outtype", "f32")
     res = run_cli("inspect", tmp_path / "head.gguf", "--json")
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)

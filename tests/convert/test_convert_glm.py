@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
-from tests.helpers.familycheck import assert_f32_equal, assert_same_gguf, convert_with_both
+from tests.helpers.familycheck import assert_f16_as_llama_cpp, assert_f32_equal, assert_same_gguf, convert_with_both
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
+from tests.helpers.names import FFN_MOE_NEXTN_NAMES, TOP_NAMES
 from tests.helpers.runcli import run_cli
 
 LAYER_NAMES = {
@@ -28,21 +29,8 @@ LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+    **FFN_MOE_NEXTN_NAMES,
 }
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
-
 
 
 def gguf_name_of(hf_name: str) -> tuple[str, int | None]:
@@ -125,22 +113,11 @@ def test_metadata_matches_llama_cpp_keys(glm_ckpt, tmp_path):
 def test_f16_types(glm_ckpt, tmp_path):
     _, tensors = convert(glm_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
     exp = expected_gguf(glm_ckpt)
-    for name, (qtype, data) in tensors.items():
-        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name  # 1-D tensors and routers stay f32, as llama.cpp writes them
-        else:
-            assert qtype == T.F16, name
-            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+    assert_f16_as_llama_cpp(tensors, exp)
 
 
 def test_no_mtp_and_mtp_only(glm_ckpt, tmp_path):
-    kv, tensors = convert(glm_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["glm4moe.block_count"] == 2 and "glm4moe.nextn_predict_layers" not in kv
-    assert not any(n.startswith("blk.2.") for n in tensors)
-    kv, tensors = convert(glm_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["glm4moe.block_count"] == 3 and kv["glm4moe.nextn_predict_layers"] == 1
-    assert {n for n in tensors if not n.startswith("blk.2.")} == {"token_embd.weight", "output_norm.weight", "output.weight"}
-    assert sum(n.startswith("blk.2.") for n in tensors) == sum(n.startswith("blk.2.") for n in expected_gguf(glm_ckpt))
+    assert_mode_files(glm_ckpt, tmp_path, "glm4moe", 2, expected_gguf(glm_ckpt))
 
 
 def test_glm46_head_without_embed_and_head(tmp_path):

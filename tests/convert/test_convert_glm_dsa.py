@@ -18,7 +18,10 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
 from tests.builders import tiny_glm_dsa
-from tests.helpers.familycheck import assert_f32_equal, assert_same_gguf, convert_with_both, copy_with_config
+from tests.helpers import mla
+from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, checkpoint_fixtures,
+                                       convert_with_both, copy_with_config)
+from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -26,82 +29,20 @@ from tests.helpers.runcli import run_cli
 CFG = tiny_glm_dsa.glm_dsa_config()
 N_TRUNK = CFG["num_hidden_layers"]  # 4: blk.4 is GLM-5's MTP block
 LITE_TRUNK = tiny_glm_dsa.glm4_moe_lite_config()["num_hidden_layers"]  # 2: blk.2 is GLM-4.7-Flash's
-N_HEAD, NOPE, V, KV_LORA = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["v_head_dim"], CFG["kv_lora_rank"]
 
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_a_proj.weight": "attn_q_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-    "self_attn.q_b_proj.weight": "attn_q_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
-    "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
-    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
-    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-    "hnorm.weight": "nextn.hnorm.weight", "embed_tokens.weight": "nextn.embed_tokens.weight",
-    "shared_head.head.weight": "nextn.shared_head_head.weight",
-    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
 F32_ALWAYS = ("ffn_gate_inp.weight", "indexer.proj.weight")  # kept F32 by llama.cpp's converter at any outtype
 
 
 def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GGUF name -> float32 values, derived from (dequantized) HF tensors by the documented transforms."""
-    exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        t = t.float()
-        if name in TOP_NAMES:
-            exp[TOP_NAMES[name]] = t
-            continue
-        parts = name.split(".")
-        bid, rest = int(parts[2]), ".".join(parts[3:])
-        if rest.startswith("mlp.experts."):  # model.layers.B.mlp.experts.E.gate_proj.weight
-            experts.setdefault(f"blk.{bid}.ffn_{parts[6].split('_')[0]}_exps.weight", {})[int(parts[5])] = t
-        elif rest == "self_attn.kv_b_proj.weight":  # per head: nope rows (k part, transposed), then v rows
-            heads = t.view(N_HEAD, NOPE + V, KV_LORA)
-            exp[f"blk.{bid}.attn_k_b.weight"] = torch.stack([heads[h, :NOPE].T for h in range(N_HEAD)])
-            exp[f"blk.{bid}.attn_v_b.weight"] = torch.stack([heads[h, NOPE:] for h in range(N_HEAD)])
-        else:
-            exp[f"blk.{bid}.{LAYER_NAMES[rest]}"] = t
-    for gname, d in experts.items():
-        exp[gname] = torch.stack([d[e] for e in sorted(d)])
-    return exp
+    return mla.expected_mla_gguf(tensors, CFG)
 
 
-@pytest.fixture(scope="module")
-def dsa_ckpt(tmp_path_factory) -> Path:
-    """A tiny GLM-5.2-style checkpoint in f32: 4 layers (indexers full, full, shared, full) + the MTP layer."""
-    return tiny_glm_dsa.glm_dsa(tmp_path_factory.mktemp("glm5") / "ckpt", dtype=torch.float32)
+# a tiny GLM-5.2-style checkpoint in f32: 4 layers (indexers full, full, shared, full) + the MTP layer
+dsa_ckpt, dsa_f32 = checkpoint_fixtures("dsa", lambda f: tiny_glm_dsa.glm_dsa(f, dtype=torch.float32))
 
 
-@pytest.fixture(scope="module")
-def dsa_f32(dsa_ckpt, tmp_path_factory):
-    return convert(dsa_ckpt, tmp_path_factory.mktemp("glm5_out") / "m.gguf", "--outtype", "f32")
-
-
-@pytest.fixture(scope="module")
-def lite_ckpt(tmp_path_factory) -> Path:
-    """A tiny GLM-4.7-Flash checkpoint in f32: 2 layers + the MTP layer."""
-    return tiny_glm_dsa.glm4_moe_lite(tmp_path_factory.mktemp("flash") / "ckpt", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def lite_f32(lite_ckpt, tmp_path_factory):
-    return convert(lite_ckpt, tmp_path_factory.mktemp("flash_out") / "m.gguf", "--outtype", "f32")
+# a tiny GLM-4.7-Flash checkpoint in f32: 2 layers + the MTP layer
+lite_ckpt, lite_f32 = checkpoint_fixtures("lite", lambda f: tiny_glm_dsa.glm4_moe_lite(f, dtype=torch.float32))
 
 
 def _rewrite(ck: Path, edit) -> None:
@@ -168,14 +109,7 @@ def test_f16_types(dsa_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(dsa_ckpt, dsa_f32, tmp_path):
     _, full = dsa_f32
-    mtp = f"blk.{N_TRUNK}."
-    kv, tensors = convert(dsa_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
-    assert kv["glm-dsa.block_count"] == N_TRUNK and "glm-dsa.nextn_predict_layers" not in kv
-    assert set(tensors) == {n for n in full if not n.startswith(mtp)}
-    kv, tensors = convert(dsa_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert kv["glm-dsa.block_count"] == N_TRUNK + 1 and kv["glm-dsa.nextn_predict_layers"] == 1
-    assert set(tensors) == ({n for n in full if n.startswith(mtp)}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    _, (_, tensors) = assert_mode_files(dsa_ckpt, tmp_path, "glm-dsa", N_TRUNK, full, "--outtype", "f32")
     for name, (_, data) in tensors.items():
         np.testing.assert_array_equal(data, full[name][1], err_msg=name)
 
@@ -195,7 +129,7 @@ def test_glm5_config_without_indexer_types(dsa_ckpt, dsa_f32, tmp_path):
     del cfg["indexer_types"]
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     (ck / "config.json").write_text(json.dumps(cfg))
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.2.self_attn.indexer." in line, line
     full = tiny_glm_dsa.glm_dsa(tmp_path / "full", dtype=torch.float32, indexer_types=None)
     assert "indexer_types" not in json.loads((full / "config.json").read_text())
@@ -296,32 +230,23 @@ def test_partial_rotary_factor_scales_rope_dims(dsa_ckpt, tmp_path):
 # ----------------------------------------------------------------------------- GLM-5.x bad input
 
 
-def _refused(ck: Path, out: Path, *args: str) -> str:
-    res = run_cli("convert", ck, out, "--quiet", *args)
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert "\n" not in line, line
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
-    return line
-
-
 def test_missing_indexer_tensor(dsa_ckpt, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n == "model.layers.3.self_attn.indexer.wk.weight" else t)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.3.self_attn.indexer.wk.weight" in line and str(ck) in line, line
 
 
 def test_indexer_shape_contradicts_config(dsa_ckpt, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "indexer" in line and "config.json implies" in line and ".safetensors" in line, line
 
 
 def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     """A "shared" layer stores no indexer: one there contradicts config.json."""
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", indexer_types=["full", "shared", "shared", "full"])
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
 
@@ -331,21 +256,21 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
                                   {"indexer_types": None, "index_topk_pattern": 7}])
 def test_bad_indexer_types(dsa_ckpt, tmp_path, keys):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", **keys)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "indexer_types" in line, line
 
 
 @pytest.mark.parametrize("value", [None, "4", 0])
 def test_bad_indexer_hparams(dsa_ckpt, tmp_path, value):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", index_n_heads=value)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json" in line and "index_n_heads" in line, line
 
 
 def test_checkpoint_without_mtp_layer(dsa_ckpt, dsa_f32, tmp_path):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck")
     _rewrite(ck, lambda n, t: None if n.startswith(f"model.layers.{N_TRUNK}.") else t)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert f"layer {N_TRUNK}" in line and "--no-mtp" in line, line
     _, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
     assert set(tensors) == {n for n in dsa_f32[1] if not n.startswith(f"blk.{N_TRUNK}.")}
@@ -400,7 +325,7 @@ def test_flash_no_mtp_and_mtp_only(lite_ckpt, lite_f32, tmp_path):
 
 def test_flash_shape_contradicts_config(lite_ckpt, tmp_path):
     ck = copy_with_config(lite_ckpt, tmp_path / "ck", v_head_dim=32)
-    line = _refused(ck, tmp_path / "o.gguf")
+    line = assert_refused(ck, tmp_path / "o.gguf")
     assert "config.json implies" in line and ".safetensors" in line, line
 
 

@@ -18,9 +18,10 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny
 from tests.builders import tiny_hyv3
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_f32_equal, assert_needs_no_mtp,
-                         assert_same_gguf, convert_with_both, dequant_block_scaled, expected_table, inspect_json,
-                         quantize_q4_k_m, quantize_with_both, stack_experts, vocab)
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp,
+                                       assert_same_gguf, assert_table_f32, checkpoint_fixtures, convert_with_both,
+                                       dequant_block_scaled, expected_table, inspect_json, quantize_q4_k_m,
+                                       quantize_with_both, stack_experts, vocab)
 from tests.helpers.ggufcheck import convert, source_tensors
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
@@ -59,22 +60,12 @@ def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
     return stack_experts(src, hf)
 
 
-@pytest.fixture(scope="module")
-def hy_ckpt(tmp_path_factory):
-    return tiny_hyv3.hyv3(tmp_path_factory.mktemp("hyv3") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def hy_f32(hy_ckpt, tmp_path_factory):
-    return convert(hy_ckpt, tmp_path_factory.mktemp("hyv3_out") / "m.gguf", "--outtype", "f32")
+hy_ckpt, hy_f32 = checkpoint_fixtures("hy", tiny_hyv3.hyv3)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
     _, tensors = hy_f32
-    want = expected(vocab(hy_ckpt))
-    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
-    src = source_tensors(hy_ckpt)
-    assert_f32_equal(tensors, {name: source_value(src, hf).float() for name, (_, hf) in want.items()})
+    assert_table_f32(tensors, expected(vocab(hy_ckpt)), hy_ckpt, lambda src, name, hf: source_value(src, hf))
 
 
 def test_metadata(hy_f32):

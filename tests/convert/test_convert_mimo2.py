@@ -16,8 +16,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_mimo2
-from tests.helpers.familycheck import (add_tensors, assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf, convert_with_both,
-                         copy_with_config, quantize_with_both, rewrite_tensor, run)
+from tests.helpers.familycheck import (add_tensors, assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf,
+                                       assert_table_f32, convert_with_both, copy_with_config, quantize_with_both,
+                                       rewrite_tensor, run)
 from tests.helpers.ggufcheck import convert, kv_types, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -64,13 +65,8 @@ def _vocab(folder) -> int:
 
 def test_f32_every_tensor_named_shaped_and_valued(mimo_ckpt, tmp_path):
     _, tensors = convert(mimo_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
-    want = expected(_vocab(mimo_ckpt))
-    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
-    src = source_tensors(mimo_ckpt)
-    for name, (_, hf) in want.items():
-        value = torch.stack([src[hf.format(e=e)] for e in range(4)]) if "{e}" in hf else src[hf]
-        assert tensors[name][0] == T.F32, name
-        np.testing.assert_array_equal(tensors[name][1], value.float().numpy(), err_msg=name)
+    assert_table_f32(tensors, expected(_vocab(mimo_ckpt)), mimo_ckpt, lambda src, name, hf: (
+        torch.stack([src[hf.format(e=e)] for e in range(4)]) if "{e}" in hf else src[hf]))
 
 
 def test_metadata(mimo_ckpt, tmp_path):

@@ -20,9 +20,10 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny_nemotronh
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_fp8_source_same_as_llama_cpp,
-                         assert_needs_no_mtp, assert_same_gguf, convert_with_both, inspect_json, quantize_q4_k_m,
-                         quantize_with_both)
+from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp,
+                                       assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
+                                       checkpoint_fixtures, convert_with_both, inspect_json, quantize_q4_k_m,
+                                       quantize_with_both)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
@@ -104,14 +105,7 @@ def expected_values(src: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.
     return out
 
 
-@pytest.fixture(scope="module")
-def nh_ckpt(tmp_path_factory):
-    return tiny_nemotronh.nemotronh(tmp_path_factory.mktemp("nemotronh") / "ckpt")
-
-
-@pytest.fixture(scope="module")
-def nh_f32(nh_ckpt, tmp_path_factory):
-    return convert(nh_ckpt, tmp_path_factory.mktemp("nemotronh_out") / "m.gguf", "--outtype", "f32")
+nh_ckpt, nh_f32 = checkpoint_fixtures("nh", tiny_nemotronh.nemotronh)
 
 
 def _cfg(folder) -> dict:

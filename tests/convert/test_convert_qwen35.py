@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny
 from tests.builders import tiny_qwen35
-from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
-                         convert_with_both)
+from tests.helpers.familycheck import (Experts, assert_f32_equal, assert_refused, assert_same_gguf,
+                                       assert_targets_are_greedy, built_once, convert_with_both)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -101,7 +101,7 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
     n = cfg["num_hidden_layers"]
     src = source_tensors(folder) if src is None else src
     exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    experts = Experts()
     for name, t in src.items():
         if name.startswith("model.visual.") or name.endswith("_scale_inv"):
             continue
@@ -114,20 +114,9 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
             continue
         m = re.fullmatch(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.(.+)", short)
         bid = int(m[1]) if m[1] is not None else n + int(m[2])
-        inner = m[3]
-        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", inner):
-            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t.float()
-        elif inner == "mlp.experts.gate_up_proj":
-            ff = t.shape[1] // 2
-            exp[f"blk.{bid}.ffn_gate_exps.weight"] = t[:, :ff].float()
-            exp[f"blk.{bid}.ffn_up_exps.weight"] = t[:, ff:].float()
-        elif inner == "mlp.experts.down_proj":
-            exp[f"blk.{bid}.ffn_down_exps.weight"] = t.float()
-        else:
-            exp[f"blk.{bid}.{LAYER[inner]}"] = expected_values(inner, t, cfg)
-    for gname, by_expert in experts.items():
-        exp[gname] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    return exp
+        if not experts.take(exp, bid, m[3], t.float()):
+            exp[f"blk.{bid}.{LAYER[m[3]]}"] = expected_values(m[3], t, cfg)
+    return {**exp, **experts.stacked()}
 
 
 

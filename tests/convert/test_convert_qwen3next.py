@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny
 from tests.builders import tiny_qwen3next
-from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy, built_once,
-                         convert_with_both, quantize_q4_k_m, quantize_with_both, rewrite_tensor)
+from tests.helpers.familycheck import (Experts, assert_f32_equal, assert_refused, assert_same_gguf,
+                                       assert_targets_are_greedy, built_once, convert_with_both, quantize_q4_k_m,
+                                       quantize_with_both, rewrite_tensor)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
@@ -77,7 +78,7 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
     cfg = tiny_qwen3next.read_config(folder)
     src = source_tensors(folder) if src is None else src
     exp: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    experts = Experts()
     for name, t in src.items():
         t = t.float()
         if name.endswith("_scale_inv"):
@@ -89,13 +90,8 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
         m = re.fullmatch(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.(.+)", name)
         bid = int(m[1]) if m[1] is not None else N + int(m[2])
         inner = m[3]
-        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", inner):
-            experts.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
-        elif inner == "mlp.experts.gate_up_proj":
-            ff = t.shape[1] // 2
-            exp[f"blk.{bid}.ffn_gate_exps.weight"], exp[f"blk.{bid}.ffn_up_exps.weight"] = t[:, :ff], t[:, ff:]
-        elif inner == "mlp.experts.down_proj":
-            exp[f"blk.{bid}.ffn_down_exps.weight"] = t
+        if experts.take(exp, bid, inner, t):
+            pass
         elif inner == "linear_attn.in_proj_qkvz.weight":
             qkv, z = qkvz_rows(cfg)
             exp[f"blk.{bid}.attn_qkv.weight"], exp[f"blk.{bid}.attn_gate.weight"] = t[qkv], t[z]
@@ -105,9 +101,7 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
             exp[f"blk.{bid}.ssm_conv1d.weight"] = t[:, 0, :]
         else:
             exp[f"blk.{bid}.{LAYER[inner]}"] = t + 1 if inner.endswith(ZERO_CENTRED) else t
-    for gname, by_expert in experts.items():
-        exp[gname] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    return exp
+    return {**exp, **experts.stacked()}
 
 
 @pytest.fixture(scope="module")

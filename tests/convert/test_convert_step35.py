@@ -17,10 +17,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_step35
-from tests.helpers.familycheck import (add_tensors, assert_f32_equal, assert_fp8_source_same_as_llama_cpp, assert_refused,
-                         assert_same_gguf, convert_with_both, copy_with_config, quantize_q4_k_m, quantize_with_both,
-                         strip_general)
-from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.familycheck import (add_tensors, assert_fp8_source_same_as_llama_cpp, assert_refused,
+                                       assert_same_gguf, assert_table_f32, convert_with_both, copy_with_config,
+                                       quantize_q4_k_m, quantize_with_both, strip_general)
+from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
 
@@ -74,12 +74,9 @@ def _vocab(folder) -> int:
 
 def test_f32_every_tensor_named_shaped_and_valued(step_ckpt, tmp_path):
     kv, tensors = convert(step_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
-    want = expected(_vocab(step_ckpt))
-    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
-    src = source_tensors(step_ckpt)
     # zero-centred norms: 1 + w
-    assert_f32_equal(tensors, {name: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0)
-                               for name, (_, hf) in want.items()})
+    assert_table_f32(tensors, expected(_vocab(step_ckpt)), step_ckpt,
+                     lambda src, name, hf: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0))
 
 
 def test_metadata(step_ckpt, tmp_path):

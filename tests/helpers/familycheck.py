@@ -8,16 +8,18 @@ these helpers only run the commands and compare, so every family checks the same
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.ggufcheck import convert, kv_types, read_gguf
+from tests.helpers.ggufcheck import convert, kv_types, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
@@ -47,6 +49,30 @@ def expected_table(top: dict, blocks: list[dict], vocab: int, block_ids) -> dict
     return out
 
 
+class Experts:
+    """Expected expert tensors as llama.cpp writes them: per-expert ``mlp.experts.{e}.{gate,up,down}_proj``
+    stacked by expert number, or transformers' fused ``gate_up_proj`` (split in halves) and ``down_proj``."""
+
+    def __init__(self):
+        self.per_expert: dict[str, dict[int, torch.Tensor]] = {}
+
+    def take(self, exp: dict[str, torch.Tensor], bid: int, inner: str, t: torch.Tensor) -> bool:
+        """Record ``inner`` (a name inside block ``bid``) if it is an expert tensor; False if it is not."""
+        if mm := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", inner):
+            self.per_expert.setdefault(f"blk.{bid}.ffn_{mm[2]}_exps.weight", {})[int(mm[1])] = t
+        elif inner == "mlp.experts.gate_up_proj":
+            ff = t.shape[1] // 2
+            exp[f"blk.{bid}.ffn_gate_exps.weight"], exp[f"blk.{bid}.ffn_up_exps.weight"] = t[:, :ff], t[:, ff:]
+        elif inner == "mlp.experts.down_proj":
+            exp[f"blk.{bid}.ffn_down_exps.weight"] = t
+        else:
+            return False
+        return True
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        return {name: torch.stack([d[e] for e in sorted(d)]) for name, d in self.per_expert.items()}
+
+
 def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
     """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
     assert set(tensors) == set(exp)
@@ -54,6 +80,59 @@ def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
         qtype, got = tensors[name]
         assert qtype == T.F32, name
         np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+
+
+def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
+    """An f16 conversion: 1-D tensors and routers stay F32 (as llama.cpp writes them), the rest are exp in F16."""
+    for name, (qtype, data) in tensors.items():
+        if exp[name].dim() == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        else:
+            assert qtype == T.F16, name
+            np.testing.assert_array_equal(data, exp[name].numpy().astype(np.float16), err_msg=name)
+
+
+HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # what a --mtp-only file carries
+
+
+def assert_mode_files(ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str,
+                      top: tuple[str, ...] = HEAD_FILE_TOP) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but block n_trunk's;
+    ``--mtp-only``: n_trunk + 1 blocks, one NextN layer, block n_trunk's names and ``top``. ``args``: more
+    convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
+    mtp = f"blk.{n_trunk}."
+    trunk = convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp", *args)
+    assert trunk[0][f"{arch}.block_count"] == n_trunk and f"{arch}.nextn_predict_layers" not in trunk[0]
+    assert set(trunk[1]) == {n for n in names if not n.startswith(mtp)}
+    head = convert(ckpt, tmp_path / "head.gguf", "--mtp-only", *args)
+    assert head[0][f"{arch}.block_count"] == n_trunk + 1 and head[0][f"{arch}.nextn_predict_layers"] == 1
+    assert set(head[1]) == {n for n in names if n.startswith(mtp)} | set(top)
+    return trunk, head
+
+
+def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value) -> None:
+    """The file holds exactly ``want``'s names (GGUF name -> (shape, HF name)) at those shapes, each F32 and equal
+    to ``value(src, name, hf)`` over the checkpoint's tensors ``src``."""
+    assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
+    src = source_tensors(ckpt)
+    assert_f32_equal(tensors, {name: value(src, name, hf).float() for name, (_, hf) in want.items()})
+
+
+def checkpoint_fixtures(prefix: str, build):
+    """Module fixtures ``{prefix}_ckpt`` (the tiny checkpoint ``build(folder)`` writes) and ``{prefix}_f32``
+    ((kv, tensors) of its f32 conversion, shared by the read-only checks). Bind both in the test module:
+    ``x_ckpt, x_f32 = checkpoint_fixtures("x", build)``."""
+
+    @pytest.fixture(scope="module", name=f"{prefix}_ckpt")
+    def ckpt(tmp_path_factory) -> Path:
+        return build(tmp_path_factory.mktemp(prefix) / "ckpt")
+
+    @pytest.fixture(scope="module", name=f"{prefix}_f32")
+    def f32(request, tmp_path_factory):
+        folder = request.getfixturevalue(f"{prefix}_ckpt")
+        return convert(folder, tmp_path_factory.mktemp(f"{prefix}_out") / "m.gguf", "--outtype", "f32")
+
+    return ckpt, f32
 
 
 def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, Family, name_from_tables, register
+from ..base import LLAMA_TOP_NAMES, Emit, Family, name_from_tables, register, weight_table
 from ..validate import Expected
 
 _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind
@@ -45,9 +45,7 @@ _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" d
     "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_experts.down_proj": K.FFN_DOWN_SHEXP,
 }
-_WEIGHTS = {f"{rest}.weight": (kind, ".weight") for rest, kind in _BLOCK_NAMES.items()}
-_TOP_NAMES = {"model.embed_tokens.weight": K.TOKEN_EMBD, "model.norm.weight": K.OUTPUT_NORM,
-              "lm_head.weight": K.OUTPUT}
+_WEIGHTS = weight_table(_BLOCK_NAMES)
 
 
 @register
@@ -71,7 +69,7 @@ class Cohere2Moe(Family):
             raise InputError(cfg, f"layer_types has {len(hp['layer_types'])} entries for {self.n_trunk} layers")
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        return name_from_tables(hf_name, _TOP_NAMES, lambda bid: _WEIGHTS)  # biases: see modify()
+        return name_from_tables(hf_name, LLAMA_TOP_NAMES, lambda bid: _WEIGHTS)  # biases: see modify()
 
     def modify(self, bid: int, rest: str, hf: str) -> list[Emit] | None:
         if rest.endswith(".bias"):  # tiny 1-D tensors: checked now, before anything is written

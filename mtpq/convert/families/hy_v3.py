@@ -28,33 +28,25 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
 
 from .. import validate as V
-from ..base import NEXTN_TENSORS, Family, name_from_tables, register
+from ..base import LLAMA_TOP_NAMES, NEXTN_TENSORS, Family, name_from_tables, register, weight_table
 from ..validate import Expected
 
-# name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); the stacked expert names are the base loop's
-_BLOCK_NAMES: dict[str, tuple[K, str]] = {
-    "input_layernorm.weight": (K.ATTN_NORM, ".weight"),
-    "post_attention_layernorm.weight": (K.FFN_NORM, ".weight"),
-    "self_attn.q_proj.weight": (K.ATTN_Q, ".weight"),
-    "self_attn.k_proj.weight": (K.ATTN_K, ".weight"),
-    "self_attn.v_proj.weight": (K.ATTN_V, ".weight"),
-    "self_attn.o_proj.weight": (K.ATTN_OUT, ".weight"),
-    "self_attn.q_norm.weight": (K.ATTN_Q_NORM, ".weight"),
-    "self_attn.k_norm.weight": (K.ATTN_K_NORM, ".weight"),
-    "mlp.gate_proj.weight": (K.FFN_GATE, ".weight"),
-    "mlp.up_proj.weight": (K.FFN_UP, ".weight"),
-    "mlp.down_proj.weight": (K.FFN_DOWN, ".weight"),
-    "mlp.router.gate.weight": (K.FFN_GATE_INP, ".weight"),
-    "mlp.expert_bias": (K.FFN_EXP_PROBS_B, ""),  # llama.cpp: tn(LLM_TENSOR_FFN_EXP_PROBS_B, i), no suffix
-    "mlp.shared_mlp.gate_proj.weight": (K.FFN_GATE_SHEXP, ".weight"),
-    "mlp.shared_mlp.up_proj.weight": (K.FFN_UP_SHEXP, ".weight"),
-    "mlp.shared_mlp.down_proj.weight": (K.FFN_DOWN_SHEXP, ".weight"),
-    "mlp.experts.gate_proj.weight": (K.FFN_GATE_EXP, ".weight"),
-    "mlp.experts.up_proj.weight": (K.FFN_UP_EXP, ".weight"),
-    "mlp.experts.down_proj.weight": (K.FFN_DOWN_EXP, ".weight"),
+# name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind; the stacked expert names are the base loop's
+_WEIGHT_NAMES: dict[str, K] = {
+    "input_layernorm": K.ATTN_NORM, "post_attention_layernorm": K.FFN_NORM,
+    "self_attn.q_proj": K.ATTN_Q, "self_attn.k_proj": K.ATTN_K, "self_attn.v_proj": K.ATTN_V,
+    "self_attn.o_proj": K.ATTN_OUT, "self_attn.q_norm": K.ATTN_Q_NORM, "self_attn.k_norm": K.ATTN_K_NORM,
+    "mlp.gate_proj": K.FFN_GATE, "mlp.up_proj": K.FFN_UP, "mlp.down_proj": K.FFN_DOWN,
+    "mlp.router.gate": K.FFN_GATE_INP,
+    "mlp.shared_mlp.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_mlp.up_proj": K.FFN_UP_SHEXP,
+    "mlp.shared_mlp.down_proj": K.FFN_DOWN_SHEXP,
+    "mlp.experts.gate_proj": K.FFN_GATE_EXP, "mlp.experts.up_proj": K.FFN_UP_EXP,
+    "mlp.experts.down_proj": K.FFN_DOWN_EXP,
 }
-_TOP_NAMES = {"model.embed_tokens.weight": K.TOKEN_EMBD, "model.norm.weight": K.OUTPUT_NORM,
-              "lm_head.weight": K.OUTPUT}
+_BLOCK_NAMES: dict[str, tuple[K, str]] = {
+    **weight_table(_WEIGHT_NAMES),
+    "mlp.expert_bias": (K.FFN_EXP_PROBS_B, ""),  # llama.cpp: tn(LLM_TENSOR_FFN_EXP_PROBS_B, i), no suffix
+}
 
 
 @register
@@ -67,7 +59,7 @@ class HyV3(Family):
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": K.NEXTN_SHARED_HEAD_NORM}
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        return name_from_tables(hf_name, _TOP_NAMES, lambda bid: _BLOCK_NAMES)
+        return name_from_tables(hf_name, LLAMA_TOP_NAMES, lambda bid: _BLOCK_NAMES)
 
     def _is_dense(self, bid: int) -> bool:
         # config.json's own keys first: transformers derives mlp_layer_types (layer 0 dense) without reading a stored
