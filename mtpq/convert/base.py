@@ -527,6 +527,25 @@ LLAMA_TOP_NAMES = {"model.embed_tokens.weight": gguf.MODEL_TENSOR.TOKEN_EMBD,
                    "model.norm.weight": gguf.MODEL_TENSOR.OUTPUT_NORM, "lm_head.weight": gguf.MODEL_TENSOR.OUTPUT}
 
 
+# the Llama-style names inside ``model.layers.{N}.`` (".weight" dropped) most MoE families share -> GGUF kind
+LLAMA_BLOCK_NAMES = {
+    "input_layernorm": gguf.MODEL_TENSOR.ATTN_NORM,
+    "self_attn.q_proj": gguf.MODEL_TENSOR.ATTN_Q, "self_attn.k_proj": gguf.MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj": gguf.MODEL_TENSOR.ATTN_V, "self_attn.o_proj": gguf.MODEL_TENSOR.ATTN_OUT,
+    "mlp.gate_proj": gguf.MODEL_TENSOR.FFN_GATE, "mlp.up_proj": gguf.MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj": gguf.MODEL_TENSOR.FFN_DOWN,
+    "mlp.experts.gate_proj": gguf.MODEL_TENSOR.FFN_GATE_EXP, "mlp.experts.up_proj": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "mlp.experts.down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+}
+
+
+def add_hparams(w: GGUFWriter, hp: dict, calls: tuple[tuple[str, str], ...]) -> None:
+    """GGUF keys taken as they are from the config: ``(GGUFWriter method, config key)`` pairs, in order (the
+    order is the file's key order, llama.cpp's converter's)."""
+    for method, key in calls:
+        getattr(w, method)(hp[key])
+
+
 def weight_table(names: dict[str, gguf.MODEL_TENSOR]) -> dict[str, tuple[gguf.MODEL_TENSOR, str]]:
     """A block table for ``name_from_tables`` from ``rest -> kind`` (".weight" dropped on both sides)."""
     return {f"{rest}.weight": (kind, ".weight") for rest, kind in names.items()}

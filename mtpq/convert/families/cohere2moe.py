@@ -31,17 +31,12 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import LLAMA_TOP_NAMES, Emit, Family, name_from_tables, register, weight_table
+from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, Emit, Family, name_from_tables, register, weight_table
 from ..validate import Expected
 
 _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind
-    "input_layernorm": K.ATTN_NORM,
-    "self_attn.q_proj": K.ATTN_Q, "self_attn.k_proj": K.ATTN_K, "self_attn.v_proj": K.ATTN_V,
-    "self_attn.o_proj": K.ATTN_OUT,
-    "mlp.gate_proj": K.FFN_GATE, "mlp.up_proj": K.FFN_UP, "mlp.down_proj": K.FFN_DOWN,
+    **LLAMA_BLOCK_NAMES,
     "mlp.gate": K.FFN_GATE_INP,
-    "mlp.experts.gate_proj": K.FFN_GATE_EXP, "mlp.experts.up_proj": K.FFN_UP_EXP,
-    "mlp.experts.down_proj": K.FFN_DOWN_EXP,
     "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_experts.down_proj": K.FFN_DOWN_SHEXP,
 }

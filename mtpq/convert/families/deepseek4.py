@@ -46,7 +46,9 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import MTP_ONLY_KEEP, Emit, Family, BlockSelection, check_unused, layer_of, mxfp4_stack, register
+from ..base import (
+    MTP_ONLY_KEEP, BlockSelection, Emit, Family, add_hparams, check_unused, layer_of, mxfp4_stack, register,
+)
 from ..checkpoint import _fp8_scaled
 from ..validate import Expected
 
@@ -260,13 +262,15 @@ class DeepseekV4(Family):
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, n = self.hparams, self.n_blocks
-        w.add_rope_dimension_count(hp["qk_rope_head_dim"])
-        w.add_q_lora_rank(hp["q_lora_rank"])
-        w.add_sliding_window(hp["sliding_window"])
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        w.add_expert_shared_count(hp["n_shared_experts"])
-        w.add_expert_weights_scale(hp["routed_scaling_factor"])
-        w.add_expert_weights_norm(hp["norm_topk_prob"])
+        add_hparams(w, hp, (
+            ("add_rope_dimension_count", "qk_rope_head_dim"),
+            ("add_q_lora_rank", "q_lora_rank"),
+            ("add_sliding_window", "sliding_window"),
+            ("add_expert_feed_forward_length", "moe_intermediate_size"),
+            ("add_expert_shared_count", "n_shared_experts"),
+            ("add_expert_weights_scale", "routed_scaling_factor"),
+            ("add_expert_weights_norm", "norm_topk_prob"),
+        ))
         w.add_swiglu_clamp_exp([hp["swiglu_limit"]] * n)
         w.add_swiglu_clamp_shexp([hp["swiglu_limit"]] * n)
         w.add_indexer_head_count(hp["index_n_heads"])

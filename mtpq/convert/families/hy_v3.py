@@ -28,20 +28,17 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
 
 from .. import validate as V
-from ..base import LLAMA_TOP_NAMES, NEXTN_TENSORS, Family, name_from_tables, register, weight_table
+from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, NEXTN_TENSORS, Family, name_from_tables, register, weight_table
 from ..validate import Expected
 
 # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind; the stacked expert names are the base loop's
 _WEIGHT_NAMES: dict[str, K] = {
-    "input_layernorm": K.ATTN_NORM, "post_attention_layernorm": K.FFN_NORM,
-    "self_attn.q_proj": K.ATTN_Q, "self_attn.k_proj": K.ATTN_K, "self_attn.v_proj": K.ATTN_V,
-    "self_attn.o_proj": K.ATTN_OUT, "self_attn.q_norm": K.ATTN_Q_NORM, "self_attn.k_norm": K.ATTN_K_NORM,
-    "mlp.gate_proj": K.FFN_GATE, "mlp.up_proj": K.FFN_UP, "mlp.down_proj": K.FFN_DOWN,
+    **LLAMA_BLOCK_NAMES,
+    "post_attention_layernorm": K.FFN_NORM,
+    "self_attn.q_norm": K.ATTN_Q_NORM, "self_attn.k_norm": K.ATTN_K_NORM,
     "mlp.router.gate": K.FFN_GATE_INP,
     "mlp.shared_mlp.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_mlp.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_mlp.down_proj": K.FFN_DOWN_SHEXP,
-    "mlp.experts.gate_proj": K.FFN_GATE_EXP, "mlp.experts.up_proj": K.FFN_UP_EXP,
-    "mlp.experts.down_proj": K.FFN_DOWN_EXP,
 }
 _BLOCK_NAMES: dict[str, tuple[K, str]] = {
     **weight_table(_WEIGHT_NAMES),

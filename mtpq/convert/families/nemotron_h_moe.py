@@ -41,7 +41,9 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, Family, BlockSelection, Transform, as_llama_cpp_reads, check_unused, gguf_name, register
+from ..base import (
+    BlockSelection, Emit, Family, Transform, add_hparams, as_llama_cpp_reads, check_unused, gguf_name, register,
+)
 from ..validate import Expected
 
 _KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
@@ -130,22 +132,26 @@ class NemotronHMoe(Family):
             w.add_layer_norm_eps(v)
         w.add_vocab_size(self.vocab_size())
         w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
-        w.add_ssm_conv_kernel(hp["conv_kernel"])
-        w.add_ssm_state_size(hp["ssm_state_size"])
-        w.add_ssm_group_count(hp["n_groups"])
+        add_hparams(w, hp, (
+            ("add_ssm_conv_kernel", "conv_kernel"),
+            ("add_ssm_state_size", "ssm_state_size"),
+            ("add_ssm_group_count", "n_groups"),
+        ))
         w.add_ssm_inner_size(self.d_inner)
         w.add_ssm_time_step_rank(hp["mamba_num_heads"])
         w.add_rope_scaling_finetuned(False)
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        w.add_expert_shared_feed_forward_length(hp["moe_shared_expert_intermediate_size"])
-        w.add_expert_count(hp["n_routed_experts"])
-        w.add_expert_shared_count(hp["n_shared_experts"])
-        w.add_expert_weights_norm(hp["norm_topk_prob"])
-        w.add_expert_weights_scale(hp["routed_scaling_factor"])
-        w.add_expert_group_count(hp["n_group"])
-        w.add_expert_used_count(hp["num_experts_per_tok"])
+        add_hparams(w, hp, (
+            ("add_key_length", "head_dim"),
+            ("add_value_length", "head_dim"),
+            ("add_expert_feed_forward_length", "moe_intermediate_size"),
+            ("add_expert_shared_feed_forward_length", "moe_shared_expert_intermediate_size"),
+            ("add_expert_count", "n_routed_experts"),
+            ("add_expert_shared_count", "n_shared_experts"),
+            ("add_expert_weights_norm", "norm_topk_prob"),
+            ("add_expert_weights_scale", "routed_scaling_factor"),
+            ("add_expert_group_count", "n_group"),
+            ("add_expert_used_count", "num_experts_per_tok"),
+        ))
         if (latent := hp.get("moe_latent_size")) is not None:
             w.add_moe_latent_size(latent)
 

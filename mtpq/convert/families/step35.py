@@ -46,7 +46,10 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import MTP_ONLY_KEEP, NEXTN_TENSORS, Emit, Family, Transform, as_llama_cpp_reads, gguf_name, keeps_bytes, register
+from ..base import (
+    MTP_ONLY_KEEP, NEXTN_TENSORS, Emit, Family, Transform, add_hparams, as_llama_cpp_reads, gguf_name, keeps_bytes,
+    register,
+)
 from ..validate import Expected
 
 _SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
@@ -122,11 +125,13 @@ class Step35(Family):
         w.add_head_count_kv([n_kv for _, n_kv in heads])
         w.add_sliding_window(hp["sliding_window"])
         w.add_sliding_window_pattern(swa)
-        w.add_value_length(hp["head_dim"])
-        w.add_expert_count(hp["moe_num_experts"])
-        w.add_expert_used_count(hp["moe_top_k"])
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        w.add_expert_shared_feed_forward_length(hp["share_expert_dim"])
+        add_hparams(w, hp, (
+            ("add_value_length", "head_dim"),
+            ("add_expert_count", "moe_num_experts"),
+            ("add_expert_used_count", "moe_top_k"),
+            ("add_expert_feed_forward_length", "moe_intermediate_size"),
+            ("add_expert_shared_feed_forward_length", "share_expert_dim"),
+        ))
         if (v := hp.get("moe_router_scaling_factor")) is not None:
             w.add_expert_weights_scale(v)
         if (v := hp.get("norm_expert_weight")) is not None:
