@@ -8,6 +8,7 @@ written into a private temporary folder and removed afterwards.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -54,21 +55,40 @@ def find_perplexity(bin_dir: Path | str | None = None) -> Path:
 
 
 # llama.cpp logs through a worker thread that nobody joins at exit (common_log_main() is never destroyed), so
-# on a loaded machine a run can exit 0 with its last lines -- the closing statistics -- never printed. A run
-# whose log stops before its statistics but after scoring is rerun; the figures are deterministic.
-_ATTEMPTS = 3
+# on a loaded machine a run can exit 0 with its last lines -- the closing statistics -- never printed. Seen
+# with -t equal to the machine's cores: the compute threads leave the log thread no core. A run whose log
+# stops before its statistics is rerun with one thread fewer each time (ggml's CPU figures do not depend on
+# the thread count); the log goes to a file, never a pipe that a busy reader could let fill.
+_ATTEMPTS = 4
 
 
 def _run(cmd: list[str], what: Path, complete=lambda log: True) -> str:
-    for _ in range(_ATTEMPTS):
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
-                              env=child_env())
-        log = proc.stdout + proc.stderr
+    threads = None
+    for attempt in range(_ATTEMPTS):
+        if attempt:
+            threads = max(1, (threads or _threads_in(cmd)) - 1)
+            cmd = _with_threads(cmd, threads)
+        with tempfile.TemporaryFile(mode="w+b") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=child_env())
+            out.seek(0)
+            log = out.read().decode("utf-8", errors="replace")
         if proc.returncode != 0:
             raise InputError(what, f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {reason_from_log(log)}")
         if complete(log) or not _log_cut_short(log):
             return log
     return log
+
+
+def _threads_in(cmd: list[str]) -> int:
+    return int(cmd[cmd.index("-t") + 1]) if "-t" in cmd else (os.cpu_count() or 2)
+
+
+def _with_threads(cmd: list[str], n: int) -> list[str]:
+    if "-t" in cmd:
+        i = cmd.index("-t")
+        return cmd[:i + 1] + [str(n)] + cmd[i + 2:]
+    return cmd + ["-t", str(n)]
 
 
 def _log_cut_short(log: str) -> bool:

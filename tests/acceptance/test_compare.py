@@ -153,16 +153,18 @@ def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
     count = tmp_path / "count"
     fake = tmp_path / "llama-perplexity"
     # the first call's log stops after the chunks (cut short), later calls print everything
-    fake.write_text("#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\n"
+    fake.write_text("#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\necho \"$@\" >> %s.args\n"
                     "printf '%%s' \"$HEAD\"\n[ \"$n\" -ge 1 ] && printf '%%s%%s' \"$STATS\" \"$PERF\"\nexit 0\n"
-                    % (count, count))
+                    % (count, count, count))
     fake.chmod(0o755)
     monkeypatch.setenv("HEAD", head)
     monkeypatch.setenv("STATS", stats)
     monkeypatch.setenv("PERF", perf)
     complete = lambda log: "Mean    KLD" in log  # noqa: E731
-    log = P._run([str(fake)], tmp_path / "q.gguf", complete=complete)
+    log = P._run([str(fake), "-m", "q.gguf", "-t", "2"], tmp_path / "q.gguf", complete=complete)
     assert count.read_text().strip() == "2"
+    # the rerun leaves llama.cpp's log thread a core: one compute thread fewer
+    assert (tmp_path / "count.args").read_text().splitlines() == ["-m q.gguf -t 2", "-m q.gguf -t 1"]
     assert P.parse_kld_log(log, tmp_path / "q.gguf")["kld_mean"] == 0.0123
     # too few tokens: the run ends normally (perf printed) without statistics -> no rerun, one clear refusal
     count.write_text("0")
