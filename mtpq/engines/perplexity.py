@@ -63,11 +63,9 @@ _ATTEMPTS = 4
 
 
 def _run(cmd: list[str], what: Path, complete=lambda log: True) -> str:
-    threads = None
     for attempt in range(_ATTEMPTS):
         if attempt:
-            threads = max(1, (threads or _threads_in(cmd)) - 1)
-            cmd = _with_threads(cmd, threads)
+            cmd = _with_threads(cmd, max(1, _threads_in(cmd) - 1))
         with tempfile.TemporaryFile(mode="w+b") as out:
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   env=child_env())
