@@ -23,8 +23,8 @@ Work is done in chunks of whole blocks so the extra memory stays bounded
 input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
 workers (one torch thread each); set that to choose the count.  On Linux the
 workers are forked processes writing into shared memory (see
-:func:`_run_forked`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the
-environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
+:func:`_run_forked`), or, while a file is written (:func:`mtpq.ggml.pool.scope`), processes forked once for
+the whole file (:mod:`.pool`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
 (:mod:`.npquant`, the same bytes; numpy threads), which ``mtpq quantize`` also calls without loading torch.
 """
 
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc, npquant
+from . import malloc, npquant, pool
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
@@ -115,7 +115,8 @@ _FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.I
 # (benchmarks/quant_bench.py --whole-file) that was a fifth of a Q6_K run's CPU time and more of its wall
 # time. Tensors below this many values (16 MB of float32) go to threads instead: on that file, at load
 # 2.8 on 2 cores, a Q6_K run took 5.5-5.7 s of CPU forking every tensor, 4.0-4.2 s with this threshold,
-# 3.8-5.1 s with 16M. A real model's tensors are far above it.
+# 3.8-5.1 s with 16M. A real model's tensors are far above it. Inside a pool scope (a file being written) no
+# call forks, and every tensor of more than one chunk goes to the pool.
 _FORK_MIN_VALUES = 1 << 22
 
 # types mtpq reads but does not write (a checkpoint's own encoding kept by the converter)
@@ -272,19 +273,10 @@ def quantize(
     on_cpu = rows2d.device.type == "cpu"
 
     def pieces(elems: int) -> list[tuple[int, int, int, int]]:
-        """(row0, row1, col0, col1) chunks of about ``elems`` values, cut at block edges."""
-        if n >= elems:
-            cols = max(bs, elems // bs * bs)
-            return [(r, r + 1, c, min(n, c + cols)) for r in range(n_rows) for c in range(0, n, cols)]
-        k = max(1, elems // max(n, 1))
-        return [(r, min(n_rows, r + k), 0, n) for r in range(0, n_rows, k)]
+        return _pieces(n_rows, n, bs, elems)
 
     def load(p: tuple[int, int, int, int]) -> torch.Tensor:
-        r0, r1, c0, c1 = p
-        c = rows2d[r0:r1, c0:c1]
-        if not all_finite(c):
-            raise ValueError(f"{name}: contains NaN/Inf values")
-        return c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
+        return _load_piece(rows2d, p, name)
 
     same = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}.get(qtype)
     if values.dtype == same:  # already in the target type: the bits pass through unchanged
@@ -325,8 +317,10 @@ def quantize(
         malloc.keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
-    forked = (workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and n_rows * n >= _FORK_MIN_VALUES
-              and _can_fork())
+    searching = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
+    if searching and _in_pool(rows2d, qtype, importance, check_scales, name, chunk_alone, workers):
+        return _pool_out.pop().reshape(*shape[:-1], n // bs * ts)
+    forked = searching and n_rows * n >= _FORK_MIN_VALUES
     if on_cpu and workers > 1 and not forked:
         # big chunks, but at least two per worker so that all of them stay busy
         todo = pieces(max(chunk_alone, min(chunk_shared, n_rows * n // (2 * workers))))
@@ -348,6 +342,103 @@ def quantize(
         for p in todo:
             work(p)
     return out.reshape(*shape[:-1], n // bs * ts)
+
+
+def _pieces(n_rows: int, n: int, bs: int, elems: int) -> list[tuple[int, int, int, int]]:
+    """(row0, row1, col0, col1) chunks of about ``elems`` values of an (n_rows, n) matrix, cut at block edges."""
+    if n >= elems:
+        cols = max(bs, elems // bs * bs)
+        return [(r, r + 1, c, min(n, c + cols)) for r in range(n_rows) for c in range(0, n, cols)]
+    k = max(1, elems // max(n, 1))
+    return [(r, min(n_rows, r + k), 0, n) for r in range(0, n_rows, k)]
+
+
+def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -> torch.Tensor:
+    """One chunk as contiguous float32, after the NaN/Inf check."""
+    r0, r1, c0, c1 = p
+    c = rows2d[r0:r1, c0:c1]
+    if not all_finite(c):
+        raise ValueError(f"{name}: contains NaN/Inf values")
+    return c.to(torch.float32) if c.dtype != torch.float32 else c.contiguous()
+
+
+# --------------------------------------------------------------------------- the writer's worker pool (pool.py)
+
+# what the pool's input arena holds: float32, bf16 bits or float16, as the tensor came (converted per chunk)
+_ARENA_KINDS = {torch.float32: (0, np.float32), torch.bfloat16: (1, np.uint16), torch.float16: (2, np.float16)}
+_ARENA_TORCH = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+_POOL_NAME = "\x00tensor\x00"  # the name in a child's error message, replaced by the tensor's own in the parent
+_pool_out: list[np.ndarray] = []  # _in_pool's result (its return value says whether it ran)
+_tables_built: set = set()  # i-quant types whose grid tables this process built: a pool forked before lacks them
+_NO_TABLES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+
+
+def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, name: str, chunk: int,
+             workers: int) -> bool:
+    """Quantize ``rows2d`` (CPU) in the writer's pool, if one is open and the rows fit its arenas (see
+    :mod:`.pool`): band by band of rows, copied into the input arena, chunks handed out, bytes copied back.
+    The result goes to ``_pool_out``; False when there is no pool for it (the caller forks or uses threads)."""
+    if not pool.available():
+        return False
+    n_rows, n = rows2d.shape
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    kind, np_dtype = _ARENA_KINDS.get(rows2d.dtype, (0, np.float32))
+    row_in, row_out = n * np.dtype(np_dtype).itemsize, n // bs * ts
+    band = min(n_rows, pool.IN_BYTES // row_in, pool.OUT_BYTES // row_out)
+    if band == 0 or (importance is not None and importance.numel() * 4 > pool.AUX_BYTES):
+        return False
+    if qtype not in _NO_TABLES:  # built by iquants.prepare in this process; a pool forked earlier lacks them
+        _tables_built.add(qtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # inherited by a pool forked now: a child never enters an OpenMP region
+    try:
+        workers_pool = pool.get(workers, _pool_chunk, tag=frozenset(_tables_built))
+    finally:
+        torch.set_num_threads(saved)
+    if workers_pool is None:
+        return False
+    flags = int(qtype) | kind << 8 | int(check_scales) << 12 | int(importance is not None) << 13
+    if importance is not None:
+        np.frombuffer(workers_pool.arena_aux, dtype=np.float32, count=n)[:] = importance.cpu().numpy()
+    out = np.empty((n_rows, row_out), dtype=np.uint8)
+    for b0 in range(0, n_rows, band):
+        b1 = min(n_rows, b0 + band)
+        src = rows2d[b0:b1].contiguous()
+        if kind == 0 and src.dtype != torch.float32:
+            src = src.to(torch.float32)
+        arena = np.frombuffer(workers_pool.arena_in, dtype=np_dtype, count=(b1 - b0) * n).reshape(b1 - b0, n)
+        arena[...] = src.view(torch.int16).numpy().view(np.uint16) if kind == 1 else src.numpy()
+        tasks = [(flags, k, b1 - b0, n, *p) for k, p in enumerate(_pieces(b1 - b0, n, bs, chunk))]
+        try:
+            workers_pool.run(tasks)
+        except ValueError as e:
+            raise ValueError(str(e).replace(_POOL_NAME, name)) from None
+        out[b0:b1] = np.frombuffer(workers_pool.arena_out, dtype=np.uint8, count=(b1 - b0) * row_out).reshape(
+            b1 - b0, row_out)
+    _pool_out.append(out)
+    return True
+
+
+def _pool_chunk(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
+    """A pool worker's task: one chunk of the band in the input arena, its bytes into the output arena."""
+    flags, _, n_rows, n, r0, r1, c0, c1 = task
+    qtype, kind = T(flags & 0xFF), (flags >> 8) & 0xF
+    check_scales, weighted = bool(flags >> 12 & 1), bool(flags >> 13 & 1)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    raw = np.frombuffer(arena_in, dtype=_ARENA_KINDS[_ARENA_TORCH[kind]][1], count=n_rows * n).reshape(n_rows, n)
+    rows2d = torch.from_numpy(raw)
+    if kind == 1:
+        rows2d = rows2d.view(torch.bfloat16)
+    x = _load_piece(rows2d, (r0, r1, c0, c1), _POOL_NAME).reshape(-1, bs)
+    if weighted:
+        imp = torch.from_numpy(np.frombuffer(arena_aux, dtype=np.float32, count=n))
+        q = _weighted_kernel(qtype, imp, None)(x, (r0, r1, c0, c1))
+    else:
+        q = _KERNELS[qtype][0](x)
+    if check_scales:
+        _validate_scales(q, qtype, _POOL_NAME)
+    out = np.frombuffer(arena_out, dtype=np.uint8, count=n_rows * (n // bs * ts)).reshape(n_rows, -1)
+    out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
 
 
 def _importance_for(importance, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -405,7 +496,7 @@ if npquant._workers["n"] is not None:  # --threads given before torch was loaded
 
 def _can_fork() -> bool:
     """Forked workers: Linux only (fork is unsafe on macOS, absent on Windows), and not refused."""
-    return sys.platform.startswith("linux") and os.environ.get("MTPQ_WORKERS", "fork") != "threads"
+    return pool.available()
 
 
 def _shared_empty(shape: tuple[int, int]) -> np.ndarray:

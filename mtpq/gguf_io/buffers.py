@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
+from ..ggml import pool as workers_pool
 from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
 
@@ -240,7 +241,8 @@ def encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
 
     size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        # the quantization workers, if any tensor wants them, are forked once for the file (see ggml.pool)
+        with workers_pool.scope(), ThreadPoolExecutor(max_workers=1) as pool:
 
             def encoding(spec: TensorSpec, inflight: int) -> tuple:  # the future and the progress to follow
                 progress = _Progress()

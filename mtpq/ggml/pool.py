@@ -1,0 +1,219 @@
+"""Quantization workers forked once per output file, not once per tensor.
+
+:func:`mtpq.ggml.kernels.quantize` spreads the search-loop types (K- and i-quants) over forked processes.
+Forked per call, each tensor paid for a fork and for waiting out the child's exit: 8-10 ms of wall time per
+tensor with torch loaded, a quarter of a small model's Q6_K run on 2 cores. Inside :func:`scope` (the
+writer opens one per file) the workers are forked at the first such tensor and kept: each call copies its
+input rows into an *arena*, anonymous memory mapped shared before the fork, hands out chunk descriptions
+through a pipe, and reads the bytes back from a second arena. The children only ever see the arenas, so
+memory the parent frees later is not kept alive by them beyond the pool's life.
+
+No torch here: the arenas are plain mappings, and a child runs the ``handler`` the caller gave when the pool
+was made (kernels' chunk runner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import mmap
+import os
+import select
+import signal
+import struct
+import sys
+import threading
+import warnings
+from typing import Callable, Iterator
+
+TASK = struct.Struct("<8q")  # 64 bytes: a pipe's 4096-byte writes hold whole records, each read atomically
+REPLY = struct.Struct("<2q")  # (task index, status), then REPLY_TEXT bytes of error text
+REPLY_TEXT = 240
+OK, INPUT_ERROR, FAILED = 0, 1, 2
+
+IN_BYTES = 64 << 20  # a slab of values (mtpq.gguf_io.buffers.SLAB_ELEMENTS float32) fits whole
+OUT_BYTES = 56 << 20  # the bytes of IN_BYTES of float32 in any type (at most 8.5 bits a value: 34 MB)
+AUX_BYTES = 4 << 20  # one row of importance weights (float32)
+
+_lock = threading.Lock()
+_state: dict = {"scopes": 0, "pool": None}
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Keep forked workers alive (made at the first call that wants them) until the outermost scope ends."""
+    with _lock:
+        _state["scopes"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["scopes"] -= 1
+            pool = _state["pool"] if _state["scopes"] == 0 else None
+            if pool is not None:
+                _state["pool"] = None
+        if pool is not None:
+            pool.close()
+
+
+def get(workers: int, handler: Callable, tag=None) -> "Pool | None":
+    """The scope's pool of ``workers`` processes running ``handler``, forked when the process was in the state
+    ``tag`` names (a new tag: forked again, e.g. once tables the handler needs are built); None outside a scope."""
+    with _lock:
+        if not _state["scopes"]:
+            return None
+        pool = _state["pool"]
+        if pool is not None and (pool.workers, pool.handler, pool.tag, pool.alive) != (workers, handler, tag, True):
+            _state["pool"] = None
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = _state["pool"] = Pool(workers, handler)
+            pool.tag = tag
+        return pool
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Pool:
+    """``workers`` forked processes waiting for tasks; ``run`` is called by one thread at a time."""
+
+    def __init__(self, workers: int, handler: Callable):
+        self.workers, self.handler, self.alive, self.tag = workers, handler, True, None
+        self.arena_in = mmap.mmap(-1, IN_BYTES)  # MAP_SHARED: what the parent copies in, the children read
+        self.arena_out = mmap.mmap(-1, OUT_BYTES)
+        self.arena_aux = mmap.mmap(-1, AUX_BYTES)
+        self.run_lock = threading.Lock()
+        task_r, self.task_w = os.pipe()
+        self.reply_r, reply_w = os.pipe()
+        self.pids: list[int] = []
+        try:
+            with warnings.catch_warnings():
+                # Python 3.12+ warns about fork() in a multi-threaded process; a child runs only the handler's
+                # arithmetic on the arenas, takes no lock another thread may hold
+                warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+                for _ in range(workers):
+                    pid = os.fork()
+                    if pid == 0:  # pragma: no cover - the child, which never returns
+                        os.close(self.task_w)
+                        os.close(self.reply_r)
+                        self._serve(task_r, reply_w)
+                    self.pids.append(pid)
+        except BaseException:
+            self.close(kill=True)
+            raise
+        finally:
+            os.close(task_r)
+            os.close(reply_w)
+
+    # ----------------------------------------------------------------------------- the child
+
+    def _serve(self, task_r: int, reply_w: int) -> None:  # pragma: no cover - runs in the child
+        code = 0
+        try:
+            with contextlib.suppress(OSError, AttributeError):  # die with the parent, even if it is killed outright
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+            gc.disable()  # a long life on copied pages: no collections touching (and copying) them
+            while True:
+                rec = _read_exactly(task_r, TASK.size)
+                if len(rec) < TASK.size:
+                    break  # the pool closed its end
+                task = TASK.unpack(rec)
+                try:
+                    self.handler(task, self.arena_in, self.arena_out, self.arena_aux)
+                    status, text = OK, b""
+                except ValueError as e:  # bad input (NaN/Inf, an fp16 overflow): the parent raises it as such
+                    status, text = INPUT_ERROR, str(e).encode("utf-8", "replace")
+                except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+                    status, text = FAILED, f"{type(e).__name__}: {e}".encode("utf-8", "replace")
+                os.write(reply_w, REPLY.pack(task[1], status) + text[:REPLY_TEXT].ljust(REPLY_TEXT, b"\0"))
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+
+    # ----------------------------------------------------------------------------- the parent
+
+    def run(self, tasks: list[tuple[int, ...]]) -> None:
+        """Run ``tasks`` (TASK records; field 1 is the task's index) and wait for all of them. Raises the first
+        chunk's ValueError (in task order) once every task has answered, so the pool stays usable; a worker
+        that died (out of memory?) closes the pool and raises :class:`WorkerDied`."""
+        with self.run_lock:
+            try:
+                errors = self._run(tasks)
+            except BaseException:  # a dead worker, or interrupted while tasks were out (their answers would be stale)
+                self.close(kill=True)
+                raise
+        if errors:  # every task answered: the pool stays as it was
+            status, text = errors[min(errors)]
+            if status == INPUT_ERROR:
+                raise ValueError(text)
+            raise RuntimeError(f"quantization worker failed: {text}")
+
+    def _run(self, tasks: list[tuple[int, ...]]) -> dict[int, tuple[int, str]]:
+        data = b"".join(TASK.pack(*t) for t in tasks)
+        per_write = 4096 // TASK.size * TASK.size
+        errors: dict[int, tuple[int, str]] = {}
+        answered, sent = 0, 0
+        reply_size = REPLY.size + REPLY_TEXT
+        while answered < len(tasks):
+            # write what the pipe takes without blocking, read the answers there are (a full task pipe and a
+            # full reply pipe would otherwise wait on each other)
+            want_w = [self.task_w] if sent < len(data) else []
+            readable, writable, _ = select.select([self.reply_r], want_w, [], 0.5)
+            if writable:
+                sent += os.write(self.task_w, data[sent:sent + per_write])
+            if readable:
+                msg = _read_exactly(self.reply_r, reply_size)
+                if len(msg) < reply_size:
+                    raise WorkerDied("quantization workers died (out of memory?)")
+                k, status = REPLY.unpack_from(msg)
+                if status != OK:
+                    errors[k] = (status, msg[REPLY.size:].rstrip(b"\0").decode("utf-8", "replace"))
+                answered += 1
+            elif not writable:
+                self._check_children()
+        return errors
+
+    def _check_children(self) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    self.pids.remove(pid)
+                    raise WorkerDied("a quantization worker died (out of memory?)")
+
+    def close(self, kill: bool = False) -> None:
+        """End the workers: closing the task pipe lets them leave; ``kill`` (an error, an interrupt) stops them."""
+        self.alive = False
+        for fd in ("task_w", "reply_r"):
+            f = getattr(self, fd, -1)
+            if f >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(f)
+                setattr(self, fd, -1)
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                if kill:
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        self.pids = []
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        b = os.read(fd, n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def available() -> bool:
+    """Forked workers: Linux only (fork is unsafe on macOS, absent on Windows), and not refused."""
+    return sys.platform.startswith("linux") and os.environ.get("MTPQ_WORKERS", "fork") != "threads"
