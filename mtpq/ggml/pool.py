@@ -64,7 +64,10 @@ def get(workers: int, handler: Callable, tag=None) -> "Pool | None":
         if not _state["scopes"]:
             return None
         pool = _state["pool"]
-        if pool is not None and (pool.workers, pool.handler, pool.tag, pool.alive) != (workers, handler, tag, True):
+        # PR_SET_PDEATHSIG fires when the *thread* that forked a worker ends: a pool made by a thread that is
+        # gone has lost its workers
+        if pool is not None and ((pool.workers, pool.handler, pool.tag, pool.alive) != (workers, handler, tag, True)
+                                 or not pool.owner.is_alive()):
             _state["pool"] = None
             pool.close()
             pool = None
@@ -83,6 +86,7 @@ class Pool:
 
     def __init__(self, workers: int, handler: Callable):
         self.workers, self.handler, self.alive, self.tag = workers, handler, True, None
+        self.owner = threading.current_thread()
         self.arena_in = mmap.mmap(-1, IN_BYTES)  # MAP_SHARED: what the parent copies in, the children read
         self.arena_out = mmap.mmap(-1, OUT_BYTES)
         self.arena_aux = mmap.mmap(-1, AUX_BYTES)

@@ -135,5 +135,21 @@ def test_an_interrupt_stops_the_workers():
     assert all(gone(pid) for pid in pids)
 
 
+def test_a_pool_made_by_a_thread_that_ended_is_made_again():
+    """Workers die with the thread that forked them (PR_SET_PDEATHSIG): the next call must not find them gone."""
+    import threading
+
+    x = torch.randn(640, 512) * 0.02
+    want = one_process(x, T.Q6_K)
+    with pool.scope():
+        t = threading.Thread(target=in_pool, args=(x, T.Q6_K))
+        t.start()
+        t.join()
+        first = pool._state["pool"]
+        assert first is not None
+        assert np.array_equal(in_pool(x, T.Q6_K), want)
+        assert pool._state["pool"] is not first
+
+
 def test_no_pool_outside_a_scope():
     assert pool.get(2, _slow) is None
