@@ -21,22 +21,21 @@ from mtpq.ggml import kernels, pool
 pytestmark = pytest.mark.skipif(not pool.available(), reason="forked workers are Linux-only")
 
 
-def one_process(x: torch.Tensor, qtype: T, **kw) -> np.ndarray:
+def quantize_with(workers: int, x: torch.Tensor, qtype: T, **kw) -> np.ndarray:
     saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(workers)
     try:
         return kernels.quantize(x, qtype, "w", **kw)
     finally:
         torch.set_num_threads(saved)
+
+
+def one_process(x: torch.Tensor, qtype: T, **kw) -> np.ndarray:
+    return quantize_with(1, x, qtype, **kw)
 
 
 def in_pool(x: torch.Tensor, qtype: T, **kw) -> np.ndarray:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        return kernels.quantize(x, qtype, "w", **kw)
-    finally:
-        torch.set_num_threads(saved)
+    return quantize_with(2, x, qtype, **kw)
 
 
 def gone(pid: int) -> bool:
