@@ -23,8 +23,9 @@ Work is done in chunks of whole blocks so the extra memory stays bounded
 input tensor.  On CPU, chunks are spread over ``torch.get_num_threads()``
 workers (one torch thread each); set that to choose the count.  On Linux the
 workers are forked processes writing into shared memory (see
-:func:`_run_forked`), or, while a file is written (:func:`mtpq.ggml.pool.scope`), processes forked once for
-the whole file (:mod:`.pool`); elsewhere, or with ``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
+:func:`_run_forked`), or, while a file is written (:func:`mtpq.ggml.pool.scope`),
+processes forked once for the whole file (:mod:`.pool`); elsewhere, or with
+``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
 (:mod:`.npquant`, the same bytes; numpy threads), which ``mtpq quantize`` also calls without loading torch.
 """
 
@@ -318,8 +319,9 @@ def quantize(
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
     searching = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
-    if searching and _in_pool(rows2d, qtype, importance, check_scales, name, chunk_alone, workers):
-        return _pool_out.pop().reshape(*shape[:-1], n // bs * ts)
+    pooled = _in_pool(rows2d, qtype, importance, check_scales, name, chunk_alone, workers) if searching else None
+    if pooled is not None:
+        return pooled.reshape(*shape[:-1], n // bs * ts)
     forked = searching and n_rows * n >= _FORK_MIN_VALUES
     if on_cpu and workers > 1 and not forked:
         # big chunks, but at least two per worker so that all of them stay busy
@@ -368,25 +370,24 @@ def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -
 _ARENA_KINDS = {torch.float32: (0, np.float32), torch.bfloat16: (1, np.uint16), torch.float16: (2, np.float16)}
 _ARENA_TORCH = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 _POOL_NAME = "\x00tensor\x00"  # the name in a child's error message, replaced by the tensor's own in the parent
-_pool_out: list[np.ndarray] = []  # _in_pool's result (its return value says whether it ran)
 _tables_built: set = set()  # i-quant types whose grid tables this process built: a pool forked before lacks them
 _NO_TABLES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
 
 
 def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, name: str, chunk: int,
-             workers: int) -> bool:
-    """Quantize ``rows2d`` (CPU) in the writer's pool, if one is open and the rows fit its arenas (see
+             workers: int) -> np.ndarray | None:
+    """``rows2d`` (CPU) quantized in the writer's pool, if one is open and the rows fit its arenas (see
     :mod:`.pool`): band by band of rows, copied into the input arena, chunks handed out, bytes copied back.
-    The result goes to ``_pool_out``; False when there is no pool for it (the caller forks or uses threads)."""
+    None when there is no pool for it (the caller forks or uses threads)."""
     if not pool.available():
-        return False
+        return None
     n_rows, n = rows2d.shape
     bs, ts = GGML_QUANT_SIZES[qtype]
     kind, np_dtype = _ARENA_KINDS.get(rows2d.dtype, (0, np.float32))
     row_in, row_out = n * np.dtype(np_dtype).itemsize, n // bs * ts
     band = min(n_rows, pool.IN_BYTES // row_in, pool.OUT_BYTES // row_out)
     if band == 0 or (importance is not None and importance.numel() * 4 > pool.AUX_BYTES):
-        return False
+        return None
     if qtype not in _NO_TABLES:  # built by iquants.prepare in this process; a pool forked earlier lacks them
         _tables_built.add(qtype)
     saved = torch.get_num_threads()
@@ -396,7 +397,7 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
     finally:
         torch.set_num_threads(saved)
     if workers_pool is None:
-        return False
+        return None
     flags = int(qtype) | kind << 8 | int(check_scales) << 12 | int(importance is not None) << 13
     if importance is not None:
         np.frombuffer(workers_pool.arena_aux, dtype=np.float32, count=n)[:] = importance.cpu().numpy()
@@ -415,8 +416,7 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
             raise ValueError(str(e).replace(_POOL_NAME, name)) from None
         out[b0:b1] = np.frombuffer(workers_pool.arena_out, dtype=np.uint8, count=(b1 - b0) * row_out).reshape(
             b1 - b0, row_out)
-    _pool_out.append(out)
-    return True
+    return out
 
 
 def _pool_chunk(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
