@@ -32,12 +32,10 @@ processes forked once for the whole file (:mod:`.pool`); elsewhere, or with
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import mmap
 import os
 import signal
-import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -318,7 +316,7 @@ def quantize(
         malloc.keep_freed_buffers()
     workers = torch.get_num_threads() if on_cpu else 1
     todo = pieces(chunk_alone if on_cpu else _GPU_CHUNK)
-    searching = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and _can_fork()
+    searching = workers > 1 and len(todo) > 1 and qtype in _FORKED_TYPES and pool.available()
     pooled = _in_pool(rows2d, qtype, importance, check_scales, name, chunk_alone, workers) if searching else None
     if pooled is not None:
         return pooled.reshape(*shape[:-1], n // bs * ts)
@@ -367,8 +365,8 @@ def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -
 # --------------------------------------------------------------------------- the writer's worker pool (pool.py)
 
 # what the pool's input arena holds: float32, bf16 bits or float16, as the tensor came (converted per chunk)
-_ARENA_KINDS = {torch.float32: (0, np.float32), torch.bfloat16: (1, np.uint16), torch.float16: (2, np.float16)}
-_ARENA_TORCH = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+_ARENA_DTYPES = ((torch.float32, np.float32), (torch.bfloat16, np.uint16), (torch.float16, np.float16))  # by kind
+_ARENA_KINDS = {t: (kind, np_dtype) for kind, (t, np_dtype) in enumerate(_ARENA_DTYPES)}
 _POOL_NAME = "\x00tensor\x00"  # the name in a child's error message, replaced by the tensor's own in the parent
 _tables_built: set = set()  # i-quant types whose grid tables this process built: a pool forked before lacks them
 _NO_TABLES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
@@ -425,7 +423,7 @@ def _pool_chunk(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
     qtype, kind = T(flags & 0xFF), (flags >> 8) & 0xF
     check_scales, weighted = bool(flags >> 12 & 1), bool(flags >> 13 & 1)
     bs, ts = GGML_QUANT_SIZES[qtype]
-    raw = np.frombuffer(arena_in, dtype=_ARENA_KINDS[_ARENA_TORCH[kind]][1], count=n_rows * n).reshape(n_rows, n)
+    raw = np.frombuffer(arena_in, dtype=_ARENA_DTYPES[kind][1], count=n_rows * n).reshape(n_rows, n)
     rows2d = torch.from_numpy(raw)
     if kind == 1:
         rows2d = rows2d.view(torch.bfloat16)
@@ -494,11 +492,6 @@ if npquant._workers["n"] is not None:  # --threads given before torch was loaded
     torch.set_num_threads(npquant._workers["n"])
 
 
-def _can_fork() -> bool:
-    """Forked workers: Linux only (fork is unsafe on macOS, absent on Windows), and not refused."""
-    return pool.available()
-
-
 def _shared_empty(shape: tuple[int, int]) -> np.ndarray:
     """A uint8 array in anonymous shared memory: what forked workers write is seen here."""
     size = shape[0] * shape[1]
@@ -555,7 +548,7 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
         if helping:
             try:
                 while True:
-                    b = _read_all(task_r, 4)
+                    b = pool.read_all(task_r, 4)
                     if len(b) < 4:
                         break
                     work(ranges[int.from_bytes(b, "little")])
@@ -566,7 +559,7 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
                         os.kill(pid, signal.SIGKILL)
         os.close(task_r)
         task_r = -1
-        errors = _read_all(err_r).split(b"\0")
+        errors = pool.read_all(err_r).split(b"\0")
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
         pids = []
     except BaseException:
@@ -597,13 +590,10 @@ def _run_forked(work: Callable[[tuple], None], ranges: list, workers: int) -> No
 def _child(work: Callable[[tuple], None], ranges: list, task_r: int, err_w: int) -> None:  # pragma: no cover
     code = 0
     try:
-        try:  # die with the parent, even if it is killed outright
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        pool.die_with_parent()
         gc.disable()  # a short life: no collections touching (and copying) the parent's pages
         while True:
-            b = _read_all(task_r, 4)
+            b = pool.read_all(task_r, 4)
             if len(b) < 4:
                 break
             work(ranges[int.from_bytes(b, "little")])
@@ -614,18 +604,6 @@ def _child(work: Callable[[tuple], None], ranges: list, task_r: int, err_w: int)
         code = 1
     finally:
         os._exit(code)
-
-
-def _read_all(fd: int, n: int = -1) -> bytes:
-    """``n`` bytes from a pipe (fewer at its end), or everything until its end for n < 0."""
-    parts, got = [], 0
-    while n < 0 or got < n:
-        b = os.read(fd, 65536 if n < 0 else n - got)
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
 
 
 def _run_parallel(work: Callable[[tuple], None], ranges: list, workers: int) -> None:

@@ -118,12 +118,11 @@ class Pool:
     def _serve(self, task_r: int, reply_w: int) -> None:  # pragma: no cover - runs in the child
         code = 0
         try:
-            with contextlib.suppress(OSError, AttributeError):  # die with the parent, even if it is killed outright
-                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            die_with_parent()
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
             gc.disable()  # a long life on copied pages: no collections touching (and copying) them
             while True:
-                rec = _read_exactly(task_r, TASK.size)
+                rec = read_all(task_r, TASK.size)
                 if len(rec) < TASK.size:
                     break  # the pool closed its end
                 task = TASK.unpack(rec)
@@ -172,7 +171,7 @@ class Pool:
             if writable:
                 sent += os.write(self.task_w, data[sent:sent + per_write])
             if readable:
-                msg = _read_exactly(self.reply_r, reply_size)
+                msg = read_all(self.reply_r, reply_size)
                 if len(msg) < reply_size:
                     raise WorkerDied("quantization workers died (out of memory?)")
                 k, status = REPLY.unpack_from(msg)
@@ -207,15 +206,22 @@ class Pool:
         self.pids = []
 
 
-def _read_exactly(fd: int, n: int) -> bytes:
+def read_all(fd: int, n: int = -1) -> bytes:
+    """``n`` bytes from a pipe (fewer at its end), or everything until its end for n < 0."""
     parts, got = [], 0
-    while got < n:
-        b = os.read(fd, n - got)
+    while n < 0 or got < n:
+        b = os.read(fd, 65536 if n < 0 else n - got)
         if not b:
             break
         parts.append(b)
         got += len(b)
     return b"".join(parts)
+
+
+def die_with_parent() -> None:
+    """In a forked worker: be killed when the thread that forked it ends, even if the parent is killed outright."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def available() -> bool:
