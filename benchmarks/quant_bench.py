@@ -11,8 +11,9 @@ block of 2816, MoE blocks of 16 experts of 352 -- GLM-4.5-Air's 1408 / 4, so the
 llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, vocab 8192; kept with
 ``--keep DIR``), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
 N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
-quantizes a GGUF with the same metadata and a single 256x256 tensor: that time is its start-up (process,
-imports, reading the metadata, until its first tensor is quantized); the marginal throughput is the
+quantizes a GGUF with the same metadata and a single 256-row tensor (attn_q's row length, so the imatrix
+fits): that time is its start-up (process, imports, reading the metadata, until its first tensor is
+quantized); the marginal throughput is the
 difference in input MB over the difference in time, in wall time and in CPU time (the child's threads
 and workers included: what other jobs on a shared machine disturb least). The types that need an
 importance matrix get one (an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for
@@ -213,7 +214,7 @@ GLM_SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
 
 
 def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
-    """(the GLM-shaped f32 GGUF, the same metadata with one 256x256 tensor, an imatrix for both), built once."""
+    """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once."""
     import torch as _torch
 
     from tests.builders import tiny
@@ -230,8 +231,10 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     plan = plan_from_gguf(big)
     if not mini.exists():
         one = next(s for s in plan.tensors if s.name == "blk.0.attn_q.weight")
-        small = type(one)(one.name, (256, 256), one.role, T.F32, lambda: torch.zeros(256, 256), "mini",
-                          source_type=T.F32, load_raw=lambda: np.full((256, 256), 0.01, dtype=np.float32))
+        # 256 rows of attn_q's own length: the imatrix's entry for it fits (the i-quants need one)
+        shape = (256, one.shape[-1])
+        small = type(one)(one.name, shape, one.role, T.F32, lambda: torch.zeros(*shape), "mini",
+                          source_type=T.F32, load_raw=lambda: np.full(shape, 0.01, dtype=np.float32))
         write_plan(Plan(plan.arch, plan.kv, [small], n_trunk_layers=plan.n_trunk_layers,
                         n_mtp_layers=plan.n_mtp_layers), mini)
     if not im_file.exists():
