@@ -103,6 +103,9 @@ class TensorSpec:
     # a big tensor is then encoded slab by slab, never held whole in float32
     load_rows: Callable[[int, int], torch.Tensor] | None = None
     input_name: str | None = None  # the name it had in the input, when renamed (--prune-layers renumbers blocks)
+    # (file, byte offset) of the stored values (GGUF sources: ``load_raw``'s bytes, C order): a float tensor is
+    # quantized by workers reading their chunks from there (mtpq.ggml.from_file)
+    stored_at: "tuple[Path, int] | None" = None
 
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)

@@ -2,14 +2,20 @@
 
 import os
 
-# torch's OpenMP pool spin-waits between ops by default; on a shared machine the spinning threads
-# steal the cores the work needs. Passive waiting costs nothing measurable on our sizes.
-# (Read by the OpenMP runtime when torch loads, so it must be set before any command imports torch.)
-# Child processes get the user's environment back (engines.llama_cpp.child_env): ggml's OpenMP pool under
+# Thread settings mtpq chooses for itself when the user has not (read when torch or numpy loads, so set before
+# any command imports them):
+# - torch's OpenMP pool spin-waits between ops by default; on a shared machine the spinning threads steal the
+#   cores the work needs. Passive waiting costs nothing measurable on our sizes.
+# - numpy's OpenBLAS starts a thread per core that spins ~0.1 s of CPU at start-up; mtpq's numpy does no
+#   matrix products worth a thread (the models run in torch), and --threads workers are processes.
+# Child processes get the user's environment back (engines.binaries.child_env): ggml's OpenMP pool under
 # PASSIVE lets llama.cpp exit before its log thread has written the closing lines.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ["MTPQ_SET_OMP_WAIT_POLICY"] = "1"
+_CHOSEN = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
+_set_here = [k for k in _CHOSEN if k not in os.environ]
+for _k in _set_here:
+    os.environ[_k] = _CHOSEN[_k]
+if _set_here:
+    os.environ["MTPQ_SET_ENV"] = ",".join(_set_here)
 
 from .app import app, main  # noqa: E402
 

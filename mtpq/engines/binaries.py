@@ -30,11 +30,11 @@ def find_binary(name: str, bin_dir: Path | str | None = None, option: str = "--e
 
 
 def child_env() -> dict[str, str]:
-    """The environment for llama.cpp processes: the user's, without the OpenMP wait policy mtpq set for
-    its own torch (see mtpq.cli; under it llama.cpp may exit before its log thread drains)."""
+    """The environment for llama.cpp processes: the user's, without the thread settings mtpq chose for
+    itself (see mtpq.cli: under its OpenMP wait policy llama.cpp may exit before its log thread drains)."""
     env = dict(os.environ)
-    if env.pop("MTPQ_SET_OMP_WAIT_POLICY", None):
-        env.pop("OMP_WAIT_POLICY", None)
+    for name in filter(None, env.pop("MTPQ_SET_ENV", "").split(",")):
+        env.pop(name, None)
     return env
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc, npquant, pool
+from . import from_file, malloc, npquant, pool
 from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
@@ -107,8 +107,7 @@ _GPU_CHUNK = 1 << 22  # input elements per chunk on accelerators
 # Types whose kernels are long runs of short ops (the search loops) go to forked workers on
 # CPU; the legacy ones are a few long ops each, which threads share well, and a fork would
 # cost them more than it saves (Q8_0: 0.47x llama-quantize's time with threads, 0.73x forked).
-_FORKED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
-                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
+_FORKED_TYPES = from_file.SEARCH_TYPES
 # A fork and its exit cost the parent ~10-25 ms of system time each (page tables of a process holding
 # torch; more under load), twice per tensor with two workers: on the 1-8M-value tensors of a small model
 # (benchmarks/quant_bench.py --whole-file) that was a fifth of a Q6_K run's CPU time and more of its wall
@@ -344,13 +343,7 @@ def quantize(
     return out.reshape(*shape[:-1], n // bs * ts)
 
 
-def _pieces(n_rows: int, n: int, bs: int, elems: int) -> list[tuple[int, int, int, int]]:
-    """(row0, row1, col0, col1) chunks of about ``elems`` values of an (n_rows, n) matrix, cut at block edges."""
-    if n >= elems:
-        cols = max(bs, elems // bs * bs)
-        return [(r, r + 1, c, min(n, c + cols)) for r in range(n_rows) for c in range(0, n, cols)]
-    k = max(1, elems // max(n, 1))
-    return [(r, min(n_rows, r + k), 0, n) for r in range(0, n_rows, k)]
+_pieces = from_file.pieces
 
 
 def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -> torch.Tensor:
@@ -364,12 +357,17 @@ def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -
 
 # --------------------------------------------------------------------------- the writer's worker pool (pool.py)
 
-# what the pool's input arena holds: float32, bf16 bits or float16, as the tensor came (converted per chunk)
-_ARENA_DTYPES = ((torch.float32, np.float32), (torch.bfloat16, np.uint16), (torch.float16, np.float16))  # by kind
-_ARENA_KINDS = {t: (kind, np_dtype) for kind, (t, np_dtype) in enumerate(_ARENA_DTYPES)}
-_POOL_NAME = "\x00tensor\x00"  # the name in a child's error message, replaced by the tensor's own in the parent
-_tables_built: set = set()  # i-quant types whose grid tables this process built: a pool forked before lacks them
+# what the pool's input arena holds: float32, bf16 bits or float16, as the tensor came (converted per chunk);
+# the kind numbers are from_file's (its KIND_DTYPES)
+_ARENA_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NO_TABLES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS})
+
+
+def _note_tables(qtype: T) -> None:
+    """Say that ``qtype``'s grid tables exist in this process (iquants.prepare): a pool forked earlier lacks
+    them, so from_file.workers_pool forks a new one."""
+    if qtype not in _NO_TABLES:
+        from_file.tables_built.add(qtype)
 
 
 def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, name: str, chunk: int,
@@ -381,22 +379,17 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
         return None
     n_rows, n = rows2d.shape
     bs, ts = GGML_QUANT_SIZES[qtype]
-    kind, np_dtype = _ARENA_KINDS.get(rows2d.dtype, (0, np.float32))
+    kind = _ARENA_KINDS.get(rows2d.dtype, 0)
+    np_dtype = from_file.KIND_DTYPES[kind]
     row_in, row_out = n * np.dtype(np_dtype).itemsize, n // bs * ts
     band = min(n_rows, pool.IN_BYTES // row_in, pool.OUT_BYTES // row_out)
-    if band == 0 or (importance is not None and importance.numel() * 4 > pool.AUX_BYTES):
+    if band == 0 or (importance is not None and importance.numel() * 4 > pool.AUX_BYTES - from_file.PATH_BYTES):
         return None
-    if qtype not in _NO_TABLES:  # built by iquants.prepare in this process; a pool forked earlier lacks them
-        _tables_built.add(qtype)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # inherited by a pool forked now: a child never enters an OpenMP region
-    try:
-        workers_pool = pool.get(workers, _pool_chunk, tag=frozenset(_tables_built))
-    finally:
-        torch.set_num_threads(saved)
+    _note_tables(qtype)
+    workers_pool = from_file.workers_pool(workers)
     if workers_pool is None:
         return None
-    flags = int(qtype) | kind << 8 | int(check_scales) << 12 | int(importance is not None) << 13
+    flags = from_file.task_flags(qtype, kind, check_scales, importance is not None, False)
     if importance is not None:
         np.frombuffer(workers_pool.arena_aux, dtype=np.float32, count=n)[:] = importance.cpu().numpy()
     out = np.empty((n_rows, row_out), dtype=np.uint8)
@@ -411,32 +404,51 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
         try:
             workers_pool.run(tasks)
         except ValueError as e:
-            raise ValueError(str(e).replace(_POOL_NAME, name)) from None
+            raise ValueError(str(e).replace(from_file.POOL_NAME, name)) from None
         out[b0:b1] = np.frombuffer(workers_pool.arena_out, dtype=np.uint8, count=(b1 - b0) * row_out).reshape(
             b1 - b0, row_out)
     return out
 
 
-def _pool_chunk(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
-    """A pool worker's task: one chunk of the band in the input arena, its bytes into the output arena."""
-    flags, _, n_rows, n, r0, r1, c0, c1 = task
-    qtype, kind = T(flags & 0xFF), (flags >> 8) & 0xF
-    check_scales, weighted = bool(flags >> 12 & 1), bool(flags >> 13 & 1)
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    raw = np.frombuffer(arena_in, dtype=_ARENA_DTYPES[kind][1], count=n_rows * n).reshape(n_rows, n)
-    rows2d = torch.from_numpy(raw)
-    if kind == 1:
-        rows2d = rows2d.view(torch.bfloat16)
-    x = _load_piece(rows2d, (r0, r1, c0, c1), _POOL_NAME).reshape(-1, bs)
+def quantize_stored(path, offset: int, source_type: T, shape: tuple[int, ...], qtype: T, name: str, buffer,
+                    importance=None, check_scales: bool = True) -> np.ndarray | None:
+    """:func:`.from_file.quantize_stored` for every type it takes: a search-loop ``qtype``'s importance
+    weights checked as :func:`quantize` checks them (float32, ``(n,)`` or one row per expert) and its grid
+    tables built before the pool forks."""
+    qtype = T(qtype)
+    if qtype not in _FORKED_TYPES:
+        return from_file.quantize_stored(path, offset, source_type, shape, qtype, name, buffer,
+                                          importance=importance, check_scales=check_scales)
+    imp = None
+    if importance is not None and qtype in _WEIGHTED:
+        imp = _importance_for(importance, torch.empty(shape, device="meta"), name).numpy()
+    if qtype in iquants.REQUIRES_WEIGHTS and imp is None:  # ggml aborts here: say so in one line
+        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
+    chunk = _WEIGHTED_CHUNK.get(qtype, _KERNELS[qtype][2]) if imp is not None else _KERNELS[qtype][2]
+    iquants.prepare(qtype, "cpu")
+    _note_tables(qtype)
+    return from_file.quantize_stored(path, offset, source_type, shape, qtype, name, buffer, importance=imp,
+                                      check_scales=check_scales, chunk=chunk)
+
+
+def pool_piece(raw: np.ndarray, qtype: T, check_scales: bool, weighted: bool, piece: tuple[int, int, int, int],
+               n: int, arena_aux) -> np.ndarray:
+    """In a pool worker (:func:`.from_file.run_task`): one piece (rows r0:r1, columns c0:c1 of rows of ``n``
+    values) of stored values (float32, bf16 bits as uint16, or float16) quantized, weighted by the row of
+    importance at the start of the aux arena if ``weighted``."""
+    bs = GGML_QUANT_SIZES[qtype][0]
+    x = torch.from_numpy(np.ascontiguousarray(raw))
+    if raw.dtype == np.uint16:
+        x = x.view(torch.bfloat16)
+    x = _load_piece(x, (0, x.shape[0], 0, x.shape[1]), from_file.POOL_NAME).reshape(-1, bs)
     if weighted:
         imp = torch.from_numpy(np.frombuffer(arena_aux, dtype=np.float32, count=n))
-        q = _weighted_kernel(qtype, imp, None)(x, (r0, r1, c0, c1))
+        q = _weighted_kernel(qtype, imp, None)(x, piece)
     else:
         q = _KERNELS[qtype][0](x)
     if check_scales:
-        _validate_scales(q, qtype, _POOL_NAME)
-    out = np.frombuffer(arena_out, dtype=np.uint8, count=n_rows * (n // bs * ts)).reshape(n_rows, -1)
-    out[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.cpu().numpy().reshape(r1 - r0, -1)
+        _validate_scales(q, qtype, from_file.POOL_NAME)
+    return q.numpy()
 
 
 def _importance_for(importance, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -486,6 +498,8 @@ def _weighted_kernel(qtype: GGMLQuantizationType, imp: torch.Tensor, row_sigma2:
 
     return run
 
+
+from_file.torch_piece = pool_piece  # pool workers forked from now on run the torch kernels
 
 _THREAD_LOCK = threading.Lock()
 if npquant._workers["n"] is not None:  # --threads given before torch was loaded

@@ -178,6 +178,22 @@ def _torch_chunk(x: np.ndarray, qtype: T) -> np.ndarray:
     return fn(torch.from_numpy(np.ascontiguousarray(x))).numpy()
 
 
+def quantize_chunk(c: np.ndarray, qtype: T, name: str, check_scales: bool, o: np.ndarray) -> None:
+    """One chunk ``c`` (float32 blocks, (n, block size)) into ``o`` (uint8, (n, type size)), with
+    :func:`quantize_rows`' errors."""
+    kernel = _KERNELS[qtype]
+    with np.errstate(all="ignore"):
+        P = _pairs(c)
+        lo, hi = _min_max(P)  # NaN propagates through both; an inf is a min or a max
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            raise ValueError(f"{name}: contains NaN/Inf values")
+        if not kernel(c, P, lo, hi, o):
+            o[:] = _torch_chunk(c, qtype)
+    if check_scales and bool(((o[:, 1] & 0x7C) == 0x7C).any()):  # the fp16 d overflowed, as kernels checks
+        raise ValueError(f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
+                         "(llama-quantize rejects such data too)")
+
+
 def quantize_rows(values: np.ndarray, qtype: T, name: str = "tensor", *, check_scales: bool = True,
                   n_workers: int | None = None) -> np.ndarray:
     """``values`` (float32, any shape, rows of whole blocks) in ``qtype`` (one of NUMPY_TYPES) as uint8
@@ -191,21 +207,10 @@ def quantize_rows(values: np.ndarray, qtype: T, name: str = "tensor", *, check_s
     x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, bs)
     nb = x.shape[0]
     out = np.empty((nb, ts), dtype=np.uint8)
-    kernel = _KERNELS[qtype]
     step = CHUNK // bs
 
     def work(b0: int) -> None:
-        c, o = x[b0:b0 + step], out[b0:b0 + step]
-        with np.errstate(all="ignore"):
-            P = _pairs(c)
-            lo, hi = _min_max(P)  # NaN propagates through both; an inf is a min or a max
-            if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
-                raise ValueError(f"{name}: contains NaN/Inf values")
-            if not kernel(c, P, lo, hi, o):
-                o[:] = _torch_chunk(c, qtype)
-        if check_scales and bool(((o[:, 1] & 0x7C) == 0x7C).any()):  # the fp16 d overflowed, as kernels checks
-            raise ValueError(f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
-                             "(llama-quantize rejects such data too)")
+        quantize_chunk(x[b0:b0 + step], qtype, name, check_scales, out[b0:b0 + step])
 
     starts = range(0, nb, step)
     n_workers = min(n_workers or workers(), len(starts))

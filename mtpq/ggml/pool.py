@@ -27,14 +27,14 @@ import threading
 import warnings
 from typing import Callable, Iterator
 
-TASK = struct.Struct("<8q")  # 64 bytes: a pipe's 4096-byte writes hold whole records, each read atomically
+TASK = struct.Struct("<16q")  # 128 bytes: a pipe's 4096-byte writes hold whole records, each read atomically
 REPLY = struct.Struct("<2q")  # (task index, status), then REPLY_TEXT bytes of error text
 REPLY_TEXT = 240
 OK, INPUT_ERROR, FAILED = 0, 1, 2
 
 IN_BYTES = 64 << 20  # a slab of values (mtpq.gguf_io.buffers.SLAB_ELEMENTS float32) fits whole
 OUT_BYTES = 56 << 20  # the bytes of IN_BYTES of float32 in any type (at most 8.5 bits a value: 34 MB)
-AUX_BYTES = 4 << 20  # one row of importance weights (float32)
+AUX_BYTES = 4 << 20  # one row of importance weights (float32); its last 4 KB name a file (see from_file)
 
 _lock = threading.Lock()
 _state: dict = {"scopes": 0, "pool": None}
@@ -142,9 +142,9 @@ class Pool:
     # ----------------------------------------------------------------------------- the parent
 
     def run(self, tasks: list[tuple[int, ...]]) -> None:
-        """Run ``tasks`` (TASK records; field 1 is the task's index) and wait for all of them. Raises the first
-        chunk's ValueError (in task order) once every task has answered, so the pool stays usable; a worker
-        that died (out of memory?) closes the pool and raises :class:`WorkerDied`."""
+        """Run ``tasks`` (TASK records, zeros after the fields given; field 1 is the task's index) and wait for
+        all of them. Raises the first chunk's ValueError (in task order) once every task has answered, so the
+        pool stays usable; a worker that died (out of memory?) closes the pool and raises :class:`WorkerDied`."""
         with self.run_lock:
             try:
                 errors = self._run(tasks)
@@ -158,7 +158,8 @@ class Pool:
             raise RuntimeError(f"quantization worker failed: {text}")
 
     def _run(self, tasks: list[tuple[int, ...]]) -> dict[int, tuple[int, str]]:
-        data = b"".join(TASK.pack(*t) for t in tasks)
+        fields = TASK.size // 8  # int64s; a record given fewer has zeros after them
+        data = b"".join(TASK.pack(*t, *(0,) * (fields - len(t))) for t in tasks)
         per_write = 4096 // TASK.size * TASK.size
         errors: dict[int, tuple[int, str]] = {}
         answered, sent = 0, 0

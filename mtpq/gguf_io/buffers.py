@@ -35,6 +35,19 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
     if spec.load_raw is not None and spec.source_type == spec.ggml_type:
         return spec.load_raw()
     try:
+        if spec.stored_at is not None and spec.source_type in _NUMPY_SOURCES and spec.ggml_type != spec.source_type:
+            # workers read their chunks from the file and quantize them in cache (no whole-tensor read first);
+            # numpy's types without torch, the others through kernels (their weights checked, tables built)
+            from ..ggml import from_file
+
+            if spec.ggml_type in from_file.SEARCH_TYPES:
+                from ..ggml.kernels import quantize_stored
+            else:
+                quantize_stored = from_file.quantize_stored
+            out = quantize_stored(*spec.stored_at, spec.source_type, spec.shape, spec.ggml_type, spec.name,
+                                  _buffer_and_report, importance=spec.importance)
+            if out is not None:
+                return out
         if _numpy_only(spec):  # numpy reads and quantizes it: no torch (~1.5 s to import), no float copy
             from ..ggml.npquant import quantize_rows
 
@@ -130,6 +143,11 @@ def output_buffer(nbytes: int) -> np.ndarray:
     arr = np.frombuffer(mem, dtype=np.uint8)  # its base is the mapping, not an array: views keep arr alive
     weakref.finalize(arr, _returned, mem)
     return _claimed(arr)
+
+
+def _buffer_and_report(nbytes: int) -> tuple[np.ndarray, Callable[[int], None] | None]:
+    out = output_buffer(nbytes)
+    return out, report_progress(out)
 
 
 class _Progress:

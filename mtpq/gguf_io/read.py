@@ -197,6 +197,7 @@ def plan_from_gguf(path: Path) -> Plan:
                 reason="kept as stored",
                 shard=shard,
                 load_rows=_rows_loader(t, where, shape),
+                stored_at=(where, int(t.data_offset)),
             )
         )
     return Plan(arch=arch, kv=kv, tensors=specs, inputs=list(files.paths), n_trunk_layers=n_trunk, n_mtp_layers=n_mtp)

@@ -375,13 +375,27 @@ def test_acceptance_through_rpc_servers_equals_local(llama_cpp_bin, tmp_path):
 
 
 def test_llama_cpp_children_get_the_users_omp_wait_policy(monkeypatch):
-    """mtpq sets OMP_WAIT_POLICY=PASSIVE for its own torch; llama.cpp children must not inherit it (under it
-    llama.cpp exits before its log thread writes the closing lines), but a user's own setting passes."""
+    """mtpq sets OMP_WAIT_POLICY=PASSIVE for its own torch (and one OpenBLAS thread for its numpy); llama.cpp
+    children must not inherit them (under PASSIVE llama.cpp exits before its log thread writes the closing
+    lines), but a user's own settings pass."""
     from mtpq.engines.llama_cpp import child_env
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setenv("MTPQ_SET_OMP_WAIT_POLICY", "1")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("MTPQ_SET_ENV", "OMP_WAIT_POLICY,OPENBLAS_NUM_THREADS")
     env = child_env()
-    assert "OMP_WAIT_POLICY" not in env and "MTPQ_SET_OMP_WAIT_POLICY" not in env
-    monkeypatch.delenv("MTPQ_SET_OMP_WAIT_POLICY")
-    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert not {"OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS", "MTPQ_SET_ENV"} & set(env)
+    monkeypatch.delenv("MTPQ_SET_ENV")
+    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE" and child_env()["OPENBLAS_NUM_THREADS"] == "1"
+
+
+def test_the_cli_sets_only_what_the_user_left_unset():
+    """The thread settings mtpq.cli chooses, in a fresh interpreter: set where unset and listed for child_env;
+    a user's own value kept and not listed."""
+    code = "import os, mtpq.cli; print(os.environ['OPENBLAS_NUM_THREADS'], os.environ.get('MTPQ_SET_ENV', ''))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS", "MTPQ_SET_ENV")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "OMP_WAIT_POLICY,OPENBLAS_NUM_THREADS"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "4"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["4", "OMP_WAIT_POLICY"]

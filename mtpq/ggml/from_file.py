@@ -1,0 +1,199 @@
+"""Float tensors of a file quantized where they lie: each pool worker reads its own chunks.
+
+Read whole and then quantized, a tensor crossed memory three times before any arithmetic: read into a buffer
+(one thread), copied into the pool's input arena (:mod:`.pool`), read again by a worker. Here a worker
+``pread``s its chunk (2**16-2**20 values) into a buffer of its own and quantizes it while it is in cache; the
+parent hands out chunk records and copies the bytes back from the output arena. Reading runs on every worker,
+and Q8_0/Q4_0/Q5_0's numpy kernels run in processes, out of the GIL that left two threads at 1.3x one.
+
+The pool has one handler for every task, :func:`run_task`: numpy's kernels for those three types (so a
+process that never imported torch still does not), :mod:`.kernels`' torch ones for the K- and i-quants (which
+kernels registers here when it loads: :data:`torch_piece`), on rows read from the file or found in the input
+arena (:func:`mtpq.ggml.kernels.quantize` of rows in memory). No torch is imported here: the K- and i-quants
+come through :func:`mtpq.ggml.kernels.quantize_stored`, which checks their importance weights and builds
+their tables first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import malloc, npquant, pool
+
+T = GGMLQuantizationType
+
+# The search-loop types (long runs of short ops, which threads would serialise on the GIL) and the numpy
+# ones: what the pool runs.
+SEARCH_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+                          T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
+POOLED_TYPES = SEARCH_TYPES | npquant.NUMPY_TYPES
+
+# What a chunk's values are stored as (the "kind" in a task's flags): float32, bf16 bits, float16.
+KIND_DTYPES = (np.float32, np.uint16, np.float16)
+SOURCE_KINDS = {T.F32: 0, T.BF16: 1, T.F16: 2}
+
+POOL_NAME = "\x00tensor\x00"  # the name in a worker's error message, replaced by the tensor's own in the parent
+PATH_BYTES = 4096  # the aux arena's tail: the file that tasks read from (NUL-terminated)
+tables_built: set = set()  # i-quant types whose grid tables this process built (kernels adds to it)
+# kernels.pool_piece, set when mtpq.ggml.kernels loads: a worker's torch kernels (a pool forked before lacks it)
+torch_piece: Callable | None = None
+
+
+def task_flags(qtype: T, kind: int, check_scales: bool, weighted: bool, from_file: bool) -> int:
+    return int(qtype) | kind << 8 | int(check_scales) << 12 | int(weighted) << 13 | int(from_file) << 14
+
+
+def pieces(n_rows: int, n: int, bs: int, elems: int) -> list[tuple[int, int, int, int]]:
+    """(row0, row1, col0, col1) chunks of about ``elems`` values of an (n_rows, n) matrix, cut at block edges:
+    whole rows, or parts of one row (so each is contiguous in a C-ordered tensor)."""
+    if n >= elems:
+        cols = max(bs, elems // bs * bs)
+        return [(r, r + 1, c, min(n, c + cols)) for r in range(n_rows) for c in range(0, n, cols)]
+    k = max(1, elems // max(n, 1))
+    return [(r, min(n_rows, r + k), 0, n) for r in range(0, n_rows, k)]
+
+
+def workers_pool(workers: int) -> "pool.Pool | None":
+    """The scope's pool of ``workers``; forked again when this process has since loaded the torch kernels or
+    built grid tables, which workers forked before lack. With torch, workers inherit one torch thread each."""
+    torch = sys.modules.get("torch")
+    tag = (frozenset(tables_built), torch_piece is not None)
+    if torch is None:
+        return pool.get(workers, run_task, tag=tag)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # inherited by a pool forked now: a worker never enters an OpenMP region
+    try:
+        return pool.get(workers, run_task, tag=tag)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def as_float32(raw: np.ndarray) -> np.ndarray:
+    """Stored values (float32, bf16 bits as uint16, float16) as contiguous float32 (exact)."""
+    if raw.dtype == np.uint16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(raw, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- in a worker
+
+_open: dict = {"path": None, "fd": -1}
+_scratch: dict = {"buf": np.empty(0, dtype=np.uint8)}
+
+
+def _read_piece(arena_aux, at: int, n: int, piece: tuple[int, int, int, int], dtype) -> np.ndarray:
+    """A piece of the band whose first value lies at byte ``at`` of the aux arena's file, read into this
+    worker's scratch buffer (reused: valid until the next task)."""
+    r0, r1, c0, c1 = piece
+    size = np.dtype(dtype).itemsize
+    path = bytes(arena_aux[len(arena_aux) - PATH_BYTES:]).split(b"\0", 1)[0]
+    if _open["path"] != path:
+        if _open["fd"] >= 0:
+            os.close(_open["fd"])
+        _open["fd"], _open["path"] = os.open(path, os.O_RDONLY), path
+    nbytes = (r1 - r0) * (c1 - c0) * size
+    if _scratch["buf"].nbytes < nbytes:
+        _scratch["buf"] = np.empty(nbytes, dtype=np.uint8)
+    view, start, got = memoryview(_scratch["buf"])[:nbytes], at + (r0 * n + c0) * size, 0
+    while got < nbytes:
+        k = os.preadv(_open["fd"], [view[got:]], start + got)
+        if k == 0:
+            raise ValueError(f"{POOL_NAME}: the file ends within this tensor's data (truncated)")
+        got += k
+    return _scratch["buf"][:nbytes].view(dtype).reshape(r1 - r0, c1 - c0)
+
+
+def run_task(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
+    """A pool worker's task: one chunk, from the file (``at``: the band's first byte) or from the band in the
+    input arena, quantized into its place in the output arena."""
+    malloc.keep_freed_buffers()  # the chunks' temporaries reused, not faulted in afresh (once per process)
+    flags, _, n_rows, n, r0, r1, c0, c1, at = task[:9]
+    qtype, kind = T(flags & 0xFF), (flags >> 8) & 0xF
+    check_scales, weighted, from_file = bool(flags >> 12 & 1), bool(flags >> 13 & 1), bool(flags >> 14 & 1)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    dtype = KIND_DTYPES[kind]
+    if from_file:
+        raw = _read_piece(arena_aux, at, n, (r0, r1, c0, c1), dtype)
+    else:
+        raw = np.frombuffer(arena_in, dtype=dtype, count=n_rows * n).reshape(n_rows, n)[r0:r1, c0:c1]
+    out = np.frombuffer(arena_out, dtype=np.uint8, count=n_rows * (n // bs * ts)).reshape(n_rows, -1)
+    dst = out[r0:r1, c0 // bs * ts:c1 // bs * ts]
+    if qtype in npquant.NUMPY_TYPES and not weighted:
+        x = as_float32(raw).reshape(-1, bs)
+        if dst.flags.c_contiguous:  # whole rows, or a part of one: the bytes go straight into place
+            npquant.quantize_chunk(x, qtype, POOL_NAME, check_scales, dst.reshape(-1, ts))
+        else:
+            o = np.empty((x.shape[0], ts), dtype=np.uint8)
+            npquant.quantize_chunk(x, qtype, POOL_NAME, check_scales, o)
+            dst[...] = o.reshape(dst.shape)
+    else:  # torch_piece is set: the pool was forked after kernels loaded (workers_pool's tag)
+        dst[...] = torch_piece(raw, qtype, check_scales, weighted, (r0, r1, c0, c1), n, arena_aux).reshape(dst.shape)
+
+
+# --------------------------------------------------------------------------- in the parent
+
+def quantize_stored(path: str | Path, offset: int, source_type: T, shape: tuple[int, ...], qtype: T, name: str,
+                    buffer: Callable[[int], tuple[np.ndarray, Callable | None]], importance=None,
+                    check_scales: bool = True, chunk: int | None = None) -> np.ndarray | None:
+    """The float tensor stored at byte ``offset`` of ``path`` (``source_type`` F32/BF16/F16, C order,
+    torch-order ``shape``) quantized: its bytes in the uint8 array ``buffer(nbytes)`` gave, with the function
+    it gave (if any) called with the length of the final prefix as bands finish. The errors of
+    :func:`mtpq.ggml.kernels.quantize`, naming ``name``. None, with nothing done, when the pool does not take
+    it (one worker, no pool scope, a type the pool does not run): encode it otherwise.
+
+    The K- and i-quants come through :func:`mtpq.ggml.kernels.quantize_stored` (``chunk`` and ``importance``
+    checked there, float32 numpy); called here directly with one of them, it returns None."""
+    qtype = T(qtype)
+    if qtype not in POOLED_TYPES or source_type not in SOURCE_KINDS or not pool.available() or not shape:
+        return None
+    n_workers = npquant.workers()
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    n, n_rows = shape[-1], int(np.prod(shape[:-1], dtype=np.int64))
+    row_out = n // bs * ts
+    path_bytes = os.fsencode(str(path))
+    if n_workers < 2 or n % bs or row_out > pool.OUT_BYTES or len(path_bytes) >= PATH_BYTES:
+        return None  # the in-process path runs it (and raises the row-length error)
+    if qtype in npquant.NUMPY_TYPES and (importance is None or qtype == T.Q8_0):  # Q8_0 has no weighted path
+        chunk, imp = npquant.CHUNK, None
+    elif qtype in SEARCH_TYPES and chunk is not None and torch_piece is not None:
+        imp = importance
+    else:  # Q4_0/Q5_0 with importance weights (the row's mean square first, in process); not via kernels
+        return None
+    workers = workers_pool(n_workers)
+    if workers is None:
+        return None
+    out, report = buffer(n_rows * row_out)
+    aux = np.frombuffer(workers.arena_aux, dtype=np.uint8)
+    aux[len(aux) - PATH_BYTES:len(aux) - PATH_BYTES + len(path_bytes) + 1] = np.frombuffer(path_bytes + b"\0",
+                                                                                            dtype=np.uint8)
+    kind = SOURCE_KINDS[source_type]
+    row_in = n * np.dtype(KIND_DTYPES[kind]).itemsize
+    flags = task_flags(qtype, kind, check_scales, imp is not None, True)
+    if imp is not None and imp.ndim == 2:  # one row of weights per expert: an expert's rows at a time
+        per = n_rows // imp.shape[0]
+        segments = [(e * per, (e + 1) * per, imp[e]) for e in range(imp.shape[0])]
+    else:
+        segments = [(0, n_rows, imp)]
+    for s0, s1, weights in segments:
+        if weights is not None:
+            np.frombuffer(workers.arena_aux, dtype=np.float32, count=n)[:] = weights
+        band = max(1, min(s1 - s0, pool.OUT_BYTES // row_out))
+        for b0 in range(s0, s1, band):
+            b1 = min(s1, b0 + band)
+            tasks = [(flags, k, b1 - b0, n, *p, offset + b0 * row_in)
+                     for k, p in enumerate(pieces(b1 - b0, n, bs, chunk))]
+            try:
+                workers.run(tasks)
+            except ValueError as e:
+                raise ValueError(str(e).replace(POOL_NAME, name)) from None
+            out[b0 * row_out:b1 * row_out] = np.frombuffer(workers.arena_out, dtype=np.uint8,
+                                                           count=(b1 - b0) * row_out)
+            if report is not None:
+                report(b1 * row_out)
+    return out

@@ -1,0 +1,142 @@
+"""Quantizing a float tensor where it lies in a file (mtpq/ggml/from_file.py): the pool's workers read their own
+chunks. The truth is the single-process kernel (itself checked against llama.cpp's bytes in
+test_quant_kernels): the bytes must be exactly its bytes for every source dtype, band layout and importance
+weighting, and bad input must fail as the kernel fails, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from mtpq.ggml import from_file, kernels, npquant, pool
+
+pytestmark = pytest.mark.skipif(not pool.available(), reason="forked workers are Linux-only")
+
+HEADER = 96  # bytes before the tensor in the test file, as a GGUF's metadata would be
+STORED = {T.F32: (torch.float32, np.float32), T.BF16: (torch.bfloat16, np.uint16), T.F16: (torch.float16, np.float16)}
+
+
+def stored_file(tmp_path, values: torch.Tensor, source: T):
+    """``values`` rounded to ``source``, written after HEADER bytes of junk; (path, the rounded values)."""
+    torch_dtype, np_dtype = STORED[source]
+    v = values.to(torch_dtype).contiguous()
+    raw = v.view(torch.int16).numpy().view(np.uint16) if source == T.BF16 else v.numpy()
+    path = tmp_path / f"t-{source.name}.bin"
+    path.write_bytes(b"\xa5" * HEADER + raw.astype(np_dtype).tobytes())
+    return path, v
+
+
+def one_process(values: torch.Tensor, qtype: T, **kw) -> np.ndarray:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return kernels.quantize(values, qtype, "w", **kw).reshape(-1)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def stored(path, source: T, shape, qtype: T, workers: int = 2, **kw) -> np.ndarray | None:
+    reports: list[int] = []
+    saved, threads = npquant._workers["n"], torch.get_num_threads()
+    npquant.set_workers(workers)
+    try:
+        with pool.scope():
+            # kernels' entry: the K- and i-quants' weights checked and tables built there; the rest forwarded
+            out = kernels.quantize_stored(path, HEADER, source, tuple(shape), qtype, "blk.0.w",
+                                          lambda n: (np.full(n, 0xEE, dtype=np.uint8), reports.append), **kw)
+    finally:
+        npquant._workers["n"] = saved
+        torch.set_num_threads(threads)
+    if out is not None:
+        assert reports and reports == sorted(reports) and reports[-1] == out.nbytes  # progress up to the end
+    return out
+
+
+@pytest.fixture(params=["one band", "bands"])
+def small_arenas(request, monkeypatch):
+    """The real output arena (the tensor in one band), or one of a few rows (several bands)."""
+    if request.param == "bands":
+        monkeypatch.setattr(pool, "OUT_BYTES", 16 * 1024)
+
+
+@pytest.mark.parametrize("source", [T.F32, T.BF16, T.F16])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K, T.Q4_K, T.IQ4_XS])
+def test_bytes_equal_one_process(tmp_path, qtype, source, small_arenas):
+    g = torch.Generator().manual_seed(int(qtype) * 3 + int(source))
+    values = torch.randn(48, 1024, generator=g) * torch.rand(48, 1, generator=g) * 4
+    values[3, :32] = 0.0  # an all-zero block
+    path, rounded = stored_file(tmp_path, values, source)
+    got = stored(path, source, values.shape, qtype)
+    assert got is not None
+    assert np.array_equal(got, one_process(rounded, qtype))
+
+
+def test_rows_longer_than_a_chunk_are_cut_into_pieces(tmp_path, monkeypatch):
+    """A row of more values than a chunk is quantized in parts of one row (each contiguous in the file)."""
+    monkeypatch.setattr(npquant, "CHUNK", 1024)
+    values = torch.randn(3, 8192, generator=torch.Generator().manual_seed(5))
+    path, rounded = stored_file(tmp_path, values, T.F32)
+    assert np.array_equal(stored(path, T.F32, values.shape, T.Q8_0), one_process(rounded, T.Q8_0))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.IQ4_XS])
+def test_importance_weights_per_column_and_per_expert(tmp_path, qtype, small_arenas):
+    g = torch.Generator().manual_seed(11)
+    experts = torch.randn(3, 8, 512, generator=g)
+    path, rounded = stored_file(tmp_path, experts, T.F32)
+    per_expert = torch.rand(3, 512, generator=g) + 0.1
+    got = stored(path, T.F32, experts.shape, qtype, importance=per_expert.numpy())
+    assert np.array_equal(got, one_process(rounded, qtype, importance=per_expert))
+    column = per_expert[1]
+    got = stored(path, T.F32, experts.shape, qtype, importance=column.numpy())
+    assert np.array_equal(got, one_process(rounded, qtype, importance=column))
+
+
+def test_nan_names_the_tensor_and_the_pool_stays_usable(tmp_path):
+    values = torch.randn(16, 512, generator=torch.Generator().manual_seed(2))
+    values[9, 100] = float("nan")
+    path, _ = stored_file(tmp_path, values, T.F32)
+    for qtype in (T.Q8_0, T.Q6_K):
+        with pytest.raises(ValueError, match=r"^blk\.0\.w: contains NaN/Inf values$"):
+            stored(path, T.F32, values.shape, qtype)
+    values[9, 100] = 1.0
+    path, rounded = stored_file(tmp_path, values, T.F32)
+    assert np.array_equal(stored(path, T.F32, values.shape, T.Q6_K), one_process(rounded, T.Q6_K))
+
+
+def test_a_file_that_ends_inside_the_tensor_is_refused(tmp_path):
+    values = torch.randn(16, 512, generator=torch.Generator().manual_seed(3))
+    path, _ = stored_file(tmp_path, values, T.F32)
+    with open(path, "r+b") as f:
+        f.truncate(HEADER + 15 * 512 * 4 + 100)
+    with pytest.raises(ValueError, match=r"^blk\.0\.w: the file ends within this tensor's data"):
+        stored(path, T.F32, values.shape, T.Q8_0)
+
+
+def test_i_quants_without_importance_fail_as_the_kernel_does(tmp_path):
+    values = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
+    path, _ = stored_file(tmp_path, values, T.F32)
+    with pytest.raises(ValueError, match=r"^blk\.0\.w: IQ2_XXS needs an importance matrix"):
+        stored(path, T.F32, values.shape, T.IQ2_XXS)
+
+
+def test_left_to_the_in_process_path(tmp_path):
+    """None, nothing done: one worker, no pool scope, Q4_0 with importance weights (the row mean square comes
+    first), a float output type, a K-quant not passed through kernels (its weights unchecked)."""
+    values = torch.randn(4, 256, generator=torch.Generator().manual_seed(6))
+    path, _ = stored_file(tmp_path, values, T.F32)
+    assert stored(path, T.F32, values.shape, T.Q8_0, workers=1) is None
+    assert stored(path, T.F32, values.shape, T.Q4_0, importance=np.ones(256, dtype=np.float32)) is None
+    assert stored(path, T.F32, values.shape, T.F16) is None
+    saved, threads = npquant._workers["n"], torch.get_num_threads()
+    npquant.set_workers(2)
+    try:
+        assert from_file.quantize_stored(path, HEADER, T.F32, (4, 256), T.Q8_0, "w", lambda n: 1 / 0) is None
+        with pool.scope():
+            assert from_file.quantize_stored(path, HEADER, T.F32, (4, 256), T.Q6_K, "w", lambda n: 1 / 0) is None
+    finally:
+        npquant._workers["n"] = saved
+        torch.set_num_threads(threads)
