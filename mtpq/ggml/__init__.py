@@ -10,6 +10,8 @@ One module per type family, each reproducing the reference C code's float rules 
 - :mod:`.vecops`   the vectorised row operations the searches share
 - :mod:`.kernels`  the registry: ``quantize``/``dequantize`` for every supported type, chunked and parallel
 - :mod:`.types`    which types mtpq writes; :mod:`.malloc` the process-wide allocation policy
+- :mod:`.npquant`  Q8_0/Q4_0/Q5_0 in numpy alone; :mod:`.pool` workers forked once per output file;
+  :mod:`.from_file` float tensors quantized by those workers straight from the file that stores them
 
 Nothing here imports the rest of mtpq: the formats do not know about models, presets or files.
 """

@@ -26,7 +26,8 @@ workers are forked processes writing into shared memory (see
 :func:`_run_forked`), or, while a file is written (:func:`mtpq.ggml.pool.scope`),
 processes forked once for the whole file (:mod:`.pool`); elsewhere, or with
 ``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
-(:mod:`.npquant`, the same bytes; numpy threads), which ``mtpq quantize`` also calls without loading torch.
+(:mod:`.npquant`, the same bytes; numpy threads). ``mtpq quantize`` of a float GGUF goes through
+:func:`quantize_stored` (:mod:`.from_file`): the pool's workers read their chunks from the file themselves.
 """
 
 from __future__ import annotations
