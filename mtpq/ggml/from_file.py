@@ -138,6 +138,16 @@ def run_task(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
 
 # --------------------------------------------------------------------------- in the parent
 
+def run_band(workers: "pool.Pool", tasks: list[tuple[int, ...]], name: str, nbytes: int) -> np.ndarray:
+    """Run one band's tasks; its ``nbytes`` of output (a view of the output arena, valid until the next run).
+    A chunk's input error names the tensor ``name``."""
+    try:
+        workers.run(tasks)
+    except ValueError as e:
+        raise ValueError(str(e).replace(POOL_NAME, name)) from None
+    return np.frombuffer(workers.arena_out, dtype=np.uint8, count=nbytes)
+
+
 def quantize_stored(path: str | Path, offset: int, source_type: T, shape: tuple[int, ...], qtype: T, name: str,
                     buffer: Callable[[int], tuple[np.ndarray, Callable | None]], importance=None,
                     check_scales: bool = True, chunk: int | None = None) -> np.ndarray | None:
@@ -188,12 +198,7 @@ def quantize_stored(path: str | Path, offset: int, source_type: T, shape: tuple[
             b1 = min(s1, b0 + band)
             tasks = [(flags, k, b1 - b0, n, *p, offset + b0 * row_in)
                      for k, p in enumerate(pieces(b1 - b0, n, bs, chunk))]
-            try:
-                workers.run(tasks)
-            except ValueError as e:
-                raise ValueError(str(e).replace(POOL_NAME, name)) from None
-            out[b0 * row_out:b1 * row_out] = np.frombuffer(workers.arena_out, dtype=np.uint8,
-                                                           count=(b1 - b0) * row_out)
+            out[b0 * row_out:b1 * row_out] = run_band(workers, tasks, name, (b1 - b0) * row_out)
             if report is not None:
                 report(b1 * row_out)
     return out

@@ -272,7 +272,7 @@ def quantize(
     on_cpu = rows2d.device.type == "cpu"
 
     def pieces(elems: int) -> list[tuple[int, int, int, int]]:
-        return _pieces(n_rows, n, bs, elems)
+        return from_file.pieces(n_rows, n, bs, elems)
 
     def load(p: tuple[int, int, int, int]) -> torch.Tensor:
         return _load_piece(rows2d, p, name)
@@ -305,11 +305,9 @@ def quantize(
             out[p[0]:p[1], p[2]:p[3]] = r.cpu().numpy()
         return out.reshape(shape)
 
-    if qtype in iquants.REQUIRES_WEIGHTS and importance is None:  # ggml aborts here: say so in one line
-        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
-    qfn, _, chunk_alone, chunk_shared = _KERNELS[qtype]
+    chunk_alone = _chunk_alone(qtype, importance is not None, name)
+    qfn, _, _, chunk_shared = _KERNELS[qtype]
     if importance is not None:
-        chunk_alone = _WEIGHTED_CHUNK.get(qtype, chunk_alone)
         qfn = _weighted_kernel(qtype, importance.to(rows2d.device), _row_sigma2(rows2d) if qtype in _ROW_SIGMA2 else None)
     iquants.prepare(qtype, rows2d.device.type)  # grid tables built once, before any fork
     if on_cpu:
@@ -342,9 +340,6 @@ def quantize(
         for p in todo:
             work(p)
     return out.reshape(*shape[:-1], n // bs * ts)
-
-
-_pieces = from_file.pieces
 
 
 def _load_piece(rows2d: torch.Tensor, p: tuple[int, int, int, int], name: str) -> torch.Tensor:
@@ -401,14 +396,18 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
             src = src.to(torch.float32)
         arena = np.frombuffer(workers_pool.arena_in, dtype=np_dtype, count=(b1 - b0) * n).reshape(b1 - b0, n)
         arena[...] = src.view(torch.int16).numpy().view(np.uint16) if kind == 1 else src.numpy()
-        tasks = [(flags, k, b1 - b0, n, *p) for k, p in enumerate(_pieces(b1 - b0, n, bs, chunk))]
-        try:
-            workers_pool.run(tasks)
-        except ValueError as e:
-            raise ValueError(str(e).replace(from_file.POOL_NAME, name)) from None
-        out[b0:b1] = np.frombuffer(workers_pool.arena_out, dtype=np.uint8, count=(b1 - b0) * row_out).reshape(
-            b1 - b0, row_out)
+        tasks = [(flags, k, b1 - b0, n, *p) for k, p in enumerate(from_file.pieces(b1 - b0, n, bs, chunk))]
+        out[b0:b1] = from_file.run_band(workers_pool, tasks, name, (b1 - b0) * row_out).reshape(b1 - b0, row_out)
     return out
+
+
+def _chunk_alone(qtype: T, weighted: bool, name: str) -> int:
+    """Input values per chunk for one worker (the weighted K-quant searches take bigger ones); refuses an
+    i-quant without weights, where ggml aborts, in one line."""
+    if qtype in iquants.REQUIRES_WEIGHTS and not weighted:
+        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
+    chunk = _KERNELS[qtype][2]
+    return _WEIGHTED_CHUNK.get(qtype, chunk) if weighted else chunk
 
 
 def quantize_stored(path, offset: int, source_type: T, shape: tuple[int, ...], qtype: T, name: str, buffer,
@@ -423,9 +422,7 @@ def quantize_stored(path, offset: int, source_type: T, shape: tuple[int, ...], q
     imp = None
     if importance is not None and qtype in _WEIGHTED:
         imp = _importance_for(importance, torch.empty(shape, device="meta"), name).numpy()
-    if qtype in iquants.REQUIRES_WEIGHTS and imp is None:  # ggml aborts here: say so in one line
-        raise ValueError(f"{name}: {qtype.name} needs an importance matrix (imatrix), none given")
-    chunk = _WEIGHTED_CHUNK.get(qtype, _KERNELS[qtype][2]) if imp is not None else _KERNELS[qtype][2]
+    chunk = _chunk_alone(qtype, imp is not None, name)
     iquants.prepare(qtype, "cpu")
     _note_tables(qtype)
     return from_file.quantize_stored(path, offset, source_type, shape, qtype, name, buffer, importance=imp,
