@@ -125,13 +125,8 @@ def run_task(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
     out = np.frombuffer(arena_out, dtype=np.uint8, count=n_rows * (n // bs * ts)).reshape(n_rows, -1)
     dst = out[r0:r1, c0 // bs * ts:c1 // bs * ts]
     if qtype in npquant.NUMPY_TYPES and not weighted:
-        x = as_float32(raw).reshape(-1, bs)
-        if dst.flags.c_contiguous:  # whole rows, or a part of one: the bytes go straight into place
-            npquant.quantize_chunk(x, qtype, POOL_NAME, check_scales, dst.reshape(-1, ts))
-        else:
-            o = np.empty((x.shape[0], ts), dtype=np.uint8)
-            npquant.quantize_chunk(x, qtype, POOL_NAME, check_scales, o)
-            dst[...] = o.reshape(dst.shape)
+        assert dst.flags.c_contiguous  # pieces() cuts whole rows or parts of one: the bytes go straight into place
+        npquant.quantize_chunk(as_float32(raw).reshape(-1, bs), qtype, POOL_NAME, check_scales, dst.reshape(-1, ts))
     else:  # torch_piece is set: the pool was forked after kernels loaded (workers_pool's tag)
         dst[...] = torch_piece(raw, qtype, check_scales, weighted, (r0, r1, c0, c1), n, arena_aux).reshape(dst.shape)
 

@@ -14,6 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
 from ..ggml import pool as workers_pool
+from ..ggml.from_file import as_float32
 from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
 
@@ -90,9 +91,7 @@ def _float_values(spec: TensorSpec) -> np.ndarray:
         raw = spec.load_raw()
     finally:
         _encoding.progress = progress
-    if spec.source_type == GGMLQuantizationType.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return raw if raw.dtype == np.float32 else raw.astype(np.float32)
+    return as_float32(raw.view(np.uint16) if spec.source_type == GGMLQuantizationType.BF16 else raw)
 
 
 def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
