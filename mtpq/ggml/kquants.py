@@ -21,7 +21,7 @@ from .cfloat import (
     _F32, _GROUP_MAX_EPS, QK_K, _cat, _from_sub_blocks, _pos_max, _select, _sub_blocks, _zeros,
 )
 from .legacy import div, first_absmax, fp16_bits, fp16_round, from_fp16_bytes, nearest_int, rdiv, sqrt_f32, u8, wrap_i8
-from .search import _final_levels, _make_q3_quants, _make_qkx2_quants, _make_qx_quants_rmse1
+from .search import _final_levels, _make_q3_quants, _make_q3_quants_np, _make_qkx2_quants, _make_qx_quants_rmse1, _nearest_int_np
 from . import vecops  # vecops._vec_ops looked up at call time: tests swap it for the torch path
 from .vecops import _first_absmax_cols
 
@@ -71,6 +71,8 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
+    if vecops._vec_ops(x) is vecops._NumpyVec:
+        return torch.from_numpy(_quantize_q3_k_np(x.numpy()))
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
     scales, L = _make_q3_quants(X, 4)
@@ -90,20 +92,58 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
     L = _select(dl != 0, Lq, L)
     Lb = _from_sub_blocks(L, nb)
-    if x.device.type == "cpu":  # numpy: torch's int32 sum over the 8 bit rows was a tenth of Q3_K's time
-        Ln = Lb.numpy()
-        high = Ln > 3
-        Lb = torch.from_numpy(np.where(high, Ln - 4, Ln))
-        hb = high.view(np.uint8).reshape(nb, 8, 32)
-        hm = hb[:, 0].copy()
-        for m in range(1, 8):
-            hm |= hb[:, m] << m
-        hmask = torch.from_numpy(hm)
-    else:
-        high = (Lb > 3).to(torch.int32)
-        Lb = Lb - 4 * high
-        hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
+    high = (Lb > 3).to(torch.int32)
+    Lb = Lb - 4 * high
+    hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
     return torch.cat([hmask, _pack_2bit(Lb), sb, fp16_bits(d)], dim=1)
+
+
+def _quantize_q3_k_np(x: np.ndarray) -> np.ndarray:
+    """:func:`quantize_q3_k` on CPU, in numpy with in-place passes (torch's per-op cost and its copies
+    between the two were a third of Q3_K's time)."""
+    nb = x.shape[0]
+    X = np.ascontiguousarray(x.reshape(-1, 16).T)  # column s: sub-block s
+    amax, mx = (np.asarray(a, dtype=np.float32) for a in _first_absmax_cols(torch.from_numpy(X), vecops._NumpyVec)[:2])
+    scales, L = _make_q3_quants_np(X, amax, mx, 4)
+    S = scales.reshape(nb, 16)
+    with np.errstate(all="ignore"):  # all-zero super-blocks: inf/NaN as in C, zeroed below
+        a = np.nan_to_num(np.abs(S), nan=0.0)  # first_absmax along rows, NaN skipped as C's compare does
+        first = a.argmax(axis=1)
+        rows = np.arange(nb)
+        max_scale = np.where(a[rows, first] > 0, S[rows, first], np.float32(0.0))
+        nz = max_scale != 0
+        iscale = np.divide(np.float32(-32.0), max_scale)
+        ls = np.clip(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
+        ls[~nz] = 0  # memset(scales, 0) when max_scale == 0
+        d = np.where(nz, fp16_round(np.divide(np.float32(1.0), iscale)), np.float32(0.0))
+        dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
+        # where a sub-block's scale is not zero its levels are recomputed from it: nearest_int(x/dl), clamped
+        redo = np.flatnonzero(dl != 0)
+        if len(redo) == len(dl):
+            q = np.divide(X, dl[None])
+            L = _nearest_int_np(q, -4, 3)
+        elif len(redo):
+            q = np.divide(np.take(X, redo, axis=1), dl[redo][None])
+            L -= 4
+            L[:, redo] = _nearest_int_np(q, -4, 3)
+        else:
+            L -= 4
+    Lb = np.ascontiguousarray(L.astype(np.int8).T).reshape(nb, QK_K)  # levels - 4, in [-4, 3]
+    out = np.empty((nb, 110), dtype=np.uint8)
+    neg = Lb < 0  # C: L > 3 sets the hmask bit and takes 4 off; here the bit is set where L - 4 >= 0
+    hb = (~neg).view(np.uint8).reshape(nb, 8, 32)
+    hm = out[:, :32]
+    np.copyto(hm, hb[:, 0])
+    for m in range(1, 8):
+        hm |= hb[:, m] << m
+    Lb += (neg.view(np.int8) << 2)  # L - 4 + 4 where L <= 3: the two low bits C keeps
+    q = Lb.view(np.uint8).reshape(nb, 2, 4, 32)
+    out[:, 32:96] = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(nb, 64)
+    out[:, 96:104] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    hi = (ls >> 4).reshape(nb, 4, 4)  # [group g = j//4, k = j%4]
+    out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    out[:, 108:110] = fp16_bits(d)
+    return out
 
 
 def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
