@@ -373,6 +373,7 @@ def _in_pool(rows2d: torch.Tensor, qtype: T, importance, check_scales: bool, nam
     None when there is no pool for it (the caller forks or uses threads)."""
     if not pool.available():
         return None
+    from_file.settle()  # a band left running by the tensor before: its slot and weights are reused here
     n_rows, n = rows2d.shape
     bs, ts = GGML_QUANT_SIZES[qtype]
     kind = _ARENA_KINDS.get(rows2d.dtype, 0)
@@ -411,14 +412,14 @@ def _chunk_alone(qtype: T, weighted: bool, name: str) -> int:
 
 
 def quantize_stored(path, offset: int, source_type: T, shape: tuple[int, ...], qtype: T, name: str, buffer,
-                    importance=None, check_scales: bool = True) -> np.ndarray | None:
+                    importance=None, check_scales: bool = True, defer: bool = False) -> np.ndarray | None:
     """:func:`.from_file.quantize_stored` for every type it takes: a search-loop ``qtype``'s importance
     weights checked as :func:`quantize` checks them (float32, ``(n,)`` or one row per expert) and its grid
     tables built before the pool forks."""
     qtype = T(qtype)
     if qtype not in _FORKED_TYPES:
         return from_file.quantize_stored(path, offset, source_type, shape, qtype, name, buffer,
-                                          importance=importance, check_scales=check_scales)
+                                          importance=importance, check_scales=check_scales, defer=defer)
     imp = None
     if importance is not None and qtype in _WEIGHTED:
         imp = _importance_for(importance, torch.empty(shape, device="meta"), name).numpy()
@@ -426,7 +427,7 @@ def quantize_stored(path, offset: int, source_type: T, shape: tuple[int, ...], q
     iquants.prepare(qtype, "cpu")
     _note_tables(qtype)
     return from_file.quantize_stored(path, offset, source_type, shape, qtype, name, buffer, importance=imp,
-                                      check_scales=check_scales, chunk=chunk)
+                                      check_scales=check_scales, chunk=chunk, defer=defer)
 
 
 def pool_piece(raw: np.ndarray, qtype: T, check_scales: bool, weighted: bool, piece: tuple[int, int, int, int],

@@ -8,6 +8,10 @@ input rows into an *arena*, anonymous memory mapped shared before the fork, hand
 through a pipe, and reads the bytes back from a second arena. The children only ever see the arenas, so
 memory the parent frees later is not kept alive by them beyond the pool's life.
 
+:meth:`Pool.submit` hands a batch of tasks out and returns; :meth:`Pool.wait` collects one. With a batch
+submitted before the one before it is collected, the workers go from one to the next without waiting for the
+parent (:mod:`.from_file` keeps two out, in the two halves of the arenas).
+
 No torch here: the arenas are plain mappings, and a child runs the ``handler`` the caller gave when the pool
 was made (kernels' chunk runner).
 """
@@ -77,6 +81,24 @@ def get(workers: int, handler: Callable, tag=None) -> "Pool | None":
         return pool
 
 
+def abandon() -> None:
+    """Stop the scope's workers now, tasks still queued or not (an abandoned file); the next call forks anew."""
+    with _lock:
+        pool, _state["pool"] = _state["pool"], None
+    if pool is not None:
+        pool.close(kill=True)
+
+
+def current(workers: int, handler: Callable, tag=None) -> "Pool | None":
+    """The pool :func:`get` would return without forking a new one, or None."""
+    with _lock:
+        pool = _state["pool"]
+        if pool is not None and (pool.workers, pool.handler, pool.tag, pool.alive) == (workers, handler, tag, True) \
+                and pool.owner.is_alive():
+            return pool
+        return None
+
+
 class WorkerDied(RuntimeError):
     pass
 
@@ -91,6 +113,7 @@ class Pool:
         self.arena_out = mmap.mmap(-1, OUT_BYTES)
         self.arena_aux = mmap.mmap(-1, AUX_BYTES)
         self.run_lock = threading.Lock()
+        self._seq, self._unsent, self._batches = 0, bytearray(), []  # task numbers, records not yet written, batches out
         task_r, self.task_w = os.pipe()
         self.reply_r, reply_w = os.pipe()
         self.pids: list[int] = []
@@ -142,46 +165,73 @@ class Pool:
     # ----------------------------------------------------------------------------- the parent
 
     def run(self, tasks: list[tuple[int, ...]]) -> None:
-        """Run ``tasks`` (TASK records, zeros after the fields given; field 1 is the task's index) and wait for
-        all of them. Raises the first chunk's ValueError (in task order) once every task has answered, so the
-        pool stays usable; a worker that died (out of memory?) closes the pool and raises :class:`WorkerDied`."""
+        """Run ``tasks`` (TASK records, zeros after the fields given) and wait for all of them. Raises the first
+        chunk's ValueError (in task order) once every task has answered, so the pool stays usable; a worker that
+        died (out of memory?) closes the pool and raises :class:`WorkerDied`."""
+        assert not self._batches, "a batch submitted earlier is still out: wait for it first"
+        self.wait(self.submit(tasks))
+
+    def submit(self, tasks: list[tuple[int, ...]]) -> "Batch":
+        """Hand ``tasks`` out without waiting for them (field 1 of each is replaced by a number of the pool's
+        own); :meth:`wait` collects them. Workers take tasks in the order given, batch after batch: a batch
+        submitted while another runs keeps them busy across the gap between the two."""
+        batch = Batch(self._seq, len(tasks))
+        fields = TASK.size // 8  # int64s; a record given fewer has zeros after them
+        with self.run_lock:
+            self._unsent += b"".join(TASK.pack(t[0], self._seq + k, *t[2:], *(0,) * (fields - len(t)))
+                                     for k, t in enumerate(tasks))
+            self._seq += len(tasks)
+            self._batches.append(batch)
+            try:
+                self._pump(0.0)  # start them now
+            except BaseException:
+                self.close(kill=True)
+                raise
+        return batch
+
+    def wait(self, batch: "Batch") -> None:
+        """Wait until every task of ``batch`` has answered; then raise its first chunk's error, if any."""
         with self.run_lock:
             try:
-                errors = self._run(tasks)
+                while batch.left:
+                    self._pump(0.5)
             except BaseException:  # a dead worker, or interrupted while tasks were out (their answers would be stale)
                 self.close(kill=True)
                 raise
-        if errors:  # every task answered: the pool stays as it was
-            status, text = errors[min(errors)]
+        if batch.errors:  # every task answered: the pool stays as it was
+            status, text = batch.errors[min(batch.errors)]
             if status == INPUT_ERROR:
                 raise ValueError(text)
             raise RuntimeError(f"quantization worker failed: {text}")
 
-    def _run(self, tasks: list[tuple[int, ...]]) -> dict[int, tuple[int, str]]:
-        fields = TASK.size // 8  # int64s; a record given fewer has zeros after them
-        data = b"".join(TASK.pack(*t, *(0,) * (fields - len(t))) for t in tasks)
+    def _pump(self, timeout: float) -> None:
+        """Write what the task pipe takes without blocking, read the answers there are (a full task pipe and a
+        full reply pipe would otherwise wait on each other)."""
         per_write = 4096 // TASK.size * TASK.size
-        errors: dict[int, tuple[int, str]] = {}
-        answered, sent = 0, 0
         reply_size = REPLY.size + REPLY_TEXT
-        while answered < len(tasks):
-            # write what the pipe takes without blocking, read the answers there are (a full task pipe and a
-            # full reply pipe would otherwise wait on each other)
-            want_w = [self.task_w] if sent < len(data) else []
-            readable, writable, _ = select.select([self.reply_r], want_w, [], 0.5)
+        while True:
+            if not self.alive:  # closed meanwhile (abandoned by another thread): no answer will come
+                raise WorkerDied("the quantization workers were stopped")
+            want_w = [self.task_w] if self._unsent else []
+            readable, writable, _ = select.select([self.reply_r], want_w, [], timeout)
             if writable:
-                sent += os.write(self.task_w, data[sent:sent + per_write])
+                del self._unsent[:os.write(self.task_w, self._unsent[:per_write])]
             if readable:
                 msg = read_all(self.reply_r, reply_size)
                 if len(msg) < reply_size:
                     raise WorkerDied("quantization workers died (out of memory?)")
-                k, status = REPLY.unpack_from(msg)
+                seq, status = REPLY.unpack_from(msg)
+                batch = next(b for b in self._batches if b.first <= seq < b.first + b.size)
                 if status != OK:
-                    errors[k] = (status, msg[REPLY.size:].rstrip(b"\0").decode("utf-8", "replace"))
-                answered += 1
-            elif not writable:
-                self._check_children()
-        return errors
+                    batch.errors[seq] = (status, msg[REPLY.size:].rstrip(b"\0").decode("utf-8", "replace"))
+                batch.left -= 1
+                if not batch.left:
+                    self._batches.remove(batch)
+                return
+            if not writable:
+                if timeout:
+                    self._check_children()
+                return
 
     def _check_children(self) -> None:
         for pid in self.pids:
@@ -205,6 +255,14 @@ class Pool:
                     os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
         self.pids = []
+
+
+class Batch:
+    """Tasks handed out together: numbered ``first`` .. ``first + size - 1``, ``left`` of them unanswered."""
+
+    def __init__(self, first: int, size: int):
+        self.first, self.size, self.left = first, size, size
+        self.errors: dict[int, tuple[int, str]] = {}
 
 
 def read_all(fd: int, n: int = -1) -> bytes:

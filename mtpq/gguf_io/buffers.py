@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
-from ..ggml import pool as workers_pool
+from ..ggml import from_file, pool as workers_pool
 from ..ggml.from_file import as_float32
 from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
@@ -39,16 +39,17 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
         if spec.stored_at is not None and spec.source_type in _NUMPY_SOURCES and spec.ggml_type != spec.source_type:
             # workers read their chunks from the file and quantize them in cache (no whole-tensor read first);
             # numpy's types without torch, the others through kernels (their weights checked, tables built)
-            from ..ggml import from_file
-
             if spec.ggml_type in from_file.SEARCH_TYPES:
                 from ..ggml.kernels import quantize_stored
             else:
                 quantize_stored = from_file.quantize_stored
             out = quantize_stored(*spec.stored_at, spec.source_type, spec.shape, spec.ggml_type, spec.name,
-                                  _buffer_and_report, importance=spec.importance)
+                                  _buffer_and_report, importance=spec.importance,
+                                  defer=getattr(_encoding, "defer", False))
             if out is not None:
+                from_file.label_deferred(spec.source)
                 return out
+        # the paths below that use the pool (kernels.quantize's rows in memory) collect a band left running
         if _numpy_only(spec):  # numpy reads and quantizes it: no torch (~1.5 s to import), no float copy
             from ..ggml.npquant import quantize_rows
 
@@ -61,7 +62,18 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
         values = _float_values(spec) if _whole_float(spec) else spec.load()
         return quantize(values, spec.ggml_type, name=spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
-        raise InputError(spec.source, str(exc)) from None
+        raise InputError(getattr(exc, "source", None) or spec.source, str(exc)) from None
+
+
+def settle_previous() -> None:
+    """Collect the tensor before's last band of pool work if it was left running (see :func:`encoded`); its
+    input error as the InputError that names it."""
+    try:
+        from_file.settle()
+    except from_file.DeferredError as exc:
+        if exc.source is None:  # not labelled (label_deferred): a plain ValueError, as the caller's own
+            raise ValueError(str(exc)) from None
+        raise InputError(exc.source, str(exc)) from None
 
 
 _NUMPY_SOURCES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -233,48 +245,93 @@ def _keep_spare(nbytes: int) -> None:
 
 def encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
     """Each spec with its bytes (an :class:`_Ahead`), in order. Tensors are read and encoded in a worker
-    thread, and written as their rows are finished (file I/O and torch release the GIL); the next tensor is
-    encoded while the current one is written unless the two together exceed PREFETCH_BUDGET: memory stays
-    near the largest tensor."""
+    thread, one after the other, and written as their rows are finished (file I/O and torch release the GIL);
+    the encoder runs ahead of the writer while the tensors encoded and not yet written, with the next one, stay
+    within PREFETCH_BUDGET (or it is the only one): memory stays near the largest tensor.
+
+    A tensor's last band of pool work is left running when another tensor follows (see
+    :func:`mtpq.ggml.from_file.settle`): the workers go on to the next tensor's first band without waiting for
+    this thread, which collects the band after handing that one out (or before it waits for the writer), and
+    only then tells the writer the tensor is finished."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def checked(spec: TensorSpec, inflight: int, progress: _Progress | None = None) -> np.ndarray:
+    size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
+    turn = threading.Condition()
+    state = {"written": 0, "stop": False}  # tensors the writer is done with; the file is abandoned
+
+    def held(i: int) -> int:  # bytes encoded ahead of tensor i and not yet written
+        return sum(size[state["written"]:i])
+
+    def may_start(i: int) -> bool:
+        return state["stop"] or i <= state["written"] or held(i) + size[i] <= PREFETCH_BUDGET
+
+    def wait_turn(i: int) -> int:
+        with turn:
+            if may_start(i):
+                return held(i)
+        settle_previous()  # the writer may be waiting for the tensor before: collect its band first
+        with turn:
+            turn.wait_for(lambda: may_start(i))
+            if state["stop"]:
+                raise _Abandoned
+            return held(i)
+
+    def checked(i: int, progress: _Progress) -> np.ndarray:
+        spec, last = specs[i], i + 1 == len(specs)
+        inflight = wait_turn(i)
         # a buffer of this size kept for reuse: encoded ahead (``inflight`` bytes being written meanwhile), it
         # can be a third tensor in memory, so only within the look-ahead's budget; encoded alone (the tensors
         # too big to overlap), the one kept is the buffer this tensor then takes: never more than one tensor,
         # and a multi-GB expert stack is not mapped and faulted in afresh after each one of its size
-        size = tensor_nbytes(spec.shape, spec.ggml_type)
-        _keep_spare(size if not inflight or inflight + 2 * size <= PREFETCH_BUDGET else 0)
-        _encoding.progress = progress
+        _keep_spare(size[i] if not inflight or inflight + 2 * size[i] <= PREFETCH_BUDGET else 0)
+        _encoding.progress, _encoding.defer = progress, not last
         try:
             data = encode_tensor(spec)
+            if last:
+                settle_previous()  # no tensor follows to collect a band left running
+        except BaseException:
+            settle_previous()  # the tensor before, still waited for by the writer (its error comes first)
+            raise
         finally:
-            _encoding.progress = None
-            if progress is not None:
+            _encoding.progress, _encoding.defer = None, False
+            if not from_file.after_settle(progress.finish):
                 progress.finish()
-        if data.nbytes != size:
-            raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {size} for {spec.ggml_type.name}")
+        if data.nbytes != size[i]:
+            raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {size[i]} for {spec.ggml_type.name}")
         return data
 
-    size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
-    try:
-        # the quantization workers, if any tensor wants them, are forked once for the file (see ggml.pool)
-        with workers_pool.scope(), ThreadPoolExecutor(max_workers=1) as pool:
-
-            def encoding(spec: TensorSpec, inflight: int) -> tuple:  # the future and the progress to follow
-                progress = _Progress()
-                return pool.submit(checked, spec, inflight, progress), progress
-
-            ahead = None
+    # the quantization workers, if any tensor wants them, are forked once for the file (see ggml.pool)
+    with workers_pool.scope():
+        encoder = ThreadPoolExecutor(max_workers=1)
+        progress = [_Progress() for _ in specs]
+        futures = [encoder.submit(checked, i, progress[i]) for i in range(len(specs))]
+        complete = False
+        try:
             for i, spec in enumerate(specs):
-                # every tensor is encoded in the worker and written as its rows are finished: one too big to be
-                # encoded ahead still overlaps its own encoding and writing; the next one is encoded ahead, once
-                # this one is, when the two fit the budget
-                data = _Ahead(*(ahead or encoding(spec, 0)), size[i])
-                ahead = None
-                if i + 1 < len(specs) and size[i] + size[i + 1] <= PREFETCH_BUDGET:
-                    ahead = encoding(specs[i + 1], size[i])
+                # every tensor is written as its rows are finished: one too big to be encoded ahead still
+                # overlaps its own encoding and writing
+                data = _Ahead(futures[i], progress[i], size[i])
                 yield spec, data
-                del data  # written: not held while the next tensor is encoded
-    finally:
-        _keep_spare(0)  # nothing kept past the file
+                del data  # written: not held while later tensors are encoded
+                futures[i] = progress[i] = None
+                with turn:
+                    state["written"] = i + 1
+                    turn.notify_all()
+            complete = True
+        finally:
+            with turn:
+                state["stop"] = True
+                turn.notify_all()
+            for f in futures:
+                if f is not None:
+                    f.cancel()
+            if not complete:  # an error or an interrupt: the workers' queued chunks are of no use now
+                workers_pool.abandon()
+            encoder.shutdown(wait=True)
+            if not complete:
+                from_file.discard()  # a band the tensor being encoded left running: its pool is gone
+            _keep_spare(0)  # nothing kept past the file
+
+
+class _Abandoned(Exception):
+    """The writer stopped (an error, an interrupt): tensors still waiting for their turn are not encoded."""

@@ -140,3 +140,88 @@ def test_left_to_the_in_process_path(tmp_path):
     finally:
         npquant._workers["n"] = saved
         torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- a tensor's last band left running
+
+def _two_tensors(tmp_path, a: torch.Tensor, b: torch.Tensor):
+    """Two float32 tensors one after the other after HEADER bytes: (path, offset of a, offset of b)."""
+    path = tmp_path / "two.bin"
+    path.write_bytes(b"\xa5" * HEADER + a.numpy().tobytes() + b.numpy().tobytes())
+    return path, HEADER, HEADER + a.numel() * 4
+
+
+def _in_scope(calls):
+    """Run ``calls`` (functions of a buffer factory) in one pool scope with two workers; their results."""
+    saved, threads = npquant._workers["n"], torch.get_num_threads()
+    npquant.set_workers(2)
+    try:
+        with pool.scope():
+            return [call(lambda n: (np.full(n, 0xEE, dtype=np.uint8), None)) for call in calls]
+    finally:
+        from_file.discard()
+        npquant._workers["n"] = saved
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("first_type, second_type", [(T.Q6_K, T.Q8_0), (T.Q8_0, T.Q4_K), (T.Q4_0, T.Q4_0)])
+def test_a_band_left_running_is_collected_by_the_next_tensor(tmp_path, first_type, second_type, small_arenas):
+    """``defer`` leaves a tensor's last band running; the next tensor hands its own first band out, then
+    collects it (settle) and runs what waited for it (after_settle): both come out whole, in either slot."""
+    g = torch.Generator().manual_seed(21)
+    a, b = torch.randn(40, 1024, generator=g), torch.randn(24, 512, generator=g) * 3
+    path, at_a, at_b = _two_tensors(tmp_path, a, b)
+    seen = []
+
+    def first(buf):
+        out = kernels.quantize_stored(path, at_a, T.F32, tuple(a.shape), first_type, "blk.0.a", buf, defer=True)
+        assert from_file._deferred["band"] is not None
+        assert from_file.after_settle(lambda: seen.append(out.copy()))
+        return out
+
+    def second(buf):
+        out = kernels.quantize_stored(path, at_b, T.F32, tuple(b.shape), second_type, "blk.0.b", buf)
+        assert from_file._deferred["band"] is None and len(seen) == 1  # collected once the next band was out
+        assert not from_file.after_settle(lambda: None)
+        return out
+
+    got_a, got_b = _in_scope([first, second])
+    assert np.array_equal(seen[0], one_process(a, first_type)) and np.array_equal(got_a, seen[0])
+    assert np.array_equal(got_b, one_process(b, second_type))
+
+
+def test_a_band_left_running_is_collected_before_the_pool_is_forked_again(tmp_path):
+    """An i-quant's tables built after the band was handed out make a new pool: the band is collected first."""
+    g = torch.Generator().manual_seed(22)
+    a, b = torch.randn(16, 1024, generator=g), torch.randn(8, 512, generator=g)
+    path, at_a, at_b = _two_tensors(tmp_path, a, b)
+    column = torch.rand(512, generator=g) + 0.1
+    got_a, got_b = _in_scope([
+        lambda buf: kernels.quantize_stored(path, at_a, T.F32, tuple(a.shape), T.Q6_K, "a", buf, defer=True),
+        lambda buf: kernels.quantize_stored(path, at_b, T.F32, tuple(b.shape), T.IQ2_XXS, "b", buf,
+                                            importance=column.numpy()),
+    ])
+    assert np.array_equal(got_a, one_process(a, T.Q6_K))
+    assert np.array_equal(got_b, one_process(b, T.IQ2_XXS, importance=column))
+
+
+def test_an_error_in_a_band_left_running_names_its_tensor_and_source(tmp_path):
+    """Its NaN surfaces when the next tensor collects it: as a DeferredError with the first tensor's name and the
+    source its caller gave it (label_deferred), not the tensor being encoded; the pool stays usable."""
+    g = torch.Generator().manual_seed(23)
+    a, b = torch.randn(16, 512, generator=g), torch.randn(8, 512, generator=g)
+    a[11, 300] = float("nan")
+    path, at_a, at_b = _two_tensors(tmp_path, a, b)
+
+    def first(buf):
+        out = kernels.quantize_stored(path, at_a, T.F32, tuple(a.shape), T.Q8_0, "blk.0.a", buf, defer=True)
+        from_file.label_deferred("model.gguf:blk.0.a")
+        return out
+
+    def second(buf):
+        with pytest.raises(from_file.DeferredError, match=r"^blk\.0\.a: contains NaN/Inf values$") as err:
+            kernels.quantize_stored(path, at_b, T.F32, tuple(b.shape), T.Q8_0, "blk.0.b", buf)
+        assert err.value.source == "model.gguf:blk.0.a"
+        return kernels.quantize_stored(path, at_b, T.F32, tuple(b.shape), T.Q8_0, "blk.0.b", buf)
+
+    assert np.array_equal(_in_scope([first, second])[1], one_process(b, T.Q8_0))

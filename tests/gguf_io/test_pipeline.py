@@ -1,0 +1,50 @@
+"""Consecutive tensors' pool work overlaps (mtpq.gguf_io.buffers.encoded, mtpq.ggml.from_file.settle): a
+tensor's last band is left running while the next tensor's first band is handed out, and collected after.
+The bytes are the in-process path's (test_slabs.py); here, what the overlap must not change: an input error in
+a band left running names its own tensor, the run exits 2, and nothing is left behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T, GGUFReader
+
+from tests.helpers.runcli import run_cli
+
+from mtpq.ggml import pool
+
+pytestmark = pytest.mark.skipif(not pool.available(), reason="forked workers are Linux-only")
+
+
+@pytest.fixture(scope="module")
+def full(glm_ckpt, tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipeline") / "full.gguf"
+    assert run_cli("convert", glm_ckpt, path, "--outtype", "f32", "--quiet").exit_code == 0
+    return path
+
+
+def _with_nan(full, tmp_path, pick) -> tuple:
+    """A copy of ``full`` with a NaN in the matrix ``pick`` chooses from the float matrices in file order."""
+    matrices = [t for t in GGUFReader(full).tensors if t.tensor_type == T.F32 and len(t.shape) == 2]
+    victim = pick(matrices)
+    data = bytearray(full.read_bytes())
+    at = int(victim.data_offset) + 4 * 37
+    data[at:at + 4] = np.float32("nan").tobytes()
+    bad = tmp_path / "nan.gguf"
+    bad.write_bytes(bytes(data))
+    return bad, victim.name
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+def test_a_nan_in_a_band_left_running_names_its_tensor(full, tmp_path, where, qtype, monkeypatch):
+    pick = {"first": lambda m: m[0], "middle": lambda m: m[len(m) // 2], "last": lambda m: m[-1]}[where]
+    bad, name = _with_nan(full, tmp_path, pick)
+    out = tmp_path / "out.gguf"
+    pooled = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "2", "-q")
+    assert pooled.exit_code == 2, pooled.output
+    assert f"{bad.name}:{name}: {name}: contains NaN/Inf values" in pooled.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.gguf"]  # no output, no temporary
+    monkeypatch.setenv("MTPQ_WORKERS", "threads")  # the in-process path, one tensor at a time: the same line
+    alone = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "2", "-q")
+    assert alone.exit_code == 2 and alone.output == pooled.output
