@@ -115,11 +115,8 @@ def _make_qx_quants_rmse1(
 
 
 def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``X``."""
-    v = vecops._vec_ops(X)
-    if v is vecops._NumpyVec:
-        amax, mx = (np.asarray(a, dtype=np.float32) for a in _first_absmax_cols(X, v)[:2])
-        return tuple(torch.from_numpy(a) for a in _make_q3_quants_np(X.numpy(), amax, mx, nmax))
+    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``X``, in torch (other devices than
+    the CPU, where :func:`_make_q3_quants_np` runs)."""
     amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
     iscale = rdiv(f32(-nmax), mx)
