@@ -34,9 +34,17 @@ __all__ = [
 # --------------------------------------------------------------------------- packing
 
 def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
-    """(nb, 256) values in [0,3] -> (nb, 64): qs[32h+l] = L[128h+l] | L[128h+l+32]<<2 | ..."""
-    q = L.view(-1, 2, 4, 32)
+    """(nb, 256) values in [0,3] -> (nb, 64): qs[32h+l] = L[128h+l] | L[128h+l+32]<<2 | ... (torch or numpy)"""
+    q = L.reshape(-1, 2, 4, 32)
     return u8(q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _pack_q3_scales(ls):
+    """Q3_K's 16 6-bit scale codes (nb, 16) -> (low nibbles (nb, 8), high bits (nb, 4)), torch or numpy:
+    byte j < 8 holds codes j and j + 8's low nibbles, byte 8 + k the high two bits of codes k, 4 + k, 8 + k, 12 + k."""
+    low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    hi = (ls >> 4).reshape(-1, 4, 4)  # [group g = j//4, k = j%4]
+    return low, hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
 
 
 def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
@@ -83,10 +91,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     ls = torch.clamp(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
     ls = torch.where(nz[:, None], ls, 0)  # memset(scales, 0) when max_scale == 0
     d = torch.where(nz, fp16_round(rdiv(1.0, iscale)), _zeros(max_scale))
-    sb_low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
-    hi = (ls >> 4).view(nb, 4, 4)  # [group g = j//4, k = j%4]
-    sb_high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-    sb = u8(torch.cat([sb_low, sb_high], dim=1))
+    sb = u8(torch.cat(_pack_q3_scales(ls), dim=1))
 
     dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
@@ -107,10 +112,7 @@ def _quantize_q3_k_np(x: np.ndarray) -> np.ndarray:
     scales, L = _make_q3_quants_np(X, amax, mx, 4)
     S = scales.reshape(nb, 16)
     with np.errstate(all="ignore"):  # all-zero super-blocks: inf/NaN as in C, zeroed below
-        a = np.nan_to_num(np.abs(S), nan=0.0)  # first_absmax along rows, NaN skipped as C's compare does
-        first = a.argmax(axis=1)
-        rows = np.arange(nb)
-        max_scale = np.where(a[rows, first] > 0, S[rows, first], np.float32(0.0))
+        max_scale = first_absmax(torch.from_numpy(S), 1)[1].numpy()
         nz = max_scale != 0
         iscale = np.divide(np.float32(-32.0), max_scale)
         ls = np.clip(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
@@ -137,11 +139,8 @@ def _quantize_q3_k_np(x: np.ndarray) -> np.ndarray:
     for m in range(1, 8):
         hm |= hb[:, m] << m
     Lb += (neg.view(np.int8) << 2)  # L - 4 + 4 where L <= 3: the two low bits C keeps
-    q = Lb.view(np.uint8).reshape(nb, 2, 4, 32)
-    out[:, 32:96] = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(nb, 64)
-    out[:, 96:104] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
-    hi = (ls >> 4).reshape(nb, 4, 4)  # [group g = j//4, k = j%4]
-    out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    out[:, 32:96] = _pack_2bit(Lb.view(np.uint8))
+    out[:, 96:104], out[:, 104:108] = _pack_q3_scales(ls)
     out[:, 108:110] = fp16_bits(d)
     return out
 

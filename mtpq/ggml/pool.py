@@ -68,10 +68,7 @@ def get(workers: int, handler: Callable, tag=None) -> "Pool | None":
         if not _state["scopes"]:
             return None
         pool = _state["pool"]
-        # PR_SET_PDEATHSIG fires when the *thread* that forked a worker ends: a pool made by a thread that is
-        # gone has lost its workers
-        if pool is not None and ((pool.workers, pool.handler, pool.tag, pool.alive) != (workers, handler, tag, True)
-                                 or not pool.owner.is_alive()):
+        if pool is not None and not _serves(pool, workers, handler, tag):
             _state["pool"] = None
             pool.close()
             pool = None
@@ -93,10 +90,13 @@ def current(workers: int, handler: Callable, tag=None) -> "Pool | None":
     """The pool :func:`get` would return without forking a new one, or None."""
     with _lock:
         pool = _state["pool"]
-        if pool is not None and (pool.workers, pool.handler, pool.tag, pool.alive) == (workers, handler, tag, True) \
-                and pool.owner.is_alive():
-            return pool
-        return None
+        return pool if pool is not None and _serves(pool, workers, handler, tag) else None
+
+
+def _serves(pool: "Pool", workers: int, handler: Callable, tag) -> bool:
+    """``pool`` is alive and was made for these: else a new one is forked. PR_SET_PDEATHSIG fires when the
+    *thread* that forked a worker ends: a pool made by a thread that is gone has lost its workers."""
+    return (pool.workers, pool.handler, pool.tag, pool.alive) == (workers, handler, tag, True) and pool.owner.is_alive()
 
 
 class WorkerDied(RuntimeError):

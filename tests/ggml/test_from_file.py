@@ -6,6 +6,8 @@ weighting, and bad input must fail as the kernel fails, naming the tensor.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -38,18 +40,26 @@ def one_process(values: torch.Tensor, qtype: T, **kw) -> np.ndarray:
         torch.set_num_threads(saved)
 
 
-def stored(path, source: T, shape, qtype: T, workers: int = 2, **kw) -> np.ndarray | None:
-    reports: list[int] = []
+@contextlib.contextmanager
+def pool_of(workers: int = 2):
+    """A writer's pool scope with ``workers`` workers; the worker count and torch's threads restored after."""
     saved, threads = npquant._workers["n"], torch.get_num_threads()
     npquant.set_workers(workers)
     try:
         with pool.scope():
-            # kernels' entry: the K- and i-quants' weights checked and tables built there; the rest forwarded
-            out = kernels.quantize_stored(path, HEADER, source, tuple(shape), qtype, "blk.0.w",
-                                          lambda n: (np.full(n, 0xEE, dtype=np.uint8), reports.append), **kw)
+            yield
     finally:
+        from_file.discard()
         npquant._workers["n"] = saved
         torch.set_num_threads(threads)
+
+
+def stored(path, source: T, shape, qtype: T, workers: int = 2, **kw) -> np.ndarray | None:
+    reports: list[int] = []
+    with pool_of(workers):
+        # kernels' entry: the K- and i-quants' weights checked and tables built there; the rest forwarded
+        out = kernels.quantize_stored(path, HEADER, source, tuple(shape), qtype, "blk.0.w",
+                                      lambda n: (np.full(n, 0xEE, dtype=np.uint8), reports.append), **kw)
     if out is not None:
         assert reports and reports == sorted(reports) and reports[-1] == out.nbytes  # progress up to the end
     return out
@@ -153,15 +163,8 @@ def _two_tensors(tmp_path, a: torch.Tensor, b: torch.Tensor):
 
 def _in_scope(calls):
     """Run ``calls`` (functions of a buffer factory) in one pool scope with two workers; their results."""
-    saved, threads = npquant._workers["n"], torch.get_num_threads()
-    npquant.set_workers(2)
-    try:
-        with pool.scope():
-            return [call(lambda n: (np.full(n, 0xEE, dtype=np.uint8), None)) for call in calls]
-    finally:
-        from_file.discard()
-        npquant._workers["n"] = saved
-        torch.set_num_threads(threads)
+    with pool_of(2):
+        return [call(lambda n: (np.full(n, 0xEE, dtype=np.uint8), None)) for call in calls]
 
 
 @pytest.mark.parametrize("first_type, second_type", [(T.Q6_K, T.Q8_0), (T.Q8_0, T.Q4_K), (T.Q4_0, T.Q4_0)])
