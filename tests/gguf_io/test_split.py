@@ -247,11 +247,13 @@ def test_llama_cpp_loads_and_drafts_from_our_shards(models, tmp_path, llama_cpp_
     parts = shards_of(tmp_path, "qs")
     split, split_stats = speculative_simple(llama_cpp_bin, "-m", parts[0], *flags)
     assert split.stdout == whole.stdout and split_stats == whole_stats and split_stats["n_drafted"] > 0
-    parts[1].unlink()  # and it did read the other shards: without one it stops (its log, written by a thread it
-    # does not wait for, is sometimes lost: it then dies of SIGSEGV without a word)
+    parts[1].unlink()  # and it did read the other shards: without one it stops. When it exits on its own, its
+    # log names the missing shard; its log is written by a thread it does not wait for, and that thread sometimes
+    # crashes it on the way out (SIGSEGV) with the message lost or cut after its timestamp: then only the failure.
     res = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(parts[0]), *map(str, flags)],
                          capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
-    assert res.returncode != 0 and (parts[1].name in res.stderr or not res.stderr.strip()), res.stderr[-2000:]
+    assert res.returncode != 0, res.stderr[-2000:]
+    assert res.returncode < 0 or parts[1].name in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.llama_cpp
