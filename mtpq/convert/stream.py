@@ -166,12 +166,17 @@ class SlabWrites:
         row = flat[1] * self.dtype.itemsize
         dtype = _TORCH_OF[self.qtype]
 
+        # the file system writes into one file one write at a time (the inode's lock); a worker that found the
+        # other writing spun on that lock in the kernel, a tenth of the conversion's CPU: it waits here instead
+        writing = threading.Lock()
+
         def one(i: int, slab: Slab) -> None:
             r0, r1, _ = slab
             dst = torch.empty((r1 - r0, flat[1]), dtype=dtype)
             with one_torch_thread():
                 _float_slab(self.name, self.source, self.qtype, slab, dst)
-            _pwrite(fd, memoryview(dst.view(torch.uint8).numpy()).cast("B"), start + r0 * row)
+            with writing:
+                _pwrite(fd, memoryview(dst.view(torch.uint8).numpy()).cast("B"), start + r0 * row)
 
         from ..ggml.malloc import keep_freed_buffers
 
