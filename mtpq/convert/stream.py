@@ -167,7 +167,7 @@ class SlabWrites:
         dtype = _TORCH_OF[self.qtype]
 
         # the file system writes into one file one write at a time (the inode's lock); a worker that found the
-        # other writing spun on that lock in the kernel, a tenth of the conversion's CPU: it waits here instead
+        # other writing spun on that lock in the kernel (4 % of the CPU of an FP8 -> bf16 write): it sleeps here
         writing = threading.Lock()
 
         def one(i: int, slab: Slab) -> None:
