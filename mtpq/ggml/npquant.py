@@ -58,21 +58,30 @@ def workers() -> int:
 
 # --------------------------------------------------------------------------- kernels
 
-# A chunk of blocks x (n, 32) is transposed once, in pairs of values, to P (16, 2n): P[j, 2b + p] is
-# x[b, 2j + p] (a transpose of 8-byte items costs half one of 4-byte items). Each block's min and max are then
-# reductions along P's leading axis (numpy adds row after row at memory speed; along rows of 32 its
-# reductions cost ~7x more), and Q4_0/Q5_0's passes run along rows of 2n values with the per-block scale
-# repeated as a (1, 2n) operand. Constants are (1, 2n) arrays too: numpy's loops with a scalar operand are
-# 10-20x slower for uint8 minimum and copysign. Q8_0 works in x's own layout (32 bytes a block transposed
-# back cost more than its few passes save).
+# A chunk of blocks x (n, 32) is transposed once, in groups of four values, to P (8, 4n): P[j, 4b + p] is
+# x[b, 4j + p] (numpy transposes a 16-byte item in little more time than a 4-byte one: 0.6x the time of a
+# transpose in pairs). Each block's min and max are then reductions along P's leading axis (numpy adds row after
+# row at memory speed; along rows of 32 its reductions cost ~15x more), and Q4_0/Q5_0's passes run along rows
+# of 4n values with the per-block scale repeated as a (1, 4n) operand; their bytes go back to the blocks' layout
+# as 4-byte words. numpy's uint8 minimum takes its bound as a (1, 4n) array (with a scalar it is 10x slower),
+# and bit shifts run on uint32 words (its uint8 shifts are not vectorised: 6x slower). Q8_0 works in x's own
+# layout (32 bytes a block transposed back cost more than its few passes save).
 
-def _pairs(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.view(np.complex64).T).view(np.float32)
+LANES = 4  # values per transposed item (complex128)
+_GATHER = np.uint32(1 + (1 << 7) + (1 << 14) + (1 << 21))  # bytes b0..b3 of a word (0 or 1) to bits 21..24
+_NIBBLE_PLACES = (np.uint32(1) << (4 * np.arange(8, dtype=np.uint32)))[:, None]  # row r's bits to bits 4r..4r+3
+
+
+def _groups(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.view(np.complex128).T).view(np.float32)
 
 
 def _min_max(P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    lo2, hi2 = np.minimum.reduce(P, axis=0), np.maximum.reduce(P, axis=0)
-    return np.minimum(lo2[0::2], lo2[1::2]), np.maximum(hi2[0::2], hi2[1::2])
+    lo4, hi4 = np.minimum.reduce(P, axis=0), np.maximum.reduce(P, axis=0)
+    lo2 = np.minimum(lo4[0::4], lo4[1::4])
+    hi2 = np.maximum(hi4[0::4], hi4[1::4])
+    return (np.minimum(lo2, np.minimum(lo4[2::4], lo4[3::4]), out=lo2),
+            np.maximum(hi2, np.maximum(hi4[2::4], hi4[3::4]), out=hi2))
 
 
 def _signed_absmax(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -90,7 +99,8 @@ def _signed_absmax(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def _put_fp16(out: np.ndarray, d: np.ndarray) -> None:
-    out[:, :2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    """d as each block's first two bytes (every block size here is even: a uint16 column of ``out``)."""
+    out.view(np.uint16)[:, 0] = d.astype("<f2").view(np.uint16)
 
 
 def _inverse(d: np.ndarray) -> np.ndarray | None:
@@ -109,7 +119,7 @@ def _q8_0(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.
     v = x * idv[:, None]
     neg = v < 0
     np.abs(v, out=v)
-    v += np.full((1, v.shape[1]), _BELOW_HALF)  # roundf(|v|) == trunc(|v| + 0.49999997f) (see legacy), <= 127
+    v += _BELOW_HALF  # roundf(|v|) == trunc(|v| + 0.49999997f) (see legacy), <= 127
     q = v.astype(np.uint8).view(np.int8)
     m = neg.view(np.int8)
     np.negative(m, out=m)  # 0 or -1: (q ^ m) - m is q with v's sign
@@ -121,22 +131,23 @@ def _q8_0(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.
 
 def _levels_plus(P: np.ndarray, d: np.ndarray, offset: float, top: int) -> np.ndarray | None:
     """``MIN(top, (int8_t)(x*id + offset))`` as uint8 in P's layout: every x*id + offset lies in
-    [0.5, 2*offset], so the float -> uint8 conversion is C's truncation."""
+    [0.5, 2*offset], so the float -> uint8 conversion is C's truncation. P is overwritten."""
     idv = _inverse(d)
     if idv is None:
         return None
-    row = np.repeat(idv, 2)[None]
-    v = P * row
-    v += np.full_like(row, offset)  # two roundings, as C's x*id + offset
+    v = np.multiply(P, np.repeat(idv, LANES)[None], out=P)
+    v += np.float32(offset)  # two roundings, as C's x*id + offset
     q = v.astype(np.uint8)
-    return np.minimum(q, np.full(row.shape, top, dtype=np.uint8), out=q)
+    return np.minimum(q, np.full((1, q.shape[1]), top, dtype=np.uint8), out=q)
 
 
 def _put_nibbles(out: np.ndarray, q: np.ndarray) -> None:
-    """Bytes e = q[e] | q[e + 16] << 4 of every block into ``out`` (n, 16), from levels in P's layout: rows
-    j and j + 8 hold elements 2j + p and 2j + 16 + p; a uint16 of a row is a block's bytes 2j, 2j + 1."""
-    packed = q[:8] | (q[8:] << 4)
-    out.view(np.uint16)[:] = packed.view(np.uint16).T
+    """Bytes e = q[e] | q[e + 16] << 4 of every block into ``out`` (n, 16), from levels (< 16) in P's layout:
+    rows j and j + 4 hold elements 4j + p and 4j + 16 + p; a uint32 of a row is a block's bytes 4j .. 4j + 3.
+    The shift runs on uint32 words (no byte carries past its own byte: numpy's uint8 shifts are not vectorised)."""
+    packed = q[4:].view(np.uint32) << np.uint32(4)
+    packed |= q[:4].view(np.uint32)
+    out.view(np.uint32)[:] = packed.T
 
 
 def _q4_0(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray) -> bool:
@@ -155,12 +166,17 @@ def _q5_0(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.
     if q is None:
         return False
     _put_fp16(out, d)
-    # qh: bit i of byte k is element 8k + i's fifth bit, i.e. row 4k + i // 2, p = i % 2
-    g = (q >> 4).view(np.uint16)  # (16, n): fifth bits of elements 2j (bit 0) and 2j + 1 (bit 8)
-    g = (g | (g >> 7)) & 3  # the two bits side by side
-    qh = g[0::4] | (g[1::4] << 2) | (g[2::4] << 4) | (g[3::4] << 6)  # (4, n): byte k from rows 4k..4k+3
-    out[:, 2:6] = qh.astype(np.uint8).T
-    q &= 0x0F
+    # qh: bit i of byte k is element 8k + i's fifth bit, i.e. row 2k + i // 4, lane i % 4 of P's layout. In a
+    # row's uint32 word the four lanes' bits are bytes 0-3 (bits 0, 8, 16, 24); times _GATHER they also land,
+    # without carries, in bits 21-24, which puts element 4r + lane's bit at bit 4r + lane of the word qh is.
+    g = q.view(np.uint32) >> np.uint32(4)
+    g &= np.uint32(0x01010101)  # each byte's fifth bit (the byte above's low bits moved in above it)
+    g *= _GATHER
+    g >>= np.uint32(21)
+    g &= np.uint32(0xF)
+    g *= _NIBBLE_PLACES
+    out[:, 2:6].view(np.uint32)[:, 0] = np.bitwise_or.reduce(g, axis=0)
+    q &= np.uint8(0x0F)
     _put_nibbles(out[:, 6:], q)
     return True
 
@@ -183,7 +199,7 @@ def quantize_chunk(c: np.ndarray, qtype: T, name: str, check_scales: bool, o: np
     :func:`quantize_rows`' errors."""
     kernel = _KERNELS[qtype]
     with np.errstate(all="ignore"):
-        P = _pairs(c)
+        P = _groups(c)
         lo, hi = _min_max(P)  # NaN propagates through both; an inf is a min or a max
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
             raise ValueError(f"{name}: contains NaN/Inf values")
