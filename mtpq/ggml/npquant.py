@@ -8,8 +8,8 @@ quantization to them never imports torch. The rare chunk the fast path cannot ta
 whose ``1/d`` overflows) goes to the torch kernel, imported then.
 
 The float rules are :mod:`.legacy`'s (one IEEE float32 op at a time, in C order); what differs is the
-layout of the work: each row's min and max are column reductions of the chunk transposed to (32, blocks)
-(numpy reduces along a leading axis row after row, at memory speed; along rows of 32 it costs ~7x more),
+layout of the work: each block's min and max are column reductions of the chunk transposed to (8, 4 x blocks)
+(numpy reduces along a leading axis row after row, at memory speed; along rows of 32 it costs ~15x more),
 which also give the NaN/Inf check for free (both propagate NaN; inf shows as a min or max).
 """
 
