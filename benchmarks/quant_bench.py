@@ -13,9 +13,9 @@ llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, 
 N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
 quantizes a GGUF with the same metadata and a single 256-row tensor (attn_q's row length, so the imatrix
 fits): that time is its start-up (process, imports, reading the metadata, until its first tensor is
-quantized); the marginal throughput is the
-difference in input MB over the difference in time, in wall time and in CPU time (the child's threads
-and workers included: what other jobs on a shared machine disturb least). The types that need an
+quantized); the marginal throughput is the difference in input MB over the difference between the two
+files' best times, in wall time and in CPU time (the child's threads and workers included: what other jobs
+on a shared machine disturb least). The types that need an
 importance matrix get one (an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for
 both). Bytes are compared.
 
@@ -288,18 +288,25 @@ def whole_file(args) -> None:
                                      "--threads", str(args.threads), "--quiet", *im]
             theirs = lambda src, out: [str(args.llama_quantize), "--pure", *im, str(src), str(out),  # noqa: E731
                                        LLAMA_FTYPE.get(name, name), str(args.threads)]
-            # per tool: best marginal wall and CPU (whole file minus the one-tensor file), best start-up
+            # per tool: the best whole-file and one-tensor times (wall, CPU) over the rounds, the marginal being
+            # their difference: a hiccup only adds time, so each best is the quietest run of its own (the best
+            # per-round difference let one slow one-tensor run make the marginal tiny, even negative)
             best = {k: [float("inf")] * 4 for k in ("o", "t")}
             for _ in range(args.repeat):  # alternating: the machine's load changes from second to second
                 for key, cmd, e in (("o", ours, env), ("t", theirs, llama_env)):
                     wall, cpu = _timed(cmd(big, work / f"{key}.gguf"), e)
                     start, start_cpu = _timed(cmd(mini, work / f"{key}-mini.gguf"), e)
-                    b = best[key]
-                    best[key] = [min(b[0], wall - start), min(b[1], cpu - start_cpu), min(b[2], start),
-                                 min(b[3], start_cpu)]
+                    best[key] = [min(b, t) for b, t in zip(best[key], (wall, cpu, start, start_cpu))]
             same = _same_tensors(work / "o.gguf", work / "t.gguf")
-            (o_wall, o_cpu, o_start, o_start_cpu), (t_wall, t_cpu, t_start, _) = best["o"], best["t"]
+            (o_whole, o_whole_cpu, o_start, o_start_cpu) = best["o"]
+            (t_whole, t_whole_cpu, t_start, t_start_cpu) = best["t"]
+            o_wall, o_cpu, t_wall, t_cpu = (o_whole - o_start, o_whole_cpu - o_start_cpu, t_whole - t_start,
+                                            t_whole_cpu - t_start_cpu)
             mb = mb_big - mb_mini
+            if min(o_wall, o_cpu, t_wall, t_cpu) <= 0:  # the whole file no slower than one tensor: noise won
+                print(f"{name:8} no marginal time left after start-up (whole file: ours {o_whole:.2f} s, theirs "
+                      f"{t_whole:.2f} s; one tensor: {o_start:.2f} s, {t_start:.2f} s): rerun", flush=True)
+                continue
             print(f"{name:8} {mb / t_wall:11.1f} {mb / o_wall:9.1f} {t_wall / o_wall:10.2f}x {t_cpu / o_cpu:5.2f}x "
                   f"{t_start:11.2f}s {o_start:9.2f}s {o_start_cpu:7.2f}s {str(same):>10} {os.getloadavg()[0]:5.1f}",
                   flush=True)
