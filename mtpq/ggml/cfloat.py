@@ -5,10 +5,9 @@ view a chunk of super-blocks ``x`` (n_blocks, 256) as sub-blocks stored
 element-major, ``X`` (n, n_sub) with n = 16 or 32, so that "element i of every
 sub-block" is one contiguous row (:func:`_sub_blocks`).  Sums are accumulated
 strictly sequentially in float32, exactly like the C ``sum += ...`` loops
-(torch's own reductions use another order): on CPU as numpy ``einsum`` sums of
-products (one pass, no temporary; probed at import, see
-:func:`_einsum_is_exact`) or one numpy reduction along dim 0, which adds row
-after row; elsewhere by a Python loop over the 16/32 rows.
+(torch's own reductions use another order): on CPU as one numpy reduction along
+dim 0, which adds row after row (:mod:`.cnumpy`); elsewhere by a Python loop over
+the 16/32 rows. On CPU the K-quant searches run in numpy (:mod:`.npkquants`).
 
 See :mod:`mtpq.ggml.legacy` for the other float rules (no fused ops, IEEE
 division helpers, ``nearest_int`` bit trick, C integer wrap-around), and
@@ -17,16 +16,13 @@ docs/notes/quantize.md for what was measured to make it fast.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import torch
 
-from .legacy import f32, nearest_int
+from .cnumpy import GROUP_MAX_EPS as _GROUP_MAX_EPS, QK_K, SAFE as _SAFE, seq_sum as seq_sum_np  # noqa: F401  (the kernels import them from here)
+from .legacy import nearest_int
 
-QK_K = 256
 _F32 = torch.float32
-_GROUP_MAX_EPS = f32(1e-15)
 
 
 # --------------------------------------------------------------------------- layout and sequential sums
@@ -61,21 +57,6 @@ def _seq_sum(T: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return acc
 
 
-def seq_sum_np(a: np.ndarray, dim: int = 0) -> np.ndarray:
-    """``s += a[i]`` along ``dim`` (not the innermost) of a float32 numpy array, in C order.
-
-    numpy adds row after row along a leading axis, but only while something is
-    left beside it: with a single column the reduction becomes a contiguous one,
-    which numpy sums pairwise.  A zero column is added then.
-    """
-    with np.errstate(all="ignore"):  # inf/NaN propagate exactly as in C
-        if a.shape[dim] > 0 and a.size == a.shape[dim]:
-            col = a.reshape(-1, 1)
-            s = np.add.reduce(np.concatenate([col, np.zeros_like(col)], axis=1), axis=0, initial=np.float32(0.0))
-            return s[:1].reshape(a.shape[:dim] + a.shape[dim + 1:])
-        return np.add.reduce(a, axis=dim, initial=np.float32(0.0))
-
-
 def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:
     """``float s = T[0]; for (i = 1...) s += T[i];`` along dim 0.
 
@@ -89,9 +70,6 @@ def _seq_sum_from_first(T: torch.Tensor) -> torch.Tensor:
         all_neg_zero = (torch.signbit(T) & (T == 0)).all(dim=0)
         s = torch.where(all_neg_zero, torch.full((), -0.0, dtype=s.dtype, device=s.device), s)
     return s
-
-
-_SAFE = 4194304.0  # 2**22: below it ggml's nearest_int(f) is round-half-even(f)
 
 
 def _round_clamp_exact(f: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -119,59 +97,3 @@ def _pos_max(v: torch.Tensor, dim: int) -> torch.Tensor:
 def _cat(parts: list) -> torch.Tensor:
     """Concatenate (N, k) byte fields along dim 1, numpy arrays or tensors."""
     return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else torch.cat(parts, dim=1)
-
-
-# --------------------------------------------------------------------------- sums of products
-
-# numpy's C einsum without the Python wrapper and its array-function dispatch (half its
-# per-call cost at these sizes); np.einsum where a numpy does not have it there
-_EINSUM = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "c_einsum", None) or np.einsum
-
-
-def _einsum_is_exact(einsum: Callable = _EINSUM) -> bool:
-    """True if numpy's float32 ``einsum`` sums of products round like the C loops.
-
-    ``einsum('ij,ij,ij->j', a, b, c)`` must compute ``s += (a*b)*c`` row after
-    row with every product and sum rounded separately.  This numpy does (its
-    einsum inner loops are built for the baseline ISA, which has no FMA), but a
-    build whose baseline has FMA would contract them: the probe catches that,
-    a pairwise order and a different product order, and the kernels then fall
-    back to a multiply and a separate row-by-row reduction.
-    """
-    e = np.float32(2.0 ** -12)
-    one = np.float32(1.0)
-    # fused multiply-add: -(1+2^-11) + (1+2^-12)^2 is 0 when rounded separately, 2^-24 fused
-    a = np.array([[one], [one + e]], dtype=np.float32)
-    b = np.array([[-(one + 2 * e)], [one + e]], dtype=np.float32)
-    # order: 1 + 1e8 - 1e8 is 0 row after row, 1 pairwise or backwards
-    c = np.array([[1.0], [1e8], [-1e8]], dtype=np.float32)
-    ones = np.ones_like(c)
-    # product order: these three give (x*y)*z != x*(y*z) == the exactly rounded product
-    x, y, z = (np.array([[v]], dtype=np.float32) for v in (0.9349475502967834, 1.4741861820220947, 1.3976776599884033))
-    with np.errstate(all="ignore"):
-        ok = einsum("ij,ij->j", a, b)[0] == 0.0
-        ok &= einsum("ij,ij->j", c, ones)[0] == 0.0
-        ok &= einsum("ij,ij,ij->j", x, y, z)[0] == ((x * y) * z)[0, 0]
-    return bool(ok)
-
-
-_EINSUM_EXACT = _einsum_is_exact()
-
-
-def _dot_einsum(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``s += a*b`` along dim 0, one pass, into ``out``."""
-    return _EINSUM("ij,ij->j", A, B, out=out)
-
-
-def _dot3_einsum(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``s += a*b*c``, i.e. ``(a*b)*c``, along dim 0, one pass, into ``out``."""
-    return _EINSUM("ij,ij,ij->j", A, B, C, out=out)
-
-
-def _dot_reduce(A: np.ndarray, B: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Fallback of :func:`_dot_einsum`: a product, then the row-by-row sum (see :func:`_seq_sum`)."""
-    return np.add.reduce(A * B, axis=0, initial=np.float32(0.0), out=out)
-
-
-def _dot3_reduce(A: np.ndarray, B: np.ndarray, C: np.ndarray, out: np.ndarray) -> np.ndarray:
-    return np.add.reduce((A * B) * C, axis=0, initial=np.float32(0.0), out=out)

@@ -12,12 +12,12 @@ one before is collected, and a tensor's last band is left running while the next
 GLM-shaped file that took Q4_0 from 0.70x to 0.78x llama-quantize's throughput and Q8_0 from 1.10x to 1.30x
 (benchmarks/quant_bench.py --whole-file): the workers were idle a quarter of the time before.
 
-The pool has one handler for every task, :func:`run_task`: numpy's kernels for those three types (so a
-process that never imported torch still does not), :mod:`.kernels`' torch ones for the K- and i-quants (which
-kernels registers here when it loads: :data:`torch_piece`), on rows read from the file or found in the input
-arena (:func:`mtpq.ggml.kernels.quantize` of rows in memory). No torch is imported here: the K- and i-quants
-come through :func:`mtpq.ggml.kernels.quantize_stored`, which checks their importance weights and builds
-their tables first.
+The pool has one handler for every task, :func:`run_task`: numpy's kernels for those three types and the
+K-quants without importance weights (:mod:`.npquant`; so a process that never imported torch still does not),
+:mod:`.kernels`' torch ones for the i-quants and the weighted searches (which kernels registers here when it
+loads: :data:`torch_piece`), on rows read from the file or found in the input arena
+(:func:`mtpq.ggml.kernels.quantize` of rows in memory). No torch is imported here: the torch types come through
+:func:`mtpq.ggml.kernels.quantize_stored`, which checks their importance weights and builds their tables first.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ T = GGMLQuantizationType
 # ones: what the pool runs.
 SEARCH_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
                           T.IQ2_XXS, T.IQ3_XXS, T.IQ2_XS, T.IQ3_S, T.IQ2_S, T.IQ1_S, T.IQ1_M})
-POOLED_TYPES = SEARCH_TYPES | npquant.NUMPY_TYPES
+POOLED_TYPES = SEARCH_TYPES | npquant.TORCH_FREE_TYPES
 
 # What a chunk's values are stored as (the "kind" in a task's flags): float32, bf16 bits, float16.
 KIND_DTYPES = (np.float32, np.uint16, np.float16)
@@ -142,7 +142,7 @@ def run_task(task: tuple[int, ...], arena_in, arena_out, arena_aux) -> None:
     out = np.frombuffer(arena_out, dtype=np.uint8, count=n_rows * (n // bs * ts),
                         offset=slot * slot_bytes(arena_out)).reshape(n_rows, -1)
     dst = out[r0:r1, c0 // bs * ts:c1 // bs * ts]
-    if qtype in npquant.NUMPY_TYPES and not weighted:
+    if qtype in npquant.TORCH_FREE_TYPES and not weighted:
         assert dst.flags.c_contiguous  # pieces() cuts whole rows or parts of one: the bytes go straight into place
         npquant.quantize_chunk(as_float32(raw).reshape(-1, bs), qtype, POOL_NAME, check_scales, dst.reshape(-1, ts))
     else:  # torch_piece is set: the pool was forked after kernels loaded (workers_pool's tag)
@@ -253,8 +253,8 @@ def quantize_stored(path: str | Path, offset: int, source_type: T, shape: tuple[
     out_slot, aux_slot = pool.OUT_BYTES // 2, pool.AUX_BYTES // 2  # the slots of the arenas a pool is made with
     if n_workers < 2 or n % bs or row_out > out_slot or len(path_bytes) >= PATH_BYTES:
         return None  # the in-process path runs it (and raises the row-length error)
-    if qtype in npquant.NUMPY_TYPES and (importance is None or qtype == T.Q8_0):  # Q8_0 has no weighted path
-        chunk, imp = npquant.CHUNK, None
+    if torch_free(qtype, importance):
+        chunk, imp = npquant.chunk_values(qtype), None
     elif qtype in SEARCH_TYPES and chunk is not None and torch_piece is not None:
         imp = importance
         if imp is not None and n * 4 > aux_slot - PATH_BYTES:
@@ -325,6 +325,12 @@ def quantize_stored(path: str | Path, offset: int, source_type: T, shape: tuple[
             settle()
         raise
     return out
+
+
+def torch_free(qtype: T, importance) -> bool:
+    """Whether numpy's kernels (:mod:`.npquant`) quantize ``qtype`` with these importance weights: its types
+    without them, and Q8_0, which has no weighted path, with them."""
+    return qtype in npquant.TORCH_FREE_TYPES and (importance is None or qtype == T.Q8_0)
 
 
 def _tag() -> tuple:

@@ -25,8 +25,8 @@ workers (one torch thread each); set that to choose the count.  On Linux the
 workers are forked processes writing into shared memory (see
 :func:`_run_forked`), or, while a file is written (:func:`mtpq.ggml.pool.scope`),
 processes forked once for the whole file (:mod:`.pool`); elsewhere, or with
-``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q5_0 of contiguous float32 CPU input run in numpy
-(:mod:`.npquant`, the same bytes; numpy threads). ``mtpq quantize`` of a float GGUF goes through
+``MTPQ_WORKERS=threads`` in the environment, Python threads. Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 of contiguous float32 CPU input
+run in numpy (:mod:`.npquant`, the same bytes; numpy threads); the K-quants' CPU kernels are numpy's too (:mod:`.npkquants`). ``mtpq quantize`` of a float GGUF goes through
 :func:`quantize_stored` (:mod:`.from_file`): the pool's workers read their chunks from the file themselves.
 """
 
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import from_file, malloc, npquant, pool
-from . import cfloat, iq4, iquants, kquants, legacy, mxfp4, weighted
+from . import from_file, malloc, npkquants, npquant, pool
+from . import cnumpy, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
 __all__ = ["SUPPORTED_TYPES", "block_size", "type_size", "bytes_per_row", "quantize", "dequantize"]
@@ -67,11 +67,11 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q4_1: (legacy.quantize_q4_1, legacy.dequantize_q4_1, 256 * _K, 256 * _K),
     T.Q5_0: (legacy.quantize_q5_0, legacy.dequantize_q5_0, 256 * _K, 256 * _K),
     T.Q5_1: (legacy.quantize_q5_1, legacy.dequantize_q5_1, 256 * _K, 256 * _K),
-    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, 64 * _K, _M),
-    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, 256 * _K, _M),
-    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, 64 * _K, _M),
-    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, 64 * _K, _M),
-    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, 64 * _K, _M),
+    T.Q2_K: (kquants.quantize_q2_k, kquants.dequantize_q2_k, npkquants.CHUNK[T.Q2_K], _M),
+    T.Q3_K: (kquants.quantize_q3_k, kquants.dequantize_q3_k, npkquants.CHUNK[T.Q3_K], _M),
+    T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, npkquants.CHUNK[T.Q4_K], _M),
+    T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, npkquants.CHUNK[T.Q5_K], _M),
+    T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, npkquants.CHUNK[T.Q6_K], _M),
     T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.dequantize_iq4_nl, 64 * _K, 64 * _K),
     T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.dequantize_iq4_xs, 64 * _K, 64 * _K),
     # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS.
@@ -124,8 +124,7 @@ _DEQUANT_ONLY: dict[GGMLQuantizationType, Callable] = {T.MXFP4: mxfp4.dequantize
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    **npquant.FP16_FIELDS,
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
     T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
@@ -474,8 +473,8 @@ def _row_sigma2(rows2d: torch.Tensor) -> torch.Tensor:
     for r0 in range(0, n_rows, step):
         xt = np.ascontiguousarray(rows2d[r0:r0 + step].to(torch.float32).cpu().numpy().T)  # (n, k)
         with np.errstate(all="ignore"):
-            # row after row, like the C loop (also for a lone row: see cfloat.seq_sum_np)
-            out[r0:r0 + step] = cfloat.seq_sum_np(xt * xt) / np.float32(n)
+            # row after row, like the C loop (also for a lone row: see cnumpy.seq_sum)
+            out[r0:r0 + step] = cnumpy.seq_sum(xt * xt) / np.float32(n)
     return torch.from_numpy(out).to(rows2d.device)
 
 

@@ -1,4 +1,4 @@
-"""ggml-exact K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in torch.
+"""ggml-exact K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in torch, for every device (numpy's on CPU).
 
 Reproduces byte for byte what ``ggml_quantize_chunk`` produces without an
 importance matrix: ``quantize_row_q{2..6}_K_ref`` (with ``make_qkx2_quants``,
@@ -14,16 +14,20 @@ IQ4_XS are in :mod:`.iq4`.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
+from . import npkquants
 from .cfloat import (
     _F32, _GROUP_MAX_EPS, QK_K, _cat, _from_sub_blocks, _pos_max, _select, _sub_blocks, _zeros,
 )
 from .legacy import div, first_absmax, fp16_bits, fp16_round, from_fp16_bytes, nearest_int, rdiv, sqrt_f32, u8, wrap_i8
-from .search import _final_levels, _make_q3_quants, _make_q3_quants_np, _make_qkx2_quants, _make_qx_quants_rmse1, _nearest_int_np
-from . import vecops  # vecops._vec_ops looked up at call time: tests swap it for the torch path
-from .vecops import _first_absmax_cols
+from .npkquants import pack_2bit, pack_k4_scales, pack_q3_scales
+from .search import _final_levels, _make_q3_quants, _make_qkx2_quants, _make_qx_quants_rmse1
+from . import vecops  # vecops.numpy_path looked up at call time: tests switch it off to run the torch code on CPU
+from .vecops import _TorchVec as v, _first_absmax_cols
 
 __all__ = [
     "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
@@ -31,30 +35,19 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- packing
+def _on_cpu(kernel):
+    """``kernel`` (torch) runs :mod:`.npkquants`' numpy twin on a CPU tensor's memory instead."""
+    numpy_kernel = getattr(npkquants, kernel.__name__)
 
-def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
-    """(nb, 256) values in [0,3] -> (nb, 64): qs[32h+l] = L[128h+l] | L[128h+l+32]<<2 | ... (torch or numpy)"""
-    q = L.reshape(-1, 2, 4, 32)
-    return u8(q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+    def run(x: torch.Tensor, **weights):
+        if vecops.numpy_path(x):
+            return torch.from_numpy(numpy_kernel(x.numpy(), **{k: w if w is None else w.numpy() for k, w in weights.items()}))
+        return kernel(x, **weights)
 
-
-def _pack_q3_scales(ls):
-    """Q3_K's 16 6-bit scale codes (nb, 16) -> (low nibbles (nb, 8), high bits (nb, 4)), torch or numpy:
-    byte j < 8 holds codes j and j + 8's low nibbles, byte 8 + k the high two bits of codes k, 4 + k, 8 + k, 12 + k."""
-    low = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
-    hi = (ls >> 4).reshape(-1, 4, 4)  # [group g = j//4, k = j%4]
-    return low, hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    return functools.wraps(kernel)(run)
 
 
-def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
-    """6-bit (scale, min) pairs of Q4_K/Q5_K, (nb, 8) each -> (nb, 12) bytes."""
-    b0 = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
-    b1 = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
-    b2 = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
-    return u8(_cat([b0, b1, b2]))
-
-
+@_on_cpu
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
@@ -74,13 +67,12 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
     ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
     L = _final_levels(X + ml[None], dl, 0, 3, 0, levels)
-    qs = _pack_2bit(_from_sub_blocks(L, nb))
+    qs = u8(pack_2bit(_from_sub_blocks(L, nb)))
     return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
 
 
+@_on_cpu
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
-    if vecops._vec_ops(x) is vecops._NumpyVec:
-        return torch.from_numpy(_quantize_q3_k_np(x.numpy()))
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
     scales, L = _make_q3_quants(X, 4)
@@ -91,7 +83,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     ls = torch.clamp(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
     ls = torch.where(nz[:, None], ls, 0)  # memset(scales, 0) when max_scale == 0
     d = torch.where(nz, fp16_round(rdiv(1.0, iscale)), _zeros(max_scale))
-    sb = u8(torch.cat(_pack_q3_scales(ls), dim=1))
+    sb = u8(torch.cat(pack_q3_scales(ls), dim=1))
 
     dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
     Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
@@ -100,55 +92,12 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     high = (Lb > 3).to(torch.int32)
     Lb = Lb - 4 * high
     hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
-    return torch.cat([hmask, _pack_2bit(Lb), sb, fp16_bits(d)], dim=1)
-
-
-def _quantize_q3_k_np(x: np.ndarray) -> np.ndarray:
-    """:func:`quantize_q3_k` on CPU, in numpy with in-place passes (torch's per-op cost and its copies
-    between the two were a third of Q3_K's time)."""
-    nb = x.shape[0]
-    X = np.ascontiguousarray(x.reshape(-1, 16).T)  # column s: sub-block s
-    amax, mx = (np.asarray(a, dtype=np.float32) for a in _first_absmax_cols(torch.from_numpy(X), vecops._NumpyVec)[:2])
-    scales, L = _make_q3_quants_np(X, amax, mx, 4)
-    S = scales.reshape(nb, 16)
-    with np.errstate(all="ignore"):  # all-zero super-blocks: inf/NaN as in C, zeroed below
-        max_scale = first_absmax(torch.from_numpy(S), 1)[1].numpy()
-        nz = max_scale != 0
-        iscale = np.divide(np.float32(-32.0), max_scale)
-        ls = np.clip(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
-        ls[~nz] = 0  # memset(scales, 0) when max_scale == 0
-        d = np.where(nz, fp16_round(np.divide(np.float32(1.0), iscale)), np.float32(0.0))
-        dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
-        # where a sub-block's scale is not zero its levels are recomputed from it: nearest_int(x/dl), clamped
-        redo = np.flatnonzero(dl != 0)
-        if len(redo) == len(dl):
-            q = np.divide(X, dl[None])
-            L = _nearest_int_np(q, -4, 3)
-        elif len(redo):
-            q = np.divide(np.take(X, redo, axis=1), dl[redo][None])
-            L -= 4
-            L[:, redo] = _nearest_int_np(q, -4, 3)
-        else:
-            L -= 4
-    Lb = np.ascontiguousarray(L.astype(np.int8).T).reshape(nb, QK_K)  # levels - 4, in [-4, 3]
-    out = np.empty((nb, 110), dtype=np.uint8)
-    neg = Lb < 0  # C: L > 3 sets the hmask bit and takes 4 off; here the bit is set where L - 4 >= 0
-    hb = (~neg).view(np.uint8).reshape(nb, 8, 32)
-    hm = out[:, :32]
-    np.copyto(hm, hb[:, 0])
-    for m in range(1, 8):
-        hm |= hb[:, m] << m
-    Lb += (neg.view(np.int8) << 2)  # L - 4 + 4 where L <= 3: the two low bits C keeps
-    out[:, 32:96] = _pack_2bit(Lb.view(np.uint8))
-    out[:, 96:104], out[:, 104:108] = _pack_q3_scales(ls)
-    out[:, 108:110] = fp16_bits(d)
-    return out
+    return torch.cat([hmask, u8(pack_2bit(Lb)), sb, fp16_bits(d)], dim=1)
 
 
 def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     nb = x.shape[0]
     X = _sub_blocks(x, 32)
-    v = vecops._vec_ops(X)
     Xa = v.arr(X)
     sum_x2 = v.t(v.dot(Xa, Xa, v.empty(X.shape[1], X)))
     av_x = sqrt_f32(div(sum_x2, 32.0))
@@ -164,10 +113,11 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
         dd = fp16_round(div(max_sm, 63.0))
         dlml = v.t((dd[:, :, None] * v.f32(lsm)).reshape(2, -1))
     L = _final_levels(X + dlml[1][None], dlml[0], 0, nmax, 0, levels)
-    head = v.t(_cat([fp16_bits(dd[0]), fp16_bits(dd[1]), _pack_k4_scales(lsm[0], lsm[1])]))
+    head = v.t(_cat([fp16_bits(dd[0]), fp16_bits(dd[1]), u8(_cat(pack_k4_scales(lsm[0], lsm[1])))]))
     return head, _from_sub_blocks(L, nb)
 
 
+@_on_cpu
 def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     head, Lb = _quantize_q45_k(x, 15, -1.0, 20)
     q = Lb.view(-1, 4, 2, 32)
@@ -175,6 +125,7 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qs], dim=1)
 
 
+@_on_cpu
 def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     head, Lb = _quantize_q45_k(x, 31, -0.5, 15)
     q = Lb.view(-1, 4, 2, 32)
@@ -185,6 +136,7 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh, qs], dim=1)
 
 
+@_on_cpu
 def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize_row_q6_K_ref``, or ``quantize_row_q6_K_impl`` with importance weights
     ``qw_sub`` (in the layout of ``_sub_blocks(x, 16)``): the same search with them as its weights."""
@@ -192,7 +144,6 @@ def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.
     X = _sub_blocks(x, 16)
     scales, levels = _make_qx_quants_rmse1(X, 32, qw_sub)
     # per super-block arithmetic and packing on vectors (numpy on CPU, see _NumpyVec)
-    v = vecops._vec_ops(X)
     S = v.vec(scales).reshape(nb, 16)
     amax, max_scale = _first_absmax_cols(v.t(v.contig(S.T)), v)[:2]
     zero = amax < _GROUP_MAX_EPS

@@ -32,21 +32,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cnumpy
+from .cnumpy import MAGIC as _MAGIC, f32, wrap_i8  # noqa: F401  (f32, wrap_i8: the kernels import them from here)
+
 __all__ = [
     "quantize_q8_0", "quantize_q4_0", "quantize_q4_1", "quantize_q5_0", "quantize_q5_1",
     "dequantize_q8_0", "dequantize_q4_0", "dequantize_q4_1", "dequantize_q5_0", "dequantize_q5_1",
 ]
 
 _F32 = torch.float32
-_MAGIC = 12582912.0  # 1.5 * 2**23, ggml's nearest_int bias
 
 
 # --------------------------------------------------------------------------- helpers
-
-def f32(v: float) -> float:
-    """Round a Python number to the nearest float32 (a C ``float`` constant)."""
-    return float(np.float32(v))
-
 
 def cst(v: float, ref: torch.Tensor) -> torch.Tensor:
     """0-dim float32 tensor on ``ref``'s device (never a CPU scalar on CUDA)."""
@@ -69,16 +66,15 @@ def div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
 def rdiv(a: float, b: torch.Tensor, out=None) -> torch.Tensor:
     """IEEE float32 ``a / b`` for a constant numerator (into ``out`` if given)."""
     if isinstance(b, np.ndarray):
-        return np.divide(np.float32(a), b, out=out)
+        return cnumpy.rdiv(a, b, out=out)
     return torch.div(cst(a, b), b, out=out)
 
 
 def nearest_int(f: torch.Tensor) -> torch.Tensor:
     """ggml's ``nearest_int``: ``(bits(f + 12582912.f) & 0x7fffff) - 0x400000`` (int32)."""
     if isinstance(f, np.ndarray):
-        v = (f + np.float32(_MAGIC)).view(np.int32)
-    else:
-        v = (f + _MAGIC).view(torch.int32)
+        return cnumpy.nearest_int(f)
+    v = (f + _MAGIC).view(torch.int32)
     return (v & 0x007FFFFF) - 0x00400000
 
 
@@ -93,30 +89,24 @@ def trunc_small(f: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(f, nan=0.0, posinf=0.0, neginf=0.0).to(torch.int32)
 
 
-def wrap_i8(v: torch.Tensor) -> torch.Tensor:
-    """Two's-complement truncation of an int tensor to int8 range (kept as int32)."""
-    u = v & 0xFF
-    return u - ((u & 0x80) << 1)
-
-
 def fp16_bits(x: torch.Tensor) -> torch.Tensor:
     """IEEE round-to-nearest-even fp16 of float32 ``x`` (shape (N,)) as (N, 2) little-endian bytes."""
     if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
+        return cnumpy.fp16_bits(x)
     return x.to(torch.float16).contiguous().view(torch.uint8).view(-1, 2)
 
 
 def fp16_round(x: torch.Tensor) -> torch.Tensor:
     """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x))``."""
     if isinstance(x, np.ndarray):
-        return x.astype(np.float16).astype(np.float32)
+        return cnumpy.fp16_round(x)
     return x.to(torch.float16).to(_F32)
 
 
 def u8(v: torch.Tensor) -> torch.Tensor:
     """Store an int tensor into a C ``uint8_t`` (wrap)."""
     if isinstance(v, np.ndarray):
-        return v if v.dtype == np.uint8 else (v & 0xFF).astype(np.uint8)
+        return cnumpy.u8(v)
     return v if v.dtype == torch.uint8 else (v & 0xFF).to(torch.uint8)
 
 

@@ -1,6 +1,8 @@
-"""Q8_0 / Q4_0 / Q5_0 in numpy alone: the same bytes as :mod:`.legacy`'s torch kernels, without torch.
+"""Quantization without torch: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 here, the K-quants Q2_K-Q6_K from :mod:`.npkquants`.
 
-Why: these types are a few passes over the data, so on a whole file their time goes to per-call costs,
+The same bytes as :mod:`.legacy`'s and :mod:`.kquants`' torch kernels.
+
+Why: the legacy types are a few passes over the data, so on a whole file their time goes to per-call costs,
 extra copies and start-up, not arithmetic -- and importing torch alone is ~1.5 s of CPU, more than
 llama-quantize takes for a small model. :func:`quantize_rows` is what :func:`mtpq.ggml.kernels.quantize`
 runs for a float32 numpy input of these types (``mtpq quantize`` reads an f32 GGUF into one), so a
@@ -21,11 +23,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc
+from . import malloc, npkquants
 
 T = GGMLQuantizationType
-NUMPY_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0})
+NUMPY_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
+KQUANT_TYPES = frozenset(npkquants.KERNELS)  # without importance weights (those searches are torch's)
+TORCH_FREE_TYPES = NUMPY_TYPES | KQUANT_TYPES
 CHUNK = 1 << 18  # values per chunk: its temporaries (~5 MB) stay in L2/L3
+# where each type's fp16 scales lie in a block: an exponent of all ones (inf/NaN) is refused, as llama-quantize does
+FP16_FIELDS: dict[T, tuple[int, ...]] = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+}
+
+
+def chunk_values(qtype: T) -> int:
+    """Values a worker quantizes at a time."""
+    return CHUNK if qtype in NUMPY_TYPES else npkquants.CHUNK[qtype]
 _F0 = np.float32(0.0)
 _BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0.0))  # 0.49999997f
 
@@ -166,22 +180,72 @@ def _q5_0(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.
     if q is None:
         return False
     _put_fp16(out, d)
-    # qh: bit i of byte k is element 8k + i's fifth bit, i.e. row 2k + i // 4, lane i % 4 of P's layout. In a
-    # row's uint32 word the four lanes' bits are bytes 0-3 (bits 0, 8, 16, 24); times _GATHER they also land,
-    # without carries, in bits 21-24, which puts element 4r + lane's bit at bit 4r + lane of the word qh is.
+    _put_five_bits(out[:, 2:], q)
+    return True
+
+
+def _put_five_bits(out: np.ndarray, q: np.ndarray) -> None:
+    """qh (4 bytes) then qs (16) of every block into ``out`` (n, 20), from levels (< 32) in P's layout.
+
+    qh: bit i of byte k is element 8k + i's fifth bit, i.e. row 2k + i // 4, lane i % 4 of P's layout. In a
+    row's uint32 word the four lanes' bits are bytes 0-3 (bits 0, 8, 16, 24); times _GATHER they also land,
+    without carries, in bits 21-24, which puts element 4r + lane's bit at bit 4r + lane of the word qh is."""
     g = q.view(np.uint32) >> np.uint32(4)
     g &= np.uint32(0x01010101)  # each byte's fifth bit (the byte above's low bits moved in above it)
     g *= _GATHER
     g >>= np.uint32(21)
     g &= np.uint32(0xF)
     g *= _NIBBLE_PLACES
-    out[:, 2:6].view(np.uint32)[:, 0] = np.bitwise_or.reduce(g, axis=0)
+    out[:, :4].view(np.uint32)[:, 0] = np.bitwise_or.reduce(g, axis=0)
     q &= np.uint8(0x0F)
-    _put_nibbles(out[:, 6:], q)
+    _put_nibbles(out[:, 4:], q)
+
+
+def _first_of_zeros(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """A block's min (or max) as C's scan finds it: where it is a zero, the block's first zero, -0.0 or +0.0
+    (it ends up in Q4_1/Q5_1's fp16 min, and in max - min)."""
+    z = np.flatnonzero(m == 0)
+    if len(z):
+        sub = x[z]
+        m[z] = sub[np.arange(len(z)), (sub == 0).argmax(axis=1)]
+    return m
+
+
+def _levels_from_min(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, nmax: float, out: np.ndarray):
+    """Q4_1/Q5_1's scale and levels: d = (max - min) / nmax into ``out``'s fp16 fields d and m, and
+    ``(uint8_t)((x - min) * id + 0.5f)`` in P's layout (each in [0.5, nmax + 0.5]: C's truncation), or None
+    where some 1/d overflows. P is overwritten."""
+    mn, mx = _first_of_zeros(x, lo), _first_of_zeros(x, hi)
+    d = (mx - mn) / np.float32(nmax)
+    idv = _inverse(d)
+    if idv is None:
+        return None
+    _put_fp16(out, d)
+    out.view(np.uint16)[:, 1] = mn.astype("<f2").view(np.uint16)
+    v = np.subtract(P, np.repeat(mn, LANES)[None], out=P)  # three roundings, as C's (x - min) * id + 0.5f
+    v *= np.repeat(idv, LANES)[None]
+    v += np.float32(0.5)
+    return v.astype(np.uint8)
+
+
+def _q4_1(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray) -> bool:
+    q = _levels_from_min(x, P, lo, hi, 15.0, out)
+    if q is None:
+        return False
+    np.minimum(q, np.full((1, q.shape[1]), 15, dtype=np.uint8), out=q)  # MIN(15, ...)
+    _put_nibbles(out[:, 4:], q)
     return True
 
 
-_KERNELS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q5_0: _q5_0}
+def _q5_1(x: np.ndarray, P: np.ndarray, lo: np.ndarray, hi: np.ndarray, out: np.ndarray) -> bool:
+    q = _levels_from_min(x, P, lo, hi, 31.0, out)  # no clamp in ggml: below 32 anyway
+    if q is None:
+        return False
+    _put_five_bits(out[:, 4:], q)
+    return True
+
+
+_KERNELS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q5_0: _q5_0, T.Q4_1: _q4_1, T.Q5_1: _q5_1}
 
 
 def _torch_chunk(x: np.ndarray, qtype: T) -> np.ndarray:
@@ -190,13 +254,21 @@ def _torch_chunk(x: np.ndarray, qtype: T) -> np.ndarray:
 
     from . import legacy
 
-    fn = {T.Q8_0: legacy.quantize_q8_0, T.Q4_0: legacy.quantize_q4_0, T.Q5_0: legacy.quantize_q5_0}[qtype]
+    fn = {T.Q8_0: legacy.quantize_q8_0, T.Q4_0: legacy.quantize_q4_0, T.Q5_0: legacy.quantize_q5_0,
+          T.Q4_1: legacy.quantize_q4_1, T.Q5_1: legacy.quantize_q5_1}[qtype]
     return fn(torch.from_numpy(np.ascontiguousarray(x))).numpy()
 
 
 def quantize_chunk(c: np.ndarray, qtype: T, name: str, check_scales: bool, o: np.ndarray) -> None:
     """One chunk ``c`` (float32 blocks, (n, block size)) into ``o`` (uint8, (n, type size)), with
     :func:`quantize_rows`' errors."""
+    if qtype in KQUANT_TYPES:
+        if not np.isfinite(c).all():
+            raise ValueError(f"{name}: contains NaN/Inf values")
+        o[:] = npkquants.KERNELS[qtype](c)
+        if check_scales:
+            _check_fp16(o, qtype, name)
+        return
     kernel = _KERNELS[qtype]
     with np.errstate(all="ignore"):
         P = _groups(c)
@@ -205,14 +277,22 @@ def quantize_chunk(c: np.ndarray, qtype: T, name: str, check_scales: bool, o: np
             raise ValueError(f"{name}: contains NaN/Inf values")
         if not kernel(c, P, lo, hi, o):
             o[:] = _torch_chunk(c, qtype)
-    if check_scales and bool(((o[:, 1] & 0x7C) == 0x7C).any()):  # the fp16 d overflowed, as kernels checks
-        raise ValueError(f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
-                         "(llama-quantize rejects such data too)")
+    if check_scales:
+        _check_fp16(o, qtype, name)
+
+
+def _check_fp16(o: np.ndarray, qtype: T, name: str) -> None:
+    """Refuse blocks whose fp16 scale overflowed to inf: ggml's quantizers write them and llama-quantize then
+    fails ("quantized data validation failed"); such a GGUF would decode to inf/NaN."""
+    for at in FP16_FIELDS[qtype]:
+        if np.count_nonzero((o[:, at + 1] & 0x7C) == 0x7C):  # fp16 exponent all ones
+            raise ValueError(f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
+                             "(llama-quantize rejects such data too)")
 
 
 def quantize_rows(values: np.ndarray, qtype: T, name: str = "tensor", *, check_scales: bool = True,
                   n_workers: int | None = None) -> np.ndarray:
-    """``values`` (float32, any shape, rows of whole blocks) in ``qtype`` (one of NUMPY_TYPES) as uint8
+    """``values`` (float32, any shape, rows of whole blocks) in ``qtype`` (one of TORCH_FREE_TYPES) as uint8
     ``(..., bytes_per_row)``; the ValueErrors of :func:`.kernels.quantize` (NaN/Inf, fp16 scale overflow)."""
     qtype = T(qtype)
     bs, ts = GGML_QUANT_SIZES[qtype]
@@ -223,14 +303,14 @@ def quantize_rows(values: np.ndarray, qtype: T, name: str = "tensor", *, check_s
     x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, bs)
     nb = x.shape[0]
     out = np.empty((nb, ts), dtype=np.uint8)
-    step = CHUNK // bs
+    step = chunk_values(qtype) // bs
 
     def work(b0: int) -> None:
         quantize_chunk(x[b0:b0 + step], qtype, name, check_scales, out[b0:b0 + step])
 
     starts = range(0, nb, step)
     n_workers = min(n_workers or workers(), len(starts))
-    if n_workers > 1:  # numpy lets the GIL go inside each pass: threads share the chunks well
+    if n_workers > 1:  # numpy lets the GIL go inside each pass: threads share the chunks (the K-quants' less well)
         with ThreadPoolExecutor(max_workers=n_workers) as pool:
             for f in [pool.submit(work, b0) for b0 in starts]:
                 f.result()

@@ -1,4 +1,4 @@
-"""ggml's scale searches, vectorised over sub-blocks (columns of ``X``).
+"""ggml's scale searches, vectorised over sub-blocks (columns of ``X``), in torch for other devices than the CPU.
 
 ``make_qx_quants`` (rmse_type 1, with or without weights), ``make_q3_quants``,
 ``make_qkx2_quants`` (``make_qkx3_quants`` with weights is the same routine
@@ -7,6 +7,8 @@ K-quants' sub-block scales and mins) and the last rounding pass of the
 K-quant routines, byte-exact with ``ggml-quants.c``.  The candidate scales run one
 after the other over a few reused full-size buffers, updated in place; the
 small per-sub-block bookkeeping between them runs on :mod:`.vecops` vectors.
+On CPU each search runs :mod:`.npkquants`' numpy version on the tensors' memory
+(tests switch that off to run the torch code here).
 """
 
 from __future__ import annotations
@@ -17,28 +19,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import npkquants
 from .cfloat import _F32, _GROUP_MAX_EPS, _SAFE, _round_clamp_exact, _seq_sum, _seq_sum_from_first, _zeros, seq_sum_np
-from .legacy import _MAGIC, f32, first_absmax, first_min, nearest_int, rdiv, u8
-from . import vecops  # vecops._vec_ops looked up at call time: tests swap it for the torch path
+from .cnumpy import qkx2_candidates as _qkx2_candidates, qx_candidates as _qx_candidates
+from .legacy import f32, first_absmax, first_min, nearest_int, rdiv, u8
+from . import vecops  # vecops.numpy_path looked up at call time: tests switch it off to run the torch path
 from .vecops import _first_absmax_cols
-
-
-@functools.lru_cache(maxsize=None)
-def _qx_candidates(nmax: int) -> tuple[float, ...]:
-    """make_qx_quants' iscale numerators: -nmax, then -(nmax + 0.1*is) for is = -9..9, is != 0
-    (float32 arithmetic; numpy scalar ops cost a microsecond each, so once per process)."""
-    return (f32(-nmax),) + tuple(
-        float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _qkx2_candidates(nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[float, ...]:
-    """make_qkx2_quants' iscale numerators ``rmin + rdelta*is + nmax`` in float32."""
-    return tuple(
-        float(np.float32(np.float32(rmin) + np.float32(rdelta) * np.float32(step)) + np.float32(nmax))
-        for step in range(nstep + 1)
-    )
 
 
 def _make_qx_quants_rmse1(
@@ -56,7 +42,10 @@ def _make_qx_quants_rmse1(
     recomputes it anyway wherever the final sub-block scale is nonzero (see
     :func:`_final_levels`).
     """
-    v = vecops._vec_ops(X)
+    if vecops.numpy_path(X):
+        scale, levels = npkquants.make_qx_quants_rmse1(X.numpy(), nmax, None if W is None else W.numpy())
+        return torch.from_numpy(scale), lambda: torch.from_numpy(levels())
+    v = vecops._TorchVec
     ns = X.shape[1]
     amax, mx, lo, hi = _first_absmax_cols(X, v)
     zero_v = amax < _GROUP_MAX_EPS
@@ -116,7 +105,7 @@ def _make_qx_quants_rmse1(
 
 def _make_q3_quants(X: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``X``, in torch (other devices than
-    the CPU, where :func:`_make_q3_quants_np` runs)."""
+    the CPU, where :func:`.npkquants.make_q3_quants` runs)."""
     amax, mx = first_absmax(X, 0)
     zero = amax < _GROUP_MAX_EPS
     iscale = rdiv(f32(-nmax), mx)
@@ -164,131 +153,6 @@ def _q3_refine_torch(X, W, WX, L, Lf, sumlx, suml2, nmax: int):
     return torch.stack(rows), sumlx, suml2
 
 
-def _clip_np(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """np.clip without its per-call dtype checks (a tenth of this loop's time)."""
-    return np.minimum(np.maximum(a, lo, out=a), hi, out=a)
-
-
-def _nearest_int_np(f: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """``MAX(lo, MIN(hi, nearest_int(f)))`` in place: ``f``'s buffer, returned as int32."""
-    f += np.float32(_MAGIC)
-    i = f.view(np.int32)
-    i &= 0x007FFFFF
-    i -= 0x00400000
-    return _clip_np(i, lo, hi)
-
-
-_Q3_BLOCK = 4096  # columns of the every-row test at a time: its (16, block) temporaries stay in L2
-
-
-def _make_q3_quants_np(X: np.ndarray, amax: np.ndarray, mx: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_q3_quants for every column of the float32 (n, n_sub) ``X`` on CPU, given each column's absolute
-    maximum and first element of that magnitude: (scale, L as int32 in [0, 2*nmax)).
-
-    C's refinement visits the elements of a sub-block one after the other, up to five passes, and an element
-    moves only if that lowers the error; the sums it tests against change only when one moves. So each pass
-    first tests every element at once against the sums the pass starts with (:func:`_q3_movable`): a sub-block
-    where none would move is settled, and C's loop stops there. The element-by-element loop then runs over the
-    rest, about a fifth of a random matrix's sub-blocks in the first pass and fewer after. Each element's terms
-    of the two sums (``w*x*L`` and ``w*L*L``, w = x*x) are kept rather than recomputed at every visit."""
-    with np.errstate(all="ignore"):  # all-zero columns (inf scale; zeroed at the end) and C's slx == 0 cases
-        zero = amax < _GROUP_MAX_EPS
-        iscale = np.divide(np.float32(-nmax), mx)
-        L = _nearest_int_np(X * iscale[None], -nmax, nmax - 1)
-        Lf = L.astype(np.float32)
-        W = X * X
-        WX = W * X
-        T1 = WX * Lf  # w*x*L, element by element
-        T2 = W * Lf
-        T2 *= Lf  # w*L*L
-        sumlx, suml2 = seq_sum_np(T1), seq_sum_np(T2)
-        _q3_refine_np(X, W, WX, Lf, T1, T2, sumlx, suml2, nmax)
-        scale = np.where(suml2 > 0, np.divide(sumlx, suml2), np.float32(0.0))
-    scale[zero] = 0.0
-    L = Lf.astype(np.int32)
-    L += nmax
-    L[:, zero] = 0
-    return scale, L
-
-
-def _q3_movable(X, T1, T2, Lf, sumlx, suml2, cols: np.ndarray, nmax: int) -> np.ndarray:
-    """Which of ``cols`` hold an element that C's next pass would try to move: ``slx > 0`` and a new level
-    other than its own, against the sums as they are (the same float32 operations as :func:`_q3_refine_np`'s
-    loop)."""
-    full = len(cols) == X.shape[1]
-    found = np.empty(len(cols), dtype=bool)
-    for b0 in range(0, len(cols), _Q3_BLOCK):
-        idx = slice(b0, b0 + _Q3_BLOCK) if full else cols[b0:b0 + _Q3_BLOCK]
-        pick = (lambda A: A[:, idx]) if full else (lambda A: np.take(A, idx, axis=1))  # take: 2.5x A[:, idx]
-        slx = np.subtract(sumlx[idx][None], pick(T1))
-        sl2 = np.subtract(suml2[idx][None], pick(T2))
-        sl2 *= pick(X)
-        sl2 /= slx
-        new_l = _nearest_int_np(sl2, -nmax, nmax - 1).astype(np.float32)
-        move = new_l != pick(Lf)
-        move &= slx > 0
-        found[b0:b0 + _Q3_BLOCK] = move.any(axis=0)
-    return cols[found]
-
-
-def _q3_refine_np(X, W, WX, Lf, T1, T2, sumlx, suml2, nmax: int) -> None:
-    """make_q3_quants' refinement passes, in place on ``Lf`` (levels as float32, C-contiguous) and the sums,
-    for the columns some pass can change (see :func:`_make_q3_quants_np`). Each pass gathers its columns
-    from the previous pass's, and writes its levels and sums back."""
-    n, n_sub = X.shape
-    arrays, sums = (X, W, WX, Lf, T1, T2), (sumlx, suml2)
-    origin = np.arange(n_sub)  # the columns of ``arrays`` in X
-    keep = origin
-    for _itry in range(5):
-        cols = _q3_movable(arrays[0], arrays[4], arrays[5], arrays[3], *sums, keep, nmax)
-        if not len(cols):
-            break
-        Xc, Wc, WXc, Lc, T1c, T2c = (np.take(A, cols, axis=1) for A in arrays)
-        sx, s2 = (s[cols] for s in sums)
-        origin = origin[cols]
-        m = len(cols)
-        slx, sl2, q, new, n1, n2, slx2, sl22, a, b = np.empty((10, m), dtype=np.float32)
-        upd, ok = np.empty((2, m), dtype=bool)
-        changed = np.zeros(m, dtype=bool)
-        # constants as arrays: numpy's int32 maximum/minimum with a scalar operand cost 2.5x more per call
-        magic, lo, hi = np.full(m, _MAGIC, np.float32), np.full(m, -nmax, np.int32), np.full(m, nmax - 1, np.int32)
-        qi = q.view(np.int32)
-        sub, mul, add, gt, copyto = np.subtract, np.multiply, np.add, np.greater, np.copyto  # bound once
-        for i in range(n):
-            sub(sx, T1c[i], out=slx)
-            sub(s2, T2c[i], out=sl2)
-            mul(Xc[i], sl2, out=q)
-            q /= slx
-            q += magic  # nearest_int, clamped
-            qi &= 0x007FFFFF
-            qi -= 0x00400000
-            np.maximum(qi, lo, out=qi)
-            np.minimum(qi, hi, out=qi)
-            copyto(new, qi, casting="unsafe")
-            np.not_equal(new, Lc[i], out=upd)
-            upd &= gt(slx, 0, out=ok)
-            if not upd.any():
-                continue
-            mul(WXc[i], new, out=n1)
-            add(slx, n1, out=slx2)
-            mul(Wc[i], new, out=n2)
-            n2 *= new
-            add(sl2, n2, out=sl22)
-            upd &= gt(sl22, 0, out=ok)
-            mul(slx2, slx2, out=a)
-            a *= s2
-            mul(sx, sx, out=b)
-            b *= sl22
-            upd &= gt(a, b, out=ok)  # slx*slx*suml2 > sumlx*sumlx*sl2, C's order
-            at = np.flatnonzero(upd)  # a tenth of the columns or fewer: indexing beats masked copies
-            Lc[i, at], T1c[i, at], T2c[i, at], sx[at], s2[at] = new[at], n1[at], n2[at], slx2[at], sl22[at]
-            changed[at] = True
-        Lf.reshape(-1)[(np.arange(n)[:, None] * n_sub + origin).ravel()] = Lc.ravel()  # 2.5x Lf[:, origin] = Lc
-        sumlx[origin], suml2[origin] = sx, s2
-        arrays, sums = (Xc, Wc, WXc, Lc, T1c, T2c), (sx, s2)
-        keep = np.flatnonzero(changed)  # a pass that changed nothing: C stops there
-
-
 def _make_qkx2_quants(
     X: torch.Tensor, W: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool,
     zero_sign: bool = False,
@@ -306,12 +170,14 @@ def _make_qkx2_quants(
     remember (iscale, min) of the winning candidate and recompute L once.
     Each candidate is four in-place passes for the levels, three sums of
     products and four passes for the error, over two reused (n, n_sub) buffers;
-    its per-sub-block arithmetic writes into vectors made once (see
-    :class:`_NumpyVec`).
+    its per-sub-block arithmetic writes into vectors made once.
     """
+    if vecops.numpy_path(X):
+        SM, levels = npkquants.make_qkx2_quants(X.numpy(), W.numpy(), nmax, rmin, rdelta, nstep, use_mad, zero_sign)
+        return torch.from_numpy(SM), lambda: torch.from_numpy(levels())
     # The sign of a zero min/max never reaches the output (levels, errors and the
     # 6-bit min codes come out the same), so no first-index scan is needed.
-    v = vecops._vec_ops(X)
+    v = vecops._TorchVec
     ns = X.shape[1]
     xmin, mx = v.col_min(X), v.col_max(X)
     La = torch.empty_like(X)  # levels of the current candidate
@@ -427,6 +293,9 @@ def _final_levels(Y: torch.Tensor, dl: torch.Tensor, lo: int, hi: int, offset: i
     of the search (``search_levels()``, already offset), which are computed
     only when such a sub-block exists.
     """
+    if vecops.numpy_path(Y):
+        return torch.from_numpy(npkquants.final_levels(Y.numpy(), dl.numpy(), lo, hi, offset,
+                                                       lambda: search_levels().numpy()))
     nz = dl != 0
     all_nz = bool(nz.all())
     Q = torch.div(Y, (dl if all_nz else torch.where(nz, dl, torch.ones_like(dl)))[None])

@@ -1,17 +1,15 @@
-"""Per-sub-block vector ops of the search loops, for numpy (CPU) and torch (other devices).
+"""Per-sub-block vector ops of the torch search loops (:mod:`.search`, other devices than the CPU).
 
-The full-size (n, n_sub) elementwise work of the searches in :mod:`.search`
-stays in torch; the many small per-candidate vector ops (one value per
-sub-block) go through :func:`_vec_ops`, which picks :class:`_NumpyVec` on CPU
-(a third of torch's per-call overhead) and :class:`_TorchVec` elsewhere.
+On CPU the searches run in numpy (:mod:`.npkquants`, a third of torch's per-call overhead on the many small
+per-candidate vector ops): :func:`numpy_path` says which, and the tests switch it off to run the torch code on
+CPU too.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from .cfloat import _EINSUM_EXACT, _F32, _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _seq_sum
+from .cfloat import _F32, _seq_sum
 from .legacy import first_absmax, rdiv
 
 
@@ -27,79 +25,6 @@ class _VecCommon:
     @staticmethod
     def amin(v) -> float:
         return float(v.min())
-
-
-class _NumpyVec(_VecCommon):
-    """Vector (one value per sub-block) ops of the search loops on CPU.
-
-    The full-size (n, n_sub) elementwise work stays in torch; the sums of
-    products run as numpy ``einsum`` (one pass, no temporary), and the many
-    small per-candidate vector ops run in numpy, whose per-call overhead is a
-    fraction of torch's.  At a few thousand values a vector op costs little
-    more than its call, so the loops write into buffers made once (``out=``)
-    and the big ops read them through (1, n_sub) torch views made once
-    (:meth:`bcast`).  Every op is one IEEE float32 operation either way (numpy
-    2 keeps Python scalars float32).  Sums run row after row, as the C loops do.
-    """
-
-    where = staticmethod(np.where)
-    maximum = staticmethod(np.maximum)
-    abs = staticmethod(np.abs)
-    mul = staticmethod(np.multiply)
-    sub = staticmethod(np.subtract)
-    neg = staticmethod(np.negative)
-    div = staticmethod(np.divide)
-    copy = staticmethod(np.copyto)  # copy(dst, src)
-    put = staticmethod(np.putmask)  # put(dst, mask, src): dst[mask] = src[mask] (or the scalar)
-    vec = staticmethod(lambda t: t.numpy())  # torch (CPU) -> vector, shared memory
-    contig = staticmethod(np.ascontiguousarray)
-    imin = staticmethod(np.minimum)
-    f32 = staticmethod(lambda a: a.astype(np.float32))
-    t = staticmethod(torch.from_numpy)  # vector -> torch, shared memory
-    bcast = staticmethod(lambda r: torch.from_numpy(r[None]))  # vector -> (1, n) torch view
-    arr = staticmethod(lambda T: T.numpy())  # (n, n_sub) torch -> what dot/dot3 take, shared memory
-    clone = staticmethod(np.copy)
-    gt = staticmethod(np.greater)
-
-    @staticmethod
-    def empty(shape, ref: torch.Tensor) -> np.ndarray:
-        return np.empty(shape, dtype=np.float32)
-
-    @staticmethod
-    def bools(shape, ref: torch.Tensor) -> np.ndarray:
-        return np.empty(shape, dtype=bool)
-
-    @staticmethod
-    def last_true(B: np.ndarray) -> np.ndarray:
-        """Per column, the index (< 128) of the last True row; B[0] is all True.  A max
-        over dim 0 in int8, which numpy reduces row by row (argmax along it is slow)."""
-        rows = np.arange(B.shape[0], dtype=np.int8)[:, None]
-        return np.maximum.reduce(B.view(np.int8) * rows, axis=0).astype(np.int64)
-
-    @staticmethod
-    def consts(values, ref: torch.Tensor) -> np.ndarray:
-        return np.array(values, dtype=np.float32)
-
-    @staticmethod
-    def any(m: np.ndarray) -> bool:
-        return np.count_nonzero(m) > 0  # several times quicker than ndarray.any() here
-
-    @staticmethod
-    def take(V: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """``V[idx[j], j]`` for every column j (a flat take: take_along_axis is slower)."""
-        n = V.shape[1]
-        return V.reshape(-1).take(idx * n + np.arange(n))
-
-    dot = staticmethod(_dot_einsum if _EINSUM_EXACT else _dot_reduce)
-    dot3 = staticmethod(_dot3_einsum if _EINSUM_EXACT else _dot3_reduce)
-
-    @staticmethod
-    def col_min(T: torch.Tensor) -> np.ndarray:  # torch's reductions along dim 0 are slow
-        return np.minimum.reduce(T.numpy(), axis=0)
-
-    @staticmethod
-    def col_max(T: torch.Tensor) -> np.ndarray:
-        return np.maximum.reduce(T.numpy(), axis=0)
 
 
 class _TorchVec(_VecCommon):
@@ -157,8 +82,9 @@ class _TorchVec(_VecCommon):
         return out.copy_(_seq_sum((A * B).mul_(C)))
 
 
-def _vec_ops(X: torch.Tensor):
-    return _NumpyVec if X.device.type == "cpu" else _TorchVec
+def numpy_path(X: torch.Tensor) -> bool:
+    """Whether a search on ``X`` runs :mod:`.npkquants`' numpy code (on the CPU tensor's memory)."""
+    return X.device.type == "cpu"
 
 
 def _first_absmax_cols(X: torch.Tensor, v):

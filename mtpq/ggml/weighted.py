@@ -31,10 +31,11 @@ from __future__ import annotations
 import torch
 
 from . import kquants as kq
-from .cfloat import _from_sub_blocks, _seq_sum, _sub_blocks
+from .cfloat import _cat, _from_sub_blocks, _seq_sum, _sub_blocks
 from .iq4 import quantize_iq4_nl as _iq4_nl, quantize_iq4_xs as _iq4_xs
 from .search import _final_levels, _make_qkx2_quants, _make_qx_quants_rmse1, make_qp_quants
 from .legacy import _qh_pack, div, fp16_bits, fp16_round, sqrt_f32, u8
+from .npkquants import pack_2bit, pack_k4_scales
 
 _F32 = torch.float32
 QK_K = 256
@@ -110,7 +111,7 @@ def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
     ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
     L = _final_levels(X + ml[None], dl, 0, 3, 0, levels)
-    qs = kq._pack_2bit(_from_sub_blocks(L, nb))
+    qs = u8(pack_2bit(_from_sub_blocks(L, nb)))
     return torch.cat([u8(sbyte), qs, fp16_bits(dm), fp16_bits(mm)], dim=1)
 
 
@@ -136,7 +137,7 @@ def quantize_q3_k(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     high = (Lb > 3).to(torch.int32)
     Lb = Lb - 4 * high
     hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
-    return torch.cat([hmask, kq._pack_2bit(Lb), sb, fp16_bits(d_block)], dim=1)
+    return torch.cat([hmask, u8(pack_2bit(Lb)), sb, fp16_bits(d_block)], dim=1)
 
 
 def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool):
@@ -150,7 +151,7 @@ def _quantize_q45_k(x: torch.Tensor, qw: torch.Tensor, nmax: int, clamp63: bool)
     ls, lm = Ls.t(), Lm.t()
     if clamp63:
         ls, lm = ls.clamp(max=63), lm.clamp(max=63)
-    packed = kq._pack_k4_scales(ls, lm)
+    packed = u8(_cat(pack_k4_scales(ls, lm)))
     sc, mn = kq._k4_scale_min(packed)  # what the C code reads back (get_scale_min_k4)
     dl = (fp16_round(d_block)[:, None] * sc.to(_F32)).reshape(-1)
     ml = (fp16_round(m_block)[:, None] * mn.to(_F32)).reshape(-1)

@@ -39,7 +39,7 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
         if spec.stored_at is not None and spec.source_type in _NUMPY_SOURCES and spec.ggml_type != spec.source_type:
             # workers read their chunks from the file and quantize them in cache (no whole-tensor read first);
             # numpy's types without torch, the others through kernels (their weights checked, tables built)
-            if spec.ggml_type in from_file.SEARCH_TYPES:
+            if spec.ggml_type in from_file.SEARCH_TYPES and not from_file.torch_free(spec.ggml_type, spec.importance):
                 from ..ggml.kernels import quantize_stored
             else:
                 quantize_stored = from_file.quantize_stored
@@ -88,11 +88,12 @@ def _whole_float(spec: TensorSpec) -> bool:
 
 
 def _numpy_only(spec: TensorSpec) -> bool:
-    """A float GGUF tensor read whole, of a type :mod:`mtpq.ggml.npquant` writes."""
-    from ..ggml.npquant import NUMPY_TYPES
+    """A float GGUF tensor read whole, of a type :mod:`mtpq.ggml.npquant` writes: the legacy types, and the
+    K-quants on one worker (on more, the forked pool runs their search loops, which threads would serialise)."""
+    from ..ggml import npquant
 
-    return (spec.ggml_type in NUMPY_TYPES and _whole_float(spec)
-            and (spec.importance is None or spec.ggml_type == GGMLQuantizationType.Q8_0))  # Q8_0 has no imatrix path
+    return (from_file.torch_free(spec.ggml_type, spec.importance) and _whole_float(spec)
+            and (spec.ggml_type in npquant.NUMPY_TYPES or npquant.workers() < 2))
 
 
 def _float_values(spec: TensorSpec) -> np.ndarray:

@@ -133,9 +133,23 @@ def test_i_quants_without_importance_fail_as_the_kernel_does(tmp_path):
         stored(path, T.F32, values.shape, T.IQ2_XXS)
 
 
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_k_quants_without_kernels(tmp_path, qtype):
+    """The K-quants without importance weights: from_file takes them itself (numpy's kernels in the workers, no
+    torch needed), with the bytes of the one-process kernel."""
+    g = torch.Generator().manual_seed(int(qtype))
+    values = torch.randn(24, 1024, generator=g) * torch.rand(24, 1, generator=g) * 4
+    values[5, 256:512] = 0.0  # an all-zero super-block
+    path, v = stored_file(tmp_path, values, T.BF16)
+    with pool_of(2):
+        out = from_file.quantize_stored(path, HEADER, T.BF16, (24, 1024), qtype, "blk.0.w",
+                                        lambda n: (np.full(n, 0xEE, dtype=np.uint8), None))
+    assert out is not None and np.array_equal(out, one_process(v.float(), qtype))
+
+
 def test_left_to_the_in_process_path(tmp_path):
     """None, nothing done: one worker, no pool scope, Q4_0 with importance weights (the row mean square comes
-    first), a float output type, a K-quant not passed through kernels (its weights unchecked)."""
+    first), a float output type, a K-quant with importance weights not passed through kernels (unchecked)."""
     values = torch.randn(4, 256, generator=torch.Generator().manual_seed(6))
     path, _ = stored_file(tmp_path, values, T.F32)
     assert stored(path, T.F32, values.shape, T.Q8_0, workers=1) is None
@@ -146,7 +160,8 @@ def test_left_to_the_in_process_path(tmp_path):
     try:
         assert from_file.quantize_stored(path, HEADER, T.F32, (4, 256), T.Q8_0, "w", lambda n: 1 / 0) is None
         with pool.scope():
-            assert from_file.quantize_stored(path, HEADER, T.F32, (4, 256), T.Q6_K, "w", lambda n: 1 / 0) is None
+            assert from_file.quantize_stored(path, HEADER, T.F32, (4, 256), T.Q6_K, "w", lambda n: 1 / 0,
+                                             importance=np.ones(256, dtype=np.float32)) is None
     finally:
         npquant._workers["n"] = saved
         torch.set_num_threads(threads)

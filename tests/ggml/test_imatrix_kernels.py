@@ -80,7 +80,7 @@ def test_importance_in_small_chunks_and_workers(qtype, inputs, importance, monke
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q6_K, T.IQ4_NL], ids=lambda t: t.name)
 def test_importance_generic_torch_path(qtype, inputs, importance, monkeypatch):
-    monkeypatch.setattr(vecops, "_vec_ops", lambda X: vecops._TorchVec)
+    monkeypatch.setattr(vecops, "numpy_path", lambda X: False)
     ref = _load(f"{qtype.name}_imatrix.npz")
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False, importance=importance[case])

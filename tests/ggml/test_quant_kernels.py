@@ -74,7 +74,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from mtpq.ggml import cfloat, iquants, kernels, legacy, npquant, vecops
+from mtpq.ggml import cnumpy, iquants, kernels, legacy, npquant, vecops
 from mtpq.ggml.kernels import SUPPORTED_TYPES, block_size, bytes_per_row, dequantize, quantize
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden_quants"
@@ -134,7 +134,8 @@ def test_golden_bytes(qtype, case, inputs):
 def test_torch_legacy_kernels_match_the_numpy_ones(qtype, inputs):
     """On CPU these types run in numpy (npquant); legacy's torch kernels remain for other devices and for
     the chunks numpy hands back (deep-subnormal scales): both give ggml's bytes."""
-    fn = {T.Q8_0: legacy.quantize_q8_0, T.Q4_0: legacy.quantize_q4_0, T.Q5_0: legacy.quantize_q5_0}[qtype]
+    fn = {T.Q8_0: legacy.quantize_q8_0, T.Q4_0: legacy.quantize_q4_0, T.Q5_0: legacy.quantize_q5_0,
+          T.Q4_1: legacy.quantize_q4_1, T.Q5_1: legacy.quantize_q5_1}[qtype]
     for case, x in inputs.items():
         ref = golden(qtype)[case]
         blocks = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(-1, block_size(qtype)))
@@ -235,7 +236,7 @@ SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 @pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_generic_torch_path(qtype, inputs, monkeypatch):
     """The all-torch bookkeeping used on CUDA gives the same bytes (run here on CPU)."""
-    monkeypatch.setattr(vecops, "_vec_ops", lambda X: vecops._TorchVec)
+    monkeypatch.setattr(vecops, "numpy_path", lambda X: False)
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
         assert np.array_equal(ours, golden(qtype)[case]), case
@@ -244,8 +245,8 @@ def test_golden_bytes_generic_torch_path(qtype, inputs, monkeypatch):
 @pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)
 def test_golden_bytes_without_einsum(qtype, inputs, monkeypatch):
     """The fallback for numpy builds whose einsum fuses (multiply, then row-by-row sum)."""
-    monkeypatch.setattr(vecops._NumpyVec, "dot", staticmethod(cfloat._dot_reduce))
-    monkeypatch.setattr(vecops._NumpyVec, "dot3", staticmethod(cfloat._dot3_reduce))
+    monkeypatch.setattr(cnumpy.Dots, "dot", staticmethod(cnumpy.dot_reduce))
+    monkeypatch.setattr(cnumpy.Dots, "dot3", staticmethod(cnumpy.dot3_reduce))
     for case in CASES:
         ours = quantize(torch.from_numpy(inputs[case]), qtype, case, check_scales=False)
         assert np.array_equal(ours, golden(qtype)[case]), case
@@ -253,7 +254,7 @@ def test_golden_bytes_without_einsum(qtype, inputs, monkeypatch):
 
 def test_einsum_probe():
     """The probe accepts this numpy's einsum and rejects fused, pairwise or float64 variants."""
-    assert cfloat._einsum_is_exact()
+    assert cnumpy.einsum_is_exact()
     real = np.einsum
 
     def wide(spec, *ops):  # products and sums in float64, rounded once: what an FMA build does, roughly
@@ -263,8 +264,8 @@ def test_einsum_probe():
         return real(spec, *(o[::-1] for o in ops))
 
     for fake in (wide, backwards):
-        assert not cfloat._einsum_is_exact(fake), fake.__name__
-    assert cfloat._einsum_is_exact(real)
+        assert not cnumpy.einsum_is_exact(fake), fake.__name__
+    assert cnumpy.einsum_is_exact(real)
 
 
 def test_leading_dims_and_input_dtypes(inputs):

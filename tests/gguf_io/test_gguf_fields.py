@@ -60,11 +60,36 @@ def test_a_truncated_string_array_is_refused(meta_file, tmp_path):
                                   ["quantize", "{f}", "{out}", "Q4_0", "--pure", "--threads", "2", "--quiet"]])
 def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
     """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine),
-    nor does quantizing a float GGUF to the types numpy writes alone (mtpq.ggml.npquant)."""
+    nor does quantizing a float GGUF to the types numpy writes alone (mtpq.ggml.npquant: Q8_0/Q4_0/Q5_0 and
+    the K-quants without an imatrix: see the next test)."""
     argv = [a.format(f=meta_file, out=tmp_path / "o.gguf") for a in args]
+    assert _run_cli(argv) == "0 NO TORCH"
+
+
+@pytest.mark.parametrize("mix,threads,types", [("Q4_K_M", "2", {"Q4_K", "Q6_K"}), ("Q3_K_S", "1", {"Q3_K"}),
+                                               ("Q2_K", "2", {"Q2_K", "Q3_K"}), ("Q5_K_S", "2", {"Q5_K"})])
+def test_k_quants_start_without_torch(tmp_path, mix, threads, types):
+    """Nor do the K-quants without an imatrix (mtpq.ggml.npkquants), in the forked workers or in process."""
+    src, out = tmp_path / "k.gguf", tmp_path / "o.gguf"
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_block_count(1)
+    g = np.random.default_rng(7)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "output.weight"):
+        w.add_tensor(name, (g.standard_normal((8, 512)) * 0.02).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert _run_cli(["quantize", str(src), str(out), mix, "--threads", threads, "--quiet"]) == "0 NO TORCH"
+    assert types <= {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+
+
+def _run_cli(argv: list[str]) -> str:
+    """``mtpq ARGV`` in a fresh interpreter: its exit code, and whether torch was imported."""
     code = ("import sys\nfrom mtpq.cli import app\nsys.argv = ['mtpq', *sys.argv[1:]]\nrc = 0\n"
             "try:\n    app()\nexcept SystemExit as e:\n    rc = e.code or 0\n"
             "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO TORCH')")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert proc.stdout.strip().splitlines()[-1] == "0 NO TORCH", proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if lines else proc.stderr[-2000:]

@@ -10,10 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..legacy import div, f32, fp16_bits, nearest_int, rdiv, sqrt_f32
-from ..cfloat import (
-    _dot3_einsum, _dot3_reduce, _dot_einsum, _dot_reduce, _EINSUM, _EINSUM_EXACT, _seq_sum, seq_sum_np as
-    _seq_sum_np,
-)
+from ..cfloat import _seq_sum
+from ..cnumpy import _EINSUM, Dots, seq_sum as _seq_sum_np
 from .tables import _device_tables, _F32, _grid, GROUP_MAX_EPS, GROUP_MAX_EPS_IQ3_XXS, QK_K, T
 
 
@@ -181,7 +179,7 @@ def _make_qp_quants_np(nmax: int, X: np.ndarray, W: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- the grid search on CPU
 
 _U = 2.0 ** -24  # float32 unit roundoff
-_DOT, _DOT3 = (_dot_einsum, _dot3_einsum) if _EINSUM_EXACT else (_dot_reduce, _dot3_reduce)
+_DOT, _DOT3 = Dots.dot, Dots.dot3
 
 
 _WIDTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)  # padded neighbour-list lengths
