@@ -1,4 +1,4 @@
-"""ggml-exact IQ4_NL / IQ4_XS in torch.
+"""ggml-exact IQ4_NL / IQ4_XS in torch, for every device (numpy's on CPU: :mod:`.npiq4`).
 
 ``quantize_iq4_nl`` / ``quantize_iq4_xs`` (``quantize_row_iq4_nl_impl`` with
 ``ntry = 7``), with or without importance weights (see :mod:`.weighted`),
@@ -10,23 +10,14 @@ from __future__ import annotations
 import torch
 
 from .cfloat import _F32, _GROUP_MAX_EPS, QK_K, _seq_sum, _sub_blocks, _zeros
+from . import npiq4, vecops
 from .legacy import cst, div, first_absmax, fp16_bits, from_fp16_bytes, nearest_int, rdiv, u8
+from .npiq4 import IQ4_LUT as _IQ4_LUT, KVALUES_IQ4NL
 
 __all__ = ["quantize_iq4_nl", "quantize_iq4_xs", "dequantize_iq4_nl", "dequantize_iq4_xs"]
 
-KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
 def _kvalues(device) -> torch.Tensor:
     return torch.tensor(KVALUES_IQ4NL, dtype=_F32, device=device)
-
-
-# ggml's best_index_int8 picks kv[k] over kv[k+1] iff v - kv[k] < kv[k+1] - v.  Near
-# the midpoint both differences are exact in float32, so this is v < (kv[k]+kv[k+1])/2
-# exactly; the midpoints are multiples of 0.5, hence the index only depends on
-# floor(2v), and a 512-entry table over floor(2v) in [-256, 255] gives it.
-_IQ4_SUMS = [KVALUES_IQ4NL[k] + KVALUES_IQ4NL[k + 1] for k in range(15)]
-_IQ4_LUT = [sum(1 for s2 in _IQ4_SUMS if s2 <= t) for t in range(-256, 256)]
 
 
 def _iq4_slot(v: torch.Tensor) -> torch.Tensor:
@@ -91,6 +82,7 @@ def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
     return u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(L.shape[0], -1)
 
 
+@vecops.cpu_runs(npiq4.quantize_iq4_nl)
 def quantize_iq4_nl(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
     """``W``: the weights in the layout of ``x.t()`` (see :mod:`.weighted`), x*x when None."""
     X = x.t().contiguous()  # (32, nb)
@@ -100,6 +92,7 @@ def quantize_iq4_nl(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Ten
     return torch.cat([fp16_bits(d), _pack_iq4(L)], dim=1)
 
 
+@vecops.cpu_runs(npiq4.quantize_iq4_xs)
 def quantize_iq4_xs(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
     """``W``: the weights in the layout of ``_sub_blocks(x, 32)``, x*x when None."""
     nb = x.shape[0]

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import from_file, malloc, npkquants, npquant, pool
+from . import from_file, malloc, npiq4, npkquants, npquant, pool
 from . import cnumpy, iq4, iquants, kquants, legacy, mxfp4, weighted
 from .types import WRITABLE_TYPES
 
@@ -72,8 +72,8 @@ _KERNELS: dict[GGMLQuantizationType, tuple[Callable, Callable, int, int]] = {
     T.Q4_K: (kquants.quantize_q4_k, kquants.dequantize_q4_k, npkquants.CHUNK[T.Q4_K], _M),
     T.Q5_K: (kquants.quantize_q5_k, kquants.dequantize_q5_k, npkquants.CHUNK[T.Q5_K], _M),
     T.Q6_K: (kquants.quantize_q6_k, kquants.dequantize_q6_k, npkquants.CHUNK[T.Q6_K], _M),
-    T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.dequantize_iq4_nl, 64 * _K, 64 * _K),
-    T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.dequantize_iq4_xs, 64 * _K, 64 * _K),
+    T.IQ4_NL: (iq4.quantize_iq4_nl, iq4.dequantize_iq4_nl, npiq4.CHUNK[T.IQ4_NL], 64 * _K),
+    T.IQ4_XS: (iq4.quantize_iq4_xs, iq4.dequantize_iq4_xs, npiq4.CHUNK[T.IQ4_XS], 64 * _K),
     # i-quants: kernel(blocks, importance (n_blocks, 256) or None); see iquants.REQUIRES_WEIGHTS.
     # IQ2_XXS/IQ3_XXS: the fastest of 2**14..2**19 on one core (their search holds all candidates at once)
     T.IQ2_XXS: (iquants.quantize_iq2_xxs, iquants.dequantize_iq2_xxs, 128 * _K, 128 * _K),
@@ -125,7 +125,7 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # byte offsets of the fp16 scale fields llama-quantize validates (ggml_validate_row_data)
 _FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     **npquant.FP16_FIELDS,
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
+    T.IQ2_XXS: (0,), T.IQ3_XXS: (0,),
     T.IQ2_XS: (0,), T.IQ3_S: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (),
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = FLOAT_TYPES + tuple(_KERNELS)

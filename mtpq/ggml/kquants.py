@@ -14,8 +14,6 @@ IQ4_XS are in :mod:`.iq4`.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -35,19 +33,7 @@ __all__ = [
 ]
 
 
-def _on_cpu(kernel):
-    """``kernel`` (torch) runs :mod:`.npkquants`' numpy twin on a CPU tensor's memory instead."""
-    numpy_kernel = getattr(npkquants, kernel.__name__)
-
-    def run(x: torch.Tensor, **weights):
-        if vecops.numpy_path(x):
-            return torch.from_numpy(numpy_kernel(x.numpy(), **{k: w if w is None else w.numpy() for k, w in weights.items()}))
-        return kernel(x, **weights)
-
-    return functools.wraps(kernel)(run)
-
-
-@_on_cpu
+@vecops.cpu_runs(npkquants.quantize_q2_k)
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
@@ -71,7 +57,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
 
 
-@_on_cpu
+@vecops.cpu_runs(npkquants.quantize_q3_k)
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
@@ -117,7 +103,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     return head, _from_sub_blocks(L, nb)
 
 
-@_on_cpu
+@vecops.cpu_runs(npkquants.quantize_q4_k)
 def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     head, Lb = _quantize_q45_k(x, 15, -1.0, 20)
     q = Lb.view(-1, 4, 2, 32)
@@ -125,7 +111,7 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qs], dim=1)
 
 
-@_on_cpu
+@vecops.cpu_runs(npkquants.quantize_q5_k)
 def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     head, Lb = _quantize_q45_k(x, 31, -0.5, 15)
     q = Lb.view(-1, 4, 2, 32)
@@ -136,7 +122,7 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh, qs], dim=1)
 
 
-@_on_cpu
+@vecops.cpu_runs(npkquants.quantize_q6_k)
 def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize_row_q6_K_ref``, or ``quantize_row_q6_K_impl`` with importance weights
     ``qw_sub`` (in the layout of ``_sub_blocks(x, 16)``): the same search with them as its weights."""

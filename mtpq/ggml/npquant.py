@@ -1,4 +1,5 @@
-"""Quantization without torch: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 here, the K-quants Q2_K-Q6_K from :mod:`.npkquants`.
+"""Quantization without torch: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 here, the K-quants Q2_K-Q6_K from :mod:`.npkquants`
+and IQ4_NL / IQ4_XS from :mod:`.npiq4`.
 
 The same bytes as :mod:`.legacy`'s and :mod:`.kquants`' torch kernels.
 
@@ -23,23 +24,26 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import malloc, npkquants
+from . import malloc, npiq4, npkquants
 
 T = GGMLQuantizationType
 NUMPY_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1})
-KQUANT_TYPES = frozenset(npkquants.KERNELS)  # without importance weights (those searches are torch's)
-TORCH_FREE_TYPES = NUMPY_TYPES | KQUANT_TYPES
+# the search types without importance weights (those searches are torch's)
+_SEARCH_KERNELS = {**npkquants.KERNELS, **npiq4.KERNELS}
+_SEARCH_CHUNK = {**npkquants.CHUNK, **npiq4.CHUNK}
+NUMPY_SEARCH_TYPES = frozenset(_SEARCH_KERNELS)
+TORCH_FREE_TYPES = NUMPY_TYPES | NUMPY_SEARCH_TYPES
 CHUNK = 1 << 18  # values per chunk: its temporaries (~5 MB) stay in L2/L3
 # where each type's fp16 scales lie in a block: an exponent of all ones (inf/NaN) is refused, as llama-quantize does
 FP16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }
 
 
 def chunk_values(qtype: T) -> int:
     """Values a worker quantizes at a time."""
-    return CHUNK if qtype in NUMPY_TYPES else npkquants.CHUNK[qtype]
+    return CHUNK if qtype in NUMPY_TYPES else _SEARCH_CHUNK[qtype]
 _F0 = np.float32(0.0)
 _BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0.0))  # 0.49999997f
 
@@ -262,10 +266,10 @@ def _torch_chunk(x: np.ndarray, qtype: T) -> np.ndarray:
 def quantize_chunk(c: np.ndarray, qtype: T, name: str, check_scales: bool, o: np.ndarray) -> None:
     """One chunk ``c`` (float32 blocks, (n, block size)) into ``o`` (uint8, (n, type size)), with
     :func:`quantize_rows`' errors."""
-    if qtype in KQUANT_TYPES:
+    if qtype in NUMPY_SEARCH_TYPES:
         if not np.isfinite(c).all():
             raise ValueError(f"{name}: contains NaN/Inf values")
-        o[:] = npkquants.KERNELS[qtype](c)
+        o[:] = _SEARCH_KERNELS[qtype](c)
         if check_scales:
             _check_fp16(o, qtype, name)
         return

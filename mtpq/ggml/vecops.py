@@ -7,6 +7,9 @@ CPU too.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 from .cfloat import _F32, _seq_sum
@@ -85,6 +88,20 @@ class _TorchVec(_VecCommon):
 def numpy_path(X: torch.Tensor) -> bool:
     """Whether a search on ``X`` runs :mod:`.npkquants`' numpy code (on the CPU tensor's memory)."""
     return X.device.type == "cpu"
+
+
+def cpu_runs(numpy_kernel: Callable):
+    """Decorator of a torch kernel ``f(x, *weights)``: on a CPU tensor (:func:`numpy_path`) ``numpy_kernel``
+    runs instead, on the tensors' memory, with the same bytes."""
+    def wrap(kernel: Callable) -> Callable:
+        @functools.wraps(kernel)
+        def run(x: torch.Tensor, *args, **kwargs):
+            if not numpy_path(x):
+                return kernel(x, *args, **kwargs)
+            arr = lambda a: a.numpy() if isinstance(a, torch.Tensor) else a  # noqa: E731
+            return torch.from_numpy(numpy_kernel(x.numpy(), *map(arr, args), **{k: arr(a) for k, a in kwargs.items()}))
+        return run
+    return wrap
 
 
 def _first_absmax_cols(X: torch.Tensor, v):

@@ -133,9 +133,9 @@ def test_i_quants_without_importance_fail_as_the_kernel_does(tmp_path):
         stored(path, T.F32, values.shape, T.IQ2_XXS)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q4_1, T.Q5_1])
 def test_k_quants_without_kernels(tmp_path, qtype):
-    """The K-quants without importance weights: from_file takes them itself (numpy's kernels in the workers, no
+    """The K-quants, IQ4 and Q4_1/Q5_1 without importance weights: from_file takes them itself (numpy's kernels in the workers, no
     torch needed), with the bytes of the one-process kernel."""
     g = torch.Generator().manual_seed(int(qtype))
     values = torch.randn(24, 1024, generator=g) * torch.rand(24, 1, generator=g) * 4

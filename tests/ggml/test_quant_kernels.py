@@ -230,7 +230,7 @@ def test_small_tensors_go_to_threads_big_ones_to_forked_workers(monkeypatch):
         torch.set_num_threads(saved)
 
 
-SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+SEARCH_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", SEARCH_TYPES, ids=lambda t: t.name)

@@ -67,9 +67,11 @@ def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
 
 
 @pytest.mark.parametrize("mix,threads,types", [("Q4_K_M", "2", {"Q4_K", "Q6_K"}), ("Q3_K_S", "1", {"Q3_K"}),
-                                               ("Q2_K", "2", {"Q2_K", "Q3_K"}), ("Q5_K_S", "2", {"Q5_K"})])
+                                               ("Q2_K", "2", {"Q2_K", "Q3_K"}), ("Q5_K_S", "2", {"Q5_K"}),
+                                               ("IQ4_XS", "2", {"IQ4_XS"}), ("IQ4_NL", "1", {"IQ4_NL"})])
 def test_k_quants_start_without_torch(tmp_path, mix, threads, types):
-    """Nor do the K-quants without an imatrix (mtpq.ggml.npkquants), in the forked workers or in process."""
+    """Nor do the K-quants and IQ4 without an imatrix (mtpq.ggml.npkquants, npiq4), in the forked workers or in
+    process."""
     src, out = tmp_path / "k.gguf", tmp_path / "o.gguf"
     w = gguf.GGUFWriter(src, "llama")
     w.add_block_count(1)
