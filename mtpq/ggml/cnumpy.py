@@ -62,13 +62,16 @@ def u8(v: np.ndarray) -> np.ndarray:
 
 
 def fp16_bits(x: np.ndarray) -> np.ndarray:
-    """IEEE round-to-nearest-even fp16 of float32 ``x`` (shape (N,)) as (N, 2) little-endian bytes."""
-    return np.ascontiguousarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
+    """IEEE round-to-nearest-even fp16 of float32 ``x`` (shape (N,)) as (N, 2) little-endian bytes (inf where it
+    overflows, as C's conversion; the kernels' callers refuse such scales)."""
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
 
 
 def fp16_round(x: np.ndarray) -> np.ndarray:
     """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x))``."""
-    return x.astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).astype(np.float32)
 
 
 def rdiv(a: float, b: np.ndarray, out=None) -> np.ndarray:

@@ -117,6 +117,20 @@ def test_nan_names_the_tensor_and_the_pool_stays_usable(tmp_path):
     assert np.array_equal(stored(path, T.F32, values.shape, T.Q6_K), one_process(rounded, T.Q6_K))
 
 
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q6_K, T.IQ4_XS, T.Q5_1])
+def test_a_scale_overflowing_fp16_is_refused_as_the_kernel_does(tmp_path, qtype):
+    """numpy's workers check the fp16 scales as kernels does: a super-block of huge values is refused, naming
+    the tensor (llama-quantize refuses such data too)."""
+    values = torch.randn(8, 512, generator=torch.Generator().manual_seed(5))
+    values[6, 256:512] *= 1e9
+    path, rounded = stored_file(tmp_path, values, T.F32)
+    with pytest.raises(ValueError, match=rf"^w: values too large for {qtype.name}"):
+        one_process(rounded, qtype)
+    with pool_of(2), pytest.raises(ValueError, match=rf"^blk\.0\.w: values too large for {qtype.name}"):
+        from_file.quantize_stored(path, HEADER, T.F32, (8, 512), qtype, "blk.0.w",
+                                  lambda n: (np.full(n, 0xEE, dtype=np.uint8), None))
+
+
 def test_a_file_that_ends_inside_the_tensor_is_refused(tmp_path):
     values = torch.randn(16, 512, generator=torch.Generator().manual_seed(3))
     path, _ = stored_file(tmp_path, values, T.F32)
