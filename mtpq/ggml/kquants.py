@@ -90,7 +90,7 @@ def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     W = torch.abs(X).add_(av_x[None])  # av_x + |x|
     SM, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
     # scales and mins side by side: (2, nb, 8), then (2, nb) maxima, 6-bit codes, fp16 d and
-    # dmin; on vectors (numpy on CPU, see _NumpyVec)
+    # dmin
     SM = v.vec(SM).reshape(2, nb, 8)
     with np.errstate(all="ignore"):
         max_sm = _pos_max(SM, 2)
@@ -129,7 +129,7 @@ def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.
     nb = x.shape[0]
     X = _sub_blocks(x, 16)
     scales, levels = _make_qx_quants_rmse1(X, 32, qw_sub)
-    # per super-block arithmetic and packing on vectors (numpy on CPU, see _NumpyVec)
+    # per super-block arithmetic and packing
     S = v.vec(scales).reshape(nb, 16)
     amax, max_scale = _first_absmax_cols(v.t(v.contig(S.T)), v)[:2]
     zero = amax < _GROUP_MAX_EPS
