@@ -94,6 +94,11 @@ def _log_cut_short(log: str) -> bool:
     return "over " in log and "chunks" in log and "llama_perf_context_print" not in log
 
 
+def kld_complete(log: str) -> bool:
+    """Every closing statistic of --kl-divergence is in the log (a log cut short can stop between them)."""
+    return all(re.search(pattern, log) for pattern in _FIELDS)
+
+
 def parse_kld_log(log: str, what: Path) -> dict:
     """The closing statistics of ``llama-perplexity --kl-divergence`` (fractions and nats)."""
     out = {}
@@ -133,7 +138,7 @@ def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: Per
         out = []
         for i, q in enumerate(quants, 1):
             log = _run(cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q,
-                       complete=lambda log: "Mean    KLD" in log or re.search(r"Mean\s+KLD:", log) is not None)
+                       complete=kld_complete)
             out.append(parse_kld_log(log, q))
             if on_file:
                 on_file(i)

@@ -140,8 +140,8 @@ def test_same_figures_as_llama_perplexity(files, llama_cpp_bin):
 
 def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
     """llama.cpp's logging thread is not joined at exit: under load a run can exit 0 without its closing
-    statistics. Such a run is repeated (the figures are deterministic); a run that scored too few tokens to print
-    statistics is not, and is refused with its reason."""
+    statistics, or with only some of them. Such a run is repeated (the figures are deterministic); a run that
+    scored too few tokens to print statistics is not, and is refused with its reason."""
     from mtpq.engines import perplexity as P
     from mtpq.errors import InputError
 
@@ -152,19 +152,23 @@ def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
     perf = "llama_perf_context_print: load time = 1 ms\n"
     count = tmp_path / "count"
     fake = tmp_path / "llama-perplexity"
-    # the first call's log stops after the chunks (cut short), later calls print everything
+    # the first call's log stops after the chunks, the second's within the statistics (both cut short: seen in CI
+    # on 2026-11-29, "no 'top1' statistics"), later calls print everything
     fake.write_text("#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\necho \"$@\" >> %s.args\n"
-                    "printf '%%s' \"$HEAD\"\n[ \"$n\" -ge 1 ] && printf '%%s%%s' \"$STATS\" \"$PERF\"\nexit 0\n"
+                    "printf '%%s' \"$HEAD\"\n[ \"$n\" -eq 1 ] && printf '%%s' \"$PARTIAL\"\n"
+                    "[ \"$n\" -ge 2 ] && printf '%%s%%s' \"$STATS\" \"$PERF\"\nexit 0\n"
                     % (count, count, count))
     fake.chmod(0o755)
     monkeypatch.setenv("HEAD", head)
     monkeypatch.setenv("STATS", stats)
     monkeypatch.setenv("PERF", perf)
-    complete = lambda log: "Mean    KLD" in log  # noqa: E731
+    monkeypatch.setenv("PARTIAL", stats[:stats.index("Same top p")])
+    complete = P.kld_complete
     log = P._run([str(fake), "-m", "q.gguf", "-t", "2"], tmp_path / "q.gguf", complete=complete)
-    assert count.read_text().strip() == "2"
-    # the rerun leaves llama.cpp's log thread a core: one compute thread fewer
-    assert (tmp_path / "count.args").read_text().splitlines() == ["-m q.gguf -t 2", "-m q.gguf -t 1"]
+    assert count.read_text().strip() == "3"
+    # each rerun leaves llama.cpp's log thread a core: one compute thread fewer, down to one
+    assert (tmp_path / "count.args").read_text().splitlines() == ["-m q.gguf -t 2", "-m q.gguf -t 1",
+                                                                   "-m q.gguf -t 1"]
     assert P.parse_kld_log(log, tmp_path / "q.gguf")["kld_mean"] == 0.0123
     # too few tokens: the run ends normally (perf printed) without statistics -> no rerun, one clear refusal
     count.write_text("0")
