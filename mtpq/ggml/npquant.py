@@ -39,13 +39,14 @@ FP16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }
+_F0 = np.float32(0.0)
+_BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0.0))  # 0.49999997f
 
 
 def chunk_values(qtype: T) -> int:
     """Values a worker quantizes at a time."""
     return CHUNK if qtype in NUMPY_TYPES else _SEARCH_CHUNK[qtype]
-_F0 = np.float32(0.0)
-_BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0.0))  # 0.49999997f
+
 
 # --------------------------------------------------------------------------- worker count without torch
 

@@ -16,22 +16,18 @@ from .cfloat import _F32, _seq_sum
 from .legacy import first_absmax, rdiv
 
 
-class _VecCommon:
-    """Reductions to a Python value, spelled the same for numpy arrays and torch tensors."""
+class _TorchVec:
+    """The per-sub-block vector ops of the torch searches, for other devices (CUDA...)."""
 
-    rdiv = staticmethod(rdiv)  # legacy's takes both
+    rdiv = staticmethod(rdiv)
 
     @staticmethod
     def amax(v) -> float:
-        return float(v.max())  # NaN propagates in both
+        return float(v.max())  # NaN propagates
 
     @staticmethod
     def amin(v) -> float:
         return float(v.min())
-
-
-class _TorchVec(_VecCommon):
-    """The same in torch, for other devices (CUDA...)."""
 
     where = staticmethod(torch.where)
     maximum = staticmethod(torch.maximum)
