@@ -395,6 +395,25 @@ def pack_2bit(L):
     return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
 
 
+def _pack_q3_levels(q: np.ndarray, out: np.ndarray) -> None:
+    """Q3_K's levels (uint8 in [0, 8), (nb, 256)) into ``out``'s hmask (bytes 0-31: bit m of byte j is element
+    32m + j's third bit) and qs (32-95: :func:`pack_2bit` of the low two bits). On uint32 words of four elements,
+    as numpy's uint8 shifts are not vectorised; no bit crosses into the byte above (at most 0x80 / 0xC0)."""
+    nb = q.shape[0]
+    U = q.view(np.uint32).reshape(nb, 8, 8)  # [block, group of 32 elements, word of 4]
+    hi = U >> np.uint32(2)
+    hi &= np.uint32(0x01010101)
+    hm = hi[:, 0].copy()
+    for m in range(1, 8):
+        hm |= hi[:, m] << np.uint32(m)
+    low = (U & np.uint32(0x03030303)).reshape(nb, 2, 4, 8)  # [block, half, quarter, word]
+    qs = low[:, :, 0] | (low[:, :, 1] << np.uint32(2))
+    qs |= low[:, :, 2] << np.uint32(4)
+    qs |= low[:, :, 3] << np.uint32(6)
+    out[:, :32] = hm.view(np.uint8)
+    out[:, 32:96] = qs.reshape(nb, 16).view(np.uint8)
+
+
 def pack_q3_scales(ls):
     """Q3_K's 16 6-bit scale codes (nb, 16) -> (low nibbles (nb, 8), high bits (nb, 4)): byte j < 8 holds codes
     j and j + 8's low nibbles, byte 8 + k the high two bits of codes k, 4 + k, 8 + k, 12 + k."""
@@ -447,26 +466,17 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
         ls[~nz] = 0  # memset(scales, 0) when max_scale == 0
         d = np.where(nz, fp16_round(np.divide(np.float32(1.0), iscale)), _F0)
         dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
-        # where a sub-block's scale is not zero its levels are recomputed from it: nearest_int(x/dl), clamped
-        redo = np.flatnonzero(dl != 0)
-        if len(redo) == len(dl):
-            L = nearest_int_clip_(np.divide(X, dl[None]), -4, 3)
-        elif len(redo):
-            q = np.divide(np.take(X, redo, axis=1), dl[redo][None])
-            L -= 4
-            L[:, redo] = nearest_int_clip_(q, -4, 3)
-        else:
-            L -= 4
-    Lb = np.ascontiguousarray(L.astype(np.int8).T).reshape(nb, QK_K)  # levels - 4, in [-4, 3]
+        # where a sub-block's scale is not zero its levels are recomputed from it, nearest_int(x/dl) clamped, in
+        # x's own layout (the sub-block layout transposed back cost more than the division); the others keep
+        # make_q3_quants' levels
+        q = np.divide(x.reshape(-1), np.repeat(dl, 16))
+    Lx = nearest_int_clip_(q, -4, 3).reshape(-1, 16)
+    Lx += 4
+    kept = np.flatnonzero(dl == 0)
+    if len(kept):
+        Lx[kept] = L[:, kept].T
     out = np.empty((nb, 110), dtype=np.uint8)
-    neg = Lb < 0  # C: L > 3 sets the hmask bit and takes 4 off; here the bit is set where L - 4 >= 0
-    hb = (~neg).view(np.uint8).reshape(nb, 8, 32)
-    hm = out[:, :32]
-    np.copyto(hm, hb[:, 0])
-    for m in range(1, 8):
-        hm |= hb[:, m] << m
-    Lb += (neg.view(np.int8) << 2)  # L - 4 + 4 where L <= 3: the two low bits C keeps
-    out[:, 32:96] = pack_2bit(Lb.view(np.uint8))
+    _pack_q3_levels(Lx.astype(np.uint8).reshape(nb, QK_K), out)
     out[:, 96:104], out[:, 104:108] = pack_q3_scales(ls)
     out[:, 108:110] = fp16_bits(d)
     return out
