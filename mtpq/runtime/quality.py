@@ -153,9 +153,8 @@ class QualityRun:
         if model.mtp is not None:
             # per chunk the pairs (h_t, x_{t+1}), t = 0..n-2; the drafts from t = first-1.. predict x_{t+2}:
             # compared with the trunk's argmax at t+1 = first..n-1
-            pairs = torch.cat([torch.arange(a, a + n - 1) for a, n in zip(at, lengths)])
-            head = model.draft(seq[:, pairs + 1], trunk.hidden[:, pairs.to(dev)], use_cache=False,
-                               packing=Packing([n - 1 for n in lengths], dev, out_from=[first - 1] * len(group)))
+            head_ids, states, packing = model.head_rows(seq, trunk.hidden, lengths, out_from=[first - 1] * len(group))
+            head = model.draft(head_ids, states, use_cache=False, packing=packing)
             matches = list((_argmax(head.logits[0]) == _argmax(logits)).split(counts))
         logp = torch.log_softmax(logits.float(), dim=-1).split(counts)
         return list(zip(logp, matches))

@@ -175,9 +175,8 @@ class SpeculativeDecoder:
         self.trunk_forwards += 1
         first, _ = _choose(out.logits[0, -1], self.params, self.gen)
         self.tokens = list(prompt_ids) + [first]
-        # real pairs (h_t, x_{t+1}) for t = 0..n-1
-        self.pending_ids = torch.tensor([prompt_ids[1:] + [first]])
-        self.pending_hidden = out.hidden
+        # real pairs (h_t, x_{t+1}) for t = 0..n-1, after the head's first pair (MtpModel.first_pair)
+        self.pending_ids, self.pending_hidden = m.prompt_pairs(prompt_ids, first, out.hidden)
         return first
 
     def step(self) -> tuple[list[int], list[int]]:
@@ -374,16 +373,15 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
     target = _argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
     hidden = trunk.hidden
     del trunk  # its logits: the head's reuse their memory
-    # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
-    pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
-    head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
+    # the head's pairs (h_t, x_{t+1}) of each sequence; drafts from t = n-1.. are compared
+    head_ids, head_states, head_packing = model.head_rows(seq, hidden, lengths, out_from=[n - 1 for n in firsts])
     counts = [T - n for T, n in zip(lengths, firsts)]
     out = {}
     own = model.mtp
     try:
         for name, head in heads.items():
             model.mtp = head
-            drafted = model.draft(seq[:, pairs + 1], hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
+            drafted = model.draft(head_ids, head_states, use_cache=False, packing=head_packing)
             same = (_argmax(drafted.logits[0]) == target).tolist()
             out[name] = [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
     finally:
