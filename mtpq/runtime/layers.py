@@ -89,11 +89,13 @@ class Rope:
             tensors = isinstance(start, torch.Tensor) or isinstance(key[0], torch.Tensor)
             if (key[0] is start if tensors else key[0] == start) and key[1:] == (length, device, dtype):
                 return tables
+        if self.inv_freq.device != device:  # moved once: a copy per call would wait for the GPU each time
+            self.inv_freq = self.inv_freq.to(device)
         if isinstance(start, torch.Tensor):
-            freqs = start.to(torch.float32)[..., None] * self.inv_freq.to(device)
+            freqs = start.to(torch.float32)[..., None] * self.inv_freq
         else:
             pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            freqs = pos[:, None] * self.inv_freq[None, :]
         if self.neox:
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)

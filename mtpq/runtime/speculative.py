@@ -220,8 +220,7 @@ class SpeculativeDecoder:
                 out = m.draft(drafts[-1].view(1, 1), hidden)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         drafted = torch.cat(drafts)
-        last = torch.tensor([self.tokens[-1]], device=drafted.device)
-        verify = m.trunk(torch.cat((last, drafted))[None])
+        verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
         self.trunk_forwards += 1
         best = verify.logits[0].argmax(dim=-1)  # [k + 1]
         accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
