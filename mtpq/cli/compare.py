@@ -10,8 +10,8 @@ from rich.progress import Progress
 
 from .app import app
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded,
-                     out, write_reports)
+                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, gating,
+                     guarded, out, write_reports)
 
 
 def _read_text(path: Path) -> str:
@@ -87,12 +87,13 @@ def compare(
     body = _read_text(text)
     device = check_device(device)
 
-    if engine == "torch":
-        report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
-    else:
-        report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
     gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,
                   max_drop=max_drop)
+    with gating(gates.any()):  # non-finite figures: a failed gate (exit 1), else bad input (2)
+        if engine == "torch":
+            report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
+        else:
+            report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
     failures = judge(report["files"], gates)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
