@@ -35,6 +35,9 @@ class Gates:
         return any(getattr(self, f.name) is not None for f in fields(self))
 
 
+OPTIONS = {"max_kld": "--max-kld", "min_top1": "--min-top1", "max_ppl_ratio": "--max-ppl-ratio",
+           "min_rate": "--min-rate", "max_drop": "--max-drop"}  # the command-line options of the gates
+
 # gate -> (the figure it reads, how a figure passes, the sentence when it does not)
 CHECKS = {
     "max_kld": ("kld_mean", operator.le, "mean KLD {v:.6f} above {g}"),
@@ -75,7 +78,7 @@ def judge(files: list[dict], gates: Gates, names: dict[str, str] | None = None) 
             problem = unusable(v)
             if problem is not None:
                 why = f": {f['error']}" if f.get("error") and v is None else ""
-                reasons.append(f"{COLUMNS[key][0]} {problem}{why}; gate {spelled or gate.replace('_', '-')} fails")
+                reasons.append(f"{COLUMNS[key][0]} {problem}{why}: fails {spelled or gate.replace('_', '-')}")
             elif not passes(v, g):
                 reasons.append(text.format(v=v, g=g) + (f" ({spelled})" if spelled else ""))
         out[f["file"]] = reasons

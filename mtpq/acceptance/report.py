@@ -71,14 +71,11 @@ class Verdict:
     drop: float | None
 
 
-OPTIONS = {"min_rate": "--min-rate", "max_drop": "--max-drop"}
-
-
 def judge(report: AcceptReport, reference: AcceptReport | None, min_rate: float | None,
           max_drop: float | None) -> Verdict:
     """The gates of ``mtpq accept``, decided by :func:`mtpq.acceptance.quality.judge` (a NaN or missing rate or
     drop fails its gate)."""
-    from .quality import Gates
+    from .quality import OPTIONS, Gates
     from .quality import judge as judge_figures
 
     rate = report.overall.acceptance_rate

@@ -66,7 +66,7 @@ def compare(
     the top token agrees, RMS Δp — the table quant publishers put on model cards, computed as llama-perplexity
     computes it — and the MTP head's depth-1 acceptance on the same chunks, with its drop against the
     reference's head. Exit codes: 0 pass, 1 a gate failed, 2 bad input."""
-    from ..acceptance.quality import Gates, judge, rich_table, to_markdown
+    from ..acceptance.quality import OPTIONS, Gates, judge, rich_table, to_markdown
 
     check_engine(engine)
     if numerics not in ("llama.cpp", "exact"):
@@ -94,7 +94,7 @@ def compare(
             report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
         else:
             report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
-    failures = judge(report["files"], gates)
+    failures = judge(report["files"], gates, OPTIONS)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
     write_reports(json_out, report, md_out, lambda: to_markdown(report, failures))
