@@ -633,7 +633,13 @@ file_cases({  # the tokenizer's files damaged or gone
     "convert-tokenizer-config-corrupt": ("tokenizer_config.json", "{ broken",
                                          ["tokenizer_config.json", "invalid JSON"]),
     "convert-tokenizer-config-not-utf8": ("tokenizer_config.json", b"\xff\xfe{}", ["tokenizer_config.json", "not UTF-8"]),
-    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}', ["cannot load the tokenizer"]),
+    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}',
+                                               ["tokenizer.json", "'model' (missing)"]),
+    "convert-tokenizer-json-empty-object": ("tokenizer.json", "{}",
+                                            ["tokenizer.json", "'added_tokens' (missing), 'model' (missing)"]),
+    "convert-tokenizer-json-no-merges": ("tokenizer.json",
+                                         '{"added_tokens": [], "model": {"type": "BPE", "vocab": {}}}',
+                                         ["tokenizer.json", "'model.merges' (missing)"]),
 })
 
 
