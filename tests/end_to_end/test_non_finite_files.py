@@ -175,3 +175,15 @@ def test_an_activation_that_overflows_the_compute_dtype_is_named_by_position(fil
     assert _one_line(res) == (f"FAIL {bad}: non-finite hidden states from the trunk: first in the token embeddings "
                               f"(token_embd) at position {p}; its weights are finite (computed in float16)")
     assert run_cli("accept", bad, "--prompts", prompts, "-n", 4).exit_code == 0
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", ["norm-nan", "overflow"])
+def test_llama_perplexity_on_a_non_finite_file_fails_the_gate(files, llama_cpp_bin, name):
+    """The same files through llama.cpp: llama-perplexity prints nan for the quant's statistics, which compare
+    names as an engine failure (exit 1 with its gate) instead of reading a number."""
+    res = run_cli("compare", files["f32"], files[name], "-f", files["text"], "-c", 128, "--chunks", 2, "--engine",
+                  "llama.cpp", "--llama-cpp", llama_cpp_bin, "--max-kld", 0.05, "--threads", 1)
+    assert res.exit_code == 1, res.output
+    line = _one_line(res)
+    assert line.startswith(f"FAIL {files[name]}: llama-perplexity printed ") and "nan for " in line, line
