@@ -11,8 +11,8 @@ from rich.table import Table
 
 from .app import app
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded, out,
-                     write_reports)
+                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, gating,
+                     guarded, out, write_reports)
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
 
@@ -180,7 +180,8 @@ def accept(
         kw.update(device=device, dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
                   hidden=hidden, threads=threads)
     reports = {}
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+    # accept always judges (greedy outputs identical, and its gates): a measurement that fails is a failed check
+    with gating(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):
             if path is None:
                 continue

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..engines import ENGINES
-from ..errors import InputError
+from ..errors import InputError, MeasurementError
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143  # 128 + signal number, as shells report them
@@ -85,6 +85,20 @@ def guarded(fn: Callable) -> Callable:
                 signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     return wrapper
+
+
+@contextmanager
+def gating(gates: bool = True) -> Iterator[None]:
+    """A measurement that fails (MeasurementError: non-finite logits, an engine's NaN) inside this block fails the
+    command's gate when it has one (``gates``): one line, exit 1. Without a gate it stays an input error (exit 2)."""
+    try:
+        yield
+    except MeasurementError as exc:
+        if not gates:
+            raise
+        console.print(f"[bold red]FAIL[/] {escape(_one_line(exc.where))}: {escape(_one_line(exc.problem))}",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 @contextmanager
