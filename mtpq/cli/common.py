@@ -238,6 +238,24 @@ def check_torch_engine(llama_cpp_options: dict, extra: list[str], tool: str) -> 
         fail(" ".join(extra), f"extra arguments go to {tool}: only with --engine llama.cpp")
 
 
+def check_runtime(paths: list[Path], what: str, alternative: str = "") -> None:
+    """Every GGUF in ``paths`` is of an architecture the torch runtime runs; otherwise one line naming the file, before
+    any work (``what``: the work that needs the runtime; ``alternative``: what to use instead)."""
+    from ..gguf_io import GGUFFile
+
+    for p in paths:
+        check_runtime_arch(GGUFFile(Path(p)).arch, str(p), what, alternative)
+
+
+def check_runtime_arch(arch: str, where: str, what: str, alternative: str = "") -> None:
+    from ..runtime.archs import RUNTIME_ARCHS
+
+    if arch not in RUNTIME_ARCHS:
+        fail(where, f"architecture {arch!r} has no runtime in mtpq, which {what} needs"
+                    + (f"; {alternative}" if alternative else "")
+                    + f" (the runtime runs {', '.join(sorted(RUNTIME_ARCHS))})")
+
+
 def check_writable(option: str, path: Path, inputs: list[Path]) -> None:
     """A report path that cannot be written fails now, not after minutes of measuring; never an input."""
     if path.is_dir():

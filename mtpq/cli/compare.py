@@ -10,8 +10,8 @@ from rich.progress import Progress
 
 from .app import app
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, gating,
-                     guarded, out, write_reports)
+                     check_engine, check_fractions, check_report_paths, check_runtime, check_torch_engine, console,
+                     fail, gating, guarded, out, write_reports)
 
 
 def _read_text(path: Path) -> str:
@@ -112,6 +112,9 @@ def compare(
         if not p.is_file():
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, inputs)
+    if engine == "torch":
+        check_runtime([p for p in (reference, *quants) if p is not None], "compare --engine torch",
+                      "--engine llama.cpp measures it with llama-perplexity and llama-server")
     device = check_device(device)
 
     gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,

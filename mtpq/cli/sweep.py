@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
+from .common import RUNTIME_THREADS_HELP, check_device, check_runtime, console, fail, guarded, out
 
 
 PLOT_INSTALL = "pip install 'mtpq[plot]'"
@@ -101,6 +101,8 @@ def sweep(
     if png_out is not None and plt is None:
         fail("--png", f"needs matplotlib, which is not installed: {PLOT_INSTALL}")
     device = check_device(device)
+    if engine == "torch":
+        check_runtime([reference], "sweep --engine torch", "--engine llama.cpp measures each pair in llama.cpp")
     ref_plan = plan_from_gguf(reference)
     if ref_plan.n_mtp_layers == 0:
         fail(str(reference), "has no MTP head to sweep")
