@@ -5,14 +5,19 @@ One module per published release layout (``glm45_air.py``, ``step35_flash.py``, 
 ``RELEASE``   the Hugging Face repository (or repositories) it describes, e.g. ``"stepfun-ai/Step-3.5-Flash"``.
 ``SOURCES``   where every config key and tensor name below was read: the release's own config.json and
               safetensors index where they could be found, else the loaders of inference engines (vLLM,
-              SGLang, transformers' modeling code, llama.cpp's conversion/*.py) -- file paths, cited.
+              SGLang, transformers' modeling code, llama.cpp's conversion/*.py) -- file paths, cited. Each
+              entry names its location (a URL, a repository path, a pull request), then in parentheses what
+              was read there; every config key or tensor name it names there the manifest has
+              (_citations.py checks both). What was read without a recorded location goes in the docstring.
 ``CONFIG``    the release's config.json with every key it has; sizes (hidden, layers, experts, heads, ...)
               shrunk, everything else as released. ``vocab_size`` is replaced by the tiny tokenizer's size.
 ``tensors(cfg) -> dict[name, shape]``
               every tensor the release stores (bf16 form), named as released, MTP layers included, with the
               shape ``cfg`` implies.
 ``FORMS``     ``{form: encoder or None}``: the forms the release ships ("bf16", "fp8", "mxfp4" ...); an encoder
-              ``(folder) -> None`` rewrites the bf16 folder into that form (config.json included).
+              ``(folder) -> None`` rewrites the bf16 folder into that form (config.json included). Each name is
+              one of _forms.KNOWN and the built folder must hold what it says; the docstring names each form,
+              and a quantized one is cited (by a source, or by the release's own config.json).
 optional:
 ``SPECIALS``  the tokenizer's special tokens (default GLM's, which llama.cpp's GLM vocab code expects).
 ``LLAMA_CPP_RAW_CONFIG``  True where llama.cpp's converter must read config.json as stored because it cannot
