@@ -130,14 +130,16 @@ def _visible(q_at, T: int, S: int, device: torch.device) -> torch.Tensor:
 
 def top_k_allowed(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """The keys each query reads [B, 1, T, S] (bool) from its scores [B, T, S] (-inf where not visible): the
-    ``top_k`` best visible keys, every visible key while a query sees at most ``top_k``; ties at the k-th
-    score broken as ggml's CPU top-k does (:func:`heap_select`)."""
+    ``top_k`` best visible keys, every visible key while a query sees at most ``top_k``. On the CPU, ties at the
+    k-th score are broken as ggml's CPU top-k does (:func:`heap_select`); on other devices as torch.topk does,
+    with no host sync (llama.cpp's GPU backends have top-k kernels of their own)."""
     B, T, S = scores.shape
     k = min(top_k, S)
     best = scores.topk(min(k + 1, S), dim=-1)
     allowed = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best.indices[..., :k], True)
     allowed &= scores > float("-inf")
-    if k < S:  # a query that sees more than k keys and whose k-th and (k+1)-th scores tie: the heap decides
+    if k < S and scores.device.type == "cpu":  # a query that sees more than k keys and whose k-th and (k+1)-th
+        # scores tie: the heap decides
         kth, nxt = best.values[..., k - 1], best.values[..., k]
         for b, t in ((kth == nxt) & (nxt > float("-inf"))).nonzero().tolist():
             row = scores[b, t]
