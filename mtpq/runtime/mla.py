@@ -70,6 +70,7 @@ def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: fl
 
 
 EXPAND_MIN_T = 16  # from this many new tokens on, attention runs on expanded keys/values (fewer FLOPs)
+MASKED_SCORES = 1 << 24  # scores a masked attention (sparse attention's top-k) computes at once
 
 
 class MLA(nn.Module):
@@ -185,4 +186,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at, scale: flo
         out = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, -1), k, v, attn_mask=allowed.repeat(1, 1, H, 1),
                                              scale=scale)
         return out.view(B, H, T, -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=H != Hk)
+    # SDPA with a mask holds every score: query rows in chunks of at most MASKED_SCORES
+    step = max(1, MASKED_SCORES // (q.shape[0] * H * k.shape[2]))
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + step], k, v, attn_mask=allowed[:, :, a:a + step],
+                                                     scale=scale, enable_gqa=H != Hk)
+                      for a in range(0, q.shape[2], step)], dim=2)

@@ -37,6 +37,10 @@ class Deepseek2Config:
 class Deepseek2(Family):
     archs = ("deepseek2",)
     default_gating: ClassVar[ExpertGatingFuncType] = ExpertGatingFuncType.SOFTMAX  # llama.cpp's for DeepSeek-V2
+    # YaRN as llama.cpp's loader reads it: whether it reads rope.scaling.yarn_log_multiplier (mscale_all_dim),
+    # and the config.json mscale it assumes (None: equal to mscale_all_dim)
+    reads_yarn_log_mul: ClassVar[bool] = True
+    yarn_mscale: ClassVar[float | None] = None
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
@@ -66,14 +70,13 @@ class Deepseek2(Family):
         )
         self.rope = Rope(inv_freq, neox=False, mscale=rope_scale)  # adjacent pairs: llama.cpp's ROPE_TYPE_NORM
 
-    @staticmethod
-    def _yarn_scales(g: GGUFFile, factor: float) -> tuple[float, float]:
-        """(cos/sin multiplier, softmax-scale multiplier): :func:`yarn_mla_scales` as llama.cpp's deepseek2 reads
-        the GGUF (config.json's mscale taken equal to mscale_all_dim)."""
-        log_mul = g.value("rope.scaling.yarn_log_multiplier")
+    def _yarn_scales(self, g: GGUFFile, factor: float) -> tuple[float, float]:
+        """(cos/sin multiplier, softmax-scale multiplier): :func:`yarn_mla_scales` as llama.cpp reads the GGUF."""
+        log_mul = g.value("rope.scaling.yarn_log_multiplier") if self.reads_yarn_log_mul else None
         # llama.cpp stores 0.1 * mscale_all_dim and divides in float32 on load
         mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
-        return yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0))
+        return yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0),
+                               mscale=self.yarn_mscale)
 
     @staticmethod
     def _rope_schedule(g: GGUFFile, dim: int, base: float):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
 from gguf import ExpertGatingFuncType
 from torch import nn
 
 from ...errors import InputError
 from ..dsa import IndexerConfig, LightningIndexer, Selections, SparseMLA, hadamard
 from ..layers import Rope
-from ..mla import MLA, yarn_mla_scales
+from ..mla import MLA
 from ..weights import GGUFFile, Scope
 from .deepseek2 import Deepseek2
 
@@ -29,9 +28,11 @@ class Deepseek32(Deepseek2):
     default_gating = ExpertGatingFuncType.SIGMOID
     indexer_neox: ClassVar[bool] = True  # the indexer's RoPE pair order (the main MLA rotates adjacent pairs)
     indexer_norm_eps: ClassVar[float] = 1e-6  # llama.cpp's f_norm_eps for the indexer keys' LayerNorm
+    yarn_mscale = 1.0
 
     def __init__(self, g: GGUFFile):
         self.check_gating(g)
+        g.require("attention.q_lora_rank")  # the indexer's queries start from MLA's query latent
         super().__init__(g)
         self.indexer_cfg = IndexerConfig(n_heads=int(g.require("attention.indexer.head_count")),
                                          head_dim=int(g.require("attention.indexer.key_length")),
@@ -55,13 +56,6 @@ class Deepseek32(Deepseek2):
     def check_gating(g: GGUFFile) -> None:
         if g.value("expert_gating_func") is None:  # llama.cpp's deepseek32 loader requires the key
             raise InputError(g.path, f"missing {g.arch}.expert_gating_func")
-
-    @staticmethod
-    def _yarn_scales(g: GGUFFile, factor: float) -> tuple[float, float]:
-        log_mul = g.value("rope.scaling.yarn_log_multiplier")
-        mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
-        return yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0),
-                               mscale=1.0)
 
     def indexer_layers(self, g: GGUFFile) -> tuple[bool, ...]:
         """Per trunk block: it runs its own indexer (every block of DeepSeek-V3.2)."""

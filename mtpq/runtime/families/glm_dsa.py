@@ -14,7 +14,6 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType
 
 from ...errors import InputError
-from ..mla import yarn_mla_scales
 from ..weights import GGUFFile
 from .deepseek32 import Deepseek32
 
@@ -32,14 +31,11 @@ class GlmDsa(Deepseek32):
     default_gating = ExpertGatingFuncType.SIGMOID
     indexer_neox = False
     indexer_norm_eps = 0.0
+    reads_yarn_log_mul = False
 
     @staticmethod
     def check_gating(g: GGUFFile) -> None:
         pass  # optional: sigmoid without it
-
-    @staticmethod
-    def _yarn_scales(g: GGUFFile, factor: float) -> tuple[float, float]:
-        return yarn_mla_scales(factor, None, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0))
 
     def indexer_layers(self, g: GGUFFile) -> tuple[bool, ...]:
         n = g.n_trunk
