@@ -11,9 +11,10 @@ against independent truth.
 - a quantized GGUF stays quantized in memory and equals its copy dequantized by gguf-py (trunk and head);
 - bf16 compute is as close to transformers as transformers' own bf16.
 
-The families in NO_TRANSFORMERS (transformers' models of them do not compute what llama.cpp does; their truth is
-llama.cpp itself, tests/runtime/test_llama_cpp_parity.py) take the parts that need no other engine: cached ==
-uncached (trunk and head), greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized.
+The families in NO_TRANSFORMERS take the parts that need no other engine: cached == uncached (trunk and head),
+greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized. Their truth is llama.cpp
+itself (tests/runtime/test_llama_cpp_parity.py): transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads
+and breaks the sparse attention's ties at the top-k its own way (test_runtime_dsa.py compares it where no keys tie).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.

@@ -123,3 +123,48 @@ def test_without_indexer_types_every_block_of_glm5_is_full(rt, tmp_path):
     assert [m.indexer is not None for m in load(path).modules() if isinstance(m, SparseMLA)] == [True, True]
     typed = load(rt.gguf("glm-dsa", "glm52"))
     assert [m.indexer is not None for m in typed.modules() if isinstance(m, SparseMLA)] == [True, False, True]
+
+
+def _positive_index_weights(folder):
+    """The indexer's per-head weights made positive in place (tiny_deepseek32's option, for any checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        t = load_file(str(shard))
+        t.update({k: v.abs() for k, v in t.items() if k.endswith("indexer.weights_proj.weight")})
+        save_file(t, str(shard), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("family", ["glm-dsa", "deepseek32"])
+def test_trunk_logits_match_transformers_where_no_keys_tie(family, tmp_path):
+    """transformers runs both (DeepseekV32ForCausalLM; GlmMoeDsaForCausalLM with GLM-5.2's full/full/shared/full
+    blocks): with 16 indexer heads and positive head weights no key scores exactly 0, so its torch.topk and
+    llama.cpp's heap pick the same keys, and the logits agree (40 tokens, top-k 8: most queries drop keys;
+    the same checkpoint with a top-k above the context gives other logits). GLM's indexer LayerNorm epsilon
+    (transformers 1e-6, llama.cpp 0) moves nothing visible here."""
+    import transformers as tf
+
+    from mtpq.runtime.dsa import SparseMLA
+    from mtpq.runtime.families import load
+    from tests.builders import tiny_deepseek32, tiny_glm_dsa
+    from tests.helpers.runtime import REL_TOL, close, convert
+
+    over = dict(index_n_heads=16, index_topk=8)
+    if family == "deepseek32":
+        folder = tiny_deepseek32.deepseek_v32(tmp_path / "ck", dtype=torch.float32, positive_index_weights=True, **over)
+        cls = tf.DeepseekV32ForCausalLM
+    else:
+        folder = _positive_index_weights(tiny_glm_dsa.glm_dsa(tmp_path / "ck", dtype=torch.float32, **over))
+        cls = tf.GlmMoeDsaForCausalLM
+    model = load(convert(folder, tmp_path / "f32.gguf"))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = cls.from_pretrained(str(folder), dtype=torch.float32).eval()(ids).logits
+    ours = model.trunk(ids, use_cache=False).logits
+    diff, scale = close(ours, ref)
+    assert diff <= REL_TOL * scale, (diff, scale)
+    for m in model.modules():  # every key read: the indexer's choice showed
+        if isinstance(m, SparseMLA):
+            m.top_k = 10 ** 6
+    assert close(model.trunk(ids, use_cache=False).logits, ref)[0] > 100 * REL_TOL * scale
