@@ -168,3 +168,25 @@ def test_trunk_logits_match_transformers_where_no_keys_tie(family, tmp_path):
         if isinstance(m, SparseMLA):
             m.top_k = 10 ** 6
     assert close(model.trunk(ids, use_cache=False).logits, ref)[0] > 100 * REL_TOL * scale
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("family", ["glm-dsa", "deepseek32"])
+def test_llama_server_drafts_and_accepts_what_we_do(family, rt, llama_cpp_bin):
+    """llama-server drafting with the file's MTP head (k=1, f32 caches) on the release-shaped loop models, whose
+    contexts pass the top-k (16): the same greedy tokens, and exactly the drafts and acceptances of our loop --
+    the indexer's keys rolled back after each rejection on both sides."""
+    from mtpq.runtime.speculative import run_plain
+    from tests.helpers.runtime import PROMPTS
+    from tests.runtime.test_runtime_deepseek import _llama_server_completions, run_like_llama_cpp
+
+    model, tok = rt.loop_model(family)
+    prompts, eos = [tok.encode(s) for s in PROMPTS], {tok.eos_token_id}
+    accepted = 0
+    for ids, ref in zip(prompts, _llama_server_completions(llama_cpp_bin, rt.loop_gguf(family), prompts, 32),
+                        strict=True):
+        assert ref["tokens"] == run_plain(model, ids, 32, stop_ids=eos).tokens, ids
+        counts = run_like_llama_cpp(model, ids, 32, eos)
+        assert (ref["timings"]["draft_n"], ref["timings"]["draft_n_accepted"]) == counts, ids
+        accepted += counts[1]
+    assert accepted > 0
