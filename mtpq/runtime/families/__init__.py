@@ -16,10 +16,13 @@ from ...errors import InputError
 from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
+from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
+from .glm_dsa import GlmDsa
 from .qwen35 import Qwen35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2) for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa)
+                                   for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:
