@@ -13,8 +13,9 @@ Per token t and head h (state S_h: [d, d], zeros at the start):
 It is gated DeltaNet (deltanet.py) with a decay per key channel instead of one per head ("safe gate": the log
 decay lies in (lower_bound, 0)). ``ssm_a`` holds exp(A_log), one per head.
 
-Two forms of the recurrence, as deltanet.py has: token by token (short inputs, and the state after every token
-while a checkpoint is open, for :class:`~mtpq.runtime.cache.RecurrentCache`), and chunked for long inputs. In a
+Two forms of the recurrence: token by token (deltanet.py's, which takes a decay per key channel too: short
+inputs, and the state after every token while a checkpoint is open, for :class:`~mtpq.runtime.cache.RecurrentCache`),
+and chunked for long inputs. In a
 chunk with start state S0 and cumulative log decays c_t (a vector over key channels; every c_t - c_j with j <= t
 is <= 0, so no exponential overflows):
 
@@ -33,12 +34,11 @@ from torch import nn
 
 from ..errors import InputError
 from .cache import RecurrentCache
-from .deltanet import causal_conv, l2norm
+from .deltanet import causal_conv, conv_window, delta_rule_through_cache, l2norm
 from .layers import rms_norm, take_rows
 from .weights import FusedLinear, Scope, as_dtype
 
 CHUNK = 16  # tokens per chunk of the chunked form (its pairwise decays are [chunk, chunk, d] per head)
-RECURRENT_MAX_T = 16  # up to this many tokens the token-by-token form
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,6 @@ class KDAConfig:
     conv_kernel: int  # ssm.conv_kernel
     eps: float  # of the l2 norms and the output RMSNorm (the file's rms epsilon)
     gate_lower_bound: float  # kda.gate_lower_bound (< 0)
-
-
-def recurrent_kda(q, k, v, g, beta, state, keep_all: bool = False):
-    """q, k, v, g (log decays) [B, H, T, d], beta [B, H, T], state [B, H, d, d] or None.
-
-    -> (out [B, H, T, d], final state, the state after each token if ``keep_all`` else None)."""
-    B, H, T, d = k.shape
-    S = state if state is not None else q.new_zeros(B, H, d, v.shape[-1])
-    out = torch.empty_like(v)
-    states = [] if keep_all else None
-    for t in range(T):
-        S = S * g[:, :, t].exp()[..., None]
-        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * beta[:, :, t, None]
-        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
-        out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
-        if keep_all:
-            states.append(S)
-    return out, S, states
 
 
 def chunked_kda(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -126,30 +108,15 @@ class KimiDeltaAttention(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, d, K = cfg.n_heads, cfg.head_dim, cfg.conv_kernel
-        state = cache.state if cache is not None else None
         mixed = torch.cat(self.qkv(x), dim=-1)  # [B, T, 3C]
-        prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
-        window = torch.cat((prev, mixed), dim=1)
+        window = conv_window(cache, mixed, K)
         q, k, v = causal_conv(window, as_dtype(self.taps, mixed.dtype)).float().view(B, T, 3, H, d).unbind(2)
         q = (l2norm(q, cfg.eps) * d ** -0.5).transpose(1, 2)
         k, v = l2norm(k, cfg.eps).transpose(1, 2), v.transpose(1, 2)
         decay_in = (self.w_decay(x).float() + self.dt_bias).view(B, T, H, d) * self.a[:, None]
         g = (cfg.gate_lower_bound * torch.sigmoid(decay_in)).transpose(1, 2)  # [B, H, T, d]
         beta = torch.sigmoid(self.w_beta(x).float()).transpose(1, 2)  # [B, H, T]
-        ssm = state["ssm"] if state is not None else None
-
-        recording = cache is not None and cache.recording
-        if recording or T <= RECURRENT_MAX_T:
-            out, final, per_token = recurrent_kda(q, k, v, g, beta, ssm, keep_all=recording)
-        else:
-            (out, final), per_token = chunked_kda(q, k, v, g, beta, ssm), None
-        if recording:  # the state after every token: the conv window ends at that token
-            after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
-            cache.push(T, after[-1], after)
-        elif cache is not None:
-            cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
-
-        out = out.transpose(1, 2)  # [B, T, H, d]
+        out = delta_rule_through_cache(q, k, v, g, beta, cache, window, K, chunked_kda).transpose(1, 2)  # [B, T, H, d]
         if rows is not None:  # outputs for those rows only (the recurrence saw every row)
             x, out, T = take_rows(x, rows), take_rows(out, rows), rows.shape[1]
         gate = torch.sigmoid(self.w_gate(x).view(B, T, H, d))

@@ -233,12 +233,14 @@ OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_pro
              "attention.dense.weight", "attention.o_proj.weight")  # (Ling 3.0's MLA and KDA outputs)
 
 
-def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1) -> Path:
-    """Rewrite a tiny Qwen3.5 checkpoint (in place) into a "bigram" model: the trunk's mixing and FFN outputs
-    are scaled down (the current token's embedding weighs much in its prediction, the rest of the context
-    still decides most of the time), and the head passes enorm(E[x_{t+1}]) through an identity eh_proj and
-    a near-identity block into the trunk's own output norm and head: it drafts the trunk's "bigram" guess,
-    right about a fifth of the time."""
+def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
+                 head: str = "mtp.", eh_proj: str = "fc", head_norm: str = "norm",
+                 zero_centred_enorm: str | None = "pre_fc_norm_embedding") -> Path:
+    """Rewrite a tiny checkpoint (in place; by default a Qwen3.5 one, its head under ``mtp.``) into a "bigram"
+    model: the trunk's mixing and FFN outputs are scaled down (the current token's embedding weighs much in its
+    prediction, the rest of the context still decides most of the time), and the head passes enorm(E[x_{t+1}])
+    through an identity ``eh_proj`` and a near-identity block into the trunk's own output norm (copied into
+    ``head_norm``) and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     out_norm = None
@@ -247,43 +249,25 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
     for shard in shards:
         t = load_file(str(folder / shard))
         for name in list(t):
-            if name == "mtp.fc.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
-                h = t[name].shape[0]
-                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1)
-            elif name == "mtp.norm.weight":
-                t[name] = out_norm.clone()
-            elif name == "mtp.pre_fc_norm_embedding.weight":
-                t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
-            elif name.endswith(OUT_PROJS):
-                t[name] = (head_shrink if name.startswith("mtp.") else trunk_scale) * t[name]
-        save_file(t, str(folder / shard), metadata={"format": "pt"})
-    return folder
-
-
-def bigram_nextn_model(folder: Path, head_norm: str, trunk_scale: float = 0.4, head_mix: float = 0.1,
-                       head_shrink: float = 0.1) -> Path:
-    """:func:`bigram_model` for a head stored as layer ``model.layers.{num_hidden_layers}`` (``eh_proj``, ``enorm``,
-    ``hnorm`` and its final norm ``head_norm``) that ties its embedding and output to the trunk's: the same
-    "bigram" drafts, through the trunk's output norm (copied into ``head_norm``) and output."""
-    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    out_norm = None
-    for shard in shards:
-        out_norm = load_file(str(folder / shard)).get("model.norm.weight", out_norm)
-    p = f"model.layers.{n}."
-    for shard in shards:
-        t = load_file(str(folder / shard))
-        for name in list(t):
-            if name == p + "eh_proj.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            if name == f"{head}{eh_proj}.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
                 h = t[name].shape[0]
                 t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1).to(t[name].dtype)
-            elif name == p + head_norm + ".weight":
+            elif name == f"{head}{head_norm}.weight":
                 t[name] = out_norm.clone()
+            elif name == f"{head}{zero_centred_enorm}.weight":
+                t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
             elif name.endswith(OUT_PROJS):
-                t[name] = (head_shrink if name.startswith(p) else trunk_scale) * t[name]
+                t[name] = (head_shrink if name.startswith(head) else trunk_scale) * t[name]
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     return folder
+
+
+def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
+    """:func:`bigram_model` for a head stored as layer ``model.layers.{num_hidden_layers}`` (``eh_proj``, ``enorm``,
+    ``hnorm``, its final norm ``head_norm``) that ties its embedding and output to the trunk's."""
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    return bigram_model(folder, head=f"model.layers.{n}.", eh_proj="eh_proj", head_norm=head_norm,
+                        zero_centred_enorm=None, **kw)
 
 
 # these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)

@@ -24,7 +24,8 @@ def kda_inputs(B: int, H: int, T: int, d: int, seed: int):
 
 @pytest.mark.parametrize("T, with_state", [(16, False), (37, False), (37, True), (64, True)])
 def test_chunked_kda_equals_the_recurrence(T, with_state):
-    from mtpq.runtime.kda import chunked_kda, recurrent_kda
+    from mtpq.runtime.deltanet import recurrent_gated_delta_rule as recurrent_kda
+    from mtpq.runtime.kda import chunked_kda
 
     q, k, v, g, beta = kda_inputs(2, 3, T, 8, seed=T)
     state = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1)) if with_state else None
@@ -39,7 +40,7 @@ def test_chunked_kda_equals_the_recurrence(T, with_state):
 def test_the_recurrence_is_the_delta_rule_written_out():
     """One token at a time, as llama.cpp's ggml_gated_delta_net states it (state S[k][v]): S[i][:] *= exp(g[i]),
     delta = (v - S^T k) beta, S += k delta^T, o = S^T q."""
-    from mtpq.runtime.kda import recurrent_kda
+    from mtpq.runtime.deltanet import recurrent_gated_delta_rule as recurrent_kda
 
     q, k, v, g, beta = kda_inputs(1, 1, 5, 4, seed=3)
     S = torch.zeros(4, 4, dtype=torch.float64)
