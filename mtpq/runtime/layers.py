@@ -37,6 +37,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Bias-free LayerNorm (ggml_norm, then the weight), computed in float32 and scaled in the input dtype."""
+    return weight * F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -212,17 +217,19 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def packed_attention(q: torch.Tensor, kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], packing: Packing,
-                     scale: float) -> torch.Tensor:
+                     scale: float, attend: Callable = None) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows), and
     ``kv(a, n)`` the keys [n, Hkv, D] and values [n, Hkv, Dv] of the packed rows a..a+n-1 -> [Nq, Hq, Dv].
     One causal attention per sequence at its own length: a padded batch would spend its longest
-    sequence's T^2 on every sequence."""
+    sequence's T^2 on every sequence. ``attend``: another attention with :func:`causal_attention`'s signature
+    (a sliding window's)."""
+    attend = attend or causal_attention
     outs, at, aq = [], 0, 0
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1
         kb, vb = kv(at, T)
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[aq:aq + M], kb, vb))
-        outs.append(causal_attention(qb, kb, vb, first, scale)[0].transpose(0, 1))
+        outs.append(attend(qb, kb, vb, first, scale)[0].transpose(0, 1))
         at, aq = at + T, aq + M
     return torch.cat(outs)
 
@@ -240,7 +247,10 @@ class AttnConfig:
 
 
 class Attention(nn.Module):
-    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate."""
+    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate.
+    ``attend`` (causal_attention's signature) is the attention proper: a subclass may mask more (swa.py)."""
+
+    attend = staticmethod(causal_attention)
 
     def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope):
         super().__init__()
@@ -299,7 +309,7 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(x, xq, packing.out_positions, packing.positions)
         k, v = k[0].transpose(0, 1), v[0]  # [N, n_kv, D] rows
         out = packed_attention(q[0].transpose(0, 1), lambda a, n: (k[a:a + n], v[a:a + n]), packing,
-                               self.cfg.head_dim ** -0.5)
+                               self.cfg.head_dim ** -0.5, self.attend)
         return self._output(out.reshape(1, q.shape[2], -1), gate)
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
@@ -310,26 +320,36 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = causal_attention(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
+        out = self.attend(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
         return self._output(out.reshape(x.shape[0], q.shape[2], -1), gate)
 
 
 # ----------------------------------------------------------------------------- feed-forward
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert."""
+def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up, written into ``gate``. ``limit`` > 0: llama.cpp's clamped SwiGLU (its ``swiglu_clamp_exp``
+    / ``_shexp``): up clamped to [-limit, limit] and silu(gate) to at most limit, before the product."""
+    act = F.silu(gate, inplace=True)
+    if limit > 0:
+        return act.clamp_(max=limit).mul_(up.clamp(-limit, limit))
+    return act.mul_(up)  # in place: no [rows, F] temporaries
 
-    def __init__(self, w: Scope, suffix: str = ""):
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert; ``limit``: see :func:`swiglu_`."""
+
+    def __init__(self, w: Scope, suffix: str = "", limit: float = 0.0):
         super().__init__()
         self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
         self.down = w.linear(f"ffn_down{suffix}")
+        self.limit = limit
 
         self.gate_up = FusedLinear(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate, inplace=True).mul_(up))  # in place: no [rows, F] temporaries
+        return self.down(swiglu_(gate, up, self.limit))
 
 
 @dataclass(frozen=True)
@@ -341,6 +361,8 @@ class MoEConfig:
     scale: float = 1.0  # routed_scaling_factor
     n_group: int = 1  # group-limited routing: keep the best topk_group groups (a group scores its best two)
     topk_group: int = 1
+    swiglu_limit: float = 0.0  # the routed experts' clamped SwiGLU (swiglu_), 0: none
+    shared_swiglu_limit: float = 0.0  # the shared expert's
 
 
 DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
@@ -357,9 +379,10 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = w.tensor("ffn_gate_inp", torch.float32)  # [E, H], routed in f32
         self.router_name, self.shared_gate_name = w.name("ffn_gate_inp"), w.name("ffn_gate_inp_shexp")
-        self.bias = w.optional("exp_probs_b.bias", torch.float32)
+        # (Hy3's GGUF names it without the .bias suffix, as llama.cpp's hy_v3 loader does)
+        self.bias = w.optional("exp_probs_b.bias" if w.has("exp_probs_b.bias") else "exp_probs_b", torch.float32)
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
-        self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
+        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
         self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
         if not self.gate.quantized and not self.up.quantized and self.gate.data.dtype == self.up.data.dtype:
@@ -422,7 +445,7 @@ class MoE(nn.Module):
         else:
             g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = F.silu(g) * u  # [N, E*F]
+        h = swiglu_(g, u, self.cfg.swiglu_limit)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
@@ -464,8 +487,8 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
-            h = g.mul_(F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)))
+            g = F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype))
+            h = swiglu_(g, F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)), self.cfg.swiglu_limit)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny, tiny_deepseek, tiny_qwen35
+from tests.builders import tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek, tiny_hyv3, tiny_qwen35
 from tests.helpers.runcli import run_cli
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "class Point:"]
@@ -80,7 +80,8 @@ def hf_model(family: str, folder: Path, dtype: torch.dtype = F32):
     import transformers as tf
 
     cls = {"glm4moe": tf.Glm4MoeForCausalLM, "qwen35": tf.Qwen3_5ForCausalLM, "qwen35moe": tf.Qwen3_5MoeForCausalLM,
-           "deepseek2": tf.DeepseekV3ForCausalLM}[family]
+           "deepseek2": tf.DeepseekV3ForCausalLM, "hy_v3": tf.HYV3ForCausalLM,
+           "cohere2moe": tf.Cohere2MoeForCausalLM}[family]
     return cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
@@ -228,15 +229,18 @@ def oracle(family: str, folder: Path) -> MtpOracle:
 # ----------------------------------------------------------------------------- checkpoints of each family
 
 
-OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj")
+OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj",
+             "attention.dense.weight", "attention.o_proj.weight")  # (Ling 3.0's MLA and KDA outputs)
 
 
-def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1) -> Path:
-    """Rewrite a tiny Qwen3.5 checkpoint (in place) into a "bigram" model: the trunk's mixing and FFN outputs
-    are scaled down (the current token's embedding weighs much in its prediction, the rest of the context
-    still decides most of the time), and the head passes enorm(E[x_{t+1}]) through an identity eh_proj and
-    a near-identity block into the trunk's own output norm and head: it drafts the trunk's "bigram" guess,
-    right about a fifth of the time."""
+def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
+                 head: str = "mtp.", eh_proj: str = "fc", head_norm: str = "norm",
+                 zero_centred_enorm: str | None = "pre_fc_norm_embedding") -> Path:
+    """Rewrite a tiny checkpoint (in place; by default a Qwen3.5 one, its head under ``mtp.``) into a "bigram"
+    model: the trunk's mixing and FFN outputs are scaled down (the current token's embedding weighs much in its
+    prediction, the rest of the context still decides most of the time), and the head passes enorm(E[x_{t+1}])
+    through an identity ``eh_proj`` and a near-identity block into the trunk's own output norm (copied into
+    ``head_norm``) and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     out_norm = None
@@ -245,19 +249,29 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
     for shard in shards:
         t = load_file(str(folder / shard))
         for name in list(t):
-            if name == "mtp.fc.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            if name == f"{head}{eh_proj}.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
                 h = t[name].shape[0]
-                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1)
-            elif name == "mtp.norm.weight":
+                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1).to(t[name].dtype)
+            elif name == f"{head}{head_norm}.weight":
                 t[name] = out_norm.clone()
-            elif name == "mtp.pre_fc_norm_embedding.weight":
+            elif name == f"{head}{zero_centred_enorm}.weight":
                 t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
             elif name.endswith(OUT_PROJS):
-                t[name] = (head_shrink if name.startswith("mtp.") else trunk_scale) * t[name]
+                t[name] = (head_shrink if name.startswith(head) else trunk_scale) * t[name]
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     return folder
 
 
+def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
+    """:func:`bigram_model` for a head stored as layer ``model.layers.{num_hidden_layers}`` (``eh_proj``, ``enorm``,
+    ``hnorm``, its final norm ``head_norm``) that ties its embedding and output to the trunk's."""
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    return bigram_model(folder, head=f"model.layers.{n}.", eh_proj="eh_proj", head_norm=head_norm,
+                        zero_centred_enorm=None, **kw)
+
+
+# these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)
+BIGRAM_NEXTN = dict(trunk_scale=0.1, head_mix=0.0)
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
 # YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
@@ -331,6 +345,30 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         "copy": lambda f: tiny_deepseek.trunk_copy_head(tiny_deepseek.deepseek_v3(
             f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
     },
+    "hy_v3": {
+        "default": lambda f: tiny_hyv3.hyv3(f, dtype=F32),
+        "bigram": lambda f: bigram_nextn_model(tiny_hyv3.hyv3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
+    },
+    "cohere2moe": {
+        # LayerNorm (rms_norm_eps null), logit_scale 1/16, window 16, a shared expert averaged in
+        "default": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32),
+        # as released: RMSNorm, no shared expert, logit_scale 1; five layers (the fifth full, without RoPE)
+        "rms": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32, seed=2, rms_norm_eps=1e-6,
+                                                    num_shared_experts=0, logit_scale=1.0, num_hidden_layers=5),
+        # untied: with tied embeddings the trunk's greedy output settles on one repeated token
+        "bigram": lambda f: bigram_nextn_model(tiny_cohere2moe.cohere2moe(f, dtype=F32, tie_word_embeddings=False),
+                                               "shared_head.norm", **BIGRAM_NEXTN),
+    },
+    "bailingmoe3": {
+        # KDA, MLA, KDA, MLA; a dense first layer
+        "default": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32),
+        # low-rank q, two expert groups, SwiGLU clamps that bind on the random weights
+        "alt": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32, seed=3, q_lora_rank=128, n_group=2, topk_group=1,
+                                                      expert_swiglu_limit_list=[0, 0.3, 0.3, 0.3],
+                                                      share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3]),
+        "bigram": lambda f: bigram_nextn_model(tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm",
+                                               **BIGRAM_NEXTN),
+    },
 }
 CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
     "glm-dsa": {
@@ -345,7 +383,7 @@ CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: th
 }
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
 LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
-                "deepseek32": "copy"}
+                "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram"}
 
 
 class Builds:

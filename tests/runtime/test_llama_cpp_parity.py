@@ -41,13 +41,22 @@ PARITY = {
     "qwen35moe": ("qwen35_moe", "bf16"),
     "deepseek2": ("deepseek_v3_hf5", "bf16"),
     "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "hy_v3": ("hy3", "bf16"),
+    "cohere2moe": ("cohere2moe", "bf16"),
+    "bailingmoe3": ("ling3_flash", "bf16"),
     "glm-dsa": ("glm5", "bf16"),
-    "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (METADATA)
+    "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (SHARPER)
     "deepseek32": ("deepseek_v32", "fp8"),
 }
-# metadata the converted file gets on top of what the release gives: GLM-5 runs its indexer in every block;
-# GLM-5.2's "shared" blocks reuse the top-k of the full block before them
-METADATA = {"glm-dsa-shared": {"glm-dsa.attention.indexer.types": [True, False]}}
+# metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
+# Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
+# bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too
+SHARPER = {
+    "cohere2moe": {"attention.sliding_window": 32, "logit_scale": 2.0},
+    "bailingmoe3": {"swiglu_clamp_exp": [0.0, 0.0, 1.0, 0.8, 1.0], "swiglu_clamp_shexp": [0.8, 0.0, 1.0, 0.8, 0.9]},
+    # GLM-5 runs its indexer in every block; GLM-5.2's "shared" blocks reuse the top-k of the full block before them
+    "glm-dsa-shared": {"attention.indexer.types": [True, False]},
+}
 # llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
 # top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
 # flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
@@ -56,16 +65,17 @@ F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32"}
 
 
 def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
-    """``src`` with ``output_norm`` and every ``nextn.shared_head_norm`` scaled by ``factor`` (and the ``metadata``
-    values set: arrays of bools)."""
+    """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's
+    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set."""
     from gguf import GGUFValueType
-    from gguf.gguf_writer import GGUFValue
 
     from mtpq.gguf_io import plan_from_gguf, write_plan
 
     plan = plan_from_gguf(src)
     for key, value in (metadata or {}).items():
-        plan.kv[key] = GGUFValue(list(value), GGUFValueType.ARRAY, GGUFValueType.BOOL)
+        old = plan.kv.get(f"{plan.arch}.{key}")  # a key the file has keeps its type; a new one is an array of bools
+        kind, sub = (old.type, old.sub_type) if old is not None else (GGUFValueType.ARRAY, GGUFValueType.BOOL)
+        plan.set_kv(f"{plan.arch}.{key}", value, kind, sub)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
     plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
@@ -83,7 +93,7 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             name, form = PARITY[arch]
             work = tmp_path_factory.mktemp(f"parity-{arch}")
             ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
-            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=METADATA.get(arch))
+            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=SHARPER.get(arch))
             from mtpq.runtime.families import load
 
             vocab = load(path).vocab_size
@@ -166,6 +176,102 @@ def head_pairs_shifted(model) -> bool:
     return True
 
 
+def routed_scale_dropped(model) -> bool:
+    """Every MoE's routed scaling factor (``expert_weights_scale``) taken as 1."""
+    moes = [m for m in _modules(model, "MoE") if m.cfg.scale != 1.0]
+    for m in moes:
+        m.cfg = replace(m.cfg, scale=1.0)
+    return bool(moes)
+
+
+def expert_groups_ignored(model) -> bool:
+    """Group-limited routing skipped: the top-k over every expert."""
+    moes = [m for m in _modules(model, "MoE") if m.cfg.n_group > 1]
+    for m in moes:
+        m.cfg = replace(m.cfg, n_group=1, topk_group=1)
+    return bool(moes)
+
+
+def swiglu_clamp_dropped(model) -> bool:
+    """Every SwiGLU clamp (routed experts, shared expert, dense FFN) ignored."""
+    from mtpq.runtime.layers import MoE, SwiGLU
+
+    found = False
+    for m in model.modules():
+        if isinstance(m, SwiGLU) and m.limit > 0:
+            m.limit, found = 0.0, True
+        elif isinstance(m, MoE) and m.cfg.swiglu_limit > 0:
+            m.cfg, found = replace(m.cfg, swiglu_limit=0.0), True
+    return found
+
+
+def window_one_short(model) -> bool:
+    """Every sliding window one position short."""
+    from mtpq.runtime.swa import SlidingWindowAttention
+
+    layers = [m for m in model.modules() if isinstance(m, SlidingWindowAttention)]
+    for m in layers:
+        m.window -= 1
+    return bool(layers)
+
+
+def nope_layers_rotated(model) -> bool:
+    """The full-attention layers that have no RoPE (Cohere's) rotated like the others."""
+    layers = [m for m in _modules(model, "Attention") if m.rope.dim == 0]
+    for m in layers:
+        m.rope = model.family.rope
+    return bool(layers)
+
+
+def logit_scale_dropped(model) -> bool:
+    """The logits, trunk's and heads', not multiplied by ``logit_scale``."""
+    owners = [m for m in (model, model.mtp, *model.later_heads) if m is not None and m.logit_scale != 1.0]
+    for m in owners:
+        m.logit_scale = 1.0
+    return bool(owners)
+
+
+def kda_gate_bound_changed(model) -> bool:
+    """Every KDA decay's lower bound 10 % off (the log decay is bound * sigmoid(...))."""
+    from mtpq.runtime.kda import KimiDeltaAttention
+
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in layers:
+        m.cfg = replace(m.cfg, gate_lower_bound=0.9 * m.cfg.gate_lower_bound)
+    return bool(layers)
+
+
+def kda_conv_reversed(model) -> bool:
+    """Every KDA short convolution's taps in reverse time order."""
+    from mtpq.runtime.kda import KimiDeltaAttention
+
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in layers:
+        m.taps = m.taps.flip(0)
+    return bool(layers)
+
+
+class _Open(torch.nn.Module):
+    """A gate projection whose sigmoid is 1 everywhere."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x.new_full((*x.shape[:-1], self.n), 100.0)
+
+
+def mla_gate_dropped(model) -> bool:
+    """Ling's head-wise MLA output gate left open (every head's output passed as it is)."""
+    from mtpq.runtime.families.bailingmoe3 import GatedMLA
+
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    for m in layers:
+        m.gate = _Open(m.cfg.n_heads)
+    return bool(layers)
+
+
 def _sparse(model, full: bool | None = None):
     """The sparse-attention layers (``full``: only those with their own indexer, False: only shared ones)."""
     from mtpq.runtime.dsa import SparseMLA
@@ -228,10 +334,11 @@ def shared_layers_dense(model) -> bool:
     return bool(layers)
 
 
-BREAKS: dict[str, Callable] = {f.__name__: f for f in (wrong_rope_base, router_bias_dropped, norm_eps_changed,
-                                                        head_pairs_shifted, top_k_one_fewer, indexer_relu_dropped,
-                                                        indexer_rope_pairs_swapped, ties_by_torch_topk,
-                                                        shared_layers_dense)}
+BREAKS: dict[str, Callable] = {f.__name__: f for f in (
+    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
+    expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
+    kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
+    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -239,6 +346,13 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "hy_v3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+              "routed_scale_dropped"),
+    "cohere2moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+                   "nope_layers_rotated", "logit_scale_dropped"),
+    "bailingmoe3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                    "routed_scale_dropped", "expert_groups_ignored", "swiglu_clamp_dropped", "kda_gate_bound_changed",
+                    "kda_conv_reversed", "mla_gate_dropped"),
     "glm-dsa": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "top_k_one_fewer",
                 "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
     "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),

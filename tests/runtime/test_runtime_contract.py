@@ -1,9 +1,12 @@
-"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2; glm-dsa and deepseek32 where marked) must do,
-against independent truth.
+"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, glm-dsa, deepseek32, hy_v3, cohere2moe,
+bailingmoe3) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
-  prompt and through the caches (a prefill, a chunk on top of it, then token by token);
-- the MTP head == an independent head (tests/helpers/runtime.py: transformers' own layers, or its MtpModel),
+  prompt and through the caches (a prefill, a chunk on top of it, then token by token); where transformers does
+  not run the family (NO_TRANSFORMERS), the cached passes == the uncached one (llama.cpp's parity test,
+  test_llama_cpp_parity.py, is the truth there);
+- the MTP head == an independent head (tests/helpers/runtime.py: transformers' own layers, or its MtpModel;
+  hy_v3, cohere2moe and bailingmoe3 have none: their heads are checked against llama.cpp's MTP context only),
   uncached, pair by pair through the head's cache, and for a second draft fed the head's own output; the
   pre-norm switch feeds something else, which the head notices;
 - greedy speculative == plain greedy for k = 1..4, with both accepted and rejected drafts, and the caches
@@ -11,10 +14,9 @@ against independent truth.
 - a quantized GGUF stays quantized in memory and equals its copy dequantized by gguf-py (trunk and head);
 - bf16 compute is as close to transformers as transformers' own bf16.
 
-The families in NO_TRANSFORMERS take the parts that need no other engine: cached == uncached (trunk and head),
-greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized. Their truth is llama.cpp
-itself (tests/runtime/test_llama_cpp_parity.py): transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads
-and breaks the sparse attention's ties at the top-k its own way (test_runtime_dsa.py compares it where no keys tie).
+transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads and breaks the sparse attention's ties at the top-k
+its own way (test_runtime_dsa.py compares it where no keys tie): they are in NO_TRANSFORMERS, with release-shaped
+fixtures (tests/releases) of top-k 8, so the contexts below drop keys (glm52: a GLM-5.2 shared block).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -30,43 +32,42 @@ from tests.helpers.runtime import (PROMPTS, REL_TOL, close, convert, dequantized
                                    random_prompts, requantized)
 from tests.helpers.runcli import run_cli
 
-FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2")
+FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3")
+# transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
+# head_dim): it does not load the release's checkpoints
+NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32")
+HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
-                  "deepseek2": ("v3", "plain_q", "v2_lite_yarn")}
+                  "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
+                  "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
+                  "deepseek32": ("v32",)}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
-                 "deepseek2": (1, 9, 96)}  # qwen35: token-by-token form, one DeltaNet chunk, several
+                 "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40),  # cohere2moe: window 16
+                 "bailingmoe3": (1, 9, 40), "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40)}  # qwen35, bailingmoe3: token-by-token form, one chunk, several
 # (variant, whether the head shares the trunk's token_embd and output)
 HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
-DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3"}
-# release-shaped (tests/releases) with a top-k of 8: the contexts below drop keys; glm52: a GLM-5.2 shared block
-NO_TRANSFORMERS = {"glm-dsa": ("glm5", "glm52"), "deepseek32": ("v32",)}
-DEFAULT |= {family: variants[0] for family, variants in NO_TRANSFORMERS.items()}
-LOOP_FAMILIES = FAMILIES + tuple(NO_TRANSFORMERS)
+DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
+           "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32"}
 
 
-def cases(table: dict) -> list:
+def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
     return [pytest.param(f, *([v] if isinstance(v, str) else v), id=f"{f}-{v if isinstance(v, str) else v[0]}")
-            for f in FAMILIES for v in table[f]]
+            for f in families for v in table.get(f, ())]
 
 
 # ----------------------------------------------------------------------------- trunk
 
 
-@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS))
-def test_trunk_logits_match_transformers(family, variant, rt):
-    from mtpq.runtime.families import load
-
-    model = load(rt.gguf(family, variant))
-    hf = hf_model(family, rt.ckpt(family, variant))
+def check_trunk(model, family: str, reference) -> None:
+    """The trunk's logits == ``reference(ids)`` for random prompts of the family's lengths, uncached and through the
+    caches (a prefill, an uneven chunk on top of it, then the rest one token at a time)."""
     gen = torch.Generator().manual_seed(1)
     for n in TRUNK_LENGTHS[family]:
         ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
-        with torch.no_grad():
-            ref = hf(ids).logits
+        ref = reference(ids)
         diff, scale = close(model.trunk(ids, use_cache=False).logits, ref)
         assert diff <= REL_TOL * scale, (n, diff, scale)
-        # through the caches: a prefill, an uneven chunk on top of it, then the rest one token at a time
         model.reset()
         a, b = n // 4, 3 * n // 4
         parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, a), (a, b)) if j > i]
@@ -76,22 +77,33 @@ def test_trunk_logits_match_transformers(family, variant, rt):
         assert model.trunk_length == n and {c.length for c in model.trunk_cache} == {n}
 
 
-@pytest.mark.parametrize("family, variant", [pytest.param(f, v, id=f"{f}-{v}") for f, vs in NO_TRANSFORMERS.items()
-                                             for v in vs])
-def test_cached_trunk_and_head_equal_uncached(family, variant, rt):
-    """Through the caches (a prefill, an uneven chunk, then token by token) the trunk's logits are the uncached
-    pass's, and the head's pair by pair are its uncached ones."""
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, HF_FAMILIES))
+def test_trunk_logits_match_transformers(family, variant, rt):
+    from mtpq.runtime.families import load
+
+    hf = hf_model(family, rt.ckpt(family, variant))
+    with torch.no_grad():
+        check_trunk(load(rt.gguf(family, variant)), family, lambda ids: hf(ids).logits)
+
+
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS))
+def test_cached_trunk_equals_uncached(family, variant, rt):
+    """Where transformers does not run the family: the caches give the uncached pass's logits."""
+    from mtpq.runtime.families import load
+
+    check_trunk(load(rt.gguf(family, variant)), family,
+                lambda ids: load(rt.gguf(family, variant)).trunk(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS))
+def test_cached_head_equals_uncached(family, variant, rt):
+    """Where transformers does not run the head: the head pair by pair through its cache gives its uncached pass."""
     from mtpq.runtime.families import load
 
     model = load(rt.gguf(family, variant))
     n = 40
     ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
     full = model.trunk(ids, use_cache=False)
-    parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, 10), (10, 30))]
-    parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(30, n)]
-    diff, scale = close(torch.cat(parts, dim=1), full.logits)
-    assert diff <= REL_TOL * scale, (diff, scale)
-    assert {c.length for c in model.trunk_cache} == {n}
     head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False).logits
     steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1]).logits for i in range(n - 1)]
     diff, scale = close(torch.cat(steps, dim=1), head)
@@ -99,11 +111,12 @@ def test_cached_trunk_and_head_equal_uncached(family, variant, rt):
 
 
 BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
-               "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight, "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight}
-BF16_LENGTH = {"glm4moe": 24, "qwen35": 100, "qwen35moe": 100, "deepseek2": 24}
+               "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight, "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight,
+               "hy_v3": lambda m: m.blocks[0].attn.wq.weight, "cohere2moe": lambda m: m.blocks[0].attn.wq.weight}
+BF16_LENGTH = {"glm4moe": 24, "qwen35": 100, "qwen35moe": 100, "deepseek2": 24, "hy_v3": 24, "cohere2moe": 24}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_bf16_compute_matches_transformers_bf16(family, rt):
     """bf16 compute: as far from the f32 truth as transformers in bf16 is, and (GLM, DeepSeek: both flip the
     same routing choices, far from f32) within a couple of bf16 ulps of transformers in bf16."""
@@ -183,7 +196,7 @@ def loop_prompts(family: str, model, tok, varied: bool = False) -> list[list[int
     return random_prompts(3, 12, model.cfg.vocab_size, seed=0)
 
 
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_speculative_equals_plain_greedy(family, rt):
     from mtpq.runtime.speculative import SpeculativeDecoder, run_plain, run_speculative
 
@@ -213,7 +226,7 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
 
 
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
@@ -251,12 +264,23 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
     if family == "glm4moe":  # one type everywhere
         return [(m.blocks[1].ffn.gate, (qtype,)), (m.tok_embd, (qtype,)), (m.mtp.eh_proj.weight, (qtype,))]
     head = m.mtp
-    if family in ("deepseek2", *NO_TRANSFORMERS):  # the head's block held at q8_0, the latent's k_b / v_b quantized too
+    if family in ("deepseek2", "glm-dsa", "deepseek32"):  # the head's block at q8_0, the latent's k_b / v_b quantized too
         attn, ha = m.blocks[1].attn, head.block.attn
         dsa = [(attn.indexer.wq_b.weight, K_TYPES), (attn.indexer.wk.weight, K_TYPES)] if family != "deepseek2" else []
         return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
                 (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
                 (ha.k_b, (T.Q8_0,)), *dsa]
+    if family in ("hy_v3", "cohere2moe"):  # GQA and experts in 4-6 bits, the head's block at q8_0
+        moe = m.blocks[1].ffn
+        moe, head_moe = getattr(moe, "moe", moe), getattr(head.block.ffn, "moe", head.block.ffn)  # (Cohere's average)
+        return [(m.blocks[1].attn.wq.weight, K_TYPES), (m.blocks[1].attn.wo.weight, K_TYPES), (moe.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)), (head_moe.down, (T.Q8_0,))]
+    if family == "bailingmoe3":  # KDA, gated MLA and experts in 4-6 bits, the head's MLA block at q8_0
+        kda, mla = m.blocks[0].attn, m.blocks[1].attn
+        return [(kda.wq.weight, K_TYPES), (kda.w_decay.weight, K_TYPES), (kda.wo.weight, K_TYPES),
+                (mla.wq.weight, K_TYPES), (mla.k_b, None), (m.blocks[1].ffn.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)),
+                (head.block.ffn.gate, (T.Q8_0,))]
     dn = m.blocks[0].attn  # DeltaNet, attention and FFN in 4-6 bits, the head at q8_0
     return [(dn.wqkv.weight, K_TYPES), (dn.wz.weight, K_TYPES), (dn.wo.weight, K_TYPES), (m.blocks[0].ffn.gate, K_TYPES),
             (m.blocks[3].attn.wq.weight, K_TYPES), (head.eh_proj.weight, (T.Q8_0,)),
@@ -276,7 +300,8 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M")]
+               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("hy_v3", "Q4_K_M"),
+               ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])

@@ -16,13 +16,17 @@ from ...errors import InputError
 from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
+from .bailingmoe3 import BailingMoe3
+from .cohere2moe import Cohere2Moe
 from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
+from .hy_v3 import HyV3
 from .qwen35 import Qwen35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa)
-                                   for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
+                                                           Cohere2Moe, BailingMoe3)
+                                     for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:
