@@ -35,7 +35,8 @@ def build(
     still build; manifest.json says why); 2 a bad recipe or input (the key is named).
     """
     from ..release import load_recipe, run_build, write_outputs
-    from ..release.runner import plan_jobs, reusable
+    from ..release.plan import plan_jobs
+    from ..release.runner import reusable
 
     recipe = load_recipe(recipe_path, check_inputs=not merge)
     if merge:
@@ -45,8 +46,8 @@ def build(
     if dry_run:
         import json
 
-        head, todo = plan_jobs(recipe, variant or None, force, dry_run=True)  # writes nothing
-        for job in [head["reference"], *todo]:
+        plan = plan_jobs(recipe, variant or None, force, dry_run=True)  # writes nothing
+        for job in plan.jobs:
             part = Path(job["part"])
             old = json.loads(part.read_text()) if part.is_file() else None
             fresh = reusable(job, old)

@@ -67,12 +67,12 @@ def _check(files: list[Path]) -> None:
 
     problems, models = check_files(files)
     for g in models:
-        mine = [p for p in problems if p.file == g.path.name]
+        mine = [p for p in problems if p.file == str(g.path)]
         if not mine:
             first = g.n_trunk
             what = ("head file" if is_head_file(g) else "trunk + head" if g.n_mtp else "trunk only, no head")
             blocks = f" {', '.join(f'blk.{b}' for b in range(first, first + g.n_mtp))}" if g.n_mtp else ""
-            typer.echo(f"{g.path.name}: ok ({what}{blocks})")
+            typer.echo(f"{g.path}: ok ({what}{blocks})")
         for p in mine:
             typer.echo(p.line())
     if problems:

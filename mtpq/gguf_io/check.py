@@ -63,7 +63,7 @@ def _fmt(blocks: list[int]) -> str:
 
 def check_model(g: GGUFFile) -> list[Problem]:
     """The problems of one model (a file or a whole split set)."""
-    name, arch = g.path.name, g.arch
+    name, arch = str(g.path), g.arch
     problems: list[Problem] = []
 
     def add(text: str, warning: bool = False) -> None:
@@ -165,7 +165,7 @@ def model_mismatches(trunk: GGUFFile, head: GGUFFile) -> list[str]:
 
 def check_pair(trunk: GGUFFile, head: GGUFFile) -> list[Problem]:
     """A trunk and the head file meant for it (``-m trunk -md head``)."""
-    return [Problem(head.path.name, m) for m in model_mismatches(trunk, head)]
+    return [Problem(str(head.path), m) for m in model_mismatches(trunk, head)]
 
 
 def check_files(paths: list[Path]) -> tuple[list[Problem], list[GGUFFile]]:

@@ -447,6 +447,13 @@ def _check_sidecar_layout(recipe: Recipe) -> None:
         if v.auto_max_drop is not None:
             raise _err(path, f"variant[{i}].mtp_type", '"auto" measures the head inside one quant; with layout '
                        f'"{recipe.layout}" name the head type (mtpq quantize --mtp-type auto tells which)')
+    made = {recipe.head_label(None): ("model.reference_type", recipe.reference_type)}
+    for i, v in enumerate(recipe.variants):  # one label, one head: a head like its trunk named as another's type
+        label, spec = recipe.head_label(v), _head_spec(recipe, v)
+        key, other = made.setdefault(label, (f"variant[{i}]", spec))
+        if other != spec:
+            raise _err(path, f"variant[{i}]", f"its head ({_describe(spec)}) and {key}'s ({_describe(other)}) would "
+                       f"both be {naming.head_file(recipe.name, label)}; rename the variant")
     pairs = {recipe.reference_type.upper(): (naming.model_file(recipe.name, recipe.reference_type.upper()),
                                              naming.head_file(recipe.name, recipe.head_label(None)))}
     for v in recipe.variants:
@@ -464,3 +471,17 @@ def _check_sidecar_layout(recipe: Recipe) -> None:
                      "model.layout")
         raise _err(path, where, f"{problems[0]} (llama.cpp pairs a tag with the head named -TAG., else with the "
                    'nearest bits); give these quants one head type, or use layout = "combined"')
+
+
+def _head_spec(recipe: Recipe, v: Variant) -> str:
+    """What decides a variant's head file: its type(s) (``keep``: the reference's), or its own quant (``same``)."""
+    if recipe.head_label(v) == v.name and (v.mtp_type.is_same or (v.mtp_experts_type and v.mtp_experts_type.is_same)):
+        return f"same as {v.name}"
+    main = recipe.reference_type if v.mtp_type.is_keep else str(v.mtp_type)
+    experts = v.mtp_experts_type
+    exps = None if experts is None else recipe.reference_type if experts.is_keep else str(experts)
+    return main + (f", experts {exps}" if exps is not None and exps != main else "")
+
+
+def _describe(spec: str) -> str:
+    return spec if spec.startswith("same") else f"mtp_type {spec}"

@@ -30,9 +30,8 @@ def check(*files):
 def test_sound_files_pass(made):
     code, lines = check(made / "f16.gguf", made / "trunk.gguf", made / "head.gguf")
     assert code == 0, lines
-    assert [line.split(":")[0] for line in lines] == ["f16.gguf", "trunk.gguf", "head.gguf"]
-    assert lines == ["f16.gguf: ok (trunk + head blk.2)", "trunk.gguf: ok (trunk only, no head)",
-                     "head.gguf: ok (head file blk.2)"]
+    assert lines == [f"{made / 'f16.gguf'}: ok (trunk + head blk.2)",
+                     f"{made / 'trunk.gguf'}: ok (trunk only, no head)", f"{made / 'head.gguf'}: ok (head file blk.2)"]
 
 
 @pytest.mark.parametrize("override, says", [
@@ -48,7 +47,7 @@ def test_wrong_metadata(made, tmp_path, override, says):
     res = run_cli("quantize", made / "f16.gguf", out, "Q8_0", "--override-kv", override, "-q")
     assert res.exit_code == 0, res.output
     code, lines = check(out)
-    assert code == 1 and lines == [f"bad.gguf: glm4moe.{says}"], lines
+    assert code == 1 and lines == [f"{out}: glm4moe.{says}"], lines
 
 
 def test_missing_nextn_key(made, tmp_path):
@@ -58,8 +57,8 @@ def test_missing_nextn_key(made, tmp_path):
     plan.drop_kv("glm4moe.nextn_predict_layers")
     write_plan(plan, tmp_path / "bad.gguf")
     code, lines = check(tmp_path / "bad.gguf")
-    assert code == 1 and lines == ["bad.gguf: glm4moe.nextn_predict_layers is missing, but blk.2 hold MTP tensors "
-                                   "(nextn.*): llama.cpp will not load the head"], lines
+    assert code == 1 and lines == [f"{tmp_path / 'bad.gguf'}: glm4moe.nextn_predict_layers is missing, but blk.2 "
+                                   "hold MTP tensors (nextn.*): llama.cpp will not load the head"], lines
 
 
 @pytest.mark.parametrize("drop", ["blk.2.nextn.eh_proj.weight", "blk.2.ffn_down_exps.weight"])
@@ -73,7 +72,7 @@ def test_missing_head_tensor(made, tmp_path, drop, source):
     if source == "head" and "exps" in drop:  # a head file has no trunk block to say what the head block holds
         assert code == 0, lines
         return
-    assert code == 1 and lines == [f"bad.gguf: head tensors missing: {drop}"], lines
+    assert code == 1 and lines == [f"{tmp_path / 'bad.gguf'}: head tensors missing: {drop}"], lines
 
 
 def test_two_bit_head_is_a_warning_naming_the_risk(made, tmp_path):
@@ -81,7 +80,7 @@ def test_two_bit_head_is_a_warning_naming_the_risk(made, tmp_path):
     assert run_cli("quantize", made / "f16.gguf", out, "Q2_K", "--mtp-type", "q2_k", "-q").exit_code == 0
     code, lines = check(out)
     assert code == 1 and len(lines) == 1, lines
-    assert lines[0].startswith("q2.gguf: warning: ") and "Q2_K (2.62 bits/weight" in lines[0]
+    assert lines[0].startswith(f"{out}: warning: ") and "Q2_K (2.62 bits/weight" in lines[0]
     assert "0-4 %" in lines[0] and "--mtp-type q8_0" in lines[0]
     out8 = tmp_path / "q8.gguf"
     assert run_cli("quantize", made / "f16.gguf", out8, "Q2_K", "-q").exit_code == 0  # head held at q8_0
@@ -95,7 +94,7 @@ def test_head_file_of_another_model(made, tmp_path):
     head = tmp_path / "mtp-other.gguf"
     assert run_cli("convert", other, head, "--mtp-only", "-q").exit_code == 0
     code, lines = check(made / "trunk.gguf", head)
-    assert code == 1 and lines[-1] == "mtp-other.gguf: hidden size 512 does not match trunk.gguf's 256", lines
+    assert code == 1 and lines[-1] == f"{head}: hidden size 512 does not match trunk.gguf's 256", lines
 
 
 def test_any_shard_checks_the_set_and_needs_no_torch(made, tmp_path):

@@ -95,3 +95,12 @@ def test_layouts_llama_cpp_would_misread_are_refused(tmp_path, glm_ckpt, layout,
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
     assert "\n" not in line and f"r.toml: {key}" in line and says in line, line
+
+
+def test_two_heads_of_one_name_are_refused(tmp_path, glm_ckpt):
+    """A head like its trunk is named for its variant: a variant called Q8_0 with mtp_type "same" and another
+    variant's q8_0 head would both be mtp-tiny-Q8_0.gguf."""
+    res = run_cli("build", _recipe(tmp_path, glm_ckpt, q8_head="same"), "--dry-run")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().endswith("r.toml: variant[1]: its head (mtp_type q8_0) and variant[0]'s (same as Q8_0) "
+                                       "would both be mtp-tiny-Q8_0.gguf; rename the variant"), res.stderr
