@@ -29,6 +29,10 @@ prompts = "{prompts}"
 draft = 1
 max_new_tokens = 8
 min_rate = 0.05
+text = "text.txt"
+kld_ctx_size = 64
+kld_chunks = 2
+max_kld = 10.0
 
 [[variant]]
 name = "Q8_0"
@@ -59,6 +63,7 @@ def sha(p: Path) -> str:
 
 
 def write(work: Path, layout: str, output: str) -> Path:
+    (work / "text.txt").write_text(Path(json.__file__).read_text())
     (work / "p.jsonl").write_text('{"category": "code", "prompt": "def add(a, b):"}\n'
                                   '{"category": "prose", "prompt": "import os\\nimport sys\\n"}\n')
     r = work / f"{output}.toml"
@@ -110,8 +115,9 @@ def test_pairs_are_gated_as_llama_cpp_loads_them(work):
         pair, fused = by[(t, "trunk")], by[(t, "combined")]
         assert pair["acceptance"]["drafted"] > 0
         assert pair["acceptance"] == fused["acceptance"] == combined[t]["acceptance"], t
-        if t != "F16":
+        if t != "F16":  # the trunk against the reference's: the same figures from the trunk alone
             assert pair["gate"]["passed"] and fused["gate"]["passed"]
+            assert pair["quality"] == fused["quality"] == combined[t]["quality"] and pair["quality"]["chunks"] == 2
     assert m["passed"] and m["layout"] == "both"
 
 
