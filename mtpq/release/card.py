@@ -140,7 +140,8 @@ def _quant_table(manifest: dict, quality: bool) -> list[str]:
         q = e.get("quality") or {}
         cells = ""
         if quality:
-            cells = f" {q['kld_mean']:.4f} | {100 * q['top1']:.1f} % | {q['ppl_ratio']:.4f} |" if q else " — | — | — |"
+            cells = (f" {q['kld_mean']:.4f} | {100 * q['top1']:.1f} % | {q['ppl_ratio']:.4f} |" if q
+                     else " — | — | — |")
         g = e.get("gate")
         verdict = "—" if g is None else ("pass" if g["passed"] else "FAIL: " + g["reason"])
         lines.append(f"| {row['tag']} | {files} | {_mib(size)} | {e['bits_per_weight']:.2f} | {types} | "
