@@ -130,7 +130,7 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool
         else:
             label = recipe.head_label(v)
             if label not in heads:
-                spec = ({"same": content} if label == v.name else
+                spec = ({"same": content} if v.head_like_trunk else
                         {"mtp_type": opts["mtp_type"], "mtp_experts_type": opts["mtp_experts_type"]})
                 heads[label] = {**common, "kind": "head", "label": "head", "form": "head", "make": "head",
                                 "variant": v, "head_label": label, "split_max_size": 0, "gated": False,

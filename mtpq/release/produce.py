@@ -72,7 +72,7 @@ def head_plan(reference: Plan, v: Variant, reference_type: str) -> Plan:
     with ``same`` the variant's own head as its quant has it."""
     from ..quantize.surgery import plan_extract_mtp
 
-    if v.mtp_type.is_same or (v.mtp_experts_type is not None and v.mtp_experts_type.is_same):
+    if v.head_like_trunk:
         return plan_extract_mtp(variant_plan(reference, v))
     head = plan_extract_mtp(reference)
     if v.mtp_type.is_keep and (v.mtp_experts_type is None or v.mtp_experts_type.is_keep):

@@ -120,6 +120,11 @@ class Variant:
     split_max_size: int | None = None  # bytes per shard; None: the recipe's
     auto_max_drop: float | None = None  # mtp_type = "auto": the head type measured (see mtpq quantize --mtp-type auto)
 
+    @property
+    def head_like_trunk(self) -> bool:
+        """mtp_type (or mtp_experts_type) "same": the head is quantized as this variant's trunk is."""
+        return self.mtp_type.is_same or (self.mtp_experts_type is not None and self.mtp_experts_type.is_same)
+
 
 @dataclass(frozen=True)
 class Publish:
@@ -160,7 +165,7 @@ class Recipe:
         name, since no other quant shares it."""
         if v is None:
             return self.reference_type.upper()
-        if v.mtp_type.is_same or (v.mtp_experts_type is not None and v.mtp_experts_type.is_same):
+        if v.head_like_trunk:
             return v.name
 
         def type_name(p: MtpPrecision | None) -> str | None:
@@ -475,7 +480,7 @@ def _check_sidecar_layout(recipe: Recipe) -> None:
 
 def _head_spec(recipe: Recipe, v: Variant) -> str:
     """What decides a variant's head file: its type(s) (``keep``: the reference's), or its own quant (``same``)."""
-    if recipe.head_label(v) == v.name and (v.mtp_type.is_same or (v.mtp_experts_type and v.mtp_experts_type.is_same)):
+    if v.head_like_trunk:
         return f"same as {v.name}"
     main = recipe.reference_type if v.mtp_type.is_keep else str(v.mtp_type)
     experts = v.mtp_experts_type

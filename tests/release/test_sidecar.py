@@ -169,3 +169,31 @@ def test_rebuild_reuses_and_a_layout_change_removes_what_it_replaces(work, tmp_p
     assert not list(dist.glob("*_MTP.gguf")) and "removed demo-Q8_0_MTP.gguf" in res.stderr
     assert {f["file"] for f in json.loads((dist / "manifest.json").read_text())["files"]} == \
            {f"demo-{t}.gguf" for t in TAGS} | set(HEADS.values())
+
+
+def test_ci_matrix_jobs_merge_into_the_whole_build(glm_ckpt, tmp_path):
+    """Each matrix job builds its variant's trunk, its head file and the reference's; the parts merge into the
+    manifest of a whole build (a head two jobs built is the same part)."""
+    import shutil
+
+    text = f'[model]\nname = "tiny"\nsource = "{glm_ckpt}"\nreference_type = "f16"\nlayout = "both"\n\n' + \
+        "".join(f'[[variant]]\nname = "{v}"\npreset = "{v}"\n\n' for v in ("Q8_0", "Q4_K_M", "Q5_K_M"))
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "r.toml").write_text(text)
+    assert run_cli("build", whole / "r.toml").exit_code == 0
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for v in ("Q8_0", "Q4_K_M", "Q5_K_M"):
+        job = tmp_path / f"job-{v}"
+        job.mkdir()
+        (job / "r.toml").write_text(text)
+        res = run_cli("build", job / "r.toml", "--variant", v)
+        assert res.exit_code == 0, res.output
+        shutil.copytree(job / "dist", merged / "dist", dirs_exist_ok=True)
+    (merged / "r.toml").write_text(text)
+    res = run_cli("build", merged / "r.toml", "--merge")
+    assert res.exit_code == 0, res.output
+    a, b = (json.loads((d / "dist" / "manifest.json").read_text()) for d in (whole, merged))
+    assert a["files"] == b["files"] and len(a["files"]) == 2 * 4 + 2
+    assert (whole / "dist" / "README.md").read_text() == (merged / "dist" / "README.md").read_text()
