@@ -74,32 +74,25 @@ def fake(monkeypatch, tmp_path):
     return h
 
 
-RECIPE = """
-[model]
-name = "tiny"
-source = "{source}"
-output = "dist"
-reference_type = "f16"
-layout = "sidecar"
-
-[[variant]]
-name = "Q8_0"
-preset = "Q8_0"
-
-[[variant]]
-name = "Q4_K_M"
-preset = "Q4_K_M"
-{q4}
+PUBLISH = """
 [publish]
 repo = "someone/tiny-MTP-GGUF"
 base_model = "someone/tiny"
 """
 
 
+def recipe_text(source: Path, q4: str = "") -> str:
+    """test_build's two-variant recipe in layout "sidecar" (no [extras]: the sidecar layouts have none)."""
+    from tests.release.test_build import RECIPE
+
+    text = RECIPE.format(source=source, output="dist", mtp="q8_0", gate="").split("[extras]")[0]
+    return text.replace('reference_type = "f16"', 'reference_type = "f16"\nlayout = "sidecar"') + q4 + PUBLISH
+
+
 @pytest.fixture(scope="module")
 def built(glm_ckpt, tmp_path_factory):
     work = tmp_path_factory.mktemp("publish")
-    (work / "r.toml").write_text(RECIPE.format(source=glm_ckpt, q4=""))
+    (work / "r.toml").write_text(recipe_text(glm_ckpt))
     res = run_cli("build", work / "r.toml")
     assert res.exit_code == 0, res.output
     return work
@@ -135,7 +128,7 @@ def test_a_changed_variant_sends_only_its_files(fake, built, glm_ckpt, tmp_path)
     work = tmp_path / "w"
     shutil.copytree(built, work)
     assert run_cli("publish", work / "dist").exit_code == 0
-    (work / "r.toml").write_text(RECIPE.format(source=glm_ckpt, q4='tensor_types = ["ffn_down=q6_k"]\n'))
+    (work / "r.toml").write_text(recipe_text(glm_ckpt, q4='tensor_types = ["ffn_down=q6_k"]\n'))
     res = run_cli("build", work / "r.toml")
     assert res.exit_code == 0 and res.stderr.count("built") == 1, res.output
     fake.calls.clear()
@@ -205,10 +198,10 @@ def test_missing_token_or_repository_is_one_line_exit_2(fake, built, tmp_path, m
 
 def test_build_push_checks_before_building_and_uploads_after(fake, glm_ckpt, tmp_path, monkeypatch):
     recipe = tmp_path / "r.toml"
-    recipe.write_text(RECIPE.format(source=glm_ckpt, q4="").replace('repo = "someone/tiny-MTP-GGUF"\n', ""))
+    recipe.write_text(recipe_text(glm_ckpt).replace('repo = "someone/tiny-MTP-GGUF"\n', ""))
     res = run_cli("build", recipe, "--push")
     assert res.exit_code == 2 and "no repository" in res.stderr and not (tmp_path / "dist").exists(), res.output
-    recipe.write_text(RECIPE.format(source=glm_ckpt, q4=""))
+    recipe.write_text(recipe_text(glm_ckpt))
     monkeypatch.delenv("HF_TOKEN")
     res = run_cli("build", recipe, "--push")
     assert res.exit_code == 2 and "Hugging Face token" in res.stderr and not (tmp_path / "dist").exists()
