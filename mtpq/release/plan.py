@@ -66,6 +66,11 @@ def _split_key(key: str, size: int) -> str:
     return key_of(key, {"split_max_size": size}) if size else key
 
 
+def _split_option(size: int) -> dict:
+    """The shard size, recorded (and part of the build key) only when the files are split."""
+    return {"split_max_size": size} if size else {}
+
+
 def _variant_options(v: Variant) -> dict:
     opts = {"preset": v.preset, "mtp_type": str(v.mtp_type),
             "mtp_experts_type": None if v.mtp_experts_type is None else str(v.mtp_experts_type),
@@ -76,91 +81,123 @@ def _variant_options(v: Variant) -> dict:
     return opts
 
 
+@dataclass
+class _Context:
+    """What every job of one plan shares."""
+
+    recipe: Recipe
+    ref_key: str  # what the reference holds: the key everything else builds on
+    gate_opts: dict | None
+    common: dict
+
+    def part(self, name: str) -> str:
+        return str(self.recipe.output / PARTS / f"{name}.json")
+
+    def out(self, name: str) -> str:
+        return str(self.recipe.output / name)
+
+
 def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool = False) -> BuildPlan:
     src = source_hashes(recipe, write_cache=not dry_run)
-    parts, out = recipe.output / PARTS, recipe.output
-    ref_tag = recipe.reference_type.upper()
-    ref_key = key_of(TOOL, src, recipe.reference_type)  # what the reference holds: the key variants build on
     gate = recipe.gate
     gate_opts = asdict(gate) if gate else None
     if gate is not None and gate.text is not None:  # the text's bytes, not its name, decide the quality figures
         gate_opts["text"] = sha256_file(Path(gate.text))
-    common = {"force": force, "recipe": recipe, "gate": gate}
-    ref_split = recipe.split_of(None)
-    ref_opts = {"preset": ref_tag, "mtp_type": recipe.reference_type,
-                **({"split_max_size": ref_split} if ref_split else {})}
-    ref_out = out / naming.model_file(recipe.name, ref_tag)
-    reference = {**common, "kind": "reference", "label": "reference", "tag": ref_tag, "out": str(ref_out),
-                 "part": str(parts / "_reference.json"), "gated": gate is not None, "split_max_size": ref_split,
-                 "options": ref_opts}
-    plan = BuildPlan(src, reference)
-    chosen = [recipe.variant(n) for n in only] if only else recipe.variants
-    contents = {}
-    for v in chosen:
-        graft_sha = sha256_model(v.graft_into) if v.graft_into else None
-        contents[v.name] = (key_of(ref_key, _variant_options(v), graft_sha), _variant_options(v))
-
-    if not recipe.sidecar:
-        reference.update(make="convert", form="combined", build_key=_split_key(ref_key, ref_split),
-                         gate_key=key_of(ref_key, gate_opts))
-    else:
-        ref_head_out = out / naming.head_file(recipe.name, recipe.head_label(None))
-        ref_head = {**common, "kind": "head", "label": "head", "form": "head", "make": "convert", "mode": "only",
-                    "head_label": recipe.head_label(None), "out": str(ref_head_out), "split_max_size": 0,
-                    "part": str(parts / f"_head-{recipe.head_label(None)}.json"), "gated": False,
-                    "build_key": key_of(ref_key, "head"), "options": {"mtp_type": recipe.reference_type}}
-        reference.update(make="reference-trunk", form="trunk", head=str(ref_head_out), draft_head=str(ref_head_out),
-                         head_key=ref_head["build_key"],
-                         build_key=_split_key(key_of(ref_key, "trunk"), ref_split),
-                         gate_key=key_of(ref_key, "pair", ref_head["build_key"], gate_opts))
-        plan.reference_head = ref_head
+    ctx = _Context(recipe, key_of(TOOL, src, recipe.reference_type), gate_opts,
+                   {"force": force, "recipe": recipe, "gate": gate})
+    plan = BuildPlan(src, _reference(ctx))
+    if recipe.sidecar:
+        plan.reference_head = _reference_head(ctx, plan.reference)
     heads = {recipe.head_label(None): plan.reference_head} if recipe.sidecar else {}
-    for v in chosen:
-        content, opts = contents[v.name]
-        size = recipe.split_of(v)
-        if size:  # recorded (and part of the build key) only when the files are split
-            opts = {**opts, "split_max_size": size}
-        job = {**common, "kind": "variant", "label": "variant", "variant": v, "variant_name": v.name, "tag": v.name,
-               "out": str(out / naming.model_file(recipe.name, v.name)), "part": str(parts / f"{v.name}.json"),
-               "reference": reference["out"], "gated": gate is not None and v.gate, "split_max_size": size,
-               "options": opts}
-        if not recipe.sidecar:
-            job.update(make="combined", form="combined", build_key=_split_key(content, size),
-                       gate_key=key_of(content, gate_opts))
-        else:
+    for v in [recipe.variant(n) for n in only] if only else recipe.variants:
+        job = _variant(ctx, v, plan.reference)
+        if recipe.sidecar:
             label = recipe.head_label(v)
             if label not in heads:
-                spec = ({"same": content} if v.head_like_trunk else
-                        {"mtp_type": opts["mtp_type"], "mtp_experts_type": opts["mtp_experts_type"]})
-                heads[label] = {**common, "kind": "head", "label": "head", "form": "head", "make": "head",
-                                "variant": v, "head_label": label, "split_max_size": 0, "gated": False,
-                                "out": str(out / naming.head_file(recipe.name, label)),
-                                "part": str(parts / f"_head-{label}.json"), "reference": reference["out"],
-                                "reference_head": ref_head["out"], "build_key": key_of(ref_key, "head", label,
-                                                                                           spec),
-                                "options": {"mtp_type": opts["mtp_type"],
-                                            "mtp_experts_type": opts["mtp_experts_type"]}}
+                heads[label] = _variant_head(ctx, v, job, plan.reference_head)
                 plan.heads.append(heads[label])
-            head = heads[label]
-            job.update(make="trunk", form="trunk", head=head["out"], draft_head=head["out"], head_key=head["build_key"],
-                       reference_head=ref_head["out"], build_key=_split_key(key_of(content, "trunk"), size),
-                       gate_key=key_of(content, "pair", head["build_key"], gate_opts))
+            _pair(ctx, job, heads[label], plan.reference_head)
         plan.variants.append(job)
     if recipe.layout == "both":
-        for trunk in [reference, *plan.variants]:
-            plan.fused.append(_fused(recipe, trunk, gate_opts))
+        plan.fused = [_fused(recipe, trunk, gate_opts) for trunk in [plan.reference, *plan.variants]]
     if not only and not recipe.sidecar:
-        for flag, mode, suffix in ((recipe.mtp_only, "only", "MTP-only"), (recipe.no_mtp, "drop", "no-MTP")):
-            if flag:
-                name = f"{recipe.name}-{ref_tag}-{suffix}.gguf"
-                plan.extras.append({**common, "kind": mode, "label": suffix.lower(), "form": suffix.lower(),
-                                    "make": "convert", "mode": mode, "out": str(out / name),
-                                    "part": str(parts / f"_{suffix.lower()}.json"), "gate": None, "gated": False,
-                                    "build_key": _split_key(key_of(ref_key, mode), ref_split), "gate_key": None,
-                                    "split_max_size": ref_split,
-                                    "options": {"preset": ref_tag, "mtp_type": suffix, **({"split_max_size": ref_split}
-                                                                                          if ref_split else {})}})
+        plan.extras = _extras(ctx)
     return plan
+
+
+def _reference(ctx: _Context) -> dict:
+    """The checkpoint converted once (layout "combined"), else its trunk (paired by :func:`_reference_head`)."""
+    recipe, tag = ctx.recipe, ctx.recipe.reference_type.upper()
+    split = recipe.split_of(None)
+    job = {**ctx.common, "kind": "reference", "label": "reference", "tag": tag,
+           "out": ctx.out(naming.model_file(recipe.name, tag)), "part": ctx.part("_reference"),
+           "gated": recipe.gate is not None, "split_max_size": split,
+           "options": {"preset": tag, "mtp_type": recipe.reference_type, **_split_option(split)}}
+    if recipe.sidecar:
+        return {**job, "make": "reference-trunk", "form": "trunk",
+                "build_key": _split_key(key_of(ctx.ref_key, "trunk"), split)}
+    return {**job, "make": "convert", "form": "combined", "build_key": _split_key(ctx.ref_key, split),
+            "gate_key": key_of(ctx.ref_key, ctx.gate_opts)}
+
+
+def _reference_head(ctx: _Context, reference: dict) -> dict:
+    """The reference's own head file (the --mtp-only conversion), and the reference trunk paired with it."""
+    label = ctx.recipe.head_label(None)
+    head = {**ctx.common, "kind": "head", "label": "head", "form": "head", "make": "convert", "mode": "only",
+            "head_label": label, "out": ctx.out(naming.head_file(ctx.recipe.name, label)), "split_max_size": 0,
+            "part": ctx.part(f"_head-{label}"), "gated": False, "build_key": key_of(ctx.ref_key, "head"),
+            "options": {"mtp_type": ctx.recipe.reference_type}}
+    reference.update(head=head["out"], draft_head=head["out"], head_key=head["build_key"],
+                     gate_key=key_of(ctx.ref_key, "pair", head["build_key"], ctx.gate_opts))
+    return head
+
+
+def _variant(ctx: _Context, v: Variant, reference: dict) -> dict:
+    """A variant whole (layout "combined"; its trunk is paired by :func:`_pair` in the others)."""
+    opts = _variant_options(v)
+    content = key_of(ctx.ref_key, opts, sha256_model(v.graft_into) if v.graft_into else None)
+    size = ctx.recipe.split_of(v)
+    opts.update(_split_option(size))
+    return {**ctx.common, "kind": "variant", "label": "variant", "variant": v, "variant_name": v.name, "tag": v.name,
+            "out": ctx.out(naming.model_file(ctx.recipe.name, v.name)), "part": ctx.part(v.name),
+            "reference": reference["out"], "gated": ctx.recipe.gate is not None and v.gate, "split_max_size": size,
+            "options": opts, "content": content, "make": "combined", "form": "combined",
+            "build_key": _split_key(content, size), "gate_key": key_of(content, ctx.gate_opts)}
+
+
+def _variant_head(ctx: _Context, v: Variant, job: dict, reference_head: dict) -> dict:
+    """The head file of ``v``'s label: its head type from the reference, or (``same``) cut from its quant."""
+    label, opts = ctx.recipe.head_label(v), job["options"]
+    types = {"mtp_type": opts["mtp_type"], "mtp_experts_type": opts["mtp_experts_type"]}
+    spec = {"same": job["content"]} if v.head_like_trunk else types
+    return {**ctx.common, "kind": "head", "label": "head", "form": "head", "make": "head", "variant": v,
+            "head_label": label, "split_max_size": 0, "gated": False,
+            "out": ctx.out(naming.head_file(ctx.recipe.name, label)), "part": ctx.part(f"_head-{label}"),
+            "reference": job["reference"], "reference_head": reference_head["out"],
+            "build_key": key_of(ctx.ref_key, "head", label, spec), "options": types}
+
+
+def _pair(ctx: _Context, job: dict, head: dict, reference_head: dict) -> None:
+    """``job`` becomes the variant's trunk, gated with ``head``."""
+    job.update(make="trunk", form="trunk", head=head["out"], draft_head=head["out"], head_key=head["build_key"],
+               reference_head=reference_head["out"], build_key=_split_key(key_of(job["content"], "trunk"),
+                                                                         job["split_max_size"]),
+               gate_key=key_of(job["content"], "pair", head["build_key"], ctx.gate_opts))
+
+
+def _extras(ctx: _Context) -> list[dict]:
+    """Layout "combined": [extras] mtp_only / no_mtp, the head-only and trunk-only conversions."""
+    recipe, tag, split = ctx.recipe, ctx.recipe.reference_type.upper(), ctx.recipe.split_of(None)
+    jobs = []
+    for flag, mode, suffix in ((recipe.mtp_only, "only", "MTP-only"), (recipe.no_mtp, "drop", "no-MTP")):
+        if flag:
+            jobs.append({**ctx.common, "kind": mode, "label": suffix.lower(), "form": suffix.lower(),
+                         "make": "convert", "mode": mode, "out": ctx.out(f"{recipe.name}-{tag}-{suffix}.gguf"),
+                         "part": ctx.part(f"_{suffix.lower()}"), "gate": None, "gated": False,
+                         "build_key": _split_key(key_of(ctx.ref_key, mode), split), "gate_key": None,
+                         "split_max_size": split,
+                         "options": {"preset": tag, "mtp_type": suffix, **_split_option(split)}})
+    return jobs
 
 
 def _fused(recipe: Recipe, trunk: dict, gate_opts) -> dict:
