@@ -109,3 +109,29 @@ def test_any_shard_checks_the_set_and_needs_no_torch(made, tmp_path):
     probe = "import sys, mtpq.gguf_io.check as c; c.check_files(sys.argv[1:]); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe, str(shards[0])], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+FAMILIES = [  # (builder module, function, keyword arguments): every family mtpq converts, as tiny checkpoints
+    ("tiny", "glm4moe", {}), ("tiny", "glm4moe", {"glm46": True}), ("tiny_deepseek", "deepseek_v3", {}),
+    ("tiny_deepseek32", "deepseek_v32", {}), ("tiny_glm_dsa", "glm_dsa", {}), ("tiny_glm_dsa", "glm4_moe_lite", {}),
+    ("tiny_qwen35", "qwen35", {}), ("tiny_qwen35", "qwen35", {"moe": True}), ("tiny_qwen3next", "qwen3next", {}),
+    ("tiny_step35", "step35", {}), ("tiny_mimo2", "mimo2", {}), ("tiny_hyv3", "hyv3", {}),
+    ("tiny_cohere2moe", "cohere2moe", {}), ("tiny_nemotronh", "nemotronh", {}), ("tiny_bailingmoe3", "bailingmoe3", {}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, builder, kwargs", FAMILIES, ids=lambda x: x if isinstance(x, str) else "")
+def test_every_family_passes_whole_trunk_and_head_file(tmp_path, module, builder, kwargs):
+    """No false alarm on any family's layout: the head block's tensors are compared with the trunk block most like
+    it, and families differ in what their blocks hold (dense first layers, linear attention, MLA, experts)."""
+    import importlib
+
+    ckpt = getattr(importlib.import_module(f"tests.builders.{module}"), builder)(tmp_path / "ckpt", **kwargs)
+    files = []
+    for name, flags in (("whole", ()), ("trunk", ("--no-mtp",)), ("mtp-head", ("--mtp-only",))):
+        res = run_cli("convert", ckpt, tmp_path / f"{name}.gguf", "-q", *flags)
+        assert res.exit_code == 0, res.output
+        files.append(tmp_path / f"{name}.gguf")
+    code, lines = check(*files)
+    assert code == 0 and len(lines) == 3 and all(": ok (" in line for line in lines), lines
