@@ -171,6 +171,7 @@ def test_rebuild_reuses_and_a_layout_change_removes_what_it_replaces(work, tmp_p
            {f"demo-{t}.gguf" for t in TAGS} | set(HEADS.values())
 
 
+@pytest.mark.slow
 def test_ci_matrix_jobs_merge_into_the_whole_build(glm_ckpt, tmp_path):
     """Each matrix job builds its variant's trunk, its head file and the reference's; the parts merge into the
     manifest of a whole build (a head two jobs built is the same part)."""
