@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .common import EXIT_OK, console, fail, guarded
+from .common import EXIT_OK, console, fail, gating, guarded
 
 
 @app.command(
@@ -35,7 +35,9 @@ def build(
     """Convert once, quantize every variant, gate each on MTP acceptance, write manifest + SHA256SUMS + model card.
 
     Exit codes: 0 every variant built and passed; 1 a gate failed (other variants
-    still build; manifest.json says why); 2 a bad recipe or input (the key is named).
+    still build; manifest.json says why), or a file's logits were not finite (the
+    build stops there); 2 a bad recipe or input (the key is named), or a file whose
+    weights hold NaN or inf (the tensor is named).
     """
     from ..release import load_recipe, run_build, write_outputs
     from ..release.plan import plan_jobs
@@ -65,7 +67,9 @@ def build(
             fresh = reusable(job, old)
             console.print(f"{'reuse' if fresh else 'build'}  {Path(job['out']).name}")
         return
-    code = run_build(recipe, only=variant or None, jobs=jobs, force=force, log=lambda m: console.print(m, highlight=False))
+    with gating():  # a file whose logits are not finite fails the build (exit 1) before anything is published
+        code = run_build(recipe, only=variant or None, jobs=jobs, force=force,
+                         log=lambda m: console.print(m, highlight=False))
     if push and code == EXIT_OK:
         _push(recipe)
     elif push:

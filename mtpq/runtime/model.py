@@ -14,6 +14,11 @@ GGUF metadata and builds the decoder block at each index (trunk blocks 0..n_trun
 the MTP block at n_trunk) from the tensors under ``blk.N.``. The trunk around them is
 the same for all: token_embd -> blocks -> output_norm -> output.
 
+The head's first pair: llama.cpp's draft-mtp driver starts the head's cache with the pair (zero state, x_0) at
+position 0, so the pair (h_t, x_{t+1}) sits at position t + 1 (``first_pair="zero_state"``, the default: the
+engine that runs these files). transformers and vLLM start with (h_0, x_1) at position 0 (``"none"``). The
+speculative loop and the teacher-forced passes read the choice from the model (:meth:`MtpModel.head_rows`).
+
 ``hidden="post_norm"`` feeds the head the trunk's output after ``output_norm`` (llama.cpp,
 transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, for drafts
 2..k, the head's output before its norm): a diagnostic that should draft worse.
@@ -21,6 +26,7 @@ transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, fo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,11 +34,13 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from . import finite
 from .layers import Packing, rms_norm
 from .mtp import NextNHead
 from .weights import GGUFFile, QuantLinear, Scope, Weights, as_dtype
 
 HIDDEN_CHOICES = ("post_norm", "pre_norm")
+FIRST_PAIRS = ("zero_state", "none")
 
 
 class Family:
@@ -72,10 +80,14 @@ class RollbackPoint:
 
 class MtpModel(nn.Module):
     def __init__(self, g: GGUFFile, family: Family, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm", llama_cpp_numerics: bool = False):
+                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm", llama_cpp_numerics: bool = False,
+                 first_pair: str = "zero_state"):
         super().__init__()
         if hidden not in HIDDEN_CHOICES:
             raise ValueError(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
+        if first_pair not in FIRST_PAIRS:
+            raise ValueError(f"first_pair must be one of {FIRST_PAIRS}, got {first_pair!r}")
+        self.first_pair = first_pair
         if "token_embd.weight" not in g:
             raise InputError(g.path, "missing tensor token_embd.weight")
         self.path, self.arch, self.family = g.path, g.arch, family
@@ -90,18 +102,26 @@ class MtpModel(nn.Module):
         self.blocks = nn.ModuleList(family.block(w.at(f"blk.{i}."), i) for i in range(g.n_trunk))
         self.out_norm = top.tensor("output_norm")
         self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
-        n = g.n_trunk
-        has_head = g.n_mtp > 0 and f"blk.{n}.nextn.eh_proj.weight" in g
-        self.mtp = NextNHead(w.at(f"blk.{n}."), family.block(w.at(f"blk.{n}."), n), self.eps,
-                             trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                             hidden_first=family.hidden_first) if has_head else None
+        # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
+        heads = [NextNHead(w.at(f"blk.{i}."), family.block(w.at(f"blk.{i}."), i), self.eps,
+                           trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
+                           hidden_first=family.hidden_first)
+                 for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g]
+        self.mtp = heads[0] if heads else None
+        self.later_heads = nn.ModuleList(heads[1:])
         self.reset()
+
+    @property
+    def n_heads(self) -> int:
+        """MTP heads in the file (0 without a head)."""
+        return (self.mtp is not None) + len(self.later_heads)
 
     # -- caches ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         self.trunk_cache = [b.new_cache() for b in self.blocks]
         self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
+        self.later_caches = [h.new_cache() for h in self.later_heads]
 
     @property
     def trunk_length(self) -> int:
@@ -123,6 +143,36 @@ class MtpModel(nn.Module):
         if mtp_kept is not None and self.mtp_cache is not None:
             self.mtp_cache.rollback(ck.mtp, mtp_kept)
 
+    # -- the head's pairs ----------------------------------------------------------------
+
+    def head_rows(self, ids: torch.Tensor, hidden: torch.Tensor, lengths: list[int], out_from: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+        """The head's input rows for whole sequences, teacher-forced: ``ids`` [1, N] packs sequences of
+        ``lengths`` and ``hidden`` [1, N, H] is the trunk's output for them. -> (next ids, states, packing) for
+        :meth:`draft`, whose output row i of sequence b is the draft of x_{t+2} from the pair (h_t, x_{t+1}),
+        t = out_from[b] + i (default 0). With ``first_pair="zero_state"`` each sequence's rows are (0, x_0),
+        (h_0, x_1) .. at positions 0, 1 ..; with ``"none"`` they are (h_0, x_1) .. from position 0."""
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        out_from = out_from if out_from is not None else [0] * len(lengths)
+        dev = hidden.device
+        if self.first_pair == "none":
+            pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(starts, lengths)])
+            return (ids[:, pairs + 1], hidden[:, pairs.to(dev)],
+                    Packing([T - 1 for T in lengths], dev, out_from=list(out_from)))
+        # row p of a sequence: x_p beside h_{p-1}; the state row before each sequence's first is a zero row
+        zero = hidden.new_zeros(1, 1, hidden.shape[-1])
+        states = torch.cat((zero, hidden), dim=1)  # states[:, r + 1] is hidden[:, r]
+        rows = torch.cat([torch.cat((torch.tensor([-1]), torch.arange(a, a + T - 1))) for a, T in zip(starts, lengths)])
+        return ids, states[:, (rows + 1).to(dev)], Packing(list(lengths), dev, out_from=[f + 1 for f in out_from])
+
+    def prompt_pairs(self, prompt_ids: list[int], first: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs the head consumes after a prefill of ``prompt_ids`` whose next token is ``first`` (hidden:
+        the trunk's states for the prompt [1, n, H]) -> (ids [1, m], states [1, m, H])."""
+        if self.first_pair == "none":
+            return torch.tensor([list(prompt_ids[1:]) + [first]], device=self.device), hidden
+        return (torch.tensor([list(prompt_ids) + [first]], device=self.device),
+                torch.cat((hidden.new_zeros(1, 1, hidden.shape[-1]), hidden), dim=1))
+
     # -- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -138,18 +188,28 @@ class MtpModel(nn.Module):
             x = block(x, start, cache if use_cache else None, packing=packing)
         normed = rms_norm(x, self.out_norm, self.eps)
         logits = self.output(normed[:, -1:] if last_only else normed if logit_rows is None else normed[:, logit_rows])
-        return TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
+        out = TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
+        again = lambda: self.trunk(ids, use_cache=False, last_only=last_only, packing=packing,  # noqa: E731
+                                   logit_rows=logit_rows)
+        finite.check(self, "trunk", out.logits, out.hidden, again if start == 0 else None, start, packing)
+        return out
 
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True,
-              packing: Packing | None = None) -> MtpOut:
-        """The MTP head on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}. With
+              packing: Packing | None = None, head: int = 0) -> MtpOut:
+        """MTP head ``head`` on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}. With
         ``packing`` (pairs [1, N] of the sequences it packs, uncached), logits and hidden cover its kept
         pairs only."""
         if self.mtp is None:
             raise InputError(self.path, "this GGUF has no MTP head (no blk.N.nextn.* tensors)")
-        start = self.mtp_length if use_cache else 0
-        logits, normed, raw = self.mtp(next_ids.to(self.device), hidden, start,
-                                       self.mtp_cache if use_cache else None, packing)
-        return MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
+        if not 0 <= head < self.n_heads:
+            raise ValueError(f"head {head}: the file has {self.n_heads} MTP head(s)")
+        module, cache = (self.mtp, self.mtp_cache) if head == 0 else \
+            (self.later_heads[head - 1], self.later_caches[head - 1])
+        start = cache.length if use_cache else 0
+        logits, normed, raw = module(next_ids.to(self.device), hidden, start, cache if use_cache else None, packing)
+        out = MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
+        again = lambda: self.draft(next_ids, hidden, use_cache=False, packing=packing, head=head)  # noqa: E731
+        finite.check(self, "head", out.logits, out.hidden, again if start == 0 else None, start, packing)
+        return out
 

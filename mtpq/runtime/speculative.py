@@ -177,13 +177,14 @@ class SpeculativeDecoder:
         self.trunk_forwards += 1
         first, _ = _choose(out.logits[0, -1], self.params, self.gen)
         self.tokens = list(prompt_ids) + [first]
-        # real pairs (h_t, x_{t+1}) for t = 0..n-1
-        self.pending_ids = torch.tensor([prompt_ids[1:] + [first]])
-        self.pending_hidden = out.hidden
+        # real pairs (h_t, x_{t+1}) for t = 0..n-1, after the head's first pair (MtpModel.first_pair)
+        self.pending_ids, self.pending_hidden = m.prompt_pairs(prompt_ids, first, out.hidden)
         return first
 
     def step(self) -> tuple[list[int], list[int]]:
         """One draft-verify round -> (emitted tokens, drafted tokens)."""
+        if self.params.greedy:
+            return self._greedy_step()
         m, k = self.model, self.k
         out = m.draft(self.pending_ids, self.pending_hidden)
         ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
@@ -206,6 +207,33 @@ class SpeculativeDecoder:
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, drafts
+
+    def _greedy_step(self) -> tuple[list[int], list[int]]:
+        """:meth:`step` for greedy decoding, on the model's device: drafts, verification and the accepted count
+        stay device tensors until one read-back at the end of the round (one host sync per round on a GPU)."""
+        m, k = self.model, self.k
+        out = m.draft(self.pending_ids, self.pending_hidden)
+        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
+        drafts = []
+        logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        for i in range(k):
+            drafts.append(logits.argmax().view(1))
+            if i + 1 < k:
+                out = m.draft(drafts[-1].view(1, 1), hidden)
+                logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        drafted = torch.cat(drafts)
+        verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
+        self.trunk_forwards += 1
+        best = verify.logits[0].argmax(dim=-1)  # [k + 1]
+        accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
+        a, *values = torch.cat((accepted, best, drafted)).tolist()  # the round's one read-back
+        best_ids, draft_ids = values[:k + 1], values[k + 1:]
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        emitted = draft_ids[:a] + [best_ids[a]]
+        self.pending_ids = torch.cat((drafted[:a], best[a:a + 1]))[None]
+        self.pending_hidden = verify.hidden[:, : a + 1]
+        self.tokens.extend(emitted)
+        return emitted, draft_ids
 
     def save(self) -> DecoderState:
         return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,
@@ -376,16 +404,15 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
     target = _argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
     hidden = trunk.hidden
     del trunk  # its logits: the head's reuse their memory
-    # the head's pairs (h_t, x_{t+1}), t = 0..T-2 of each sequence; drafts from t = n-1.. are compared
-    pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(at, lengths)])
-    head_packing = Packing([T - 1 for T in lengths], dev, out_from=[n - 1 for n in firsts])
+    # the head's pairs (h_t, x_{t+1}) of each sequence; drafts from t = n-1.. are compared
+    head_ids, head_states, head_packing = model.head_rows(seq, hidden, lengths, out_from=[n - 1 for n in firsts])
     counts = [T - n for T, n in zip(lengths, firsts)]
     out = {}
     own = model.mtp
     try:
         for name, head in heads.items():
             model.mtp = head
-            drafted = model.draft(seq[:, pairs + 1], hidden[:, pairs.to(dev)], use_cache=False, packing=head_packing)
+            drafted = model.draft(head_ids, head_states, use_cache=False, packing=head_packing)
             same = (_argmax(drafted.logits[0]) == target).tolist()
             out[name] = [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
     finally:

@@ -19,7 +19,8 @@ def counted_like_transformers(accepted: list[int], tokens: list[int]) -> list[in
 
 
 def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int = 32) -> int:
-    """For each prompt, greedy k=1: transformers' output and per-round acceptance must equal ours.
+    """For each prompt, greedy k=1: transformers' output and per-round acceptance must equal ours, with the head's
+    pairs started as transformers starts them (``first_pair="none"``: no zero-state pair before (h_0, x_1)).
 
     Returns the total number of drafts accepted (callers check it is not trivially 0).
     """
@@ -36,6 +37,7 @@ def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int
         return original(self, input_ids, scores, num_matches)
 
     cg.MTPCandidateGenerator.update_candidate_strategy = record
+    own_first_pair, model.first_pair = model.first_pair, "none"
     eos = hf.generation_config.eos_token_id  # transformers stops there: so must we
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     try:
@@ -50,3 +52,4 @@ def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int
         return total
     finally:
         cg.MTPCandidateGenerator.update_candidate_strategy = original
+        model.first_pair = own_first_pair

@@ -265,6 +265,33 @@ V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embe
 BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
              "beta_slow": 1, "rope_theta": 10000.0}
 
+def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...] = (), **config) -> Path:
+    """Release manifest ``name``'s tiny checkpoint (tests/releases) in ``form`` with config.json keys changed (a
+    test's sizes, a top-k its contexts exceed) and the tensors whose names start with ``drop`` left out."""
+    from types import SimpleNamespace
+
+    from tests import releases
+
+    m = releases.manifests()[name]
+    shim = SimpleNamespace(**{k: getattr(m, k) for k in ("SPECIALS", "DTYPE") if hasattr(m, k)},
+                           CONFIG={**m.CONFIG, **config}, FORMS=m.FORMS,
+                           tensors=lambda cfg: {n: s for n, s in m.tensors(cfg).items() if not n.startswith(drop)})
+    return releases.build(shim, folder, form)
+
+
+# DeepSeek sparse attention: the releases' shrunk top-k (64) lowered so that the tests' contexts drop keys
+DSA_TOP_K = 8
+# GLM-5.2's pattern: a shared block (no indexer: it reuses block 0's top-k) between two full ones
+GLM52_SHARED = dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=DSA_TOP_K,
+                    drop=("model.layers.1.self_attn.indexer.",))
+
+
+def dsa_copy(name: str, form: str):
+    """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek.trunk_copy_head)."""
+    return lambda f: tiny_deepseek.trunk_copy_head(release_checkpoint(
+        name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16))
+
+
 CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (f32: exact comparisons)
     "glm4moe": {
         "default": lambda f: tiny.glm4moe(f, dtype=F32),
@@ -305,8 +332,20 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
             f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
     },
 }
+CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
+    "glm-dsa": {
+        "glm5": lambda f: release_checkpoint("glm5", f, "bf16", index_topk=DSA_TOP_K),
+        "glm52": lambda f: release_checkpoint("glm5", f, "bf16", **GLM52_SHARED),
+        "copy": dsa_copy("glm5", "bf16"),
+    },
+    "deepseek32": {
+        "v32": lambda f: release_checkpoint("deepseek_v32", f, "fp8", index_topk=DSA_TOP_K),
+        "copy": dsa_copy("deepseek_v32", "fp8"),
+    },
+}
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
-LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy"}
+LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
+                "deepseek32": "copy"}
 
 
 class Builds:

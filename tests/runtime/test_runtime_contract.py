@@ -1,4 +1,5 @@
-"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2) must do, against independent truth.
+"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2; glm-dsa and deepseek32 where marked) must do,
+against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
   prompt and through the caches (a prefill, a chunk on top of it, then token by token);
@@ -9,6 +10,11 @@
   hold what they should after rollbacks; teacher-forced counts == the k=1 loop's;
 - a quantized GGUF stays quantized in memory and equals its copy dequantized by gguf-py (trunk and head);
 - bf16 compute is as close to transformers as transformers' own bf16.
+
+The families in NO_TRANSFORMERS take the parts that need no other engine: cached == uncached (trunk and head),
+greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized. Their truth is llama.cpp
+itself (tests/runtime/test_llama_cpp_parity.py): transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads
+and breaks the sparse attention's ties at the top-k its own way (test_runtime_dsa.py compares it where no keys tie).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -33,6 +39,10 @@ TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": 
 HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
 DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3"}
+# release-shaped (tests/releases) with a top-k of 8: the contexts below drop keys; glm52: a GLM-5.2 shared block
+NO_TRANSFORMERS = {"glm-dsa": ("glm5", "glm52"), "deepseek32": ("v32",)}
+DEFAULT |= {family: variants[0] for family, variants in NO_TRANSFORMERS.items()}
+LOOP_FAMILIES = FAMILIES + tuple(NO_TRANSFORMERS)
 
 
 def cases(table: dict) -> list:
@@ -64,6 +74,28 @@ def test_trunk_logits_match_transformers(family, variant, rt):
         diff, scale = close(torch.cat(parts, dim=1), ref)
         assert diff <= REL_TOL * scale, ("cached", n, diff, scale)
         assert model.trunk_length == n and {c.length for c in model.trunk_cache} == {n}
+
+
+@pytest.mark.parametrize("family, variant", [pytest.param(f, v, id=f"{f}-{v}") for f, vs in NO_TRANSFORMERS.items()
+                                             for v in vs])
+def test_cached_trunk_and_head_equal_uncached(family, variant, rt):
+    """Through the caches (a prefill, an uneven chunk, then token by token) the trunk's logits are the uncached
+    pass's, and the head's pair by pair are its uncached ones."""
+    from mtpq.runtime.families import load
+
+    model = load(rt.gguf(family, variant))
+    n = 40
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    full = model.trunk(ids, use_cache=False)
+    parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, 10), (10, 30))]
+    parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(30, n)]
+    diff, scale = close(torch.cat(parts, dim=1), full.logits)
+    assert diff <= REL_TOL * scale, (diff, scale)
+    assert {c.length for c in model.trunk_cache} == {n}
+    head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False).logits
+    steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1]).logits for i in range(n - 1)]
+    diff, scale = close(torch.cat(steps, dim=1), head)
+    assert diff <= REL_TOL * scale, ("head", diff, scale)
 
 
 BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
@@ -151,7 +183,7 @@ def loop_prompts(family: str, model, tok, varied: bool = False) -> list[list[int
     return random_prompts(3, 12, model.cfg.vocab_size, seed=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_greedy_speculative_equals_plain_greedy(family, rt):
     from mtpq.runtime.speculative import SpeculativeDecoder, run_plain, run_speculative
 
@@ -171,16 +203,17 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
     # the comparison means something only if drafts were both accepted and rejected, several at a time too
     assert accepted_any > 0 and rejected_any > 0 and multi > 0, (accepted_any, rejected_any, multi)
     # caches after rollbacks: every trunk layer holds every token but the last; the head every consumed real pair
+    # after its first pair (llama.cpp's (zero state, x_0))
     dec = SpeculativeDecoder(model, k=3)
     dec.prefill(prompts[0])
     for _ in range(10):
         dec.step()
         assert {c.length for c in model.trunk_cache} == {len(dec.tokens) - 1} and \
             model.trunk_length == len(dec.tokens) - 1
-        assert model.mtp_length == len(dec.tokens) - 1 - dec.pending_ids.shape[1]
+        assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
@@ -218,11 +251,12 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
     if family == "glm4moe":  # one type everywhere
         return [(m.blocks[1].ffn.gate, (qtype,)), (m.tok_embd, (qtype,)), (m.mtp.eh_proj.weight, (qtype,))]
     head = m.mtp
-    if family == "deepseek2":  # the head's block held at q8_0, the latent's k_b / v_b quantized too
+    if family in ("deepseek2", *NO_TRANSFORMERS):  # the head's block held at q8_0, the latent's k_b / v_b quantized too
         attn, ha = m.blocks[1].attn, head.block.attn
+        dsa = [(attn.indexer.wq_b.weight, K_TYPES), (attn.indexer.wk.weight, K_TYPES)] if family != "deepseek2" else []
         return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
                 (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
-                (ha.k_b, (T.Q8_0,))]
+                (ha.k_b, (T.Q8_0,)), *dsa]
     dn = m.blocks[0].attn  # DeltaNet, attention and FFN in 4-6 bits, the head at q8_0
     return [(dn.wqkv.weight, K_TYPES), (dn.wz.weight, K_TYPES), (dn.wo.weight, K_TYPES), (m.blocks[0].ffn.gate, K_TYPES),
             (m.blocks[3].attn.wq.weight, K_TYPES), (head.eh_proj.weight, (T.Q8_0,)),
@@ -242,7 +276,7 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M")]
+               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])
@@ -273,3 +307,19 @@ def test_quantized_gguf_equals_dequantized_weights(family, recipe, rt, tmp_path,
     assert diff <= 1e-6 * scale, ("slabs", diff)
     prompt = ids[0, :10].tolist()  # the loop runs on the quantized model
     assert run_speculative(quant, prompt, 12, k=2).tokens == run_plain(quant, prompt, 12).tokens
+
+
+@pytest.mark.parametrize("family, recipe", [("glm4moe", None), ("deepseek2", "Q4_K_M"), ("qwen35moe", "Q4_K_M")])
+def test_gathered_experts_equal_the_sparse_path(family, recipe, rt, tmp_path):
+    """The MoE path GPUs decode with (experts gathered by id on the device, no host sync) gives what the sparse
+    path gives, on float and quantized expert stacks (forced here on the CPU, where it is not chosen)."""
+    from mtpq.runtime.families import load
+    from mtpq.runtime.layers import MoE
+
+    path = rt.gguf(family, DEFAULT[family]) if recipe is None else quantized_gguf(family, recipe, rt, tmp_path)[0]
+    moe = next(m for m in load(path).modules() if isinstance(m, MoE))
+    x = torch.randn(4, moe.router.shape[1], generator=torch.Generator().manual_seed(3))
+    weights, ids = moe.route(x)
+    gathered, sparse = moe._gathered_experts(x, weights, ids), moe._used_experts(x, weights, ids, None)
+    diff, scale = close(gathered, sparse)
+    assert diff <= 1e-5 * scale and scale > 0, (diff, scale)

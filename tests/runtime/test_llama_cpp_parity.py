@@ -1,0 +1,259 @@
+"""The torch runtime computes what llama.cpp computes, per architecture: the trunk's logits and every MTP head's,
+teacher-forced on the same tokens, against libllama itself (tests/helpers/mtp_harness.cpp).
+
+Each architecture runs on a release-shaped checkpoint (tests/releases/), converted to f32 by mtpq and sharpened:
+``output_norm`` and every head's ``shared_head_norm`` are scaled (a final RMSNorm's weight scales the logits), so
+the tiny random models' flat distributions become peaked enough that a wrong detail shows in the KLD. Both
+engines read the same file. The gates (issue 36): mean KLD <= 1e-5 and the same argmax at >= 99.5 % of the
+positions, for the trunk and for each head.
+
+A parity check that cannot fail proves nothing: each architecture's broken variants (a wrong RoPE frequency, the
+router's correction bias dropped, a norm epsilon changed, the head's pairs one position off, ...) must fail it.
+
+Run: ``python -m pytest -m llama_cpp tests/runtime/test_llama_cpp_parity.py -s`` (prints the table of
+docs/notes/runtime.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from tests import releases
+from tests.helpers.llamacpp_logits import agreement, llama_cpp_logits, ours
+from tests.helpers.runtime import convert
+
+pytestmark = pytest.mark.llama_cpp
+
+MAX_KLD, MIN_TOP1 = 1e-5, 0.995
+SHARPEN = 6.0  # the factor on the final norms' weights: logits' spread ~0.3 -> ~2 on the tiny models
+N_TOKENS = 128
+
+# GGUF architecture -> (release manifest, form): one release-shaped checkpoint per architecture the runtime runs
+PARITY = {
+    "glm4moe": ("glm47", "bf16"),
+    "qwen35": ("qwen35", "bf16"),
+    "qwen35moe": ("qwen35_moe", "bf16"),
+    "deepseek2": ("deepseek_v3_hf5", "bf16"),
+    "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "glm-dsa": ("glm5", "bf16"),
+    "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (METADATA)
+    "deepseek32": ("deepseek_v32", "fp8"),
+}
+# metadata the converted file gets on top of what the release gives: GLM-5 runs its indexer in every block;
+# GLM-5.2's "shared" blocks reuse the top-k of the full block before them
+METADATA = {"glm-dsa-shared": {"glm-dsa.attention.indexer.types": [True, False]}}
+# llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
+# top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
+# flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
+# contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys.
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32"}
+
+
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
+    """``src`` with ``output_norm`` and every ``nextn.shared_head_norm`` scaled by ``factor`` (and the ``metadata``
+    values set: arrays of bools)."""
+    from gguf import GGUFValueType
+    from gguf.gguf_writer import GGUFValue
+
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+
+    plan = plan_from_gguf(src)
+    for key, value in (metadata or {}).items():
+        plan.kv[key] = GGUFValue(list(value), GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
+    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
+                    else s for s in plan.tensors]
+    write_plan(plan, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
+    """get(arch) -> (model path, tokens, llama.cpp's Logits), built once per module run."""
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            name, form = PARITY[arch]
+            work = tmp_path_factory.mktemp(f"parity-{arch}")
+            ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
+            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=METADATA.get(arch))
+            from mtpq.runtime.families import load
+
+            vocab = load(path).vocab_size
+            tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
+                                                         f32_cache=arch in F32_CACHE)
+        return cache[arch]
+
+    return get
+
+
+def figures(model, tokens, ref) -> dict[str, tuple[float, float, float]]:
+    """{"trunk" / "head i": (mean KLD, max KLD, same argmax)} of our runtime against llama.cpp's logits (a head's
+    row 0, drafted from the zero state, predicts nothing and is left out)."""
+    mine = ours(model, tokens)
+    out = {"trunk": agreement(mine.trunk, ref.trunk)}
+    assert len(mine.heads) == len(ref.heads), "a different number of MTP heads"
+    for i, ((logits, _), (ref_logits, _)) in enumerate(zip(mine.heads, ref.heads)):
+        out[f"head {i}"] = agreement(logits[1:], ref_logits[1:])
+    return out
+
+
+def failing(figs: dict) -> list[str]:
+    return [f"{part}: mean KLD {k:.2e}, top-1 {t:.2%}" for part, (k, _, t) in figs.items()
+            if not (k <= MAX_KLD and t >= MIN_TOP1)]
+
+
+@pytest.mark.parametrize("arch", sorted(PARITY))
+def test_runtime_matches_llama_cpp(arch, parity):
+    from mtpq.runtime.families import load
+
+    path, tokens, ref = parity(arch)
+    model = load(path)
+    assert model.n_heads >= 1
+    figs = figures(model, tokens, ref)
+    print(f"\n{arch:16s} " + "  ".join(f"{p}: KLD {k:.1e} (max {m:.1e}) top-1 {t:.2%}" for p, (k, m, t) in figs.items()))
+    assert not failing(figs), failing(figs)
+    # and the trunk's NextN states are llama.cpp's (what the head is fed)
+    h = model.trunk(torch.tensor([tokens]), use_cache=False).hidden[0].numpy()
+    assert np.abs(h - ref.hidden).max() <= 1e-3 * max(1.0, np.abs(ref.hidden).max())
+
+
+# ----------------------------------------------------------------------------- broken on purpose
+
+
+def _modules(model, kind: str):
+    from mtpq.runtime import layers
+
+    return [m for m in model.modules() if isinstance(m, getattr(layers, kind))]
+
+
+def wrong_rope_base(model) -> bool:
+    """Every RoPE's frequencies 5 % off (a wrong rope base or scaling factor)."""
+    ropes = {id(r): r for m in model.modules() for r in [getattr(m, "rope", None)] if r is not None}.values()
+    for r in ropes:
+        r.inv_freq = r.inv_freq * 1.05
+        r._memo = []
+    return bool(ropes)
+
+
+def router_bias_dropped(model) -> bool:
+    """Every MoE router's correction bias (``exp_probs_b``) ignored."""
+    moes = [m for m in _modules(model, "MoE") if m.bias is not None]
+    for m in moes:
+        m.bias = None
+    return bool(moes)
+
+
+def norm_eps_changed(model) -> bool:
+    """Every block's and head's RMSNorm epsilon 1e-2 instead of the file's."""
+    owners = [m for m in model.modules() if isinstance(getattr(m, "eps", None), float)]
+    for m in owners:
+        m.eps = 1e-2
+    return bool(owners)
+
+
+def head_pairs_shifted(model) -> bool:
+    """The head's pairs one position off: no (zero state, x_0) pair first, as transformers feeds them."""
+    model.first_pair = "none"
+    return True
+
+
+def _sparse(model, full: bool | None = None):
+    """The sparse-attention layers (``full``: only those with their own indexer, False: only shared ones)."""
+    from mtpq.runtime.dsa import SparseMLA
+
+    return [m for m in model.modules() if isinstance(m, SparseMLA)
+            and (full is None or (m.indexer is not None) == full)]
+
+
+def top_k_one_fewer(model) -> bool:
+    """Every sparse-attention query reads one key fewer than the indexer's top-k."""
+    layers = _sparse(model)
+    for m in layers:
+        m.top_k -= 1
+    return bool(layers)
+
+
+def indexer_relu_dropped(model) -> bool:
+    """The indexer's scores summed over heads without the ReLU on each head's dot products."""
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.indexer.activation = lambda t: t
+    return bool(layers)
+
+
+def indexer_rope_pairs_swapped(model) -> bool:
+    """The indexer's RoPE in the other pair order (NeoX halves <-> adjacent pairs), the main MLA's unchanged."""
+    from mtpq.runtime.layers import Rope
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        r = m.indexer.rope
+        m.indexer.rope = Rope(r.inv_freq, neox=not r.neox, mscale=r.mscale)
+    return bool(layers)
+
+
+def ties_by_torch_topk(model) -> bool:
+    """Ties at the k-th score broken by torch.topk instead of as ggml's CPU top-k breaks them."""
+    def plain(scores, k):
+        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(min(k, scores.shape[-1])).indices,
+                                                                     True)
+        return (picked & (scores > float("-inf")))[:, None]
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.select = plain
+    return bool(layers)
+
+
+def shared_layers_dense(model) -> bool:
+    """GLM-5.2's shared indexer layers attend to every earlier key instead of the last full layer's top-k."""
+    from mtpq.runtime.dsa import Selections
+
+    class Dense(Selections):
+        def get(self, key):
+            return None
+
+    layers = _sparse(model, full=False)
+    for m in layers:
+        m.selections = Dense()
+    return bool(layers)
+
+
+BREAKS: dict[str, Callable] = {f.__name__: f for f in (wrong_rope_base, router_bias_dropped, norm_eps_changed,
+                                                        head_pairs_shifted, top_k_one_fewer, indexer_relu_dropped,
+                                                        indexer_rope_pairs_swapped, ties_by_torch_topk,
+                                                        shared_layers_dense)}
+# architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
+BROKEN = {
+    "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "qwen35": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
+    "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
+    "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "glm-dsa": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "top_k_one_fewer",
+                "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+    "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
+    "deepseek32": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                   "top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+}
+
+
+@pytest.mark.parametrize("arch, brk", [(a, b) for a in sorted(BROKEN) for b in BROKEN[a]])
+def test_a_broken_runtime_fails_parity(arch, brk, parity):
+    from mtpq.runtime.families import load
+
+    path, tokens, ref = parity(arch)
+    model = load(path)
+    assert BREAKS[brk](model), f"{brk} found nothing to break in {arch}"
+    figs = figures(model, tokens, ref)
+    print(f"\n{arch:16s} {brk:20s} " + "  ".join(f"{p}: KLD {k:.1e} top-1 {t:.2%}" for p, (k, _, t) in figs.items()))
+    assert failing(figs), f"{arch} with {brk} still passes: {figs}"
