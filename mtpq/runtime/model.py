@@ -47,10 +47,12 @@ class Family:
 
     archs: ClassVar[tuple[str, ...]] = ()
     hidden_first: ClassVar[bool] = False  # MTP concat order: MiMo puts the hidden state first
+    layer_norm_head: ClassVar[bool] = False  # the head's final norm a LayerNorm (Nemotron-H), not an RMSNorm
 
     def __init__(self, g: GGUFFile):
         self.file = g
         self.eps = float(g.require("attention.layer_norm_rms_epsilon"))
+        self.head_eps = self.eps  # of the head's final norm
 
     def block(self, w: Scope, index: int) -> nn.Module:
         """The decoder block ``index`` (``index >= file.n_trunk``: an MTP block). It has
@@ -104,7 +106,8 @@ class MtpModel(nn.Module):
         # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
         heads = [NextNHead(w.at(f"blk.{i}."), family.block(w.at(f"blk.{i}."), i), self.eps,
                            trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                           hidden_first=family.hidden_first)
+                           hidden_first=family.hidden_first, layer_norm_head=family.layer_norm_head,
+                           head_eps=family.head_eps)
                  for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g]
         self.mtp = heads[0] if heads else None
         self.later_heads = nn.ModuleList(heads[1:])

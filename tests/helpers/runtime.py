@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
+from tests import releases
 from tests.builders import tiny, tiny_deepseek, tiny_qwen35
 from tests.helpers.runcli import run_cli
 
@@ -80,7 +81,8 @@ def hf_model(family: str, folder: Path, dtype: torch.dtype = F32):
     import transformers as tf
 
     cls = {"glm4moe": tf.Glm4MoeForCausalLM, "qwen35": tf.Qwen3_5ForCausalLM, "qwen35moe": tf.Qwen3_5MoeForCausalLM,
-           "deepseek2": tf.DeepseekV3ForCausalLM}[family]
+           "deepseek2": tf.DeepseekV3ForCausalLM, "qwen3next": tf.Qwen3NextForCausalLM,
+           "nemotron_h_moe": tf.NemotronHForCausalLM}[family]
     return cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
@@ -228,36 +230,60 @@ def oracle(family: str, folder: Path) -> MtpOracle:
 # ----------------------------------------------------------------------------- checkpoints of each family
 
 
-OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj")
+OUT_PROJS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", ".down_proj")  # each mixer's and FFN's output
 
 
-def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1) -> Path:
-    """Rewrite a tiny Qwen3.5 checkpoint (in place) into a "bigram" model: the trunk's mixing and FFN outputs
-    are scaled down (the current token's embedding weighs much in its prediction, the rest of the context
-    still decides most of the time), and the head passes enorm(E[x_{t+1}]) through an identity eh_proj and
-    a near-identity block into the trunk's own output norm and head: it drafts the trunk's "bigram" guess,
-    right about a fifth of the time."""
+@dataclass(frozen=True)
+class HeadNames:
+    """Where a checkpoint keeps what :func:`bigram_model` rewrites: the head's projection of [embedding ;
+    hidden], its embedding norm (and the value that makes it a plain norm), its final norm, the trunk's."""
+    fc: str
+    enorm: str
+    enorm_plain: float
+    head_norm: str
+    trunk_norm: str
+
+
+QWEN_HEAD = HeadNames("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", 0.0,  # zero-centred norms
+                      "mtp.norm.weight", "model.norm.weight")
+NEMOTRON_HEAD = HeadNames("mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", 1.0,
+                          "mtp.layers.1.final_layernorm.weight", "backbone.norm_f.weight")
+
+
+def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
+                 names: HeadNames = QWEN_HEAD) -> Path:
+    """Rewrite a tiny checkpoint whose head lives under ``mtp.`` (Qwen3.5, Qwen3-Next, Nemotron-H: ``names``)
+    in place into a "bigram" model: the trunk's mixing and FFN outputs are scaled down (the current token's
+    embedding weighs much in its prediction, the rest of the context still decides most of the time), and the
+    head passes enorm(E[x_{t+1}]) through an identity eh_proj and a near-identity block into the trunk's own
+    output norm and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     out_norm = None
     for shard in shards:
-        out_norm = load_file(str(folder / shard)).get("model.norm.weight", out_norm)
+        out_norm = load_file(str(folder / shard)).get(names.trunk_norm, out_norm)
     for shard in shards:
         t = load_file(str(folder / shard))
         for name in list(t):
-            if name == "mtp.fc.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            if name == names.fc:  # [enorm(e) ; hnorm(h)] -> e + a little of h
                 h = t[name].shape[0]
-                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1)
-            elif name == "mtp.norm.weight":
+                t[name] = torch.cat([torch.eye(h, dtype=t[name].dtype), head_mix * t[name][:, h:]], dim=1)
+            elif name == names.head_norm:
                 t[name] = out_norm.clone()
-            elif name == "mtp.pre_fc_norm_embedding.weight":
-                t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
+            elif name == names.enorm:
+                t[name] = torch.full_like(t[name], names.enorm_plain)
             elif name.endswith(OUT_PROJS):
                 t[name] = (head_shrink if name.startswith("mtp.") else trunk_scale) * t[name]
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     return folder
 
 
+def release(folder: Path, manifest: str) -> Path:
+    """The release-shaped checkpoint of ``tests/releases/<manifest>.py`` (its bf16 form)."""
+    return releases.build(releases.manifests()[manifest], folder)
+
+
+RELEASE_BIGRAM = dict(trunk_scale=0.05, head_mix=0.05, head_shrink=0.05)
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
 # YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
@@ -304,9 +330,21 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         "copy": lambda f: tiny_deepseek.trunk_copy_head(tiny_deepseek.deepseek_v3(
             f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
     },
+    # the release-shaped checkpoints of tests/releases (bf16 values; the GGUFs are f32); their bigram models
+    # scale harder (an MoE in every block, Nemotron's routed scale 5: at 0.4 almost no draft is right)
+    "qwen3next": {
+        "release": lambda f: release(f, "qwen3next"),
+        "bigram": lambda f: bigram_model(release(f, "qwen3next"), **RELEASE_BIGRAM),  # ~55 % right
+    },
+    "nemotron_h_moe": {
+        "release": lambda f: release(f, "nemotron3_super"),
+        "bigram": lambda f: bigram_model(release(f, "nemotron3_super"), names=NEMOTRON_HEAD,  # ~35 % right
+                                         **RELEASE_BIGRAM),
+    },
 }
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
-LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy"}
+LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy",
+                "qwen3next": "bigram", "nemotron_h_moe": "bigram"}
 
 
 class Builds:

@@ -41,6 +41,8 @@ PARITY = {
     "qwen35moe": ("qwen35_moe", "bf16"),
     "deepseek2": ("deepseek_v3_hf5", "bf16"),
     "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "qwen3next": ("qwen3next", "bf16"),
+    "nemotron_h_moe": ("nemotron3_super", "bf16"),
 }
 
 
@@ -148,8 +150,80 @@ def head_pairs_shifted(model) -> bool:
     return True
 
 
-BREAKS: dict[str, Callable] = {f.__name__: f for f in (wrong_rope_base, router_bias_dropped, norm_eps_changed,
-                                                        head_pairs_shifted)}
+def _layers(model, module: str, kind: str):
+    """The model's layers of class ``kind`` from ``mtpq.runtime.<module>``."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"mtpq.runtime.{module}"), kind)
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def deltanet_heads_tiled(model) -> bool:
+    """Qwen3-Next's DeltaNet reading key heads in Qwen3.5's tiled order (value head h -> key head h % n_k)."""
+    layers = _layers(model, "deltanet", "GatedDeltaNet")
+    for m in layers:
+        m.cfg = replace(m.cfg, grouped_heads=False)
+    return bool(layers)
+
+
+def fused_ba_halved(model) -> bool:
+    """The fused ``ssm_ba`` read as [n_v betas ; n_v alphas] instead of per key head (r betas, r alphas): the
+    correct split of the rows that split would read."""
+    layers = [m for m in _layers(model, "deltanet", "GatedDeltaNet") if m.wba is not None]
+    for m in layers:
+        w = m.wba.weight
+        n_k, n_v = m.cfg.n_k_heads, m.cfg.n_v_heads
+        # row k*2r + c of the correct layout takes what the halved reading gives it: beta / alpha row k*r + c
+        halves = torch.arange(2 * n_v).view(2, n_k, n_v // n_k).transpose(0, 1).reshape(-1)
+        w.data = w.data[halves]
+    return bool(layers)
+
+
+def mamba_groups_tiled(model) -> bool:
+    """Mamba-2 head h reading B/C group h % G instead of h // (heads / G) (repeat for repeat_interleave)."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.group_of_head = torch.arange(m.cfg.n_heads) % m.cfg.n_groups
+    return bool(layers)
+
+
+def mamba_norm_ungrouped(model) -> bool:
+    """Mamba-2's gated RMSNorm over the whole inner width instead of per group."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.norm = m.norm.reshape(1, -1)
+    return bool(layers)
+
+
+def mamba_d_skip_dropped(model) -> bool:
+    """Mamba-2 without its D skip (y + D x)."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.d = torch.zeros_like(m.d)
+    return bool(layers)
+
+
+def attention_roped(model) -> bool:
+    """RoPE (NeoX, base 10000, every dim) on attention that llama.cpp runs without position encoding."""
+    from mtpq.runtime.layers import Rope, rope_inv_freq
+
+    layers = [m for m in _modules(model, "Attention") if m.rope is None]
+    for m in layers:
+        m.rope = Rope(rope_inv_freq(m.cfg.head_dim, 10000.0))
+    return bool(layers)
+
+
+def head_norm_rms(model) -> bool:
+    """Nemotron-H's head ending in an RMSNorm instead of its LayerNorm."""
+    heads = [h for h in (model.mtp, *model.later_heads) if h.layer_norm_head]
+    for h in heads:
+        h.layer_norm_head = False
+    return bool(heads)
+
+
+BREAKS: dict[str, Callable] = {f.__name__: f for f in (
+    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, deltanet_heads_tiled,
+    fused_ba_halved, mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -157,6 +231,10 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "qwen3next": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "deltanet_heads_tiled",
+                  "fused_ba_halved"),
+    "nemotron_h_moe": ("router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "mamba_groups_tiled",
+                       "mamba_norm_ungrouped", "mamba_d_skip_dropped", "attention_roped", "head_norm_rms"),
 }
 
 

@@ -17,9 +17,12 @@ from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
 from .glm4moe import Glm4Moe
+from .nemotron_h_moe import NemotronHMoe
 from .qwen35 import Qwen35
+from .qwen3next import Qwen3Next
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2) for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Qwen3Next, NemotronHMoe)
+                                     for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:
