@@ -181,6 +181,8 @@ class SpeculativeDecoder:
 
     def step(self) -> tuple[list[int], list[int]]:
         """One draft-verify round -> (emitted tokens, drafted tokens)."""
+        if self.params.greedy:
+            return self._greedy_step()
         m, k = self.model, self.k
         out = m.draft(self.pending_ids, self.pending_hidden)
         ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
@@ -203,6 +205,33 @@ class SpeculativeDecoder:
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, drafts
+
+    def _greedy_step(self) -> tuple[list[int], list[int]]:
+        """:meth:`step` for greedy decoding, on the model's device: drafts, verification and the accepted count
+        stay device tensors until one read-back at the end of the round (one host sync per round on a GPU)."""
+        m, k = self.model, self.k
+        out = m.draft(self.pending_ids, self.pending_hidden)
+        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
+        drafts = []
+        logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        for i in range(k):
+            drafts.append(logits.argmax().view(1))
+            if i + 1 < k:
+                out = m.draft(drafts[-1].view(1, 1), hidden)
+                logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        drafted = torch.cat(drafts)
+        verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
+        self.trunk_forwards += 1
+        best = verify.logits[0].argmax(dim=-1)  # [k + 1]
+        accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
+        a, *values = torch.cat((accepted, best, drafted)).tolist()  # the round's one read-back
+        best_ids, draft_ids = values[:k + 1], values[k + 1:]
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        emitted = draft_ids[:a] + [best_ids[a]]
+        self.pending_ids = torch.cat((drafted[:a], best[a:a + 1]))[None]
+        self.pending_hidden = verify.hidden[:, : a + 1]
+        self.tokens.extend(emitted)
+        return emitted, draft_ids
 
     def save(self) -> DecoderState:
         return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,
