@@ -110,6 +110,29 @@ def test_runtime_matches_llama_cpp(arch, parity):
     assert np.abs(h - ref.hidden).max() <= 1e-3 * max(1.0, np.abs(ref.hidden).max())
 
 
+@pytest.mark.parametrize("arch", sorted(PARITY))
+def test_trunk_matches_llama_perplexity_base(arch, parity, llama_cpp_bin, tmp_path):
+    """The trunk against llama-perplexity's own logits: its --kl-divergence-base file of the same GGUF on a text,
+    read by ``mtpq compare --kld-base`` (its 16-bit log-probabilities), within the gates."""
+    import inspect
+    import json
+    import json.decoder
+
+    from tests.acceptance.test_compare_kld_base import perplexity
+    from tests.helpers.runcli import run_cli
+
+    path = parity(arch)[0]
+    text, base = tmp_path / "text.txt", tmp_path / "base.kld"
+    text.write_text(inspect.getsource(json.decoder) * 3)
+    perplexity(llama_cpp_bin, "-m", path, "-f", text, "-c", 128, "--chunks", 4, "--kl-divergence-base", base)
+    res = run_cli("compare", "--kld-base", base, path, "--numerics", "exact", "--json", "-", "--threads", 1)
+    assert res.exit_code == 0, res.output
+    f = json.loads(res.stdout)["files"][0]
+    print(f"\n{arch:16s} against llama-perplexity's base: mean KLD {f['kld_mean']:.1e} (max {f['kld_max']:.1e}) "
+          f"top-1 {f['top1']:.2%}")
+    assert f["kld_mean"] <= MAX_KLD and f["top1"] >= MIN_TOP1
+
+
 # ----------------------------------------------------------------------------- broken on purpose
 
 
