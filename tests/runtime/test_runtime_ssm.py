@@ -13,7 +13,8 @@ every family must do; test_llama_cpp_parity.py their parity with llama.cpp, trun
 Not Qwen3-Next's drafting there: llama-speculative-simple --spec-type draft-mtp reports every qwen3next draft
 accepted, at any depth (33/33 at k=1, 39/39 at k=3 on the bigram model), while libllama's own qwen3next MTP
 graph, teacher-forced through the harness on that very greedy continuation, drafts 35 of 64 right, as ours
-does (and our loop accepts 28 of 37): the draft-mtp driver does not run that head for this architecture.
+does (and our loop accepts 28 of 37): what that driver drafts with for this architecture is not the head's
+output as the MTP graph computes it (its drafts always equal the trunk's next token).
 """
 
 from __future__ import annotations
