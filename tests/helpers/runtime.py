@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests import releases
 from tests.builders import tiny, tiny_deepseek, tiny_qwen35
 from tests.helpers.runcli import run_cli
 
@@ -278,11 +277,6 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
     return folder
 
 
-def release(folder: Path, manifest: str) -> Path:
-    """The release-shaped checkpoint of ``tests/releases/<manifest>.py`` (its bf16 form)."""
-    return releases.build(releases.manifests()[manifest], folder)
-
-
 RELEASE_BIGRAM = dict(trunk_scale=0.05, head_mix=0.05, head_shrink=0.05)
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
@@ -290,6 +284,34 @@ V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embe
 # (mla.yarn_mla_scales); greedy outputs of the two differ on every test prompt, ours follow llama.cpp's
 BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
              "beta_slow": 1, "rope_theta": 10000.0}
+
+
+def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...] = (), **config) -> Path:
+    """Release manifest ``name``'s tiny checkpoint (tests/releases) in ``form`` with config.json keys changed (a
+    test's sizes, a top-k its contexts exceed) and the tensors whose names start with ``drop`` left out."""
+    from types import SimpleNamespace
+
+    from tests import releases
+
+    m = releases.manifests()[name]
+    shim = SimpleNamespace(**{k: getattr(m, k) for k in ("SPECIALS", "DTYPE") if hasattr(m, k)},
+                           CONFIG={**m.CONFIG, **config}, FORMS=m.FORMS,
+                           tensors=lambda cfg: {n: s for n, s in m.tensors(cfg).items() if not n.startswith(drop)})
+    return releases.build(shim, folder, form)
+
+
+# DeepSeek sparse attention: the releases' shrunk top-k (64) lowered so that the tests' contexts drop keys
+DSA_TOP_K = 8
+# GLM-5.2's pattern: a shared block (no indexer: it reuses block 0's top-k) between two full ones
+GLM52_SHARED = dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=DSA_TOP_K,
+                    drop=("model.layers.1.self_attn.indexer.",))
+
+
+def dsa_copy(name: str, form: str):
+    """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek.trunk_copy_head)."""
+    return lambda f: tiny_deepseek.trunk_copy_head(release_checkpoint(
+        name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16))
+
 
 CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (f32: exact comparisons)
     "glm4moe": {
@@ -333,18 +355,29 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
     # the release-shaped checkpoints of tests/releases (bf16 values; the GGUFs are f32); their bigram models
     # scale harder (an MoE in every block, Nemotron's routed scale 5: at 0.4 almost no draft is right)
     "qwen3next": {
-        "release": lambda f: release(f, "qwen3next"),
-        "bigram": lambda f: bigram_model(release(f, "qwen3next"), **RELEASE_BIGRAM),  # ~55 % right
+        "release": lambda f: release_checkpoint("qwen3next", f, "bf16"),
+        "bigram": lambda f: bigram_model(release_checkpoint("qwen3next", f, "bf16"), **RELEASE_BIGRAM),  # ~55 % right
     },
     "nemotron_h_moe": {
-        "release": lambda f: release(f, "nemotron3_super"),
-        "bigram": lambda f: bigram_model(release(f, "nemotron3_super"), names=NEMOTRON_HEAD,  # ~35 % right
-                                         **RELEASE_BIGRAM),
+        "release": lambda f: release_checkpoint("nemotron3_super", f, "bf16"),
+        "bigram": lambda f: bigram_model(release_checkpoint("nemotron3_super", f, "bf16"),  # ~35 % right
+                                         names=NEMOTRON_HEAD, **RELEASE_BIGRAM),
+    },
+}
+CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
+    "glm-dsa": {
+        "glm5": lambda f: release_checkpoint("glm5", f, "bf16", index_topk=DSA_TOP_K),
+        "glm52": lambda f: release_checkpoint("glm5", f, "bf16", **GLM52_SHARED),
+        "copy": dsa_copy("glm5", "bf16"),
+    },
+    "deepseek32": {
+        "v32": lambda f: release_checkpoint("deepseek_v32", f, "fp8", index_topk=DSA_TOP_K),
+        "copy": dsa_copy("deepseek_v32", "fp8"),
     },
 }
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
-LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy",
-                "qwen3next": "bigram", "nemotron_h_moe": "bigram"}
+LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
+                "deepseek32": "copy", "qwen3next": "bigram", "nemotron_h_moe": "bigram"}
 
 
 class Builds:

@@ -41,16 +41,33 @@ PARITY = {
     "qwen35moe": ("qwen35_moe", "bf16"),
     "deepseek2": ("deepseek_v3_hf5", "bf16"),
     "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "glm-dsa": ("glm5", "bf16"),
+    "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (METADATA)
+    "deepseek32": ("deepseek_v32", "fp8"),
     "qwen3next": ("qwen3next", "bf16"),
     "nemotron_h_moe": ("nemotron3_super", "bf16"),
 }
+# metadata the converted file gets on top of what the release gives: GLM-5 runs its indexer in every block;
+# GLM-5.2's "shared" blocks reuse the top-k of the full block before them
+METADATA = {"glm-dsa-shared": {"glm-dsa.attention.indexer.types": [True, False]}}
+# llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
+# top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
+# flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
+# contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys.
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN) -> Path:
-    """``src`` with ``output_norm`` and every ``nextn.shared_head_norm`` scaled by ``factor``."""
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
+    """``src`` with ``output_norm`` and every ``nextn.shared_head_norm`` scaled by ``factor`` (and the ``metadata``
+    values set: arrays of bools)."""
+    from gguf import GGUFValueType
+    from gguf.gguf_writer import GGUFValue
+
     from mtpq.gguf_io import plan_from_gguf, write_plan
 
     plan = plan_from_gguf(src)
+    for key, value in (metadata or {}).items():
+        plan.kv[key] = GGUFValue(list(value), GGUFValueType.ARRAY, GGUFValueType.BOOL)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
     plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
@@ -68,12 +85,13 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             name, form = PARITY[arch]
             work = tmp_path_factory.mktemp(f"parity-{arch}")
             ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
-            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf")
+            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=METADATA.get(arch))
             from mtpq.runtime.families import load
 
             vocab = load(path).vocab_size
             tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
-            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work)
+            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
+                                                         f32_cache=arch in F32_CACHE)
         return cache[arch]
 
     return get
@@ -124,7 +142,8 @@ def test_trunk_matches_llama_perplexity_base(arch, parity, llama_cpp_bin, tmp_pa
     path = parity(arch)[0]
     text, base = tmp_path / "text.txt", tmp_path / "base.kld"
     text.write_text(inspect.getsource(json.decoder) * 3)
-    perplexity(llama_cpp_bin, "-m", path, "-f", text, "-c", 128, "--chunks", 4, "--kl-divergence-base", base)
+    f32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off") if arch in F32_CACHE else ()  # (as the harness runs them)
+    perplexity(llama_cpp_bin, "-m", path, "-f", text, "-c", 128, "--chunks", 4, *f32, "--kl-divergence-base", base)
     res = run_cli("compare", "--kld-base", base, path, "--numerics", "exact", "--json", "-", "--threads", 1)
     assert res.exit_code == 0, res.output
     f = json.loads(res.stdout)["files"][0]
@@ -171,6 +190,68 @@ def head_pairs_shifted(model) -> bool:
     """The head's pairs one position off: no (zero state, x_0) pair first, as transformers feeds them."""
     model.first_pair = "none"
     return True
+
+
+def _sparse(model, full: bool | None = None):
+    """The sparse-attention layers (``full``: only those with their own indexer, False: only shared ones)."""
+    from mtpq.runtime.dsa import SparseMLA
+
+    return [m for m in model.modules() if isinstance(m, SparseMLA)
+            and (full is None or (m.indexer is not None) == full)]
+
+
+def top_k_one_fewer(model) -> bool:
+    """Every sparse-attention query reads one key fewer than the indexer's top-k."""
+    layers = _sparse(model)
+    for m in layers:
+        m.top_k -= 1
+    return bool(layers)
+
+
+def indexer_relu_dropped(model) -> bool:
+    """The indexer's scores summed over heads without the ReLU on each head's dot products."""
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.indexer.activation = lambda t: t
+    return bool(layers)
+
+
+def indexer_rope_pairs_swapped(model) -> bool:
+    """The indexer's RoPE in the other pair order (NeoX halves <-> adjacent pairs), the main MLA's unchanged."""
+    from mtpq.runtime.layers import Rope
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        r = m.indexer.rope
+        m.indexer.rope = Rope(r.inv_freq, neox=not r.neox, mscale=r.mscale)
+    return bool(layers)
+
+
+def ties_by_torch_topk(model) -> bool:
+    """Ties at the k-th score broken by torch.topk instead of as ggml's CPU top-k breaks them."""
+    def plain(scores, k):
+        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(min(k, scores.shape[-1])).indices,
+                                                                     True)
+        return (picked & (scores > float("-inf")))[:, None]
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.select = plain
+    return bool(layers)
+
+
+def shared_layers_dense(model) -> bool:
+    """GLM-5.2's shared indexer layers attend to every earlier key instead of the last full layer's top-k."""
+    from mtpq.runtime.dsa import Selections
+
+    class Dense(Selections):
+        def get(self, key):
+            return None
+
+    layers = _sparse(model, full=False)
+    for m in layers:
+        m.selections = Dense()
+    return bool(layers)
 
 
 def _layers(model, module: str, kind: str):
@@ -245,8 +326,9 @@ def head_norm_rms(model) -> bool:
 
 
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (
-    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, deltanet_heads_tiled,
-    fused_ba_halved, mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms)}
+    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, top_k_one_fewer, indexer_relu_dropped,
+    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
+    mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -254,6 +336,11 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "glm-dsa": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "top_k_one_fewer",
+                "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+    "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
+    "deepseek32": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                   "top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
     "qwen3next": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "deltanet_heads_tiled",
                   "fused_ba_halved"),
     "nemotron_h_moe": ("router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "mamba_groups_tiled",

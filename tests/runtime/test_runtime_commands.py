@@ -1,10 +1,10 @@
-"""The commands that need the runtime run on each architecture's release-shaped fixture: ``accept --engine torch``,
-``compare`` (its head column), ``sweep``, ``quantize --mtp-type auto`` and ``imatrix --mtp``.
+"""The commands that need the runtime, on each architecture's release-shaped loop model (tests/helpers/runtime.py:
+LOOP_VARIANT; one prompt, a few tokens): ``accept --engine torch``, ``compare``'s head column, ``sweep``, ``quantize
+--mtp-type auto`` and ``imatrix --mtp``, each held to a figure computed another way (the teacher-forced estimator, the
+packed passes against one sequence at a time, accept on the file the sweep stands for, ...).
 
-The files are the contract's loop models (tests/helpers/runtime.py: the release checkpoints of tests/releases made
-"bigram" models, so that their heads draft something right), f32 and one Q4_K_M quant; one prompt, a few tokens.
-What the figures mean is held elsewhere (the contract, test_sweep.py, test_compare.py, test_mtp_auto.py); here each
-command runs end to end and reports what it measured, on the architecture's own layers.
+ARCHS lists the architectures this file covers; the four older families have their own tests of each command.
+For qwen3next and nemotron_h_moe the loop models are "bigram" models made from their release checkpoints.
 """
 
 from __future__ import annotations
@@ -13,103 +13,127 @@ import inspect
 import json
 import json.decoder
 
-import gguf
 import pytest
 
 from tests.helpers.runcli import run_cli
 
-ARCHS = ("qwen3next", "nemotron_h_moe")
+ARCHS = ("glm-dsa", "deepseek32", "qwen3next", "nemotron_h_moe")
+PROMPT = "def add(a, b):\n    return a + b\n"
 N_NEW = 16
+CTX, CHUNKS = 64, 2
+
+DSA_HEAD = ("nextn.eh_proj", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+            "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+# per architecture: the head's matrices llama.cpp's MTP graph multiplies (what imatrix --mtp records), one of them
+# fed every pair, the routed experts' first matrix, and a head matrix beside its trunk twin's block
+HEAD_MATRICES = {
+    "glm-dsa": DSA_HEAD, "deepseek32": DSA_HEAD,
+    "qwen3next": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_inp_shexp",
+                  "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
+    "nemotron_h_moe": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_latent_down",
+                       "ffn_latent_up", "ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp"),
+}
+EVERY_PAIR = {"glm-dsa": "attn_q_a", "deepseek32": "attn_q_a", "qwen3next": "attn_q", "nemotron_h_moe": "attn_q"}
+FIRST_EXPERT = {"glm-dsa": "ffn_gate_exps", "deepseek32": "ffn_gate_exps", "qwen3next": "ffn_gate_exps",
+                "nemotron_h_moe": "ffn_up_exps"}
+TRUNK_TWIN = {"glm-dsa": ("attn_q_b", 0), "deepseek32": ("attn_q_b", 0), "qwen3next": ("attn_q", 3),
+              "nemotron_h_moe": ("attn_q", 2)}
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    """(prompts file, calibration text) shared by the commands."""
+def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("commands")
-    prompts = d / "prompts.jsonl"
-    prompts.write_text(json.dumps({"category": "code", "prompt": "def add(a, b):\n    return a + b\n"}) + "\n")
-    text = d / "text.txt"
-    text.write_text(inspect.getsource(json.decoder))
-    return prompts, text
+    (d / "p.jsonl").write_text(json.dumps({"category": "code", "prompt": PROMPT}) + "\n")
+    (d / "text.txt").write_text(inspect.getsource(json.decoder))
+    return d
 
 
-@pytest.fixture(scope="module")
-def q4km(rt, tmp_path_factory):
-    """arch -> the loop model quantized Q4_K_M (head at q8_0), made once."""
-    made = {}
-
-    def get(arch: str):
-        if arch not in made:
-            out = tmp_path_factory.mktemp(f"q4km-{arch}") / "q4km.gguf"
-            res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", "--quiet")
-            assert res.exit_code == 0, res.output
-            made[arch] = out
-        return made[arch]
-
-    return get
-
-
-def accept_report(path, prompts, *args) -> dict:
-    res = run_cli("accept", path, "--engine", "torch", "--prompts", prompts, "-n", N_NEW, "--json", "-",
-                  "--threads", 1, *args)
+def _accept(path, work, *extra) -> dict:
+    res = run_cli("accept", path, "--prompts", work / "p.jsonl", "-n", N_NEW, "--json", "-", "--threads", 1, *extra)
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_accept(arch, rt, inputs):
-    report = accept_report(rt.loop_gguf(arch), inputs[0])
-    assert report["greedy_outputs_identical"] and report["drafts"] > 0
-    assert 0 < report["accepted"] < report["drafted"]  # the bigram head drafts some right, some wrong
+def test_accept_counts_are_the_teacher_forced_estimators(arch, rt, work):
+    from mtpq.runtime.speculative import run_plain, teacher_forced_acceptance
+
+    rep = _accept(rt.loop_gguf(arch), work, "-k", 1)
+    model, tok = rt.loop_model(arch)
+    ids = tok.encode(PROMPT)
+    cont = run_plain(model, ids, N_NEW, stop_ids={tok.eos_token_id}).tokens
+    tf = teacher_forced_acceptance(model, ids + cont, prompt_len=len(ids))
+    assert (rep["drafts"], rep["accepted"]) == (tf.loop_drafts, tf.loop_accepted)
+    assert rep["engine"] == "torch" and rep["greedy_outputs_identical"] is True and 0 < rep["accepted"] < rep["drafts"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compare_reports_the_head_column(arch, rt, q4km, inputs, tmp_path):
-    out = tmp_path / "r.json"
-    res = run_cli("compare", rt.loop_gguf(arch), q4km(arch), "-f", inputs[1], "-c", 64, "--chunks", 2,
-                  "--json", out, "--threads", 1)
+def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
+    """The reference's head column (its chunks packed into one pass) == the estimator run on each chunk alone."""
+    from mtpq.runtime.quality import QualityRun, perplexity_chunks
+    from mtpq.runtime.speculative import teacher_forced_acceptance
+
+    path = rt.loop_gguf(arch)
+    q8 = work / f"{arch}-q8.gguf"
+    assert run_cli("quantize", path, q8, "Q8_0", "-q").exit_code == 0
+    res = run_cli("compare", path, q8, "-f", work / "text.txt", "-c", CTX, "--chunks", CHUNKS, "--json", "-",
+                  "--threads", 1)
     assert res.exit_code == 0, res.output
-    ref, (quant,) = (doc := json.loads(out.read_text()))["reference"], doc["files"]
-    assert ref["kld_mean"] == 0 and quant["kld_mean"] > 0 and 0 < quant["top1"] < 1
-    assert 0 < ref["accept_rate"] < 1 and 0 < quant["accept_rate"] < 1
-    assert quant["accept_drop"] == pytest.approx(ref["accept_rate"] - quant["accept_rate"])
+    rep = json.loads(res.stdout)
+    run = QualityRun(path)  # compare's numerics: llama.cpp's
+    bos = run.tokenizer.bos_token_id if run.add_bos else None
+    matches = []
+    for ids in perplexity_chunks(run.tokenizer.encode((work / "text.txt").read_text()), CTX, CHUNKS, bos):
+        matches += teacher_forced_acceptance(run.model, ids, CTX // 2).matches
+    assert rep["reference"]["accept_rate"] == pytest.approx(sum(matches) / len(matches), abs=1e-12)
+    assert rep["files"][0]["accept_rate"] is not None and rep["files"][0]["kld_mean"] > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sweep_cell_equals_accept_draft_1(arch, rt, q4km, inputs, tmp_path):
-    out = tmp_path / "grid.json"
-    res = run_cli("sweep", rt.loop_gguf(arch), "--mtp", "q8_0", "--trunk", "Q4_K_M", "--prompts", inputs[0],
-                  "-n", N_NEW, "--json", out, "--threads", 1)
+def test_sweep_cell_is_accept_on_the_file_it_stands_for(arch, rt, work, tmp_path):
+    path = rt.loop_gguf(arch)
+    res = run_cli("sweep", path, "--mtp", "q4_k", "--trunk", "Q8_0", "--prompts", work / "p.jsonl", "-n", N_NEW,
+                  "--json", tmp_path / "grid.json", "--threads", 1)
     assert res.exit_code == 0, res.output
-    grid = json.loads(out.read_text())
-    full = accept_report(q4km(arch), inputs[0], "--draft", 1)  # quantize Q4_K_M: the head at q8_0
-    assert grid["acceptance"] == [[pytest.approx(full["acceptance_rate"], abs=1e-6)]]
-    assert 0 < grid["reference_rate"] < 1
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    full = tmp_path / "q8-q4k.gguf"
+    assert run_cli("quantize", path, full, "Q8_0", "--mtp-type", "q4_k", "-q").exit_code == 0
+    assert grid["acceptance"][0][0] == pytest.approx(_accept(full, work, "-k", 1)["acceptance_rate"], abs=1e-6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_quantize_mtp_type_auto(arch, rt, inputs, tmp_path):
+def test_quantize_mtp_type_auto_writes_the_chosen_head(arch, rt, work, tmp_path):
+    from mtpq.gguf_io import GGUFFile
+
     out = tmp_path / "auto.gguf"
-    res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", "--mtp-type", "auto", "--max-drop", 0.05,
-                  "--prompts", inputs[0])
+    res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", "--mtp-type", "auto", "--max-drop", 1.0,
+                  "--prompts", work / "p.jsonl")
     assert res.exit_code == 0, res.output
-    r = gguf.GGUFReader(out)
-    choice = json.loads(r.fields["mtpq.mtp_type_auto"].contents())
-    n_trunk = r.fields[f"{arch}.block_count"].contents() - r.fields[f"{arch}.nextn_predict_layers"].contents()
-    assert choice["rates"]["f16"]["rate"] > 0
-    head = [t for t in r.tensors if t.name.startswith(f"blk.{n_trunk}.") and len(t.shape) >= 2
-            and "ffn_gate_inp" not in t.name]
-    assert head and {t.tensor_type.name.lower() for t in head} == {choice["mtp_type"]}
+    g = GGUFFile(out)
+    choice = json.loads(g.kv["mtpq.mtp_type_auto"])
+    assert choice["mtp_type"] == "q2_k" and set(choice["rates"]) >= {"f16", "q8_0", "q2_k"}  # max-drop 1: narrowest
+    head, (twin, block) = f"blk.{g.n_trunk}.", TRUNK_TWIN[arch]
+    assert g.tensors[head + "nextn.eh_proj.weight"].tensor_type.name == "Q2_K"
+    types = (g.tensors[f"{prefix}{twin}.weight"].tensor_type.name for prefix in (head, f"blk.{block}."))
+    assert len(set(types)) == 2  # the head's type, not the trunk's
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_imatrix_mtp_covers_every_head_matrix(arch, rt, inputs, tmp_path):
+def test_imatrix_mtp_covers_the_head_as_llama_cpp_runs_it(arch, rt, work, tmp_path):
+    """--mtp: entries for the head's matrices only, each fed every pair of every chunk (the routed experts per
+    routed pair); a DSA head's own indexer has none (llama.cpp's MTP graph runs dense MLA)."""
+    import gguf
+    import numpy as np
+
     path = rt.loop_gguf(arch)
     out = tmp_path / "im.gguf"
-    res = run_cli("imatrix", path, "-f", inputs[1], "-o", out, "-c", 64, "--chunks", 2, "--mtp", "--threads", 1)
+    res = run_cli("imatrix", path, "-f", work / "text.txt", "-o", out, "-c", CTX, "--chunks", CHUNKS, "--mtp")
     assert res.exit_code == 0, res.output
-    model = gguf.GGUFReader(path)
-    n_trunk = model.fields[f"{arch}.block_count"].contents() - model.fields[f"{arch}.nextn_predict_layers"].contents()
-    matrices = {t.name for t in model.tensors if t.name.startswith(f"blk.{n_trunk}.") and len(t.shape) >= 2}
-    entries = {t.name.rsplit(".", 1)[0] for t in gguf.GGUFReader(out).tensors if t.name.endswith(".in_sum2")}
-    assert entries == matrices
+    stats = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
+    n = len(rt.loop_model(arch)[0].blocks)
+    names = {k[: -len(".in_sum2")] for k in stats if k.endswith(".in_sum2")}
+    head = f"blk.{n}."
+    assert names == {head + w + ".weight" for w in HEAD_MATRICES[arch]}
+    pairs = CHUNKS * (CTX - 1)  # the pairs (h_t, x_{t+1}) of each chunk
+    assert int(stats[head + EVERY_PAIR[arch] + ".weight.counts"].sum()) == pairs
+    assert int(stats[head + FIRST_EXPERT[arch] + ".weight.counts"].sum()) == pairs * 2  # two experts per token

@@ -1,5 +1,5 @@
-"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, qwen3next, nemotron_h_moe) must do, against
-independent truth.
+"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, qwen3next, nemotron_h_moe; glm-dsa and
+deepseek32 where marked) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
   prompt and through the caches (a prefill, a chunk on top of it, then token by token);
@@ -13,7 +13,12 @@ independent truth.
 
 qwen3next and nemotron_h_moe run on their release-shaped checkpoints (tests/releases); transformers runs their trunks
 but not their heads, whose independent truth is llama.cpp's MTP graph (test_llama_cpp_parity.py), so they have no
-HEAD_VARIANTS here.
+HEAD_VARIANTS here: their heads take the cached == uncached check (NO_HEAD_ORACLE).
+
+The families in NO_TRANSFORMERS take the parts that need no other engine: cached == uncached (trunk and head),
+greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized. Their truth is llama.cpp
+itself (tests/runtime/test_llama_cpp_parity.py): transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads
+and breaks the sparse attention's ties at the top-k its own way (test_runtime_dsa.py compares it where no keys tie).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -25,8 +30,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.helpers.runtime import (PROMPTS, REL_TOL, close, convert, dequantized_copy, hf_model, oracle,
-                                   random_prompts, requantized)
+from tests.helpers.runtime import (LOOP_VARIANT, PROMPTS, REL_TOL, close, convert, dequantized_copy, hf_model,
+                                   oracle, random_prompts, requantized)
 from tests.helpers.runcli import run_cli
 
 FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "qwen3next", "nemotron_h_moe")
@@ -42,6 +47,11 @@ HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
 DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "qwen3next": "release",
            "nemotron_h_moe": "release"}
+# release-shaped (tests/releases) with a top-k of 8: the contexts below drop keys; glm52: a GLM-5.2 shared block
+NO_TRANSFORMERS = {"glm-dsa": ("glm5", "glm52"), "deepseek32": ("v32",)}
+DEFAULT |= {family: variants[0] for family, variants in NO_TRANSFORMERS.items()}
+LOOP_FAMILIES = FAMILIES + tuple(NO_TRANSFORMERS)
+NO_HEAD_ORACLE = {"qwen3next": ("release",), "nemotron_h_moe": ("release",)}  # transformers runs their trunks only
 
 
 def cases(table: dict) -> list:
@@ -73,6 +83,28 @@ def test_trunk_logits_match_transformers(family, variant, rt):
         diff, scale = close(torch.cat(parts, dim=1), ref)
         assert diff <= REL_TOL * scale, ("cached", n, diff, scale)
         assert model.trunk_length == n and {c.length for c in model.trunk_cache} == {n}
+
+
+@pytest.mark.parametrize("family, variant", [pytest.param(f, v, id=f"{f}-{v}")
+                                             for f, vs in (NO_TRANSFORMERS | NO_HEAD_ORACLE).items() for v in vs])
+def test_cached_trunk_and_head_equal_uncached(family, variant, rt):
+    """Through the caches (a prefill, an uneven chunk, then token by token) the trunk's logits are the uncached
+    pass's, and the head's pair by pair are its uncached ones."""
+    from mtpq.runtime.families import load
+
+    model = load(rt.gguf(family, variant))
+    n = 40
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    full = model.trunk(ids, use_cache=False)
+    parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, 10), (10, 30))]
+    parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(30, n)]
+    diff, scale = close(torch.cat(parts, dim=1), full.logits)
+    assert diff <= REL_TOL * scale, (diff, scale)
+    assert {c.length for c in model.trunk_cache} == {n}
+    head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False).logits
+    steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1]).logits for i in range(n - 1)]
+    diff, scale = close(torch.cat(steps, dim=1), head)
+    assert diff <= REL_TOL * scale, ("head", diff, scale)
 
 
 BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
@@ -157,17 +189,17 @@ def test_mtp_head_matches_independent_implementation(family, variant, tied, rt):
 
 
 def loop_prompts(family: str, model, tok, varied: bool = False) -> list[list[int]]:
-    """The loop model's prompts: GLM's and DeepSeek's tokenizers have real text; the bigram models (Qwen3.5,
+    """The loop model's prompts: the trunk-copy models' tokenizers have real text; the bigram models (Qwen3.5,
     Qwen3-Next, Nemotron-H) take random ids (``varied``: lengths 8, 10, 12, which the packed teacher-forced
     pass pads)."""
-    if family in ("glm4moe", "deepseek2"):
+    if LOOP_VARIANT[family] != "bigram":
         return [tok.encode(s) for s in PROMPTS]
     if varied:
         return [p[: 8 + 2 * i] for i, p in enumerate(random_prompts(3, 12, model.cfg.vocab_size, seed=1))]
     return random_prompts(3, 12, model.cfg.vocab_size, seed=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_greedy_speculative_equals_plain_greedy(family, rt):
     from mtpq.runtime.speculative import SpeculativeDecoder, run_plain, run_speculative
 
@@ -197,7 +229,7 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
@@ -235,11 +267,12 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
     if family == "glm4moe":  # one type everywhere
         return [(m.blocks[1].ffn.gate, (qtype,)), (m.tok_embd, (qtype,)), (m.mtp.eh_proj.weight, (qtype,))]
     head = m.mtp
-    if family == "deepseek2":  # the head's block held at q8_0, the latent's k_b / v_b quantized too
+    if family in ("deepseek2", *NO_TRANSFORMERS):  # the head's block held at q8_0, the latent's k_b / v_b quantized too
         attn, ha = m.blocks[1].attn, head.block.attn
+        dsa = [(attn.indexer.wq_b.weight, K_TYPES), (attn.indexer.wk.weight, K_TYPES)] if family != "deepseek2" else []
         return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
                 (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
-                (ha.k_b, (T.Q8_0,))]
+                (ha.k_b, (T.Q8_0,)), *dsa]
     if family == "nemotron_h_moe":  # Mamba-2, the LatentMoE (experts and latent projections), attention
         moe, hb = m.blocks[1].attn.ffn, head.block
         return [(m.blocks[0].attn.w_in.weight, K_TYPES), (m.blocks[0].attn.w_out.weight, K_TYPES),
@@ -266,7 +299,8 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M")]
+               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("qwen3next", "Q4_K_M"),
+               ("nemotron_h_moe", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])

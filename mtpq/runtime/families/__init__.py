@@ -16,12 +16,15 @@ from ...errors import InputError
 from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
+from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
+from .glm_dsa import GlmDsa
 from .nemotron_h_moe import NemotronHMoe
 from .qwen35 import Qwen35
 from .qwen3next import Qwen3Next
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Qwen3Next, NemotronHMoe)
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa,
+                                                            Qwen3Next, NemotronHMoe)
                                      for arch in fam.archs}
 
 
