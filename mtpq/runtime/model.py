@@ -105,14 +105,19 @@ class MtpModel(nn.Module):
         self.out_norm = top.tensor("output_norm")
         self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
         # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
-        heads = [NextNHead(w.at(f"blk.{i}."), family.block(w.at(f"blk.{i}."), i), self.eps,
-                           trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                           hidden_first=family.hidden_first, layer_norm_head=family.layer_norm_head,
-                           head_eps=family.head_eps)
-                 for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g]
+        heads = [self.head_at(w, i) for i in range(g.n_trunk, g.n_trunk + g.n_mtp)
+                 if f"blk.{i}.nextn.eh_proj.weight" in g]
         self.mtp = heads[0] if heads else None
         self.later_heads = nn.ModuleList(heads[1:])
         self.reset()
+
+    def head_at(self, w: Weights, index: int) -> NextNHead:
+        """The NextN head of block ``index`` of ``w`` (this model's file, or a head-only file: ``mtpq sweep``'s
+        candidates), on this model's trunk (its embedding, output and norm where the head has none)."""
+        fam = self.family
+        return NextNHead(w.at(f"blk.{index}."), fam.block(w.at(f"blk.{index}."), index), self.eps,
+                         trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
+                         hidden_first=fam.hidden_first, layer_norm_head=fam.layer_norm_head, head_eps=fam.head_eps)
 
     @property
     def n_heads(self) -> int:
