@@ -97,11 +97,11 @@ LOOP_PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", 
                 "Hello, world", "x = [1, 2, 3]", "while True:"]
 
 
-def k1_acceptance_against_llama_cpp(bin_dir: Path, path: Path, work: Path, n_new: int = 64,
-                                    prompts: list[str] = LOOP_PROMPTS) -> tuple[int, tuple[int, int], tuple[int, int]]:
+def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: float, n_new: int = 64,
+                                prompts: list[str] = LOOP_PROMPTS) -> None:
     """llama.cpp's MTP drafting one token at a time (``llama-speculative-simple --spec-type draft-mtp``) and our
-    k=1 loop on the same GGUF and prompts -> (prompts compared, ours (accepted, drafted), llama.cpp's); asserts
-    that on each prompt the two accept within one draft of each other.
+    k=1 loop on the same GGUF and prompts accept within one draft of each other on each prompt, and within
+    ``max_gap`` overall, over at least half the prompts (some of which each drafts right).
 
     llama-speculative-simple stops once it has more than -n tokens (our loop is run to n + 1, so both decode
     the same stretch), or early at any end-of-generation token it recognises (<|im_end|>, ...): such prompts
@@ -123,4 +123,8 @@ def k1_acceptance_against_llama_cpp(bin_dir: Path, path: Path, work: Path, n_new
         theirs = [theirs[0] + stats["n_accept"], theirs[1] + stats["n_drafted"]]
         assert abs(stats["n_accept"] - r.n_accepted) <= 1, (text, r.n_accepted, stats["n_accept"])
         compared += 1
-    return compared, tuple(ours), tuple(theirs)
+    assert compared >= len(prompts) // 2 and ours[0] > 0, compared
+    rate, ref = ours[0] / ours[1], theirs[0] / theirs[1]
+    print(f"\nk=1 acceptance over {compared} prompts: ours {ours[0]}/{ours[1]} = {rate:.3f}, "
+          f"llama.cpp {theirs[0]}/{theirs[1]} = {ref:.3f}")
+    assert abs(rate - ref) <= max_gap, (rate, ref)

@@ -220,12 +220,6 @@ def test_llama_cpp_acceptance_agrees(rt, llama_cpp_bin, tmp_path):
     """llama.cpp's qwen35 MTP drafting one token at a time (--spec-type draft-mtp) accepts what our k=1 loop
     does, on the same GGUF and prompts: within 3 points overall, and within one accepted draft per prompt
     (prompts llama.cpp ends early are left out)."""
-    from tests.helpers.llamacpp_ref import LOOP_PROMPTS, k1_acceptance_against_llama_cpp
+    from tests.helpers.llamacpp_ref import assert_k1_acceptance_agrees
 
-    compared, (ours_acc, ours_drafts), (theirs_acc, theirs_drafts) = k1_acceptance_against_llama_cpp(
-        llama_cpp_bin, rt.loop_gguf("qwen35"), tmp_path)
-    assert compared >= len(LOOP_PROMPTS) // 2 and ours_acc > 0, compared
-    ours, theirs = ours_acc / ours_drafts, theirs_acc / theirs_drafts
-    print(f"k=1 acceptance over {compared} prompts: ours {ours_acc}/{ours_drafts} = {ours:.3f}, "
-          f"llama.cpp {theirs_acc}/{theirs_drafts} = {theirs:.3f}")
-    assert abs(ours - theirs) <= 0.03, (ours, theirs)
+    assert_k1_acceptance_agrees(llama_cpp_bin, rt.loop_gguf("qwen35"), tmp_path, max_gap=0.03)
