@@ -8,6 +8,8 @@ needs: checkpoint before drafting/verifying, roll back to the accepted prefix.
 
 - :class:`KVCache`: keys/values of an attention layer (also MLA's latent cache: any
   tensors that grow along the sequence). Rolling back is a trim.
+- :class:`LengthCache`: nothing but the count (a layer that keeps no state, e.g. a position-wise FFN in a
+  mixer's place).
 - :class:`RecurrentCache`: a fixed-size state (DeltaNet's matrix state plus its
   short-conv window). It cannot be trimmed, so while a checkpoint is open every
   update records the state after each token; rolling back picks one of them.
@@ -30,12 +32,30 @@ class LayerCache(Protocol):
     def rollback(self, checkpoint: Any, n_kept: int) -> None: ...
 
 
-class KVCache:
+class LengthCache:
+    """The tokens a stateless layer has seen: rolling back only moves the count."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def checkpoint(self) -> int:
+        return self.length
+
+    def rollback(self, checkpoint: int, n_kept: int) -> None:
+        if checkpoint + n_kept > self.length:
+            raise ValueError(f"cannot keep {n_kept} tokens past {checkpoint}: only {self.length} cached")
+        self.length = checkpoint + n_kept
+
+
+class KVCache(LengthCache):
     """Tensors [B, H, T, D] (any number of them) appended along T; grows by doubling."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.buffers: list[torch.Tensor] | None = None
-        self.length = 0
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append each tensor [B, H, T, D] at ``length``; return everything cached so far."""
@@ -51,14 +71,6 @@ class KVCache:
             buf[:, :, self.length : need] = t
         self.length = need
         return tuple(buf[:, :, :need] for buf in self.buffers)
-
-    def checkpoint(self) -> int:
-        return self.length
-
-    def rollback(self, checkpoint: int, n_kept: int) -> None:
-        if checkpoint + n_kept > self.length:
-            raise ValueError(f"cannot keep {n_kept} tokens past {checkpoint}: only {self.length} cached")
-        self.length = checkpoint + n_kept
 
 
 class RecurrentCache:

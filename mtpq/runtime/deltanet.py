@@ -15,6 +15,10 @@ head k) to ggml's tiled order (head j*n_k + k reads key head k), so the key head
 interleaved, across the value heads. The conv is depthwise over the qkv channels with kernel K
 (``ssm_conv1d`` [C, K]); its state is the last K-1 inputs.
 
+Qwen3-Next (llama.cpp's qwen3next graph) differs in two details of layout, both from keeping HF's grouped
+order (``DeltaNetConfig.grouped_heads``): value head h reads key head h // r (r = n_v / n_k), and beta and
+alpha come from one fused ``ssm_ba`` [n_k * 2r, hidden] whose rows are, per key head, r betas then r alphas.
+
 Two forms of the same recurrence: the chunked one (the UT-transform form of transformers'
 ``torch_chunk_gated_delta_rule``; a few matmuls per chunk of tokens) for prefill and uncached passes,
 and the token-by-token one for short inputs, which also yields the state after every token --
@@ -50,6 +54,7 @@ class DeltaNetConfig:
     head_v_dim: int  # ssm.inner_size / n_v_heads
     conv_kernel: int  # ssm.conv_kernel
     eps: float  # of the gated RMSNorm
+    grouped_heads: bool = False  # value head h reads key head h // (n_v / n_k) (Qwen3-Next), else h % n_k
 
     @property
     def conv_channels(self) -> int:
@@ -63,6 +68,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def tile_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
     """[B, n_k, T, d] -> [B, n_v, T, d] where value head h reads key head h % n_k (the converter's tiled order)."""
     return x.repeat(1, n_v_heads // x.shape[1], 1, 1)
+
+
+def group_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
+    """[B, n_k, T, d] -> [B, n_v, T, d] where value head h reads key head h // (n_v / n_k) (HF's grouped order)."""
+    return x.repeat_interleave(n_v_heads // x.shape[1], dim=1)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all: bool = False):
@@ -89,7 +99,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all: bool = False):
 DECAY_FLOOR = -60.0  # log decays below this are taken as 0 (e^-60 ~ 1e-26: far below float32's resolution)
 
 
-def _decay(log_decay: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+def masked_exp(log_decay: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """exp(log_decay) where ``keep`` (everywhere without it), exactly 0 elsewhere and where it vanishes.
 
     exp leaves its fast path when the result under- or overflows (~30x slower per element on this CPU):
@@ -123,13 +133,13 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
     c = g.cumsum(dim=-1)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = _decay(c[..., :, None] - c[..., None, :], causal)  # e^(c_t - c_j), j <= t; 0 above the diagonal
+    decay = masked_exp(c[..., :, None] - c[..., None, :], causal)  # e^(c_t - c_j), j <= t; 0 above the diagonal
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)).mul_(decay)  # its diagonal is ignored: unitriangular
     # one solve for both right-hand sides (U = u_from_v - u_from_s S0), posed transposed (U^T system^T = rhs^T,
     # left=False): measured ~2x faster than the direct form on the estimator's batches (that one first copies
     # the right-hand sides to column-major); on the demo the same U to ~1e-7 relative
-    e_c = _decay(c.clone())
+    e_c = masked_exp(c.clone())
     rhs = q.new_empty(B, H, n, chunk, dv + dk)  # the products written in place: no temporaries, no cat
     torch.mul(v, beta[..., None], out=rhs[..., :dv])
     torch.mul(k_beta, e_c[..., None], out=rhs[..., dv:])
@@ -140,7 +150,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     # first long pass (those cost ~5 % of the estimator's first call)
     del decay, k_beta, system, rhs
     q_decayed = q * e_c[..., None]
-    k_to_end = k * _decay(c[..., -1:] - c)[..., None]
+    k_to_end = k * masked_exp(c[..., -1:] - c)[..., None]
     chunk_decay = e_c[..., -1, None, None]
     S = state  # None: zeros, whose products are skipped (x @ 0 = 0 and 0 + y = y: the same values)
     out = torch.empty(B, H, n, chunk, dv, dtype=q.dtype, device=q.device)
@@ -157,9 +167,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     return out.reshape(B, H, n * chunk, dv)[:, :, :T], S if final else None
 
 
-def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-    """silu of the depthwise causal conv: window [B, K-1+T, C] (K-1 rows of history, then the inputs),
-    taps [K, C] -> [B, T, C].
+def causal_conv(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu of the depthwise causal conv (plus ``bias`` [C], Mamba-2's): window [B, K-1+T, C] (K-1 rows of
+    history, then the inputs), taps [K, C] -> [B, T, C].
 
     K shifted slices times contiguous taps: the same products and sums as (unfold * kernel).sum(-1),
     bit for bit, in ~half the time (both of those operands are strided); accumulated in place (fewer
@@ -168,6 +178,8 @@ def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     acc = window[:, :T] * taps[0]
     for i in range(1, taps.shape[0]):
         acc += window[:, i:i + T] * taps[i]
+    if bias is not None:
+        acc += bias
     return F.silu(acc, inplace=True)
 
 
@@ -209,7 +221,10 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wqkv, self.wz = w.linear("attn_qkv"), w.linear("attn_gate")
-        self.wbeta, self.walpha = w.linear("ssm_beta"), w.linear("ssm_alpha")
+        # beta and alpha: two projections, or Qwen3-Next's fused one (per key head: r betas, r alphas)
+        self.wba = w.linear("ssm_ba") if w.has("ssm_ba") else None
+        self.wbeta, self.walpha = (None, None) if self.wba is not None else (w.linear("ssm_beta"),
+                                                                              w.linear("ssm_alpha"))
         self.a = w.tensor("ssm_a", torch.float32)  # -exp(A_log), per value head
         self.dt_bias = w.tensor("ssm_dt.bias", torch.float32)
         self.conv = w.tensor("ssm_conv1d")  # [C, K]
@@ -223,6 +238,14 @@ class GatedDeltaNet(nn.Module):
 
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
+
+    def beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections behind beta and the decay, [B, T, n_v] each, value heads in the layer's order."""
+        if self.wba is None:
+            return self.wbeta(x), self.walpha(x)
+        B, T, _ = x.shape
+        b, a = self.wba(x).view(B, T, self.cfg.n_k_heads, -1).chunk(2, dim=-1)
+        return b.reshape(B, T, -1), a.reshape(B, T, -1)
 
     def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -239,10 +262,12 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
         q = (l2norm(q.view(B, T, nk, dk)) * dk ** -0.5).transpose(1, 2)
         k = l2norm(k.view(B, T, nk, dk)).transpose(1, 2)
-        q, k = tile_key_heads(q, nv), tile_key_heads(k, nv)
+        expand = group_key_heads if cfg.grouped_heads else tile_key_heads
+        q, k = expand(q, nv), expand(k, nv)
         v = v.view(B, T, nv, dv).transpose(1, 2)
-        g = (self.a * F.softplus(self.walpha(x).float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
-        beta = torch.sigmoid(self.wbeta(x).float()).transpose(1, 2)
+        b, a = self.beta_alpha(x)
+        g = (self.a * F.softplus(a.float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
+        beta = torch.sigmoid(b.float()).transpose(1, 2)
         chunked = functools.partial(chunked_gated_delta_rule, final=cache is not None)
         out = delta_rule_through_cache(q, k, v, g, beta, cache, window, K, chunked)
         out = out.transpose(1, 2)  # [B, T, nv, dv]

@@ -46,15 +46,10 @@ def head_plan(reference_plan, preset: str, head_type: str, **options):
 def _build_head(model, path: Path):
     """A NextNHead for ``model``'s trunk from a head-only GGUF (its missing embed/head fall back to the trunk's)."""
     from ..gguf_io import GGUFFile
-    from .mtp import NextNHead
     from .weights import Weights
 
-    g = GGUFFile(path)
-    w = Weights(g, model.device, model.dtype)
-    n = len(model.blocks)  # the head's block follows the trunk's
-    return NextNHead(w.at(f"blk.{n}."), model.family.block(w.at(f"blk.{n}."), n), model.eps,
-                     trunk_embd=model.tok_embd, trunk_output=model.output, trunk_norm=model.out_norm,
-                     hidden_first=model.family.hidden_first).eval()
+    w = Weights(GGUFFile(path), model.device, model.dtype)
+    return model.head_at(w, len(model.blocks)).eval()  # the head's block follows the trunk's
 
 
 def greedy_sequences(model, tok, prompts: list[str], max_new_tokens: int) -> list[tuple[list[int], int]]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .cache import KVCache, LengthCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
 from .weights import FusedLinear, Scope, as_dtype, widened
 
@@ -247,12 +247,13 @@ class AttnConfig:
 
 
 class Attention(nn.Module):
-    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate.
-    ``attend`` (causal_attention's signature) is the attention proper: a subclass may mask more (swa.py)."""
+    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate; ``rope=None``:
+    no position encoding at all (Nemotron-H's attention). ``attend`` (causal_attention's signature) is the attention
+    proper: a subclass may mask more (swa.py)."""
 
     attend = staticmethod(causal_attention)
 
-    def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope):
+    def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope | None):
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.wq, self.wk, self.wv = w.linear("attn_q"), w.linear("attn_k"), w.linear("attn_v")
@@ -289,14 +290,17 @@ class Attention(nn.Module):
             qk = torch.cat((q, k), dim=2)
             if self.qk_norm is not None:
                 qk = rms_norm(qk, self.qk_norm, cfg.eps)
-            q, k = self.rope.apply(qk.transpose(1, 2), k_at).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
+            q, k = self._rotate(qk.transpose(1, 2), k_at).split((cfg.n_heads, cfg.n_kv_heads), dim=1)
         else:  # q and k differ in length, or only one of them is normed: normed and rotated apart
             if self.q_norm is not None:
                 q = rms_norm(q, self.q_norm, cfg.eps)
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.eps)
-            q, k = self.rope.apply(q.transpose(1, 2), q_at), self.rope.apply(k.transpose(1, 2), k_at)
+            q, k = self._rotate(q.transpose(1, 2), q_at), self._rotate(k.transpose(1, 2), k_at)
         return q, k, v.view(B, T, cfg.n_kv_heads, cfg.head_dim), gate
+
+    def _rotate(self, t: torch.Tensor, at) -> torch.Tensor:
+        return t if self.rope is None else self.rope.apply(t, at)
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The heads' outputs [B, Tq, n_heads * D], gated, through attn_output."""
@@ -352,6 +356,23 @@ class SwiGLU(nn.Module):
         return self.down(swiglu_(gate, up, self.limit))
 
 
+def relu_squared(h: torch.Tensor) -> torch.Tensor:
+    """relu(h)^2, in place (llama.cpp's LLM_FFN_RELU_SQR without a gate)."""
+    return F.relu(h, inplace=True).square_()
+
+
+class SquaredReLU(nn.Module):
+    """down(relu(up(x))^2): Nemotron-H's non-gated MLP (biases where the file has them). ``suffix`` ``_shexp``
+    gives the shared expert."""
+
+    def __init__(self, w: Scope, suffix: str = ""):
+        super().__init__()
+        self.up, self.down = w.linear(f"ffn_up{suffix}"), w.linear(f"ffn_down{suffix}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(relu_squared(self.up(x)))
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     n_experts: int
@@ -372,7 +393,12 @@ GATHERED_MOE_PICKS = 64  # off the CPU, up to this many (token, expert) picks ga
 class MoE(nn.Module):
     """Routed SwiGLU experts (stacked 3-D weights) plus an optional shared expert, optionally gated
     by ``sigmoid(ffn_gate_inp_shexp · x)`` (Qwen3.5-MoE). ``exp_probs_b`` (DeepSeek/GLM's correction
-    bias) only chooses experts, it never weighs them."""
+    bias) only chooses experts, it never weighs them.
+
+    Nemotron-H's LatentMoE, read from its tensors: experts without ``ffn_gate_exps`` are non-gated,
+    relu(up x)^2 (so is a shared expert without ``ffn_gate_shexp``), and with ``ffn_latent_down`` /
+    ``ffn_latent_up`` the routed experts work on latent_down(x) and their sum goes through latent_up; the
+    router and the shared expert still read x."""
 
     def __init__(self, w: Scope, cfg: MoEConfig):
         super().__init__()
@@ -381,11 +407,16 @@ class MoE(nn.Module):
         self.router_name, self.shared_gate_name = w.name("ffn_gate_inp"), w.name("ffn_gate_inp_shexp")
         # (Hy3's GGUF names it without the .bias suffix, as llama.cpp's hy_v3 loader does)
         self.bias = w.optional("exp_probs_b.bias" if w.has("exp_probs_b.bias") else "exp_probs_b", torch.float32)
-        self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
-        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else None
+        self.gate = w.qweight("ffn_gate_exps") if w.has("ffn_gate_exps") else None  # None: relu(up x)^2
+        self.up, self.down = w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
+        self.latent_down = w.linear("ffn_latent_down", bias=False) if w.has("ffn_latent_down") else None
+        self.latent_up = w.linear("ffn_latent_up", bias=False) if w.has("ffn_latent_up") else None
+        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else \
+            SquaredReLU(w, "_shexp") if w.has("ffn_up_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
         self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
-        if not self.gate.quantized and not self.up.quantized and self.gate.data.dtype == self.up.data.dtype:
+        if self.gate is not None and not self.gate.quantized and not self.up.quantized and \
+                self.gate.data.dtype == self.up.data.dtype:
             E, F_, H = self.gate.data.shape
             both = torch.cat([self.gate.data.reshape(E * F_, H), self.up.data.reshape(E * F_, H)])
             self.gate.data, self.up.data = both[: E * F_].view(E, F_, H), both[E * F_:].view(E, F_, H)
@@ -416,14 +447,17 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         watch = weight_io.observer
+        xe = x if self.latent_down is None else self.latent_down(x)  # what the routed experts read
         # few tokens (decoding, verifying drafts) and few experts per pick: every expert, no host sync;
         # many tokens (prefill, teacher forcing): arithmetic counts, only the experts in use
         if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used and x.shape[0] <= DENSE_MOE_TOKENS:
-            out = self._all_experts(x, weights, ids)
+            out = self._all_experts(xe, weights, ids)
         elif watch is None and x.device.type != "cpu" and ids.numel() <= GATHERED_MOE_PICKS:
-            out = self._gathered_experts(x, weights, ids)
+            out = self._gathered_experts(xe, weights, ids)
         else:
-            out = self._used_experts(x, weights, ids, watch)
+            out = self._used_experts(xe, weights, ids, watch)
+        if self.latent_up is not None:
+            out = self.latent_up(out)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
@@ -437,15 +471,16 @@ class MoE(nn.Module):
         """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
         is at most twice the arithmetic of the sparse path, in a handful of batched ops instead of ~10
         small ops per expert, whose overhead is what costs on a small model."""
-        E, F_, H = self.gate.shape
+        E, F_, H = self.up.shape
         # gate and up as [E*F, H] matrices (views: no transposed copies), one GEMM when fused; down batched.
         # Each weight is fetched right before its one GEMM (matrix() may hand out a reused buffer).
         if self.gate_up is not None:
             g, u = F.linear(self.gate.input(x), widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            g = None if self.gate is None else \
+                F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = swiglu_(g, u, self.cfg.swiglu_limit)  # [N, E*F]
+        h = relu_squared(u) if g is None else swiglu_(g, u, self.cfg.swiglu_limit)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
@@ -460,14 +495,17 @@ class MoE(nn.Module):
         N, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0)[:, None]  # [N*k, 1, H]: one row per pick
-        g = torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2))
         u = torch.bmm(self.up.input(xs), _picked(self.up, flat, x.dtype).transpose(1, 2))
-        h = F.silu(g) * u  # [N*k, 1, F]
+        if self.gate is None:
+            h = relu_squared(u)  # [N*k, 1, F]
+        else:
+            h = swiglu_(torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2)), u,
+                        self.cfg.swiglu_limit)
         y = torch.bmm(self.down.input(h), _picked(self.down, flat, x.dtype).transpose(1, 2))  # [N*k, 1, H]
         return (y.view(N, k, -1) * as_dtype(weights, x.dtype)[..., None]).sum(dim=1)
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
-        out = torch.zeros_like(x)
+        out = x.new_zeros(x.shape[0], self.down.shape[1])  # (the latent width when experts read a latent)
         k = ids.shape[1]
         one = x.shape[0] == 1
         if one:  # decoding one token: its experts and weights need no search
@@ -485,10 +523,14 @@ class MoE(nn.Module):
         for e, tok, w in groups:
             h = x[tok]
             if watch is not None:
-                watch(self.gate.name, e, h)
-                watch(self.up.name, e, h)
-            g = F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype))
-            h = swiglu_(g, F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)), self.cfg.swiglu_limit)
+                for m in (self.gate, self.up) if self.gate is not None else (self.up,):
+                    watch(m.name, e, h)
+            u = F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype))
+            if self.gate is None:
+                h = relu_squared(u)
+            else:
+                h = swiglu_(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), u,
+                            self.cfg.swiglu_limit)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))
@@ -551,16 +593,18 @@ class Packing:
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block: h = x + mix(norm(x)); out = h + ffn(norm(h)).
+    """Pre-norm residual block: h = x + mix(norm(x)); out = h + ffn(norm(h)) (``ffn=None``: out = h, a block of
+    one layer, Nemotron-H's).
 
-    ``mix`` is any sequence-mixing layer (attention, MLA, DeltaNet); the norm names are the family's
-    (``post_attention_norm`` for GLM/Qwen, ``ffn_norm`` for DeepSeek)."""
+    ``mix`` is any sequence-mixing layer (attention, MLA, DeltaNet, Mamba-2, :class:`PositionWise`); the norm
+    names are the family's (``post_attention_norm`` for GLM/Qwen, ``ffn_norm`` for DeepSeek)."""
 
-    def __init__(self, w: Scope, mix: nn.Module, ffn: nn.Module, eps: float, ffn_norm: str = "post_attention_norm"):
+    def __init__(self, w: Scope, mix: nn.Module, ffn: nn.Module | None, eps: float,
+                 ffn_norm: str = "post_attention_norm"):
         super().__init__()
         self.eps = eps
         self.attn_norm, self.attn = w.tensor("attn_norm"), mix
-        self.ffn_norm, self.ffn = w.tensor(ffn_norm), ffn
+        self.ffn_norm, self.ffn = (w.tensor(ffn_norm) if ffn is not None else None), ffn
 
     def new_cache(self):
         return self.attn.new_cache()
@@ -577,4 +621,25 @@ class DecoderBlock(nn.Module):
         else:
             mixed = packing.unpad(self.attn(packing.pad(normed), 0, None, rows=packing.rows))
             h = (x if packing.kept is None else x[:, packing.kept]) + mixed
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        return h if self.ffn is None else h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+
+
+class PositionWise(nn.Module):
+    """A feed-forward layer (MLP, MoE) in a sequence mixer's place (Nemotron-H's FFN-only blocks): it mixes
+    nothing, and its cache only counts the tokens it has seen."""
+
+    def __init__(self, ffn: nn.Module):
+        super().__init__()
+        self.ffn = ffn
+
+    def new_cache(self) -> LengthCache:
+        return LengthCache()
+
+    def forward(self, x: torch.Tensor, start: int, cache: LengthCache | None, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if cache is not None:
+            cache.advance(x.shape[1])
+        return self.ffn(x if rows is None else take_rows(x, rows))
+
+    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        return self.ffn(x if packing.kept is None else x[:, packing.kept])

@@ -52,10 +52,12 @@ class Family:
     head_norm_name: ClassVar[str] = "nextn.shared_head_norm.weight"
     logit_scale: float = 1.0  # every logit, the trunk's and the heads', times this (Cohere's logit_scale)
     norm: ClassVar = staticmethod(rms_norm)  # (x, weight, eps): the final norms and the head's enorm / hnorm
+    layer_norm_head: ClassVar[bool] = False  # the head's final norm a LayerNorm (Nemotron-H), not an RMSNorm
 
     def __init__(self, g: GGUFFile):
         self.file = g
         self.eps = float(g.require("attention.layer_norm_rms_epsilon"))
+        self.head_eps = self.eps  # of the head's final norm
 
     def block(self, w: Scope, index: int) -> nn.Module:
         """The decoder block ``index`` (``index >= file.n_trunk``: an MTP block). It has
@@ -107,14 +109,20 @@ class MtpModel(nn.Module):
         self.out_norm = top.tensor("output_norm")
         self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
         # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
-        heads = [NextNHead(w.at(f"blk.{i}."), family.block(w.at(f"blk.{i}."), i), self.eps,
-                           trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                           hidden_first=family.hidden_first, norm=family.norm, logit_scale=family.logit_scale,
-                           head_norm_name=family.head_norm_name)
-                 for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g]
+        heads = [self.head_at(w, i) for i in range(g.n_trunk, g.n_trunk + g.n_mtp)
+                 if f"blk.{i}.nextn.eh_proj.weight" in g]
         self.mtp = heads[0] if heads else None
         self.later_heads = nn.ModuleList(heads[1:])
         self.reset()
+
+    def head_at(self, w: Weights, index: int) -> NextNHead:
+        """The NextN head of block ``index`` of ``w`` (this model's file, or a head-only file: ``mtpq sweep``'s
+        candidates), on this model's trunk (its embedding, output and norm where the head has none)."""
+        fam = self.family
+        return NextNHead(w.at(f"blk.{index}."), fam.block(w.at(f"blk.{index}."), index), self.eps,
+                         trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
+                         hidden_first=fam.hidden_first, norm=fam.norm, logit_scale=fam.logit_scale,
+                         head_norm_name=fam.head_norm_name, layer_norm_head=fam.layer_norm_head, head_eps=fam.head_eps)
 
     @property
     def n_heads(self) -> int:

@@ -8,13 +8,15 @@ For the pair (h_t, x_{t+1}) (DESIGN.md):
 
 E and head are the block's ``nextn.embed_tokens`` / ``nextn.shared_head_head`` or, when a
 checkpoint ties them (GLM-4.6, Qwen3.5), the trunk's ``token_embd`` / ``output``;
-``shared_head_norm`` falls back to the trunk's ``output_norm``. The block keeps its own
+``shared_head_norm`` falls back to the trunk's ``output_norm`` (an RMSNorm; Nemotron-H's head ends in a
+LayerNorm without bias instead: ``layer_norm_head``, with its own epsilon). The block keeps its own
 cache. Drafts 2..k feed the head its own normed output (see :class:`~mtpq.runtime.model.MtpModel`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .layers import Packing, rms_norm
@@ -24,13 +26,16 @@ from .weights import QuantLinear, QWeight, Scope, as_dtype
 class NextNHead(nn.Module):
     def __init__(self, w: Scope, block: nn.Module, eps: float, *, trunk_embd: QWeight, trunk_output: QuantLinear,
                  trunk_norm: torch.Tensor, hidden_first: bool = False, norm=rms_norm, logit_scale: float = 1.0,
-                 head_norm_name: str = "nextn.shared_head_norm.weight"):
+                 head_norm_name: str = "nextn.shared_head_norm.weight", layer_norm_head: bool = False,
+                 head_eps: float | None = None):
         """``norm`` (x, weight, eps): the family's norm for enorm, hnorm and the head's final norm;
-        ``head_norm_name``: that final norm's tensor under the block's prefix (Ling 3.0: layer_output_norm)."""
+        ``head_norm_name``: that final norm's tensor under the block's prefix (Ling 3.0: layer_output_norm);
+        ``layer_norm_head``: that final norm a LayerNorm of epsilon ``head_eps`` (Nemotron-H) instead."""
         super().__init__()
         n = w.at("nextn.")
         self.eps, self.hidden_first, self.block = eps, hidden_first, block
         self.norm, self.logit_scale = norm, logit_scale
+        self.layer_norm_head, self.head_eps = layer_norm_head, eps if head_eps is None else head_eps
         self.eh_proj = n.linear("eh_proj", bias=False)
         self.enorm, self.hnorm = n.tensor("enorm"), n.tensor("hnorm")
         self.head_norm = w.tensor(head_norm_name) if w.has(head_norm_name) else trunk_norm
@@ -48,6 +53,9 @@ class NextNHead(nn.Module):
         h = self.norm(as_dtype(hidden, e.dtype), self.hnorm, self.eps)
         u = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         g = self.block(u, start, cache, packing=packing)
-        normed = self.norm(g, self.head_norm, self.eps)
+        if self.layer_norm_head:
+            normed = F.layer_norm(g, (g.shape[-1],), as_dtype(self.head_norm, g.dtype), None, self.head_eps)
+        else:
+            normed = self.norm(g, self.head_norm, self.eps)
         logits = self.head(normed)
         return (logits * self.logit_scale if self.logit_scale != 1.0 else logits), normed, g

@@ -307,16 +307,6 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ckpt, tmp_path):
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_qkv.weight"][0] != T.Q8_0
 
 
-def test_accept_says_the_runtime_lacks_qwen3next(ckpt, tmp_path):
-    """The torch runtime has no qwen3next family yet: one line naming the file and the arch, exit 2."""
-    gguf_path = tmp_path / "m.gguf"
-    convert(ckpt("release"), gguf_path)
-    res = run_cli("accept", gguf_path, "--device", "cpu")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert len(line.splitlines()) == 1 and "qwen3next" in line and "m.gguf" in line, line
-
-
 # ----------------------------------------------------------------------------- llama.cpp
 
 

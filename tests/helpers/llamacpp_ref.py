@@ -91,3 +91,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LOOP_PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Point:", "import os",
+                "Hello, world", "x = [1, 2, 3]", "while True:"]
+
+
+def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: float, n_new: int = 64,
+                                prompts: list[str] = LOOP_PROMPTS) -> None:
+    """llama.cpp's MTP drafting one token at a time (``llama-speculative-simple --spec-type draft-mtp``) and our
+    k=1 loop on the same GGUF and prompts accept within one draft of each other on each prompt, and within
+    ``max_gap`` overall, over at least half the prompts (some of which each drafts right).
+
+    llama-speculative-simple stops once it has more than -n tokens (our loop is run to n + 1, so both decode
+    the same stretch), or early at any end-of-generation token it recognises (<|im_end|>, ...): such prompts
+    are left out of the comparison."""
+    from mtpq.runtime.speculative import load_model, run_speculative
+
+    model, tok = load_model(path, device="cpu")
+    ours, theirs, compared = [0, 0], [0, 0], 0
+    for i, text in enumerate(prompts):
+        prompt_file = work / f"p{i}.txt"
+        prompt_file.write_text(text)  # no trailing newline: llama.cpp's -f would drop it
+        _, stats = speculative_simple(bin_dir, "-m", path, "-f", prompt_file, "--no-escape", "-n", n_new, "--temp",
+                                      "0", "--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--no-repack",
+                                      "-t", "1")
+        if stats.get("n_predict", 0) <= n_new:  # stopped early at an end-of-generation token
+            continue
+        r = run_speculative(model, tok.encode(text), n_new + 1, k=1)
+        ours = [ours[0] + r.n_accepted, ours[1] + r.n_drafts]
+        theirs = [theirs[0] + stats["n_accept"], theirs[1] + stats["n_drafted"]]
+        assert abs(stats["n_accept"] - r.n_accepted) <= 1, (text, r.n_accepted, stats["n_accept"])
+        compared += 1
+    assert compared >= len(prompts) // 2 and ours[0] > 0, compared
+    rate, ref = ours[0] / ours[1], theirs[0] / theirs[1]
+    print(f"\nk=1 acceptance over {compared} prompts: ours {ours[0]}/{ours[1]} = {rate:.3f}, "
+          f"llama.cpp {theirs[0]}/{theirs[1]} = {ref:.3f}")
+    assert abs(rate - ref) <= max_gap, (rate, ref)

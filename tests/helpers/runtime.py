@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -81,7 +81,8 @@ def hf_model(family: str, folder: Path, dtype: torch.dtype = F32):
 
     cls = {"glm4moe": tf.Glm4MoeForCausalLM, "qwen35": tf.Qwen3_5ForCausalLM, "qwen35moe": tf.Qwen3_5MoeForCausalLM,
            "deepseek2": tf.DeepseekV3ForCausalLM, "hy_v3": tf.HYV3ForCausalLM,
-           "cohere2moe": tf.Cohere2MoeForCausalLM}[family]
+           "cohere2moe": tf.Cohere2MoeForCausalLM, "qwen3next": tf.Qwen3NextForCausalLM,
+           "nemotron_h_moe": tf.NemotronHForCausalLM}[family]
     return cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
@@ -229,35 +230,53 @@ def oracle(family: str, folder: Path) -> MtpOracle:
 # ----------------------------------------------------------------------------- checkpoints of each family
 
 
-OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj",
-             "attention.dense.weight", "attention.o_proj.weight")  # (Ling 3.0's MLA and KDA outputs)
+# each mixer's and FFN's output (Ling 3.0's MLA: attention.dense)
+OUT_PROJS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", ".down_proj", "attention.dense.weight")
+
+
+@dataclass(frozen=True)
+class HeadNames:
+    """Where a checkpoint keeps what :func:`bigram_model` rewrites: the head's projection of [embedding ;
+    hidden], its embedding norm (and the value that makes it a plain norm; None: left as it is), its final norm,
+    the trunk's, and the prefix of the head's tensors."""
+    fc: str
+    enorm: str | None
+    enorm_plain: float
+    head_norm: str
+    trunk_norm: str
+    prefix: str = "mtp."
+
+
+QWEN_HEAD = HeadNames("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", 0.0,  # zero-centred norms
+                      "mtp.norm.weight", "model.norm.weight")
+NEMOTRON_HEAD = HeadNames("mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", 1.0,
+                          "mtp.layers.1.final_layernorm.weight", "backbone.norm_f.weight")
 
 
 def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
-                 head: str = "mtp.", eh_proj: str = "fc", head_norm: str = "norm",
-                 zero_centred_enorm: str | None = "pre_fc_norm_embedding") -> Path:
-    """Rewrite a tiny checkpoint (in place; by default a Qwen3.5 one, its head under ``mtp.``) into a "bigram"
-    model: the trunk's mixing and FFN outputs are scaled down (the current token's embedding weighs much in its
-    prediction, the rest of the context still decides most of the time), and the head passes enorm(E[x_{t+1}])
-    through an identity ``eh_proj`` and a near-identity block into the trunk's own output norm (copied into
-    ``head_norm``) and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
+                 names: HeadNames = QWEN_HEAD) -> Path:
+    """Rewrite a tiny checkpoint whose head lives under ``mtp.`` (Qwen3.5, Qwen3-Next, Nemotron-H: ``names``)
+    in place into a "bigram" model: the trunk's mixing and FFN outputs are scaled down (the current token's
+    embedding weighs much in its prediction, the rest of the context still decides most of the time), and the
+    head passes enorm(E[x_{t+1}]) through an identity eh_proj and a near-identity block into the trunk's own
+    output norm and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     out_norm = None
     for shard in shards:
-        out_norm = load_file(str(folder / shard)).get("model.norm.weight", out_norm)
+        out_norm = load_file(str(folder / shard)).get(names.trunk_norm, out_norm)
     for shard in shards:
         t = load_file(str(folder / shard))
         for name in list(t):
-            if name == f"{head}{eh_proj}.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            if name == names.fc:  # [enorm(e) ; hnorm(h)] -> e + a little of h
                 h = t[name].shape[0]
-                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1).to(t[name].dtype)
-            elif name == f"{head}{head_norm}.weight":
+                t[name] = torch.cat([torch.eye(h, dtype=t[name].dtype), head_mix * t[name][:, h:]], dim=1)
+            elif name == names.head_norm:
                 t[name] = out_norm.clone()
-            elif name == f"{head}{zero_centred_enorm}.weight":
-                t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
+            elif names.enorm is not None and name == names.enorm:
+                t[name] = torch.full_like(t[name], names.enorm_plain)
             elif name.endswith(OUT_PROJS):
-                t[name] = (head_shrink if name.startswith(head) else trunk_scale) * t[name]
+                t[name] = (head_shrink if name.startswith(names.prefix) else trunk_scale) * t[name]
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     return folder
 
@@ -266,18 +285,21 @@ def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
     """:func:`bigram_model` for a head stored as layer ``model.layers.{num_hidden_layers}`` (``eh_proj``, ``enorm``,
     ``hnorm``, its final norm ``head_norm``) that ties its embedding and output to the trunk's."""
     n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    return bigram_model(folder, head=f"model.layers.{n}.", eh_proj="eh_proj", head_norm=head_norm,
-                        zero_centred_enorm=None, **kw)
+    head = f"model.layers.{n}."
+    return bigram_model(folder, names=HeadNames(head + "eh_proj.weight", None, 0.0, f"{head}{head_norm}.weight",
+                                                "model.norm.weight", prefix=head), **kw)
 
 
 # these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)
 BIGRAM_NEXTN = dict(trunk_scale=0.1, head_mix=0.0)
+RELEASE_BIGRAM = dict(trunk_scale=0.05, head_mix=0.05, head_shrink=0.05)
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
 # YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
 # (mla.yarn_mla_scales); greedy outputs of the two differ on every test prompt, ours follow llama.cpp's
 BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
              "beta_slow": 1, "rope_theta": 10000.0}
+
 
 def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...] = (), **config) -> Path:
     """Release manifest ``name``'s tiny checkpoint (tests/releases) in ``form`` with config.json keys changed (a
@@ -368,6 +390,16 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
                                                       share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3]),
         "bigram": lambda f: bigram_nextn_model(tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm",
                                                **BIGRAM_NEXTN),
+    # the release-shaped checkpoints of tests/releases (bf16 values; the GGUFs are f32); their bigram models
+    # scale harder (an MoE in every block, Nemotron's routed scale 5: at 0.4 almost no draft is right)
+    "qwen3next": {
+        "release": lambda f: release_checkpoint("qwen3next", f, "bf16"),
+        "bigram": lambda f: bigram_model(release_checkpoint("qwen3next", f, "bf16"), **RELEASE_BIGRAM),  # ~55 % right
+    },
+    "nemotron_h_moe": {
+        "release": lambda f: release_checkpoint("nemotron3_super", f, "bf16"),
+        "bigram": lambda f: bigram_model(release_checkpoint("nemotron3_super", f, "bf16"),  # ~35 % right
+                                         names=NEMOTRON_HEAD, **RELEASE_BIGRAM),
     },
 }
 CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
@@ -383,7 +415,8 @@ CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: th
 }
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
 LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
-                "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram"}
+                "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram",
+                "qwen3next": "bigram", "nemotron_h_moe": "bigram"}
 
 
 class Builds:

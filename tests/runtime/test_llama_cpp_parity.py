@@ -47,6 +47,8 @@ PARITY = {
     "glm-dsa": ("glm5", "bf16"),
     "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (SHARPER)
     "deepseek32": ("deepseek_v32", "fp8"),
+    "qwen3next": ("qwen3next", "bf16"),
+    "nemotron_h_moe": ("nemotron3_super", "bf16"),
 }
 # metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
 # Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
@@ -134,6 +136,30 @@ def test_runtime_matches_llama_cpp(arch, parity):
     # and the trunk's NextN states are llama.cpp's (what the head is fed)
     h = model.trunk(torch.tensor([tokens]), use_cache=False).hidden[0].numpy()
     assert np.abs(h - ref.hidden).max() <= 1e-3 * max(1.0, np.abs(ref.hidden).max())
+
+
+@pytest.mark.parametrize("arch", sorted(PARITY))
+def test_trunk_matches_llama_perplexity_base(arch, parity, llama_cpp_bin, tmp_path):
+    """The trunk against llama-perplexity's own logits: its --kl-divergence-base file of the same GGUF on a text,
+    read by ``mtpq compare --kld-base`` (its 16-bit log-probabilities), within the gates."""
+    import inspect
+    import json
+    import json.decoder
+
+    from tests.acceptance.test_compare_kld_base import perplexity
+    from tests.helpers.runcli import run_cli
+
+    path = parity(arch)[0]
+    text, base = tmp_path / "text.txt", tmp_path / "base.kld"
+    text.write_text(inspect.getsource(json.decoder) * 3)
+    f32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off") if arch in F32_CACHE else ()  # (as the harness runs them)
+    perplexity(llama_cpp_bin, "-m", path, "-f", text, "-c", 128, "--chunks", 4, *f32, "--kl-divergence-base", base)
+    res = run_cli("compare", "--kld-base", base, path, "--numerics", "exact", "--json", "-", "--threads", 1)
+    assert res.exit_code == 0, res.output
+    f = json.loads(res.stdout)["files"][0]
+    print(f"\n{arch:16s} against llama-perplexity's base: mean KLD {f['kld_mean']:.1e} (max {f['kld_max']:.1e}) "
+          f"top-1 {f['top1']:.2%}")
+    assert f["kld_mean"] <= MAX_KLD and f["top1"] >= MIN_TOP1
 
 
 # ----------------------------------------------------------------------------- broken on purpose
@@ -334,11 +360,83 @@ def shared_layers_dense(model) -> bool:
     return bool(layers)
 
 
+def _layers(model, module: str, kind: str):
+    """The model's layers of class ``kind`` from ``mtpq.runtime.<module>``."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"mtpq.runtime.{module}"), kind)
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def deltanet_heads_tiled(model) -> bool:
+    """Qwen3-Next's DeltaNet reading key heads in Qwen3.5's tiled order (value head h -> key head h % n_k)."""
+    layers = _layers(model, "deltanet", "GatedDeltaNet")
+    for m in layers:
+        m.cfg = replace(m.cfg, grouped_heads=False)
+    return bool(layers)
+
+
+def fused_ba_halved(model) -> bool:
+    """The fused ``ssm_ba`` read as [n_v betas ; n_v alphas] instead of per key head (r betas, r alphas): the
+    correct split of the rows that split would read."""
+    layers = [m for m in _layers(model, "deltanet", "GatedDeltaNet") if m.wba is not None]
+    for m in layers:
+        w = m.wba.weight
+        n_k, n_v = m.cfg.n_k_heads, m.cfg.n_v_heads
+        # row k*2r + c of the correct layout takes what the halved reading gives it: beta / alpha row k*r + c
+        halves = torch.arange(2 * n_v).view(2, n_k, n_v // n_k).transpose(0, 1).reshape(-1)
+        w.data = w.data[halves]
+    return bool(layers)
+
+
+def mamba_groups_tiled(model) -> bool:
+    """Mamba-2 head h reading B/C group h % G instead of h // (heads / G) (repeat for repeat_interleave)."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.group_of_head = torch.arange(m.cfg.n_heads) % m.cfg.n_groups
+    return bool(layers)
+
+
+def mamba_norm_ungrouped(model) -> bool:
+    """Mamba-2's gated RMSNorm over the whole inner width instead of per group."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.norm = m.norm.reshape(1, -1)
+    return bool(layers)
+
+
+def mamba_d_skip_dropped(model) -> bool:
+    """Mamba-2 without its D skip (y + D x)."""
+    layers = _layers(model, "mamba2", "Mamba2")
+    for m in layers:
+        m.d = torch.zeros_like(m.d)
+    return bool(layers)
+
+
+def attention_roped(model) -> bool:
+    """RoPE (NeoX, base 10000, every dim) on attention that llama.cpp runs without position encoding."""
+    from mtpq.runtime.layers import Rope, rope_inv_freq
+
+    layers = [m for m in _modules(model, "Attention") if m.rope is None]
+    for m in layers:
+        m.rope = Rope(rope_inv_freq(m.cfg.head_dim, 10000.0))
+    return bool(layers)
+
+
+def head_norm_rms(model) -> bool:
+    """Nemotron-H's head ending in an RMSNorm instead of its LayerNorm."""
+    heads = [h for h in (model.mtp, *model.later_heads) if h.layer_norm_head]
+    for h in heads:
+        h.layer_norm_head = False
+    return bool(heads)
+
+
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (
     wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
     expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
     kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
-    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense)}
+    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
+    mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -358,6 +456,10 @@ BROKEN = {
     "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
     "deepseek32": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
                    "top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+    "qwen3next": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "deltanet_heads_tiled",
+                  "fused_ba_halved"),
+    "nemotron_h_moe": ("router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "mamba_groups_tiled",
+                       "mamba_norm_ungrouped", "mamba_d_skip_dropped", "attention_roped", "head_norm_rms"),
 }
 
 

@@ -4,6 +4,7 @@ LOOP_VARIANT; one prompt, a few tokens): ``accept --engine torch``, ``compare``'
 packed passes against one sequence at a time, accept on the file the sweep stands for, ...).
 
 ARCHS lists the architectures this file covers; the four older families have their own tests of each command.
+For qwen3next and nemotron_h_moe the loop models are "bigram" models made from their release checkpoints.
 """
 
 from __future__ import annotations
@@ -16,10 +17,27 @@ import pytest
 
 from tests.helpers.runcli import run_cli
 
-ARCHS = ("glm-dsa", "deepseek32")
+ARCHS = ("glm-dsa", "deepseek32", "qwen3next", "nemotron_h_moe")
 PROMPT = "def add(a, b):\n    return a + b\n"
 N_NEW = 16
 CTX, CHUNKS = 64, 2
+
+DSA_HEAD = ("nextn.eh_proj", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+            "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+# per architecture: the head's matrices llama.cpp's MTP graph multiplies (what imatrix --mtp records), one of them
+# fed every pair, the routed experts' first matrix, and a head matrix beside its trunk twin's block
+HEAD_MATRICES = {
+    "glm-dsa": DSA_HEAD, "deepseek32": DSA_HEAD,
+    "qwen3next": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_inp_shexp",
+                  "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
+    "nemotron_h_moe": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_latent_down",
+                       "ffn_latent_up", "ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp"),
+}
+EVERY_PAIR = {"glm-dsa": "attn_q_a", "deepseek32": "attn_q_a", "qwen3next": "attn_q", "nemotron_h_moe": "attn_q"}
+FIRST_EXPERT = {"glm-dsa": "ffn_gate_exps", "deepseek32": "ffn_gate_exps", "qwen3next": "ffn_gate_exps",
+                "nemotron_h_moe": "ffn_up_exps"}
+TRUNK_TWIN = {"glm-dsa": ("attn_q_b", 0), "deepseek32": ("attn_q_b", 0), "qwen3next": ("attn_q", 3),
+              "nemotron_h_moe": ("attn_q", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +112,16 @@ def test_quantize_mtp_type_auto_writes_the_chosen_head(arch, rt, work, tmp_path)
     g = GGUFFile(out)
     choice = json.loads(g.kv["mtpq.mtp_type_auto"])
     assert choice["mtp_type"] == "q2_k" and set(choice["rates"]) >= {"f16", "q8_0", "q2_k"}  # max-drop 1: narrowest
-    head = f"blk.{g.n_trunk}."
+    head, (twin, block) = f"blk.{g.n_trunk}.", TRUNK_TWIN[arch]
     assert g.tensors[head + "nextn.eh_proj.weight"].tensor_type.name == "Q2_K"
-    assert g.tensors[head + "attn_q_b.weight"].tensor_type.name != g.tensors["blk.0.attn_q_b.weight"].tensor_type.name
+    types = (g.tensors[f"{prefix}{twin}.weight"].tensor_type.name for prefix in (head, f"blk.{block}."))
+    assert len(set(types)) == 2  # the head's type, not the trunk's
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_imatrix_mtp_covers_the_head_as_llama_cpp_runs_it(arch, rt, work, tmp_path):
     """--mtp: entries for the head's matrices only, each fed every pair of every chunk (the routed experts per
-    routed pair); the head's own indexer has none (llama.cpp's MTP graph runs dense MLA)."""
+    routed pair); a DSA head's own indexer has none (llama.cpp's MTP graph runs dense MLA)."""
     import gguf
     import numpy as np
 
@@ -114,9 +133,7 @@ def test_imatrix_mtp_covers_the_head_as_llama_cpp_runs_it(arch, rt, work, tmp_pa
     n = len(rt.loop_model(arch)[0].blocks)
     names = {k[: -len(".in_sum2")] for k in stats if k.endswith(".in_sum2")}
     head = f"blk.{n}."
-    assert names == {head + w + ".weight" for w in (
-        "nextn.eh_proj", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
-        "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")}
+    assert names == {head + w + ".weight" for w in HEAD_MATRICES[arch]}
     pairs = CHUNKS * (CTX - 1)  # the pairs (h_t, x_{t+1}) of each chunk
-    assert int(stats[head + "attn_q_a.weight.counts"].sum()) == pairs
-    assert int(stats[head + "ffn_gate_exps.weight.counts"].sum()) == pairs * 2  # two experts per token
+    assert int(stats[head + EVERY_PAIR[arch] + ".weight.counts"].sum()) == pairs
+    assert int(stats[head + FIRST_EXPERT[arch] + ".weight.counts"].sum()) == pairs * 2  # two experts per token

@@ -22,10 +22,12 @@ from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
 from .hy_v3 import HyV3
+from .nemotron_h_moe import NemotronHMoe
 from .qwen35 import Qwen35
+from .qwen3next import Qwen3Next
 
 FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
-                                                           Cohere2Moe, BailingMoe3)
+                                                           Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe)
                                      for arch in fam.archs}
 
 

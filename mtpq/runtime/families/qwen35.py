@@ -19,6 +19,7 @@ trunk's (``mtp.py`` falls back to them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...errors import InputError
 from ..deltanet import DeltaNetConfig, GatedDeltaNet
@@ -52,6 +53,7 @@ def recurrent_layers(g: GGUFFile) -> tuple[bool, ...]:
 
 class Qwen35(Family):
     archs = ("qwen35", "qwen35moe")
+    grouped_heads: ClassVar[bool] = False  # the DeltaNet's value-head order (tiled: the converter's for Qwen3.5)
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
@@ -63,7 +65,7 @@ class Qwen35(Family):
             deltanet=DeltaNetConfig(
                 n_k_heads=int(g.require("ssm.group_count")), n_v_heads=n_v,
                 head_k_dim=int(g.require("ssm.state_size")), head_v_dim=int(g.require("ssm.inner_size")) // n_v,
-                conv_kernel=int(g.require("ssm.conv_kernel")), eps=self.eps),
+                conv_kernel=int(g.require("ssm.conv_kernel")), eps=self.eps, grouped_heads=self.grouped_heads),
             moe=MoEConfig(n_experts=n_experts, n_used=int(g.require("expert_used_count")), gating="softmax",
                           norm_topk=True, scale=float(g.value("expert_weights_scale", 1.0) or 1.0))
             if n_experts else None,
