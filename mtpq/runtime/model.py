@@ -53,11 +53,11 @@ class Family:
     logit_scale: float = 1.0  # every logit, the trunk's and the heads', times this (Cohere's logit_scale)
     norm: ClassVar = staticmethod(rms_norm)  # (x, weight, eps): the final norms and the head's enorm / hnorm
     layer_norm_head: ClassVar[bool] = False  # the head's final norm a LayerNorm (Nemotron-H), not an RMSNorm
+    head_eps: float | None = None  # that norm's epsilon, when not the family's
 
     def __init__(self, g: GGUFFile):
         self.file = g
         self.eps = float(g.require("attention.layer_norm_rms_epsilon"))
-        self.head_eps = self.eps  # of the head's final norm
 
     def block(self, w: Scope, index: int) -> nn.Module:
         """The decoder block ``index`` (``index >= file.n_trunk``: an MTP block). It has

@@ -390,6 +390,7 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
                                                       share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3]),
         "bigram": lambda f: bigram_nextn_model(tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm",
                                                **BIGRAM_NEXTN),
+    },
     # the release-shaped checkpoints of tests/releases (bf16 values; the GGUFs are f32); their bigram models
     # scale harder (an MoE in every block, Nemotron's routed scale 5: at 0.4 almost no draft is right)
     "qwen3next": {
