@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ..gguf_io import plan_from_gguf
-from ..ggml.registry import WRITABLE_TYPES
+from ..ggml.types import WRITABLE_TYPES
 from ..quantize.mtp_precision import parse_mtp
 from ..tensors import Plan, Role
 from .app import app

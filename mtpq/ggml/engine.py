@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from . import floats, malloc
+from . import floats, jit, malloc
 from .registry import FLOAT_TYPES, GgmlType, bytes_per_row, record
 
 __all__ = ["Stored", "quantize", "dequantize", "workers", "set_workers", "bytes_per_row"]
@@ -90,23 +90,33 @@ def _buffer(name: str, n: int, dtype) -> np.ndarray:
 
 # --------------------------------------------------------------------------- first use
 
-_compiled: set = set()
+_ready: set = set()  # kernels known to be compiled in this process or cached on disk
 
 
-def _first_use(key, label: str, run: Callable[[], None]) -> None:
-    """Run ``run`` (a first chunk); if it is still compiling after half a second, say so once on stderr."""
-    if key in _compiled:
-        run()
-        return
-    note = threading.Timer(0.5, lambda: print(f"mtpq: compiling the {label} kernels (once: numba keeps them "
-                                              "for later runs)...", file=sys.stderr, flush=True))
-    note.daemon = True
-    note.start()
+def _cached(kernel) -> bool:
+    """Whether numba has ``kernel`` compiled in this process or in its cache folder (an index file there)."""
+    kernel = getattr(kernel, "kernel", kernel)
+    if kernel in _ready or getattr(kernel, "signatures", None):
+        return True
+    cache = getattr(kernel, "_cache", None)
     try:
-        run()
-    finally:
-        note.cancel()
-    _compiled.add(key)
+        found = os.path.exists(cache._cache_file._index_path)
+    except AttributeError:  # not a numba kernel, or numba's internals moved: nothing to say
+        found = True
+    if found:
+        _ready.add(kernel)
+    return found
+
+
+def _first_use(kernels: list, label: str) -> None:
+    """Say on stderr, once per process, that the kernels about to run get compiled (seconds; once)."""
+    if not _told and not all(_cached(k) for k in kernels if k is not None):
+        _told.append(True)
+        print(f"mtpq: compiling the {label} kernels (once: later runs load them from {jit.CACHE_DIR})",
+              file=sys.stderr, flush=True)
+
+
+_told: list[bool] = []
 
 
 # --------------------------------------------------------------------------- quantize
@@ -280,7 +290,14 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
     tasks = _tasks(src, imp)
     if not tasks:
         return out.view(dtype).reshape(shape)
-    _first_use((rec.qtype, imp is not None), rec.qtype.name, lambda: one(tasks[0]))
+    widens = src.array is None or src.kind != floats.F32
+    kernels = [rec.quantize_weighted if imp is not None else rec.quantize, floats.widen if widens else None,
+               floats.all_finite,
+               {T.F16: floats.to_f16, T.BF16: floats.to_bf16}.get(rec.qtype)]
+    if check_scales and rec.fp16_fields:
+        kernels.append(floats.fp16_overflow)
+    _first_use(kernels, rec.qtype.name)
+    one(tasks[0])  # the first chunk alone: a compilation is not run twice at once
     if progress is not None:
         progress(tasks[0][1] * row_bytes)
     n = min(workers(), len(tasks) - 1)
@@ -338,7 +355,8 @@ def dequantize(raw, qtype, shape) -> np.ndarray:
 
     if not parts:
         return x.reshape(shape)
-    _first_use((rec.qtype, "dequantize"), rec.qtype.name, lambda: one(parts[0]))
+    _first_use([rec.dequantize], rec.qtype.name)
+    one(parts[0])
     n = min(workers(), len(parts) - 1)
     if n <= 1:
         for p in parts[1:]:
@@ -361,5 +379,5 @@ def warm(qtypes=None) -> None:
         for w in weights:
             if w is None and rec.requires_imatrix:
                 continue
-            y = quantize(x, qtype, "warm", importance=w, check_scales=False)
+            y = quantize(x, qtype, "warm", importance=w)
         dequantize(y, qtype, x.shape)

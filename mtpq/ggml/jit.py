@@ -10,34 +10,36 @@ code kept on disk, the GIL released while it runs (threads run kernels side by s
 - ``nearest_int`` is ggml's bit trick on ``f + 12582912.f`` (:func:`nearest_int`);
 - fp16 scales go through ggml's own software conversion, bit for bit (:func:`fp16`).
 
-The package folder may be read-only (a system install): the compiled code then goes to the user's cache folder
-(``$XDG_CACHE_HOME/mtpq/numba``), unless ``NUMBA_CACHE_DIR`` says where.
+The compiled code is kept in the user's cache folder (``$XDG_CACHE_HOME/mtpq/numba``, or under
+``NUMBA_CACHE_DIR``), in a folder named by a hash of this package's sources: numba checks only the file that
+defines a kernel, and a kernel holds the helpers of other files compiled in, so any change here starts afresh.
+A read-only install works the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
+import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 
-def _cache_dir() -> None:
-    if os.environ.get("NUMBA_CACHE_DIR") or os.access(Path(__file__).parent, os.W_OK):
-        return
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(base, "mtpq", "numba")
+def _cache_dir() -> str:
+    sources = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        sources.update(f.name.encode() + f.read_bytes())
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpq", "numba")
+    return os.path.join(base, f"ggml-{sources.hexdigest()[:16]}")
 
 
-_cache_dir()
-
-import numba  # noqa: E402  (after the cache folder is chosen: numba reads it when it loads)
-from llvmlite import ir  # noqa: E402
-from numba import types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
-
-if os.environ.get("NUMBA_CACHE_DIR") and not numba.config.CACHE_DIR:  # numba was loaded before this module
-    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+CACHE_DIR = _cache_dir()
+numba.config.CACHE_DIR = CACHE_DIR  # read by numba when a kernel is first called
 
 kernel = numba.njit(nogil=True, cache=True, error_model="numpy")  # C division: x/0 is inf or NaN
 

@@ -40,18 +40,21 @@ def _grid(kind: int, family: str):
     """The grid type ``kind``'s quantizer with its tables (one function: with and without weights)."""
     def run(x, y, n, qw=_NONE):
         iquants.quantize_grid(x, y, n, qw, kind, *iqtables.grid_tables(family))
+    run.kernel = iquants.quantize_grid
     return run
 
 
 def _iq1(fn, family: str = "IQ1_S"):
     def run(x, y, n, qw=_NONE):
         fn(x, y, n, qw, *iqtables.grid_tables(family))
+    run.kernel = fn
     return run
 
 
 def _with_grid(fn, family: str):
     def run(y, x):
         fn(y, x, iqtables.dequant_grid(family))
+    run.kernel = fn
     return run
 
 
@@ -121,5 +124,4 @@ def bytes_per_row(qtype, n: int) -> int:
         raise ValueError(f"row length {n} is not a multiple of the {r.qtype.name} block size {r.block_size}")
     return n // r.block_size * r.type_size
 
-
-WRITABLE_TYPES: tuple[T, ...] = tuple(TYPES)  # every type mtpq writes, floats first
+assert tuple(TYPES) == types.WRITABLE_TYPES, "mtpq.ggml.types.WRITABLE_TYPES names the types these kernels write"

@@ -1,4 +1,5 @@
-"""gguf-py's enums, completed: PyPI's gguf 0.19 lacks the type ``Q2_0`` (42, 64 values in 18 bytes) and the
+"""The types mtpq writes, named without loading the kernels (the CLI checks a user's type names at start-up;
+:mod:`.registry` holds one record for each, in this order), and gguf-py's enums, completed: PyPI's gguf 0.19 lacks the type ``Q2_0`` (42, 64 values in 18 bytes) and the
 file type ``MOSTLY_Q2_0`` (41), which llama-quantize writes and llama.cpp reads. They are added to
 ``GGMLQuantizationType`` (with ``GGML_QUANT_SIZES``) and ``LlamaFileType`` when missing, so that gguf-py's reader
 and writer take such tensors; a gguf-py that has them is left alone."""
@@ -24,3 +25,10 @@ def _add_member(enum: type[IntEnum], name: str, value: int):
 
 GGML_QUANT_SIZES.setdefault(_add_member(GGMLQuantizationType, "Q2_0", 42), (64, 18))
 _add_member(LlamaFileType, "MOSTLY_Q2_0", 41)
+
+T = GGMLQuantizationType
+WRITABLE_TYPES: tuple[GGMLQuantizationType, ...] = (
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+    T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0,
+    T.Q1_0, T.Q2_0, T.MXFP4,
+)

@@ -28,8 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
 
-from ..ggml import types as _complete_gguf_enums  # noqa: F401  (Q2_0 in gguf-py)
-from ..ggml.registry import WRITABLE_TYPES
+from ..ggml.types import WRITABLE_TYPES
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
