@@ -52,9 +52,9 @@ class Rows:
         return self.ck.load_rows(self.name, self.r0, self.r1)
 
 
-def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.ndarray:
-    """mtpq.ggml's ``quantize`` of torch values (bf16 given as its bits), with a bad value reported as the
-    source's fault (as the writer does)."""
+def encode_values(values: torch.Tensor, qtype: T, name: str, source: str, out: np.ndarray | None = None) -> np.ndarray:
+    """mtpq.ggml's ``quantize`` of torch values (bf16 given as its bits; into ``out``, a uint8 buffer of the
+    output's size, if given), with a bad value reported as the source's fault (as the writer does)."""
     from ..ggml.engine import quantize
 
     values = values.detach().cpu().contiguous()
@@ -65,7 +65,7 @@ def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.
     else:
         arr = values.to(torch.float32).numpy()
     try:
-        return quantize(arr, qtype, name)
+        return quantize(arr, qtype, name, out=out)
     except ValueError as exc:  # NaN/Inf, out of range: the source is at fault, say which tensor
         raise InputError(source, str(exc)) from None
 
@@ -85,15 +85,13 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     if qtype in _TORCH_OF:
         with one_torch_thread():
             return _float_slabs(name, source, shape, qtype, slabs)
-    out = None
-    for r0, r1, load in slabs:
-        part = encode_values(load(), qtype, name, source)
-        if out is None:
-            out = output_buffer(shape[0] * (part.nbytes // part.shape[0])).view(part.dtype)
-            out = out.reshape(shape[0], *part.shape[1:])
-        out[r0:r1] = part
-        del part
-    return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
+    from ..ggml.registry import bytes_per_row
+
+    row_bytes = bytes_per_row(qtype, math.prod(shape[1:]))
+    out = output_buffer(shape[0] * row_bytes).reshape(shape[0], row_bytes)
+    for r0, r1, load in slabs:  # each slab's bytes straight into their place
+        encode_values(load(), qtype, name, source, out=out[r0:r1].reshape(-1))
+    return out
 
 
 def _float_slab(name: str, source: str, qtype: T, slab: Slab, dst: torch.Tensor) -> None:
