@@ -112,70 +112,10 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def make_qkx2_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """``make_qkx2_quants``: (scale, the_min)."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if mn > 0:
-        mn = F(0.0)
-    if mx == mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_error = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_error += weights[i] * diff
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
-        sum_l = F(0.0)
-        sum_l2 = F(0.0)
-        sum_xl = F(0.0)
-        for i in range(n):
-            l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-            Laux[i] = l
-            w = weights[i]
-            sum_l += w * F(l)
-            sum_l2 += w * F(l) * F(l)
-            sum_xl += w * F(l) * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = F(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = F(0.0)
-            for i in range(n):
-                diff = this_scale * F(Laux[i]) + this_min - x[i]
-                diff = abs(diff) if use_mad else diff * diff
-                cur_error += weights[i] * diff
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
-
-
-@kernel
-def make_qkx3_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """``make_qkx3_quants`` with weights: (scale, the_min)."""
+def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min). The two C functions run
+    the same loop; qkx3 adds an early return for ``nstep < 1`` and tests ``max <= min`` where qkx2 tests
+    ``max == min``, the same on finite values."""
     mn = x[0]
     mx = x[0]
     sum_w = weights[0]
@@ -356,7 +296,7 @@ def quantize_q2_k(x, y, n_per_row):
         for j in range(16):
             for l in range(16):
                 weights[l] = abs(x[xo + 16 * j + l])
-            scales[j], mins[j] = make_qkx2_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
+            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
                                                   F(-0.5), F(0.1), 15, True)
             if scales[j] > max_scale:
                 max_scale = scales[j]
@@ -400,7 +340,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
                 weights[l] = qw[qo + 16 * j + l] * np.sqrt(sigma2 + x[xo + 16 * j + l] * x[xo + 16 * j + l])
             for l in range(16):
                 sw[j] += weights[l]
-            scales[j], mins[j] = make_qkx3_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
+            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
                                                   F(-0.9), F(0.05), 36, False)
         dm = make_qp_quants(16, 15, scales, Ls, sw)
         mm = make_qp_quants(16, 15, mins, Lm, sw)
@@ -571,7 +511,7 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
             av_x = np.sqrt(_sum_x2(x, xo + 32 * j, 32) / F(32.0))
             for l in range(32):
                 weights[l] = av_x + abs(x[xo + 32 * j + l])
-            scales[j], mins[j] = make_qkx2_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
+            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
                                                   rmin, F(0.1), nstep, False)
             if scales[j] > max_scale:
                 max_scale = scales[j]
@@ -603,7 +543,7 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(8):
             sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
-            scales[j], mins[j] = make_qkx3_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
+            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
                                                   F(-0.9), F(0.05), 36, False)
         d_block = make_qp_quants(8, 63, scales, Ls, sw)
         m_block = make_qp_quants(8, 63, mins, Lm, sw)
