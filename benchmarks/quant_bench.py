@@ -1,4 +1,4 @@
-"""Throughput of mtpq's ggml-exact torch quantization kernels (and llama-quantize's, for scale).
+"""Throughput of mtpq's ggml-exact quantization kernels (mtpq.ggml, numba) against llama-quantize's.
 
     python benchmarks/quant_bench.py                          # 4096x4096, all types
     python benchmarks/quant_bench.py --rows 1024 --types Q4_K,Q6_K --threads 2
@@ -21,7 +21,7 @@ both). Bytes are compared.
 
 For every type it prints the time to quantize an f32 matrix of N(0, 0.02^2)
 values and the input throughput (MB of f32 per second), and the time and
-output throughput of ``dequantize`` (on CPU, or ``--device cuda``). The types
+output throughput of ``dequantize``. The types
 ggml refuses to write without importance data (IQ2_XXS, IQ2_XS, IQ1_S) get
 the synthetic weights below, marked in the table.
 
@@ -40,9 +40,9 @@ are then Q4_K, Q6_K, Q4_0, IQ4_XS, IQ2_XXS and IQ3_XXS (ggml's importance-weight
 ``--compare`` picks others).  The two
 are run alternately and the best of ``--repeat`` runs of each is kept, since a
 shared machine's load changes from one second to the next; the last column is
-the ratio of CPU time (user + system, workers and llama-quantize's threads
-included), which other jobs on the machine disturb less.  The bytes of both
-are compared as well.  Figures only, no asserts.
+the ratio of CPU time (user + system, both tools' threads included), which other
+jobs on the machine disturb less.  The bytes of both are compared: a difference
+ends the run with exit status 1.
 """
 
 from __future__ import annotations
@@ -57,16 +57,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix  # noqa: E402
-from mtpq.ggml.kernels import SUPPORTED_TYPES, dequantize, quantize  # noqa: E402
-from mtpq.ggml.iquants import REQUIRES_WEIGHTS  # noqa: E402
+from mtpq.ggml import engine  # noqa: E402
+from mtpq.ggml.engine import dequantize, quantize  # noqa: E402
+from mtpq.ggml.registry import TYPES  # noqa: E402
 from mtpq.quantize.presets import IMATRIX_ONLY_TYPES  # noqa: E402
 
-ALL = [t.name for t in SUPPORTED_TYPES if t not in (T.F32,)]
+ALL = [t.name for t in TYPES if t not in (T.F32,)]
+_differences: list[str] = []  # types whose bytes differ from llama-quantize's: exit status 1
 
 
 def _best_of(fn, repeat: int) -> tuple[float, object]:
@@ -74,14 +75,12 @@ def _best_of(fn, repeat: int) -> tuple[float, object]:
     for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best, out
 
 
 def _cpu_seconds() -> float:
-    """CPU time (user + system) of this process and its reaped children: forked workers, llama-quantize.
+    """CPU time (user + system) of this process (its threads included) and its reaped children (llama-quantize).
     Less sensitive than wall time to other jobs on a shared machine."""
     import resource
 
@@ -113,7 +112,7 @@ def _write_f32_gguf(path: Path, x: np.ndarray) -> None:
 
 # the llama-quantize preset whose --pure output is the tensor type: its IQ2_S preset writes IQ2_XS
 # (llama-quant.cpp's default type per ftype); the IQ2_S type comes from the IQ2_M preset
-LLAMA_FTYPE = {"IQ2_S": "IQ2_M"}
+LLAMA_FTYPE = {"IQ2_S": "IQ2_M", "MXFP4": "MXFP4_MOE"}
 
 
 def main() -> None:
@@ -121,9 +120,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--types", default=",".join(ALL), help="comma-separated ggml type names")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU workers (ours) and threads (llama-quantize)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads, ours and llama-quantize's")
     ap.add_argument("--repeat", type=int, default=1, help="best of N runs")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-quantize", type=Path, default=None, metavar="PATH")
     ap.add_argument("--imatrix", action="store_true", help="quantize with importance weights (both sides)")
@@ -137,25 +135,25 @@ def main() -> None:
         if args.llama_quantize is None:
             raise SystemExit("--whole-file needs --llama-quantize PATH")
         whole_file(args)
-        return
+        sys.exit(1 if _differences else 0)
 
-    torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(args.seed)
-    x = (torch.randn(args.rows, args.cols, generator=g) * 0.02).to(args.device)
-    mb = x.numel() * 4 / 1e6
+    engine.set_workers(args.threads)
+    x = (np.random.default_rng(args.seed).standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32)
+    mb = x.size * 4 / 1e6
     imp = None
     if args.imatrix:
         imp = _synthetic_importance(args.seed, args.cols)
-    print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, device {args.device}, "
-          f"{args.threads} threads (torch {torch.__version__}){', with importance weights' if args.imatrix else ''}")
+    print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, {args.threads} threads"
+          f"{', with importance weights' if args.imatrix else ''}")
     print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
     for name in [] if args.no_table else args.types.split(","):
         qt = T[name]
         # i-quants that ggml refuses to write without importance data get the synthetic weights
-        need = imp if imp is not None or qt not in REQUIRES_WEIGHTS else _synthetic_importance(args.seed, args.cols)
+        need = imp if imp is not None or not TYPES[qt].requires_imatrix else _synthetic_importance(args.seed, args.cols)
+        quantize(x[:1], qt, name, importance=need)  # compiled (or loaded from the cache) before the clock
         tq, raw = _best_of(lambda: quantize(x, qt, name, importance=need), args.repeat)
-        rawt = torch.from_numpy(np.ascontiguousarray(raw)).to(args.device)
-        td, _ = _best_of(lambda: dequantize(rawt, qt, x.shape), args.repeat)
+        dequantize(raw[:1], qt, (1, x.shape[1]))
+        td, _ = _best_of(lambda: dequantize(raw, qt, x.shape), args.repeat)
         mark = " (with importance weights)" if need is not imp else ""
         print(f"{name:8} {tq:10.3f} {mb / tq:9.1f} {td:10.3f} {mb / td:9.1f}{mark}", flush=True)
 
@@ -163,8 +161,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "f32.gguf"
-        xs = x.cpu().numpy()
-        _write_f32_gguf(src, xs)
+        _write_f32_gguf(src, x)
         extra, names = [], ["Q8_0", "Q4_K", "Q6_K"]
         if args.imatrix:
             im_file = Path(tmp) / "imatrix.gguf"
@@ -199,14 +196,18 @@ def main() -> None:
             if written.tensor_type != qt:  # a wrong preset mapping would compare two different types
                 raise SystemExit(f"llama-quantize wrote {written.tensor_type.name}, not {name}")
             same = np.asarray(written.data).tobytes() == raw.tobytes()
+            if not same:
+                _differences.append(name)
             print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
                   f" {ours_c / theirs_c:14.2f}", flush=True)
             out.unlink()
+    sys.exit(1 if _differences else 0)
 
 
 # ----------------------------------------------------------------------------- --whole-file
 
-WHOLE_TYPES = "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_0,Q4_0,IQ4_XS"
+WHOLE_TYPES = ("Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_1,Q5_0,Q4_1,Q4_0,IQ4_NL,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,"
+               "IQ1_M,IQ1_S,TQ2_0,TQ1_0,Q2_0,MXFP4")  # not Q1_0: the file's rows of 352 have no Q1_0 fallback
 # GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408)
 GLM_SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                  intermediate_size=2816, moe_intermediate_size=352, n_routed_experts=16, num_experts_per_tok=4,
@@ -215,7 +216,7 @@ GLM_SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
 
 def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once."""
-    import torch as _torch
+    import torch
 
     from tests.builders import tiny
     from mtpq.convert import plan_checkpoint
@@ -225,7 +226,7 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     big, mini, im_file = folder / "glm-f32.gguf", folder / "glm-mini-f32.gguf", folder / "glm.imatrix.gguf"
     if not big.exists():
         print(f"building {big} ...", file=sys.stderr, flush=True)
-        ckpt = tiny.glm4moe(folder / "ckpt", dtype=_torch.float32, n_shards=1, **GLM_SHAPE)
+        ckpt = tiny.glm4moe(folder / "ckpt", dtype=torch.float32, n_shards=1, **GLM_SHAPE)
         write_plan(plan_checkpoint(ckpt, outtype=T.F32), big)
         shutil.rmtree(ckpt)
     plan = plan_from_gguf(big)
@@ -282,7 +283,7 @@ def whole_file(args) -> None:
               f"{'start theirs':>12} {'start ours':>10} {'ours cpu':>8} {'same bytes':>10} {'load':>5}")
         for name in types.split(","):
             qt = T[name]
-            im = ["--imatrix", str(im_file)] if qt in IMATRIX_ONLY_TYPES else []
+            im = ["--imatrix", str(im_file)] if qt in IMATRIX_ONLY_TYPES or args.imatrix else []
             ours = lambda src, out: [sys.executable, "-m", "mtpq", "quantize", str(src), str(out),  # noqa: E731
                                      LLAMA_FTYPE.get(name, name), "--pure", "--mtp-type", "same",
                                      "--threads", str(args.threads), "--quiet", *im]
@@ -298,6 +299,8 @@ def whole_file(args) -> None:
                     start, start_cpu = _timed(cmd(mini, work / f"{key}-mini.gguf"), e)
                     best[key] = [min(b, t) for b, t in zip(best[key], (wall, cpu, start, start_cpu))]
             same = _same_tensors(work / "o.gguf", work / "t.gguf")
+            if not same:
+                _differences.append(name)
             (o_whole, o_whole_cpu, o_start, o_start_cpu) = best["o"]
             (t_whole, t_whole_cpu, t_start, t_start_cpu) = best["t"]
             o_wall, o_cpu, t_wall, t_cpu = (o_whole - o_start, o_whole_cpu - o_start_cpu, t_whole - t_start,

@@ -11,14 +11,23 @@ from tests.builders import tiny
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Tiny models: a second intra-op thread only adds spin-waiting (badly so on a shared 2-core machine).
-    The quant kernels then run on one worker too; their bytes never depend on the count
-    (test_golden_bytes_in_small_chunks_and_threads checks three)."""
+    The quant kernels (mtpq.ggml, not torch) keep their own threads; their bytes never depend on the count
+    (tests/ggml/test_goldens.py checks three)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ggml_kernels_warm():
+    """Every ggml kernel compiled (or loaded from numba's cache) once, before the tests: a cold cache costs
+    ~70 s of CPU once (the CI machine's first run), a warm one ~1 s; no test then pays a compilation."""
+    from mtpq.ggml import engine
+
+    engine.warm()
 
 
 @pytest.fixture(scope="session")

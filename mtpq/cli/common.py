@@ -129,8 +129,7 @@ def report_hooks(quiet: bool) -> dict:
     return {} if quiet else {"progress": byte_progress, "say": console.print}
 
 
-THREADS_HELP = ("CPU workers for quantizing (default: torch's choice, all physical cores); on "
-                "Linux, forked processes (MTPQ_WORKERS=threads: Python threads). "
+THREADS_HELP = ("CPU threads for quantizing (default: every CPU this process may use). "
                 "The bytes written do not depend on it.")
 
 
@@ -139,14 +138,17 @@ RUNTIME_THREADS_HELP = ("CPU threads for the runtime (default: 1 for a file unde
 
 
 def set_threads(threads: int | None) -> None:
-    """``--threads``: the kernels split each tensor over ``torch.get_num_threads()`` workers."""
+    """``--threads``: the threads the kernels split each tensor over (and torch's, where it is loaded)."""
     if threads is None:
         return
     if threads < 1:
         fail("--threads", f"must be at least 1, got {threads}")
-    from ..ggml.npquant import set_workers  # torch's count if loaded, else applied when it is (not imported here)
+    from ..ggml.engine import set_workers
 
     set_workers(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def check_device(device: str | None) -> str | None:

@@ -52,15 +52,20 @@ class Rows:
         return self.ck.load_rows(self.name, self.r0, self.r1)
 
 
-def encode_values(values: torch.Tensor, qtype: T, name: str, source: str) -> np.ndarray:
-    """``quantize``, with a bad value reported as the source's fault (as the writer does)."""
-    from ..ggml.kernels import quantize
+def encode_values(values: torch.Tensor, qtype: T, name: str, source: str, out: np.ndarray | None = None) -> np.ndarray:
+    """mtpq.ggml's ``quantize`` of torch values (bf16 given as its bits; into ``out``, a uint8 buffer of the
+    output's size, if given), with a bad value reported as the source's fault (as the writer does)."""
+    from ..ggml.engine import quantize
 
+    values = values.detach().cpu().contiguous()
+    if values.dtype == torch.bfloat16:
+        arr = values.view(torch.int16).numpy().view(np.uint16)  # the kernels read uint16 as bf16 bits
+    elif values.dtype in (torch.float32, torch.float16):
+        arr = values.numpy()
+    else:
+        arr = values.to(torch.float32).numpy()
     try:
-        if qtype in _TORCH_OF:
-            with one_torch_thread():
-                return quantize(values, qtype, name=name)
-        return quantize(values, qtype, name=name)  # quantized types: the kernels spread over the threads
+        return quantize(arr, qtype, name, out=out)
     except ValueError as exc:  # NaN/Inf, out of range: the source is at fault, say which tensor
         raise InputError(source, str(exc)) from None
 
@@ -80,23 +85,19 @@ def encode_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     if qtype in _TORCH_OF:
         with one_torch_thread():
             return _float_slabs(name, source, shape, qtype, slabs)
-    out = None
-    for r0, r1, load in slabs:
-        part = encode_values(load(), qtype, name, source)
-        if out is None:
-            out = output_buffer(shape[0] * (part.nbytes // part.shape[0])).view(part.dtype)
-            out = out.reshape(shape[0], *part.shape[1:])
-        out[r0:r1] = part
-        del part
-    return out if out is not None else encode_values(torch.zeros(shape), qtype, name, source)
+    from ..ggml.registry import bytes_per_row
+
+    row_bytes = bytes_per_row(qtype, math.prod(shape[1:]))
+    out = output_buffer(shape[0] * row_bytes).reshape(shape[0], row_bytes)
+    for r0, r1, load in slabs:  # each slab's bytes straight into their place
+        encode_values(load(), qtype, name, source, out=out[r0:r1].reshape(-1))
+    return out
 
 
 def _float_slab(name: str, source: str, qtype: T, slab: Slab, dst: torch.Tensor) -> None:
     """One slab's rows converted by torch into ``dst`` (their place in the output, or a slab buffer): one pass;
     ggml's fp32 -> bf16 and torch's are both round-to-nearest-even, and NaN, where they differ, is refused,
     with ``quantize``'s checks and messages."""
-    from ..ggml.kernels import all_finite
-
     r0, r1, load = slab
     if isinstance(load, Rows) and load.ck.rows_as(load.name, load.r0, load.r1, dst):
         return
@@ -236,11 +237,19 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
 _BITS_AS = {T.BF16: np.uint16, T.F16: np.float16, T.F32: np.float32}  # the arrays ``quantize`` returns
 
 
+def all_finite(c: torch.Tensor) -> bool:
+    """No NaN or Inf in ``c``: min and max (both propagate NaN), no full-size temporary."""
+    if c.numel() == 0:
+        return True
+    if c.device.type == "cpu" and c.dtype == torch.float32:  # numpy's are 2x quicker
+        a = c.numpy()
+        return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+    return bool(torch.isfinite(torch.stack(torch.aminmax(c))).all())
+
+
 def bits_finite(bits: np.ndarray, dtype: str) -> bool:
     """No NaN/Inf among stored ``dtype`` (safetensors name) values given as their bits: ``quantize``'s check
     (min and max propagate NaN), on a view of the bits, 4M values per step, one thread."""
-    from ..ggml.kernels import all_finite
-
     signed = bits.reshape(-1).view(np.int16 if bits.itemsize == 2 else np.int32)
     with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
         warnings.simplefilter("ignore", UserWarning)

@@ -1,140 +1,181 @@
-"""ggml-exact IQ4_NL / IQ4_XS in torch, for every device (numpy's on CPU: :mod:`.npiq4`).
-
-``quantize_iq4_nl`` / ``quantize_iq4_xs`` (``quantize_row_iq4_nl_impl`` with
-``ntry = 7``), with or without importance weights (see :mod:`.weighted`),
-and their dequantizers.  Float rules: :mod:`.cfloat`, :mod:`.legacy`.
-"""
+"""IQ4_NL and IQ4_XS: ``quantize_row_iq4_nl_impl`` (``ntry = 7``, with or without importance weights, as
+``quantize_iq4_nl`` / ``quantize_iq4_xs`` call it) and the dequantizers of ``ggml-quants.c``. Signatures as
+in :mod:`.legacy`; both quantizers take the weights (empty: none)."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from .cfloat import _F32, _GROUP_MAX_EPS, QK_K, _seq_sum, _sub_blocks, _zeros
-from . import npiq4, vecops
-from .legacy import cst, div, first_absmax, fp16_bits, from_fp16_bytes, nearest_int, rdiv, u8
-from .npiq4 import IQ4_LUT as _IQ4_LUT, KVALUES_IQ4NL
+from .jit import F, GROUP_MAX_EPS, QK_K, fp16, get_fp16, kernel, nearest_int
 
-__all__ = ["quantize_iq4_nl", "quantize_iq4_xs", "dequantize_iq4_nl", "dequantize_iq4_xs"]
-
-def _kvalues(device) -> torch.Tensor:
-    return torch.tensor(KVALUES_IQ4NL, dtype=_F32, device=device)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+_NO_WEIGHTS = np.empty(0, np.float32)
 
 
-def _iq4_slot(v: torch.Tensor) -> torch.Tensor:
-    """Flat int64 row index into the 512-entry tables for each value of ``v``."""
-    t = torch.clamp((v * 2.0).floor_(), -256.0, 255.0)
-    t = torch.nan_to_num(t, nan=255.0)  # NaN: ggml's search ends on the top value
-    return (t + 256.0).to(torch.int64).reshape(-1)
+@kernel
+def best_index_int8(n, val, x):
+    """``best_index_int8``: the index of the table value nearest ``x`` (ties to the lower one)."""
+    if x <= F(val[0]):
+        return 0
+    if x >= F(val[n - 1]):
+        return n - 1
+    ml = 0
+    mu = n - 1
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < F(val[mav]):
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - F(val[mu - 1]) < F(val[mu]) - x else mu
 
 
-def _best_index_iq4(v: torch.Tensor) -> torch.Tensor:
-    """``best_index_int8(16, kvalues_iq4nl, v)`` (int64 indices, shape of ``v``)."""
-    lut = torch.tensor(_IQ4_LUT, dtype=torch.int64, device=v.device)
-    return lut.index_select(0, _iq4_slot(v)).view(v.shape)
+@kernel
+def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, ntry):
+    """``quantize_row_iq4_nl_impl(super_size, 32, ...)`` for the super-block at ``x[xo]``, into the block at
+    ``y[o]`` (IQ4_NL: d, qs; IQ4_XS: d, scales_h, scales_l, qs)."""
+    weighted = qw.size > 0
+    sigma2 = F(0.0)
+    for j in range(super_size):
+        sigma2 += x[xo + j] * x[xo + j]
+    sigma2 *= F(2.0) / F(super_size)
+    q4 = o + 8 if xs else o + 2
+    for j in range(super_size // 2):
+        y[q4 + j] = 0
+    h = fp16(F(0.0))
+    max_scale = F(0.0)
+    amax_scale = F(0.0)
+    v0 = F(values[0])
+    for ib in range(super_size // 32):
+        xb = xo + 32 * ib
+        for j in range(32):
+            if weighted:
+                weight[j] = qw[qo + 32 * ib + j] * np.sqrt(sigma2 + x[xb + j] * x[xb + j])
+            else:
+                weight[j] = x[xb + j] * x[xb + j]
+        amax = F(0.0)
+        mx = F(0.0)
+        for j in range(32):
+            ax = abs(x[xb + j])
+            if ax > amax:
+                amax = ax
+                mx = x[xb + j]
+        if amax < GROUP_MAX_EPS:
+            scales[ib] = F(0.0)
+            continue
+        d = -mx / v0 if ntry > 0 else mx / v0
+        idv = F(1.0) / d
+        sumqx = F(0.0)
+        sumq2 = F(0.0)
+        for j in range(32):
+            l = best_index_int8(16, values, idv * x[xb + j])
+            L[32 * ib + j] = l
+            q = F(values[l])
+            w = weight[j]
+            sumqx += w * q * x[xb + j]
+            sumq2 += w * q * q
+        d = sumqx / sumq2 if sumq2 > 0 else F(0.0)
+        best = d * sumqx
+        for itry in range(-ntry, ntry + 1):
+            idv = F(itry + np.int64(values[0])) / mx
+            sumqx = F(0.0)
+            sumq2 = F(0.0)
+            for j in range(32):
+                q = F(values[best_index_int8(16, values, idv * x[xb + j])])
+                w = weight[j]
+                sumqx += w * q * x[xb + j]
+                sumq2 += w * q * q
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                d = sumqx / sumq2
+                best = d * sumqx
+        scales[ib] = d
+        if abs(d) > amax_scale:
+            amax_scale = abs(d)
+            max_scale = d
+    if xs:
+        y[o + 2] = 0
+        y[o + 3] = 0
+        d = -max_scale / F(32.0)
+        h = fp16(d)
+        idv = F(1.0) / d if d != 0 else F(0.0)
+        for ib in range(super_size // 32):
+            l = max(-32, min(31, nearest_int(idv * scales[ib])))
+            dl = d * F(l)
+            idl = F(1.0) / dl if dl != 0 else F(0.0)
+            for j in range(32):
+                L[32 * ib + j] = best_index_int8(16, values, idl * x[xo + 32 * ib + j])
+            l += 32
+            if ib % 2 == 0:
+                y[o + 4 + ib // 2] = np.uint8(l & 0xF)
+            else:
+                y[o + 4 + ib // 2] |= np.uint8((l & 0xF) << 4)
+            hbits = (l >> 4) << (2 * (ib % 8))
+            y[o + 2] |= np.uint8(hbits & 0xFF)
+            y[o + 3] |= np.uint8((hbits >> 8) & 0xFF)
+    else:
+        h = fp16(scales[0])
+        if ntry > 0:
+            idv = F(1.0) / scales[0] if scales[0] != 0 else F(0.0)
+            for j in range(super_size):
+                L[j] = best_index_int8(16, values, idv * x[xo + j])
+    y[o] = np.uint8(h & 0xFF)
+    y[o + 1] = np.uint8(h >> 8)
+    for i in range(super_size // 32):
+        for j in range(16):
+            y[q4 + 16 * i + j] = np.uint8(L[32 * i + j] | (L[32 * i + 16 + j] << 4))
 
 
-def _iq4_values(v: torch.Tensor) -> torch.Tensor:
-    """``kvalues_iq4nl[best_index_int8(...)]`` as float32."""
-    lut = torch.tensor([KVALUES_IQ4NL[i] for i in _IQ4_LUT], dtype=_F32, device=v.device)
-    return lut.index_select(0, _iq4_slot(v)).view(v.shape)
+@kernel
+def _iq4(x, y, n, qw, super_size, ts):
+    L = np.empty(QK_K, np.int64)
+    weight = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    for i in range(x.size // super_size):
+        xo = super_size * i
+        _iq4_impl(super_size, x, xo, y, ts * i, super_size == QK_K, scales, weight, L, KVALUES_IQ4NL, qw,
+                  xo % n, 7)
 
 
-def _iq4_block_scales(X: torch.Tensor, ntry: int, W: torch.Tensor | None = None) -> torch.Tensor:
-    """Per 32-element block part of ``quantize_row_iq4_nl_impl``; ``W`` the weights
-    (``qw * sqrtf(sigma2 + x*x)`` with an importance matrix), x*x when None.
-
-    Returns the scale d of every block (column of ``X``); the first-pass levels
-    are not needed: ggml recomputes them afterwards when ntry > 0.
-    """
-    amax, mx = first_absmax(X, 0)
-    zero = amax < _GROUP_MAX_EPS
-    if W is None:
-        W = X * X
-    d0 = torch.div(-mx, cst(-127.0, X))
-    id0 = rdiv(1.0, d0)
-    consts = [float(i - 127) for i in range(-ntry, ntry + 1)]
-    idc = torch.div(torch.tensor(consts, dtype=_F32, device=X.device)[:, None], mx[None])
-    ids = torch.cat([id0[None], idc], dim=0)  # (nc, ns)
-    Q = _iq4_values(ids[:, None, :] * X[None])  # (nc, n, ns)
-    n = X.shape[0]
-    P = torch.empty((n, 2) + ids.shape, dtype=_F32, device=X.device)
-    WQ = torch.mul(W[None], Q, out=P[:, 1].transpose(0, 1))
-    torch.mul(WQ, X[None], out=P[:, 0].transpose(0, 1))  # w*q*x
-    torch.mul(WQ, Q, out=P[:, 1].transpose(0, 1))  # w*q*q (in place over w*q)
-    del Q
-    sums = _seq_sum(P)
-    sumqx, sumq2 = sums[0], sums[1]
-    del P
-    d = torch.where(sumq2[0] > 0, torch.div(sumqx[0], sumq2[0]), _zeros(mx))
-    best = d * sumqx[0]
-    for k in range(1, len(consts) + 1):
-        sqx, sq2 = sumqx[k], sumq2[k]
-        better = (sq2 > 0) & (sqx * sqx > best * sq2)
-        nd = torch.div(sqx, sq2)
-        d = torch.where(better, nd, d)
-        best = torch.where(better, nd * sqx, best)
-    return torch.where(zero, _zeros(d), d)
+@kernel
+def quantize_iq4_nl(x, y, n_per_row):
+    _iq4(x, y, n_per_row, _NO_WEIGHTS, 32, 18)
 
 
-def _pack_iq4(L: torch.Tensor) -> torch.Tensor:
-    """(nb, 32*k) indices -> (nb, 16*k): q[16i+j] = L[32i+j] | L[32i+16+j] << 4."""
-    q = L.view(L.shape[0], -1, 2, 16)
-    return u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(L.shape[0], -1)
+@kernel
+def quantize_iq4_nl_weighted(x, y, n, qw):
+    _iq4(x, y, n, qw, 32, 18)
 
 
-@vecops.cpu_runs(npiq4.quantize_iq4_nl)
-def quantize_iq4_nl(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
-    """``W``: the weights in the layout of ``x.t()`` (see :mod:`.weighted`), x*x when None."""
-    X = x.t().contiguous()  # (32, nb)
-    d = _iq4_block_scales(X, 7, W)
-    idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
-    L = _best_index_iq4(idv[:, None] * x)
-    return torch.cat([fp16_bits(d), _pack_iq4(L)], dim=1)
+@kernel
+def quantize_iq4_xs(x, y, n_per_row):
+    _iq4(x, y, n_per_row, _NO_WEIGHTS, QK_K, 136)
 
 
-@vecops.cpu_runs(npiq4.quantize_iq4_xs)
-def quantize_iq4_xs(x: torch.Tensor, W: torch.Tensor | None = None) -> torch.Tensor:
-    """``W``: the weights in the layout of ``_sub_blocks(x, 32)``, x*x when None."""
-    nb = x.shape[0]
-    X = _sub_blocks(x, 32)
-    scales = _iq4_block_scales(X, 7, W)
-    S = scales.view(nb, 8)
-    _, max_scale = first_absmax(S, 1)
-    d = div(-max_scale, 32.0)  # float d = -max_scale/32;  (-0.0 for an all-zero super-block)
-    idv = torch.where(d != 0, rdiv(1.0, d), _zeros(d))
-    l = torch.clamp(nearest_int(idv[:, None] * S), -32, 31)
-    dl = d[:, None] * l.to(_F32)
-    idl = torch.where(dl != 0, rdiv(1.0, dl), _zeros(dl))
-    L = _best_index_iq4(idl.repeat_interleave(32, dim=1) * x)
-    l = l + 32
-    lo = l & 0xF
-    scales_l = u8(lo[:, 0::2] | (lo[:, 1::2] << 4))
-    sh = ((l >> 4) << (2 * torch.arange(8, device=x.device, dtype=torch.int32))).sum(1)
-    scales_h = u8(torch.stack([sh, sh >> 8], dim=1))
-    return torch.cat([fp16_bits(d), scales_h, scales_l, _pack_iq4(L)], dim=1)
+@kernel
+def quantize_iq4_xs_weighted(x, y, n, qw):
+    _iq4(x, y, n, qw, QK_K, 136)
 
 
-# --------------------------------------------------------------------------- dequantizers
+@kernel
+def dequantize_iq4_nl(y, x):
+    for i in range(x.size // 32):
+        d = get_fp16(y, 18 * i)
+        for j in range(16):
+            b = y[18 * i + 2 + j]
+            x[32 * i + j] = d * F(KVALUES_IQ4NL[b & 0xF])
+            x[32 * i + j + 16] = d * F(KVALUES_IQ4NL[b >> 4])
 
-def dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    kv = _kvalues(b.device)
-    d = from_fp16_bytes(b[:, :2])
-    qs = b[:, 2:18]
-    q = kv[torch.cat([qs & 0xF, qs >> 4], dim=1).long()]
-    return d[:, None] * q
 
-
-def dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    kv = _kvalues(b.device)
-    d = from_fp16_bytes(b[:, :2])
-    sh = b[:, 2:4].to(torch.int32)
-    sh = sh[:, 0] | (sh[:, 1] << 8)
-    sl = b[:, 4:8]
-    lo = torch.stack([sl & 0xF, sl >> 4], dim=2).reshape(nb, 8).to(torch.int32)
-    hi = (sh[:, None] >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
-    sc = (lo | (hi << 4)) - 32
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
-    qs = b[:, 8:].view(nb, 8, 1, 16)
-    idx = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32).long()
-    return (dl * kv[idx]).view(nb, QK_K)
+@kernel
+def dequantize_iq4_xs(y, x):
+    for i in range(x.size // QK_K):
+        o = 136 * i
+        d = get_fp16(y, o)
+        sh = np.int64(y[o + 2]) | (np.int64(y[o + 3]) << 8)
+        for ib in range(8):
+            ls = ((np.int64(y[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
+            dl = d * F(ls - 32)
+            for j in range(16):
+                b = y[o + 8 + 16 * ib + j]
+                x[QK_K * i + 32 * ib + j] = dl * F(KVALUES_IQ4NL[b & 0xF])
+                x[QK_K * i + 32 * ib + j + 16] = dl * F(KVALUES_IQ4NL[b >> 4])

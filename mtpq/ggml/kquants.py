@@ -1,235 +1,732 @@
-"""ggml-exact K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in torch, for every device (numpy's on CPU).
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: ``quantize_row_*_K_ref``, ``quantize_row_*_K_impl`` (with importance weights)
+and ``dequantize_row_*_K`` of ``ggml-quants.c``, with the scale searches they share (``make_qx_quants``,
+``make_q3_quants``, ``make_qkx2_quants``, ``make_qkx3_quants``, ``make_qp_quants``; the legacy types'
+weighted paths use two of them). Signatures as in :mod:`.legacy`.
 
-Reproduces byte for byte what ``ggml_quantize_chunk`` produces without an
-importance matrix: ``quantize_row_q{2..6}_K_ref`` (with ``make_qkx2_quants``,
-``make_q3_quants`` and ``make_qx_quants``, in :mod:`.search`), and the
-dequantizers.  The float rules are in :mod:`.cfloat` and :mod:`.legacy`;
-docs/notes/quantize.md records what made these kernels fast (about
-0.9x ggml's time on one core) and what was tried and dropped.
-
-With an importance matrix ggml runs other searches (``quantize_row_*_impl``);
-:mod:`mtpq.ggml.weighted` builds them from the same routines.  IQ4_NL /
-IQ4_XS are in :mod:`.iq4`.
+The searches take their scratch arrays from the caller, as the C code keeps them on its stack; levels are
+int64 arrays whose values the C code's ``int8_t``/``uint8_t`` hold unchanged (every wrap is written out).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from . import npkquants
-from .cfloat import (
-    _F32, _GROUP_MAX_EPS, QK_K, _cat, _from_sub_blocks, _pos_max, _select, _sub_blocks, _zeros,
-)
-from .legacy import div, first_absmax, fp16_bits, fp16_round, from_fp16_bytes, nearest_int, rdiv, sqrt_f32, u8, wrap_i8
-from .npkquants import pack_2bit, pack_k4_scales, pack_q3_scales
-from .search import _final_levels, _make_q3_quants, _make_qkx2_quants, _make_qx_quants_rmse1
-from . import vecops  # vecops.numpy_path looked up at call time: tests switch it off to run the torch code on CPU
-from .vecops import _TorchVec as v, _first_absmax_cols
+from .jit import F, GROUP_MAX_EPS, QK_K, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
-__all__ = [
-    "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k",
-    "dequantize_q2_k", "dequantize_q3_k", "dequantize_q4_k", "dequantize_q5_k", "dequantize_q6_k",
-]
+_NO_WEIGHTS = np.empty(0, np.float32)
 
 
-@vecops.cpu_runs(npkquants.quantize_q2_k)
-def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
-    nb = x.shape[0]
-    X = _sub_blocks(x, 16)
-    SM, levels = _make_qkx2_quants(X, X.abs(), 3, -0.5, 0.1, 15, True)
-    S, M = SM.view(2, nb, 16)
-    max_scale = _pos_max(S, 1)
-    max_min = _pos_max(M, 1)
-    sp = max_scale > 0
-    mp = max_min > 0
-    z = _zeros(max_scale)
-    lsc = torch.where(sp[:, None], nearest_int(rdiv(15.0, max_scale)[:, None] * S), 0)
-    lmn = nearest_int(rdiv(15.0, max_min)[:, None] * M)
-    sbyte = torch.where(mp[:, None], (lsc | (lmn << 4)), lsc) & 0xFF
-    d = torch.where(sp, fp16_round(div(max_scale, 15.0)), z)
-    dmin = torch.where(mp, fp16_round(div(max_min, 15.0)), z)
-
-    dl = (d[:, None] * (sbyte & 0xF).to(_F32)).reshape(-1)
-    ml = (dmin[:, None] * (sbyte >> 4).to(_F32)).reshape(-1)
-    L = _final_levels(X + ml[None], dl, 0, 3, 0, levels)
-    qs = u8(pack_2bit(_from_sub_blocks(L, nb)))
-    return torch.cat([u8(sbyte), qs, fp16_bits(d), fp16_bits(dmin)], dim=1)
-
-
-@vecops.cpu_runs(npkquants.quantize_q3_k)
-def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
-    nb = x.shape[0]
-    X = _sub_blocks(x, 16)
-    scales, L = _make_q3_quants(X, 4)
-    S = scales.view(nb, 16)
-    _, max_scale = first_absmax(S, 1)
-    nz = max_scale != 0
-    iscale = rdiv(-32.0, max_scale)
-    ls = torch.clamp(wrap_i8(nearest_int(iscale[:, None] * S)), -32, 31) + 32
-    ls = torch.where(nz[:, None], ls, 0)  # memset(scales, 0) when max_scale == 0
-    d = torch.where(nz, fp16_round(rdiv(1.0, iscale)), _zeros(max_scale))
-    sb = u8(torch.cat(pack_q3_scales(ls), dim=1))
-
-    dl = (d[:, None] * (ls - 32).to(_F32)).reshape(-1)
-    Lq = torch.clamp(nearest_int(torch.div(X, dl[None])), -4, 3) + 4
-    L = _select(dl != 0, Lq, L)
-    Lb = _from_sub_blocks(L, nb)
-    high = (Lb > 3).to(torch.int32)
-    Lb = Lb - 4 * high
-    hmask = u8((high.view(nb, 8, 32) << torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]).sum(1))
-    return torch.cat([hmask, u8(pack_2bit(Lb)), sb, fp16_bits(d)], dim=1)
-
-
-def _quantize_q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
-    nb = x.shape[0]
-    X = _sub_blocks(x, 32)
-    Xa = v.arr(X)
-    sum_x2 = v.t(v.dot(Xa, Xa, v.empty(X.shape[1], X)))
-    av_x = sqrt_f32(div(sum_x2, 32.0))
-    W = torch.abs(X).add_(av_x[None])  # av_x + |x|
-    SM, levels = _make_qkx2_quants(X, W, nmax, rmin, 0.1, nstep, False)
-    # scales and mins side by side: (2, nb, 8), then (2, nb) maxima, 6-bit codes, fp16 d and
-    # dmin
-    SM = v.vec(SM).reshape(2, nb, 8)
-    with np.errstate(all="ignore"):
-        max_sm = _pos_max(SM, 2)
-        inv = v.where(max_sm > 0, rdiv(63.0, max_sm), 0.0)
-        lsm = v.imin(nearest_int(inv[:, :, None] * SM) & 0xFF, 63)
-        dd = fp16_round(div(max_sm, 63.0))
-        dlml = v.t((dd[:, :, None] * v.f32(lsm)).reshape(2, -1))
-    L = _final_levels(X + dlml[1][None], dlml[0], 0, nmax, 0, levels)
-    head = v.t(_cat([fp16_bits(dd[0]), fp16_bits(dd[1]), u8(_cat(pack_k4_scales(lsm[0], lsm[1])))]))
-    return head, _from_sub_blocks(L, nb)
+@kernel
+def make_qx_quants(n, nmax, x, L, rmse_type, qw):
+    """``make_qx_quants`` (rmse_type 1 or 0; ``qw`` empty for NULL: weights x*x)."""
+    mx = F(0.0)
+    amax = F(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0)
+    iscale = F(-nmax) / mx
+    if rmse_type == 0:
+        for i in range(n):
+            L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        return F(1.0) / iscale
+    weighted = qw.size > 0
+    sumlx = F(0.0)
+    suml2 = F(0.0)
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        L[i] = l + nmax
+        w = qw[i] if weighted else x[i] * x[i]
+        sumlx += w * x[i] * F(l)
+        suml2 += w * F(l) * F(l)
+    scale = sumlx / suml2 if suml2 != 0 else F(0.0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(F(nmax) + F(0.1) * F(step)) / mx
+        sumlx = F(0.0)
+        suml2 = F(0.0)
+        for i in range(n):
+            l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+            w = qw[i] if weighted else x[i] * x[i]
+            sumlx += w * x[i] * F(l)
+            suml2 += w * F(l) * F(l)
+        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
 
 
-@vecops.cpu_runs(npkquants.quantize_q4_k)
-def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
-    head, Lb = _quantize_q45_k(x, 15, -1.0, 20)
-    q = Lb.view(-1, 4, 2, 32)
-    qs = u8(q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return torch.cat([head, qs], dim=1)
+@kernel
+def make_q3_quants(n, nmax, x, L):
+    """``make_q3_quants(..., do_rmse = true)``."""
+    mx = F(0.0)
+    amax = F(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0)
+    iscale = F(-nmax) / mx
+    sumlx = F(0.0)
+    suml2 = F(0.0)
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        L[i] = l
+        w = x[i] * x[i]
+        sumlx += w * x[i] * F(l)
+        suml2 += w * F(l) * F(l)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = x[i] * x[i]
+            slx = sumlx - w * x[i] * F(L[i])
+            if slx > 0:
+                sl2 = suml2 - w * F(L[i]) * F(L[i])
+                new_l = max(-nmax, min(nmax - 1, nearest_int(x[i] * sl2 / slx)))
+                if new_l != L[i]:
+                    slx += w * x[i] * F(new_l)
+                    sl2 += w * F(new_l) * F(new_l)
+                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    for i in range(n):
+        L[i] += nmax
+    return sumlx / suml2 if suml2 > 0 else F(0.0)
 
 
-@vecops.cpu_runs(npkquants.quantize_q5_k)
-def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
-    head, Lb = _quantize_q45_k(x, 31, -0.5, 15)
-    q = Lb.view(-1, 4, 2, 32)
-    lo, hi = q & 0xF, q >> 4  # hi in {0,1}
-    qs = u8(lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
-    shifts = (2 * torch.arange(4, device=x.device, dtype=torch.int32)).view(1, 4, 1)
-    qh = u8(((hi[:, :, 0] << shifts) | (hi[:, :, 1] << (shifts + 1))).sum(1))
-    return torch.cat([head, qh, qs], dim=1)
+@kernel
+def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min). The two C functions run
+    the same loop; qkx3 adds an early return for ``nstep < 1`` and tests ``max <= min`` where qkx2 tests
+    ``max == min``, the same on finite values."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    if mn > 0:
+        mn = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0), -mn
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    best_mad = F(0.0)
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
+        sum_l = F(0.0)
+        sum_l2 = F(0.0)
+        sum_xl = F(0.0)
+        for i in range(n):
+            l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+            Laux[i] = l
+            w = weights[i]
+            sum_l += w * F(l)
+            sum_l2 += w * F(l) * F(l)
+            sum_xl += w * F(l) * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F(0.0)
+                this_scale = sum_xl / sum_l2
+            mad = F(0.0)
+            for i in range(n):
+                diff = this_scale * F(Laux[i]) + this_min - x[i]
+                diff = abs(diff) if use_mad else diff * diff
+                mad += weights[i] * diff
+            if mad < best_mad:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_mad = mad
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
 
 
-@vecops.cpu_runs(npkquants.quantize_q6_k)
-def quantize_q6_k(x: torch.Tensor, qw_sub: torch.Tensor | None = None) -> torch.Tensor:
-    """``quantize_row_q6_K_ref``, or ``quantize_row_q6_K_impl`` with importance weights
-    ``qw_sub`` (in the layout of ``_sub_blocks(x, 16)``): the same search with them as its weights."""
-    nb = x.shape[0]
-    X = _sub_blocks(x, 16)
-    scales, levels = _make_qx_quants_rmse1(X, 32, qw_sub)
-    # per super-block arithmetic and packing
-    S = v.vec(scales).reshape(nb, 16)
-    amax, max_scale = _first_absmax_cols(v.t(v.contig(S.T)), v)[:2]
-    zero = amax < _GROUP_MAX_EPS
-    with np.errstate(all="ignore"):  # all-zero super-blocks: inf/NaN as in C, zeroed below
-        iscale = rdiv(-128.0, max_scale)
-        d = fp16_round(rdiv(1.0, iscale))
-        sc = wrap_i8(v.imin(nearest_int(iscale[:, None] * S), 127))
-        dl = (d[:, None] * v.f32(sc)).reshape(-1)
-    L = _from_sub_blocks(_final_levels(X, v.t(dl), -32, 31, 32, levels), nb)
-    # element 128h + 32g + t; the 32-value groups g and g+2 share bytes: [b, h, g // 2, g % 2, t]
-    q = v.vec(L).reshape(nb, 2, 2, 2, 32)
-    lo, hi = q & 0xF, q >> 4
-    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)  # g | g+2 << 4, for g = 0, 1
-    h2 = hi[:, :, 0] | (hi[:, :, 1] << 4)  # g | g+2 << 4
-    qh = (h2[:, :, 0] | (h2[:, :, 1] << 2)).reshape(nb, 64)  # g=0 | g=1 << 2 | g=2 << 4 | g=3 << 6
-    out = _cat([ql, qh, u8(sc), fp16_bits(d)])
-    if v.any(zero):
-        out[zero] = 0  # memset(0) for an all-zero super-block
-    return v.t(out)
+@kernel
+def make_qp_quants(n, nmax, x, L, qw):
+    """``make_qp_quants``; ``L`` holds C's ``uint8_t`` levels (a negative level wraps, as the i-quants' signed
+    values can make it)."""
+    mx = F(0.0)
+    for i in range(n):
+        mx = mx if mx > x[i] else x[i]
+    if mx < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0)
+    iscale = F(nmax) / mx
+    for i in range(n):
+        L[i] = nearest_int(iscale * x[i]) & 0xFF
+    scale = F(1.0) / iscale
+    best_mse = F(0.0)
+    for i in range(n):
+        diff = x[i] - scale * F(L[i])
+        best_mse += qw[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F(0.1) * F(step) + F(nmax)) / mx
+        scale_is = F(1.0) / iscale_is
+        mse = F(0.0)
+        for i in range(n):
+            l = min(nmax, nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * F(l)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = F(0.0)
+    suml2 = F(0.0)
+    for i in range(n):
+        l = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = l & 0xFF
+        w = qw[i]
+        sumlx += w * x[i] * F(l)
+        suml2 += w * F(l) * F(l)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = qw[i]
+            slx = sumlx - w * x[i] * F(L[i])
+            sl2 = suml2 - w * F(L[i]) * F(L[i])
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    slx += w * x[i] * F(new_l)
+                    sl2 += w * F(new_l) * F(new_l)
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else F(0.0)
+
+
+@kernel
+def _sub_weights(x, at, qw, qat, sigma2, weights, n):
+    """``weights[l] = qw[l] * sqrtf(sigma2 + x[l]*x[l])``, and their sum."""
+    sumw = F(0.0)
+    for l in range(n):
+        weights[l] = qw[qat + l] * np.sqrt(sigma2 + x[at + l] * x[at + l])
+    for l in range(n):
+        sumw += weights[l]
+    return sumw
+
+
+@kernel
+def _sum_x2(x, at, n):
+    s = F(0.0)
+    for l in range(n):
+        s += x[at + l] * x[at + l]
+    return s
+
+
+@kernel
+def _pack_2bit(y, o, L):
+    for j in range(0, QK_K, 128):
+        for l in range(32):
+            y[o + j // 4 + l] = np.uint8((L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6))
+                                         & 0xFF)
+
+
+# --------------------------------------------------------------------------- Q2_K
+
+@kernel
+def _q2_k_levels(x, xo, y, o, L):
+    """The requantization at the fp16 scales both Q2_K paths end with, and the packing."""
+    dd = get_fp16(y, o + 80)
+    mm = get_fp16(y, o + 82)
+    for j in range(16):
+        d = dd * F(y[o + j] & 0xF)
+        if d == 0:
+            continue
+        dm = mm * F(y[o + j] >> 4)
+        for ii in range(16):
+            L[16 * j + ii] = max(0, min(3, nearest_int((x[xo + 16 * j + ii] + dm) / d)))
+    _pack_2bit(y, o + 16, L)
+
+
+@kernel
+def quantize_q2_k(x, y, n_per_row):
+    L = np.empty(QK_K, np.int64)
+    Laux = np.empty(16, np.int64)
+    weights = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    for i in range(x.size // QK_K):
+        xo, o = QK_K * i, 84 * i
+        max_scale = F(0.0)
+        max_min = F(0.0)
+        for j in range(16):
+            for l in range(16):
+                weights[l] = abs(x[xo + 16 * j + l])
+            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
+                                                  F(-0.5), F(0.1), 15, True)
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        if max_scale > 0:
+            iscale = F(15.0) / max_scale
+            for j in range(16):
+                y[o + j] = np.uint8(nearest_int(iscale * scales[j]) & 0xFF)
+            put_fp16(y, o + 80, max_scale / F(15.0))
+        else:
+            for j in range(16):
+                y[o + j] = 0
+            put_fp16(y, o + 80, F(0.0))
+        if max_min > 0:
+            iscale = F(15.0) / max_min
+            for j in range(16):
+                y[o + j] |= np.uint8((nearest_int(iscale * mins[j]) << 4) & 0xFF)
+            put_fp16(y, o + 82, max_min / F(15.0))
+        else:
+            put_fp16(y, o + 82, F(0.0))
+        _q2_k_levels(x, xo, y, o, L)
+
+
+@kernel
+def quantize_q2_k_weighted(x, y, n, qw):
+    L = np.empty(QK_K, np.int64)
+    Laux = np.empty(16, np.int64)
+    weights = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    sw = np.empty(16, np.float32)
+    Ls = np.empty(16, np.int64)
+    Lm = np.empty(16, np.int64)
+    for i in range(x.size // QK_K):
+        xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
+        sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
+        for j in range(16):
+            sw[j] = F(0.0)
+            for l in range(16):
+                weights[l] = qw[qo + 16 * j + l] * np.sqrt(sigma2 + x[xo + 16 * j + l] * x[xo + 16 * j + l])
+            for l in range(16):
+                sw[j] += weights[l]
+            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
+                                                  F(-0.9), F(0.05), 36, False)
+        dm = make_qp_quants(16, 15, scales, Ls, sw)
+        mm = make_qp_quants(16, 15, mins, Lm, sw)
+        put_fp16(y, o + 80, dm)
+        put_fp16(y, o + 82, mm)
+        for j in range(16):
+            y[o + j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
+        _q2_k_levels(x, xo, y, o, L)
+
+
+# --------------------------------------------------------------------------- Q3_K
+
+@kernel
+def _q3_k_finish(x, xo, y, o, L):
+    """Both Q3_K paths after the scales: requantize at each sub-block's scale, hmask and 2-bit levels."""
+    d_all = get_fp16(y, o + 108)
+    for j in range(16):
+        sc = y[o + 96 + j] & 0xF if j < 8 else y[o + 96 + j - 8] >> 4
+        sc = i8(np.int64(sc) | (((np.int64(y[o + 96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        d = d_all * F(sc)
+        if d == 0:
+            continue
+        for ii in range(16):
+            L[16 * j + ii] = max(-4, min(3, nearest_int(x[xo + 16 * j + ii] / d))) + 4
+    for m in range(32):
+        y[o + m] = 0
+    m = 0
+    hm = 1
+    for j in range(QK_K):
+        if L[j] > 3:
+            y[o + m] |= np.uint8(hm)
+            L[j] -= 4
+        m += 1
+        if m == 32:
+            m = 0
+            hm <<= 1
+    _pack_2bit(y, o + 32, L)
+
+
+@kernel
+def _q3_k_put_scale(y, o, j, l):
+    if j < 8:
+        y[o + 96 + j] = np.uint8(l & 0xF)
+    else:
+        y[o + 96 + j - 8] |= np.uint8((l & 0xF) << 4)
+    y[o + 96 + j % 4 + 8] |= np.uint8(((l >> 4) << (2 * (j // 4))) & 0xFF)
+
+
+@kernel
+def quantize_q3_k(x, y, n_per_row):
+    L = np.empty(QK_K, np.int64)
+    scales = np.empty(16, np.float32)
+    for i in range(x.size // QK_K):
+        xo, o = QK_K * i, 110 * i
+        max_scale = F(0.0)
+        amax = F(0.0)
+        for j in range(16):
+            scales[j] = make_q3_quants(16, 4, x[xo + 16 * j:], L[16 * j:])
+            scale = abs(scales[j])
+            if scale > amax:
+                amax = scale
+                max_scale = scales[j]
+        for j in range(12):
+            y[o + 96 + j] = 0
+        if max_scale != 0:
+            iscale = F(-32.0) / max_scale
+            for j in range(16):
+                l = max(-32, min(31, i8(nearest_int(iscale * scales[j])))) + 32
+                _q3_k_put_scale(y, o, j, l)
+            put_fp16(y, o + 108, F(1.0) / iscale)
+        else:
+            put_fp16(y, o + 108, F(0.0))
+        _q3_k_finish(x, xo, y, o, L)
+
+
+@kernel
+def quantize_q3_k_weighted(x, y, n, qw):
+    L = np.empty(QK_K, np.int64)
+    scales = np.empty(16, np.float32)
+    weights = np.empty(16, np.float32)
+    sw = np.empty(16, np.float32)
+    Ls = np.empty(16, np.int64)
+    for i in range(x.size // QK_K):
+        xo, o, qo = QK_K * i, 110 * i, (QK_K * i) % n
+        sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
+        for j in range(16):
+            sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
+            scales[j] = make_qx_quants(16, 4, x[xo + 16 * j:], L[16 * j:], 1, weights)
+        for j in range(12):
+            y[o + 96 + j] = 0
+        d_block = make_qx_quants(16, 32, scales, Ls, 1, sw)
+        for j in range(16):
+            _q3_k_put_scale(y, o, j, Ls[j])
+        put_fp16(y, o + 108, d_block)
+        _q3_k_finish(x, xo, y, o, L)
+
+
+# --------------------------------------------------------------------------- Q4_K / Q5_K
+
+@kernel
+def _scale_min_k4(j, y, so):
+    if j < 4:
+        return y[so + j] & 63, y[so + j + 4] & 63
+    return ((y[so + j + 4] & 0xF) | ((y[so + j - 4] >> 6) << 4),
+            (y[so + j + 4] >> 4) | ((y[so + j] >> 6) << 4))
+
+
+@kernel
+def _put_scale_min_k4(y, so, j, ls, lm):
+    if j < 4:
+        y[so + j] = np.uint8(ls)
+        y[so + j + 4] = np.uint8(lm)
+    else:
+        y[so + j + 4] = np.uint8((ls & 0xF) | ((lm & 0xF) << 4))
+        y[so + j - 4] |= np.uint8(((ls >> 4) << 6) & 0xFF)
+        y[so + j] |= np.uint8(((lm >> 4) << 6) & 0xFF)
+
+
+@kernel
+def _q45_k_finish(x, xo, y, o, L, nmax):
+    """The requantization at the fp16 scales and the packing, Q4_K (nmax 15) and Q5_K (31)."""
+    dd = get_fp16(y, o)
+    dmin = get_fp16(y, o + 2)
+    for j in range(8):
+        sc, m = _scale_min_k4(j, y, o + 4)
+        d = dd * F(sc)
+        if d == 0:
+            continue
+        dm = dmin * F(m)
+        for ii in range(32):
+            L[32 * j + ii] = max(0, min(nmax, nearest_int((x[xo + 32 * j + ii] + dm) / d)))
+    if nmax == 15:
+        for j in range(0, QK_K, 64):
+            for l in range(32):
+                y[o + 16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
+        return
+    for j in range(32):
+        y[o + 16 + j] = 0
+    m1 = 1
+    m2 = 2
+    for n in range(0, QK_K, 64):
+        for j in range(32):
+            l1 = L[n + j]
+            if l1 > 15:
+                l1 -= 16
+                y[o + 16 + j] |= np.uint8(m1)
+            l2 = L[n + j + 32]
+            if l2 > 15:
+                l2 -= 16
+                y[o + 16 + j] |= np.uint8(m2)
+            y[o + 48 + n // 2 + j] = np.uint8(l1 | (l2 << 4))
+        m1 <<= 2
+        m2 <<= 2
+
+
+@kernel
+def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
+    L = np.empty(QK_K, np.int64)
+    Laux = np.empty(32, np.int64)
+    weights = np.empty(32, np.float32)
+    mins = np.empty(8, np.float32)
+    scales = np.empty(8, np.float32)
+    for i in range(x.size // QK_K):
+        xo, o = QK_K * i, ts * i
+        max_scale = F(0.0)
+        max_min = F(0.0)
+        for j in range(8):
+            av_x = np.sqrt(_sum_x2(x, xo + 32 * j, 32) / F(32.0))
+            for l in range(32):
+                weights[l] = av_x + abs(x[xo + 32 * j + l])
+            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
+                                                  rmin, F(0.1), nstep, False)
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        inv_scale = F(63.0) / max_scale if max_scale > 0 else F(0.0)
+        inv_min = F(63.0) / max_min if max_min > 0 else F(0.0)
+        for j in range(8):
+            ls = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
+            lm = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
+            _put_scale_min_k4(y, o + 4, j, ls, lm)
+        put_fp16(y, o, max_scale / F(63.0))
+        put_fp16(y, o + 2, max_min / F(63.0))
+        _q45_k_finish(x, xo, y, o, L, nmax)
+
+
+@kernel
+def _q45_k_impl(x, y, n, qw, ts, nmax):
+    L = np.empty(QK_K, np.int64)
+    Laux = np.empty(32, np.int64)
+    Ls = np.empty(8, np.int64)
+    Lm = np.empty(8, np.int64)
+    weights = np.empty(32, np.float32)
+    sw = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    scales = np.empty(8, np.float32)
+    for i in range(x.size // QK_K):
+        xo, o, qo = QK_K * i, ts * i, (QK_K * i) % n
+        sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
+        for j in range(8):
+            sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
+            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
+                                                  F(-0.9), F(0.05), 36, False)
+        d_block = make_qp_quants(8, 63, scales, Ls, sw)
+        m_block = make_qp_quants(8, 63, mins, Lm, sw)
+        for j in range(8):
+            _put_scale_min_k4(y, o + 4, j, min(63, Ls[j] & 0xFF), min(63, Lm[j] & 0xFF))
+        put_fp16(y, o, d_block)
+        put_fp16(y, o + 2, m_block)
+        _q45_k_finish(x, xo, y, o, L, nmax)
+
+
+@kernel
+def quantize_q4_k(x, y, n_per_row):
+    _q45_k_ref(x, y, 144, 15, F(-1.0), 20)
+
+
+@kernel
+def quantize_q5_k(x, y, n_per_row):
+    _q45_k_ref(x, y, 176, 31, F(-0.5), 15)
+
+
+@kernel
+def quantize_q4_k_weighted(x, y, n, qw):
+    _q45_k_impl(x, y, n, qw, 144, 15)
+
+
+@kernel
+def quantize_q5_k_weighted(x, y, n, qw):
+    _q45_k_impl(x, y, n, qw, 176, 31)
+
+
+# --------------------------------------------------------------------------- Q6_K
+
+@kernel
+def _q6_k(x, y, n, qw):
+    """``quantize_row_q6_K_ref`` (``qw`` empty) / ``_impl``: the same search, with the importance as weights."""
+    L = np.empty(QK_K, np.int64)
+    scales = np.empty(16, np.float32)
+    weighted = qw.size > 0
+    for i in range(x.size // QK_K):
+        xo, o, qo = QK_K * i, 210 * i, (QK_K * i) % n
+        max_scale = F(0.0)
+        max_abs_scale = F(0.0)
+        for ib in range(16):
+            w = qw[qo + 16 * ib:qo + 16 * ib + 16] if weighted else qw
+            scale = make_qx_quants(16, 32, x[xo + 16 * ib:], L[16 * ib:], 1, w)
+            scales[ib] = scale
+            if abs(scale) > max_abs_scale:
+                max_abs_scale = abs(scale)
+                max_scale = scale
+        if max_abs_scale < GROUP_MAX_EPS:
+            for k in range(210):
+                y[o + k] = 0
+            continue
+        iscale = F(-128.0) / max_scale
+        d_all = fp16_round(F(1.0) / iscale)
+        put_fp16(y, o + 208, F(1.0) / iscale)
+        for ib in range(16):
+            y[o + 192 + ib] = np.uint8(min(127, nearest_int(iscale * scales[ib])) & 0xFF)
+        for j in range(16):
+            d = d_all * F(i8(np.int64(y[o + 192 + j])))
+            if d == 0:
+                continue
+            for ii in range(16):
+                L[16 * j + ii] = max(-32, min(31, nearest_int(x[xo + 16 * j + ii] / d))) + 32
+        for j in range(0, QK_K, 128):
+            ql = o + j // 2
+            qh = o + 128 + j // 4
+            for l in range(32):
+                q1 = L[j + l] & 0xF
+                q2 = L[j + l + 32] & 0xF
+                q3 = L[j + l + 64] & 0xF
+                q4 = L[j + l + 96] & 0xF
+                y[ql + l] = np.uint8(q1 | (q3 << 4))
+                y[ql + l + 32] = np.uint8(q2 | (q4 << 4))
+                y[qh + l] = np.uint8(((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) | ((L[j + l + 64] >> 4) << 4)
+                                      | ((L[j + l + 96] >> 4) << 6)) & 0xFF)
+
+
+@kernel
+def quantize_q6_k(x, y, n_per_row):
+    _q6_k(x, y, n_per_row, _NO_WEIGHTS)
+
+
+@kernel
+def quantize_q6_k_weighted(x, y, n, qw):
+    _q6_k(x, y, n, qw)
 
 
 # --------------------------------------------------------------------------- dequantizers
 
-def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
-    """(nb, 64) -> (nb, 256) 2-bit values in element order."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
-    return ((qs.view(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, QK_K)
+@kernel
+def dequantize_q2_k(y, x):
+    for i in range(x.size // QK_K):
+        o, xo = 84 * i, QK_K * i
+        d = get_fp16(y, o + 80)
+        mn = get_fp16(y, o + 82)
+        k = 0
+        for n in range(0, QK_K, 128):
+            q = o + 16 + n // 4
+            for j in range(4):
+                for half in range(2):
+                    sc = y[o + (n // 16) + 2 * j + half]
+                    dl = d * F(sc & 0xF)
+                    ml = mn * F(sc >> 4)
+                    for l in range(16):
+                        x[xo + k] = dl * F((y[q + 16 * half + l] >> (2 * j)) & 3) - ml
+                        k += 1
 
 
-def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    sc = b[:, :16]
-    d = from_fp16_bytes(b[:, 80:82])
-    dmin = from_fp16_bytes(b[:, 82:84])
-    dl = (d[:, None] * (sc & 0xF).to(_F32)).view(nb, 16, 1)
-    ml = (dmin[:, None] * (sc >> 4).to(_F32)).view(nb, 16, 1)
-    q = _unpack_2bit(b[:, 16:80]).view(nb, 16, 16).to(_F32)
-    return (dl * q - ml).view(nb, QK_K)
+@kernel
+def dequantize_q3_k(y, x):
+    sc = np.empty(16, np.int64)
+    for i in range(x.size // QK_K):
+        o, xo = 110 * i, QK_K * i
+        d_all = get_fp16(y, o + 108)
+        for j in range(16):
+            low = y[o + 96 + j] & 0xF if j < 8 else y[o + 96 + j - 8] >> 4
+            sc[j] = (np.int64(low) | (((np.int64(y[o + 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        k = 0
+        m = 1
+        for n in range(0, QK_K, 128):
+            q = o + 32 + n // 4
+            for j in range(4):
+                for half in range(2):
+                    dl = d_all * F(sc[n // 16 + 2 * j + half])
+                    for l in range(16):
+                        h = 0 if y[o + 16 * half + l] & m else 4
+                        x[xo + k] = dl * F(np.int64((y[q + 16 * half + l] >> (2 * j)) & 3) - h)
+                        k += 1
+                m <<= 1
 
 
-def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    hmask = b[:, :32]
-    sb = b[:, 96:108]
-    d = from_fp16_bytes(b[:, 108:110])
-    low = torch.cat([sb[:, :8] & 0xF, sb[:, :8] >> 4], dim=1)  # j = 0..15
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
-    high = ((sb[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(nb, 16)  # j = 4g + k
-    sc = (low | (high << 4)).to(torch.int16) - 32
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 16, 1)
-    ql = _unpack_2bit(b[:, 32:96]).to(torch.int16)
-    bit = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
-    hb = ((hmask.unsqueeze(1) >> bit) & 1).reshape(nb, QK_K)
-    q = (ql - 4 * (1 - hb.to(torch.int16))).to(_F32).view(nb, 16, 16)
-    return (dl * q).view(nb, QK_K)
+@kernel
+def _dequantize_q45_k(y, x, ts, five):
+    for i in range(x.size // QK_K):
+        o, xo = ts * i, QK_K * i
+        d = get_fp16(y, o)
+        mn = get_fp16(y, o + 2)
+        ql = o + 48 if five else o + 16
+        u1 = 1
+        u2 = 2
+        for j in range(0, QK_K, 64):
+            sc, m = _scale_min_k4(j // 32, y, o + 4)
+            d1, m1 = d * F(sc), mn * F(m)
+            sc, m = _scale_min_k4(j // 32 + 1, y, o + 4)
+            d2, m2 = d * F(sc), mn * F(m)
+            for l in range(32):
+                h = (16 if y[o + 16 + l] & u1 else 0) if five else 0
+                x[xo + j + l] = d1 * F((y[ql + j // 2 + l] & 0xF) + h) - m1
+            for l in range(32):
+                h = (16 if y[o + 16 + l] & u2 else 0) if five else 0
+                x[xo + j + 32 + l] = d2 * F((y[ql + j // 2 + l] >> 4) + h) - m2
+            u1 <<= 2
+            u2 <<= 2
 
 
-def _k4_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return sc, mn
+@kernel
+def dequantize_q4_k(y, x):
+    _dequantize_q45_k(y, x, 144, False)
 
 
-def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    d = from_fp16_bytes(b[:, 0:2])
-    dmin = from_fp16_bytes(b[:, 2:4])
-    sc, mn = _k4_scale_min(b[:, 4:16])
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
-    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
-    qs = b[:, 16:].view(nb, 4, 1, 32)
-    q = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32).to(_F32)
-    return (dl * q - ml).view(nb, QK_K)
+@kernel
+def dequantize_q5_k(y, x):
+    _dequantize_q45_k(y, x, 176, True)
 
 
-def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    d = from_fp16_bytes(b[:, 0:2])
-    dmin = from_fp16_bytes(b[:, 2:4])
-    sc, mn = _k4_scale_min(b[:, 4:16])
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
-    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
-    qh = b[:, 16:48]
-    qs = b[:, 48:].view(nb, 4, 1, 32)
-    ql = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32)
-    hb = (qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
-    q = (ql | (hb << 4)).to(_F32)
-    return (dl * q - ml).view(nb, QK_K)
-
-
-def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    ql = b[:, :128].view(nb, 2, 1, 64)
-    qh = b[:, 128:192].view(nb, 2, 1, 32)
-    sc = b[:, 192:208].contiguous().view(torch.int8).to(_F32)
-    d = from_fp16_bytes(b[:, 208:210])
-    lo = torch.cat([ql & 0xF, ql >> 4], dim=2).view(nb, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
-    hi = (qh >> shifts) & 3
-    q = ((lo | (hi << 4)).to(torch.int16) - 32).to(_F32).view(nb, 16, 16)
-    dl = (d[:, None] * sc).view(nb, 16, 1)
-    return (dl * q).view(nb, QK_K)
+@kernel
+def dequantize_q6_k(y, x):
+    for i in range(x.size // QK_K):
+        o, xo = 210 * i, QK_K * i
+        d = get_fp16(y, o + 208)
+        for n in range(0, QK_K, 128):
+            ql = o + n // 2
+            qh = o + 128 + n // 4
+            sc = o + 192 + n // 16
+            for l in range(32):
+                s = l // 16
+                h = np.int64(y[qh + l])
+                q1 = i8(np.int64(y[ql + l] & 0xF) | (((h >> 0) & 3) << 4)) - 32
+                q2 = i8(np.int64(y[ql + l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32
+                q3 = i8(np.int64(y[ql + l] >> 4) | (((h >> 4) & 3) << 4)) - 32
+                q4 = i8(np.int64(y[ql + l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32
+                x[xo + n + l] = d * F(i8(np.int64(y[sc + s]))) * F(q1)
+                x[xo + n + l + 32] = d * F(i8(np.int64(y[sc + s + 2]))) * F(q2)
+                x[xo + n + l + 64] = d * F(i8(np.int64(y[sc + s + 4]))) * F(q3)
+                x[xo + n + l + 96] = d * F(i8(np.int64(y[sc + s + 6]))) * F(q4)

@@ -1,28 +1,64 @@
-"""MXFP4 (OCP microscaling FP4) blocks, no quantizer: checkpoints ship experts in it (MiMo-V2.5) and the
-converter keeps them (their bits moved into ggml's blocks); quantizing a tensor from them needs their values.
+"""MXFP4 (OCP microscaling FP4): ``quantize_row_mxfp4_ref`` (llama-quantize's MXFP4_MOE experts), its
+dequantizer, and checkpoints' MXFP4 pairs moved into ggml's blocks.
 
-A block is 32 values in 17 bytes: an E8M0 exponent byte x, then 16 bytes whose byte j holds value j in its low
-nibble and value j + 16 in its high one. Value = kvalues[code] * 2^(x - 128), with ggml's doubled E2M1 table
-(the halved scale makes up for it): ggml_e8m0_to_fp32_half, gguf-py's ``MXFP4.dequantize_blocks``.
+A block is 32 values in 17 bytes: an E8M0 exponent byte e, then 16 bytes whose byte j holds value j in its low
+nibble and value j + 16 in its high one; value = kvalues[code] * 2^(e - 128), ggml's doubled E2M1 table with
+the halved scale (``ggml_e8m0_to_fp32_half``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-_KVALUES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
+from .jit import F, bits_f32, c_int, kernel
+
+KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
-def dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
-    """uint8 blocks [n, 17] -> float32 values [n, 32]."""
-    x = b[:, :1].to(torch.int32)
-    # 2^(x - 128) as float32 bits: normal from x = 2 on, the two smallest are subnormal (as ggml builds them)
-    bits = torch.where(x < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << x, (x - 1) << 23)
-    d = bits.view(torch.float32)
-    qs = b[:, 1:]
-    codes = torch.cat((qs & 0xF, qs >> 4), dim=1).long()
-    return d * torch.tensor(_KVALUES, dtype=torch.float32, device=b.device)[codes]
+@kernel
+def e8m0_half(e):
+    """``ggml_e8m0_to_fp32_half``: 2^(e - 128), subnormal for e < 2."""
+    if e < 2:
+        return bits_f32(np.uint32(0x00200000) << np.uint32(e))
+    return bits_f32(np.uint32(e - 1) << np.uint32(23))
+
+
+@kernel
+def _best_index(x, d):
+    best = 0
+    best_err = abs(F(KVALUES[0]) * d - x)
+    for i in range(1, 16):
+        err = abs(F(KVALUES[i]) * d - x)
+        if err < best_err:
+            best = i
+            best_err = err
+    return best
+
+
+@kernel
+def quantize_mxfp4(x, y, n_per_row):
+    for i in range(x.size // 32):
+        amax = F(0.0)
+        for j in range(32):
+            if amax < abs(x[32 * i + j]):
+                amax = abs(x[32 * i + j])
+        e = 0
+        if amax > 0:
+            e = c_int(np.floor(F(np.log2(np.float64(amax)))) - F(2.0) + F(127.0)) & 0xFF
+        d = e8m0_half(e)
+        y[17 * i] = np.uint8(e)
+        for j in range(16):
+            y[17 * i + 1 + j] = np.uint8(_best_index(x[32 * i + j], d) | (_best_index(x[32 * i + 16 + j], d) << 4))
+
+
+@kernel
+def dequantize_mxfp4(y, x):
+    for i in range(x.size // 32):
+        d = e8m0_half(np.int64(y[17 * i]))
+        for j in range(16):
+            b = y[17 * i + 1 + j]
+            x[32 * i + j] = F(KVALUES[b & 0x0F]) * d
+            x[32 * i + j + 16] = F(KVALUES[b >> 4]) * d
 
 
 def blocks_from_packed(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -13,8 +13,6 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
-from ..ggml import from_file, pool as workers_pool
-from ..ggml.from_file import as_float32
 from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
 
@@ -27,84 +25,38 @@ def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     return n // block * type_size
 
 
-SLAB_ELEMENTS = 1 << 24  # values a big tensor is encoded in at a time (64 MB as float32)
+SLAB_ELEMENTS = 1 << 24  # values of a quantized source decoded at a time (64 MB as float32)
+_FLOAT_SOURCES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 def encode_tensor(spec: TensorSpec) -> np.ndarray:
-    """The bytes (as the numpy array GGUFWriter wants) of one tensor in ``spec.ggml_type``; a big one with a row
-    reader (``load_rows``) slab by slab, into its place in one output buffer."""
+    """The bytes (as the numpy array GGUFWriter wants) of one tensor in ``spec.ggml_type``: a float tensor of a
+    GGUF read by the kernels' threads where the file stores it; a quantized one decoded slab by slab (a row
+    reader, ``load_rows``); any other from its values (``load``)."""
     if spec.load_raw is not None and spec.source_type == spec.ggml_type:
         return spec.load_raw()
+    from ..ggml.engine import Stored, quantize
+
     try:
-        if spec.stored_at is not None and spec.source_type in _NUMPY_SOURCES and spec.ggml_type != spec.source_type:
-            # workers read their chunks from the file and quantize them in cache (no whole-tensor read first);
-            # numpy's types without torch, the others through kernels (their weights checked, tables built)
-            if spec.ggml_type in from_file.SEARCH_TYPES and not from_file.torch_free(spec.ggml_type, spec.importance):
-                from ..ggml.kernels import quantize_stored
-            else:
-                quantize_stored = from_file.quantize_stored
-            out = quantize_stored(*spec.stored_at, spec.source_type, spec.shape, spec.ggml_type, spec.name,
-                                  _buffer_and_report, importance=spec.importance,
-                                  defer=getattr(_encoding, "defer", False))
-            if out is not None:
-                from_file.label_deferred(spec.source)
-                return out
-        # the paths below that use the pool (kernels.quantize's rows in memory) collect a band left running
-        if _numpy_only(spec):  # numpy reads and quantizes it: no torch (~1.5 s to import), no float copy
-            from ..ggml.npquant import quantize_rows
-
-            return quantize_rows(_float_values(spec), spec.ggml_type, spec.name)
-        from ..ggml.kernels import quantize
-
+        if spec.stored_at is not None and spec.source_type in _FLOAT_SOURCES:
+            out = output_buffer(tensor_nbytes(spec.shape, spec.ggml_type))
+            return quantize(Stored(*spec.stored_at, spec.source_type, spec.shape), spec.ggml_type, spec.name,
+                            importance=spec.importance, out=out, progress=report_progress(out))
         if spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS:
             return _encode_slabs(spec, quantize)
-        # a float GGUF tensor read straight into a reused buffer (load() copies f32 once more)
-        values = _float_values(spec) if _whole_float(spec) else spec.load()
-        return quantize(values, spec.ggml_type, name=spec.name, importance=spec.importance)
+        return quantize(_as_numpy(spec.load()), spec.ggml_type, spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
-        raise InputError(getattr(exc, "source", None) or spec.source, str(exc)) from None
+        raise InputError(spec.source, str(exc)) from None
 
 
-def settle_previous() -> None:
-    """Collect the tensor before's last band of pool work if it was left running (see :func:`encoded`); its
-    input error as the InputError that names it."""
-    try:
-        from_file.settle()
-    except from_file.DeferredError as exc:
-        if exc.source is None:  # not labelled (label_deferred): a plain ValueError, as the caller's own
-            raise ValueError(str(exc)) from None
-        raise InputError(exc.source, str(exc)) from None
-
-
-_NUMPY_SOURCES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-
-
-def _whole_float(spec: TensorSpec) -> bool:
-    """A float tensor read from a GGUF (the only plans with a row reader: there ``load_raw`` holds the very
-    values ``load`` gives; a checkpoint's holds them converted to the outtype), small enough to be read whole
-    (the bigger ones are encoded slab by slab)."""
-    return (spec.load_raw is not None and spec.load_rows is not None and spec.source_type in _NUMPY_SOURCES
-            and not (len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS))
-
-
-def _numpy_only(spec: TensorSpec) -> bool:
-    """A float GGUF tensor read whole, of a type :mod:`mtpq.ggml.npquant` writes: the legacy types, and the
-    K-quants on one worker (on more, the forked pool runs their search loops, which threads would serialise)."""
-    from ..ggml import npquant
-
-    return (from_file.torch_free(spec.ggml_type, spec.importance) and _whole_float(spec)
-            and (spec.ggml_type in npquant.NUMPY_TYPES or npquant.workers() < 2))
-
-
-def _float_values(spec: TensorSpec) -> np.ndarray:
-    """The stored values of a float GGUF tensor as float32 numpy, read straight into place for F32."""
-    progress = getattr(_encoding, "progress", None)
-    _encoding.progress = None  # load_raw reads into an output_buffer: not the tensor's output the writer follows
-    try:
-        raw = spec.load_raw()
-    finally:
-        _encoding.progress = progress
-    return as_float32(raw.view(np.uint16) if spec.source_type == GGMLQuantizationType.BF16 else raw)
+def _as_numpy(values) -> np.ndarray:
+    """A plan's values as numpy (a checkpoint's are torch tensors; bf16, which numpy lacks, widened exactly)."""
+    if isinstance(values, np.ndarray):
+        return values
+    values = values.detach().cpu()
+    if str(values.dtype) == "torch.bfloat16":
+        return values.float().numpy()
+    return values.numpy()
 
 
 def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
@@ -120,11 +72,9 @@ def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
     step = max(1, SLAB_ELEMENTS // (spec.n_elements // rows))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        part = quantize(spec.load_rows(r0, r1), spec.ggml_type, name=spec.name,
-                        importance=imp[r0:r1] if per_expert else imp)
         a, b = r0 * total // rows, r1 * total // rows
-        out[a:b] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-        del part
+        quantize(_as_numpy(spec.load_rows(r0, r1)), spec.ggml_type, spec.name,
+                 importance=imp[r0:r1] if per_expert else imp, out=out[a:b])
         if report is not None:
             report(b)
     return out
@@ -155,11 +105,6 @@ def output_buffer(nbytes: int) -> np.ndarray:
     arr = np.frombuffer(mem, dtype=np.uint8)  # its base is the mapping, not an array: views keep arr alive
     weakref.finalize(arr, _returned, mem)
     return _claimed(arr)
-
-
-def _buffer_and_report(nbytes: int) -> tuple[np.ndarray, Callable[[int], None] | None]:
-    out = output_buffer(nbytes)
-    return out, report_progress(out)
 
 
 class _Progress:
@@ -248,12 +193,7 @@ def encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
     """Each spec with its bytes (an :class:`_Ahead`), in order. Tensors are read and encoded in a worker
     thread, one after the other, and written as their rows are finished (file I/O and torch release the GIL);
     the encoder runs ahead of the writer while the tensors encoded and not yet written, with the next one, stay
-    within PREFETCH_BUDGET (or it is the only one): memory stays near the largest tensor.
-
-    A tensor's last band of pool work is left running when another tensor follows (see
-    :func:`mtpq.ggml.from_file.settle`): the workers go on to the next tensor's first band without waiting for
-    this thread, which collects the band after handing that one out (or before it waits for the writer), and
-    only then tells the writer the tensor is finished."""
+    within PREFETCH_BUDGET (or it is the only one): memory stays near the largest tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
     size = [tensor_nbytes(s.shape, s.ggml_type) for s in specs]
@@ -268,70 +208,52 @@ def encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
 
     def wait_turn(i: int) -> int:
         with turn:
-            if may_start(i):
-                return held(i)
-        settle_previous()  # the writer may be waiting for the tensor before: collect its band first
-        with turn:
             turn.wait_for(lambda: may_start(i))
             if state["stop"]:
                 raise _Abandoned
             return held(i)
 
     def checked(i: int, progress: _Progress) -> np.ndarray:
-        spec, last = specs[i], i + 1 == len(specs)
+        spec = specs[i]
         inflight = wait_turn(i)
         # a buffer of this size kept for reuse: encoded ahead (``inflight`` bytes being written meanwhile), it
         # can be a third tensor in memory, so only within the look-ahead's budget; encoded alone (the tensors
         # too big to overlap), the one kept is the buffer this tensor then takes: never more than one tensor,
         # and a multi-GB expert stack is not mapped and faulted in afresh after each one of its size
         _keep_spare(size[i] if not inflight or inflight + 2 * size[i] <= PREFETCH_BUDGET else 0)
-        _encoding.progress, _encoding.defer = progress, not last
+        _encoding.progress = progress
         try:
             data = encode_tensor(spec)
-            if last:
-                settle_previous()  # no tensor follows to collect a band left running
-        except BaseException:
-            settle_previous()  # the tensor before, still waited for by the writer (its error comes first)
-            raise
         finally:
-            _encoding.progress, _encoding.defer = None, False
-            if not from_file.after_settle(progress.finish):
-                progress.finish()
+            _encoding.progress = None
+            progress.finish()
         if data.nbytes != size[i]:
             raise InputError(spec.source, f"produced {data.nbytes} bytes, expected {size[i]} for {spec.ggml_type.name}")
         return data
 
-    # the quantization workers, if any tensor wants them, are forked once for the file (see ggml.pool)
-    with workers_pool.scope():
-        encoder = ThreadPoolExecutor(max_workers=1)
-        progress = [_Progress() for _ in specs]
-        futures = [encoder.submit(checked, i, progress[i]) for i in range(len(specs))]
-        complete = False
-        try:
-            for i, spec in enumerate(specs):
-                # every tensor is written as its rows are finished: one too big to be encoded ahead still
-                # overlaps its own encoding and writing
-                data = _Ahead(futures[i], progress[i], size[i])
-                yield spec, data
-                del data  # written: not held while later tensors are encoded
-                futures[i] = progress[i] = None
-                with turn:
-                    state["written"] = i + 1
-                    turn.notify_all()
-            complete = True
-        finally:
+    encoder = ThreadPoolExecutor(max_workers=1)
+    progress = [_Progress() for _ in specs]
+    futures = [encoder.submit(checked, i, progress[i]) for i in range(len(specs))]
+    try:
+        for i, spec in enumerate(specs):
+            # every tensor is written as its rows are finished: one too big to be encoded ahead still
+            # overlaps its own encoding and writing
+            data = _Ahead(futures[i], progress[i], size[i])
+            yield spec, data
+            del data  # written: not held while later tensors are encoded
+            futures[i] = progress[i] = None
             with turn:
-                state["stop"] = True
+                state["written"] = i + 1
                 turn.notify_all()
-            for f in futures:
-                if f is not None:
-                    f.cancel()
-            if not complete:  # an error or an interrupt: the workers' queued chunks are of no use now
-                workers_pool.abandon()
-            encoder.shutdown(wait=True)
-            if not complete:
-                from_file.discard()  # a band the tensor being encoded left running: its pool is gone
-            _keep_spare(0)  # nothing kept past the file
+    finally:
+        with turn:
+            state["stop"] = True
+            turn.notify_all()
+        for f in futures:
+            if f is not None:
+                f.cancel()
+        encoder.shutdown(wait=True)
+        _keep_spare(0)  # nothing kept past the file
 
 
 class _Abandoned(Exception):

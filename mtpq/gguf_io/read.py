@@ -120,18 +120,12 @@ def _raw_loader(t: ReaderTensor, path: Path) -> Callable[[], np.ndarray]:
     return load
 
 
-def _as_float(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]):
-    """Stored values (as gguf-py shapes them) as a new float32 torch tensor of ``shape`` (never a view of
-    ``data``)."""
-    import torch
+def _as_float(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored values (as gguf-py shapes them) as a new float32 array of ``shape`` (never a view of ``data``)."""
+    from ..ggml.engine import dequantize
 
-    if qtype == GGMLQuantizationType.BF16:
-        return torch.from_numpy(data.view(np.uint16).astype(np.int32) << 16).view(torch.float32).reshape(shape)
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return torch.from_numpy(data.astype(np.float32)).reshape(shape)
-    from ..ggml.kernels import dequantize
-
-    return dequantize(data, qtype, shape)
+    out = dequantize(data, qtype, shape)
+    return out.copy() if np.shares_memory(out, data) else out
 
 
 def _float_loader(t: ReaderTensor, path: Path, shape: tuple[int, ...]) -> Callable:

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from gguf import GGMLQuantizationType
 
+from ..errors import InputError
 from ..tensors import Role, TensorSpec, tensor_kind
 from .mtp_precision import SAME, MtpPrecision
 from .presets import (
@@ -153,7 +154,7 @@ def preset_mix(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
     return llama_mix(spec.name, _row(spec), ctx.preset, ctx.model,
                      i_running=ctx.running_index.get(spec.name, 0), n_attn_v=ctx.n_attn_v,
                      output_tensor_type=ctx.output_tensor_type,
-                     has_imatrix=ctx.has_imatrix)
+                     has_imatrix=ctx.has_imatrix, n_mat=spec.shape[0] if len(spec.shape) == 3 else 1)
 
 
 RULES: list[Rule] = [never_quantized, leave_output_tensor, token_embedding_option, output_tensor_option,
@@ -176,7 +177,10 @@ def decide(spec: TensorSpec, ctx: PolicyContext) -> Decision:
     rule, (qtype, reason) = first_answer(spec, ctx)
     if rule in _KEPT:
         return qtype, reason
-    new, why = row_fallback(qtype, _row(spec))
+    try:
+        new, why = row_fallback(qtype, _row(spec))
+    except ValueError as e:  # llama-quantize stops there too
+        raise InputError(spec.source, f"{spec.name}: {e}") from None
     return (new, f"{reason}; {why}") if why else (qtype, reason)
 
 

@@ -64,15 +64,13 @@ _PRESETS = [
     Preset("IQ2_S", F.MOSTLY_IQ2_S, T.IQ2_XS), Preset("IQ2_M", F.MOSTLY_IQ2_M, T.IQ2_S),
     Preset("IQ3_XXS", F.MOSTLY_IQ3_XXS, T.IQ3_XXS), Preset("IQ3_XS", F.MOSTLY_IQ3_XS, T.IQ3_S),
     Preset("IQ3_S", F.MOSTLY_IQ3_S, T.IQ3_S), Preset("IQ3_M", F.MOSTLY_IQ3_M, T.IQ3_S),
+    Preset("Q1_0", F.MOSTLY_Q1_0, T.Q1_0), Preset("Q2_0", F.MOSTLY_Q2_0, T.Q2_0),
+    Preset("TQ1_0", F.MOSTLY_TQ1_0, T.TQ1_0), Preset("TQ2_0", F.MOSTLY_TQ2_0, T.TQ2_0),
+    Preset("MXFP4_MOE", F.MOSTLY_MXFP4_MOE, T.MXFP4),
     Preset("F16", F.MOSTLY_F16, T.F16), Preset("BF16", F.MOSTLY_BF16, T.BF16), Preset("F32", F.ALL_F32, T.F32),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
-# llama-quantize presets mtpq refuses, and why (so the error can say so)
-_UNSUPPORTED = {
-    "TQ": "ternary types are not supported",
-    "MXFP4_MOE": "MXFP4 is not supported",
-}
 
 
 def preset_named(name: str, option: str = "PRESET") -> Preset:
@@ -81,10 +79,7 @@ def preset_named(name: str, option: str = "PRESET") -> Preset:
     key = ALIASES.get(key, key)
     if key in PRESETS:
         return PRESETS[key]
-    why = next((w for k, w in _UNSUPPORTED.items() if key.startswith(k)), None)
-    known = ", ".join(PRESETS)
-    problem = f"preset {name!r} is not supported ({why})" if why else f"unknown preset {name!r}"
-    raise InputError(option, f"{problem}; choose one of {known}")
+    raise InputError(option, f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
 # ggml types llama-quantize refuses to write without importance data ("the result will be garbage")
@@ -222,17 +217,22 @@ def block_of(name: str) -> int:
     return int(m.group(1))
 
 
-# 256-wide i-quants fall back to the 32-wide IQ4_NL, K-quants to the legacy 32-wide types
+# 256-wide i-quants fall back to the 32-wide IQ4_NL, K-quants and the 1-2-bit types to the legacy 32-wide ones
 _ROW_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+                 T.Q2_0: T.Q4_0, T.TQ1_0: T.Q4_0, T.TQ2_0: T.Q4_0,
                  **{getattr(T, n): T.IQ4_NL for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                                                       "IQ3_S", "IQ4_XS")}}
 
 
 def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizationType, str]:
-    """``tensor_type_fallback``: a type whose block does not divide the row length falls back."""
+    """``tensor_type_fallback``: a type whose block does not divide the row length falls back (a block wider
+    than 32 without a fallback -- Q1_0 -- stops llama-quantize: ValueError)."""
     block = GGML_QUANT_SIZES[qtype][0]
     if row % block == 0:
         return qtype, ""
+    if qtype not in _ROW_FALLBACK and block > 32:
+        raise ValueError(f"a row of {row} is not a multiple of {qtype.name.lower()}'s block of {block}, and "
+                         f"llama-quantize has no fallback type for {qtype.name.lower()}")
     fallback = _ROW_FALLBACK.get(qtype, qtype)
     if row % GGML_QUANT_SIZES[fallback][0] != 0:
         fallback = T.F16
@@ -248,20 +248,23 @@ _IQ_LOW = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
 # output (and tied token_embd) at q5_k instead of q6_k
 _OUTPUT_Q5_K = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS")
 _TOKEN_EMBD = {"IQ1_S": T.Q2_K, "IQ1_M": T.Q2_K, "IQ2_XXS": T.Q2_K, "IQ2_XS": T.Q2_K,
-               "IQ2_S": T.IQ3_S, "IQ2_M": T.IQ3_S, "IQ3_XXS": T.IQ3_S}
+               "IQ2_S": T.IQ3_S, "IQ2_M": T.IQ3_S, "IQ3_XXS": T.IQ3_S, "TQ1_0": T.Q4_K, "TQ2_0": T.Q4_K,
+               "Q2_0": T.Q4_K}
+_MOE_FFN = (Category.FFN_UP, Category.FFN_GATE, Category.FFN_DOWN)  # bailingmoe3's experts in MXFP4_MOE
 # attn_output of an 8-expert model goes to q5_k in these
 _ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS",
                           "IQ3_XS", "IQ3_XXS", "IQ3_S", "IQ3_M")
 
 
 def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: int, n_attn_v: int,
-              output_tensor_type: GGMLQuantizationType | None = None, has_imatrix: bool = False) -> Choice:
+              output_tensor_type: GGMLQuantizationType | None = None, has_imatrix: bool = False,
+              n_mat: int = 1) -> Choice:
     """The type llama-quantize's preset gives one quantizable tensor, and why.
 
     ``i_running`` is llama.cpp's running count for the tensor's category
     (qs.i_attention_wv, qs.i_ffn_down, qs.i_ffn_gate, qs.i_ffn_up): how many
     tensors of that category reached the mix before this one; ``row`` is the
-    row length (GGUF ne[0]).
+    row length (GGUF ne[0]); ``n_mat`` GGUF's ne[2] (the experts of a stack).
     """
     p, base, cat = preset.name, preset.base, category(name)
 
@@ -272,6 +275,8 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: 
         what = "output" if cat is Category.OUTPUT else "token_embd (tied to output)"
         if output_tensor_type is not None:
             return output_tensor_type, f"{what}: --output-tensor-type"
+        if p == "MXFP4_MOE":
+            return T.Q8_0, f"{what}: q8_0 in {p}"
         if m.arch == "falcon" or row % GGML_QUANT_SIZES[base][0] != 0:
             return T.Q8_0, f"{what}: q8_0 (row does not fit {base.name.lower()})"
         if p in _OUTPUT_Q5_K:
@@ -279,6 +284,11 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: 
         if base != T.Q8_0:
             return T.Q6_K, f"{what}: q6_k"
         return base, f"{what}: {p} base type"
+
+    if p == "MXFP4_MOE":
+        if n_mat > 1 and (m.arch != "bailingmoe3" or cat in _MOE_FFN):
+            return T.MXFP4, "expert stack: mxfp4 in MXFP4_MOE"
+        return T.Q8_0, "not an expert stack: q8_0 in MXFP4_MOE"
 
     if cat is Category.TOKEN_EMBD:
         if p in _TOKEN_EMBD:

@@ -2,7 +2,7 @@
 
 A quantized tensor (Q8_0, Q4_K, ...) stays as its raw GGUF bytes (a uint8 tensor
 on the device) and is dequantized on the fly, at each use, by
-:func:`mtpq.ggml.kernels.dequantize`; so a Q4 model needs Q4 memory plus one
+:func:`mtpq.runtime.dequant.dequantize`; so a Q4 model needs Q4 memory plus one
 dequantized matrix at a time. F32 tensors (and any float tensor already in the compute
 dtype) are used as they are. F16/BF16 tensors under a wider compute dtype stay in their
 16 bits and are widened at each use into a buffer reused from call to call
@@ -191,7 +191,7 @@ class QWeight(nn.Module):
         return widened(self.data if expert is None else self.data[expert], self.dtype, self.pool)
 
     def _dequant(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        from ..ggml.kernels import dequantize  # the house's torch kernels (CUDA-capable)
+        from .dequant import dequantize  # torch, on the weight's device (CUDA included)
 
         return dequantize(raw, self.qtype, shape).to(device=raw.device, dtype=self.dtype)
 

@@ -60,29 +60,44 @@ def test_a_truncated_string_array_is_refused(meta_file, tmp_path):
                                   ["quantize", "{f}", "{out}", "Q4_0", "--pure", "--threads", "2", "--quiet"]])
 def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
     """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine),
-    nor does quantizing a float GGUF to the types numpy writes alone (mtpq.ggml.npquant: Q8_0/Q4_0/Q5_0 and
-    the K-quants without an imatrix: see the next test)."""
+    nor does quantizing (the kernels are mtpq.ggml's, compiled: see the next test)."""
     argv = [a.format(f=meta_file, out=tmp_path / "o.gguf") for a in args]
     assert _run_cli(argv) == "0 NO TORCH"
 
 
-@pytest.mark.parametrize("mix,threads,types", [("Q4_K_M", "2", {"Q4_K", "Q6_K"}), ("Q3_K_S", "1", {"Q3_K"}),
-                                               ("Q2_K", "2", {"Q2_K", "Q3_K"}), ("Q5_K_S", "2", {"Q5_K"}),
-                                               ("IQ4_XS", "2", {"IQ4_XS"}), ("IQ4_NL", "1", {"IQ4_NL"})])
-def test_k_quants_start_without_torch(tmp_path, mix, threads, types):
-    """Nor do the K-quants and IQ4 without an imatrix (mtpq.ggml.npkquants, npiq4), in the forked workers or in
-    process."""
-    src, out = tmp_path / "k.gguf", tmp_path / "o.gguf"
+@pytest.fixture(scope="module")
+def k_source(tmp_path_factory) -> tuple[Path, Path]:
+    """A float GGUF of 256-wide rows, and an imatrix (the legacy format, written here) with an entry per matrix."""
+    from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix
+
+    root = tmp_path_factory.mktemp("no_torch")
+    src, im = root / "k.gguf", root / "k.imatrix.dat"
     w = gguf.GGUFWriter(src, "llama")
     w.add_block_count(1)
     g = np.random.default_rng(7)
-    for name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "output.weight"):
+    names = ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "output.weight")
+    for name in names:
         w.add_tensor(name, (g.standard_normal((8, 512)) * 0.02).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert _run_cli(["quantize", str(src), str(out), mix, "--threads", threads, "--quiet"]) == "0 NO TORCH"
+    entries = {n: Entry(g.uniform(0.1, 2, (1, 512)).astype(np.float32), np.ones(1, np.float32)) for n in names}
+    write_imatrix(Imatrix(entries, legacy=True), im)
+    return src, im
+
+
+@pytest.mark.parametrize("mix,extra,types", [
+    ("Q4_K_M", [], {"Q4_K", "Q6_K"}), ("Q3_K_S", ["--threads", "1"], {"Q3_K"}), ("Q2_K", [], {"Q2_K", "Q3_K"}),
+    ("IQ4_XS", [], {"IQ4_XS"}), ("Q5_1", ["--pure"], {"Q5_1"}), ("TQ1_0", ["--pure"], {"TQ1_0"}),
+    ("Q4_K_M", ["--imatrix", "IM"], {"Q4_K", "Q6_K"}), ("IQ2_XXS", ["--imatrix", "IM"], {"IQ2_XXS"}),
+    ("IQ1_M", ["--imatrix", "IM", "--pure"], {"IQ1_M"}), ("Q4_0", ["--imatrix", "IM", "--pure"], {"Q4_0"})])
+def test_quantize_starts_without_torch(k_source, tmp_path, mix, extra, types):
+    """Nor does quantizing to any type, with an imatrix or without, on one thread or several."""
+    src, im = k_source
+    out = tmp_path / "o.gguf"
+    extra = [str(im) if a == "IM" else a for a in extra]
+    assert _run_cli(["quantize", str(src), str(out), mix, *extra, "--quiet"]) == "0 NO TORCH"
     assert types <= {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
 
 

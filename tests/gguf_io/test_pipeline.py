@@ -1,7 +1,6 @@
-"""Consecutive tensors' pool work overlaps (mtpq.gguf_io.buffers.encoded, mtpq.ggml.from_file.settle): a
-tensor's last band is left running while the next tensor's first band is handed out, and collected after.
-The bytes are the in-process path's (test_slabs.py); here, what the overlap must not change: an input error in
-a band left running names its own tensor, the run exits 2, and nothing is left behind."""
+"""The writer encodes the next tensor while it writes the one before (mtpq.gguf_io.buffers.encoded), each
+tensor's chunks shared by the kernels' threads: an input error in any tensor names that tensor, the run exits 2,
+and nothing is left behind, whatever the thread count."""
 
 from __future__ import annotations
 
@@ -10,11 +9,6 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader
 
 from tests.helpers.runcli import run_cli
-
-from mtpq.ggml import pool
-
-pytestmark = pytest.mark.skipif(not pool.available(), reason="forked workers are Linux-only")
-
 
 @pytest.fixture(scope="module")
 def full(glm_ckpt, tmp_path_factory):
@@ -37,17 +31,16 @@ def _with_nan(full, tmp_path, pick) -> tuple:
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
-def test_a_nan_in_a_band_left_running_names_its_tensor(full, tmp_path, where, qtype, monkeypatch):
+def test_a_nan_names_its_tensor(full, tmp_path, where, qtype):
     pick = {"first": lambda m: m[0], "middle": lambda m: m[len(m) // 2], "last": lambda m: m[-1]}[where]
     bad, name = _with_nan(full, tmp_path, pick)
     out = tmp_path / "out.gguf"
-    pooled = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "2", "-q")
-    assert pooled.exit_code == 2, pooled.output
-    assert f"{bad.name}:{name}: {name}: contains NaN/Inf values" in pooled.output
+    shared = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "2", "-q")
+    assert shared.exit_code == 2, shared.output
+    assert f"{bad.name}:{name}: {name}: contains NaN/Inf values" in shared.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.gguf"]  # no output, no temporary
-    monkeypatch.setenv("MTPQ_WORKERS", "threads")  # the in-process path, one tensor at a time: the same line
-    alone = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "2", "-q")
-    assert alone.exit_code == 2 and alone.output == pooled.output
+    alone = run_cli("quantize", bad, out, qtype, "--pure", "--mtp-type", "same", "--threads", "1", "-q")
+    assert alone.exit_code == 2 and alone.output == shared.output
 
 
 def test_the_heap_is_frozen_only_while_tensors_are_written(full, tmp_path):

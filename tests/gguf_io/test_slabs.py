@@ -1,12 +1,13 @@
 """A GGUF's big tensors are quantized slab by slab (whole experts, bands of rows), read with pread rather than
 through a mapping of the file: the same bytes as encoding each tensor at once, for every kind of source and
 target -- k-quants, legacy quants, i-quants with an imatrix (per-expert rows), floats, requantized sources --
-while memory stays near one tensor (measured at scale in test_scale.py). With a worker pool, float tensors are
-read by the workers themselves (mtpq.ggml.from_file): the whole run below takes that path, the slab run the
-in-process one, and both give the same bytes."""
+while memory stays near one tensor (measured at scale in test_scale.py). A float tensor is read by the kernels'
+threads where the file stores it (mtpq.ggml.engine.Stored): the whole run below takes that path, the slab run
+reads rows into arrays, and both give the same bytes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,9 @@ def test_slabs_give_the_whole_tensors_bytes(run, inputs, tmp_path, monkeypatch):
     real = buffers._encode_slabs
     monkeypatch.setattr(buffers, "SLAB_ELEMENTS", 20000)  # the tiny model's matrices: 2-7 slabs, stacks: 1 expert
     monkeypatch.setattr(buffers, "_encode_slabs", lambda spec, q: calls.append(spec.name) or real(spec, q))
-    # no worker pool: a float tensor is then read slab by slab in this process, not by workers from the file
-    # (mtpq.ggml.from_file), as the whole run above read it where it could
-    monkeypatch.setenv("MTPQ_WORKERS", "threads")
+    # not read where the file stores it: a float tensor then goes by slabs too, as arrays
+    encode = buffers.encode_tensor
+    monkeypatch.setattr(buffers, "encode_tensor", lambda spec: encode(replace(spec, stored_at=None)))
     assert run_cli("quantize", inputs[src], slabs, preset, "-q", *extra).exit_code == 0
     assert any("_exps" in n for n in calls) and len(calls) > 15  # expert stacks and matrices went by slabs
     assert slabs.read_bytes() == whole.read_bytes()

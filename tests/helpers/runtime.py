@@ -56,9 +56,9 @@ def dequantized_copy(src: Path, out: Path) -> Path:
 def requantized(src: Path, out: Path, qtype: T) -> Path:
     """``src`` with every matrix whose rows fit ``qtype``'s blocks (routers aside) in ``qtype``."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.ggml.kernels import SUPPORTED_TYPES
+    from mtpq.ggml.registry import TYPES
 
-    assert qtype in SUPPORTED_TYPES, f"no {qtype.name} kernel"  # a dropped kernel fails here, never skips
+    assert qtype in TYPES, f"no {qtype.name} kernel"  # a dropped kernel fails here, never skips
     plan = plan_from_gguf(src)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     plan.tensors = [s.with_type(qtype, "test") if len(s.shape) >= 2 and s.shape[-1] % block == 0

@@ -645,14 +645,13 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
 
 @pytest.mark.parametrize("kwargs,where,says", [
     (dict(preset="Q9_X"), "PRESET", "unknown preset"),
-    (dict(preset="TQ1_0"), "PRESET", "not supported"),
     (dict(preset="IQ2_XXS"), "--imatrix", "need importance data"),  # as llama-quantize, which refuses it
     (dict(preset="Q2_K_S"), "--imatrix", "need importance data"),  # Q2_K_S exists only with an imatrix
     (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
     (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
     (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),
     (dict(mtp_type="fp8"), "--mtp-type", "unknown"),
-    (dict(mtp_experts_type="tq1_0"), "--mtp-experts-type", "unsupported"),
+    (dict(mtp_experts_type="q8_k"), "--mtp-experts-type", "unsupported"),
     (dict(output_tensor_type="q4"), "--output-tensor-type", "unknown"),
 ])
 def test_bad_options_name_the_option(glm8, kwargs, where, says):

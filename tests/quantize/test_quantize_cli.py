@@ -249,7 +249,7 @@ def _llama(bin_dir: Path, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.llama_cpp
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["Q4_K_M", "Q3_K_M", "Q5_1"])
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q3_K_M", "Q5_1", "TQ1_0", "TQ2_0", "Q2_0", "Q1_0", "MXFP4_MOE"])
 def test_same_bytes_as_llama_quantize_with_mtp_type_same(f32, llama_cpp_bin, tmp_path, preset):
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
     assert run_cli("quantize", f32, ours, preset, "--mtp-type", "same", "--quiet").exit_code == 0

@@ -1,0 +1,98 @@
+"""The i-quants' grids, as ``iq2xs_init_impl`` / ``iq3xs_init_impl`` (``ggml_quantize_init``) build them.
+
+The grid points come from gguf-py's dequantization tables (``gguf.quants``): each point's coordinate levels l
+(its index in the class's ``grid_map``) give the quantizer's values 2l + 1, the map from a lattice point (its
+levels packed ``bits`` per coordinate) to its grid index, and, for a lattice point off the grid, the list of
+grid points at its ``nwant`` smallest squared distances, ordered by distance then index (ggml's qsort of
+(distance, index) pairs). Lists are built for the lattice points the quantizers can reach (levels up to
+``max_level``), in ggml's layout: ``kmap[u] = -(offset + 1)`` and ``neighbours[offset]`` the list's length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from gguf import quants as gq
+
+from .jit import kernel
+
+# family name: (gguf-py class, bits per coordinate, coordinates, nwant, highest level a quantizer reaches)
+_FAMILIES = {
+    "IQ2_XXS": (gq.IQ2_XXS, 2, 8, 2, 2),
+    "IQ2_XS": (gq.IQ2_XS, 2, 8, 2, 2),
+    "IQ2_S": (gq.IQ2_S, 2, 8, 1, 2),
+    "IQ1_S": (gq.IQ1_S, 2, 8, 3, 2),  # IQ1_M shares it
+    "IQ3_XXS": (gq.IQ3_XXS, 3, 4, 2, 7),
+    "IQ3_S": (gq.IQ3_S, 3, 4, 3, 7),
+}
+
+
+@kernel
+def _neighbour_lists(pos, bits, max_level, nwant, kmap):
+    """Fill ``kmap`` for the reachable off-grid lattice points and return their neighbour lists."""
+    ngrid, gw = pos.shape
+    n_lv = max_level + 1
+    count = n_lv ** gw
+    out = np.empty(count * (ngrid + 1), np.uint16)
+    at = 0
+    d2 = np.empty(ngrid, np.int64)
+    seen = np.zeros(2048, np.bool_)
+    for c in range(count):
+        u = 0
+        rest = c
+        for k in range(gw):
+            u |= (rest % n_lv) << (bits * k)
+            rest //= n_lv
+        if kmap[u] >= 0:
+            continue
+        seen[:] = False
+        for j in range(ngrid):
+            s = 0
+            for k in range(gw):
+                diff = np.int64(pos[j, k]) - (2 * ((u >> (bits * k)) & ((1 << bits) - 1)) + 1)
+                s += diff * diff
+            d2[j] = s
+            seen[s] = True
+        kmap[u] = -(at + 1)
+        start = at
+        at += 1
+        nhave = 0
+        for v in range(2048):
+            if not seen[v]:
+                continue
+            for j in range(ngrid):
+                if d2[j] == v:
+                    out[at] = j
+                    at += 1
+            nhave += 1
+            if nhave == nwant:
+                break
+        out[start] = at - start - 1
+    return out[:at].copy()
+
+
+@functools.cache
+def grid_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pos int8 (n_grid, coordinates) of 2l + 1, kmap int32, neighbours uint16) of a grid family."""
+    qcls, bits, gw, nwant, max_level = _FAMILIES[family]
+    qcls.init_grid()
+    g = np.asarray(qcls.grid, dtype=np.float32).reshape(-1, gw)
+    gmap = np.asarray(qcls.grid_map, dtype=np.float32)
+    levels = np.argmax(g[..., None] == gmap, axis=-1).astype(np.int64)
+    pos = (2 * levels + 1).astype(np.int8)
+    kmap = np.full(1 << (bits * gw), -1, dtype=np.int32)
+    kmap[(levels << (bits * np.arange(gw))).sum(axis=1)] = np.arange(len(g), dtype=np.int32)
+    neighbours = _neighbour_lists(pos, bits, max_level, nwant, kmap)
+    return pos, kmap, neighbours
+
+
+@functools.cache
+def dequant_grid(family: str) -> np.ndarray:
+    """The grid's dequantized values (ggml's ``iq2xxs_grid`` ... bytes), float32 (n_grid, coordinates)."""
+    qcls = _FAMILIES[family][0]
+    qcls.init_grid()
+    return np.ascontiguousarray(np.asarray(qcls.grid, dtype=np.float32).reshape(-1, _FAMILIES[family][2]))
+
+
+KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()  # ksigns_iq2xs: 7 sign bits and their parity

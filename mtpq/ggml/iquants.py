@@ -1,0 +1,722 @@
+"""IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: ``quantize_row_iq*_impl`` and ``dequantize_row_iq*``
+of ``ggml-quants.c``, on the grids of :mod:`.iqtables`.
+
+The five grid types share one search (:func:`_grid_search`): signs first, then candidate scales, each group of
+8 (IQ2) or 4 (IQ3) levels snapped to its grid point or to the best of its neighbours, the best candidate
+refitted; their own code packs the blocks. The IQ1 types split sorted values into three groups. Quantizers
+take ``(x, y, n_per_row, qw, pos, kmap, neighbours)`` (``qw`` empty: none given), the tables' arrays at the
+end; :mod:`.registry` binds them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .iqtables import KSIGNS
+from .jit import F, QK_K, fp16, fp16_to_f32, get_fp16, get_u16, get_u32, kernel, nearest_int, put_fp16, put_u32
+from .kquants import make_qp_quants
+
+_FLT_MAX = F(3.4028234663852886e38)
+_IQ1_DELTA = F(0.125)
+
+
+# --------------------------------------------------------------------------- shared parts
+
+@kernel
+def _weights(x, xo, qw, qo, sigma2, weight, n, no_imatrix_bias):
+    """``qw * sqrtf(sigma2 + x*x)``, or without weights ``x*x`` (+ ``0.25f*sigma2`` for IQ2_S)."""
+    if qw.size > 0:
+        for i in range(n):
+            weight[i] = qw[qo + i] * np.sqrt(sigma2 + x[xo + i] * x[xo + i])
+    elif no_imatrix_bias:
+        for i in range(n):
+            weight[i] = F(0.25) * sigma2 + x[xo + i] * x[xo + i]
+    else:
+        for i in range(n):
+            weight[i] = x[xo + i] * x[xo + i]
+
+
+@kernel
+def _sigma2(x, xo, twice):
+    s = F(0.0)
+    for i in range(QK_K):
+        s += x[xo + i] * x[xo + i]
+    return F(2.0) * s / F(QK_K) if twice else s / F(QK_K)
+
+
+@kernel
+def _signs(x, xo, weight, xval, signs, n, parity):
+    """|x| into ``xval`` and each 8 values' sign bits; with ``parity`` (an even count of negatives, the 7-bit
+    codes) the value of least weighted square changes sign when the count is odd."""
+    for k in range(n // 8):
+        nflip = 0
+        s = 0
+        for i in range(8):
+            v = x[xo + 8 * k + i]
+            if v >= 0:
+                xval[8 * k + i] = v
+            else:
+                xval[8 * k + i] = -v
+                nflip += 1
+                s |= 1 << i
+        if parity and nflip % 2:
+            imin = 0
+            mn = weight[8 * k] * x[xo + 8 * k] * x[xo + 8 * k]
+            for i in range(1, 8):
+                ax = weight[8 * k + i] * x[xo + 8 * k + i] * x[xo + 8 * k + i]
+                if ax < mn:
+                    mn = ax
+                    imin = i
+            xval[8 * k + imin] = -xval[8 * k + imin]
+            s ^= 1 << imin
+        signs[k] = s & 127 if parity else s
+
+
+@kernel
+def _find_best_neighbour(neighbours, start, pos, xval, xo, waux, scale, L, lo):
+    """``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour``: the neighbour of least weighted squared error
+    at ``scale``; its levels into ``L[lo:]``."""
+    gw = pos.shape[1]
+    best_d2 = _FLT_MAX
+    grid_index = -1
+    for j in range(1, np.int64(neighbours[start]) + 1):
+        g = np.int64(neighbours[start + j])
+        d2 = F(0.0)
+        for i in range(gw):
+            diff = scale * F(pos[g, i]) - xval[xo + i]
+            d2 += waux[xo + i] * diff * diff
+        if d2 < best_d2:
+            best_d2 = d2
+            grid_index = g
+    for i in range(gw):
+        L[lo + i] = (np.int64(pos[grid_index, i]) - 1) // 2
+    return grid_index
+
+
+@kernel
+def _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, pos):
+    """Group k's levels ``L[gw*k:]`` to a grid point: its index, and whether they were on the grid."""
+    u = 0
+    for i in range(gw):
+        u |= L[gw * k + i] << (bits * i)
+    g = kmap[u]
+    if g >= 0:
+        return g, True
+    return _find_best_neighbour(neighbours, -g - 1, pos, xval, gw * k, waux, scale, L, gw * k), False
+
+
+@kernel
+def _levels_at(xval, L, k, gw, idv, kmax):
+    for i in range(gw):
+        L[gw * k + i] = max(0, min(kmax - 1, nearest_int(F(0.5) * (idv * xval[gw * k + i] - F(1.0)))))
+
+
+@kernel
+def _fit(weight, xval, L, n):
+    sumqx = F(0.0)
+    sumq2 = F(0.0)
+    for i in range(n):
+        w = weight[i]
+        q = F(2 * L[i] + 1)
+        sumqx += w * xval[i] * q
+        sumq2 += w * q * q
+    return sumqx, sumq2
+
+
+@kernel
+def _grid_search(n, gw, bits, kmax, steps, step, xval, weight, waux, L, Laux, gidx, on_grid, on_grid_aux,
+                 kmap, neighbours, pos, start_qp, init_on_grid, refit_all):
+    """The candidate scales of one sub-block of ``n`` values: (scale, whether it has one); ``L`` ends on the
+    grid, ``gidx`` its points. ``start_qp``: IQ2_XXS's start (``make_qp_quants``, candidates around the
+    effective max, the refit always)."""
+    ng = n // gw
+    mx = xval[0]
+    for i in range(1, n):
+        mx = mx if mx > xval[i] else xval[i]
+    for i in range(n):
+        L[i] = 0  # the levels when no candidate scores (every weight zero)
+    if start_qp:
+        scale = make_qp_quants(n, kmax + 1, xval, L, weight)
+        top = scale * F(kmax)
+        if top <= 0:
+            return F(0.0), False
+    else:
+        scale = mx / F(2 * kmax - 1)
+        top = mx
+    best = F(0.0)
+    for k in range(ng):
+        on_grid[k] = init_on_grid
+    for s in range(-steps, steps + 1):
+        idv = (F(2 * kmax - 1) + F(s) * step) / top
+        this_scale = F(1.0) / idv
+        for k in range(ng):
+            _levels_at(xval, Laux, k, gw, idv, kmax)
+            gidx[k], on_grid_aux[k] = _snap(xval, waux, Laux, k, gw, bits, this_scale, kmap, neighbours, pos)
+        sumqx, sumq2 = _fit(weight, xval, Laux, n)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            for i in range(n):
+                L[i] = Laux[i]
+            for k in range(ng):
+                on_grid[k] = on_grid_aux[k]
+    n_off = 0
+    for k in range(ng):
+        if not on_grid[k]:
+            n_off += 1
+    if (n_off > 0 or start_qp) and scale > 0:
+        idv = F(1.0) / scale
+        for k in range(ng):
+            if on_grid[k] and not refit_all:
+                continue
+            _levels_at(xval, L, k, gw, idv, kmax)
+            _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, pos)
+        sumqx, sumq2 = _fit(weight, xval, L, n)
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    for k in range(ng):
+        u = 0
+        for i in range(gw):
+            u |= L[gw * k + i] << (bits * i)
+        gidx[k] = kmap[u]
+    return scale, True
+
+
+@kernel
+def _scale_code(idv, scale, top):
+    return max(0, min(top, nearest_int(F(0.5) * (idv * scale - F(1.0)))))
+
+
+# per grid type (the code ``kind``): values per sub-block, per group, bits per level, kMaxQ, candidate steps, step,
+# GROUP_MAX_EPS (0: ``!max``), parity signs, ``0.25f*sigma2`` in the unweighted weights, IQ2_XXS's start, groups
+# start on the grid, refit every group, sigma2 doubled, bytes per block, the fudge factor of d
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S = range(5)
+_SPEC_N = np.array([32, 16, 16, 32, 32])
+_SPEC_GW = np.array([8, 8, 8, 4, 4])
+_SPEC_BITS = np.array([2, 2, 2, 3, 3])
+_SPEC_KMAX = np.array([3, 3, 3, 8, 8])
+_SPEC_STEPS = np.array([6, 9, 9, 15, 9])
+_SPEC_STEP = np.array([0.1, 0.1, 0.1, 0.2, 0.2], np.float32)
+_SPEC_EPS = np.array([1e-15, 1e-15, 1e-8, 1e-8, 0.0], np.float32)
+_SPEC_FLAGS = np.array([  # parity, bias, start_qp, init_on_grid, refit_all, sigma2 doubled
+    [1, 0, 1, 0, 1, 0], [1, 0, 0, 1, 0, 0], [0, 1, 0, 1, 0, 1], [1, 0, 0, 1, 0, 1], [0, 0, 0, 0, 1, 1]], np.bool_)
+_SPEC_TS = np.array([66, 74, 82, 98, 110])
+_SPEC_FUDGE = np.array([1.0, 1.0, 0.9875, 1.0125, 1.033], np.float32)
+
+
+@kernel
+def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
+    """``quantize_row_iq2_xxs_impl`` .. ``quantize_row_iq3_s_impl`` (``kind``: IQ2_XXS .. IQ3_S), row by row."""
+    bn, gw, bits, kmax = _SPEC_N[kind], _SPEC_GW[kind], _SPEC_BITS[kind], _SPEC_KMAX[kind]
+    parity, bias, start_qp, init_on_grid, refit_all, twice = _SPEC_FLAGS[kind]
+    ts, eps = _SPEC_TS[kind], _SPEC_EPS[kind]
+    nsub = QK_K // bn
+    weight = np.empty(bn, np.float32)
+    waux = np.empty(bn, np.float32)
+    xval = np.empty(bn, np.float32)
+    L = np.empty(bn, np.int64)
+    Laux = np.empty(bn, np.int64)
+    gidx = np.empty(bn // gw, np.int64)
+    on_grid = np.empty(bn // gw, np.bool_)
+    on_aux = np.empty(bn // gw, np.bool_)
+    signs = np.empty(bn // 8, np.int64)
+    scales = np.empty(nsub, np.float32)
+    q = np.zeros(104, np.int64)  # IQ2_XXS: 16 uint32; IQ2_XS: 32 uint16; IQ3_XXS: 64 bytes then 8 uint32
+    for ibl in range(x.size // QK_K):
+        xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
+        for j in range(ts):
+            y[o + j] = 0
+        q[:] = 0
+        qpos = o + 2  # IQ3_S: its qs and signs move on only past the sub-blocks it keeps
+        spos = o + 74
+        max_scale = F(0.0)
+        sigma2 = _sigma2(x, xo, twice)
+        for ib in range(nsub):
+            xb = xo + bn * ib
+            _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, bias)
+            for i in range(bn):
+                waux[i] = np.sqrt(weight[i])
+            _signs(x, xb, weight, xval, signs, bn, parity)
+            mx = xval[0]
+            for i in range(1, bn):
+                mx = mx if mx > xval[i] else xval[i]
+            if mx < eps or mx == 0:
+                scales[ib] = F(0.0)
+                continue
+            scale, ok = _grid_search(bn, gw, bits, kmax, _SPEC_STEPS[kind], _SPEC_STEP[kind], xval, weight, waux, L,
+                                     Laux, gidx, on_grid, on_aux, kmap, neighbours, pos, start_qp, init_on_grid,
+                                     refit_all)
+            if not ok:
+                scales[ib] = F(0.0)
+                continue
+            if scale < 0:
+                scale = -scale
+                for k in range(bn // 8):
+                    signs[k] = (~signs[k]) & (127 if parity else 255)
+            if kind == IQ2_XXS:
+                for k in range(4):
+                    q[2 * ib] |= gidx[k] << (8 * k)
+                    q[2 * ib + 1] |= signs[k] << (7 * k)
+            elif kind == IQ2_XS:
+                for k in range(2):
+                    q[2 * ib + k] = gidx[k] | (signs[k] << 9)
+            elif kind == IQ2_S:
+                for k in range(2):
+                    i8 = 2 * ib + k
+                    y[o + 2 + i8] = np.uint8(gidx[k] & 255)
+                    y[o + 66 + i8 // 4] |= np.uint8((gidx[k] >> 8) << (2 * (i8 % 4)))
+                    y[o + 34 + i8] = np.uint8(signs[k])
+            elif kind == IQ3_XXS:
+                for k in range(8):
+                    q[8 * ib + k] = gidx[k]
+                q[64 + ib] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+            else:
+                for k in range(8):
+                    y[qpos + k] = np.uint8(gidx[k] & 255)
+                    y[o + 66 + ib] |= np.uint8((gidx[k] >> 8) << k)
+                qpos += 8
+                for k in range(4):
+                    y[spos + k] = np.uint8(signs[k])
+                spos += 4
+            scales[ib] = scale
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale == 0:
+            continue
+        d = max_scale / F(31.0)
+        put_fp16(y, o, d * _SPEC_FUDGE[kind] if kind >= IQ2_S else d)
+        idv = F(1.0) / d
+        if kind == IQ2_XXS:
+            for ib in range(8):
+                q[2 * ib + 1] |= _scale_code(idv, scales[ib], 15) << 28
+            for j in range(16):
+                put_u32(y, o + 2 + 4 * j, q[j])
+        elif kind == IQ2_XS or kind == IQ2_S:
+            for j in range(32):
+                if kind == IQ2_XS:
+                    y[o + 2 + 2 * j] = np.uint8(q[j] & 255)
+                    y[o + 3 + 2 * j] = np.uint8(q[j] >> 8)
+            for ib in range(16):
+                y[o + ts - 8 + ib // 2] |= np.uint8(_scale_code(idv, scales[ib], 15) << (4 * (ib % 2)))
+        elif kind == IQ3_XXS:
+            for ib in range(8):
+                q[64 + ib] |= _scale_code(idv, scales[ib], 15) << 28
+            for j in range(64):
+                y[o + 2 + j] = np.uint8(q[j])
+            for ib in range(8):
+                put_u32(y, o + 66 + 4 * ib, q[64 + ib])
+        else:
+            for ib in range(0, 8, 2):
+                l1 = _scale_code(idv, scales[ib], 15)
+                l2 = _scale_code(idv, scales[ib + 1], 15)
+                y[o + 106 + ib // 2] = np.uint8(l1 | (l2 << 4))
+
+
+# --------------------------------------------------------------------------- IQ1_S, IQ1_M
+
+@kernel
+def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, L, lo):
+    """``iq1_find_best_neighbour2``."""
+    best = _FLT_MAX
+    grid_index = -1
+    for j in range(1, np.int64(neighbours[start]) + 1):
+        g = np.int64(neighbours[start + j])
+        d2 = F(0.0)
+        for i in range(8):
+            diff = scale * xx[(np.int64(pos[g, i]) - 1) // 2] - x[xo + i]
+            d2 += weight[wo + i] * diff * diff
+        if d2 < best:
+            best = d2
+            grid_index = g
+    for i in range(8):
+        L[lo + i] = (np.int64(pos[grid_index, i]) - 1) // 2
+    return grid_index
+
+
+@kernel
+def _iq1_levels(x, xb, bn, idx, i1, i2, L):
+    for j in range(bn):
+        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
+
+
+@kernel
+def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
+    u = 0
+    for j in range(8):
+        u |= L[8 * k + j] << (2 * j)
+    g = kmap[u]
+    if g >= 0:
+        return g, True
+    return _find_best_neighbour2(neighbours, -g - 1, pos, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
+
+
+_XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float32)
+_XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
+
+
+@kernel
+def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
+    weight = np.empty(32, np.float32)
+    sumx = np.empty(33, np.float32)
+    sumw = np.empty(33, np.float32)
+    L = np.empty(32, np.int64)
+    index = np.empty(4, np.int64)
+    scales = np.empty(8, np.float32)
+    shifts = np.empty(8, np.int64)
+    for ibl in range(x.size // QK_K):
+        xo, o, qo = QK_K * ibl, 50 * ibl, (QK_K * ibl) % n
+        for j in range(50):
+            y[o + j] = 0
+        max_scale = F(0.0)
+        sigma2 = _sigma2(x, xo, True)
+        for ib in range(8):
+            xb = xo + 32 * ib
+            _weights(x, xb, qw, qo + 32 * ib, sigma2, weight, 32, False)
+            mx = abs(x[xb])
+            for i in range(1, 32):
+                mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
+            if mx < F(1e-12):
+                scales[ib] = F(0.0)
+                shifts[ib] = 1
+                continue
+            idx = np.argsort(x[xb:xb + 32], kind="mergesort")
+            sumx[0] = F(0.0)
+            sumw[0] = F(0.0)
+            for j in range(32):
+                i = idx[j]
+                sumx[j + 1] = sumx[j] + weight[i] * x[xb + i]
+                sumw[j + 1] = sumw[j] + weight[i]
+            best_score = -_FLT_MAX
+            scale = mx
+            besti1 = -1
+            besti2 = -1
+            best_shift = 0
+            for i1 in range(33):
+                for i2 in range(i1, 33):
+                    for sh in range(2):
+                        xx = _XP if sh == 0 else _XM
+                        sumqx = ((sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1]
+                                 + (sumx[32] - sumx[i2]) * xx[2])
+                        sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
+                                 + (sumw[32] - sumw[i2]) * xx[2] * xx[2])
+                        if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:
+                            scale = sumqx / sumq2
+                            best_score = scale * sumqx
+                            besti1 = i1
+                            besti2 = i2
+                            best_shift = 1 if sh == 0 else -1
+            if besti1 < 0 or besti2 < 0 or best_shift == 0:
+                scales[ib] = F(0.0)
+                shifts[ib] = 1
+                continue
+            _iq1_levels(x, xb, 32, idx, besti1, besti2, L)
+            if scale < 0:
+                for j in range(32):
+                    L[j] = 2 - L[j]
+                scale = -scale
+                best_shift = -best_shift
+            xx = _XP if best_shift == 1 else _XM
+            all_on_grid = True
+            for k in range(4):
+                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
+                all_on_grid = all_on_grid and on
+            if not all_on_grid:
+                sumqx = F(0.0)
+                sumq2 = F(0.0)
+                for k in range(4):
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
+                        sumqx += w * qv * x[xb + 8 * k + j]
+                        sumq2 += w * qv * qv
+                if sumqx > 0 and sumq2 > 0:
+                    scale = sumqx / sumq2
+            h = 0
+            for k in range(4):
+                y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
+                h |= (index[k] >> 8) << (3 * k)
+            y[o + 34 + 2 * ib] = np.uint8(h & 255)
+            y[o + 35 + 2 * ib] = np.uint8(h >> 8)
+            scales[ib] = scale
+            shifts[ib] = best_shift
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale == 0:
+            continue
+        d = max_scale / F(15.0)
+        put_fp16(y, o, d * F(1.125))
+        idv = F(1.0) / d
+        for ib in range(8):
+            l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
+            if shifts[ib] == -1:
+                l |= 8
+            y[o + 35 + 2 * ib] |= np.uint8(l << 4)
+
+
+@kernel
+def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
+    weight = np.empty(16, np.float32)
+    px = np.empty((2, 17), np.float32)
+    pw = np.empty((2, 17), np.float32)
+    L = np.empty(16, np.int64)
+    index = np.empty(2, np.int64)
+    scales = np.empty(16, np.float32)
+    shifts = np.empty(16, np.int64)
+    sumqx = np.empty(4, np.float32)
+    sumq2 = np.empty(4, np.float32)
+    sc = np.empty(4, np.int64)
+    masks = (0x00, 0x80, 0x08, 0x88)
+    cp1 = _XP[0] * _XP[0] - _XP[1] * _XP[1]
+    cp2 = _XP[1] * _XP[1] - _XP[2] * _XP[2]
+    cm1 = _XM[0] * _XM[0] - _XM[1] * _XM[1]
+    cm2 = _XM[1] * _XM[1] - _XM[2] * _XM[2]
+    p2 = _XP[2]
+    m2 = _XM[2]
+    for ibl in range(x.size // QK_K):
+        xo, o, qo = QK_K * ibl, 56 * ibl, (QK_K * ibl) % n
+        for j in range(56):
+            y[o + j] = 0
+        max_scale = F(0.0)
+        sigma2 = _sigma2(x, xo, True)
+        for ib in range(16):
+            xb = xo + 16 * ib
+            _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
+            mx = abs(x[xb])
+            for i in range(1, 16):
+                mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
+            if mx < F(1e-7):
+                scales[ib] = F(0.0)
+                shifts[ib] = 0
+                continue
+            idx = np.argsort(x[xb:xb + 16], kind="mergesort")
+            best_score = -_FLT_MAX
+            scale = mx
+            besti1 = -1
+            besti2 = -1
+            best_k = -1
+            px[:, 0] = F(0.0)
+            pw[:, 0] = F(0.0)
+            for j in range(16):
+                i = idx[j]
+                h = 0 if i < 8 else 1
+                px[h, j + 1] = px[h, j] + weight[i] * x[xb + i]
+                px[1 - h, j + 1] = px[1 - h, j]
+                pw[h, j + 1] = pw[h, j] + weight[i]
+                pw[1 - h, j + 1] = pw[1 - h, j]
+            for i1 in range(17):
+                for i2 in range(i1, 17):
+                    sx0 = px[0, i1] + px[0, i2]
+                    sx1 = px[1, i1] + px[1, i2]
+                    qxp0 = px[0, 16] * p2 - sx0
+                    qxm0 = px[0, 16] * m2 - sx0
+                    qxp1 = px[1, 16] * p2 - sx1
+                    qxm1 = px[1, 16] * m2 - sx1
+                    q2p0 = pw[0, 16] * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
+                    q2m0 = pw[0, 16] * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
+                    q2p1 = pw[1, 16] * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
+                    q2m1 = pw[1, 16] * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
+                    sumqx[0] = qxp0 + qxp1
+                    sumqx[1] = qxp0 + qxm1
+                    sumqx[2] = qxm0 + qxp1
+                    sumqx[3] = qxm0 + qxm1
+                    sumq2[0] = q2p0 + q2p1
+                    sumq2[1] = q2p0 + q2m1
+                    sumq2[2] = q2m0 + q2p1
+                    sumq2[3] = q2m0 + q2m1
+                    for k in range(4):
+                        if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best_score * sumq2[k]:
+                            scale = sumqx[k] / sumq2[k]
+                            best_score = scale * sumqx[k]
+                            besti1 = i1
+                            besti2 = i2
+                            best_k = k
+            if besti1 < 0 or besti2 < 0 or best_k < 0:
+                scales[ib] = F(0.0)
+                shifts[ib] = 0
+                continue
+            _iq1_levels(x, xb, 16, idx, besti1, besti2, L)
+            if scale < 0:
+                for j in range(16):
+                    L[j] = 2 - L[j]
+                scale = -scale
+                best_k = 3 - best_k
+            all_on_grid = True
+            for k in range(2):
+                xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
+                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
+                all_on_grid = all_on_grid and on
+            if not all_on_grid:
+                sqx = F(0.0)
+                sq2 = F(0.0)
+                for k in range(2):
+                    xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
+                        sqx += w * qv * x[xb + 8 * k + j]
+                        sq2 += w * qv * qv
+                if sqx > 0 and sq2 > 0:
+                    scale = sqx / sq2
+            y[o + 2 * ib] = np.uint8(index[0] & 255)
+            y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
+            y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
+            scales[ib] = scale
+            shifts[ib] = best_k
+            max_scale = max_scale if max_scale > scale else scale
+        if max_scale == 0:
+            continue
+        sc[:] = 0
+        d = max_scale / F(15.0)
+        idv = F(1.0) / d
+        sqx = F(0.0)
+        sq2 = F(0.0)
+        for ib in range(16):
+            l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
+            sc[ib // 4] |= l << (3 * (ib % 4))
+            y[o + 32 + ib] |= np.uint8(masks[shifts[ib]])
+            xb = xo + 16 * ib
+            _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
+            qh = np.int64(y[o + 32 + ib])
+            for k in range(2):
+                xx = (_XP if shifts[ib] < 2 else _XM) if k == 0 else (_XP if shifts[ib] % 2 == 0 else _XM)
+                g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
+                for j in range(8):
+                    w = weight[8 * k + j]
+                    qv = xx[(np.int64(pos[g, j]) - 1) // 2] * F(2 * l + 1)
+                    sqx += w * qv * x[xb + 8 * k + j]
+                    sq2 += w * qv * qv
+        if sq2 > 0:
+            d = sqx / sq2
+        s = np.int64(fp16(d * F(1.1125)))
+        sc[0] |= (s & 0x000F) << 12
+        sc[1] |= (s & 0x00F0) << 8
+        sc[2] |= (s & 0x0F00) << 4
+        sc[3] |= s & 0xF000
+        for j in range(4):
+            y[o + 48 + 2 * j] = np.uint8(sc[j] & 255)
+            y[o + 49 + 2 * j] = np.uint8((sc[j] >> 8) & 255)
+
+
+# --------------------------------------------------------------------------- dequantizers
+
+@kernel
+def _sign(signs, j):
+    return F(-1.0) if signs & (1 << j) else F(1.0)
+
+
+@kernel
+def dequantize_iq2_xxs(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 66 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            a1 = get_u32(y, o + 2 + 8 * ib + 4)
+            db = d * (F(0.5) + F(a1 >> 28)) * F(0.25)
+            for l in range(4):
+                g = y[o + 2 + 8 * ib + l]
+                signs = KSIGNS[(a1 >> (7 * l)) & 127]
+                for j in range(8):
+                    x[xo + 32 * ib + 8 * l + j] = db * grid[g, j] * _sign(signs, j)
+
+
+@kernel
+def dequantize_iq2_xs(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 74 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            s = y[o + 66 + ib]
+            db0 = d * (F(0.5) + F(s & 0xF)) * F(0.25)
+            db1 = d * (F(0.5) + F(s >> 4)) * F(0.25)
+            for l in range(4):
+                q = get_u16(y, o + 2 + 2 * (4 * ib + l))
+                signs = KSIGNS[q >> 9]
+                for j in range(8):
+                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[q & 511, j] * _sign(signs, j)
+
+
+@kernel
+def dequantize_iq2_s(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 82 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            s = y[o + 74 + ib]
+            db0 = d * (F(0.5) + F(s & 0xF)) * F(0.25)
+            db1 = d * (F(0.5) + F(s >> 4)) * F(0.25)
+            qh = np.int64(y[o + 66 + ib])
+            for l in range(4):
+                g = np.int64(y[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
+                signs = y[o + 34 + 4 * ib + l]
+                for j in range(8):
+                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[g, j] * _sign(signs, j)
+
+
+@kernel
+def dequantize_iq3_xxs(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 98 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            a = get_u32(y, o + 66 + 4 * ib)
+            db = d * (F(0.5) + F(a >> 28)) * F(0.5)
+            for l in range(4):
+                signs = KSIGNS[(a >> (7 * l)) & 127]
+                g1 = y[o + 2 + 8 * ib + 2 * l]
+                g2 = y[o + 2 + 8 * ib + 2 * l + 1]
+                for j in range(4):
+                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
+                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+
+
+@kernel
+def dequantize_iq3_s(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 110 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            s = y[o + 106 + ib // 2]
+            db = d * F(1 + 2 * ((s >> (4 * (ib % 2))) & 0xF))
+            qh = np.int64(y[o + 66 + ib])
+            for l in range(4):
+                g1 = np.int64(y[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
+                g2 = np.int64(y[o + 2 + 8 * ib + 2 * l + 1]) | ((qh << (7 - 2 * l)) & 256)
+                signs = y[o + 74 + 4 * ib + l]
+                for j in range(4):
+                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
+                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+
+
+@kernel
+def dequantize_iq1_s(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 50 * i, QK_K * i
+        d = get_fp16(y, o)
+        for ib in range(8):
+            qh = np.int64(get_u16(y, o + 34 + 2 * ib))
+            dl = d * F(2 * ((qh >> 12) & 7) + 1)
+            delta = -_IQ1_DELTA if qh & 0x8000 else _IQ1_DELTA
+            for l in range(4):
+                g = np.int64(y[o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)
+                for j in range(8):
+                    x[xo + 32 * ib + 8 * l + j] = dl * (grid[g, j] + delta)
+
+
+@kernel
+def dequantize_iq1_m(y, x, grid):
+    for i in range(x.size // QK_K):
+        o, xo = 56 * i, QK_K * i
+        sc0 = np.int64(get_u16(y, o + 48))
+        sc1 = np.int64(get_u16(y, o + 50))
+        sc2 = np.int64(get_u16(y, o + 52))
+        sc3 = np.int64(get_u16(y, o + 54))
+        d = fp16_to_f32((sc0 >> 12) | ((sc1 >> 8) & 0x00F0) | ((sc2 >> 4) & 0x0F00) | (sc3 & 0xF000))
+        for ib in range(8):
+            sc = np.int64(get_u16(y, o + 48 + 2 * (ib // 2)))
+            dl1 = d * F(2 * ((sc >> (6 * (ib % 2))) & 7) + 1)
+            dl2 = d * F(2 * ((sc >> (6 * (ib % 2) + 3)) & 7) + 1)
+            for l in range(4):
+                qh = np.int64(y[o + 32 + 2 * ib + l // 2])
+                g = np.int64(y[o + 4 * ib + l]) | ((qh << (8 - 4 * (l % 2))) & 0x700)
+                delta = -_IQ1_DELTA if qh & (0x08 << (4 * (l % 2))) else _IQ1_DELTA
+                dl = dl1 if l < 2 else dl2
+                for j in range(8):
+                    x[xo + 32 * ib + 8 * l + j] = dl * (grid[g, j] + delta)

@@ -1,0 +1,188 @@
+"""numba for the kernels, and C's float32 rules as numba functions every type family shares.
+
+Every kernel is ``@kernel`` (``numba.njit(nogil=True, cache=True)``): compiled at its first call, the machine
+code kept on disk, the GIL released while it runs (threads run kernels side by side). The float rules of
+``ggml-quants.c`` as gcc builds it for x86-64 (libggml-base: no ``-march``, so no FMA and no contraction):
+
+- float32 arithmetic, one rounding per operation in C's order: numba without ``fastmath`` neither fuses nor
+  reorders; every constant is a float32 (``F(...)``) and ints are converted with ``F(i)`` where C converts;
+- ``(int)f`` of a float out of int range or NaN is x86's ``cvttss2si``: INT_MIN (:func:`c_int`);
+- ``nearest_int`` is ggml's bit trick on ``f + 12582912.f`` (:func:`nearest_int`);
+- fp16 scales go through ggml's own software conversion, bit for bit (:func:`fp16`).
+
+The compiled code is kept in the user's cache folder (``$XDG_CACHE_HOME/mtpq/numba``, or under
+``NUMBA_CACHE_DIR``), in a folder named by a hash of this package's sources: numba checks only the file that
+defines a kernel, and a kernel holds the helpers of other files compiled in, so any change here starts afresh.
+A read-only install works the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+
+def _cache_dir() -> str:
+    sources = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        sources.update(f.name.encode() + f.read_bytes())
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpq", "numba")
+    return os.path.join(base, f"ggml-{sources.hexdigest()[:16]}")
+
+
+CACHE_DIR = _cache_dir()
+numba.config.CACHE_DIR = CACHE_DIR  # read by numba when a kernel is first called
+
+kernel = numba.njit(nogil=True, cache=True, error_model="numpy")  # C division: x/0 is inf or NaN
+
+F = np.float32
+GROUP_MAX_EPS = F(1e-15)
+QK_K = 256
+_MAGIC = F(12582912.0)
+_SCALE_TO_INF = F(2.0 ** 112)
+_SCALE_TO_ZERO = F(2.0 ** -110)
+_INT_MAX_F = F(2147483648.0)
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The bits of a float32, as a uint32 (C's memcpy into an int)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, u):
+    """The float32 whose bits are the low 32 bits of the integer ``u``."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if u.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif u.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(u), codegen
+
+
+@kernel
+def nearest_int(f):
+    """ggml's ``nearest_int``: the low mantissa bits of ``f + 12582912.f``."""
+    return np.int32((f32_bits(f + _MAGIC) & np.uint32(0x007FFFFF))) - np.int32(0x00400000)
+
+
+@kernel
+def c_int(f):
+    """C's ``(int)f`` as x86 computes it (truncation; INT_MIN for NaN and values out of range)."""
+    if f >= -_INT_MAX_F and f < _INT_MAX_F:
+        return np.int64(np.int32(f))
+    return np.int64(-2147483648)
+
+
+@kernel
+def roundf(f):
+    """C's ``roundf``: halves away from zero (``f - trunc(f)`` is exact)."""
+    t = np.trunc(f)
+    if abs(f - t) >= F(0.5):
+        t += F(1.0) if f > 0 else F(-1.0)
+    return t
+
+
+@kernel
+def i8(v):
+    """A C int stored into ``int8_t`` (two's-complement wrap)."""
+    return ((v + 128) & 0xFF) - 128
+
+
+@kernel
+def fp16(f):
+    """``GGML_FP32_TO_FP16``: ggml's software conversion (round to nearest even; 0x7E00 for NaN), uint16."""
+    base = (abs(f) * _SCALE_TO_INF) * _SCALE_TO_ZERO
+    w = f32_bits(f)
+    shl1_w = np.uint32(w + w)
+    sign = w & np.uint32(0x80000000)
+    bias = shl1_w & np.uint32(0xFF000000)
+    if bias < np.uint32(0x71000000):
+        bias = np.uint32(0x71000000)
+    base = bits_f32(np.uint32((bias >> np.uint32(1)) + np.uint32(0x07800000))) + base
+    bits = f32_bits(base)
+    exp_bits = (bits >> np.uint32(13)) & np.uint32(0x00007C00)
+    mantissa_bits = bits & np.uint32(0x00000FFF)
+    nonsign = exp_bits + mantissa_bits
+    if shl1_w > np.uint32(0xFF000000):
+        nonsign = np.uint32(0x7E00)
+    return np.uint16((sign >> np.uint32(16)) | nonsign)
+
+
+@kernel
+def fp16_to_f32(h):
+    """``GGML_FP16_TO_FP32`` of the uint16 ``h`` (exact)."""
+    h = np.uint32(h)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    man = h & np.uint32(0x3FF)
+    if exp == 0:
+        if man == 0:
+            return bits_f32(sign)
+        e = np.uint32(113)  # a subnormal: normalise the mantissa
+        while (man & np.uint32(0x400)) == 0:
+            man <<= np.uint32(1)
+            e -= np.uint32(1)
+        return bits_f32(sign | (e << np.uint32(23)) | ((man & np.uint32(0x3FF)) << np.uint32(13)))
+    if exp == 31:
+        return bits_f32(sign | np.uint32(0x7F800000) | (man << np.uint32(13)))
+    return bits_f32(sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13)))
+
+
+@kernel
+def fp16_round(f):
+    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f))``."""
+    return fp16_to_f32(fp16(f))
+
+
+@kernel
+def put_fp16(y, at, f):
+    """Store ``f`` as fp16 at byte ``at`` of ``y`` (little-endian); returns the uint16."""
+    h = fp16(f)
+    y[at] = np.uint8(h & np.uint16(0xFF))
+    y[at + 1] = np.uint8(h >> np.uint16(8))
+    return h
+
+
+@kernel
+def get_fp16(y, at):
+    """The fp16 at byte ``at`` of ``y`` as float32."""
+    return fp16_to_f32(np.uint16(y[at]) | (np.uint16(y[at + 1]) << np.uint16(8)))
+
+
+@kernel
+def put_u32(y, at, v):
+    for k in range(4):
+        y[at + k] = np.uint8((v >> (8 * k)) & 0xFF)
+
+
+@kernel
+def get_u32(y, at):
+    return (np.uint32(y[at]) | (np.uint32(y[at + 1]) << np.uint32(8)) | (np.uint32(y[at + 2]) << np.uint32(16))
+            | (np.uint32(y[at + 3]) << np.uint32(24)))
+
+
+@kernel
+def get_u16(y, at):
+    return np.uint32(y[at]) | (np.uint32(y[at + 1]) << np.uint32(8))

@@ -1,0 +1,192 @@
+"""mtpq.ggml's one entry point: shapes and dtypes in, errors out (each naming the tensor), importance per
+column and per expert, the float types as ggml converts them, the C float helpers, the i-quant grids."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from tests.helpers.golden_quants import load_golden
+
+from mtpq.ggml import engine, iqtables, jit
+from mtpq.ggml.engine import Stored, dequantize, quantize
+from mtpq.ggml.registry import TYPES, bytes_per_row, record
+
+
+def test_leading_dims_and_input_dtypes(inputs):
+    x = inputs["gauss_512"]
+    ref = load_golden("Q4_K.npz")["gauss_512"]
+    assert np.array_equal(quantize(x.reshape(2, 2, 512), T.Q4_K), ref.reshape(2, 2, -1))
+    assert np.array_equal(quantize(np.asfortranarray(x), T.Q4_K), ref)  # not C-ordered
+    assert np.array_equal(quantize(x.astype(np.float64), T.Q4_K), ref)
+    ro = x.copy()
+    ro.flags.writeable = False  # a read-only mapping of a file
+    assert np.array_equal(quantize(ro, T.Q4_K), ref)
+    h = x.astype(np.float16)  # float16 and bf16 bits are widened exactly
+    assert np.array_equal(quantize(h, T.Q8_0), quantize(h.astype(np.float32), T.Q8_0))
+    b = (x.view(np.uint32) >> 16).astype(np.uint16)
+    assert np.array_equal(quantize(b, T.Q6_K), quantize((b.astype(np.uint32) << 16).view(np.float32), T.Q6_K))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.IQ4_XS, T.TQ2_0], ids=lambda t: t.name)
+def test_nan_inf_is_refused_naming_the_tensor(qtype, bad):
+    x = np.zeros((2, 256), np.float32)
+    x[1, 77] = bad
+    with pytest.raises(ValueError) as e:
+        quantize(x, qtype, "blk.3.ffn_up.weight")
+    assert str(e.value) == "blk.3.ffn_up.weight: contains NaN/Inf values"
+
+
+@pytest.mark.parametrize("qtype,n", [(T.Q8_0, 48), (T.Q5_1, 100), (T.Q4_K, 384), (T.IQ4_XS, 32), (T.Q1_0, 64)])
+def test_a_row_of_part_blocks_is_refused(qtype, n):
+    with pytest.raises(ValueError) as e:
+        quantize(np.zeros((3, n), np.float32), qtype, "blk.0.attn_q.weight")
+    assert str(e.value).startswith("blk.0.attn_q.weight:") and qtype.name in str(e.value) and str(n) in str(e.value)
+    with pytest.raises(ValueError, match=qtype.name):
+        bytes_per_row(qtype, n)
+
+
+def test_types_without_kernels_and_without_importance():
+    with pytest.raises(ValueError, match="no kernel for type Q8_1"):
+        quantize(np.zeros((1, 32), np.float32), T.Q8_1)
+    with pytest.raises(ValueError, match="w: IQ2_XXS needs an importance matrix"):
+        quantize(np.zeros((1, 256), np.float32), T.IQ2_XXS, "w")
+    assert [t.name for t in TYPES if record(t).requires_imatrix] == ["IQ2_XXS", "IQ2_XS", "IQ1_S"]
+
+
+def test_importance_per_expert_is_each_experts_own(inputs):
+    imp = load_golden("importance.npz")
+    x = np.stack([inputs["gauss_512"], inputs["misc"][:4]])  # two experts of 4 rows
+    w = np.stack([imp["gauss_512"], imp["misc"]])
+    got = quantize(x, T.Q4_K, "exps", importance=w)
+    assert np.array_equal(got[0], load_golden("Q4_K_imatrix.npz")["gauss_512"])
+    assert np.array_equal(got[1], quantize(x[1], T.Q4_K, importance=w[1]))
+    assert np.array_equal(quantize(x[0], T.Q4_K, importance=w[0][None]), got[0])  # (1, n) is one row
+    with pytest.raises(ValueError, match="exps: importance data of shape \\(3, 512\\)"):
+        quantize(x, T.Q4_K, "exps", importance=np.ones((3, 512), np.float32))
+    assert np.array_equal(quantize(x, T.Q8_0, importance=w), quantize(x, T.Q8_0))  # ggml ignores it there
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q2_K, T.Q6_K, T.IQ4_XS, T.IQ1_M, T.TQ1_0], ids=lambda t: t.name)
+def test_a_scale_overflowing_fp16_is_refused(qtype):
+    big = 1e7 if qtype is T.IQ1_M else 1e10  # its squares' sums stay finite: the searches run, the scales overflow
+    x = np.full((1, 256), big, np.float32)
+    x[0, ::2] = -big
+    kw = {"importance": np.ones(256, np.float32)} if record(qtype).requires_imatrix else {}
+    with pytest.raises(ValueError, match=f"w: values too large for {qtype.name}"):
+        quantize(x, qtype, "w", **kw)
+    assert quantize(x, qtype, "w", check_scales=False, **kw).shape == (1, bytes_per_row(qtype, 256))
+
+
+def test_a_file_that_ends_inside_the_tensor_is_refused(tmp_path):
+    p = tmp_path / "short.bin"
+    p.write_bytes(np.zeros(100, np.float32).tobytes())
+    with pytest.raises(ValueError, match="truncated"):
+        quantize(Stored(p, 0, T.F32, (2, 256)), T.Q8_0, "w")
+
+
+def _special_f32() -> np.ndarray:
+    bits = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF,
+                     0x3F80C000, 0x7F7FFFFF, 0xFF7FFFFF, 0x387FC000, 0x33800000, 0x33800001, 0x477FEFFF,
+                     0x477FF000, 0x0001FFFF], dtype=np.uint32)  # zeros, subnormals, ties, fp16 / bf16 edges
+    rng = np.random.default_rng(7)
+    rand = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-8, 4, 4096)).astype(np.float32)
+    return np.concatenate([bits.view(np.float32), rand]).reshape(-1, 16)
+
+
+def test_float_types_round_as_ggml():
+    x = _special_f32()
+    f32 = quantize(x, T.F32)
+    assert f32.dtype == np.float32 and np.array_equal(f32.view(np.uint32), x.view(np.uint32))
+    small = np.where(np.abs(x) < 65520, x, 0).astype(np.float32)  # 65520 and up round to inf
+    f16 = quantize(small, T.F16)
+    assert f16.dtype == np.float16 and np.array_equal(f16.view(np.uint16), small.astype(np.float16).view(np.uint16))
+    with pytest.raises(ValueError, match="w: values exceed the F16 range"):
+        quantize(x, T.F16, "w")
+    with pytest.raises(ValueError, match="w: values exceed the BF16 range"):  # FLT_MAX rounds to bf16 inf
+        quantize(x, T.BF16, "w")
+    bf = quantize(x, T.BF16, check_scales=False)
+    assert bf.dtype == np.uint16 and np.array_equal(bf.view(np.uint8), gguf.quants.quantize(x, T.BF16))
+    finite_bf = quantize(np.where(np.abs(x) < 1e38, x, 0).astype(np.float32), T.BF16)
+    assert np.array_equal(quantize(finite_bf, T.BF16), finite_bf)
+    for qt, arr in [(T.F32, f32), (T.F16, f16), (T.BF16, bf)]:
+        ref = np.asarray(gguf.quants.dequantize(arr.view(np.uint8) if qt == T.BF16 else arr, qt), np.float32)
+        assert np.array_equal(dequantize(arr, qt, arr.shape).view(np.uint32), ref.reshape(arr.shape).view(np.uint32))
+
+
+def test_fp16_conversion_is_round_to_nearest_even_on_every_half_step():
+    """ggml's software fp32 -> fp16 on the values around every fp16 number (and its halfway points)."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    f = h.view(np.float16).astype(np.float32)
+    f = f[np.isfinite(f)]
+    bits = f.view(np.uint32)
+    probes = np.concatenate([bits, bits + 1, bits - 1, bits + (1 << 12), bits + (1 << 12) + 1]).view(np.float32)
+    probes = probes[np.isfinite(probes)]
+    got = np.empty(probes.size * 2, np.uint8)
+    ok = __import__("mtpq.ggml.floats", fromlist=["to_f16"]).to_f16(probes, got)
+    with np.errstate(over="ignore"):
+        want = probes.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got.view(np.uint16), want) and not ok  # 65520 and up overflow: reported
+    assert jit.fp16(np.float32("nan")) == 0x7E00 and jit.fp16_to_f32(np.uint16(0x0001)) == np.float32(2.0 ** -24)
+
+
+def test_c_rounding_helpers():
+    for v, want in [(0.5, 0), (1.5, 2), (2.5, 2), (-0.5, 0), (-1.5, -2), (4194303.0, 4194303)]:
+        assert jit.nearest_int(np.float32(v)) == want  # the 12582912.f trick: halves to even
+    for v, want in [(0.5, 1.0), (-0.5, -1.0), (2.5, 3.0), (0.49999997, 0.0), (-2.5, -3.0)]:
+        assert jit.roundf(np.float32(v)) == np.float32(want)  # C roundf: halves away from zero
+    assert jit.c_int(np.float32("nan")) == -(2 ** 31) and jit.c_int(np.float32(3e9)) == -(2 ** 31)
+    assert jit.c_int(np.float32(-7.9)) == -7
+
+
+def test_grid_neighbour_lists_follow_ggml_rules():
+    """Grid points map to themselves; an off-grid lattice point's list holds the grid points at its nwant
+    smallest squared distances, ordered by (distance, index), as iq2xs_init_impl's qsort leaves them."""
+    pos, kmap, neighbours = iqtables.grid_tables("IQ2_XXS")
+    assert pos.shape == (256, 8) and set(np.unique(pos)) == {1, 3, 5}
+    rng = np.random.default_rng(0)
+    reachable = [u for u in range(1 << 16) if all(((u >> (2 * k)) & 3) <= 2 for k in range(8))]
+    off = [u for u in reachable if kmap[u] < 0]
+    assert len(off) == 3 ** 8 - 256
+    for u in rng.choice(off, 20, replace=False):
+        at = -int(kmap[u]) - 1
+        lst = neighbours[at + 1:at + 1 + int(neighbours[at])].tolist()
+        p = 2 * ((u >> (2 * np.arange(8))) & 3) + 1
+        d2 = ((pos.astype(np.int64) - p) ** 2).sum(1)
+        two = np.unique(d2)[:2]
+        assert lst == sorted(np.nonzero(np.isin(d2, two))[0].tolist(), key=lambda j: (d2[j], j))
+
+
+def test_gguf_writer_takes_the_arrays(tmp_path):
+    """Every type's output goes straight into gguf-py's writer and reads back unchanged."""
+    rng = np.random.default_rng(3)
+    tensors = {t: quantize(rng.standard_normal((4, 256)).astype(np.float32), t, t.name,
+                           importance=np.ones(256, np.float32)) for t in TYPES}
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    for t, arr in tensors.items():
+        w.add_tensor(f"t.{t.name}", arr, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for t in gguf.GGUFReader(p).tensors:
+        qt = T[t.name[2:]]
+        assert t.tensor_type == qt and [int(s) for s in t.shape] == [256, 4]
+        assert np.asarray(t.data).tobytes() == tensors[qt].tobytes()
+
+
+def test_out_buffer_and_progress(inputs):
+    x = inputs["gauss_512"]
+    out = np.empty(bytes_per_row(T.Q6_K, 512) * 4, np.uint8)
+    seen = []
+    engine.CHUNK, chunk = 512, engine.CHUNK
+    try:
+        got = quantize(x, T.Q6_K, out=out, progress=seen.append)
+    finally:
+        engine.CHUNK = chunk
+    assert np.shares_memory(got, out) and np.array_equal(got, load_golden("Q6_K.npz")["gauss_512"])
+    assert seen == sorted(seen) and seen[-1] == out.nbytes and len(seen) == 4
