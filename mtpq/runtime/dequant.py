@@ -27,6 +27,13 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+@functools.cache
+def _const(values: tuple | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor, made once per device: a fresh torch.tensor from a list would copy it to a GPU on
+    every call, and that copy waits for the device (a host sync per decoded weight while drafting)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def from_fp16_bytes(b: torch.Tensor) -> torch.Tensor:
     """(N, 2) uint8 little-endian fp16 -> (N,) float32."""
     return b.contiguous().view(torch.float16).view(-1).to(_F32)
@@ -77,7 +84,7 @@ def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
 
 def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
     """(nb, 64) -> (nb, 256) 2-bit values in element order."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    shifts = _const((0, 2, 4, 6), torch.uint8, qs.device).view(1, 1, 4, 1)
     return ((qs.view(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, QK_K)
 
 
@@ -98,7 +105,7 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     sb = b[:, 96:108]
     d = from_fp16_bytes(b[:, 108:110])
     low = torch.cat([sb[:, :8] & 0xF, sb[:, :8] >> 4], dim=1)  # j = 0..15
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    shifts = _const((0, 2, 4, 6), torch.uint8, b.device)
     high = ((sb[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(nb, 16)  # j = 4g + k
     sc = (low | (high << 4)).to(torch.int16) - 32
     dl = (d[:, None] * sc.to(_F32)).view(nb, 16, 1)
@@ -150,7 +157,7 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     sc = b[:, 192:208].contiguous().view(torch.int8).to(_F32)
     d = from_fp16_bytes(b[:, 208:210])
     lo = torch.cat([ql & 0xF, ql >> 4], dim=2).view(nb, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    shifts = _const((0, 2, 4, 6), torch.uint8, b.device).view(1, 1, 4, 1)
     hi = (qh >> shifts) & 3
     q = ((lo | (hi << 4)).to(torch.int16) - 32).to(_F32).view(nb, 16, 16)
     dl = (d[:, None] * sc).view(nb, 16, 1)
@@ -161,7 +168,7 @@ _KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 6
 
 
 def _kvalues(device) -> torch.Tensor:
-    return torch.tensor(_KVALUES_IQ4NL, dtype=_F32, device=device)
+    return _const(_KVALUES_IQ4NL, _F32, device)
 
 
 def dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
@@ -217,7 +224,7 @@ def dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     d = from_fp16_bytes(b[:, :2]).view(n, 1)
     qs = _u32(b[:, 2:]).view(n, 8, 2)
     db = (d * (_f32(0.5) + (qs[..., 1] >> 28).to(_F32)) * _f32(0.25)).view(n, 8, 1, 1)
-    sh = torch.tensor([0, 7, 14, 21], device=b.device)
+    sh = _const((0, 7, 14, 21), torch.int64, b.device)
     signs = _sign_factors((qs[..., 1:2] >> sh) & 127, ksigns)  # (n, 8, 4, 8)
     idx = torch.stack([(qs[..., 0] >> (8 * j)) & 255 for j in range(4)], -1)  # (n, 8, 4)
     g = grid[idx]  # (n, 8, 4, 8)
@@ -232,7 +239,7 @@ def dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     qs = b[:, 2:66].to(torch.int64).view(n, 8, 8)
     sc = _u32(b[:, 66:98])  # (n, 8)
     db = (d * (_f32(0.5) + (sc >> 28).to(_F32)) * _f32(0.5)).view(n, 8, 1, 1)
-    sh = torch.tensor([0, 7, 14, 21], device=b.device)
+    sh = _const((0, 7, 14, 21), torch.int64, b.device)
     signs = _sign_factors((sc.unsqueeze(-1) >> sh) & 127, ksigns)  # (n, 8, 4, 8)
     g = grid[qs].view(n, 8, 4, 8)
     return (db * g * signs).reshape(n, QK_K)
@@ -270,7 +277,7 @@ def dequantize_iq2_s(b: torch.Tensor) -> torch.Tensor:
     d = from_fp16_bytes(b[:, :2]).view(n, 1)
     db = (d * (_f32(0.5) + _nibble_scales(b[:, 74:82])) * _f32(0.25)).view(n, 16, 1, 1)
     signs = _bit_signs(b[:, 34:66]).view(n, 16, 2, 8)
-    qh = (b[:, 66:74].to(torch.int64).unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], device=b.device)) & 3
+    qh = (b[:, 66:74].to(torch.int64).unsqueeze(-1) >> _const((0, 2, 4, 6), torch.int64, b.device)) & 3
     qs = b[:, 2:34].to(torch.int64) | (qh.reshape(n, 32) << 8)
     g = grid[qs].view(n, 16, 2, 8)
     return (db * g * signs).reshape(n, QK_K)
@@ -300,7 +307,7 @@ def dequantize_iq1_s(b: torch.Tensor) -> torch.Tensor:
     qh = qh[..., 0] | (qh[..., 1] << 8)  # (n, 8) uint16
     dl = (d * (2 * ((qh >> 12) & 7) + 1).to(_F32)).view(n, 8, 1, 1)
     delta = torch.where((qh & 0x8000) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(_F32).view(n, 8, 1, 1)
-    hi = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7  # (n, 8, 4)
+    hi = (qh.unsqueeze(-1) >> _const((0, 3, 6, 9), torch.int64, b.device)) & 7  # (n, 8, 4)
     qs = b[:, 2:34].to(torch.int64) | (hi.reshape(n, 32) << 8)
     g = grid[qs].view(n, 8, 4, 8)
     return (dl * (g + delta)).reshape(n, QK_K)
@@ -312,12 +319,12 @@ def dequantize_iq1_m(b: torch.Tensor) -> torch.Tensor:
     grid, _ = _dequant_tables("IQ1_M", b.device.type)
     sc = b[:, 48:56].to(torch.int64).view(n, 4, 2)
     sc = sc[..., 0] | (sc[..., 1] << 8)  # (n, 4) uint16
-    dbits = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=b.device)).sum(1)  # disjoint nibbles
+    dbits = ((sc & 0xF000) >> _const((12, 8, 4, 0), torch.int64, b.device)).sum(1)  # disjoint nibbles
     d = dbits.to(torch.int16).view(torch.float16).to(_F32).view(n, 1)
-    s3 = (sc.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
+    s3 = (sc.unsqueeze(-1) >> _const((0, 3, 6, 9), torch.int64, b.device)) & 7
     dl = (d * (2 * s3.reshape(n, 16) + 1).to(_F32)).view(n, 16, 1, 1, 1)
     qh = b[:, 32:48].to(torch.int64)
-    qh2 = (qh.unsqueeze(-1) >> torch.tensor([0, 4], device=b.device))  # (n, 16, 2)
+    qh2 = (qh.unsqueeze(-1) >> _const((0, 4), torch.int64, b.device))  # (n, 16, 2)
     qs = b[:, :32].to(torch.int64) | ((qh2 & 7).reshape(n, 32) << 8)
     delta = torch.where((qh2 & 8) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(_F32).view(n, 8, 2, 2, 1)
     g = grid[qs].view(n, 8, 2, 2, 8)
@@ -329,11 +336,11 @@ def dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
     """uint8 blocks [n, 17] -> float32 values [n, 32]."""
     x = b[:, :1].to(torch.int32)
     # 2^(x - 128) as float32 bits: normal from x = 2 on, the two smallest are subnormal (as ggml builds them)
-    bits = torch.where(x < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << x, (x - 1) << 23)
+    bits = torch.where(x < 2, _const(0x00200000, torch.int32, b.device) << x, (x - 1) << 23)
     d = bits.view(torch.float32)
     qs = b[:, 1:]
     codes = torch.cat((qs & 0xF, qs >> 4), dim=1).long()
-    return d * torch.tensor(_KVALUES, dtype=torch.float32, device=b.device)[codes]
+    return d * _const(tuple(_KVALUES), torch.float32, b.device)[codes]
 
 
 _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
