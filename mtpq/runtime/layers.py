@@ -315,18 +315,27 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- feed-forward
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up with Step-3.5's clamps (llama.cpp's swiglu_clamp_*): silu(gate) capped at ``limit``, up
+    clamped to [-limit, limit]."""
+    return F.silu(gate).clamp_(max=limit).mul_(up.clamp(-limit, limit))
 
-    def __init__(self, w: Scope, suffix: str = ""):
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert; ``limit`` > 0 clamps
+    (:func:`clamped_swiglu`)."""
+
+    def __init__(self, w: Scope, suffix: str = "", limit: float = 0.0):
         super().__init__()
         self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
         self.down = w.linear(f"ffn_down{suffix}")
-
+        self.limit = limit
         self.gate_up = FusedLinear(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
+        if self.limit > 0:
+            return self.down(clamped_swiglu(gate, up, self.limit))
         return self.down(F.silu(gate, inplace=True).mul_(up))  # in place: no [rows, F] temporaries
 
 
@@ -339,6 +348,8 @@ class MoEConfig:
     scale: float = 1.0  # routed_scaling_factor
     n_group: int = 1  # group-limited routing: keep the best topk_group groups (a group scores its best two)
     topk_group: int = 1
+    swiglu_limit: float = 0.0  # > 0: the routed experts' clamp (clamped_swiglu)
+    shared_swiglu_limit: float = 0.0  # > 0: the shared expert's
 
 
 DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
@@ -356,7 +367,7 @@ class MoE(nn.Module):
         self.router_name, self.shared_gate_name = w.name("ffn_gate_inp"), w.name("ffn_gate_inp_shexp")
         self.bias = w.optional("exp_probs_b.bias", torch.float32)
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
-        self.shared = SwiGLU(w, "_shexp") if w.has("ffn_gate_shexp") else None
+        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
         self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
         if not self.gate.quantized and not self.up.quantized and self.gate.data.dtype == self.up.data.dtype:
@@ -417,7 +428,7 @@ class MoE(nn.Module):
         else:
             g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = F.silu(g) * u  # [N, E*F]
+        h = clamped_swiglu(g, u, self.cfg.swiglu_limit) if self.cfg.swiglu_limit > 0 else F.silu(g) * u  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
@@ -446,8 +457,10 @@ class MoE(nn.Module):
             if watch is not None:
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
-            g = F.silu(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), inplace=True)
-            h = g.mul_(F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)))
+            g = F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype))
+            u = F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype))
+            h = clamped_swiglu(g, u, self.cfg.swiglu_limit) if self.cfg.swiglu_limit > 0 else \
+                F.silu(g, inplace=True).mul_(u)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))

@@ -8,7 +8,8 @@ For the pair (h_t, x_{t+1}) (DESIGN.md):
 
 E and head are the block's ``nextn.embed_tokens`` / ``nextn.shared_head_head`` or, when a
 checkpoint ties them (GLM-4.6, Qwen3.5), the trunk's ``token_embd`` / ``output``;
-``shared_head_norm`` falls back to the trunk's ``output_norm``. The block keeps its own
+``shared_head_norm`` falls back to the block's ``layer_output_norm`` (MiMo-V2's final_layernorm), then to the
+trunk's ``output_norm``. The block keeps its own
 cache. Drafts 2..k feed the head its own normed output (see :class:`~mtpq.runtime.model.MtpModel`).
 """
 
@@ -29,7 +30,8 @@ class NextNHead(nn.Module):
         self.eps, self.hidden_first, self.block = eps, hidden_first, block
         self.eh_proj = n.linear("eh_proj", bias=False)
         self.enorm, self.hnorm = n.tensor("enorm"), n.tensor("hnorm")
-        self.head_norm = n.tensor("shared_head_norm") if n.has("shared_head_norm") else trunk_norm
+        self.head_norm = n.tensor("shared_head_norm") if n.has("shared_head_norm") else \
+            w.tensor("layer_output_norm") if w.has("layer_output_norm") else trunk_norm
         self.tied_embed, self.tied_head = not n.has("embed_tokens"), not n.has("shared_head_head")
         self.embed = trunk_embd if self.tied_embed else n.qweight("embed_tokens")
         self.head = trunk_output if self.tied_head else n.linear("shared_head_head", bias=False)

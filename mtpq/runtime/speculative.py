@@ -13,13 +13,17 @@ API (what ``mtpq accept`` builds on):
 One speculative round (``SpeculativeDecoder.step``), with x_j the last emitted token:
 1. the head consumes the pending real pairs (h_t, x_{t+1}) -- the trunk states of the
    tokens accepted last round -- and drafts d_1 from the last one;
-2. drafts d_2..d_k reuse the head on (its own output, its own last draft);
+2. drafts d_2..d_k reuse the head on (its own output, its own last draft); with several heads
+   (:attr:`MtpModel.chained`: llama.cpp's ``chain_heads``) every head the decoder drafts with
+   consumes the same real pairs, and d_{i+1} comes from head i run on the chain
+   (d_1, o_0) .. (d_i, o_{i-1}), o_j being head j's output for its last row; k is capped at
+   the number of heads, as llama.cpp caps it;
 3. the trunk verifies [x_j, d_1..d_k] in one forward (k+1 logits);
 4. greedy: accept while d_i == argmax; sampling: accept d_i with probability
    min(1, p(d_i)/q(d_i)), else emit a token drawn from norm(max(0, p - q)) and stop;
    if all k are accepted, a bonus token is drawn from the last logits;
-5. both KV caches are rolled back: the trunk's to the accepted tokens, the head's to
-   its real pairs (entries written while drafting 2..k are discarded).
+5. every KV cache is rolled back: the trunk's to the accepted tokens, the heads' to
+   their real pairs (entries written while drafting 2..k are discarded).
 Greedy speculative output equals plain greedy output; sampling keeps the target
 distribution (p and q both pass through the same temperature/top-k/top-p).
 
@@ -53,7 +57,7 @@ from .weights import GGUFFile
 
 
 def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-               hidden: str = "post_norm") -> tuple[MtpModel, object]:
+               hidden: str = "auto") -> tuple[MtpModel, object]:
     """(model, tokenizer) from a GGUF of any family the runtime has. device: CUDA when available unless
     given. hidden: see model.py."""
     from .tokenizer import tokenizer_from_gguf
@@ -162,36 +166,52 @@ class SpeculativeDecoder:
             from ..errors import InputError
 
             raise InputError(model.path, "this GGUF has no MTP head: nothing to draft with")
-        self.model, self.k, self.params = model, k, params
+        # chained heads: draft step i runs head i, so a round drafts at most one token per head
+        self.model, self.k, self.params = model, min(k, model.n_heads) if model.chained else k, params
+        self.heads = self.k if model.chained else 1  # the heads this decoder drafts with
         self.gen = None if params.greedy else torch.Generator().manual_seed(seed)
         self.tokens: list[int] = []
         self.trunk_forwards = 0
 
-    def prefill(self, prompt_ids: list[int]) -> int:
-        """Run the trunk on the prompt and emit its first token."""
+    def prefill(self, prompt_ids: list[int], draft_first: bool = False) -> int | None:
+        """Run the trunk on the prompt and emit its first token. ``draft_first``: run it on all but the prompt's
+        last token, which starts the first round, so the first new token is drafted and verified too (as
+        llama.cpp's speculative drivers start); nothing is emitted (None)."""
         m = self.model
         m.reset()
+        if draft_first:
+            if len(prompt_ids) < 2:
+                raise ValueError("draft_first needs a prompt of at least two tokens")
+            *prompt_ids, first = prompt_ids
         out = m.trunk(torch.tensor([prompt_ids]))
         self.trunk_forwards += 1
-        first, _ = _choose(out.logits[0, -1], self.params, self.gen)
+        if not draft_first:
+            first, _ = _choose(out.logits[0, -1], self.params, self.gen)
         self.tokens = list(prompt_ids) + [first]
         # real pairs (h_t, x_{t+1}) for t = 0..n-1, after the head's first pair (MtpModel.first_pair)
         self.pending_ids, self.pending_hidden = m.prompt_pairs(prompt_ids, first, out.hidden)
-        return first
+        return None if draft_first else first
 
-    def step(self) -> tuple[list[int], list[int]]:
-        """One draft-verify round -> (emitted tokens, drafted tokens)."""
-        m, k = self.model, self.k
+    def step(self, k: int | None = None) -> tuple[list[int], list[int]]:
+        """One draft-verify round drafting ``k`` tokens (at most, and by default, the decoder's) -> (emitted
+        tokens, drafted tokens)."""
+        m, k = self.model, self.k if k is None else max(1, min(k, self.k))
         out = m.draft(self.pending_ids, self.pending_hidden)
-        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
-        drafts, qs = [], []
+        for head in range(1, self.heads):  # chained heads: each takes the same real pairs
+            m.draft(self.pending_ids, self.pending_hidden, head=head)
+        ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
+        drafts, qs, chain = [], [], []
         logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         for i in range(k):
             d, q = _choose(logits, self.params, self.gen)
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                out = m.draft(torch.tensor([[d]]), hidden)
+                if m.chained:  # head i + 1 on the chain: each draft beside the output that drafted it
+                    chain.append(hidden)
+                    out = m.draft(torch.tensor([drafts]), torch.cat(chain, dim=1), head=i + 1)
+                else:
+                    out = m.draft(torch.tensor([[d]]), hidden)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         verify = m.trunk(torch.tensor([[self.tokens[-1]] + drafts]))
         self.trunk_forwards += 1
@@ -238,7 +258,7 @@ def run_speculative(model: MtpModel, prompt_ids: list[int], max_new_tokens: int,
     t0 = time.perf_counter()
     first = dec.prefill(list(prompt_ids))
     generated = [first]
-    res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=k)
+    res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=dec.k)
     while len(generated) < max_new_tokens and not _stopped(generated, stop_ids):
         emitted, drafts = dec.step()
         generated.extend(emitted)

@@ -11,6 +11,9 @@
 // a stub in this llama.cpp (it returns false), and the driver itself uses the token embedding slot, whose width
 // is n_embd_out in an MTP context.
 //
+// Attention runs in f32 (f32 caches, flash attention off: llama.cpp's defaults round K and V to f16), so an f32
+// model is computed in f32 throughout, as the torch runtime computes it.
+//
 // OUT.bin: magic "MTPH", then int32 n_tokens, n_vocab, n_embd, n_heads; then float32 trunk logits [n, vocab],
 // trunk NextN states [n, embd], and per head its logits [n, vocab] and its NextN output [n, embd].
 
@@ -82,6 +85,9 @@ int main(int argc, char ** argv) {
     cparams.n_seq_max = 1;
     cparams.n_threads = cparams.n_threads_batch = n_threads;
     cparams.no_perf = true;
+    // attention in f32: f32 caches, and no flash attention (its graph casts K and V to f16 whatever the cache)
+    cparams.type_k = cparams.type_v = GGML_TYPE_F32;
+    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
         return fail("cannot create the trunk context");

@@ -17,9 +17,12 @@ from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
 from .glm4moe import Glm4Moe
+from .mimo2 import Mimo2
 from .qwen35 import Qwen35
+from .step35 import Step35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2) for arch in fam.archs}
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Step35, Mimo2)
+                                     for arch in fam.archs}
 
 
 def family_for(g: GGUFFile) -> type[Family]:
@@ -31,7 +34,7 @@ def family_for(g: GGUFFile) -> type[Family]:
 
 
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
+         hidden: str = "auto", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (:data:`FAMILIES`)."""
     from ...ggml.malloc import keep_freed_buffers
 

@@ -33,3 +33,18 @@ def routed_moe_config(g: GGUFFile, default_gating: ExpertGatingFuncType) -> MoEC
         n_group=int(g.value("expert_group_count", 1) or 1),
         topk_group=int(g.value("expert_group_used_count", 1) or 1),
     )
+
+
+def per_layer(g: GGUFFile, key: str, n: int, default=None) -> list:
+    """A hyperparameter that is one value or one per block (llama.cpp's get_key_or_arr) as a list of ``n``."""
+    value = g.value(key, default) if default is not None else g.require(key)
+    if isinstance(value, (list, tuple)):
+        if len(value) < n:
+            raise InputError(g.path, f"{g.arch}.{key} has {len(value)} entries for {n} blocks")
+        return list(value[:n])
+    return [value] * n
+
+
+def sliding_layers(g: GGUFFile, n: int) -> list[bool]:
+    """Which of the first ``n`` blocks use sliding-window attention (``attention.sliding_window_pattern``)."""
+    return [bool(f) for f in per_layer(g, "attention.sliding_window_pattern", n)]
