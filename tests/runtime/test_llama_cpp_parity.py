@@ -41,18 +41,40 @@ PARITY = {
     "qwen35moe": ("qwen35_moe", "bf16"),
     "deepseek2": ("deepseek_v3_hf5", "bf16"),
     "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "step35": ("step35_flash", "bf16"),
+    "mimo2": ("mimo_v25", "fp8"),  # (MiMo-V2-Flash's split q/k/v has no MTP graph in llama.cpp)
 }
+# architectures whose sequences must be longer: past the release's sliding window (Step-3.5: 512, MiMo-V2: 128)
+TOKENS = {"step35": 640, "mimo2": 256}
 
 
 def sharpened(src: Path, out: Path, factor: float = SHARPEN) -> Path:
-    """``src`` with ``output_norm`` and every ``nextn.shared_head_norm`` scaled by ``factor``."""
+    """``src`` with ``output_norm`` and every head's norm (``nextn.shared_head_norm``, MiMo's ``layer_output_norm``)
+    scaled by ``factor``, and the clamped SwiGLUs driven past their clamps (:func:`clamps_reached`)."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
 
     plan = plan_from_gguf(src)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
-    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
+    factors = {s.name: factor for s in plan.tensors if s.name.endswith(scaled)} | clamps_reached(plan)
+    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factors[s.name]), load_raw=None) if s.name in factors
                     else s for s in plan.tensors]
     write_plan(plan, out)
+    return out
+
+
+CLAMP_REACH = 4.0  # the tiny random models' SwiGLU inputs stay below ~3; the releases' clamps are 7 (routed), 16
+
+
+def clamps_reached(plan) -> dict[str, float]:
+    """{tensor: factor} scaling the gate and up projections of every block with a SwiGLU clamp (Step-3.5's
+    ``swiglu_clamp_exp`` / ``swiglu_clamp_shexp``) so that some activations pass it and the clamp shows."""
+    out = {}
+    for key, kind, reach in (("swiglu_clamp_exp", "exps", CLAMP_REACH), ("swiglu_clamp_shexp", "shexp",
+                                                                           2 * CLAMP_REACH)):
+        value = plan.kv.get(f"{plan.arch}.{key}")
+        for i, limit in enumerate(value.value if value is not None else []):
+            if limit > 0:
+                out |= {f"blk.{i}.ffn_{p}_{kind}.weight": reach for p in ("gate", "up")}
     return out
 
 
@@ -70,7 +92,8 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             from mtpq.runtime.families import load
 
             vocab = load(path).vocab_size
-            tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+            n = TOKENS.get(arch, N_TOKENS)
+            tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
             cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work)
         return cache[arch]
 
@@ -148,8 +171,80 @@ def head_pairs_shifted(model) -> bool:
     return True
 
 
+def _windowed(model):
+    from mtpq.runtime.swa import WindowedAttention
+
+    return [m for m in model.modules() if isinstance(m, WindowedAttention)]
+
+
+def window_one_short(model) -> bool:
+    """Every sliding window one key short (a query sees window - 1 keys back to itself)."""
+    layers = [m for m in _windowed(model) if m.cfg.window is not None]
+    for m in layers:
+        m.cfg = replace(m.cfg, window=m.cfg.window - 1)
+    return bool(layers)
+
+
+def sinks_dropped(model) -> bool:
+    """The attention sinks left out of the softmax."""
+    layers = [m for m in _windowed(model) if m.sinks is not None]
+    for m in layers:
+        m.sinks = None
+    return bool(layers)
+
+
+def head_gate_dropped(model) -> bool:
+    """Step-3.5's head-wise attention gate left out."""
+    layers = [m for m in _windowed(model) if m.gate is not None]
+    for m in layers:
+        m.gate = None
+    return bool(layers)
+
+
+def value_scale_dropped(model) -> bool:
+    """MiMo-V2.5's attention value scale left out."""
+    layers = [m for m in _windowed(model) if m.cfg.value_scale != 1.0]
+    for m in layers:
+        m.cfg = replace(m.cfg, value_scale=1.0)
+    return bool(layers)
+
+
+def rope_factors_dropped(model) -> bool:
+    """Step-3.5's full-attention RoPE without the rope_freqs factors (Llama-3 scaling)."""
+    from mtpq.runtime.layers import rope_inv_freq
+
+    rope = model.family.ropes[False]
+    plain = rope_inv_freq(rope.dim, float(model.family.file.value("rope.freq_base")))
+    if torch.equal(plain, rope.inv_freq):
+        return False
+    rope.inv_freq, rope._memo = plain, []
+    return True
+
+
+def swiglu_clamps_dropped(model) -> bool:
+    """Step-3.5's SwiGLU clamps left out (routed and shared experts)."""
+    moes = [m for m in _modules(model, "MoE") if m.cfg.swiglu_limit > 0 or m.cfg.shared_swiglu_limit > 0]
+    for m in moes:
+        m.cfg = replace(m.cfg, swiglu_limit=0.0, shared_swiglu_limit=0.0)
+        if m.shared is not None:
+            m.shared.limit = 0.0
+    dense = [m for m in _modules(model, "SwiGLU") if m.limit > 0]
+    for m in dense:
+        m.limit = 0.0
+    return bool(moes or dense)
+
+
+def nextn_state_post_norm(model) -> bool:
+    """The heads fed the trunk's (and each other's) state after the final norm, where llama.cpp's graph feeds the
+    state before it."""
+    model.hidden = "post_norm"
+    return True
+
+
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (wrong_rope_base, router_bias_dropped, norm_eps_changed,
-                                                        head_pairs_shifted)}
+                                                        head_pairs_shifted, window_one_short, sinks_dropped,
+                                                        head_gate_dropped, value_scale_dropped, rope_factors_dropped,
+                                                        swiglu_clamps_dropped, nextn_state_post_norm)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -157,6 +252,10 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "step35": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+               "head_gate_dropped", "rope_factors_dropped", "swiglu_clamps_dropped", "nextn_state_post_norm"),
+    "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+              "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
 }
 
 

@@ -1,4 +1,5 @@
-"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2) must do, against independent truth.
+"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2; step35 and mimo2 where transformers does not
+run them) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
   prompt and through the caches (a prefill, a chunk on top of it, then token by token);
@@ -9,6 +10,10 @@
   hold what they should after rollbacks; teacher-forced counts == the k=1 loop's;
 - a quantized GGUF stays quantized in memory and equals its copy dequantized by gguf-py (trunk and head);
 - bf16 compute is as close to transformers as transformers' own bf16.
+
+Families transformers does not run (NO_TRANSFORMERS: llama.cpp's graphs are their reference, in
+test_llama_cpp_parity.py) take the parts that need no reference: cached == uncached (trunk and every head),
+greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized copy.
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -25,6 +30,8 @@ from tests.helpers.runtime import (PROMPTS, REL_TOL, close, convert, dequantized
 from tests.helpers.runcli import run_cli
 
 FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2")
+NO_TRANSFORMERS = ("step35", "mimo2")
+LOOP_FAMILIES = FAMILIES + NO_TRANSFORMERS
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
                   "deepseek2": ("v3", "plain_q", "v2_lite_yarn")}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
@@ -32,12 +39,14 @@ TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": 
 # (variant, whether the head shares the trunk's token_embd and output)
 HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
-DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3"}
+DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "step35": "tiny",
+           "mimo2": "tiny"}
+CACHED_VARIANTS = {"step35": ("tiny",), "mimo2": ("tiny", "flash")}  # sliding window 16: 40 tokens cross it
 
 
 def cases(table: dict) -> list:
     return [pytest.param(f, *([v] if isinstance(v, str) else v), id=f"{f}-{v if isinstance(v, str) else v[0]}")
-            for f in FAMILIES for v in table[f]]
+            for f in table for v in table[f]]
 
 
 # ----------------------------------------------------------------------------- trunk
@@ -93,6 +102,29 @@ def test_bf16_compute_matches_transformers_bf16(family, rt):
     assert len(run_speculative(half, ids[0, :10].tolist(), 8, k=2).tokens) == 8
 
 
+@pytest.mark.parametrize("family, variant", cases(CACHED_VARIANTS))
+def test_cached_equals_uncached(family, variant, rt):
+    """Families without a transformers reference: the trunk through its caches (a prefill, a chunk, then token by
+    token) and every head pair by pair through its own cache give the uncached logits, past the sliding window."""
+    from mtpq.runtime.families import load
+
+    model = load(rt.gguf(family, variant))
+    n = 40
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    ref = model.trunk(ids, use_cache=False)
+    parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, 10), (10, 30))]
+    parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(30, n)]
+    diff, scale = close(torch.cat(parts, dim=1), ref.logits)
+    assert diff <= REL_TOL * scale, (diff, scale)
+    head_ids, states, _ = model.head_rows(ids, ref.hidden, [n])
+    for head in range(model.n_heads):
+        whole = model.draft(head_ids, states, use_cache=False, head=head).logits
+        steps = [model.draft(head_ids[:, i:i + 1], states[:, i:i + 1], head=head).logits for i in range(n)]
+        diff, scale = close(torch.cat(steps, dim=1), whole)
+        assert diff <= REL_TOL * scale, (head, diff, scale)
+        assert model.head_cache(head).length == n
+
+
 # ----------------------------------------------------------------------------- MTP head
 
 
@@ -142,16 +174,16 @@ def test_mtp_head_matches_independent_implementation(family, variant, tied, rt):
 
 
 def loop_prompts(family: str, model, tok, varied: bool = False) -> list[list[int]]:
-    """The loop model's prompts: GLM's and DeepSeek's tokenizers have real text; the Qwen3.5 bigram models
-    take random ids (``varied``: lengths 8, 10, 12, which the packed teacher-forced pass pads)."""
-    if not family.startswith("qwen35"):
+    """The loop model's prompts: GLM's and DeepSeek's tokenizers have real text; the bigram models take random ids
+    (``varied``: lengths 8, 10, 12, which the packed teacher-forced pass pads)."""
+    if family in ("glm4moe", "deepseek2"):
         return [tok.encode(s) for s in PROMPTS]
     if varied:
         return [p[: 8 + 2 * i] for i, p in enumerate(random_prompts(3, 12, model.cfg.vocab_size, seed=1))]
     return random_prompts(3, 12, model.cfg.vocab_size, seed=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_greedy_speculative_equals_plain_greedy(family, rt):
     from mtpq.runtime.speculative import SpeculativeDecoder, run_plain, run_speculative
 
@@ -163,15 +195,16 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         for k in (1, 2, 3, 4):
             spec = run_speculative(model, ids, 32, k=k)
             assert spec.tokens == base.tokens, (k, ids)
-            assert spec.drafted == [k] * spec.n_drafts and len(spec.accepted) == spec.n_drafts
+            drafted = min(k, model.n_heads) if model.chained else k  # chained heads: one draft per head
+            assert spec.drafted == [drafted] * spec.n_drafts and len(spec.accepted) == spec.n_drafts
             assert spec.trunk_forwards == 1 + spec.n_drafts
             accepted_any += spec.n_accepted
             rejected_any += sum(a < k for a in spec.accepted)
             multi += sum(a >= 2 for a in spec.accepted)
     # the comparison means something only if drafts were both accepted and rejected, several at a time too
     assert accepted_any > 0 and rejected_any > 0 and multi > 0, (accepted_any, rejected_any, multi)
-    # caches after rollbacks: every trunk layer holds every token but the last; the head every consumed real pair
-    # after its first pair (llama.cpp's (zero state, x_0))
+    # caches after rollbacks: every trunk layer holds every token but the last; each head the decoder drafts with
+    # every consumed real pair after its first pair (llama.cpp's (zero state, x_0))
     dec = SpeculativeDecoder(model, k=3)
     dec.prefill(prompts[0])
     for _ in range(10):
@@ -179,9 +212,10 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         assert {c.length for c in model.trunk_cache} == {len(dec.tokens) - 1} and \
             model.trunk_length == len(dec.tokens) - 1
         assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
+        assert {model.head_cache(h).length for h in range(dec.heads)} == {model.mtp_length}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
@@ -224,6 +258,12 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
         return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
                 (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
                 (ha.k_b, (T.Q8_0,))]
+    if family in NO_TRANSFORMERS:  # windowed attention and experts in 4-6 bits, every head's block at q8_0
+        attn = m.blocks[1].attn
+        qkv = attn.qkv.weight if hasattr(attn.qkv, "weight") else attn.qkv.parts[0].weight
+        later = m.later_heads[-1]
+        return [(qkv, K_TYPES), (attn.wo.weight, K_TYPES), (m.blocks[1].ffn.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (later.eh_proj.weight, (T.Q8_0,)), (later.block.ffn.down, (T.Q8_0,))]
     dn = m.blocks[0].attn  # DeltaNet, attention and FFN in 4-6 bits, the head at q8_0
     return [(dn.wqkv.weight, K_TYPES), (dn.wz.weight, K_TYPES), (dn.wo.weight, K_TYPES), (m.blocks[0].ffn.gate, K_TYPES),
             (m.blocks[3].attn.wq.weight, K_TYPES), (head.eh_proj.weight, (T.Q8_0,)),
@@ -243,7 +283,7 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M")]
+               ("deepseek2", "Q4_K_M"), ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])
