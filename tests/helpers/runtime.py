@@ -258,13 +258,14 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
     return folder
 
 
-def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.1,
-                head_shrink: float = 0.1) -> Path:
+def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.5,
+                head_shrink: float = 0.5) -> Path:
     """:func:`bigram_model` on a converted f32 GGUF, for any family with ``nextn.*`` heads (every head of a file):
     the trunk's attention and FFN outputs scaled by ``trunk_scale``; each head's eh_proj passes enorm(E[x]) through
     an identity (plus ``head_mix`` of the hidden state), its block's outputs scaled by ``head_shrink``, its
-    embedding, norm and output the trunk's. Each head then drafts the trunk's "bigram" guess of its input token,
-    so chained heads accept a few drafts in a row now and then."""
+    embedding, norm and output the trunk's. Each head then drafts mostly the trunk's "bigram" guess of its input
+    token, so chained heads accept a few drafts in a row now and then, while its context still counts (a head
+    that attends over the wrong pairs drafts otherwise now and then)."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
 
     plan = plan_from_gguf(src)
