@@ -9,7 +9,6 @@ tokenizer, quantized types); what the numbers mean is checked elsewhere (the run
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -16,22 +16,11 @@ with [enorm(E x) ; hnorm(h)] as the other families, fed the trunk's state before
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ...errors import InputError
 from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
 from ..model import Family
-from ..swa import SwaConfig, WindowedAttention
+from ..swa import WindowedAttention
 from ..weights import GGUFFile, Scope
-from .common import per_layer, sliding_layers
-
-
-@dataclass(frozen=True)
-class Mimo2Config:
-    vocab_size: int
-    attn: list[SwaConfig]  # per block, MTP blocks included
-    sliding: list[bool]
-    moe: MoEConfig
+from .common import WindowedModelConfig, refuse_rope_scaling, windowed_configs
 
 
 class Mimo2(Family):
@@ -40,27 +29,17 @@ class Mimo2(Family):
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
-        if g.value("rope.scaling.type", "none") not in ("none", None):
-            raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the mimo2 "
-                                     "runtime")
-        n = g.n_trunk + g.n_mtp
-        heads = per_layer(g, "attention.head_count", n)
-        kv = per_layer(g, "attention.head_count_kv", n, heads)
-        sliding = sliding_layers(g, n)
-        window = int(g.require("attention.sliding_window"))
-        head_dim = int(g.require("attention.key_length"))
-        v_dim = int(g.value("attention.value_length", head_dim))
-        value_scale = float(g.value("attention.value_scale", 1.0) or 1.0)
-        self.cfg = Mimo2Config(
+        refuse_rope_scaling(g)
+        attn, sliding = windowed_configs(g, self.eps, float(g.value("attention.value_scale", 1.0) or 1.0))
+        self.cfg = WindowedModelConfig(
             vocab_size=g.shape("token_embd.weight")[0],
-            attn=[SwaConfig(int(h), int(k), head_dim, v_dim, self.eps, window if s else None, value_scale)
-                  for h, k, s in zip(heads, kv, sliding)],
+            attn=attn,
             sliding=sliding,
             moe=MoEConfig(n_experts=int(g.value("expert_count", 0)), n_used=int(g.value("expert_used_count", 0)),
                           gating="sigmoid", norm_topk=True, n_group=int(g.value("expert_group_count", 1) or 1),
                           topk_group=int(g.value("expert_group_used_count", 1) or 1)),
         )
-        n_rot = int(g.value("rope.dimension_count", head_dim))
+        n_rot = int(g.value("rope.dimension_count", attn[0].head_dim))
         n_rot = int(g.value("rope.dimension_count_swa", n_rot)) if sliding[0] else n_rot
         self.ropes = {s: Rope(rope_inv_freq(n_rot, float(g.value(key, 10000.0))), neox=True)
                       for s, key in ((False, "rope.freq_base"), (True, "rope.freq_base_swa"))}

@@ -21,22 +21,17 @@ import numpy as np
 import torch
 from gguf import ExpertGatingFuncType
 
-from ...errors import InputError
-from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
+from ..layers import DecoderBlock, MoE, Rope, SwiGLU, rope_inv_freq
 from ..model import Family
-from ..swa import SwaConfig, WindowedAttention
+from ..swa import WindowedAttention
 from ..weights import GGUFFile, Scope
-from .common import per_layer, routed_moe_config, sliding_layers
+from .common import WindowedModelConfig, per_layer, refuse_rope_scaling, routed_moe_config, windowed_configs
 
 
 @dataclass(frozen=True)
-class Step35Config:
-    vocab_size: int
-    attn: list[SwaConfig]  # per block, MTP blocks included
-    sliding: list[bool]
-    moe: MoEConfig
-    clamp_exp: list[float]
-    clamp_shexp: list[float]
+class Step35Config(WindowedModelConfig):
+    clamp_exp: list[float]  # per block: the routed experts' SwiGLU clamp (0: none)
+    clamp_shexp: list[float]  # the shared expert's (and a dense FFN's)
 
 
 class Step35(Family):
@@ -45,27 +40,19 @@ class Step35(Family):
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
-        if g.value("rope.scaling.type", "none") not in ("none", None):
-            raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the step35 "
-                                     "runtime (the releases scale through rope_freqs)")
+        refuse_rope_scaling(g, " (the releases scale through rope_freqs)")
         n = g.n_trunk + g.n_mtp
-        heads = per_layer(g, "attention.head_count", n)
-        kv = per_layer(g, "attention.head_count_kv", n, heads)
-        sliding = sliding_layers(g, n)
-        window = int(g.require("attention.sliding_window"))
-        head_dim = int(g.require("attention.key_length"))
-        v_dim = int(g.value("attention.value_length", head_dim))
+        attn, sliding = windowed_configs(g, self.eps)
         self.cfg = Step35Config(
             vocab_size=g.shape("token_embd.weight")[0],
-            attn=[SwaConfig(int(h), int(k), head_dim, v_dim, self.eps, window if s else None)
-                  for h, k, s in zip(heads, kv, sliding)],
+            attn=attn,
             sliding=sliding,
             moe=routed_moe_config(g, ExpertGatingFuncType.SIGMOID),
             clamp_exp=[float(x) for x in per_layer(g, "swiglu_clamp_exp", n, 0.0)],
             clamp_shexp=[float(x) for x in per_layer(g, "swiglu_clamp_shexp", n, 0.0)],
         )
         # llama.cpp: full-attention blocks rotate half of rope.dimension_count; sliding ones the unhalved count
-        n_rot = int(g.value("rope.dimension_count", head_dim))
+        n_rot = int(g.value("rope.dimension_count", attn[0].head_dim))
         n_rot_swa = int(g.value("rope.dimension_count_swa", n_rot))
         full = rope_inv_freq(n_rot // 2, float(g.value("rope.freq_base", 10000.0)))
         if "rope_freqs.weight" in g:
