@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-extra clean
+.PHONY: install demo test test-extra llama-cpp clean
 
 $(BIN)/mtpq: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: install
 
 test-extra: install
 	$(BIN)/python -m pytest -q -m "slow or llama_cpp" || [ $$? -eq 5 ]  # 5 = nothing selected
+
+# llama.cpp for the cross-checks: the pinned tree built into ~/.cache/mtpq (reused), its bin folder printed last
+llama-cpp:
+	scripts/build_llama_cpp.sh
 
 clean:
 	rm -rf $(VENV) demo-out

@@ -22,7 +22,7 @@ PYTHON="${PYTHON:-python3}"
 # What the tests run: quantize bytes, KLD, imatrix, split parity, drafting (server and speculative-simple), RPC,
 # and libllama for the MTP-context harness (a shared library: BUILD_SHARED_LIBS=ON).
 TARGETS=(llama-quantize llama-perplexity llama-imatrix llama-gguf-split llama-server llama-speculative-simple
-         llama-cli rpc-server llama ggml-base)
+         llama-cli llama-tokenize ggml-rpc-server llama ggml-base)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "${TARGETS[*]}" ]; then
   echo "llama.cpp $PIN: reusing $BUILD/bin" >&2

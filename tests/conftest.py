@@ -27,12 +27,40 @@ def glm_ckpt(tmp_path_factory) -> Path:
     return tiny.glm4moe(tmp_path_factory.mktemp("glm") / "ckpt", dtype=__import__("torch").float32)
 
 
+# CI sets this (.ci/run): a llama.cpp check that cannot find llama.cpp fails instead of skipping, and a run in
+# which no llama_cpp-marked test passed fails as a whole
+REQUIRE_LLAMA_CPP = os.environ.get("MTPQ_REQUIRE_LLAMA_CPP") == "1"
+
+
 def _folder_from_env(var: str, holds: str, what: str) -> Path:
-    """The folder environment variable ``var`` names; the test is skipped unless it holds ``holds``."""
+    """The folder environment variable ``var`` names; the test is skipped unless it holds ``holds`` (fails
+    under MTPQ_REQUIRE_LLAMA_CPP=1)."""
     d = os.environ.get(var)
     if not d or not (Path(d) / holds).exists():
-        pytest.skip(f"set {var} to {what}")
+        (pytest.fail if REQUIRE_LLAMA_CPP else pytest.skip)(f"set {var} to {what}")
     return Path(d)
+
+
+_llama_cpp_outcomes: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Count the outcomes of llama_cpp-marked tests (their call phase, or a skip or error in set-up)."""
+    if "llama_cpp" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        _llama_cpp_outcomes[report.outcome] = _llama_cpp_outcomes.get(report.outcome, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _llama_cpp_outcomes:
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(_llama_cpp_outcomes.items()))
+        terminalreporter.write_line(f"llama_cpp-marked tests: {counts}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under MTPQ_REQUIRE_LLAMA_CPP=1 a run that selected llama_cpp-marked tests must have passed some."""
+    selected = any("llama_cpp" in item.keywords for item in getattr(session, "items", []))
+    if REQUIRE_LLAMA_CPP and selected and not _llama_cpp_outcomes.get("passed"):
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")

@@ -31,17 +31,24 @@ def _read_text(path: Path) -> str:
         "  mtpq compare f16.gguf q4km.gguf -f wiki.test.raw -c 512 --chunks 40 --md $GITHUB_STEP_SUMMARY\n\n"
         "  mtpq compare f16.gguf q4km.gguf -f text.txt --max-kld 0.05 --max-drop 0.05   # a CI gate\n\n"
         "  mtpq compare big-f16.gguf big-q4km.gguf -f wiki.test.raw --engine llama.cpp --ngl 999\n\n"
+        "  mtpq compare --kld-base f16.kld q4km.gguf q2k.gguf     # against llama-perplexity's saved logits\n\n"
         "The trunk's figures follow llama-perplexity's --kl-divergence: chunks of -c tokens, each scored from its "
-        "middle on. With --engine llama.cpp, arguments after `--` go to llama-perplexity."
+        "middle on. With --engine llama.cpp, arguments after `--` go to llama-perplexity. --kld-base takes the file "
+        "`llama-perplexity -m f16.gguf -f TEXT --kl-divergence-base f16.kld` wrote: its tokens, chunks and the "
+        "reference's log-probabilities, so the reference model is not needed (every FILE is then a quant)."
     ),
 )
 @guarded
 def compare(
     ctx: typer.Context,
-    reference: Path = typer.Argument(..., help="The full-precision GGUF (f16/bf16/q8_0) the quants are measured against."),
-    quants: list[Path] = typer.Argument(..., help="One or more quantized GGUFs of the same model."),
-    text: Path = typer.Option(..., "--text", "-f", help="UTF-8 text to score (e.g. wikitext-2's wiki.test.raw)."),
-    ctx_size: int = typer.Option(512, "--ctx-size", "-c", help="Tokens per chunk (llama-perplexity's -c)."),
+    files: list[Path] = typer.Argument(..., metavar="REFERENCE QUANT...", help="The full-precision GGUF "
+                                       "(f16/bf16/q8_0) the quants are measured against, then one or more quantized "
+                                       "GGUFs of the same model (with --kld-base: quants only)."),
+    text: Path = typer.Option(None, "--text", "-f", help="UTF-8 text to score (e.g. wikitext-2's wiki.test.raw)."),
+    kld_base: Path = typer.Option(None, "--kld-base", help="The reference as llama-perplexity's "
+                                  "--kl-divergence-base file: its log-probabilities on its own tokens (torch engine)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Tokens per chunk (llama-perplexity's -c; default "
+                                 "512, or the --kld-base file's)."),
     chunks: int = typer.Option(None, "--chunks", help="Score only the first N chunks."),
     json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
     md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
@@ -69,8 +76,23 @@ def compare(
     from ..acceptance.quality import Gates, judge, rich_table, to_markdown
 
     check_engine(engine)
+    if kld_base is not None:
+        if engine != "torch":
+            fail("--kld-base", "is read by the torch engine (llama-perplexity reads it itself: --kl-divergence)")
+        if text is not None:
+            fail("--text", "not with --kld-base: the base file holds the tokens that are scored")
+        reference, quants = None, files
+        if ctx_size is not None:
+            fail("--ctx-size", "not with --kld-base: the chunks are the base file's")
+    elif text is None:
+        fail("--text", "missing: the text to score (or --kld-base FILE, llama-perplexity's saved reference)")
+    elif len(files) < 2:
+        fail("compare", "needs the reference GGUF and at least one quant")
+    else:
+        reference, quants = files[0], files[1:]
     if numerics not in ("llama.cpp", "exact"):
         fail("--numerics", "choose llama.cpp or exact")
+    ctx_size = 512 if ctx_size is None else ctx_size
     if ctx_size < 4:
         fail("--ctx-size", f"must be at least 4, got {ctx_size}")
     if chunks is not None and chunks < 1:
@@ -80,16 +102,22 @@ def compare(
     elif device is not None or numerics != "llama.cpp":
         fail("--device" if device is not None else "--numerics", "belongs to --engine torch")
     check_fractions(min_top1=min_top1, min_rate=min_rate, max_drop=max_drop)
-    for p in (reference, *quants):
+    if kld_base is not None and max_drop is not None:
+        fail("--max-drop", "needs the reference's head: with --kld-base there is no reference model")
+    inputs = [p for p in (reference, *quants, text, kld_base) if p is not None]
+    for p in inputs:
         if not p.is_file():
             fail(str(p), "no such file")
-    check_report_paths(json_out, md_out, [reference, *quants, text])
-    body = _read_text(text)
+    check_report_paths(json_out, md_out, inputs)
     device = check_device(device)
 
-    if engine == "torch":
+    if kld_base is not None:
+        report = _with_base(kld_base, quants, chunks, device, threads, numerics)
+    elif engine == "torch":
+        body = _read_text(text)
         report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
     else:
+        _read_text(text)
         report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
     gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,
                   max_drop=max_drop)
@@ -127,6 +155,33 @@ def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, c
     return {"reference": ref.summary(ref), "files": [r.quality.summary(ref) for r in runs[1:]], "ctx_size": ctx_size,
             "chunks": n, "numerics": numerics,
             "engine": {"trunk": label, "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"}}
+
+
+def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, threads: int | None,
+               numerics: str) -> dict:
+    from ..engines.kld_base import KldBase
+    from ..runtime.accept import use_threads
+    from ..runtime.quality import QualityRun, compare_with_base
+
+    base = KldBase(base_path)
+    use_threads(quants[0], threads)
+    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("loading", total=None)
+        runs = []
+        for p in quants:
+            progress.update(task, description=f"loading {p.name}")
+            runs.append(QualityRun(p, device=dev, numerics=numerics))
+        progress.update(task, description=f"scoring {len(quants)} files against {base_path.name}")
+        ref = compare_with_base(base, runs, n_chunks=chunks,
+                                on_chunk=lambda i, total: progress.update(task, completed=i, total=total))
+    label = f"torch ({dev}, numerics {numerics})"
+    summary = ref.summary(ref)
+    summary.update(size_bytes=None, bits_per_weight=None)
+    return {"reference": summary, "files": [r.quality.summary(None) for r in runs], "ctx_size": base.n_ctx,
+            "chunks": min(chunks or base.n_chunk, base.n_chunk), "numerics": numerics, "kld_base": str(base_path),
+            "engine": {"trunk": f"{label} against {base_path.name} (llama-perplexity's reference log-probabilities)",
+                       "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"}}
 
 
 def _with_llama_cpp(reference: Path, quants: list[Path], text: Path, ctx_size: int, chunks: int | None,

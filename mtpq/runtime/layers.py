@@ -89,11 +89,13 @@ class Rope:
             tensors = isinstance(start, torch.Tensor) or isinstance(key[0], torch.Tensor)
             if (key[0] is start if tensors else key[0] == start) and key[1:] == (length, device, dtype):
                 return tables
+        if self.inv_freq.device != device:  # moved once: a copy per call would wait for the GPU each time
+            self.inv_freq = self.inv_freq.to(device)
         if isinstance(start, torch.Tensor):
-            freqs = start.to(torch.float32)[..., None] * self.inv_freq.to(device)
+            freqs = start.to(torch.float32)[..., None] * self.inv_freq
         else:
             pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            freqs = pos[:, None] * self.inv_freq[None, :]
         if self.neox:
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
@@ -353,6 +355,7 @@ class MoEConfig:
 
 
 DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
+GATHERED_MOE_PICKS = 64  # off the CPU, up to this many (token, expert) picks gather their experts by index
 
 
 class MoE(nn.Module):
@@ -405,6 +408,8 @@ class MoE(nn.Module):
         # many tokens (prefill, teacher forcing): arithmetic counts, only the experts in use
         if watch is None and self.cfg.n_experts <= 2 * self.cfg.n_used and x.shape[0] <= DENSE_MOE_TOKENS:
             out = self._all_experts(x, weights, ids)
+        elif watch is None and x.device.type != "cpu" and ids.numel() <= GATHERED_MOE_PICKS:
+            out = self._gathered_experts(x, weights, ids)
         else:
             out = self._used_experts(x, weights, ids, watch)
         if self.shared is not None:
@@ -415,6 +420,11 @@ class MoE(nn.Module):
                 shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.view(1, -1))).to(x.dtype)
             out = out + shared
         return out.view(shape)
+
+    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (in place on gate: no temporaries), clamped where the layer is (Step-3.5)."""
+        limit = self.cfg.swiglu_limit
+        return clamped_swiglu(gate, up, limit) if limit > 0 else F.silu(gate, inplace=True).mul_(up)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
@@ -428,13 +438,26 @@ class MoE(nn.Module):
         else:
             g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = clamped_swiglu(g, u, self.cfg.swiglu_limit) if self.cfg.swiglu_limit > 0 else F.silu(g) * u  # [N, E*F]
+        h = self._swiglu(g, u)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
         return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
+
+    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pick's expert gathered from the stacks by its id on the device, as batched GEMMs:
+        the expert ids never leave the device, so decoding on a GPU waits for no host sync (the sparse path
+        reads them back to group the tokens)."""
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)[:, None]  # [N*k, 1, H]: one row per pick
+        g = torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2))
+        u = torch.bmm(self.up.input(xs), _picked(self.up, flat, x.dtype).transpose(1, 2))
+        h = self._swiglu(g, u)  # [N*k, 1, F]
+        y = torch.bmm(self.down.input(h), _picked(self.down, flat, x.dtype).transpose(1, 2))  # [N*k, 1, H]
+        return (y.view(N, k, -1) * as_dtype(weights, x.dtype)[..., None]).sum(dim=1)
 
     def _used_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, watch) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -459,8 +482,7 @@ class MoE(nn.Module):
                 watch(self.up.name, e, h)
             g = F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype))
             u = F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype))
-            h = clamped_swiglu(g, u, self.cfg.swiglu_limit) if self.cfg.swiglu_limit > 0 else \
-                F.silu(g, inplace=True).mul_(u)
+            h = self._swiglu(g, u)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))
@@ -469,6 +491,13 @@ class MoE(nn.Module):
             else:
                 out.index_add_(0, tok, (h * w).to(x.dtype))
         return out
+
+
+def _picked(stack, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``ids`` of a 3-D expert stack (a QWeight) as floats [len(ids), rows, cols], indexed on the device."""
+    if stack.quantized:
+        return stack._dequant(stack.data[ids], (ids.numel(), *stack.shape[1:]))
+    return as_dtype(stack.data[ids], dtype)
 
 
 # ----------------------------------------------------------------------------- block

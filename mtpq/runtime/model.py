@@ -190,8 +190,8 @@ class MtpModel(nn.Module):
         """The pairs the head consumes after a prefill of ``prompt_ids`` whose next token is ``first`` (hidden:
         the trunk's states for the prompt [1, n, H]) -> (ids [1, m], states [1, m, H])."""
         if self.first_pair == "none":
-            return torch.tensor([list(prompt_ids[1:]) + [first]]), hidden
-        return (torch.tensor([list(prompt_ids) + [first]]),
+            return torch.tensor([list(prompt_ids[1:]) + [first]], device=self.device), hidden
+        return (torch.tensor([list(prompt_ids) + [first]], device=self.device),
                 torch.cat((hidden.new_zeros(1, 1, hidden.shape[-1]), hidden), dim=1))
 
     # -- forward --------------------------------------------------------------------------

@@ -209,10 +209,42 @@ def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_c
     return len(chunks)
 
 
+def compare_with_base(base, quants: list[QualityRun], n_chunks: int | None = None,
+                      on_chunk: Callable[[int, int], None] | None = None) -> FileQuality:
+    """Score every quant against a reference's log-probabilities as ``llama-perplexity --kl-divergence-base``
+    saved them (``base``: a :class:`~mtpq.engines.kld_base.KldBase`), on the file's own tokens and chunks.
+    Returns the reference's figures (its PPL; it has no head here)."""
+    for q in quants:
+        if q.model.vocab_size != base.n_vocab:
+            raise InputError(q.path, f"vocabulary of {q.model.vocab_size} tokens; {base.path.name} was written for "
+                                     f"{base.n_vocab}")
+    reference = FileQuality(str(base.path), base.path.stat().st_size, 0.0, has_head=False)
+    n = base.n_chunk if n_chunks is None else min(n_chunks, base.n_chunk)
+    first = base.first
+    per_pass = max(1, min(pack_rows(quants[0].model) // base.n_ctx,
+                          PACK_LOGITS // ((base.n_ctx - first) * base.n_vocab)))
+    for g in range(0, n, per_pass):
+        chunks = list(range(g, min(n, g + per_pass)))
+        group = [base.tokens(c) for c in chunks]
+        logp_refs = [torch.from_numpy(base.log_probs(c)) for c in chunks]
+        for ids, logp_ref in zip(group, logp_refs):  # the reference against itself: its NLL, hence its PPL
+            score_chunk(reference, logp_ref, logp_ref, torch.tensor(ids[first + 1:]))
+        for q in quants:
+            bos = q.tokenizer.bos_token_id if q.add_bos else None  # as llama-perplexity, by the quant's vocabulary
+            seqs = [[bos, *ids[1:]] if bos is not None else ids for ids in group]
+            for ids, logp_ref, (logp, matches) in zip(group, logp_refs, q.chunks(seqs, first)):
+                _add(q, logp, logp_ref.to(logp.device), matches, torch.tensor(ids[first + 1:], device=logp.device),
+                     ref_rows=True)
+        if on_chunk is not None:
+            on_chunk(chunks[-1] + 1, n)
+    return reference
+
+
 def _add(run: QualityRun, logp: torch.Tensor, logp_ref: torch.Tensor, matches: torch.Tensor | None,
-         next_ids: torch.Tensor) -> None:
-    """One chunk of one file: the trunk's statistics on positions first..n-2, the head's on first..n-1."""
-    score_chunk(run.quality, logp[:-1], logp_ref[:-1], next_ids)
+         next_ids: torch.Tensor, ref_rows: bool = False) -> None:
+    """One chunk of one file: the trunk's statistics on positions first..n-2, the head's on first..n-1
+    (``ref_rows``: ``logp_ref`` holds the scored positions only, as a base file does)."""
+    score_chunk(run.quality, logp[:-1], logp_ref if ref_rows else logp_ref[:-1], next_ids)
     if matches is not None:
         run.quality.head_matches += int(matches.sum())
         run.quality.head_positions += int(matches.numel())

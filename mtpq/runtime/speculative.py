@@ -195,10 +195,11 @@ class SpeculativeDecoder:
     def step(self, k: int | None = None) -> tuple[list[int], list[int]]:
         """One draft-verify round drafting ``k`` tokens (at most, and by default, the decoder's) -> (emitted
         tokens, drafted tokens)."""
-        m, k = self.model, self.k if k is None else max(1, min(k, self.k))
-        out = m.draft(self.pending_ids, self.pending_hidden)
-        for head in range(1, self.heads):  # chained heads: each takes the same real pairs
-            m.draft(self.pending_ids, self.pending_hidden, head=head)
+        k = self.k if k is None else max(1, min(k, self.k))
+        if self.params.greedy:
+            return self._greedy_step(k)
+        m = self.model
+        out = self._take_pending()
         ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
         drafts, qs, chain = [], [], []
         logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
@@ -207,22 +208,65 @@ class SpeculativeDecoder:
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                if m.chained:  # head i + 1 on the chain: each draft beside the output that drafted it
-                    chain.append(hidden)
-                    out = m.draft(torch.tensor([drafts]), torch.cat(chain, dim=1), head=i + 1)
-                else:
-                    out = m.draft(torch.tensor([[d]]), hidden)
+                out = self._draft_next(torch.tensor([drafts], device=m.device), hidden, chain)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         verify = m.trunk(torch.tensor([[self.tokens[-1]] + drafts]))
         self.trunk_forwards += 1
         draft_probs = None if self.params.greedy else torch.stack(qs)
         a, nxt = accept_drafts(verify.logits[0], drafts, draft_probs, self.params, self.gen)
-        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
         emitted = drafts[:a] + [nxt]
         self.pending_ids = torch.tensor([emitted])
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, drafts
+
+    def _greedy_step(self, k: int) -> tuple[list[int], list[int]]:
+        """:meth:`step` for greedy decoding, on the model's device: drafts, verification and the accepted count
+        stay device tensors until one read-back at the end of the round (one host sync per round on a GPU)."""
+        m = self.model
+        out = self._take_pending()
+        ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
+        drafts, chain = [], []
+        logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        for i in range(k):
+            drafts.append(logits.argmax().view(1))
+            if i + 1 < k:
+                out = self._draft_next(torch.cat(drafts)[None], hidden, chain)
+                logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+        drafted = torch.cat(drafts)
+        verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
+        self.trunk_forwards += 1
+        best = verify.logits[0].argmax(dim=-1)  # [k + 1]
+        accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
+        a, *values = torch.cat((accepted, best, drafted)).tolist()  # the round's one read-back
+        best_ids, draft_ids = values[:k + 1], values[k + 1:]
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
+        emitted = draft_ids[:a] + [best_ids[a]]
+        self.pending_ids = torch.cat((drafted[:a], best[a:a + 1]))[None]
+        self.pending_hidden = verify.hidden[:, : a + 1]
+        self.tokens.extend(emitted)
+        return emitted, draft_ids
+
+    def _take_pending(self):
+        """Every head this decoder drafts with consumes the pending real pairs (chained heads: the same pairs,
+        as llama.cpp's catch-up pass gives every head) -> the first head's output."""
+        m = self.model
+        out = m.draft(self.pending_ids, self.pending_hidden)
+        for head in range(1, self.heads):
+            m.draft(self.pending_ids, self.pending_hidden, head=head)
+        return out
+
+    def _draft_next(self, drafted: torch.Tensor, hidden: torch.Tensor, chain: list):
+        """The head output that drafts the round's next token after ``drafted`` [1, n] (``hidden``: the output
+        that drafted the last). Chained: head n on the chain, each draft beside the output that drafted it
+        (``chain`` collects them); else the one head on (its last output, the last draft), its cache holding the
+        rest."""
+        m = self.model
+        if not m.chained:
+            return m.draft(drafted[:, -1:], hidden)
+        chain.append(hidden)
+        return m.draft(drafted, torch.cat(chain, dim=1), head=drafted.shape[1])
 
     def save(self) -> DecoderState:
         return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,

@@ -8,7 +8,6 @@ and llama.cpp's ``llama-speculative-simple`` must load and draft with them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
 from pathlib import Path
@@ -266,11 +265,8 @@ def speculate(bin_dir: Path, model: Path, *extra: str) -> tuple[str, dict[str, i
 
 
 @pytest.mark.llama_cpp
-def test_llama_cpp_drafts_with_a_grafted_head(files, tmp_path):
-    bin_dir = os.environ.get("MTPQ_LLAMA_CPP_BIN")
-    if not bin_dir:
-        pytest.skip("set MTPQ_LLAMA_CPP_BIN to llama.cpp's build/bin")
-    bin_dir = Path(bin_dir)
+def test_llama_cpp_drafts_with_a_grafted_head(files, tmp_path, llama_cpp_bin):
+    bin_dir = llama_cpp_bin
     donor = repeat_head_donor(files["A"], tmp_path / "repeat-head.gguf")
     grafted = tmp_path / "B-repeat-q8.gguf"
     assert mtpq("graft", "--mtp-from", donor, "--into", files["B"], grafted, "--mtp-type", "q8_0").exit_code == 0

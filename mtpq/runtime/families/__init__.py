@@ -42,6 +42,10 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
     # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a
     # teacher-forced pass on the Qwen3.5 demo)
     keep_freed_buffers()
+    if torch.device(device).type == "cuda":
+        # cuDNN's attention builds a plan for every new key length: ~2 ms of CPU per call while decoding, where
+        # the flash and memory-efficient kernels launch in microseconds
+        torch.backends.cuda.enable_cudnn_sdp(False)
     g = g or GGUFFile(Path(path))
     return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
                     llama_cpp_numerics=llama_cpp_numerics).eval()
