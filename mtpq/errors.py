@@ -12,3 +12,12 @@ class InputError(Exception):
         self.where = str(where)
         self.problem = problem
         super().__init__(f"{self.where}: {problem}")
+
+    def __reduce__(self):  # rebuilt from (where, problem) when it crosses a process boundary (build --jobs)
+        return self.__class__, (self.where, self.problem)
+
+
+class MeasurementError(InputError):
+    """A measurement that gave no usable figure: non-finite logits or hidden states from finite weights, or an
+    engine that printed NaN. Where a command gates (``compare`` with a gate, ``accept``, ``build``) it is a failed
+    gate (exit 1); elsewhere an input the measurement cannot use (exit 2)."""

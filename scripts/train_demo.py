@@ -36,11 +36,11 @@ What it builds (the family-specific parts are in ``scripts/demo_families.py``)
 
 Rerun (from the repo root; one thread by default: ~20 min of training + ~2 min of
 evaluation on an idle core, about 26 min in all on the shared 2-core dev box)
-    source /work/venv/bin/activate
-    PYTHONPATH=. python scripts/train_demo.py                     # -> mtpq/data/demo, mtpq/data/prompts/demo_heldout.jsonl
-    PYTHONPATH=. python scripts/train_demo.py --family qwen35      # -> mtpq/data/demo_qwen35 (~45 min)
-    PYTHONPATH=. python scripts/train_demo.py --steps 200 --out /tmp/demo-smoke \
-        --prompts-out /tmp/demo-smoke.jsonl                       # quick smoke run (~5 min)
+    make install                                                  # the repo's .venv, as for the tests
+    PYTHONPATH=. .venv/bin/python scripts/train_demo.py           # -> mtpq/data/demo, mtpq/data/prompts/demo_heldout.jsonl
+    PYTHONPATH=. .venv/bin/python scripts/train_demo.py --family qwen35   # -> mtpq/data/demo_qwen35 (~45 min)
+    PYTHONPATH=. .venv/bin/python scripts/train_demo.py --steps 200 --out demo-smoke \
+        --prompts-out demo-smoke.jsonl                            # quick smoke run (~5 min)
 
     Deterministic given --seed, --threads and the stdlib folder (the same Python
     version gives the same corpus). The output folder is written to a temporary

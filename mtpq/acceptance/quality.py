@@ -8,6 +8,8 @@ llama-perplexity defines them and the MTP head's acceptance, with gates; JSON, M
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, fields
 
 # key -> (column title, how it prints); fractions print as percents
@@ -33,26 +35,52 @@ class Gates:
         return any(getattr(self, f.name) is not None for f in fields(self))
 
 
-def judge(files: list[dict], gates: Gates) -> dict[str, list[str]]:
-    """file -> the gates it fails (each as a sentence); a file missing a gated figure fails that gate."""
-    checks = (("max_kld", "kld_mean", "mean KLD {v:.6f} above {g}", lambda v, g: v > g),
-              ("min_top1", "top1", "same top {v:.2%} below {g:.2%}", lambda v, g: v < g),
-              ("max_ppl_ratio", "ppl_ratio", "PPL ratio {v:.4f} above {g}", lambda v, g: v > g),
-              ("min_rate", "accept_rate", "head acceptance {v:.2%} below {g:.2%}", lambda v, g: v < g),
-              ("max_drop", "accept_drop", "head acceptance {v:.2%} below the reference's (limit {g:.2%})",
-               lambda v, g: v > g))
+OPTIONS = {"max_kld": "--max-kld", "min_top1": "--min-top1", "max_ppl_ratio": "--max-ppl-ratio",
+           "min_rate": "--min-rate", "max_drop": "--max-drop"}  # the command-line options of the gates
+
+# gate -> (the figure it reads, how a figure passes, the sentence when it does not)
+CHECKS = {
+    "max_kld": ("kld_mean", operator.le, "mean KLD {v:.6f} above {g}"),
+    "min_top1": ("top1", operator.ge, "same top {v:.2%} below {g:.2%}"),
+    "max_ppl_ratio": ("ppl_ratio", operator.le, "PPL ratio {v:.4f} above {g}"),
+    "min_rate": ("accept_rate", operator.ge, "head acceptance {v:.2%} below {g:.2%}"),
+    "max_drop": ("accept_drop", operator.le, "head acceptance {v:.2%} below the reference's (limit {g:.2%})"),
+}
+
+
+def unusable(value) -> str | None:
+    """Why ``value`` cannot be judged (missing, NaN, infinite, not a number), or None for a finite number."""
+    if value is None:
+        return "was not measured"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is not a number ({value!r})"
+    if math.isnan(value):
+        return "is NaN (not a number)"
+    if math.isinf(value):
+        return f"is {'+' if value > 0 else '-'}infinite"
+    return None
+
+
+def judge(files: list[dict], gates: Gates, names: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """file -> the gates it fails, each as a sentence; the one place gates are decided (``mtpq accept`` and
+    ``mtpq build`` judge through it too). A gated figure that is missing, NaN or infinite fails its gate,
+    naming the figure and what is wrong with it (and the file's ``error``, why it was not measured, if any).
+    ``names``: how the caller spells each gate (``--max-kld``, ``max_kld``), appended to each sentence."""
     out = {}
     for f in files:
         reasons = []
-        for gate, key, text, failed in checks:
+        for gate, (key, passes, text) in CHECKS.items():
             g = getattr(gates, gate)
             if g is None:
                 continue
+            spelled = (names or {}).get(gate)
             v = f.get(key)
-            if v is None:
-                reasons.append(f"no {COLUMNS[key][0]} measured (gate {gate.replace('_', '-')})")
-            elif failed(v, g):
-                reasons.append(text.format(v=v, g=g))
+            problem = unusable(v)
+            if problem is not None:
+                why = f": {f['error']}" if f.get("error") and v is None else ""
+                reasons.append(f"{COLUMNS[key][0]} {problem}{why}: fails {spelled or gate.replace('_', '-')}")
+            elif not passes(v, g):
+                reasons.append(text.format(v=v, g=g) + (f" ({spelled})" if spelled else ""))
         out[f["file"]] = reasons
     return out
 

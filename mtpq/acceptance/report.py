@@ -73,16 +73,15 @@ class Verdict:
 
 def judge(report: AcceptReport, reference: AcceptReport | None, min_rate: float | None,
           max_drop: float | None) -> Verdict:
+    """The gates of ``mtpq accept``, decided by :func:`mtpq.acceptance.quality.judge` (a NaN or missing rate or
+    drop fails its gate)."""
+    from .quality import OPTIONS, Gates
+    from .quality import judge as judge_figures
+
     rate = report.overall.acceptance_rate
-    reasons = []
-    if min_rate is not None and not rate >= min_rate:
-        reasons.append(f"acceptance rate {rate:.3f} is below --min-rate {min_rate:.3f}")
-    drop = None
-    if reference is not None:
-        drop = reference.overall.acceptance_rate - rate
-        if max_drop is not None and drop > max_drop:
-            reasons.append(f"acceptance dropped {drop:.3f} below the reference "
-                           f"({reference.overall.acceptance_rate:.3f}), more than --max-drop {max_drop:.3f}")
+    drop = None if reference is None else reference.overall.acceptance_rate - rate
+    row = {"file": report.model, "accept_rate": rate, "accept_drop": drop}
+    reasons = judge_figures([row], Gates(min_rate=min_rate, max_drop=max_drop), OPTIONS)[report.model]
     if report.greedy_outputs_identical is False:
         reasons.append("greedy speculative output differs from plain greedy output (runtime bug or precision tie)")
     return Verdict(not reasons, reasons, drop)

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from .app import app
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded, out,
-                     write_reports)
+                     check_engine, check_fractions, check_report_paths, check_runtime, check_torch_engine, console,
+                     fail, gating, guarded, out, write_reports)
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
 
@@ -172,6 +172,9 @@ def accept(
         if p is not None and not p.is_file() and server is None:
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, [p for p in (model, reference) if p is not None])
+    if engine == "torch":
+        check_runtime([p for p in (model, reference) if p is not None], "accept --engine torch",
+                      "--engine llama.cpp measures it through llama-server")
     prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
     kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
               top_p=top_p, seed=seed, max_prompts=max_prompts)
@@ -181,7 +184,8 @@ def accept(
         kw.update(device=device, dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
                   hidden=hidden, threads=threads)
     reports = {}
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+    # accept always judges (greedy outputs identical, and its gates): a measurement that fails is a failed check
+    with gating(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):
             if path is None:
                 continue

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .common import EXIT_OK, console, guarded
+from .common import EXIT_OK, console, gating, guarded
 
 
 @app.command(
@@ -32,7 +32,9 @@ def build(
     """Convert once, quantize every variant, gate each on MTP acceptance, write manifest + SHA256SUMS + model card.
 
     Exit codes: 0 every variant built and passed; 1 a gate failed (other variants
-    still build; manifest.json says why); 2 a bad recipe or input (the key is named).
+    still build; manifest.json says why), or a file's logits were not finite (the
+    build stops there); 2 a bad recipe or input (the key is named), or a file whose
+    weights hold NaN or inf (the tensor is named).
     """
     from ..release import load_recipe, run_build, write_outputs
     from ..release.runner import plan_jobs, reusable
@@ -52,5 +54,7 @@ def build(
             fresh = reusable(job, old)
             console.print(f"{'reuse' if fresh else 'build'}  {Path(job['out']).name}")
         return
-    code = run_build(recipe, only=variant or None, jobs=jobs, force=force, log=lambda m: console.print(m, highlight=False))
+    with gating():  # a file whose logits are not finite fails the build (exit 1) before anything is published
+        code = run_build(recipe, only=variant or None, jobs=jobs, force=force,
+                         log=lambda m: console.print(m, highlight=False))
     raise typer.Exit(code)

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..engines import ENGINES
-from ..errors import InputError
+from ..errors import InputError, MeasurementError
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143  # 128 + signal number, as shells report them
@@ -85,6 +85,20 @@ def guarded(fn: Callable) -> Callable:
                 signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     return wrapper
+
+
+@contextmanager
+def gating(gates: bool = True) -> Iterator[None]:
+    """A measurement that fails (MeasurementError: non-finite logits, an engine's NaN) inside this block fails the
+    command's gate when it has one (``gates``): one line, exit 1. Without a gate it stays an input error (exit 2)."""
+    try:
+        yield
+    except MeasurementError as exc:
+        if not gates:
+            raise
+        console.print(f"[bold red]FAIL[/] {escape(_one_line(exc.where))}: {escape(_one_line(exc.problem))}",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 @contextmanager
@@ -222,6 +236,24 @@ def check_torch_engine(llama_cpp_options: dict, extra: list[str], tool: str) -> 
             fail(opt, "belongs to --engine llama.cpp")
     if extra:
         fail(" ".join(extra), f"extra arguments go to {tool}: only with --engine llama.cpp")
+
+
+def check_runtime(paths: list[Path], what: str, alternative: str = "") -> None:
+    """Every GGUF in ``paths`` is of an architecture the torch runtime runs; otherwise one line naming the file, before
+    any work (``what``: the work that needs the runtime; ``alternative``: what to use instead)."""
+    from ..gguf_io import GGUFFile
+
+    for p in paths:
+        check_runtime_arch(GGUFFile(Path(p)).arch, str(p), what, alternative)
+
+
+def check_runtime_arch(arch: str, where: str, what: str, alternative: str = "") -> None:
+    from ..runtime.archs import RUNTIME_ARCHS
+
+    if arch not in RUNTIME_ARCHS:
+        fail(where, f"architecture {arch!r} has no runtime in mtpq, which {what} needs"
+                    + (f"; {alternative}" if alternative else "")
+                    + f" (the runtime runs {', '.join(sorted(RUNTIME_ARCHS))})")
 
 
 def check_writable(option: str, path: Path, inputs: list[Path]) -> None:

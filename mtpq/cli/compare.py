@@ -10,8 +10,8 @@ from rich.progress import Progress
 
 from .app import app
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_torch_engine, console, fail, guarded,
-                     out, write_reports)
+                     check_engine, check_fractions, check_report_paths, check_runtime, check_torch_engine, console,
+                     fail, gating, guarded, out, write_reports)
 
 
 def _read_text(path: Path) -> str:
@@ -73,9 +73,12 @@ def compare(
     the top token agrees, RMS Δp — the table quant publishers put on model cards, computed as llama-perplexity
     computes it — and the MTP head's depth-1 acceptance on the same chunks, with its drop against the
     reference's head. Exit codes: 0 pass, 1 a gate failed, 2 bad input."""
-    from ..acceptance.quality import Gates, judge, rich_table, to_markdown
+    from ..acceptance.quality import OPTIONS, Gates, judge, rich_table, to_markdown
 
     check_engine(engine)
+    # click hands everything after `--` to the variadic FILE argument: llama-perplexity's options start there
+    at = next((i for i, f in enumerate(files) if str(f).startswith("-")), len(files))
+    files, passed_on = files[:at], [str(f) for f in files[at:]] + list(ctx.args)
     if kld_base is not None:
         if engine != "torch":
             fail("--kld-base", "is read by the torch engine (llama-perplexity reads it itself: --kl-divergence)")
@@ -98,7 +101,7 @@ def compare(
     if chunks is not None and chunks < 1:
         fail("--chunks", f"must be at least 1, got {chunks}")
     if engine == "torch":
-        check_torch_engine({"--llama-cpp": llama_cpp, "--ngl": ngl}, ctx.args, "llama-perplexity")
+        check_torch_engine({"--llama-cpp": llama_cpp, "--ngl": ngl}, passed_on, "llama-perplexity")
     elif device is not None or numerics != "llama.cpp":
         fail("--device" if device is not None else "--numerics", "belongs to --engine torch")
     check_fractions(min_top1=min_top1, min_rate=min_rate, max_drop=max_drop)
@@ -109,19 +112,22 @@ def compare(
         if not p.is_file():
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, inputs)
+    if engine == "torch":
+        check_runtime([p for p in (reference, *quants) if p is not None], "compare --engine torch",
+                      "--engine llama.cpp measures it with llama-perplexity and llama-server")
     device = check_device(device)
 
-    if kld_base is not None:
-        report = _with_base(kld_base, quants, chunks, device, threads, numerics)
-    elif engine == "torch":
-        body = _read_text(text)
-        report = _with_torch(reference, quants, body, ctx_size, chunks, device, threads, numerics)
-    else:
-        _read_text(text)
-        report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, ctx.args)
     gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,
                   max_drop=max_drop)
-    failures = judge(report["files"], gates)
+    with gating(gates.any()):  # non-finite figures: a failed gate (exit 1), else bad input (2)
+        if kld_base is not None:
+            report = _with_base(kld_base, quants, chunks, device, threads, numerics)
+        elif engine == "torch":
+            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics)
+        else:
+            _read_text(text)
+            report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, passed_on)
+    failures = judge(report["files"], gates, OPTIONS)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
     write_reports(json_out, report, md_out, lambda: to_markdown(report, failures))

@@ -15,7 +15,8 @@ from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
 from ..quantize.pipeline import parse_options, plan_quantize
 from .app import app
 from .common import (AUTO_MAX_DROP_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
-                     auto_head_asked, console, fail, files_written, guarded, report_hooks, set_threads, split_rule,
+                     auto_head_asked, check_runtime_arch, console, fail, files_written, guarded, report_hooks,
+                     set_threads, split_rule,
                      write_with_progress)
 
 
@@ -109,6 +110,8 @@ def convert(
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     plan = plan_checkpoint(src, mtp=blocks, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
+    if auto:
+        check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
     source = plan
     if quant is not None:
         extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],

@@ -8,7 +8,7 @@ import typer
 from rich.progress import Progress
 
 from .app import app
-from .common import check_device, console, fail, guarded, out
+from .common import check_device, check_runtime, console, fail, guarded, out
 
 
 @app.command(
@@ -58,6 +58,7 @@ def imatrix(
         if p is not None and not p.is_file():
             fail(str(p), "no such file")
     check_not_an_input(output, [*shard_paths(model), *(p for p in (text, merge_into) if p is not None)])
+    check_runtime([model], "imatrix", "llama-imatrix collects the trunk's statistics")
     base = read_imatrix(merge_into) if merge_into is not None else None
     try:
         calib = text.read_text(encoding="utf-8")

@@ -16,7 +16,8 @@ from ..quantize.pipeline import parse_options, plan_quantize, plan_change_summar
 from ..quantize.presets import PRESETS
 from .app import app
 from .common import (AUTO_MAX_DROP_HELP, KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP,
-                     THREADS_HELP, auto_head_asked, console, files_written, guarded, out, report_hooks, set_threads,
+                     THREADS_HELP, auto_head_asked, check_runtime_arch, console, files_written, guarded, out,
+                     report_hooks, set_threads,
                      split_rule, write_with_progress)
 
 _TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
@@ -105,6 +106,8 @@ def quantize(
     set_threads(threads)
     imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     before = plan_from_gguf(src)
+    if auto:
+        check_runtime_arch(before.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
     after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                           include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
     info = plan_change_summary(before, after)

@@ -10,18 +10,26 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import check_device, console, fail, guarded, out, RUNTIME_THREADS_HELP
+from .common import RUNTIME_THREADS_HELP, check_device, check_runtime, console, fail, guarded, out
 
 
-def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float]], title: str) -> bool:
-    """A PNG heat map when matplotlib is installed (`pip install mtpq[plot]`); False otherwise."""
+PLOT_INSTALL = "pip install 'mtpq[plot]'"
+
+
+def _pyplot():
+    """matplotlib's pyplot (Agg), or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
+    return plt
+
+
+def _heatmap(plt, path: Path, rows: list[str], cols: list[str], grid: list[list[float]], title: str) -> None:
+    """A PNG heat map of ``grid`` (fractions, shown as percents)."""
     fig, ax = plt.subplots(figsize=(1.4 * len(cols) + 2, 0.6 * len(rows) + 1.5))
     top = max(1.0, 100 * max(max(r) for r in grid))
     im = ax.imshow([[100 * v for v in r] for r in grid], cmap="viridis", vmin=0, vmax=top, aspect="auto")
@@ -37,7 +45,6 @@ def _heatmap(path: Path, rows: list[str], cols: list[str], grid: list[list[float
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 @app.command(
@@ -90,7 +97,12 @@ def sweep(
         fail("--llama-cpp" if llama_cpp is not None else "--ngl", "belongs to --engine llama.cpp")
     if text is not None and not text.is_file():
         fail(str(text), "no such file")
+    plt = _pyplot() if png_out is not None else None
+    if png_out is not None and plt is None:
+        fail("--png", f"needs matplotlib, which is not installed: {PLOT_INSTALL}")
     device = check_device(device)
+    if engine == "torch":
+        check_runtime([reference], "sweep --engine torch", "--engine llama.cpp measures each pair in llama.cpp")
     ref_plan = plan_from_gguf(reference)
     if ref_plan.n_mtp_layers == 0:
         fail(str(reference), "has no MTP head to sweep")
@@ -135,8 +147,8 @@ def sweep(
            "trunk_kld_mean": [kld[t] for t in trunks] if kld else None}
     if json_out:
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
-    if png_out and not _heatmap(png_out, mtps, trunks, rows, "MTP acceptance, k=1"):
-        console.print("[yellow]--png needs matplotlib: pip install 'mtpq[plot]'[/]")
+    if png_out is not None:
+        _heatmap(plt, png_out, mtps, trunks, rows, "MTP acceptance, k=1")
 
 
 def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: list[str], pairs, max_new_tokens: int,

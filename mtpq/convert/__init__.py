@@ -21,10 +21,14 @@ def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
     ``outtype=None`` is llama.cpp's ``auto``: bf16 when the checkpoint stores bf16 weights
     (the bits pass through untouched), f16 otherwise.
     """
+    from .hfconfig import tell_unread
+
     ckpt = HFCheckpoint(Path(src))
     if outtype is None:
         outtype = auto_outtype(ckpt)
-    return family_for(ckpt).plan(mtp=mtp, outtype=outtype)
+    plan = family_for(ckpt).plan(mtp=mtp, outtype=outtype)
+    tell_unread(ckpt.folder)  # the checkpoint passed: now say that its config.json was read as written
+    return plan
 
 
 def auto_outtype(ckpt: HFCheckpoint) -> GGMLQuantizationType:

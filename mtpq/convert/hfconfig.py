@@ -15,27 +15,64 @@ read itself (Step3.5's ``num_attention_groups``), and a value the user wrote is 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+
+log = logging.getLogger(__name__)
+_unread: dict[str, str] = {}  # folder -> why transformers could not read its config.json (see tell_unread)
+_told: set[tuple[str, str]] = set()  # (folder, reason) already said: a build plans one checkpoint twice
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own warnings off (tiny or unusual configs make it warn about values it does not use, and
+    its tokenizer loader about model types it does not know): what mtpq has to say, it says itself."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+        hf_logging.set_verbosity(level)
 
 
 def transformers_view(folder: Path) -> dict:
     """``AutoConfig.from_pretrained(folder).to_dict()`` without remote code, or {} where transformers does not
-    know the model type or cannot read the file (as llama.cpp falls back to config.json)."""
+    know the model type or cannot read the file (as llama.cpp falls back to config.json; its reason is kept
+    for :func:`tell_unread`)."""
+    from transformers import AutoConfig
+
     try:
-        from transformers import AutoConfig
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers is a dependency
+        with quiet_transformers():
+            view = AutoConfig.from_pretrained(str(folder), trust_remote_code=False).to_dict()
+    except Exception as exc:  # noqa: BLE001 - any failure: the stored file is read as it is (and the user told)
+        _unread[str(folder)] = _one_line(f"{type(exc).__name__}: {exc}")
         return {}
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # tiny or unusual configs make it warn about values it does not use
-    logging.disable(logging.WARNING)
-    try:
-        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False).to_dict()
-    except Exception:  # noqa: BLE001 - any failure means "not known": the stored file is read as it is
-        return {}
-    finally:
-        logging.disable(logging.NOTSET)
-        hf_logging.set_verbosity(level)
+    _unread.pop(str(folder), None)
+    return view
+
+
+def tell_unread(folder: Path) -> None:
+    """One warning line when transformers could not read ``folder``'s config.json, with its reason (llama.cpp's
+    converter logs it too): said once the checkpoint has passed validation, so that a config mtpq refuses
+    gets its one error line alone."""
+    reason = _unread.get(str(folder))
+    if reason is None or (str(folder), reason) in _told:
+        return
+    _told.add((str(folder), reason))
+    log.warning("%s: transformers cannot read it (%s); converting from config.json as written",
+                Path(folder) / "config.json", reason)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """An exception's text on one line, at most ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def merged(stored: dict, derived: dict) -> dict:

@@ -44,7 +44,7 @@ KNOWN_PRE = {
 FALLBACK_PRE = "default"
 
 
-def _check_json_object(path: Path) -> None:
+def _check_json_object(path: Path) -> dict:
     """A tokenizer file that is not a UTF-8 JSON object is named as such (transformers' own errors blame
     another file or print a multi-line hint)."""
     import json
@@ -57,6 +57,30 @@ def _check_json_object(path: Path) -> None:
         raise InputError(path, f"invalid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise InputError(path, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# what loading a fast tokenizer reads from tokenizer.json (the rest has defaults), and the JSON type of each
+_TOKENIZER_KEYS = {"added_tokens": list, "model": dict}
+_BPE_KEYS = {"vocab": dict, "merges": list}
+
+
+def _check_tokenizer_json(path: Path, obj: dict) -> None:
+    """tokenizer.json holds what a Hugging Face fast tokenizer saves (transformers' errors say only
+    ``KeyError: 'added_tokens'``)."""
+    def wrong(where: dict, keys: dict, prefix: str = "") -> list[str]:
+        return [f"'{prefix}{k}' ({'missing' if k not in where else 'not a JSON ' + _JSON[t]})"
+                for k, t in keys.items() if not isinstance(where.get(k), t)]
+
+    problems = wrong(obj, _TOKENIZER_KEYS)
+    model = obj.get("model")
+    if isinstance(model, dict) and model.get("type", "BPE") == "BPE":
+        problems += wrong(model, _BPE_KEYS, "model.")
+    if problems:
+        raise InputError(path, f"not a tokenizer as Hugging Face tokenizers saves it: {', '.join(problems)}")
+
+
+_JSON = {list: "array", dict: "object"}
 
 
 def load_tokenizer(folder: Path):
@@ -67,9 +91,14 @@ def load_tokenizer(folder: Path):
                                                     "saved as tokenizer.json)")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
-            _check_json_object(folder / name)
+            obj = _check_json_object(folder / name)
+            if name == "tokenizer.json":
+                _check_tokenizer_json(folder / name, obj)
+    from .hfconfig import quiet_transformers
+
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:
         text = " ".join(f"{exc.__class__.__name__}: {exc}".split())
         raise InputError(folder, f"cannot load the tokenizer ({text})") from None

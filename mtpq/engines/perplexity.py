@@ -8,6 +8,7 @@ written into a private temporary folder and removed afterwards.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -15,7 +16,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..acceptance.quality import COLUMNS
+from ..errors import InputError, MeasurementError
 from .binaries import child_env, find_binary, reason_from_log
 
 PERPLEXITY_BINARY = "llama-perplexity"
@@ -107,15 +109,27 @@ def parse_kld_log(log: str, what: Path) -> dict:
         if m is None:
             raise InputError(what, f"llama-perplexity printed no '{key}' statistics (it prints them only from 100 "
                                    "scored tokens on: give more text or a larger --ctx-size)")
-        out[key] = float(m.group(1)) * scale
+        out[key] = _finite(m.group(1), key, what) * scale
     return out
 
 
 def parse_ppl_log(log: str, what: Path) -> float:
-    m = re.search(r"Final estimate: PPL = ([\d.eE+-]+)", log)
+    m = re.search(r"Final estimate: PPL = ([-\d.eE+naif]+)", log)
     if m is None:
         raise InputError(what, "llama-perplexity printed no final PPL estimate")
-    return float(m.group(1))
+    return _finite(m.group(1), "ppl", what)
+
+
+def _finite(text: str, key: str, what: Path) -> float:
+    """A figure llama-perplexity printed; its ``nan`` or ``inf`` is the engine failing, not a number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(what, f"llama-perplexity printed {text!r} for {key}, not a number") from None
+    if not math.isfinite(value):
+        raise MeasurementError(what, f"llama-perplexity printed {text} for {key} ({COLUMNS[key][0]}): "
+                                     "non-finite logits or probabilities; no figure to judge")
+    return value
 
 
 def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: PerplexityConfig,

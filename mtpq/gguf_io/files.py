@@ -62,6 +62,9 @@ class _CheckedReader(FastFieldsReader):
             except (ValueError, KeyError):
                 raise InputError(self._path, f"tensor {name} has unknown ggml type {int(raw_dtype[0])}") from None
             dims = [int(d) for d in dims]
+            if 0 in dims:  # gguf-py and llama.cpp's reader take it; no model has one, and no tensor code expects it
+                raise InputError(self._path, f"tensor {name} has a zero-length dimension (shape {dims} in GGUF's "
+                                             "order): it holds no values")
             if dims and dims[0] % block:
                 raise InputError(self._path, f"tensor {name}: row length {dims[0]} is not a multiple of "
                                              f"{qtype.name}'s block size {block}")

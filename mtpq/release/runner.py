@@ -184,18 +184,16 @@ def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
 
 
 def judge(rate: float | None, ref_rate: float | None, gate: Gate, quality: dict | None = None) -> dict:
-    from ..acceptance.quality import Gates
-    from ..acceptance.quality import judge as judge_quality
+    """The gate's verdict (:func:`mtpq.acceptance.quality.judge`): a gated figure that is missing or not finite
+    fails, as one below its limit does."""
+    from ..acceptance.quality import CHECKS, Gates
+    from ..acceptance.quality import judge as judge_figures
 
-    reasons = []
-    if rate is not None:
-        if gate.min_rate is not None and rate < gate.min_rate:
-            reasons.append(f"acceptance {rate:.3f} < min_rate {gate.min_rate:.3f}")
-        if gate.max_drop is not None and ref_rate is not None and ref_rate - rate > gate.max_drop:
-            reasons.append(f"drop {ref_rate - rate:.3f} vs reference {ref_rate:.3f} > max_drop {gate.max_drop:.3f}")
-    if gate.scores_quality:
-        trunk = Gates(max_kld=gate.max_kld, min_top1=gate.min_top1, max_ppl_ratio=gate.max_ppl_ratio)
-        reasons += judge_quality([{"file": "", **(quality or {})}], trunk)[""]
+    drop = ref_rate - rate if rate is not None and ref_rate is not None else None
+    row = {**(quality or {}), "file": "", "accept_rate": rate, "accept_drop": drop}
+    gates = Gates(max_kld=gate.max_kld, min_top1=gate.min_top1, max_ppl_ratio=gate.max_ppl_ratio,
+                  min_rate=gate.min_rate, max_drop=gate.max_drop)
+    reasons = judge_figures([row], gates, {g: f"gate.{g}" for g in CHECKS})[""]
     return {"passed": not reasons, "reason": "; ".join(reasons) or "ok"}
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from . import finite
 from .layers import Packing, rms_norm
 from .mtp import NextNHead
 from .weights import GGUFFile, QuantLinear, Scope, Weights, as_dtype
@@ -209,7 +210,11 @@ class MtpModel(nn.Module):
             x = block(x, start, cache if use_cache else None, packing=packing)
         normed = rms_norm(x, self.out_norm, self.eps)
         logits = self.output(normed[:, -1:] if last_only else normed if logit_rows is None else normed[:, logit_rows])
-        return TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
+        out = TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
+        again = lambda: self.trunk(ids, use_cache=False, last_only=last_only, packing=packing,  # noqa: E731
+                                   logit_rows=logit_rows)
+        finite.check(self, "trunk", out.logits, out.hidden, again if start == 0 else None, start, packing)
+        return out
 
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True,
@@ -224,5 +229,8 @@ class MtpModel(nn.Module):
         module, cache = self.mtp if head == 0 else self.later_heads[head - 1], self.head_cache(head)
         start = cache.length if use_cache else 0
         logits, normed, raw = module(next_ids.to(self.device), hidden, start, cache if use_cache else None, packing)
-        return MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
+        out = MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)
+        again = lambda: self.draft(next_ids, hidden, use_cache=False, packing=packing, head=head)  # noqa: E731
+        finite.check(self, "head", out.logits, out.hidden, again if start == 0 else None, start, packing)
+        return out
 

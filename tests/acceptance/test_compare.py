@@ -179,3 +179,25 @@ def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
     assert count.read_text().strip() == "1"
     with pytest.raises(InputError, match="give more text"):
         P.parse_kld_log(log, tmp_path / "q.gguf")
+
+
+def test_options_after_a_double_dash_go_to_llama_perplexity_not_to_the_files(files, tmp_path, monkeypatch):
+    """``compare REF Q -f T --engine llama.cpp -- -t 1``: ``-t 1`` reaches llama-perplexity (the FILE argument
+    is variadic, so click hands it the options after ``--``); with the torch engine they are refused."""
+    from mtpq.engines import perplexity
+
+    seen = {}
+
+    def fake(reference, quants, text, cfg, on_file=None):
+        seen["extra"], seen["quants"] = cfg.extra, quants
+        raise SystemExit(0)
+
+    monkeypatch.setattr(perplexity, "kld_with_llama_cpp", fake)
+    from mtpq.engines import llama_cpp
+
+    monkeypatch.setattr(perplexity, "find_perplexity", lambda bin_dir=None: Path("llama-perplexity"))
+    monkeypatch.setattr(llama_cpp, "find_server", lambda bin_dir=None: Path("llama-server"))
+    run_cli("compare", files["f16"], files["q4km"], "-f", files["text"], "--engine", "llama.cpp", "--", "-t", "1")
+    assert seen == {"extra": ["-t", "1"], "quants": [files["q4km"]]}
+    res = run_cli("compare", files["f16"], files["q4km"], "-f", files["text"], "--", "-t", "1")
+    assert res.exit_code == 2 and "llama-perplexity" in res.stderr, res.output

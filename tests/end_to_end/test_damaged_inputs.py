@@ -171,8 +171,8 @@ class Case:
         return dst
 
     def tensor_info(self, name: str, **fields: int | str) -> Path:
-        """A copy of the full GGUF with one tensor info patched: ``ggml_type=N`` or ``offset_of=OTHER``
-        (claim another tensor's data offset)."""
+        """A copy of the full GGUF with one tensor info patched: ``ggml_type=N``, ``offset_of=OTHER``
+        (claim another tensor's data offset) or ``zero_dim=D`` (dimension D, GGUF's order, set to 0)."""
         dst = self.copy("full", "model.gguf")
         raw = bytearray(dst.read_bytes())
 
@@ -186,6 +186,8 @@ class Case:
             return t, t + 4
 
         type_at, off_at = layout(info_at(name))
+        if "zero_dim" in fields:
+            struct.pack_into("<Q", raw, info_at(name) + 4 + 8 * fields["zero_dim"], 0)
         if "ggml_type" in fields:
             struct.pack_into("<I", raw, type_at, fields["ggml_type"])
         if "offset_of" in fields:
@@ -633,7 +635,13 @@ file_cases({  # the tokenizer's files damaged or gone
     "convert-tokenizer-config-corrupt": ("tokenizer_config.json", "{ broken",
                                          ["tokenizer_config.json", "invalid JSON"]),
     "convert-tokenizer-config-not-utf8": ("tokenizer_config.json", b"\xff\xfe{}", ["tokenizer_config.json", "not UTF-8"]),
-    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}', ["cannot load the tokenizer"]),
+    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}',
+                                               ["tokenizer.json", "'model' (missing)"]),
+    "convert-tokenizer-json-empty-object": ("tokenizer.json", "{}",
+                                            ["tokenizer.json", "'added_tokens' (missing), 'model' (missing)"]),
+    "convert-tokenizer-json-no-merges": ("tokenizer.json",
+                                         '{"added_tokens": [], "model": {"type": "BPE", "vocab": {}}}',
+                                         ["tokenizer.json", "'model.merges' (missing)"]),
 })
 
 
@@ -888,11 +896,22 @@ _BAD_GGUF = {
                           ["tensor blk.0.attn_q.weight has unknown ggml type 99"]),
     "overlapping-data": (lambda c: c.tensor_info("blk.0.attn_k.weight", offset_of="blk.0.attn_v.weight"),
                          ["overlap", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]),
+    "zero-length-rows": (lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=0),
+                         ["tensor blk.0.attn_q.weight has a zero-length dimension"]),
+    "zero-rows": (lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=1),
+                  ["tensor blk.0.attn_q.weight has a zero-length dimension"]),
 }
 for _name, (_make, _needles) in _BAD_GGUF.items():
     for _cmd in ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target"):
         case(f"{_cmd}-{_name}")(
             lambda c, mk=_make, cmd=_cmd, nd=_needles: (lambda bad: (_gguf_commands(c, bad)[cmd], ["model.gguf", *nd]))(mk(c)))
+
+
+@case("quantize-q4_k_m-zero-length-dimension")
+def _(c):  # "internal error in quantize: ZeroDivisionError" (exit 3) before the reader refused it
+    bad = c.tensor_info("blk.1.ffn_down_exps.weight", zero_dim=1)
+    return ["quantize", bad, c.out / "q.gguf", "Q4_K_M", "-q"], ["model.gguf", "blk.1.ffn_down_exps.weight",
+                                                                "zero-length dimension"]
 
 
 @case("inspect-missing-file")

@@ -59,8 +59,8 @@ from mtpq.quantize.pipeline import plan_quantize  # noqa: E402
 from mtpq.quantize.policy import Override, first_answer, preset_mix  # noqa: E402
 from mtpq.quantize.presets import row_fallback, use_more_bits  # noqa: E402
 from mtpq.tensors import Role  # noqa: E402
-
-DATA = Path(__file__).parents[1] / "data" / "llama_quantize_choices"
+from tests.helpers.quantize_tables import DATA, recorded_type  # noqa: E402
+from tests.helpers.quantize_tables import load as _load  # noqa: E402
 
 VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "glm4moe_8layers": ("glm4moe", dict(num_hidden_layers=8)),
@@ -284,10 +284,6 @@ def write_doc(path: Path, head: dict, names: list[str], runs: list[dict]) -> Non
 # ----------------------------------------------------------------------------- fixtures
 
 
-def _load(variant: str) -> dict:
-    return json.loads((DATA / f"{variant}.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def f32_plan(tmp_path_factory):
     """variant -> the plan of its ``mtpq convert --outtype f32`` output, without writing the file.
@@ -499,6 +495,11 @@ def _by_name(plan):
     return {s.name: s for s in plan.tensors}
 
 
+def _llama_quantize(name: str, preset: str = "Q4_K_M") -> T:
+    """llama-quantize's recorded type for a tensor of the 8-layer GLM (the trunk's choice, the head included)."""
+    return T[recorded_type("glm4moe_8layers", preset, name)]
+
+
 def test_every_decision_has_its_reason(glm8):
     q = _by_name(plan_quantize(glm8, "Q4_K_M"))
     assert all(s.reason for s in q.values())
@@ -506,8 +507,9 @@ def test_every_decision_has_its_reason(glm8):
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q8_0
     assert q["blk.8.ffn_gate_inp.weight"].ggml_type == T.F32 and "router" in q["blk.8.ffn_gate_inp.weight"].reason
     assert q["blk.8.nextn.enorm.weight"].ggml_type == T.F32 and "1-D" in q["blk.8.nextn.enorm.weight"].reason
-    assert "more-bits" in q["blk.0.attn_v.weight"].reason and q["blk.0.attn_v.weight"].ggml_type == T.Q6_K
-    assert q["output.weight"].ggml_type == T.Q6_K
+    attn_v = q["blk.0.attn_v.weight"]
+    assert "more-bits" in attn_v.reason and attn_v.ggml_type == _llama_quantize("blk.0.attn_v.weight") == T.Q6_K
+    assert q["output.weight"].ggml_type == _llama_quantize("output.weight")
 
 
 def test_override_beats_the_mtp_rule_and_first_match_wins(glm8):
@@ -534,7 +536,8 @@ def test_mtp_experts_type_and_same(glm8):
     assert q["blk.8.ffn_down_shexp.weight"].ggml_type == T.F16
     assert q["blk.8.nextn.shared_head_head.weight"].ggml_type == T.F16
     q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_experts_type="same"))
-    assert q["blk.8.ffn_gate_exps.weight"].ggml_type == T.Q4_K  # the trunk's choice
+    for name in ("blk.8.ffn_gate_exps.weight", "blk.8.ffn_down_exps.weight"):  # the trunk's choice
+        assert q[name].ggml_type == _llama_quantize(name), name
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q6_K  # layer 8 of 9 is a more-bits layer
     assert q["blk.8.attn_q.weight"].ggml_type == T.Q8_0
     q = _by_name(plan_quantize(glm8, "Q2_K", mtp_type="q6_k"))
@@ -551,7 +554,7 @@ def test_mtp_type_keep_holds_the_source_types(glm8):
             assert spec.ggml_type == before[name].ggml_type, name
     assert "--mtp-type keep" in q["blk.8.attn_q.weight"].reason
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q4_K
-    assert q["blk.3.attn_q.weight"].ggml_type == T.Q4_K  # the trunk follows the preset
+    assert q["blk.3.attn_q.weight"].ggml_type == _llama_quantize("blk.3.attn_q.weight")  # the trunk: the preset's
 
 
 def test_one_parsed_mtp_precision_at_every_boundary():

@@ -5,29 +5,37 @@ One module per published release layout (``glm45_air.py``, ``step35_flash.py``, 
 ``RELEASE``   the Hugging Face repository (or repositories) it describes, e.g. ``"stepfun-ai/Step-3.5-Flash"``.
 ``SOURCES``   where every config key and tensor name below was read: the release's own config.json and
               safetensors index where they could be found, else the loaders of inference engines (vLLM,
-              SGLang, transformers' modeling code, llama.cpp's conversion/*.py) -- file paths, cited.
+              SGLang, transformers' modeling code, llama.cpp's conversion/*.py) -- file paths, cited. Each
+              entry names its location (a URL, a repository path, a pull request), then in parentheses what
+              was read there; every config key or tensor name it names there the manifest has
+              (_citations.py checks both). What was read without a recorded location goes in the docstring.
 ``CONFIG``    the release's config.json with every key it has; sizes (hidden, layers, experts, heads, ...)
               shrunk, everything else as released. ``vocab_size`` is replaced by the tiny tokenizer's size.
 ``tensors(cfg) -> dict[name, shape]``
               every tensor the release stores (bf16 form), named as released, MTP layers included, with the
               shape ``cfg`` implies.
 ``FORMS``     ``{form: encoder or None}``: the forms the release ships ("bf16", "fp8", "mxfp4" ...); an encoder
-              ``(folder) -> None`` rewrites the bf16 folder into that form (config.json included).
+              ``(folder) -> None`` rewrites the bf16 folder into that form (config.json included). Each name is
+              one of _forms.KNOWN and the built folder must hold what it says; the docstring names each form,
+              and a quantized one is cited (by a source, or by the release's own config.json).
 optional:
 ``SPECIALS``  the tokenizer's special tokens (default GLM's, which llama.cpp's GLM vocab code expects).
 ``LLAMA_CPP_RAW_CONFIG``  True where llama.cpp's converter must read config.json as stored because it cannot
               read transformers 5's rewritten view of it (say why in the module).
-``DIFFERS``   ``{(form, mode): reason}``: matrix cells where mtpq knowingly does not do what llama.cpp's
-              converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the reason is
-              reported instead of the comparison.
+``DIFFERS``   ``{(form, mode): LlamaCpp*}``: matrix cells where mtpq knowingly does not do what llama.cpp's
+              converter does (mode: None, "--no-mtp", "--mtp"): mtpq must still convert, and the record says
+              what llama.cpp does instead (:class:`LlamaCppRefuses`, :class:`LlamaCppWritesOurs`,
+              :class:`LlamaCppDiffersIn`); the matrix asserts it, so a cell where llama.cpp now does
+              something else fails.
 ``LLAMA_CPP_MODE``  ``{mode: llama.cpp's mode}``: cells compared with another mode of llama.cpp's converter
               (deepseek2: it drops the MTP layer by default and refuses --no-mtp, so its default file is what
               mtpq's --no-mtp writes).
 ``DIFFERS_KEYS``  ``{metadata key: reason}``: keys mtpq knowingly writes where llama.cpp's converter writes another
               value or none (each must really differ); every other key and tensor is still compared.
-``REFUSES``   ``{(form, mode): reason}``: cells where mtpq knowingly refuses (exit 2, one line) what llama.cpp's
-              converter writes; the reason is reported instead of the comparison. Where the default mode is
-              refused, the head is checked in its head-only file (``--mtp-only``) beside a ``--no-mtp`` trunk.
+``REFUSES``   ``{(form, mode): LlamaCpp*}``: cells where mtpq knowingly refuses (exit 2, one line) what llama.cpp's
+              converter writes, the record saying what llama.cpp writes (asserted as for ``DIFFERS``). Where the
+              default mode is refused, the head is checked in its head-only file (``--mtp-only``) beside a
+              ``--no-mtp`` trunk.
 ``DRAFTS``    True when llama.cpp has an MTP graph for the GGUF arch (the file must draft there).
 
 :func:`build` writes the tiny checkpoint; tests/convert/test_release_matrix.py runs every manifest.
@@ -38,12 +46,44 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 MODES = (None, "--no-mtp", "--mtp")  # llama.cpp converter's flags: the full file, trunk only, head only
+
+
+# ----------------------------------------------------------------------------- what llama.cpp does where mtpq does not
+
+
+@dataclass(frozen=True)
+class LlamaCppRefuses:
+    """llama.cpp's converter exits non-zero in the cell, its log matching the regular expression ``log``."""
+    reason: str
+    log: str
+
+
+@dataclass(frozen=True)
+class LlamaCppWritesOurs:
+    """llama.cpp's converter writes, in the cell, the file mtpq writes in converter mode ``mode`` (every tensor
+    and key compared, ``DIFFERS_KEYS`` aside)."""
+    reason: str
+    mode: str
+
+
+@dataclass(frozen=True)
+class LlamaCppDiffersIn:
+    """llama.cpp's converter writes mtpq's file but for the tensors matching ``tensors``: each is ``ours`` in
+    mtpq's file and ``theirs`` with ``their_width`` times the row length in llama.cpp's (at least one matches).
+    ``keys`` are metadata keys derived from those tensors (file type, size label): they may differ."""
+    reason: str
+    tensors: str
+    ours: str
+    theirs: str
+    their_width: float
+    keys: tuple[str, ...] = field(default=())
 
 
 def manifests() -> dict[str, ModuleType]:
@@ -151,15 +191,17 @@ def set_config(folder: Path, **keys) -> None:
 def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:
     """The release's FP8 form as DeepSeek-V3 ships it: every 2-D projection e4m3 with 128x128 ``weight_scale_inv``
     tiles (embeddings, lm_head, norms and routers stay bf16, and every weight ``keep(name)`` names: the release's
-    ``modules_to_not_convert``); ``quantization_config`` entries override the written
-    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``."""
+    ``modules_to_not_convert``). The written quantization_config is the manifest's CONFIG's where it has one, else
+    ``{"activation_scheme": "dynamic", "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}``;
+    ``quantization_config`` entries override it."""
     from tests.builders import tiny
 
-    tiny.to_fp8_block_scaled(folder, keep=keep)
     path = folder / "config.json"
+    released = json.loads(path.read_text()).get("quantization_config")  # the manifest's own, where it has one
+    tiny.to_fp8_block_scaled(folder, keep=keep)
     cfg = json.loads(path.read_text())
-    qc = {"activation_scheme": "dynamic", **cfg["quantization_config"], **quantization_config}
-    cfg["quantization_config"] = qc
+    qc = released or {"activation_scheme": "dynamic", **cfg["quantization_config"]}
+    cfg["quantization_config"] = {**qc, **quantization_config}
     path.write_text(json.dumps(cfg, indent=2))
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from . import experts, fp8_block_scaled, mlp, nextn
+from . import LlamaCppRefuses, LlamaCppWritesOurs, experts, fp8_block_scaled, mlp, nextn
 
 # DeepSeek's tokenizer specials; BOS first so that the release's bos_token_id 0 / eos_token_id 1 name them
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -34,6 +34,19 @@ SHARED_CONFIG = {
     "q_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "tie_word_embeddings": False,
     "topk_group": 1, "use_cache": True, "v_head_dim": 64,
 }
+
+DROPS_MTP = ("llama.cpp's deepseek2 converter drops the MTP layer (DeepseekV2Model.skip_mtp) and refuses --mtp / "
+             "--no-mtp for DeepseekV3ForCausalLM; mtpq keeps the layer (its trunk-only file is compared with "
+             "llama.cpp's default one)")
+
+
+def drops_mtp_layer(forms, reason: str = DROPS_MTP) -> dict:
+    """The DIFFERS of a DeepseekV3ForCausalLM release: llama.cpp's default file is mtpq's --no-mtp one and its
+    converter refuses --mtp (with LLAMA_CPP_MODE mapping mtpq's --no-mtp onto llama.cpp's default)."""
+    refused = r"--mtp / --no-nextn are not supported for DeepseekV3ForCausalLM"
+    return {**{(form, None): LlamaCppWritesOurs(reason, "--no-mtp") for form in forms},
+            **{(form, "--mtp"): LlamaCppRefuses(reason, refused) for form in forms}}
+
 
 INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
            "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")

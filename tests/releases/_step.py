@@ -23,6 +23,10 @@ Shrunk: hidden 4096 -> 256, trunk 45 -> 4 layers (full, then 3 sliding; dense la
 -> 4 / 6 (KV 8 -> 2; head_dim 128 kept, so rope_freqs has the release's 64 entries), experts 288 -> 4 (top 8 ->
 2), intermediate 11264 -> 512, moe_intermediate / share_expert 1280 -> 256; the clamps move with the last MoE
 layers. Positions, RoPE and every other key as released.
+
+The config.json itself could not be fetched: keys are those the loaders in SOURCES read from it and the config
+transcriptions in public tests (Megatron-Bridge test_step37_config_load_and_roundtrip, ATOM and aiconfigurator
+Step3.7 config fixtures) carry; values as they give them.
 """
 
 from __future__ import annotations
@@ -59,17 +63,14 @@ SOURCES = [
     "transformers 5.24 models/step3p7/configuration_step3p7.py (Step3p7TextConfig: model_type step3p5; 'legacy "
     "hub configs pad these per-layer lists with num_nextn_predict_layers trailing MTP entries', rope_scaling "
     "applied to full_attention only) and conversion_mapping.py 'step3p7' (hub names moe.gate, moe.router_bias, "
-    "moe.{gate,up,down}_proj.weight[_scale_inv], share_expert, vision_model.*, vit_large_projector)",
+    "moe.{gate,up,down}_proj.weight[_scale_inv], share_expert)",
     "NVIDIA/TensorRT-LLM pull 14759 (Step-3.7-Flash-FP8: 'Only the routed experts are FP8 (F8_E4M3, block "
     "[128,128], with weight_scale_inv); the router/shared-expert/attention/dense layers stay bf16', the scales "
     "stacked moe.{gate,up,down}_proj.weight_scale_inv)",
-    "Model cards mirrored at fast.hugflare.com (stepfun-ai/Step-3.5-Flash-Int4, tacos4me/Step-3.5-Flash-NVFP4, "
-    "nameistoken/Step-3.5-Flash-Quark-W8A8-INT8): 45 layers + MTP 45-47, 288 experts top 8, moe_intermediate "
-    "1280, dense intermediate 11264, 64 heads / 8 KV groups / head_dim 128, SWA window 512 at 3:1, vocab 128896, "
-    "262144 context with llama3-style RoPE scaling",
-    "The config.json itself could not be fetched here: keys are those the loaders above read from it and the "
-    "config transcriptions in public tests (Megatron-Bridge test_step37_config_load_and_roundtrip, ATOM and "
-    "aiconfigurator Step3.7 config fixtures) carry; values as they give them",
+    "https://fast.hugflare.com/stepfun-ai/Step-3.5-Flash-Int4 and the same mirror's model cards of "
+    "tacos4me/Step-3.5-Flash-NVFP4 and nameistoken/Step-3.5-Flash-Quark-W8A8-INT8 (45 layers + MTP 45-47, 288 "
+    "experts top 8, moe_intermediate 1280, dense intermediate 11264, 64 heads / 8 KV groups / head_dim 128, SWA "
+    "window 512 at 3:1, vocab 128896, 262144 context with llama3-style RoPE scaling)",
 ]
 
 

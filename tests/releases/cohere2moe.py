@@ -13,7 +13,7 @@ Shrunk: hidden 2048 -> 256, layers 40 -> 4 (+1 MTP), heads 32/4 -> 4/2 (head_dim
 (8 -> 2 per token), expert width 768 -> 256, dense prefix width 3072 -> 512. Every other key as released.
 """
 
-from . import experts, mlp, nextn, transformers_saved, without
+from . import LlamaCppRefuses, experts, mlp, nextn, transformers_saved, without
 
 RELEASE = "CohereLabs/North-Mini-Code-1.0"
 SOURCES = [
@@ -73,8 +73,9 @@ DRAFTS = True
 
 # llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); mtpq writes the full
 # file's trunk / MTP block (tests/convert/test_convert_cohere2moe.py checks both against llama.cpp's full file)
-DIFFERS = {(form, mode): "llama.cpp's converter does not support --no-mtp / --mtp for Cohere2MoeForCausalLM; mtpq "
-                         "writes the parts of its full file"
+DIFFERS = {(form, mode): LlamaCppRefuses("llama.cpp's converter does not support --no-mtp / --mtp for "
+                                         "Cohere2MoeForCausalLM; mtpq writes the parts of its full file",
+                                         r"--mtp / --no-nextn are not supported for Cohere2MoeForCausalLM")
            for form in FORMS for mode in ("--no-mtp", "--mtp")}
 
 

@@ -16,7 +16,7 @@ layer as blk.2.nextn.* plus its block, which llama.cpp's deepseek2 loader reads 
 """
 
 from . import variant
-from ._deepseek import SHARED_CONFIG, SPECIALS, fp8_release, tensors as _tensors
+from ._deepseek import SHARED_CONFIG, SPECIALS, drops_mtp_layer, fp8_release, tensors as _tensors
 
 RELEASE = "deepseek-ai/DeepSeek-V3"
 SOURCES = [
@@ -66,10 +66,7 @@ CONFIG = variant(SHARED_CONFIG, {
 FORMS = {"fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight"))}
 # llama.cpp's deepseek2 converter drops the MTP layer: its default file is the trunk, mtpq's --no-mtp file
 LLAMA_CPP_MODE = {"--no-mtp": None}
-_DROPS = ("llama.cpp's deepseek2 converter drops the MTP layer (DeepseekV2Model.skip_mtp) and refuses --mtp / "
-          "--no-mtp for DeepseekV3ForCausalLM; mtpq keeps the layer (its trunk-only file is compared with "
-          "llama.cpp's default one)")
-DIFFERS = {(form, mode): _DROPS for form in FORMS for mode in (None, "--mtp")}
+DIFFERS = drops_mtp_layer(FORMS)
 DRAFTS = True
 
 

@@ -16,7 +16,8 @@ softmax; transformers' DeepseekV3 always routes with sigmoid, which mtpq writes.
 """
 
 from . import variant
-from ._deepseek import SPECIALS, tensors as _tensors  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import SPECIALS  # noqa: F401 (the manifest's tokenizer)
+from ._deepseek import DROPS_MTP, drops_mtp_layer, tensors as _tensors
 from .deepseek_v3 import CONFIG as _V3
 
 RELEASE = "deepseek-ai/DeepSeek-V3 (saved by transformers 4.x)"
@@ -42,14 +43,11 @@ CONFIG = variant(_V3, {
          "topk_method", "torch_dtype"))
 FORMS = {"bf16": None}
 LLAMA_CPP_MODE = {"--no-mtp": None}  # as deepseek_v3.py
-_DROPS = ("llama.cpp's deepseek2 converter drops the MTP layer (DeepseekV2Model.skip_mtp) and refuses --mtp / "
-          "--no-mtp for DeepseekV3ForCausalLM; mtpq keeps the layer (its trunk-only file is compared with "
-          "llama.cpp's default one)")
 DIFFERS_KEYS = {"deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
                 "no gating function and its loader then routes deepseek2 with softmax; transformers' "
                 "DeepseekV3 routes with sigmoid, which mtpq writes"}
-_DROPS += "; and expert_gating_func, as DIFFERS_KEYS says"
-DIFFERS = {(form, mode): _DROPS for form in FORMS for mode in (None, "--mtp")}
+_DROPS = DROPS_MTP + "; and expert_gating_func, as DIFFERS_KEYS says"
+DIFFERS = drops_mtp_layer(FORMS, _DROPS)
 DRAFTS = True
 
 

@@ -12,7 +12,8 @@ stored. Shrunk as deepseek_v3.py; the converters differ as for deepseek_v3_hf4.p
 """
 
 from . import variant
-from ._deepseek import SPECIALS, f32, tensors as _tensors  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import SPECIALS  # noqa: F401 (the manifest's tokenizer)
+from ._deepseek import drops_mtp_layer, f32, tensors as _tensors
 from .deepseek_v3_hf4 import CONFIG as _HF4
 from .deepseek_v3_hf4 import DIFFERS_KEYS, LLAMA_CPP_MODE, _DROPS  # noqa: F401 (the same knowing differences)
 
@@ -36,7 +37,7 @@ CONFIG = variant(_HF4, {
     "transformers_version": "5.24.0",
 }, drop=("rope_scaling", "rope_theta"))
 FORMS = {"bf16": f32("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
-DIFFERS = {(form, mode): _DROPS for form in FORMS for mode in (None, "--mtp")}
+DIFFERS = drops_mtp_layer(FORMS, _DROPS)
 DRAFTS = True
 
 

@@ -23,13 +23,19 @@ released: llama.cpp's KV cache takes a head_dim equal to it for an indexer's and
 crashes the MTP draft context), q_lora_rank 1024 -> 256, o_groups 8 -> 2, o_lora_rank 1024 -> 128,
 index_n_heads 64 -> 4, experts 256 -> 4 (top-6 -> top-2), moe_intermediate 2048 -> 256. Every other key as
 released (num_hash_layers 3, hc_mult 4, qk_rope_head_dim 64, index_head_dim 128).
+
+Also read, from public DeepSeek-V4 loaders' dtype notes whose location was not recorded (so not in SOURCES):
+tid2eid I64, attn_sink / hc_* / gate.bias F32, router gate BF16.
 """
 
 import json
 from pathlib import Path
 
 import torch
+
 from tests.builders.tiny_deepseek import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
+
+from . import LlamaCppWritesOurs
 
 RELEASE = "deepseek-ai/DeepSeek-V4-Flash"
 SOURCES = [
@@ -40,9 +46,8 @@ SOURCES = [
     "https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/model.safetensors.index.json (per-layer tensor "
     "counts 1565 / 1569 / 1576 for compress ratio 0 / 128 / 4, 1575 under mtp.0.; as counted by public loaders)",
     "vllm/model_executor/models/deepseek_v4_mtp.py (mtp.{i}. names: e_proj, h_proj, enorm, hnorm, norm, "
-    "hc_head_fn/base/scale; expert .scale as MXFP4 weight_scale, other .scale as FP8 weight_scale_inv)",
+    "hc_head_fn/base/scale; an expert's .scale read as MXFP4 scales, the others' as FP8 block scales)",
     "llama.cpp conversion/deepseek.py DeepseekV4Model (the names it maps; I8 FP4 + F8_E8M0 scales it repacks)",
-    "public DeepSeek-V4 loaders' dtype notes: tid2eid I64, attn_sink / hc_* / gate.bias F32, router gate BF16",
 ]
 CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -206,8 +211,9 @@ def as_released(folder: Path) -> None:
 
 
 FORMS = {"fp8": as_released}  # the only form DeepSeek ships: FP8 + FP4 experts (no bf16 release)
-REFUSES = {("fp8", None): "one GGUF cannot hold both the trunk's and the head's output hyper-connection "
-                          "(output_hc_*): llama.cpp's converter drops the head by default (its file equals "
-                          "mtpq's --no-mtp) and writes it only into its own --mtp file (equal to mtpq's --mtp-only); "
-                          "mtpq refuses to write the head beside the trunk's output_hc_* instead of its own"}
+REFUSES = {("fp8", None): LlamaCppWritesOurs(
+    "one GGUF cannot hold both the trunk's and the head's output hyper-connection (output_hc_*): llama.cpp's "
+    "converter drops the head by default (its file equals mtpq's --no-mtp) and writes it only into its own --mtp "
+    "file (equal to mtpq's --mtp-only); mtpq refuses to write the head beside the trunk's output_hc_* instead of "
+    "its own", "--no-mtp")}
 DRAFTS = True

@@ -20,7 +20,8 @@ SOURCES = [
     "https://huggingface.co/zai-org/GLM-4.6/blob/main/model.safetensors.index.json (layer 92 without embed_tokens /"
     " shared_head.head)",
     "https://huggingface.co/zai-org/GLM-4.6-FP8/blob/main/config.json (compressed-tensors quantization_config)",
-    "vllm/model_executor/models/glm4_moe_mtp.py (shared_head.head / embed_tokens fall back to the trunk's)",
+    "vllm/model_executor/models/glm4_moe_mtp.py (no shared_head.head / embed_tokens of the MTP layer: the "
+    "trunk's serve)",
     "llama.cpp conversion/glm.py Glm4MoeModel (keeps the MTP layer; nextn.embed_tokens/shared_head_head optional)",
 ]
 CONFIG = {**_GLM45, "max_position_embeddings": 202752}

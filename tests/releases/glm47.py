@@ -11,8 +11,8 @@ from .glm46 import CONFIG as _GLM46
 
 RELEASE = "zai-org/GLM-4.7"
 SOURCES = [
-    "https://huggingface.co/zai-org/GLM-4.7/blob/main/config.json (keys and values: GLM-4.6's, 'dtype' for"
-    " 'torch_dtype', transformers_version 4.57.1)",
+    "https://huggingface.co/zai-org/GLM-4.7/blob/main/config.json (keys and values: GLM-4.6's, 'dtype' and"
+    " no 'torch_dtype', transformers_version 4.57.1)",
     "https://huggingface.co/zai-org/GLM-4.7/blob/main/model.safetensors.index.json (tensor names, layer 92)",
     "https://huggingface.co/zai-org/GLM-4.7-FP8/blob/main/config.json (compressed-tensors quantization_config)",
     "vllm/model_executor/models/glm4_moe_mtp.py (the MTP layer's names)",

@@ -28,6 +28,8 @@ SOURCES = [
     "transformers src/transformers/models/glm_moe_dsa/configuration_glm_moe_dsa.py (indexer_types derived from "
     "index_topk_freq / index_skip_topk_offset: every layer 'full' for GLM-5)",
     "transformers src/transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py (per-layer and indexer names)",
+    "sgl-project/sglang-jax pull 1111 (the FP8 form, as zai-org/GLM-5.1-FP8 ships it: block-wise 128x128 e4m3 "
+    "loaded through the DeepSeek-V3 path; GLM-5-FP8's own config.json was not read)",
     "vllm/model_executor/models/deepseek_v2.py and deepseek_mtp.py (GlmMoeDsaForCausalLM; the MTP layer 78)",
     "llama.cpp conversion/glm.py GlmMoeDsaModel (keeps the MTP layer; indexer metadata)",
 ]

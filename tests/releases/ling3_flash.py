@@ -12,6 +12,10 @@ Shrunk: hidden 2560 -> 512, layers 42 -> 4 (layer_group_size 6 -> 4: three KDA l
 (8 -> 2 per token, n_group 8 -> 2, topk_group 4 -> 1), intermediate 6144 -> 512, expert and shared widths
 768 -> 256, heads 32 -> 4 (head_dims as released), the 42 swiglu limits -> 4 (same shape: trailing layers
 clamped). Every other key as released.
+
+Forms: ``bf16``; ``fp8`` (block-scaled e4m3 everywhere); ``fp8_mxfp4`` (the routed experts MXFP4).
+Also read, from MaxText's Ling3 checkpoint hooks (their location was not recorded, so not in SOURCES): the HF
+``A_log`` shape [1, 1, n_head, 1] and ``conv1d`` [d, 1, kernel].
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import experts, mlp, nextn, set_config
+from . import LlamaCppDiffersIn, experts, mlp, nextn, set_config
 
 RELEASE = "inclusionAI/Ling-3.0-flash"
 SOURCES = [
@@ -37,7 +41,6 @@ SOURCES = [
     "routed_experts_quant_method mxfp4 with expert scales under weight_scale_inv; ignored layers matched by "
     "suffix, e.g. b_proj) and bailing_moe_v3_mtp.py (the MTP layer: same quant config, experts included)",
     "vLLM tests/models/test_bailing_moe_v3_vl.py (_LING_MXFP4_QUANT_CONFIG: the quantization_config keys)",
-    "MaxText Ling3 checkpoint hooks (HF A_log shape [1, 1, n_head, 1], conv1d [d, 1, kernel])",
     "llama.cpp conversion/bailingmoe3.py + gguf-py tensor_mapping.py (names it maps; MXFP4 not handled there)",
 ]
 CONFIG = {
@@ -222,5 +225,8 @@ _NO_MXFP4_IN_LLAMA_CPP = (
     "values (a file its own loader refuses: 'ffn_gate_exps has wrong shape'); mtpq moves the bits into ggml MXFP4 "
     "blocks, as llama.cpp's mimo/deepseek4/kimi_k3 converters do (repack_mxfp4_blocks; bytes checked in "
     "tests/convert/test_convert_bailingmoe3.py)")
-DIFFERS = {("fp8_mxfp4", mode): _NO_MXFP4_IN_LLAMA_CPP for mode in (None, "--no-mtp", "--mtp")}
+DIFFERS = {("fp8_mxfp4", mode): LlamaCppDiffersIn(_NO_MXFP4_IN_LLAMA_CPP, r"\.ffn_(gate|up|down)_exps\.weight$",
+                                                  ours="MXFP4", theirs="F32", their_width=0.5,
+                                                  keys=("general.file_type", "general.size_label"))
+           for mode in (None, "--no-mtp", "--mtp")}
 FORMS = {"bf16": None, "fp8": lambda folder: _fp8(folder, False), "fp8_mxfp4": lambda folder: _fp8(folder, True)}

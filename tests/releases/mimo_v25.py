@@ -33,8 +33,8 @@ SOURCES = [
     "attention_projection_layout fused_qkv -> num_key_value_heads) and python/sglang/srt/models/mimo_v2.py",
     "llama.cpp conversion/mimo.py (MimoV2Model: per-rank qkv dequant, store_dtype mxfp4 experts; "
     "MiMoV2VisionAudioModel: the towers go to the mmproj file)",
-    "MiMo-V2.x-Flash MXFP4 config transcription ('The MiMo-V2.6-Flash config.json (XiaomiMiMo/MiMo-V2.6-Flash-RL)', "
-    "a C++ test fixture): quantization_config {store_dtype mxfp4, mxfp4_block_size 32}, moe_router_dtype bfloat16",
+    "XiaomiMiMo/MiMo-V2.6-Flash-RL config.json (a MiMo-V2.x-Flash MXFP4 config, as transcribed in a C++ test "
+    "fixture: quantization_config {store_dtype mxfp4, mxfp4_block_size 32}, moe_router_dtype bfloat16)",
 ]
 # the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
 CONFIG = variant(_mimo.SHARED_CONFIG, {

@@ -10,6 +10,9 @@ FP8 release: the routed experts only (block-scaled, weight_scale_inv), the tower
 Shrunk as _step.py says; the tower: width 1536 -> 64, 47 -> 1 layer, 16 -> 4 heads, image 728 -> 28 (patch 14).
 llama.cpp reads config.json as stored (LLAMA_CPP_RAW_CONFIG): transformers 5 knows step3p7 and rewrites the text
 config into keys its Step35Model does not read (step35_flash.py says how).
+
+Also read, from ATOM's tests (a Step3.7 config fixture; its location was not recorded, so not in SOURCES):
+bos_token_id 0, eos_token_id [1, 2, 128007], quantization_config at the top level of the FP8 release.
 """
 
 from . import _step
@@ -25,13 +28,11 @@ SOURCES = [
     "ln_2 / attn.in_proj_{weight,bias} / attn.out_proj / ls_1.gamma / ls_2.gamma / mlp.c_fc / mlp.c_proj, "
     "vit_downsampler1 / 2 (hidden -> 2x -> 4x, 3x3), vit_large_projector (4x width -> hidden, projector_bias); "
     "model.{embed_tokens,layers,norm} at the top; moe.down_proj.weight_scale_inv of the FP8 release)",
-    "NVIDIA-NeMo/Megatron-Bridge tests (test_step37_config_load_and_roundtrip: the release's top-level keys "
-    "architectures, auto_map, model_type step3p7, image_token_id 128001, understand_projector_stride 2, "
-    "projector_bias false, vision_config {model_type perception_encoder, image_size 728, patch_size 14, width "
-    "1536, layers 47, heads 16}, text_config {architectures [Step3p5ForCausalLM], model_type step3p5, max_seq_len, "
-    "llama3 rope_scaling, yarn_only_types})",
-    "ATOM tests (Step3.7 config fixture: bos_token_id 0, eos_token_id [1, 2, 128007], quantization_config at the "
-    "top level of the FP8 release)",
+    "NVIDIA-NeMo/Megatron-Bridge tests (test_step37_config_load_and_roundtrip_preserve_step35_text_fields: the "
+    "release's top-level keys architectures, auto_map, model_type step3p7, image_token_id 128001, "
+    "understand_projector_stride 2, projector_bias false, vision_config {model_type perception_encoder, "
+    "image_size 728, patch_size 14, width 1536, layers 47, heads 16}, text_config {architectures "
+    "[Step3p5ForCausalLM], model_type step3p5, max_seq_len, llama3 rope_scaling, yarn_only_types})",
     *_step.SOURCES,
 ]
 _VISION = {"model_type": "perception_encoder", "image_size": 28, "patch_size": 14, "width": 64, "layers": 1,

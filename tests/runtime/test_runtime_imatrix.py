@@ -140,10 +140,21 @@ def test_head_only_and_trunk_only(setup):
     assert not any(k.startswith(f"blk.{n}.") for k in trunk.tensors) and trunk.tensors
 
 
+# llama-imatrix's own arithmetic in float32 throughout: K/V cached in f32 and no flash attention (its defaults, an
+# f16 cache and flash attention on the CPU, round the attention's inputs to 16 bits)
+LLAMA_F32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
+# relative bounds (docs/notes/imatrix.md): in f32, llama-imatrix's float32 sums token by token ((n-1) u <= 3.1e-5 for
+# the 512 rows of a dense tensor) plus the two engines' f32 operation orders (measured <= 1.5e-5); with its
+# defaults, the 16-bit rounding of K and V moves the sums by up to 4.0e-3 on the demo (the largest of 4 chunkings)
+BOUND_F32, BOUND_DEFAULT = 1e-4, 1e-2
+
+
 @pytest.mark.llama_cpp
 def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
-    """On the demo model and real text, our trunk statistics equal llama-imatrix's (relative 1e-3), read
-    from its GGUF file with gguf-py; llama-imatrix has no entries for the head, ours do."""
+    """On the demo model and real text, our trunk statistics equal llama-imatrix's, read from its GGUF file with
+    gguf-py: within 1e-4 relative when llama-imatrix computes in f32, within 1e-2 with its defaults (where the tight
+    bound fails: the 16-bit K/V rounding is what the f32 flags remove); llama-imatrix has no entries for the head,
+    ours do."""
     import inspect
     import json as json_module
     import subprocess
@@ -161,25 +172,34 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text(text)
     n_ctx, n_chunks = 128, 4
-    proc = subprocess.run([str(llama_cpp_bin / "llama-imatrix"), "-m", str(path), "-f", str(calib), "-o",
-                           str(tmp_path / "theirs.gguf"), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks",
-                           str(n_chunks), "--no-ppl", "-t", "1", "--no-repack", "--no-escape"],
-                          capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / "theirs.gguf").tensors}
+
+    def llama_imatrix(*extra: str) -> dict[str, np.ndarray]:
+        out = tmp_path / "theirs.gguf"
+        proc = subprocess.run([str(llama_cpp_bin / "llama-imatrix"), "-m", str(path), "-f", str(calib), "-o",
+                               str(out), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks), "--no-ppl",
+                               "-t", "1", "--no-repack", "--no-escape", *extra],
+                              capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
 
     model, tok = load_model(path, device="cpu")
     bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
     ours = collect(model, chunk_tokens(tok.encode(text), n_ctx, n_chunks, bos))
-    names = {k[: -len(".in_sum2")] for k in theirs if k.endswith(".in_sum2")}
-    assert names, "llama-imatrix wrote no statistics"
     n_head = len(model.blocks)
-    assert names == {k for k in ours.tensors if not k.startswith(f"blk.{n_head}.")}
-    for name in sorted(names):
-        st = ours.tensors[name]
-        np.testing.assert_array_equal(theirs[name + ".counts"].reshape(-1), st.counts, err_msg=name)
-        np.testing.assert_allclose(theirs[name + ".in_sum2"].reshape(st.sums.shape), st.sums, rtol=1e-3,
-                                   atol=1e-6 * st.sums.max(), err_msg=name)
+    worst = {}
+    for label, extra in (("f32", LLAMA_F32), ("default", ())):
+        theirs = llama_imatrix(*extra)
+        names = {k[: -len(".in_sum2")] for k in theirs if k.endswith(".in_sum2")}
+        assert names == {k for k in ours.tensors if not k.startswith(f"blk.{n_head}.")} and names
+        rel = []
+        for name in sorted(names):
+            st = ours.tensors[name]
+            np.testing.assert_array_equal(theirs[name + ".counts"].reshape(-1), st.counts, err_msg=name)
+            rel.append(np.max(np.abs(theirs[name + ".in_sum2"].reshape(st.sums.shape) - st.sums) / st.sums))
+        worst[label] = max(rel)
+    print(f"largest relative in_sum2 difference: {worst['f32']:.2e} (llama-imatrix in f32), "
+          f"{worst['default']:.2e} (its defaults)")
+    assert worst["f32"] < BOUND_F32 < worst["default"] < BOUND_DEFAULT
 
 
 def hf_head_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndarray]:

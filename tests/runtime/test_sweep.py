@@ -66,3 +66,16 @@ def test_the_grid_equals_accept_draft_1_on_each_full_file(swept, demo_f16, tmp_p
             assert res.exit_code == 0, res.output
             assert doc["acceptance"][i][j] == pytest.approx(json.loads(res.stdout)["acceptance_rate"], abs=1e-6), (m, t)  # (accept rounds to 6 places)
             q.unlink()
+
+
+def test_png_without_matplotlib_exits_2_before_any_work(demo_f16, tmp_path, monkeypatch):
+    """Not a warning after minutes of measuring and no picture (exit 0): one line with the install command, and
+    nothing quantized or written."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError, installed or not
+    keep = tmp_path / "keep"
+    res = run_cli("sweep", demo_f16, "--png", tmp_path / "grid.png", "--keep", keep, *PROMPTS)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --png: needs matplotlib, which is not installed: pip install 'mtpq[plot]'"
+    assert not keep.exists() and not (tmp_path / "grid.png").exists()
