@@ -1,4 +1,4 @@
 """The GGUF architectures the torch runtime runs, known without importing torch: commands that need the runtime
 check a file against this before any work (``mtpq.runtime.families.FAMILIES`` registers the same set)."""
 
-RUNTIME_ARCHS = frozenset({"glm4moe", "qwen35", "qwen35moe", "deepseek2"})
+RUNTIME_ARCHS = frozenset({"glm4moe", "qwen35", "qwen35moe", "deepseek2", "step35", "mimo2"})
