@@ -284,7 +284,8 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
             return lambda: torch.cat([torch.eye(s.shape[0]), head_mix * s.load()[:, s.shape[0]:]], dim=1)
         if field == "nextn.enorm.weight":
             return lambda: torch.ones(s.shape)
-        twin = {"nextn.shared_head_norm.weight": "output_norm.weight", "layer_output_norm.weight": "output_norm.weight",
+        twin = {"nextn.shared_head_norm.weight": "output_norm.weight",
+                "layer_output_norm.weight": "output_norm.weight",
                 "nextn.shared_head_head.weight": "output.weight", "nextn.embed_tokens.weight": "token_embd.weight"}
         return top[twin[field]].load if field in twin else None
 
