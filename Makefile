@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-extra llama-cpp clean
+.PHONY: install demo test test-extra test-heavy llama-cpp clean
 
 $(BIN)/mtpq: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,10 @@ test: install
 	$(BIN)/python -m pytest -q
 
 test-extra: install
-	$(BIN)/python -m pytest -q -m "slow or llama_cpp" || [ $$? -eq 5 ]  # 5 = nothing selected
+	$(BIN)/python -m pytest -q -m "(slow or llama_cpp) and not heavy" || [ $$? -eq 5 ]  # 5 = nothing selected
+
+test-heavy: install
+	$(BIN)/python -m pytest -q -m heavy
 
 # llama.cpp for the cross-checks: the pinned tree built into ~/.cache/mtpq (reused), its bin folder printed last
 llama-cpp:

@@ -29,6 +29,7 @@ from . import accept as _accept  # noqa: E402,F401
 from . import compare as _compare  # noqa: E402,F401
 from . import sweep as _sweep  # noqa: E402,F401
 from . import build as _build  # noqa: E402,F401
+from . import publish as _publish  # noqa: E402,F401
 from . import demo as _demo  # noqa: E402,F401
 from . import imatrix as _imatrix  # noqa: E402,F401
 

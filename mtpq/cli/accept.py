@@ -102,6 +102,7 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
         "  mtpq accept q4km.gguf --reference f16.gguf --max-drop 0.05\n\n"
         "  mtpq accept q4km.gguf --min-rate 0.4 --json acc.json --md acc.md   # a CI gate\n\n"
         "  mtpq accept q4km.gguf --prompts mine.jsonl --draft 2 --temperature 0.7\n\n"
+        "  mtpq accept air-Q4_K_M.gguf --head mtp-air-Q8_0.gguf   # a trunk and its head file (llama.cpp's -md)\n\n"
         "  mtpq accept big-q4km.gguf --engine llama.cpp --ngl 999 -- --tensor-split 1,1   # two GPUs\n\n"
         "  mtpq accept big-q4km.gguf --engine llama.cpp --rpc 10.0.0.2:50052,10.0.0.3:50052\n\n"
         "  mtpq accept big-q4km.gguf --engine llama.cpp --server http://gpu-box:8080\n\n"
@@ -112,7 +113,10 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
 @guarded
 def accept(
     ctx: typer.Context,
-    model: Path = typer.Argument(..., help="GGUF with an MTP head."),
+    model: Path = typer.Argument(..., help="GGUF with an MTP head (or a trunk, with --head)."),
+    head: Path = typer.Option(None, "--head", help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
+                              "llama.cpp's -md: its MTP blocks (and its token_embd/output where the head ties to "
+                              "them) replace any head MODEL has."),
     reference: Path = typer.Option(None, "--reference", help="A higher-precision GGUF of the same model to compare with."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (code, math, chat, prose) or a JSONL file."),
     draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k (1..8): tokens the head proposes per round."),
@@ -165,13 +169,15 @@ def accept(
         fail("--hidden", "choose auto, post_norm or pre_norm")
     if max_drop is not None and reference is None:
         fail("--max-drop", "needs --reference")
+    if head is not None and server is not None:
+        fail("--head", "a running --server holds its draft model already")
     check_numbers(draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                   max_prompts=max_prompts, min_rate=min_rate, max_drop=max_drop)
     device = check_device(device)
-    for p in (model, reference):
+    for p in (model, reference, head):
         if p is not None and not p.is_file() and server is None:
             fail(str(p), "no such file")
-    check_report_paths(json_out, md_out, [p for p in (model, reference) if p is not None])
+    check_report_paths(json_out, md_out, [p for p in (model, reference, head) if p is not None])
     if engine == "torch":
         check_runtime([p for p in (model, reference) if p is not None], "accept --engine torch",
                       "--engine llama.cpp measures it through llama-server")
@@ -192,12 +198,14 @@ def accept(
             task = progress.add_task(f"{label}: {path.name}" + (" (llama-server)" if engine != "torch" else ""),
                                      total=None)
             tick = lambda i, n, t=task: progress.update(t, completed=i, total=n)  # noqa: E731
+            own_head = head if label == "model" else None
             if engine == "torch":
-                reports[label] = measure_file(path, **kw, on_prompt=tick)
+                reports[label] = measure_file(path, **kw, head=own_head, on_prompt=tick)
             else:
-                from ..engines.llama_cpp import measure_with_llama_cpp
+                from ..engines.llama_cpp import measure_with_llama_cpp, with_draft_model
 
-                reports[label] = measure_with_llama_cpp(path, **kw, server=server_cfg, url=server, on_prompt=tick)
+                cfg = with_draft_model(server_cfg, own_head) if own_head is not None else server_cfg
+                reports[label] = measure_with_llama_cpp(path, **kw, server=cfg, url=server, on_prompt=tick)
     report, ref = reports["model"], reports.get("reference")
     verdict = judge(report, ref, min_rate, max_drop)
     doc = {**report.to_dict(), "reference": ref.to_dict() if ref else None, "drop": verdict.drop,

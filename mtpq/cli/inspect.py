@@ -10,19 +10,31 @@ from rich.table import Table
 
 from ..gguf_io.summary import summarize_gguf
 from .app import app
-from .common import guarded, out
+from .common import EXIT_CHECK_FAILED, fail, guarded, out
 
 
 @app.command(epilog="Examples:\n\n  mtpq inspect air-q4km.gguf\n\n  mtpq inspect air-q4km.gguf --json | jq .mtp_types\n\n"
-                    "  mtpq inspect air-q4km-00002-of-00003.gguf   # any shard: the whole split model")
+                    "  mtpq inspect air-q4km-00002-of-00003.gguf   # any shard: the whole split model\n\n"
+                    "  mtpq inspect --check dist/*.gguf     # sound MTP files? exit 1 with a line per problem\n\n"
+                    "  mtpq inspect --check air-Q4_K_M.gguf mtp-air-Q8_0.gguf   # is the head made for the trunk?")
 @guarded
 def inspect(
-    file: Path = typer.Argument(..., help="GGUF file, or any shard of a split GGUF (the whole set is read)."),
+    files: list[Path] = typer.Argument(..., metavar="FILE...",
+                                       help="GGUF file, or any shard of a split GGUF (the whole set is read); "
+                                            "several with --check."),
+    check: bool = typer.Option(False, "--check", help="Check the files as MTP models: nextn_predict_layers and "
+                               "block_count against the blocks, head tensors present, head types of 4 bits or more, "
+                               "head files (mtp-*.gguf) made for the trunks given. Exit 1 with one line per problem."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     all_tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="List every tensor (default) or only totals."),
 ) -> None:
-    """Show a GGUF's architecture, MTP blocks, tensor types and sizes (MTP tensors marked)."""
-    info = summarize_gguf(file)
+    """Show a GGUF's architecture, MTP blocks, tensor types and sizes (MTP tensors marked); or --check files."""
+    if check:
+        _check(files)
+        return
+    if len(files) > 1:
+        fail(" ".join(map(str, files[1:])), "one file at a time (several go with --check)")
+    info = summarize_gguf(files[0])
     if as_json:
         typer.echo(json.dumps(info, indent=2))  # plain: rich would wrap long lines
         return
@@ -47,3 +59,21 @@ def inspect(
     for role, r in info["by_role"].items():
         totals.add_row(role, str(r["tensors"]), f"{r['bytes']:,}", f"{8 * r['bytes'] / max(r['elements'], 1):.2f}")
     out.print(totals)
+
+
+def _check(files: list[Path]) -> None:
+    """One line per model: ``ok`` with what it holds, or each of its problems; exit 1 when any."""
+    from ..gguf_io.check import check_files, is_head_file
+
+    problems, models = check_files(files)
+    for g in models:
+        mine = [p for p in problems if p.file == str(g.path)]
+        if not mine:
+            first = g.n_trunk
+            what = ("head file" if is_head_file(g) else "trunk + head" if g.n_mtp else "trunk only, no head")
+            blocks = f" {', '.join(f'blk.{b}' for b in range(first, first + g.n_mtp))}" if g.n_mtp else ""
+            typer.echo(f"{g.path}: ok ({what}{blocks})")
+        for p in mine:
+            typer.echo(p.line())
+    if problems:
+        raise typer.Exit(EXIT_CHECK_FAILED)

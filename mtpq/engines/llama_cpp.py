@@ -81,6 +81,17 @@ class ServerConfig:
         return a + list(self.extra)
 
 
+def with_draft_model(cfg: ServerConfig, head: Path) -> ServerConfig:
+    """``cfg`` serving a trunk with a head file (``mtp-*.gguf``) as its MTP draft model: ``-md``, and ``-ngld``
+    as ``-ngl`` (the draft model's layers go where the trunk's go)."""
+    from dataclasses import replace
+
+    from ..gguf_io.files import first_shard
+
+    extra = ["-md", str(first_shard(Path(head)))] + (["-ngld", str(cfg.ngl)] if cfg.ngl is not None else [])
+    return replace(cfg, extra=[*extra, *cfg.extra])
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: its own process group, and (Linux) SIGTERM when mtpq dies, even by SIGKILL."""
     os.setsid()

@@ -2,7 +2,8 @@
 
 Most published quants drop the MTP blocks. ``plan_graft`` gives such a file the
 head of another GGUF of the same model (copied byte for byte, or requantized);
-``plan_extract_mtp`` writes the head-only file that llama.cpp's converter
+``plan_strip_mtp`` is the trunk-only file (what llama.cpp's converter writes with
+``--no-mtp``); ``plan_extract_mtp`` writes the head-only file that llama.cpp's converter
 produces with ``--mtp`` and that llama.cpp loads as a ``draft-mtp`` draft model:
 the MTP blocks plus ``token_embd``, ``output_norm`` and ``output``, with the
 full model's metadata (block_count counts trunk + MTP; the loader recognises a
@@ -173,7 +174,26 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, r
     return out
 
 
-# ----------------------------------------------------------------------------- extract
+# ----------------------------------------------------------------------------- strip and extract
+
+
+def plan_strip_mtp(plan: Plan) -> Plan:
+    """The trunk alone: every tensor but the MTP blocks' (byte copies), metadata as a ``--no-mtp`` conversion has
+    it: block_count counts the trunk, no nextn_predict_layers, per-block arrays cut to the trunk's blocks."""
+    head_ids = {id(s) for s in _mtp_specs(plan)}
+    n_blocks, n_trunk = _n_blocks(plan), plan.n_trunk_layers
+    out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=[s for s in plan.tensors if id(s) not in head_ids],
+               inputs=list(plan.inputs), n_trunk_layers=n_trunk, n_mtp_layers=0)
+    for key, val in plan.kv.items():
+        if val.type == GGUFValueType.ARRAY and n_blocks != n_trunk and len(val.value) == n_blocks:
+            out.set_kv(key, list(val.value[:n_trunk]), val.type, val.sub_type)
+    bc = _key(out, Keys.LLM.BLOCK_COUNT)
+    if bc in out.kv:
+        out.set_kv(bc, n_trunk, out.kv[bc].type)
+    out.drop_kv(_key(out, Keys.LLM.NEXTN_PREDICT_LAYERS))
+    refresh_size_label(out)
+    return out
+
 
 
 def plan_extract_mtp(plan: Plan) -> Plan:

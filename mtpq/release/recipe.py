@@ -7,6 +7,10 @@
     reference_type = "bf16"       # the reference GGUF converted once: f32, f16, bf16 or q8_0
     split_max_size = "48G"        # optional: shards of at most this much (Hugging Face takes files up to 50 GB);
                                   #   a file that fits stays whole
+    layout = "sidecar"            # optional: "combined" (default: one file per quant, head inside), "sidecar"
+                                  #   (trunk-only quants + one mtp-NAME-TYPE.gguf per distinct head, the files
+                                  #   llama-server -hf OWNER/NAME:TAG --spec-type draft-mtp fetches) or "both"
+                                  #   (the sidecar files + NAME-TAG_MTP.gguf with the head inside)
 
     [gate]                        # optional: the acceptance check every variant must pass
     prompts = "builtin"           # or a JSONL file of {"category", "prompt"}
@@ -35,9 +39,16 @@
     # gate = false                # optional: build without the acceptance gate
     # split_max_size = "20G"      # optional: this variant's shard size (default: [model]'s)
 
-    [extras]
+    [extras]                      # layout "combined" only (the sidecar layouts publish the reference's head and trunk)
     mtp_only = true               # also publish the head-only GGUF
     no_mtp = false                # also publish a trunk-only GGUF
+
+    [publish]                     # optional: where `mtpq publish` / `mtpq build --push` upload, and the model card
+    repo = "OWNER/GLM-4.5-Air-MTP-GGUF"
+    base_model = "zai-org/GLM-4.5-Air"   # the Hub id of the source model (the card's base_model)
+    quantized_by = "OWNER"
+    license = "mit"               # optional
+    private = false               # optional: a repository created by the upload is private
 
 Every error names the recipe key at fault (``recipe.toml: variant[2].preset: ...``).
 """
@@ -53,9 +64,12 @@ from pathlib import Path
 from ..engines import ENGINES
 from ..errors import InputError
 from ..quantize.mtp_precision import Q8_0, MtpPrecision, parse_mtp
+from . import layout as naming
 
 REFERENCE_TYPES = ("f32", "f16", "bf16", "q8_0")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# a Hub repository id, as huggingface_hub validates it: OWNER/NAME of letters, digits, '-', '_', '.'
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,22 @@ class Variant:
     split_max_size: int | None = None  # bytes per shard; None: the recipe's
     auto_max_drop: float | None = None  # mtp_type = "auto": the head type measured (see mtpq quantize --mtp-type auto)
 
+    @property
+    def head_like_trunk(self) -> bool:
+        """mtp_type (or mtp_experts_type) "same": the head is quantized as this variant's trunk is."""
+        return self.mtp_type.is_same or (self.mtp_experts_type is not None and self.mtp_experts_type.is_same)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Where the build goes on the Hub and what its model card says about it."""
+
+    repo: str | None = None
+    base_model: str | None = None
+    quantized_by: str | None = None
+    license: str | None = None
+    private: bool = False
+
 
 @dataclass
 class Recipe:
@@ -121,6 +151,27 @@ class Recipe:
     raw_sha256: str = ""
     extras: dict = field(default_factory=dict)
     split_max_size: int = 0  # bytes per shard of every artifact (0: whole files); a variant may say otherwise
+    layout: str = "combined"  # see mtpq.release.layout
+    publish: Publish = field(default_factory=Publish)
+
+    @property
+    def sidecar(self) -> bool:
+        """Trunk-only quants paired with head files (layouts "sidecar" and "both")."""
+        return self.layout != "combined"
+
+    def head_label(self, v: Variant | None) -> str:
+        """The label of a head file (``mtp-NAME-LABEL.gguf``): the head's type (the reference's for ``keep``;
+        ``v`` None: the reference's own head), or for a head quantized like its trunk (``same``) the variant's
+        name, since no other quant shares it."""
+        if v is None:
+            return self.reference_type.upper()
+        if v.head_like_trunk:
+            return v.name
+
+        def type_name(p: MtpPrecision | None) -> str | None:
+            return None if p is None else self.reference_type if p.is_keep else str(p)
+
+        return naming.head_label(type_name(v.mtp_type), type_name(v.mtp_experts_type))
 
     def split_of(self, v: Variant | None) -> int:
         """The shard size of an artifact: its variant's, else the recipe's (0: one file)."""
@@ -206,11 +257,11 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         doc = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InputError(path, f"not valid TOML ({exc})") from None
-    _check_unknown(doc, {"model", "gate", "variant", "extras"}, path, "")
+    _check_unknown(doc, {"model", "gate", "variant", "extras", "publish"}, path, "")
     base = path.parent
 
     model = _take(doc, "model", dict, path, "", required=True)
-    _check_unknown(model, {"name", "source", "output", "reference_type", "split_max_size"}, path, "model")
+    _check_unknown(model, {"name", "source", "output", "reference_type", "split_max_size", "layout"}, path, "model")
     name = _take(model, "name", str, path, "model", required=True)
     if not _NAME.match(name):
         raise _err(path, "model.name", f"{name!r} must be letters, digits, '.', '_' or '-' (it starts file names)")
@@ -225,6 +276,9 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     ref_type = _take(model, "reference_type", str, path, "model", default="bf16").lower()
     if ref_type not in REFERENCE_TYPES:
         raise _err(path, "model.reference_type", f"{ref_type!r} is not one of {', '.join(REFERENCE_TYPES)}")
+    layout = _take(model, "layout", str, path, "model", default="combined")
+    if layout not in naming.LAYOUTS:
+        raise _err(path, "model.layout", f"{layout!r} is not one of {', '.join(naming.LAYOUTS)}")
 
     gate = None
     if "gate" in doc:
@@ -366,7 +420,73 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
 
     extras = _take(doc, "extras", dict, path, "", default={})
     _check_unknown(extras, {"mtp_only", "no_mtp"}, path, "extras")
-    return Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
-                  gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
-                  no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
-                  raw_sha256=hashlib.sha256(raw).hexdigest(), split_max_size=_split_size(model, path, "model") or 0)
+    recipe = Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
+                    gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
+                    no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
+                    raw_sha256=hashlib.sha256(raw).hexdigest(), split_max_size=_split_size(model, path, "model") or 0,
+                    layout=layout, publish=_publish(doc, path))
+    if recipe.sidecar:
+        _check_sidecar_layout(recipe)
+    return recipe
+
+
+def _publish(doc: dict, path: Path) -> Publish:
+    table = _take(doc, "publish", dict, path, "", default={})
+    _check_unknown(table, {"repo", "base_model", "quantized_by", "license", "private"}, path, "publish")
+    got = {k: _take(table, k, str, path, "publish") for k in ("repo", "base_model", "quantized_by", "license")}
+    for key in ("repo", "base_model"):
+        if got[key] is not None and not REPO_ID.match(got[key]):
+            raise _err(path, f"publish.{key}", f"{got[key]!r} is not a Hugging Face repository id (OWNER/NAME)")
+    return Publish(**got, private=_take(table, "private", bool, path, "publish", default=False))
+
+
+def _check_sidecar_layout(recipe: Recipe) -> None:
+    """What the sidecar layouts cannot do, and names llama.cpp would resolve to the wrong files: refused here,
+    before anything is built."""
+    path = recipe.path
+    for key in ("mtp_only", "no_mtp"):
+        if getattr(recipe, key):
+            raise _err(path, f"extras.{key}", f'layout = "{recipe.layout}" already publishes the reference\'s trunk '
+                       f"and its head ({naming.head_file(recipe.name, recipe.head_label(None))}); drop [extras]")
+    for i, v in enumerate(recipe.variants):
+        if v.auto_max_drop is not None:
+            raise _err(path, f"variant[{i}].mtp_type", '"auto" measures the head inside one quant; with layout '
+                       f'"{recipe.layout}" name the head type (mtpq quantize --mtp-type auto tells which)')
+    made = {recipe.head_label(None): ("model.reference_type", recipe.reference_type)}
+    for i, v in enumerate(recipe.variants):  # one label, one head: a head like its trunk named as another's type
+        label, spec = recipe.head_label(v), _head_spec(recipe, v)
+        key, other = made.setdefault(label, (f"variant[{i}]", spec))
+        if other != spec:
+            raise _err(path, f"variant[{i}]", f"its head ({_describe(spec)}) and {key}'s ({_describe(other)}) would "
+                       f"both be {naming.head_file(recipe.name, label)}; rename the variant")
+    pairs = {recipe.reference_type.upper(): (naming.model_file(recipe.name, recipe.reference_type.upper()),
+                                             naming.head_file(recipe.name, recipe.head_label(None)))}
+    for v in recipe.variants:
+        pairs[v.name] = (naming.model_file(recipe.name, v.name), naming.head_file(recipe.name, recipe.head_label(v)))
+    files = sorted({f for pair in pairs.values() for f in pair})
+    if recipe.layout == "both":
+        files += [naming.combined_file(recipe.name, tag, "both") for tag in pairs]
+    for tag, (model, _) in pairs.items():
+        if model.startswith(naming.HEAD_PREFIX) or not naming.is_model(model):
+            raise _err(path, "model.name", f"{recipe.name!r} makes {model}, which llama.cpp never takes as a model "
+                       f"(it skips file names holding {', '.join(naming.NOT_MODELS)})")
+    problems = naming.resolution_problems(files, pairs)
+    if problems:
+        where = next((f"variant[{i}]" for i, v in enumerate(recipe.variants) if f"REPO:{v.name} " in problems[0]),
+                     "model.layout")
+        raise _err(path, where, f"{problems[0]} (llama.cpp pairs a tag with the head named -TAG., else with the "
+                   'nearest bits); give these quants one head type, or use layout = "combined"')
+
+
+def _head_spec(recipe: Recipe, v: Variant) -> str:
+    """What decides a variant's head file: its type(s) (``keep``: the reference's), or its own quant (``same``)."""
+    if v.head_like_trunk:
+        return f"same as {v.name}"
+    main = recipe.reference_type if v.mtp_type.is_keep else str(v.mtp_type)
+    experts = v.mtp_experts_type
+    exps = None if experts is None else recipe.reference_type if experts.is_keep else str(experts)
+    return main + (f", experts {exps}" if exps is not None and exps != main else "")
+
+
+def _describe(spec: str) -> str:
+    return spec if spec.startswith("same") else f"mtp_type {spec}"

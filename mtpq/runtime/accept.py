@@ -35,14 +35,15 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, max_prompts: int | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, hidden: str = "auto", with_plain: bool = True,
-                 threads: int | None = None,
+                 threads: int | None = None, head: str | Path | None = None,
                  on_prompt: Callable[[int, int], None] | None = None) -> AcceptReport:
-    """Acceptance of one GGUF's MTP head over a prompt set."""
+    """Acceptance of one GGUF's MTP head over a prompt set (``head``: a head file drafting for the trunk at
+    ``path``, as llama.cpp's ``-md``)."""
     path = Path(path)
     if not 1 <= draft <= 8:
         raise InputError("--draft", "must be between 1 and 8")
     use_threads(path, threads)
-    model, tok = load_model(path, device=device, dtype=dtype, hidden=hidden)
+    model, tok = load_model(path, device=device, dtype=dtype, hidden=hidden, head=head)
     if getattr(model, "mtp", None) is None:
         raise InputError(path, "has no MTP head to draft with (mtpq graft can add one)")
     pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts

@@ -1,4 +1,5 @@
 """The GGUF architectures the torch runtime runs, known without importing torch: commands that need the runtime
 check a file against this before any work (``mtpq.runtime.families.FAMILIES`` registers the same set)."""
 
-RUNTIME_ARCHS = frozenset({"glm4moe", "qwen35", "qwen35moe", "deepseek2", "step35", "mimo2"})
+RUNTIME_ARCHS = frozenset({"glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3",
+                           "cohere2moe", "bailingmoe3", "step35", "mimo2"})

@@ -25,6 +25,7 @@ The recurrence runs in float32 whatever the compute dtype (as transformers does)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,15 +66,18 @@ def tile_key_heads(x: torch.Tensor, n_v_heads: int) -> torch.Tensor:
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_all: bool = False):
-    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay), beta [B, H, T], state [B, H, d_k, d_v] or None.
+    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay) [B, H, T] or, one per key channel (KDA: kda.py),
+    [B, H, T, d_k], beta [B, H, T], state [B, H, d_k, d_v] or None.
 
     -> (out [B, H, T, d_v], final state, the state after each token if ``keep_all`` else None)."""
     B, H, T, dk = k.shape
     S = state if state is not None else q.new_zeros(B, H, dk, v.shape[-1])
     out = torch.empty_like(v)
     states = [] if keep_all else None
+    per_channel = g.dim() == 4
     for t in range(T):
-        S = S * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        S = S * (decay[..., None] if per_channel else decay[..., None, None])
         delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * beta[:, :, t, None]
         S = S + k[:, :, t, :, None] * delta[:, :, None, :]
         out[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
@@ -167,6 +171,36 @@ def causal_conv(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     return F.silu(acc, inplace=True)
 
 
+def conv_window(cache: RecurrentCache | None, mixed: torch.Tensor, conv_kernel: int) -> torch.Tensor:
+    """The short conv's input [B, K-1+T, C]: the cache's last K-1 inputs (zeros at the start), then ``mixed``."""
+    state = cache.state if cache is not None else None
+    B, _, C = mixed.shape
+    prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, conv_kernel - 1, C)
+    return torch.cat((prev, mixed), dim=1)
+
+
+def delta_rule_through_cache(q, k, v, g, beta, cache: RecurrentCache | None, window: torch.Tensor | None,
+                             conv_kernel: int, chunked) -> torch.Tensor:
+    """The gated delta rule over T new tokens (:func:`recurrent_gated_delta_rule`'s arguments; the start state is
+    the cache's) -> out [B, H, T, d_v], and the cache (if any) advanced: its state becomes the last K-1 rows of the
+    conv ``window`` [B, K-1+T, C] (history, then the new inputs) and the final recurrent state; under an open
+    checkpoint, with the state after every token. The token-by-token form runs for short inputs and under a
+    checkpoint, ``chunked(q, k, v, g, beta, state) -> (out, final state)`` otherwise."""
+    T, K = q.shape[2], conv_kernel
+    ssm = cache.state["ssm"] if cache is not None and cache.state is not None else None
+    recording = cache is not None and cache.recording
+    if recording or T <= RECURRENT_MAX_T:
+        out, final, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, keep_all=recording)
+    else:
+        (out, final), per_token = chunked(q, k, v, g, beta, ssm), None
+    if recording:  # the state after every token: the conv window ends at that token
+        after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
+        cache.push(T, after[-1], after)
+    elif cache is not None:
+        cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
+    return out
+
+
 class GatedDeltaNet(nn.Module):
     """A sequence-mixing layer with the layers.py signature ``layer(x, start, cache)``; ``cache`` is a
     :class:`RecurrentCache` holding ``{"conv": [B, K-1, C], "ssm": [B, n_v, d_k, d_v]}``."""
@@ -195,10 +229,8 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         K = cfg.conv_kernel
-        state = cache.state if cache is not None else None
         mixed = self.wqkv(x)  # [B, T, C]
-        prev = state["conv"].to(mixed.dtype) if state is not None else mixed.new_zeros(B, K - 1, mixed.shape[-1])
-        window = torch.cat((prev, mixed), dim=1)  # [B, K-1+T, C]
+        window = conv_window(cache, mixed, K)  # [B, K-1+T, C]
         qkv = causal_conv(window, as_dtype(self.taps, mixed.dtype))  # [B, T, C]
         if cache is None:  # the window is no state to keep: freed before the recurrence's temporaries (a lower peak
             mixed = window = None  # of memory: fewer first-touch page faults on a long uncached pass)
@@ -211,19 +243,8 @@ class GatedDeltaNet(nn.Module):
         v = v.view(B, T, nv, dv).transpose(1, 2)
         g = (self.a * F.softplus(self.walpha(x).float() + self.dt_bias)).transpose(1, 2)  # [B, nv, T]
         beta = torch.sigmoid(self.wbeta(x).float()).transpose(1, 2)
-        ssm = state["ssm"] if state is not None else None
-
-        recording = cache is not None and cache.recording
-        if recording or T <= RECURRENT_MAX_T:
-            out, final, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, keep_all=recording)
-        else:
-            (out, final), per_token = chunked_gated_delta_rule(q, k, v, g, beta, ssm, final=cache is not None), None
-        if recording:  # the state after every token: the conv window ends at that token
-            after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
-            cache.push(T, after[-1], after)
-        elif cache is not None:
-            cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
-
+        chunked = functools.partial(chunked_gated_delta_rule, final=cache is not None)
+        out = delta_rule_through_cache(q, k, v, g, beta, cache, window, K, chunked)
         out = out.transpose(1, 2)  # [B, T, nv, dv]
         if rows is not None:  # outputs for those rows only (the recurrence saw every row)
             x, out, T = take_rows(x, rows), take_rows(out, rows), rows.shape[1]

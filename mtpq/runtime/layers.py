@@ -37,6 +37,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Bias-free LayerNorm (ggml_norm, then the weight), computed in float32 and scaled in the input dtype."""
+    return weight * F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -212,17 +217,19 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def packed_attention(q: torch.Tensor, kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], packing: Packing,
-                     scale: float) -> torch.Tensor:
+                     scale: float, attend: Callable = None) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows), and
     ``kv(a, n)`` the keys [n, Hkv, D] and values [n, Hkv, Dv] of the packed rows a..a+n-1 -> [Nq, Hq, Dv].
     One causal attention per sequence at its own length: a padded batch would spend its longest
-    sequence's T^2 on every sequence."""
+    sequence's T^2 on every sequence. ``attend``: another attention with :func:`causal_attention`'s signature
+    (a sliding window's)."""
+    attend = attend or causal_attention
     outs, at, aq = [], 0, 0
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1
         kb, vb = kv(at, T)
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[aq:aq + M], kb, vb))
-        outs.append(causal_attention(qb, kb, vb, first, scale)[0].transpose(0, 1))
+        outs.append(attend(qb, kb, vb, first, scale)[0].transpose(0, 1))
         at, aq = at + T, aq + M
     return torch.cat(outs)
 
@@ -240,7 +247,10 @@ class AttnConfig:
 
 
 class Attention(nn.Module):
-    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate."""
+    """GQA with optional q/k/v biases, per-head q/k RMSNorm (before RoPE) and a sigmoid output gate.
+    ``attend`` (causal_attention's signature) is the attention proper: a subclass may mask more (swa.py)."""
+
+    attend = staticmethod(causal_attention)
 
     def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope):
         super().__init__()
@@ -299,7 +309,7 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(x, xq, packing.out_positions, packing.positions)
         k, v = k[0].transpose(0, 1), v[0]  # [N, n_kv, D] rows
         out = packed_attention(q[0].transpose(0, 1), lambda a, n: (k[a:a + n], v[a:a + n]), packing,
-                               self.cfg.head_dim ** -0.5)
+                               self.cfg.head_dim ** -0.5, self.attend)
         return self._output(out.reshape(1, q.shape[2], -1), gate)
 
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
@@ -310,35 +320,36 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = causal_attention(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
+        out = self.attend(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
         return self._output(out.reshape(x.shape[0], q.shape[2], -1), gate)
 
 
 # ----------------------------------------------------------------------------- feed-forward
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate) * up with Step-3.5's clamps (llama.cpp's swiglu_clamp_*): silu(gate) capped at ``limit``, up
-    clamped to [-limit, limit]."""
-    return F.silu(gate).clamp_(max=limit).mul_(up.clamp(-limit, limit))
+def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up, written into ``gate``. ``limit`` > 0: llama.cpp's clamped SwiGLU (its ``swiglu_clamp_exp``
+    / ``_shexp``): up clamped to [-limit, limit] and silu(gate) to at most limit, before the product."""
+    act = F.silu(gate, inplace=True)
+    if limit > 0:
+        return act.clamp_(max=limit).mul_(up.clamp(-limit, limit))
+    return act.mul_(up)  # in place: no [rows, F] temporaries
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert; ``limit`` > 0 clamps
-    (:func:`clamped_swiglu`)."""
+    """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert; ``limit``: see :func:`swiglu_`."""
 
     def __init__(self, w: Scope, suffix: str = "", limit: float = 0.0):
         super().__init__()
         self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
         self.down = w.linear(f"ffn_down{suffix}")
         self.limit = limit
+
         self.gate_up = FusedLinear(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        if self.limit > 0:
-            return self.down(clamped_swiglu(gate, up, self.limit))
-        return self.down(F.silu(gate, inplace=True).mul_(up))  # in place: no [rows, F] temporaries
+        return self.down(swiglu_(gate, up, self.limit))
 
 
 @dataclass(frozen=True)
@@ -350,8 +361,8 @@ class MoEConfig:
     scale: float = 1.0  # routed_scaling_factor
     n_group: int = 1  # group-limited routing: keep the best topk_group groups (a group scores its best two)
     topk_group: int = 1
-    swiglu_limit: float = 0.0  # > 0: the routed experts' clamp (clamped_swiglu)
-    shared_swiglu_limit: float = 0.0  # > 0: the shared expert's
+    swiglu_limit: float = 0.0  # the routed experts' clamped SwiGLU (swiglu_), 0: none
+    shared_swiglu_limit: float = 0.0  # the shared expert's
 
 
 DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
@@ -368,7 +379,8 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = w.tensor("ffn_gate_inp", torch.float32)  # [E, H], routed in f32
         self.router_name, self.shared_gate_name = w.name("ffn_gate_inp"), w.name("ffn_gate_inp_shexp")
-        self.bias = w.optional("exp_probs_b.bias", torch.float32)
+        # (Hy3's GGUF names it without the .bias suffix, as llama.cpp's hy_v3 loader does)
+        self.bias = w.optional("exp_probs_b.bias" if w.has("exp_probs_b.bias") else "exp_probs_b", torch.float32)
         self.gate, self.up, self.down = w.qweight("ffn_gate_exps"), w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
@@ -421,11 +433,6 @@ class MoE(nn.Module):
             out = out + shared
         return out.view(shape)
 
-    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up (in place on gate: no temporaries), clamped where the layer is (Step-3.5)."""
-        limit = self.cfg.swiglu_limit
-        return clamped_swiglu(gate, up, limit) if limit > 0 else F.silu(gate, inplace=True).mul_(up)
-
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, unused ones weighted 0: with few experts per pick (E <= 2k) this
         is at most twice the arithmetic of the sparse path, in a handful of batched ops instead of ~10
@@ -438,7 +445,7 @@ class MoE(nn.Module):
         else:
             g = F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = self._swiglu(g, u)  # [N, E*F]
+        h = swiglu_(g, u, self.cfg.swiglu_limit)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
@@ -455,7 +462,7 @@ class MoE(nn.Module):
         xs = x.repeat_interleave(k, dim=0)[:, None]  # [N*k, 1, H]: one row per pick
         g = torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2))
         u = torch.bmm(self.up.input(xs), _picked(self.up, flat, x.dtype).transpose(1, 2))
-        h = self._swiglu(g, u)  # [N*k, 1, F]
+        h = swiglu_(g, u, self.cfg.swiglu_limit)  # [N*k, 1, F]
         y = torch.bmm(self.down.input(h), _picked(self.down, flat, x.dtype).transpose(1, 2))  # [N*k, 1, H]
         return (y.view(N, k, -1) * as_dtype(weights, x.dtype)[..., None]).sum(dim=1)
 
@@ -481,8 +488,7 @@ class MoE(nn.Module):
                 watch(self.gate.name, e, h)
                 watch(self.up.name, e, h)
             g = F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype))
-            u = F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype))
-            h = self._swiglu(g, u)
+            h = swiglu_(g, F.linear(self.up.input(h), as_dtype(self.up.matrix(e), x.dtype)), self.cfg.swiglu_limit)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))

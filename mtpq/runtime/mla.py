@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
@@ -45,10 +46,12 @@ def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: float = 1.0) -> tuple[float, float]:
+def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: float = 1.0,
+                    mscale: float | None = None) -> tuple[float, float]:
     """(cos/sin multiplier, softmax-scale multiplier) of DeepSeek's YaRN as llama.cpp derives them from the
     GGUF: ``factor`` (1 without YaRN), ``mscale_all_dim`` (``rope.scaling.yarn_log_multiplier`` / 0.1) and
-    ``rope.scaling.attn_factor``.
+    ``rope.scaling.attn_factor``; ``mscale`` is config.json's, which llama.cpp assumes (None: equal to
+    mscale_all_dim, its deepseek2 rule; deepseek32 takes 1).
 
     The GGUF does not carry config.json's ``mscale``; llama.cpp takes it equal to ``mscale_all_dim``
     (DeepSeek-V3/R1: both 1; V2-Lite: both 0.707), so transformers' cos/sin ``attention_factor`` =
@@ -58,13 +61,16 @@ def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: fl
     transformers scales only cos/sin: we follow llama.cpp, the engine that runs these files.
     """
     if mscale_all_dim:
-        rope_scale = attn_factor
-        return rope_scale, (rope_scale * yarn_get_mscale(factor, mscale_all_dim)) ** 2
+        if mscale is None or mscale == mscale_all_dim:
+            return attn_factor, (attn_factor * yarn_get_mscale(factor, mscale_all_dim)) ** 2
+        return (attn_factor * yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim),
+                (attn_factor * yarn_get_mscale(factor, mscale)) ** 2)
     rope_scale = attn_factor * yarn_get_mscale(factor)
     return rope_scale, rope_scale ** 2
 
 
 EXPAND_MIN_T = 16  # from this many new tokens on, attention runs on expanded keys/values (fewer FLOPs)
+MASKED_SCORES = 1 << 24  # scores a masked attention (sparse attention's top-k) computes at once
 
 
 class MLA(nn.Module):
@@ -92,14 +98,18 @@ class MLA(nn.Module):
         return torch.cat((as_dtype(self.k_b.matrix(), dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
                           as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
 
-    def _project(self, x: torch.Tensor, xq: torch.Tensor, q_at, k_at):
-        """From the query rows ``xq``: q [B, H, Tq, nope + rope] (its rope part not yet rotated: the expanded form
-        writes the rotated q_pe into it instead of a cat of both) and the rotated q_pe; from all rows ``x``: the
-        normed latent c [B, 1, T, kv_lora] (one head shared by all) and the rotated k_pe [B, 1, T, rope];
-        positions ``q_at`` / ``k_at`` as :meth:`Rope.apply` takes them."""
+    def q_latent(self, xq: torch.Tensor) -> torch.Tensor:
+        """The query rows' normed low-rank latent (``attn_q_a`` -> ``attn_q_a_norm``); ``xq`` itself without one."""
+        return xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, self.cfg.eps)
+
+    def _project(self, x: torch.Tensor, xq: torch.Tensor, q_at, k_at, qr: torch.Tensor | None = None):
+        """From the query rows ``xq`` (or their latent ``qr``, :meth:`q_latent`): q [B, H, Tq, nope + rope] (its
+        rope part not yet rotated: the expanded form writes the rotated q_pe into it instead of a cat of both) and
+        the rotated q_pe; from all rows ``x``: the normed latent c [B, 1, T, kv_lora] (one head shared by all) and
+        the rotated k_pe [B, 1, T, rope]; positions ``q_at`` / ``k_at`` as :meth:`Rope.apply` takes them."""
         cfg = self.cfg
         B, Tq, _ = xq.shape
-        q = self.wq(xq if self.wq_a is None else rms_norm(self.wq_a(xq), self.q_a_norm, cfg.eps))
+        q = self.wq(self.q_latent(xq) if qr is None else qr)
         q = q.view(B, Tq, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
         c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]
@@ -135,24 +145,49 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``rows`` [B, M]: outputs for those positions only (every row still gives its latent key/value)."""
-        cfg = self.cfg
         xq = x if rows is None else take_rows(x, rows)
-        B, T, _ = xq.shape  # T: the query rows
         at = start if rows is None else start + rows  # the queries' positions
         q, q_pe, c, k_pe = self._project(x, xq, at, start)
         if cache is not None:
             c, k_pe = cache.update(c, k_pe)
+        return self.attend(q, q_pe, c, k_pe, at)
+
+    def attend(self, q: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, at,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The queries (:meth:`_project`, at positions ``at``) on the latent rows c / k_pe at positions 0..S-1,
+        through ``attn_output``. ``allowed`` [B, 1, T, S] (bool): the keys each query reads; None: causal."""
+        cfg = self.cfg
+        B, _, T, _ = q.shape
         if T >= EXPAND_MIN_T:
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
-            k, v = self._expanded_kv(c, k_pe, self._expansion(x.dtype))
+            k, v = self._expanded_kv(c, k_pe, self._expansion(q.dtype))
             q[..., cfg.qk_nope_dim:] = q_pe
-            out = causal_attention(q, k, v, at, cfg.kq_scale)
+            out = _attention(q, k, v, at, cfg.kq_scale, allowed)
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
         q_lat = torch.matmul(q[..., : cfg.qk_nope_dim],  # [B, H, T, kv_lora]
-                             as_dtype(self.k_b.matrix(), x.dtype).transpose(1, 2))
+                             as_dtype(self.k_b.matrix(), q.dtype).transpose(1, 2))
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
-        lat = causal_attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale)
-        out = torch.matmul(lat, as_dtype(self.v_b.matrix(), x.dtype).transpose(1, 2))  # [B, H, T, v]
+        lat = _attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale,
+                         allowed)
+        out = torch.matmul(lat, as_dtype(self.v_b.matrix(), q.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at, scale: float,
+               allowed: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention (``allowed`` None), or attention on the keys ``allowed`` [B, 1, T, S] marks."""
+    if allowed is None:
+        return causal_attention(q, k, v, at, scale)
+    H, Hk = q.shape[1], k.shape[1]
+    if Hk == 1 and H > 1:  # one latent head: the heads become rows of one query (as causal_attention does)
+        B, _, T, _ = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, -1), k, v, attn_mask=allowed.repeat(1, 1, H, 1),
+                                             scale=scale)
+        return out.view(B, H, T, -1)
+    # SDPA with a mask holds every score: query rows in chunks of at most MASKED_SCORES
+    step = max(1, MASKED_SCORES // (q.shape[0] * H * k.shape[2]))
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + step], k, v, attn_mask=allowed[:, :, a:a + step],
+                                                     scale=scale, enable_gqa=H != Hk)
+                      for a in range(0, q.shape[2], step)], dim=2)

@@ -54,6 +54,10 @@ class Family:
     archs: ClassVar[tuple[str, ...]] = ()
     hidden_first: ClassVar[bool] = False  # MTP concat order: MiMo puts the hidden state first
     nextn_state: ClassVar[str] = "post_norm"  # the state llama.cpp feeds the head (its graph's h_nextn)
+    # the head's own final norm under blk.N. (else the trunk's output_norm)
+    head_norm_name: ClassVar[str] = "nextn.shared_head_norm.weight"
+    logit_scale: float = 1.0  # every logit, the trunk's and the heads', times this (Cohere's logit_scale)
+    norm: ClassVar = staticmethod(rms_norm)  # (x, weight, eps): the final norms and the head's enorm / hnorm
 
     def __init__(self, g: GGUFFile):
         self.file = g
@@ -101,7 +105,7 @@ class MtpModel(nn.Module):
         self.cfg = getattr(family, "cfg", None)
         self.device, self.dtype = torch.device(device), dtype
         self.hidden = family.nextn_state if hidden == "auto" else hidden
-        self.eps = family.eps
+        self.eps, self.norm, self.logit_scale = family.eps, family.norm, family.logit_scale
         # llama_cpp_numerics: every weight's input rounded as llama.cpp's CPU backend rounds it (mtpq compare)
         w = Weights(g, device, dtype, round_inputs=llama_cpp_numerics)
         top = w.at()
@@ -113,7 +117,8 @@ class MtpModel(nn.Module):
         # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
         heads = [NextNHead(w.at(f"blk.{i}."), family.block(w.at(f"blk.{i}."), i), self.eps,
                            trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                           hidden_first=family.hidden_first)
+                           hidden_first=family.hidden_first, norm=family.norm, logit_scale=family.logit_scale,
+                           head_norm_name=family.head_norm_name)
                  for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g]
         self.mtp = heads[0] if heads else None
         self.later_heads = nn.ModuleList(heads[1:])
@@ -208,8 +213,10 @@ class MtpModel(nn.Module):
         x = self.tok_embd.rows(ids)
         for block, cache in zip(self.blocks, self.trunk_cache):
             x = block(x, start, cache if use_cache else None, packing=packing)
-        normed = rms_norm(x, self.out_norm, self.eps)
+        normed = self.norm(x, self.out_norm, self.eps)
         logits = self.output(normed[:, -1:] if last_only else normed if logit_rows is None else normed[:, logit_rows])
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         out = TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
         again = lambda: self.trunk(ids, use_cache=False, last_only=last_only, packing=packing,  # noqa: E731
                                    logit_rows=logit_rows)

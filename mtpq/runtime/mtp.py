@@ -8,8 +8,8 @@ For the pair (h_t, x_{t+1}) (DESIGN.md):
 
 E and head are the block's ``nextn.embed_tokens`` / ``nextn.shared_head_head`` or, when a
 checkpoint ties them (GLM-4.6, Qwen3.5), the trunk's ``token_embd`` / ``output``;
-``shared_head_norm`` falls back to the block's ``layer_output_norm`` (MiMo-V2's final_layernorm), then to the
-trunk's ``output_norm``. The block keeps its own
+``shared_head_norm`` (the family's ``head_norm_name``: ``layer_output_norm`` for MiMo-V2 and Ling 3.0) falls back
+to the trunk's ``output_norm``. The block keeps its own
 cache. Drafts 2..k feed the head its own normed output (see :class:`~mtpq.runtime.model.MtpModel`).
 """
 
@@ -24,14 +24,17 @@ from .weights import QuantLinear, QWeight, Scope, as_dtype
 
 class NextNHead(nn.Module):
     def __init__(self, w: Scope, block: nn.Module, eps: float, *, trunk_embd: QWeight, trunk_output: QuantLinear,
-                 trunk_norm: torch.Tensor, hidden_first: bool = False):
+                 trunk_norm: torch.Tensor, hidden_first: bool = False, norm=rms_norm, logit_scale: float = 1.0,
+                 head_norm_name: str = "nextn.shared_head_norm.weight"):
+        """``norm`` (x, weight, eps): the family's norm for enorm, hnorm and the head's final norm;
+        ``head_norm_name``: that final norm's tensor under the block's prefix (Ling 3.0: layer_output_norm)."""
         super().__init__()
         n = w.at("nextn.")
         self.eps, self.hidden_first, self.block = eps, hidden_first, block
+        self.norm, self.logit_scale = norm, logit_scale
         self.eh_proj = n.linear("eh_proj", bias=False)
         self.enorm, self.hnorm = n.tensor("enorm"), n.tensor("hnorm")
-        self.head_norm = n.tensor("shared_head_norm") if n.has("shared_head_norm") else \
-            w.tensor("layer_output_norm") if w.has("layer_output_norm") else trunk_norm
+        self.head_norm = w.tensor(head_norm_name) if w.has(head_norm_name) else trunk_norm
         self.tied_embed, self.tied_head = not n.has("embed_tokens"), not n.has("shared_head_head")
         self.embed = trunk_embd if self.tied_embed else n.qweight("embed_tokens")
         self.head = trunk_output if self.tied_head else n.linear("shared_head_head", bias=False)
@@ -42,9 +45,10 @@ class NextNHead(nn.Module):
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache, packing: Packing | None = None):
         """-> (logits [B, T, V] of x_{t+2}, the normed output, the raw block output); with ``packing``, for
         its kept pairs only (the others still feed the block's attention)."""
-        e = rms_norm(self.embed.rows(next_ids), self.enorm, self.eps)
-        h = rms_norm(as_dtype(hidden, e.dtype), self.hnorm, self.eps)
+        e = self.norm(self.embed.rows(next_ids), self.enorm, self.eps)
+        h = self.norm(as_dtype(hidden, e.dtype), self.hnorm, self.eps)
         u = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         g = self.block(u, start, cache, packing=packing)
-        normed = rms_norm(g, self.head_norm, self.eps)
-        return self.head(normed), normed, g
+        normed = self.norm(g, self.head_norm, self.eps)
+        logits = self.head(normed)
+        return (logits * self.logit_scale if self.logit_scale != 1.0 else logits), normed, g

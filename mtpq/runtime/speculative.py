@@ -57,14 +57,16 @@ from .weights import GGUFFile
 
 
 def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-               hidden: str = "auto") -> tuple[MtpModel, object]:
+               hidden: str = "auto", head: Path | str | None = None) -> tuple[MtpModel, object]:
     """(model, tokenizer) from a GGUF of any family the runtime has. device: CUDA when available unless
-    given. hidden: see model.py."""
+    given. hidden: see model.py. head: a head file (``mtp-*.gguf``) whose MTP blocks draft for the trunk at
+    ``path``, as llama.cpp's ``-md`` (:class:`~mtpq.gguf_io.pair.PairedGGUF`)."""
+    from ..gguf_io.pair import PairedGGUF
     from .tokenizer import tokenizer_from_gguf
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = GGUFFile(Path(path))
+    g = GGUFFile(Path(path)) if head is None else PairedGGUF(Path(path), Path(head))
     return load(path, device=device, dtype=dtype, hidden=hidden, g=g), tokenizer_from_gguf(g)
 
 

@@ -1,17 +1,22 @@
-"""Attention with a sliding window, attention sinks and a head-wise gate, as llama.cpp's step35 and mimo2 graphs
-compute it (one layer kind for both; each option is off where a layer lacks it).
+"""Sliding-window attention, as llama.cpp masks it (``LLAMA_SWA_TYPE_STANDARD``: the query at position i sees the
+keys at positions j with i - window < j <= i), with attention sinks and a head-wise gate (llama.cpp's step35 and
+mimo2 graphs).
 
-- ``window``: on a sliding-window layer the query at position p sees the keys at p - window + 1 .. p (llama.cpp's
-  LLAMA_SWA_TYPE_STANDARD masks a key at p_k once p - p_k >= window). The cache keeps every key (a plain
-  :class:`~mtpq.runtime.cache.KVCache`, so rolling back is the same exact trim as for full attention); the
-  window is a mask, and each block of queries reads only the keys its window reaches.
-- ``sinks`` (MiMo-V2, ``attn_sinks``): one logit per head joins each softmax's denominator and carries no value
-  (ggml_soft_max_add_sinks: the sink is not scaled by the scores' 1/sqrt(d)).
-- gate (Step-3.5, ``attn_gate`` [n_heads, hidden]): sigmoid(attn_gate · x), one value per head, multiplies that
-  head's output before ``attn_output``.
-- ``value_scale`` (MiMo-V2.5): the layer's output (after ``attn_output``) times a constant.
-- projections: one fused ``attn_qkv`` ([q | k | v] rows, MiMo-V2.5) or ``attn_q`` / ``attn_k`` / ``attn_v``;
-  values may be narrower than queries and keys (MiMo: 48 / 32); optional per-head q/k RMSNorm before RoPE.
+Every layer here keeps a plain :class:`~mtpq.runtime.cache.KVCache` with every key, so rolling back stays a trim and
+is exact at any depth: the mask (not the cache) hides what lies outside the window, and each block of queries reads
+only the keys its window reaches.
+
+- :class:`SlidingWindowAttention`: :class:`~mtpq.runtime.layers.Attention` (every option it has) over the window.
+- :class:`WindowedAttention` (Step-3.5, MiMo-V2): its own options, each off where a layer lacks it:
+
+  - ``window`` (None: full causal attention);
+  - ``sinks`` (MiMo-V2, ``attn_sinks``): one logit per head joins each softmax's denominator and carries no value
+    (ggml_soft_max_add_sinks: the sink is not scaled by the scores' 1/sqrt(d));
+  - gate (Step-3.5, ``attn_gate`` [n_heads, hidden]): sigmoid(attn_gate · x), one value per head, multiplies that
+    head's output before ``attn_output``;
+  - ``value_scale`` (MiMo-V2.5): the layer's output (after ``attn_output``) times a constant;
+  - projections: one fused ``attn_qkv`` ([q | k | v] rows, MiMo-V2.5) or ``attn_q`` / ``attn_k`` / ``attn_v``;
+    values may be narrower than queries and keys (MiMo: 48 / 32); optional per-head q/k RMSNorm before RoPE.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .layers import Packing, Rope, causal_attention, rms_norm, take_rows
+from .layers import Attention, AttnConfig, Packing, Rope, causal_attention, rms_norm, take_rows
 from .weights import FusedLinear, Scope
 
 BLOCK_SCORES = 1 << 22  # scores per block of queries: bounds the memory of a long prefill
@@ -44,13 +49,15 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`~mtpq.runtime.layers.causal_attention` with a sliding ``window`` and ``sinks`` [Hq]: q [B, Hq, T, D] at
     positions start.. (or at positions ``start`` [B, T]), k [B, Hkv, S, D] and v [B, Hkv, S, Dv] at 0..S-1."""
-    if window is None and sinks is None:
-        return causal_attention(q, k, v, start, scale)
-    S = k.shape[2]
+    T, S = q.shape[2], k.shape[2]
+    if sinks is None:
+        last = start.max().item() if isinstance(start, torch.Tensor) else start + T - 1
+        if window is None or last < window:  # every key a query could see is inside its window
+            return causal_attention(q, k, v, start, scale)
     keys = torch.arange(S, device=q.device)
     if isinstance(start, torch.Tensor):  # each sequence's own query positions: one pass over every key
         return _attend(q, k, v, start[:, None, :, None], keys, scale, window, sinks)
-    B, Hq, T, _ = q.shape
+    B, Hq = q.shape[:2]
     reach = S if window is None else min(S, window + T)
     rows = max(1, min(T, BLOCK_SCORES // (B * Hq * reach)))
     outs = []
@@ -81,6 +88,17 @@ def _attend(q, k, v, q_pos, k_pos, scale, window, sinks):
     sink = sinks.to(scores.dtype).view(1, Hkv, g, 1, 1).expand(B, Hkv, g, T, 1)
     p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return torch.matmul(p, v[:, :, None]).reshape(B, Hq, T, v.shape[-1])
+
+
+class SlidingWindowAttention(Attention):
+    """GQA (every option of :class:`~mtpq.runtime.layers.Attention`) over the last ``window`` positions."""
+
+    def __init__(self, w: Scope, cfg: AttnConfig, rope: Rope, window: int):
+        super().__init__(w, cfg, rope)
+        self.window = window
+
+    def attend(self, q, k, v, start, scale):
+        return windowed_attention(q, k, v, start, scale, self.window)
 
 
 class WindowedAttention(nn.Module):

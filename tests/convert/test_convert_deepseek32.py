@@ -164,13 +164,15 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ck, tmp_path):
     assert tensors["blk.1.indexer.proj.weight"][0] != T.Q8_0  # the trunk follows the preset
 
 
-def test_accept_says_the_runtime_lacks_deepseek32(f32, ck, tmp_path):
+def test_accept_runs_deepseek32(f32, ck, tmp_path):
+    """The torch runtime runs the file (tests/runtime/test_runtime_dsa.py and the parity tests hold it to
+    transformers and llama.cpp): greedy speculative output equals plain greedy output."""
     gguf_path = tmp_path / "m.gguf"
     convert(ck, gguf_path)
-    res = run_cli("accept", gguf_path, "--device", "cpu")
-    assert res.exit_code == 2, res.output
-    line = res.stderr.strip()
-    assert len(line.splitlines()) == 1 and "deepseek32" in line and "m.gguf" in line, line
+    res = run_cli("accept", gguf_path, "--device", "cpu", "--max-prompts", 1, "-n", 8, "--json", "-")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["engine"] == "torch" and rep["drafts"] > 0 and rep["greedy_outputs_identical"] is True
 
 
 # ----------------------------------------------------------------------------- llama.cpp

@@ -161,7 +161,8 @@ def _assert_llama_cpp_as_recorded(record, ok: bool, log: str, ck, ours, ref, key
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("cell", releases.cells(), ids=_ids)
+@pytest.mark.parametrize("cell", [c if c in releases.ci_cells() else pytest.param(c, marks=pytest.mark.heavy)
+                                  for c in releases.cells()], ids=_ids)
 def test_release_same_as_llama_cpp(cell, release_ckpt, tmp_path, llama_cpp_src):
     """Both converters accept (and write the same file) or both refuse; where the manifest records that mtpq
     knowingly differs or refuses, llama.cpp does what the record says (asserted, then reported as xfail)."""

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from tests.builders import tiny
 from tests.helpers.runcli import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parents[2]
 H, FF = 2048, 1024

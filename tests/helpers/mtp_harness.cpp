@@ -2,7 +2,11 @@
 // MTP head's, as libllama computes them. The parity tests (tests/runtime/test_llama_cpp_parity.py) compare the
 // torch runtime with this, position by position.
 //
-//   mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS]
+//   mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32]]
+//
+// With "f32" the KV caches hold f32 and attention runs without flash attention (whose K and V are f16 even over an
+// f32 cache): llama.cpp's f32 computation, for graphs with a discrete choice (DeepSeek sparse attention's top-k)
+// that f16 storage of keys can flip.
 //
 // The MTP context is fed the way llama.cpp's draft-mtp driver (common/speculative.cpp) feeds it on a prompt:
 // the entry at position p holds token x_p and the trunk's NextN state h_{p-1} (zeros at p = 0), so its logits
@@ -10,9 +14,6 @@
 // pass gives them. The state goes in with llama_batch_ext_set_embd_token: llama_batch_ext_set_embd_state is still
 // a stub in this llama.cpp (it returns false), and the driver itself uses the token embedding slot, whose width
 // is n_embd_out in an MTP context.
-//
-// Attention runs in f32 (f32 caches, flash attention off: llama.cpp's defaults round K and V to f16), so an f32
-// model is computed in f32 throughout, as the torch runtime computes it.
 //
 // OUT.bin: magic "MTPH", then int32 n_tokens, n_vocab, n_embd, n_heads; then float32 trunk logits [n, vocab],
 // trunk NextN states [n, embd], and per head its logits [n, vocab] and its NextN output [n, embd].
@@ -46,9 +47,10 @@ static const float * nextn_row(llama_context * ctx, int32_t i) { return llama_ge
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        return fail("usage: mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS]");
+        return fail("usage: mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32]]");
     }
     const int n_threads = argc > 4 ? atoi(argv[4]) : 1;
+    const bool f32_cache = argc > 5 && strcmp(argv[5], "f32") == 0;
 
     std::vector<llama_token> tokens;
     {
@@ -85,9 +87,10 @@ int main(int argc, char ** argv) {
     cparams.n_seq_max = 1;
     cparams.n_threads = cparams.n_threads_batch = n_threads;
     cparams.no_perf = true;
-    // attention in f32: f32 caches, and no flash attention (its graph casts K and V to f16 whatever the cache)
-    cparams.type_k = cparams.type_v = GGML_TYPE_F32;
-    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    if (f32_cache) {
+        cparams.type_k = cparams.type_v = GGML_TYPE_F32;
+        cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
         return fail("cannot create the trunk context");

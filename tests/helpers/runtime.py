@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny, tiny_deepseek, tiny_mimo2, tiny_qwen35, tiny_step35
+from tests.builders import (tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek, tiny_hyv3, tiny_mimo2, tiny_qwen35,
+                            tiny_step35)
 from tests.helpers.runcli import run_cli
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "class Point:"]
@@ -80,7 +81,8 @@ def hf_model(family: str, folder: Path, dtype: torch.dtype = F32):
     import transformers as tf
 
     cls = {"glm4moe": tf.Glm4MoeForCausalLM, "qwen35": tf.Qwen3_5ForCausalLM, "qwen35moe": tf.Qwen3_5MoeForCausalLM,
-           "deepseek2": tf.DeepseekV3ForCausalLM}[family]
+           "deepseek2": tf.DeepseekV3ForCausalLM, "hy_v3": tf.HYV3ForCausalLM,
+           "cohere2moe": tf.Cohere2MoeForCausalLM}[family]
     return cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
@@ -228,15 +230,18 @@ def oracle(family: str, folder: Path) -> MtpOracle:
 # ----------------------------------------------------------------------------- checkpoints of each family
 
 
-OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj")
+OUT_PROJS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "down_proj.weight", ".down_proj",
+             "attention.dense.weight", "attention.o_proj.weight")  # (Ling 3.0's MLA and KDA outputs)
 
 
-def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1) -> Path:
-    """Rewrite a tiny Qwen3.5 checkpoint (in place) into a "bigram" model: the trunk's mixing and FFN outputs
-    are scaled down (the current token's embedding weighs much in its prediction, the rest of the context
-    still decides most of the time), and the head passes enorm(E[x_{t+1}]) through an identity eh_proj and
-    a near-identity block into the trunk's own output norm and head: it drafts the trunk's "bigram" guess,
-    right about a fifth of the time."""
+def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
+                 head: str = "mtp.", eh_proj: str = "fc", head_norm: str = "norm",
+                 zero_centred_enorm: str | None = "pre_fc_norm_embedding") -> Path:
+    """Rewrite a tiny checkpoint (in place; by default a Qwen3.5 one, its head under ``mtp.``) into a "bigram"
+    model: the trunk's mixing and FFN outputs are scaled down (the current token's embedding weighs much in its
+    prediction, the rest of the context still decides most of the time), and the head passes enorm(E[x_{t+1}])
+    through an identity ``eh_proj`` and a near-identity block into the trunk's own output norm (copied into
+    ``head_norm``) and head: it drafts the trunk's "bigram" guess, right about a fifth of the time."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     out_norm = None
@@ -245,19 +250,29 @@ def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, 
     for shard in shards:
         t = load_file(str(folder / shard))
         for name in list(t):
-            if name == "mtp.fc.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            if name == f"{head}{eh_proj}.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
                 h = t[name].shape[0]
-                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1)
-            elif name == "mtp.norm.weight":
+                t[name] = torch.cat([torch.eye(h), head_mix * t[name][:, h:]], dim=1).to(t[name].dtype)
+            elif name == f"{head}{head_norm}.weight":
                 t[name] = out_norm.clone()
-            elif name == "mtp.pre_fc_norm_embedding.weight":
+            elif name == f"{head}{zero_centred_enorm}.weight":
                 t[name] = torch.zeros_like(t[name])  # zero-centred: a plain RMSNorm
             elif name.endswith(OUT_PROJS):
-                t[name] = (head_shrink if name.startswith("mtp.") else trunk_scale) * t[name]
+                t[name] = (head_shrink if name.startswith(head) else trunk_scale) * t[name]
         save_file(t, str(folder / shard), metadata={"format": "pt"})
     return folder
 
 
+def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
+    """:func:`bigram_model` for a head stored as layer ``model.layers.{num_hidden_layers}`` (``eh_proj``, ``enorm``,
+    ``hnorm``, its final norm ``head_norm``) that ties its embedding and output to the trunk's."""
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    return bigram_model(folder, head=f"model.layers.{n}.", eh_proj="eh_proj", head_norm=head_norm,
+                        zero_centred_enorm=None, **kw)
+
+
+# these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)
+BIGRAM_NEXTN = dict(trunk_scale=0.1, head_mix=0.0)
 def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.5,
                 head_shrink: float = 0.5) -> Path:
     """:func:`bigram_model` on a converted f32 GGUF, for any family with ``nextn.*`` heads (every head of a file):
@@ -301,6 +316,33 @@ V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embe
 BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
              "beta_slow": 1, "rope_theta": 10000.0}
 
+def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...] = (), **config) -> Path:
+    """Release manifest ``name``'s tiny checkpoint (tests/releases) in ``form`` with config.json keys changed (a
+    test's sizes, a top-k its contexts exceed) and the tensors whose names start with ``drop`` left out."""
+    from types import SimpleNamespace
+
+    from tests import releases
+
+    m = releases.manifests()[name]
+    shim = SimpleNamespace(**{k: getattr(m, k) for k in ("SPECIALS", "DTYPE") if hasattr(m, k)},
+                           CONFIG={**m.CONFIG, **config}, FORMS=m.FORMS,
+                           tensors=lambda cfg: {n: s for n, s in m.tensors(cfg).items() if not n.startswith(drop)})
+    return releases.build(shim, folder, form)
+
+
+# DeepSeek sparse attention: the releases' shrunk top-k (64) lowered so that the tests' contexts drop keys
+DSA_TOP_K = 8
+# GLM-5.2's pattern: a shared block (no indexer: it reuses block 0's top-k) between two full ones
+GLM52_SHARED = dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=DSA_TOP_K,
+                    drop=("model.layers.1.self_attn.indexer.",))
+
+
+def dsa_copy(name: str, form: str):
+    """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek.trunk_copy_head)."""
+    return lambda f: tiny_deepseek.trunk_copy_head(release_checkpoint(
+        name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16))
+
+
 CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (f32: exact comparisons)
     "glm4moe": {
         "default": lambda f: tiny.glm4moe(f, dtype=F32),
@@ -340,7 +382,41 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         "copy": lambda f: tiny_deepseek.trunk_copy_head(tiny_deepseek.deepseek_v3(
             f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
     },
-    # families transformers does not run (llama.cpp's graphs are their reference)
+    "hy_v3": {
+        "default": lambda f: tiny_hyv3.hyv3(f, dtype=F32),
+        "bigram": lambda f: bigram_nextn_model(tiny_hyv3.hyv3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
+    },
+    "cohere2moe": {
+        # LayerNorm (rms_norm_eps null), logit_scale 1/16, window 16, a shared expert averaged in
+        "default": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32),
+        # as released: RMSNorm, no shared expert, logit_scale 1; five layers (the fifth full, without RoPE)
+        "rms": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32, seed=2, rms_norm_eps=1e-6,
+                                                    num_shared_experts=0, logit_scale=1.0, num_hidden_layers=5),
+        # untied: with tied embeddings the trunk's greedy output settles on one repeated token
+        "bigram": lambda f: bigram_nextn_model(tiny_cohere2moe.cohere2moe(f, dtype=F32, tie_word_embeddings=False),
+                                               "shared_head.norm", **BIGRAM_NEXTN),
+    },
+    "bailingmoe3": {
+        # KDA, MLA, KDA, MLA; a dense first layer
+        "default": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32),
+        # low-rank q, two expert groups, SwiGLU clamps that bind on the random weights
+        "alt": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32, seed=3, q_lora_rank=128, n_group=2, topk_group=1,
+                                                      expert_swiglu_limit_list=[0, 0.3, 0.3, 0.3],
+                                                      share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3]),
+        "bigram": lambda f: bigram_nextn_model(tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm",
+                                               **BIGRAM_NEXTN),
+    },
+}
+CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
+    "glm-dsa": {
+        "glm5": lambda f: release_checkpoint("glm5", f, "bf16", index_topk=DSA_TOP_K),
+        "glm52": lambda f: release_checkpoint("glm5", f, "bf16", **GLM52_SHARED),
+        "copy": dsa_copy("glm5", "bf16"),
+    },
+    "deepseek32": {
+        "v32": lambda f: release_checkpoint("deepseek_v32", f, "fp8", index_topk=DSA_TOP_K),
+        "copy": dsa_copy("deepseek_v32", "fp8"),
+    },
     "step35": {
         # sliding window 16 (short sequences cross it), full and sliding blocks alternating, 2 chained heads
         "tiny": lambda f: tiny_step35.step35(f),
@@ -354,8 +430,9 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
 # variants made from another's f32 GGUF: (family, variant) -> (base variant, f(base GGUF, out))
 GGUF_EDITS = {("step35", "bigram"): ("tiny", bigram_gguf), ("mimo2", "bigram"): ("tiny", bigram_gguf)}
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
-LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "step35": "bigram",
-                "mimo2": "bigram"}
+LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
+                "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram",
+                "step35": "bigram", "mimo2": "bigram"}
 
 
 class Builds:

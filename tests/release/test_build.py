@@ -401,16 +401,19 @@ def test_split_artifacts(glm_ckpt, tmp_path, prompts):
 
 def test_examples_are_what_the_readme_says():
     """The example recipes load; the workflow builds the big-model recipe on a self-hosted runner, gates through
-    llama.cpp with every layer offloaded, keeps files under Hugging Face's 50 GB and uploads with huggingface-cli."""
+    llama.cpp with every layer offloaded, keeps files under Hugging Face's 50 GB, lays quants and head files out
+    for llama.cpp's -hf, checks them and publishes with mtpq publish."""
     from mtpq.release import load_recipe
 
     yaml = pytest.importorskip("yaml")
     small = load_recipe(ROOT / "examples" / "recipe.toml")
-    assert small.split_max_size == 48 * 10**9
+    assert small.split_max_size == 48 * 10**9 and small.layout == "both"
     flow = yaml.safe_load((ROOT / "examples" / "github-actions.yml").read_text())
     recipe = load_recipe(ROOT / flow["env"]["RECIPE"], check_inputs=False)
     assert recipe.gate.engine == "llama.cpp" and recipe.gate.ngl == 999 and recipe.split_max_size <= 48 * 10**9
+    assert recipe.layout == "sidecar" and recipe.publish.repo == flow["env"]["HF_REPO"]
     job = flow["jobs"]["build"]
     assert "self-hosted" in job["runs-on"]
     steps = " ".join(s.get("run", "") for s in job["steps"])
-    assert 'mtpq build "$RECIPE"' in steps and "huggingface-cli upload" in steps and "sha256sum -c" in steps
+    assert 'mtpq build "$RECIPE"' in steps and "sha256sum -c" in steps and "mtpq inspect --check" in steps
+    assert 'mtpq publish "$DIST" --repo "$HF_REPO"' in steps and "huggingface-cli" not in steps

@@ -106,6 +106,18 @@ def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
     return out
 
 
+def ci_cells() -> set[tuple[str, str, str | None]]:
+    """The differential matrix's cells CI runs (``make test-extra``): for each GGUF architecture, the first manifest
+    of it (by name) in its first form, every converter mode. The other cells are ``heavy`` (``make test-heavy``)."""
+    from mtpq.convert import FAMILIES
+
+    first: dict[str, str] = {}
+    for name, m in manifests().items():
+        arch = FAMILIES[m.CONFIG["architectures"][0]].arch
+        first.setdefault(arch, name)
+    return {(name, next(iter(manifests()[name].FORMS)), mode) for name in first.values() for mode in MODES}
+
+
 def variant(base: dict, changes: dict, drop: tuple[str, ...] = (), first: tuple[str, ...] = ()) -> dict:
     """A config.json derived from a sibling release's (or from keys several releases share): ``base`` without
     ``drop``, with ``changes``. A key ``base`` has keeps its place; a new one goes before the first key that sorts

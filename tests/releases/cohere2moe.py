@@ -9,7 +9,8 @@ Forms: ``bf16``; ``no_layer_types`` a config that omits ``layer_types`` (transfo
 ``sliding_window_pattern`` and ``first_k_dense_replace``, and llama.cpp's converter reads that derived view);
 ``tf5`` the config as transformers 5 saves it (``mlp_layer_types``, ``rope_parameters``).
 
-Shrunk: hidden 2048 -> 256, layers 40 -> 4 (+1 MTP), heads 32/4 -> 4/2 (head_dim 128 -> 64), experts 128 -> 4
+Shrunk: hidden 2048 -> 256, layers 40 -> 5 (+1 MTP; the fifth is the first full-attention layer past the dense
+prefix, which has no RoPE), heads 32/4 -> 4/2 (head_dim 128 -> 64), experts 128 -> 4
 (8 -> 2 per token), expert width 768 -> 256, dense prefix width 3072 -> 512. Every other key as released.
 """
 
@@ -25,7 +26,7 @@ SOURCES = [
     "llama.cpp conversion/command_r.py Cohere2MoeModel; src/models/cohere2moe.cpp (the MTP layer's nextn tensors)",
 ]
 SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
-N_LAYERS = 4
+N_LAYERS = 5
 CONFIG = {
     "architectures": ["Cohere2MoeForCausalLM"],
     "attention_bias": False,

@@ -41,40 +41,53 @@ PARITY = {
     "qwen35moe": ("qwen35_moe", "bf16"),
     "deepseek2": ("deepseek_v3_hf5", "bf16"),
     "deepseek2-lite": ("glm47_flash", "bf16"),  # GLM-4.7-Flash: deepseek2 without q_lora, with its own head
+    "hy_v3": ("hy3", "bf16"),
+    "cohere2moe": ("cohere2moe", "bf16"),
+    "bailingmoe3": ("ling3_flash", "bf16"),
+    "glm-dsa": ("glm5", "bf16"),
+    "glm-dsa-shared": ("glm5", "bf16"),  # with GLM-5.2's shared indexer layers (SHARPER)
+    "deepseek32": ("deepseek_v32", "fp8"),
     "step35": ("step35_flash", "bf16"),
     "mimo2": ("mimo_v25", "fp8"),  # (MiMo-V2-Flash's split q/k/v has no MTP graph in llama.cpp)
 }
-# architectures whose sequences must be longer: past the release's sliding window (Step-3.5: 512, MiMo-V2: 128)
-TOKENS = {"step35": 640, "mimo2": 256}
+# metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
+# Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
+# bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too.
+# Step-3.5's and MiMo-V2's windows (512, 128) neither: 48 binds from token 48 on, in the trunk and in every head;
+# Step-3.5's clamps (7 routed, 16 shared) neither (its SwiGLU inputs stay below ~3)
+SHARPER = {
+    "cohere2moe": {"attention.sliding_window": 32, "logit_scale": 2.0},
+    "bailingmoe3": {"swiglu_clamp_exp": [0.0, 0.0, 1.0, 0.8, 1.0], "swiglu_clamp_shexp": [0.8, 0.0, 1.0, 0.8, 0.9]},
+    # GLM-5 runs its indexer in every block; GLM-5.2's "shared" blocks reuse the top-k of the full block before them
+    "glm-dsa-shared": {"attention.indexer.types": [True, False]},
+    "step35": {"attention.sliding_window": 48, "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
+               "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0]},
+    "mimo2": {"attention.sliding_window": 48},
+}
+# llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
+# top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
+# flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
+# contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys. Step-3.5's
+# routers flip on the f16 rounding of keys alike (trunk KLD ~1e-2 with llama.cpp's defaults).
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN) -> Path:
-    """``src`` with ``output_norm`` and every head's norm (``nextn.shared_head_norm``, MiMo's ``layer_output_norm``)
-    scaled by ``factor``, and the clamped SwiGLUs driven past their clamps (:func:`clamps_reached`)."""
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
+    """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
+    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set."""
+    from gguf import GGUFValueType
+
     from mtpq.gguf_io import plan_from_gguf, write_plan
 
     plan = plan_from_gguf(src)
+    for key, value in (metadata or {}).items():
+        old = plan.kv.get(f"{plan.arch}.{key}")  # a key the file has keeps its type; a new one is an array of bools
+        kind, sub = (old.type, old.sub_type) if old is not None else (GGUFValueType.ARRAY, GGUFValueType.BOOL)
+        plan.set_kv(f"{plan.arch}.{key}", value, kind, sub)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
-    factors = {s.name: factor for s in plan.tensors if s.name.endswith(scaled)} | clamps_reached(plan)
-    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factors[s.name]), load_raw=None) if s.name in factors
+    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
     write_plan(plan, out)
-    return out
-
-
-CLAMP_REACH = 4.0  # the tiny random models' SwiGLU inputs stay below ~3; the releases' clamps are 7 (routed), 16
-
-
-def clamps_reached(plan) -> dict[str, float]:
-    """{tensor: factor} scaling the gate and up projections of every block with a SwiGLU clamp (Step-3.5's
-    ``swiglu_clamp_exp`` / ``swiglu_clamp_shexp``) so that some activations pass it and the clamp shows."""
-    out = {}
-    for key, kind, reach in (("swiglu_clamp_exp", "exps", CLAMP_REACH), ("swiglu_clamp_shexp", "shexp",
-                                                                           2 * CLAMP_REACH)):
-        value = plan.kv.get(f"{plan.arch}.{key}")
-        for i, limit in enumerate(value.value if value is not None else []):
-            if limit > 0:
-                out |= {f"blk.{i}.ffn_{p}_{kind}.weight": reach for p in ("gate", "up")}
     return out
 
 
@@ -88,13 +101,13 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             name, form = PARITY[arch]
             work = tmp_path_factory.mktemp(f"parity-{arch}")
             ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
-            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf")
+            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=SHARPER.get(arch))
             from mtpq.runtime.families import load
 
             vocab = load(path).vocab_size
-            n = TOKENS.get(arch, N_TOKENS)
-            tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
-            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work)
+            tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
+                                                         f32_cache=arch in F32_CACHE)
         return cache[arch]
 
     return get
@@ -171,18 +184,171 @@ def head_pairs_shifted(model) -> bool:
     return True
 
 
+def routed_scale_dropped(model) -> bool:
+    """Every MoE's routed scaling factor (``expert_weights_scale``) taken as 1."""
+    moes = [m for m in _modules(model, "MoE") if m.cfg.scale != 1.0]
+    for m in moes:
+        m.cfg = replace(m.cfg, scale=1.0)
+    return bool(moes)
+
+
+def expert_groups_ignored(model) -> bool:
+    """Group-limited routing skipped: the top-k over every expert."""
+    moes = [m for m in _modules(model, "MoE") if m.cfg.n_group > 1]
+    for m in moes:
+        m.cfg = replace(m.cfg, n_group=1, topk_group=1)
+    return bool(moes)
+
+
+def swiglu_clamp_dropped(model) -> bool:
+    """Every SwiGLU clamp (routed experts, shared expert, dense FFN) ignored."""
+    from mtpq.runtime.layers import MoE, SwiGLU
+
+    found = False
+    for m in model.modules():
+        if isinstance(m, SwiGLU) and m.limit > 0:
+            m.limit, found = 0.0, True
+        elif isinstance(m, MoE) and m.cfg.swiglu_limit > 0:
+            m.cfg, found = replace(m.cfg, swiglu_limit=0.0), True
+    return found
+
+
+def window_one_short(model) -> bool:
+    """Every sliding window one position short."""
+    from mtpq.runtime.swa import SlidingWindowAttention, WindowedAttention
+
+    layers = [m for m in model.modules() if isinstance(m, SlidingWindowAttention)]
+    for m in layers:
+        m.window -= 1
+    windowed = [m for m in model.modules() if isinstance(m, WindowedAttention) and m.cfg.window is not None]
+    for m in windowed:
+        m.cfg = replace(m.cfg, window=m.cfg.window - 1)
+    return bool(layers or windowed)
+
+
+def nope_layers_rotated(model) -> bool:
+    """The full-attention layers that have no RoPE (Cohere's) rotated like the others."""
+    layers = [m for m in _modules(model, "Attention") if m.rope.dim == 0]
+    for m in layers:
+        m.rope = model.family.rope
+    return bool(layers)
+
+
+def logit_scale_dropped(model) -> bool:
+    """The logits, trunk's and heads', not multiplied by ``logit_scale``."""
+    owners = [m for m in (model, model.mtp, *model.later_heads) if m is not None and m.logit_scale != 1.0]
+    for m in owners:
+        m.logit_scale = 1.0
+    return bool(owners)
+
+
+def kda_gate_bound_changed(model) -> bool:
+    """Every KDA decay's lower bound 10 % off (the log decay is bound * sigmoid(...))."""
+    from mtpq.runtime.kda import KimiDeltaAttention
+
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in layers:
+        m.cfg = replace(m.cfg, gate_lower_bound=0.9 * m.cfg.gate_lower_bound)
+    return bool(layers)
+
+
+def kda_conv_reversed(model) -> bool:
+    """Every KDA short convolution's taps in reverse time order."""
+    from mtpq.runtime.kda import KimiDeltaAttention
+
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in layers:
+        m.taps = m.taps.flip(0)
+    return bool(layers)
+
+
+class _Open(torch.nn.Module):
+    """A gate projection whose sigmoid is 1 everywhere."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x.new_full((*x.shape[:-1], self.n), 100.0)
+
+
+def mla_gate_dropped(model) -> bool:
+    """Ling's head-wise MLA output gate left open (every head's output passed as it is)."""
+    from mtpq.runtime.families.bailingmoe3 import GatedMLA
+
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    for m in layers:
+        m.gate = _Open(m.cfg.n_heads)
+    return bool(layers)
+
+
+def _sparse(model, full: bool | None = None):
+    """The sparse-attention layers (``full``: only those with their own indexer, False: only shared ones)."""
+    from mtpq.runtime.dsa import SparseMLA
+
+    return [m for m in model.modules() if isinstance(m, SparseMLA)
+            and (full is None or (m.indexer is not None) == full)]
+
+
+def top_k_one_fewer(model) -> bool:
+    """Every sparse-attention query reads one key fewer than the indexer's top-k."""
+    layers = _sparse(model)
+    for m in layers:
+        m.top_k -= 1
+    return bool(layers)
+
+
+def indexer_relu_dropped(model) -> bool:
+    """The indexer's scores summed over heads without the ReLU on each head's dot products."""
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.indexer.activation = lambda t: t
+    return bool(layers)
+
+
+def indexer_rope_pairs_swapped(model) -> bool:
+    """The indexer's RoPE in the other pair order (NeoX halves <-> adjacent pairs), the main MLA's unchanged."""
+    from mtpq.runtime.layers import Rope
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        r = m.indexer.rope
+        m.indexer.rope = Rope(r.inv_freq, neox=not r.neox, mscale=r.mscale)
+    return bool(layers)
+
+
+def ties_by_torch_topk(model) -> bool:
+    """Ties at the k-th score broken by torch.topk instead of as ggml's CPU top-k breaks them."""
+    def plain(scores, k):
+        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(min(k, scores.shape[-1])).indices,
+                                                                     True)
+        return (picked & (scores > float("-inf")))[:, None]
+
+    layers = _sparse(model, full=True)
+    for m in layers:
+        m.select = plain
+    return bool(layers)
+
+
+def shared_layers_dense(model) -> bool:
+    """GLM-5.2's shared indexer layers attend to every earlier key instead of the last full layer's top-k."""
+    from mtpq.runtime.dsa import Selections
+
+    class Dense(Selections):
+        def get(self, key):
+            return None
+
+    layers = _sparse(model, full=False)
+    for m in layers:
+        m.selections = Dense()
+    return bool(layers)
+
+
 def _windowed(model):
     from mtpq.runtime.swa import WindowedAttention
 
     return [m for m in model.modules() if isinstance(m, WindowedAttention)]
-
-
-def window_one_short(model) -> bool:
-    """Every sliding window one key short (a query sees window - 1 keys back to itself)."""
-    layers = [m for m in _windowed(model) if m.cfg.window is not None]
-    for m in layers:
-        m.cfg = replace(m.cfg, window=m.cfg.window - 1)
-    return bool(layers)
 
 
 def sinks_dropped(model) -> bool:
@@ -221,19 +387,6 @@ def rope_factors_dropped(model) -> bool:
     return True
 
 
-def swiglu_clamps_dropped(model) -> bool:
-    """Step-3.5's SwiGLU clamps left out (routed and shared experts)."""
-    moes = [m for m in _modules(model, "MoE") if m.cfg.swiglu_limit > 0 or m.cfg.shared_swiglu_limit > 0]
-    for m in moes:
-        m.cfg = replace(m.cfg, swiglu_limit=0.0, shared_swiglu_limit=0.0)
-        if m.shared is not None:
-            m.shared.limit = 0.0
-    dense = [m for m in _modules(model, "SwiGLU") if m.limit > 0]
-    for m in dense:
-        m.limit = 0.0
-    return bool(moes or dense)
-
-
 def nextn_state_post_norm(model) -> bool:
     """The heads fed the trunk's (and each other's) state after the final norm, where llama.cpp's graph feeds the
     state before it."""
@@ -241,10 +394,12 @@ def nextn_state_post_norm(model) -> bool:
     return True
 
 
-BREAKS: dict[str, Callable] = {f.__name__: f for f in (wrong_rope_base, router_bias_dropped, norm_eps_changed,
-                                                        head_pairs_shifted, window_one_short, sinks_dropped,
-                                                        head_gate_dropped, value_scale_dropped, rope_factors_dropped,
-                                                        swiglu_clamps_dropped, nextn_state_post_norm)}
+BREAKS: dict[str, Callable] = {f.__name__: f for f in (
+    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
+    expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
+    kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
+    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, sinks_dropped, head_gate_dropped,
+    value_scale_dropped, rope_factors_dropped, nextn_state_post_norm)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -252,8 +407,20 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
+    "hy_v3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+              "routed_scale_dropped"),
+    "cohere2moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+                   "nope_layers_rotated", "logit_scale_dropped"),
+    "bailingmoe3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                    "routed_scale_dropped", "expert_groups_ignored", "swiglu_clamp_dropped", "kda_gate_bound_changed",
+                    "kda_conv_reversed", "mla_gate_dropped"),
+    "glm-dsa": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "top_k_one_fewer",
+                "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+    "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
+    "deepseek32": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                   "top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
     "step35": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
-               "head_gate_dropped", "rope_factors_dropped", "swiglu_clamps_dropped", "nextn_state_post_norm"),
+               "head_gate_dropped", "rope_factors_dropped", "swiglu_clamp_dropped", "nextn_state_post_norm"),
     "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
               "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
 }

@@ -1,9 +1,12 @@
-"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2; step35 and mimo2 where transformers does not
-run them) must do, against independent truth.
+"""What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, glm-dsa, deepseek32, hy_v3, cohere2moe,
+bailingmoe3, step35, mimo2) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
-  prompt and through the caches (a prefill, a chunk on top of it, then token by token);
-- the MTP head == an independent head (tests/helpers/runtime.py: transformers' own layers, or its MtpModel),
+  prompt and through the caches (a prefill, a chunk on top of it, then token by token); where transformers does
+  not run the family (NO_TRANSFORMERS), the cached passes == the uncached one (llama.cpp's parity test,
+  test_llama_cpp_parity.py, is the truth there);
+- the MTP head == an independent head (tests/helpers/runtime.py: transformers' own layers, or its MtpModel;
+  hy_v3, cohere2moe and bailingmoe3 have none: their heads are checked against llama.cpp's MTP context only),
   uncached, pair by pair through the head's cache, and for a second draft fed the head's own output; the
   pre-norm switch feeds something else, which the head notices;
 - greedy speculative == plain greedy for k = 1..4, with both accepted and rejected drafts, and the caches
@@ -11,9 +14,11 @@ run them) must do, against independent truth.
 - a quantized GGUF stays quantized in memory and equals its copy dequantized by gguf-py (trunk and head);
 - bf16 compute is as close to transformers as transformers' own bf16.
 
-Families transformers does not run (NO_TRANSFORMERS: llama.cpp's graphs are their reference, in
-test_llama_cpp_parity.py) take the parts that need no reference: cached == uncached (trunk and every head),
-greedy speculative == plain greedy, teacher-forced == loop, quantized == dequantized copy.
+transformers runs DeepSeek-V3.2 and GLM-5 without their MTP heads and breaks the sparse attention's ties at the top-k
+its own way (test_runtime_dsa.py compares it where no keys tie): they are in NO_TRANSFORMERS, with release-shaped
+fixtures (tests/releases) of top-k 8, so the contexts below drop keys (glm52: a GLM-5.2 shared block).
+transformers runs neither Step-3.5 nor MiMo-V2 (remote code): NO_TRANSFORMERS too, on tiny fixtures whose sliding
+window (16) the contexts below cross; their several heads draft chained (every head checked through its cache).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -29,43 +34,45 @@ from tests.helpers.runtime import (PROMPTS, REL_TOL, close, convert, dequantized
                                    random_prompts, requantized)
 from tests.helpers.runcli import run_cli
 
-FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2")
-NO_TRANSFORMERS = ("step35", "mimo2")
-LOOP_FAMILIES = FAMILIES + NO_TRANSFORMERS
+FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
+            "step35", "mimo2")
+# transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
+# head_dim): it does not load the release's checkpoints
+NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2")
+HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
-                  "deepseek2": ("v3", "plain_q", "v2_lite_yarn")}
+                  "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
+                  "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
+                  "deepseek32": ("v32",), "step35": ("tiny",), "mimo2": ("tiny", "flash")}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
-                 "deepseek2": (1, 9, 96)}  # qwen35: token-by-token form, one DeltaNet chunk, several
+                 "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40), "bailingmoe3": (1, 9, 40),
+                 "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40), "step35": (1, 9, 40), "mimo2": (1, 9, 40)}
+# qwen35, bailingmoe3: the token-by-token form, one chunk, several; cohere2moe, step35, mimo2: past their window (16)
 # (variant, whether the head shares the trunk's token_embd and output)
 HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
-DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "step35": "tiny",
+DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
+           "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32", "step35": "tiny",
            "mimo2": "tiny"}
-CACHED_VARIANTS = {"step35": ("tiny",), "mimo2": ("tiny", "flash")}  # sliding window 16: 40 tokens cross it
 
 
-def cases(table: dict) -> list:
+def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
     return [pytest.param(f, *([v] if isinstance(v, str) else v), id=f"{f}-{v if isinstance(v, str) else v[0]}")
-            for f in table for v in table[f]]
+            for f in families for v in table.get(f, ())]
 
 
 # ----------------------------------------------------------------------------- trunk
 
 
-@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS))
-def test_trunk_logits_match_transformers(family, variant, rt):
-    from mtpq.runtime.families import load
-
-    model = load(rt.gguf(family, variant))
-    hf = hf_model(family, rt.ckpt(family, variant))
+def check_trunk(model, family: str, reference) -> None:
+    """The trunk's logits == ``reference(ids)`` for random prompts of the family's lengths, uncached and through the
+    caches (a prefill, an uneven chunk on top of it, then the rest one token at a time)."""
     gen = torch.Generator().manual_seed(1)
     for n in TRUNK_LENGTHS[family]:
         ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
-        with torch.no_grad():
-            ref = hf(ids).logits
+        ref = reference(ids)
         diff, scale = close(model.trunk(ids, use_cache=False).logits, ref)
         assert diff <= REL_TOL * scale, (n, diff, scale)
-        # through the caches: a prefill, an uneven chunk on top of it, then the rest one token at a time
         model.reset()
         a, b = n // 4, 3 * n // 4
         parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, a), (a, b)) if j > i]
@@ -75,12 +82,48 @@ def test_trunk_logits_match_transformers(family, variant, rt):
         assert model.trunk_length == n and {c.length for c in model.trunk_cache} == {n}
 
 
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, HF_FAMILIES))
+def test_trunk_logits_match_transformers(family, variant, rt):
+    from mtpq.runtime.families import load
+
+    hf = hf_model(family, rt.ckpt(family, variant))
+    with torch.no_grad():
+        check_trunk(load(rt.gguf(family, variant)), family, lambda ids: hf(ids).logits)
+
+
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS))
+def test_cached_trunk_equals_uncached(family, variant, rt):
+    """Where transformers does not run the family: the caches give the uncached pass's logits."""
+    from mtpq.runtime.families import load
+
+    check_trunk(load(rt.gguf(family, variant)), family,
+                lambda ids: load(rt.gguf(family, variant)).trunk(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS))
+def test_cached_head_equals_uncached(family, variant, rt):
+    """Where transformers does not run the head: each head pair by pair through its cache gives its uncached pass."""
+    from mtpq.runtime.families import load
+
+    model = load(rt.gguf(family, variant))
+    n = 40
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    full = model.trunk(ids, use_cache=False)
+    for h in range(model.n_heads):
+        head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False, head=h).logits
+        steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1], head=h).logits for i in range(n - 1)]
+        diff, scale = close(torch.cat(steps, dim=1), head)
+        assert diff <= REL_TOL * scale, ("head", h, diff, scale)
+        assert model.head_cache(h).length == n - 1
+
+
 BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
-               "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight, "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight}
-BF16_LENGTH = {"glm4moe": 24, "qwen35": 100, "qwen35moe": 100, "deepseek2": 24}
+               "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight, "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight,
+               "hy_v3": lambda m: m.blocks[0].attn.wq.weight, "cohere2moe": lambda m: m.blocks[0].attn.wq.weight}
+BF16_LENGTH = {"glm4moe": 24, "qwen35": 100, "qwen35moe": 100, "deepseek2": 24, "hy_v3": 24, "cohere2moe": 24}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FAMILIES)
 def test_bf16_compute_matches_transformers_bf16(family, rt):
     """bf16 compute: as far from the f32 truth as transformers in bf16 is, and (GLM, DeepSeek: both flip the
     same routing choices, far from f32) within a couple of bf16 ulps of transformers in bf16."""
@@ -100,29 +143,6 @@ def test_bf16_compute_matches_transformers_bf16(family, rt):
         diff, scale = close(ours, hf_half)
         assert diff <= 0.02 * scale, (diff, scale)
     assert len(run_speculative(half, ids[0, :10].tolist(), 8, k=2).tokens) == 8
-
-
-@pytest.mark.parametrize("family, variant", cases(CACHED_VARIANTS))
-def test_cached_equals_uncached(family, variant, rt):
-    """Families without a transformers reference: the trunk through its caches (a prefill, a chunk, then token by
-    token) and every head pair by pair through its own cache give the uncached logits, past the sliding window."""
-    from mtpq.runtime.families import load
-
-    model = load(rt.gguf(family, variant))
-    n = 40
-    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    ref = model.trunk(ids, use_cache=False)
-    parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, 10), (10, 30))]
-    parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(30, n)]
-    diff, scale = close(torch.cat(parts, dim=1), ref.logits)
-    assert diff <= REL_TOL * scale, (diff, scale)
-    head_ids, states, _ = model.head_rows(ids, ref.hidden, [n])
-    for head in range(model.n_heads):
-        whole = model.draft(head_ids, states, use_cache=False, head=head).logits
-        steps = [model.draft(head_ids[:, i:i + 1], states[:, i:i + 1], head=head).logits for i in range(n)]
-        diff, scale = close(torch.cat(steps, dim=1), whole)
-        assert diff <= REL_TOL * scale, (head, diff, scale)
-        assert model.head_cache(head).length == n
 
 
 # ----------------------------------------------------------------------------- MTP head
@@ -174,16 +194,16 @@ def test_mtp_head_matches_independent_implementation(family, variant, tied, rt):
 
 
 def loop_prompts(family: str, model, tok, varied: bool = False) -> list[list[int]]:
-    """The loop model's prompts: GLM's and DeepSeek's tokenizers have real text; the bigram models take random ids
-    (``varied``: lengths 8, 10, 12, which the packed teacher-forced pass pads)."""
-    if family in ("glm4moe", "deepseek2"):
+    """The loop model's prompts: GLM's and DeepSeek's tokenizers have real text; the Qwen3.5 bigram models
+    take random ids (``varied``: lengths 8, 10, 12, which the packed teacher-forced pass pads)."""
+    if not family.startswith("qwen35"):
         return [tok.encode(s) for s in PROMPTS]
     if varied:
         return [p[: 8 + 2 * i] for i, p in enumerate(random_prompts(3, 12, model.cfg.vocab_size, seed=1))]
     return random_prompts(3, 12, model.cfg.vocab_size, seed=0)
 
 
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_speculative_equals_plain_greedy(family, rt):
     from mtpq.runtime.speculative import SpeculativeDecoder, run_plain, run_speculative
 
@@ -215,7 +235,7 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         assert {model.head_cache(h).length for h in range(dec.heads)} == {model.mtp_length}
 
 
-@pytest.mark.parametrize("family", LOOP_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
     from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
@@ -253,12 +273,24 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
     if family == "glm4moe":  # one type everywhere
         return [(m.blocks[1].ffn.gate, (qtype,)), (m.tok_embd, (qtype,)), (m.mtp.eh_proj.weight, (qtype,))]
     head = m.mtp
-    if family == "deepseek2":  # the head's block held at q8_0, the latent's k_b / v_b quantized too
+    if family in ("deepseek2", "glm-dsa", "deepseek32"):  # the head's block at q8_0, the latent's k_b / v_b quantized too
         attn, ha = m.blocks[1].attn, head.block.attn
+        dsa = [(attn.indexer.wq_b.weight, K_TYPES), (attn.indexer.wk.weight, K_TYPES)] if family != "deepseek2" else []
         return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
                 (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
-                (ha.k_b, (T.Q8_0,))]
-    if family in NO_TRANSFORMERS:  # windowed attention and experts in 4-6 bits, every head's block at q8_0
+                (ha.k_b, (T.Q8_0,)), *dsa]
+    if family in ("hy_v3", "cohere2moe"):  # GQA and experts in 4-6 bits, the head's block at q8_0
+        moe = m.blocks[1].ffn
+        moe, head_moe = getattr(moe, "moe", moe), getattr(head.block.ffn, "moe", head.block.ffn)  # (Cohere's average)
+        return [(m.blocks[1].attn.wq.weight, K_TYPES), (m.blocks[1].attn.wo.weight, K_TYPES), (moe.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)), (head_moe.down, (T.Q8_0,))]
+    if family == "bailingmoe3":  # KDA, gated MLA and experts in 4-6 bits, the head's MLA block at q8_0
+        kda, mla = m.blocks[0].attn, m.blocks[1].attn
+        return [(kda.wq.weight, K_TYPES), (kda.w_decay.weight, K_TYPES), (kda.wo.weight, K_TYPES),
+                (mla.wq.weight, K_TYPES), (mla.k_b, None), (m.blocks[1].ffn.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)),
+                (head.block.ffn.gate, (T.Q8_0,))]
+    if family in ("step35", "mimo2"):  # windowed attention and experts in 4-6 bits, every head's block at q8_0
         attn = m.blocks[1].attn
         qkv = attn.qkv.weight if hasattr(attn.qkv, "weight") else attn.qkv.parts[0].weight
         later = m.later_heads[-1]
@@ -283,7 +315,8 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M"), ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M")]
+               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("hy_v3", "Q4_K_M"),
+               ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M"), ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])

@@ -230,20 +230,11 @@ def _llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list
 
 
 def run_like_llama_cpp(model, ids: list[int], n: int, stop_ids: set[int]):
-    """Our k=1 loop with llama.cpp's MTP context convention: its head also consumes a pair
-    (zeros, x_0) for the first prompt token (common/speculative.cpp pairs each token with the
-    previous position's hidden state, and the first with a zero-initialised one). We and
-    transformers start at (h_0, x_1). -> (drafts, accepted)"""
+    """Our k=1 loop as llama-server counts it (no draft for the last token). The head's first pair is llama.cpp's
+    (zeros, x_0) already (the model's first_pair="zero_state"). -> (drafts, accepted)"""
     from mtpq.runtime import speculative as sp
 
-    class LlamaCppPairs(sp.SpeculativeDecoder):
-        def prefill(self, prompt_ids):
-            first = super().prefill(prompt_ids)
-            self.pending_ids = torch.cat([torch.tensor([prompt_ids[:1]]), self.pending_ids], dim=1)
-            self.pending_hidden = torch.cat([torch.zeros_like(self.pending_hidden[:, :1]), self.pending_hidden], 1)
-            return first
-
-    dec = LlamaCppPairs(model, k=1)
+    dec = sp.SpeculativeDecoder(model, k=1)
     generated, drafts, accepted = [dec.prefill(ids)], 0, 0
     while len(generated) < n - 1 and not (stop_ids & set(generated)):  # llama-server: no draft for the last token
         emitted, _ = dec.step()

@@ -135,14 +135,13 @@ def test_k3_draft_counts_equal_llama_cpp(family, rt, llama_cpp_bin, monkeypatch)
 
 
 def test_clamped_swiglu_on_every_expert_path(rt):
-    """Step-3.5's SwiGLU clamps (silu(gate) <= limit, |up| <= limit) hold on each MoE path (every expert, the picked
-    ones, gathered by id as GPUs decode) and on the shared expert, and change the output where inputs pass them."""
+    """Step-3.5's SwiGLU clamps hold on each MoE path (every expert, the picked ones, gathered by id as GPUs decode)
+    and on the shared expert, and change the output where inputs pass them (test_runtime_kda_swa.py checks the
+    clamp itself)."""
     from dataclasses import replace
 
-    import torch.nn.functional as F
-
     from mtpq.runtime.families import load
-    from mtpq.runtime.layers import MoE, clamped_swiglu
+    from mtpq.runtime.layers import MoE
 
     moe = next(m for m in load(rt.gguf("step35", "tiny")).modules() if isinstance(m, MoE) and m.cfg.swiglu_limit)
     x = 20 * torch.randn(4, moe.router.shape[1], generator=torch.Generator().manual_seed(3))  # past the clamp
@@ -153,9 +152,6 @@ def test_clamped_swiglu_on_every_expert_path(rt):
         assert torch.allclose(other, paths[0], rtol=1e-5, atol=1e-5 * paths[0].abs().max())
     moe.cfg = replace(moe.cfg, swiglu_limit=0.0)
     assert not torch.allclose(moe._used_experts(x, weights, ids, None), paths[1], rtol=1e-3)
-    g, u = 10 * torch.randn(2, 50, generator=torch.Generator().manual_seed(4))
-    want = torch.minimum(F.silu(g), torch.tensor(7.0)) * u.clamp(-7, 7)
-    assert torch.equal(clamped_swiglu(g, u, 7.0), want)
     shared = moe.shared
     shared.limit = 16.0
     y = shared(x)

@@ -16,12 +16,18 @@ from ...errors import InputError
 from ..model import Family, MtpModel
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
+from .bailingmoe3 import BailingMoe3
+from .cohere2moe import Cohere2Moe
+from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
+from .glm_dsa import GlmDsa
+from .hy_v3 import HyV3
 from .mimo2 import Mimo2
 from .qwen35 import Qwen35
 from .step35 import Step35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Step35, Mimo2)
+FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
+                                                           Cohere2Moe, BailingMoe3, Step35, Mimo2)
                                      for arch in fam.archs}
 
 

@@ -11,9 +11,11 @@ The MTP block (blk.{n_trunk}: ``nextn.*`` plus a full MLA + MoE block) is the ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from gguf import ExpertGatingFuncType
+from torch import nn
 
 from ...errors import InputError
 from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq, yarn_inv_freq
@@ -34,6 +36,11 @@ class Deepseek2Config:
 
 class Deepseek2(Family):
     archs = ("deepseek2",)
+    default_gating: ClassVar[ExpertGatingFuncType] = ExpertGatingFuncType.SOFTMAX  # llama.cpp's for DeepSeek-V2
+    # YaRN as llama.cpp's loader reads it: whether it reads rope.scaling.yarn_log_multiplier (mscale_all_dim),
+    # and the config.json mscale it assumes (None: equal to mscale_all_dim)
+    reads_yarn_log_mul: ClassVar[bool] = True
+    yarn_mscale: ClassVar[float | None] = None
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
@@ -45,11 +52,7 @@ class Deepseek2(Family):
         key_mla = int(g.require("attention.key_length_mla"))  # nope + rope per head, as transformers sees it
         base = float(g.value("rope.freq_base", 10000.0))
         inv_freq, factor = self._rope_schedule(g, rope_dim, base)
-        log_mul = g.value("rope.scaling.yarn_log_multiplier")
-        # llama.cpp stores 0.1 * mscale_all_dim and divides in float32 on load
-        mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
-        rope_scale, softmax_mul = yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor",
-                                                                                        1.0) or 1.0))
+        rope_scale, softmax_mul = self._yarn_scales(g, factor)
         self.cfg = Deepseek2Config(
             vocab_size=g.shape("token_embd.weight")[0],
             mla=MLAConfig(
@@ -61,11 +64,19 @@ class Deepseek2(Family):
                 eps=self.eps,
                 kq_scale=softmax_mul / key_mla ** 0.5,
             ),
-            moe=routed_moe_config(g, ExpertGatingFuncType.SOFTMAX),  # llama.cpp's default for DeepSeek-V2
+            moe=routed_moe_config(g, self.default_gating),
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
             rope_scale=rope_scale,
         )
         self.rope = Rope(inv_freq, neox=False, mscale=rope_scale)  # adjacent pairs: llama.cpp's ROPE_TYPE_NORM
+
+    def _yarn_scales(self, g: GGUFFile, factor: float) -> tuple[float, float]:
+        """(cos/sin multiplier, softmax-scale multiplier): :func:`yarn_mla_scales` as llama.cpp reads the GGUF."""
+        log_mul = g.value("rope.scaling.yarn_log_multiplier") if self.reads_yarn_log_mul else None
+        # llama.cpp stores 0.1 * mscale_all_dim and divides in float32 on load
+        mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
+        return yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0),
+                               mscale=self.yarn_mscale)
 
     @staticmethod
     def _rope_schedule(g: GGUFFile, dim: int, base: float):
@@ -88,4 +99,8 @@ class Deepseek2(Family):
                                              f"attn_kv_b? reconvert it)")
         # as llama.cpp: dense by index; MTP blocks sit past the lead and are always MoE
         ffn = SwiGLU(w) if index < self.cfg.n_dense_lead else MoE(w, self.cfg.moe)
-        return DecoderBlock(w, MLA(w, self.cfg.mla, self.rope), ffn, self.eps, ffn_norm="ffn_norm")
+        return DecoderBlock(w, self.attention(w, index), ffn, self.eps, ffn_norm="ffn_norm")
+
+    def attention(self, w: Scope, index: int) -> nn.Module:
+        """Block ``index``'s sequence mixer: MLA."""
+        return MLA(w, self.cfg.mla, self.rope)

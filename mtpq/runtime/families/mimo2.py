@@ -26,6 +26,7 @@ from .common import WindowedModelConfig, refuse_rope_scaling, windowed_configs
 class Mimo2(Family):
     archs = ("mimo2",)
     nextn_state = "pre_norm"  # llama.cpp's mimo2 graphs: h_nextn before output_norm / the head's norm
+    head_norm_name = "layer_output_norm.weight"  # the releases' final_layernorm
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
