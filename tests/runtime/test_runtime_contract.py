@@ -34,8 +34,8 @@ from tests.helpers.runtime import (PROMPTS, REL_TOL, close, convert, dequantized
                                    random_prompts, requantized)
 from tests.helpers.runcli import run_cli
 
-FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
-            "step35", "mimo2")
+FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe",
+            "bailingmoe3", "step35", "mimo2")
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
 NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2")
