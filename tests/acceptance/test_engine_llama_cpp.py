@@ -331,7 +331,8 @@ def _accept_json(*args) -> dict:
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("demo", sorted(DEMOS))
 def test_engines_agree_on_the_demo_models(demo, llama_cpp_bin, tmp_path):
-    """Greedy k=1 acceptance of llama-server's MTP drafting within 3 points of the torch runtime's."""
+    """Greedy k=1 acceptance of llama-server's MTP drafting within 1 point of the torch runtime's (both feed the
+    head as llama.cpp's draft-mtp driver does; the counts differ where the two stop generating differently)."""
     folder, prompts = DEMOS[demo]
     gguf = tmp_path / f"{demo}.gguf"
     assert run_cli("convert", Path(str(resources.files("mtpq").joinpath(folder))), gguf, "--outtype", "f32",
@@ -340,7 +341,9 @@ def test_engines_agree_on_the_demo_models(demo, llama_cpp_bin, tmp_path):
     torch_doc = _accept_json(*common)
     llama_doc = _accept_json(*common, "--engine", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--threads", "1", *EXACT)
     assert llama_doc["drafted"] > 200
-    assert abs(llama_doc["acceptance_rate"] - torch_doc["acceptance_rate"]) < 0.03, (llama_doc, torch_doc)
+    print(f"\n{demo}: llama.cpp {llama_doc['accepted']}/{llama_doc['drafted']} = {llama_doc['acceptance_rate']:.2%}, "
+          f"torch {torch_doc['accepted']}/{torch_doc['drafted']} = {torch_doc['acceptance_rate']:.2%}")
+    assert abs(llama_doc["acceptance_rate"] - torch_doc["acceptance_rate"]) < 0.01, (llama_doc, torch_doc)
 
 
 @pytest.mark.llama_cpp
