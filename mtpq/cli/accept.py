@@ -63,7 +63,7 @@ def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ng
     if engine == "torch":
         check_torch_engine(llama_only, extra, "llama-server")
         return None
-    for opt, v, default in (("--device", device, None), ("--dtype", dtype, "f32"), ("--hidden", hidden, "post_norm")):
+    for opt, v, default in (("--device", device, None), ("--dtype", dtype, "f32"), ("--hidden", hidden, "auto")):
         if v != default:
             fail(opt, "belongs to --engine torch (llama-server decides devices and precision itself)")
     if server is not None:
@@ -132,7 +132,8 @@ def accept(
     device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
-    hidden: str = typer.Option("post_norm", "--hidden", help="Hidden state fed to the head: post_norm (default) or pre_norm."),
+    hidden: str = typer.Option("auto", "--hidden", help="Hidden state fed to the head: auto (default: what llama.cpp "
+                               "feeds this architecture's head), post_norm or pre_norm."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
     engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
                                "llama-server with its MTP drafter, for models that need several GPUs or machines."),
@@ -164,8 +165,8 @@ def accept(
                                       hidden=hidden, reference=reference)
     if dtype not in DTYPES:
         fail("--dtype", f"choose one of {', '.join(DTYPES)}")
-    if hidden not in ("post_norm", "pre_norm"):
-        fail("--hidden", "choose post_norm or pre_norm")
+    if hidden not in ("auto", "post_norm", "pre_norm"):
+        fail("--hidden", "choose auto, post_norm or pre_norm")
     if max_drop is not None and reference is None:
         fail("--max-drop", "needs --reference")
     if head is not None and server is not None:

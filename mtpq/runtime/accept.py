@@ -34,7 +34,7 @@ from .speculative import load_model, run_plain, run_speculative
 def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] = "builtin", draft: int = 3,
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, max_prompts: int | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm", with_plain: bool = True,
+                 dtype: torch.dtype = torch.float32, hidden: str = "auto", with_plain: bool = True,
                  threads: int | None = None, head: str | Path | None = None,
                  on_prompt: Callable[[int, int], None] | None = None) -> AcceptReport:
     """Acceptance of one GGUF's MTP head over a prompt set (``head``: a head file drafting for the trunk at
@@ -67,7 +67,7 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
     return AcceptReport(model=str(path), draft=draft, temperature=temperature, max_new_tokens=max_new_tokens,
                         runs=runs, overall=metrics_from_rounds([r.spec for r in runs]),
                         by_category={c: metrics_from_rounds(v) for c, v in by_cat.items()}, plain_tokens_per_s=plain_tps,
-                        greedy_outputs_identical=identical, hidden=hidden, device=str(model.device))
+                        greedy_outputs_identical=identical, hidden=model.hidden, device=str(model.device))
 
 
 SMALL_MODEL_BYTES = 1 << 30

@@ -11,9 +11,11 @@ model's BOS rule), cut into ``n_ctx``-token chunks (a trailing partial chunk is
 dropped), each chunk evaluated from an empty cache with its first token replaced by
 BOS when the vocabulary adds one.
 
-The head is run the way it drafts: on the trunk's post-norm hidden states h_t and
-the next tokens x_{t+1} of each chunk (``n_ctx - 1`` pairs), so its matrices get
-importance data that llama-imatrix cannot collect (it never runs the head). The
+The head is run the way it drafts: on the trunk's hidden states h_t (the state the
+family's head is fed) and the next tokens x_{t+1} of each chunk (``n_ctx - 1`` pairs), so
+its matrices get importance data that llama-imatrix cannot collect (it never runs the
+head). Chained heads (Step-3.5, MiMo-V2.5) each take the same pairs, as every head's cache
+takes the real pairs when they draft. The
 head's own embedding table (``nextn.embed_tokens``) is looked up, not multiplied:
 no input reaches it, so it gets uniform importance (every column weighs 1, i.e. no
 preference) -- without an entry llama-quantize refuses to give it a low-bit i-quant.
@@ -102,13 +104,11 @@ def collect(model: MtpModel, chunks: list[list[int]], trunk: bool = True, head: 
             ids = torch.tensor([chunk])
             weights.observer = watch if trunk else None
             out = model.trunk(ids, use_cache=False)
-            if head and model.mtp is not None:
+            for h, module in enumerate([model.mtp, *model.later_heads] if head and model.mtp is not None else []):
                 weights.observer = watch
-                model.draft(ids[:, 1:], out.hidden[:, :-1], use_cache=False)
-                if not model.mtp.tied_embed:
-                    table = model.mtp.embed
-                    pairs = len(chunk) - 1
-                    watch.uniform(table.name, table.shape[-1], pairs)
+                model.draft(ids[:, 1:], out.hidden[:, :-1], use_cache=False, head=h)
+                if not module.tied_embed:
+                    watch.uniform(module.embed.name, module.embed.shape[-1], len(chunk) - 1)
             weights.observer = None
             stats.chunks += 1
             if on_chunk:

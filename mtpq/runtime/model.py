@@ -19,15 +19,20 @@ position 0, so the pair (h_t, x_{t+1}) sits at position t + 1 (``first_pair="zer
 engine that runs these files). transformers and vLLM start with (h_0, x_1) at position 0 (``"none"``). The
 speculative loop and the teacher-forced passes read the choice from the model (:meth:`MtpModel.head_rows`).
 
-``hidden="post_norm"`` feeds the head the trunk's output after ``output_norm`` (llama.cpp,
-transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, for drafts
-2..k, the head's output before its norm): a diagnostic that should draft worse.
+``hidden="post_norm"`` feeds the head the trunk's output after ``output_norm`` (llama.cpp for most families,
+transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, for drafts 2..k, the head's output
+before its norm): what llama.cpp's step35 and mimo2 graphs feed (``Family.nextn_state``), elsewhere a diagnostic
+that should draft worse. ``"auto"`` (the default) takes the family's own.
+
+Several heads (Step-3.5, MiMo-V2.5: 3) draft as llama.cpp's ``chain_heads`` mode does (:attr:`MtpModel.chained`):
+draft step i runs head i; every head's cache takes the same real pairs, and ``checkpoint`` / ``rollback`` cover
+them all.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -39,7 +44,7 @@ from .layers import Packing, rms_norm
 from .mtp import NextNHead
 from .weights import GGUFFile, QuantLinear, Scope, Weights, as_dtype
 
-HIDDEN_CHOICES = ("post_norm", "pre_norm")
+HIDDEN_CHOICES = ("post_norm", "pre_norm", "auto")
 FIRST_PAIRS = ("zero_state", "none")
 
 
@@ -48,6 +53,7 @@ class Family:
 
     archs: ClassVar[tuple[str, ...]] = ()
     hidden_first: ClassVar[bool] = False  # MTP concat order: MiMo puts the hidden state first
+    nextn_state: ClassVar[str] = "post_norm"  # the state llama.cpp feeds the head (its graph's h_nextn)
     # the head's own final norm under blk.N. (else the trunk's output_norm)
     head_norm_name: ClassVar[str] = "nextn.shared_head_norm.weight"
     logit_scale: float = 1.0  # every logit, the trunk's and the heads', times this (Cohere's logit_scale)
@@ -82,11 +88,12 @@ class RollbackPoint:
     """Where each layer cache stood (a KV length; a recurrent state), to roll back to; no KV tensor is copied."""
     trunk: list
     mtp: object
+    later: list = field(default_factory=list)  # the later heads' caches (chained heads)
 
 
 class MtpModel(nn.Module):
     def __init__(self, g: GGUFFile, family: Family, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, hidden: str = "post_norm", llama_cpp_numerics: bool = False,
+                 dtype: torch.dtype = torch.float32, hidden: str = "auto", llama_cpp_numerics: bool = False,
                  first_pair: str = "zero_state"):
         super().__init__()
         if hidden not in HIDDEN_CHOICES:
@@ -98,7 +105,8 @@ class MtpModel(nn.Module):
             raise InputError(g.path, "missing tensor token_embd.weight")
         self.path, self.arch, self.family = g.path, g.arch, family
         self.cfg = getattr(family, "cfg", None)
-        self.device, self.dtype, self.hidden = torch.device(device), dtype, hidden
+        self.device, self.dtype = torch.device(device), dtype
+        self.hidden = family.nextn_state if hidden == "auto" else hidden
         self.eps, self.norm, self.logit_scale = family.eps, family.norm, family.logit_scale
         # llama_cpp_numerics: every weight's input rounded as llama.cpp's CPU backend rounds it (mtpq compare)
         w = Weights(g, device, dtype, round_inputs=llama_cpp_numerics)
@@ -129,6 +137,12 @@ class MtpModel(nn.Module):
         """MTP heads in the file (0 without a head)."""
         return (self.mtp is not None) + len(self.later_heads)
 
+    @property
+    def chained(self) -> bool:
+        """Drafts chain the heads (llama.cpp's ``chain_heads``: more than one head): draft step i runs head i, so a
+        round drafts at most :attr:`n_heads` tokens; with one head, every draft step reuses it."""
+        return self.n_heads > 1
+
     # -- caches ---------------------------------------------------------------------------
 
     def reset(self) -> None:
@@ -146,15 +160,23 @@ class MtpModel(nn.Module):
 
     def checkpoint(self) -> RollbackPoint:
         return RollbackPoint([c.checkpoint() for c in self.trunk_cache],
-                             self.mtp_cache.checkpoint() if self.mtp_cache is not None else None)
+                             self.mtp_cache.checkpoint() if self.mtp_cache is not None else None,
+                             [c.checkpoint() for c in self.later_caches])
 
     def rollback(self, ck: RollbackPoint, trunk_kept: int | None = None, mtp_kept: int | None = None) -> None:
-        """Keep ``trunk_kept`` / ``mtp_kept`` of the tokens each part consumed since ``ck`` (None: leave it)."""
+        """Keep ``trunk_kept`` / ``mtp_kept`` of the tokens each part consumed since ``ck`` (None: leave it);
+        ``mtp_kept`` applies to every head's cache."""
         if trunk_kept is not None:
             for c, point in zip(self.trunk_cache, ck.trunk):
                 c.rollback(point, trunk_kept)
         if mtp_kept is not None and self.mtp_cache is not None:
             self.mtp_cache.rollback(ck.mtp, mtp_kept)
+            for c, point in zip(self.later_caches, ck.later):
+                c.rollback(point, mtp_kept)
+
+    def head_cache(self, head: int):
+        """Head ``head``'s cache."""
+        return self.mtp_cache if head == 0 else self.later_caches[head - 1]
 
     # -- the head's pairs ----------------------------------------------------------------
 
@@ -219,8 +241,7 @@ class MtpModel(nn.Module):
             raise InputError(self.path, "this GGUF has no MTP head (no blk.N.nextn.* tensors)")
         if not 0 <= head < self.n_heads:
             raise ValueError(f"head {head}: the file has {self.n_heads} MTP head(s)")
-        module, cache = (self.mtp, self.mtp_cache) if head == 0 else \
-            (self.later_heads[head - 1], self.later_caches[head - 1])
+        module, cache = self.mtp if head == 0 else self.later_heads[head - 1], self.head_cache(head)
         start = cache.length if use_cache else 0
         logits, normed, raw = module(next_ids.to(self.device), hidden, start, cache if use_cache else None, packing)
         out = MtpOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else raw)

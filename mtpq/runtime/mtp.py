@@ -8,8 +8,9 @@ For the pair (h_t, x_{t+1}) (DESIGN.md):
 
 E and head are the block's ``nextn.embed_tokens`` / ``nextn.shared_head_head`` or, when a
 checkpoint ties them (GLM-4.6, Qwen3.5), the trunk's ``token_embd`` / ``output``;
-``shared_head_norm`` falls back to the trunk's ``output_norm`` (an RMSNorm; Nemotron-H's head ends in a
-LayerNorm without bias instead: ``layer_norm_head``, with its own epsilon). The block keeps its own
+``shared_head_norm`` (the family's ``head_norm_name``: ``layer_output_norm`` for MiMo-V2 and Ling 3.0) falls back
+to the trunk's ``output_norm``; Nemotron-H's head ends in a LayerNorm without bias instead (``layer_norm_head``,
+with its own epsilon). The block keeps its own
 cache. Drafts 2..k feed the head its own normed output (see :class:`~mtpq.runtime.model.MtpModel`).
 """
 

@@ -13,13 +13,17 @@ API (what ``mtpq accept`` builds on):
 One speculative round (``SpeculativeDecoder.step``), with x_j the last emitted token:
 1. the head consumes the pending real pairs (h_t, x_{t+1}) -- the trunk states of the
    tokens accepted last round -- and drafts d_1 from the last one;
-2. drafts d_2..d_k reuse the head on (its own output, its own last draft);
+2. drafts d_2..d_k reuse the head on (its own output, its own last draft); with several heads
+   (:attr:`MtpModel.chained`: llama.cpp's ``chain_heads``) every head the decoder drafts with
+   consumes the same real pairs, and d_{i+1} comes from head i run on the chain
+   (d_1, o_0) .. (d_i, o_{i-1}), o_j being head j's output for its last row; k is capped at
+   the number of heads, as llama.cpp caps it;
 3. the trunk verifies [x_j, d_1..d_k] in one forward (k+1 logits);
 4. greedy: accept while d_i == argmax; sampling: accept d_i with probability
    min(1, p(d_i)/q(d_i)), else emit a token drawn from norm(max(0, p - q)) and stop;
    if all k are accepted, a bonus token is drawn from the last logits;
-5. both KV caches are rolled back: the trunk's to the accepted tokens, the head's to
-   its real pairs (entries written while drafting 2..k are discarded).
+5. every KV cache is rolled back: the trunk's to the accepted tokens, the heads' to
+   their real pairs (entries written while drafting 2..k are discarded).
 Greedy speculative output equals plain greedy output; sampling keeps the target
 distribution (p and q both pass through the same temperature/top-k/top-p).
 
@@ -53,7 +57,7 @@ from .weights import GGUFFile
 
 
 def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-               hidden: str = "post_norm", head: Path | str | None = None) -> tuple[MtpModel, object]:
+               hidden: str = "auto", head: Path | str | None = None) -> tuple[MtpModel, object]:
     """(model, tokenizer) from a GGUF of any family the runtime has. device: CUDA when available unless
     given. hidden: see model.py. head: a head file (``mtp-*.gguf``) whose MTP blocks draft for the trunk at
     ``path``, as llama.cpp's ``-md`` (:class:`~mtpq.gguf_io.pair.PairedGGUF`)."""
@@ -164,62 +168,73 @@ class SpeculativeDecoder:
             from ..errors import InputError
 
             raise InputError(model.path, "this GGUF has no MTP head: nothing to draft with")
-        self.model, self.k, self.params = model, k, params
+        # chained heads: draft step i runs head i, so a round drafts at most one token per head
+        self.model, self.k, self.params = model, min(k, model.n_heads) if model.chained else k, params
+        self.heads = self.k if model.chained else 1  # the heads this decoder drafts with
         self.gen = None if params.greedy else torch.Generator().manual_seed(seed)
         self.tokens: list[int] = []
         self.trunk_forwards = 0
 
-    def prefill(self, prompt_ids: list[int]) -> int:
-        """Run the trunk on the prompt and emit its first token."""
+    def prefill(self, prompt_ids: list[int], draft_first: bool = False) -> int | None:
+        """Run the trunk on the prompt and emit its first token. ``draft_first``: run it on all but the prompt's
+        last token, which starts the first round, so the first new token is drafted and verified too (as
+        llama.cpp's speculative drivers start); nothing is emitted (None)."""
         m = self.model
         m.reset()
+        if draft_first:
+            if len(prompt_ids) < 2:
+                raise ValueError("draft_first needs a prompt of at least two tokens")
+            *prompt_ids, first = prompt_ids
         out = m.trunk(torch.tensor([prompt_ids]))
         self.trunk_forwards += 1
-        first, _ = _choose(out.logits[0, -1], self.params, self.gen)
+        if not draft_first:
+            first, _ = _choose(out.logits[0, -1], self.params, self.gen)
         self.tokens = list(prompt_ids) + [first]
         # real pairs (h_t, x_{t+1}) for t = 0..n-1, after the head's first pair (MtpModel.first_pair)
         self.pending_ids, self.pending_hidden = m.prompt_pairs(prompt_ids, first, out.hidden)
-        return first
+        return None if draft_first else first
 
-    def step(self) -> tuple[list[int], list[int]]:
-        """One draft-verify round -> (emitted tokens, drafted tokens)."""
+    def step(self, k: int | None = None) -> tuple[list[int], list[int]]:
+        """One draft-verify round drafting ``k`` tokens (at most, and by default, the decoder's) -> (emitted
+        tokens, drafted tokens)."""
+        k = self.k if k is None else max(1, min(k, self.k))
         if self.params.greedy:
-            return self._greedy_step()
-        m, k = self.model, self.k
-        out = m.draft(self.pending_ids, self.pending_hidden)
-        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
-        drafts, qs = [], []
+            return self._greedy_step(k)
+        m = self.model
+        out = self._take_pending()
+        ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
+        drafts, qs, chain = [], [], []
         logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         for i in range(k):
             d, q = _choose(logits, self.params, self.gen)
             drafts.append(d)
             qs.append(q)
             if i + 1 < k:
-                out = m.draft(torch.tensor([[d]]), hidden)
+                out = self._draft_next(torch.tensor([drafts], device=m.device), hidden, chain)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         verify = m.trunk(torch.tensor([[self.tokens[-1]] + drafts]))
         self.trunk_forwards += 1
         draft_probs = None if self.params.greedy else torch.stack(qs)
         a, nxt = accept_drafts(verify.logits[0], drafts, draft_probs, self.params, self.gen)
-        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
         emitted = drafts[:a] + [nxt]
         self.pending_ids = torch.tensor([emitted])
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, drafts
 
-    def _greedy_step(self) -> tuple[list[int], list[int]]:
+    def _greedy_step(self, k: int) -> tuple[list[int], list[int]]:
         """:meth:`step` for greedy decoding, on the model's device: drafts, verification and the accepted count
         stay device tensors until one read-back at the end of the round (one host sync per round on a GPU)."""
-        m, k = self.model, self.k
-        out = m.draft(self.pending_ids, self.pending_hidden)
-        ck = m.checkpoint()  # the head has consumed every real pair; the trunk sits at x_j
-        drafts = []
+        m = self.model
+        out = self._take_pending()
+        ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
+        drafts, chain = [], []
         logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         for i in range(k):
             drafts.append(logits.argmax().view(1))
             if i + 1 < k:
-                out = m.draft(drafts[-1].view(1, 1), hidden)
+                out = self._draft_next(torch.cat(drafts)[None], hidden, chain)
                 logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
         drafted = torch.cat(drafts)
         verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
@@ -228,12 +243,32 @@ class SpeculativeDecoder:
         accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
         a, *values = torch.cat((accepted, best, drafted)).tolist()  # the round's one read-back
         best_ids, draft_ids = values[:k + 1], values[k + 1:]
-        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the head's draft-time entries
+        m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
         emitted = draft_ids[:a] + [best_ids[a]]
         self.pending_ids = torch.cat((drafted[:a], best[a:a + 1]))[None]
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, draft_ids
+
+    def _take_pending(self):
+        """Every head this decoder drafts with consumes the pending real pairs (chained heads: the same pairs,
+        as llama.cpp's catch-up pass gives every head) -> the first head's output."""
+        m = self.model
+        out = m.draft(self.pending_ids, self.pending_hidden)
+        for head in range(1, self.heads):
+            m.draft(self.pending_ids, self.pending_hidden, head=head)
+        return out
+
+    def _draft_next(self, drafted: torch.Tensor, hidden: torch.Tensor, chain: list):
+        """The head output that drafts the round's next token after ``drafted`` [1, n] (``hidden``: the output
+        that drafted the last). Chained: head n on the chain, each draft beside the output that drafted it
+        (``chain`` collects them); else the one head on (its last output, the last draft), its cache holding the
+        rest."""
+        m = self.model
+        if not m.chained:
+            return m.draft(drafted[:, -1:], hidden)
+        chain.append(hidden)
+        return m.draft(drafted, torch.cat(chain, dim=1), head=drafted.shape[1])
 
     def save(self) -> DecoderState:
         return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,
@@ -269,7 +304,7 @@ def run_speculative(model: MtpModel, prompt_ids: list[int], max_new_tokens: int,
     t0 = time.perf_counter()
     first = dec.prefill(list(prompt_ids))
     generated = [first]
-    res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=k)
+    res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=dec.k)
     while len(generated) < max_new_tokens and not _stopped(generated, stop_ids):
         emitted, drafts = dec.step()
         generated.extend(emitted)

@@ -119,17 +119,17 @@ def test_bad_input(work, args, needle):
 
 
 def test_an_architecture_without_runtime_is_one_line(work):
-    """A GGUF we can convert but not run: exit 2 naming the architecture and the families the runtime has."""
+    """A GGUF the runtime cannot run: exit 2 naming the architecture and the families the runtime has."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
     from mtpq.runtime.families import FAMILIES
 
     plan = plan_from_gguf(work / "good.gguf")
-    plan.arch = "mimo2"  # as if a future family's file: same tensors, an architecture the runtime lacks
-    write_plan(plan, work / "mimo2.gguf")
-    res = run_cli("accept", work / "mimo2.gguf", "--prompts", work / "p.jsonl")
+    plan.arch = "llama"  # same tensors, an architecture the runtime lacks (it has no MTP graph)
+    write_plan(plan, work / "llama.gguf")
+    res = run_cli("accept", work / "llama.gguf", "--prompts", work / "p.jsonl")
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
-    assert len(line.splitlines()) == 1 and "mimo2" in line and "mimo2.gguf" in line, line
+    assert len(line.splitlines()) == 1 and "llama" in line and "llama.gguf" in line, line
     assert all(arch in line for arch in FAMILIES), line
 
 

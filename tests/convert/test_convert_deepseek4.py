@@ -260,7 +260,7 @@ def test_inspect_and_extract_mtp(head_q4, tmp_path):
 def test_accept_says_no_runtime_yet(head_q4):
     res = run_cli("accept", head_q4 / "q.gguf")
     line = res.stderr.strip()
-    assert res.exit_code == 2 and "deepseek4" in line and "no runtime yet" in line and "\n" not in line, res.output
+    assert res.exit_code == 2 and "deepseek4" in line and "has no runtime in mtpq" in line and "\n" not in line, res.output
 
 
 def without_chat_template(ds4, folder):

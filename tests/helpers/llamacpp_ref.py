@@ -128,3 +128,25 @@ def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: 
     print(f"\nk=1 acceptance over {compared} prompts: ours {ours[0]}/{ours[1]} = {rate:.3f}, "
           f"llama.cpp {theirs[0]}/{theirs[1]} = {ref:.3f}")
     assert abs(rate - ref) <= max_gap, (rate, ref)
+
+
+def speculative_simple_counts(model, prompt_ids: list[int], n_predict: int, k: int, eog: set[int]) -> dict:
+    """The torch runtime's greedy loop (:class:`~mtpq.runtime.speculative.SpeculativeDecoder`) driven as
+    ``llama-speculative-simple`` drives llama.cpp's drafter -> the counters it prints (``n_predict``, ``n_drafted``,
+    ``n_accept``). Its rounds differ from ``run_speculative``'s: the prompt's last token starts the first round (the
+    first new token is drafted and verified too); a round drafts min(k, n_predict - generated - 1) tokens (k when
+    that is 0 or less: its 0 means no cap); it stops once more than ``n_predict`` tokens were generated, or after
+    the round that emitted an end-of-generation token (``eog``; that round still counts)."""
+    from mtpq.runtime.speculative import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(model, k)
+    dec.prefill(list(prompt_ids), draft_first=True)
+    counts = {"n_predict": 0, "n_drafted": 0, "n_accept": 0}
+    while True:
+        cap = n_predict - counts["n_predict"] - 1
+        emitted, drafts = dec.step(cap if cap > 0 else None)
+        counts["n_drafted"] += len(drafts)
+        counts["n_accept"] += len(emitted) - 1
+        counts["n_predict"] += len(emitted)
+        if counts["n_predict"] > n_predict or eog & set(emitted):
+            return counts

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek, tiny_hyv3, tiny_qwen35
+from tests.builders import (tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek, tiny_hyv3, tiny_mimo2, tiny_qwen35,
+                            tiny_step35)
 from tests.helpers.runcli import run_cli
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "class Point:"]
@@ -293,6 +294,44 @@ def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
 # these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)
 BIGRAM_NEXTN = dict(trunk_scale=0.1, head_mix=0.0)
 RELEASE_BIGRAM = dict(trunk_scale=0.05, head_mix=0.05, head_shrink=0.05)
+
+
+def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.5,
+                head_shrink: float = 0.5) -> Path:
+    """:func:`bigram_model` on a converted f32 GGUF, for any family with ``nextn.*`` heads (every head of a file):
+    the trunk's attention and FFN outputs scaled by ``trunk_scale``; each head's eh_proj passes enorm(E[x]) through
+    an identity (plus ``head_mix`` of the hidden state), its block's outputs scaled by ``head_shrink``, its
+    embedding, norm and output the trunk's. Each head then drafts mostly the trunk's "bigram" guess of its input
+    token, so chained heads accept a few drafts in a row now and then, while its context still counts (a head
+    that attends over the wrong pairs drafts otherwise now and then)."""
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+
+    plan = plan_from_gguf(src)
+    n_trunk = plan.n_trunk_layers
+    top = {s.name: s for s in plan.tensors if not s.name.startswith("blk.")}
+    outputs = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+    def edit(s):
+        head = s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n_trunk
+        field = s.name.split(".", 2)[-1]
+        if field.endswith(outputs):
+            return lambda: (head_shrink if head else trunk_scale) * s.load()
+        if not head:
+            return None
+        if field == "nextn.eh_proj.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
+            return lambda: torch.cat([torch.eye(s.shape[0]), head_mix * s.load()[:, s.shape[0]:]], dim=1)
+        if field == "nextn.enorm.weight":
+            return lambda: torch.ones(s.shape)
+        twin = {"nextn.shared_head_norm.weight": "output_norm.weight",
+                "layer_output_norm.weight": "output_norm.weight",
+                "nextn.shared_head_head.weight": "output.weight", "nextn.embed_tokens.weight": "token_embd.weight"}
+        return top[twin[field]].load if field in twin else None
+
+    plan.tensors = [s if (f := edit(s)) is None else replace(s, load=f, load_raw=None) for s in plan.tensors]
+    write_plan(plan, out)
+    return out
+
+
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
 # YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
@@ -413,11 +452,22 @@ CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: th
         "v32": lambda f: release_checkpoint("deepseek_v32", f, "fp8", index_topk=DSA_TOP_K),
         "copy": dsa_copy("deepseek_v32", "fp8"),
     },
+    "step35": {
+        # sliding window 16 (short sequences cross it), full and sliding blocks alternating, 2 chained heads
+        "tiny": lambda f: tiny_step35.step35(f),
+    },
+    "mimo2": {
+        # MiMo-V2.5's layout: fused FP8 qkv, 16 heads of 48 (values 32), sinks, window 16, 3 chained heads
+        "tiny": lambda f: tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(f, **tiny_mimo2.v25_heads(4))),
+        "flash": lambda f: tiny_mimo2.mimo2(f),  # MiMo-V2-Flash's: attn_q / attn_k / attn_v
+    },
 }
+# variants made from another's f32 GGUF: (family, variant) -> (base variant, f(base GGUF, out))
+GGUF_EDITS = {("step35", "bigram"): ("tiny", bigram_gguf), ("mimo2", "bigram"): ("tiny", bigram_gguf)}
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
 LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
                 "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram",
-                "qwen3next": "bigram", "nemotron_h_moe": "bigram"}
+                "qwen3next": "bigram", "nemotron_h_moe": "bigram", "step35": "bigram", "mimo2": "bigram"}
 
 
 class Builds:
@@ -435,7 +485,12 @@ class Builds:
 
     def gguf(self, family: str, variant: str) -> Path:
         path = self.root / f"{family}-{variant}-f32.gguf"
-        return path if path.exists() else convert(self.ckpt(family, variant), path)
+        if path.exists():
+            return path
+        if (family, variant) in GGUF_EDITS:
+            base, edit = GGUF_EDITS[family, variant]
+            return edit(self.gguf(family, base), path)
+        return convert(self.ckpt(family, variant), path)
 
     def loop_gguf(self, family: str) -> Path:
         return self.gguf(family, LOOP_VARIANT[family])

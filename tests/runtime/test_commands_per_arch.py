@@ -15,7 +15,8 @@ from tests import releases
 from tests.helpers.runcli import run_cli
 
 # GGUF architecture -> (release manifest, form)
-ARCHS = {"hy_v3": ("hy3", "bf16"), "cohere2moe": ("cohere2moe", "bf16"), "bailingmoe3": ("ling3_flash", "bf16")}
+ARCHS = {"hy_v3": ("hy3", "bf16"), "cohere2moe": ("cohere2moe", "bf16"), "bailingmoe3": ("ling3_flash", "bf16"),
+         "step35": ("step35_flash", "bf16"), "mimo2": ("mimo_v25", "fp8")}
 PROMPT = {"category": "code", "prompt": "def add(a, b):\n    return a + b\n"}
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 
@@ -40,10 +41,12 @@ def release(tmp_path_factory):
     return get
 
 
-def n_trunk(path: Path) -> int:
+def mtp_blocks(path: Path) -> list[str]:
+    """The prefixes of the file's MTP blocks (Step-3.5 and MiMo-V2.5 have 3)."""
     from mtpq.runtime.weights import GGUFFile
 
-    return GGUFFile(path).n_trunk
+    g = GGUFFile(path)
+    return [f"blk.{i}." for i in range(g.n_trunk, g.n_trunk + g.n_mtp)]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -90,6 +93,8 @@ def test_imatrix_of_the_head(arch, release, tmp_path):
     res = run_cli("imatrix", f16, "-f", text, "-o", out, "--mtp", "-c", 64, "--chunks", 1, "--threads", 1)
     assert res.exit_code == 0, res.output
     names = {t.name.rsplit(".", 1)[0] for t in GGUFReader(out).tensors}
-    head = f"blk.{n_trunk(f16)}."
-    assert names and all(n.startswith(head) for n in names), names
-    assert {head + "nextn.eh_proj.weight", head + "ffn_gate_exps.weight"} <= names, names
+    heads = mtp_blocks(f16)  # every head's block (chained heads each take the real pairs), nothing else
+    assert names and all(n.startswith(tuple(heads)) for n in names), names
+    for head in heads:  # its FFN: experts (Hy3, Cohere, Ling) or dense (Step-3.5's, MiMo's heads)
+        assert head + "nextn.eh_proj.weight" in names and names & {head + "ffn_gate_exps.weight",
+                                                                   head + "ffn_gate.weight"}, names

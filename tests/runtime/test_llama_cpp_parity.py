@@ -49,25 +49,34 @@ PARITY = {
     "deepseek32": ("deepseek_v32", "fp8"),
     "qwen3next": ("qwen3next", "bf16"),
     "nemotron_h_moe": ("nemotron3_super", "bf16"),
+    "step35": ("step35_flash", "bf16"),
+    "mimo2": ("mimo_v25", "fp8"),  # (MiMo-V2-Flash's split q/k/v has no MTP graph in llama.cpp)
 }
 # metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
 # Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
-# bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too
+# bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too.
+# Step-3.5's and MiMo-V2's windows (512, 128) neither: 48 binds from token 48 on, in the trunk and in every head;
+# Step-3.5's clamps (7 routed, 16 shared) neither (its SwiGLU inputs stay below ~3)
 SHARPER = {
     "cohere2moe": {"attention.sliding_window": 32, "logit_scale": 2.0},
     "bailingmoe3": {"swiglu_clamp_exp": [0.0, 0.0, 1.0, 0.8, 1.0], "swiglu_clamp_shexp": [0.8, 0.0, 1.0, 0.8, 0.9]},
     # GLM-5 runs its indexer in every block; GLM-5.2's "shared" blocks reuse the top-k of the full block before them
     "glm-dsa-shared": {"attention.indexer.types": [True, False]},
+    "step35": {"attention.sliding_window": 48, "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
+               "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0]},
+    "mimo2": {"attention.sliding_window": 48},
 }
 # llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
 # top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
 # flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
-# contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys.
-F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32"}
+# contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys. Step-3.5's
+# routers flip on the f16 rounding of keys alike (trunk KLD ~1e-2 with llama.cpp's defaults), and one of MiMo-V2.5's
+# heads' near-ties (one argmax in 127: top-1 99.2 %, KLD 3.5e-8).
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2"}
 
 
 def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
-    """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's
+    """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
     ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set."""
     from gguf import GGUFValueType
 
@@ -233,12 +242,15 @@ def swiglu_clamp_dropped(model) -> bool:
 
 def window_one_short(model) -> bool:
     """Every sliding window one position short."""
-    from mtpq.runtime.swa import SlidingWindowAttention
+    from mtpq.runtime.swa import SlidingWindowAttention, WindowedAttention
 
     layers = [m for m in model.modules() if isinstance(m, SlidingWindowAttention)]
     for m in layers:
         m.window -= 1
-    return bool(layers)
+    windowed = [m for m in model.modules() if isinstance(m, WindowedAttention) and m.cfg.window is not None]
+    for m in windowed:
+        m.cfg = replace(m.cfg, window=m.cfg.window - 1)
+    return bool(layers or windowed)
 
 
 def nope_layers_rotated(model) -> bool:
@@ -431,12 +443,62 @@ def head_norm_rms(model) -> bool:
     return bool(heads)
 
 
+def _windowed(model):
+    from mtpq.runtime.swa import WindowedAttention
+
+    return [m for m in model.modules() if isinstance(m, WindowedAttention)]
+
+
+def sinks_dropped(model) -> bool:
+    """The attention sinks left out of the softmax."""
+    layers = [m for m in _windowed(model) if m.sinks is not None]
+    for m in layers:
+        m.sinks = None
+    return bool(layers)
+
+
+def head_gate_dropped(model) -> bool:
+    """Step-3.5's head-wise attention gate left out."""
+    layers = [m for m in _windowed(model) if m.gate is not None]
+    for m in layers:
+        m.gate = None
+    return bool(layers)
+
+
+def value_scale_dropped(model) -> bool:
+    """MiMo-V2.5's attention value scale left out."""
+    layers = [m for m in _windowed(model) if m.cfg.value_scale != 1.0]
+    for m in layers:
+        m.cfg = replace(m.cfg, value_scale=1.0)
+    return bool(layers)
+
+
+def rope_factors_dropped(model) -> bool:
+    """Step-3.5's full-attention RoPE without the rope_freqs factors (Llama-3 scaling)."""
+    from mtpq.runtime.layers import rope_inv_freq
+
+    rope = model.family.ropes[False]
+    plain = rope_inv_freq(rope.dim, float(model.family.file.value("rope.freq_base")))
+    if torch.equal(plain, rope.inv_freq):
+        return False
+    rope.inv_freq, rope._memo = plain, []
+    return True
+
+
+def nextn_state_post_norm(model) -> bool:
+    """The heads fed the trunk's (and each other's) state after the final norm, where llama.cpp's graph feeds the
+    state before it."""
+    model.hidden = "post_norm"
+    return True
+
+
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (
     wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
     expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
     kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
     indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
-    mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms)}
+    mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms, sinks_dropped,
+    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -460,6 +522,10 @@ BROKEN = {
                   "fused_ba_halved"),
     "nemotron_h_moe": ("router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "mamba_groups_tiled",
                        "mamba_norm_ungrouped", "mamba_d_skip_dropped", "attention_roped", "head_norm_rms"),
+    "step35": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+               "head_gate_dropped", "rope_factors_dropped", "swiglu_clamp_dropped", "nextn_state_post_norm"),
+    "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
+              "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
 }
 
 

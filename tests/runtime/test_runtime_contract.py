@@ -1,5 +1,5 @@
 """What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, glm-dsa, deepseek32, hy_v3, cohere2moe,
-bailingmoe3, qwen3next, nemotron_h_moe) must do, against independent truth.
+bailingmoe3, qwen3next, nemotron_h_moe, step35, mimo2) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
   prompt and through the caches (a prefill, a chunk on top of it, then token by token); where transformers does
@@ -19,6 +19,8 @@ its own way (test_runtime_dsa.py compares it where no keys tie): they are in NO_
 fixtures (tests/releases) of top-k 8, so the contexts below drop keys (glm52: a GLM-5.2 shared block).
 qwen3next and nemotron_h_moe run on their release-shaped checkpoints; transformers runs their trunks but not their
 heads, whose truth is llama.cpp's MTP graph: their heads take the cached == uncached check (NO_HEAD_ORACLE).
+transformers runs neither Step-3.5 nor MiMo-V2 (remote code): NO_TRANSFORMERS too, on tiny fixtures whose sliding
+window (16) the contexts below cross; their several heads draft chained (every head checked through its cache).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -35,27 +37,29 @@ from tests.helpers.runtime import (LOOP_VARIANT, PROMPTS, REL_TOL, close, conver
 from tests.helpers.runcli import run_cli
 
 FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
-            "qwen3next", "nemotron_h_moe")
+            "qwen3next", "nemotron_h_moe", "step35", "mimo2")
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
-NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32")
+NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2")
 HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 NO_HEAD_ORACLE = ("qwen3next", "nemotron_h_moe")  # transformers runs their trunks only
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
                   "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
                   "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
-                  "deepseek32": ("v32",), "qwen3next": ("release",), "nemotron_h_moe": ("release",)}
+                  "deepseek32": ("v32",), "qwen3next": ("release",), "nemotron_h_moe": ("release",),
+                  "step35": ("tiny",), "mimo2": ("tiny", "flash")}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
-                 "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40),  # cohere2moe: window 16
-                 "bailingmoe3": (1, 9, 40), "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40),
-                 # qwen3next: as qwen35; nemotron_h_moe: Mamba-2 token by token, then chunks of 64
-                 "qwen3next": (1, 9, 40, 150), "nemotron_h_moe": (1, 9, 100)}  # qwen35, bailingmoe3: token-by-token form, one chunk, several
+                 "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40), "bailingmoe3": (1, 9, 40),
+                 "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40), "qwen3next": (1, 9, 40, 150),
+                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40)}
+# qwen35, qwen3next, bailingmoe3: the token-by-token form, one chunk, several; nemotron_h_moe: Mamba-2 token by
+# token, then chunks of 64; cohere2moe, step35, mimo2: past their window (16)
 # (variant, whether the head shares the trunk's token_embd and output)
 HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
 DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
            "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32",
-           "qwen3next": "release", "nemotron_h_moe": "release"}
+           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny"}
 
 
 def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
@@ -104,17 +108,19 @@ def test_cached_trunk_equals_uncached(family, variant, rt):
 
 @pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS + NO_HEAD_ORACLE))
 def test_cached_head_equals_uncached(family, variant, rt):
-    """Where transformers does not run the head: the head pair by pair through its cache gives its uncached pass."""
+    """Where transformers does not run the head: each head pair by pair through its cache gives its uncached pass."""
     from mtpq.runtime.families import load
 
     model = load(rt.gguf(family, variant))
     n = 40
     ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
     full = model.trunk(ids, use_cache=False)
-    head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False).logits
-    steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1]).logits for i in range(n - 1)]
-    diff, scale = close(torch.cat(steps, dim=1), head)
-    assert diff <= REL_TOL * scale, ("head", diff, scale)
+    for h in range(model.n_heads):
+        head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False, head=h).logits
+        steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1], head=h).logits for i in range(n - 1)]
+        diff, scale = close(torch.cat(steps, dim=1), head)
+        assert diff <= REL_TOL * scale, ("head", h, diff, scale)
+        assert model.head_cache(h).length == n - 1
 
 
 BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
@@ -222,15 +228,16 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         for k in (1, 2, 3, 4):
             spec = run_speculative(model, ids, 32, k=k)
             assert spec.tokens == base.tokens, (k, ids)
-            assert spec.drafted == [k] * spec.n_drafts and len(spec.accepted) == spec.n_drafts
+            drafted = min(k, model.n_heads) if model.chained else k  # chained heads: one draft per head
+            assert spec.drafted == [drafted] * spec.n_drafts and len(spec.accepted) == spec.n_drafts
             assert spec.trunk_forwards == 1 + spec.n_drafts
             accepted_any += spec.n_accepted
             rejected_any += sum(a < k for a in spec.accepted)
             multi += sum(a >= 2 for a in spec.accepted)
     # the comparison means something only if drafts were both accepted and rejected, several at a time too
     assert accepted_any > 0 and rejected_any > 0 and multi > 0, (accepted_any, rejected_any, multi)
-    # caches after rollbacks: every trunk layer holds every token but the last; the head every consumed real pair
-    # after its first pair (llama.cpp's (zero state, x_0))
+    # caches after rollbacks: every trunk layer holds every token but the last; each head the decoder drafts with
+    # every consumed real pair after its first pair (llama.cpp's (zero state, x_0))
     dec = SpeculativeDecoder(model, k=3)
     dec.prefill(prompts[0])
     for _ in range(10):
@@ -238,6 +245,7 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
         assert {c.length for c in model.trunk_cache} == {len(dec.tokens) - 1} and \
             model.trunk_length == len(dec.tokens) - 1
         assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
+        assert {model.head_cache(h).length for h in range(dec.heads)} == {model.mtp_length}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -302,6 +310,12 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
                 (mla.wq.weight, K_TYPES), (mla.k_b, None), (m.blocks[1].ffn.gate, K_TYPES),
                 (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)),
                 (head.block.ffn.gate, (T.Q8_0,))]
+    if family in ("step35", "mimo2"):  # windowed attention and experts in 4-6 bits, every head's block at q8_0
+        attn = m.blocks[1].attn
+        qkv = attn.qkv.weight if hasattr(attn.qkv, "weight") else attn.qkv.parts[0].weight
+        later = m.later_heads[-1]
+        return [(qkv, K_TYPES), (attn.wo.weight, K_TYPES), (m.blocks[1].ffn.gate, K_TYPES),
+                (head.eh_proj.weight, (T.Q8_0,)), (later.eh_proj.weight, (T.Q8_0,)), (later.block.ffn.down, (T.Q8_0,))]
     dn = m.blocks[0].attn  # DeltaNet, attention and FFN in 4-6 bits, the head at q8_0
     return [(dn.wqkv.weight, K_TYPES), (dn.wz.weight, K_TYPES), (dn.wo.weight, K_TYPES), (m.blocks[0].ffn.gate, K_TYPES),
             (m.blocks[3].attn.wq.weight, K_TYPES), (head.eh_proj.weight, (T.Q8_0,)),
@@ -322,7 +336,8 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
                ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("hy_v3", "Q4_K_M"),
-               ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M")]
+               ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M"),
+               ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])

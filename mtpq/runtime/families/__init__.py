@@ -22,12 +22,15 @@ from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
 from .hy_v3 import HyV3
+from .mimo2 import Mimo2
 from .nemotron_h_moe import NemotronHMoe
 from .qwen35 import Qwen35
 from .qwen3next import Qwen3Next
+from .step35 import Step35
 
 FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
-                                                           Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe)
+                                                           Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe, Step35,
+                                                           Mimo2)
                                      for arch in fam.archs}
 
 
@@ -40,7 +43,7 @@ def family_for(g: GGUFFile) -> type[Family]:
 
 
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         hidden: str = "post_norm", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
+         hidden: str = "auto", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (:data:`FAMILIES`)."""
     from ...ggml.malloc import keep_freed_buffers
 

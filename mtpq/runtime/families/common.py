@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gguf import ExpertGatingFuncType
 
 from ...errors import InputError
 from ..layers import AttnConfig, MoEConfig
+from ..swa import SwaConfig
 from ..weights import GGUFFile
 
 
@@ -33,3 +36,49 @@ def routed_moe_config(g: GGUFFile, default_gating: ExpertGatingFuncType) -> MoEC
         n_group=int(g.value("expert_group_count", 1) or 1),
         topk_group=int(g.value("expert_group_used_count", 1) or 1),
     )
+
+
+def per_layer(g: GGUFFile, key: str, n: int, default=None) -> list:
+    """A hyperparameter that is one value or one per block (llama.cpp's get_key_or_arr) as a list of ``n``."""
+    value = g.value(key, default) if default is not None else g.require(key)
+    if isinstance(value, (list, tuple)):
+        if len(value) < n:
+            raise InputError(g.path, f"{g.arch}.{key} has {len(value)} entries for {n} blocks")
+        return list(value[:n])
+    return [value] * n
+
+
+def sliding_layers(g: GGUFFile, n: int) -> list[bool]:
+    """Which of the first ``n`` blocks use sliding-window attention (``attention.sliding_window_pattern``)."""
+    return [bool(f) for f in per_layer(g, "attention.sliding_window_pattern", n)]
+
+
+@dataclass(frozen=True)
+class WindowedModelConfig:
+    """A family of :class:`~mtpq.runtime.swa.WindowedAttention` blocks (step35, mimo2)."""
+    vocab_size: int
+    attn: list[SwaConfig]  # per block, MTP blocks included
+    sliding: list[bool]
+    moe: MoEConfig
+
+
+def windowed_configs(g: GGUFFile, eps: float, value_scale: float = 1.0) -> tuple[list[SwaConfig], list[bool]]:
+    """Every block's attention (MTP blocks too), as llama.cpp's step35 / mimo2 read it: head and KV-head counts per
+    block, keys ``attention.key_length`` wide and values ``attention.value_length``, ``attention.sliding_window``
+    on the blocks ``attention.sliding_window_pattern`` marks -> (configs, which blocks slide)."""
+    n = g.n_trunk + g.n_mtp
+    heads = per_layer(g, "attention.head_count", n)
+    kv = per_layer(g, "attention.head_count_kv", n, heads)
+    sliding = sliding_layers(g, n)
+    window = int(g.require("attention.sliding_window"))
+    head_dim = int(g.require("attention.key_length"))
+    v_dim = int(g.value("attention.value_length", head_dim))
+    return [SwaConfig(int(h), int(k), head_dim, v_dim, eps, window if s else None, value_scale)
+            for h, k, s in zip(heads, kv, sliding)], sliding
+
+
+def refuse_rope_scaling(g: GGUFFile, note: str = "") -> None:
+    """The families whose releases need no ``rope.scaling.type`` refuse one rather than ignore it."""
+    if g.value("rope.scaling.type", "none") not in ("none", None):
+        raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the {g.arch} "
+                                 f"runtime{note}")
