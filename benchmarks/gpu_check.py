@@ -69,8 +69,10 @@ def prepare(folder: Path) -> dict[str, Path]:
 
 def synthetic(path: Path, hidden: int, layers: int, ffn: int, vocab: int = 32000, seed: int = 0) -> Path:
     """A GLM-4.5-shaped model with random bf16 weights (dense FFNs, one MTP layer), written straight to GGUF:
-    about ``layers * (4 hidden^2 * 5/8 + 3 hidden ffn) + 2 vocab hidden`` parameters. Its drafts mean
-    nothing; its speed and syncs are what a model of that size costs."""
+    about ``layers * (4 hidden^2 * 5/8 + 3 hidden ffn) + 2 vocab hidden`` parameters. Made to draft something:
+    its blocks' outputs are small (the current token's embedding weighs much in the trunk's prediction) and the
+    head passes the next token's normed embedding through an identity eh_proj and a near-silent block into the
+    trunk's norm and output, so it drafts the trunk's "bigram" guess (the tests' bigram models, at scale)."""
     import gguf
 
     if path.exists():
@@ -98,9 +100,14 @@ def synthetic(path: Path, hidden: int, layers: int, ffn: int, vocab: int = 32000
         x = (rng.standard_normal(shape, dtype=np.float32) * scale).view(np.uint32)
         return ((x + 0x7FFF + ((x >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
 
-    def add(name, *shape, scale=None, ones=False):
+    def add(name, *shape, scale=None, ones=False, eye=False):
         if ones:
             w.add_tensor(name, np.ones(shape, np.float32))
+        elif eye:  # [I | 0]: the head's input is the normed embedding
+            x = np.zeros(shape, np.float32)
+            x[:, :shape[0]] = np.eye(shape[0], dtype=np.float32)
+            w.add_tensor(name, x.view(np.uint32).__rshift__(16).astype(np.uint16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             w.add_tensor(name, bf16(*shape, scale=scale or shape[-1] ** -0.5), raw_dtype=gguf.GGMLQuantizationType.BF16)
 
@@ -114,12 +121,13 @@ def synthetic(path: Path, hidden: int, layers: int, ffn: int, vocab: int = 32000
         add(p + "attn_q.weight", heads * head_dim, hidden)
         add(p + "attn_k.weight", kv_heads * head_dim, hidden)
         add(p + "attn_v.weight", kv_heads * head_dim, hidden)
-        add(p + "attn_output.weight", hidden, heads * head_dim)
+        quiet = 0.02 if i == layers else 0.1  # the blocks' outputs scaled down (the head's most)
+        add(p + "attn_output.weight", hidden, heads * head_dim, scale=quiet * (heads * head_dim) ** -0.5)
         add(p + "ffn_gate.weight", ffn, hidden)
         add(p + "ffn_up.weight", ffn, hidden)
-        add(p + "ffn_down.weight", hidden, ffn)
+        add(p + "ffn_down.weight", hidden, ffn, scale=quiet * ffn ** -0.5)
         if i == layers:  # the MTP head (its embedding and output tied to the trunk's)
-            add(p + "nextn.eh_proj.weight", hidden, 2 * hidden)
+            add(p + "nextn.eh_proj.weight", hidden, 2 * hidden, eye=True)
             for n in ("enorm", "hnorm", "shared_head_norm"):
                 add(p + f"nextn.{n}.weight", hidden, ones=True)
     w.write_header_to_file()
@@ -322,7 +330,7 @@ def main() -> int:
             "cpu_cores": os.cpu_count(), "rows": rows}
     (a.out / "gpu_check.json").write_text(json.dumps(info, indent=1))
     md = (f"GPU check, {info['date']}: {info['gpu']}, torch {info['torch']}, {info['cpu_cores']} CPU cores. "
-          f"Synthetic model: {big.name}, {n_params(big) / 1e9:.2f} B parameters, bf16 weights, random.\n\n" + table(rows))
+          f"Synthetic model: {big.name}, {n_params(big) / 1e9:.2f} B parameters, bf16 weights, random, its head drafting the trunk's bigram guess.\n\n" + table(rows))
     (a.out / "gpu_check.md").write_text(md)
     print(md)
     bad = [r["model"] for r in rows if not r["identical_to_plain"] and r["dtype"] == "float32"]
