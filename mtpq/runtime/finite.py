@@ -38,8 +38,18 @@ def all_finite(t: torch.Tensor) -> bool:
 def check(model, part: str, logits: torch.Tensor, hidden: torch.Tensor, rerun: Callable[[], object] | None,
           start: int = 0, packing=None) -> None:
     """Raise if ``logits`` or ``hidden`` (an output of ``model``'s ``part``: "trunk" or "head") holds a non-finite
-    value. ``rerun`` repeats the pass uncached from position 0 (None for a step after cached tokens)."""
-    if _locating["on"] or (all_finite(hidden) and all_finite(logits)):
+    value. ``rerun`` repeats the pass uncached from position 0 (None for a step after cached tokens).
+
+    Off the CPU, inside :func:`deferred`, the test stays on the device (reading it back would wait for the GPU)
+    and :func:`settle` reads every one at once."""
+    if _locating["on"]:
+        return
+    pending = getattr(model, "finite_pending", None)
+    if pending is not None and _defers(logits.device):
+        ok = torch.isfinite(hidden.sum(dtype=torch.float32)) & torch.isfinite(logits.sum(dtype=torch.float32))
+        pending.append((ok, (model, part, logits, hidden, None, start, packing)))
+        return
+    if all_finite(hidden) and all_finite(logits):
         return
     what = "hidden states" if not all_finite(hidden) else "logits"
     stages = _trunk_stages(model) if part == "trunk" else _head_stages(model)
@@ -59,6 +69,38 @@ def check(model, part: str, logits: torch.Tensor, hidden: torch.Tensor, rerun: C
 
 
 _PART = {"trunk": "trunk", "head": "MTP head"}
+
+
+def _defers(device: torch.device) -> bool:
+    """Whether a finite test on ``device`` waits for a read-back of its own (not on the CPU)."""
+    return device.type != "cpu"
+
+
+class deferred:
+    """``with deferred(model) as tests:`` the outputs' finite tests of the passes inside stay on the device;
+    ``tests.all_ok()`` is one device bool to read back with the caller's own read-back, and ``tests.settle()``
+    raises as :func:`check` would for the first pass that was not finite (on the CPU every pass is checked at
+    once, and both are no-ops)."""
+
+    def __init__(self, model):
+        self.model, self.pending = model, []
+
+    def __enter__(self):
+        self.model.finite_pending = self.pending
+        return self
+
+    def __exit__(self, *exc):
+        self.model.finite_pending = None
+
+    def all_ok(self, device: torch.device) -> torch.Tensor:
+        if not self.pending:
+            return torch.ones((), dtype=torch.bool, device=device)
+        return torch.stack([ok for ok, _ in self.pending]).all()
+
+    def settle(self) -> None:
+        self.model.finite_pending = None
+        for _, args in self.pending:
+            check(*args)
 
 
 def _dtype(model) -> str:

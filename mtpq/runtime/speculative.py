@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ..acceptance.metrics import GenerationResult
+from . import finite
 from .layers import Packing
 from .families import load
 from .model import MtpModel
@@ -227,21 +228,25 @@ class SpeculativeDecoder:
         """:meth:`step` for greedy decoding, on the model's device: drafts, verification and the accepted count
         stay device tensors until one read-back at the end of the round (one host sync per round on a GPU)."""
         m = self.model
-        out = self._take_pending()
-        ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
-        drafts, chain = [], []
-        logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
-        for i in range(k):
-            drafts.append(logits.argmax().view(1))
-            if i + 1 < k:
-                out = self._draft_next(torch.cat(drafts)[None], hidden, chain)
-                logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
-        drafted = torch.cat(drafts)
-        verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
+        with finite.deferred(m) as tests:  # (the passes' finite tests join the round's read-back)
+            out = self._take_pending()
+            ck = m.checkpoint()  # the heads have consumed every real pair; the trunk sits at x_j
+            drafts, chain = [], []
+            logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+            for i in range(k):
+                drafts.append(logits.argmax().view(1))
+                if i + 1 < k:
+                    out = self._draft_next(torch.cat(drafts)[None], hidden, chain)
+                    logits, hidden = out.logits[0, -1], out.hidden[:, -1:]
+            drafted = torch.cat(drafts)
+            verify = m.trunk(torch.cat((self.pending_ids[0, -1:], drafted))[None])  # x_j: the last pending pair's
         self.trunk_forwards += 1
         best = verify.logits[0].argmax(dim=-1)  # [k + 1]
         accepted = (drafted == best[:k]).int().cumprod(dim=0).sum().view(1)  # drafts before the first miss
-        a, *values = torch.cat((accepted, best, drafted)).tolist()  # the round's one read-back
+        finite_ok = tests.all_ok(best.device).view(1).to(best.dtype)
+        ok, a, *values = torch.cat((finite_ok, accepted, best, drafted)).tolist()  # the round's one read-back
+        if not ok:
+            tests.settle()  # raises, naming the pass
         best_ids, draft_ids = values[:k + 1], values[k + 1:]
         m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
         emitted = draft_ids[:a] + [best_ids[a]]

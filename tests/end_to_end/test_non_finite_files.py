@@ -187,3 +187,26 @@ def test_llama_perplexity_on_a_non_finite_file_fails_the_gate(files, llama_cpp_b
     assert res.exit_code == 1, res.output
     line = _one_line(res)
     assert line.startswith(f"FAIL {files[name]}: llama-perplexity printed ") and "nan for " in line, line
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["checked-at-once", "deferred-as-on-a-gpu"])
+def test_a_drafting_round_that_turns_non_finite_stops_with_the_same_line(files, monkeypatch, defer):
+    """Greedy rounds test their passes' outputs on the device and read the verdict back with the round's ids (on a
+    GPU: no sync of its own); forced here on the CPU, a round whose head turns non-finite after the prefill raises
+    what the synchronous check raises, and a finite run equals plain greedy decoding."""
+    import torch
+
+    from mtpq.errors import MeasurementError
+    from mtpq.runtime import finite
+    from mtpq.runtime.speculative import SpeculativeDecoder, load_model, run_plain, run_speculative
+
+    monkeypatch.setattr(finite, "_defers", lambda device: defer)
+    model, tok = load_model(files["f32"], device="cpu")
+    ids = tok.encode("def add(a, b):\n    return a + b")
+    assert run_speculative(model, ids, 24, k=3).tokens == run_plain(model, ids, 24).tokens
+    dec = SpeculativeDecoder(model, 3)
+    dec.prefill(ids)
+    dec.step()
+    model.mtp.head_norm = torch.full_like(model.mtp.head_norm, float("nan"))
+    with pytest.raises(MeasurementError, match="non-finite .* from the MTP head"):
+        dec.step()
