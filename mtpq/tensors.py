@@ -110,6 +110,11 @@ class TensorSpec:
     def with_type(self, ggml_type: GGMLQuantizationType, reason: str) -> "TensorSpec":
         return replace(self, ggml_type=ggml_type, reason=reason)
 
+    def with_values(self, load: Callable[[], torch.Tensor]) -> "TensorSpec":
+        """The same tensor with other values: every reader of the stored ones (raw bytes, rows, file offset)
+        dropped, so the writer cannot take the stored values instead of ``load``'s."""
+        return replace(self, load=load, load_raw=None, load_rows=None, stored_at=None, source_type=None)
+
     @property
     def n_elements(self) -> int:
         n = 1

@@ -53,3 +53,27 @@ def test_slabs_give_the_whole_tensors_bytes(run, inputs, tmp_path, monkeypatch):
     assert run_cli("quantize", inputs[src], slabs, preset, "-q", *extra).exit_code == 0
     assert any("_exps" in n for n in calls) and len(calls) > 15  # expert stacks and matrices went by slabs
     assert slabs.read_bytes() == whole.read_bytes()
+
+
+@pytest.mark.parametrize("target", ["F32", "Q8_0"])
+def test_a_plans_new_values_are_written_not_the_stored_ones(target, inputs, tmp_path):
+    """A spec given other values (with_values) is written from them: the file's own readers (its bytes, its rows,
+    its offset for the kernels' threads) would write the old values instead -- they once did, and the tests'
+    edited models were silently their unedited sources."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+
+    plan = plan_from_gguf(inputs["full"])
+    name = "blk.0.attn_output.weight"
+    plan.tensors = [s.with_values(lambda s=s: torch.zeros(s.shape)).with_type(T[target], "test")
+                    if s.name == name else s for s in plan.tensors]
+    out = tmp_path / "edited.gguf"
+    write_plan(plan, out)
+    written = {t.name: t for t in GGUFReader(out).tensors}
+    assert not np.asarray(written[name].data).any()  # all zeros, in either type
+    assert np.asarray(written["blk.0.ffn_norm.weight" if "blk.0.ffn_norm.weight" in written
+                              else "output_norm.weight"].data).any()  # the others kept

@@ -48,7 +48,7 @@ def dequantized_copy(src: Path, out: Path) -> Path:
             continue
         load = (lambda s=s: torch.from_numpy(gguf.quants.dequantize(np.asarray(s.load_raw()), s.source_type)
                                              .astype(np.float32)).reshape(s.shape))
-        specs.append(replace(s, ggml_type=T.F32, load=load, load_raw=None, source_type=None))
+        specs.append(s.with_values(load).with_type(T.F32, "dequantized"))
     plan.tensors = specs
     write_plan(plan, out)
     return out
@@ -319,7 +319,7 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
         if not head:
             return None
         if field == "nextn.eh_proj.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
-            return lambda: torch.cat([torch.eye(s.shape[0]), head_mix * s.load()[:, s.shape[0]:]], dim=1)
+            return lambda: torch.cat([torch.eye(s.shape[0]), head_mix * torch.as_tensor(s.load())[:, s.shape[0]:]], dim=1)
         if field == "nextn.enorm.weight":
             return lambda: torch.ones(s.shape)
         twin = {"nextn.shared_head_norm.weight": "output_norm.weight",
@@ -327,7 +327,7 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
                 "nextn.shared_head_head.weight": "output.weight", "nextn.embed_tokens.weight": "token_embd.weight"}
         return top[twin[field]].load if field in twin else None
 
-    plan.tensors = [s if (f := edit(s)) is None else replace(s, load=f, load_raw=None) for s in plan.tensors]
+    plan.tensors = [s if (f := edit(s)) is None else s.with_values(f) for s in plan.tensors]
     write_plan(plan, out)
     return out
 

@@ -251,7 +251,7 @@ def repeat_head_donor(a_path: Path, out: Path) -> Path:
         values[name] = torch.zeros(plan.tensors[by[name]].shape)
     for name, v in values.items():
         spec = plan.tensors[by[name]]
-        plan.tensors[by[name]] = dataclasses.replace(spec, load=lambda v=v: v, load_raw=None, source_type=None)
+        plan.tensors[by[name]] = spec.with_values(lambda v=v: v)
     write_plan(plan, out)
     return out
 

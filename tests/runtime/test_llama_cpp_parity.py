@@ -88,7 +88,7 @@ def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | No
         kind, sub = (old.type, old.sub_type) if old is not None else (GGUFValueType.ARRAY, GGUFValueType.BOOL)
         plan.set_kv(f"{plan.arch}.{key}", value, kind, sub)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
-    plan.tensors = [replace(s, load=(lambda s=s: s.load() * factor), load_raw=None) if s.name.endswith(scaled)
+    plan.tensors = [s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
     write_plan(plan, out)
     return out
