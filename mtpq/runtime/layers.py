@@ -265,6 +265,8 @@ class Attention(nn.Module):
         self.joint = (self.q_norm is None) == (self.k_norm is None)
         self.qk_norm = None if self.q_norm is None or not self.joint else torch.cat(
             (self.q_norm.expand(cfg.n_heads, -1), self.k_norm.expand(cfg.n_kv_heads, -1)))
+        # llama.cpp's numerics: keys and values as its default (f16) KV cache stores them
+        self.stored_as = torch.float16 if w.weights.round_inputs else None
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -297,7 +299,10 @@ class Attention(nn.Module):
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.eps)
             q, k = self._rotate(q.transpose(1, 2), q_at), self._rotate(k.transpose(1, 2), k_at)
-        return q, k, v.view(B, T, cfg.n_kv_heads, cfg.head_dim), gate
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if self.stored_as is not None:
+            k, v = k.to(self.stored_as).to(q.dtype), v.to(self.stored_as).to(q.dtype)
+        return q, k, v, gate
 
     def _rotate(self, t: torch.Tensor, at) -> torch.Tensor:
         return t if self.rope is None else self.rope.apply(t, at)
