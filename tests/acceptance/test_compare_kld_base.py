@@ -160,7 +160,8 @@ def test_a_quant_against_a_base_gives_llama_perplexitys_figures(demo, llama_base
     backend rounds every k-quant's input to Q8_K (256 values to 8 bits), so a last-bit difference upstream
     (summation order, its own expf) moves a value across a rounding step now and then, and the steps cascade
     through the layers. Our Q4_K_M logits against llama.cpp's own Q4_K_M log-probabilities: mean KLD 6.9e-4
-    (f16 file: 5.3e-6); emulating ggml's SiLU bit for bit, its RoPE table or its norm left that unchanged.
+    (f16 file: 5.3e-6); emulating ggml's SiLU bit for bit, its RoPE table, its norm or its softmax's expf left
+    that unchanged.
     docs/notes/runtime.md has the measurements."""
     from mtpq.engines.perplexity import parse_kld_log
 
