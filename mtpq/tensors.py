@@ -36,6 +36,21 @@ class Role(str, Enum):
     OTHER = "other"
 
 
+# The top-level tensors a head-only file (convert --mtp-only, extract-mtp) keeps beside the MTP blocks: what
+# llama.cpp's MTP graph reads outside them. Architectures whose head reads more list it here.
+MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+MTP_ONLY_KEEP_BY_ARCH: dict[str, tuple[str, ...]] = {
+    "step35": MTP_ONLY_KEEP + ("rope_freqs.weight",),
+    # DeepSeek-V4's head ends in its own output hyper-connection
+    "deepseek4": MTP_ONLY_KEEP + ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"),
+}
+
+
+def mtp_only_keep(arch: str) -> tuple[str, ...]:
+    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps."""
+    return MTP_ONLY_KEEP_BY_ARCH.get(arch, MTP_ONLY_KEEP)
+
+
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 

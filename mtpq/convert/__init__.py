@@ -7,11 +7,11 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 from ..tensors import Plan
-from . import families  # noqa: F401  (the families register themselves)
-from .base import FAMILIES, OUTTYPES, BlockSelection, family_for
+from .base import OUTTYPES, BlockSelection
 from .checkpoint import HFCheckpoint
+from .families import CONVERT_FAMILIES, convert_family_for
 
-__all__ = ["FAMILIES", "OUTTYPES", "BlockSelection", "plan_checkpoint"]
+__all__ = ["CONVERT_FAMILIES", "OUTTYPES", "BlockSelection", "plan_checkpoint"]
 
 
 def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
@@ -26,7 +26,7 @@ def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
     ckpt = HFCheckpoint(Path(src))
     if outtype is None:
         outtype = auto_outtype(ckpt)
-    plan = family_for(ckpt).plan(mtp=mtp, outtype=outtype)
+    plan = convert_family_for(ckpt).plan(mtp=mtp, outtype=outtype)
     tell_unread(ckpt.folder)  # the checkpoint passed: now say that its config.json was read as written
     return plan
 

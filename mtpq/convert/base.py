@@ -1,6 +1,6 @@
-"""What every family shares: the registry, common hparams, name mapping, types.
+"""What every convert family shares: common hparams, name mapping, types, the plan.
 
-A family module subclasses :class:`Family` and declares
+A family module subclasses :class:`ConvertFamily` and declares
 - ``hf_architectures`` and ``arch`` (the GGUF architecture),
 - ``set_metadata(w)``: family-specific hparams on top of :meth:`set_common_metadata`,
 - for families whose blocks are ``model.layers.{N}`` (trunk, then the MTP blocks
@@ -9,7 +9,7 @@ A family module subclasses :class:`Family` and declares
   ``*_exps``), ``nextn_tensors`` (the MTP-only tensors and their GGUF kinds),
   ``drop_tied_output``; and per-tensor hooks: ``modify`` (llama.cpp's
   ``modify_tensors``: rename, split, transform one HF tensor) and ``check_block``.
-  The one per-layer loop, :meth:`Family.tensors`, walks them.
+  The one per-layer loop, :meth:`ConvertFamily.tensors`, walks them.
 - families stored another way (Qwen3.5's ``mtp.*``) override ``tensors()``.
 The base turns the tensors into a :class:`~mtpq.tensors.Plan` with roles and output types.
 """
@@ -30,10 +30,10 @@ from gguf import GGUFWriter, LlamaFileType
 
 from ..errors import InputError
 from ..gguf_io import size_label
-from ..tensors import Plan, TensorSpec, block_index, classify
+from ..tensors import Plan, TensorSpec, block_index, classify, mtp_only_keep
 from . import stream, validate
 from .checkpoint import HFCheckpoint
-from .validate import Expected
+from .validate import Expected, Found
 
 
 class BlockSelection(str, Enum):
@@ -47,7 +47,6 @@ FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16,
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
-MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
 # llama.cpp's llama_expert_gating_func_type, as its converter writes scoring_func (sqrtsoftplus: newer than gguf 0.19)
 EXPERT_GATING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
@@ -79,7 +78,7 @@ def as_llama_cpp_reads(t: torch.Tensor) -> torch.Tensor:
 
 def keeps_bytes(fn: Transform) -> Transform:
     """Mark a transform that only adds or drops size-1 dims (``squeeze``): the stored bytes, in order, are
-    the result's, so :meth:`Family.emit` can still stream the tensor (map or convert it band by band)."""
+    the result's, so :meth:`ConvertFamily.emit` can still stream the tensor (map or convert it band by band)."""
     fn.keeps_bytes = True
     return fn
 
@@ -99,37 +98,7 @@ class Emit:
     ggml_type: T | None = None
 
 
-FAMILIES: dict[str, type["Family"]] = {}
-
-
-def register(cls: type["Family"]) -> type["Family"]:
-    for a in cls.hf_architectures:
-        FAMILIES[a] = cls
-    return cls
-
-
-def family_for(ckpt: HFCheckpoint) -> "Family":
-    archs = ckpt.config.get("architectures") or []
-    for a in archs:
-        if a in FAMILIES:
-            return FAMILIES[a](ckpt)
-    for a in archs:
-        if a in NO_LLAMA_CPP_HEAD:
-            raise InputError(ckpt.folder / "config.json", f"unsupported architecture {a}: {NO_LLAMA_CPP_HEAD[a]}")
-    known = ", ".join(sorted(FAMILIES))
-    raise InputError(ckpt.folder / "config.json", f"unsupported architecture {archs or '(none)'}; mtpq converts: {known}")
-
-
-# MTP checkpoints that llama.cpp neither converts nor runs: no GGUF arch holds their head, so a file keeping it
-# would load nowhere (llama.cpp refuses tensors its graph does not use). Said plainly instead of "unknown".
-NO_LLAMA_CPP_HEAD = {
-    "MiMoForCausalLM": "MiMo-7B's MTP head (model.mtp_layers.*) has no GGUF architecture: llama.cpp's converter "
-                       "does not register MiMoForCausalLM and no llama.cpp graph runs that head, so a GGUF "
-                       "keeping it would load nowhere (MiMo-V2-Flash / MiMo-V2.5 convert as mimo2)",
-}
-
-
-class Family:
+class ConvertFamily:
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     arch: ClassVar[str] = ""
     # GGUF-name suffixes kept at F32 whatever the outtype (llama.cpp's converter does the same)
@@ -152,15 +121,14 @@ class Family:
     # True where llama.cpp's converter reads config.json as stored, without transformers' derived keys (the
     # transformers it pins does not know the model type): the family then reads exactly that too
     stored_config: ClassVar[bool] = False
-    # the top-level tensors a head-only (--mtp-only) file keeps beside the MTP blocks
-    mtp_only_keep: ClassVar[tuple[str, ...]] = MTP_ONLY_KEEP
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
     def __init__(self, ckpt: HFCheckpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config if self.stored_config else ckpt.hparams)
-        validate.check_required_hparams(self)
+        validate.check_required_hparams(self.text_config(ckpt.config), self.required_hparams,
+                                        self.hf_architectures[0], ckpt.folder / "config.json")
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
@@ -249,6 +217,27 @@ class Family:
         Every family in the tree declares them; None (a new family before it does) leaves only the checks
         that need no declaration (dtypes, safetensors layout, the per-layer loop's own "no tensors for layer")."""
         return None
+
+    def blocks_checked(self, keep_mtp: bool) -> int:
+        """The blocks :meth:`expected_tensors` describes: the trunk, and the MTP blocks when they are kept."""
+        return self.n_trunk + (self.n_mtp if keep_mtp else 0)
+
+    def found_tensors(self) -> dict[str, Found]:
+        """Every stored tensor under the name :meth:`expected_tensors` uses, with the shape of its values."""
+        out = {}
+        for name in self.logical_names():
+            if (hf := self.resolve(name)) is not None:
+                out[name] = Found(hf, self.logical_shape(hf), self.ckpt.stored[hf].file)
+        return out
+
+    def check(self, keep_mtp: bool) -> None:
+        """All tensor-level checks of the checkpoint, on the data this family declares; before any tensor is
+        planned."""
+        validate.check_dtypes(self.ckpt, self.own_encodings)
+        expected = self.expected_tensors(keep_mtp)
+        if expected is not None:
+            validate.check_tensors(expected, self.found_tensors(), folder=self.ckpt.folder, n_trunk=self.n_trunk,
+                                   layout=validate.layout_line(self.n_trunk, self.n_mtp))
 
     def resolve(self, name: str) -> str | None:
         """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
@@ -441,7 +430,7 @@ class Family:
             if mtp is BlockSelection.ONLY:
                 raise InputError(self.ckpt.folder / "config.json", "--mtp-only: this checkpoint has no MTP layers")
         keep_mtp = mtp is not BlockSelection.DROP and self.n_mtp > 0
-        validate.check_family(self, keep_mtp)
+        self.check(keep_mtp)
         self.n_blocks = n_blocks = self.n_trunk + (self.n_mtp if keep_mtp else 0)
 
         specs: list[TensorSpec] = []
@@ -451,7 +440,7 @@ class Family:
             is_mtp = bid is not None and bid >= self.n_trunk
             if is_mtp and not keep_mtp:
                 continue
-            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
+            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in mtp_only_keep(self.arch):
                 continue
             if e.name in seen:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")
@@ -483,11 +472,6 @@ class Family:
 
         return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
                     n_mtp_layers=self.n_mtp if keep_mtp else 0)
-
-
-def mtp_only_keep(arch: str) -> tuple[str, ...]:
-    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps (its family's declaration)."""
-    return next((f.mtp_only_keep for f in FAMILIES.values() if f.arch == arch), MTP_ONLY_KEEP)
 
 
 def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> Emit:

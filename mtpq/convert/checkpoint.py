@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .validate import check_config
+from .hfconfig import check_config
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import InputError
+
 
 log = logging.getLogger(__name__)
 _unread: dict[str, str] = {}  # folder -> why transformers could not read its config.json (see tell_unread)
@@ -89,3 +91,74 @@ def merged(stored: dict, derived: dict) -> dict:
 def hparams_view(folder: Path, stored: dict) -> dict:
     """What the families read: config.json plus transformers' derived keys (see the module docstring)."""
     return merged(stored, transformers_view(folder))
+
+
+# key -> (kind, minimum). "int" values must be JSON integers (not bools), "number" ints or floats,
+# "bool" true/false, "strs" a list of strings, "flags" a list of 0/1 (or true/false). null is allowed everywhere
+# (families decide what null means).
+_POSITIVE, _NON_NEGATIVE = 1, 0
+CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
+    **{k: ("int", _POSITIVE) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
+        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
+        # Step3.5 and MiMo-V2 spellings
+        "num_attention_groups", "moe_num_experts", "moe_top_k", "share_expert_dim",
+        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size",
+        # GLM-5's sparse-attention indexer
+        "index_n_heads", "index_head_dim", "index_topk")},
+    **{k: ("int", _NON_NEGATIVE) for k in (
+        "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
+    **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
+    "rope_theta": ("numbers", None),  # Step3.5 gives one base per attention kind: [full, sliding, ...]
+    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob",
+                                   "use_head_wise_attn_gate", "use_moe_router_bias", "add_swa_attention_sink_bias",
+                                   "add_full_attention_sink_bias")},
+    "hybrid_layer_pattern": ("flags", None),  # MiMo-V2: per layer, 1 = sliding window
+    **{k: ("strs", None) for k in ("architectures", "layer_types")},
+    **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
+}
+
+
+def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | None:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int" and not is_int:
+        return f"{key} must be an integer, got {value!r}"
+    if kind == "number" and not (is_int or isinstance(value, float)):
+        return f"{key} must be a number, got {value!r}"
+    if kind == "numbers":
+        items = value if isinstance(value, list) and value else [value]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            return f"{key} must be a number (or a list of numbers), got {value!r}"
+        return None
+    if kind == "bool" and not isinstance(value, bool):
+        return f"{key} must be true or false, got {value!r}"
+    if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return f"{key} must be a list of strings, got {value!r}"
+    if kind == "flags" and not (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, float)
+                                                                for v in value)):
+        return f"{key} must be a list of 0/1 flags, got {value!r}"
+    if kind == "dict" and not isinstance(value, dict):
+        return f"{key} must be a JSON object, got {value!r}"
+    if minimum is not None and value < minimum:
+        return f"{key} must be {'positive' if minimum > 0 else 'at least 0'}, got {value}"
+    return None
+
+
+def check_config(config, path: Path) -> None:
+    """config.json's values have the types the converter relies on; the first problem is an InputError."""
+    if not isinstance(config, dict):
+        raise InputError(path, f"expected a JSON object, got {type(config).__name__}")
+    tables = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        tables.append(("text_config.", config["text_config"]))
+    for prefix, table in tables:
+        for key, value in table.items():
+            rule = CONFIG_SCHEMA.get(key)
+            if rule is None or value is None:
+                continue
+            if (problem := _type_problem(prefix + key, value, *rule)) is not None:
+                raise InputError(path, problem)

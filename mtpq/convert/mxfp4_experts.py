@@ -25,7 +25,7 @@ EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_pro
 
 
 class Mxfp4Experts:
-    """Mixin (listed before :class:`~.base.Family`): a family whose per-expert gate/up/down weights may be MXFP4.
+    """Mixin (listed before :class:`~.base.ConvertFamily`): a family whose per-expert gate/up/down weights may be MXFP4.
     The family's ``__init__`` calls :meth:`find_mxfp4_experts` once it has read config.json's declaration."""
 
     mxfp4: dict[str, str] = {}  # MXFP4 expert weight -> its E8M0 scale tensor

@@ -2,9 +2,6 @@
 
 All cheap (names, shapes, JSON; no tensor data is read; see benchmarks/convert_bench.py):
 
-- :func:`check_config`: config.json values have the JSON types they must have
-  (``"num_hidden_layers": "four"``, a negative dimension, a list where an
-  object belongs: one line each), wherever they sit (top level or text_config).
 - :func:`check_required_hparams`: the hparams a family cannot do without.
 - :func:`check_dtypes`: every stored weight is floating point; an FP8 one has a
   float scale companion whose shape fits it.
@@ -13,11 +10,14 @@ All cheap (names, shapes, JSON; no tensor data is read; see benchmarks/convert_b
   nothing else is stored (a bias with ``attention_bias: false``).
 
 The safetensors container itself (byte ranges tiling each shard's data area)
-is checked where headers are read, in :mod:`.checkpoint`.
+is checked where headers are read, in :mod:`.checkpoint`; config.json's value
+types (``"num_hidden_layers": "four"``, a negative dimension) where it is read,
+by :func:`.hfconfig.check_config`.
 
-Families declare what they need as data: ``required_hparams`` and
-``expected_tensors(keep_mtp)`` yielding :class:`Expected` entries; this module
-does the checking once for all of them.
+Families declare what they need as data: ``required_hparams``,
+``expected_tensors(keep_mtp)`` yielding :class:`Expected` entries, and the
+stored tensors under the names those use (:class:`Found`). This module checks
+that data once for all of them and never calls back into a family.
 """
 
 from __future__ import annotations
@@ -25,97 +25,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Container, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Container, Iterable, Iterator, Mapping
 
 from ..errors import InputError
 
 if TYPE_CHECKING:
-    from .base import Family
     from .checkpoint import HFCheckpoint
 
-# ----------------------------------------------------------------------------- config.json
-
-# key -> (kind, minimum). "int" values must be JSON integers (not bools), "number" ints or floats,
-# "bool" true/false, "strs" a list of strings, "flags" a list of 0/1 (or true/false). null is allowed everywhere
-# (families decide what null means).
-_POSITIVE, _NON_NEGATIVE = 1, 0
-CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
-    **{k: ("int", _POSITIVE) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
-        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
-        # Step3.5 and MiMo-V2 spellings
-        "num_attention_groups", "moe_num_experts", "moe_top_k", "share_expert_dim",
-        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size",
-        # GLM-5's sparse-attention indexer
-        "index_n_heads", "index_head_dim", "index_topk")},
-    **{k: ("int", _NON_NEGATIVE) for k in (
-        "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
-    **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
-    "rope_theta": ("numbers", None),  # Step3.5 gives one base per attention kind: [full, sliding, ...]
-    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob",
-                                   "use_head_wise_attn_gate", "use_moe_router_bias", "add_swa_attention_sink_bias",
-                                   "add_full_attention_sink_bias")},
-    "hybrid_layer_pattern": ("flags", None),  # MiMo-V2: per layer, 1 = sliding window
-    **{k: ("strs", None) for k in ("architectures", "layer_types")},
-    **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
-}
-
-
-def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | None:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind == "int" and not is_int:
-        return f"{key} must be an integer, got {value!r}"
-    if kind == "number" and not (is_int or isinstance(value, float)):
-        return f"{key} must be a number, got {value!r}"
-    if kind == "numbers":
-        items = value if isinstance(value, list) and value else [value]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
-            return f"{key} must be a number (or a list of numbers), got {value!r}"
-        return None
-    if kind == "bool" and not isinstance(value, bool):
-        return f"{key} must be true or false, got {value!r}"
-    if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        return f"{key} must be a list of strings, got {value!r}"
-    if kind == "flags" and not (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, float)
-                                                                for v in value)):
-        return f"{key} must be a list of 0/1 flags, got {value!r}"
-    if kind == "dict" and not isinstance(value, dict):
-        return f"{key} must be a JSON object, got {value!r}"
-    if minimum is not None and value < minimum:
-        return f"{key} must be {'positive' if minimum > 0 else 'at least 0'}, got {value}"
-    return None
-
-
-def check_config(config, path: Path) -> None:
-    """config.json's values have the types the converter relies on; the first problem is an InputError."""
-    if not isinstance(config, dict):
-        raise InputError(path, f"expected a JSON object, got {type(config).__name__}")
-    tables = [("", config)]
-    if isinstance(config.get("text_config"), dict):
-        tables.append(("text_config.", config["text_config"]))
-    for prefix, table in tables:
-        for key, value in table.items():
-            rule = CONFIG_SCHEMA.get(key)
-            if rule is None or value is None:
-                continue
-            if (problem := _type_problem(prefix + key, value, *rule)) is not None:
-                raise InputError(path, problem)
-
-
-def check_required_hparams(family: "Family") -> None:
-    """The keys a family cannot do without must be STORED: transformers' view fills a missing hidden_size with its
-    class default (4096), and a checkpoint refused for "shape [512, 256], config.json implies [512, 4096]" would
-    blame the wrong thing. (Keys transformers derives from other stored keys are not required; families read
-    them from the view.)"""
-    stored = family.text_config(family.ckpt.config)
-    missing = [k for k in family.required_hparams if stored.get(k) is None]
+def check_required_hparams(stored: dict, required: Iterable[str], architecture: str, path: Path) -> None:
+    """The keys a family cannot do without must be STORED (``stored``: config.json's language-model table as
+    written): transformers' view fills a missing hidden_size with its class default (4096), and a checkpoint
+    refused for "shape [512, 256], config.json implies [512, 4096]" would blame the wrong thing. (Keys
+    transformers derives from other stored keys are not required; families read them from the view.)"""
+    missing = [k for k in required if stored.get(k) is None]
     if missing:
-        raise InputError(family.ckpt.folder / "config.json",
-                         f"missing {', '.join(missing)} (needed to convert {family.hf_architectures[0]})")
+        raise InputError(path, f"missing {', '.join(missing)} (needed to convert {architecture})")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -128,6 +52,16 @@ class Expected:
     name: str
     shape: tuple[int, ...]
     optional: bool = False
+
+
+@dataclass(frozen=True)
+class Found:
+    """A stored tensor under the name :class:`Expected` entries use: its stored name, the shape of the values it
+    holds (packed encodings hold more values than bytes) and its file (for messages)."""
+
+    name: str
+    shape: tuple[int, ...]
+    file: Path
 
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -196,51 +130,45 @@ def _check_fp8_scale(ckpt: "HFCheckpoint", name: str) -> None:
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
-def check_tensors(family: "Family", expected: Iterable[Expected], layout: str) -> None:
-    """Every expected tensor exists (resolved through ``family.resolve``) with the expected shape, and
-    no stored tensor inside a described block is left over.
+def check_tensors(expected: Iterable[Expected], found: Mapping[str, Found], *, folder: Path, n_trunk: int,
+                  layout: str) -> None:
+    """Every expected tensor is ``found`` with the expected shape, and no found tensor inside a described block
+    is left over.
 
     ``expected`` is consumed lazily: an absurd config (a billion layers or experts) fails at its
     first missing tensor instead of building the list. ``layout`` ends a missing-tensor message
     ("config.json has 2 layers + 1 MTP").
     """
-    ckpt = family.ckpt
     names: set[str] = set()
     for e in expected:
         names.add(e.name)
-        hf = family.resolve(e.name)
+        hf = found.get(e.name)
         if hf is None:
             if e.optional:
                 continue
-            hint = "; convert the trunk alone with --no-mtp" if _in_mtp_block(e.name, family.n_trunk) else ""
+            hint = "; convert the trunk alone with --no-mtp" if _in_mtp_block(e.name, n_trunk) else ""
             layer = _BLOCK.match(e.name)
-            if layer and not any(n.startswith(layer[0]) for n in family.logical_names()):
-                raise InputError(ckpt.folder, f"no tensors for layer {layer[1]} ({layer[0]}*; {layout}{hint})")
-            raise InputError(ckpt.folder, f"missing tensor {e.name} ({layout}{hint})")
-        got = family.logical_shape(hf)
-        if got != tuple(e.shape):
-            raise InputError(ckpt.stored[hf].file, f"{hf} has shape {list(got)}, but config.json implies {list(e.shape)}")
-    _check_no_extra(family, names)
+            if layer and not any(n.startswith(layer[0]) for n in found):
+                raise InputError(folder, f"no tensors for layer {layer[1]} ({layer[0]}*; {layout}{hint})")
+            raise InputError(folder, f"missing tensor {e.name} ({layout}{hint})")
+        if hf.shape != tuple(e.shape):
+            raise InputError(hf.file, f"{hf.name} has shape {list(hf.shape)}, but config.json implies {list(e.shape)}")
+    _check_no_extra(found, names)
 
 
-def _check_no_extra(family: "Family", names: set[str]) -> None:
+def _check_no_extra(found: Mapping[str, Found], names: set[str]) -> None:
     """Inside a block config.json describes, a stored tensor it does not imply (a q_proj.bias with
     attention_bias false, shared experts with n_shared_experts 0) contradicts it: which one is right?"""
     blocks = {m[0] for n in names if (m := _BLOCK.match(n))}
-    for name in family.logical_names():
+    for name, hf in found.items():
         m = _BLOCK.match(name)
         if m and m[0] in blocks and name not in names:
-            hf = family.resolve(name) or name
-            raise InputError(family.ckpt.stored[hf].file, f"{hf} is stored, but config.json implies no such tensor")
+            raise InputError(hf.file, f"{hf.name} is stored, but config.json implies no such tensor")
 
 
-def check_family(family: "Family", keep_mtp: bool) -> None:
-    """All tensor-level checks of one checkpoint for one family; called before any tensor is planned."""
-    check_dtypes(family.ckpt, family.own_encodings)
-    layout = f"config.json has {family.n_trunk} layers" + (f" + {family.n_mtp} MTP" if family.n_mtp else "")
-    expected = family.expected_tensors(keep_mtp)
-    if expected is not None:
-        check_tensors(family, expected, layout)
+def layout_line(n_trunk: int, n_mtp: int) -> str:
+    """How a missing-tensor message states the layout config.json declares."""
+    return f"config.json has {n_trunk} layers" + (f" + {n_mtp} MTP" if n_mtp else "")
 
 
 # ----------------------------------------------------------------------------- building blocks families declare with
@@ -294,16 +222,15 @@ def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0,
         yield from dense_ffn(p + "shared_experts.", hidden, ff * n_shared)
 
 
-def deepseek_layout(family: "Family", keep_mtp: bool, attention: Callable[[str], Iterable[Expected]], *,
+def deepseek_layout(hp: dict, n_trunk: int, n_blocks: int, attention: Callable[[str], Iterable[Expected]], *,
                     moe_ff: int, router_bias: bool | None) -> Iterator[Expected]:
     """DeepSeek-V3's checkpoint, which GLM-4.5 shares but for the attention: blocks ``model.layers.N.`` (the MTP
     blocks appended past the trunk, with the NextN tensors), each two norms, ``attention(block prefix)``, then a
     dense FFN in the first ``first_k_dense_replace`` blocks and MoE in the others (the MTP blocks included)."""
-    hp = family.hparams
     h, vocab = hp["hidden_size"], hp["vocab_size"]
     n_exp, dense = hp.get("n_routed_experts"), hp.get("first_k_dense_replace") or 0
     yield from embeddings(h, vocab, tied=bool(hp.get("tie_word_embeddings")))
-    for bid in range(family.n_trunk + (family.n_mtp if keep_mtp else 0)):
+    for bid in range(n_blocks):
         p = f"model.layers.{bid}."
         yield from norms(p, h, "input_layernorm", "post_attention_layernorm")
         yield from attention(p)
@@ -312,7 +239,7 @@ def deepseek_layout(family: "Family", keep_mtp: bool, attention: Callable[[str],
                                     router_bias=router_bias)
         else:
             yield from dense_ffn(p + "mlp.", h, hp["intermediate_size"])
-        if bid >= family.n_trunk:
+        if bid >= n_trunk:
             yield from nextn_head(p, h, vocab)
 
 

@@ -9,7 +9,7 @@ What the speculative loop and the acceptance check use (and nothing else):
     model.rollback(ck, trunk_kept=a + 1, mtp_kept=0)   # back to the accepted prefix
     model.reset()
 
-A family (``families/<arch>.py``) is a :class:`Family`: it reads its config from the
+A family (``families/<arch>.py``) is a :class:`RuntimeFamily`: it reads its config from the
 GGUF metadata and builds the decoder block at each index (trunk blocks 0..n_trunk-1,
 the MTP block at n_trunk) from the tensors under ``blk.N.``. The trunk around them is
 the same for all: token_embd -> blocks -> output_norm -> output.
@@ -21,7 +21,7 @@ speculative loop and the teacher-forced passes read the choice from the model (:
 
 ``hidden="post_norm"`` feeds the head the trunk's output after ``output_norm`` (llama.cpp for most families,
 transformers, vLLM); ``"pre_norm"`` the last block's raw output instead (and, for drafts 2..k, the head's output
-before its norm): what llama.cpp's step35 and mimo2 graphs feed (``Family.nextn_state``), elsewhere a diagnostic
+before its norm): what llama.cpp's step35 and mimo2 graphs feed (``RuntimeFamily.nextn_state``), elsewhere a diagnostic
 that should draft worse. ``"auto"`` (the default) takes the family's own.
 
 Several heads (Step-3.5, MiMo-V2.5: 3) draft as llama.cpp's ``chain_heads`` mode does (:attr:`MtpModel.chained`):
@@ -48,7 +48,7 @@ HIDDEN_CHOICES = ("post_norm", "pre_norm", "auto")
 FIRST_PAIRS = ("zero_state", "none")
 
 
-class Family:
+class RuntimeFamily:
     """One architecture's declaration. Subclasses set ``archs`` and implement ``block``."""
 
     archs: ClassVar[tuple[str, ...]] = ()
@@ -69,6 +69,11 @@ class Family:
         """The decoder block ``index`` (``index >= file.n_trunk``: an MTP block). It has
         ``forward(x, start, cache)`` and ``new_cache()``."""
         raise NotImplementedError
+
+
+# Deprecated: the old name, kept so that a family module written against it still imports; new code says
+# RuntimeFamily (the convert side's is ConvertFamily).
+Family = RuntimeFamily
 
 
 @dataclass
@@ -92,7 +97,7 @@ class RollbackPoint:
 
 
 class MtpModel(nn.Module):
-    def __init__(self, g: GGUFFile, family: Family, device: torch.device | str = "cpu",
+    def __init__(self, g: GGUFFile, family: RuntimeFamily, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, hidden: str = "auto", llama_cpp_numerics: bool = False,
                  first_pair: str = "zero_state"):
         super().__init__()

@@ -121,7 +121,7 @@ def test_bad_input(work, args, needle):
 def test_an_architecture_without_runtime_is_one_line(work):
     """A GGUF the runtime cannot run: exit 2 naming the architecture and the families the runtime has."""
     from mtpq.gguf_io import plan_from_gguf, write_plan
-    from mtpq.runtime.families import FAMILIES
+    from mtpq.runtime.families import RUNTIME_FAMILIES
 
     plan = plan_from_gguf(work / "good.gguf")
     plan.arch = "llama"  # same tensors, an architecture the runtime lacks (it has no MTP graph)
@@ -130,7 +130,7 @@ def test_an_architecture_without_runtime_is_one_line(work):
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
     assert len(line.splitlines()) == 1 and "llama" in line and "llama.gguf" in line, line
-    assert all(arch in line for arch in FAMILIES), line
+    assert all(arch in line for arch in RUNTIME_FAMILIES), line
 
 
 def test_demo_table_keeps_file_names_on_80_columns():

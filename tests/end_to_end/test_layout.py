@@ -1,112 +1,9 @@
-"""The package's shape: no import cycle in mtpq/ (lazy imports inside functions count too: a cycle a lazy import
-hides is still a cycle), and the layers that must not need torch do not import it."""
+"""The package's shape beyond its import graph (tests/test_import_graph.py): the layers that must not need torch
+do not import it, and ggml stands alone."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-PACKAGE = Path(__file__).resolve().parents[2] / "mtpq"
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for p in PACKAGE.rglob("*.py"):
-        parts = p.relative_to(PACKAGE.parent).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
-    return out
-
-
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return skip
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> the mtpq modules it imports (anywhere in the file) and the top-level packages it imports."""
-    mods = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text())
-        skip = _type_checking_only(tree)
-        is_pkg = path.name == "__init__.py"
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[:len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
-            for t in targets:
-                if t.split(".")[0] != "mtpq":
-                    deps.add(t.split(".")[0])  # an outside package: torch, numpy, ...
-                    continue
-                while t not in mods and "." in t:
-                    t = t.rsplit(".", 1)[0]
-                if t != name:
-                    deps.add(t)
-        graph[name] = deps
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in graph:
-                continue
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_cycle():
-    assert cycles(import_graph()) == []
-
-
-def test_the_walk_sees_lazy_imports_and_cycles():
-    """The check can fail: a lazy import back is found, and a two-module loop is a cycle."""
-    graph = import_graph()
-    assert "mtpq.runtime.families" in graph["mtpq.runtime.speculative"]
-    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+from tests.test_import_graph import import_graph
 
 
 def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
@@ -166,13 +63,3 @@ def test_ggml_formats_stand_alone():
     assert len(ggml) >= 10
     outside = {m: sorted(d for d in graph[m] if d.startswith("mtpq") and d not in ggml) for m in ggml}
     assert {m: d for m, d in outside.items() if d} == {}
-
-
-def test_only_the_cli_imports_the_cli():
-    """mtpq/cli is the top layer: the library (the release runner included) never imports it; only the entry point
-    ``python -m mtpq`` does."""
-    graph = import_graph()
-    cli = {m for m in graph if m == "mtpq.cli" or m.startswith("mtpq.cli.")}
-    assert len(cli) >= 10 and "mtpq.cli" in graph["mtpq.__main__"]
-    users = {m: sorted(d for d in deps if d in cli) for m, deps in graph.items() if m not in cli and m != "mtpq.__main__"}
-    assert {m: d for m, d in users.items() if d} == {}

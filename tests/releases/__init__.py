@@ -109,11 +109,11 @@ def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
 def ci_cells() -> set[tuple[str, str, str | None]]:
     """The differential matrix's cells CI runs (``make test-extra``): for each GGUF architecture, the first manifest
     of it (by name) in its first form, every converter mode. The other cells are ``heavy`` (``make test-heavy``)."""
-    from mtpq.convert import FAMILIES
+    from mtpq.convert import CONVERT_FAMILIES
 
     first: dict[str, str] = {}
     for name, m in manifests().items():
-        arch = FAMILIES[m.CONFIG["architectures"][0]].arch
+        arch = CONVERT_FAMILIES[m.CONFIG["architectures"][0]].arch
         first.setdefault(arch, name)
     return {(name, next(iter(manifests()[name].FORMS)), mode) for name in first.values() for mode in MODES}
 

@@ -12,9 +12,9 @@ from tests.helpers.runcli import run_cli
 
 def test_the_torch_free_list_is_the_runtimes_families():
     from mtpq.runtime.archs import RUNTIME_ARCHS
-    from mtpq.runtime.families import FAMILIES
+    from mtpq.runtime.families import RUNTIME_FAMILIES
 
-    assert RUNTIME_ARCHS == frozenset(FAMILIES)
+    assert RUNTIME_ARCHS == frozenset(RUNTIME_FAMILIES)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, Family, BlockSelection, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables, register
+from ..base import Emit, ConvertFamily, BlockSelection, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
@@ -82,14 +82,13 @@ _REQUIRED = ("layer_group_size", "short_conv_kernel_size", "head_dim", "kda_lowe
              "moe_shared_expert_intermediate_size", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob")
 
 
-@register
-class BailingMoe3(Mxfp4Experts, Family):
+class BailingMoe3(Mxfp4Experts, ConvertFamily):
     hf_architectures = ("BailingMoeV3ForCausalLM",)
     arch = "bailingmoe3"
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *_REQUIRED)
     expert_count_keys = ("num_experts",)
     # the KDA short convolutions stay F32 (ggml's ssm_conv takes f32 weights only; llama.cpp's converter agrees)
-    f32_kinds = (*Family.f32_kinds, "ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v")
+    f32_kinds = (*ConvertFamily.f32_kinds, "ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v")
 
     def __init__(self, ckpt):
         super().__init__(ckpt)

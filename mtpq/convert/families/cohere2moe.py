@@ -31,7 +31,7 @@ from gguf import MODEL_TENSOR as K
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, Emit, Family, name_from_tables, register, weight_table
+from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, Emit, ConvertFamily, name_from_tables, weight_table
 from ..validate import Expected
 
 _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind
@@ -43,8 +43,7 @@ _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" d
 _WEIGHTS = weight_table(_BLOCK_NAMES)
 
 
-@register
-class Cohere2Moe(Family):
+class Cohere2Moe(ConvertFamily):
     hf_architectures = ("Cohere2MoeForCausalLM",)
     arch = "cohere2moe"
     # layer_types is not required as stored: transformers derives it (from sliding_window_pattern and the dense

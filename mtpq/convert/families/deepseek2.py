@@ -29,15 +29,14 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as MT
 
 from .. import validate as V
-from ..base import Emit, Family, gguf_name, register
+from ..base import Emit, ConvertFamily, gguf_name
 from ..validate import Expected
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "kv_lora_rank",
              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
-@register
-class DeepseekV3(Family):
+class DeepseekV3(ConvertFamily):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     arch = "deepseek2"
 
@@ -49,7 +48,8 @@ class DeepseekV3(Family):
             return (Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
 
         moe_ff = self.hp("moe_intermediate_size", "intermediate_size")
-        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=moe_ff, router_bias=self.router_bias())
+        return V.deepseek_layout(self.hparams, self.n_trunk, self.blocks_checked(keep_mtp), attention, moe_ff=moe_ff,
+                                 router_bias=self.router_bias())
 
     def router_bias(self) -> bool | None:
         """Whether the routers store ``e_score_correction_bias``, as the reference implementations create it:

@@ -26,13 +26,11 @@ import gguf
 from gguf import GGUFWriter
 
 from ...errors import InputError
-from ..base import register
 from .deepseek2 import DeepseekV3
 
 _INDEXER_HPARAMS = ("q_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
 
 
-@register
 class DeepseekV32(DeepseekV3):
     hf_architectures = ("DeepseekV32ForCausalLM",)
     arch = "deepseek32"

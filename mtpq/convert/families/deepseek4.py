@@ -47,7 +47,7 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from .. import validate as V
 from ..base import (
-    MTP_ONLY_KEEP, BlockSelection, Emit, Family, add_hparams, check_unused, layer_of, mxfp4_stack, register,
+    BlockSelection, Emit, ConvertFamily, add_hparams, check_unused, layer_of, mxfp4_stack,
 )
 from ..checkpoint import _fp8_scaled
 from ..validate import Expected
@@ -78,7 +78,6 @@ _NEXTN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.wei
           "norm.weight": "nextn.shared_head_norm.weight"}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _EXPS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
-_OUTPUT_HC = tuple(_HC_HEAD.values())
 
 # metadata keys gguf 0.19's GGUFWriter has no helper for
 _KEYS = {
@@ -101,13 +100,11 @@ _FP4_GROUP = 32  # values per E8M0 scale of an FP4 expert (ggml's MXFP4 block)
 _SCALE_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents, as llama.cpp reads them
 
 
-@register
-class DeepseekV4(Family):
+class DeepseekV4(ConvertFamily):
     hf_architectures = ("DeepseekV4ForCausalLM",)
     arch = "deepseek4"
-    required_hparams = Family.required_hparams + _REQUIRED
-    f32_kinds = Family.f32_kinds + ("indexer.proj",)  # llama.cpp's converter keeps DSA indexer weights F32
-    mtp_only_keep = MTP_ONLY_KEEP + _OUTPUT_HC  # the head's own output hyper-connection
+    required_hparams = ConvertFamily.required_hparams + _REQUIRED
+    f32_kinds = ConvertFamily.f32_kinds + ("indexer.proj",)  # llama.cpp's converter keeps DSA indexer weights F32
 
     def __init__(self, ckpt):
         super().__init__(ckpt)

@@ -20,12 +20,11 @@ import gguf
 from gguf import GGUFWriter
 
 from .. import validate as V
-from ..base import Family, register
+from ..base import ConvertFamily
 from ..validate import Expected
 
 
-@register
-class Glm4Moe(Family):
+class Glm4Moe(ConvertFamily):
     hf_architectures = ("Glm4MoeForCausalLM",)
     arch = "glm4moe"
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -40,7 +39,8 @@ class Glm4Moe(Family):
             return V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
                                bias=bool(hp.get("attention_bias")), qk_norm=bool(hp.get("use_qk_norm")))
 
-        return V.deepseek_layout(self, keep_mtp, attention, moe_ff=hp["moe_intermediate_size"], router_bias=True)
+        return V.deepseek_layout(self.hparams, self.n_trunk, self.blocks_checked(keep_mtp), attention,
+                                 moe_ff=hp["moe_intermediate_size"], router_bias=True)
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp = self.hparams

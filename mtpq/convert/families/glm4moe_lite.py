@@ -17,12 +17,10 @@ model routes with at any size.
 
 from __future__ import annotations
 
-from ..base import register
 from .deepseek2 import DeepseekV3
 from .glm4moe import Glm4Moe
 
 
-@register
 class Glm4MoeLite(DeepseekV3):
     hf_architectures = ("Glm4MoeLiteForCausalLM",)
     arch = "deepseek2"

@@ -28,7 +28,6 @@ import gguf
 from gguf import GGUFWriter
 
 from ...errors import InputError
-from ..base import register
 from .deepseek2 import DeepseekV3
 from .glm4moe import Glm4Moe
 from ..validate import Expected
@@ -46,7 +45,6 @@ def derived_indexer_types(hp: dict, n_layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
 
 
-@register
 class GlmMoeDsa(DeepseekV3):
     hf_architectures = ("GlmMoeDsaForCausalLM",)
     arch = "glm-dsa"

@@ -28,7 +28,7 @@ from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
 
 from .. import validate as V
-from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, NEXTN_TENSORS, Family, name_from_tables, register, weight_table
+from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, NEXTN_TENSORS, ConvertFamily, name_from_tables, weight_table
 from ..validate import Expected
 
 # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind; the stacked expert names are the base loop's
@@ -46,8 +46,7 @@ _BLOCK_NAMES: dict[str, tuple[K, str]] = {
 }
 
 
-@register
-class HyV3(Family):
+class HyV3(ConvertFamily):
     hf_architectures = ("HYV3ForCausalLM",)
     arch = "hy_v3"
     required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

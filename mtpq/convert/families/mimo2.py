@@ -44,7 +44,7 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import NEXTN_TENSORS, Emit, Family, gguf_name, layer_of, register
+from ..base import NEXTN_TENSORS, Emit, ConvertFamily, gguf_name, layer_of
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
@@ -53,8 +53,7 @@ VALUE_SCALE_KEY = "{arch}.attention.value_scale"  # newer than gguf-py 0.19's Ke
 QKV = "self_attn.qkv_proj.weight"  # MiMo-V2.5's fused projection
 
 
-@register
-class MiMoV2(Mxfp4Experts, Family):
+class MiMoV2(Mxfp4Experts, ConvertFamily):
     hf_architectures = ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM")
     arch = "mimo2"
     mtp_prefix = "model.mtp.layers."
@@ -62,7 +61,7 @@ class MiMoV2(Mxfp4Experts, Family):
     # gguf-py 0.19's mimo2 table lacks the head's tensors; final_layernorm is the norm before the MTP head
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": gguf.MODEL_TENSOR.LAYER_OUT_NORM}
 
-    required_hparams = Family.required_hparams + (
+    required_hparams = ConvertFamily.required_hparams + (
         "hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
         "swa_num_key_value_heads", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
 

@@ -42,7 +42,7 @@ from gguf import MODEL_TENSOR as K
 from ...errors import InputError
 from .. import validate as V
 from ..base import (
-    BlockSelection, Emit, Family, Transform, add_hparams, as_llama_cpp_reads, check_unused, gguf_name, register,
+    BlockSelection, Emit, ConvertFamily, Transform, add_hparams, as_llama_cpp_reads, check_unused, gguf_name,
 )
 from ..validate import Expected
 
@@ -67,8 +67,7 @@ _MTP_OWN: dict[str, K] = {  # the MTP sub-layers' own tensors -> GGUF kind (all 
 }
 
 
-@register
-class NemotronHMoe(Family):
+class NemotronHMoe(ConvertFamily):
     hf_architectures = ("NemotronHForCausalLM",)
     arch = "nemotron_h_moe"
     required_hparams = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -87,7 +86,7 @@ class NemotronHMoe(Family):
 
     def __init__(self, ckpt):
         cfg = ckpt.folder / "config.json"
-        if "num_experts_per_tok" not in Family.text_config(ckpt.hparams):
+        if "num_experts_per_tok" not in ConvertFamily.text_config(ckpt.hparams):
             raise InputError(cfg, "a Nemotron-H without experts (arch nemotron_h) has no MTP head; not supported")
         super().__init__(ckpt)
         pattern = self.hparams.get("hybrid_override_pattern") or self.hparams.get("layers_block_type")

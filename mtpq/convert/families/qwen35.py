@@ -38,7 +38,7 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from ...tensors import tensor_kind
 from .. import validate as V
-from ..base import Emit, Family, Transform, check_unused, register
+from ..base import Emit, ConvertFamily, Transform, check_unused
 from ..checkpoint import HFCheckpoint
 from ..validate import Expected
 
@@ -75,8 +75,7 @@ def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> to
     return grouped.transpose(dim, dim + 1).reshape(shape)
 
 
-@register
-class Qwen35(Family):
+class Qwen35(ConvertFamily):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     other_towers = ("model.visual.", "visual.")
     arch = "qwen35"

@@ -21,7 +21,7 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from .. import stream
 from .. import validate as V
-from ..base import Emit, register
+from ..base import Emit
 from ..validate import Expected
 from .qwen35 import Qwen35
 
@@ -30,7 +30,6 @@ _FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-@register
 class Qwen35Moe(Qwen35):
     hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     arch = "qwen35moe"

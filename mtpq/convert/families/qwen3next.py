@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 
 from ...errors import InputError
-from ..base import Emit, Transform, register
+from ..base import Emit, Transform
 from ..checkpoint import HFCheckpoint
 from .qwen35 import _identity
 from .qwen35moe import Qwen35Moe
@@ -42,7 +42,6 @@ from .qwen35moe import Qwen35Moe
 _QKVZ = "linear_attn.in_proj_qkvz.weight"
 
 
-@register
 class Qwen3Next(Qwen35Moe):
     hf_architectures = ("Qwen3NextForCausalLM",)
     arch = "qwen3next"

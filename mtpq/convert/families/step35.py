@@ -47,8 +47,7 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from .. import validate as V
 from ..base import (
-    MTP_ONLY_KEEP, NEXTN_TENSORS, Emit, Family, Transform, add_hparams, as_llama_cpp_reads, gguf_name, keeps_bytes,
-    register,
+    NEXTN_TENSORS, Emit, ConvertFamily, Transform, add_hparams, as_llama_cpp_reads, gguf_name, keeps_bytes,
 )
 from ..validate import Expected
 
@@ -62,8 +61,7 @@ def _pad(values: list, n: int, default) -> list:
     return (values + [default] * max(0, n - len(values)))[:n]
 
 
-@register
-class Step35(Family):
+class Step35(ConvertFamily):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     arch = "step35"
     # The releases' config.json is remote-code format (num_attention_groups, attention_other_setting, per-layer
@@ -73,7 +71,6 @@ class Step35(Family):
     # layer lists cut to the trunk, dropping the MTP layers' entries. So the stored file is what counts here.
     stored_config = True
     # llama.cpp's converter writes the llama3 rope_freqs in every mode, its --mtp head-only file included
-    mtp_only_keep = MTP_ONLY_KEEP + ("rope_freqs.weight",)
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
@@ -81,7 +78,7 @@ class Step35(Family):
                      "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
                      "transformer.shared_head.output.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD}
 
-    required_hparams = Family.required_hparams + (
+    required_hparams = ConvertFamily.required_hparams + (
         "num_attention_heads", "num_attention_groups", "head_dim", "intermediate_size", "sliding_window",
         "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
 

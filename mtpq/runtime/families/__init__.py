@@ -1,8 +1,9 @@
-"""The runtime's families: one module per architecture, each a :class:`~mtpq.runtime.model.Family`, and
-:func:`load`, which picks the family of a GGUF.
+"""The runtime's families: one module per architecture, each a :class:`~mtpq.runtime.model.RuntimeFamily`, listed
+in :data:`RUNTIME_FAMILIES`; :func:`runtime_family_for` picks the family of a GGUF and :func:`load` its model.
 
-To add one: write ``families/<arch>.py`` with a Family subclass (config from GGUF metadata,
-the decoder block at each index) and list it in ``FAMILIES`` below. ``common.py`` reads the
+To add one: write ``families/<arch>.py`` with a RuntimeFamily subclass (config from GGUF metadata,
+the decoder block at each index), list it in ``RUNTIME_FAMILIES`` below and its archs in ``..archs``
+(the convert families register the same way, in :mod:`mtpq.convert.families`). ``common.py`` reads the
 metadata every family reads alike (GQA shapes, DeepSeek-style routing).
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ...errors import InputError
-from ..model import Family, MtpModel
+from ..model import MtpModel, RuntimeFamily
 from ..weights import GGUFFile
 from .deepseek2 import Deepseek2
 from .bailingmoe3 import BailingMoe3
@@ -28,23 +29,27 @@ from .qwen35 import Qwen35
 from .qwen3next import Qwen3Next
 from .step35 import Step35
 
-FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
-                                                           Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe, Step35,
-                                                           Mimo2)
-                                     for arch in fam.archs}
+# GGUF arch -> family
+RUNTIME_FAMILIES: dict[str, type[RuntimeFamily]] = {
+    arch: fam
+    for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3, Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe,
+                Step35, Mimo2)
+    for arch in fam.archs
+}
 
 
-def family_for(g: GGUFFile) -> type[Family]:
-    fam = FAMILIES.get(g.arch)
+def runtime_family_for(g: GGUFFile) -> type[RuntimeFamily]:
+    """The family that runs ``g`` (by its GGUF arch), or an InputError naming those the runtime runs."""
+    fam = RUNTIME_FAMILIES.get(g.arch)
     if fam is None:
         raise InputError(g.path, f"architecture {g.arch!r} has no runtime yet; the runtime runs "
-                                 f"{', '.join(sorted(FAMILIES))}")
+                                 f"{', '.join(sorted(RUNTIME_FAMILIES))}")
     return fam
 
 
 def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          hidden: str = "auto", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
-    """The model in a GGUF, for any architecture the runtime has (:data:`FAMILIES`)."""
+    """The model in a GGUF, for any architecture the runtime has (:data:`RUNTIME_FAMILIES`)."""
     from ...ggml.malloc import keep_freed_buffers
 
     # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
@@ -56,5 +61,5 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
         # the flash and memory-efficient kernels launch in microseconds
         torch.backends.cuda.enable_cudnn_sdp(False)
     g = g or GGUFFile(Path(path))
-    return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
+    return MtpModel(g, runtime_family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
                     llama_cpp_numerics=llama_cpp_numerics).eval()

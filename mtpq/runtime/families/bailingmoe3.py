@@ -23,7 +23,7 @@ from ...errors import InputError
 from ..kda import KDAConfig, KimiDeltaAttention
 from ..layers import DecoderBlock, MoE, MoEConfig, Packing, Rope, SwiGLU, rope_inv_freq, take_rows
 from ..mla import MLA, MLAConfig
-from ..model import Family
+from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
 from .common import routed_moe_config
 
@@ -71,7 +71,7 @@ def per_block(g: GGUFFile, key: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values[:n]) + (0.0,) * (n - len(values))
 
 
-class BailingMoe3(Family):
+class BailingMoe3(RuntimeFamily):
     archs = ("bailingmoe3",)
     head_norm_name = "layer_output_norm.weight"
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ...errors import InputError
 from ..layers import Attention, AttnConfig, MoE, MoEConfig, Packing, Rope, SwiGLU, layer_norm, rms_norm, rope_inv_freq
-from ..model import Family
+from ..model import RuntimeFamily
 from ..swa import SlidingWindowAttention
 from ..weights import GGUFFile, Scope
 from .common import gqa_config, routed_moe_config
@@ -89,7 +89,7 @@ class SharedAveraged(nn.Module):
         return self.moe(x) * 0.5
 
 
-class Cohere2Moe(Family):
+class Cohere2Moe(RuntimeFamily):
     archs = ("cohere2moe",)
 
     def __init__(self, g: GGUFFile):  # (no super().__init__: the rms epsilon is optional here)

@@ -20,7 +20,7 @@ from torch import nn
 from ...errors import InputError
 from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq, yarn_inv_freq
 from ..mla import MLA, MLAConfig, yarn_mla_scales
-from ..model import Family
+from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
 from .common import routed_moe_config
 
@@ -34,7 +34,7 @@ class Deepseek2Config:
     rope_scale: float  # cos/sin multiplier (YaRN's attention factor as llama.cpp applies it)
 
 
-class Deepseek2(Family):
+class Deepseek2(RuntimeFamily):
     archs = ("deepseek2",)
     default_gating: ClassVar[ExpertGatingFuncType] = ExpertGatingFuncType.SOFTMAX  # llama.cpp's for DeepSeek-V2
     # YaRN as llama.cpp's loader reads it: whether it reads rope.scaling.yarn_log_multiplier (mscale_all_dim),

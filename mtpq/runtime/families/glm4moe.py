@@ -15,7 +15,7 @@ from gguf import ExpertGatingFuncType
 
 from ...errors import InputError
 from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
-from ..model import Family
+from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
 from .common import gqa_config, routed_moe_config
 
@@ -38,7 +38,7 @@ def rope_scaling_factor(g: GGUFFile) -> float:
     return 1.0
 
 
-class Glm4Moe(Family):
+class Glm4Moe(RuntimeFamily):
     archs = ("glm4moe",)
 
     def __init__(self, g: GGUFFile):

@@ -17,13 +17,13 @@ with [enorm(E x) ; hnorm(h)] as the other families, fed the trunk's state before
 from __future__ import annotations
 
 from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
-from ..model import Family
+from ..model import RuntimeFamily
 from ..swa import WindowedAttention
 from ..weights import GGUFFile, Scope
 from .common import WindowedModelConfig, refuse_rope_scaling, windowed_configs
 
 
-class Mimo2(Family):
+class Mimo2(RuntimeFamily):
     archs = ("mimo2",)
     nextn_state = "pre_norm"  # llama.cpp's mimo2 graphs: h_nextn before output_norm / the head's norm
     head_norm_name = "layer_output_norm.weight"  # the releases' final_layernorm

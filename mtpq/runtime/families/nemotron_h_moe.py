@@ -28,7 +28,7 @@ from gguf import ExpertGatingFuncType
 from ...errors import InputError
 from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, PositionWise, SquaredReLU
 from ..mamba2 import Mamba2, Mamba2Config
-from ..model import Family
+from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
 from .common import routed_moe_config
 
@@ -59,7 +59,7 @@ def block_kinds(g: GGUFFile) -> tuple[str, ...]:
                  for i in range(g.n_trunk))
 
 
-class NemotronHMoe(Family):
+class NemotronHMoe(RuntimeFamily):
     archs = ("nemotron_h_moe",)
     layer_norm_head = True
 

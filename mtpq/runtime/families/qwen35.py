@@ -24,7 +24,7 @@ from typing import ClassVar
 from ...errors import InputError
 from ..deltanet import DeltaNetConfig, GatedDeltaNet
 from ..layers import Attention, AttnConfig, DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
-from ..model import Family
+from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
 from .common import gqa_config
 
@@ -51,7 +51,7 @@ def recurrent_layers(g: GGUFFile) -> tuple[bool, ...]:
     return tuple((i + 1) % interval != 0 for i in range(g.n_trunk))
 
 
-class Qwen35(Family):
+class Qwen35(RuntimeFamily):
     archs = ("qwen35", "qwen35moe")
     grouped_heads: ClassVar[bool] = False  # the DeltaNet's value-head order (tiled: the converter's for Qwen3.5)
 

@@ -22,7 +22,7 @@ import torch
 from gguf import ExpertGatingFuncType
 
 from ..layers import DecoderBlock, MoE, Rope, SwiGLU, rope_inv_freq
-from ..model import Family
+from ..model import RuntimeFamily
 from ..swa import WindowedAttention
 from ..weights import GGUFFile, Scope
 from .common import WindowedModelConfig, per_layer, refuse_rope_scaling, routed_moe_config, windowed_configs
@@ -34,7 +34,7 @@ class Step35Config(WindowedModelConfig):
     clamp_shexp: list[float]  # the shared expert's (and a dense FFN's)
 
 
-class Step35(Family):
+class Step35(RuntimeFamily):
     archs = ("step35",)
     nextn_state = "pre_norm"  # llama.cpp's step35 graphs: h_nextn before output_norm / shared_head_norm
 
