@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,9 +12,10 @@ import typer
 from ..gguf_io import tensor_nbytes
 from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
-from ..quantize.pipeline import parse_options, plan_quantize
+from ..quantize.pipeline import plan_quantize
+from . import quant_options as opt
 from .app import app
-from .common import (AUTO_MAX_DROP_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
+from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
                      auto_head_asked, check_runtime_arch, console, fail, files_written, guarded, report_hooks,
                      set_threads, split_rule,
                      write_with_progress)
@@ -41,34 +42,19 @@ def convert(
     quant: Optional[str] = typer.Option(
         None, "--quant", help="Quantize in the same pass with this llama-quantize preset (Q4_K_M, Q8_0, ...), "
                               "from the checkpoint's own values: no intermediate full-precision GGUF."),
-    mtp_type: Optional[str] = typer.Option(
-        None, "--mtp-type", help="With --quant: type of every MTP-block tensor (default q8_0; 'same' = like the trunk, "
-                              "'keep' = the --outtype; 'auto' = measured, see mtpq quantize --help)."),
-    max_drop: float = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP),
-    prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on."),
-    mtp_experts_type: Optional[str] = typer.Option(
-        None, "--mtp-experts-type", help="With --quant: type of the MTP block's routed experts (default: --mtp-type)."),
-    tensor_type: Optional[List[str]] = typer.Option(
-        None, "--tensor-type", help="With --quant: REGEX=TYPE, repeatable, first match wins."),
-    tensor_type_file: Optional[List[Path]] = typer.Option(
-        None, "--tensor-type-file", help="With --quant: a file of REGEX=TYPE entries (after --tensor-type's)."),
-    leave_output_tensor: bool = typer.Option(
-        False, "--leave-output-tensor", help="With --quant: output.weight stays at --outtype."),
-    prune_layers: Optional[str] = typer.Option(
-        None, "--prune-layers", help="With --quant: L0,L1,... blocks dropped, the rest renumbered "
-                                     "(as mtpq quantize --prune-layers)."),
-    override_kv: Optional[List[str]] = typer.Option(
-        None, "--override-kv", help="KEY=TYPE:VALUE (int, float, bool, str), repeatable: metadata written "
-                                    "(with --quant also read for the choices, as llama-quantize)."),
-    allow_requantize: bool = typer.Option(
-        False, "--allow-requantize", help="With --quant: also requantize the tensors a checkpoint stores already "
-                                          "quantized (MiMo-V2.5's MXFP4 experts), as llama-quantize's flag."),
-    imatrix: Optional[Path] = typer.Option(
-        None, "--imatrix", help="With --quant: importance matrix (llama-imatrix's GGUF or .dat), as llama-quantize --imatrix."),
-    include_weights: Optional[List[str]] = typer.Option(
-        None, "--include-weights", help="With --imatrix: use it only for tensors whose name contains this."),
-    exclude_weights: Optional[List[str]] = typer.Option(
-        None, "--exclude-weights", help="With --imatrix: do not use it for tensors whose name contains this."),
+    mtp_type: Optional[str] = opt.MTP_TYPE,
+    max_drop: float = opt.MAX_DROP,
+    prompts: str = opt.PROMPTS,
+    mtp_experts_type: Optional[str] = opt.MTP_EXPERTS_TYPE,
+    tensor_type: Optional[List[str]] = opt.TENSOR_TYPE,
+    tensor_type_file: Optional[List[Path]] = opt.TENSOR_TYPE_FILE,
+    leave_output_tensor: bool = opt.LEAVE_OUTPUT_TENSOR,
+    prune_layers: Optional[str] = opt.PRUNE_LAYERS,
+    override_kv: Optional[List[str]] = opt.OVERRIDE_KV,
+    allow_requantize: bool = opt.ALLOW_REQUANTIZE,
+    imatrix: Optional[Path] = opt.IMATRIX,
+    include_weights: Optional[List[str]] = opt.INCLUDE_WEIGHTS,
+    exclude_weights: Optional[List[str]] = opt.EXCLUDE_WEIGHTS,
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
     split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
@@ -91,10 +77,7 @@ def convert(
     auto = auto_head_asked(mtp_type, max_drop)
     if auto and (quant is None or blocks is not BlockSelection.KEEP):
         fail("--mtp-type auto", "needs --quant PRESET and the MTP head (not --no-mtp / --mtp-only)")
-    quant_options = dict(mtp_type="keep" if auto else mtp_type, mtp_experts_type=mtp_experts_type,
-                         tensor_types=tensor_type or [], tensor_type_files=tensor_type_file or [],
-                         leave_output_tensor=leave_output_tensor, kv_overrides=override_kv or [],
-                         prune_layers=prune_layers)
+    options = None
     if quant is None:
         kv_overrides = parse_kv_overrides(override_kv or [])  # fails before anything is read
         for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
@@ -105,28 +88,30 @@ def convert(
                             ("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
             if given:
                 fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
-    else:
-        parsed = parse_options(quant, **quant_options, preset_option="--quant")  # fails before anything is read
+    else:  # fails before anything is read
+        options = opt.quant_options(quant, preset_option="--quant", mtp_type="keep" if auto else mtp_type,
+                                    mtp_experts_type=mtp_experts_type, tensor_type=tensor_type,
+                                    tensor_type_file=tensor_type_file, leave_output_tensor=leave_output_tensor,
+                                    override_kv=override_kv, prune_layers=prune_layers,
+                                    allow_requantize=allow_requantize, include_weights=include_weights,
+                                    exclude_weights=exclude_weights)
+        if imatrix is not None:
+            options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
     # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
-    imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
     plan = plan_checkpoint(src, mtp=blocks, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
     if auto:
         check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
     source = plan
-    if quant is not None:
-        extra = dict(allow_requantize=allow_requantize, imatrix=imatrix_data, include_weights=include_weights or [],
-                     exclude_weights=exclude_weights or [])
-        plan = plan_quantize(plan, quant, **extra, **quant_options)
+    if options is not None:
+        plan = plan_quantize(plan, options)
     elif kv_overrides:
         apply_kv_overrides(plan, kv_overrides)
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
         from ..runtime.auto_head import quantize_with_auto_head
 
-        plan, written = quantize_with_auto_head(src, out, source, plan, quant, max_drop, prompts,
-                                                {k: v for k, v in quant_options.items() if k != "mtp_type"}, extra,
-                                                split=split, **report_hooks(quiet))
-        parsed = parse_options(quant, **{**quant_options, "mtp_type": json.loads(
-            plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"]}, preset_option="--quant")
+        plan, written = quantize_with_auto_head(src, out, source, plan, options, max_drop, prompts, split=split,
+                                                **report_hooks(quiet))
+        options = options.with_mtp_type(json.loads(plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"])
         total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     else:
         total, written = write_with_progress(plan, out, "convert", quiet, split)
@@ -134,7 +119,7 @@ def convert(
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""
         if quant is not None:
-            held = "the trunk's types" if parsed.mtp_type.is_same else str(parsed.mtp_type)
-            quant_text = f", {parsed.preset.name} with MTP at {held}"
+            held = "the trunk's types" if options.mtp_type.is_same else str(options.mtp_type)
+            quant_text = f", {options.preset.name} with MTP at {held}"
         console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
                       f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})")

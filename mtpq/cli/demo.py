@@ -57,7 +57,7 @@ def demo(
     from ..convert import OUTTYPES, plan_checkpoint
     from ..gguf_io import plan_from_gguf, write_plan
     from ..gguf_io.summary import summarize_gguf
-    from ..quantize.pipeline import plan_quantize
+    from ..quantize.pipeline import parse_options, plan_quantize
     from ..runtime.accept import measure_file
 
     if model not in DEMO_MODELS:
@@ -75,7 +75,7 @@ def demo(
     for suffix, preset, mtp in DEMO_VARIANTS:
         path = workdir / f"{stem}-{suffix}.gguf"
         console.print(f"[bold]2.[/] quantize {preset}, MTP head {'like the trunk' if mtp == 'same' else 'at ' + mtp} -> {path}")
-        write_plan(plan_quantize(plan_from_gguf(ref), preset, mtp_type=mtp), path)
+        write_plan(plan_quantize(plan_from_gguf(ref), parse_options(preset, mtp_type=mtp)), path)
         files.append((preset, mtp, path))
     table = results_table([p.name for _, _, p in files], draft, max_new_tokens)
     ref_rate = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import List, Optional
@@ -12,16 +13,14 @@ from rich.table import Table
 
 from ..gguf_io import plan_from_gguf
 from ..quantize.imatrix import read_imatrix
-from ..quantize.pipeline import parse_options, plan_quantize, plan_change_summary
+from ..quantize.pipeline import plan_change_summary, plan_quantize
 from ..quantize.presets import PRESETS
+from . import quant_options as opt
 from .app import app
-from .common import (AUTO_MAX_DROP_HELP, KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP,
+from .common import (KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP,
                      THREADS_HELP, auto_head_asked, check_runtime_arch, console, files_written, guarded, out,
                      report_hooks, set_threads,
                      split_rule, write_with_progress)
-
-_TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
-
 
 @app.command(
     epilog=(
@@ -42,42 +41,22 @@ def quantize(
     src: Path = typer.Argument(..., metavar="IN", help="GGUF to quantize (f32, f16 or bf16 gives the best quality)."),
     dst: Path = typer.Argument(..., metavar="OUT", help="GGUF to write (temporary name, renamed when complete)."),
     preset: str = typer.Argument(..., metavar="PRESET", help=f"llama-quantize preset: {', '.join(PRESETS)}."),
-    mtp_type: Optional[str] = typer.Option(
-        None, "--mtp-type", help="Type of every MTP-block tensor: q8_0 (default), f16, bf16, q6_k, ...; 'keep' (the type "
-                                 "it has in IN) or 'same' (treat like the trunk, as llama-quantize does); 'auto': "
-                                 "the narrowest of f16, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k whose greedy acceptance on "
-                                 "the quantized trunk stays within --max-drop of the f16 head's. "
-                                 "Float presets default to same."),
-    max_drop: float = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP),
-    prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on "
-                                "('builtin' or a JSONL file)."),
-    mtp_experts_type: Optional[str] = typer.Option(
-        None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
-    tensor_type: Optional[List[str]] = typer.Option(
-        None, "--tensor-type", help="REGEX=TYPE, repeatable, first match wins; beats the preset and the MTP rule."),
-    tensor_type_file: Optional[List[Path]] = typer.Option(
-        None, "--tensor-type-file", help="A file of REGEX=TYPE entries separated by spaces or newlines (as "
-                                         "llama-quantize reads it), after the --tensor-type ones; repeatable."),
-    output_tensor_type: Optional[str] = typer.Option(None, "--output-tensor-type", help=f"Type of output.weight: {_TYPES_HELP}."),
-    leave_output_tensor: bool = typer.Option(
-        False, "--leave-output-tensor", help="Leave output.weight as it is in IN (beats --output-tensor-type; a tied "
-                                             "token_embd is still quantized), as llama-quantize."),
-    override_kv: Optional[List[str]] = typer.Option(
-        None, "--override-kv", help="KEY=TYPE:VALUE (TYPE int, float, bool or str), repeatable: metadata written "
-                                    "to OUT and read for the choices, as llama-quantize."),
-    prune_layers: Optional[str] = typer.Option(
-        None, "--prune-layers", help="L0,L1,...: drop these blocks and renumber the rest, as llama-quantize; "
-                                     "nextn_predict_layers, per-layer arrays and the dense-block count follow."),
-    token_embedding_type: Optional[str] = typer.Option(None, "--token-embedding-type", help="Type of token_embd.weight."),
-    imatrix: Optional[Path] = typer.Option(
-        None, "--imatrix", help="Importance matrix (llama-imatrix's GGUF or legacy .dat): the same bytes as "
-                                "llama-quantize --imatrix."),
-    include_weights: Optional[List[str]] = typer.Option(
-        None, "--include-weights", help="Use the imatrix only for tensors whose name contains this (repeatable)."),
-    exclude_weights: Optional[List[str]] = typer.Option(
-        None, "--exclude-weights", help="Do not use the imatrix for tensors whose name contains this (repeatable)."),
-    pure: bool = typer.Option(False, "--pure", help="No llama-quantize mix: the preset's base type everywhere."),
-    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing already-quantized tensors."),
+    mtp_type: Optional[str] = opt.MTP_TYPE,
+    max_drop: float = opt.MAX_DROP,
+    prompts: str = opt.PROMPTS,
+    mtp_experts_type: Optional[str] = opt.MTP_EXPERTS_TYPE,
+    tensor_type: Optional[List[str]] = opt.TENSOR_TYPE,
+    tensor_type_file: Optional[List[Path]] = opt.TENSOR_TYPE_FILE,
+    output_tensor_type: Optional[str] = opt.OUTPUT_TENSOR_TYPE,
+    leave_output_tensor: bool = opt.LEAVE_OUTPUT_TENSOR,
+    override_kv: Optional[List[str]] = opt.OVERRIDE_KV,
+    prune_layers: Optional[str] = opt.PRUNE_LAYERS,
+    token_embedding_type: Optional[str] = opt.TOKEN_EMBEDDING_TYPE,
+    imatrix: Optional[Path] = opt.IMATRIX,
+    include_weights: Optional[List[str]] = opt.INCLUDE_WEIGHTS,
+    exclude_weights: Optional[List[str]] = opt.EXCLUDE_WEIGHTS,
+    pure: bool = opt.PURE,
+    allow_requantize: bool = opt.ALLOW_REQUANTIZE,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the decisions and totals as JSON on stdout."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
@@ -97,19 +76,20 @@ def quantize(
             raise typer.BadParameter("measures heads on the quantized trunk: not with --dry-run",
                                      param_hint="--mtp-type auto")
         mtp_type = "keep"  # the trunk is written once with the input's head; the chosen head is grafted in
-    options = dict(mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_types=tensor_type or [],
-                   output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
-                   tensor_type_files=tensor_type_file or [], leave_output_tensor=leave_output_tensor,
-                   kv_overrides=override_kv or [], prune_layers=prune_layers)
-    parse_options(preset, **options)  # a bad option fails before any file is read
+    options = opt.quant_options(preset, mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_type=tensor_type,
+                                tensor_type_file=tensor_type_file, output_tensor_type=output_tensor_type,
+                                token_embedding_type=token_embedding_type, leave_output_tensor=leave_output_tensor,
+                                override_kv=override_kv, prune_layers=prune_layers, pure=pure,
+                                allow_requantize=allow_requantize, include_weights=include_weights,
+                                exclude_weights=exclude_weights)
     split = split_rule(split_max_size, split_max_tensors, keep_split)
     set_threads(threads)
-    imatrix_data = read_imatrix(imatrix) if imatrix is not None else None
+    if imatrix is not None:
+        options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
     before = plan_from_gguf(src)
     if auto:
         check_runtime_arch(before.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
-    after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
-                          include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
+    after = plan_quantize(before, options)
     info = plan_change_summary(before, after)
     if dry_run:
         if as_json:
@@ -120,12 +100,8 @@ def quantize(
     if auto:
         from ..runtime.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts,
-                                        {k: v for k, v in options.items() if k != "mtp_type"},
-                                        dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
-                                             include_weights=include_weights or [],
-                                             exclude_weights=exclude_weights or []), split=split,
-                                        **report_hooks(quiet or as_json))
+        after, written = quantize_with_auto_head(src, dst, before, after, options, max_drop, prompts, split=split,
+                                                 **report_hooks(quiet or as_json))
         info = plan_change_summary(before, after)
     else:
         written = write_with_progress(after, dst, "quantize", quiet or as_json, split)[1]

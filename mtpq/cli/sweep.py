@@ -83,7 +83,7 @@ def sweep(
     measured on that trunk: greedy k=1 acceptance (what `mtpq accept --draft 1` reports for the full file),
     from the teacher-forced estimator. Prints the grid; with --text, each trunk preset's mean KLD too."""
     from ..gguf_io import plan_from_gguf, write_plan
-    from ..quantize.pipeline import plan_quantize
+    from ..quantize.pipeline import parse_options, plan_quantize
     from ..acceptance.prompts import load_prompts
     from ..runtime.accept import use_threads
 
@@ -107,7 +107,7 @@ def sweep(
     if ref_plan.n_mtp_layers == 0:
         fail(str(reference), "has no MTP head to sweep")
     for m in mtps:  # every head type parsed before any work
-        plan_quantize(ref_plan, trunks[0], mtp_type=m)
+        plan_quantize(ref_plan, parse_options(trunks[0], mtp_type=m))
     pairs = load_prompts(prompts, max_prompts)
     use_threads(reference, threads)
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mtpq-sweep-", dir=reference.parent)
@@ -121,7 +121,7 @@ def sweep(
         for t in trunks:
             path = folder / f"{reference.stem}-{t}.gguf"
             console.print(f"{t}: quantizing the trunk -> {path.name}")
-            write_plan(plan_quantize(ref_plan, t, mtp_type="keep"), path)  # the head is measured per type below
+            write_plan(plan_quantize(ref_plan, parse_options(t, mtp_type="keep")), path)  # the head is measured per type below
             for m, rate in _rates(engine, path, reference, t, mtps, pairs, max_new_tokens, device, folder,
                                   llama_cpp, ngl, threads).items():
                 grid[m][t] = rate
@@ -156,11 +156,14 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
     """Each head type's greedy k=1 acceptance on ``trunk``'s trunk."""
     prompts = [p for _, p in pairs]
     if engine == "torch":
+        from ..quantize.pipeline import parse_options
         from ..runtime.headsweep import head_rates
 
-        return {t: r.rate for t, r in head_rates(trunk, reference, preset, head_types, prompts, max_new_tokens,
+        return {t: r.rate for t, r in head_rates(trunk, reference, parse_options(preset), head_types, prompts,
+                                                 max_new_tokens,
                                                  device=device, workdir=folder).items()}
     from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
+    from ..quantize.pipeline import parse_options
     from ..gguf_io import plan_from_gguf, write_plan
     from ..quantize.surgery import plan_graft
     from ..runtime.headsweep import head_plan
@@ -169,7 +172,7 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
     ref_plan, out = plan_from_gguf(reference), {}
     for t in head_types:
         path = folder / f"{trunk.stem}-mtp_{t}.gguf"  # the trunk's bytes copied, the head quantized as type t
-        write_plan(plan_graft(head_plan(ref_plan, preset, t), plan_from_gguf(trunk), replace=True), path)
+        write_plan(plan_graft(head_plan(ref_plan, parse_options(preset), t), plan_from_gguf(trunk), replace=True), path)
         out[t] = measure_with_llama_cpp(path, pairs, draft=1, max_new_tokens=max_new_tokens,
                                         server=server).overall.acceptance_rate
         path.unlink()

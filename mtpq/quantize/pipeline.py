@@ -91,17 +91,30 @@ def model_facts(plan: Plan) -> ModelFacts:
 
 @dataclass(frozen=True)
 class QuantOptions:
-    """The user's choices, parsed and validated."""
+    """One quantize job's choices, parsed and validated once (:func:`parse_options`) and passed whole."""
 
     preset: Preset
     mtp_type: MtpPrecision  # SAME: the MTP block is treated like the trunk
-    mtp_experts_type: MtpPrecision
-    overrides: tuple[Override, ...]
-    output_tensor_type: Optional[GGMLQuantizationType]
-    token_embedding_type: Optional[GGMLQuantizationType]
+    mtp_experts_type: Optional[MtpPrecision] = None  # the MTP block's *_exps; None: as mtp_type
+    overrides: tuple[Override, ...] = ()
+    output_tensor_type: Optional[GGMLQuantizationType] = None
+    token_embedding_type: Optional[GGMLQuantizationType] = None
     leave_output_tensor: bool = False
     kv_overrides: tuple[KvOverride, ...] = ()
     prune_layers: tuple[int, ...] = ()
+    pure: bool = False  # no llama-quantize mix: the preset's base type everywhere
+    allow_requantize: bool = False
+    imatrix: Optional[Imatrix] = None
+    include_weights: tuple[str, ...] = ()  # substrings, as llama-quantize's --include-weights
+    exclude_weights: tuple[str, ...] = ()
+
+    @property
+    def experts_type(self) -> MtpPrecision:
+        return self.mtp_type if self.mtp_experts_type is None else self.mtp_experts_type
+
+    def with_mtp_type(self, mtp_type: str | MtpPrecision) -> "QuantOptions":
+        """The same job with the MTP block at ``mtp_type`` (its experts too, unless they were given their own)."""
+        return replace(self, mtp_type=parse_mtp(mtp_type, "--mtp-type"))
 
 
 def parse_options(
@@ -116,10 +129,20 @@ def parse_options(
     leave_output_tensor: bool = False,
     kv_overrides: Sequence[str] = (),
     prune_layers: str | Sequence[int] | None = None,
+    pure: bool = False,
+    allow_requantize: bool = False,
+    imatrix: Optional[Imatrix] = None,
+    include_weights: Sequence[str] = (),
+    exclude_weights: Sequence[str] = (),
 ) -> QuantOptions:
     """Validate every option (InputError naming the option or file); nothing but ``tensor_type_files`` is read.
 
-    The entries of ``tensor_type_files`` follow those of ``tensor_types``, file after file (first match wins).
+    ``mtp_type``: an :class:`MtpPrecision` (or its text) for the MTP blocks' tensors: a type (default q8_0),
+    ``keep`` (the type they have) or ``same`` (like the trunk; the default for float presets, so a head is never
+    made coarser than its trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps`` (default:
+    ``mtp_type``). The entries of ``tensor_type_files`` (``--tensor-type-file``) follow those of ``tensor_types``,
+    file after file (first match wins). ``imatrix``: importance data (:func:`mtpq.quantize.imatrix.read_imatrix`),
+    narrowed by ``include_weights`` / ``exclude_weights``.
     """
     p = preset if isinstance(preset, Preset) else preset_named(preset, preset_option)
     mtp = parse_mtp(mtp_type, "--mtp-type", SAME if p.is_float else MTP_DEFAULT)
@@ -127,61 +150,35 @@ def parse_options(
     return QuantOptions(
         preset=p,
         mtp_type=mtp,
-        mtp_experts_type=parse_mtp(mtp_experts_type, "--mtp-experts-type", mtp),
+        mtp_experts_type=parse_mtp(mtp_experts_type, "--mtp-experts-type"),
         overrides=parse_overrides(tensor_types) + parse_overrides(from_files, "--tensor-type-file"),
         output_tensor_type=_optional_type(output_tensor_type, "--output-tensor-type"),
         token_embedding_type=_optional_type(token_embedding_type, "--token-embedding-type"),
         leave_output_tensor=leave_output_tensor,
         kv_overrides=parse_kv_overrides(kv_overrides),
         prune_layers=parse_prune_layers(prune_layers),
+        pure=pure,
+        allow_requantize=allow_requantize,
+        imatrix=imatrix,
+        include_weights=tuple(include_weights),
+        exclude_weights=tuple(exclude_weights),
     )
 
 
-def plan_quantize(
-    plan: Plan,
-    preset: str | Preset,
-    mtp_type: str | MtpPrecision | None = None,
-    mtp_experts_type: str | MtpPrecision | None = None,
-    tensor_types: Sequence[str] = (),
-    output_tensor_type: Optional[str] = None,
-    token_embedding_type: Optional[str] = None,
-    pure: bool = False,
-    allow_requantize: bool = False,
-    imatrix: Optional[Imatrix] = None,
-    include_weights: Sequence[str] = (),
-    exclude_weights: Sequence[str] = (),
-    tensor_type_files: Sequence[str | Path] = (),
-    leave_output_tensor: bool = False,
-    kv_overrides: Sequence[str] = (),
-    prune_layers: str | Sequence[int] | None = None,
-) -> Plan:
-    """``plan`` with every tensor's type (and reason) decided by the policy for ``preset``.
+def plan_quantize(plan: Plan, o: QuantOptions) -> Plan:
+    """``plan`` with every tensor's type (and reason) decided by the policy for the job's options ``o``.
 
-    ``imatrix``: importance data (:func:`mtpq.quantize.imatrix.read_imatrix`),
-    narrowed by ``include_weights`` / ``exclude_weights`` (substrings, as
-    llama-quantize's ``--include-weights`` / ``--exclude-weights``); each
-    quantized tensor with an entry carries its weights (``TensorSpec.importance``)
-    and the mixes that depend on an imatrix change as in llama-quantize.
+    Each quantized tensor with an imatrix entry carries its weights (``TensorSpec.importance``) and the mixes that
+    depend on an imatrix change as in llama-quantize.
 
-    ``mtp_type``: an :class:`MtpPrecision` (or its text, parsed here) for the
-    MTP blocks' tensors: a type (default q8_0), ``keep`` (the type they have) or
-    ``same`` (like the trunk; the default for float presets, so a head is never
-    made coarser than its trunk unless asked). ``mtp_experts_type``: the MTP blocks' ``*_exps``
-    (default: ``mtp_type``). Options are validated before anything is decided;
-    a bad one raises InputError naming the option.
-
-    llama-quantize's other options: ``tensor_type_files`` (``--tensor-type-file``, entries after
-    ``tensor_types``), ``leave_output_tensor``, ``kv_overrides`` (``KEY=TYPE:VALUE``: written, and read
-    for the choices as llama.cpp's loader reads them, :mod:`.kv_override`) and ``prune_layers`` (blocks
-    dropped and the rest renumbered, the metadata kept consistent, :mod:`.prune`; the choices count
-    layers as llama-quantize does, from the unpruned ``block_count``). Roles are the input's: an MTP
-    block keeps the MTP rule wherever it is renumbered to.
+    llama-quantize's other options: ``kv_overrides`` (``KEY=TYPE:VALUE``: written, and read for the choices as
+    llama.cpp's loader reads them, :mod:`.kv_override`) and ``prune_layers`` (blocks dropped and the rest
+    renumbered, the metadata kept consistent, :mod:`.prune`; the choices count layers as llama-quantize does, from
+    the unpruned ``block_count``). Roles are the input's: an MTP block keeps the MTP rule wherever it is
+    renumbered to.
     """
-    o = parse_options(preset, mtp_type, mtp_experts_type, tensor_types, output_tensor_type, token_embedding_type,
-                      tensor_type_files=tensor_type_files, leave_output_tensor=leave_output_tensor,
-                      kv_overrides=kv_overrides, prune_layers=prune_layers)
     p = o.preset
-    selected = _select_imatrix(plan, imatrix, include_weights, exclude_weights)
+    selected = _select_imatrix(plan, o.imatrix, o.include_weights, o.exclude_weights)
     if o.kv_overrides:  # what the loader (and so llama-quantize's choices) reads, and the output's start
         plan = replace(plan, kv=dict(plan.kv))
         apply_kv_overrides(plan, o.kv_overrides)
@@ -191,11 +188,11 @@ def plan_quantize(
         preset=p,
         model=facts,
         mtp_type=o.mtp_type,
-        mtp_experts_type=o.mtp_experts_type,
+        mtp_experts_type=o.experts_type,
         overrides=o.overrides,
         output_tensor_type=o.output_tensor_type,
         token_embedding_type=o.token_embedding_type,
-        pure=pure,
+        pure=o.pure,
         leave_output=o.leave_output_tensor,
         has_imatrix=selected is not None,
     )
@@ -213,13 +210,13 @@ def plan_quantize(
         if selected is not None and never_quantized(spec, ctx) is None:
             new = _with_importance(new, selected)
         specs.append(new)
-    _check_imatrix_coverage(specs, p, imatrix)
+    _check_imatrix_coverage(specs, p, o.imatrix)
 
     if requantized:
         first = requantized[0]
         what = (f"{len(requantized)} tensor(s) are already quantized and would be requantized "
                 f"(e.g. {first.name}: {first.source_type.name.lower()})")
-        if not allow_requantize:
+        if not o.allow_requantize:
             where = plan.inputs[0] if plan.inputs else first.source
             raise InputError(where, f"{what}; requantizing loses precision: start from an f16/bf16/f32 GGUF "
                                     "or pass --allow-requantize")
@@ -236,7 +233,7 @@ def plan_quantize(
     if o.prune_layers:
         refresh_size_label(out)
     if selected is not None:  # what llama-quantize records about the imatrix
-        out.set_kv("quantize.imatrix.file", str(imatrix.path or "imatrix")[:127], GGUFValueType.STRING)
+        out.set_kv("quantize.imatrix.file", str(o.imatrix.path or "imatrix")[:127], GGUFValueType.STRING)
         if selected.datasets:
             out.set_kv("quantize.imatrix.dataset", selected.datasets[0][:127], GGUFValueType.STRING)
         out.set_kv("quantize.imatrix.entries_count", len(selected.entries), GGUFValueType.UINT32)

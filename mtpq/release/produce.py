@@ -55,15 +55,17 @@ def variant_plan(reference: Plan, v: Variant) -> Plan:
         return plan_graft(reference, plan_from_gguf(v.graft_into), mtp_type=v.mtp_type)
     from ..quantize.pipeline import plan_quantize
 
-    return plan_quantize(reference, v.preset, mtp_type=v.mtp_type, **quantize_options(v))
+    return plan_quantize(reference, quantize_options(v))
 
 
-def quantize_options(v: Variant) -> dict:
+def quantize_options(v: Variant):
+    """The variant's quantize job, parsed once (a QuantOptions)."""
     from ..quantize.imatrix import read_imatrix
+    from ..quantize.pipeline import parse_options
 
-    return dict(mtp_experts_type=v.mtp_experts_type, tensor_types=list(v.tensor_types),
-                imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
-                include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
+    return parse_options(v.preset, v.mtp_type, v.mtp_experts_type, tensor_types=list(v.tensor_types),
+                         imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
+                         include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
 
 
 def head_plan(reference: Plan, v: Variant, reference_type: str) -> Plan:
@@ -78,7 +80,7 @@ def head_plan(reference: Plan, v: Variant, reference_type: str) -> Plan:
     if v.mtp_type.is_keep and (v.mtp_experts_type is None or v.mtp_experts_type.is_keep):
         return head
     from ..errors import InputError
-    from ..quantize.pipeline import plan_quantize
+    from ..quantize.pipeline import parse_options, plan_quantize
     from ..quantize.presets import preset_named
 
     name = reference_type if v.mtp_type.is_keep else str(v.mtp_type)
@@ -87,7 +89,7 @@ def head_plan(reference: Plan, v: Variant, reference_type: str) -> Plan:
     except InputError:
         preset = "Q8_0"
     tops = [f"^{t}\\.weight$={name}" for t in ("token_embd", "output")]
-    return plan_quantize(head, preset, mtp_type=v.mtp_type, mtp_experts_type=v.mtp_experts_type, tensor_types=tops)
+    return plan_quantize(head, parse_options(preset, v.mtp_type, v.mtp_experts_type, tensor_types=tops))
 
 
 def make(job: dict) -> list[Path]:
@@ -124,9 +126,8 @@ def _combined_variant(job: dict, v: Variant, out: Path, split: int) -> list[Path
     from ..runtime.auto_head import quantize_with_auto_head
 
     options = quantize_options(v)
-    extra = {k: options.pop(k) for k in ("imatrix", "include_weights", "exclude_weights")}
-    trunk = plan_quantize(reference, v.preset, mtp_type=v.mtp_type, **options, **extra)
+    trunk = plan_quantize(reference, options)
     prompts = job["recipe"].gate.prompts if job["recipe"].gate else "builtin"
-    _, written = quantize_with_auto_head(Path(job["reference"]), out, reference, trunk, v.preset, v.auto_max_drop,
-                                         prompts, options, extra, split=SplitRule(max_size=split))
+    _, written = quantize_with_auto_head(Path(job["reference"]), out, reference, trunk, options, v.auto_max_drop,
+                                         prompts, split=SplitRule(max_size=split))
     return written

@@ -27,11 +27,11 @@ def _no_progress(description: str, total: int) -> ContextManager[Callable[[int, 
     return contextlib.nullcontext(lambda n, label="": None)
 
 
-def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: str, max_drop: float, prompts: str,
-                            options: dict, extra: dict, split=None, progress: Progress = _no_progress,
-                            say: Callable[[str], None] | None = None):
+def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, max_drop: float, prompts: str,
+                            split=None, progress: Progress = _no_progress, say: Callable[[str], None] | None = None):
     """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
-    written. ``progress`` (a byte bar) and ``say`` (a line) report to a person; by default nothing is shown."""
+    written. ``trunk_plan`` is ``before`` quantized by ``options`` (the job's QuantOptions) with the head kept; each
+    candidate head is quantized by the same options at its own type. ``progress`` (a byte bar) and ``say`` (a line) report to a person; by default nothing is shown."""
     from ..acceptance.prompts import load_prompts
     from ..quantize.surgery import plan_graft
     from .accept import use_threads
@@ -48,11 +48,10 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, preset: st
         with progress(f"quantize trunk -> {dst.name}", _nbytes(trunk_plan)) as advance:
             write_plan(trunk_plan, trunk_file, on_tensor=lambda spec, n: advance(n, spec.name))
         if say:
-            say(f"measuring {len(AUTO_CANDIDATES)} head types on the {preset} trunk ({len(pairs)} prompts)")
-        rates = head_rates(trunk_file, before, preset, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp,
-                           **options, **extra)
+            say(f"measuring {len(AUTO_CANDIDATES)} head types on the {options.preset.name} trunk ({len(pairs)} prompts)")
+        rates = head_rates(trunk_file, before, options, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp)
         choice = AutoChoice(choose_head_type(rates, max_drop), max_drop, rates)
-        head = head_plan(before, preset, choice.head_type, **options, **extra)
+        head = head_plan(before, options, choice.head_type)
         final = plan_graft(head, plan_from_gguf(trunk_file), replace=True)  # the trunk's bytes copied
         final.set_kv(AUTO_KEY, json.dumps(choice.to_dict(), sort_keys=True), GGUFValueType.STRING)
         final.inputs = [src, *before.inputs, trunk_file]

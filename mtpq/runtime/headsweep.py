@@ -7,7 +7,7 @@ pass run once, and each head drafts from the same hidden states
 (:func:`~mtpq.runtime.speculative.teacher_forced_heads`). The rates are the greedy k=1 loop's
 (accepted / drafted over the same continuations), which ``mtpq accept --draft 1`` reports for each full file.
 
-    rates = head_rates(trunk_gguf, reference_gguf, preset="Q4_K_M", head_types=["f16", "q8_0", "q4_k"])
+    rates = head_rates(trunk_gguf, reference_gguf, parse_options("Q4_K_M"), head_types=["f16", "q8_0", "q4_k"])
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ class HeadRate:
         return self.accepted / self.drafts if self.drafts else float("nan")
 
 
-def head_plan(reference_plan, preset: str, head_type: str, **options):
-    """The MTP block's tensors of ``mtpq quantize REF OUT preset --mtp-type head_type`` (with ``options``, the
-    rest of that command's; lazy: nothing else is quantized), as a plan with the reference's metadata."""
+def head_plan(reference_plan, options, head_type: str):
+    """The MTP block's tensors of ``mtpq quantize REF OUT`` with the job's ``options`` (QuantOptions) but
+    ``--mtp-type head_type`` (lazy: nothing else is quantized), as a plan with the reference's metadata."""
     from ..quantize.pipeline import plan_quantize
 
-    full = plan_quantize(reference_plan, preset, **{**options, "mtp_type": head_type})
+    full = plan_quantize(reference_plan, options.with_mtp_type(head_type))
     n = full.n_trunk_layers
     keep = [s for s in full.tensors if s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n]
     return replace(full, tensors=keep)
@@ -64,11 +64,11 @@ def greedy_sequences(model, tok, prompts: list[str], max_new_tokens: int) -> lis
     return out
 
 
-def head_rates(trunk: Path, reference, preset: str, head_types: list[str], prompts: list[str],
+def head_rates(trunk: Path, reference, options, head_types: list[str], prompts: list[str],
                max_new_tokens: int = 48, device: str | None = None, workdir: Path | None = None,
-               on_head: Callable[[str], None] | None = None, **options) -> dict[str, HeadRate]:
-    """Greedy k=1 acceptance of each head type (quantized from ``reference``, a GGUF path or a plan, for
-    ``preset``) on ``trunk``'s trunk, from one trunk pass."""
+               on_head: Callable[[str], None] | None = None) -> dict[str, HeadRate]:
+    """Greedy k=1 acceptance of each head type (quantized from ``reference``, a GGUF path or a plan, by the job's
+    ``options``, a QuantOptions) on ``trunk``'s trunk, from one trunk pass."""
     from ..gguf_io import plan_from_gguf, write_plan
 
     model, tok = load_model(trunk, device=device)
@@ -84,7 +84,7 @@ def head_rates(trunk: Path, reference, preset: str, head_types: list[str], promp
             if on_head:
                 on_head(t)
             path = Path(tmp) / f"head-{t}.gguf"
-            write_plan(head_plan(ref_plan, preset, t, **options), path)
+            write_plan(head_plan(ref_plan, options, t), path)
             heads[t] = _build_head(model, path)
         results = teacher_forced_heads(model, seqs, heads)
         del heads

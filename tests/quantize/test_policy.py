@@ -55,7 +55,7 @@ from tests.builders import tiny  # noqa: E402
 
 from mtpq.errors import InputError  # noqa: E402
 from mtpq.gguf_io import plan_from_gguf  # noqa: E402
-from mtpq.quantize.pipeline import plan_quantize  # noqa: E402
+from mtpq.quantize.pipeline import parse_options, plan_quantize  # noqa: E402
 from mtpq.quantize.policy import Override, first_answer, preset_mix  # noqa: E402
 from mtpq.quantize.presets import row_fallback, use_more_bits  # noqa: E402
 from mtpq.tensors import Role  # noqa: E402
@@ -319,13 +319,13 @@ def _quantized(plan, preset: str, options: dict, **extra):
         extra["imatrix"] = synthetic_imatrix(_plan_weights(plan))
     with tempfile.TemporaryDirectory() as tmp:
         files = [tensor_type_file(options, Path(tmp))] if "tensor_type_file" in options else []
-        return plan_quantize(plan, preset, pure=options.get("pure", False),
+        return plan_quantize(plan, parse_options(preset, pure=options.get("pure", False),
                              tensor_types=options.get("tensor_types", ()), tensor_type_files=files,
                              output_tensor_type=options.get("output_tensor_type"),
                              token_embedding_type=options.get("token_embedding_type"),
                              leave_output_tensor=options.get("leave_output_tensor", False),
                              kv_overrides=options.get("override_kv", ()), prune_layers=options.get("prune_layers"),
-                             **extra)
+                             **extra))
 
 
 def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
@@ -501,7 +501,7 @@ def _llama_quantize(name: str, preset: str = "Q4_K_M") -> T:
 
 
 def test_every_decision_has_its_reason(glm8):
-    q = _by_name(plan_quantize(glm8, "Q4_K_M"))
+    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M")))
     assert all(s.reason for s in q.values())
     assert q["blk.8.nextn.eh_proj.weight"].reason == "mtp block held at q8_0"
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q8_0
@@ -513,7 +513,7 @@ def test_every_decision_has_its_reason(glm8):
 
 
 def test_override_beats_the_mtp_rule_and_first_match_wins(glm8):
-    q = _by_name(plan_quantize(glm8, "Q4_K_M", tensor_types=[r"blk\.8\.ffn_.*_exps=q4_k", r"blk\.8\.=f16", "exps=q2_k"]))
+    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M", tensor_types=[r"blk\.8\.ffn_.*_exps=q4_k", r"blk\.8\.=f16", "exps=q2_k"])))
     assert q["blk.8.ffn_up_exps.weight"].ggml_type == T.Q4_K
     assert q["blk.8.ffn_up_exps.weight"].reason == r"user override blk\.8\.ffn_.*_exps=q4_k"
     assert q["blk.8.nextn.eh_proj.weight"].ggml_type == T.F16
@@ -522,32 +522,32 @@ def test_override_beats_the_mtp_rule_and_first_match_wins(glm8):
 
 
 def test_overrides_apply_under_float_presets(glm8):
-    q = _by_name(plan_quantize(glm8, "BF16", tensor_types=["attn_v=q8_0"], mtp_type="q8_0"))
+    q = _by_name(plan_quantize(glm8, parse_options("BF16", tensor_types=["attn_v=q8_0"], mtp_type="q8_0")))
     assert q["blk.2.attn_v.weight"].ggml_type == T.Q8_0
     assert q["blk.2.attn_q.weight"].ggml_type == T.BF16
     assert q["blk.8.nextn.eh_proj.weight"].ggml_type == T.Q8_0  # an explicit --mtp-type applies too
-    default = _by_name(plan_quantize(glm8, "BF16"))
+    default = _by_name(plan_quantize(glm8, parse_options("BF16")))
     assert default["blk.8.nextn.eh_proj.weight"].ggml_type == T.BF16  # default: never coarser than the trunk
 
 
 def test_mtp_experts_type_and_same(glm8):
-    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_type="f16", mtp_experts_type="q4_k"))
+    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M", mtp_type="f16", mtp_experts_type="q4_k")))
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q4_K
     assert q["blk.8.ffn_down_shexp.weight"].ggml_type == T.F16
     assert q["blk.8.nextn.shared_head_head.weight"].ggml_type == T.F16
-    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_experts_type="same"))
+    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M", mtp_experts_type="same")))
     for name in ("blk.8.ffn_gate_exps.weight", "blk.8.ffn_down_exps.weight"):  # the trunk's choice
         assert q[name].ggml_type == _llama_quantize(name), name
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q6_K  # layer 8 of 9 is a more-bits layer
     assert q["blk.8.attn_q.weight"].ggml_type == T.Q8_0
-    q = _by_name(plan_quantize(glm8, "Q2_K", mtp_type="q6_k"))
+    q = _by_name(plan_quantize(glm8, parse_options("Q2_K", mtp_type="q6_k")))
     assert {q[n].ggml_type for n in q if n.startswith("blk.8.") and q[n].role is Role.MTP and
             len(q[n].shape) > 1 and "gate_inp" not in n} == {T.Q6_K}
 
 
 def test_mtp_type_keep_holds_the_source_types(glm8):
     before = _by_name(glm8)
-    q = _by_name(plan_quantize(glm8, "Q4_K_M", mtp_type="keep", mtp_experts_type="q4_k"))
+    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M", mtp_type="keep", mtp_experts_type="q4_k")))
     assert before["blk.8.attn_q.weight"].ggml_type in (T.F16, T.F32, T.BF16)
     for name, spec in q.items():
         if spec.role is Role.MTP and "_exps" not in name:
@@ -572,7 +572,7 @@ def test_one_parsed_mtp_precision_at_every_boundary():
 
 
 def test_pure_and_file_type(glm8):
-    q = plan_quantize(glm8, "Q5_K_M", pure=True, mtp_type="same")
+    q = plan_quantize(glm8, parse_options("Q5_K_M", pure=True, mtp_type="same"))
     assert {s.ggml_type for s in q.tensors if len(s.shape) > 1 and "gate_inp" not in s.name} == {T.Q5_K}
     assert q.kv_value("general.file_type") == 17 and q.kv_value("general.quantization_version") == 2
 
@@ -594,21 +594,21 @@ def test_counters_skip_tensors_decided_before_the_mix(glm8):
 
 def test_imatrix_entries_reach_the_tensors_and_select(glm8):
     im = synthetic_imatrix(_plan_weights(glm8))
-    plan = plan_quantize(glm8, "Q4_K_M", imatrix=im)
+    plan = plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im))
     got = {s.name: s.importance for s in plan.tensors}
     assert got["blk.0.ffn_down.weight"].shape == (1, glm8_row(glm8, "blk.0.ffn_down.weight"))
     assert got["blk.1.ffn_up_exps.weight"].shape[0] > 1  # one row per expert
     assert got["blk.0.attn_norm.weight"] is None  # never quantized: no weights
     kv = plan.kv_value("quantize.imatrix.entries_count")
     assert kv == len(im.entries)
-    excl = plan_quantize(glm8, "Q4_K_M", imatrix=im, exclude_weights=["ffn_down"])
+    excl = plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im, exclude_weights=["ffn_down"]))
     assert all(s.importance is None for s in excl.tensors if "ffn_down" in s.name)
     assert any(s.importance is not None for s in excl.tensors)
-    incl = plan_quantize(glm8, "Q4_K_M", imatrix=im, include_weights=["attn_q"])
+    incl = plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im, include_weights=["attn_q"]))
     assert {s.name for s in incl.tensors if s.importance is not None} == {
         s.name for s in glm8.tensors if "attn_q" in s.name and s.name.endswith("weight") and len(s.shape) >= 2}
     with pytest.raises(InputError, match="cannot be combined"):
-        plan_quantize(glm8, "Q4_K_M", imatrix=im, include_weights=["a"], exclude_weights=["b"])
+        plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im, include_weights=["a"], exclude_weights=["b"]))
 
 
 def glm8_row(plan, name):
@@ -620,12 +620,12 @@ def test_imatrix_for_another_model_or_size_is_refused(glm8):
 
     other = synthetic_imatrix([("blk.0.attn_qkv.weight", 64, 1)])
     with pytest.raises(InputError, match="names a tensor of this model"):
-        plan_quantize(glm8, "Q4_K_M", imatrix=other)
+        plan_quantize(glm8, parse_options("Q4_K_M", imatrix=other))
     wrong = synthetic_imatrix(_plan_weights(glm8))
     wrong.entries["blk.0.attn_q.weight"] = Entry(wrong.entries["blk.0.attn_q.weight"].sums[:, :-32],
                                                  wrong.entries["blk.0.attn_q.weight"].counts)
     with pytest.raises(InputError, match="entry blk.0.attn_q.weight has .* values, the tensor needs"):
-        plan_quantize(glm8, "Q4_K_M", imatrix=wrong)
+        plan_quantize(glm8, parse_options("Q4_K_M", imatrix=wrong))
 
 
 def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8):
@@ -633,10 +633,10 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
     that needs importance data (here Q2_K of a Q2_K_S file) the plan is refused before anything
     is written, naming the head's tensors and both remedies; the default head type needs none."""
     trunk_only = synthetic_imatrix([w for w in _plan_weights(glm8) if not w[0].startswith("blk.8.")])
-    plan = plan_quantize(glm8, "Q2_K_S", imatrix=trunk_only)  # head at q8_0: fine
+    plan = plan_quantize(glm8, parse_options("Q2_K_S", imatrix=trunk_only))  # head at q8_0: fine
     assert {s.ggml_type for s in plan.tensors if s.role is Role.MTP and s.importance is None} <= {T.Q8_0, T.F32}
     with pytest.raises(InputError) as exc:
-        plan_quantize(glm8, "Q2_K_S", imatrix=trunk_only, mtp_type="q2_k")
+        plan_quantize(glm8, parse_options("Q2_K_S", imatrix=trunk_only, mtp_type="q2_k"))
     msg = exc.value.problem
     assert exc.value.where == "imatrix"
     assert "blk.8." in msg and "q2_k" in msg and "mtpq imatrix --mtp" in msg and "--mtp-type q8_0" in msg
@@ -657,7 +657,7 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
 def test_bad_options_name_the_option(glm8, kwargs, where, says):
     kwargs = {"preset": "Q4_K_M", **kwargs}
     with pytest.raises(InputError) as exc:
-        plan_quantize(glm8, kwargs.pop("preset"), **kwargs)
+        plan_quantize(glm8, parse_options(kwargs.pop("preset"), **kwargs))
     assert exc.value.where == where and says in exc.value.problem
 
 
