@@ -134,8 +134,19 @@ def test_arrows_run_downward():
 
 def test_the_floors_exist():
     graph = import_graph()
-    assert {floor(m) for m in graph} >= {0, 2, 3, 4}
+    assert {floor(m) for m in graph} == {0, 1, 2, 3, 4}
     assert "mtpq.cli" in graph["mtpq.__main__"]
+
+
+def test_the_model_libraries_stand_apart():
+    """convert (checkpoint -> plan), quantize (plan -> plan with types) and runtime (GGUF -> torch model) import
+    none of each other: a job that needs two of them is a workflow."""
+    graph = import_graph()
+    parts = ("convert", "quantize", "runtime")
+    crossing = sorted((m, d) for m, deps in graph.items() for d in deps
+                      if m.split(".")[1:2] and d.split(".")[1:2]
+                      and m.split(".")[1] in parts and d.split(".")[1] in parts and m.split(".")[1] != d.split(".")[1])
+    assert crossing == []
 
 
 def test_the_walk_sees_lazy_and_type_only_imports(tmp_path):

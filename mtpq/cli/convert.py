@@ -107,7 +107,7 @@ def convert(
     elif kv_overrides:
         apply_kv_overrides(plan, kv_overrides)
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
-        from ..runtime.auto_head import quantize_with_auto_head
+        from ..workflows.auto_head import quantize_with_auto_head
 
         plan, written = quantize_with_auto_head(src, out, source, plan, options, max_drop, prompts, split=split,
                                                 **report_hooks(quiet))

@@ -98,7 +98,7 @@ def quantize(
             print_decisions(info)
         return
     if auto:
-        from ..runtime.auto_head import quantize_with_auto_head
+        from ..workflows.auto_head import quantize_with_auto_head
 
         after, written = quantize_with_auto_head(src, dst, before, after, options, max_drop, prompts, split=split,
                                                  **report_hooks(quiet or as_json))

@@ -157,7 +157,7 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
     prompts = [p for _, p in pairs]
     if engine == "torch":
         from ..quantize.pipeline import parse_options
-        from ..runtime.headsweep import head_rates
+        from ..workflows.headsweep import head_rates
 
         return {t: r.rate for t, r in head_rates(trunk, reference, parse_options(preset), head_types, prompts,
                                                  max_new_tokens,
@@ -166,7 +166,7 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
     from ..quantize.pipeline import parse_options
     from ..gguf_io import plan_from_gguf, write_plan
     from ..quantize.surgery import plan_graft
-    from ..runtime.headsweep import head_plan
+    from ..workflows.headsweep import head_plan
 
     server = ServerConfig(find_server(llama_cpp), ngl=ngl, threads=threads)
     ref_plan, out = plan_from_gguf(reference), {}

@@ -123,7 +123,7 @@ def _combined_variant(job: dict, v: Variant, out: Path, split: int) -> list[Path
     # mtp_type = "auto": measured on the quantized trunk, then grafted in
     from ..gguf_io import SplitRule
     from ..quantize.pipeline import plan_quantize
-    from ..runtime.auto_head import quantize_with_auto_head
+    from ..workflows.auto_head import quantize_with_auto_head
 
     options = quantize_options(v)
     trunk = plan_quantize(reference, options)

@@ -64,41 +64,13 @@ from pathlib import Path
 from ..engines import ENGINES
 from ..errors import InputError
 from ..quantize.mtp_precision import Q8_0, MtpPrecision, parse_mtp
+from ..workflows.gates import Gate
 from . import layout as naming
 
 REFERENCE_TYPES = ("f32", "f16", "bf16", "q8_0")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # a Hub repository id, as huggingface_hub validates it: OWNER/NAME of letters, digits, '-', '_', '.'
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
-
-
-@dataclass(frozen=True)
-class Gate:
-    prompts: str = "builtin"
-    draft: int = 3
-    max_new_tokens: int = 64
-    min_rate: float | None = None
-    max_drop: float | None = None
-    temperature: float = 0.0
-    max_prompts: int | None = None
-    engine: str = "torch"  # or "llama.cpp": llama-server with --spec-type draft-mtp (mtpq.engines)
-    llama_cpp: str | None = None  # llama.cpp's bin folder (default: $MTPQ_LLAMA_CPP_BIN, then PATH)
-    ngl: int | None = None
-    ctx_size: int | None = None
-    threads: int | None = None
-    rpc: str | None = None
-    server_args: tuple[str, ...] = ()
-    # the trunk's quality against the reference (mtpq compare): on ``text``, chunks of kld_ctx_size tokens
-    text: str | None = None
-    kld_ctx_size: int = 512
-    kld_chunks: int | None = None
-    max_kld: float | None = None
-    min_top1: float | None = None
-    max_ppl_ratio: float | None = None
-
-    @property
-    def scores_quality(self) -> bool:
-        return self.text is not None
 
 
 LLAMA_CPP_GATE_KEYS = ("llama_cpp", "ngl", "ctx_size", "rpc", "server_args")

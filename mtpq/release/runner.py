@@ -1,8 +1,8 @@
 """Run a recipe: convert once, derive every variant and head file, gate each, write the manifest.
 
 What each job is and how its key is made: :mod:`.plan`; what its file is made of: :mod:`.produce`; the
-manifest, sums and card: :mod:`.manifest`. Parts are also the unit a CI matrix ships around: ``--merge``
-turns whatever parts sit in the output folder into the manifest. Artifacts hold no timestamps, so building
+manifest, sums and card: :mod:`.manifest`; how an artifact is measured and gated: :mod:`mtpq.workflows.gates`.
+Parts are also the unit a CI matrix ships around: ``--merge`` turns whatever parts sit in the output folder into the manifest. Artifacts hold no timestamps, so building
 twice gives the same bytes.
 
 An artifact may be a split GGUF (``split_max_size``): its part and the manifest name shard 1 as its ``file``
@@ -18,84 +18,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from ..workflows.gates import Gate, describe, judge, measure, measure_quality
 from .files import PARTS, files_of, sha256_file, write_json
 from .manifest import write_manifest
 from .plan import BuildPlan, plan_jobs
-from .recipe import Gate, Recipe
+from .recipe import Recipe
 
-__all__ = ["build_artifact", "judge", "measure", "measure_quality", "reusable", "run_build", "write_outputs"]
-
-
-# ----------------------------------------------------------------------------- artifacts
-
-
-def describe(path: Path) -> dict:
-    """Per-role type table, MTP precision and size (all shards) of a GGUF (from
-    :func:`~mtpq.gguf_io.summary.summarize_gguf`)."""
-    from ..gguf_io.summary import summarize_gguf
-
-    info = summarize_gguf(path)
-    by_role: dict[str, dict[str, int]] = {}
-    for t in info["tensors"]:
-        by_role.setdefault(t["role"], {}).setdefault(t["type"], 0)
-        by_role[t["role"]][t["type"]] += 1
-    return {"bytes": sum(s["bytes"] for s in info["shards"]), "bits_per_weight": info["bits_per_weight"],
-            "types_by_role": by_role, "mtp_precision": info["mtp_types"], "mtp_blocks": len(info["mtp_blocks"])}
+__all__ = ["build_artifact", "reusable", "run_build", "write_outputs"]
 
 
 # ----------------------------------------------------------------------------- gates
-
-
-def measure(path: Path, gate: Gate, head: Path | None = None) -> dict:
-    """Greedy acceptance figures of one GGUF (``head``: a trunk with this head file, as llama.cpp's -md) on the
-    gate's prompts (deterministic: no timings)."""
-    kw = dict(prompts=gate.prompts, draft=gate.draft, max_new_tokens=gate.max_new_tokens, temperature=gate.temperature,
-              max_prompts=gate.max_prompts)
-    if gate.engine == "llama.cpp":
-        from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp, with_draft_model
-
-        cfg = ServerConfig(find_server(gate.llama_cpp), ngl=gate.ngl, ctx_size=gate.ctx_size, threads=gate.threads,
-                           rpc=gate.rpc, extra=list(gate.server_args))
-        report = measure_with_llama_cpp(path, **kw, server=cfg if head is None else with_draft_model(cfg, head))
-    else:
-        from ..runtime.accept import measure_file
-
-        report = measure_file(path, **kw, threads=gate.threads, head=head)
-    return {**report.deterministic_summary(), "engine": report.engine}
-
-
-def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
-    """The trunk's figures against the reference on gate.text (mtpq compare's), deterministic: no timings."""
-    if gate.engine == "llama.cpp":
-        from ..engines.perplexity import PerplexityConfig, find_perplexity, kld_with_llama_cpp
-
-        cfg = PerplexityConfig(find_perplexity(gate.llama_cpp), ctx_size=gate.kld_ctx_size, chunks=gate.kld_chunks,
-                               threads=gate.threads, ngl=gate.ngl)
-        _, (figures,), chunks = kld_with_llama_cpp(reference, [path], Path(gate.text), cfg)
-        return {**figures, "chunks": chunks, "ctx_size": gate.kld_ctx_size, "engine": "llama.cpp"}
-    from ..runtime.accept import use_threads
-    from ..runtime.quality import QualityRun, compare_runs
-
-    use_threads(path, gate.threads)
-    ref, q = QualityRun(reference), QualityRun(path)
-    chunks = compare_runs(ref, [q], Path(gate.text).read_text(), n_ctx=gate.kld_ctx_size, n_chunks=gate.kld_chunks)
-    keep = ("ppl", "ppl_ratio", "kld_mean", "kld_median", "kld_p99", "kld_max", "top1", "dp_rms")
-    return {**{k: v for k, v in q.quality.summary(ref.quality).items() if k in keep}, "chunks": chunks,
-            "ctx_size": gate.kld_ctx_size, "engine": "torch"}
-
-
-def judge(rate: float | None, ref_rate: float | None, gate: Gate, quality: dict | None = None) -> dict:
-    """The gate's verdict (:func:`mtpq.acceptance.quality.judge`): a gated figure that is missing or not finite
-    fails, as one below its limit does."""
-    from ..acceptance.quality import CHECKS, Gates
-    from ..acceptance.quality import judge as judge_figures
-
-    drop = ref_rate - rate if rate is not None and ref_rate is not None else None
-    row = {**(quality or {}), "file": "", "accept_rate": rate, "accept_drop": drop}
-    gates = Gates(max_kld=gate.max_kld, min_top1=gate.min_top1, max_ppl_ratio=gate.max_ppl_ratio,
-                  min_rate=gate.min_rate, max_drop=gate.max_drop)
-    reasons = judge_figures([row], gates, {g: f"gate.{g}" for g in CHECKS})[""]
-    return {"passed": not reasons, "reason": "; ".join(reasons) or "ok"}
 
 
 def _judge_entry(entry: dict, ref_rate: float | None, gate: Gate) -> dict:

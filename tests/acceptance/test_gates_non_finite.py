@@ -16,7 +16,7 @@ from mtpq.acceptance.report import judge as judge_accept
 from mtpq.engines.perplexity import _FIELDS, parse_kld_log, parse_ppl_log
 from mtpq.errors import MeasurementError
 from mtpq.release.recipe import Gate
-from mtpq.release.runner import judge as judge_build
+from mtpq.workflows.gates import judge as judge_build
 from tests.helpers.runcli import run_cli
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "missing": None}

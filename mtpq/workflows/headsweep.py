@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
-from .speculative import TeacherForcedResult, load_model, run_plain, teacher_forced_heads
+from ..runtime.speculative import TeacherForcedResult, load_model, run_plain, teacher_forced_heads
 
 
 @dataclass
@@ -46,7 +46,7 @@ def head_plan(reference_plan, options, head_type: str):
 def _build_head(model, path: Path):
     """A NextNHead for ``model``'s trunk from a head-only GGUF (its missing embed/head fall back to the trunk's)."""
     from ..gguf_io import GGUFFile
-    from .weights import Weights
+    from ..runtime.weights import Weights
 
     w = Weights(GGUFFile(path), model.device, model.dtype)
     return model.head_at(w, len(model.blocks)).eval()  # the head's block follows the trunk's

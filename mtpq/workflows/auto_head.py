@@ -2,7 +2,7 @@
 
 The trunk is quantized once (the head kept as the input has it) into a temporary file beside OUT; every
 candidate head type is quantized alone from the input and drafts from that trunk's hidden states
-(:mod:`mtpq.runtime.headsweep`); the narrowest type within ``--max-drop`` of the f16 head's acceptance is
+(:mod:`mtpq.workflows.headsweep`); the narrowest type within ``--max-drop`` of the f16 head's acceptance is
 grafted in, the trunk's bytes copied, to OUT. The choice and its figures are printed and recorded in OUT
 (``mtpq.mtp_type_auto``, a JSON string).
 """
@@ -34,7 +34,7 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, m
     candidate head is quantized by the same options at its own type. ``progress`` (a byte bar) and ``say`` (a line) report to a person; by default nothing is shown."""
     from ..acceptance.prompts import load_prompts
     from ..quantize.surgery import plan_graft
-    from .accept import use_threads
+    from ..runtime.accept import use_threads
     from .headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
 
     if before.n_mtp_layers == 0:
