@@ -173,3 +173,14 @@ def test_the_walk_sees_lazy_and_type_only_imports(tmp_path):
     assert cycles(import_graph(pkg, type_only=False)) == []
     assert upward(import_graph(pkg)) == [("pkg.convert.stream", "pkg.cli")]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_no_private_name_is_imported():
+    """A name with a leading underscore is its module's own: no other module imports it (what several modules
+    need is public, and defined once)."""
+    found = []
+    for name, path in _modules(PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("", "mtpq"):
+                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert found == []

@@ -143,7 +143,7 @@ def compare(
 def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, chunks: int | None, device,
                 threads: int | None, numerics: str) -> dict:
     from ..runtime.accept import use_threads
-    from ..runtime.quality import QualityRun, compare_runs
+    from ..runtime.trunk_quality import QualityRun, compare_runs
 
     use_threads(reference, threads)
     dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
@@ -167,7 +167,7 @@ def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, 
                numerics: str) -> dict:
     from ..engines.kld_base import KldBase
     from ..runtime.accept import use_threads
-    from ..runtime.quality import QualityRun, compare_with_base
+    from ..runtime.trunk_quality import QualityRun, compare_with_base
 
     base = KldBase(base_path)
     use_threads(quants[0], threads)

@@ -46,7 +46,7 @@ def imatrix(
 
     from ..gguf_io import check_not_an_input, shard_paths
     from ..quantize.imatrix import Entry, Imatrix, read_imatrix, write_imatrix
-    from ..runtime.imatrix import chunk_tokens, collect
+    from ..runtime.importance import chunk_tokens, collect
     from ..runtime.speculative import load_model
 
     if chunk < 2:

@@ -180,7 +180,7 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
 
 
 def _trunk_kld(reference: Path, quant: Path, text: Path, ctx_size: int, chunks: int | None, device) -> float:
-    from ..runtime.quality import QualityRun, compare_runs
+    from ..runtime.trunk_quality import QualityRun, compare_runs
 
     dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
     ref, q = QualityRun(reference, device=dev), QualityRun(quant, device=dev)

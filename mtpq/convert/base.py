@@ -484,7 +484,7 @@ def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> 
     groups = 2 * packed // 32
 
     def raw(n: str) -> np.ndarray:
-        return ckpt._raw(n).view(torch.uint8).numpy()
+        return ckpt.raw(n).view(torch.uint8).numpy()
 
     def encode(qtype: T) -> np.ndarray:
         assert qtype == T.MXFP4, qtype
@@ -501,9 +501,9 @@ def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> 
 
 
 def _dtype_of(ckpt: HFCheckpoint, hf_name: str) -> torch.dtype:
-    from .checkpoint import _ST_DTYPES
+    from .checkpoint import ST_DTYPES
 
-    return _ST_DTYPES[ckpt.source_dtype(hf_name)]
+    return ST_DTYPES[ckpt.source_dtype(hf_name)]
 
 
 # the top-level names of Llama-style checkpoints, for families with their own name tables

@@ -29,7 +29,7 @@ import torch
 from ..errors import InputError
 from .hfconfig import check_config
 
-_ST_DTYPES = {
+ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two scales (DeepSeek-V4's UE8M0 .scale companions)
@@ -253,7 +253,7 @@ class HFCheckpoint:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Read a stored (non-FP8) tensor's bytes straight into ``out`` (same dtype and size): no extra copy."""
         st = self.stored[name]
-        if _ST_DTYPES[st.dtype] != out.dtype or out.numel() * out.element_size() != st.nbytes:
+        if ST_DTYPES[st.dtype] != out.dtype or out.numel() * out.element_size() != st.nbytes:
             raise ValueError(f"{name}: read_into needs a {st.dtype} buffer of {st.nbytes} bytes")
         view = memoryview(out.view(torch.uint8).numpy()).cast("B") if st.nbytes else memoryview(b"")
         with open(st.file, "rb") as f:
@@ -303,7 +303,7 @@ class HFCheckpoint:
     def is_fp8(self, name: str) -> bool:
         return self.stored[name].dtype in _FP8
 
-    def _raw(self, name: str, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    def raw(self, name: str, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """Read one tensor (or its rows ``r0:r1`` along dim 0) with plain file I/O (positions come from the
         validated header).
 
@@ -316,8 +316,8 @@ class HFCheckpoint:
         buf = bytearray(nbytes)
         _read_into(st, offset, buf)
         if nbytes == 0:
-            return torch.empty(shape, dtype=_ST_DTYPES[st.dtype])
-        return torch.frombuffer(buf, dtype=_ST_DTYPES[st.dtype]).reshape(shape)
+            return torch.empty(shape, dtype=ST_DTYPES[st.dtype])
+        return torch.frombuffer(buf, dtype=ST_DTYPES[st.dtype]).reshape(shape)
 
     def loader(self, name: str) -> Callable[[], torch.Tensor]:
         """A callable returning the tensor's values (FP8 dequantized to float32)."""
@@ -326,13 +326,13 @@ class HFCheckpoint:
         return lambda: self.load(name)
 
     def load(self, name: str) -> torch.Tensor:
-        t = self._raw(name)
+        t = self.raw(name)
         return self._dequantize(name, t, 0) if self.stored[name].dtype in _FP8 else t
 
     def load_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
         """Rows ``r0:r1`` (dim 0) of a tensor, reading only their bytes (FP8 dequantized to float32). For a
         2-D block-scaled FP8 tensor ``r0`` must start a tile (:meth:`row_step`)."""
-        t = self._raw(name, r0, r1)
+        t = self.raw(name, r0, r1)
         return self._dequantize(name, t, r0) if self.stored[name].dtype in _FP8 else t
 
     def row_step(self, name: str) -> int:
@@ -346,7 +346,7 @@ class HFCheckpoint:
     def rows_as(self, name: str, r0: int, r1: int, out: torch.Tensor) -> bool:
         """Rows ``r0:r1`` of a 2-D block-scaled FP8 tensor written into ``out`` (bfloat16, float16 or float32,
         their shape) with no float32 copy of the whole rows, in the bytes of rounding :meth:`load_rows`: the
-        same float32 products w * s (:func:`_fp8_scaled`), rounded to ``out``'s type by torch, as the rows are.
+        same float32 products w * s (:func:`fp8_scaled`), rounded to ``out``'s type by torch, as the rows are.
         False, ``out`` left unspecified, for any other tensor, or when the rows may hold a value that is not
         finite in ``out``'s type (a NaN byte, a product past its range): the caller then rounds
         :meth:`load_rows`, whose checks say which."""
@@ -354,12 +354,12 @@ class HFCheckpoint:
             return False
         q = self._scratch_rows(name, r0, r1)
         s, bh, bw = self._tile_scales(name, r0, r1)
-        fp8 = _ST_DTYPES[self.stored[name].dtype]
+        fp8 = ST_DTYPES[self.stored[name].dtype]
         if not _codes_below(q, _first_not_finite(fp8, float(np.abs(s).max()), out.dtype)):
             return False
         # float32 work space: ``out`` itself, or a slab's worth (small: malloc reuses it, no page faults)
         x = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
-        _fp8_scaled(q, fp8, s, bh, bw, x, finite=True)
+        fp8_scaled(q, fp8, s, bh, bw, x, finite=True)
         if x is not out:
             out.copy_(x)  # torch's rounding, as of load_rows' values
         return True
@@ -372,7 +372,7 @@ class HFCheckpoint:
         with self._scales_lock:
             s = self._scales.get(name)
         if s is None:
-            s = self._raw(name + "_scale_inv").to(torch.float32).numpy()
+            s = self.raw(name + "_scale_inv").to(torch.float32).numpy()
             rows, cols = st.shape[-2], st.shape[-1]
             want = (-(-rows // bh), -(-cols // bw))
             if tuple(s.shape[-2:]) != want:
@@ -402,10 +402,10 @@ class HFCheckpoint:
             q, x = q.reshape(-1, rows, cols), w.view(-1, rows, cols)
             with one_torch_thread():
                 for e in range(len(q)):  # the experts of a stack [E, rows, cols], with their own tiles or shared ones
-                    _fp8_scaled(q[e], t.dtype, s[e] if s.ndim == 3 else s, bh, bw, x[e])
+                    fp8_scaled(q[e], t.dtype, s[e] if s.ndim == 3 else s, bh, bw, x[e])
             return w
         if name + "_scale" in self.stored:  # compressed-tensors: per-channel [out, 1] or per-tensor scalar
-            s = self._raw(name + "_scale").to(torch.float32)
+            s = self.raw(name + "_scale").to(torch.float32)
             q = t.view(torch.uint8).numpy()
             q = q.reshape(len(q) if q.ndim else 1, -1)  # rows (dim 0) by the rest
             rows, cols = q.shape
@@ -418,7 +418,7 @@ class HFCheckpoint:
             w = torch.from_numpy(np.empty(q.shape, dtype=np.float32))
             if w.numel():
                 with one_torch_thread():
-                    _fp8_scaled(q, t.dtype, s, bh, cols, w)
+                    fp8_scaled(q, t.dtype, s, bh, cols, w)
             return w.view(t.shape)
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
@@ -496,7 +496,7 @@ def _first_not_finite(fp8: torch.dtype, smax: float, dtype: torch.dtype) -> int:
     return int(torch.where(torch.isfinite(table), 128, torch.arange(256) & 0x7F).min())
 
 
-def _fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor,
+def fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor,
                 finite: bool = False) -> None:
     """float32 ``x`` [rows, cols] = the FP8 bytes ``q`` (uint8, same shape) times the float32 scale of their
     bh x bw tile ``s`` [rows/bh, cols/bw]: the products of :meth:`HFCheckpoint.load_rows`, bit for bit, without

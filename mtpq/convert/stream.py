@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError
 from ..gguf_io import output_buffer, report_progress
-from .checkpoint import _ST_DTYPES, HFCheckpoint, one_torch_thread
+from .checkpoint import ST_DTYPES, HFCheckpoint, one_torch_thread
 
 SLAB_ELEMENTS = 1 << 23  # values per slab of a single tensor: 32 MB as float32
 # to a float type: 4 MB of float32 per slab, so that the lookup, scaling, checks and rounding of one slab
@@ -253,7 +253,7 @@ def bits_finite(bits: np.ndarray, dtype: str) -> bool:
     signed = bits.reshape(-1).view(np.int16 if bits.itemsize == 2 else np.int32)
     with warnings.catch_warnings():  # the mapped bits are read-only; nothing here writes them
         warnings.simplefilter("ignore", UserWarning)
-        values = torch.from_numpy(signed).view(_ST_DTYPES[dtype])
+        values = torch.from_numpy(signed).view(ST_DTYPES[dtype])
     with one_torch_thread():
         return all(all_finite(c) for c in values.split(1 << 22))
 
@@ -287,7 +287,7 @@ class Pieces:
 
 def passes_through(ck: HFCheckpoint, hf_name: str, qtype: T) -> bool:
     """The stored values are already the output type's: their bits are written as they are."""
-    return not ck.is_fp8(hf_name) and _ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
+    return not ck.is_fp8(hf_name) and ST_DTYPES[ck.source_dtype(hf_name)] == _TORCH_OF.get(qtype)
 
 
 def _band(ck: HFCheckpoint, hf_name: str, row: int, qtype: T) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from . import iq4, iqtables, iquants, kquants, legacy, mxfp4, ternary, types  # noqa: F401  (types: Q2_0 in gguf-py)
+from .types import FLOAT_TYPES  # noqa: F401  (ggml's float types, read here by engine and the tests)
 
 _NONE = np.empty(0, np.float32)
 
@@ -102,7 +103,6 @@ TYPES: dict[T, GgmlType] = {t.qtype: t for t in (
     GgmlType(T.MXFP4, 32, 17, mxfp4.quantize_mxfp4, None, mxfp4.dequantize_mxfp4),
 )}
 
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 
 @functools.cache

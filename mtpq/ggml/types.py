@@ -27,6 +27,7 @@ GGML_QUANT_SIZES.setdefault(_add_member(GGMLQuantizationType, "Q2_0", 42), (64, 
 _add_member(LlamaFileType, "MOSTLY_Q2_0", 41)
 
 T = GGMLQuantizationType
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})  # the types stored as floats, never quantized
 WRITABLE_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
     T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0,

@@ -25,7 +25,7 @@ from .files import (
     shard_paths,
     split_prefix,
 )
-from .read import FLOAT_TYPES, GGUFFile, plan_from_gguf, reader_kv
+from .read import GGUFFile, plan_from_gguf, reader_kv
 from .write import (
     SplitRule,
     atomic_output,
@@ -42,7 +42,7 @@ from .write import (
 )
 
 __all__ = [
-    "FLOAT_TYPES", "SPLIT_KEYS", "GGUFFile", "ModelFiles", "SplitRule", "atomic_output",
+    "SPLIT_KEYS", "GGUFFile", "ModelFiles", "SplitRule", "atomic_output",
     "atomic_outputs", "check_not_an_input", "encode_tensor", "first_shard", "open_gguf", "open_model",
     "output_buffer", "output_paths", "parse_size", "partial_folder", "plan_from_gguf", "reader_arch", "reader_kv",
     "refresh_size_label", "remove_partial", "remove_stale_partials", "report_progress", "shard_name", "shard_paths", "size_label",

@@ -18,7 +18,6 @@ from ..errors import InputError
 from ..tensors import Plan, TensorSpec, block_index, classify
 from .files import INT_TYPES, SPLIT_KEYS, open_model, reader_arch
 
-FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 def _count_key(reader: GGUFReader, kv: dict[str, GGUFValue], key: str, path: Path) -> int:

@@ -28,10 +28,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
 
-from ..ggml.types import WRITABLE_TYPES
+from ..ggml.types import FLOAT_TYPES, WRITABLE_TYPES
 
 T = GGMLQuantizationType
-FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 USER_TYPES = frozenset(WRITABLE_TYPES)  # what mtpq's kernels write: users may name any of these
 
 

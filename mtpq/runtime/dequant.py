@@ -16,6 +16,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
+from ..ggml.types import FLOAT_TYPES
+
 T = GGMLQuantizationType
 _F32 = torch.float32
 QK_K = 256
@@ -351,7 +353,6 @@ _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.IQ2_S: dequantize_iq2_s, T.IQ3_S: dequantize_iq3_s, T.IQ1_S: dequantize_iq1_s, T.IQ1_M: dequantize_iq1_m,
     T.MXFP4: dequantize_mxfp4,
 }
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 
 def _as_torch(raw: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LengthCache
-from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.imatrix
+from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.importance
 from .weights import FusedLinear, Scope, as_dtype, widened
 
 
@@ -549,7 +549,7 @@ class MoE(nn.Module):
 def _picked(stack, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Experts ``ids`` of a 3-D expert stack (a QWeight) as floats [len(ids), rows, cols], indexed on the device."""
     if stack.quantized:
-        return stack._dequant(stack.data[ids], (ids.numel(), *stack.shape[1:]))
+        return stack.dequant_bytes(stack.data[ids], (ids.numel(), *stack.shape[1:]))
     return as_dtype(stack.data[ids], dtype)
 
 

@@ -441,7 +441,7 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
     # logits only where they are compared (the prompt's are most of a long prompt's output GEMMs)
     compared = torch.cat([torch.arange(a + n, a + T) for a, n, T in zip(at, firsts, lengths)])
     trunk = model.trunk(seq, use_cache=False, packing=Packing(lengths, dev), logit_rows=compared.to(dev))
-    target = _argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
+    target = block_argmax(trunk.logits[0])  # per sequence: the trunk's choice for x_{j+1}, j = n..T-1
     hidden = trunk.hidden
     del trunk  # its logits: the head's reuse their memory
     # the head's pairs (h_t, x_{t+1}) of each sequence; drafts from t = n-1.. are compared
@@ -453,17 +453,17 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
         for name, head in heads.items():
             model.mtp = head
             drafted = model.draft(head_ids, head_states, use_cache=False, packing=head_packing)
-            same = (_argmax(drafted.logits[0]) == target).tolist()
+            same = (block_argmax(drafted.logits[0]) == target).tolist()
             out[name] = [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
     finally:
         model.mtp = own
     return out
 
 
-ARGMAX_BLOCK = 128  # vocabulary entries per block of _argmax
+ARGMAX_BLOCK = 128  # vocabulary entries per block of block_argmax
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def block_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of [N, V], the same indices (the first maximum; NaN counts as the maximum)
     ~4x faster: the maximum of each block of ARGMAX_BLOCK entries (a vectorized reduction, where argmax's
     is not), the first block holding the row's maximum, then argmax inside that block only."""

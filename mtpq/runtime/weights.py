@@ -32,7 +32,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..errors import InputError
-from ..gguf_io import FLOAT_TYPES, GGUFFile  # noqa: F401  (GGUFFile: the package's one reader)
+from ..ggml.types import FLOAT_TYPES
+from ..gguf_io import GGUFFile  # noqa: F401  (GGUFFile: the package's one reader)
 
 DEQUANT_CHUNK = 1 << 26  # elements dequantized at once by QuantLinear: bounds the transient float copy
 
@@ -190,7 +191,7 @@ class QWeight(nn.Module):
             return self.dequant(expert)
         return widened(self.data if expert is None else self.data[expert], self.dtype, self.pool)
 
-    def _dequant(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def dequant_bytes(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         from .dequant import dequantize  # torch, on the weight's device (CUDA included)
 
         return dequantize(raw, self.qtype, shape).to(device=raw.device, dtype=self.dtype)
@@ -198,23 +199,23 @@ class QWeight(nn.Module):
     def dequant(self, expert: int | None = None) -> torch.Tensor:
         """The float matrix (or expert ``expert``'s matrix of a 3-D stack)."""
         if expert is None:
-            return self._dequant(self.data, self.shape) if self.quantized else self.data.to(self.dtype)
+            return self.dequant_bytes(self.data, self.shape) if self.quantized else self.data.to(self.dtype)
         if not self.quantized:
             return self.data[expert].to(self.dtype)
-        return self._dequant(self.data[expert], self.shape[1:])
+        return self.dequant_bytes(self.data[expert], self.shape[1:])
 
     def row_range(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of a 2-D weight as floats (a narrow weight's in a reused buffer, see matrix)."""
         if not self.quantized:
             return widened(self.data[start:stop], self.dtype, self.pool)
-        return self._dequant(self.data[start:stop], (stop - start, self.shape[-1]))
+        return self.dequant_bytes(self.data[start:stop], (stop - start, self.shape[-1]))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D table (embedding lookup) without dequantizing the whole table."""
         if not self.quantized:
             return as_dtype(F.embedding(ids, self.data), self.dtype)
         flat = ids.reshape(-1)
-        picked = self._dequant(self.data[flat], (flat.numel(), self.shape[-1]))
+        picked = self.dequant_bytes(self.data[flat], (flat.numel(), self.shape[-1]))
         return picked.reshape(*ids.shape, self.shape[-1])
 
     def extra_repr(self) -> str:
@@ -223,7 +224,7 @@ class QWeight(nn.Module):
 
 _NARROW = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
 
-# Set by mtpq.runtime.imatrix while it collects importance statistics: called as
+# Set by mtpq.runtime.importance while it collects importance statistics: called as
 # observer(weight name, expert index or None, the input rows the weight multiplies).
 observer = None
 

@@ -88,7 +88,7 @@ def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
         _, (figures,), chunks = kld_with_llama_cpp(reference, [path], Path(gate.text), cfg)
         return {**figures, "chunks": chunks, "ctx_size": gate.kld_ctx_size, "engine": "llama.cpp"}
     from ..runtime.accept import use_threads
-    from ..runtime.quality import QualityRun, compare_runs
+    from ..runtime.trunk_quality import QualityRun, compare_runs
 
     use_threads(path, gate.threads)
     ref, q = QualityRun(reference), QualityRun(path)

@@ -69,7 +69,7 @@ def test_the_head_column_separates_a_q2_k_head_from_a_q8_0_head(report):
 
 def test_the_head_column_is_the_teacher_forced_estimator_on_the_chunks(files):
     """compare's head matches on a chunk equal the estimator's (teacher_forced_acceptance) on that chunk."""
-    from mtpq.runtime.quality import QualityRun, perplexity_chunks
+    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
     from mtpq.runtime.speculative import teacher_forced_acceptance
 
     run = QualityRun(files["q4km"], numerics="exact")
@@ -82,7 +82,7 @@ def test_the_head_column_is_the_teacher_forced_estimator_on_the_chunks(files):
 
 def test_kld_and_top1_against_a_definition_in_float64(files):
     """score_chunk's statistics against a direct float64 computation (llama-perplexity's formulas)."""
-    from mtpq.runtime.quality import FileQuality, score_chunk
+    from mtpq.runtime.trunk_quality import FileQuality, score_chunk
 
     gen = torch.Generator().manual_seed(0)
     logits_q, logits_r = torch.randn(5, 50, generator=gen) * 3, torch.randn(5, 50, generator=gen) * 3

@@ -27,7 +27,7 @@ def work(tmp_path_factory, glm_ckpt) -> Path:
 
 def test_file_holds_the_runtime_statistics(work):
     from mtpq.quantize.imatrix import read_imatrix
-    from mtpq.runtime.imatrix import chunk_tokens, collect
+    from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.speculative import load_model
 
     res = run_cli("imatrix", work / "glm.gguf", "-f", work / "calib.txt", "-o", work / "im.gguf", "-c", "64",

@@ -70,7 +70,7 @@ def test_accept_counts_are_the_teacher_forced_estimators(arch, rt, work):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
     """The reference's head column (its chunks packed into one pass) == the estimator run on each chunk alone."""
-    from mtpq.runtime.quality import QualityRun, perplexity_chunks
+    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
     from mtpq.runtime.speculative import teacher_forced_acceptance
 
     path = rt.loop_gguf(arch)

@@ -1,4 +1,4 @@
-"""Importance statistics from the runtime (mtpq.runtime.imatrix) against independent truth.
+"""Importance statistics from the runtime (mtpq.runtime.importance) against independent truth.
 
 - trunk: the squared inputs of attn_q / ffn_gate (dense) are what transformers' own
   Glm4MoeForCausalLM feeds those projections (forward pre-hooks on its nn.Linear);
@@ -24,7 +24,7 @@ N_CTX = 64
 
 @pytest.fixture(scope="module")
 def setup(glm_ckpt, tmp_path_factory):
-    from mtpq.runtime.imatrix import chunk_tokens, collect
+    from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.families import load
 
     work = tmp_path_factory.mktemp("imatrix")
@@ -130,7 +130,7 @@ def test_head_statistics_are_collected_as_it_drafts(setup, glm_ckpt):
 
 
 def test_head_only_and_trunk_only(setup):
-    from mtpq.runtime.imatrix import collect
+    from mtpq.runtime.importance import collect
 
     model, chunks, full = setup
     head = collect(model, chunks[:1], trunk=False)
@@ -162,7 +162,7 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
 
     import gguf
 
-    from mtpq.runtime.imatrix import chunk_tokens, collect
+    from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.speculative import load_model
 
     src = Path(str(resources.files("mtpq").joinpath("data/demo")))

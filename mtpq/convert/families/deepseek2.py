@@ -45,7 +45,7 @@ class DeepseekV3(ConvertFamily):
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         def attention(p: str) -> Iterator[Expected]:
-            return (Expected(p + rest, shape) for rest, shape in self._mla_shapes().items())
+            return (Expected(p + rest, shape) for rest, shape in self.mla_shapes().items())
 
         moe_ff = self.hp("moe_intermediate_size", "intermediate_size")
         return V.deepseek_layout(self.hparams, self.n_trunk, self.blocks_checked(keep_mtp), attention, moe_ff=moe_ff,
@@ -101,9 +101,9 @@ class DeepseekV3(ConvertFamily):
             # DeepSeek-V3 always routes with sigmoid; without this key llama.cpp's loader assumes softmax (V2)
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(rope)
-        self._set_yarn(w)
+        self.set_yarn(w)
 
-    def _set_yarn(self, w: GGUFWriter) -> None:
+    def set_yarn(self, w: GGUFWriter) -> None:
         """The yarn details llama.cpp's converter writes besides type/factor/original context."""
         rp, K = self.rope_parameters, gguf.Keys.Rope
         if rp.get("rope_type") == "yarn" and rp.get("factor") is not None:
@@ -132,11 +132,11 @@ class DeepseekV3(ConvertFamily):
         return None
 
     def _check_mla_shapes(self, p: str) -> None:
-        for rest, shape in self._mla_shapes().items():
+        for rest, shape in self.mla_shapes().items():
             if not rest.endswith("layernorm.weight"):
                 self.expect_shape(self.require(p + rest), shape)
 
-    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+    def mla_shapes(self) -> dict[str, tuple[int, ...]]:
         """The attention tensors of one MLA layer (names after ``model.layers.N.``) and their shapes."""
         hp = self.hparams
         n_head, rope, nope = hp["num_attention_heads"], hp["qk_rope_head_dim"], hp["qk_nope_head_dim"]

@@ -44,9 +44,9 @@ class DeepseekV32(DeepseekV3):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InputError(ckpt.folder / "config.json", f"{key} must be a positive integer, got {v!r}")
 
-    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+    def mla_shapes(self) -> dict[str, tuple[int, ...]]:
         """The attention tensors of one layer: MLA's, and the indexer's (checked and expected alike)."""
-        want = super()._mla_shapes()
+        want = super().mla_shapes()
         hp = self.hparams
         n, d, h = hp["index_n_heads"], hp["index_head_dim"], hp["hidden_size"]
         p = "self_attn.indexer."

@@ -49,7 +49,7 @@ from .. import validate as V
 from ..base import (
     BlockSelection, Emit, ConvertFamily, add_hparams, check_unused, layer_of, mxfp4_stack,
 )
-from ..checkpoint import _fp8_scaled
+from ..checkpoint import fp8_scaled
 from ..validate import Expected
 
 _HC_HEAD = {"hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
@@ -255,7 +255,7 @@ class DeepseekV4(ConvertFamily):
         super().set_common_metadata(w, n_blocks)
         from .deepseek2 import DeepseekV3
 
-        DeepseekV3._set_yarn(self, w)  # beta_fast / beta_slow beside type, factor and original context
+        DeepseekV3.set_yarn(self, w)  # beta_fast / beta_slow beside type, factor and original context
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, n = self.hparams, self.n_blocks
@@ -357,8 +357,8 @@ class DeepseekV4(ConvertFamily):
             return Emit(name, tuple(st.shape), load, f"{st.file.name}:{hf}", ggml_type=self._q8_0(st.shape))
         if st.dtype == "I64" or st.dtype == "I32":  # tid2eid: token -> experts, as int32
             def encode(qtype: T, hf=hf) -> np.ndarray:
-                return self.ckpt._raw(hf).to(torch.int32).numpy()
-            return Emit(name, tuple(st.shape), lambda: self.ckpt._raw(hf).to(torch.int32), f"{st.file.name}:{hf}",
+                return self.ckpt.raw(hf).to(torch.int32).numpy()
+            return Emit(name, tuple(st.shape), lambda: self.ckpt.raw(hf).to(torch.int32), f"{st.file.name}:{hf}",
                         encode, ggml_type=T.I32)
         if not st.dtype.startswith(("F", "BF")):
             raise InputError(st.file, f"tensor {hf} has dtype {st.dtype}; expected a float weight here")
@@ -399,11 +399,11 @@ class DeepseekV4(ConvertFamily):
         ck, scale = self.ckpt, self.fp8[hf]
 
         def load() -> torch.Tensor:
-            q = ck._raw(hf).view(torch.uint8).numpy()
-            s = ck._raw(scale).view(torch.uint8).to(torch.int32)
+            q = ck.raw(hf).view(torch.uint8).numpy()
+            s = ck.raw(scale).view(torch.uint8).to(torch.int32)
             s = torch.where(s == 255, torch.nan, torch.exp2((s - 127).float())).numpy()  # UE8M0; 0xFF is NaN
             x = torch.empty(q.shape, dtype=torch.float32)
-            _fp8_scaled(q, torch.float8_e4m3fn, s, _FP8_TILE, _FP8_TILE, x)
+            fp8_scaled(q, torch.float8_e4m3fn, s, _FP8_TILE, _FP8_TILE, x)
             return x
 
         return load

@@ -224,8 +224,8 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
         [Q_r | K_r | V_r] into [Q | K | V] (float32: one multiply per value, as llama.cpp's converter)."""
         ck, tp = self.ckpt, self.tp_ranks[hf]
         bh, bw = V.fp8_block_size(ck)
-        w = ck._raw(hf).to(torch.float32)
-        scale = ck._raw(hf + "_scale_inv").to(torch.float32)
+        w = ck.raw(hf).to(torch.float32)
+        scale = ck.raw(hf + "_scale_inv").to(torch.float32)
         rows, cols = w.shape
         per_rank = rows // tp
         parts = [n // tp for n in self._qkv_rows(bid)]  # (checked to split evenly: _tp_ranks)

@@ -63,7 +63,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
+def identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -164,7 +164,7 @@ class Qwen35(ConvertFamily):
                 yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd, qk_norm=True,
                                        q_rows=2 * nh * hd)
             else:
-                yield from (V.Expected(p + inner, shape) for inner, shape in self._linear_attn_shapes().items())
+                yield from (V.Expected(p + inner, shape) for inner, shape in self.linear_attn_shapes().items())
             yield from self.expected_ffn(p + "mlp.")
 
     def expected_ffn(self, p: str) -> Iterator[Expected]:
@@ -256,7 +256,7 @@ class Qwen35(ConvertFamily):
             return (lambda t: -torch.exp(tile(t.float()))), shape
         if kind == "ssm_conv1d":
             return (lambda t: tile(t.squeeze(1))), (shape[0], shape[-1])
-        return (None if tile is _identity else tile), shape
+        return (None if tile is identity else tile), shape
 
     def v_head_tiling(self, kind: str) -> Transform:
         """The grouped -> tiled value-head reorder of a linear-attention tensor (identity if n_v == n_k)."""
@@ -268,7 +268,7 @@ class Qwen35(ConvertFamily):
                   "ssm_beta": (0, 0, 1), "ssm_alpha": (0, 0, 1), "ssm_a": (0, 0, 1), "ssm_dt.bias": (0, 0, 1),
                   "ssm_out": (1, 0, d_v)}
         if n_v == n_k or kind not in v_part:
-            return _identity
+            return identity
         dim, start, head_dim = v_part[kind]
         if dim == 1:
             return lambda t: tile_v_heads(t, 1, n_k, head_dim)
@@ -276,11 +276,11 @@ class Qwen35(ConvertFamily):
 
     def _check_linear_attn(self, inner: str, hf: str) -> None:
         """Refuse linear-attention tensors whose shape contradicts config.json (the reorders depend on it)."""
-        want = self._linear_attn_shapes().get(inner)
+        want = self.linear_attn_shapes().get(inner)
         if want is not None:
             self.expect_shape(hf, want)
 
-    def _linear_attn_shapes(self) -> dict[str, tuple[int, ...]]:
+    def linear_attn_shapes(self) -> dict[str, tuple[int, ...]]:
         """A linear-attention layer's tensors (names after ``model.layers.N.``) and their shapes."""
         hp = self.hparams
         h, n_k, n_v = hp["hidden_size"], hp["linear_num_key_heads"], hp["linear_num_value_heads"]

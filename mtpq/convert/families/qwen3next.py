@@ -36,7 +36,7 @@ import torch
 from ...errors import InputError
 from ..base import Emit, Transform
 from ..checkpoint import HFCheckpoint
-from .qwen35 import _identity
+from .qwen35 import identity
 from .qwen35moe import Qwen35Moe
 
 _QKVZ = "linear_attn.in_proj_qkvz.weight"
@@ -59,8 +59,8 @@ class Qwen3Next(Qwen35Moe):
 
     # -- the linear attention's fused projections ----------------------------------------
 
-    def _linear_attn_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = super()._linear_attn_shapes()
+    def linear_attn_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().linear_attn_shapes()
         hp = self.hparams
         h, n_k, n_v = hp["hidden_size"], hp["linear_num_key_heads"], hp["linear_num_value_heads"]
         d_k, d_v = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
@@ -71,7 +71,7 @@ class Qwen3Next(Qwen35Moe):
         return shapes
 
     def v_head_tiling(self, kind: str) -> Transform:
-        return _identity  # grouped value heads, as stored
+        return identity  # grouped value heads, as stored
 
     def block_tensors(self, bid: int, names: dict[str, str]) -> Iterator[Emit]:
         yield from super().block_tensors(bid, {k: v for k, v in names.items() if k != _QKVZ})

@@ -31,9 +31,9 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
-from .imatrix import chunk_tokens
+from .importance import chunk_tokens
 from .layers import Packing
-from .speculative import PACK_LOGITS, _argmax, pack_rows
+from .speculative import PACK_LOGITS, block_argmax, pack_rows
 
 # "llama.cpp": every weight's input rounded as llama.cpp's CPU backend rounds it before its dot products (Q8_K for
 # k-quants, Q8_0 for legacy types, f16 for f16 weights), so the figures are llama-perplexity's; "exact": f32
@@ -155,7 +155,7 @@ class QualityRun:
             # compared with the trunk's argmax at t+1 = first..n-1
             head_ids, states, packing = model.head_rows(seq, trunk.hidden, lengths, out_from=[first - 1] * len(group))
             head = model.draft(head_ids, states, use_cache=False, packing=packing)
-            matches = list((_argmax(head.logits[0]) == _argmax(logits)).split(counts))
+            matches = list((block_argmax(head.logits[0]) == block_argmax(logits)).split(counts))
         logp = torch.log_softmax(logits.float(), dim=-1).split(counts)
         return list(zip(logp, matches))
 
@@ -171,7 +171,7 @@ def score_chunk(q: FileQuality, logp: torch.Tensor, logp_ref: torch.Tensor, next
     q.nll_ref += nll_ref.tolist()
     q.kld += kld.tolist()
     q.p_diff += (torch.exp(-nll) - torch.exp(-nll_ref)).tolist()
-    q.same_top += int((_argmax(logp) == _argmax(logp_ref)).sum())
+    q.same_top += int((block_argmax(logp) == block_argmax(logp_ref)).sum())
 
 
 def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_ctx: int = 512,
