@@ -449,7 +449,8 @@ class ConvertFamily:
             qtype = e.ggml_type or self.output_type(e.name, e.shape, outtype)
             # the bytes in qtype, which the writer takes as they are (load_raw): streamed, or ``load()`` encoded
             # by encode_loaded, which loads and converts to a float type on one torch thread (the writer's
-            # quantize would use all of them: 150x slower on tensors like attn_k_b when the other core is busy)
+            # quantize would use all of them, and stalls on a tensor like attn_k_b when another core is busy:
+            # docs/notes/convert.md)
             encode = e.encode or (lambda e: lambda q: stream.encode_loaded(e.load, q, e.name, e.source))(e)
             raw = (lambda f, q: lambda: f(q))(encode, qtype)
             reason = f"stored as {qtype.name.lower()}" if e.ggml_type else f"--outtype {outtype.name.lower()}"

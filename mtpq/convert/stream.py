@@ -241,7 +241,7 @@ def all_finite(c: torch.Tensor) -> bool:
     """No NaN or Inf in ``c``: min and max (both propagate NaN), no full-size temporary."""
     if c.numel() == 0:
         return True
-    if c.device.type == "cpu" and c.dtype == torch.float32:  # numpy's are 2x quicker
+    if c.device.type == "cpu" and c.dtype == torch.float32:  # numpy's min/max are quicker than torch's aminmax
         a = c.numpy()
         return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
     return bool(torch.isfinite(torch.stack(torch.aminmax(c))).all())

@@ -83,8 +83,8 @@ def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
 PREFETCH_BUDGET = 1 << 30  # bytes of two neighbouring tensors above which they are not held at once
 
 # One written tensor's memory, kept for the next tensor of its size when the writer has the budget for it:
-# a fresh buffer's pages are faulted in and zeroed by the kernel as the encoder first writes them, a third
-# of an FP8 -> bf16 conversion's time (the copy it is measured against writes from one reused buffer).
+# a fresh buffer's pages are faulted in and zeroed by the kernel as the encoder first writes them, a large part of
+# a float conversion's time (docs/notes/convert.md).
 _spare_lock = threading.RLock()  # also taken by _returned, which runs wherever a buffer's last user drops it
 _spare: dict = {"size": 0, "mem": None}
 

@@ -4,8 +4,7 @@ Every boundary that takes this choice from a user — the CLI's ``--mtp-type`` /
 ``--mtp-experts-type``, a recipe's ``mtp_type`` / ``mtp_experts_type``, ``mtpq
 graft`` — turns the text into an :class:`MtpPrecision` with :func:`parse_mtp`,
 and everything further in (the policy, ``plan_quantize``, ``plan_graft``) takes
-only that typed value. A recipe variant with ``graft_into`` used to hand the raw
-string ``'q8_0'`` to ``plan_graft`` and crash deep inside the row fallback.
+only that typed value, so a raw string never reaches the code that decides types.
 
 Meanings:
 - ``same``: no MTP rule; the block's tensors get what the trunk's would (exactly

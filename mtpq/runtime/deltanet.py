@@ -41,8 +41,9 @@ from .cache import RecurrentCache
 from .layers import rms_norm, take_rows
 from .weights import Scope, as_dtype
 
-CHUNK = 32  # tokens per chunk of the chunked form: 32 measured ~4 % faster than 64 on the estimator (its batched
-# triangular solves, its costliest op, shrink), 16 no faster, 128 ~10 % slower
+# tokens per chunk of the chunked form: smaller chunks shrink its batched triangular solves, its costliest op, until
+# the per-chunk overhead wins (docs/notes/runtime.md, "Constants and the figures behind them")
+CHUNK = 32
 RECURRENT_MAX_T = 16  # up to this many tokens the token-by-token form is cheaper
 
 
@@ -137,8 +138,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)).mul_(decay)  # its diagonal is ignored: unitriangular
     # one solve for both right-hand sides (U = u_from_v - u_from_s S0), posed transposed (U^T system^T = rhs^T,
-    # left=False): measured ~2x faster than the direct form on the estimator's batches (that one first copies
-    # the right-hand sides to column-major); on the demo the same U to ~1e-7 relative
+    # left=False): the direct form first copies the right-hand sides to column-major; both give the same U to
+    # rounding (docs/notes/runtime.md)
     e_c = masked_exp(c.clone())
     rhs = q.new_empty(B, H, n, chunk, dv + dk)  # the products written in place: no temporaries, no cat
     torch.mul(v, beta[..., None], out=rhs[..., :dv])

@@ -162,7 +162,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         allowed = None
     else:
         allowed = _causal_mask(start, T, S, q.device)
-    if mqa:  # one kv head (MLA's latent): the heads become rows of one query, ~4x faster than SDPA's GQA path
+    if mqa:  # one kv head (MLA's latent): the heads become rows of one query, one GEMM instead of SDPA's GQA path
         out = F.scaled_dot_product_attention(q.reshape(B, 1, Hq * T, -1), k, v, scale=scale,
                                              attn_mask=None if allowed is None else allowed.repeat(Hq, 1))
         return out.view(B, Hq, T, -1)
@@ -170,8 +170,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 
 # From this many query rows on, attention on the CPU runs as blocks of GEMMs (blocked_causal_attention) instead
-# of SDPA's flash kernel: 1.2-1.5x quicker at 274-600 rows (4 heads of 64 or 96, 32 of 128), about even at 128;
-# fewer rows have little masked triangle to skip and SDPA's single call wins
+# of SDPA's flash kernel, skipping most of the masked triangle; fewer rows have little triangle to skip and SDPA's
+# single call wins (docs/notes/runtime.md, "Constants and the figures behind them")
 BLOCKED_MIN_T = 128
 ATTN_BLOCK = 64  # query rows per block: the blocks skip all but 1/(2 n_blocks) of the masked triangle
 ATTN_BLOCK_SCORES = 1 << 22  # and at most this many scores per block (memory with many heads x long contexts)

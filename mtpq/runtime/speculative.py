@@ -372,9 +372,8 @@ class TeacherForcedResult:
 
 
 # rows (tokens) per packed pass: as many as keep one hidden-wide activation near PACK_VALUES (4 MB in float32),
-# within PACK_ROWS: bigger per-op tensors outgrow the caches; on the tiny models (hidden 256) 4096-row passes
-# measured 5 % quicker than 1024-row ones on DeepSeek (each expert's GEMMs get 4x the rows), the same on GLM and
-# Qwen3.5
+# within PACK_ROWS: bigger per-op tensors outgrow the caches, more rows give each expert's GEMMs more work
+# (docs/notes/runtime.md, "Constants and the figures behind them")
 PACK_VALUES = 1 << 20
 PACK_ROWS = (1024, 4096)
 PACK_LOGITS = 1 << 26  # and its logits (compared rows x vocabulary): 256 MB in float32
