@@ -1,6 +1,6 @@
 """A tiny DeepSeek-V3.2 checkpoint (``DeepseekV32ForCausalLM``) with its MTP layer.
 
-As tests/builders/tiny_deepseek.py builds DeepSeek-V3: transformers' own
+As tests/builders/tiny_deepseek2.py builds DeepSeek-V3: transformers' own
 ``DeepseekV32ForCausalLM`` (random init, fixed seed) is built with
 ``num_hidden_layers + 1`` layers and saved with ``num_hidden_layers``, so the extra
 layer becomes the MTP block ``model.layers.{n}.*`` with exactly the names and shapes
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tests.builders.tiny import nextn_tensors, random_hf_state_dict, save_checkpoint
-from tests.builders.tiny_deepseek import YARN, deepseek_v3_config, start
+from tests.builders.tiny_deepseek2 import YARN, deepseek_v3_config, start
 
 
 def deepseek_v32_config(**over) -> dict:

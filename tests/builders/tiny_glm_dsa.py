@@ -1,6 +1,6 @@
 """Tiny GLM-5.x (``GlmMoeDsaForCausalLM``) and GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``) checkpoints.
 
-As tests/builders/tiny_deepseek.py does for DeepSeek-V3: weights come from transformers'
+As tests/builders/tiny_deepseek2.py does for DeepSeek-V3: weights come from transformers'
 own model classes (random init, fixed seed), built with ``num_hidden_layers + 1``
 layers and saved with ``num_hidden_layers`` in config.json, so the extra (MoE)
 layer becomes the MTP block ``model.layers.{n}.*`` with exactly the names and

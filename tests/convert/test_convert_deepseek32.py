@@ -2,7 +2,7 @@
 quantize, llama.cpp.
 
 Expected GGUF names are written out here by hand: DeepSeek-V3's table and kv_b
-split from tests/convert/test_convert_deepseek.py (independent of mtpq), plus the indexer's
+split from tests/convert/test_convert_deepseek2.py (independent of mtpq), plus the indexer's
 names from llama.cpp's gguf-py tensor map (``model.layers.{bid}.self_attn.indexer.*``).
 """
 
@@ -197,7 +197,7 @@ def test_same_types_and_bytes_as_llama_quantize(ck, tmp_path, llama_cpp_bin):
 
 def _speculative(llama_cpp_bin: Path, gguf_path: Path, prompt: str, n: int) -> list[tuple[int, int, int]]:
     """Run llama-speculative-simple with the MTP head; (accepted, drafted, target token) per verification step."""
-    # --no-repack: AMX repacking cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek.py)
+    # --no-repack: AMX repacking cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek2.py)
     proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(gguf_path), "-p", prompt,
                            "-n", str(n), "--spec-type", "draft-mtp", "--temp", "0", "-t", "1", "-c", "256",
                            "--no-repack", "-lv", "5"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)

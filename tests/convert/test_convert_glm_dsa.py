@@ -412,7 +412,7 @@ def test_flash_same_gguf_as_llama_cpp_converter(lite_ckpt, tmp_path, llama_cpp_s
     assert kv["deepseek2.expert_gating_func"] == 2
 
 
-# --no-repack: see test_convert_deepseek.py (AMX buffers cannot run MLA's 3-D attn_k_b product)
+# --no-repack: see test_convert_deepseek2.py (AMX buffers cannot run MLA's 3-D attn_k_b product)
 _LLAMA_FLAGS = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
 
 

@@ -18,7 +18,7 @@ import pytest
 from gguf import GGUFReader
 
 from tests.builders import tiny
-from tests.builders import tiny_deepseek
+from tests.builders import tiny_deepseek2
 
 ROOT = Path(__file__).resolve().parents[2]
 N_EXP, FF, H = 32, 2048, 256  # one stack: 16 M values, 67 MB in float32, 34 MB in bf16
@@ -50,7 +50,7 @@ print(json.dumps(status("VmHWM") - base))
 @pytest.fixture(scope="module")
 def fp8_experts(tmp_path_factory) -> Path:
     """DeepSeek-V3 layout, block-scaled FP8; one MoE layer (the MTP block) of 32 experts of 2048 x 256."""
-    folder = tiny_deepseek.deepseek_v3(tmp_path_factory.mktemp("ds") / "fp8", n_routed_experts=N_EXP,
+    folder = tiny_deepseek2.deepseek_v3(tmp_path_factory.mktemp("ds") / "fp8", n_routed_experts=N_EXP,
                                        moe_intermediate_size=FF, first_k_dense_replace=2, n_group=1, topk_group=1)
     tiny.to_fp8_block_scaled(folder)
     return folder
@@ -336,7 +336,7 @@ def test_a_stack_encoded_ahead_is_not_held_past_its_write(tmp_path):
     Measured with q8_0, whose stacks are encoded into a buffer of their own; a float stack (bf16) is encoded
     as it is written (stream.SlabWrites) and never held whole."""
     n_exp = 3 * N_EXP  # 96 experts: 101 MB stacks in bf16, 53 MB in q8_0
-    folder = tiny_deepseek.deepseek_v3(tmp_path / "fp8", n_routed_experts=n_exp, moe_intermediate_size=FF,
+    folder = tiny_deepseek2.deepseek_v3(tmp_path / "fp8", n_routed_experts=n_exp, moe_intermediate_size=FF,
                                        first_k_dense_replace=2, n_group=1, topk_group=1)
     tiny.to_fp8_block_scaled(folder)
     for outtype, stack in (("q8_0", n_exp * FF * H // 32 * 34), ("bf16", n_exp * FF * H * 2)):

@@ -198,7 +198,7 @@ def test_metadata(ckpt, tmp_path, variant):
         want[f"{a}.feed_forward_length"] = 512
     for k, v in want.items():
         assert kv[k] == v, k
-    assert kv["tokenizer.ggml.pre"]  # the name is vocab.py's business (tests/convert/test_convert_glm.py)
+    assert kv["tokenizer.ggml.pre"]  # the name is vocab.py's business (tests/convert/test_convert_glm4moe.py)
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
     from transformers import AutoTokenizer

@@ -32,7 +32,7 @@ from gguf.gguf_writer import GGUFValue
 from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny  # noqa: E402
-from tests.builders import tiny_deepseek  # noqa: E402
+from tests.builders import tiny_deepseek2  # noqa: E402
 from tests.builders import tiny_mimo2  # noqa: E402
 from tests.builders import tiny_qwen35  # noqa: E402
 from tests.builders import tiny_step35  # noqa: E402
@@ -50,7 +50,7 @@ def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
     split in 4 and in 3 shards (folders of ``model-0000k-of-0000N.gguf``)."""
     root = tmp_path_factory.mktemp("bases")
     qwen = tiny_qwen35.qwen35(root / "qwen35")
-    ds = tiny_deepseek.deepseek_v3(root / "ds", dtype=torch.float32)
+    ds = tiny_deepseek2.deepseek_v3(root / "ds", dtype=torch.float32)
     step = tiny_step35.step35(root / "step35")
     mimo = tiny_mimo2.mimo2(root / "mimo2")
     full, trunk = root / "full.gguf", root / "trunk.gguf"

@@ -112,11 +112,11 @@ def test_any_shard_checks_the_set_and_needs_no_torch(made, tmp_path):
 
 
 FAMILIES = [  # (builder module, function, keyword arguments): every family mtpq converts, as tiny checkpoints
-    ("tiny", "glm4moe", {}), ("tiny", "glm4moe", {"glm46": True}), ("tiny_deepseek", "deepseek_v3", {}),
+    ("tiny", "glm4moe", {}), ("tiny", "glm4moe", {"glm46": True}), ("tiny_deepseek2", "deepseek_v3", {}),
     ("tiny_deepseek32", "deepseek_v32", {}), ("tiny_glm_dsa", "glm_dsa", {}), ("tiny_glm_dsa", "glm4_moe_lite", {}),
     ("tiny_qwen35", "qwen35", {}), ("tiny_qwen35", "qwen35", {"moe": True}), ("tiny_qwen3next", "qwen3next", {}),
-    ("tiny_step35", "step35", {}), ("tiny_mimo2", "mimo2", {}), ("tiny_hyv3", "hyv3", {}),
-    ("tiny_cohere2moe", "cohere2moe", {}), ("tiny_nemotronh", "nemotronh", {}), ("tiny_bailingmoe3", "bailingmoe3", {}),
+    ("tiny_step35", "step35", {}), ("tiny_mimo2", "mimo2", {}), ("tiny_hy_v3", "hyv3", {}),
+    ("tiny_cohere2moe", "cohere2moe", {}), ("tiny_nemotron_h_moe", "nemotronh", {}), ("tiny_bailingmoe3", "bailingmoe3", {}),
 ]
 
 

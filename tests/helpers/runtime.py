@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import (tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek, tiny_hyv3, tiny_mimo2, tiny_qwen35,
+from tests.builders import (tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek2, tiny_hy_v3, tiny_mimo2, tiny_qwen35,
                             tiny_step35)
 from tests.helpers.runcli import run_cli
 
@@ -362,8 +362,8 @@ GLM52_SHARED = dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"
 
 
 def dsa_copy(name: str, form: str):
-    """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek.trunk_copy_head)."""
-    return lambda f: tiny_deepseek.trunk_copy_head(release_checkpoint(
+    """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek2.trunk_copy_head)."""
+    return lambda f: tiny_deepseek2.trunk_copy_head(release_checkpoint(
         name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16))
 
 
@@ -390,25 +390,25 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
     },
     "deepseek2": {
         # DeepSeek-V3's layout: low-rank q, YaRN (mscale = mscale_all_dim = 1), one dense lead layer, 2 groups
-        "v3": lambda f: tiny_deepseek.deepseek_v3(f, dtype=F32),
+        "v3": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32),
         # "lite" attention (plain q_proj), no RoPE scaling, MoE from layer 0, one group, no renormalisation
-        "plain_q": lambda f: tiny_deepseek.deepseek_v3(
+        "plain_q": lambda f: tiny_deepseek2.deepseek_v3(
             f, dtype=F32, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
         # V2-Lite's YaRN: mscale = mscale_all_dim = 0.707, factor 40 (the softmax scale moves, cos/sin do not)
-        "v2_lite_yarn": lambda f: tiny_deepseek.deepseek_v3(f, dtype=F32, rope_parameters=V2_LITE_YARN,
+        "v2_lite_yarn": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, rope_parameters=V2_LITE_YARN,
                                                             max_position_embeddings=163840, seed=2),
-        "bare_yarn": lambda f: tiny_deepseek.deepseek_v3(f, dtype=F32, rope_parameters=BARE_YARN,
+        "bare_yarn": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, rope_parameters=BARE_YARN,
                                                          max_position_embeddings=32768, seed=5),
         # a random head without its own embed_tokens / shared_head.head (tied to the trunk's)
-        "tied": lambda f: tiny_deepseek.deepseek_v3(f, dtype=F32, mtp_head_tensors=False, seed=4),
+        "tied": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, mtp_head_tensors=False, seed=4),
         # a one-layer trunk whose head is a copy of that layer fed the next token's embedding (~60 % right)
-        "copy": lambda f: tiny_deepseek.trunk_copy_head(tiny_deepseek.deepseek_v3(
+        "copy": lambda f: tiny_deepseek2.trunk_copy_head(tiny_deepseek2.deepseek_v3(
             f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
     },
     "hy_v3": {
-        "default": lambda f: tiny_hyv3.hyv3(f, dtype=F32),
-        "bigram": lambda f: bigram_nextn_model(tiny_hyv3.hyv3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
+        "default": lambda f: tiny_hy_v3.hyv3(f, dtype=F32),
+        "bigram": lambda f: bigram_nextn_model(tiny_hy_v3.hyv3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
     },
     "cohere2moe": {
         # LayerNorm (rms_norm_eps null), logit_scale 1/16, window 16, a shared expert averaged in

@@ -199,9 +199,9 @@ def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
     if builder == "glm4moe":
         return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "deepseek_v3":
-        from tests.builders import tiny_deepseek
+        from tests.builders import tiny_deepseek2
 
-        return tiny_deepseek.deepseek_v3(folder / "ckpt", dtype=torch.float32, **config)
+        return tiny_deepseek2.deepseek_v3(folder / "ckpt", dtype=torch.float32, **config)
     if builder in ("glm_dsa", "glm4_moe_lite"):
         from tests.builders import tiny_glm_dsa
 

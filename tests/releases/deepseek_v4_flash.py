@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny_deepseek import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
+from tests.builders.tiny_deepseek2 import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
 
 from . import LlamaCppWritesOurs
 
@@ -183,7 +183,7 @@ def as_released(folder: Path) -> None:
     """The bf16 tiny checkpoint in the release's mixed encoding (see the module docstring)."""
     from safetensors.torch import load_file, save_file
 
-    from tests.builders.tiny_deepseek import _use_bos
+    from tests.builders.tiny_deepseek2 import _use_bos
     from tests.builders.tiny_mimo2 import to_mxfp4
 
     _use_bos(folder)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.builders import tiny
-from tests.builders import tiny_deepseek
+from tests.builders import tiny_deepseek2
 from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
 from tests.helpers import mla
 from tests.helpers.familycheck import (assert_f16_as_llama_cpp, assert_f32_equal, assert_refused, checkpoint_fixtures,
@@ -27,7 +27,7 @@ from tests.helpers.familycheck import assert_mode_files
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
-CFG = tiny_deepseek.deepseek_v3_config()
+CFG = tiny_deepseek2.deepseek_v3_config()
 N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
 KV_LORA = CFG["kv_lora_rank"]
 
@@ -42,7 +42,7 @@ def expected_gguf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # a tiny DeepSeek-V3 checkpoint in f32 (exact comparisons) with its MTP layer, 2 shards
-ds_ckpt, ds_f32 = checkpoint_fixtures("ds", lambda f: tiny_deepseek.deepseek_v3(f, dtype=torch.float32))
+ds_ckpt, ds_f32 = checkpoint_fixtures("ds", lambda f: tiny_deepseek2.deepseek_v3(f, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -100,7 +100,7 @@ def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
 
 def test_plain_q_proj_and_tied_output(tmp_path):
     """q_lora_rank null (DeepSeek-V2-Lite style attention) writes attn_q; a tied lm_head is not written."""
-    ck = tiny_deepseek.deepseek_v3(tmp_path / "ck", dtype=torch.float32, q_lora_rank=None)
+    ck = tiny_deepseek2.deepseek_v3(tmp_path / "ck", dtype=torch.float32, q_lora_rank=None)
     kv, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     src = source_tensors(ck)
     assert "deepseek2.attention.q_lora_rank" not in kv
@@ -170,8 +170,8 @@ def test_metadata(ds_ckpt, ds_f32):
 
     tok = AutoTokenizer.from_pretrained(str(ds_ckpt))
     assert len(kv["tokenizer.ggml.tokens"]) == 512
-    assert kv["tokenizer.ggml.bos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.BOS)
-    assert kv["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek.EOS)
+    assert kv["tokenizer.ggml.bos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek2.BOS)
+    assert kv["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids(tiny_deepseek2.EOS)
     assert kv["tokenizer.chat_template"] == tiny.CHAT_TEMPLATE
 
 

@@ -8,7 +8,7 @@ dequantized, bf16).
 - ``mtpq accept`` end to end; unsupported RoPE scaling and unsplit kv_b are refused with the file named;
 - llama.cpp runs the same GGUFs to the same greedy output and drafts.
 
-The loop tests use a "trunk copy" head (tests/builders/tiny_deepseek.py): a one-layer trunk whose MTP block is
+The loop tests use a "trunk copy" head (tests/builders/tiny_deepseek2.py): a one-layer trunk whose MTP block is
 a copy of that layer fed the next token's embedding; it agrees with the trunk's next prediction ~60 % of the time.
 """
 
