@@ -11,8 +11,7 @@ import typer
 
 from ..gguf_io import tensor_nbytes
 from ..quantize.imatrix import read_imatrix
-from ..quantize.kv_override import apply_kv_overrides, parse_kv_overrides
-from ..quantize.pipeline import plan_quantize
+from ..quantize.kv_override import parse_kv_overrides
 from . import quant_options as opt
 from .app import app
 from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
@@ -65,7 +64,8 @@ def convert(
     FP8 checkpoints (block-scaled weight_scale_inv, or compressed-tensors
     weight_scale) are dequantized on the fly, one tensor at a time.
     """
-    from ..convert import OUTTYPES, BlockSelection, plan_checkpoint  # the families (and torch): only when converting
+    from ..convert import OUTTYPES, BlockSelection  # the families (and torch): only when converting
+    from ..workflows.convert_quantize import converted_plan
 
     if outtype.lower() not in OUTTYPES and outtype.lower() != "auto":
         fail("--outtype", f"unknown type {outtype!r}; choose one of auto, {', '.join(OUTTYPES)}")
@@ -77,7 +77,7 @@ def convert(
     auto = auto_head_asked(mtp_type, max_drop)
     if auto and (quant is None or blocks is not BlockSelection.KEEP):
         fail("--mtp-type auto", "needs --quant PRESET and the MTP head (not --no-mtp / --mtp-only)")
-    options = None
+    options, kv_overrides = None, ()
     if quant is None:
         kv_overrides = parse_kv_overrides(override_kv or [])  # fails before anything is read
         for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
@@ -97,16 +97,9 @@ def convert(
                                     exclude_weights=exclude_weights)
         if imatrix is not None:
             options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
-    # --outtype still decides what the preset leaves unquantized, as if converted first and quantized after
-    plan = plan_checkpoint(src, mtp=blocks, outtype=OUTTYPES.get(outtype.lower()))  # None = auto
-    if auto:
-        check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
-    source = plan
-    if options is not None:
-        plan = plan_quantize(plan, options)
-    elif kv_overrides:
-        apply_kv_overrides(plan, kv_overrides)
+    source, plan = converted_plan(src, blocks, OUTTYPES.get(outtype.lower()), options, kv_overrides)  # None: auto
     if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
+        check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
         from ..workflows.auto_head import quantize_with_auto_head
 
         plan, written = quantize_with_auto_head(src, out, source, plan, options, max_drop, prompts, split=split,
