@@ -19,6 +19,7 @@ from .deepseek2 import Deepseek2
 from .bailingmoe3 import BailingMoe3
 from .cohere2moe import Cohere2Moe
 from .deepseek32 import Deepseek32
+from .deepseek4 import Deepseek4
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
 from .hy_v3 import HyV3
@@ -30,7 +31,7 @@ from .step35 import Step35
 
 FAMILIES: dict[str, type[Family]] = {arch: fam for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3,
                                                            Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe, Step35,
-                                                           Mimo2)
+                                                           Mimo2, Deepseek4)
                                      for arch in fam.archs}
 
 
