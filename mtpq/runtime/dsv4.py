@@ -326,7 +326,7 @@ class CompressedAttention(nn.Module):
         out = rope_tail(self.rope_back, out, q_pos).transpose(1, 2)  # [B, Tq, H, d]
         og = cfg.o_groups
         wa = as_dtype(self.wo_a.matrix(), out.dtype).view(og, cfg.o_lora, -1)
-        oa = torch.einsum("btgi,goi->btgo", out.reshape(B, Tq, og, -1), wa)
+        oa = torch.einsum("btgi,goi->btgo", self.wo_a.input(out.reshape(B, Tq, og, -1)), wa)
         return self.wo_b(oa.reshape(B, Tq, og * cfg.o_lora))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

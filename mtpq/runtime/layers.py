@@ -490,7 +490,7 @@ class MoE(nn.Module):
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, ids, weights)
+        dense.scatter_add_(1, ids, weights)  # (add: a hash-routed token may pick one expert twice)
         return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
 
     def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,14 @@ PARITY = {
     "nemotron_h_moe": ("nemotron3_super", "bf16"),
     "step35": ("step35_flash", "bf16"),
     "mimo2": ("mimo_v25", "fp8"),  # (MiMo-V2-Flash's split q/k/v has no MTP graph in llama.cpp)
+    "deepseek4": ("deepseek_v4_flash", "fp8"),  # a trunk file and a head file (--no-mtp, --mtp-only), as llama.cpp's
 }
+# the architectures whose head lives in a file of its own (llama.cpp's -md): DeepSeek-V4's output_hc_* are the
+# trunk's in one file and the head's in the other
+HEAD_FILE = {"deepseek4"}
+# tokens per parity run where N_TOKENS hides a detail: DeepSeek-V4's compressed attention makes one key per 128
+# tokens in its HCA blocks (two here, seen from position 127 and 255 on)
+TOKENS = {"deepseek4": 300}
 # metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
 # Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
 # bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too.
@@ -65,6 +72,11 @@ SHARPER = {
     "step35": {"attention.sliding_window": 48, "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
                "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0]},
     "mimo2": {"attention.sliding_window": 48},
+    # DeepSeek-V4: its window (128) and indexer top-k (512) never bind on 300 tokens, nor its SwiGLU clamps (10):
+    # here the window drops raw keys from token 48 on, the indexer keeps 8 of up to 75 compressed keys, and the
+    # clamps (on the gate before its silu, and on up) bind on a few % of the values
+    "deepseek4": {"attention.sliding_window": 48, "attention.indexer.top_k": 8,
+                  "swiglu_clamp_exp": [0.06] * 5, "swiglu_clamp_shexp": [0.06] * 5},
 }
 # llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
 # top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
@@ -72,12 +84,19 @@ SHARPER = {
 # contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys. Step-3.5's
 # routers flip on the f16 rounding of keys alike (trunk KLD ~1e-2 with llama.cpp's defaults), and one of MiMo-V2.5's
 # heads' near-ties (one argmax in 127: top-1 99.2 %, KLD 3.5e-8).
-F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2"}
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2", "deepseek4"}
+# the families whose converted "f32" file still holds other types (DeepSeek-V4: its FP8 weights become Q8_0, its FP4
+# experts MXFP4, its BF16 ones stay BF16, whatever the outtype), rewritten with every float tensor F32: llama.cpp's
+# CPU backend rounds the activations a Q8_0 / MXFP4 / BF16 weight multiplies (to q8_0 / bf16), and by another path
+# for a batch of 300 rows than for a few (~1e-3 apart), so only f32 weights compare the graphs themselves
+ALL_F32 = {"deepseek4"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None, f32: bool = False) -> Path:
     """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
-    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set."""
+    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set; with
+    ``f32`` every float tensor stored F32 (see ALL_F32)."""
+    from gguf import GGMLQuantizationType as T
     from gguf import GGUFValueType
 
     from mtpq.gguf_io import plan_from_gguf, write_plan
@@ -90,8 +109,23 @@ def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | No
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
     plan.tensors = [s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
+    if f32:
+        plan.tensors = [s.with_values(s.load).with_type(T.F32, "parity: f32") if s.source_type not in (T.F32, T.I32)
+                        else s for s in plan.tensors]
     write_plan(plan, out)
     return out
+
+
+_heads: dict[Path, Path] = {}  # a trunk file -> its head file (HEAD_FILE)
+
+
+def runtime(path: Path):
+    """The torch runtime's model of a parity file (with its head file where the head lives apart)."""
+    from mtpq.gguf_io.pair import PairedGGUF
+    from mtpq.runtime.families import load
+
+    head = _heads.get(Path(path))
+    return load(path) if head is None else load(path, g=PairedGGUF(Path(path), head))
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +138,26 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             name, form = PARITY[arch]
             work = tmp_path_factory.mktemp(f"parity-{arch}")
             ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
-            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=SHARPER.get(arch))
-            from mtpq.runtime.families import load
+            meta = SHARPER.get(arch)
+            head = None
+            if arch in HEAD_FILE:
+                from mtpq.runtime.weights import GGUFFile
 
-            vocab = load(path).vocab_size
-            tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+                trunk = convert(ckpt, work / "f32.gguf", "f32", "--no-mtp")
+                n = GGUFFile(trunk).n_blocks  # (the trunk file's per-block arrays end with its blocks)
+                path = sharpened(trunk, work / "sharp.gguf", f32=arch in ALL_F32,
+                                 metadata={k: v[:n] if isinstance(v, list) else v for k, v in (meta or {}).items()})
+                head = sharpened(convert(ckpt, work / "f32-head.gguf", "f32", "--mtp-only"), work / "sharp-head.gguf",
+                                 metadata=meta, f32=arch in ALL_F32)
+                _heads[path] = head
+            else:
+                path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=meta,
+                                 f32=arch in ALL_F32)
+            vocab = runtime(path).vocab_size
+            n = TOKENS.get(arch, N_TOKENS)
+            tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
             cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
-                                                         f32_cache=arch in F32_CACHE)
+                                                         f32_cache=arch in F32_CACHE, head=head)
         return cache[arch]
 
     return get
@@ -134,10 +181,8 @@ def failing(figs: dict) -> list[str]:
 
 @pytest.mark.parametrize("arch", sorted(PARITY))
 def test_runtime_matches_llama_cpp(arch, parity):
-    from mtpq.runtime.families import load
-
     path, tokens, ref = parity(arch)
-    model = load(path)
+    model = runtime(path)
     assert model.n_heads >= 1
     figs = figures(model, tokens, ref)
     print(f"\n{arch:16s} " + "  ".join(f"{p}: KLD {k:.1e} (max {m:.1e}) top-1 {t:.2%}" for p, (k, m, t) in figs.items()))
@@ -531,10 +576,8 @@ BROKEN = {
 
 @pytest.mark.parametrize("arch, brk", [(a, b) for a in sorted(BROKEN) for b in BROKEN[a]])
 def test_a_broken_runtime_fails_parity(arch, brk, parity):
-    from mtpq.runtime.families import load
-
     path, tokens, ref = parity(arch)
-    model = load(path)
+    model = runtime(path)
     assert BREAKS[brk](model), f"{brk} found nothing to break in {arch}"
     figs = figures(model, tokens, ref)
     print(f"\n{arch:16s} {brk:20s} " + "  ".join(f"{p}: KLD {k:.1e} top-1 {t:.2%}" for p, (k, _, t) in figs.items()))
