@@ -295,7 +295,10 @@ def window_one_short(model) -> bool:
     windowed = [m for m in model.modules() if isinstance(m, WindowedAttention) and m.cfg.window is not None]
     for m in windowed:
         m.cfg = replace(m.cfg, window=m.cfg.window - 1)
-    return bool(layers or windowed)
+    compressed = _compressed(model)
+    for m in compressed:
+        m.window -= 1
+    return bool(layers or windowed or compressed)
 
 
 def nope_layers_rotated(model) -> bool:
@@ -365,7 +368,7 @@ def _sparse(model, full: bool | None = None):
 
 def top_k_one_fewer(model) -> bool:
     """Every sparse-attention query reads one key fewer than the indexer's top-k."""
-    layers = _sparse(model)
+    layers = _sparse(model) + _compressed(model, indexed=True)
     for m in layers:
         m.top_k -= 1
     return bool(layers)
@@ -376,7 +379,10 @@ def indexer_relu_dropped(model) -> bool:
     layers = _sparse(model, full=True)
     for m in layers:
         m.indexer.activation = lambda t: t
-    return bool(layers)
+    compressed = _compressed(model, indexed=True)
+    for m in compressed:
+        m.activation = lambda t: t
+    return bool(layers or compressed)
 
 
 def indexer_rope_pairs_swapped(model) -> bool:
@@ -499,7 +505,10 @@ def sinks_dropped(model) -> bool:
     layers = [m for m in _windowed(model) if m.sinks is not None]
     for m in layers:
         m.sinks = None
-    return bool(layers)
+    compressed = _compressed(model)
+    for m in compressed:  # (a sink of -inf weighs nothing)
+        m.sinks = torch.full_like(m.sinks, float("-inf"))
+    return bool(layers or compressed)
 
 
 def head_gate_dropped(model) -> bool:
@@ -537,13 +546,68 @@ def nextn_state_post_norm(model) -> bool:
     return True
 
 
+def _compressed(model, indexed: bool = False):
+    """DeepSeek-V4's attention layers (``indexed``: only those with the lightning indexer)."""
+    from mtpq.runtime.dsv4 import CompressedAttention
+
+    return [m for m in model.modules() if isinstance(m, CompressedAttention) and (not indexed or m.indexer is not None)]
+
+
+def swiglu_clamp_after_silu(model) -> bool:
+    """DeepSeek-V4's SwiGLU clamps applied as the other families' are (silu(gate) clamped, not the gate before it)."""
+    from mtpq.runtime.layers import MoE, SwiGLU
+
+    found = False
+    for m in model.modules():
+        if isinstance(m, SwiGLU) and m.clamp_gate:
+            m.clamp_gate, found = False, True
+        elif isinstance(m, MoE) and m.cfg.clamp_gate:
+            m.cfg, found = replace(m.cfg, clamp_gate=False), True
+    return found
+
+
+def hash_routing_by_score(model) -> bool:
+    """DeepSeek-V4's hash layers routed by score instead of by their token -> experts table."""
+    from mtpq.runtime.dsv4 import HashMoE
+
+    layers = [m for m in model.modules() if isinstance(m, HashMoE) and m.tid2eid is not None]
+    for m in layers:
+        m.tid2eid = None
+    return bool(layers)
+
+
+def hyper_post_halved(model) -> bool:
+    """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...). (With
+    the fixture's near-equal streams, dropping the stream mixing or Sinkhorn's later passes moves the logits by
+    less than 1e-7: they are left untested here.)"""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
+    for m in mixes:
+        def pre(x, pre=m.pre):
+            cur, post, comb = pre(x)
+            return cur, post * 0.5, comb
+        m.pre = pre
+    return bool(mixes)
+
+
+def compressed_keys_dropped(model) -> bool:
+    """DeepSeek-V4's compressed keys left out: every layer attends over its window only."""
+    layers = [m for m in _compressed(model) if m.compressor is not None]
+    for m in layers:
+        keys = m.compressor.keys
+        m.compressor.keys = lambda kv, score, keys=keys: keys(kv, score)[:, :, :0]
+    return bool(layers)
+
+
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (
     wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
     expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
     kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
     indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
     mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms, sinks_dropped,
-    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm)}
+    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm, swiglu_clamp_after_silu,
+    hash_routing_by_score, hyper_post_halved, compressed_keys_dropped)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -571,6 +635,10 @@ BROKEN = {
                "head_gate_dropped", "rope_factors_dropped", "swiglu_clamp_dropped", "nextn_state_post_norm"),
     "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
               "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
+    "deepseek4": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                  "window_one_short", "sinks_dropped", "top_k_one_fewer", "indexer_relu_dropped",
+                  "swiglu_clamp_dropped", "swiglu_clamp_after_silu", "hash_routing_by_score", "hyper_post_halved",
+                  "compressed_keys_dropped"),
 }
 
 
