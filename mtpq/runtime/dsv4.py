@@ -53,6 +53,7 @@ from torch import nn
 from .cache import KVCache
 from .dsa import hadamard, top_k_allowed
 from .layers import MoE, MoEConfig, Rope, rms_norm
+from . import weights as weight_io
 from .weights import Scope, as_dtype
 
 
@@ -181,8 +182,6 @@ class HashMoE(MoE):
             self.register_buffer("tid2eid", torch.from_numpy(table).to(w.weights.device), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from . import weights as weight_io
-
         cfg = self.cfg
         if weight_io.observer is not None:
             weight_io.observer(self.router_name, None, x)
@@ -326,7 +325,10 @@ class CompressedAttention(nn.Module):
         out = rope_tail(self.rope_back, out, q_pos).transpose(1, 2)  # [B, Tq, H, d]
         og = cfg.o_groups
         wa = as_dtype(self.wo_a.matrix(), out.dtype).view(og, cfg.o_lora, -1)
-        oa = torch.einsum("btgi,goi->btgo", self.wo_a.input(out.reshape(B, Tq, og, -1)), wa)
+        groups = out.reshape(B, Tq, og, -1)
+        if weight_io.observer is not None:  # (every group's rows, for the one matrix they are stored in)
+            weight_io.observer(self.wo_a.name, None, groups.reshape(-1, groups.shape[-1]))
+        oa = torch.einsum("btgi,goi->btgo", self.wo_a.input(groups), wa)
         return self.wo_b(oa.reshape(B, Tq, og * cfg.o_lora))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

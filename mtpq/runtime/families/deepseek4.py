@@ -28,6 +28,7 @@ from ..dsv4 import (CompressedAttention, HashMoE, HcConfig, HyperHead, HyperMix,
                     yarn_cancelled_mscale)
 from ..layers import MoEConfig, Packing, Rope, rms_norm, rope_inv_freq, yarn_inv_freq
 from ..model import Family
+from ..mtp import NextNHead
 from ..weights import GGUFFile, Scope, Weights, as_dtype
 from .common import per_layer
 
@@ -91,14 +92,17 @@ class V4Ends(nn.Module):
         return self.head(x)
 
 
-class V4Head(nn.Module):
-    """DeepSeek-V4's MTP head (llama.cpp's graph_mtp), on the trunk's streams."""
+class V4Head(NextNHead):
+    """DeepSeek-V4's MTP head (llama.cpp's graph_mtp), on the trunk's streams (the attributes of a
+    :class:`NextNHead`, its own forward)."""
 
     def __init__(self, w: Scope, block: V4Block, hc: HcConfig, eps: float, model):
-        super().__init__()
+        nn.Module.__init__(self)
         n = w.at("nextn.")
         self.hc, self.eps, self.block = hc, eps, block
+        self.hidden_first, self.norm, self.head_eps = False, rms_norm, eps
         self.logit_scale, self.layer_norm_head = 1.0, False
+        self.tied_embed, self.tied_head = not n.has("embed_tokens"), not n.has("shared_head_head")
         self.eh_proj = n.linear("eh_proj", bias=False)
         self.enorm, self.hnorm = n.tensor("enorm"), n.tensor("hnorm")
         self.head_norm = n.tensor("shared_head_norm") if n.has("shared_head_norm") else model.out_norm
