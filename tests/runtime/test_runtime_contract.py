@@ -37,21 +37,21 @@ from tests.helpers.runtime import (LOOP_VARIANT, PROMPTS, REL_TOL, close, conver
 from tests.helpers.runcli import run_cli
 
 FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
-            "qwen3next", "nemotron_h_moe", "step35", "mimo2")
+            "qwen3next", "nemotron_h_moe", "step35", "mimo2", "deepseek4")
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
-NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2")
+NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2", "deepseek4")
 HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 NO_HEAD_ORACLE = ("qwen3next", "nemotron_h_moe")  # transformers runs their trunks only
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
                   "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
                   "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
                   "deepseek32": ("v32",), "qwen3next": ("release",), "nemotron_h_moe": ("release",),
-                  "step35": ("tiny",), "mimo2": ("tiny", "flash")}
+                  "step35": ("tiny",), "mimo2": ("tiny", "flash"), "deepseek4": ("release",)}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
                  "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40), "bailingmoe3": (1, 9, 40),
                  "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40), "qwen3next": (1, 9, 40, 150),
-                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40)}
+                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40), "deepseek4": (1, 9, 40, 150)}
 # qwen35, qwen3next, bailingmoe3: the token-by-token form, one chunk, several; nemotron_h_moe: Mamba-2 token by
 # token, then chunks of 64; cohere2moe, step35, mimo2: past their window (16)
 # (variant, whether the head shares the trunk's token_embd and output)
@@ -59,7 +59,8 @@ HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
 DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
            "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32",
-           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny"}
+           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny",
+           "deepseek4": "release"}
 
 
 def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
