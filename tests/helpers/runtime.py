@@ -43,7 +43,7 @@ def dequantized_copy(src: Path, out: Path) -> Path:
     plan = plan_from_gguf(src)
     specs = []
     for s in plan.tensors:
-        if s.source_type in (T.F32, T.F16, T.BF16):
+        if s.source_type in (T.F32, T.F16, T.BF16, T.I8, T.I16, T.I32, T.I64):  # (integer tables: DeepSeek-V4's tid2eid)
             specs.append(s)
             continue
         load = (lambda s=s: torch.from_numpy(gguf.quants.dequantize(np.asarray(s.load_raw()), s.source_type)
