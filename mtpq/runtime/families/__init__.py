@@ -57,5 +57,10 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
         # the flash and memory-efficient kernels launch in microseconds
         torch.backends.cuda.enable_cudnn_sdp(False)
     g = g or GGUFFile(Path(path))
+    from ...gguf_io.check import is_head_file
+
+    if is_head_file(g) and not any(n.startswith("blk.0.") for n in g.tensors):
+        raise InputError(g.path, "is a head file (the MTP block without the trunk): give the trunk file, and this "
+                                 "one with --head")
     return MtpModel(g, family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
                     llama_cpp_numerics=llama_cpp_numerics).eval()

@@ -130,6 +130,7 @@ class V4Head(NextNHead):
 class Deepseek4(Family):
     archs = ("deepseek4",)
     nextn_state = "pre_norm"  # the streams as they leave the last block (llama.cpp's h_nextn)
+    head_in_own_file = True  # (a trunk file and a head file: --head)
 
     def __init__(self, g: GGUFFile):
         super().__init__(g)
