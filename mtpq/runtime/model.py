@@ -76,7 +76,7 @@ class Family:
         hyper-connection streams); the head is fed the blocks' own output (``nextn_state="pre_norm"``)."""
         return None
 
-    def nextn_head(self, w: Weights, index: int, model: "MtpModel") -> nn.Module | None:
+    def nextn_head(self, w: Weights, index: int, model: MtpModel) -> nn.Module | None:
         """The family's own MTP head at block ``index`` of ``w``, or None for the generic :class:`NextNHead`."""
         return None
 
