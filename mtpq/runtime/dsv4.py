@@ -120,6 +120,7 @@ class HyperMix(nn.Module):
     def __init__(self, w: Scope, name: str, cfg: HcConfig):
         super().__init__()
         self.cfg = cfg
+        self.fn_name = w.name(f"hc_{name}_fn")
         self.fn = w.tensor(f"hc_{name}_fn", torch.float32)  # [(2 + n) n, n hidden]
         self.base = w.tensor(f"hc_{name}_base", torch.float32)
         self.scale = w.tensor(f"hc_{name}_scale", torch.float32)  # [3]: pre, post, comb
@@ -127,6 +128,8 @@ class HyperMix(nn.Module):
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [.., n * hidden] -> (the layer's input [.., hidden], post [.., n], comb [.., n, n])."""
         n = self.cfg.n
+        if weight_io.observer is not None:  # (llama.cpp multiplies the normed streams by fn: imatrix sees it)
+            weight_io.observer(self.fn_name, None, F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.norm_eps))
         mixes = _mixes(x, self.fn, self.cfg.norm_eps)
         pre = torch.sigmoid(mixes[..., :n] * self.scale[0] + self.base[:n]) + self.cfg.eps
         post = torch.sigmoid(mixes[..., n:2 * n] * self.scale[1] + self.base[n:2 * n]) * 2.0
