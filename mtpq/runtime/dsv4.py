@@ -48,13 +48,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from .cache import KVCache
 from .dsa import hadamard, top_k_allowed
 from .layers import MoE, MoEConfig, Rope, rms_norm
 from . import weights as weight_io
-from .weights import Scope, as_dtype
+from .weights import Scope, as_dtype, vec_dot_input
 
 
 def rope_tail(rope: Rope, x: torch.Tensor, pos) -> torch.Tensor:
@@ -178,6 +179,9 @@ class HashMoE(MoE):
     def __init__(self, w: Scope, cfg: MoEConfig, tokens: Tokens | None):
         super().__init__(w, cfg)
         self.tokens = tokens
+        # llama_cpp_numerics: the router's inputs rounded as llama.cpp rounds them for its stored type (BF16 as
+        # released; the base MoE's routers are F32)
+        self.router_type = w.file.tensors[w.name("ffn_gate_inp")].tensor_type if w.weights.round_inputs else None
         self.register_buffer("tid2eid", None, persistent=False)
         if w.has("ffn_gate_tid2eid"):
             t = w.file.tensors[w.name("ffn_gate_tid2eid")]
@@ -188,7 +192,10 @@ class HashMoE(MoE):
         cfg = self.cfg
         if weight_io.observer is not None:
             weight_io.observer(self.router_name, None, x)
-        logits = F.linear(as_dtype(x, torch.float32), self.router)
+        xr = as_dtype(x, torch.float32)
+        if self.router_type is not None:
+            xr = vec_dot_input(xr, GGMLQuantizationType(self.router_type))
+        logits = F.linear(xr, self.router)
         scores = torch.where(logits > 20.0, logits, torch.log(1.0 + torch.exp(logits))).sqrt()
         if self.tid2eid is not None:
             if self.tokens is None or self.tokens.ids is None:
@@ -276,6 +283,8 @@ class CompressedAttention(nn.Module):
                 w.linear("indexer.proj.weight", bias=False)
             self.idx_rope = comp_rope
             self.register_buffer("rotation", hadamard(cfg.idx_dim).to(w.weights.device), persistent=False)
+            # llama_cpp_numerics: the indexer's keys as llama.cpp's default cache stores them (f16)
+            self.key_dtype = torch.float16 if w.weights.round_inputs else None
             self.top_k = cfg.top_k
             self.select = top_k_allowed
             self.activation = torch.relu
@@ -351,5 +360,7 @@ class CompressedAttention(nn.Module):
         q = self.idx_q(qr).view(B, Tq, cfg.idx_heads, cfg.idx_dim).transpose(1, 2)
         q = torch.matmul(rope_tail(self.idx_rope, q, q_pos), rot)
         k = torch.matmul(keys, rot)  # [B, 1, nb, D]
+        if self.key_dtype is not None:
+            k = k.to(self.key_dtype).to(q.dtype)
         w = (self.idx_proj(xq) * (1.0 / math.sqrt(cfg.idx_dim * cfg.idx_heads))).transpose(1, 2)[..., None]
         return (self.activation(torch.matmul(q, k.transpose(-1, -2))) * w).sum(dim=1)
