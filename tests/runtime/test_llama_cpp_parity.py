@@ -78,6 +78,10 @@ SHARPER = {
     "deepseek4": {"attention.sliding_window": 48, "attention.indexer.top_k": 8,
                   "swiglu_clamp_exp": [0.06] * 5, "swiglu_clamp_shexp": [0.06] * 5},
 }
+# tensors the parity file scales where the fixture's values hide a detail: DeepSeek-V4's streams all start as the
+# embedding and stay nearly equal on the tiny random model, so mixing them (comb) or Sinkhorn's later passes moved
+# the logits by under 1e-7; with the hyper-connections' biases x20 (pre, post and comb logits) they show
+SHARPER_TENSORS = {"deepseek4": {r"hc_(attn|ffn)_base": 20.0}}
 # llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
 # top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
 # flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
@@ -92,10 +96,14 @@ F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2", "deep
 ALL_F32 = {"deepseek4"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None, f32: bool = False) -> Path:
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None, f32: bool = False,
+              scales: dict | None = None) -> Path:
     """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
     ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set; with
-    ``f32`` every float tensor stored F32 (see ALL_F32)."""
+    ``f32`` every float tensor stored F32 (see ALL_F32); ``scales``: {regex: factor} for other tensors
+    (SHARPER_TENSORS)."""
+    import re
+
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFValueType
 
@@ -109,6 +117,9 @@ def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | No
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
     plan.tensors = [s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
+    for pattern, by in (scales or {}).items():
+        plan.tensors = [s.with_values(lambda s=s, by=by: s.load() * by) if re.search(pattern, s.name) else s
+                        for s in plan.tensors]
     if f32:
         plan.tensors = [s.with_values(s.load).with_type(T.F32, "parity: f32") if s.source_type not in (T.F32, T.I32)
                         else s for s in plan.tensors]
@@ -145,14 +156,14 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
 
                 trunk = convert(ckpt, work / "f32.gguf", "f32", "--no-mtp")
                 n = GGUFFile(trunk).n_blocks  # (the trunk file's per-block arrays end with its blocks)
-                path = sharpened(trunk, work / "sharp.gguf", f32=arch in ALL_F32,
+                path = sharpened(trunk, work / "sharp.gguf", f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch),
                                  metadata={k: v[:n] if isinstance(v, list) else v for k, v in (meta or {}).items()})
                 head = sharpened(convert(ckpt, work / "f32-head.gguf", "f32", "--mtp-only"), work / "sharp-head.gguf",
-                                 metadata=meta, f32=arch in ALL_F32)
+                                 metadata=meta, f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
                 _heads[path] = head
             else:
                 path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=meta,
-                                 f32=arch in ALL_F32)
+                                 f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
             vocab = runtime(path).vocab_size
             n = TOKENS.get(arch, N_TOKENS)
             tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -576,10 +587,31 @@ def hash_routing_by_score(model) -> bool:
     return bool(layers)
 
 
+def streams_unmixed(model) -> bool:
+    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
+    for m in mixes:
+        def pre(x, pre=m.pre):
+            cur, post, comb = pre(x)
+            return cur, post, torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)
+        m.pre = pre
+    return bool(mixes)
+
+
+def sinkhorn_one_pass(model) -> bool:
+    """The hyper-connections' Sinkhorn normalisation stopped after its first pass (columns only)."""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix) and m.cfg.iters > 1]
+    for m in mixes:
+        m.cfg = replace(m.cfg, iters=1)
+    return bool(mixes)
+
+
 def hyper_post_halved(model) -> bool:
-    """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...). (With
-    the fixture's near-equal streams, dropping the stream mixing or Sinkhorn's later passes moves the logits by
-    less than 1e-7: they are left untested here.)"""
+    """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...)."""
     from mtpq.runtime.dsv4 import HyperMix
 
     mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
@@ -607,7 +639,7 @@ BREAKS: dict[str, Callable] = {f.__name__: f for f in (
     indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
     mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms, sinks_dropped,
     head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm, swiglu_clamp_after_silu,
-    hash_routing_by_score, hyper_post_halved, compressed_keys_dropped)}
+    hash_routing_by_score, streams_unmixed, sinkhorn_one_pass, hyper_post_halved, compressed_keys_dropped)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -637,7 +669,8 @@ BROKEN = {
               "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
     "deepseek4": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
                   "window_one_short", "sinks_dropped", "top_k_one_fewer", "indexer_relu_dropped",
-                  "swiglu_clamp_dropped", "swiglu_clamp_after_silu", "hash_routing_by_score", "hyper_post_halved",
+                  "swiglu_clamp_dropped", "swiglu_clamp_after_silu", "hash_routing_by_score", "streams_unmixed",
+                  "sinkhorn_one_pass", "hyper_post_halved",
                   "compressed_keys_dropped"),
 }
 
