@@ -51,6 +51,9 @@ def quantize(
     max_drop: float = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP),
     prompts: str = typer.Option("builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on "
                                 "('builtin' or a JSONL file)."),
+    trunk: Optional[Path] = typer.Option(None, "--trunk", help="With --mtp-type auto on a head file (mtp-*.gguf, "
+                                         "DeepSeek-V4's form): the trunk file it drafts for, quantized with PRESET "
+                                         "to measure the head types on; OUT is the head file."),
     mtp_experts_type: Optional[str] = typer.Option(
         None, "--mtp-experts-type", help="Type of the MTP block's routed experts (*_exps); default: --mtp-type."),
     tensor_type: Optional[List[str]] = typer.Option(
@@ -108,6 +111,21 @@ def quantize(
     before = plan_from_gguf(src)
     if auto:
         check_runtime_arch(before.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
+    trunk_plan = None
+    if trunk is not None:
+        from ..gguf_io import GGUFFile
+        from ..gguf_io.check import is_head_file
+
+        if not auto:
+            raise typer.BadParameter("only with --mtp-type auto on a head file", param_hint="--trunk")
+        if not trunk.is_file():
+            raise typer.BadParameter(f"{trunk}: no such file", param_hint="--trunk")
+        if not is_head_file(GGUFFile(src)):
+            raise typer.BadParameter(f"{src} is not a head file (it has trunk blocks): measure its own head without "
+                                     "--trunk", param_hint="--trunk")
+        trunk_plan = plan_quantize(plan_from_gguf(trunk), preset, pure=pure, allow_requantize=allow_requantize,
+                                   imatrix=imatrix_data, include_weights=include_weights or [],
+                                   exclude_weights=exclude_weights or [], **options)
     after = plan_quantize(before, preset, pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                           include_weights=include_weights or [], exclude_weights=exclude_weights or [], **options)
     info = plan_change_summary(before, after)
@@ -120,12 +138,12 @@ def quantize(
     if auto:
         from ..runtime.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, after, preset, max_drop, prompts,
+        after, written = quantize_with_auto_head(src, dst, before, trunk_plan or after, preset, max_drop, prompts,
                                         {k: v for k, v in options.items() if k != "mtp_type"},
                                         dict(pure=pure, allow_requantize=allow_requantize, imatrix=imatrix_data,
                                              include_weights=include_weights or [],
                                              exclude_weights=exclude_weights or []), split=split,
-                                        **report_hooks(quiet or as_json))
+                                        head_file=trunk_plan is not None, **report_hooks(quiet or as_json))
         info = plan_change_summary(before, after)
     else:
         written = write_with_progress(after, dst, "quantize", quiet or as_json, split)[1]
