@@ -60,6 +60,8 @@ def compare(
                                    "below the reference's."),
     engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
                                "llama-perplexity for the trunk, llama-server for the head."),
+    head: Path = typer.Option(None, "--head", help="torch engine: a head file (mtp-*.gguf) that drafts for every "
+                              "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."),
     numerics: str = typer.Option("llama.cpp", "--numerics", help="torch engine: 'llama.cpp' rounds each weight's "
                                  "inputs as llama.cpp's CPU backend does (the figures llama-perplexity prints); "
                                  "'exact' multiplies in f32 (the quantization error alone)."),
@@ -102,18 +104,19 @@ def compare(
         fail("--chunks", f"must be at least 1, got {chunks}")
     if engine == "torch":
         check_torch_engine({"--llama-cpp": llama_cpp, "--ngl": ngl}, passed_on, "llama-perplexity")
-    elif device is not None or numerics != "llama.cpp":
-        fail("--device" if device is not None else "--numerics", "belongs to --engine torch")
+    elif device is not None or numerics != "llama.cpp" or head is not None:
+        fail("--device" if device is not None else "--numerics" if head is None else "--head",
+             "belongs to --engine torch")
     check_fractions(min_top1=min_top1, min_rate=min_rate, max_drop=max_drop)
     if kld_base is not None and max_drop is not None:
         fail("--max-drop", "needs the reference's head: with --kld-base there is no reference model")
-    inputs = [p for p in (reference, *quants, text, kld_base) if p is not None]
+    inputs = [p for p in (reference, *quants, text, kld_base, head) if p is not None]
     for p in inputs:
         if not p.is_file():
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, inputs)
     if engine == "torch":
-        check_runtime([p for p in (reference, *quants) if p is not None], "compare --engine torch",
+        check_runtime([p for p in (reference, *quants, head) if p is not None], "compare --engine torch",
                       "--engine llama.cpp measures it with llama-perplexity and llama-server")
     device = check_device(device)
 
@@ -121,9 +124,10 @@ def compare(
                   max_drop=max_drop)
     with gating(gates.any()):  # non-finite figures: a failed gate (exit 1), else bad input (2)
         if kld_base is not None:
-            report = _with_base(kld_base, quants, chunks, device, threads, numerics)
+            report = _with_base(kld_base, quants, chunks, device, threads, numerics, head)
         elif engine == "torch":
-            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics)
+            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics,
+                                 head)
         else:
             _read_text(text)
             report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, passed_on)
@@ -141,7 +145,7 @@ def compare(
 
 
 def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, chunks: int | None, device,
-                threads: int | None, numerics: str) -> dict:
+                threads: int | None, numerics: str, head: Path | None = None) -> dict:
     from ..runtime.accept import use_threads
     from ..runtime.trunk_quality import QualityRun, compare_runs
 
@@ -152,7 +156,7 @@ def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, c
         runs = []
         for p in (reference, *quants):
             progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics))
+            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
         progress.update(task, description=f"scoring {len(quants) + 1} files")
         n = compare_runs(runs[0], runs[1:], text, n_ctx=ctx_size, n_chunks=chunks,
                          on_chunk=lambda i, total: progress.update(task, completed=i, total=total))
@@ -164,7 +168,7 @@ def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, c
 
 
 def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, threads: int | None,
-               numerics: str) -> dict:
+               numerics: str, head: Path | None = None) -> dict:
     from ..engines.kld_base import KldBase
     from ..runtime.accept import use_threads
     from ..runtime.trunk_quality import QualityRun, compare_with_base
@@ -177,7 +181,7 @@ def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, 
         runs = []
         for p in quants:
             progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics))
+            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
         progress.update(task, description=f"scoring {len(quants)} files against {base_path.name}")
         ref = compare_with_base(base, runs, n_chunks=chunks,
                                 on_chunk=lambda i, total: progress.update(task, completed=i, total=total))

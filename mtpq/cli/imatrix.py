@@ -29,6 +29,7 @@ def imatrix(
     chunk: int = typer.Option(512, "--chunk", "-c", help="Tokens per chunk (llama-imatrix's -c)."),
     chunks: int = typer.Option(None, "--chunks", help="Use at most this many chunks (default: all)."),
     mtp: bool = typer.Option(False, "--mtp", help="Only the MTP head (to add to a llama-imatrix file)."),
+    head: Path = typer.Option(None, "--head", help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."),
     merge_into: Path = typer.Option(None, "--merge-into",
                                     help="An existing imatrix (e.g. llama-imatrix's): keep its entries and add ours "
                                          "for tensors it lacks (the head); written to --output."),
@@ -54,11 +55,12 @@ def imatrix(
     if chunks is not None and chunks < 1:
         fail("--chunks", f"must be at least 1, got {chunks}")
     device = check_device(device)
-    for p in (model, text, merge_into):
+    for p in (model, text, merge_into, head):
         if p is not None and not p.is_file():
             fail(str(p), "no such file")
     check_not_an_input(output, [*shard_paths(model), *(p for p in (text, merge_into) if p is not None)])
-    check_runtime([model], "imatrix", "llama-imatrix collects the trunk's statistics")
+    check_runtime([model] + ([head] if head is not None else []), "imatrix",
+                  "llama-imatrix collects the trunk's statistics")
     base = read_imatrix(merge_into) if merge_into is not None else None
     try:
         calib = text.read_text(encoding="utf-8")
@@ -66,7 +68,7 @@ def imatrix(
         fail(str(text), "not UTF-8 text")
     torch.set_num_threads(threads or 1)  # tiny models: a second spinning thread only costs (see DESIGN.md)
 
-    net, tok = load_model(model, device=device)
+    net, tok = load_model(model, device=device, head=head)
     if mtp and net.mtp is None:
         fail(str(model), "has no MTP head (--mtp collects only the head's statistics)")
     bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None

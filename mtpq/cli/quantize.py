@@ -44,6 +44,9 @@ def quantize(
     mtp_type: Optional[str] = opt.MTP_TYPE,
     max_drop: float = opt.MAX_DROP,
     prompts: str = opt.PROMPTS,
+    trunk: Optional[Path] = typer.Option(None, "--trunk", help="With --mtp-type auto on a head file (mtp-*.gguf, "
+                                         "DeepSeek-V4's form): the trunk file it drafts for, quantized with PRESET "
+                                         "to measure the head types on; OUT is the head file."),
     mtp_experts_type: Optional[str] = opt.MTP_EXPERTS_TYPE,
     tensor_type: Optional[List[str]] = opt.TENSOR_TYPE,
     tensor_type_file: Optional[List[Path]] = opt.TENSOR_TYPE_FILE,
@@ -89,6 +92,19 @@ def quantize(
     before = plan_from_gguf(src)
     if auto:
         check_runtime_arch(before.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
+    trunk_plan = None
+    if trunk is not None:
+        from ..gguf_io import GGUFFile
+        from ..gguf_io.check import is_head_file
+
+        if not auto:
+            raise typer.BadParameter("only with --mtp-type auto on a head file", param_hint="--trunk")
+        if not trunk.is_file():
+            raise typer.BadParameter(f"{trunk}: no such file", param_hint="--trunk")
+        if not is_head_file(GGUFFile(src)):
+            raise typer.BadParameter(f"{src} is not a head file (it has trunk blocks): measure its own head without "
+                                     "--trunk", param_hint="--trunk")
+        trunk_plan = plan_quantize(plan_from_gguf(trunk), options)
     after = plan_quantize(before, options)
     info = plan_change_summary(before, after)
     if dry_run:
@@ -100,7 +116,8 @@ def quantize(
     if auto:
         from ..workflows.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, after, options, max_drop, prompts, split=split,
+        after, written = quantize_with_auto_head(src, dst, before, trunk_plan or after, options, max_drop, prompts,
+                                                 split=split, head_file=trunk_plan is not None,
                                                  **report_hooks(quiet or as_json))
         info = plan_change_summary(before, after)
     else:

@@ -58,7 +58,11 @@ def _heatmap(plt, path: Path, rows: list[str], cols: list[str], grid: list[list[
 )
 @guarded
 def sweep(
-    reference: Path = typer.Argument(..., help="A full-precision (f32/f16/bf16) GGUF with an MTP head."),
+    reference: Path = typer.Argument(..., help="A full-precision (f32/f16/bf16) GGUF with an MTP head (or a trunk, "
+                                     "with --head)."),
+    head: Path = typer.Option(None, "--head", help="torch engine: the full-precision head file (mtp-*.gguf) that "
+                              "drafts for REFERENCE's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own "
+                              "file): the head types are quantized from it."),
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin', 'demo_heldout' or a JSONL file."),
@@ -70,6 +74,9 @@ def sweep(
     chunks: int = typer.Option(None, "--chunks", help="With --text: score only the first N chunks."),
     json_out: Path = typer.Option(None, "--json", help="Write the grid as JSON here."),
     png_out: Path = typer.Option(None, "--png", help="Write a heat map here (needs matplotlib)."),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing tensors REFERENCE "
+                                          "stores quantized already (DeepSeek-V4's converted files keep its FP8 "
+                                          "weights as Q8_0)."),
     workdir: Path = typer.Option(None, "--keep", help="Keep the trunk GGUFs (one per preset) in this folder."),
     engine: str = typer.Option("torch", "--engine", help="torch: one trunk pass per preset, every head drafting "
                                "from it. llama.cpp: one grafted file per pair, measured by llama-server."),
@@ -97,17 +104,23 @@ def sweep(
         fail("--llama-cpp" if llama_cpp is not None else "--ngl", "belongs to --engine llama.cpp")
     if text is not None and not text.is_file():
         fail(str(text), "no such file")
+    if head is not None and engine != "torch":
+        fail("--head", "belongs to --engine torch")
+    if head is not None and not head.is_file():
+        fail(str(head), "no such file")
     plt = _pyplot() if png_out is not None else None
     if png_out is not None and plt is None:
         fail("--png", f"needs matplotlib, which is not installed: {PLOT_INSTALL}")
     device = check_device(device)
     if engine == "torch":
-        check_runtime([reference], "sweep --engine torch", "--engine llama.cpp measures each pair in llama.cpp")
+        check_runtime([reference] + ([head] if head is not None else []), "sweep --engine torch",
+                      "--engine llama.cpp measures each pair in llama.cpp")
     ref_plan = plan_from_gguf(reference)
-    if ref_plan.n_mtp_layers == 0:
-        fail(str(reference), "has no MTP head to sweep")
+    head_ref = plan_from_gguf(head) if head is not None else ref_plan  # where the head types are quantized from
+    if head_ref.n_mtp_layers == 0:
+        fail(str(head or reference), "has no MTP head to sweep")
     for m in mtps:  # every head type parsed before any work
-        plan_quantize(ref_plan, parse_options(trunks[0], mtp_type=m))
+        plan_quantize(head_ref, parse_options(trunks[0], mtp_type=m, allow_requantize=allow_requantize))
     pairs = load_prompts(prompts, max_prompts)
     use_threads(reference, threads)
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mtpq-sweep-", dir=reference.parent)
@@ -117,13 +130,14 @@ def sweep(
     kld: dict[str, float] = {}
     try:
         ref_rate = _rates(engine, reference, reference, "F16", ["keep"], pairs, max_new_tokens, device, folder,
-                          llama_cpp, ngl, threads)["keep"]
+                          llama_cpp, ngl, threads, head, allow_requantize)["keep"]
         for t in trunks:
             path = folder / f"{reference.stem}-{t}.gguf"
             console.print(f"{t}: quantizing the trunk -> {path.name}")
-            write_plan(plan_quantize(ref_plan, parse_options(t, mtp_type="keep")), path)  # the head is measured per type below
+            write_plan(plan_quantize(ref_plan, parse_options(t, mtp_type="keep", allow_requantize=allow_requantize)),
+                       path)  # the head is measured per type below
             for m, rate in _rates(engine, path, reference, t, mtps, pairs, max_new_tokens, device, folder,
-                                  llama_cpp, ngl, threads).items():
+                                  llama_cpp, ngl, threads, head, allow_requantize).items():
                 grid[m][t] = rate
             if text is not None:
                 kld[t] = _trunk_kld(reference, path, text, ctx_size, chunks, device)
@@ -152,16 +166,18 @@ def sweep(
 
 
 def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: list[str], pairs, max_new_tokens: int,
-           device, folder: Path, llama_cpp, ngl, threads) -> dict[str, float]:
+           device, folder: Path, llama_cpp, ngl, threads, head: Path | None = None,
+           allow_requantize: bool = False) -> dict[str, float]:
     """Each head type's greedy k=1 acceptance on ``trunk``'s trunk."""
     prompts = [p for _, p in pairs]
     if engine == "torch":
         from ..quantize.pipeline import parse_options
         from ..workflows.headsweep import head_rates
 
-        return {t: r.rate for t, r in head_rates(trunk, reference, parse_options(preset), head_types, prompts,
-                                                 max_new_tokens,
-                                                 device=device, workdir=folder).items()}
+        return {t: r.rate for t, r in head_rates(trunk, head or reference,
+                                                 parse_options(preset, allow_requantize=allow_requantize), head_types,
+                                                 prompts, max_new_tokens, head=head, device=device,
+                                                 workdir=folder).items()}
     from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
     from ..quantize.pipeline import parse_options
     from ..gguf_io import plan_from_gguf, write_plan

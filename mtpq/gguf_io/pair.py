@@ -23,6 +23,9 @@ TIED = {
     "nextn.shared_head_head.weight": ("output.weight", "token_embd.weight"),
     "nextn.shared_head_norm.weight": ("output_norm.weight",),
 }
+# the head file's top-level tensors that are the head's own where the trunk has its own of the same name
+# (DeepSeek-V4's output hyper-connection): the paired view puts them under the head block's nextn.
+OWN = ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
 
 
 class PairedGGUF(GGUFFile):
@@ -51,3 +54,7 @@ class PairedGGUF(GGUFFile):
                 source = next((f for f in fallbacks if f in h.tensors), None)
                 if name not in self.tensors and source is not None:
                     self.tensors[name] = h.tensors[source]._replace(name=name)
+            for own in OWN:
+                name = f"blk.{block}.nextn.{own}"
+                if own in h.tensors and name not in self.tensors:
+                    self.tensors[name] = h.tensors[own]._replace(name=name)

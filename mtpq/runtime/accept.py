@@ -45,6 +45,9 @@ def measure_file(path: str | Path, prompts: str | Path | list[tuple[str, str]] =
     use_threads(path, threads)
     model, tok = load_model(path, device=device, dtype=dtype, hidden=hidden, head=head)
     if getattr(model, "mtp", None) is None:
+        if getattr(model.family, "head_in_own_file", False):
+            raise InputError(path, f"has no MTP head to draft with: {model.arch}'s head lives in a file of its own "
+                                   "(convert --mtp-only); pass it with --head")
         raise InputError(path, "has no MTP head to draft with (mtpq graft can add one)")
     pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts
     stop = {i for i in (getattr(tok, "eos_token_id", None),) if i is not None}

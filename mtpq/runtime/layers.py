@@ -336,9 +336,13 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- feed-forward
 
 
-def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, clamp_gate: bool = False) -> torch.Tensor:
     """silu(gate) * up, written into ``gate``. ``limit`` > 0: llama.cpp's clamped SwiGLU (its ``swiglu_clamp_exp``
-    / ``_shexp``): up clamped to [-limit, limit] and silu(gate) to at most limit, before the product."""
+    / ``_shexp``): up clamped to [-limit, limit] and silu(gate) to at most limit, before the product; with
+    ``clamp_gate`` the gate itself is clamped to at most limit before the silu instead (ggml_swiglu_clamp:
+    DeepSeek-V4, Hy-V4)."""
+    if limit > 0 and clamp_gate:
+        return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp(-limit, limit))
     act = F.silu(gate, inplace=True)
     if limit > 0:
         return act.clamp_(max=limit).mul_(up.clamp(-limit, limit))
@@ -348,17 +352,17 @@ def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.T
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)). ``suffix`` ``_shexp`` gives the shared expert; ``limit``: see :func:`swiglu_`."""
 
-    def __init__(self, w: Scope, suffix: str = "", limit: float = 0.0):
+    def __init__(self, w: Scope, suffix: str = "", limit: float = 0.0, clamp_gate: bool = False):
         super().__init__()
         self.gate, self.up = w.linear(f"ffn_gate{suffix}"), w.linear(f"ffn_up{suffix}")
         self.down = w.linear(f"ffn_down{suffix}")
-        self.limit = limit
+        self.limit, self.clamp_gate = limit, clamp_gate
 
         self.gate_up = FusedLinear(self.gate, self.up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(swiglu_(gate, up, self.limit))
+        return self.down(swiglu_(gate, up, self.limit, self.clamp_gate))
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
@@ -389,6 +393,7 @@ class MoEConfig:
     topk_group: int = 1
     swiglu_limit: float = 0.0  # the routed experts' clamped SwiGLU (swiglu_), 0: none
     shared_swiglu_limit: float = 0.0  # the shared expert's
+    clamp_gate: bool = False  # the clamps as ggml_swiglu_clamp applies them (see swiglu_)
 
 
 DENSE_MOE_TOKENS = 16  # above this many tokens a MoE layer runs only the experts they pick
@@ -416,7 +421,7 @@ class MoE(nn.Module):
         self.up, self.down = w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.latent_down = w.linear("ffn_latent_down", bias=False) if w.has("ffn_latent_down") else None
         self.latent_up = w.linear("ffn_latent_up", bias=False) if w.has("ffn_latent_up") else None
-        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit) if w.has("ffn_gate_shexp") else \
+        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit, cfg.clamp_gate) if w.has("ffn_gate_shexp") else \
             SquaredReLU(w, "_shexp") if w.has("ffn_up_shexp") else None
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
         self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
@@ -485,12 +490,12 @@ class MoE(nn.Module):
             g = None if self.gate is None else \
                 F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
-        h = relu_squared(u) if g is None else swiglu_(g, u, self.cfg.swiglu_limit)  # [N, E*F]
+        h = relu_squared(u) if g is None else swiglu_(g, u, self.cfg.swiglu_limit, self.cfg.clamp_gate)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
         down = as_dtype(self.down.matrix(), x.dtype)  # [E, H, F]
         y = torch.bmm(h.view(-1, E, F_).transpose(0, 1), down.transpose(1, 2))  # [E, N, H]
         dense = torch.zeros(x.shape[0], self.cfg.n_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, ids, weights)
+        dense.scatter_add_(1, ids, weights)  # (add: a hash-routed token may pick one expert twice)
         return torch.einsum("ne,enh->nh", as_dtype(dense, x.dtype), y)
 
     def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -505,7 +510,7 @@ class MoE(nn.Module):
             h = relu_squared(u)  # [N*k, 1, F]
         else:
             h = swiglu_(torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2)), u,
-                        self.cfg.swiglu_limit)
+                        self.cfg.swiglu_limit, self.cfg.clamp_gate)
         y = torch.bmm(self.down.input(h), _picked(self.down, flat, x.dtype).transpose(1, 2))  # [N*k, 1, H]
         return (y.view(N, k, -1) * as_dtype(weights, x.dtype)[..., None]).sum(dim=1)
 
@@ -535,7 +540,7 @@ class MoE(nn.Module):
                 h = relu_squared(u)
             else:
                 h = swiglu_(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), u,
-                            self.cfg.swiglu_limit)
+                            self.cfg.swiglu_limit, self.cfg.clamp_gate)
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))

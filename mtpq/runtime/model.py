@@ -70,6 +70,16 @@ class RuntimeFamily:
         ``forward(x, start, cache)`` and ``new_cache()``."""
         raise NotImplementedError
 
+    def ends(self, top: Scope) -> nn.Module | None:
+        """A module around the trunk's blocks, or None: ``enter(x, ids)`` turns the embedded tokens into the first
+        block's input and ``leave(x)`` the last block's output into what ``output_norm`` reads (DeepSeek-V4's
+        hyper-connection streams); the head is fed the blocks' own output (``nextn_state="pre_norm"``)."""
+        return None
+
+    def nextn_head(self, w: Weights, index: int, model: MtpModel) -> nn.Module | None:
+        """The family's own MTP head at block ``index`` of ``w``, or None for the generic :class:`NextNHead`."""
+        return None
+
 
 # Deprecated: the old name, kept so that a family module written against it still imports; new code says
 # RuntimeFamily (the convert side's is ConvertFamily).
@@ -118,6 +128,7 @@ class MtpModel(nn.Module):
         top = w.at()
         self.tok_embd = top.qweight("token_embd")
         self.vocab_size = self.tok_embd.shape[0]
+        self.ends = family.ends(top)
         self.blocks = nn.ModuleList(family.block(w.at(f"blk.{i}."), i) for i in range(g.n_trunk))
         self.out_norm = top.tensor("output_norm")
         self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
@@ -132,6 +143,9 @@ class MtpModel(nn.Module):
         """The NextN head of block ``index`` of ``w`` (this model's file, or a head-only file: ``mtpq sweep``'s
         candidates), on this model's trunk (its embedding, output and norm where the head has none)."""
         fam = self.family
+        own = fam.nextn_head(w, index, self)
+        if own is not None:
+            return own
         return NextNHead(w.at(f"blk.{index}."), fam.block(w.at(f"blk.{index}."), index), self.eps,
                          trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
                          hidden_first=fam.hidden_first, norm=fam.norm, logit_scale=fam.logit_scale,
@@ -224,9 +238,11 @@ class MtpModel(nn.Module):
         ids = ids.to(self.device)
         start = self.trunk_length if use_cache else 0
         x = self.tok_embd.rows(ids)
+        if self.ends is not None:
+            x = self.ends.enter(x, ids)
         for block, cache in zip(self.blocks, self.trunk_cache):
             x = block(x, start, cache if use_cache else None, packing=packing)
-        normed = self.norm(x, self.out_norm, self.eps)
+        normed = self.norm(x if self.ends is None else self.ends.leave(x), self.out_norm, self.eps)
         logits = self.output(normed[:, -1:] if last_only else normed if logit_rows is None else normed[:, logit_rows])
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale

@@ -115,13 +115,15 @@ class QualityRun:
     """One GGUF loaded for the runtime, and the figures gathered for it."""
 
     def __init__(self, path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 numerics: str = "llama.cpp"):
+                 numerics: str = "llama.cpp", head: Path | None = None):
+        """``head``: a head file drafting for the trunk at ``path`` (:class:`~mtpq.gguf_io.pair.PairedGGUF`)."""
         from ..gguf_io import GGUFFile
+        from ..gguf_io.pair import PairedGGUF
         from .families import load
         from .tokenizer import tokenizer_from_gguf
 
         self.path = Path(path)
-        g = GGUFFile(self.path)
+        g = GGUFFile(self.path) if head is None else PairedGGUF(self.path, Path(head))
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.model = load(self.path, device=device, dtype=dtype, g=g, llama_cpp_numerics=numerics == "llama.cpp")

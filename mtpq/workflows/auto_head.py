@@ -5,6 +5,10 @@ candidate head type is quantized alone from the input and drafts from that trunk
 (:mod:`mtpq.workflows.headsweep`); the narrowest type within ``--max-drop`` of the f16 head's acceptance is
 grafted in, the trunk's bytes copied, to OUT. The choice and its figures are printed and recorded in OUT
 (``mtpq.mtp_type_auto``, a JSON string).
+
+A head file (``mtp-*.gguf``: the MTP block without the trunk, DeepSeek-V4's form) is measured on the trunk file it
+drafts for (``quantize HEAD OUT PRESET --mtp-type auto --trunk TRUNK``): that trunk is quantized with PRESET into the
+temporary file, and OUT is the head file with the chosen type (the head file's other tensors by PRESET).
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ def _no_progress(description: str, total: int) -> ContextManager[Callable[[int, 
 
 
 def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, max_drop: float, prompts: str,
-                            split=None, progress: Progress = _no_progress, say: Callable[[str], None] | None = None):
+                            split=None, progress: Progress = _no_progress, say: Callable[[str], None] | None = None,
+                            head_file: bool = False):
     """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
-    written. ``trunk_plan`` is ``before`` quantized by ``options`` (the job's QuantOptions) with the head kept; each
-    candidate head is quantized by the same options at its own type. ``progress`` (a byte bar) and ``say`` (a line) report to a person; by default nothing is shown."""
+    written. ``trunk_plan`` is the trunk quantized by ``options`` (the job's QuantOptions) with the head kept; each
+    candidate head is quantized by the same options at its own type. ``progress`` (a byte bar) and ``say`` (a line)
+    report to a person; by default nothing is shown. ``head_file``: ``src`` is a head file and ``trunk_plan`` the
+    quantized trunk it drafts for (see above)."""
+    from ..quantize.pipeline import plan_quantize
     from ..acceptance.prompts import load_prompts
     from ..quantize.surgery import plan_graft
     from ..runtime.accept import use_threads
@@ -49,10 +57,14 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, m
             write_plan(trunk_plan, trunk_file, on_tensor=lambda spec, n: advance(n, spec.name))
         if say:
             say(f"measuring {len(AUTO_CANDIDATES)} head types on the {options.preset.name} trunk ({len(pairs)} prompts)")
-        rates = head_rates(trunk_file, before, options, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp)
+        rates = head_rates(trunk_file, before, options, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp,
+                           head=src if head_file else None)
         choice = AutoChoice(choose_head_type(rates, max_drop), max_drop, rates)
-        head = head_plan(before, options, choice.head_type)
-        final = plan_graft(head, plan_from_gguf(trunk_file), replace=True)  # the trunk's bytes copied
+        if head_file:  # the whole head file, its MTP block at the chosen type
+            final = plan_quantize(before, options.with_mtp_type(choice.head_type))
+        else:
+            head = head_plan(before, options, choice.head_type)
+            final = plan_graft(head, plan_from_gguf(trunk_file), replace=True)  # the trunk's bytes copied
         final.set_kv(AUTO_KEY, json.dumps(choice.to_dict(), sort_keys=True), GGUFValueType.STRING)
         final.inputs = [src, *before.inputs, trunk_file]
         shard = {s.name: s.shard for s in before.tensors}  # --keep-split: the input's layout, not the trunk file's

@@ -37,10 +37,18 @@ def head_plan(reference_plan, options, head_type: str):
     ``--mtp-type head_type`` (lazy: nothing else is quantized), as a plan with the reference's metadata."""
     from ..quantize.pipeline import plan_quantize
 
+    from ..gguf_io.pair import OWN
+
     full = plan_quantize(reference_plan, options.with_mtp_type(head_type))
     n = full.n_trunk_layers
-    keep = [s for s in full.tensors if s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n]
+    # (a head file's top-level tensors that are the head's own go with it: DeepSeek-V4's output_hc_*)
+    own = OWN if reference_plan.n_mtp_layers and not any(_block(s.name) in range(n) for s in full.tensors) else ()
+    keep = [s for s in full.tensors if (b := _block(s.name)) is not None and b >= n or s.name in own]
     return replace(full, tensors=keep)
+
+
+def _block(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blk.") else None
 
 
 def _build_head(model, path: Path):
@@ -66,12 +74,13 @@ def greedy_sequences(model, tok, prompts: list[str], max_new_tokens: int) -> lis
 
 def head_rates(trunk: Path, reference, options, head_types: list[str], prompts: list[str],
                max_new_tokens: int = 48, device: str | None = None, workdir: Path | None = None,
-               on_head: Callable[[str], None] | None = None) -> dict[str, HeadRate]:
+               on_head: Callable[[str], None] | None = None, head: Path | None = None) -> dict[str, HeadRate]:
     """Greedy k=1 acceptance of each head type (quantized from ``reference``, a GGUF path or a plan, by the job's
-    ``options``, a QuantOptions) on ``trunk``'s trunk, from one trunk pass."""
+    ``options``, a QuantOptions) on ``trunk``'s trunk, from one trunk pass. ``head``: the head file that drafts for
+    ``trunk`` (a trunk-only file) in that pass, as ``accept --head``; ``reference`` is then that head file."""
     from ..gguf_io import plan_from_gguf, write_plan
 
-    model, tok = load_model(trunk, device=device)
+    model, tok = load_model(trunk, device=device, head=head)
     if model.mtp is None:
         raise InputError(trunk, "has no MTP block to compare heads in")
     seqs = greedy_sequences(model, tok, prompts, max_new_tokens)

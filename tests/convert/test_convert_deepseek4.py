@@ -257,10 +257,11 @@ def test_inspect_and_extract_mtp(head_q4, tmp_path):
         assert qtype == src[name][0] and np.array_equal(data, src[name][1]), name
 
 
-def test_accept_says_no_runtime_yet(head_q4):
+def test_accept_on_the_head_file_alone_says_what_to_pass(head_q4):
+    """The runtime runs deepseek4 (tests/runtime): a head file given as the model is one line naming --head."""
     res = run_cli("accept", head_q4 / "q.gguf")
     line = res.stderr.strip()
-    assert res.exit_code == 2 and "deepseek4" in line and "has no runtime in mtpq" in line and "\n" not in line, res.output
+    assert res.exit_code == 2 and "is a head file" in line and "--head" in line and "\n" not in line, res.output
 
 
 def without_chat_template(ds4, folder):

@@ -47,16 +47,17 @@ def harness(bin_dir: Path, src: Path) -> Path:
 
 
 def llama_cpp_logits(bin_dir: Path, src: Path, gguf: Path, tokens: list[int], work: Path,
-                     threads: int = 1, f32_cache: bool = False) -> Logits:
+                     threads: int = 1, f32_cache: bool = False, head: Path | None = None) -> Logits:
     """llama.cpp's logits for ``tokens`` through the whole GGUF ``gguf`` (trunk and every MTP head); ``f32_cache``:
-    with f32 KV caches and without flash attention (see the harness)."""
+    with f32 KV caches and without flash attention (see the harness); ``head``: a head file whose MTP blocks draft
+    for the trunk ``gguf`` (DeepSeek-V4's), as llama.cpp's ``-md``."""
     tok = work / "tokens.i32"
     np.asarray(tokens, dtype=np.int32).tofile(tok)
     out = work / "llama_cpp_logits.bin"
     from mtpq.engines.llama_cpp import child_env
 
     proc = subprocess.run([str(harness(bin_dir, src)), str(gguf), str(tok), str(out), str(threads),
-                           *(["f32"] if f32_cache else [])],
+                           "f32" if f32_cache else "-", *([str(head)] if head is not None else [])],
                           capture_output=True, text=True, errors="replace", timeout=600,
                           env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,10 @@
 // MTP head's, as libllama computes them. The parity tests (tests/runtime/test_llama_cpp_parity.py) compare the
 // torch runtime with this, position by position.
 //
-//   mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32]]
+//   mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32|- [HEAD.gguf]]]
+//
+// With HEAD.gguf the heads are that file's (a head file beside a trunk-only MODEL, as llama.cpp's -md loads it:
+// DeepSeek-V4's head lives in a file of its own); the MTP context is made from the head model, against the trunk's.
 //
 // With "f32" the KV caches hold f32 and attention runs without flash attention (whose K and V are f16 even over an
 // f32 cache): llama.cpp's f32 computation, for graphs with a discrete choice (DeepSeek sparse attention's top-k)
@@ -47,10 +50,11 @@ static const float * nextn_row(llama_context * ctx, int32_t i) { return llama_ge
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        return fail("usage: mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32]]");
+        return fail("usage: mtp_harness MODEL.gguf TOKENS.i32 OUT.bin [THREADS [f32|- [HEAD.gguf]]]");
     }
     const int n_threads = argc > 4 ? atoi(argv[4]) : 1;
     const bool f32_cache = argc > 5 && strcmp(argv[5], "f32") == 0;
+    const char * head_path = argc > 6 ? argv[6] : nullptr;
 
     std::vector<llama_token> tokens;
     {
@@ -77,9 +81,16 @@ int main(int argc, char ** argv) {
     if (!model) {
         return fail("cannot load the model");
     }
+    llama_model * head_model = model;
+    if (head_path) {
+        head_model = llama_model_load_from_file(head_path, mparams);
+        if (!head_model) {
+            return fail("cannot load the head file");
+        }
+    }
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     const int n_embd = llama_model_n_embd_out(model);
-    const int n_heads = llama_model_n_layer_nextn(model);
+    const int n_heads = llama_model_n_layer_nextn(head_model);
 
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx = n < 64 ? 64 : n;
@@ -132,7 +143,7 @@ int main(int argc, char ** argv) {
         dparams.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
         dparams.ctx_other = ctx;
         dparams.n_rs_seq = 0;
-        llama_context * dft = llama_init_from_model(model, dparams);
+        llama_context * dft = llama_init_from_model(head_model, dparams);
         if (!dft) {
             return fail("cannot create the MTP context");
         }
@@ -167,6 +178,9 @@ int main(int argc, char ** argv) {
     }
     llama_batch_free(batch);
     llama_free(ctx);
+    if (head_model != model) {
+        llama_model_free(head_model);
+    }
     llama_model_free(model);
     llama_backend_free();
     return 0;

@@ -43,7 +43,7 @@ def dequantized_copy(src: Path, out: Path) -> Path:
     plan = plan_from_gguf(src)
     specs = []
     for s in plan.tensors:
-        if s.source_type in (T.F32, T.F16, T.BF16):
+        if s.source_type in (T.F32, T.F16, T.BF16, T.I8, T.I16, T.I32, T.I64):  # (integer tables: DeepSeek-V4's tid2eid)
             specs.append(s)
             continue
         load = (lambda s=s: torch.from_numpy(gguf.quants.dequantize(np.asarray(s.load_raw()), s.source_type)
@@ -309,7 +309,8 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
     plan = plan_from_gguf(src)
     n_trunk = plan.n_trunk_layers
     top = {s.name: s for s in plan.tensors if not s.name.startswith("blk.")}
-    outputs = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+    outputs = ("attn_output.weight", "attn_output_b.weight", "ffn_down.weight", "ffn_down_exps.weight",
+               "ffn_down_shexp.weight")
 
     def edit(s):
         head = s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n_trunk
@@ -330,6 +331,33 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
     plan.tensors = [s if (f := edit(s)) is None else s.with_values(f) for s in plan.tensors]
     write_plan(plan, out)
     return out
+
+
+def paired_file(trunk: Path, head: Path, out: Path) -> Path:
+    """A trunk file and its head file (DeepSeek-V4's: ``convert --no-mtp`` / ``--mtp-only``) written as the one model
+    the runtime sees through :class:`~mtpq.gguf_io.pair.PairedGGUF`: the trunk's tensors, the head's blocks, the head
+    file's own top-level tensors (``output_hc_*``) under the head block's ``nextn.``, the head file's per-block
+    metadata. A test fixture only: llama.cpp reads such a head from its own file, and mtpq writes no such file."""
+    import dataclasses
+
+    from mtpq.gguf_io import plan_from_gguf, write_plan
+    from mtpq.gguf_io.pair import OWN
+
+    tp, hp = plan_from_gguf(trunk), plan_from_gguf(head)
+    n = tp.n_trunk_layers
+    blocks = range(n, n + hp.n_mtp_layers)
+    top = {s.name: s for s in hp.tensors}
+    tensors = list(tp.tensors) + [s for s in hp.tensors if s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n]
+    tensors += [dataclasses.replace(top[own], name=f"blk.{b}.nextn.{own}") for b in blocks for own in OWN if own in top]
+    for key, value in hp.kv.items():
+        if key.startswith(f"{tp.arch}.") and (key not in tp.kv or isinstance(value.value, list)):
+            tp.kv[key] = value
+    tp.kv[f"{tp.arch}.block_count"] = hp.kv[f"{hp.arch}.block_count"]
+    write_plan(dataclasses.replace(tp, tensors=tensors, n_mtp_layers=hp.n_mtp_layers, inputs=[trunk, head]), out)
+    return out
+
+
+SPLIT_HEAD = {"deepseek4"}  # families whose head lives in a file of its own (fixtures: paired_file)
 
 
 V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -461,13 +489,20 @@ CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: th
         "tiny": lambda f: tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(f, **tiny_mimo2.v25_heads(4))),
         "flash": lambda f: tiny_mimo2.mimo2(f),  # MiMo-V2-Flash's: attn_q / attn_k / attn_v
     },
+    "deepseek4": {
+        # the release's layout (hash layers, CSA with the indexer, HCA, hyper-connections) with a window of 16 and
+        # an indexer top-k of 2, so that short contexts drop raw and compressed keys
+        "release": lambda f: release_checkpoint("deepseek_v4_flash", f, "fp8", sliding_window=16, index_topk=2),
+    },
 }
 # variants made from another's f32 GGUF: (family, variant) -> (base variant, f(base GGUF, out))
-GGUF_EDITS = {("step35", "bigram"): ("tiny", bigram_gguf), ("mimo2", "bigram"): ("tiny", bigram_gguf)}
+GGUF_EDITS = {("step35", "bigram"): ("tiny", bigram_gguf), ("mimo2", "bigram"): ("tiny", bigram_gguf),
+              ("deepseek4", "bigram"): ("release", bigram_gguf)}
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
 LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
                 "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram",
-                "qwen3next": "bigram", "nemotron_h_moe": "bigram", "step35": "bigram", "mimo2": "bigram"}
+                "qwen3next": "bigram", "nemotron_h_moe": "bigram", "step35": "bigram", "mimo2": "bigram",
+                "deepseek4": "bigram"}
 
 
 class Builds:
@@ -490,6 +525,11 @@ class Builds:
         if (family, variant) in GGUF_EDITS:
             base, edit = GGUF_EDITS[family, variant]
             return edit(self.gguf(family, base), path)
+        if family in SPLIT_HEAD:
+            ckpt = self.ckpt(family, variant)
+            pair = [convert(ckpt, self.root / f"{family}-{variant}-{what}.gguf", "f32", f"--{what}")
+                    for what in ("no-mtp", "mtp-only")]
+            return paired_file(*pair, path)
         return convert(self.ckpt(family, variant), path)
 
     def loop_gguf(self, family: str) -> Path:

@@ -51,7 +51,14 @@ PARITY = {
     "nemotron_h_moe": ("nemotron3_super", "bf16"),
     "step35": ("step35_flash", "bf16"),
     "mimo2": ("mimo_v25", "fp8"),  # (MiMo-V2-Flash's split q/k/v has no MTP graph in llama.cpp)
+    "deepseek4": ("deepseek_v4_flash", "fp8"),  # a trunk file and a head file (--no-mtp, --mtp-only), as llama.cpp's
 }
+# the architectures whose head lives in a file of its own (llama.cpp's -md): DeepSeek-V4's output_hc_* are the
+# trunk's in one file and the head's in the other
+HEAD_FILE = {"deepseek4"}
+# tokens per parity run where N_TOKENS hides a detail: DeepSeek-V4's compressed attention makes one key per 128
+# tokens in its HCA blocks (two here, seen from position 127 and 255 on)
+TOKENS = {"deepseek4": 300}
 # metadata the parity file changes where the release's value hides a detail from N_TOKENS tokens of a random model:
 # Cohere's window (4096) never binds and its logit_scale (1.0) scales nothing; Ling's SwiGLU clamps (4-7) never
 # bind (|up| and silu(gate) stay below 2): here they bind on a few % of the values, the head's and a dense FFN's too.
@@ -65,19 +72,39 @@ SHARPER = {
     "step35": {"attention.sliding_window": 48, "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
                "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0]},
     "mimo2": {"attention.sliding_window": 48},
+    # DeepSeek-V4: its window (128) and indexer top-k (512) never bind on 300 tokens, nor its SwiGLU clamps (10):
+    # here the window drops raw keys from token 48 on, the indexer keeps 8 of up to 75 compressed keys, and the
+    # clamps (on the gate before its silu, and on up) bind on a few % of the values
+    "deepseek4": {"attention.sliding_window": 48, "attention.indexer.top_k": 8,
+                  "swiglu_clamp_exp": [0.06] * 5, "swiglu_clamp_shexp": [0.06] * 5},
 }
+# tensors the parity file scales where the fixture's values hide a detail: DeepSeek-V4's streams all start as the
+# embedding and stay nearly equal on the tiny random model, so mixing them (comb) or Sinkhorn's later passes moved
+# the logits by under 1e-7; with the hyper-connections' biases x20 (pre, post and comb logits) they show
+SHARPER_TENSORS = {"deepseek4": {r"hc_(attn|ffn)_base": 20.0}}
 # llama.cpp runs these with f32 KV caches and without flash attention (the harness's "f32"): the sparse attention's
 # top-k is a discrete choice, and its default f16 storage of keys moves the indexer's scores by ~1e-4, enough to
 # flip a near-tie between the k-th and the next key (one flip costs ~1e-3 KLD at its position). The fixtures'
 # contexts (N_TOKENS) are twice the releases' shrunk top-k (64), so half the positions drop keys. Step-3.5's
 # routers flip on the f16 rounding of keys alike (trunk KLD ~1e-2 with llama.cpp's defaults), and one of MiMo-V2.5's
 # heads' near-ties (one argmax in 127: top-1 99.2 %, KLD 3.5e-8).
-F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2"}
+F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2", "deepseek4"}
+# the families whose converted "f32" file still holds other types (DeepSeek-V4: its FP8 weights become Q8_0, its FP4
+# experts MXFP4, its BF16 ones stay BF16, whatever the outtype), rewritten with every float tensor F32: llama.cpp's
+# CPU backend rounds the activations a Q8_0 / MXFP4 / BF16 weight multiplies (to q8_0 / bf16), and by another path
+# for a batch of 300 rows than for a few (~1e-3 apart), so only f32 weights compare the graphs themselves
+ALL_F32 = {"deepseek4"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None) -> Path:
+def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None, f32: bool = False,
+              scales: dict | None = None) -> Path:
     """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
-    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set."""
+    ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set; with
+    ``f32`` every float tensor stored F32 (see ALL_F32); ``scales``: {regex: factor} for other tensors
+    (SHARPER_TENSORS)."""
+    import re
+
+    from gguf import GGMLQuantizationType as T
     from gguf import GGUFValueType
 
     from mtpq.gguf_io import plan_from_gguf, write_plan
@@ -90,8 +117,26 @@ def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | No
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
     plan.tensors = [s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled)
                     else s for s in plan.tensors]
+    for pattern, by in (scales or {}).items():
+        plan.tensors = [s.with_values(lambda s=s, by=by: s.load() * by) if re.search(pattern, s.name) else s
+                        for s in plan.tensors]
+    if f32:
+        plan.tensors = [s.with_values(s.load).with_type(T.F32, "parity: f32") if s.source_type not in (T.F32, T.I32)
+                        else s for s in plan.tensors]
     write_plan(plan, out)
     return out
+
+
+_heads: dict[Path, Path] = {}  # a trunk file -> its head file (HEAD_FILE)
+
+
+def runtime(path: Path):
+    """The torch runtime's model of a parity file (with its head file where the head lives apart)."""
+    from mtpq.gguf_io.pair import PairedGGUF
+    from mtpq.runtime.families import load
+
+    head = _heads.get(Path(path))
+    return load(path) if head is None else load(path, g=PairedGGUF(Path(path), head))
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +149,26 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
             name, form = PARITY[arch]
             work = tmp_path_factory.mktemp(f"parity-{arch}")
             ckpt = releases.build(releases.manifests()[name], work / "ckpt", form)
-            path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=SHARPER.get(arch))
-            from mtpq.runtime.families import load
+            meta = SHARPER.get(arch)
+            head = None
+            if arch in HEAD_FILE:
+                from mtpq.runtime.weights import GGUFFile
 
-            vocab = load(path).vocab_size
-            tokens = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(7)).tolist()
+                trunk = convert(ckpt, work / "f32.gguf", "f32", "--no-mtp")
+                n = GGUFFile(trunk).n_blocks  # (the trunk file's per-block arrays end with its blocks)
+                path = sharpened(trunk, work / "sharp.gguf", f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch),
+                                 metadata={k: v[:n] if isinstance(v, list) else v for k, v in (meta or {}).items()})
+                head = sharpened(convert(ckpt, work / "f32-head.gguf", "f32", "--mtp-only"), work / "sharp-head.gguf",
+                                 metadata=meta, f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
+                _heads[path] = head
+            else:
+                path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=meta,
+                                 f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
+            vocab = runtime(path).vocab_size
+            n = TOKENS.get(arch, N_TOKENS)
+            tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
             cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
-                                                         f32_cache=arch in F32_CACHE)
+                                                         f32_cache=arch in F32_CACHE, head=head)
         return cache[arch]
 
     return get
@@ -134,10 +192,8 @@ def failing(figs: dict) -> list[str]:
 
 @pytest.mark.parametrize("arch", sorted(PARITY))
 def test_runtime_matches_llama_cpp(arch, parity):
-    from mtpq.runtime.families import load
-
     path, tokens, ref = parity(arch)
-    model = load(path)
+    model = runtime(path)
     assert model.n_heads >= 1
     figs = figures(model, tokens, ref)
     print(f"\n{arch:16s} " + "  ".join(f"{p}: KLD {k:.1e} (max {m:.1e}) top-1 {t:.2%}" for p, (k, m, t) in figs.items()))
@@ -250,7 +306,10 @@ def window_one_short(model) -> bool:
     windowed = [m for m in model.modules() if isinstance(m, WindowedAttention) and m.cfg.window is not None]
     for m in windowed:
         m.cfg = replace(m.cfg, window=m.cfg.window - 1)
-    return bool(layers or windowed)
+    compressed = _compressed(model)
+    for m in compressed:
+        m.window -= 1
+    return bool(layers or windowed or compressed)
 
 
 def nope_layers_rotated(model) -> bool:
@@ -320,7 +379,7 @@ def _sparse(model, full: bool | None = None):
 
 def top_k_one_fewer(model) -> bool:
     """Every sparse-attention query reads one key fewer than the indexer's top-k."""
-    layers = _sparse(model)
+    layers = _sparse(model) + _compressed(model, indexed=True)
     for m in layers:
         m.top_k -= 1
     return bool(layers)
@@ -331,7 +390,10 @@ def indexer_relu_dropped(model) -> bool:
     layers = _sparse(model, full=True)
     for m in layers:
         m.indexer.activation = lambda t: t
-    return bool(layers)
+    compressed = _compressed(model, indexed=True)
+    for m in compressed:
+        m.activation = lambda t: t
+    return bool(layers or compressed)
 
 
 def indexer_rope_pairs_swapped(model) -> bool:
@@ -454,7 +516,10 @@ def sinks_dropped(model) -> bool:
     layers = [m for m in _windowed(model) if m.sinks is not None]
     for m in layers:
         m.sinks = None
-    return bool(layers)
+    compressed = _compressed(model)
+    for m in compressed:  # (a sink of -inf weighs nothing)
+        m.sinks = torch.full_like(m.sinks, float("-inf"))
+    return bool(layers or compressed)
 
 
 def head_gate_dropped(model) -> bool:
@@ -492,13 +557,89 @@ def nextn_state_post_norm(model) -> bool:
     return True
 
 
+def _compressed(model, indexed: bool = False):
+    """DeepSeek-V4's attention layers (``indexed``: only those with the lightning indexer)."""
+    from mtpq.runtime.dsv4 import CompressedAttention
+
+    return [m for m in model.modules() if isinstance(m, CompressedAttention) and (not indexed or m.indexer is not None)]
+
+
+def swiglu_clamp_after_silu(model) -> bool:
+    """DeepSeek-V4's SwiGLU clamps applied as the other families' are (silu(gate) clamped, not the gate before it)."""
+    from mtpq.runtime.layers import MoE, SwiGLU
+
+    found = False
+    for m in model.modules():
+        if isinstance(m, SwiGLU) and m.clamp_gate:
+            m.clamp_gate, found = False, True
+        elif isinstance(m, MoE) and m.cfg.clamp_gate:
+            m.cfg, found = replace(m.cfg, clamp_gate=False), True
+    return found
+
+
+def hash_routing_by_score(model) -> bool:
+    """DeepSeek-V4's hash layers routed by score instead of by their token -> experts table."""
+    from mtpq.runtime.dsv4 import HashMoE
+
+    layers = [m for m in model.modules() if isinstance(m, HashMoE) and m.tid2eid is not None]
+    for m in layers:
+        m.tid2eid = None
+    return bool(layers)
+
+
+def streams_unmixed(model) -> bool:
+    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
+    for m in mixes:
+        def pre(x, pre=m.pre):
+            cur, post, comb = pre(x)
+            return cur, post, torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)
+        m.pre = pre
+    return bool(mixes)
+
+
+def sinkhorn_one_pass(model) -> bool:
+    """The hyper-connections' Sinkhorn normalisation stopped after its first pass (columns only)."""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix) and m.cfg.iters > 1]
+    for m in mixes:
+        m.cfg = replace(m.cfg, iters=1)
+    return bool(mixes)
+
+
+def hyper_post_halved(model) -> bool:
+    """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...)."""
+    from mtpq.runtime.dsv4 import HyperMix
+
+    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
+    for m in mixes:
+        def pre(x, pre=m.pre):
+            cur, post, comb = pre(x)
+            return cur, post * 0.5, comb
+        m.pre = pre
+    return bool(mixes)
+
+
+def compressed_keys_dropped(model) -> bool:
+    """DeepSeek-V4's compressed keys left out: every layer attends over its window only."""
+    layers = [m for m in _compressed(model) if m.compressor is not None]
+    for m in layers:
+        keys = m.compressor.keys
+        m.compressor.keys = lambda kv, score, keys=keys: keys(kv, score)[:, :, :0]
+    return bool(layers)
+
+
 BREAKS: dict[str, Callable] = {f.__name__: f for f in (
     wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
     expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
     kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
     indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
     mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms, sinks_dropped,
-    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm)}
+    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm, swiglu_clamp_after_silu,
+    hash_routing_by_score, streams_unmixed, sinkhorn_one_pass, hyper_post_halved, compressed_keys_dropped)}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -526,15 +667,18 @@ BROKEN = {
                "head_gate_dropped", "rope_factors_dropped", "swiglu_clamp_dropped", "nextn_state_post_norm"),
     "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
               "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
+    "deepseek4": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
+                  "window_one_short", "sinks_dropped", "top_k_one_fewer", "indexer_relu_dropped",
+                  "swiglu_clamp_dropped", "swiglu_clamp_after_silu", "hash_routing_by_score", "streams_unmixed",
+                  "sinkhorn_one_pass", "hyper_post_halved",
+                  "compressed_keys_dropped"),
 }
 
 
 @pytest.mark.parametrize("arch, brk", [(a, b) for a in sorted(BROKEN) for b in BROKEN[a]])
 def test_a_broken_runtime_fails_parity(arch, brk, parity):
-    from mtpq.runtime.families import load
-
     path, tokens, ref = parity(arch)
-    model = load(path)
+    model = runtime(path)
     assert BREAKS[brk](model), f"{brk} found nothing to break in {arch}"
     figs = figures(model, tokens, ref)
     print(f"\n{arch:16s} {brk:20s} " + "  ".join(f"{p}: KLD {k:.1e} top-1 {t:.2%}" for p, (k, _, t) in figs.items()))

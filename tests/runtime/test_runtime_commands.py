@@ -4,7 +4,9 @@ LOOP_VARIANT; one prompt, a few tokens): ``accept --engine torch``, ``compare``'
 packed passes against one sequence at a time, accept on the file the sweep stands for, ...).
 
 ARCHS lists the architectures this file covers; the four older families have their own tests of each command.
-For qwen3next and nemotron_h_moe the loop models are "bigram" models made from their release checkpoints.
+For qwen3next and nemotron_h_moe the loop models are "bigram" models made from their release checkpoints; for
+deepseek4 too, its trunk and head files written as one (tests/helpers/runtime.py paired_file), whose FP8 weights the
+converter keeps as Q8_0 (REQUANTIZE: ``--allow-requantize``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 
 from tests.helpers.runcli import run_cli
 
-ARCHS = ("glm-dsa", "deepseek32", "qwen3next", "nemotron_h_moe")
+ARCHS = ("glm-dsa", "deepseek32", "qwen3next", "nemotron_h_moe", "deepseek4")
+REQUANTIZE = {"deepseek4": ("--allow-requantize",)}
 PROMPT = "def add(a, b):\n    return a + b\n"
 N_NEW = 16
 CTX, CHUNKS = 64, 2
@@ -32,12 +35,17 @@ HEAD_MATRICES = {
                   "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
     "nemotron_h_moe": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_latent_down",
                        "ffn_latent_up", "ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp"),
+    # (the hyper-connections' fn multiply the normed streams; the window-only MTP block has no compressor)
+    "deepseek4": ("nextn.eh_proj", "hc_attn_fn", "attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b",
+                  "hc_ffn_fn", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                  "ffn_up_shexp", "ffn_down_shexp"),
 }
-EVERY_PAIR = {"glm-dsa": "attn_q_a", "deepseek32": "attn_q_a", "qwen3next": "attn_q", "nemotron_h_moe": "attn_q"}
+EVERY_PAIR = {"glm-dsa": "attn_q_a", "deepseek32": "attn_q_a", "qwen3next": "attn_q", "nemotron_h_moe": "attn_q",
+              "deepseek4": "attn_q_a"}
 FIRST_EXPERT = {"glm-dsa": "ffn_gate_exps", "deepseek32": "ffn_gate_exps", "qwen3next": "ffn_gate_exps",
-                "nemotron_h_moe": "ffn_up_exps"}
+                "nemotron_h_moe": "ffn_up_exps", "deepseek4": "ffn_gate_exps"}
 TRUNK_TWIN = {"glm-dsa": ("attn_q_b", 0), "deepseek32": ("attn_q_b", 0), "qwen3next": ("attn_q", 3),
-              "nemotron_h_moe": ("attn_q", 2)}
+              "nemotron_h_moe": ("attn_q", 2), "deepseek4": ("attn_q_b", 0)}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
 
     path = rt.loop_gguf(arch)
     q8 = work / f"{arch}-q8.gguf"
-    assert run_cli("quantize", path, q8, "Q8_0", "-q").exit_code == 0
+    assert run_cli("quantize", path, q8, "Q8_0", "-q", *REQUANTIZE.get(arch, ())).exit_code == 0
     res = run_cli("compare", path, q8, "-f", work / "text.txt", "-c", CTX, "--chunks", CHUNKS, "--json", "-",
                   "--threads", 1)
     assert res.exit_code == 0, res.output
@@ -93,11 +101,11 @@ def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
 def test_sweep_cell_is_accept_on_the_file_it_stands_for(arch, rt, work, tmp_path):
     path = rt.loop_gguf(arch)
     res = run_cli("sweep", path, "--mtp", "q4_k", "--trunk", "Q8_0", "--prompts", work / "p.jsonl", "-n", N_NEW,
-                  "--json", tmp_path / "grid.json", "--threads", 1)
+                  "--json", tmp_path / "grid.json", "--threads", 1, *REQUANTIZE.get(arch, ()))
     assert res.exit_code == 0, res.output
     grid = json.loads((tmp_path / "grid.json").read_text())
     full = tmp_path / "q8-q4k.gguf"
-    assert run_cli("quantize", path, full, "Q8_0", "--mtp-type", "q4_k", "-q").exit_code == 0
+    assert run_cli("quantize", path, full, "Q8_0", "--mtp-type", "q4_k", "-q", *REQUANTIZE.get(arch, ())).exit_code == 0
     assert grid["acceptance"][0][0] == pytest.approx(_accept(full, work, "-k", 1)["acceptance_rate"], abs=1e-6)
 
 
@@ -107,7 +115,7 @@ def test_quantize_mtp_type_auto_writes_the_chosen_head(arch, rt, work, tmp_path)
 
     out = tmp_path / "auto.gguf"
     res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", "--mtp-type", "auto", "--max-drop", 1.0,
-                  "--prompts", work / "p.jsonl")
+                  "--prompts", work / "p.jsonl", *REQUANTIZE.get(arch, ()))
     assert res.exit_code == 0, res.output
     g = GGUFFile(out)
     choice = json.loads(g.kv["mtpq.mtp_type_auto"])

@@ -1,5 +1,5 @@
 """What every runtime family (glm4moe, qwen35, qwen35moe, deepseek2, glm-dsa, deepseek32, hy_v3, cohere2moe,
-bailingmoe3, qwen3next, nemotron_h_moe, step35, mimo2) must do, against independent truth.
+bailingmoe3, qwen3next, nemotron_h_moe, step35, mimo2, deepseek4) must do, against independent truth.
 
 - trunk logits == transformers' causal LM of the family (f32 GGUFs from ``mtpq convert``), for the whole
   prompt and through the caches (a prefill, a chunk on top of it, then token by token); where transformers does
@@ -21,6 +21,9 @@ qwen3next and nemotron_h_moe run on their release-shaped checkpoints; transforme
 heads, whose truth is llama.cpp's MTP graph: their heads take the cached == uncached check (NO_HEAD_ORACLE).
 transformers runs neither Step-3.5 nor MiMo-V2 (remote code): NO_TRANSFORMERS too, on tiny fixtures whose sliding
 window (16) the contexts below cross; their several heads draft chained (every head checked through its cache).
+Nor DeepSeek-V4: NO_TRANSFORMERS, on its release-shaped fixture with a window of 16 and an indexer top-k of 2 (150
+tokens also cross an HCA block of 128); its head lives in a file of its own, and the fixture is the trunk and head
+pair written as one file (tests/helpers/runtime.py paired_file: what PairedGGUF shows the runtime).
 
 What only one family has (its layouts, RoPE variants, DeltaNet, tokenizers, sampling...) stays in
 test_runtime_<family>.py.
@@ -37,21 +40,21 @@ from tests.helpers.runtime import (LOOP_VARIANT, PROMPTS, REL_TOL, close, conver
 from tests.helpers.runcli import run_cli
 
 FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
-            "qwen3next", "nemotron_h_moe", "step35", "mimo2")
+            "qwen3next", "nemotron_h_moe", "step35", "mimo2", "deepseek4")
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
-NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2")
+NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2", "deepseek4")
 HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 NO_HEAD_ORACLE = ("qwen3next", "nemotron_h_moe")  # transformers runs their trunks only
 TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
                   "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
                   "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
                   "deepseek32": ("v32",), "qwen3next": ("release",), "nemotron_h_moe": ("release",),
-                  "step35": ("tiny",), "mimo2": ("tiny", "flash")}
+                  "step35": ("tiny",), "mimo2": ("tiny", "flash"), "deepseek4": ("release",)}
 TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
                  "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40), "bailingmoe3": (1, 9, 40),
                  "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40), "qwen3next": (1, 9, 40, 150),
-                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40)}
+                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40), "deepseek4": (1, 9, 40, 150)}
 # qwen35, qwen3next, bailingmoe3: the token-by-token form, one chunk, several; nemotron_h_moe: Mamba-2 token by
 # token, then chunks of 64; cohere2moe, step35, mimo2: past their window (16)
 # (variant, whether the head shares the trunk's token_embd and output)
@@ -59,7 +62,8 @@ HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("
                  "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
 DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
            "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32",
-           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny"}
+           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny",
+           "deepseek4": "release"}
 
 
 def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
@@ -310,6 +314,11 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
                 (mla.wq.weight, K_TYPES), (mla.k_b, None), (m.blocks[1].ffn.gate, K_TYPES),
                 (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)),
                 (head.block.ffn.gate, (T.Q8_0,))]
+    if family == "deepseek4":  # compressed attention and experts requantized, the head's block at q8_0
+        a, ha = m.blocks[2].attn, head.block.attn
+        return [(a.wq_a.weight, K_TYPES), (a.wkv.weight, K_TYPES), (a.wo_a, None), (a.idx_q.weight, None),
+                (m.blocks[2].ffn.gate, None), (head.eh_proj.weight, (T.Q8_0,)), (ha.wq_b.weight, (T.Q8_0,)),
+                (head.block.ffn.down, (T.Q8_0,))]
     if family in ("step35", "mimo2"):  # windowed attention and experts in 4-6 bits, every head's block at q8_0
         attn = m.blocks[1].attn
         qkv = attn.qkv.weight if hasattr(attn.qkv, "weight") else attn.qkv.parts[0].weight
@@ -329,7 +338,9 @@ def quantized_gguf(family: str, recipe: str, rt, work):
         return convert(rt.ckpt(family, DEFAULT[family]), out, "q8_0"), T.Q8_0
     if recipe == "q4_k":  # every matrix requantized
         return requantized(rt.gguf(family, DEFAULT[family]), out, T.Q4_K), T.Q4_K
-    res = run_cli("quantize", rt.gguf(family, DEFAULT[family]), out, recipe, "-q")
+    # (DeepSeek-V4's converted files keep its FP8 weights as Q8_0)
+    res = run_cli("quantize", rt.gguf(family, DEFAULT[family]), out, recipe, "-q",
+                  *(["--allow-requantize"] if family == "deepseek4" else []))
     assert res.exit_code == 0, res.output
     return out, None
 
@@ -337,7 +348,7 @@ def quantized_gguf(family: str, recipe: str, rt, work):
 QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
                ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("hy_v3", "Q4_K_M"),
                ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M"),
-               ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M")]
+               ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M"), ("deepseek4", "Q4_K_M")]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])

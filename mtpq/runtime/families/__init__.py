@@ -20,6 +20,7 @@ from .deepseek2 import Deepseek2
 from .bailingmoe3 import BailingMoe3
 from .cohere2moe import Cohere2Moe
 from .deepseek32 import Deepseek32
+from .deepseek4 import Deepseek4
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
 from .hy_v3 import HyV3
@@ -33,7 +34,7 @@ from .step35 import Step35
 RUNTIME_FAMILIES: dict[str, type[RuntimeFamily]] = {
     arch: fam
     for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3, Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe,
-                Step35, Mimo2)
+                Step35, Mimo2, Deepseek4)
     for arch in fam.archs
 }
 
@@ -61,5 +62,10 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
         # the flash and memory-efficient kernels launch in microseconds
         torch.backends.cuda.enable_cudnn_sdp(False)
     g = g or GGUFFile(Path(path))
+    from ...gguf_io.check import is_head_file
+
+    if is_head_file(g) and not any(n.startswith("blk.0.") for n in g.tensors):
+        raise InputError(g.path, "is a head file (the MTP block without the trunk): give the trunk file, and this "
+                                 "one with --head")
     return MtpModel(g, runtime_family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
                     llama_cpp_numerics=llama_cpp_numerics).eval()
