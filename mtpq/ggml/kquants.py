@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, GROUP_MAX_EPS, QK_K, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import F, GROUP_MAX_EPS, QK_K, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
 
 _MAGIC = F(12582912.0)
 QX_TMP = 64  # the float32 scratch make_qx_quants takes
+_FLOAT_LEVELS = F(4194304.0)  # 2**22: below it, _level is nearest_int
 
 
 @kernel
@@ -139,39 +140,10 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min). The two C functions run
-    the same loop; qkx3 adds an early return for ``nstep < 1`` and tests ``max <= min`` where qkx2 tests
-    ``max == min``, the same on finite values."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if mn > 0:
-        mn = F(0.0)
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_mad = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_mad += weights[i] * diff
-    if nstep < 1:
-        return scale, -mn
-    for step in range(nstep + 1):
+def _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale,
+               best_mad):
+    """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
+    for step in range(first, nstep + 1):
         iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
         sum_l = F(0.0)
         sum_l2 = F(0.0)
@@ -201,6 +173,121 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
                 best_mad = mad
                 scale = this_scale
                 mn = this_min
+    return scale, mn
+
+
+QKX_LANES = 8  # make_qkx_quants' steps run side by side (one AVX2 register of float32)
+QKX_TMP = 8 * QKX_LANES  # the float32 scratch it takes
+
+
+@kernel
+def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, tmp):
+    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min); ``tmp``: float32 scratch
+    of QKX_TMP. The two C functions run the same loop; qkx3 adds an early return for ``nstep < 1`` and tests
+    ``max <= min`` where qkx2 tests ``max == min``, the same on finite values.
+
+    C's steps run one after the other, each bound by its chains of float additions, and each depends on the
+    steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
+    side by side (one lane each, every sum in C's order) on the current ``min``; the choices are made in C's
+    order up to the first that moves ``min``, and the next group starts after it (a Q4_K search moves it ~2.7
+    times in its 21 steps: groups of 8 measured fastest, all the steps left at once slower than C's order).
+    The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a group is below 2**22 (its
+    bound is that of x's two ends), else the rest go step by step as C (:func:`_qkx_steps`)."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    xmin = mn
+    if mn > 0:
+        mn = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0), -mn
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    best_mad = F(0.0)
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    hi = F(nmax)
+    first = 0
+    while first <= nstep:
+        k = min(nstep + 1 - first, QKX_LANES)
+        isc = tmp[0:k]
+        s_l = tmp[QKX_LANES:QKX_LANES + k]
+        s_l2 = tmp[2 * QKX_LANES:2 * QKX_LANES + k]
+        s_xl = tmp[3 * QKX_LANES:3 * QKX_LANES + k]
+        t_scale = tmp[4 * QKX_LANES:4 * QKX_LANES + k]
+        t_min = tmp[5 * QKX_LANES:5 * QKX_LANES + k]
+        t_d = tmp[6 * QKX_LANES:6 * QKX_LANES + k]
+        mads = tmp[7 * QKX_LANES:7 * QKX_LANES + k]
+        exact = True
+        for j in range(k):
+            isc[j] = (rmin + rdelta * F(first + j) + F(nmax)) / (mx - mn)
+            if not (max(abs(isc[j] * (xmin - mn)), abs(isc[j] * (mx - mn))) < _FLOAT_LEVELS):
+                exact = False
+            s_l[j] = F(0.0)
+            s_l2[j] = F(0.0)
+            s_xl[j] = F(0.0)
+            mads[j] = F(0.0)
+        if not exact:
+            scale, mn = _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w,
+                                   sum_x, scale, best_mad)
+            break
+        for i in range(n):
+            xi = x[i]
+            d = xi - mn
+            w = weights[i]
+            for j in range(k):
+                fl = _level(isc[j] * d, F(0.0), hi)
+                wl = w * fl
+                s_l[j] += wl
+                s_l2[j] += wl * fl
+                s_xl[j] += wl * xi
+        for j in range(k):
+            D = sum_w * s_l2[j] - s_l[j] * s_l[j]
+            this_scale = (sum_w * s_xl[j] - sum_x * s_l[j]) / D
+            this_min = (s_l2[j] * sum_x - s_l[j] * s_xl[j]) / D
+            if this_min > 0:
+                this_min = F(0.0)
+                this_scale = s_xl[j] / s_l2[j]
+            t_d[j] = D
+            t_scale[j] = this_scale
+            t_min[j] = this_min
+        for i in range(n):
+            xi = x[i]
+            d = xi - mn
+            w = weights[i]
+            for j in range(k):
+                diff = t_scale[j] * _level(isc[j] * d, F(0.0), hi) + t_min[j] - xi
+                diff = abs(diff) if use_mad else diff * diff
+                mads[j] += w * diff
+        nxt = first + k
+        for j in range(k):
+            if t_d[j] > 0 and mads[j] < best_mad:
+                for i in range(n):
+                    L[i] = np.int64(_level(isc[j] * (x[i] - mn), F(0.0), hi))
+                best_mad = mads[j]
+                scale = t_scale[j]
+                moved = f32_bits(t_min[j]) != f32_bits(mn)  # bits: C's min = this_min may be 0.0 for -0.0
+                mn = t_min[j]
+                if moved:
+                    nxt = first + j + 1
+                    break
+        first = nxt
     return scale, -mn
 
 
@@ -316,6 +403,7 @@ def quantize_q2_k(x, y, n_per_row):
     weights = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, 84 * i
         max_scale = F(0.0)
@@ -324,7 +412,7 @@ def quantize_q2_k(x, y, n_per_row):
             for l in range(16):
                 weights[l] = abs(x[xo + 16 * j + l])
             scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.5), F(0.1), 15, True)
+                                                  F(-0.5), F(0.1), 15, True, tmp)
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -358,6 +446,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
     sw = np.empty(16, np.float32)
     Ls = np.empty(16, np.int64)
     Lm = np.empty(16, np.int64)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
         sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
@@ -368,7 +457,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
             for l in range(16):
                 sw[j] += weights[l]
             scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False)
+                                                  F(-0.9), F(0.05), 36, False, tmp)
         dm = make_qp_quants(16, 15, scales, Ls, sw)
         mm = make_qp_quants(16, 15, mins, Lm, sw)
         put_fp16(y, o + 80, dm)
@@ -531,6 +620,7 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
     weights = np.empty(32, np.float32)
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, ts * i
         max_scale = F(0.0)
@@ -540,7 +630,7 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
             for l in range(32):
                 weights[l] = av_x + abs(x[xo + 32 * j + l])
             scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  rmin, F(0.1), nstep, False)
+                                                  rmin, F(0.1), nstep, False, tmp)
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -566,13 +656,14 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
     sw = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, ts * i, (QK_K * i) % n
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(8):
             sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
             scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False)
+                                                  F(-0.9), F(0.05), 36, False, tmp)
         d_block = make_qp_quants(8, 63, scales, Ls, sw)
         m_block = make_qp_quants(8, 63, mins, Lm, sw)
         for j in range(8):
