@@ -56,7 +56,8 @@ def main() -> None:
     def run(c: Path, t: str) -> None:
         subprocess.run([sys.executable, "-m", "mtpq", "quantize", str(mini), str(out), t, "-q",
                         *([] if args.no_imatrix else ["--imatrix", str(im)])],
-                       check=True, env={**base_env, "PYTHONPATH": str(c), **caches[c]}, capture_output=True)
+                       check=True, env={**base_env, "PYTHONPATH": str(c), **caches[c]}, capture_output=True,
+                       cwd=c)  # `python -m` puts the working folder first on sys.path, before PYTHONPATH
 
     for r in runs:
         run(*r)  # warm: compiled once, or loaded from numba's cache
