@@ -269,7 +269,7 @@ def _same_tensors(a: Path, b: Path) -> bool:
 
 
 def whole_file(args) -> None:
-    work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
+    work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         big, mini, im_file = build_glm_gguf(work)

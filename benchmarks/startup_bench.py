@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--checkout", type=Path, action="append",
                     help="an mtpq checkout to time (its folder as PYTHONPATH), repeatable; default: this one")
     args = ap.parse_args()
+    args.keep = args.keep.resolve()  # the commands run in each checkout's folder
     args.keep.mkdir(parents=True, exist_ok=True)
     _, mini, im = build_glm_gguf(args.keep)
     checkouts = [c.resolve() for c in args.checkout or [Path(__file__).resolve().parents[1]]]
