@@ -17,6 +17,7 @@ for _k in _set_here:
 if _set_here:
     os.environ["MTPQ_SET_ENV"] = ",".join(_set_here)
 
+import gc  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -50,8 +51,15 @@ def _command_in(args: list[str]) -> str | None:
 
 
 def main() -> None:
-    """The ``mtpq`` entry point: registers the command asked for (all for --help or a mistyped one) and runs it."""
-    register(_command_in(sys.argv[1:]))()
+    """The ``mtpq`` entry point: registers the command asked for (all for --help or a mistyped one) and runs it.
+
+    When it returns (or exits), every object left is frozen out of the garbage collector: the interpreter's
+    last collections would otherwise walk numba's, typer's and gguf-py's millions of objects, ~0.14 s of every
+    short command (benchmarks/startup_bench.py; docs/performance.md), for memory the process hands back anyway."""
+    try:
+        register(_command_in(sys.argv[1:]))()
+    finally:
+        gc.freeze()
 
 
 def __getattr__(name: str):
