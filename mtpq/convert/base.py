@@ -30,7 +30,7 @@ from gguf import GGUFWriter, LlamaFileType
 
 from ..errors import InputError
 from ..gguf_io import size_label
-from ..tensors import Plan, TensorSpec, block_index, classify
+from ..tensors import MTP_ONLY_KEEP, Plan, TensorSpec, block_index, classify, mtp_only_keep  # noqa: F401
 from . import stream, validate
 from .checkpoint import HFCheckpoint
 from .validate import Expected
@@ -47,7 +47,6 @@ FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16,
     T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
-MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
 # llama.cpp's llama_expert_gating_func_type, as its converter writes scoring_func (sqrtsoftplus: newer than gguf 0.19)
 EXPERT_GATING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
@@ -152,8 +151,6 @@ class Family:
     # True where llama.cpp's converter reads config.json as stored, without transformers' derived keys (the
     # transformers it pins does not know the model type): the family then reads exactly that too
     stored_config: ClassVar[bool] = False
-    # the top-level tensors a head-only (--mtp-only) file keeps beside the MTP blocks
-    mtp_only_keep: ClassVar[tuple[str, ...]] = MTP_ONLY_KEEP
 
     n_blocks: int  # set by plan(): the blocks it writes (trunk, + MTP unless --no-mtp); per-layer metadata covers them
 
@@ -451,7 +448,7 @@ class Family:
             is_mtp = bid is not None and bid >= self.n_trunk
             if is_mtp and not keep_mtp:
                 continue
-            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in self.mtp_only_keep:
+            if mtp is BlockSelection.ONLY and not is_mtp and e.name not in mtp_only_keep(self.arch):
                 continue
             if e.name in seen:
                 raise InputError(self.ckpt.folder, f"two source tensors map to {e.name}")
@@ -483,11 +480,6 @@ class Family:
 
         return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
                     n_mtp_layers=self.n_mtp if keep_mtp else 0)
-
-
-def mtp_only_keep(arch: str) -> tuple[str, ...]:
-    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps (its family's declaration)."""
-    return next((f.mtp_only_keep for f in FAMILIES.values() if f.arch == arch), MTP_ONLY_KEEP)
 
 
 def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> Emit:

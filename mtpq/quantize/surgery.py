@@ -20,10 +20,9 @@ import gguf
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, Keys
 
-from ..convert.base import mtp_only_keep
 from ..errors import InputError
 from ..gguf_io import refresh_size_label
-from ..tensors import Plan, TensorSpec, block_index
+from ..tensors import Plan, TensorSpec, block_index, mtp_only_keep
 from .mtp_precision import KEEP, MtpPrecisionKind, MtpPrecision, parse_mtp
 from .presets import llama_quantizes, row_fallback
 

@@ -45,9 +45,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ...errors import InputError
+from ...tensors import mtp_only_keep
 from .. import validate as V
 from ..base import (
-    MTP_ONLY_KEEP, BlockSelection, Emit, Family, add_hparams, check_unused, layer_of, mxfp4_stack, register,
+    BlockSelection, Emit, Family, add_hparams, check_unused, layer_of, mxfp4_stack, register,
 )
 from ..checkpoint import _fp8_scaled
 from ..validate import Expected
@@ -78,7 +79,8 @@ _NEXTN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.wei
           "norm.weight": "nextn.shared_head_norm.weight"}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _EXPS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
-_OUTPUT_HC = tuple(_HC_HEAD.values())
+# a head-only file keeps the head's own output hyper-connection (tensors.mtp_only_keep)
+assert mtp_only_keep("deepseek4")[-3:] == tuple(_HC_HEAD.values())
 
 # metadata keys gguf 0.19's GGUFWriter has no helper for
 _KEYS = {
@@ -107,7 +109,6 @@ class DeepseekV4(Family):
     arch = "deepseek4"
     required_hparams = Family.required_hparams + _REQUIRED
     f32_kinds = Family.f32_kinds + ("indexer.proj",)  # llama.cpp's converter keeps DSA indexer weights F32
-    mtp_only_keep = MTP_ONLY_KEEP + _OUTPUT_HC  # the head's own output hyper-connection
 
     def __init__(self, ckpt):
         super().__init__(ckpt)
