@@ -251,9 +251,10 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
 
 
 def _timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the child and its threads / workers)."""
+    """(wall seconds, CPU seconds of the child and its threads / workers). Run in this checkout's folder:
+    ``python -m mtpq`` imports the working folder's mtpq before PYTHONPATH's."""
     t0, c0 = time.perf_counter(), _cpu_seconds()
-    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=Path(__file__).resolve().parents[1])
     return time.perf_counter() - t0, _cpu_seconds() - c0
 
 
@@ -268,7 +269,7 @@ def _same_tensors(a: Path, b: Path) -> bool:
 
 
 def whole_file(args) -> None:
-    work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
+    work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         big, mini, im_file = build_glm_gguf(work)

@@ -36,21 +36,6 @@ class Role(str, Enum):
     OTHER = "other"
 
 
-# The top-level tensors a head-only file (convert --mtp-only, extract-mtp) keeps beside the MTP blocks: what
-# llama.cpp's MTP graph reads outside them. Architectures whose head reads more list it here.
-MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
-MTP_ONLY_KEEP_BY_ARCH: dict[str, tuple[str, ...]] = {
-    "step35": MTP_ONLY_KEEP + ("rope_freqs.weight",),
-    # DeepSeek-V4's head ends in its own output hyper-connection
-    "deepseek4": MTP_ONLY_KEEP + ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"),
-}
-
-
-def mtp_only_keep(arch: str) -> tuple[str, ...]:
-    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps."""
-    return MTP_ONLY_KEEP_BY_ARCH.get(arch, MTP_ONLY_KEEP)
-
-
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -64,6 +49,21 @@ def tensor_kind(name: str) -> str:
     """The name without block prefix and ``.weight``: ``blk.3.ffn_down_exps.weight`` -> ``ffn_down_exps``."""
     kind = _BLOCK.sub("", name)
     return kind[: -len(".weight")] if kind.endswith(".weight") else kind
+
+
+# The top-level tensors a head-only file (``convert --mtp-only``, ``extract-mtp``) keeps beside the MTP blocks, as
+# llama.cpp's converter writes it with --mtp: what llama.cpp's MTP graph reads outside the blocks, by GGUF arch.
+# Plain data (no torch): graft and extract-mtp read it without importing the converter's families.
+MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
+_MTP_ONLY_EXTRA = {
+    "step35": ("rope_freqs.weight",),  # per-layer RoPE frequencies, the head's layer among them
+    "deepseek4": ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"),  # the head's own
+}                                                                                              # output hyper-connection
+
+
+def mtp_only_keep(arch: str) -> tuple[str, ...]:
+    """The top-level tensors a head-only file of GGUF arch ``arch`` keeps."""
+    return MTP_ONLY_KEEP + _MTP_ONLY_EXTRA.get(arch, ())
 
 
 def classify(name: str, shape: tuple[int, ...], n_trunk_layers: int) -> Role:

@@ -17,20 +17,58 @@ for _k in _set_here:
 if _set_here:
     os.environ["MTPQ_SET_ENV"] = ",".join(_set_here)
 
-from .app import app, main  # noqa: E402
+import gc  # noqa: E402
+import importlib  # noqa: E402
+import sys  # noqa: E402
 
-# Command modules register themselves on `app` (cli/app.py, which imports none of them) when imported here;
-# --help lists them in this order.
-from . import convert as _convert  # noqa: E402,F401
-from . import quantize as _quantize  # noqa: E402,F401
-from . import inspect as _inspect  # noqa: E402,F401
-from . import surgery as _surgery  # noqa: E402,F401
-from . import accept as _accept  # noqa: E402,F401
-from . import compare as _compare  # noqa: E402,F401
-from . import sweep as _sweep  # noqa: E402,F401
-from . import build as _build  # noqa: E402,F401
-from . import publish as _publish  # noqa: E402,F401
-from . import demo as _demo  # noqa: E402,F401
-from . import imatrix as _imatrix  # noqa: E402,F401
+from . import app as _app  # noqa: E402
 
-__all__ = ["app", "main"]
+# The modules that register the commands on `app` (cli/app.py, which imports none of them), in --help's order,
+# with the commands each registers. `mtpq CMD ...` imports only CMD's module: the others' imports (and their
+# typer signatures, which typer resolves for every registered command) add ~0.13 s to every command's start-up
+# (issue 37: quantize under 0.6 s; docs/performance.md).
+_MODULES = {
+    "convert": ("convert",), "quantize": ("quantize",), "inspect": ("inspect",), "surgery": ("graft", "extract-mtp"),
+    "accept": ("accept",), "compare": ("compare",), "sweep": ("sweep",), "build": ("build",),
+    "publish": ("publish",), "demo": ("demo",), "imatrix": ("imatrix",),
+}
+_COMMANDS = {c: m for m, cs in _MODULES.items() for c in cs}
+
+
+def register(command: str | None = None):
+    """Register ``command``'s module on the app, or (None, or a name that is no command) every module; returns
+    the Typer app."""
+    modules = [_COMMANDS[command]] if command in _COMMANDS else list(_MODULES)
+    for m in modules:
+        importlib.import_module(f"{__name__}.{m}")
+    return _app.app
+
+
+def _command_in(args: list[str]) -> str | None:
+    """The command word of a command line: the first argument that is not an option (the app's own options
+    take no values)."""
+    return next((a for a in args if not a.startswith("-")), None)
+
+
+def main() -> None:
+    """The ``mtpq`` entry point: registers the command asked for (all for --help or a mistyped one) and runs it.
+
+    When it returns (or exits), every object left is frozen out of the garbage collector: the interpreter's
+    last collections would otherwise walk numba's, typer's and gguf-py's millions of objects, ~0.14 s of every
+    short command (benchmarks/startup_bench.py; docs/performance.md), for memory the process hands back anyway."""
+    try:
+        register(_command_in(sys.argv[1:]))()
+    finally:
+        gc.freeze()
+
+
+def __getattr__(name: str):
+    """``mtpq.cli.app``: the Typer app with every command registered (what the tests and --help see)."""
+    if name == "app":
+        return register()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+del app  # the submodule's name on this package: `app` is the Typer app (module __getattr__ above)
+
+__all__ = ["app", "main", "register"]

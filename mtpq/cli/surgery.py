@@ -62,7 +62,7 @@ def graft(
     match; fixes block_count and nextn_predict_layers. The target's tensors
     and metadata are copied byte for byte.
     """
-    from ..quantize.surgery import GRAFT_KINDS, plan_graft  # imports the converter's keep-lists (and torch)
+    from ..quantize.surgery import GRAFT_KINDS, plan_graft
 
     precision = parse_mtp(mtp_type, "--mtp-type", allow=GRAFT_KINDS)  # before any file is read
     split = split_rule(split_max_size, split_max_tensors)

@@ -11,14 +11,37 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, GROUP_MAX_EPS, QK_K, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import F, GROUP_MAX_EPS, QK_K, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
 
+_MAGIC = F(12582912.0)
+QX_TMP = 64  # the float32 scratch make_qx_quants takes
+_FLOAT_LEVELS = F(4194304.0)  # 2**22: below it, _level is nearest_int
+
+
 @kernel
-def make_qx_quants(n, nmax, x, L, rmse_type, qw):
-    """``make_qx_quants`` (rmse_type 1 or 0; ``qw`` empty for NULL: weights x*x)."""
+def _level(v, lo, hi):
+    """``MAX(lo, MIN(hi, nearest_int(v)))`` as a float32, for |v| < 2**22: ``(v + 12582912.f) - 12582912.f`` is
+    the integer whose bits nearest_int reads out of the same sum, and the clamp of an integer-valued float is
+    exact. Float operations throughout (no int round trip): fewer instructions, as the hot loops need."""
+    r = (v + _MAGIC) - _MAGIC
+    return max(lo, min(hi, r))
+
+
+@kernel
+def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
+    """``make_qx_quants`` (rmse_type 1 or 0; ``qw`` empty for NULL: weights x*x); ``tmp``: float32 scratch of
+    QX_TMP.
+
+    C tries 19 scales one after the other, each a pass over x summing two chains of float additions: the
+    additions' latency bounds it. The passes do not depend on each other (only the choice between them does),
+    so here one pass over x runs the 19 side by side -- each scale's sums still taken in C's order, one lane
+    each -- and the choices are then made in C's order; the levels written are those of the last scale chosen,
+    as C leaves them. Every ``iscale * x[i]`` is within nmax + 1 of 0 (``max`` is the largest |x|), so the
+    levels come from :func:`_level`. Bytes as C's (tests/ggml's goldens); ~2.5x the speed of the pass-by-pass
+    loop (docs/performance.md)."""
     mx = F(0.0)
     amax = F(0.0)
     for i in range(n):
@@ -30,38 +53,43 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw):
         for i in range(n):
             L[i] = 0
         return F(0.0)
-    iscale = F(-nmax) / mx
+    lo = F(-nmax)
+    hi = F(nmax - 1)
     if rmse_type == 0:
+        iscale = F(-nmax) / mx
         for i in range(n):
-            L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+            L[i] = nmax + np.int64(_level(iscale * x[i], lo, hi))
         return F(1.0) / iscale
+    iscales = tmp[0:19]  # C's first scale, then is = -9..-1, 1..9
+    sumlx = tmp[20:39]
+    suml2 = tmp[40:59]
+    iscales[0] = F(-nmax) / mx
+    for k in range(18):
+        step = k - 9 if k < 9 else k - 8
+        iscales[k + 1] = -(F(nmax) + F(0.1) * F(step)) / mx
+    for s in range(19):
+        sumlx[s] = F(0.0)
+        suml2[s] = F(0.0)
     weighted = qw.size > 0
-    sumlx = F(0.0)
-    suml2 = F(0.0)
     for i in range(n):
-        l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
-        L[i] = l + nmax
-        w = qw[i] if weighted else x[i] * x[i]
-        sumlx += w * x[i] * F(l)
-        suml2 += w * F(l) * F(l)
-    scale = sumlx / suml2 if suml2 != 0 else F(0.0)
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        iscale = -(F(nmax) + F(0.1) * F(step)) / mx
-        sumlx = F(0.0)
-        suml2 = F(0.0)
-        for i in range(n):
-            l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
-            w = qw[i] if weighted else x[i] * x[i]
-            sumlx += w * x[i] * F(l)
-            suml2 += w * F(l) * F(l)
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
-            scale = sumlx / suml2
-            best = scale * sumlx
+        xi = x[i]
+        w = qw[i] if weighted else xi * xi
+        wx = w * xi  # C's w*x[i]*l is (w*x[i])*l
+        for s in range(19):
+            fl = _level(iscales[s] * xi, lo, hi)
+            sumlx[s] += wx * fl
+            suml2[s] += w * fl * fl
+    scale = sumlx[0] / suml2[0] if suml2[0] != 0 else F(0.0)
+    best = scale * sumlx[0]
+    chosen = 0
+    for s in range(1, 19):
+        if suml2[s] > 0 and sumlx[s] * sumlx[s] > best * suml2[s]:
+            scale = sumlx[s] / suml2[s]
+            best = scale * sumlx[s]
+            chosen = s
+    iscale = iscales[chosen]
+    for i in range(n):
+        L[i] = nmax + np.int64(_level(iscale * x[i], lo, hi))
     return scale
 
 
@@ -112,39 +140,10 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min). The two C functions run
-    the same loop; qkx3 adds an early return for ``nstep < 1`` and tests ``max <= min`` where qkx2 tests
-    ``max == min``, the same on finite values."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if mn > 0:
-        mn = F(0.0)
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_mad = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_mad += weights[i] * diff
-    if nstep < 1:
-        return scale, -mn
-    for step in range(nstep + 1):
+def _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale,
+               best_mad):
+    """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
+    for step in range(first, nstep + 1):
         iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
         sum_l = F(0.0)
         sum_l2 = F(0.0)
@@ -174,6 +173,121 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
                 best_mad = mad
                 scale = this_scale
                 mn = this_min
+    return scale, mn
+
+
+QKX_LANES = 8  # make_qkx_quants' steps run side by side (one AVX2 register of float32)
+QKX_TMP = 8 * QKX_LANES  # the float32 scratch it takes
+
+
+@kernel
+def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, tmp):
+    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min); ``tmp``: float32 scratch
+    of QKX_TMP. The two C functions run the same loop; qkx3 adds an early return for ``nstep < 1`` and tests
+    ``max <= min`` where qkx2 tests ``max == min``, the same on finite values.
+
+    C's steps run one after the other, each bound by its chains of float additions, and each depends on the
+    steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
+    side by side (one lane each, every sum in C's order) on the current ``min``; the choices are made in C's
+    order up to the first that moves ``min``, and the next group starts after it (a Q4_K search moves it ~2.7
+    times in its 21 steps: groups of 8 measured fastest, all the steps left at once slower than C's order).
+    The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a group is below 2**22 (its
+    bound is that of x's two ends), else the rest go step by step as C (:func:`_qkx_steps`)."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    xmin = mn
+    if mn > 0:
+        mn = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0), -mn
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    best_mad = F(0.0)
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    hi = F(nmax)
+    first = 0
+    while first <= nstep:
+        k = min(nstep + 1 - first, QKX_LANES)
+        isc = tmp[0:k]
+        s_l = tmp[QKX_LANES:QKX_LANES + k]
+        s_l2 = tmp[2 * QKX_LANES:2 * QKX_LANES + k]
+        s_xl = tmp[3 * QKX_LANES:3 * QKX_LANES + k]
+        t_scale = tmp[4 * QKX_LANES:4 * QKX_LANES + k]
+        t_min = tmp[5 * QKX_LANES:5 * QKX_LANES + k]
+        t_d = tmp[6 * QKX_LANES:6 * QKX_LANES + k]
+        mads = tmp[7 * QKX_LANES:7 * QKX_LANES + k]
+        exact = True
+        for j in range(k):
+            isc[j] = (rmin + rdelta * F(first + j) + F(nmax)) / (mx - mn)
+            if not (max(abs(isc[j] * (xmin - mn)), abs(isc[j] * (mx - mn))) < _FLOAT_LEVELS):
+                exact = False
+            s_l[j] = F(0.0)
+            s_l2[j] = F(0.0)
+            s_xl[j] = F(0.0)
+            mads[j] = F(0.0)
+        if not exact:
+            scale, mn = _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w,
+                                   sum_x, scale, best_mad)
+            break
+        for i in range(n):
+            xi = x[i]
+            d = xi - mn
+            w = weights[i]
+            for j in range(k):
+                fl = _level(isc[j] * d, F(0.0), hi)
+                wl = w * fl
+                s_l[j] += wl
+                s_l2[j] += wl * fl
+                s_xl[j] += wl * xi
+        for j in range(k):
+            D = sum_w * s_l2[j] - s_l[j] * s_l[j]
+            this_scale = (sum_w * s_xl[j] - sum_x * s_l[j]) / D
+            this_min = (s_l2[j] * sum_x - s_l[j] * s_xl[j]) / D
+            if this_min > 0:
+                this_min = F(0.0)
+                this_scale = s_xl[j] / s_l2[j]
+            t_d[j] = D
+            t_scale[j] = this_scale
+            t_min[j] = this_min
+        for i in range(n):
+            xi = x[i]
+            d = xi - mn
+            w = weights[i]
+            for j in range(k):
+                diff = t_scale[j] * _level(isc[j] * d, F(0.0), hi) + t_min[j] - xi
+                diff = abs(diff) if use_mad else diff * diff
+                mads[j] += w * diff
+        nxt = first + k
+        for j in range(k):
+            if t_d[j] > 0 and mads[j] < best_mad:
+                for i in range(n):
+                    L[i] = np.int64(_level(isc[j] * (x[i] - mn), F(0.0), hi))
+                best_mad = mads[j]
+                scale = t_scale[j]
+                moved = f32_bits(t_min[j]) != f32_bits(mn)  # bits: C's min = this_min may be 0.0 for -0.0
+                mn = t_min[j]
+                if moved:
+                    nxt = first + j + 1
+                    break
+        first = nxt
     return scale, -mn
 
 
@@ -289,6 +403,7 @@ def quantize_q2_k(x, y, n_per_row):
     weights = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, 84 * i
         max_scale = F(0.0)
@@ -297,7 +412,7 @@ def quantize_q2_k(x, y, n_per_row):
             for l in range(16):
                 weights[l] = abs(x[xo + 16 * j + l])
             scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.5), F(0.1), 15, True)
+                                                  F(-0.5), F(0.1), 15, True, tmp)
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -331,6 +446,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
     sw = np.empty(16, np.float32)
     Ls = np.empty(16, np.int64)
     Lm = np.empty(16, np.int64)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
         sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
@@ -341,7 +457,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
             for l in range(16):
                 sw[j] += weights[l]
             scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False)
+                                                  F(-0.9), F(0.05), 36, False, tmp)
         dm = make_qp_quants(16, 15, scales, Ls, sw)
         mm = make_qp_quants(16, 15, mins, Lm, sw)
         put_fp16(y, o + 80, dm)
@@ -423,15 +539,16 @@ def quantize_q3_k_weighted(x, y, n, qw):
     weights = np.empty(16, np.float32)
     sw = np.empty(16, np.float32)
     Ls = np.empty(16, np.int64)
+    tmp = np.empty(QX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 110 * i, (QK_K * i) % n
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(16):
             sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
-            scales[j] = make_qx_quants(16, 4, x[xo + 16 * j:], L[16 * j:], 1, weights)
+            scales[j] = make_qx_quants(16, 4, x[xo + 16 * j:], L[16 * j:], 1, weights, tmp)
         for j in range(12):
             y[o + 96 + j] = 0
-        d_block = make_qx_quants(16, 32, scales, Ls, 1, sw)
+        d_block = make_qx_quants(16, 32, scales, Ls, 1, sw, tmp)
         for j in range(16):
             _q3_k_put_scale(y, o, j, Ls[j])
         put_fp16(y, o + 108, d_block)
@@ -503,6 +620,7 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
     weights = np.empty(32, np.float32)
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, ts * i
         max_scale = F(0.0)
@@ -512,7 +630,7 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
             for l in range(32):
                 weights[l] = av_x + abs(x[xo + 32 * j + l])
             scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  rmin, F(0.1), nstep, False)
+                                                  rmin, F(0.1), nstep, False, tmp)
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -538,13 +656,14 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
     sw = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
+    tmp = np.empty(QKX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, ts * i, (QK_K * i) % n
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(8):
             sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
             scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False)
+                                                  F(-0.9), F(0.05), 36, False, tmp)
         d_block = make_qp_quants(8, 63, scales, Ls, sw)
         m_block = make_qp_quants(8, 63, mins, Lm, sw)
         for j in range(8):
@@ -581,6 +700,7 @@ def _q6_k(x, y, n, qw):
     """``quantize_row_q6_K_ref`` (``qw`` empty) / ``_impl``: the same search, with the importance as weights."""
     L = np.empty(QK_K, np.int64)
     scales = np.empty(16, np.float32)
+    tmp = np.empty(QX_TMP, np.float32)
     weighted = qw.size > 0
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 210 * i, (QK_K * i) % n
@@ -588,7 +708,7 @@ def _q6_k(x, y, n, qw):
         max_abs_scale = F(0.0)
         for ib in range(16):
             w = qw[qo + 16 * ib:qo + 16 * ib + 16] if weighted else qw
-            scale = make_qx_quants(16, 32, x[xo + 16 * ib:], L[16 * ib:], 1, w)
+            scale = make_qx_quants(16, 32, x[xo + 16 * ib:], L[16 * ib:], 1, w, tmp)
             scales[ib] = scale
             if abs(scale) > max_abs_scale:
                 max_abs_scale = abs(scale)

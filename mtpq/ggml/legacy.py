@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import F, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
-from .kquants import make_qkx_quants, make_qx_quants
+from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
 
@@ -139,13 +139,14 @@ def _signed_impl(x, y, n, qw, ts, nmax):
     """quantize_row_q4_0_impl / quantize_row_q5_0_impl, row by row."""
     weight = np.empty(32, np.float32)
     L = np.empty(32, np.int64)
+    tmp = np.empty(QX_TMP, np.float32)
     nb = n // 32
     for r in range(x.size // n):
         sigma2 = _row_sigma2(x, r, n)
         for ib in range(nb):
             at = r * n + 32 * ib
             _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d = make_qx_quants(32, nmax, x[at:at + 32], L, 1, weight)
+            d = make_qx_quants(32, nmax, x[at:at + 32], L, 1, weight, tmp)
             o = ts * (r * nb + ib)
             put_fp16(y, o, d)
             _put_levels(y, o + 2, L, nmax == 16)
@@ -157,13 +158,14 @@ def _min_impl(x, y, n, qw, ts, nmax):
     weight = np.empty(32, np.float32)
     L = np.empty(32, np.int64)
     Laux = np.empty(32, np.int64)
+    tmp = np.empty(QKX_TMP, np.float32)
     nb = n // 32
     for r in range(x.size // n):
         sigma2 = _row_sigma2(x, r, n)
         for ib in range(nb):
             at = r * n + 32 * ib
             _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d, mn = make_qkx_quants(32, nmax, x[at:at + 32], weight, L, Laux, F(-0.9), F(0.05), 36, False)
+            d, mn = make_qkx_quants(32, nmax, x[at:at + 32], weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
             o = ts * (r * nb + ib)
             put_fp16(y, o, d)
             put_fp16(y, o + 2, -mn)

@@ -45,6 +45,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from ...errors import InputError
+from ...tensors import mtp_only_keep
 from .. import validate as V
 from ..base import (
     BlockSelection, Emit, ConvertFamily, add_hparams, check_unused, layer_of, mxfp4_stack,
@@ -78,6 +79,8 @@ _NEXTN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.wei
           "norm.weight": "nextn.shared_head_norm.weight"}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _EXPS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
+# a head-only file keeps the head's own output hyper-connection (tensors.mtp_only_keep)
+assert mtp_only_keep("deepseek4")[-3:] == tuple(_HC_HEAD.values())
 
 # metadata keys gguf 0.19's GGUFWriter has no helper for
 _KEYS = {

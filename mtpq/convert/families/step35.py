@@ -71,6 +71,7 @@ class Step35(ConvertFamily):
     # layer lists cut to the trunk, dropping the MTP layers' entries. So the stored file is what counts here.
     stored_config = True
     # llama.cpp's converter writes the llama3 rope_freqs in every mode, its --mtp head-only file included
+    # (tensors.mtp_only_keep: rope_freqs.weight is kept beside the head)
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``

@@ -1,0 +1,158 @@
+"""The scale searches that run C's candidates side by side (kquants.make_qx_quants, make_qkx_quants) give what C's
+one-after-the-other loops give, bit for bit, on data made to stress them: blocks whose minimum moves at almost
+every step, clusters with one far outlier (the chosen minimum far from the block's, where make_qkx_quants' float
+levels are not exact and it goes step by step), zero weights, ties on rounding boundaries, sub-normal and huge
+values. The references are C's loops as numba code: make_qx_quants as it was written before (issue 37), and
+make_qkx_quants' own step-by-step path from its first step. tests/ggml's goldens and llama.cpp fuzz check the
+whole types against ggml itself."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from mtpq.ggml import kquants as K
+from mtpq.ggml.jit import GROUP_MAX_EPS, nearest_int
+
+F = np.float32
+
+
+@numba.njit(error_model="numpy")
+def qx_reference(n, nmax, x, L, qw):
+    """ggml's make_qx_quants(n, nmax, x, L, 1, qw), pass after pass (qw empty: NULL)."""
+    mx = F(0.0)
+    amax = F(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0)
+    iscale = F(-nmax) / mx
+    weighted = qw.size > 0
+    sumlx = F(0.0)
+    suml2 = F(0.0)
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        L[i] = l + nmax
+        w = qw[i] if weighted else x[i] * x[i]
+        sumlx += w * x[i] * F(l)
+        suml2 += w * F(l) * F(l)
+    scale = sumlx / suml2 if suml2 != 0 else F(0.0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(F(nmax) + F(0.1) * F(step)) / mx
+        sumlx = F(0.0)
+        suml2 = F(0.0)
+        for i in range(n):
+            l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+            w = qw[i] if weighted else x[i] * x[i]
+            sumlx += w * x[i] * F(l)
+            suml2 += w * F(l) * F(l)
+        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@numba.njit(error_model="numpy")
+def qkx_reference(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+    """ggml's make_qkx2_quants: make_qkx_quants' start, then all its steps one after the other."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    if mn > 0:
+        mn = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F(0.0), -mn
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    best_mad = F(0.0)
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    scale, mn = K._qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, 0, nstep, use_mad, mn, mx, sum_w, sum_x,
+                             scale, best_mad)
+    return scale, -mn
+
+
+def blocks(n: int, count: int, seed: int):
+    """(x, weights) pairs of length n: ordinary, clustered with a far outlier, all negative, ties, extremes."""
+    rng = np.random.default_rng(seed)
+    for k in range(count):
+        kind = k % 8
+        if kind == 0:
+            x = rng.standard_normal(n) * 0.02
+        elif kind == 1:  # a tight cluster and one far outlier below it
+            x = -1.0 + rng.standard_normal(n) * 1e-4
+            x[rng.integers(n)] = -1e3
+        elif kind == 2:  # all negative, close together
+            x = -rng.uniform(1.0, 1.0 + 1e-3, n)
+        elif kind == 3:  # multiples of 1/8: rounding ties
+            x = rng.integers(-16, 17, n) / 8.0
+        elif kind == 4:  # one value and zeros
+            x = np.zeros(n)
+            x[rng.integers(n)] = rng.choice([-1.0, 1.0]) * 10.0 ** rng.uniform(-20, 20)
+        elif kind == 5:  # spans of magnitude
+            x = rng.standard_normal(n) * np.exp(rng.uniform(-30, 30, n))
+        elif kind == 6:  # mostly positive, minimum near zero
+            x = np.abs(rng.standard_normal(n)) + rng.choice([0.0, -1e-6])
+        else:
+            x = rng.standard_t(2, n)
+        w = [np.abs(x) + np.sqrt(np.mean(x * x)), np.exp(rng.normal(0, 2, n)),
+             np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0, 10, n))][k % 3]
+        yield x.astype(F), w.astype(F)
+
+
+@pytest.mark.parametrize("n,nmax", [(16, 32), (16, 4), (32, 8), (32, 16)])
+def test_make_qx_quants_is_c_pass_by_pass(n, nmax):
+    tmp = np.empty(K.QX_TMP, F)
+    checked = 0
+    for x, w in blocks(n, 400, seed=n * 100 + nmax):
+        for qw in (np.empty(0, F), w):
+            La, Lb = np.empty(n, np.int64), np.empty(n, np.int64)
+            got = K.make_qx_quants(n, nmax, x, La, 1, qw, tmp)
+            want = qx_reference(n, nmax, x, Lb, qw)
+            assert np.float32(got).tobytes() == np.float32(want).tobytes() and np.array_equal(La, Lb), (x, qw)
+            checked += 1
+    assert checked == 800
+
+
+@pytest.mark.parametrize("n,nmax,rmin,rdelta,nstep,use_mad", [
+    (32, 15, -1.0, 0.1, 20, False),  # Q4_K
+    (32, 31, -0.5, 0.1, 15, False),  # Q5_K
+    (32, 15, -0.9, 0.05, 36, False),  # with importance, Q4_1
+    (16, 3, -0.5, 0.1, 15, True),  # Q2_K
+    (16, 3, -0.9, 0.05, 36, False),  # Q2_K with importance
+])
+def test_make_qkx_quants_is_c_step_by_step(n, nmax, rmin, rdelta, nstep, use_mad):
+    tmp = np.empty(K.QKX_TMP, F)
+    for x, w in blocks(n, 400, seed=nstep * 1000 + n):
+        La, Lb = np.empty(n, np.int64), np.empty(n, np.int64)
+        Laux = np.empty(n, np.int64)
+        got = K.make_qkx_quants(n, nmax, x, w, La, Laux, F(rmin), F(rdelta), nstep, use_mad, tmp)
+        want = qkx_reference(n, nmax, x, w, Lb, Laux, F(rmin), F(rdelta), nstep, use_mad)
+        assert np.asarray(got, F).tobytes() == np.asarray(want, F).tobytes() and np.array_equal(La, Lb), (x, w)
