@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-extra test-heavy llama-cpp clean
+.PHONY: install demo test test-extra test-heavy lint llama-cpp clean
 
 $(BIN)/mtpq: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# ruff (settings in pyproject.toml): lint and format, checked, never rewritten here (`ruff format .` fixes)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-extra: install
 	$(BIN)/python -m pytest -q -m "(slow or llama_cpp) and not heavy" || [ $$? -eq 5 ]  # 5 = nothing selected

@@ -1,7 +1,8 @@
 """Decode speed with and without MTP drafting, and the teacher-forced estimator's speed, in one run.
 
     python benchmarks/accept_bench.py [MODEL.gguf | --demo glm|qwen35|deepseek] [--prompts demo_heldout] [-n 96]
-    python benchmarks/accept_bench.py [MODEL.gguf | --demo ...] --vs-llama-cpp DIR [--report-prompts 20 --report-tokens 128]
+    python benchmarks/accept_bench.py [MODEL.gguf | --demo ...] --vs-llama-cpp DIR [--report-prompts 20
+    --report-tokens 128]
 
 Without MODEL, converts a model to f16 first: ``--demo glm`` (the default) and ``--demo qwen35`` the
 bundled demos, ``--demo deepseek`` the tests' tiny DeepSeek-V3 with a drafting "trunk copy" head (one MoE
@@ -50,8 +51,12 @@ def main() -> None:
     ap.add_argument("--report-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1, help="with --vs-llama-cpp: alternate ours and theirs N times")
     ap.add_argument("--report-only", action="store_true", help="with --vs-llama-cpp: skip the decoding speeds")
-    ap.add_argument("--busy", action="store_true", help="with --vs-llama-cpp: repeat the report comparison while "
-                    "one CPU-burning process per core competes, and print CPU seconds per generated token")
+    ap.add_argument(
+        "--busy",
+        action="store_true",
+        help="with --vs-llama-cpp: repeat the report comparison while "
+        "one CPU-burning process per core competes, and print CPU seconds per generated token",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,8 +89,10 @@ def main() -> None:
     plain = [run_plain(model, ids, n) for ids in prompts]
     plain_cpu = time.process_time() - c0
     base_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
-    print(f"model {path.name}, {len(prompts)} prompts x {n} tokens, device {model.device}, "
-          f"{torch.get_num_threads()} torch threads")
+    print(
+        f"model {path.name}, {len(prompts)} prompts x {n} tokens, device {model.device}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
     print(f"{'plain greedy':<16} {base_tps:8.1f} tok/s   1.00x   (CPU {plain_cpu:.2f} s)")
     loop_k1_seconds = loop_k1_cpu = None
     for k in (1, 2, 3, 4):
@@ -94,9 +101,11 @@ def main() -> None:
         cpu = time.process_time() - c0
         m = metrics_from_rounds(spec)
         same = all(s.tokens == p.tokens for s, p in zip(spec, plain))
-        print(f"{'speculative k=' + str(k):<16} {m.tokens_per_s:8.1f} tok/s   {m.tokens_per_s / base_tps:.2f}x   "
-              f"acceptance {100 * m.acceptance_rate:5.1f} %   mean acc. length {m.mean_acceptance_length:.2f}   "
-              f"output == plain: {same}   (CPU {cpu:.2f} s, {plain_cpu / cpu:.2f}x)")
+        print(
+            f"{'speculative k=' + str(k):<16} {m.tokens_per_s:8.1f} tok/s   {m.tokens_per_s / base_tps:.2f}x   "
+            f"acceptance {100 * m.acceptance_rate:5.1f} %   mean acc. length {m.mean_acceptance_length:.2f}   "
+            f"output == plain: {same}   (CPU {cpu:.2f} s, {plain_cpu / cpu:.2f}x)"
+        )
         if k == 1:
             loop_k1_seconds, loop_k1_cpu = sum(s.seconds for s in spec), cpu
     seqs = [(ids + p.tokens, len(ids)) for ids, p in zip(prompts, plain)]
@@ -110,11 +119,13 @@ def main() -> None:
         warm.append(time.process_time() - c0)
     rate = sum(sum(t.matches) for t in tf) / sum(len(t.matches) for t in tf)
     loop_rate = sum(t.loop_accepted for t in tf) / sum(t.loop_drafts for t in tf)
-    print(f"teacher-forced   {tf_seconds:.2f} s for depth-1 acceptance {100 * rate:.1f} % "
-          f"(all positions; {100 * loop_rate:.1f} % at the loop's positions) vs the k=1 loop's "
-          f"{loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster; "
-          f"CPU {tf_cpu:.2f} s vs {loop_k1_cpu:.2f} s: {loop_k1_cpu / tf_cpu:.1f}x (first call; again, best of 3: "
-          f"CPU {min(warm):.3f} s, {loop_k1_cpu / min(warm):.1f}x)")
+    print(
+        f"teacher-forced   {tf_seconds:.2f} s for depth-1 acceptance {100 * rate:.1f} % "
+        f"(all positions; {100 * loop_rate:.1f} % at the loop's positions) vs the k=1 loop's "
+        f"{loop_k1_seconds:.2f} s: {loop_k1_seconds / tf_seconds:.1f}x faster; "
+        f"CPU {tf_cpu:.2f} s vs {loop_k1_cpu:.2f} s: {loop_k1_cpu / tf_cpu:.1f}x (first call; again, best of 3: "
+        f"CPU {min(warm):.3f} s, {loop_k1_cpu / min(warm):.1f}x)"
+    )
     if args.vs_llama_cpp is not None:
         report_vs_llama_cpp(path, args)
         if args.busy:
@@ -138,12 +149,14 @@ def _bundled(name: str):
 
 
 def _tiny_deepseek(work: Path) -> Path:
-    """The checkpoint of the deepseek2 "copy" checkpoint of tests/helpers/runtime.py (float32, converted to f16 here)."""
+    """The checkpoint of the deepseek2 "copy" checkpoint of tests/helpers/runtime.py (float32, converted to f16
+    here)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's test builders
     from tests.builders import tiny_deepseek
 
-    folder = tiny_deepseek.deepseek_v3(work / "deepseek", dtype=torch.float32, mtp_head_tensors=False,
-                                       num_hidden_layers=1, first_k_dense_replace=0)
+    folder = tiny_deepseek.deepseek_v3(
+        work / "deepseek", dtype=torch.float32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0
+    )
     return tiny_deepseek.trunk_copy_head(folder)
 
 
@@ -172,23 +185,36 @@ def report_vs_llama_cpp(path: Path, args) -> None:
         theirs, theirs_cpu, theirs_tokens, theirs_rate = _theirs(path, texts, args)
         walls.append(ours / theirs)
         cpus.append(ours_cpu / theirs_cpu)
-        print(f"  CPU s per generated token: mtpq {1e3 * ours_cpu / ours_tokens:.2f} ms, "
-              f"llama-speculative-simple {1e3 * theirs_cpu / theirs_tokens:.2f} ms (model load included on both sides)")
-        print(f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
-              f"(CPU {ours_cpu:.1f} s, {100 * ours_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
-              f"(CPU {theirs_cpu:.1f} s, {100 * theirs_rate:.1f} %): ours/theirs {ours / theirs:.2f}x wall, "
-              f"{ours_cpu / theirs_cpu:.2f}x CPU")
+        print(
+            f"  CPU s per generated token: mtpq {1e3 * ours_cpu / ours_tokens:.2f} ms, "
+            f"llama-speculative-simple {1e3 * theirs_cpu / theirs_tokens:.2f} ms (model load included on both sides)"
+        )
+        print(
+            f"acceptance report, {len(texts)} prompts x {args.report_tokens} tokens, k=1: mtpq {ours:.1f} s "
+            f"(CPU {ours_cpu:.1f} s, {100 * ours_rate:.1f} %), llama-speculative-simple {theirs:.1f} s "
+            f"(CPU {theirs_cpu:.1f} s, {100 * theirs_rate:.1f} %): ours/theirs {ours / theirs:.2f}x wall, "
+            f"{ours_cpu / theirs_cpu:.2f}x CPU"
+        )
     if len(walls) > 1:
-        print(f"median of {len(walls)} alternating runs: ours/theirs {statistics.median(walls):.2f}x wall, "
-              f"{statistics.median(cpus):.2f}x CPU")
+        print(
+            f"median of {len(walls)} alternating runs: ours/theirs {statistics.median(walls):.2f}x wall, "
+            f"{statistics.median(cpus):.2f}x CPU"
+        )
 
 
 def _ours(path: Path, texts, args) -> tuple[float, float, int, float]:
     from mtpq.runtime.accept import measure_file
 
     t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
-    rep = measure_file(path, texts, draft=1, max_new_tokens=args.report_tokens, with_plain=False,
-                       device=args.device, threads=args.threads)
+    rep = measure_file(
+        path,
+        texts,
+        draft=1,
+        max_new_tokens=args.report_tokens,
+        with_plain=False,
+        device=args.device,
+        threads=args.threads,
+    )
     ours, ours_cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_SELF) - c0
     return ours, ours_cpu, sum(len(r.spec.tokens) for r in rep.runs), rep.overall.acceptance_rate
 
@@ -203,11 +229,31 @@ def _theirs(path: Path, texts, args) -> tuple[float, float, int, float]:
         for i, (_, text) in enumerate(texts):
             f = Path(d) / f"p{i}.txt"
             f.write_text(text)
-            proc = subprocess.run([str(args.vs_llama_cpp / "llama-speculative-simple"), "-m", str(path), "-f", str(f),
-                                   "--no-escape", "-n", str(args.report_tokens), "--temp", "0", "--spec-type",
-                                   "draft-mtp", "--spec-draft-n-max", "1", "--no-repack",
-                                   "-t", str(args.threads or torch.get_num_threads())],
-                                  capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                [
+                    str(args.vs_llama_cpp / "llama-speculative-simple"),
+                    "-m",
+                    str(path),
+                    "-f",
+                    str(f),
+                    "--no-escape",
+                    "-n",
+                    str(args.report_tokens),
+                    "--temp",
+                    "0",
+                    "--spec-type",
+                    "draft-mtp",
+                    "--spec-draft-n-max",
+                    "1",
+                    "--no-repack",
+                    "-t",
+                    str(args.threads or torch.get_num_threads()),
+                ],
+                capture_output=True,
+                text=True,
+                errors="replace",
+                stdin=subprocess.DEVNULL,
+            )
             dn = re.search(r"n_drafted\s*=\s*(\d+)", proc.stderr)
             an = re.search(r"n_accept\s*=\s*(\d+)", proc.stderr)
             # its logger may not drain before exit: the time still counts, the rate is over the prompts it printed

@@ -37,22 +37,38 @@ HEADS, TRUNKS = ["f16", "q8_0", "q6_k", "q4_k", "q2_k"], ["Q8_0", "Q4_K_M", "Q2_
 
 def timed(fn) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process and its children) of fn()."""
-    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    r0, c0, t0 = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+        time.perf_counter(),
+    )
     fn()
-    t1, r1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    t1, r1, c1 = (
+        time.perf_counter(),
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
     return t1 - t0, cpu
 
 
 def mtpq(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "mtpq", *map(str, args)], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "mtpq", *map(str, args)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("MTPQ_LLAMA_CPP_BIN"),
-                    help="folder with llama-perplexity (default: $MTPQ_LLAMA_CPP_BIN)")
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=os.environ.get("MTPQ_LLAMA_CPP_BIN"),
+        help="folder with llama-perplexity (default: $MTPQ_LLAMA_CPP_BIN)",
+    )
     ap.add_argument("-c", "--ctx-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
@@ -78,16 +94,21 @@ def main() -> None:
             base = d / "base.kld"
             common = ["-f", str(text), "-c", str(a.ctx_size), "-t", str(a.threads)]
             subprocess.run([ppl, "-m", f16, *common, "--kl-divergence-base", base], check=True, capture_output=True)
-            subprocess.run([ppl, "-m", q4, *common, "--kl-divergence-base", base, "--kl-divergence"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [ppl, "-m", q4, *common, "--kl-divergence-base", base, "--kl-divergence"],
+                check=True,
+                capture_output=True,
+            )
 
         rows = {"mtpq compare (trunk + head)": [], "llama-perplexity base + kld": []}
         for _ in range(a.repeat):
             rows["mtpq compare (trunk + head)"].append(timed(ours))
             rows["llama-perplexity base + kld"].append(timed(theirs))
         figures = json.loads(report.read_text())
-        print(f"compare, demo GLM f16 vs Q4_K_M, -c {a.ctx_size}, {figures['chunks']} chunks, {a.threads} threads, "
-              f"median of {a.repeat}:")
+        print(
+            f"compare, demo GLM f16 vs Q4_K_M, -c {a.ctx_size}, {figures['chunks']} chunks, {a.threads} threads, "
+            f"median of {a.repeat}:"
+        )
         _print(rows)
         if a.skip_sweep:
             return
@@ -96,8 +117,7 @@ def main() -> None:
         prompts = ["--prompts", "demo_heldout", "--max-prompts", "8", "-n", "32"]
 
         def new_sweep():
-            mtpq("sweep", f16, "--mtp", ",".join(HEADS), "--trunk", ",".join(TRUNKS), *prompts, "--threads",
-                 a.threads)
+            mtpq("sweep", f16, "--mtp", ",".join(HEADS), "--trunk", ",".join(TRUNKS), *prompts, "--threads", a.threads)
 
         def per_pair():  # what sweep did before: every pair quantized in full and measured alone
             for t in TRUNKS:

@@ -5,7 +5,8 @@
 
 For each family (glm4moe, qwen35, qwen35moe, deepseek2, deepseek2 with DeepSeek's block-scaled FP8
 weights, step35, mimo2,
-glm_dsa, glm4_moe_lite, deepseek32, qwen3next, hy_v3, cohere2moe, nemotron_h_moe, bailingmoe3) builds a checkpoint with the tiny test models' layout but big matrices
+glm_dsa, glm4_moe_lite, deepseek32, qwen3next, hy_v3, cohere2moe, nemotron_h_moe, bailingmoe3) builds a checkpoint
+with the tiny test models' layout but big matrices
 (random bf16 weights, fixed seed; the stacked routed experts are the largest tensors, a few hundred MB
 each), then, in a child process per round:
   1. copies the shard bytes to the output folder (the baseline: read into memory and write out, the least
@@ -106,11 +107,7 @@ H, FF = 2048, 1024
 
 def build(family: str, folder: Path, scale: float) -> None:
     """The family's tiny test checkpoint, with big matrices; DeepSeek's FP8 copy is made from the bf16 one."""
-    from tests.builders import tiny
-    from tests.builders import tiny_deepseek
-    from tests.builders import tiny_mimo2
-    from tests.builders import tiny_qwen35
-    from tests.builders import tiny_step35
+    from tests.builders import tiny, tiny_deepseek, tiny_mimo2, tiny_qwen35, tiny_step35
 
     new = NEW_BUILDERS.get(family)
     if new is not None:
@@ -118,14 +115,32 @@ def build(family: str, folder: Path, scale: float) -> None:
     n_exp = max(2, int(32 * scale))
     bf16 = torch.bfloat16
     if family == "glm4moe":  # layers 0-1 dense, the MTP layer (2) MoE: one layer of experts
-        tiny.glm4moe(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
-                     n_routed_experts=2 * n_exp, first_k_dense_replace=2)
+        tiny.glm4moe(
+            folder,
+            hidden_size=H,
+            moe_intermediate_size=FF,
+            intermediate_size=2 * FF,
+            n_routed_experts=2 * n_exp,
+            first_k_dense_replace=2,
+        )
     elif family == "deepseek2":
-        tiny_deepseek.deepseek_v3(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
-                                  n_routed_experts=2 * n_exp, first_k_dense_replace=2)
+        tiny_deepseek.deepseek_v3(
+            folder,
+            hidden_size=H,
+            moe_intermediate_size=FF,
+            intermediate_size=2 * FF,
+            n_routed_experts=2 * n_exp,
+            first_k_dense_replace=2,
+        )
     elif family == "qwen35moe":  # every layer MoE (4 + the MTP layer), smaller experts
-        tiny_qwen35.qwen35(folder, moe=True, hidden_size=H // 2, moe_intermediate_size=FF,
-                           shared_expert_intermediate_size=FF, num_experts=n_exp)
+        tiny_qwen35.qwen35(
+            folder,
+            moe=True,
+            hidden_size=H // 2,
+            moe_intermediate_size=FF,
+            shared_expert_intermediate_size=FF,
+            num_experts=n_exp,
+        )
     elif family == "qwen35":  # dense: the FFN matrices are the largest tensors
         tiny_qwen35.qwen35(folder, moe=False, hidden_size=H, intermediate_size=8 * FF)
     elif family in ("step35", "mimo2"):  # these builders take their sizes from module constants
@@ -152,53 +167,123 @@ def _with_hidden(mod, fn, folder: Path, **over) -> None:
 def _new_builders() -> dict:
     """The families added later (one builder each). Layer counts cut so that one or two MoE layers hold
     ~0.8 GB of experts: 64 experts of 2048 x 1024 make a 268 MB stack, 32 a 134 MB one."""
+
     def n(scale: float, k: int = 32) -> int:
         return max(2, int(k * scale))
 
     def glm_dsa(folder, scale):  # layers 0-1 dense, the MTP layer MoE
         from tests.builders import tiny_glm_dsa
-        tiny_glm_dsa.glm_dsa(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
-                             n_routed_experts=n(scale, 64), num_hidden_layers=2, first_k_dense_replace=2,
-                             indexer_types=["full", "full"])
+
+        tiny_glm_dsa.glm_dsa(
+            folder,
+            hidden_size=H,
+            moe_intermediate_size=FF,
+            intermediate_size=2 * FF,
+            n_routed_experts=n(scale, 64),
+            num_hidden_layers=2,
+            first_k_dense_replace=2,
+            indexer_types=["full", "full"],
+        )
 
     def glm4_moe_lite(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE (transformers' model
-        from tests.builders import tiny_glm_dsa                # makes layer 1 MoE whatever first_k_dense_replace says)
-        tiny_glm_dsa.glm4_moe_lite(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
-                                   n_routed_experts=n(scale), num_hidden_layers=2, first_k_dense_replace=1)
+        from tests.builders import tiny_glm_dsa  # makes layer 1 MoE whatever first_k_dense_replace says)
+
+        tiny_glm_dsa.glm4_moe_lite(
+            folder,
+            hidden_size=H,
+            moe_intermediate_size=FF,
+            intermediate_size=2 * FF,
+            n_routed_experts=n(scale),
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+        )
 
     def deepseek32(folder, scale):
         from tests.builders import tiny_deepseek32
-        tiny_deepseek32.deepseek_v32(folder, hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF,
-                                     n_routed_experts=n(scale, 64), first_k_dense_replace=2)
+
+        tiny_deepseek32.deepseek_v32(
+            folder,
+            hidden_size=H,
+            moe_intermediate_size=FF,
+            intermediate_size=2 * FF,
+            n_routed_experts=n(scale, 64),
+            first_k_dense_replace=2,
+        )
 
     def qwen3next(folder, scale):  # every layer MoE (4 + the MTP layer), smaller experts, as qwen35moe
         from tests.builders import tiny_qwen3next
-        tiny_qwen3next.qwen3next(folder, hidden_size=H // 2, moe_intermediate_size=FF,
-                                 shared_expert_intermediate_size=FF, num_experts=n(scale))
+
+        tiny_qwen3next.qwen3next(
+            folder,
+            hidden_size=H // 2,
+            moe_intermediate_size=FF,
+            shared_expert_intermediate_size=FF,
+            num_experts=n(scale),
+        )
 
     def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
         from tests.builders import tiny_hyv3
-        _with_hidden(tiny_hyv3, tiny_hyv3.hyv3, folder, num_hidden_layers=2, intermediate_size=2 * FF,
-                     moe_intermediate_size=FF, expert_hidden_dim=FF, num_experts=n(scale))
+
+        _with_hidden(
+            tiny_hyv3,
+            tiny_hyv3.hyv3,
+            folder,
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            expert_hidden_dim=FF,
+            num_experts=n(scale),
+        )
 
     def cohere2moe(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
         from tests.builders import tiny_cohere2moe
-        _with_hidden(tiny_cohere2moe, tiny_cohere2moe.cohere2moe, folder, num_hidden_layers=2,
-                     intermediate_size=FF, prefix_dense_intermediate_size=2 * FF, num_experts=n(scale))
+
+        _with_hidden(
+            tiny_cohere2moe,
+            tiny_cohere2moe.cohere2moe,
+            folder,
+            num_hidden_layers=2,
+            intermediate_size=FF,
+            prefix_dense_intermediate_size=2 * FF,
+            num_experts=n(scale),
+        )
 
     def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
         from tests.builders import tiny_nemotronh
-        _with_hidden(tiny_nemotronh, tiny_nemotronh.nemotronh, folder, moe_intermediate_size=FF,
-                     moe_shared_expert_intermediate_size=FF, n_routed_experts=n(scale))
+
+        _with_hidden(
+            tiny_nemotronh,
+            tiny_nemotronh.nemotronh,
+            folder,
+            moe_intermediate_size=FF,
+            moe_shared_expert_intermediate_size=FF,
+            n_routed_experts=n(scale),
+        )
 
     def bailingmoe3(folder, scale):  # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
         from tests.builders import tiny_bailingmoe3
-        _with_hidden(tiny_bailingmoe3, tiny_bailingmoe3.bailingmoe3, folder, num_hidden_layers=2,
-                     intermediate_size=2 * FF, moe_intermediate_size=FF, moe_shared_expert_intermediate_size=FF,
-                     num_experts=n(scale))
 
-    return dict(glm_dsa=glm_dsa, glm4_moe_lite=glm4_moe_lite, deepseek32=deepseek32, qwen3next=qwen3next,
-                hy_v3=hy_v3, cohere2moe=cohere2moe, nemotron_h_moe=nemotron_h_moe, bailingmoe3=bailingmoe3)
+        _with_hidden(
+            tiny_bailingmoe3,
+            tiny_bailingmoe3.bailingmoe3,
+            folder,
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            moe_shared_expert_intermediate_size=FF,
+            num_experts=n(scale),
+        )
+
+    return dict(
+        glm_dsa=glm_dsa,
+        glm4_moe_lite=glm4_moe_lite,
+        deepseek32=deepseek32,
+        qwen3next=qwen3next,
+        hy_v3=hy_v3,
+        cohere2moe=cohere2moe,
+        nemotron_h_moe=nemotron_h_moe,
+        bailingmoe3=bailingmoe3,
+    )
 
 
 NEW_BUILDERS = _new_builders()
@@ -235,8 +320,12 @@ def run_one(label: str, src: Path, outdir: Path, outtype: str, repeat: int) -> d
     runs = []
     for i in range(repeat):
         out.unlink(missing_ok=True)  # a fresh target, like the copies
-        res = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), outtype, str(out_bytes)],
-                             capture_output=True, text=True, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, "-c", CHILD, str(src), str(out), outtype, str(out_bytes)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if res.returncode:
             raise SystemExit(f"{label}: conversion failed\n{res.stderr[-2000:]}")
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -248,12 +337,23 @@ def run_one(label: str, src: Path, outdir: Path, outtype: str, repeat: int) -> d
     copy_s, copy_cpu = min(c[0] for c in copies), min(c[1] for c in copies)
     best = {k: min(r[k] for r in runs) for k in ("seconds", "plan_seconds", "write_seconds", "write_cpu")}
     peak = max(r["peak_rss"] for r in runs)
-    return dict(label=label, outtype=outtype, ckpt_gb=nbytes / 1e9, out_gb=out_gb,
-                largest_mb=largest / 1e6, copy_s=copy_s, convert_s=best["seconds"], plan_s=best["plan_seconds"],
-                speed=copy_s / best["seconds"], stream=copy_s / best["write_seconds"],
-                cpu=copy_cpu / best["write_cpu"], load=os.getloadavg()[0],
-                validation=max(r["validation_seconds"] / r["seconds"] for r in runs),
-                rss_mb=peak / 1e6, rss_bound=peak / (1e9 + largest))
+    return dict(
+        label=label,
+        outtype=outtype,
+        ckpt_gb=nbytes / 1e9,
+        out_gb=out_gb,
+        largest_mb=largest / 1e6,
+        copy_s=copy_s,
+        convert_s=best["seconds"],
+        plan_s=best["plan_seconds"],
+        speed=copy_s / best["seconds"],
+        stream=copy_s / best["write_seconds"],
+        cpu=copy_cpu / best["write_cpu"],
+        load=os.getloadavg()[0],
+        validation=max(r["validation_seconds"] / r["seconds"] for r in runs),
+        rss_mb=peak / 1e6,
+        rss_bound=peak / (1e9 + largest),
+    )
 
 
 ALL = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "deepseek2-fp8", "step35", "mimo2") + tuple(NEW_BUILDERS)
@@ -264,13 +364,21 @@ def main() -> None:
     ap.add_argument("--family", default=",".join(ALL), help="comma-separated, of: " + ", ".join(ALL))
     ap.add_argument("--fp8-outtypes", default="bf16,f16,q8_0", help="outtypes for deepseek2-fp8")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the expert counts (checkpoint size)")
-    ap.add_argument("--repeat", type=int, default=5,
-                    help="conversions (and copies) per row: the best counts (5: the FP8 rows, ~0.5 s each, vary 2x run to run "
-                         "on a shared machine)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="conversions (and copies) per row: the best counts (5: the FP8 rows, ~0.5 s each, vary 2x run to run "
+        "on a shared machine)",
+    )
     shm = Path("/dev/shm")
-    ap.add_argument("--out-dir", type=Path, default=shm if shm.is_dir() else None,
-                    help="where the copies and the GGUF are written (default /dev/shm: in memory, so that the disk's "
-                         "writeback, shared with whatever else runs, does not decide the figures)")
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=shm if shm.is_dir() else None,
+        help="where the copies and the GGUF are written (default /dev/shm: in memory, so that the disk's "
+        "writeback, shared with whatever else runs, does not decide the figures)",
+    )
     ap.add_argument("--keep", type=Path, help="work in this folder and keep the checkpoints (reused when present)")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="mtpq-bench-"))
@@ -281,9 +389,11 @@ def main() -> None:
         except OSError as exc:
             raise SystemExit(f"--out-dir {args.out_dir}: cannot create it ({exc.strerror or exc})") from None
     rows = []
-    head = (f"{'family':<14} {'outtype':<7} {'ckpt GB':>7} {'out GB':>6} {'largest MB':>10} {'streaming':>9} "
-            f"{'cpu':>6} {'overall':>7} {'start s':>7} {'peak RSS MB':>11} {'RSS/bound':>9} {'validation':>10} "
-            f"{'load':>5}")
+    head = (
+        f"{'family':<14} {'outtype':<7} {'ckpt GB':>7} {'out GB':>6} {'largest MB':>10} {'streaming':>9} "
+        f"{'cpu':>6} {'overall':>7} {'start s':>7} {'peak RSS MB':>11} {'RSS/bound':>9} {'validation':>10} "
+        f"{'load':>5}"
+    )
     try:
         for fam in args.family.split(","):
             base = fam.removesuffix("-fp8")
@@ -302,24 +412,33 @@ def main() -> None:
                 # the checkpoint's GBs are dirty pages: written back now, not during the copies and conversions
                 print("syncing ...", file=sys.stderr, flush=True)
                 os.sync()
-            for outtype in (args.fp8_outtypes.split(",") if fam.endswith("-fp8") else ["auto"]):
+            for outtype in args.fp8_outtypes.split(",") if fam.endswith("-fp8") else ["auto"]:
                 r = run_one(fam, src, args.out_dir or work, outtype, args.repeat)
                 rows.append(r)
                 if len(rows) == 1:
                     print(head)
-                print(f"{r['label']:<14} {r['outtype']:<7} {r['ckpt_gb']:>7.2f} {r['out_gb']:>6.2f} "
-                      f"{r['largest_mb']:>10.0f} {r['stream']:>8.2f}x {r['cpu']:>5.2f}x {r['speed']:>6.2f}x "
-                      f"{r['plan_s']:>7.1f} {r['rss_mb']:>11.0f} {r['rss_bound']:>8.2f}x {100 * r['validation']:>9.2f}% "
-                      f"{r['load']:>5.1f}", flush=True)
-        print("streaming: copy time / time to read, convert and write the tensors; cpu: the same in CPU time (the "
-              "conversion's threads included: what other jobs on the machine disturb least); overall: copy time / whole "
-              "conversion, including the start (validation, tokenizer: a fixed few seconds, most of it importing "
-              "transformers). Copy: read the checkpoint, write as many bytes as the conversion. Best of --repeat runs each;"
-              " load: the 1-minute load average after the row. Targets: >= 0.75x, peak RSS / (1 GB + largest tensor) "
-              "<= 1, validation < 3 %")
+                print(
+                    f"{r['label']:<14} {r['outtype']:<7} {r['ckpt_gb']:>7.2f} {r['out_gb']:>6.2f} "
+                    f"{r['largest_mb']:>10.0f} {r['stream']:>8.2f}x {r['cpu']:>5.2f}x {r['speed']:>6.2f}x "
+                    f"{r['plan_s']:>7.1f} {r['rss_mb']:>11.0f} {r['rss_bound']:>8.2f}x {100 * r['validation']:>9.2f}% "
+                    f"{r['load']:>5.1f}",
+                    flush=True,
+                )
+        print(
+            "streaming: copy time / time to read, convert and write the tensors; cpu: the same in CPU time (the "
+            "conversion's threads included: what other jobs on the machine disturb least); overall: copy time / whole "
+            "conversion, including the start (validation, tokenizer: a fixed few seconds, most of it importing "
+            "transformers). Copy: read the checkpoint, write as many bytes as the conversion. Best of --repeat runs "
+            "each;"
+            " load: the 1-minute load average after the row. Targets: >= 0.75x, peak RSS / (1 GB + largest tensor) "
+            "<= 1, validation < 3 %"
+        )
         slow = [f"{r['label']} {r['outtype']}" for r in rows if r["stream"] < 0.75]
         big = [f"{r['label']} {r['outtype']}" for r in rows if r["rss_bound"] > 1]
-        print(f"streaming below the speed target: {', '.join(slow) or 'none'}; over the memory bound: {', '.join(big) or 'none'}")
+        print(
+            f"streaming below the speed target: {', '.join(slow) or 'none'}; over the memory bound: "
+            f"{', '.join(big) or 'none'}"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

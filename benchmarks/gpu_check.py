@@ -42,7 +42,10 @@ DEMOS = {  # file name -> (demo folder, convert/quantize steps)
     "demo-glm-Q4_K_M.gguf": ("mtpq/data/demo", "Q4_K_M"),
     "demo-qwen35-f16.gguf": ("mtpq/data/demo_qwen35", None),
 }
-PROMPTS = {"demo-glm": "mtpq/data/prompts/demo_heldout.jsonl", "demo-qwen35": "mtpq/data/prompts/demo_qwen35_heldout.jsonl"}
+PROMPTS = {
+    "demo-glm": "mtpq/data/prompts/demo_heldout.jsonl",
+    "demo-qwen35": "mtpq/data/prompts/demo_qwen35_heldout.jsonl",
+}
 
 
 def mtpq(*args) -> None:
@@ -105,9 +108,10 @@ def synthetic(path: Path, hidden: int, layers: int, ffn: int, vocab: int = 32000
             w.add_tensor(name, np.ones(shape, np.float32))
         elif eye:  # [I | 0]: the head's input is the normed embedding
             x = np.zeros(shape, np.float32)
-            x[:, :shape[0]] = np.eye(shape[0], dtype=np.float32)
-            w.add_tensor(name, x.view(np.uint32).__rshift__(16).astype(np.uint16),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+            x[:, : shape[0]] = np.eye(shape[0], dtype=np.float32)
+            w.add_tensor(
+                name, x.view(np.uint32).__rshift__(16).astype(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16
+            )
         else:
             w.add_tensor(name, bf16(*shape, scale=scale or shape[-1] ** -0.5), raw_dtype=gguf.GGMLQuantizationType.BF16)
 
@@ -125,7 +129,7 @@ def synthetic(path: Path, hidden: int, layers: int, ffn: int, vocab: int = 32000
         add(p + "attn_output.weight", hidden, heads * head_dim, scale=quiet * (heads * head_dim) ** -0.5)
         add(p + "ffn_gate.weight", ffn, hidden)
         add(p + "ffn_up.weight", ffn, hidden)
-        add(p + "ffn_down.weight", hidden, ffn, scale=quiet * ffn ** -0.5)
+        add(p + "ffn_down.weight", hidden, ffn, scale=quiet * ffn**-0.5)
         if i == layers:  # the MTP head (its embedding and output tied to the trunk's)
             add(p + "nextn.eh_proj.weight", hidden, 2 * hidden, eye=True)
             for n in ("enorm", "hnorm", "shared_head_norm"):
@@ -234,34 +238,53 @@ def measure(path: Path, device: str, dtype, prompts, n_new: int, k: int, sync_ro
     m = metrics_from_rounds(specs)
     spec_tps = sum(len(s.tokens) for s in specs) / sum(s.seconds for s in specs)
     plain_tps = sum(len(s.tokens) for s in plains) / sum(s.seconds for s in plains)
-    row = {"model": path.name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "dtype": str(dtype).replace("torch.", ""), "load_s": round(load_s, 2), "prompts": len(ids),
-           "new_tokens": n_new, "k": k, "spec_tokens_per_s": spec_tps, "plain_tokens_per_s": plain_tps,
-           "speedup": spec_tps / plain_tps, "acceptance_rate": m.acceptance_rate,
-           "mean_acceptance_length": m.mean_acceptance_length,
-           "identical_to_plain": all(s.tokens == p.tokens for s, p in zip(specs, plains))}
+    row = {
+        "model": path.name,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "load_s": round(load_s, 2),
+        "prompts": len(ids),
+        "new_tokens": n_new,
+        "k": k,
+        "spec_tokens_per_s": spec_tps,
+        "plain_tokens_per_s": plain_tps,
+        "speedup": spec_tps / plain_tps,
+        "acceptance_rate": m.acceptance_rate,
+        "mean_acceptance_length": m.mean_acceptance_length,
+        "identical_to_plain": all(s.tokens == p.tokens for s, p in zip(specs, plains)),
+    }
     if device == "cuda":
         syncs, rounds, drafted = count_syncs(model, ids[0], k, sync_rounds)
-        row.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), syncs=syncs, sync_rounds=rounds,
-                   syncs_per_round=syncs / rounds, syncs_per_drafted_token=syncs / max(drafted, 1))
+        row.update(
+            peak_gpu_bytes=torch.cuda.max_memory_allocated(),
+            syncs=syncs,
+            sync_rounds=rounds,
+            syncs_per_round=syncs / rounds,
+            syncs_per_drafted_token=syncs / max(drafted, 1),
+        )
     del model
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | device | dtype | tok/s (k=3) | tok/s (plain) | speed-up | acceptance | mean acc. length "
-            "| peak GPU memory | syncs / round | syncs / drafted token | GPU / CPU (k=3) |")
+    head = (
+        "| model | device | dtype | tok/s (k=3) | tok/s (plain) | speed-up | acceptance | mean acc. length "
+        "| peak GPU memory | syncs / round | syncs / drafted token | GPU / CPU (k=3) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     cpu = {r["model"]: r for r in rows if r["device"] == "cpu"}
     for r in rows:
         gpu = r["device"] != "cpu"
-        ratio = (f"{r['spec_tokens_per_s'] / cpu[r['model']]['spec_tokens_per_s']:.1f}x"
-                 if gpu and r["model"] in cpu else "")
+        ratio = (
+            f"{r['spec_tokens_per_s'] / cpu[r['model']]['spec_tokens_per_s']:.1f}x" if gpu and r["model"] in cpu else ""
+        )
         mem = f"{r['peak_gpu_bytes'] / 2**30:.2f} GiB" if gpu else ""
         syncs = (f"{r['syncs_per_round']:.2f}", f"{r['syncs_per_drafted_token']:.2f}") if gpu else ("", "")
-        lines.append(f"| {r['model']} | {r['device']} | {r['dtype']} | {r['spec_tokens_per_s']:.1f} | "
-                     f"{r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance_rate']:.1%} | "
-                     f"{r['mean_acceptance_length']:.2f} | {mem} | {syncs[0]} | {syncs[1]} | {ratio} |")
+        lines.append(
+            f"| {r['model']} | {r['device']} | {r['dtype']} | {r['spec_tokens_per_s']:.1f} | "
+            f"{r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance_rate']:.1%} | "
+            f"{r['mean_acceptance_length']:.2f} | {mem} | {syncs[0]} | {syncs[1]} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -296,15 +319,24 @@ def main() -> int:
 
     rng = np.random.default_rng(1)
     if a.profile:
-        report = "\n\n".join(profile(p, dt, rng.integers(0, 2000, 48).tolist()) for p, dt in
-                             ((files["demo-glm-f16.gguf"], torch.float32), (files["demo-glm-Q4_K_M.gguf"], torch.float32),
-                              (big, torch.bfloat16)))
+        report = "\n\n".join(
+            profile(p, dt, rng.integers(0, 2000, 48).tolist())
+            for p, dt in (
+                (files["demo-glm-f16.gguf"], torch.float32),
+                (files["demo-glm-Q4_K_M.gguf"], torch.float32),
+                (big, torch.bfloat16),
+            )
+        )
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "profile.txt").write_text(report)
         print(report)
         return 0
-    cases = [(files["demo-glm-f16.gguf"], "demo-glm"), (files["demo-glm-Q4_K_M.gguf"], "demo-glm"),
-             (files["demo-qwen35-f16.gguf"], "demo-qwen35"), (big, None)]
+    cases = [
+        (files["demo-glm-f16.gguf"], "demo-glm"),
+        (files["demo-glm-Q4_K_M.gguf"], "demo-glm"),
+        (files["demo-qwen35-f16.gguf"], "demo-qwen35"),
+        (big, None),
+    ]
     rows = []
     for path, prompt_set in cases:
         if prompt_set:
@@ -319,18 +351,26 @@ def main() -> int:
                 torch.set_num_threads(1 if prompt_set else (os.cpu_count() or 1))
             n_new = a.tokens if device != "cpu" or prompt_set else a.cpu_tokens
             print(f"gpu_check: {path.name} on {device} ({dtype}), {len(prompts)} prompts x {n_new} tokens", flush=True)
-            rows.append(measure(path, device, dtype if device != "cpu" else torch.float32, prompts, n_new, 3,
-                                a.sync_rounds))
+            rows.append(
+                measure(path, device, dtype if device != "cpu" else torch.float32, prompts, n_new, 3, a.sync_rounds)
+            )
             torch.set_num_threads(threads)
     for r in rows:
         r["params"] = n_params(work / r["model"])
     a.out.mkdir(parents=True, exist_ok=True)
-    info = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "cpu_cores": os.cpu_count(), "rows": rows}
+    info = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu_cores": os.cpu_count(),
+        "rows": rows,
+    }
     (a.out / "gpu_check.json").write_text(json.dumps(info, indent=1))
-    md = (f"GPU check, {info['date']}: {info['gpu']}, torch {info['torch']}, {info['cpu_cores']} CPU cores. "
-          f"Synthetic model: {big.name}, {n_params(big) / 1e9:.2f} B parameters, bf16 weights, random, its head drafting the trunk's bigram guess.\n\n" + table(rows))
+    md = (
+        f"GPU check, {info['date']}: {info['gpu']}, torch {info['torch']}, {info['cpu_cores']} CPU cores. "
+        f"Synthetic model: {big.name}, {n_params(big) / 1e9:.2f} B parameters, bf16 weights, random, its head "
+        f"drafting the trunk's bigram guess.\n\n" + table(rows)
+    )
     (a.out / "gpu_check.md").write_text(md)
     print(md)
     bad = [r["model"] for r in rows if not r["identical_to_plain"] and r["dtype"] == "float32"]

@@ -39,8 +39,16 @@ import numpy as np
 import torch
 
 DEMOS = {"glm4moe": ("data/demo", "demo_heldout"), "qwen35": ("data/demo_qwen35", "demo_qwen35_heldout")}
-CALIBRATION_MODULES = ("json.decoder", "json.encoder", "argparse", "textwrap", "difflib", "inspect",
-                       "configparser", "tokenize")  # none of them is a held-out file of the demos
+CALIBRATION_MODULES = (
+    "json.decoder",
+    "json.encoder",
+    "argparse",
+    "textwrap",
+    "difflib",
+    "inspect",
+    "configparser",
+    "tokenize",
+)  # none of them is a held-out file of the demos
 WINDOW = 256
 
 
@@ -104,8 +112,11 @@ def head_output_errors(ref: Path, quants: dict[str, Path], texts: list[str]) -> 
     from mtpq.runtime.speculative import load_model
 
     def head_matrices(model) -> dict[str, torch.Tensor]:
-        return {m.name: m.matrix().double() for m in model.modules()
-                if isinstance(m, weights.QWeight) and m.name.startswith(f"blk.{len(model.blocks)}.")}
+        return {
+            m.name: m.matrix().double()
+            for m in model.modules()
+            if isinstance(m, weights.QWeight) and m.name.startswith(f"blk.{len(model.blocks)}.")
+        }
 
     model, tok = load_model(ref, device="cpu")
     inputs: dict[str, list[torch.Tensor]] = {}
@@ -152,8 +163,8 @@ def main() -> None:
     torch.set_num_threads(1)
     import importlib
 
-    from mtpq.quantize.imatrix import read_imatrix, write_imatrix
     from mtpq.acceptance.prompts import load_prompts
+    from mtpq.quantize.imatrix import read_imatrix, write_imatrix
 
     folder, prompt_set = DEMOS[args.model]
     prompts = [p for _, p in load_prompts(prompt_set)]
@@ -175,13 +186,18 @@ def main() -> None:
         static_path = d / "static.imatrix.gguf"
         write_imatrix(static, static_path)
         files = {"f32 reference": ref}
-        for label, imf, mtp_type in (("head q8_0", im, "q8_0"), ("head IQ2_XXS, head imatrix", im, "iq2_xxs"),
-                                     ("head IQ2_XXS, static (uniform)", static_path, "iq2_xxs")):
+        for label, imf, mtp_type in (
+            ("head q8_0", im, "q8_0"),
+            ("head IQ2_XXS, head imatrix", im, "iq2_xxs"),
+            ("head IQ2_XXS, static (uniform)", static_path, "iq2_xxs"),
+        ):
             out = d / (label.replace(" ", "_").replace(",", "") + ".gguf")
             mtpq("quantize", ref, out, "Q4_K_M", "--mtp-type", mtp_type, "--imatrix", imf, "-q")
             files[label] = out
-        print(f"{args.model} demo, {len(prompts)} held-out prompts x {args.new_tokens} tokens, imatrix "
-              f"{args.chunks} x 128 tokens ({len(head)} head entries); trunk Q4_K_M with the same imatrix")
+        print(
+            f"{args.model} demo, {len(prompts)} held-out prompts x {args.new_tokens} tokens, imatrix "
+            f"{args.chunks} x 128 tokens ({len(head)} head entries); trunk Q4_K_M with the same imatrix"
+        )
         rates = {}
         for label, path in files.items():
             pp = per_prompt_rates(path, prompts, args.new_tokens)
@@ -191,8 +207,10 @@ def main() -> None:
         a, b = rates["head IQ2_XXS, head imatrix"], rates["head IQ2_XXS, static (uniform)"]
         mean, lo, hi = paired_interval(a, b)
         rate = lambda pp: sum(x for x, _ in pp) / sum(y for _, y in pp)  # noqa: E731
-        print(f"head imatrix - static: {100 * (rate(a) - rate(b)):+.1f} points (per-prompt mean {100 * mean:+.1f}, "
-              f"95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})")
+        print(
+            f"head imatrix - static: {100 * (rate(a) - rate(b)):+.1f} points (per-prompt mean {100 * mean:+.1f}, "
+            f"95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})"
+        )
         if args.windows:
             texts = heldout_windows(folder, args.windows)
             print(f"held-out text: {len(texts)} windows of <= {WINDOW} tokens, draft == trunk's greedy choice")
@@ -202,8 +220,10 @@ def main() -> None:
                 print(f"  {label:<32} {100 * rate(pw):5.1f} %  ({sum(x for x, _ in pw)}/{sum(y for _, y in pw)})")
             a, b = wrates["head IQ2_XXS, head imatrix"], wrates["head IQ2_XXS, static (uniform)"]
             mean, lo, hi = paired_interval(a, b)
-            print(f"head imatrix - static on held-out text: {100 * (rate(a) - rate(b)):+.1f} points (per-window mean "
-                  f"{100 * mean:+.1f}, 95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})")
+            print(
+                f"head imatrix - static on held-out text: {100 * (rate(a) - rate(b)):+.1f} points (per-window mean "
+                f"{100 * mean:+.1f}, 95 % interval {100 * lo:+.1f} .. {100 * hi:+.1f})"
+            )
             iq2 = {k: files[k] for k in ("head IQ2_XXS, head imatrix", "head IQ2_XXS, static (uniform)")}
             errors = head_output_errors(ref, iq2, texts[:60])
             print("relative output error of each head matrix on its drafting inputs (60 windows; lower is better)")
@@ -211,6 +231,7 @@ def main() -> None:
             for name, e in errors.items():
                 mine, static = e["head IQ2_XXS, head imatrix"], e["head IQ2_XXS, static (uniform)"]
                 print(f"  {name:<40} {mine:12.4f} {static:8.4f}  {100 * (mine / static - 1):+5.1f} %")
+
 
 if __name__ == "__main__":
     main()

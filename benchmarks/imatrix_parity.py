@@ -37,10 +37,33 @@ SETTINGS = {"defaults": (), "f32 (-ctk f32 -ctv f32 -fa off)": ("-ctk", "f32", "
 
 
 def llama_imatrix(binary: Path, model: Path, calib: Path, out: Path, n_ctx: int, n_chunks: int, extra) -> dict:
-    proc = subprocess.run([str(binary), "-m", str(model), "-f", str(calib), "-o", str(out), "-c", str(n_ctx),
-                           "-b", str(n_ctx), "--chunks", str(n_chunks), "--no-ppl", "-t", "1", "--no-repack",
-                           "--no-escape", *extra], capture_output=True, text=True, errors="replace",
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-f",
+            str(calib),
+            "-o",
+            str(out),
+            "-c",
+            str(n_ctx),
+            "-b",
+            str(n_ctx),
+            "--chunks",
+            str(n_chunks),
+            "--no-ppl",
+            "-t",
+            "1",
+            "--no-repack",
+            "--no-escape",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        stdin=subprocess.DEVNULL,
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr[-2000:])
     return {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
@@ -64,8 +87,11 @@ class Float32Sums(im._Collector):
 
 
 def largest_relative(ours: dict, theirs: dict) -> tuple[float, str]:
-    return max((float(np.max(np.abs(theirs[k].reshape(st.sums.shape) - st.sums) / st.sums)), k)
-               for k, st in ours.items() if k in theirs)
+    return max(
+        (float(np.max(np.abs(theirs[k].reshape(st.sums.shape) - st.sums) / st.sums)), k)
+        for k, st in ours.items()
+        if k in theirs
+    )
 
 
 def main() -> None:
@@ -93,15 +119,19 @@ def main() -> None:
             watch = made[0]
             cells = []
             for label, extra in SETTINGS.items():
-                theirs = llama_imatrix(args.llama_cpp / "llama-imatrix", model_path, calib, d / "theirs.gguf",
-                                       n_ctx, n_chunks, extra)
+                theirs = llama_imatrix(
+                    args.llama_cpp / "llama-imatrix", model_path, calib, d / "theirs.gguf", n_ctx, n_chunks, extra
+                )
                 sums = {k[: -len(".in_sum2")]: v for k, v in theirs.items() if k.endswith(".in_sum2")}
                 rel, name = largest_relative(ours, sums)
                 cells.append(f"{label}: {rel:.2e} ({name})")
             summed = max(float(np.max(np.abs(watch.f32[k] - st.sums) / st.sums)) for k, st in ours.items())
             n = max(int(st.counts.max()) for st in ours.values())
-            print(f"-c {n_ctx} x {n_chunks}: " + "; ".join(cells) +
-                  f"; float32 summation alone {summed:.2e} (worst case (n-1)u = {(n - 1) * 2.0 ** -24:.2e}, n = {n})")
+            print(
+                f"-c {n_ctx} x {n_chunks}: "
+                + "; ".join(cells)
+                + f"; float32 summation alone {summed:.2e} (worst case (n-1)u = {(n - 1) * 2.0**-24:.2e}, n = {n})"
+            )
 
 
 if __name__ == "__main__":

@@ -60,10 +60,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix  # noqa: E402
 from mtpq.ggml import engine  # noqa: E402
 from mtpq.ggml.engine import dequantize, quantize  # noqa: E402
 from mtpq.ggml.registry import TYPES  # noqa: E402
+from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix  # noqa: E402
 from mtpq.quantize.presets import IMATRIX_ONLY_TYPES  # noqa: E402
 
 ALL = [t.name for t in TYPES if t not in (T.F32,)]
@@ -84,8 +84,10 @@ def _cpu_seconds() -> float:
     Less sensitive than wall time to other jobs on a shared machine."""
     import resource
 
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def _synthetic_importance(seed: int, cols: int) -> np.ndarray:
@@ -125,8 +127,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-quantize", type=Path, default=None, metavar="PATH")
     ap.add_argument("--imatrix", action="store_true", help="quantize with importance weights (both sides)")
-    ap.add_argument("--compare", default=None, help="types timed against llama-quantize (default: Q8_0,Q4_K,Q6_K; "
-                    "with --imatrix Q4_K,Q6_K,Q4_0,IQ4_XS,IQ2_XXS,IQ3_XXS)")
+    ap.add_argument(
+        "--compare",
+        default=None,
+        help="types timed against llama-quantize (default: Q8_0,Q4_K,Q6_K; "
+        "with --imatrix Q4_K,Q6_K,Q4_0,IQ4_XS,IQ2_XXS,IQ3_XXS)",
+    )
     ap.add_argument("--no-table", action="store_true", help="skip the first table (ours alone, every --types)")
     ap.add_argument("--whole-file", action="store_true", help="quantize a whole GLM-shaped GGUF with both tools")
     ap.add_argument("--keep", type=Path, help="--whole-file: build (or reuse) the GGUFs in this folder")
@@ -143,8 +149,10 @@ def main() -> None:
     imp = None
     if args.imatrix:
         imp = _synthetic_importance(args.seed, args.cols)
-    print(f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, {args.threads} threads"
-          f"{', with importance weights' if args.imatrix else ''}")
+    print(
+        f"matrix {args.rows}x{args.cols} f32 = {mb:.1f} MB, {args.threads} threads"
+        f"{', with importance weights' if args.imatrix else ''}"
+    )
     print(f"{'type':8} {'quantize s':>10} {'in MB/s':>9} {'dequant s':>10} {'out MB/s':>9}")
     for name in [] if args.no_table else args.types.split(","):
         qt = T[name]
@@ -165,15 +173,26 @@ def main() -> None:
         extra, names = [], ["Q8_0", "Q4_K", "Q6_K"]
         if args.imatrix:
             im_file = Path(tmp) / "imatrix.gguf"
-            write_imatrix(Imatrix({"blk.0.ffn_down.weight": Entry(imp[None], np.ones(1, dtype=np.float32))},
-                                  datasets=["bench"], chunk_count=1, chunk_size=1), im_file)
+            write_imatrix(
+                Imatrix(
+                    {"blk.0.ffn_down.weight": Entry(imp[None], np.ones(1, dtype=np.float32))},
+                    datasets=["bench"],
+                    chunk_count=1,
+                    chunk_size=1,
+                ),
+                im_file,
+            )
             extra, names = ["--imatrix", str(im_file)], ["Q4_K", "Q6_K", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"]
         if args.compare:
             names = args.compare.split(",")
-        print(f"\nllama-quantize --pure {' '.join(extra[:1])} ({args.llama_quantize}), {args.threads} threads, "
-              "whole-process wall time")
-        print(f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}"
-              f" {'cpu ours/theirs':>15}")
+        print(
+            f"\nllama-quantize --pure {' '.join(extra[:1])} ({args.llama_quantize}), {args.threads} threads, "
+            "whole-process wall time"
+        )
+        print(
+            f"{'type':8} {'theirs s':>9} {'in MB/s':>9} {'ours s':>9} {'ours/theirs':>12} {'same bytes':>11}"
+            f" {'cpu ours/theirs':>15}"
+        )
         for name in names:
             qt = T[name]
             out = Path(tmp) / f"{name}.gguf"
@@ -185,9 +204,17 @@ def main() -> None:
                 ours_t, ours_c = min(ours_t, t), min(ours_c, _cpu_seconds() - c0)
                 t0, c0 = time.perf_counter(), _cpu_seconds()
                 subprocess.run(
-                    [str(args.llama_quantize), "--pure", *extra, str(src), str(out), LLAMA_FTYPE.get(name, name),
-                     str(args.threads)],
-                    check=True, capture_output=True,
+                    [
+                        str(args.llama_quantize),
+                        "--pure",
+                        *extra,
+                        str(src),
+                        str(out),
+                        LLAMA_FTYPE.get(name, name),
+                        str(args.threads),
+                    ],
+                    check=True,
+                    capture_output=True,
                 )
                 theirs_t, theirs_c = min(theirs_t, time.perf_counter() - t0), min(theirs_c, _cpu_seconds() - c0)
             import gguf
@@ -198,30 +225,46 @@ def main() -> None:
             same = np.asarray(written.data).tobytes() == raw.tobytes()
             if not same:
                 _differences.append(name)
-            print(f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
-                  f" {ours_c / theirs_c:14.2f}", flush=True)
+            print(
+                f"{name:8} {theirs_t:9.3f} {mb / theirs_t:9.1f} {ours_t:9.3f} {ours_t / theirs_t:12.2f} {str(same):>11}"
+                f" {ours_c / theirs_c:14.2f}",
+                flush=True,
+            )
             out.unlink()
     sys.exit(1 if _differences else 0)
 
 
 # ----------------------------------------------------------------------------- --whole-file
 
-WHOLE_TYPES = ("Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_1,Q5_0,Q4_1,Q4_0,IQ4_NL,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,"
-               "IQ1_M,IQ1_S,TQ2_0,TQ1_0,Q2_0,MXFP4")  # not Q1_0: the file's rows of 352 have no Q1_0 fallback
+WHOLE_TYPES = (
+    "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_1,Q5_0,Q4_1,Q4_0,IQ4_NL,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,"
+    "IQ1_M,IQ1_S,TQ2_0,TQ1_0,Q2_0,MXFP4"
+)  # not Q1_0: the file's rows of 352 have no Q1_0 fallback
 # GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408)
-GLM_SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                 intermediate_size=2816, moe_intermediate_size=352, n_routed_experts=16, num_experts_per_tok=4,
-                 n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, vocab_size=8192)
+GLM_SHAPE = dict(
+    hidden_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=2816,
+    moe_intermediate_size=352,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_hidden_layers=3,
+    vocab_size=8192,
+)
 
 
 def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once."""
     import torch
 
-    from tests.builders import tiny
     from mtpq.convert import plan_checkpoint
     from mtpq.gguf_io import plan_from_gguf, write_plan
     from mtpq.tensors import Plan
+    from tests.builders import tiny
 
     big, mini, im_file = folder / "glm-f32.gguf", folder / "glm-mini-f32.gguf", folder / "glm.imatrix.gguf"
     if not big.exists():
@@ -234,18 +277,29 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
         one = next(s for s in plan.tensors if s.name == "blk.0.attn_q.weight")
         # 256 rows of attn_q's own length: the imatrix's entry for it fits (the i-quants need one)
         shape = (256, one.shape[-1])
-        small = type(one)(one.name, shape, one.role, T.F32, lambda: torch.zeros(*shape), "mini",
-                          source_type=T.F32, load_raw=lambda: np.full(shape, 0.01, dtype=np.float32))
-        write_plan(Plan(plan.arch, plan.kv, [small], n_trunk_layers=plan.n_trunk_layers,
-                        n_mtp_layers=plan.n_mtp_layers), mini)
+        small = type(one)(
+            one.name,
+            shape,
+            one.role,
+            T.F32,
+            lambda: torch.zeros(*shape),
+            "mini",
+            source_type=T.F32,
+            load_raw=lambda: np.full(shape, 0.01, dtype=np.float32),
+        )
+        write_plan(
+            Plan(plan.arch, plan.kv, [small], n_trunk_layers=plan.n_trunk_layers, n_mtp_layers=plan.n_mtp_layers), mini
+        )
     if not im_file.exists():
         rng = np.random.default_rng(0)
         entries = {}
         for s in plan.tensors:
             if len(s.shape) >= 2 and s.name.endswith("weight"):
                 n_mat = s.shape[0] if len(s.shape) == 3 else 1
-                entries[s.name] = Entry(np.exp(rng.normal(0.0, 1.5, (n_mat, s.shape[-1]))).astype(np.float32),
-                                        np.ones(n_mat, dtype=np.float32))
+                entries[s.name] = Entry(
+                    np.exp(rng.normal(0.0, 1.5, (n_mat, s.shape[-1]))).astype(np.float32),
+                    np.ones(n_mat, dtype=np.float32),
+                )
         write_imatrix(Imatrix(entries, datasets=["bench"], chunk_count=1, chunk_size=1), im_file)
     return big, mini, im_file
 
@@ -263,9 +317,10 @@ def _same_tensors(a: Path, b: Path) -> bool:
 
     ta = {t.name: t for t in gguf.GGUFReader(a).tensors}
     tb = {t.name: t for t in gguf.GGUFReader(b).tensors}
-    return set(ta) == set(tb) and all(ta[n].tensor_type == tb[n].tensor_type and
-                                      np.asarray(ta[n].data).tobytes() == np.asarray(tb[n].data).tobytes()
-                                      for n in ta)
+    return set(ta) == set(tb) and all(
+        ta[n].tensor_type == tb[n].tensor_type and np.asarray(ta[n].data).tobytes() == np.asarray(tb[n].data).tobytes()
+        for n in ta
+    )
 
 
 def whole_file(args) -> None:
@@ -278,18 +333,42 @@ def whole_file(args) -> None:
         llama_env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_quantize).resolve().parent)}
         types = args.types if args.types != ",".join(ALL) else WHOLE_TYPES
         load = os.getloadavg()[0]
-        print(f"{big.name}: {mb_big:.0f} MB f32, {args.threads} threads, best of {args.repeat}, load average "
-              f"{load:.2f} at the start ({os.cpu_count()} CPUs)")
-        print(f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu':>6} "
-              f"{'start theirs':>12} {'start ours':>10} {'ours cpu':>8} {'same bytes':>10} {'load':>5}")
+        print(
+            f"{big.name}: {mb_big:.0f} MB f32, {args.threads} threads, best of {args.repeat}, load average "
+            f"{load:.2f} at the start ({os.cpu_count()} CPUs)"
+        )
+        print(
+            f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu':>6} "
+            f"{'start theirs':>12} {'start ours':>10} {'ours cpu':>8} {'same bytes':>10} {'load':>5}"
+        )
         for name in types.split(","):
             qt = T[name]
             im = ["--imatrix", str(im_file)] if qt in IMATRIX_ONLY_TYPES or args.imatrix else []
-            ours = lambda src, out: [sys.executable, "-m", "mtpq", "quantize", str(src), str(out),  # noqa: E731
-                                     LLAMA_FTYPE.get(name, name), "--pure", "--mtp-type", "same",
-                                     "--threads", str(args.threads), "--quiet", *im]
-            theirs = lambda src, out: [str(args.llama_quantize), "--pure", *im, str(src), str(out),  # noqa: E731
-                                       LLAMA_FTYPE.get(name, name), str(args.threads)]
+            ours = lambda src, out: [
+                sys.executable,
+                "-m",
+                "mtpq",
+                "quantize",
+                str(src),
+                str(out),  # noqa: E731
+                LLAMA_FTYPE.get(name, name),
+                "--pure",
+                "--mtp-type",
+                "same",
+                "--threads",
+                str(args.threads),
+                "--quiet",
+                *im,
+            ]
+            theirs = lambda src, out: [
+                str(args.llama_quantize),
+                "--pure",
+                *im,
+                str(src),
+                str(out),  # noqa: E731
+                LLAMA_FTYPE.get(name, name),
+                str(args.threads),
+            ]
             # per tool: the best whole-file and one-tensor times (wall, CPU) over the rounds, the marginal being
             # their difference: a hiccup only adds time, so each best is the quietest run of its own (the best
             # per-round difference let one slow one-tensor run make the marginal tiny, even negative)
@@ -304,19 +383,30 @@ def whole_file(args) -> None:
                 _differences.append(name)
             (o_whole, o_whole_cpu, o_start, o_start_cpu) = best["o"]
             (t_whole, t_whole_cpu, t_start, t_start_cpu) = best["t"]
-            o_wall, o_cpu, t_wall, t_cpu = (o_whole - o_start, o_whole_cpu - o_start_cpu, t_whole - t_start,
-                                            t_whole_cpu - t_start_cpu)
+            o_wall, o_cpu, t_wall, t_cpu = (
+                o_whole - o_start,
+                o_whole_cpu - o_start_cpu,
+                t_whole - t_start,
+                t_whole_cpu - t_start_cpu,
+            )
             mb = mb_big - mb_mini
             if min(o_wall, o_cpu, t_wall, t_cpu) <= 0:  # the whole file no slower than one tensor: noise won
-                print(f"{name:8} no marginal time left after start-up (whole file: ours {o_whole:.2f} s, theirs "
-                      f"{t_whole:.2f} s; one tensor: {o_start:.2f} s, {t_start:.2f} s): rerun", flush=True)
+                print(
+                    f"{name:8} no marginal time left after start-up (whole file: ours {o_whole:.2f} s, theirs "
+                    f"{t_whole:.2f} s; one tensor: {o_start:.2f} s, {t_start:.2f} s): rerun",
+                    flush=True,
+                )
                 continue
-            print(f"{name:8} {mb / t_wall:11.1f} {mb / o_wall:9.1f} {t_wall / o_wall:10.2f}x {t_cpu / o_cpu:5.2f}x "
-                  f"{t_start:11.2f}s {o_start:9.2f}s {o_start_cpu:7.2f}s {str(same):>10} {os.getloadavg()[0]:5.1f}",
-                  flush=True)
-        print("ours/theirs: marginal throughput (input MB / (whole file - one-tensor file), wall), above 1: mtpq is "
-              "faster; cpu: the same in CPU time (threads and workers included), theirs / ours; start: the one-tensor "
-              "file's wall time (ours cpu: its CPU time); load: the 1-minute load average after the row")
+            print(
+                f"{name:8} {mb / t_wall:11.1f} {mb / o_wall:9.1f} {t_wall / o_wall:10.2f}x {t_cpu / o_cpu:5.2f}x "
+                f"{t_start:11.2f}s {o_start:9.2f}s {o_start_cpu:7.2f}s {str(same):>10} {os.getloadavg()[0]:5.1f}",
+                flush=True,
+            )
+        print(
+            "ours/theirs: marginal throughput (input MB / (whole file - one-tensor file), wall), above 1: mtpq is "
+            "faster; cpu: the same in CPU time (threads and workers included), theirs / ours; start: the one-tensor "
+            "file's wall time (ours cpu: its CPU time); load: the 1-minute load average after the row"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -33,10 +33,18 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K_M,Q6_K,Q8_0,IQ4_XS", help="llama-quantize presets")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-imatrix", action="store_true", help="without --imatrix (IQ4_XS then needs none here)")
-    ap.add_argument("--keep", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "mtpq-qbench",
-                    help="folder of quant_bench's GGUFs (built there if missing)")
-    ap.add_argument("--checkout", type=Path, action="append",
-                    help="an mtpq checkout to time (its folder as PYTHONPATH), repeatable; default: this one")
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "mtpq-qbench",
+        help="folder of quant_bench's GGUFs (built there if missing)",
+    )
+    ap.add_argument(
+        "--checkout",
+        type=Path,
+        action="append",
+        help="an mtpq checkout to time (its folder as PYTHONPATH), repeatable; default: this one",
+    )
     args = ap.parse_args()
     args.keep = args.keep.resolve()  # the commands run in each checkout's folder
     args.keep.mkdir(parents=True, exist_ok=True)
@@ -47,18 +55,33 @@ def main() -> None:
 
     # numba keys a kernel's cache entry by its source file's path and time: checkouts sharing a cache folder would
     # evict each other's kernels, so with several each gets its own
-    caches = {c: {"NUMBA_CACHE_DIR": str(args.keep / "numba" / f"checkout-{i}")} if len(checkouts) > 1 else {}
-              for i, c in enumerate(checkouts)}
+    caches = {
+        c: {"NUMBA_CACHE_DIR": str(args.keep / "numba" / f"checkout-{i}")} if len(checkouts) > 1 else {}
+        for i, c in enumerate(checkouts)
+    }
 
     # as installed: Python's bytecode cache written at the first run and read after (PYTHONDONTWRITEBYTECODE
     # would have every run compile mtpq's sources, ~40 ms)
     base_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
     def run(c: Path, t: str) -> None:
-        subprocess.run([sys.executable, "-m", "mtpq", "quantize", str(mini), str(out), t, "-q",
-                        *([] if args.no_imatrix else ["--imatrix", str(im)])],
-                       check=True, env={**base_env, "PYTHONPATH": str(c), **caches[c]}, capture_output=True,
-                       cwd=c)  # `python -m` puts the working folder first on sys.path, before PYTHONPATH
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mtpq",
+                "quantize",
+                str(mini),
+                str(out),
+                t,
+                "-q",
+                *([] if args.no_imatrix else ["--imatrix", str(im)]),
+            ],
+            check=True,
+            env={**base_env, "PYTHONPATH": str(c), **caches[c]},
+            capture_output=True,
+            cwd=c,
+        )  # `python -m` puts the working folder first on sys.path, before PYTHONPATH
 
     for r in runs:
         run(*r)  # warm: compiled once, or loaded from numba's cache
@@ -70,13 +93,19 @@ def main() -> None:
             run(*r)
             walls[r].append(time.perf_counter() - t0)
             cpus[r].append(_cpu_seconds() - c0)
-    print(f"mtpq quantize {mini.name} ({mini.stat().st_size / 1e6:.1f} MB) TYPE -q{'' if args.no_imatrix else ' --imatrix'}"
-          f", {args.repeat} runs each, load average {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+    print(
+        f"mtpq quantize {mini.name} ({mini.stat().st_size / 1e6:.1f} MB) TYPE "
+        f"-q{'' if args.no_imatrix else ' --imatrix'}"
+        f", {args.repeat} runs each, load average {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)"
+    )
     print(f"{'checkout':30} {'type':8} {'min s':>6} {'median s':>8} {'max s':>6} {'cpu s':>6}")
     for c, t in runs:
         w = walls[c, t]
-        print(f"{str(c)[-30:]:30} {t:8} {min(w):6.3f} {statistics.median(w):8.3f} {max(w):6.3f} "
-              f"{statistics.median(cpus[c, t]):6.3f}")
+        print(
+            f"{str(c)[-30:]:30} {t:8} {min(w):6.3f} {statistics.median(w):8.3f} {max(w):6.3f} "
+            f"{statistics.median(cpus[c, t]):6.3f}"
+        )
+
 
 if __name__ == "__main__":
     main()

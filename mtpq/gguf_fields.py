@@ -48,8 +48,8 @@ class FastFieldsReader(GGUFReader):
         try:
             for _ in range(n):
                 (slen,) = _U64.unpack_from(buf, offs)
-                parts.append(raw[offs:offs + 8].view(np.uint64))
-                parts.append(raw[offs + 8:offs + 8 + slen])
+                parts.append(raw[offs : offs + 8].view(np.uint64))
+                parts.append(raw[offs + 8 : offs + 8 + slen])
                 data_idxs.append(len(parts) - 1)
                 offs += 8 + slen
         except struct.error:

@@ -58,7 +58,7 @@ MTP_ONLY_KEEP = ("token_embd.weight", "output_norm.weight", "output.weight")
 _MTP_ONLY_EXTRA = {
     "step35": ("rope_freqs.weight",),  # per-layer RoPE frequencies, the head's layer among them
     "deepseek4": ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"),  # the head's own
-}                                                                                              # output hyper-connection
+}  # output hyper-connection
 
 
 def mtp_only_keep(arch: str) -> tuple[str, ...]:

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT regexes (src/llama-vocab.cpp), applied in order, each isolating its matches
-LLAMA_DEFAULT_PRE = [r"[\p{P}\$\+<=>\^~\|]+",
-                     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-                     r"\p{N}+",
-                     r"[0-9][0-9][0-9]"]
+LLAMA_DEFAULT_PRE = [
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+]
 
 
 class DemoModel(nn.Module):
@@ -58,6 +60,7 @@ def _shell(lm: nn.Module) -> DemoModel:
 
 # --------------------------------------------------------------------------- GLM-4.5
 
+
 def _with_head(lm: nn.Module, mtp: nn.Module, norm_weight: torch.Tensor) -> DemoModel:
     """A fresh model to train: ``lm`` and its MTP head ``mtp`` (initialised as the trunk's layers), the trunk's
     final norm weight set to ``norm_weight``."""
@@ -72,11 +75,23 @@ def _with_head(lm: nn.Module, mtp: nn.Module, norm_weight: torch.Tensor) -> Demo
 class Glm4Moe:
     name = "glm4moe"
     architecture = "Glm4MoeForCausalLM"
-    specials = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-                "<|user|>", "<|assistant|>", "<|observation|>"]
+    specials = [
+        "<|endoftext|>",
+        "[MASK]",
+        "[gMASK]",
+        "[sMASK]",
+        "<sop>",
+        "<eop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+    ]
     stop_tokens = ("<|endoftext|>", "<|user|>", "<|observation|>")
-    chat_template = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
-                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    chat_template = (
+        "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     # f32 in the checkpoint, as GLM ships its correction biases
     f32_suffixes = ("e_score_correction_bias",)
 
@@ -84,14 +99,32 @@ class Glm4Moe:
         from transformers import Glm4MoeConfig
 
         cfg = Glm4MoeConfig(
-            vocab_size=vocab, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-            n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5,
-            use_qk_norm=True, attention_bias=True, tie_word_embeddings=False, rms_norm_eps=1e-5,
-            max_position_embeddings=4096, num_nextn_predict_layers=1,
+            vocab_size=vocab,
+            hidden_size=256,
+            intermediate_size=768,
+            moe_intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=4096,
+            num_nextn_predict_layers=1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-            eos_token_id=eos, pad_token_id=eos[0])
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
         cfg._attn_implementation = "sdpa"
         return cfg
 
@@ -99,8 +132,11 @@ class Glm4Moe:
         from transformers import Glm4MoeForCausalLM
 
         # a final norm far from uniform: pre- and post-norm states differ in direction
-        return _with_head(Glm4MoeForCausalLM(config), GlmMtpLayer(config),
-                          torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen)))
+        return _with_head(
+            Glm4MoeForCausalLM(config),
+            GlmMtpLayer(config),
+            torch.exp(norm_spread * torch.randn(config.hidden_size, generator=gen)),
+        )
 
     def routers(self, model: DemoModel) -> list[nn.Module]:
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
@@ -115,11 +151,15 @@ class Glm4Moe:
         cfg = model.lm.config
         p = self.mtp_prefix(cfg)
         m = model.mtp
-        sd = {p + "eh_proj.weight": m.eh_proj.weight, p + "enorm.weight": m.enorm.weight,
-              p + "hnorm.weight": m.hnorm.weight, p + "shared_head.norm.weight": m.shared_head_norm.weight,
-              # shared with the trunk: saved as copies, as llama.cpp reads them under the head's names
-              p + "embed_tokens.weight": model.lm.model.embed_tokens.weight,
-              p + "shared_head.head.weight": model.lm.lm_head.weight}
+        sd = {
+            p + "eh_proj.weight": m.eh_proj.weight,
+            p + "enorm.weight": m.enorm.weight,
+            p + "hnorm.weight": m.hnorm.weight,
+            p + "shared_head.norm.weight": m.shared_head_norm.weight,
+            # shared with the trunk: saved as copies, as llama.cpp reads them under the head's names
+            p + "embed_tokens.weight": model.lm.model.embed_tokens.weight,
+            p + "shared_head.head.weight": model.lm.lm_head.weight,
+        }
         blk = m.block
         for name, t in blk.named_parameters():
             if ".experts." not in name:
@@ -170,20 +210,25 @@ class GlmMtpLayer(nn.Module):
         self.block = Glm4MoeDecoderLayer(config, layer_idx=config.num_hidden_layers)  # MoE: idx >= first_k_dense
         self.shared_head_norm = Glm4MoeRMSNorm(h, eps)
 
-    def forward(self, h_t: torch.Tensor, emb_next: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, h_t: torch.Tensor, emb_next: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         u = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h_t)], dim=-1))
         return self.shared_head_norm(self.block(u, attention_mask=None, position_embeddings=rope))
 
 
 # --------------------------------------------------------------------------- Qwen3.5
 
+
 class Qwen35:
     name = "qwen35"
     architecture = "Qwen3_5ForCausalLM"
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     stop_tokens = ("<|endoftext|>", "<|im_end|>")
-    chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     f32_suffixes: tuple[str, ...] = ()
 
     def make_config(self, vocab: int, eos: list[int]):
@@ -192,13 +237,31 @@ class Qwen35:
         # 3 gated-DeltaNet layers + 1 gated full-attention layer (full_attention_interval 4), dense SwiGLU;
         # 2 key / 4 value heads so llama.cpp's value-head reordering is exercised, as in the real releases
         cfg = Qwen3_5TextConfig(
-            vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                             "mrope_section": [3, 3, 2], "mrope_interleaved": True},
-            eos_token_id=eos, pad_token_id=eos[0])
+            vocab_size=vocab,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [3, 3, 2],
+                "mrope_interleaved": True,
+            },
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
         cfg._attn_implementation = "sdpa"
         return cfg
 
@@ -219,8 +282,12 @@ class Qwen35:
         """The MTP layer under Qwen3.5's checkpoint names (``mtp.*``); embedding and head are the trunk's
         (``mtp_use_dedicated_embeddings`` false, as the releases ship it)."""
         m = model.mtp
-        sd = {"mtp.fc.weight": m.fc.weight, "mtp.pre_fc_norm_embedding.weight": m.pre_fc_norm_embedding.weight,
-              "mtp.pre_fc_norm_hidden.weight": m.pre_fc_norm_hidden.weight, "mtp.norm.weight": m.norm.weight}
+        sd = {
+            "mtp.fc.weight": m.fc.weight,
+            "mtp.pre_fc_norm_embedding.weight": m.pre_fc_norm_embedding.weight,
+            "mtp.pre_fc_norm_hidden.weight": m.pre_fc_norm_hidden.weight,
+            "mtp.norm.weight": m.norm.weight,
+        }
         sd.update({"mtp.layers.0." + k: v for k, v in m.layer.named_parameters()})
         return sd
 
@@ -241,8 +308,9 @@ class Qwen35:
         for f in sorted(folder.glob("*.safetensors")):
             sd.update({k: v.float() for k, v in load_file(str(f)).items() if k.startswith("mtp.")})
         head = QwenMtpLayer(lm.config).eval()
-        head.load_state_dict({k.removeprefix("mtp.").replace("layers.0.", "layer.", 1): v for k, v in sd.items()},
-                             strict=True)
+        head.load_state_dict(
+            {k.removeprefix("mtp.").replace("layers.0.", "layer.", 1): v for k, v in sd.items()}, strict=True
+        )
         shell = _shell(lm)
         shell.mtp = head
 
@@ -253,7 +321,8 @@ class Qwen35:
 
 
 class QwenMtpLayer(nn.Module):
-    """Qwen3.5's MTP layer (``mtp.*``): one gated full-attention decoder layer; embedding and LM head are the trunk's."""
+    """Qwen3.5's MTP layer (``mtp.*``): one gated full-attention decoder layer; embedding and LM head are the
+    trunk's."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -268,7 +337,9 @@ class QwenMtpLayer(nn.Module):
         self.layer = Qwen3_5DecoderLayer(block_cfg, 0)
         self.norm = Qwen3_5RMSNorm(h, eps)
 
-    def forward(self, h_t: torch.Tensor, emb_next: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, h_t: torch.Tensor, emb_next: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         u = self.fc(torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(h_t)], dim=-1))
         return self.norm(self.layer(u, position_embeddings=rope, attention_mask=None))
 

@@ -37,7 +37,8 @@ What it builds (the family-specific parts are in ``scripts/demo_families.py``)
 Rerun (from the repo root; one thread by default: ~20 min of training + ~2 min of
 evaluation on an idle core, about 26 min in all on the shared 2-core dev box)
     make install                                                  # the repo's .venv, as for the tests
-    PYTHONPATH=. .venv/bin/python scripts/train_demo.py           # -> mtpq/data/demo, mtpq/data/prompts/demo_heldout.jsonl
+    PYTHONPATH=. .venv/bin/python scripts/train_demo.py           # -> mtpq/data/demo,
+                                                                  # mtpq/data/prompts/demo_heldout.jsonl
     PYTHONPATH=. .venv/bin/python scripts/train_demo.py --family qwen35   # -> mtpq/data/demo_qwen35 (~45 min)
     PYTHONPATH=. .venv/bin/python scripts/train_demo.py --steps 200 --out demo-smoke \
         --prompts-out demo-smoke.jsonl                            # quick smoke run (~5 min)
@@ -75,8 +76,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from demo_families import FAMILIES, LLAMA_DEFAULT_PRE, DemoModel  # noqa: E402 (scripts/ is on sys.path)
 
 
@@ -104,6 +103,7 @@ class Args:
 
 # --------------------------------------------------------------------------- corpus + tokenizer
 
+
 def stdlib_files(stdlib: Path) -> tuple[list[Path], list[Path]]:
     """Top-level stdlib modules, sorted by name; every 8th file (index % 8 == 5) is held out."""
     files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
@@ -124,10 +124,15 @@ def train_tokenizer(texts: list[str], vocab: int, specials: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in LLAMA_DEFAULT_PRE]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -140,8 +145,13 @@ def save_tokenizer(tok, folder: Path, fam) -> None:
     # keep the chat template inside tokenizer_config.json, no BOS/EOS added on encode
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update(chat_template=fam.chat_template, add_bos_token=False, add_eos_token=False,
-               tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096)
+    cfg.update(
+        chat_template=fam.chat_template,
+        add_bos_token=False,
+        add_eos_token=False,
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=4096,
+    )
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (folder / "chat_template.jinja").unlink(missing_ok=True)
 
@@ -156,12 +166,14 @@ def token_stream(tok, texts: list[str], sep: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- model (the rest: demo_families.py)
 
+
 def eos_ids(fam) -> list[int]:
     """The family's stop tokens (the tokenizer trainer puts the specials first, in order)."""
     return [fam.specials.index(t) for t in fam.stop_tokens]
 
 
 # --------------------------------------------------------------------------- training
+
 
 def lr_at(step: int, a: Args) -> float:
     if step < a.warmup:
@@ -176,7 +188,7 @@ def losses(model: DemoModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     h, _ = model.trunk(x[:, :T])
     v = model.lm.config.vocab_size
     trunk = F.cross_entropy(model.lm.lm_head(h).reshape(-1, v), x[:, 1:].reshape(-1))
-    head = model.head_logits(h[:, :T - 1], x[:, 1:T])
+    head = model.head_logits(h[:, : T - 1], x[:, 1:T])
     mtp = F.cross_entropy(head.reshape(-1, v), x[:, 2:].reshape(-1))
     acc = (head.argmax(-1) == x[:, 2:]).float().mean()
     return trunk, mtp, acc
@@ -185,8 +197,12 @@ def losses(model: DemoModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def train(model: DemoModel, fam, stream: torch.Tensor, a: Args, gen: torch.Generator) -> dict:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     loads: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, i, o: loads.append(o[2].detach())) for r in fam.routers(model)]
     model.train()
@@ -195,7 +211,7 @@ def train(model: DemoModel, fam, stream: torch.Tensor, a: Args, gen: torch.Gener
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a)
         starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
-        x = torch.stack([stream[s:s + a.seq + 1] for s in starts.tolist()])
+        x = torch.stack([stream[s : s + a.seq + 1] for s in starts.tolist()])
         loads.clear()
         trunk, mtp, _ = losses(model, x)
         (trunk + a.mtp_weight * mtp).backward()
@@ -210,13 +226,19 @@ def train(model: DemoModel, fam, stream: torch.Tensor, a: Args, gen: torch.Gener
         ema = cur if ema is None else 0.98 * ema + 0.02 * cur
         if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
             el = time.time() - t0
-            print(f"step {step + 1:5d}/{a.steps}  loss trunk {ema[0]:.3f}  mtp {ema[1]:.3f}  lr {lr_at(step, a):.2e}  "
-                  f"{el / 60:5.1f} min  {(step + 1) * a.batch * a.seq / el:6.0f} tok/s", flush=True)
+            print(
+                f"step {step + 1:5d}/{a.steps}  loss trunk {ema[0]:.3f}  mtp {ema[1]:.3f}  lr {lr_at(step, a):.2e}  "
+                f"{el / 60:5.1f} min  {(step + 1) * a.batch * a.seq / el:6.0f} tok/s",
+                flush=True,
+            )
     for h in hooks:
         h.remove()
     model.eval()
-    return {"train_loss_trunk_ema": round(float(ema[0]), 4), "train_loss_mtp_ema": round(float(ema[1]), 4),
-            "train_minutes": round((time.time() - t0) / 60, 2)}
+    return {
+        "train_loss_trunk_ema": round(float(ema[0]), 4),
+        "train_loss_mtp_ema": round(float(ema[1]), 4),
+        "train_minutes": round((time.time() - t0) / 60, 2),
+    }
 
 
 # --------------------------------------------------------------------------- held-out prompts and acceptance
@@ -244,7 +266,7 @@ def cut_prompts(tok, held: list[Path], per_cat: int, gen: torch.Generator, max_t
             i = cands[int(torch.randint(0, len(cands), (1,), generator=gen))]
             lo = max(0, i - 14)
             while True:  # drop leading lines until the prompt fits max_tokens
-                text = "\n".join(lines[lo:i + 1])
+                text = "\n".join(lines[lo : i + 1])
                 if len(tok.encode(text).ids) <= max_tokens or lo == i:
                     break
                 lo += 1
@@ -277,7 +299,8 @@ def acceptance(model: DemoModel, tok, prompts: list[dict], n_new: int, head_fn=N
     For each prompt (P tokens) the trunk continues greedily for n_new tokens; one pass over the
     whole sequence gives, at every t with x_{t+1} generated, the head's draft argmax head(h_t, x_{t+1})
     and the trunk's next greedy token argmax trunk(.)[t+1]; a draft is accepted when they agree.
-    ``head_fn(seq, h) -> logits`` (h: the trunk hidden state under test) replaces the in-script head (used for the reload check).
+    ``head_fn(seq, h) -> logits`` (h: the trunk hidden state under test) replaces the in-script head (used for the
+    reload check).
     """
     acc = {"post": [0, 0], "pre": [0, 0]}
     per_cat: dict[str, list[int]] = {}
@@ -302,8 +325,12 @@ def acceptance(model: DemoModel, tok, prompts: list[dict], n_new: int, head_fn=N
                 c[0] += hit
                 c[1] += len(ts)
     rate = {k: v[0] / max(1, v[1]) for k, v in acc.items()}
-    return {"accept_post_norm": round(rate["post"], 4), "accept_pre_norm": round(rate["pre"], 4),
-            "drafted": acc["post"][1], "per_category": {k: round(v[0] / v[1], 4) for k, v in sorted(per_cat.items())}}
+    return {
+        "accept_post_norm": round(rate["post"], 4),
+        "accept_pre_norm": round(rate["pre"], 4),
+        "drafted": acc["post"][1],
+        "per_category": {k: round(v[0] / v[1], 4) for k, v in sorted(per_cat.items())},
+    }
 
 
 @torch.no_grad()
@@ -313,14 +340,18 @@ def heldout_losses(model: DemoModel, stream: torch.Tensor, a: Args) -> dict:
     n = 24
     for _ in range(n // 4):
         starts = torch.randint(0, len(stream) - a.seq - 1, (4,), generator=gen)
-        x = torch.stack([stream[s:s + a.seq + 1] for s in starts.tolist()])
+        x = torch.stack([stream[s : s + a.seq + 1] for s in starts.tolist()])
         tot += torch.tensor([float(v) for v in losses(model, x)])
     tot /= n // 4
-    return {"heldout_loss_trunk": round(float(tot[0]), 4), "heldout_loss_mtp": round(float(tot[1]), 4),
-            "heldout_mtp_top1": round(float(tot[2]), 4)}
+    return {
+        "heldout_loss_trunk": round(float(tot[0]), 4),
+        "heldout_loss_mtp": round(float(tot[1]), 4),
+        "heldout_mtp_top1": round(float(tot[2]), 4),
+    }
 
 
 # --------------------------------------------------------------------------- saving
+
 
 def checkpoint_tensors(model: DemoModel, fam, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Trunk as transformers saves it + the MTP layer under the family's checkpoint names."""
@@ -334,8 +365,10 @@ def checkpoint_tensors(model: DemoModel, fam, dtype: torch.dtype) -> dict[str, t
         for f in sorted(Path(d).glob("*.safetensors")):
             sd.update(load_file(str(f)))
     sd.update(fam.mtp_tensors(model))
-    return {k: (v.detach().float() if k.endswith(fam.f32_suffixes) else v.detach().to(dtype)).contiguous()
-            for k, v in sd.items()}
+    return {
+        k: (v.detach().float() if k.endswith(fam.f32_suffixes) else v.detach().to(dtype)).contiguous()
+        for k, v in sd.items()
+    }
 
 
 def save_folder(folder: Path, model: DemoModel, fam, tok, dtype: torch.dtype, record: dict) -> None:
@@ -349,17 +382,27 @@ def save_folder(folder: Path, model: DemoModel, fam, tok, dtype: torch.dtype, re
     fam.extra_config(cfg)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     mtp_prefix = fam.mtp_prefix(model.lm.config)
-    shards = [sorted(k for k in tensors if not k.startswith(mtp_prefix)), sorted(k for k in tensors if k.startswith(mtp_prefix))]
+    shards = [
+        sorted(k for k in tensors if not k.startswith(mtp_prefix)),
+        sorted(k for k in tensors if k.startswith(mtp_prefix)),
+    ]
     weight_map = {}
     for i, names in enumerate(shards):  # shard 2 holds the MTP layer, as the releases' last shards do
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, str(folder / fname), metadata={"format": "pt"})
         (folder / fname).chmod(0o644)  # safetensors creates shards 0600; package data must be world-readable
         weight_map.update({n: fname for n in names})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    gen_cfg = {"_from_model_config": False, "eos_token_id": eos_ids(fam), "pad_token_id": eos_ids(fam)[0], "do_sample": False}
+    gen_cfg = {
+        "_from_model_config": False,
+        "eos_token_id": eos_ids(fam),
+        "pad_token_id": eos_ids(fam)[0],
+        "do_sample": False,
+    }
     (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     save_tokenizer(tok, folder, fam)
     (folder / "demo_training.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -385,6 +428,7 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
 
 # --------------------------------------------------------------------------- reload check (transformers as oracle)
 
+
 def reload_check(folder: Path, fam, prompts: list[dict], n_new: int, tok) -> dict:
     """Read the saved folder back (transformers for the trunk, the family's independent head
     reader for the MTP layer) and recompute the acceptance."""
@@ -393,6 +437,7 @@ def reload_check(folder: Path, fam, prompts: list[dict], n_new: int, tok) -> dic
 
 
 # --------------------------------------------------------------------------- main
+
 
 def parse() -> Args:
     repo = Path(__file__).resolve().parents[1]
@@ -411,7 +456,6 @@ def parse() -> Args:
     return a
 
 
-
 def _portable(value) -> str:
     """An argument as recorded: a path inside the repository relative to it, the standard library by name (no
     machine's paths in the packaged record)."""
@@ -424,6 +468,7 @@ def _portable(value) -> str:
     if Path(text).resolve() == Path(sysconfig.get_paths()["stdlib"]).resolve():
         return f"<stdlib of Python {sys.version.split()[0]}>"
     return text
+
 
 def main() -> None:
     a = parse()
@@ -444,20 +489,34 @@ def main() -> None:
     assert all(tok.token_to_id(t) == i for i, t in enumerate(fam.specials)), "special tokens must come first"
     sep = tok.token_to_id("<|endoftext|>")
     train_ids, held_ids = token_stream(tok, train_texts, sep), token_stream(tok, held_texts, sep)
-    corpus_hash = hashlib.sha256("".join(p.name + "\0" + t for p, t in zip(train_files, train_texts)).encode()).hexdigest()
-    print(f"corpus: {a.stdlib} ({sys.version.split()[0]}): {len(train_files)} train files "
-          f"{sum(map(len, train_texts)) / 1e6:.2f} MB -> {len(train_ids) / 1e6:.2f} M tokens; "
-          f"{len(held_files)} held-out files -> {len(held_ids) / 1e6:.2f} M tokens; vocab {tok.get_vocab_size()}", flush=True)
+    corpus_hash = hashlib.sha256(
+        "".join(p.name + "\0" + t for p, t in zip(train_files, train_texts)).encode()
+    ).hexdigest()
+    print(
+        f"corpus: {a.stdlib} ({sys.version.split()[0]}): {len(train_files)} train files "
+        f"{sum(map(len, train_texts)) / 1e6:.2f} MB -> {len(train_ids) / 1e6:.2f} M tokens; "
+        f"{len(held_files)} held-out files -> {len(held_ids) / 1e6:.2f} M tokens; vocab {tok.get_vocab_size()}",
+        flush=True,
+    )
 
     config = fam.make_config(tok.get_vocab_size(), eos_ids(fam))
     model = fam.build(config, a.norm_spread, gen)
     n_trunk = sum(p.numel() for p in model.lm.parameters())
     n_mtp = sum(p.numel() for p in model.mtp.parameters())
-    print(f"model: trunk {n_trunk / 1e6:.2f} M params, MTP layer {n_mtp / 1e6:.2f} M (+ shared embedding/head)", flush=True)
-    record: dict = {"args": {k: _portable(v) for k, v in asdict(a).items()}, "python": sys.version.split()[0],
-                    "train_files": len(train_files), "heldout_files": [p.name for p in held_files],
-                    "train_corpus_sha256": corpus_hash, "train_tokens": len(train_ids), "params_trunk": n_trunk,
-                    "params_mtp_layer": n_mtp}
+    print(
+        f"model: trunk {n_trunk / 1e6:.2f} M params, MTP layer {n_mtp / 1e6:.2f} M (+ shared embedding/head)",
+        flush=True,
+    )
+    record: dict = {
+        "args": {k: _portable(v) for k, v in asdict(a).items()},
+        "python": sys.version.split()[0],
+        "train_files": len(train_files),
+        "heldout_files": [p.name for p in held_files],
+        "train_corpus_sha256": corpus_hash,
+        "train_tokens": len(train_ids),
+        "params_trunk": n_trunk,
+        "params_mtp_layer": n_mtp,
+    }
     record.update(train(model, fam, train_ids, a, gen))
 
     dtype = torch.bfloat16
@@ -465,20 +524,28 @@ def main() -> None:
         for p in model.parameters():
             p.copy_(p.to(dtype).float())
     record.update(heldout_losses(model, held_ids, a))
-    print(f"held-out: loss trunk {record['heldout_loss_trunk']:.3f}  mtp {record['heldout_loss_mtp']:.3f}  "
-          f"mtp top-1 on real text {record['heldout_mtp_top1']:.3f}", flush=True)
+    print(
+        f"held-out: loss trunk {record['heldout_loss_trunk']:.3f}  mtp {record['heldout_loss_mtp']:.3f}  "
+        f"mtp top-1 on real text {record['heldout_mtp_top1']:.3f}",
+        flush=True,
+    )
 
     prompts = cut_prompts(tok, held_files, per_cat=8, gen=torch.Generator().manual_seed(a.seed + 1))
     wide = cut_prompts(tok, held_files, per_cat=len(held_files), gen=torch.Generator().manual_seed(a.seed + 2))
     t = time.time()
     record["acceptance_prompts"] = acceptance(model, tok, prompts, a.new_tokens)
     record["acceptance_wide"] = acceptance(model, tok, wide, a.new_tokens)
-    for key, what in (("acceptance_prompts", f"{len(prompts)} prompts of demo_heldout.jsonl"),
-                      ("acceptance_wide", f"{len(wide)} wider held-out prompts")):
+    for key, what in (
+        ("acceptance_prompts", f"{len(prompts)} prompts of demo_heldout.jsonl"),
+        ("acceptance_wide", f"{len(wide)} wider held-out prompts"),
+    ):
         r = record[key]
-        print(f"depth-1 greedy acceptance ({what}, {r['drafted']} drafts, {a.new_tokens} new tokens each): "
-              f"post-norm h {100 * r['accept_post_norm']:.1f} %   pre-norm h {100 * r['accept_pre_norm']:.1f} %   "
-              f"by category {r['per_category']}", flush=True)
+        print(
+            f"depth-1 greedy acceptance ({what}, {r['drafted']} drafts, {a.new_tokens} new tokens each): "
+            f"post-norm h {100 * r['accept_post_norm']:.1f} %   pre-norm h {100 * r['accept_pre_norm']:.1f} %   "
+            f"by category {r['per_category']}",
+            flush=True,
+        )
     print(f"(acceptance took {time.time() - t:.0f} s)")
 
     tmp = a.out.with_name(a.out.name + f".tmp-{os.getpid()}")
@@ -488,8 +555,11 @@ def main() -> None:
         save_folder(tmp, model, fam, tok, dtype, record)
         check = reload_check(tmp, fam, prompts, a.new_tokens, tok)
         same = check["accept_post_norm"] == record["acceptance_prompts"]["accept_post_norm"]
-        print(f"reload check (from the saved files): post-norm {100 * check['accept_post_norm']:.1f} %  "
-              f"pre-norm {100 * check['accept_pre_norm']:.1f} %  -> {'same' if same else 'DIFFERENT'}", flush=True)
+        print(
+            f"reload check (from the saved files): post-norm {100 * check['accept_post_norm']:.1f} %  "
+            f"pre-norm {100 * check['accept_pre_norm']:.1f} %  -> {'same' if same else 'DIFFERENT'}",
+            flush=True,
+        )
         if not same:
             sys.exit("error: the saved checkpoint does not reproduce the in-script acceptance")
         record["reload_check"] = check

@@ -53,7 +53,7 @@ def import_graph(package: Path = PACKAGE, type_only: bool = True) -> dict[str, s
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[:len(base) - (node.level - 1)]
+                    base = base[: len(base) - (node.level - 1)]
                     mod = ".".join(base + ([node.module] if node.module else []))
                 else:
                     mod = node.module or ""
@@ -118,8 +118,9 @@ def floor(module: str) -> int:
 
 def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """The arrows from a floor to a floor above it."""
-    return sorted((m, d) for m, deps in graph.items() for d in deps
-                  if d in graph and d != "mtpq" and floor(d) > floor(m))
+    return sorted(
+        (m, d) for m, deps in graph.items() for d in deps if d in graph and d != "mtpq" and floor(d) > floor(m)
+    )
 
 
 def test_no_import_cycle_lazy_and_type_only_imports_included():
@@ -143,9 +144,16 @@ def test_the_model_libraries_stand_apart():
     none of each other: a job that needs two of them is a workflow."""
     graph = import_graph()
     parts = ("convert", "quantize", "runtime")
-    crossing = sorted((m, d) for m, deps in graph.items() for d in deps
-                      if m.split(".")[1:2] and d.split(".")[1:2]
-                      and m.split(".")[1] in parts and d.split(".")[1] in parts and m.split(".")[1] != d.split(".")[1])
+    crossing = sorted(
+        (m, d)
+        for m, deps in graph.items()
+        for d in deps
+        if m.split(".")[1:2]
+        and d.split(".")[1:2]
+        and m.split(".")[1] in parts
+        and d.split(".")[1] in parts
+        and m.split(".")[1] != d.split(".")[1]
+    )
     assert crossing == []
 
 
@@ -162,8 +170,10 @@ def test_the_walk_sees_lazy_and_type_only_imports(tmp_path):
         "convert/__init__.py": "from .base import Family\n",
         "convert/base.py": "from . import validate\nfrom .checkpoint import Ckpt\nclass Family: ...\n",
         "convert/checkpoint.py": "from .validate import check_config\nclass Ckpt: ...\n",
-        "convert/validate.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .base import Family\n"
-                                "    from .checkpoint import Ckpt\ndef check_config(c): ...\n"),
+        "convert/validate.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .base import Family\n"
+            "    from .checkpoint import Ckpt\ndef check_config(c): ...\n"
+        ),
         "convert/stream.py": "def f():\n    from ..cli import app\n",
         "cli/__init__.py": "app = None\n",
     }
@@ -182,5 +192,7 @@ def test_no_private_name_is_imported():
     for name, path in _modules(PACKAGE).items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "mtpq"):
-                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                found += [
+                    f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert found == []

@@ -30,7 +30,8 @@ from typing import Sequence
 
 @dataclass
 class GenerationResult:
-    """One generation, by any engine. ``accepted``/``drafted`` have one entry per verify round (empty for plain decoding)."""
+    """One generation, by any engine. ``accepted``/``drafted`` have one entry per verify round (empty for plain
+    decoding)."""
 
     prompt_len: int
     tokens: list[int]  # generated tokens, prompt excluded
@@ -106,8 +107,9 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], confidence: float = 0.9
     return (max(0.0, r - half), min(1.0, r + half))
 
 
-def metrics_from_rounds(results: Sequence[GenerationResult], confidence: float = 0.95,
-                        unit: str = "draft") -> AcceptanceMetrics:
+def metrics_from_rounds(
+    results: Sequence[GenerationResult], confidence: float = 0.95, unit: str = "draft"
+) -> AcceptanceMetrics:
     """Aggregate results (speculative ones; plain ones contribute only to tokens/s)."""
     if unit not in ("draft", "prompt"):
         raise ValueError("unit must be 'draft' or 'prompt'")
@@ -166,10 +168,17 @@ def metrics_from_totals(totals: Sequence[DraftTotals], confidence: float = 0.95)
         per_position, per_position_ci = [n_acc / n_dft], [wilson(n_acc, n_dft, confidence)]
     n_gen, secs = sum(t.generated for t in totals), sum(t.seconds for t in totals)
     return AcceptanceMetrics(
-        n_sequences=len(totals), n_drafts=rounds, n_drafted=n_dft, n_accepted=n_acc,
+        n_sequences=len(totals),
+        n_drafts=rounds,
+        n_drafted=n_dft,
+        n_accepted=n_acc,
         acceptance_rate=n_acc / n_dft if n_dft else float("nan"),
         ci=ratio_ci([t.accepted for t in totals], [t.drafted for t in totals], confidence),
-        per_position=per_position, per_position_ci=per_position_ci,
+        per_position=per_position,
+        per_position_ci=per_position_ci,
         mean_acceptance_length=1 + n_acc / rounds if rounds else float("nan"),
-        n_generated=n_gen, seconds=secs, tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
-        confidence=confidence)
+        n_generated=n_gen,
+        seconds=secs,
+        tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
+        confidence=confidence,
+    )

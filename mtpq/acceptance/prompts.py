@@ -28,7 +28,7 @@ def load_prompts(spec: str | Path, max_prompts: int | None = None) -> list[tuple
             obj = json.loads(line)
             prompts.append((str(obj.get("category", "all")), str(obj["prompt"])))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise InputError(where, f"line {i}: expected a JSON object with a \"prompt\" field") from None
+            raise InputError(where, f'line {i}: expected a JSON object with a "prompt" field') from None
     if not prompts:
         raise InputError(where, "no prompts")
     return prompts[:max_prompts] if max_prompts else prompts

@@ -14,9 +14,15 @@ from dataclasses import dataclass, fields
 
 # key -> (column title, how it prints); fractions print as percents
 COLUMNS = {
-    "ppl": ("PPL", "{:.4f}"), "ppl_ratio": ("PPL ratio", "{:.4f}"), "kld_mean": ("mean KLD", "{:.6f}"),
-    "kld_median": ("median KLD", "{:.6f}"), "kld_p99": ("99% KLD", "{:.6f}"), "kld_max": ("max KLD", "{:.4f}"),
-    "top1": ("same top", "pct"), "dp_rms": ("RMS Δp", "pct"), "accept_rate": ("head accept", "pct"),
+    "ppl": ("PPL", "{:.4f}"),
+    "ppl_ratio": ("PPL ratio", "{:.4f}"),
+    "kld_mean": ("mean KLD", "{:.6f}"),
+    "kld_median": ("median KLD", "{:.6f}"),
+    "kld_p99": ("99% KLD", "{:.6f}"),
+    "kld_max": ("max KLD", "{:.4f}"),
+    "top1": ("same top", "pct"),
+    "dp_rms": ("RMS Δp", "pct"),
+    "accept_rate": ("head accept", "pct"),
     "accept_drop": ("accept drop", "pts"),
 }
 
@@ -35,8 +41,13 @@ class Gates:
         return any(getattr(self, f.name) is not None for f in fields(self))
 
 
-OPTIONS = {"max_kld": "--max-kld", "min_top1": "--min-top1", "max_ppl_ratio": "--max-ppl-ratio",
-           "min_rate": "--min-rate", "max_drop": "--max-drop"}  # the command-line options of the gates
+OPTIONS = {
+    "max_kld": "--max-kld",
+    "min_top1": "--min-top1",
+    "max_ppl_ratio": "--max-ppl-ratio",
+    "min_rate": "--min-rate",
+    "max_drop": "--max-drop",
+}  # the command-line options of the gates
 
 # gate -> (the figure it reads, how a figure passes, the sentence when it does not)
 CHECKS = {
@@ -105,10 +116,15 @@ def _name(path: str) -> str:
 def to_markdown(report: dict, failures: dict[str, list[str]] | None = None) -> str:
     keys = list(COLUMNS)
     head = "| file | size | bits/weight | " + " | ".join(COLUMNS[k][0] for k in keys) + " |"
-    lines = [f"### Quality against `{_name(report['reference']['file'])}`", "",
-             f"{report['chunks']} chunks of {report['ctx_size']} tokens (llama-perplexity's chunking); trunk "
-             f"measured by {report['engine']['trunk']}, head by {report['engine']['head']}.", "",
-             head, "|" + "---|" * (len(keys) + 3)]
+    lines = [
+        f"### Quality against `{_name(report['reference']['file'])}`",
+        "",
+        f"{report['chunks']} chunks of {report['ctx_size']} tokens (llama-perplexity's chunking); trunk "
+        f"measured by {report['engine']['trunk']}, head by {report['engine']['head']}.",
+        "",
+        head,
+        "|" + "---|" * (len(keys) + 3),
+    ]
     for f in [report["reference"], *report["files"]]:
         size = f"{f['size_bytes'] / 2**20:,.1f} MiB" if f.get("size_bytes") else "—"
         bpw = f"{f['bits_per_weight']:.2f}" if f.get("bits_per_weight") else "—"
@@ -120,16 +136,26 @@ def to_markdown(report: dict, failures: dict[str, list[str]] | None = None) -> s
 
 
 # the terminal's columns (80 wide): key -> short title
-TABLE = {"ppl": "PPL", "ppl_ratio": "ratio", "kld_mean": "KLD", "kld_p99": "KLD 99%", "top1": "top1",
-         "dp_rms": "RMS Δp", "accept_rate": "head", "accept_drop": "drop"}
+TABLE = {
+    "ppl": "PPL",
+    "ppl_ratio": "ratio",
+    "kld_mean": "KLD",
+    "kld_p99": "KLD 99%",
+    "top1": "top1",
+    "dp_rms": "RMS Δp",
+    "accept_rate": "head",
+    "accept_drop": "drop",
+}
 
 
 def rich_table(report: dict):
     """The terminal's table (the figures that fit 80 columns; JSON and Markdown carry all)."""
     from rich.table import Table
 
-    t = Table(title=f"Quality against {_name(report['reference']['file'])}  ({report['chunks']} chunks x "
-                    f"{report['ctx_size']} tokens)")
+    t = Table(
+        title=f"Quality against {_name(report['reference']['file'])}  ({report['chunks']} chunks x "
+        f"{report['ctx_size']} tokens)"
+    )
     t.add_column("file", overflow="fold")
     for title in TABLE.values():
         t.add_column(title, justify="right")

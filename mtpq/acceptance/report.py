@@ -45,20 +45,38 @@ class AcceptReport:
         """The figures that do not depend on timing (for manifests that must be reproducible)."""
 
         def d(m: AcceptanceMetrics) -> dict:
-            return {"acceptance_rate": round(m.acceptance_rate, 6), "per_position": [round(x, 6) for x in m.per_position],
-                    "mean_acceptance_length": round(m.mean_acceptance_length, 6), "drafts": m.n_drafts,
-                    "drafted": m.n_drafted, "accepted": m.n_accepted,
-                    "ci95": [round(x, 6) for x in m.ci]}
+            return {
+                "acceptance_rate": round(m.acceptance_rate, 6),
+                "per_position": [round(x, 6) for x in m.per_position],
+                "mean_acceptance_length": round(m.mean_acceptance_length, 6),
+                "drafts": m.n_drafts,
+                "drafted": m.n_drafted,
+                "accepted": m.n_accepted,
+                "ci95": [round(x, 6) for x in m.ci],
+            }
 
-        return {**d(self.overall), "draft": self.draft, "temperature": self.temperature,
-                "max_new_tokens": self.max_new_tokens, "prompts": len(self.runs),
-                "by_category": {c: d(m) for c, m in sorted(self.by_category.items())}}
+        return {
+            **d(self.overall),
+            "draft": self.draft,
+            "temperature": self.temperature,
+            "max_new_tokens": self.max_new_tokens,
+            "prompts": len(self.runs),
+            "by_category": {c: d(m) for c, m in sorted(self.by_category.items())},
+        }
 
     def to_dict(self) -> dict:
-        return {"model": self.model, **self.deterministic_summary(), "engine": self.engine, "hidden": self.hidden,
-                "device": self.device, "tokens_per_s": self.overall.tokens_per_s,
-                "plain_tokens_per_s": self.plain_tokens_per_s, "speedup": self.speedup,
-                "greedy_outputs_identical": self.greedy_outputs_identical, **self.extra}
+        return {
+            "model": self.model,
+            **self.deterministic_summary(),
+            "engine": self.engine,
+            "hidden": self.hidden,
+            "device": self.device,
+            "tokens_per_s": self.overall.tokens_per_s,
+            "plain_tokens_per_s": self.plain_tokens_per_s,
+            "speedup": self.speedup,
+            "greedy_outputs_identical": self.greedy_outputs_identical,
+            **self.extra,
+        }
 
 
 # ----------------------------------------------------------------------------- verdict
@@ -71,8 +89,9 @@ class Verdict:
     drop: float | None
 
 
-def judge(report: AcceptReport, reference: AcceptReport | None, min_rate: float | None,
-          max_drop: float | None) -> Verdict:
+def judge(
+    report: AcceptReport, reference: AcceptReport | None, min_rate: float | None, max_drop: float | None
+) -> Verdict:
     """The gates of ``mtpq accept``, decided by :func:`mtpq.acceptance.quality.judge` (a NaN or missing rate or
     drop fails its gate)."""
     from .quality import OPTIONS, Gates
@@ -93,8 +112,13 @@ def judge(report: AcceptReport, reference: AcceptReport | None, min_rate: float 
 def to_markdown(report: AcceptReport, reference: AcceptReport | None = None, verdict: Verdict | None = None) -> str:
     def row(name: str, m: AcceptanceMetrics, ref: AcceptanceMetrics | None) -> str:
         pos = " / ".join(f"{100 * p:.0f}" for p in m.per_position)
-        cells = [name, str(m.n_drafts), f"{100 * m.acceptance_rate:.1f} % [{100 * m.ci[0]:.1f}, {100 * m.ci[1]:.1f}]",
-                 pos, f"{m.mean_acceptance_length:.2f}"]
+        cells = [
+            name,
+            str(m.n_drafts),
+            f"{100 * m.acceptance_rate:.1f} % [{100 * m.ci[0]:.1f}, {100 * m.ci[1]:.1f}]",
+            pos,
+            f"{m.mean_acceptance_length:.2f}",
+        ]
         if reference is not None:
             cells.append("—" if ref is None else f"{100 * ref.acceptance_rate:.1f} %")
         return "| " + " | ".join(cells) + " |"
@@ -102,20 +126,34 @@ def to_markdown(report: AcceptReport, reference: AcceptReport | None = None, ver
     head = ["category", "drafts", "acceptance [95% CI]", "per position %", "mean acc. length"]
     if reference is not None:
         head.append("reference")
-    lines = [f"## MTP acceptance: `{Path(report.model).name}`", "",
-             f"draft k={report.draft}, temperature {report.temperature}, {len(report.runs)} prompts, "
-             f"{report.max_new_tokens} new tokens each, "
-             + (f"engine llama.cpp ({report.extra.get('note', '')})" if report.engine == "llama.cpp"
-                else f"device {report.device}"), "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"## MTP acceptance: `{Path(report.model).name}`",
+        "",
+        f"draft k={report.draft}, temperature {report.temperature}, {len(report.runs)} prompts, "
+        f"{report.max_new_tokens} new tokens each, "
+        + (
+            f"engine llama.cpp ({report.extra.get('note', '')})"
+            if report.engine == "llama.cpp"
+            else f"device {report.device}"
+        ),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for cat in sorted(report.by_category):
         ref = reference.by_category.get(cat) if reference else None
         lines.append(row(cat, report.by_category[cat], ref))
     lines.append(row("**overall**", report.overall, reference.overall if reference else None))
     lines.append("")
     if report.speedup is not None:
-        lines.append(f"tokens/s: {report.overall.tokens_per_s:.1f} with drafting, {report.plain_tokens_per_s:.1f} "
-                     f"without ({report.speedup:.2f}x)")
+        lines.append(
+            f"tokens/s: {report.overall.tokens_per_s:.1f} with drafting, {report.plain_tokens_per_s:.1f} "
+            f"without ({report.speedup:.2f}x)"
+        )
     if verdict is not None:
-        lines += ["", f"**{'PASS' if verdict.passed else 'FAIL'}**" + ("" if verdict.passed else ": " + "; ".join(verdict.reasons))]
+        lines += [
+            "",
+            f"**{'PASS' if verdict.passed else 'FAIL'}**"
+            + ("" if verdict.passed else ": " + "; ".join(verdict.reasons)),
+        ]
     return "\n".join(lines) + "\n"

@@ -28,9 +28,17 @@ from . import app as _app  # noqa: E402
 # typer signatures, which typer resolves for every registered command) add ~0.13 s to every command's start-up
 # (issue 37: quantize under 0.6 s; docs/performance.md).
 _MODULES = {
-    "convert": ("convert",), "quantize": ("quantize",), "inspect": ("inspect",), "surgery": ("graft", "extract-mtp"),
-    "accept": ("accept",), "compare": ("compare",), "sweep": ("sweep",), "build": ("build",),
-    "publish": ("publish",), "demo": ("demo",), "imatrix": ("imatrix",),
+    "convert": ("convert",),
+    "quantize": ("quantize",),
+    "inspect": ("inspect",),
+    "surgery": ("graft", "extract-mtp"),
+    "accept": ("accept",),
+    "compare": ("compare",),
+    "sweep": ("sweep",),
+    "build": ("build",),
+    "publish": ("publish",),
+    "demo": ("demo",),
+    "imatrix": ("imatrix",),
 }
 _COMMANDS = {c: m for m, cs in _MODULES.items() for c in cs}
 
@@ -69,6 +77,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-del app  # the submodule's name on this package: `app` is the Typer app (module __getattr__ above)
+del app  # noqa: F821 -- the submodule's name on this package: `app` is the Typer app (module __getattr__ above)
 
 __all__ = ["app", "main", "register"]

@@ -10,9 +10,25 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .app import app
-from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_runtime, check_torch_engine, console,
-                     fail, gating, guarded, out, write_reports)
+from .common import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    JSON_REPORT_HELP,
+    MD_REPORT_HELP,
+    RUNTIME_THREADS_HELP,
+    check_device,
+    check_engine,
+    check_fractions,
+    check_report_paths,
+    check_runtime,
+    check_torch_engine,
+    console,
+    fail,
+    gating,
+    guarded,
+    out,
+    write_reports,
+)
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
 
@@ -27,19 +43,36 @@ def _table(report, reference=None) -> Table:
     cats = sorted(report.by_category) + ["overall"]
     for c in cats:
         m = report.overall if c == "overall" else report.by_category[c]
-        row = [f"[bold]{c}[/]" if c == "overall" else c, str(m.n_drafts), f"{100 * m.acceptance_rate:.1f} %",
-               f"{100 * m.ci[0]:.1f}–{100 * m.ci[1]:.1f}", " ".join(f"{100 * p:.0f}" for p in m.per_position),
-               f"{m.mean_acceptance_length:.2f}"]
+        row = [
+            f"[bold]{c}[/]" if c == "overall" else c,
+            str(m.n_drafts),
+            f"{100 * m.acceptance_rate:.1f} %",
+            f"{100 * m.ci[0]:.1f}–{100 * m.ci[1]:.1f}",
+            " ".join(f"{100 * p:.0f}" for p in m.per_position),
+            f"{m.mean_acceptance_length:.2f}",
+        ]
         if reference is not None:
             r = reference.overall if c == "overall" else reference.by_category.get(c)
-            row += ["—", "—"] if r is None else [f"{100 * r.acceptance_rate:.1f} %",
-                                                f"{100 * (r.acceptance_rate - m.acceptance_rate):+.1f} pt"]
+            row += (
+                ["—", "—"]
+                if r is None
+                else [f"{100 * r.acceptance_rate:.1f} %", f"{100 * (r.acceptance_rate - m.acceptance_rate):+.1f} pt"]
+            )
         t.add_row(*row)
     return t
 
 
-def check_numbers(*, draft: int, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-                  max_prompts: int | None, min_rate: float | None, max_drop: float | None) -> None:
+def check_numbers(
+    *,
+    draft: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    max_new_tokens: int,
+    max_prompts: int | None,
+    min_rate: float | None,
+    max_drop: float | None,
+) -> None:
     """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing)."""
     if not 1 <= draft <= 8:
         fail("--draft", f"must be between 1 and 8, got {draft}")
@@ -56,8 +89,9 @@ def check_numbers(*, draft: int, temperature: float, top_k: int, top_p: float, m
     check_fractions(min_rate=min_rate, max_drop=max_drop)
 
 
-def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ngl, ctx_size, rpc, threads, device,
-                         dtype, hidden, reference):
+def check_engine_options(
+    engine: str, extra: list[str], *, llama_cpp, server, ngl, ctx_size, rpc, threads, device, dtype, hidden, reference
+):
     """The options that belong to one engine only; -> the llama-server configuration (None for torch or --server)."""
     llama_only = {"--llama-cpp": llama_cpp, "--server": server, "--ngl": ngl, "--ctx-size": ctx_size, "--rpc": rpc}
     if engine == "torch":
@@ -73,8 +107,11 @@ def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ng
             if llama_only[opt] is not None:
                 fail(opt, "starts a server: not with --server (that server was started by someone else)")
         if reference is not None:
-            fail("--reference", "with --server, one server holds one model: measure the reference separately "
-                                "and compare the JSON reports")
+            fail(
+                "--reference",
+                "with --server, one server holds one model: measure the reference separately "
+                "and compare the JSON reports",
+            )
         if extra:
             fail(" ".join(extra), "arguments for llama-server: not with --server")
         return None
@@ -83,8 +120,7 @@ def check_engine_options(engine: str, extra: list[str], *, llama_cpp, server, ng
             fail(opt, f"must be {'0 or more' if opt == '--ngl' else 'at least 1'}, got {v}")
     from ..engines.llama_cpp import ServerConfig, find_server
 
-    return ServerConfig(find_server(llama_cpp), ngl=ngl, ctx_size=ctx_size, threads=threads, rpc=rpc,
-                        extra=list(extra))
+    return ServerConfig(find_server(llama_cpp), ngl=ngl, ctx_size=ctx_size, threads=threads, rpc=rpc, extra=list(extra))
 
 
 def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, str]]:
@@ -106,18 +142,24 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
         "  mtpq accept big-q4km.gguf --engine llama.cpp --ngl 999 -- --tensor-split 1,1   # two GPUs\n\n"
         "  mtpq accept big-q4km.gguf --engine llama.cpp --rpc 10.0.0.2:50052,10.0.0.3:50052\n\n"
         "  mtpq accept big-q4km.gguf --engine llama.cpp --server http://gpu-box:8080\n\n"
-        "Prompts file: one JSON object per line, {\"category\": \"code\", \"prompt\": \"def f(x):\"}.\n\n"
+        'Prompts file: one JSON object per line, {"category": "code", "prompt": "def f(x):"}.\n\n'
         "With --engine llama.cpp, arguments after `--` go to llama-server as they are."
-    )
+    ),
 )
 @guarded
 def accept(
     ctx: typer.Context,
     model: Path = typer.Argument(..., help="GGUF with an MTP head (or a trunk, with --head)."),
-    head: Path = typer.Option(None, "--head", help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
-                              "llama.cpp's -md: its MTP blocks (and its token_embd/output where the head ties to "
-                              "them) replace any head MODEL has."),
-    reference: Path = typer.Option(None, "--reference", help="A higher-precision GGUF of the same model to compare with."),
+    head: Path = typer.Option(
+        None,
+        "--head",
+        help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
+        "llama.cpp's -md: its MTP blocks (and its token_embd/output where the head ties to "
+        "them) replace any head MODEL has.",
+    ),
+    reference: Path = typer.Option(
+        None, "--reference", help="A higher-precision GGUF of the same model to compare with."
+    ),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (code, math, chat, prose) or a JSONL file."),
     draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k (1..8): tokens the head proposes per round."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy acceptance; > 0 = rejection sampling."),
@@ -126,26 +168,42 @@ def accept(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
     max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
     min_rate: float = typer.Option(None, "--min-rate", help="Fail (exit 1) when the acceptance rate is below this."),
-    max_drop: float = typer.Option(None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."),
+    max_drop: float = typer.Option(
+        None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."
+    ),
     json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
     md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
-    hidden: str = typer.Option("auto", "--hidden", help="Hidden state fed to the head: auto (default: what llama.cpp "
-                               "feeds this architecture's head), post_norm or pre_norm."),
+    hidden: str = typer.Option(
+        "auto",
+        "--hidden",
+        help="Hidden state fed to the head: auto (default: what llama.cpp "
+        "feeds this architecture's head), post_norm or pre_norm.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
-                               "llama-server with its MTP drafter, for models that need several GPUs or machines."),
-    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: "
-                                   "$MTPQ_LLAMA_CPP_BIN, then PATH)."),
-    server: str = typer.Option(None, "--server", help="llama.cpp: use this running llama-server (http://HOST:PORT, or "
-                               "unix:PATH for one started with --host PATH.sock; started with --spec-type "
-                               "draft-mtp) instead of starting one."),
+    engine: str = typer.Option(
+        "torch",
+        "--engine",
+        help="torch: the bundled runtime (one device). llama.cpp: "
+        "llama-server with its MTP drafter, for models that need several GPUs or machines.",
+    ),
+    llama_cpp: Path = typer.Option(
+        None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
+    ),
+    server: str = typer.Option(
+        None,
+        "--server",
+        help="llama.cpp: use this running llama-server (http://HOST:PORT, or "
+        "unix:PATH for one started with --host PATH.sock; started with --spec-type "
+        "draft-mtp) instead of starting one.",
+    ),
     ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="llama.cpp: context size of the server."),
-    rpc: str = typer.Option(None, "--rpc", help="llama.cpp: rpc-server endpoints HOST:PORT,HOST:PORT to spread "
-                            "the model over."),
+    rpc: str = typer.Option(
+        None, "--rpc", help="llama.cpp: rpc-server endpoints HOST:PORT,HOST:PORT to spread the model over."
+    ),
 ) -> None:
     """Measure how well the MTP head drafts: acceptance rate, per-position rates, mean acceptance length, tokens/s.
 
@@ -160,9 +218,20 @@ def accept(
     from ..runtime.accept import measure_file
 
     check_engine(engine)
-    server_cfg = check_engine_options(engine, ctx.args, llama_cpp=llama_cpp, server=server, ngl=ngl,
-                                      ctx_size=ctx_size, rpc=rpc, threads=threads, device=device, dtype=dtype,
-                                      hidden=hidden, reference=reference)
+    server_cfg = check_engine_options(
+        engine,
+        ctx.args,
+        llama_cpp=llama_cpp,
+        server=server,
+        ngl=ngl,
+        ctx_size=ctx_size,
+        rpc=rpc,
+        threads=threads,
+        device=device,
+        dtype=dtype,
+        hidden=hidden,
+        reference=reference,
+    )
     if dtype not in DTYPES:
         fail("--dtype", f"choose one of {', '.join(DTYPES)}")
     if hidden not in ("auto", "post_norm", "pre_norm"):
@@ -171,32 +240,56 @@ def accept(
         fail("--max-drop", "needs --reference")
     if head is not None and server is not None:
         fail("--head", "a running --server holds its draft model already")
-    check_numbers(draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                  max_prompts=max_prompts, min_rate=min_rate, max_drop=max_drop)
+    check_numbers(
+        draft=draft,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        max_prompts=max_prompts,
+        min_rate=min_rate,
+        max_drop=max_drop,
+    )
     device = check_device(device)
     for p in (model, reference, head):
         if p is not None and not p.is_file() and server is None:
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, [p for p in (model, reference, head) if p is not None])
     if engine == "torch":
-        check_runtime([p for p in (model, reference) if p is not None], "accept --engine torch",
-                      "--engine llama.cpp measures it through llama-server")
+        check_runtime(
+            [p for p in (model, reference) if p is not None],
+            "accept --engine torch",
+            "--engine llama.cpp measures it through llama-server",
+        )
     prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
-    kw = dict(prompts=prompts, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-              top_p=top_p, seed=seed, max_prompts=max_prompts)
+    kw = dict(
+        prompts=prompts,
+        draft=draft,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        max_prompts=max_prompts,
+    )
     if engine == "torch":
         import torch
 
-        kw.update(device=device, dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
-                  hidden=hidden, threads=threads)
+        kw.update(
+            device=device,
+            dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
+            hidden=hidden,
+            threads=threads,
+        )
     reports = {}
     # accept always judges (greedy outputs identical, and its gates): a measurement that fails is a failed check
     with gating(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         for label, path in (("model", model), ("reference", reference)):
             if path is None:
                 continue
-            task = progress.add_task(f"{label}: {path.name}" + (" (llama-server)" if engine != "torch" else ""),
-                                     total=None)
+            task = progress.add_task(
+                f"{label}: {path.name}" + (" (llama-server)" if engine != "torch" else ""), total=None
+            )
             tick = lambda i, n, t=task: progress.update(t, completed=i, total=n)  # noqa: E731
             own_head = head if label == "model" else None
             if engine == "torch":
@@ -208,17 +301,26 @@ def accept(
                 reports[label] = measure_with_llama_cpp(path, **kw, server=cfg, url=server, on_prompt=tick)
     report, ref = reports["model"], reports.get("reference")
     verdict = judge(report, ref, min_rate, max_drop)
-    doc = {**report.to_dict(), "reference": ref.to_dict() if ref else None, "drop": verdict.drop,
-           "passed": verdict.passed, "reasons": verdict.reasons}
+    doc = {
+        **report.to_dict(),
+        "reference": ref.to_dict() if ref else None,
+        "drop": verdict.drop,
+        "passed": verdict.passed,
+        "reasons": verdict.reasons,
+    }
     write_reports(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict))
     if str(json_out) != "-":
         out.print(_table(report, ref))
         if report.engine == "llama.cpp":
-            out.print(f"engine llama.cpp ({report.extra.get('server')}): {report.extra.get('note')}; "
-                      f"tokens/s {report.overall.tokens_per_s:.1f} with drafting")
+            out.print(
+                f"engine llama.cpp ({report.extra.get('server')}): {report.extra.get('note')}; "
+                f"tokens/s {report.overall.tokens_per_s:.1f} with drafting"
+            )
         if report.speedup is not None:
-            out.print(f"tokens/s: {report.overall.tokens_per_s:.1f} drafting vs {report.plain_tokens_per_s:.1f} plain "
-                      f"({report.speedup:.2f}x on {report.device})")
+            out.print(
+                f"tokens/s: {report.overall.tokens_per_s:.1f} drafting vs {report.plain_tokens_per_s:.1f} plain "
+                f"({report.speedup:.2f}x on {report.device})"
+            )
         if report.greedy_outputs_identical is False:
             out.print("[red]greedy speculative output differs from plain greedy output[/]")
         out.print("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.reasons))

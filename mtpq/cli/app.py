@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from typer._click import exceptions as click_errors  # typer vendors its own click
 import typer
+from typer._click import exceptions as click_errors  # typer vendors its own click
 from typer.core import TyperGroup
 
 from .. import __version__
@@ -35,12 +35,17 @@ class OneLineErrors(TyperGroup):
                 names.append(ctx.info_name)
                 ctx = ctx.parent
             cmd = " ".join(["mtpq", *reversed(names)])
-            console.print(f"error: {' '.join(exc.format_message().split()).rstrip('.')}; try '{cmd} --help'",
-                          markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"error: {' '.join(exc.format_message().split()).rstrip('.')}; try '{cmd} --help'",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             sys.exit(exc.exit_code)
         except click_errors.ClickException as exc:
-            console.print(f"error: {' '.join(exc.format_message().split())}", markup=False, highlight=False,
-                          soft_wrap=True)
+            console.print(
+                f"error: {' '.join(exc.format_message().split())}", markup=False, highlight=False, soft_wrap=True
+            )
             sys.exit(exc.exit_code)
         except typer.Abort:
             console.print("interrupted", markup=False)
@@ -75,9 +80,12 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-         debug: bool = typer.Option(False, "--debug", help="Print the traceback of an internal error "
-                                                           "(accepted anywhere on the command line).")):
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    debug: bool = typer.Option(
+        False, "--debug", help="Print the traceback of an internal error (accepted anywhere on the command line)."
+    ),
+):
     """mtpq: GGUF files whose MTP heads survive quantization."""
     if debug:
         from .common import DEBUG

@@ -24,13 +24,21 @@ from .common import EXIT_OK, console, fail, gating, guarded
 @guarded
 def build(
     recipe_path: Path = typer.Argument(..., metavar="RECIPE.toml", help="The build recipe (see examples/recipe.toml)."),
-    variant: list[str] = typer.Option(None, "--variant", help="Build only this variant (repeatable); writes parts for --merge."),
+    variant: list[str] = typer.Option(
+        None, "--variant", help="Build only this variant (repeatable); writes parts for --merge."
+    ),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Variants built in parallel processes."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when inputs and options are unchanged."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be built or reused; write nothing."),
-    merge: bool = typer.Option(False, "--merge", help="Only combine the parts in the output folder into manifest.json, SHA256SUMS, README.md."),
-    push: bool = typer.Option(False, "--push", help="When every gate passed, upload the output folder to the "
-                              "recipe's [publish] repo (as mtpq publish: only what the repository lacks)."),
+    merge: bool = typer.Option(
+        False, "--merge", help="Only combine the parts in the output folder into manifest.json, SHA256SUMS, README.md."
+    ),
+    push: bool = typer.Option(
+        False,
+        "--push",
+        help="When every gate passed, upload the output folder to the "
+        "recipe's [publish] repo (as mtpq publish: only what the repository lacks).",
+    ),
 ) -> None:
     """Convert once, quantize every variant, gate each on MTP acceptance, write manifest + SHA256SUMS + model card.
 
@@ -68,8 +76,9 @@ def build(
             console.print(f"{'reuse' if fresh else 'build'}  {Path(job['out']).name}")
         return
     with gating():  # a file whose logits are not finite fails the build (exit 1) before anything is published
-        code = run_build(recipe, only=variant or None, jobs=jobs, force=force,
-                         log=lambda m: console.print(m, highlight=False))
+        code = run_build(
+            recipe, only=variant or None, jobs=jobs, force=force, log=lambda m: console.print(m, highlight=False)
+        )
     if push and code == EXIT_OK:
         _push(recipe)
     elif push:

@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from typer._click import exceptions as click_errors  # typer vendors its own click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from typer._click import exceptions as click_errors  # typer vendors its own click
 
 from ..engines import ENGINES
 from ..errors import InputError, MeasurementError
@@ -77,8 +77,11 @@ def guarded(fn: Callable) -> Callable:
             if DEBUG["on"]:
                 console.print_exception()
             text = _one_line(f"{exc.__class__.__name__}: {exc}")
-            console.print(f"[bold red]error:[/] internal error in {command}: {escape(text)}; please report it",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]error:[/] internal error in {command}: {escape(text)}; please report it",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(EXIT_INTERNAL)
         finally:
             if in_main:
@@ -96,8 +99,11 @@ def gating(gates: bool = True) -> Iterator[None]:
     except MeasurementError as exc:
         if not gates:
             raise
-        console.print(f"[bold red]FAIL[/] {escape(_one_line(exc.where))}: {escape(_one_line(exc.problem))}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold red]FAIL[/] {escape(_one_line(exc.where))}: {escape(_one_line(exc.problem))}",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
@@ -107,8 +113,14 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
     if not enabled or not sys.stderr.isatty():
         yield lambda n, label="": None
         return
-    cols = [TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), TextColumn("{task.fields[label]}")]
+    cols = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[label]}"),
+    ]
     with Progress(*cols, console=console, transient=True) as progress:
         task = progress.add_task(description, total=total, label="")
         yield lambda n, label="": progress.update(task, advance=n, label=label)
@@ -129,12 +141,15 @@ def report_hooks(quiet: bool) -> dict:
     return {} if quiet else {"progress": byte_progress, "say": console.print}
 
 
-THREADS_HELP = ("CPU threads for quantizing (default: every CPU this process may use). "
-                "The bytes written do not depend on it.")
+THREADS_HELP = (
+    "CPU threads for quantizing (default: every CPU this process may use). The bytes written do not depend on it."
+)
 
 
-RUNTIME_THREADS_HELP = ("CPU threads for the runtime (default: 1 for a file under 1 GiB, whose ops are too small "
-                        "to split, else every core).")
+RUNTIME_THREADS_HELP = (
+    "CPU threads for the runtime (default: 1 for a file under 1 GiB, whose ops are too small "
+    "to split, else every core)."
+)
 
 
 def set_threads(threads: int | None) -> None:
@@ -171,11 +186,15 @@ def check_device(device: str | None) -> str | None:
     return device
 
 
-SPLIT_MAX_SIZE_HELP = ("Write shards of at most this much tensor data: bytes, or a number with K, M or G (powers of "
-                       "1000: 48G, under Hugging Face's 50 GB per file), named OUT-00001-of-0000N.gguf as llama.cpp's "
-                       "tools name them (a model that fits stays one file, OUT).")
+SPLIT_MAX_SIZE_HELP = (
+    "Write shards of at most this much tensor data: bytes, or a number with K, M or G (powers of "
+    "1000: 48G, under Hugging Face's 50 GB per file), named OUT-00001-of-0000N.gguf as llama.cpp's "
+    "tools name them (a model that fits stays one file, OUT)."
+)
 SPLIT_MAX_TENSORS_HELP = "Write shards of at most this many tensors (as llama-gguf-split --split-max-tensors)."
-KEEP_SPLIT_HELP = "Write the shards the input has (each tensor into the shard it came from), as llama-quantize --keep-split."
+KEEP_SPLIT_HELP = (
+    "Write the shards the input has (each tensor into the shard it came from), as llama-quantize --keep-split."
+)
 
 
 def split_rule(max_size: str | None, max_tensors: int | None, keep: bool = False):
@@ -253,9 +272,12 @@ def check_runtime_arch(arch: str, where: str, what: str, alternative: str = "") 
     from ..runtime.archs import RUNTIME_ARCHS
 
     if arch not in RUNTIME_ARCHS:
-        fail(where, f"architecture {arch!r} has no runtime in mtpq, which {what} needs"
-                    + (f"; {alternative}" if alternative else "")
-                    + f" (the runtime runs {', '.join(sorted(RUNTIME_ARCHS))})")
+        fail(
+            where,
+            f"architecture {arch!r} has no runtime in mtpq, which {what} needs"
+            + (f"; {alternative}" if alternative else "")
+            + f" (the runtime runs {', '.join(sorted(RUNTIME_ARCHS))})",
+        )
 
 
 def check_writable(option: str, path: Path, inputs: list[Path]) -> None:

@@ -9,9 +9,25 @@ import typer
 from rich.progress import Progress
 
 from .app import app
-from .common import (EXIT_CHECK_FAILED, EXIT_OK, JSON_REPORT_HELP, MD_REPORT_HELP, RUNTIME_THREADS_HELP, check_device,
-                     check_engine, check_fractions, check_report_paths, check_runtime, check_torch_engine, console,
-                     fail, gating, guarded, out, write_reports)
+from .common import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    JSON_REPORT_HELP,
+    MD_REPORT_HELP,
+    RUNTIME_THREADS_HELP,
+    check_device,
+    check_engine,
+    check_fractions,
+    check_report_paths,
+    check_runtime,
+    check_torch_engine,
+    console,
+    fail,
+    gating,
+    guarded,
+    out,
+    write_reports,
+)
 
 
 def _read_text(path: Path) -> str:
@@ -41,34 +57,66 @@ def _read_text(path: Path) -> str:
 @guarded
 def compare(
     ctx: typer.Context,
-    files: list[Path] = typer.Argument(..., metavar="REFERENCE QUANT...", help="The full-precision GGUF "
-                                       "(f16/bf16/q8_0) the quants are measured against, then one or more quantized "
-                                       "GGUFs of the same model (with --kld-base: quants only)."),
+    files: list[Path] = typer.Argument(
+        ...,
+        metavar="REFERENCE QUANT...",
+        help="The full-precision GGUF "
+        "(f16/bf16/q8_0) the quants are measured against, then one or more quantized "
+        "GGUFs of the same model (with --kld-base: quants only).",
+    ),
     text: Path = typer.Option(None, "--text", "-f", help="UTF-8 text to score (e.g. wikitext-2's wiki.test.raw)."),
-    kld_base: Path = typer.Option(None, "--kld-base", help="The reference as llama-perplexity's "
-                                  "--kl-divergence-base file: its log-probabilities on its own tokens (torch engine)."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Tokens per chunk (llama-perplexity's -c; default "
-                                 "512, or the --kld-base file's)."),
+    kld_base: Path = typer.Option(
+        None,
+        "--kld-base",
+        help="The reference as llama-perplexity's "
+        "--kl-divergence-base file: its log-probabilities on its own tokens (torch engine).",
+    ),
+    ctx_size: int = typer.Option(
+        None,
+        "--ctx-size",
+        "-c",
+        help="Tokens per chunk (llama-perplexity's -c; default 512, or the --kld-base file's).",
+    ),
     chunks: int = typer.Option(None, "--chunks", help="Score only the first N chunks."),
     json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
     md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
-    max_kld: float = typer.Option(None, "--max-kld", help="Fail (exit 1) when a quant's mean KLD is above this (nats)."),
+    max_kld: float = typer.Option(
+        None, "--max-kld", help="Fail (exit 1) when a quant's mean KLD is above this (nats)."
+    ),
     min_top1: float = typer.Option(None, "--min-top1", help="Fail when the top token agrees less often (fraction)."),
     max_ppl_ratio: float = typer.Option(None, "--max-ppl-ratio", help="Fail when PPL(Q)/PPL(ref) is above this."),
     min_rate: float = typer.Option(None, "--min-rate", help="Fail when the head's acceptance is below this."),
-    max_drop: float = typer.Option(None, "--max-drop", help="Fail when the head's acceptance drops more than this "
-                                   "below the reference's."),
-    engine: str = typer.Option("torch", "--engine", help="torch: the bundled runtime (one device). llama.cpp: "
-                               "llama-perplexity for the trunk, llama-server for the head."),
-    head: Path = typer.Option(None, "--head", help="torch engine: a head file (mtp-*.gguf) that drafts for every "
-                              "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."),
-    numerics: str = typer.Option("llama.cpp", "--numerics", help="torch engine: 'llama.cpp' rounds each weight's "
-                                 "inputs as llama.cpp's CPU backend does (the figures llama-perplexity prints); "
-                                 "'exact' multiplies in f32 (the quantization error alone)."),
-    device: str = typer.Option(None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."),
+    max_drop: float = typer.Option(
+        None, "--max-drop", help="Fail when the head's acceptance drops more than this below the reference's."
+    ),
+    engine: str = typer.Option(
+        "torch",
+        "--engine",
+        help="torch: the bundled runtime (one device). llama.cpp: "
+        "llama-perplexity for the trunk, llama-server for the head.",
+    ),
+    head: Path = typer.Option(
+        None,
+        "--head",
+        help="torch engine: a head file (mtp-*.gguf) that drafts for every "
+        "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file).",
+    ),
+    numerics: str = typer.Option(
+        "llama.cpp",
+        "--numerics",
+        help="torch engine: 'llama.cpp' rounds each weight's "
+        "inputs as llama.cpp's CPU backend does (the figures llama-perplexity prints); "
+        "'exact' multiplies in f32 (the quantization error alone).",
+    ),
+    device: str = typer.Option(
+        None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."
+    ),
     threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
-    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-perplexity and "
-                                   "llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."),
+    llama_cpp: Path = typer.Option(
+        None,
+        "--llama-cpp",
+        help="llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH).",
+    ),
     ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
 ) -> None:
     """Score quants against their full-precision reference: PPL, PPL ratio, mean/median/99 %/max KLD, how often
@@ -105,8 +153,10 @@ def compare(
     if engine == "torch":
         check_torch_engine({"--llama-cpp": llama_cpp, "--ngl": ngl}, passed_on, "llama-perplexity")
     elif device is not None or numerics != "llama.cpp" or head is not None:
-        fail("--device" if device is not None else "--numerics" if head is None else "--head",
-             "belongs to --engine torch")
+        fail(
+            "--device" if device is not None else "--numerics" if head is None else "--head",
+            "belongs to --engine torch",
+        )
     check_fractions(min_top1=min_top1, min_rate=min_rate, max_drop=max_drop)
     if kld_base is not None and max_drop is not None:
         fail("--max-drop", "needs the reference's head: with --kld-base there is no reference model")
@@ -116,18 +166,19 @@ def compare(
             fail(str(p), "no such file")
     check_report_paths(json_out, md_out, inputs)
     if engine == "torch":
-        check_runtime([p for p in (reference, *quants, head) if p is not None], "compare --engine torch",
-                      "--engine llama.cpp measures it with llama-perplexity and llama-server")
+        check_runtime(
+            [p for p in (reference, *quants, head) if p is not None],
+            "compare --engine torch",
+            "--engine llama.cpp measures it with llama-perplexity and llama-server",
+        )
     device = check_device(device)
 
-    gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate,
-                  max_drop=max_drop)
+    gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate, max_drop=max_drop)
     with gating(gates.any()):  # non-finite figures: a failed gate (exit 1), else bad input (2)
         if kld_base is not None:
             report = _with_base(kld_base, quants, chunks, device, threads, numerics, head)
         elif engine == "torch":
-            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics,
-                                 head)
+            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics, head)
         else:
             _read_text(text)
             report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, passed_on)
@@ -140,12 +191,25 @@ def compare(
         out.print(f"trunk: {report['engine']['trunk']}; head: {report['engine']['head']}")
         if gates.any():
             for f, reasons in failures.items():
-                out.print(f"[red]FAIL[/] {Path(f).name}: " + "; ".join(reasons) if reasons else f"[green]PASS[/] {Path(f).name}")
+                out.print(
+                    f"[red]FAIL[/] {Path(f).name}: " + "; ".join(reasons)
+                    if reasons
+                    else f"[green]PASS[/] {Path(f).name}"
+                )
     raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
 
 
-def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, chunks: int | None, device,
-                threads: int | None, numerics: str, head: Path | None = None) -> dict:
+def _with_torch(
+    reference: Path,
+    quants: list[Path],
+    text: str,
+    ctx_size: int,
+    chunks: int | None,
+    device,
+    threads: int | None,
+    numerics: str,
+    head: Path | None = None,
+) -> dict:
     from ..runtime.accept import use_threads
     from ..runtime.trunk_quality import QualityRun, compare_runs
 
@@ -158,17 +222,35 @@ def _with_torch(reference: Path, quants: list[Path], text: str, ctx_size: int, c
             progress.update(task, description=f"loading {p.name}")
             runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
         progress.update(task, description=f"scoring {len(quants) + 1} files")
-        n = compare_runs(runs[0], runs[1:], text, n_ctx=ctx_size, n_chunks=chunks,
-                         on_chunk=lambda i, total: progress.update(task, completed=i, total=total))
+        n = compare_runs(
+            runs[0],
+            runs[1:],
+            text,
+            n_ctx=ctx_size,
+            n_chunks=chunks,
+            on_chunk=lambda i, total: progress.update(task, completed=i, total=total),
+        )
     ref = runs[0].quality
     label = f"torch ({dev}, numerics {numerics})"
-    return {"reference": ref.summary(ref), "files": [r.quality.summary(ref) for r in runs[1:]], "ctx_size": ctx_size,
-            "chunks": n, "numerics": numerics,
-            "engine": {"trunk": label, "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"}}
+    return {
+        "reference": ref.summary(ref),
+        "files": [r.quality.summary(ref) for r in runs[1:]],
+        "ctx_size": ctx_size,
+        "chunks": n,
+        "numerics": numerics,
+        "engine": {"trunk": label, "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"},
+    }
 
 
-def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, threads: int | None,
-               numerics: str, head: Path | None = None) -> dict:
+def _with_base(
+    base_path: Path,
+    quants: list[Path],
+    chunks: int | None,
+    device,
+    threads: int | None,
+    numerics: str,
+    head: Path | None = None,
+) -> dict:
     from ..engines.kld_base import KldBase
     from ..runtime.accept import use_threads
     from ..runtime.trunk_quality import QualityRun, compare_with_base
@@ -183,46 +265,83 @@ def _with_base(base_path: Path, quants: list[Path], chunks: int | None, device, 
             progress.update(task, description=f"loading {p.name}")
             runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
         progress.update(task, description=f"scoring {len(quants)} files against {base_path.name}")
-        ref = compare_with_base(base, runs, n_chunks=chunks,
-                                on_chunk=lambda i, total: progress.update(task, completed=i, total=total))
+        ref = compare_with_base(
+            base, runs, n_chunks=chunks, on_chunk=lambda i, total: progress.update(task, completed=i, total=total)
+        )
     label = f"torch ({dev}, numerics {numerics})"
     summary = ref.summary(ref)
     summary.update(size_bytes=None, bits_per_weight=None)
-    return {"reference": summary, "files": [r.quality.summary(None) for r in runs], "ctx_size": base.n_ctx,
-            "chunks": min(chunks or base.n_chunk, base.n_chunk), "numerics": numerics, "kld_base": str(base_path),
-            "engine": {"trunk": f"{label} against {base_path.name} (llama-perplexity's reference log-probabilities)",
-                       "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"}}
+    return {
+        "reference": summary,
+        "files": [r.quality.summary(None) for r in runs],
+        "ctx_size": base.n_ctx,
+        "chunks": min(chunks or base.n_chunk, base.n_chunk),
+        "numerics": numerics,
+        "kld_base": str(base_path),
+        "engine": {
+            "trunk": f"{label} against {base_path.name} (llama-perplexity's reference log-probabilities)",
+            "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks",
+        },
+    }
 
 
-def _with_llama_cpp(reference: Path, quants: list[Path], text: Path, ctx_size: int, chunks: int | None,
-                    threads: int | None, ngl: int | None, bin_dir: Path | None, extra: list[str]) -> dict:
+def _with_llama_cpp(
+    reference: Path,
+    quants: list[Path],
+    text: Path,
+    ctx_size: int,
+    chunks: int | None,
+    threads: int | None,
+    ngl: int | None,
+    bin_dir: Path | None,
+    extra: list[str],
+) -> dict:
     from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
     from ..engines.perplexity import PerplexityConfig, find_perplexity, kld_with_llama_cpp
     from ..gguf_io import GGUFFile
 
-    cfg = PerplexityConfig(find_perplexity(bin_dir), ctx_size=ctx_size, chunks=chunks, threads=threads, ngl=ngl,
-                           extra=list(extra))
+    cfg = PerplexityConfig(
+        find_perplexity(bin_dir), ctx_size=ctx_size, chunks=chunks, threads=threads, ngl=ngl, extra=list(extra)
+    )
     server = ServerConfig(find_server(bin_dir), ngl=ngl, threads=threads)
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("llama-perplexity", total=len(quants) + 1)
-        ref, figures, n_chunks = kld_with_llama_cpp(reference, quants, text, cfg,
-                                          on_file=lambda i: progress.update(task, completed=i + 1))
+        ref, figures, n_chunks = kld_with_llama_cpp(
+            reference, quants, text, cfg, on_file=lambda i: progress.update(task, completed=i + 1)
+        )
         rates = {}
         for p in (reference, *quants):  # the head: llama-server's draft counters, k=1, greedy, built-in prompts
             progress.update(task, description=f"llama-server: {p.name}")
             if GGUFFile(p).n_mtp:
-                rates[p] = measure_with_llama_cpp(p, "builtin", draft=1, max_new_tokens=64, server=server
-                                                  ).overall.acceptance_rate
+                rates[p] = measure_with_llama_cpp(
+                    p, "builtin", draft=1, max_new_tokens=64, server=server
+                ).overall.acceptance_rate
     rows = []
     for p, f in [(reference, ref), *zip(quants, figures)]:
         g = GGUFFile(p)
         size, n = g.nbytes, g.n_elements
         rate = rates.get(p)
         drop = rates[reference] - rate if rate is not None and rates.get(reference) is not None else None
-        rows.append({"file": str(p), "size_bytes": size, "bits_per_weight": round(8 * size / max(n, 1), 4), **f,
-                     "accept_rate": rate, "accept_drop": drop})
+        rows.append(
+            {
+                "file": str(p),
+                "size_bytes": size,
+                "bits_per_weight": round(8 * size / max(n, 1), 4),
+                **f,
+                "accept_rate": rate,
+                "accept_drop": drop,
+            }
+        )
     scored = ctx_size - 1 - ctx_size // 2
-    return {"reference": rows[0], "files": rows[1:], "ctx_size": ctx_size, "chunks": n_chunks,
-            "positions_per_chunk": scored, "numerics": "llama.cpp",
-            "engine": {"trunk": f"llama.cpp ({cfg.binary.name} --kl-divergence)",
-                       "head": f"llama.cpp ({server.binary.name} --spec-type draft-mtp, k=1, greedy, built-in prompts)"}}
+    return {
+        "reference": rows[0],
+        "files": rows[1:],
+        "ctx_size": ctx_size,
+        "chunks": n_chunks,
+        "positions_per_chunk": scored,
+        "numerics": "llama.cpp",
+        "engine": {
+            "trunk": f"llama.cpp ({cfg.binary.name} --kl-divergence)",
+            "head": f"llama.cpp ({server.binary.name} --spec-type draft-mtp, k=1, greedy, built-in prompts)",
+        },
+    }

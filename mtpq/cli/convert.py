@@ -14,10 +14,22 @@ from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import parse_kv_overrides
 from . import quant_options as opt
 from .app import app
-from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, THREADS_HELP,
-                     auto_head_asked, check_runtime_arch, console, fail, files_written, guarded, report_hooks,
-                     set_threads, split_rule,
-                     write_with_progress)
+from .common import (
+    QUIET_HELP,
+    SPLIT_MAX_SIZE_HELP,
+    SPLIT_MAX_TENSORS_HELP,
+    THREADS_HELP,
+    auto_head_asked,
+    check_runtime_arch,
+    console,
+    fail,
+    files_written,
+    guarded,
+    report_hooks,
+    set_threads,
+    split_rule,
+    write_with_progress,
+)
 
 
 @app.command(
@@ -35,12 +47,22 @@ from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, TH
 def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)."),
     out: Path = typer.Argument(..., help="GGUF file to write (written to a temporary name, renamed when complete)."),
-    outtype: str = typer.Option("auto", "--outtype", help="Type of 2-D weights: auto (bf16 for bf16 checkpoints, else f16), f32, f16, bf16 or q8_0. 1-D tensors stay f32."),
+    outtype: str = typer.Option(
+        "auto",
+        "--outtype",
+        help="Type of 2-D weights: auto (bf16 for bf16 checkpoints, else f16), f32, f16, bf16 or q8_0. 1-D tensors "
+        "stay f32.",
+    ),
     no_mtp: bool = typer.Option(False, "--no-mtp", help="Drop the MTP head (and nextn_predict_layers)."),
-    mtp_only: bool = typer.Option(False, "--mtp-only", help="Write only the MTP blocks + token_embd, output_norm, output."),
+    mtp_only: bool = typer.Option(
+        False, "--mtp-only", help="Write only the MTP blocks + token_embd, output_norm, output."
+    ),
     quant: Optional[str] = typer.Option(
-        None, "--quant", help="Quantize in the same pass with this llama-quantize preset (Q4_K_M, Q8_0, ...), "
-                              "from the checkpoint's own values: no intermediate full-precision GGUF."),
+        None,
+        "--quant",
+        help="Quantize in the same pass with this llama-quantize preset (Q4_K_M, Q8_0, ...), "
+        "from the checkpoint's own values: no intermediate full-precision GGUF.",
+    ),
     mtp_type: Optional[str] = opt.MTP_TYPE,
     max_drop: float = opt.MAX_DROP,
     prompts: str = opt.PROMPTS,
@@ -80,21 +102,35 @@ def convert(
     options, kv_overrides = None, ()
     if quant is None:
         kv_overrides = parse_kv_overrides(override_kv or [])  # fails before anything is read
-        for flag, given in (("--mtp-type", mtp_type), ("--mtp-experts-type", mtp_experts_type),
-                            ("--tensor-type", tensor_type), ("--tensor-type-file", tensor_type_file),
-                            ("--leave-output-tensor", leave_output_tensor), ("--prune-layers", prune_layers),
-                            ("--imatrix", imatrix),
-                            ("--allow-requantize", allow_requantize),
-                            ("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
+        for flag, given in (
+            ("--mtp-type", mtp_type),
+            ("--mtp-experts-type", mtp_experts_type),
+            ("--tensor-type", tensor_type),
+            ("--tensor-type-file", tensor_type_file),
+            ("--leave-output-tensor", leave_output_tensor),
+            ("--prune-layers", prune_layers),
+            ("--imatrix", imatrix),
+            ("--allow-requantize", allow_requantize),
+            ("--include-weights", include_weights),
+            ("--exclude-weights", exclude_weights),
+        ):
             if given:
                 fail(flag, "needs --quant PRESET (without it every weight gets --outtype)")
     else:  # fails before anything is read
-        options = opt.quant_options(quant, preset_option="--quant", mtp_type="keep" if auto else mtp_type,
-                                    mtp_experts_type=mtp_experts_type, tensor_type=tensor_type,
-                                    tensor_type_file=tensor_type_file, leave_output_tensor=leave_output_tensor,
-                                    override_kv=override_kv, prune_layers=prune_layers,
-                                    allow_requantize=allow_requantize, include_weights=include_weights,
-                                    exclude_weights=exclude_weights)
+        options = opt.quant_options(
+            quant,
+            preset_option="--quant",
+            mtp_type="keep" if auto else mtp_type,
+            mtp_experts_type=mtp_experts_type,
+            tensor_type=tensor_type,
+            tensor_type_file=tensor_type_file,
+            leave_output_tensor=leave_output_tensor,
+            override_kv=override_kv,
+            prune_layers=prune_layers,
+            allow_requantize=allow_requantize,
+            include_weights=include_weights,
+            exclude_weights=exclude_weights,
+        )
         if imatrix is not None:
             options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
     source, plan = converted_plan(src, blocks, OUTTYPES.get(outtype.lower()), options, kv_overrides)  # None: auto
@@ -102,8 +138,9 @@ def convert(
         check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
         from ..workflows.auto_head import quantize_with_auto_head
 
-        plan, written = quantize_with_auto_head(src, out, source, plan, options, max_drop, prompts, split=split,
-                                                **report_hooks(quiet))
+        plan, written = quantize_with_auto_head(
+            src, out, source, plan, options, max_drop, prompts, split=split, **report_hooks(quiet)
+        )
         options = options.with_mtp_type(json.loads(plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"])
         total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     else:
@@ -114,5 +151,7 @@ def convert(
         if quant is not None:
             held = "the trunk's types" if options.mtp_type.is_same else str(options.mtp_type)
             quant_text = f", {options.preset.name} with MTP at {held}"
-        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
-                      f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})")
+        console.print(
+            f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors, "
+            f"{n_mtp} in {plan.n_mtp_layers} MTP block(s), arch {plan.arch}{quant_text})"
+        )

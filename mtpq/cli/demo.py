@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .common import check_device, console, guarded, out, RUNTIME_THREADS_HELP
+from .common import RUNTIME_THREADS_HELP, check_device, console, guarded, out
 
 # (file suffix, trunk preset, --mtp-type): the head at q8_0 vs quantized like the trunk
 DEMO_VARIANTS = [
@@ -43,8 +43,14 @@ def results_table(names: list[str], draft: int, max_new_tokens: int) -> Table:
 @guarded
 def demo(
     workdir: Path = typer.Option(Path("demo-out"), "--workdir", help="Where the GGUFs and reports go."),
-    model: str = typer.Option("glm4moe", "--model", "-m", help="Which bundled demo model: " + ", ".join(DEMO_MODELS)
-                              + " (a small GLM-4.5 MoE; a small Qwen3.5 with gated DeltaNet layers)."),
+    model: str = typer.Option(
+        "glm4moe",
+        "--model",
+        "-m",
+        help="Which bundled demo model: "
+        + ", ".join(DEMO_MODELS)
+        + " (a small GLM-4.5 MoE; a small Qwen3.5 with gated DeltaNet layers).",
+    ),
     draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
     max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
@@ -61,8 +67,9 @@ def demo(
     from ..runtime.accept import measure_file
 
     if model not in DEMO_MODELS:
-        raise typer.BadParameter(f"unknown demo model {model!r}; choose one of: {', '.join(DEMO_MODELS)}",
-                                 param_hint="--model")
+        raise typer.BadParameter(
+            f"unknown demo model {model!r}; choose one of: {', '.join(DEMO_MODELS)}", param_hint="--model"
+        )
     folder, prompt_set = DEMO_MODELS[model]
     device = check_device(device)
     src = Path(str(resources.files("mtpq").joinpath(folder)))
@@ -74,7 +81,9 @@ def demo(
     files = [("F16", "f16", ref)]
     for suffix, preset, mtp in DEMO_VARIANTS:
         path = workdir / f"{stem}-{suffix}.gguf"
-        console.print(f"[bold]2.[/] quantize {preset}, MTP head {'like the trunk' if mtp == 'same' else 'at ' + mtp} -> {path}")
+        console.print(
+            f"[bold]2.[/] quantize {preset}, MTP head {'like the trunk' if mtp == 'same' else 'at ' + mtp} -> {path}"
+        )
         write_plan(plan_quantize(plan_from_gguf(ref), parse_options(preset, mtp_type=mtp)), path)
         files.append((preset, mtp, path))
     table = results_table([p.name for _, _, p in files], draft, max_new_tokens)
@@ -82,19 +91,34 @@ def demo(
     rates: dict[tuple[str, str], float] = {}
     for preset, mtp, path in files:
         console.print(f"[bold]3.[/] mtpq accept {path.name}")
-        r = measure_file(path, prompts=prompt_set, draft=draft, max_new_tokens=max_new_tokens,
-                         max_prompts=max_prompts, device=device, with_plain=True,
-                         threads=threads)
+        r = measure_file(
+            path,
+            prompts=prompt_set,
+            draft=draft,
+            max_new_tokens=max_new_tokens,
+            max_prompts=max_prompts,
+            device=device,
+            with_plain=True,
+            threads=threads,
+        )
         rate = r.overall.acceptance_rate
         ref_rate = rate if ref_rate is None else ref_rate
         rates[(preset, mtp)] = rate
         head_types = "/".join(summarize_gguf(path)["mtp_types"])
-        table.add_row(path.name, f"{path.stat().st_size / 2**20:.1f}", head_types,
-                      f"{100 * rate:.1f}", f"{100 * (rate - ref_rate):+.1f}", f"{r.overall.mean_acceptance_length:.2f}",
-                      "yes" if r.greedy_outputs_identical else "NO")
+        table.add_row(
+            path.name,
+            f"{path.stat().st_size / 2**20:.1f}",
+            head_types,
+            f"{100 * rate:.1f}",
+            f"{100 * (rate - ref_rate):+.1f}",
+            f"{r.overall.mean_acceptance_length:.2f}",
+            "yes" if r.greedy_outputs_identical else "NO",
+        )
     out.print(table)
     for preset in dict.fromkeys(p for p, _, _ in files[1:]):  # what this run measured, per trunk preset
         held, same = rates[(preset, "q8_0")], rates[(preset, "same")]
-        out.print(f"{preset}: head at q8_0 {100 * held:.1f} %, head quantized like the trunk {100 * same:.1f} % "
-                  f"(f16 reference {100 * ref_rate:.1f} %): holding the head at q8_0 "
-                  f"{'gains' if held >= same else 'loses'} {100 * abs(held - same):.1f} points.")
+        out.print(
+            f"{preset}: head at q8_0 {100 * held:.1f} %, head quantized like the trunk {100 * same:.1f} % "
+            f"(f16 reference {100 * ref_rate:.1f} %): holding the head at q8_0 "
+            f"{'gains' if held >= same else 'loses'} {100 * abs(held - same):.1f} points."
+        )

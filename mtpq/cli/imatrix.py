@@ -29,10 +29,18 @@ def imatrix(
     chunk: int = typer.Option(512, "--chunk", "-c", help="Tokens per chunk (llama-imatrix's -c)."),
     chunks: int = typer.Option(None, "--chunks", help="Use at most this many chunks (default: all)."),
     mtp: bool = typer.Option(False, "--mtp", help="Only the MTP head (to add to a llama-imatrix file)."),
-    head: Path = typer.Option(None, "--head", help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."),
-    merge_into: Path = typer.Option(None, "--merge-into",
-                                    help="An existing imatrix (e.g. llama-imatrix's): keep its entries and add ours "
-                                         "for tensors it lacks (the head); written to --output."),
+    head: Path = typer.Option(
+        None,
+        "--head",
+        help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as llama.cpp's -md (DeepSeek-V4's head lives "
+        "in its own file).",
+    ),
+    merge_into: Path = typer.Option(
+        None,
+        "--merge-into",
+        help="An existing imatrix (e.g. llama-imatrix's): keep its entries and add ours "
+        "for tensors it lacks (the head); written to --output.",
+    ),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for the runtime (default: 1 for small models)."),
 ) -> None:
@@ -59,8 +67,9 @@ def imatrix(
         if p is not None and not p.is_file():
             fail(str(p), "no such file")
     check_not_an_input(output, [*shard_paths(model), *(p for p in (text, merge_into) if p is not None)])
-    check_runtime([model] + ([head] if head is not None else []), "imatrix",
-                  "llama-imatrix collects the trunk's statistics")
+    check_runtime(
+        [model] + ([head] if head is not None else []), "imatrix", "llama-imatrix collects the trunk's statistics"
+    )
     base = read_imatrix(merge_into) if merge_into is not None else None
     try:
         calib = text.read_text(encoding="utf-8")
@@ -77,11 +86,13 @@ def imatrix(
         fail(str(text), f"tokenizes to fewer than --chunk {chunk} tokens: nothing to collect")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(f"imatrix: {model.name}", total=len(windows))
-        stats = collect(net, windows, trunk=not mtp, head=True,
-                        on_chunk=lambda i, n: progress.update(task, completed=i))
+        stats = collect(
+            net, windows, trunk=not mtp, head=True, on_chunk=lambda i, n: progress.update(task, completed=i)
+        )
 
-    entries = {name: Entry(st.sums.astype(np.float32), st.counts.astype(np.float32))
-               for name, st in stats.tensors.items()}
+    entries = {
+        name: Entry(st.sums.astype(np.float32), st.counts.astype(np.float32)) for name, st in stats.tensors.items()
+    }
     if base is not None:
         if base.legacy:
             fail(str(merge_into), "is a legacy .dat imatrix; merge into a GGUF imatrix (llama-imatrix's default)")

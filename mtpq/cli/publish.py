@@ -23,14 +23,24 @@ from .common import console, guarded
 @guarded
 def publish(
     folder: Path = typer.Argument(..., metavar="DIR", help="A folder mtpq build wrote (manifest.json, the GGUFs)."),
-    repo: str = typer.Option(None, "--repo", help="OWNER/NAME of the model repository (default: the recipe's "
-                             "[publish] repo, recorded in manifest.json)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (send / skip / delete, and why); send "
-                                 "nothing."),
-    prune: bool = typer.Option(False, "--prune", help="Delete files on the Hub that this build does not list (an "
-                               "old layout's, a variant taken out)."),
-    private: bool = typer.Option(None, "--private/--public", help="Visibility of a repository this creates "
-                                 "(default: the recipe's [publish] private)."),
+    repo: str = typer.Option(
+        None,
+        "--repo",
+        help="OWNER/NAME of the model repository (default: the recipe's [publish] repo, recorded in manifest.json).",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the plan (send / skip / delete, and why); send nothing."
+    ),
+    prune: bool = typer.Option(
+        False,
+        "--prune",
+        help="Delete files on the Hub that this build does not list (an old layout's, a variant taken out).",
+    ),
+    private: bool = typer.Option(
+        None,
+        "--private/--public",
+        help="Visibility of a repository this creates (default: the recipe's [publish] private).",
+    ),
 ) -> None:
     """Upload a built folder through huggingface_hub: only files whose sha256 the repository lacks.
 
@@ -43,8 +53,14 @@ def publish(
     push(folder, repo, dry_run=dry_run, prune=prune, private=private)
 
 
-def push(folder: Path, repo: str | None, dry_run: bool = False, prune: bool = False, private: bool | None = None,
-         message: str | None = None) -> None:
+def push(
+    folder: Path,
+    repo: str | None,
+    dry_run: bool = False,
+    prune: bool = False,
+    private: bool | None = None,
+    message: str | None = None,
+) -> None:
     """Plan and (unless dry_run) send; the plan's lines go to stdout on a dry run, to stderr otherwise."""
     from ..release import publish as hub
     from .common import out
@@ -53,8 +69,11 @@ def push(folder: Path, repo: str | None, dry_run: bool = False, prune: bool = Fa
         hub.require_token()
     api = hub.hub_api()
     plan = hub.plan_upload(folder, repo, api, prune=prune, private=private)
-    show = (lambda line: out.print(line, highlight=False, markup=False, soft_wrap=True)) if dry_run else \
-        (lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+    show = (
+        (lambda line: out.print(line, highlight=False, markup=False, soft_wrap=True))
+        if dry_run
+        else (lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+    )
     for line in plan.lines():
         show(line)
     if dry_run:

@@ -17,10 +17,24 @@ from ..quantize.pipeline import plan_change_summary, plan_quantize
 from ..quantize.presets import PRESETS
 from . import quant_options as opt
 from .app import app
-from .common import (KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP,
-                     THREADS_HELP, auto_head_asked, check_runtime_arch, console, files_written, guarded, out,
-                     report_hooks, set_threads,
-                     split_rule, write_with_progress)
+from .common import (
+    KEEP_SPLIT_HELP,
+    QUIET_HELP,
+    SPLIT_MAX_SIZE_HELP,
+    SPLIT_MAX_TENSORS_HELP,
+    THREADS_HELP,
+    auto_head_asked,
+    check_runtime_arch,
+    console,
+    files_written,
+    guarded,
+    out,
+    report_hooks,
+    set_threads,
+    split_rule,
+    write_with_progress,
+)
+
 
 @app.command(
     epilog=(
@@ -31,7 +45,8 @@ from .common import (KEEP_SPLIT_HELP, QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type 'attn_v=q8_0' --dry-run\n\n"
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --tensor-type-file types.txt --leave-output-tensor\n\n"
         "  mtpq quantize air-f16.gguf x.gguf Q4_K_M --prune-layers 20,21 --override-kv general.name=str:Air-pruned\n\n"
-        "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize --imatrix\n\n"
+        "  mtpq quantize air-f16.gguf air-iq4xs.gguf IQ4_XS --imatrix air.imatrix.gguf   # = llama-quantize "
+        "--imatrix\n\n"
         "  mtpq quantize air-f16.gguf air-q4km.gguf Q4_K_M --mtp-type auto --max-drop 0.02   # measured choice\n\n"
         "  mtpq quantize air-bf16-00001-of-00005.gguf air-q4km.gguf Q4_K_M --split-max-size 48G   # split in and out"
     )
@@ -44,9 +59,13 @@ def quantize(
     mtp_type: Optional[str] = opt.MTP_TYPE,
     max_drop: float = opt.MAX_DROP,
     prompts: str = opt.PROMPTS,
-    trunk: Optional[Path] = typer.Option(None, "--trunk", help="With --mtp-type auto on a head file (mtp-*.gguf, "
-                                         "DeepSeek-V4's form): the trunk file it drafts for, quantized with PRESET "
-                                         "to measure the head types on; OUT is the head file."),
+    trunk: Optional[Path] = typer.Option(
+        None,
+        "--trunk",
+        help="With --mtp-type auto on a head file (mtp-*.gguf, "
+        "DeepSeek-V4's form): the trunk file it drafts for, quantized with PRESET "
+        "to measure the head types on; OUT is the head file.",
+    ),
     mtp_experts_type: Optional[str] = opt.MTP_EXPERTS_TYPE,
     tensor_type: Optional[List[str]] = opt.TENSOR_TYPE,
     tensor_type_file: Optional[List[Path]] = opt.TENSOR_TYPE_FILE,
@@ -76,15 +95,26 @@ def quantize(
     auto = auto_head_asked(mtp_type, max_drop)
     if auto:
         if dry_run:
-            raise typer.BadParameter("measures heads on the quantized trunk: not with --dry-run",
-                                     param_hint="--mtp-type auto")
+            raise typer.BadParameter(
+                "measures heads on the quantized trunk: not with --dry-run", param_hint="--mtp-type auto"
+            )
         mtp_type = "keep"  # the trunk is written once with the input's head; the chosen head is grafted in
-    options = opt.quant_options(preset, mtp_type=mtp_type, mtp_experts_type=mtp_experts_type, tensor_type=tensor_type,
-                                tensor_type_file=tensor_type_file, output_tensor_type=output_tensor_type,
-                                token_embedding_type=token_embedding_type, leave_output_tensor=leave_output_tensor,
-                                override_kv=override_kv, prune_layers=prune_layers, pure=pure,
-                                allow_requantize=allow_requantize, include_weights=include_weights,
-                                exclude_weights=exclude_weights)
+    options = opt.quant_options(
+        preset,
+        mtp_type=mtp_type,
+        mtp_experts_type=mtp_experts_type,
+        tensor_type=tensor_type,
+        tensor_type_file=tensor_type_file,
+        output_tensor_type=output_tensor_type,
+        token_embedding_type=token_embedding_type,
+        leave_output_tensor=leave_output_tensor,
+        override_kv=override_kv,
+        prune_layers=prune_layers,
+        pure=pure,
+        allow_requantize=allow_requantize,
+        include_weights=include_weights,
+        exclude_weights=exclude_weights,
+    )
     split = split_rule(split_max_size, split_max_tensors, keep_split)
     set_threads(threads)
     if imatrix is not None:
@@ -102,8 +132,10 @@ def quantize(
         if not trunk.is_file():
             raise typer.BadParameter(f"{trunk}: no such file", param_hint="--trunk")
         if not is_head_file(GGUFFile(src)):
-            raise typer.BadParameter(f"{src} is not a head file (it has trunk blocks): measure its own head without "
-                                     "--trunk", param_hint="--trunk")
+            raise typer.BadParameter(
+                f"{src} is not a head file (it has trunk blocks): measure its own head without --trunk",
+                param_hint="--trunk",
+            )
         trunk_plan = plan_quantize(plan_from_gguf(trunk), options)
     after = plan_quantize(before, options)
     info = plan_change_summary(before, after)
@@ -116,20 +148,35 @@ def quantize(
     if auto:
         from ..workflows.auto_head import quantize_with_auto_head
 
-        after, written = quantize_with_auto_head(src, dst, before, trunk_plan or after, options, max_drop, prompts,
-                                                 split=split, head_file=trunk_plan is not None,
-                                                 **report_hooks(quiet or as_json))
+        after, written = quantize_with_auto_head(
+            src,
+            dst,
+            before,
+            trunk_plan or after,
+            options,
+            max_drop,
+            prompts,
+            split=split,
+            head_file=trunk_plan is not None,
+            **report_hooks(quiet or as_json),
+        )
         info = plan_change_summary(before, after)
     else:
         written = write_with_progress(after, dst, "quantize", quiet or as_json, split)[1]
     if as_json:
-        typer.echo(json.dumps({"file": str(written[0]), "files": [str(p) for p in written], "dry_run": False, **info},
-                              indent=2))
+        typer.echo(
+            json.dumps(
+                {"file": str(written[0]), "files": [str(p) for p in written], "dry_run": False, **info}, indent=2
+            )
+        )
     elif not quiet:
         t = info["totals"]
         mtp = info["by_role"].get("mtp")
         mtp_text = f", MTP {mtp['bits_per_weight']:.2f} bits/weight" if mtp else ", no MTP block"
-        console.print(f"wrote {files_written(written)} ({t['bytes'] / 2**20:.1f} MiB, {t['bits_per_weight']:.2f} bits/weight{mtp_text})")
+        console.print(
+            f"wrote {files_written(written)} ({t['bytes'] / 2**20:.1f} MiB, {t['bits_per_weight']:.2f} "
+            f"bits/weight{mtp_text})"
+        )
 
 
 def print_decisions(info: dict) -> None:
@@ -148,8 +195,9 @@ def print_decisions(info: dict) -> None:
     for role, v in info["by_role"].items():
         totals.add_row(role, str(v["tensors"]), f"{v['old_bytes']:,}", f"{v['bytes']:,}", f"{v['bits_per_weight']:.2f}")
     t = info["totals"]
-    totals.add_row("[bold]all[/]", str(t["tensors"]), f"{t['old_bytes']:,}", f"{t['bytes']:,}",
-                   f"{t['bits_per_weight']:.2f}")
+    totals.add_row(
+        "[bold]all[/]", str(t["tensors"]), f"{t['old_bytes']:,}", f"{t['bytes']:,}", f"{t['bits_per_weight']:.2f}"
+    )
     out.print(totals)
     if t["pruned_tensors"]:
         out.print(f"--prune-layers: {t['pruned_tensors']} tensors dropped")

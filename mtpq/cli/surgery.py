@@ -6,13 +6,21 @@ from pathlib import Path
 
 import typer
 
-from ..gguf_io import plan_from_gguf
 from ..ggml.types import WRITABLE_TYPES
+from ..gguf_io import plan_from_gguf
 from ..quantize.mtp_precision import parse_mtp
 from ..tensors import Plan, Role
 from .app import app
-from .common import (QUIET_HELP, SPLIT_MAX_SIZE_HELP, SPLIT_MAX_TENSORS_HELP, console, files_written, guarded, split_rule,
-                     write_with_progress)
+from .common import (
+    QUIET_HELP,
+    SPLIT_MAX_SIZE_HELP,
+    SPLIT_MAX_TENSORS_HELP,
+    console,
+    files_written,
+    guarded,
+    split_rule,
+    write_with_progress,
+)
 
 MTP_TYPES = {t.name.lower(): t for t in WRITABLE_TYPES}  # what mtpq's kernels write
 
@@ -45,12 +53,16 @@ def _head_summary(plan: Plan) -> str:
 @guarded
 def graft(
     out: Path = typer.Argument(..., help="GGUF file to write (temporary name, renamed when complete)."),
-    mtp_from: Path = typer.Option(..., "--mtp-from",
-                                  help="Donor GGUF holding the MTP blocks (full model or head-only)."),
+    mtp_from: Path = typer.Option(
+        ..., "--mtp-from", help="Donor GGUF holding the MTP blocks (full model or head-only)."
+    ),
     into: Path = typer.Option(..., "--into", help="Target GGUF (usually a quant without a head); copied unchanged."),
-    mtp_type: str = typer.Option("keep", "--mtp-type",
-                                 help=f"Type of the head's weights: keep (byte copy) or {', '.join(MTP_TYPES)}. "
-                                      "1-D tensors and routers stay as stored."),
+    mtp_type: str = typer.Option(
+        "keep",
+        "--mtp-type",
+        help=f"Type of the head's weights: keep (byte copy) or {', '.join(MTP_TYPES)}. "
+        "1-D tensors and routers stay as stored.",
+    ),
     replace: bool = typer.Option(False, "--replace", help="Swap out a head the target already has."),
     split_max_size: str = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
     split_max_tensors: int = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
@@ -69,8 +81,11 @@ def graft(
     plan = plan_graft(plan_from_gguf(mtp_from), plan_from_gguf(into), mtp_type=precision, replace=replace)
     total, written = write_with_progress(plan, out, "graft", quiet, split)
     if not quiet:
-        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
-                      f"{_head_summary(plan)} from {mtp_from.name}", soft_wrap=True)
+        console.print(
+            f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {into.name} + "
+            f"{_head_summary(plan)} from {mtp_from.name}",
+            soft_wrap=True,
+        )
 
 
 @app.command(
@@ -101,5 +116,8 @@ def extract_mtp(
     plan = plan_extract_mtp(plan_from_gguf(src))
     total, written = write_with_progress(plan, out, "extract-mtp", quiet)
     if not quiet:
-        console.print(f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): {_head_summary(plan)}",
-                      soft_wrap=True)
+        console.print(
+            f"wrote {files_written(written)} ({total / 2**20:.1f} MiB, {len(plan.tensors)} tensors): "
+            f"{_head_summary(plan)}",
+            soft_wrap=True,
+        )

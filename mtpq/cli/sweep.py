@@ -12,7 +12,6 @@ from rich.table import Table
 from .app import app
 from .common import RUNTIME_THREADS_HELP, check_device, check_runtime, console, fail, guarded, out
 
-
 PLOT_INSTALL = "pip install 'mtpq[plot]'"
 
 
@@ -58,28 +57,46 @@ def _heatmap(plt, path: Path, rows: list[str], cols: list[str], grid: list[list[
 )
 @guarded
 def sweep(
-    reference: Path = typer.Argument(..., help="A full-precision (f32/f16/bf16) GGUF with an MTP head (or a trunk, "
-                                     "with --head)."),
-    head: Path = typer.Option(None, "--head", help="torch engine: the full-precision head file (mtp-*.gguf) that "
-                              "drafts for REFERENCE's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own "
-                              "file): the head types are quantized from it."),
+    reference: Path = typer.Argument(
+        ..., help="A full-precision (f32/f16/bf16) GGUF with an MTP head (or a trunk, with --head)."
+    ),
+    head: Path = typer.Option(
+        None,
+        "--head",
+        help="torch engine: the full-precision head file (mtp-*.gguf) that "
+        "drafts for REFERENCE's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own "
+        "file): the head types are quantized from it.",
+    ),
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin', 'demo_heldout' or a JSONL file."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
     max_prompts: int = typer.Option(None, "--max-prompts"),
-    text: Path = typer.Option(None, "--text", "-f", help="Also score each trunk preset's mean KLD against the "
-                              "reference on this text (llama-perplexity's chunking, see mtpq compare)."),
+    text: Path = typer.Option(
+        None,
+        "--text",
+        "-f",
+        help="Also score each trunk preset's mean KLD against the "
+        "reference on this text (llama-perplexity's chunking, see mtpq compare).",
+    ),
     ctx_size: int = typer.Option(512, "--ctx-size", "-c", help="With --text: tokens per chunk."),
     chunks: int = typer.Option(None, "--chunks", help="With --text: score only the first N chunks."),
     json_out: Path = typer.Option(None, "--json", help="Write the grid as JSON here."),
     png_out: Path = typer.Option(None, "--png", help="Write a heat map here (needs matplotlib)."),
-    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Allow requantizing tensors REFERENCE "
-                                          "stores quantized already (DeepSeek-V4's converted files keep its FP8 "
-                                          "weights as Q8_0)."),
+    allow_requantize: bool = typer.Option(
+        False,
+        "--allow-requantize",
+        help="Allow requantizing tensors REFERENCE "
+        "stores quantized already (DeepSeek-V4's converted files keep its FP8 "
+        "weights as Q8_0).",
+    ),
     workdir: Path = typer.Option(None, "--keep", help="Keep the trunk GGUFs (one per preset) in this folder."),
-    engine: str = typer.Option("torch", "--engine", help="torch: one trunk pass per preset, every head drafting "
-                               "from it. llama.cpp: one grafted file per pair, measured by llama-server."),
+    engine: str = typer.Option(
+        "torch",
+        "--engine",
+        help="torch: one trunk pass per preset, every head drafting "
+        "from it. llama.cpp: one grafted file per pair, measured by llama-server.",
+    ),
     llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server."),
     ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
     device: str = typer.Option(None, "--device"),
@@ -89,9 +106,9 @@ def sweep(
     type only the head's tensors are quantized (exactly as `mtpq quantize --mtp-type T` writes them) and
     measured on that trunk: greedy k=1 acceptance (what `mtpq accept --draft 1` reports for the full file),
     from the teacher-forced estimator. Prints the grid; with --text, each trunk preset's mean KLD too."""
+    from ..acceptance.prompts import load_prompts
     from ..gguf_io import plan_from_gguf, write_plan
     from ..quantize.pipeline import parse_options, plan_quantize
-    from ..acceptance.prompts import load_prompts
     from ..runtime.accept import use_threads
 
     mtps = [m.strip().lower() for m in mtp.split(",") if m.strip()]
@@ -113,8 +130,11 @@ def sweep(
         fail("--png", f"needs matplotlib, which is not installed: {PLOT_INSTALL}")
     device = check_device(device)
     if engine == "torch":
-        check_runtime([reference] + ([head] if head is not None else []), "sweep --engine torch",
-                      "--engine llama.cpp measures each pair in llama.cpp")
+        check_runtime(
+            [reference] + ([head] if head is not None else []),
+            "sweep --engine torch",
+            "--engine llama.cpp measures each pair in llama.cpp",
+        )
     ref_plan = plan_from_gguf(reference)
     head_ref = plan_from_gguf(head) if head is not None else ref_plan  # where the head types are quantized from
     if head_ref.n_mtp_layers == 0:
@@ -129,15 +149,44 @@ def sweep(
     grid = {m: {} for m in mtps}
     kld: dict[str, float] = {}
     try:
-        ref_rate = _rates(engine, reference, reference, "F16", ["keep"], pairs, max_new_tokens, device, folder,
-                          llama_cpp, ngl, threads, head, allow_requantize)["keep"]
+        ref_rate = _rates(
+            engine,
+            reference,
+            reference,
+            "F16",
+            ["keep"],
+            pairs,
+            max_new_tokens,
+            device,
+            folder,
+            llama_cpp,
+            ngl,
+            threads,
+            head,
+            allow_requantize,
+        )["keep"]
         for t in trunks:
             path = folder / f"{reference.stem}-{t}.gguf"
             console.print(f"{t}: quantizing the trunk -> {path.name}")
-            write_plan(plan_quantize(ref_plan, parse_options(t, mtp_type="keep", allow_requantize=allow_requantize)),
-                       path)  # the head is measured per type below
-            for m, rate in _rates(engine, path, reference, t, mtps, pairs, max_new_tokens, device, folder,
-                                  llama_cpp, ngl, threads, head, allow_requantize).items():
+            write_plan(
+                plan_quantize(ref_plan, parse_options(t, mtp_type="keep", allow_requantize=allow_requantize)), path
+            )  # the head is measured per type below
+            for m, rate in _rates(
+                engine,
+                path,
+                reference,
+                t,
+                mtps,
+                pairs,
+                max_new_tokens,
+                device,
+                folder,
+                llama_cpp,
+                ngl,
+                threads,
+                head,
+                allow_requantize,
+            ).items():
                 grid[m][t] = rate
             if text is not None:
                 kld[t] = _trunk_kld(reference, path, text, ctx_size, chunks, device)
@@ -156,31 +205,61 @@ def sweep(
     if kld:
         table.add_row("[dim]trunk mean KLD[/]", *(f"{kld[t]:.4f}" for t in trunks))
     out.print(table)
-    doc = {"reference": str(reference), "reference_rate": ref_rate, "draft": 1, "mtp_types": mtps,
-           "trunk_presets": trunks, "acceptance": rows, "engine": engine,
-           "trunk_kld_mean": [kld[t] for t in trunks] if kld else None}
+    doc = {
+        "reference": str(reference),
+        "reference_rate": ref_rate,
+        "draft": 1,
+        "mtp_types": mtps,
+        "trunk_presets": trunks,
+        "acceptance": rows,
+        "engine": engine,
+        "trunk_kld_mean": [kld[t] for t in trunks] if kld else None,
+    }
     if json_out:
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
     if png_out is not None:
         _heatmap(plt, png_out, mtps, trunks, rows, "MTP acceptance, k=1")
 
 
-def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: list[str], pairs, max_new_tokens: int,
-           device, folder: Path, llama_cpp, ngl, threads, head: Path | None = None,
-           allow_requantize: bool = False) -> dict[str, float]:
+def _rates(
+    engine: str,
+    trunk: Path,
+    reference: Path,
+    preset: str,
+    head_types: list[str],
+    pairs,
+    max_new_tokens: int,
+    device,
+    folder: Path,
+    llama_cpp,
+    ngl,
+    threads,
+    head: Path | None = None,
+    allow_requantize: bool = False,
+) -> dict[str, float]:
     """Each head type's greedy k=1 acceptance on ``trunk``'s trunk."""
     prompts = [p for _, p in pairs]
     if engine == "torch":
         from ..quantize.pipeline import parse_options
         from ..workflows.headsweep import head_rates
 
-        return {t: r.rate for t, r in head_rates(trunk, head or reference,
-                                                 parse_options(preset, allow_requantize=allow_requantize), head_types,
-                                                 prompts, max_new_tokens, head=head, device=device,
-                                                 workdir=folder).items()}
+        return {
+            t: r.rate
+            for t, r in head_rates(
+                trunk,
+                head or reference,
+                parse_options(preset, allow_requantize=allow_requantize),
+                head_types,
+                prompts,
+                max_new_tokens,
+                head=head,
+                device=device,
+                workdir=folder,
+            ).items()
+        }
     from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp
-    from ..quantize.pipeline import parse_options
     from ..gguf_io import plan_from_gguf, write_plan
+    from ..quantize.pipeline import parse_options
     from ..quantize.surgery import plan_graft
     from ..workflows.headsweep import head_plan
 
@@ -189,8 +268,9 @@ def _rates(engine: str, trunk: Path, reference: Path, preset: str, head_types: l
     for t in head_types:
         path = folder / f"{trunk.stem}-mtp_{t}.gguf"  # the trunk's bytes copied, the head quantized as type t
         write_plan(plan_graft(head_plan(ref_plan, parse_options(preset), t), plan_from_gguf(trunk), replace=True), path)
-        out[t] = measure_with_llama_cpp(path, pairs, draft=1, max_new_tokens=max_new_tokens,
-                                        server=server).overall.acceptance_rate
+        out[t] = measure_with_llama_cpp(
+            path, pairs, draft=1, max_new_tokens=max_new_tokens, server=server
+        ).overall.acceptance_rate
         path.unlink()
     return out
 

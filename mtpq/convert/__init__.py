@@ -14,8 +14,11 @@ from .families import CONVERT_FAMILIES, convert_family_for
 __all__ = ["CONVERT_FAMILIES", "OUTTYPES", "BlockSelection", "plan_checkpoint"]
 
 
-def plan_checkpoint(src: Path, mtp: BlockSelection = BlockSelection.KEEP,
-                    outtype: GGMLQuantizationType | None = GGMLQuantizationType.F16) -> Plan:
+def plan_checkpoint(
+    src: Path,
+    mtp: BlockSelection = BlockSelection.KEEP,
+    outtype: GGMLQuantizationType | None = GGMLQuantizationType.F16,
+) -> Plan:
     """Validate ``src`` and return the conversion plan; nothing heavy is read yet.
 
     ``outtype=None`` is llama.cpp's ``auto``: bf16 when the checkpoint stores bf16 weights

@@ -44,8 +44,10 @@ class BlockSelection(str, Enum):
 
 OUTTYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}
 FILE_TYPES = {
-    T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16,
-    T.BF16: LlamaFileType.MOSTLY_BF16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    T.F32: LlamaFileType.ALL_F32,
+    T.F16: LlamaFileType.MOSTLY_F16,
+    T.BF16: LlamaFileType.MOSTLY_BF16,
+    T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
 }
 # llama.cpp's llama_expert_gating_func_type, as its converter writes scoring_func (sqrtsoftplus: newer than gguf 0.19)
 EXPERT_GATING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
@@ -127,8 +129,9 @@ class ConvertFamily:
     def __init__(self, ckpt: HFCheckpoint):
         self.ckpt = ckpt
         self.hparams = self.text_config(ckpt.config if self.stored_config else ckpt.hparams)
-        validate.check_required_hparams(self.text_config(ckpt.config), self.required_hparams,
-                                        self.hf_architectures[0], ckpt.folder / "config.json")
+        validate.check_required_hparams(
+            self.text_config(ckpt.config), self.required_hparams, self.hf_architectures[0], ckpt.folder / "config.json"
+        )
         self.n_trunk = int(self.hparams["num_hidden_layers"])
         self.n_mtp = int(self.hparams.get("num_nextn_predict_layers", 0) or 0)
         self._name_map: gguf.TensorNameMap | None = None
@@ -156,8 +159,9 @@ class ConvertFamily:
         """The one per-layer loop: token_embd, every block (trunk then MTP), output_norm, output."""
         ck = self.ckpt
         n_blocks = self.n_trunk + self.n_mtp
-        self.expect_shape(self.require("model.embed_tokens.weight"), (self.hparams["vocab_size"],
-                                                                      self.hparams["hidden_size"]))
+        self.expect_shape(
+            self.require("model.embed_tokens.weight"), (self.hparams["vocab_size"], self.hparams["hidden_size"])
+        )
         used: list[str] = []
         by_block: dict[int, list[str]] = {}
         for n in ck.names():
@@ -182,14 +186,16 @@ class ConvertFamily:
                 if bid >= self.n_trunk and self.block_selection is BlockSelection.DROP:
                     continue  # many published copies lack the MTP layers: fine for a trunk-only GGUF
                 hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
-                raise InputError(ck.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers"
-                                            f" + {self.n_mtp} MTP){hint}")
+                raise InputError(
+                    ck.folder,
+                    f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP){hint}",
+                )
             self.check_block(bid, p)
             experts = [n for n in names if n.startswith(p + self.per_expert_infix)]
             for hf in names:
                 if hf in experts:
                     continue
-                rest = hf[len(p):]
+                rest = hf[len(p) :]
                 key = f"{self.block_prefix}{bid}.{rest}"  # as gguf-py's name map spells it
                 if (custom := self.modify(bid, rest, hf)) is not None:
                     used.append(hf)
@@ -236,8 +242,13 @@ class ConvertFamily:
         validate.check_dtypes(self.ckpt, self.own_encodings)
         expected = self.expected_tensors(keep_mtp)
         if expected is not None:
-            validate.check_tensors(expected, self.found_tensors(), folder=self.ckpt.folder, n_trunk=self.n_trunk,
-                                   layout=validate.layout_line(self.n_trunk, self.n_mtp))
+            validate.check_tensors(
+                expected,
+                self.found_tensors(),
+                folder=self.ckpt.folder,
+                n_trunk=self.n_trunk,
+                layout=validate.layout_line(self.n_trunk, self.n_mtp),
+            )
 
     def resolve(self, name: str) -> str | None:
         """The stored name of an :meth:`expected_tensors` name, or None if the checkpoint lacks it."""
@@ -269,8 +280,9 @@ class ConvertFamily:
 
     def swa_rope_theta(self) -> float | None:
         """The sliding-window layers' RoPE base, under the names llama.cpp's converter looks for."""
-        return self.hp("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
-                       "rope_local_base_freq")
+        return self.hp(
+            "local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq"
+        )
 
     @property
     def rope_parameters(self) -> dict:
@@ -284,13 +296,28 @@ class ConvertFamily:
         """The hparams llama.cpp's TextModel.set_gguf_parameters writes for every model."""
         w.add_block_count(n_blocks)
         # the hparam spellings llama.cpp's find_hparam tries, in its order
-        if (v := self.hp("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
-                         "model_max_length")) is not None:
+        if (
+            v := self.hp(
+                "max_position_embeddings",
+                "n_ctx",
+                "n_positions",
+                "max_length",
+                "max_sequence_length",
+                "model_max_length",
+            )
+        ) is not None:
             w.add_context_length(v)
         if (v := self.hp("hidden_size", "n_embd", "dim")) is not None:
             w.add_embedding_length(v)
-        if (v := self.hp("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
-                         "n_inner", "hidden_dim")) is not None:
+        if (
+            v := self.hp(
+                "prefix_dense_intermediate_size",
+                "dense_intermediate_size",
+                "intermediate_size",
+                "n_inner",
+                "hidden_dim",
+            )
+        ) is not None:
             w.add_feed_forward_length(v)
         if (v := self.hp("num_attention_heads", "n_head", "n_heads")) is not None:
             w.add_head_count(v)
@@ -318,8 +345,16 @@ class ConvertFamily:
             w.add_expert_group_count(v)
         if (v := self.hparams.get("topk_group")) is not None:
             w.add_expert_group_used_count(v)
-        if (v := self.hp("score_function", "scoring_func", "score_func", "moe_router_activation",
-                         "moe_router_activation_func", "expert_selection_fn")) is not None:
+        if (
+            v := self.hp(
+                "score_function",
+                "scoring_func",
+                "score_func",
+                "moe_router_activation",
+                "moe_router_activation_func",
+                "expert_selection_fn",
+            )
+        ) is not None:
             if v not in EXPERT_GATING:
                 raise InputError(self.ckpt.folder / "config.json", f"unsupported scoring_func {v!r}")
             w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=self.arch), EXPERT_GATING[v])
@@ -332,8 +367,9 @@ class ConvertFamily:
         applied to every tensor :meth:`emit` reads, before any transform the caller adds."""
         return None, shape
 
-    def emit(self, name: str, hf_name: str, transform: Transform | None = None,
-             shape: tuple[int, ...] | None = None) -> Emit:
+    def emit(
+        self, name: str, hf_name: str, transform: Transform | None = None, shape: tuple[int, ...] | None = None
+    ) -> Emit:
         """A GGUF tensor read from one HF tensor, optionally transformed (shape must then be given if it changes)."""
         load = self.ckpt.loader(hf_name)
         own, own_shape = self.values(hf_name, tuple(self.ckpt.shape(hf_name)))
@@ -346,7 +382,8 @@ class ConvertFamily:
         # untransformed values (or only squeezed, rows unchanged: the same bytes) can be encoded band by band
         # (no full-size float32 copy of an FP8 tensor) or mapped as they are
         plain = all(getattr(f, "keeps_bytes", False) for f in (own, transform) if f is not None) and (
-            own is None and transform is None or stored[-1:] == out_shape[-1:] and len(out_shape) > 1)
+            own is None and transform is None or stored[-1:] == out_shape[-1:] and len(out_shape) > 1
+        )
         encode = (lambda q: stream.encode_tensor(self.ckpt, hf_name, name, src, q)) if plain else None
         return Emit(name, out_shape, load, src, encode)
 
@@ -454,8 +491,11 @@ class ConvertFamily:
             encode = e.encode or (lambda e: lambda q: stream.encode_loaded(e.load, q, e.name, e.source))(e)
             raw = (lambda f, q: lambda: f(q))(encode, qtype)
             reason = f"stored as {qtype.name.lower()}" if e.ggml_type else f"--outtype {outtype.name.lower()}"
-            specs.append(TensorSpec(e.name, e.shape, role, qtype, e.load, e.source, reason=reason,
-                                    source_type=qtype, load_raw=raw))
+            specs.append(
+                TensorSpec(
+                    e.name, e.shape, role, qtype, e.load, e.source, reason=reason, source_type=qtype, load_raw=raw
+                )
+            )
 
         w = GGUFWriter(None, self.arch)  # used only to collect metadata with gguf-py's typed helpers
         w.add_type("model")
@@ -471,8 +511,14 @@ class ConvertFamily:
         self.write_vocab(w)
         kv = {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}
 
-        return Plan(self.arch, kv, specs, inputs=list(self.ckpt.files), n_trunk_layers=self.n_trunk,
-                    n_mtp_layers=self.n_mtp if keep_mtp else 0)
+        return Plan(
+            self.arch,
+            kv,
+            specs,
+            inputs=list(self.ckpt.files),
+            n_trunk_layers=self.n_trunk,
+            n_mtp_layers=self.n_mtp if keep_mtp else 0,
+        )
 
 
 def mxfp4_stack(ckpt: HFCheckpoint, name: str, parts: list[tuple[str, str]]) -> Emit:
@@ -508,18 +554,25 @@ def _dtype_of(ckpt: HFCheckpoint, hf_name: str) -> torch.dtype:
 
 
 # the top-level names of Llama-style checkpoints, for families with their own name tables
-LLAMA_TOP_NAMES = {"model.embed_tokens.weight": gguf.MODEL_TENSOR.TOKEN_EMBD,
-                   "model.norm.weight": gguf.MODEL_TENSOR.OUTPUT_NORM, "lm_head.weight": gguf.MODEL_TENSOR.OUTPUT}
+LLAMA_TOP_NAMES = {
+    "model.embed_tokens.weight": gguf.MODEL_TENSOR.TOKEN_EMBD,
+    "model.norm.weight": gguf.MODEL_TENSOR.OUTPUT_NORM,
+    "lm_head.weight": gguf.MODEL_TENSOR.OUTPUT,
+}
 
 
 # the Llama-style names inside ``model.layers.{N}.`` (".weight" dropped) most MoE families share -> GGUF kind
 LLAMA_BLOCK_NAMES = {
     "input_layernorm": gguf.MODEL_TENSOR.ATTN_NORM,
-    "self_attn.q_proj": gguf.MODEL_TENSOR.ATTN_Q, "self_attn.k_proj": gguf.MODEL_TENSOR.ATTN_K,
-    "self_attn.v_proj": gguf.MODEL_TENSOR.ATTN_V, "self_attn.o_proj": gguf.MODEL_TENSOR.ATTN_OUT,
-    "mlp.gate_proj": gguf.MODEL_TENSOR.FFN_GATE, "mlp.up_proj": gguf.MODEL_TENSOR.FFN_UP,
+    "self_attn.q_proj": gguf.MODEL_TENSOR.ATTN_Q,
+    "self_attn.k_proj": gguf.MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj": gguf.MODEL_TENSOR.ATTN_V,
+    "self_attn.o_proj": gguf.MODEL_TENSOR.ATTN_OUT,
+    "mlp.gate_proj": gguf.MODEL_TENSOR.FFN_GATE,
+    "mlp.up_proj": gguf.MODEL_TENSOR.FFN_UP,
     "mlp.down_proj": gguf.MODEL_TENSOR.FFN_DOWN,
-    "mlp.experts.gate_proj": gguf.MODEL_TENSOR.FFN_GATE_EXP, "mlp.experts.up_proj": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "mlp.experts.gate_proj": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "mlp.experts.up_proj": gguf.MODEL_TENSOR.FFN_UP_EXP,
     "mlp.experts.down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
 }
 
@@ -536,9 +589,12 @@ def weight_table(names: dict[str, gguf.MODEL_TENSOR]) -> dict[str, tuple[gguf.MO
     return {f"{rest}.weight": (kind, ".weight") for rest, kind in names.items()}
 
 
-def name_from_tables(hf_name: str, top: dict[str, gguf.MODEL_TENSOR],
-                     blocks: Callable[[int], dict[str, tuple[gguf.MODEL_TENSOR, str]]],
-                     prefix: str = "model.layers.") -> str | None:
+def name_from_tables(
+    hf_name: str,
+    top: dict[str, gguf.MODEL_TENSOR],
+    blocks: Callable[[int], dict[str, tuple[gguf.MODEL_TENSOR, str]]],
+    prefix: str = "model.layers.",
+) -> str | None:
     """GGUF name from a family's own tables (for architectures whose names pip's gguf lacks): a top-level
     name, else ``{prefix}{N}.<rest>`` looked up in block N's table of ``rest -> (kind, suffix)``."""
     if hf_name in top:

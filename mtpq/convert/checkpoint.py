@@ -30,13 +30,35 @@ from ..errors import InputError
 from .hfconfig import check_config
 
 ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two scales (DeepSeek-V4's UE8M0 .scale companions)
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 _FP8 = {"F8_E4M3", "F8_E5M2"}
 # activation-side companions (input and FP8 KV-cache scales: ModelOpt's k_proj.k_scale / v_proj.v_scale) are
 # unused by a converter, as llama.cpp's drops them
@@ -98,8 +120,9 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         if end - start != numel * _ST_ITEMSIZE[dtype]:
             raise InputError(path, f"corrupt safetensors header: {name} byte range does not match its shape")
         if end > data_size:
-            raise InputError(path, f"truncated safetensors file: {name} ends at byte {8 + n + end}, "
-                                   f"the file has {size}")
+            raise InputError(
+                path, f"truncated safetensors file: {name} ends at byte {8 + n + end}, the file has {size}"
+            )
         out[name] = StoredTensor(name, path, dtype, shape, 8 + n + start, end - start)
     _check_byte_ranges(path, out, 8 + n, data_size)
     return out
@@ -107,6 +130,7 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
 
 def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], int, int]:
     """dtype, shape, start, end of one header entry, each of the JSON type the format prescribes."""
+
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
@@ -134,16 +158,25 @@ def _check_byte_ranges(path: Path, tensors: dict[str, StoredTensor], data_start:
     prev = None
     for st in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
         if st.offset < at:
-            raise InputError(path, f"corrupt safetensors header: tensors {prev} and {st.name} overlap "
-                                   f"(bytes {st.offset - data_start}..{at - data_start} of the data area)")
+            raise InputError(
+                path,
+                f"corrupt safetensors header: tensors {prev} and {st.name} overlap "
+                f"(bytes {st.offset - data_start}..{at - data_start} of the data area)",
+            )
         if st.offset > at:
-            raise InputError(path, f"corrupt safetensors header: bytes {at - data_start}..{st.offset - data_start} "
-                                   f"of the data area belong to no tensor")
+            raise InputError(
+                path,
+                f"corrupt safetensors header: bytes {at - data_start}..{st.offset - data_start} "
+                f"of the data area belong to no tensor",
+            )
         at, prev = st.offset + st.nbytes, st.name
     if at != data_start + data_size:
-        raise InputError(path, f"corrupt safetensors file: {data_start + data_size - at} bytes after the last "
-                               f"tensor's data (the data area ends at byte {at - data_start}, the file has "
-                               f"{data_size} data bytes)")
+        raise InputError(
+            path,
+            f"corrupt safetensors file: {data_start + data_size - at} bytes after the last "
+            f"tensor's data (the data area ends at byte {at - data_start}, the file has "
+            f"{data_size} data bytes)",
+        )
 
 
 class HFCheckpoint:
@@ -279,8 +312,13 @@ class HFCheckpoint:
             with open(st.file, "rb") as f:
                 if os.fstat(f.fileno()).st_size < st.offset + st.nbytes:  # shrunk since the header was read
                     raise InputError(st.file, f"truncated safetensors file: {name} is incomplete")
-                mm = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, prot=mmap.PROT_READ,
-                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # mapped in one go
+                mm = mmap.mmap(
+                    f.fileno(),
+                    offset + nbytes - start,
+                    offset=start,
+                    prot=mmap.PROT_READ,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                )  # mapped in one go
         except OSError as exc:
             raise InputError(st.file, f"cannot read tensor {name} ({exc.strerror or exc})") from None
         n = nbytes // np.dtype(dtype).itemsize
@@ -376,8 +414,9 @@ class HFCheckpoint:
             rows, cols = st.shape[-2], st.shape[-1]
             want = (-(-rows // bh), -(-cols // bw))
             if tuple(s.shape[-2:]) != want:
-                raise InputError(st.file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} "
-                                          f"for {bh}x{bw} tiles")
+                raise InputError(
+                    st.file, f"{name}_scale_inv has shape {tuple(s.shape)}, expected {list(want)} for {bh}x{bw} tiles"
+                )
             with self._scales_lock:
                 self._scales[name] = s
                 while len(self._scales) > 8:
@@ -385,7 +424,7 @@ class HFCheckpoint:
         if len(st.shape) == 2:  # rows r0:r1 are tile rows r0/bh..
             if r0 % bh:
                 raise ValueError(f"{name}: rows from {r0} do not start a {bh}-row tile")
-            s = s[r0 // bh: -(-r1 // bh)]
+            s = s[r0 // bh : -(-r1 // bh)]
         elif s.ndim == len(st.shape):  # stacked [E, rows, cols]: dim 0 indexes the experts of both
             s = s[r0:r1]
         return s, bh, bw
@@ -496,8 +535,9 @@ def _first_not_finite(fp8: torch.dtype, smax: float, dtype: torch.dtype) -> int:
     return int(torch.where(torch.isfinite(table), 128, torch.arange(256) & 0x7F).min())
 
 
-def fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor,
-                finite: bool = False) -> None:
+def fp8_scaled(
+    q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int, x: torch.Tensor, finite: bool = False
+) -> None:
     """float32 ``x`` [rows, cols] = the FP8 bytes ``q`` (uint8, same shape) times the float32 scale of their
     bh x bw tile ``s`` [rows/bh, cols/bw]: the products of :meth:`HFCheckpoint.load_rows`, bit for bit, without
     a gather (2.3x quicker). The byte's exponent and mantissa bits moved into a float32's low exponent and
@@ -526,18 +566,17 @@ def fp8_scaled(q: np.ndarray, fp8: torch.dtype, s: np.ndarray, bh: int, bw: int,
     rows, cols = x.shape
     rf, cf = rows // bh, cols // bw  # whole tiles; the ragged last row and column of tiles apart
     if rf and cf:
-        x[:rf * bh, :cf * bw].unflatten(1, (cf, bw)).unflatten(0, (rf, bh)).mul_(st[:rf, None, :cf, None])
+        x[: rf * bh, : cf * bw].unflatten(1, (cf, bw)).unflatten(0, (rf, bh)).mul_(st[:rf, None, :cf, None])
     if cf * bw < cols and rf:
-        x[:rf * bh, cf * bw:].unflatten(0, (rf, bh)).mul_(st[:rf, -1, None, None])
+        x[: rf * bh, cf * bw :].unflatten(0, (rf, bh)).mul_(st[:rf, -1, None, None])
     if rf * bh < rows:
         if cf:
-            x[rf * bh:, :cf * bw].unflatten(1, (cf, bw)).mul_(st[-1, :cf, None])
+            x[rf * bh :, : cf * bw].unflatten(1, (cf, bw)).mul_(st[-1, :cf, None])
         if cf * bw < cols:
-            x[rf * bh:, cf * bw:].mul_(st[-1, -1])
+            x[rf * bh :, cf * bw :].mul_(st[-1, -1])
 
 
 def _block_size(config: dict) -> tuple[int, int]:
     qcfg = config.get("quantization_config") or {}
     bh, bw = qcfg.get("weight_block_size") or [128, 128]
     return int(bh), int(bw)
-

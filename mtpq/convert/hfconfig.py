@@ -21,7 +21,6 @@ from typing import Iterator
 
 from ..errors import InputError
 
-
 log = logging.getLogger(__name__)
 _unread: dict[str, str] = {}  # folder -> why transformers could not read its config.json (see tell_unread)
 _told: set[tuple[str, str]] = set()  # (folder, reason) already said: a build plans one checkpoint twice
@@ -67,14 +66,17 @@ def tell_unread(folder: Path) -> None:
     if reason is None or (str(folder), reason) in _told:
         return
     _told.add((str(folder), reason))
-    log.warning("%s: transformers cannot read it (%s); converting from config.json as written",
-                Path(folder) / "config.json", reason)
+    log.warning(
+        "%s: transformers cannot read it (%s); converting from config.json as written",
+        Path(folder) / "config.json",
+        reason,
+    )
 
 
 def _one_line(text: str, limit: int = 200) -> str:
     """An exception's text on one line, at most ``limit`` characters."""
     line = " ".join(text.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def merged(stored: dict, derived: dict) -> dict:
@@ -98,25 +100,71 @@ def hparams_view(folder: Path, stored: dict) -> dict:
 # (families decide what null means).
 _POSITIVE, _NON_NEGATIVE = 1, 0
 CONFIG_SCHEMA: dict[str, tuple[str, float | None]] = {
-    **{k: ("int", _POSITIVE) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
-        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-        "linear_num_value_heads", "full_attention_interval", "n_group", "topk_group",
-        # Step3.5 and MiMo-V2 spellings
-        "num_attention_groups", "moe_num_experts", "moe_top_k", "share_expert_dim",
-        "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size",
-        # GLM-5's sparse-attention indexer
-        "index_n_heads", "index_head_dim", "index_topk")},
-    **{k: ("int", _NON_NEGATIVE) for k in (
-        "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")},
+    **{
+        k: ("int", _POSITIVE)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "n_routed_experts",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "full_attention_interval",
+            "n_group",
+            "topk_group",
+            # Step3.5 and MiMo-V2 spellings
+            "num_attention_groups",
+            "moe_num_experts",
+            "moe_top_k",
+            "share_expert_dim",
+            "swa_num_attention_heads",
+            "swa_num_key_value_heads",
+            "swa_head_dim",
+            "swa_v_head_dim",
+            "sliding_window_size",
+            # GLM-5's sparse-attention indexer
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+        )
+    },
+    **{
+        k: ("int", _NON_NEGATIVE)
+        for k in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_hidden_layers")
+    },
     **{k: ("number", None) for k in ("rms_norm_eps", "routed_scaling_factor", "partial_rotary_factor")},
     "rope_theta": ("numbers", None),  # Step3.5 gives one base per attention kind: [full, sliding, ...]
-    **{k: ("bool", None) for k in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob",
-                                   "use_head_wise_attn_gate", "use_moe_router_bias", "add_swa_attention_sink_bias",
-                                   "add_full_attention_sink_bias")},
+    **{
+        k: ("bool", None)
+        for k in (
+            "tie_word_embeddings",
+            "attention_bias",
+            "use_qk_norm",
+            "norm_topk_prob",
+            "use_head_wise_attn_gate",
+            "use_moe_router_bias",
+            "add_swa_attention_sink_bias",
+            "add_full_attention_sink_bias",
+        )
+    },
     "hybrid_layer_pattern": ("flags", None),  # MiMo-V2: per layer, 1 = sliding window
     **{k: ("strs", None) for k in ("architectures", "layer_types")},
     **{k: ("dict", None) for k in ("text_config", "rope_scaling", "rope_parameters", "quantization_config")},
@@ -138,8 +186,9 @@ def _type_problem(key: str, value, kind: str, minimum: float | None) -> str | No
         return f"{key} must be true or false, got {value!r}"
     if kind == "strs" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         return f"{key} must be a list of strings, got {value!r}"
-    if kind == "flags" and not (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, float)
-                                                                for v in value)):
+    if kind == "flags" and not (
+        isinstance(value, list) and all(v in (0, 1) and not isinstance(v, float) for v in value)
+    ):
         return f"{key} must be a list of 0/1 flags, got {value!r}"
     if kind == "dict" and not isinstance(value, dict):
         return f"{key} must be a JSON object, got {value!r}"

@@ -34,23 +34,33 @@ class Mxfp4Experts:
         """Every U8 expert weight (with its ``<name><scale_suffix>`` scale), checked; ``group`` is the group size
         config.json declares under ``group_key`` (ggml's MXFP4 has no other)."""
         if group != GROUP:
-            raise InputError(self.ckpt.folder / "config.json",
-                             f"{group_key} {group!r}: ggml's MXFP4 groups {GROUP} values")
-        self.mxfp4 = {n: self._mxfp4_scale(n, n + scale_suffix) for n in self.ckpt.names()
-                      if EXPERT.match(n) and self.ckpt.source_dtype(n) == "U8"}
+            raise InputError(
+                self.ckpt.folder / "config.json", f"{group_key} {group!r}: ggml's MXFP4 groups {GROUP} values"
+            )
+        self.mxfp4 = {
+            n: self._mxfp4_scale(n, n + scale_suffix)
+            for n in self.ckpt.names()
+            if EXPERT.match(n) and self.ckpt.source_dtype(n) == "U8"
+        }
 
     def _mxfp4_scale(self, hf: str, scale_name: str) -> str:
         """The scale of an MXFP4 expert weight, checked: uint8 [rows, values / 32]."""
         st, scale = self.ckpt.stored[hf], self.ckpt.stored.get(scale_name)
         if len(st.shape) != 2 or (2 * st.shape[1]) % GROUP:
-            raise InputError(st.file, f"MXFP4 tensor {hf} has shape {list(st.shape)}: expected [rows, values / 2] "
-                                      f"with values a multiple of {GROUP}")
+            raise InputError(
+                st.file,
+                f"MXFP4 tensor {hf} has shape {list(st.shape)}: expected [rows, values / 2] "
+                f"with values a multiple of {GROUP}",
+            )
         want = [st.shape[0], 2 * st.shape[1] // GROUP]
         if scale is None:
             raise InputError(st.file, f"MXFP4 tensor {hf} has no {scale_name}")
         if scale.dtype != "U8" or list(scale.shape) != want:
-            raise InputError(scale.file, f"{scale.name} is {scale.dtype} {list(scale.shape)}, expected U8 {want} "
-                                         f"(one E8M0 exponent per {GROUP} values of {hf})")
+            raise InputError(
+                scale.file,
+                f"{scale.name} is {scale.dtype} {list(scale.shape)}, expected U8 {want} "
+                f"(one E8M0 exponent per {GROUP} values of {hf})",
+            )
         return scale.name
 
     @property
@@ -67,19 +77,25 @@ class Mxfp4Experts:
         return super().logical_shape(hf_name)
 
     def stack_experts(self, prefix: str, n_experts: int, used: list[str], bid: int | None = None) -> Iterator[Emit]:
-        parts = {proj: [f"{prefix}{self.per_expert_infix}{e}.{proj}.weight" for e in range(n_experts)]
-                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        parts = {
+            proj: [f"{prefix}{self.per_expert_infix}{e}.{proj}.weight" for e in range(n_experts)]
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
         packed = sum(n in self.mxfp4 for names in parts.values() for n in names)
         if not packed:
             yield from super().stack_experts(prefix, n_experts, used, bid)
             return
         if packed != 3 * n_experts:
-            raise InputError(self.ckpt.folder, f"{prefix}mlp.experts: {packed} of {3 * n_experts} expert tensors "
-                                               "are MXFP4; a stack is all MXFP4 or none")
+            raise InputError(
+                self.ckpt.folder,
+                f"{prefix}mlp.experts: {packed} of {3 * n_experts} expert tensors "
+                "are MXFP4; a stack is all MXFP4 or none",
+            )
         for proj, names in parts.items():
             used.extend(names)
-            yield self._mxfp4_stack(self.map_name(f"{self.block_prefix}{bid}.{self.per_expert_infix}{proj}.weight"),
-                                    names)
+            yield self._mxfp4_stack(
+                self.map_name(f"{self.block_prefix}{bid}.{self.per_expert_infix}{proj}.weight"), names
+            )
 
     def _mxfp4_stack(self, name: str, parts: list[str]) -> Emit:
         """Experts stacked as ggml MXFP4 blocks: the checkpoint's bits, moved."""

@@ -209,7 +209,7 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     out = out if qtype == T.F32 else out.view(_TORCH_OF[qtype])
 
     def one(slab: Slab) -> None:
-        _float_slab(name, source, qtype, slab, out[slab[0]:slab[1]])
+        _float_slab(name, source, qtype, slab, out[slab[0] : slab[1]])
 
     slabs = list(slabs)
     # the writer writes the finished rows while the rest are converted: slabs i < k finished are rows
@@ -316,8 +316,9 @@ def encode_tensor(ck: HFCheckpoint, hf_name: str, name: str, source: str, qtype:
     return _encode_rows(name, source, shape, qtype, [slab(r0) for r0 in range(0, shape[0], per)])
 
 
-def encode_stack(ck: HFCheckpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...],
-                 qtype: T) -> np.ndarray | Pieces:
+def encode_stack(
+    ck: HFCheckpoint, hf_names: list[str], name: str, source: str, shape: tuple[int, ...], qtype: T
+) -> np.ndarray | Pieces:
     """Per-expert tensors stacked into ``shape`` = [n_expert, rows, cols] in ``qtype``, one band of an expert's
     rows at a time."""
     if hf_names and all(passes_through(ck, n, qtype) for n in hf_names):
@@ -336,7 +337,9 @@ def encode_stack(ck: HFCheckpoint, hf_names: list[str], name: str, source: str, 
     return out.reshape(n_exp, rows, -1)
 
 
-def _encode_rows(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]) -> np.ndarray | SlabWrites:
+def _encode_rows(
+    name: str, source: str, shape: tuple[int, ...], qtype: T, slabs: list[Slab]
+) -> np.ndarray | SlabWrites:
     """:func:`encode_slabs`, or a big float tensor encoded as it is written (:class:`SlabWrites`)."""
     big = math.prod(shape) * _BITS_AS[qtype]().itemsize >= WRITE_SLABS_BYTES if qtype in _TORCH_OF else False
     if big and hasattr(os, "pwrite"):  # POSIX; elsewhere the buffered path
@@ -344,8 +347,9 @@ def _encode_rows(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     return encode_slabs(name, source, shape, qtype, slabs)
 
 
-def encode_rows_of_stack(ck: HFCheckpoint, hf_name: str, name: str, source: str, lo: int, hi: int,
-                         qtype: T) -> np.ndarray | Pieces:
+def encode_rows_of_stack(
+    ck: HFCheckpoint, hf_name: str, name: str, source: str, lo: int, hi: int, qtype: T
+) -> np.ndarray | Pieces:
     """Rows ``lo:hi`` of every expert of a stored stack [n_expert, rows, cols] (one half of a fused
     gate_up_proj) in ``qtype``, one expert at a time: neither the whole stack nor its other half is loaded."""
     n_exp, _, cols = ck.shape(hf_name)
@@ -356,8 +360,9 @@ def encode_rows_of_stack(ck: HFCheckpoint, hf_name: str, name: str, source: str,
             raise InputError(source, f"{name}: contains NaN/Inf values")
         return Pieces([p.view(_BITS_AS[qtype]) for p in parts], (n_exp, hi - lo, cols))
     n = hi - lo
-    slabs = [(e * n, (e + 1) * n, (lambda e: lambda: ck.load_rows(hf_name, e, e + 1)[0, lo:hi])(e))
-             for e in range(n_exp)]
+    slabs = [
+        (e * n, (e + 1) * n, (lambda e: lambda: ck.load_rows(hf_name, e, e + 1)[0, lo:hi])(e)) for e in range(n_exp)
+    ]
     if not slabs or not n:
         return encode_values(torch.zeros(n_exp, n, cols), qtype, name, source)
     return encode_slabs(name, source, (n_exp * n, cols), qtype, slabs).reshape(n_exp, n, -1)

@@ -32,6 +32,7 @@ from ..errors import InputError
 if TYPE_CHECKING:
     from .checkpoint import HFCheckpoint
 
+
 def check_required_hparams(stored: dict, required: Iterable[str], architecture: str, path: Path) -> None:
     """The keys a family cannot do without must be STORED (``stored``: config.json's language-model table as
     written): transformers' view fills a missing hidden_size with its class default (4096), and a checkpoint
@@ -79,11 +80,17 @@ def check_dtypes(ckpt: "HFCheckpoint", own_encodings: Container[str] = ()) -> No
         if st.dtype in FP8_DTYPES:
             _check_fp8_scale(ckpt, name)
             continue
-        raise InputError(st.file, f"tensor {name} has dtype {st.dtype}; a weight must be floating point "
-                                  "(F32, F16, BF16 or FP8 with a scale)")
+        raise InputError(
+            st.file,
+            f"tensor {name} has dtype {st.dtype}; a weight must be floating point (F32, F16, BF16 or FP8 with a scale)",
+        )
     for name, st in ckpt.stored.items():  # scale companions: float, as every FP8 recipe stores them
-        if (ckpt.is_scale(name) and name.endswith(("_scale_inv", "_scale")) and st.dtype not in FLOAT_DTYPES
-                and name.rsplit("_scale", 1)[0] not in own_encodings):
+        if (
+            ckpt.is_scale(name)
+            and name.endswith(("_scale_inv", "_scale"))
+            and st.dtype not in FLOAT_DTYPES
+            and name.rsplit("_scale", 1)[0] not in own_encodings
+        ):
             raise InputError(st.file, f"scale tensor {name} has dtype {st.dtype}; expected F32, F16 or BF16")
 
 
@@ -101,10 +108,15 @@ def fp8_block_size(ckpt: "HFCheckpoint") -> tuple[int, int]:
     """quantization_config.weight_block_size (default 128x128): two positive integers or an InputError."""
     qcfg = ckpt.config.get("quantization_config") or {}
     block = qcfg.get("weight_block_size") or [128, 128]
-    if not (isinstance(block, list) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise InputError(ckpt.folder / "config.json",
-                         f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise InputError(
+            ckpt.folder / "config.json",
+            f"quantization_config.weight_block_size must be two positive integers, got {block!r}",
+        )
     return block[0], block[1]
 
 
@@ -117,21 +129,28 @@ def _check_fp8_scale(ckpt: "HFCheckpoint", name: str) -> None:
             raise InputError(st.file, f"FP8 tensor {name} has shape {list(st.shape)}; block scales need a matrix")
         want = (*st.shape[:-2], -(-st.shape[-2] // bh), -(-st.shape[-1] // bw))
         if tuple(scale.shape) != want and tuple(scale.shape[-2:]) != want[-2:]:
-            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected {list(want)} "
-                                         f"for {bh}x{bw} tiles of {name} {list(st.shape)}")
+            raise InputError(
+                scale.file,
+                f"{scale.name} has shape {list(scale.shape)}, expected {list(want)} "
+                f"for {bh}x{bw} tiles of {name} {list(st.shape)}",
+            )
     elif (scale := ckpt.stored.get(name + "_scale")) is not None:  # per-channel [out, 1] or one scalar
         n = 1
         for d in scale.shape:
             n *= d
         if n != 1 and (not st.shape or n != st.shape[0]):
-            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}, expected one scale per "
-                                         f"output row of {name} {list(st.shape)} (or a single scale)")
+            raise InputError(
+                scale.file,
+                f"{scale.name} has shape {list(scale.shape)}, expected one scale per "
+                f"output row of {name} {list(st.shape)} (or a single scale)",
+            )
     else:
         raise InputError(st.file, f"FP8 tensor {name} has no weight_scale_inv or weight_scale companion")
 
 
-def check_tensors(expected: Iterable[Expected], found: Mapping[str, Found], *, folder: Path, n_trunk: int,
-                  layout: str) -> None:
+def check_tensors(
+    expected: Iterable[Expected], found: Mapping[str, Found], *, folder: Path, n_trunk: int, layout: str
+) -> None:
     """Every expected tensor is ``found`` with the expected shape, and no found tensor inside a described block
     is left over.
 
@@ -174,17 +193,34 @@ def layout_line(n_trunk: int, n_mtp: int) -> str:
 # ----------------------------------------------------------------------------- building blocks families declare with
 
 
-def attention(p: str, hidden: int, n_head: int, n_head_kv: int, head_dim: int, *, bias: bool = False,
-              qk_norm: bool = False, q_rows: int | None = None, v_head_dim: int | None = None) -> list[Expected]:
+def attention(
+    p: str,
+    hidden: int,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    *,
+    bias: bool = False,
+    qk_norm: bool = False,
+    q_rows: int | None = None,
+    v_head_dim: int | None = None,
+) -> list[Expected]:
     """A (grouped-query) attention block under ``p`` (``...self_attn.``); ``q_rows`` for gated q_proj,
     ``v_head_dim`` where value heads are narrower than query/key heads (MiMo-V2)."""
     dv = v_head_dim or head_dim
     q, kv, v = q_rows or n_head * head_dim, n_head_kv * head_dim, n_head_kv * dv
-    out = [Expected(p + "q_proj.weight", (q, hidden)), Expected(p + "k_proj.weight", (kv, hidden)),
-           Expected(p + "v_proj.weight", (v, hidden)), Expected(p + "o_proj.weight", (hidden, n_head * dv))]
+    out = [
+        Expected(p + "q_proj.weight", (q, hidden)),
+        Expected(p + "k_proj.weight", (kv, hidden)),
+        Expected(p + "v_proj.weight", (v, hidden)),
+        Expected(p + "o_proj.weight", (hidden, n_head * dv)),
+    ]
     if bias:
-        out += [Expected(p + "q_proj.bias", (n_head * head_dim,)), Expected(p + "k_proj.bias", (kv,)),
-                Expected(p + "v_proj.bias", (v,))]
+        out += [
+            Expected(p + "q_proj.bias", (n_head * head_dim,)),
+            Expected(p + "k_proj.bias", (kv,)),
+            Expected(p + "v_proj.bias", (v,)),
+        ]
     if qk_norm:
         out += [Expected(p + "q_norm.weight", (head_dim,)), Expected(p + "k_norm.weight", (head_dim,))]
     return out
@@ -192,8 +228,11 @@ def attention(p: str, hidden: int, n_head: int, n_head_kv: int, head_dim: int, *
 
 def dense_ffn(p: str, hidden: int, ff: int) -> list[Expected]:
     """gate/up/down projections under ``p`` (``...mlp.`` or ``...mlp.shared_experts.``)."""
-    return [Expected(p + "gate_proj.weight", (ff, hidden)), Expected(p + "up_proj.weight", (ff, hidden)),
-            Expected(p + "down_proj.weight", (hidden, ff))]
+    return [
+        Expected(p + "gate_proj.weight", (ff, hidden)),
+        Expected(p + "up_proj.weight", (ff, hidden)),
+        Expected(p + "down_proj.weight", (hidden, ff)),
+    ]
 
 
 def routed_experts(p: str, hidden: int, n_expert: int, ff: int) -> Iterator[Expected]:
@@ -210,8 +249,9 @@ def switched(on: bool | None, *expected: Expected) -> list[Expected]:
     return list(expected) if on else []
 
 
-def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0, *,
-                 router_bias: bool | None = True) -> Iterator[Expected]:
+def deepseek_moe(
+    p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0, *, router_bias: bool | None = True
+) -> Iterator[Expected]:
     """A DeepSeek-style MoE FFN under ``p`` (``...mlp.``): the router (and its noaux_tc correction bias:
     ``router_bias`` as :func:`switched` reads it, None where it may be stored or not), per-expert tensors,
     and ``n_shared`` shared experts stored as one FFN ``n_shared`` times as wide."""
@@ -222,8 +262,15 @@ def deepseek_moe(p: str, hidden: int, n_expert: int, ff: int, n_shared: int = 0,
         yield from dense_ffn(p + "shared_experts.", hidden, ff * n_shared)
 
 
-def deepseek_layout(hp: dict, n_trunk: int, n_blocks: int, attention: Callable[[str], Iterable[Expected]], *,
-                    moe_ff: int, router_bias: bool | None) -> Iterator[Expected]:
+def deepseek_layout(
+    hp: dict,
+    n_trunk: int,
+    n_blocks: int,
+    attention: Callable[[str], Iterable[Expected]],
+    *,
+    moe_ff: int,
+    router_bias: bool | None,
+) -> Iterator[Expected]:
     """DeepSeek-V3's checkpoint, which GLM-4.5 shares but for the attention: blocks ``model.layers.N.`` (the MTP
     blocks appended past the trunk, with the NextN tensors), each two norms, ``attention(block prefix)``, then a
     dense FFN in the first ``first_k_dense_replace`` blocks and MoE in the others (the MTP blocks included)."""
@@ -235,8 +282,9 @@ def deepseek_layout(hp: dict, n_trunk: int, n_blocks: int, attention: Callable[[
         yield from norms(p, h, "input_layernorm", "post_attention_layernorm")
         yield from attention(p)
         if n_exp and bid >= dense:
-            yield from deepseek_moe(p + "mlp.", h, n_exp, moe_ff, hp.get("n_shared_experts") or 0,
-                                    router_bias=router_bias)
+            yield from deepseek_moe(
+                p + "mlp.", h, n_exp, moe_ff, hp.get("n_shared_experts") or 0, router_bias=router_bias
+            )
         else:
             yield from dense_ffn(p + "mlp.", h, hp["intermediate_size"])
         if bid >= n_trunk:
@@ -247,15 +295,22 @@ def norms(p: str, hidden: int, *names: str) -> list[Expected]:
     return [Expected(f"{p}{n}.weight", (hidden,)) for n in names]
 
 
-def nextn_head(p: str, hidden: int, vocab: int, *, norm: str = "shared_head.norm",
-               head: str = "shared_head.head") -> list[Expected]:
+def nextn_head(
+    p: str, hidden: int, vocab: int, *, norm: str = "shared_head.norm", head: str = "shared_head.head"
+) -> list[Expected]:
     """The NextN tensors of an MTP block: eh_proj, enorm, hnorm and ``norm`` (the one before its head); its own
     embed_tokens and ``head`` may be absent, tied to the trunk's (GLM-4.6; llama.cpp falls back)."""
-    return [Expected(p + "eh_proj.weight", (hidden, 2 * hidden)), *norms(p, hidden, "enorm", "hnorm", norm),
-            Expected(p + "embed_tokens.weight", (vocab, hidden), optional=True),
-            Expected(p + head + ".weight", (vocab, hidden), optional=True)]
+    return [
+        Expected(p + "eh_proj.weight", (hidden, 2 * hidden)),
+        *norms(p, hidden, "enorm", "hnorm", norm),
+        Expected(p + "embed_tokens.weight", (vocab, hidden), optional=True),
+        Expected(p + head + ".weight", (vocab, hidden), optional=True),
+    ]
 
 
 def embeddings(hidden: int, vocab: int, tied: bool, prefix: str = "model.") -> list[Expected]:
-    return [Expected(prefix + "embed_tokens.weight", (vocab, hidden)), Expected(prefix + "norm.weight", (hidden,)),
-            Expected("lm_head.weight", (vocab, hidden), optional=tied)]
+    return [
+        Expected(prefix + "embed_tokens.weight", (vocab, hidden)),
+        Expected(prefix + "norm.weight", (hidden,)),
+        Expected("lm_head.weight", (vocab, hidden), optional=tied),
+    ]

@@ -68,9 +68,13 @@ _BPE_KEYS = {"vocab": dict, "merges": list}
 def _check_tokenizer_json(path: Path, obj: dict) -> None:
     """tokenizer.json holds what a Hugging Face fast tokenizer saves (transformers' errors say only
     ``KeyError: 'added_tokens'``)."""
+
     def wrong(where: dict, keys: dict, prefix: str = "") -> list[str]:
-        return [f"'{prefix}{k}' ({'missing' if k not in where else 'not a JSON ' + _JSON[t]})"
-                for k, t in keys.items() if not isinstance(where.get(k), t)]
+        return [
+            f"'{prefix}{k}' ({'missing' if k not in where else 'not a JSON ' + _JSON[t]})"
+            for k, t in keys.items()
+            if not isinstance(where.get(k), t)
+        ]
 
     problems = wrong(obj, _TOKENIZER_KEYS)
     model = obj.get("model")
@@ -87,8 +91,9 @@ def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     if not (folder / "tokenizer.json").is_file():
-        raise InputError(folder / "tokenizer.json", "missing (mtpq converts fast byte-level BPE tokenizers, "
-                                                    "saved as tokenizer.json)")
+        raise InputError(
+            folder / "tokenizer.json", "missing (mtpq converts fast byte-level BPE tokenizers, saved as tokenizer.json)"
+        )
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
             obj = _check_json_object(folder / name)
@@ -121,7 +126,9 @@ def pre_tokenizer_name(tokenizer, folder: Path | None = None) -> str:
     if name is None and folder is not None and _is_plain_gpt2_byte_level(folder):
         return "gpt-2"  # llama.cpp's gpt-2 pre-tokenizer is exactly this regex, whatever the vocab
     if name is None:
-        log.warning("unknown pre-tokenizer fingerprint %s; writing tokenizer.ggml.pre=%s", fingerprint[:12], FALLBACK_PRE)
+        log.warning(
+            "unknown pre-tokenizer fingerprint %s; writing tokenizer.ggml.pre=%s", fingerprint[:12], FALLBACK_PRE
+        )
         return FALLBACK_PRE
     return name
 
@@ -135,7 +142,9 @@ def write_bpe_vocab(w: GGUFWriter, folder: Path, vocab_size: int, special: dict[
     tokenizer = load_tokenizer(folder)
     vocab = tokenizer.get_vocab()
     if vocab and max(vocab.values()) >= vocab_size:
-        raise InputError(folder / "tokenizer.json", f"token id {max(vocab.values())} >= vocab_size {vocab_size} of config.json")
+        raise InputError(
+            folder / "tokenizer.json", f"token id {max(vocab.values())} >= vocab_size {vocab_size} of config.json"
+        )
     reverse = {i: tok for tok, i in vocab.items()}
     added = tokenizer.get_added_vocab()
     added_decoder = tokenizer.added_tokens_decoder
@@ -220,7 +229,9 @@ def add_special_flags(folder: Path) -> dict[str, bool]:
                 start = 1 if first and pair and special(pair[0]) == first else 0
                 stop = -1 if last and pair and special(pair[-1]) == last else None
                 pair = pair[start:stop]
-                a, b = (pair[0].get("Sequence", {}).get("id"), pair[-1].get("Sequence", {}).get("id")) if pair else (0, 0)
+                a, b = (
+                    (pair[0].get("Sequence", {}).get("id"), pair[-1].get("Sequence", {}).get("id")) if pair else (0, 0)
+                )
                 if a == "A" and b == "B" and (inner := pair[1:-1]):
                     add_sep = special(inner[0]) in (sep, eos) and not last and special(inner[0]) is not None
                     if len(inner) == 2 and special(inner[1]) is not None and special(inner[1]) in (sep, eos):

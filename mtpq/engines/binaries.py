@@ -20,12 +20,16 @@ def find_binary(name: str, bin_dir: Path | str | None = None, option: str = "--e
             exe = Path(d) / name
             if exe.is_file() and os.access(exe, os.X_OK):
                 return exe
-            raise InputError(where, f"{exe}: no executable {name} there (build llama.cpp's {name} target, or "
-                                    "point at its build/bin folder)")
+            raise InputError(
+                where,
+                f"{exe}: no executable {name} there (build llama.cpp's {name} target, or "
+                "point at its build/bin folder)",
+            )
     found = shutil.which(name)
     if found is None:
-        raise InputError(option, f"{name} not found: pass --llama-cpp DIR (llama.cpp's build/bin), set {ENV_BIN}, "
-                                 "or put it on PATH")
+        raise InputError(
+            option, f"{name} not found: pass --llama-cpp DIR (llama.cpp's build/bin), set {ENV_BIN}, or put it on PATH"
+        )
     return Path(found)
 
 

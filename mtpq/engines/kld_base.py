@@ -43,8 +43,11 @@ class KldBase:
         self.n_ctx = int(np.frombuffer(head, np.uint32, 1, 8)[0])
         self.n_vocab, self.n_chunk = (int(v) for v in np.frombuffer(head, np.int32, 2, 12))
         if self.n_ctx < 4 or self.n_vocab < 1 or self.n_chunk < 1:
-            raise InputError(self.path, f"header says n_ctx {self.n_ctx}, n_vocab {self.n_vocab}, n_chunk "
-                                        f"{self.n_chunk}: not a usable base file")
+            raise InputError(
+                self.path,
+                f"header says n_ctx {self.n_ctx}, n_vocab {self.n_vocab}, n_chunk "
+                f"{self.n_chunk}: not a usable base file",
+            )
         self.first = self.n_ctx // 2
         self.rows = self.n_ctx - 1 - self.first  # scored positions per chunk
         self.nv = 2 * ((self.n_vocab + 1) // 2) + 4
@@ -53,26 +56,31 @@ class KldBase:
         expected = self._probs_at + 2 * self.rows * self.nv * self.n_chunk
         if size != expected:
             whole = max(0, (size - self._probs_at) // (2 * self.rows * self.nv))
-            raise InputError(self.path, f"{size} bytes where {self.n_chunk} chunks of {self.n_ctx} tokens over "
-                                        f"{self.n_vocab} tokens need {expected}: "
-                                        + (f"truncated after {whole} whole chunks" if size < expected
-                                           else "trailing bytes"))
+            raise InputError(
+                self.path,
+                f"{size} bytes where {self.n_chunk} chunks of {self.n_ctx} tokens over "
+                f"{self.n_vocab} tokens need {expected}: "
+                + (f"truncated after {whole} whole chunks" if size < expected else "trailing bytes"),
+            )
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def tokens(self, chunk: int) -> list[int]:
         """The chunk's ``n_ctx`` tokens as stored (before any BOS replacement)."""
         a = self._tokens_at + 4 * self.n_ctx * chunk
-        return np.frombuffer(self._map[a:a + 4 * self.n_ctx], dtype=np.int32).tolist()
+        return np.frombuffer(self._map[a : a + 4 * self.n_ctx], dtype=np.int32).tolist()
 
     def log_probs(self, chunk: int) -> np.ndarray:
         """float32 [rows, n_vocab]: the reference's log-probabilities at positions first..n_ctx-2 of the chunk."""
         row_bytes = 2 * self.nv
         a = self._probs_at + row_bytes * self.rows * chunk
-        raw = self._map[a:a + row_bytes * self.rows].reshape(self.rows, row_bytes)
+        raw = self._map[a : a + row_bytes * self.rows].reshape(self.rows, row_bytes)
         head = raw[:, :8].copy().view(np.float32)  # scale, min_log_prob per row
-        q = raw[:, 8:8 + 2 * self.n_vocab].copy().view(np.uint16).astype(np.float32)
+        q = raw[:, 8 : 8 + 2 * self.n_vocab].copy().view(np.uint16).astype(np.float32)
         out = head[:, :1] * q + head[:, 1:2]  # float32 throughout, as llama-perplexity computes it
         if not np.isfinite(head).all():
-            raise InputError(self.path, f"chunk {chunk + 1} holds non-finite scales: the reference's logits were "
-                                        "NaN or infinite when the file was written")
+            raise InputError(
+                self.path,
+                f"chunk {chunk + 1} holds non-finite scales: the reference's logits were "
+                "NaN or infinite when the file was written",
+            )
         return out

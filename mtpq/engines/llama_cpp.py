@@ -71,10 +71,24 @@ class ServerConfig:
     ready_timeout: float = READY_TIMEOUT
 
     def args(self, model: Path, draft: int, host: str) -> list[str]:
-        a = [str(self.binary), "-m", str(model), "--host", host,
-             "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft), "--spec-draft-n-min", "0",
-             "--spec-draft-p-min", "0",  # every round drafts k tokens, as the torch engine's loop does
-             "-np", "1", "--no-webui"]
+        a = [
+            str(self.binary),
+            "-m",
+            str(model),
+            "--host",
+            host,
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            str(draft),
+            "--spec-draft-n-min",
+            "0",
+            "--spec-draft-p-min",
+            "0",  # every round drafts k tokens, as the torch engine's loop does
+            "-np",
+            "1",
+            "--no-webui",
+        ]
         for flag, value in (("-ngl", self.ngl), ("-c", self.ctx_size), ("-t", self.threads), ("--rpc", self.rpc)):
             if value is not None:
                 a += [flag, str(value)]
@@ -135,19 +149,28 @@ class LlamaServer:
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.cfg.args(self.model, self.draft, str(self.socket)),
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.cfg.args(self.model, self.draft, str(self.socket)),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + self.cfg.ready_timeout
         while True:
             if self.proc.poll() is not None:
-                raise InputError(self.model, f"llama-server could not start: {reason_from_log(self._log_text())} "
-                                             f"(exit {self.proc.returncode}; log: {self.log})")
+                raise InputError(
+                    self.model,
+                    f"llama-server could not start: {reason_from_log(self._log_text())} "
+                    f"(exit {self.proc.returncode}; log: {self.log})",
+                )
             if _health(self.url):
                 return
             if time.monotonic() > deadline:
-                raise InputError(self.model, f"llama-server was not ready after {self.cfg.ready_timeout:.0f} s "
-                                             f"(log: {self.log})")
+                raise InputError(
+                    self.model, f"llama-server was not ready after {self.cfg.ready_timeout:.0f} s (log: {self.log})"
+                )
             time.sleep(0.2)
 
     def stop(self, keep_log: bool = False) -> None:
@@ -190,7 +213,7 @@ def _request(url: str, path: str, body: dict | None, timeout: float) -> tuple[in
     data = None if body is None else json.dumps(body).encode()
     headers = {} if body is None else {"Content-Type": "application/json"}
     if url.startswith("unix:"):
-        conn = _UnixHTTPConnection(url[len("unix:"):], timeout)
+        conn = _UnixHTTPConnection(url[len("unix:") :], timeout)
         try:
             conn.request("GET" if data is None else "POST", path, body=data, headers=headers)
             r = conn.getresponse()
@@ -230,33 +253,63 @@ def _post(url: str, path: str, body: dict, timeout: float) -> dict:
         raise InputError(url, f"llama-server's answer to {path} is not JSON") from None
 
 
-def complete(url: str, prompt: str, *, n_predict: int, temperature: float, top_k: int, top_p: float, seed: int,
-             timeout: float = REQUEST_TIMEOUT) -> tuple[GenerationResult, DraftTotals]:
+def complete(
+    url: str,
+    prompt: str,
+    *,
+    n_predict: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    timeout: float = REQUEST_TIMEOUT,
+) -> tuple[GenerationResult, DraftTotals]:
     """One request -> (the generation, its draft totals). The sampler chain is the torch engine's:
     temperature, top-k, top-p only (llama.cpp's default min-p 0.05 is switched off)."""
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-            "min_p": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+    body = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": 0.0,
+        "seed": seed,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+    }
     res = _post(url, "/completion", body, timeout)
     t = res.get("timings")
     if not isinstance(t, dict) or "predicted_n" not in t:
         raise InputError(url, "llama-server's /completion answer has no timings: is this a llama-server?")
     if "draft_n" not in t:
-        raise InputError(url, "llama-server drafted nothing: start it with --spec-type draft-mtp on a GGUF "
-                              "that has an MTP head")
+        raise InputError(
+            url, "llama-server drafted nothing: start it with --spec-type draft-mtp on a GGUF that has an MTP head"
+        )
     generated = int(t["predicted_n"])
     seconds = (float(t.get("prompt_ms", 0.0)) + float(t.get("predicted_ms", 0.0))) / 1000.0
     tokens = [int(x) for x in res.get("tokens") or []]
     gen = GenerationResult(prompt_len=int(t.get("prompt_n", 0)), tokens=tokens, k=0, seconds=seconds)
-    totals = DraftTotals(generated=generated, drafted=int(t["draft_n"]), accepted=int(t["draft_n_accepted"]),
-                         seconds=seconds, k=0)
+    totals = DraftTotals(
+        generated=generated, drafted=int(t["draft_n"]), accepted=int(t["draft_n_accepted"]), seconds=seconds, k=0
+    )
     return gen, totals
 
 
-def measure_with_llama_cpp(model: Path | str | None, prompts: str | Path | list[tuple[str, str]] = "builtin",
-                           draft: int = 3, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                           top_p: float = 1.0, seed: int = 0, max_prompts: int | None = None,
-                           server: ServerConfig | None = None, url: str | None = None,
-                           on_prompt: Callable[[int, int], None] | None = None) -> AcceptReport:
+def measure_with_llama_cpp(
+    model: Path | str | None,
+    prompts: str | Path | list[tuple[str, str]] = "builtin",
+    draft: int = 3,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompts: int | None = None,
+    server: ServerConfig | None = None,
+    url: str | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
+) -> AcceptReport:
     """Acceptance through llama-server: a server started for ``model`` from ``server``, or the one at ``url``."""
     if (server is None) == (url is None):
         raise ValueError("give exactly one of server (to start one) and url (one already running)")
@@ -264,8 +317,9 @@ def measure_with_llama_cpp(model: Path | str | None, prompts: str | Path | list[
         raise InputError("--draft", "must be between 1 and 8")
     pairs = load_prompts(prompts, max_prompts) if not isinstance(prompts, list) else prompts
     if url is not None:
-        return _measure(url.rstrip("/"), str(model or url), pairs, draft, max_new_tokens, temperature, top_k, top_p,
-                        seed, on_prompt)
+        return _measure(
+            url.rstrip("/"), str(model or url), pairs, draft, max_new_tokens, temperature, top_k, top_p, seed, on_prompt
+        )
     model = Path(model)
     with LlamaServer(server, model, draft) as srv:
         return _measure(srv.url, str(model), pairs, draft, max_new_tokens, temperature, top_k, top_p, seed, on_prompt)
@@ -274,8 +328,9 @@ def measure_with_llama_cpp(model: Path | str | None, prompts: str | Path | list[
 def _measure(url, label, pairs, draft, max_new_tokens, temperature, top_k, top_p, seed, on_prompt) -> AcceptReport:
     runs, totals = [], []
     for i, (cat, text) in enumerate(pairs):
-        gen, tot = complete(url, text, n_predict=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed + i)
+        gen, tot = complete(
+            url, text, n_predict=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i
+        )
         gen.k = tot.k = draft
         runs.append(PromptRun(cat, text, gen, None))
         totals.append((cat, tot))
@@ -284,8 +339,17 @@ def _measure(url, label, pairs, draft, max_new_tokens, temperature, top_k, top_p
     by_cat: dict[str, list[DraftTotals]] = {}
     for cat, tot in totals:
         by_cat.setdefault(cat, []).append(tot)
-    return AcceptReport(model=label, draft=draft, temperature=temperature, max_new_tokens=max_new_tokens, runs=runs,
-                        overall=metrics_from_totals([t for _, t in totals]),
-                        by_category={c: metrics_from_totals(v) for c, v in by_cat.items()}, plain_tokens_per_s=None,
-                        greedy_outputs_identical=None, device="llama.cpp", engine="llama.cpp",
-                        extra={"server": url, "note": PER_POSITION_NOTE})
+    return AcceptReport(
+        model=label,
+        draft=draft,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        runs=runs,
+        overall=metrics_from_totals([t for _, t in totals]),
+        by_category={c: metrics_from_totals(v) for c, v in by_cat.items()},
+        plain_tokens_per_s=None,
+        greedy_outputs_identical=None,
+        device="llama.cpp",
+        engine="llama.cpp",
+        extra={"server": url, "note": PER_POSITION_NOTE},
+    )

@@ -69,8 +69,7 @@ def _run(cmd: list[str], what: Path, complete=lambda log: True) -> str:
         if attempt:
             cmd = _with_threads(cmd, max(1, _threads_in(cmd) - 1))
         with tempfile.TemporaryFile(mode="w+b") as out:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=child_env())
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
             out.seek(0)
             log = out.read().decode("utf-8", errors="replace")
         if proc.returncode != 0:
@@ -87,7 +86,7 @@ def _threads_in(cmd: list[str]) -> int:
 def _with_threads(cmd: list[str], n: int) -> list[str]:
     if "-t" in cmd:
         i = cmd.index("-t")
-        return cmd[:i + 1] + [str(n)] + cmd[i + 2:]
+        return cmd[: i + 1] + [str(n)] + cmd[i + 2 :]
     return cmd + ["-t", str(n)]
 
 
@@ -107,8 +106,11 @@ def parse_kld_log(log: str, what: Path) -> dict:
     for pattern, (key, scale) in _FIELDS.items():
         m = re.search(pattern, log)
         if m is None:
-            raise InputError(what, f"llama-perplexity printed no '{key}' statistics (it prints them only from 100 "
-                                   "scored tokens on: give more text or a larger --ctx-size)")
+            raise InputError(
+                what,
+                f"llama-perplexity printed no '{key}' statistics (it prints them only from 100 "
+                "scored tokens on: give more text or a larger --ctx-size)",
+            )
         out[key] = _finite(m.group(1), key, what) * scale
     return out
 
@@ -127,13 +129,17 @@ def _finite(text: str, key: str, what: Path) -> float:
     except ValueError:
         raise InputError(what, f"llama-perplexity printed {text!r} for {key}, not a number") from None
     if not math.isfinite(value):
-        raise MeasurementError(what, f"llama-perplexity printed {text} for {key} ({COLUMNS[key][0]}): "
-                                     "non-finite logits or probabilities; no figure to judge")
+        raise MeasurementError(
+            what,
+            f"llama-perplexity printed {text} for {key} ({COLUMNS[key][0]}): "
+            "non-finite logits or probabilities; no figure to judge",
+        )
     return value
 
 
-def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: PerplexityConfig,
-                       on_file=None) -> tuple[dict, list[dict], int]:
+def kld_with_llama_cpp(
+    reference: Path, quants: list[Path], text: Path, cfg: PerplexityConfig, on_file=None
+) -> tuple[dict, list[dict], int]:
     """(the reference's figures, each quant's, the chunk count), measured by llama-perplexity on ``text``."""
     from ..gguf_io.files import first_shard
 
@@ -141,18 +147,30 @@ def kld_with_llama_cpp(reference: Path, quants: list[Path], text: Path, cfg: Per
     reference, quants = first_shard(reference), [first_shard(q) for q in quants]
     with tempfile.TemporaryDirectory(prefix="mtpq-kld-") as tmp:
         base = Path(tmp) / "base.kld"
-        log = _run(cfg.args(reference, text) + ["--kl-divergence-base", str(base)], reference,
-                   complete=lambda log: "Final estimate: PPL" in log)
+        log = _run(
+            cfg.args(reference, text) + ["--kl-divergence-base", str(base)],
+            reference,
+            complete=lambda log: "Final estimate: PPL" in log,
+        )
         m = re.search(r"over (\d+) chunks", log)
         n_chunks = int(m.group(1)) if m else 0
-        ref = {"ppl": parse_ppl_log(log, reference), "ppl_ratio": 1.0, "kld_mean": 0.0, "kld_median": 0.0,
-               "kld_p99": 0.0, "kld_max": 0.0, "top1": 1.0, "dp_rms": 0.0}
+        ref = {
+            "ppl": parse_ppl_log(log, reference),
+            "ppl_ratio": 1.0,
+            "kld_mean": 0.0,
+            "kld_median": 0.0,
+            "kld_p99": 0.0,
+            "kld_max": 0.0,
+            "top1": 1.0,
+            "dp_rms": 0.0,
+        }
         if on_file:
             on_file(0)
         out = []
         for i, q in enumerate(quants, 1):
-            log = _run(cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q,
-                       complete=kld_complete)
+            log = _run(
+                cfg.args(q, text) + ["--kl-divergence-base", str(base), "--kl-divergence"], q, complete=kld_complete
+            )
             out.append(parse_kld_log(log, q))
             if on_file:
                 on_file(i)

@@ -112,14 +112,18 @@ def _first_use(kernels: list, label: str) -> None:
     """Say on stderr, once per process, that the kernels about to run get compiled (seconds; once)."""
     if not _told and not all(_cached(k) for k in kernels if k is not None):
         _told.append(True)
-        print(f"mtpq: compiling the {label} kernels (once: later runs load them from {jit.CACHE_DIR})",
-              file=sys.stderr, flush=True)
+        print(
+            f"mtpq: compiling the {label} kernels (once: later runs load them from {jit.CACHE_DIR})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 _told: list[bool] = []
 
 
 # --------------------------------------------------------------------------- quantize
+
 
 class _Source:
     """Rows r0:r1 of the values as float32, from an array or a file, and the raw bits for pass-through."""
@@ -189,8 +193,9 @@ def _importance(importance, src: _Source, name: str) -> np.ndarray | None:
         return np.ascontiguousarray(imp)
     if imp.ndim == 2 and len(src.shape) == 3 and imp.shape == (src.shape[0], src.n):
         return np.ascontiguousarray(imp)
-    raise ValueError(f"{name}: importance data of shape {tuple(imp.shape)} does not fit a tensor of shape "
-                     f"{tuple(src.shape)}")
+    raise ValueError(
+        f"{name}: importance data of shape {tuple(imp.shape)} does not fit a tensor of shape {tuple(src.shape)}"
+    )
 
 
 def _tasks(src: _Source, imp: np.ndarray | None) -> list[tuple[int, int, np.ndarray]]:
@@ -198,8 +203,11 @@ def _tasks(src: _Source, imp: np.ndarray | None) -> list[tuple[int, int, np.ndar
     step = max(1, CHUNK // max(src.n, 1))
     if imp is not None and imp.ndim == 2:
         per = src.rows // imp.shape[0]
-        return [(e * per + r, e * per + min(per, r + step), imp[e]) for e in range(imp.shape[0])
-                for r in range(0, per, step)]
+        return [
+            (e * per + r, e * per + min(per, r + step), imp[e])
+            for e in range(imp.shape[0])
+            for r in range(0, per, step)
+        ]
     w = _NONE if imp is None else imp
     return [(r, min(src.rows, r + step), w) for r in range(0, src.rows, step)]
 
@@ -208,6 +216,7 @@ def _encoder(rec: GgmlType, weighted: bool, check_scales: bool, name: str) -> Ca
     """The function that encodes one chunk's float32 values ``x`` into ``y``."""
     qtype = rec.qtype
     if qtype in FLOAT_TYPES:
+
         def narrow(x, y, n, qw):
             if qtype == T.F32:
                 y.view(np.float32)[:] = x
@@ -216,6 +225,7 @@ def _encoder(rec: GgmlType, weighted: bool, check_scales: bool, name: str) -> Ca
             if check_scales and not ok:
                 what = "F16 range (|x| > 65504)" if qtype == T.F16 else "BF16 range (round to inf)"
                 raise ValueError(f"{name}: values exceed the {what}")
+
         return narrow
     kernel = rec.quantize_weighted if weighted else rec.quantize
     fields = np.array(rec.fp16_fields, np.int64)
@@ -225,15 +235,27 @@ def _encoder(rec: GgmlType, weighted: bool, check_scales: bool, name: str) -> Ca
             kernel(x, y, n, qw)
         else:
             kernel(x, y, n)
-        if check_scales and (floats.iq1_m_overflow(y) if qtype == T.IQ1_M else floats.fp16_overflow(y, rec.type_size,
-                                                                                                    fields)):
-            raise ValueError(f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
-                             "(llama-quantize rejects such data too)")
+        if check_scales and (
+            floats.iq1_m_overflow(y) if qtype == T.IQ1_M else floats.fp16_overflow(y, rec.type_size, fields)
+        ):
+            raise ValueError(
+                f"{name}: values too large for {qtype.name}: a block scale overflows fp16 "
+                "(llama-quantize rejects such data too)"
+            )
+
     return encode
 
 
-def quantize(source, qtype, name: str = "tensor", *, importance=None, check_scales: bool = True,
-             out: np.ndarray | None = None, progress: Callable[[int], None] | None = None) -> np.ndarray:
+def quantize(
+    source,
+    qtype,
+    name: str = "tensor",
+    *,
+    importance=None,
+    check_scales: bool = True,
+    out: np.ndarray | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """ggml's encoding of ``source`` (an array, or :class:`Stored` values of a file) in ``qtype``.
 
     ``importance``: llama-quantize's ``--imatrix`` weights of the tensor; types without a weighted path ignore
@@ -246,8 +268,9 @@ def quantize(source, qtype, name: str = "tensor", *, importance=None, check_scal
     src = _Source(source, name)
     try:
         if src.n % rec.block_size:
-            raise ValueError(f"{name}: row length {src.n} is not a multiple of the {rec.qtype.name} block size "
-                             f"{rec.block_size}")
+            raise ValueError(
+                f"{name}: row length {src.n} is not a multiple of the {rec.qtype.name} block size {rec.block_size}"
+            )
         imp = _importance(importance, src, name) if rec.quantize_weighted is not None else None
         if rec.requires_imatrix and imp is None:
             raise ValueError(f"{name}: {rec.qtype.name} needs an importance matrix (imatrix), none given")
@@ -274,7 +297,7 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
 
     def one(task: tuple[int, int, np.ndarray]) -> None:
         r0, r1, w = task
-        y = flat[r0 * row_bytes:r1 * row_bytes]
+        y = flat[r0 * row_bytes : r1 * row_bytes]
         if encode is None:  # already in the target type: the bits pass, once checked
             raw = src.raw(r0, r1)
             if not floats.all_finite(src.values(r0, r1, raw)):
@@ -291,9 +314,12 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
     if not tasks:
         return out.view(dtype).reshape(shape)
     widens = src.array is None or src.kind != floats.F32
-    kernels = [rec.quantize_weighted if imp is not None else rec.quantize, floats.widen if widens else None,
-               floats.all_finite,
-               {T.F16: floats.to_f16, T.BF16: floats.to_bf16}.get(rec.qtype)]
+    kernels = [
+        rec.quantize_weighted if imp is not None else rec.quantize,
+        floats.widen if widens else None,
+        floats.all_finite,
+        {T.F16: floats.to_f16, T.BF16: floats.to_bf16}.get(rec.qtype),
+    ]
     if check_scales and rec.fp16_fields:
         kernels.append(floats.fp16_overflow)
     _first_use(kernels, rec.qtype.name)
@@ -324,6 +350,7 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
 
 # --------------------------------------------------------------------------- dequantize
 
+
 def dequantize(raw, qtype, shape) -> np.ndarray:
     """The float32 values (of ``shape``) that ``raw`` (a type's bytes, any array of them) holds."""
     rec = record(qtype)
@@ -336,11 +363,14 @@ def dequantize(raw, qtype, shape) -> np.ndarray:
         return a.astype(np.float32).reshape(shape)
     b = a.reshape(-1).view(np.uint8)
     if shape and shape[-1] % rec.block_size:
-        raise ValueError(f"dequantize: row length {shape[-1]} is not a multiple of the {rec.qtype.name} block "
-                         f"size {rec.block_size}")
+        raise ValueError(
+            f"dequantize: row length {shape[-1]} is not a multiple of the {rec.qtype.name} block size {rec.block_size}"
+        )
     if b.size != count // rec.block_size * rec.type_size:
-        raise ValueError(f"dequantize: {b.size} bytes given, {rec.qtype.name} {shape} needs "
-                         f"{count // rec.block_size * rec.type_size}")
+        raise ValueError(
+            f"dequantize: {b.size} bytes given, {rec.qtype.name} {shape} needs "
+            f"{count // rec.block_size * rec.type_size}"
+        )
     if rec.qtype in FLOAT_TYPES:
         return dequantize(b.view({T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[rec.qtype]), qtype, shape)
     x = np.empty(count, dtype=np.float32)
@@ -351,7 +381,7 @@ def dequantize(raw, qtype, shape) -> np.ndarray:
     parts = [(k, min(nb, k + step)) for k in range(0, nb, step)]
 
     def one(p: tuple[int, int]) -> None:
-        rec.dequantize(b[p[0] * rec.type_size:p[1] * rec.type_size], x[p[0] * rec.block_size:p[1] * rec.block_size])
+        rec.dequantize(b[p[0] * rec.type_size : p[1] * rec.type_size], x[p[0] * rec.block_size : p[1] * rec.block_size])
 
     if not parts:
         return x.reshape(shape)

@@ -84,4 +84,3 @@ def iq1_m_overflow(y):
         if (y[b * 56 + 53] & 0xC0) == 0xC0 and (y[b * 56 + 55] & 0x70) == 0x70:
             return True
     return False
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, GROUP_MAX_EPS, QK_K, fp16, get_fp16, kernel, nearest_int
+from .jit import GROUP_MAX_EPS, QK_K, F, fp16, get_fp16, kernel, nearest_int
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _NO_WEIGHTS = np.empty(0, np.float32)
@@ -132,8 +132,7 @@ def _iq4(x, y, n, qw, super_size, ts):
     scales = np.empty(8, np.float32)
     for i in range(x.size // super_size):
         xo = super_size * i
-        _iq4_impl(super_size, x, xo, y, ts * i, super_size == QK_K, scales, weight, L, KVALUES_IQ4NL, qw,
-                  xo % n, 7)
+        _iq4_impl(super_size, x, xo, y, ts * i, super_size == QK_K, scales, weight, L, KVALUES_IQ4NL, qw, xo % n, 7)
 
 
 @kernel

@@ -33,7 +33,7 @@ def _neighbour_lists(pos, bits, max_level, nwant, kmap):
     """Fill ``kmap`` for the reachable off-grid lattice points and return their neighbour lists."""
     ngrid, gw = pos.shape
     n_lv = max_level + 1
-    count = n_lv ** gw
+    count = n_lv**gw
     out = np.empty(count * (ngrid + 1), np.uint16)
     at = 0
     d2 = np.empty(ngrid, np.int64)

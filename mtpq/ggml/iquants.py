@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .iqtables import KSIGNS
-from .jit import F, QK_K, fp16, fp16_to_f32, get_fp16, get_u16, get_u32, kernel, nearest_int, put_fp16, put_u32
+from .jit import QK_K, F, fp16, fp16_to_f32, get_fp16, get_u16, get_u32, kernel, nearest_int, put_fp16, put_u32
 from .kquants import make_qp_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
@@ -21,6 +21,7 @@ _IQ1_DELTA = F(0.125)
 
 
 # --------------------------------------------------------------------------- shared parts
+
 
 @kernel
 def _weights(x, xo, qw, qo, sigma2, weight, n, no_imatrix_bias):
@@ -124,8 +125,28 @@ def _fit(weight, xval, L, n):
 
 
 @kernel
-def _grid_search(n, gw, bits, kmax, steps, step, xval, weight, waux, L, Laux, gidx, on_grid, on_grid_aux,
-                 kmap, neighbours, pos, start_qp, init_on_grid, refit_all):
+def _grid_search(
+    n,
+    gw,
+    bits,
+    kmax,
+    steps,
+    step,
+    xval,
+    weight,
+    waux,
+    L,
+    Laux,
+    gidx,
+    on_grid,
+    on_grid_aux,
+    kmap,
+    neighbours,
+    pos,
+    start_qp,
+    init_on_grid,
+    refit_all,
+):
     """The candidate scales of one sub-block of ``n`` values: (scale, whether it has one); ``L`` ends on the
     grid, ``gidx`` its points. ``start_qp``: IQ2_XXS's start (``make_qp_quants``, candidates around the
     effective max, the refit always)."""
@@ -198,8 +219,16 @@ _SPEC_KMAX = np.array([3, 3, 3, 8, 8])
 _SPEC_STEPS = np.array([6, 9, 9, 15, 9])
 _SPEC_STEP = np.array([0.1, 0.1, 0.1, 0.2, 0.2], np.float32)
 _SPEC_EPS = np.array([1e-15, 1e-15, 1e-8, 1e-8, 0.0], np.float32)
-_SPEC_FLAGS = np.array([  # parity, bias, start_qp, init_on_grid, refit_all, sigma2 doubled
-    [1, 0, 1, 0, 1, 0], [1, 0, 0, 1, 0, 0], [0, 1, 0, 1, 0, 1], [1, 0, 0, 1, 0, 1], [0, 0, 0, 0, 1, 1]], np.bool_)
+_SPEC_FLAGS = np.array(
+    [  # parity, bias, start_qp, init_on_grid, refit_all, sigma2 doubled
+        [1, 0, 1, 0, 1, 0],
+        [1, 0, 0, 1, 0, 0],
+        [0, 1, 0, 1, 0, 1],
+        [1, 0, 0, 1, 0, 1],
+        [0, 0, 0, 0, 1, 1],
+    ],
+    np.bool_,
+)
 _SPEC_TS = np.array([66, 74, 82, 98, 110])
 _SPEC_FUDGE = np.array([1.0, 1.0, 0.9875, 1.0125, 1.033], np.float32)
 
@@ -243,9 +272,28 @@ def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
             if mx < eps or mx == 0:
                 scales[ib] = F(0.0)
                 continue
-            scale, ok = _grid_search(bn, gw, bits, kmax, _SPEC_STEPS[kind], _SPEC_STEP[kind], xval, weight, waux, L,
-                                     Laux, gidx, on_grid, on_aux, kmap, neighbours, pos, start_qp, init_on_grid,
-                                     refit_all)
+            scale, ok = _grid_search(
+                bn,
+                gw,
+                bits,
+                kmax,
+                _SPEC_STEPS[kind],
+                _SPEC_STEP[kind],
+                xval,
+                weight,
+                waux,
+                L,
+                Laux,
+                gidx,
+                on_grid,
+                on_aux,
+                kmap,
+                neighbours,
+                pos,
+                start_qp,
+                init_on_grid,
+                refit_all,
+            )
             if not ok:
                 scales[ib] = F(0.0)
                 continue
@@ -313,6 +361,7 @@ def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
 
 # --------------------------------------------------------------------------- IQ1_S, IQ1_M
 
+
 @kernel
 def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, L, lo):
     """``iq1_find_best_neighbour2``."""
@@ -378,7 +427,7 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
                 scales[ib] = F(0.0)
                 shifts[ib] = 1
                 continue
-            idx = np.argsort(x[xb:xb + 32], kind="mergesort")
+            idx = np.argsort(x[xb : xb + 32], kind="mergesort")
             sumx[0] = F(0.0)
             sumw[0] = F(0.0)
             for j in range(32):
@@ -394,10 +443,14 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
                 for i2 in range(i1, 33):
                     for sh in range(2):
                         xx = _XP if sh == 0 else _XM
-                        sumqx = ((sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1]
-                                 + (sumx[32] - sumx[i2]) * xx[2])
-                        sumq2 = ((sumw[i1] - sumw[0]) * xx[0] * xx[0] + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
-                                 + (sumw[32] - sumw[i2]) * xx[2] * xx[2])
+                        sumqx = (
+                            (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
+                        )
+                        sumq2 = (
+                            (sumw[i1] - sumw[0]) * xx[0] * xx[0]
+                            + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
+                            + (sumw[32] - sumw[i2]) * xx[2] * xx[2]
+                        )
                         if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:
                             scale = sumqx / sumq2
                             best_score = scale * sumqx
@@ -486,7 +539,7 @@ def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
                 scales[ib] = F(0.0)
                 shifts[ib] = 0
                 continue
-            idx = np.argsort(x[xb:xb + 16], kind="mergesort")
+            idx = np.argsort(x[xb : xb + 16], kind="mergesort")
             best_score = -_FLT_MAX
             scale = mx
             besti1 = -1
@@ -596,6 +649,7 @@ def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
 
 
 # --------------------------------------------------------------------------- dequantizers
+
 
 @kernel
 def _sign(signs, j):

@@ -34,7 +34,8 @@ def _cache_dir() -> str:
     for f in sorted(Path(__file__).parent.glob("*.py")):
         sources.update(f.name.encode() + f.read_bytes())
     base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpq", "numba")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpq", "numba"
+    )
     return os.path.join(base, f"ggml-{sources.hexdigest()[:16]}")
 
 
@@ -47,8 +48,8 @@ F = np.float32
 GROUP_MAX_EPS = F(1e-15)
 QK_K = 256
 _MAGIC = F(12582912.0)
-_SCALE_TO_INF = F(2.0 ** 112)
-_SCALE_TO_ZERO = F(2.0 ** -110)
+_SCALE_TO_INF = F(2.0**112)
+_SCALE_TO_ZERO = F(2.0**-110)
 _INT_MAX_F = F(2147483648.0)
 
 
@@ -179,8 +180,12 @@ def put_u32(y, at, v):
 
 @kernel
 def get_u32(y, at):
-    return (np.uint32(y[at]) | (np.uint32(y[at + 1]) << np.uint32(8)) | (np.uint32(y[at + 2]) << np.uint32(16))
-            | (np.uint32(y[at + 3]) << np.uint32(24)))
+    return (
+        np.uint32(y[at])
+        | (np.uint32(y[at + 1]) << np.uint32(8))
+        | (np.uint32(y[at + 2]) << np.uint32(16))
+        | (np.uint32(y[at + 3]) << np.uint32(24))
+    )
 
 
 @kernel

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, GROUP_MAX_EPS, QK_K, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import GROUP_MAX_EPS, QK_K, F, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
@@ -140,8 +140,9 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale,
-               best_mad):
+def _qkx_steps(
+    n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
+):
     """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
     for step in range(first, nstep + 1):
         iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
@@ -227,13 +228,13 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
     while first <= nstep:
         k = min(nstep + 1 - first, QKX_LANES)
         isc = tmp[0:k]
-        s_l = tmp[QKX_LANES:QKX_LANES + k]
-        s_l2 = tmp[2 * QKX_LANES:2 * QKX_LANES + k]
-        s_xl = tmp[3 * QKX_LANES:3 * QKX_LANES + k]
-        t_scale = tmp[4 * QKX_LANES:4 * QKX_LANES + k]
-        t_min = tmp[5 * QKX_LANES:5 * QKX_LANES + k]
-        t_d = tmp[6 * QKX_LANES:6 * QKX_LANES + k]
-        mads = tmp[7 * QKX_LANES:7 * QKX_LANES + k]
+        s_l = tmp[QKX_LANES : QKX_LANES + k]
+        s_l2 = tmp[2 * QKX_LANES : 2 * QKX_LANES + k]
+        s_xl = tmp[3 * QKX_LANES : 3 * QKX_LANES + k]
+        t_scale = tmp[4 * QKX_LANES : 4 * QKX_LANES + k]
+        t_min = tmp[5 * QKX_LANES : 5 * QKX_LANES + k]
+        t_d = tmp[6 * QKX_LANES : 6 * QKX_LANES + k]
+        mads = tmp[7 * QKX_LANES : 7 * QKX_LANES + k]
         exact = True
         for j in range(k):
             isc[j] = (rmin + rdelta * F(first + j) + F(nmax)) / (mx - mn)
@@ -244,8 +245,9 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
             s_xl[j] = F(0.0)
             mads[j] = F(0.0)
         if not exact:
-            scale, mn = _qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w,
-                                   sum_x, scale, best_mad)
+            scale, mn = _qkx_steps(
+                n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
+            )
             break
         for i in range(n):
             xi = x[i]
@@ -375,11 +377,13 @@ def _sum_x2(x, at, n):
 def _pack_2bit(y, o, L):
     for j in range(0, QK_K, 128):
         for l in range(32):
-            y[o + j // 4 + l] = np.uint8((L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6))
-                                         & 0xFF)
+            y[o + j // 4 + l] = np.uint8(
+                (L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)) & 0xFF
+            )
 
 
 # --------------------------------------------------------------------------- Q2_K
+
 
 @kernel
 def _q2_k_levels(x, xo, y, o, L):
@@ -411,8 +415,9 @@ def quantize_q2_k(x, y, n_per_row):
         for j in range(16):
             for l in range(16):
                 weights[l] = abs(x[xo + 16 * j + l])
-            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.5), F(0.1), 15, True, tmp)
+            scales[j], mins[j] = make_qkx_quants(
+                16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.5), F(0.1), 15, True, tmp
+            )
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -456,8 +461,9 @@ def quantize_q2_k_weighted(x, y, n, qw):
                 weights[l] = qw[qo + 16 * j + l] * np.sqrt(sigma2 + x[xo + 16 * j + l] * x[xo + 16 * j + l])
             for l in range(16):
                 sw[j] += weights[l]
-            scales[j], mins[j] = make_qkx_quants(16, 3, x[xo + 16 * j:], weights, L[16 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False, tmp)
+            scales[j], mins[j] = make_qkx_quants(
+                16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
+            )
         dm = make_qp_quants(16, 15, scales, Ls, sw)
         mm = make_qp_quants(16, 15, mins, Lm, sw)
         put_fp16(y, o + 80, dm)
@@ -468,6 +474,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
 
 
 # --------------------------------------------------------------------------- Q3_K
+
 
 @kernel
 def _q3_k_finish(x, xo, y, o, L):
@@ -514,7 +521,7 @@ def quantize_q3_k(x, y, n_per_row):
         max_scale = F(0.0)
         amax = F(0.0)
         for j in range(16):
-            scales[j] = make_q3_quants(16, 4, x[xo + 16 * j:], L[16 * j:])
+            scales[j] = make_q3_quants(16, 4, x[xo + 16 * j :], L[16 * j :])
             scale = abs(scales[j])
             if scale > amax:
                 amax = scale
@@ -545,7 +552,7 @@ def quantize_q3_k_weighted(x, y, n, qw):
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(16):
             sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
-            scales[j] = make_qx_quants(16, 4, x[xo + 16 * j:], L[16 * j:], 1, weights, tmp)
+            scales[j] = make_qx_quants(16, 4, x[xo + 16 * j :], L[16 * j :], 1, weights, tmp)
         for j in range(12):
             y[o + 96 + j] = 0
         d_block = make_qx_quants(16, 32, scales, Ls, 1, sw, tmp)
@@ -557,12 +564,12 @@ def quantize_q3_k_weighted(x, y, n, qw):
 
 # --------------------------------------------------------------------------- Q4_K / Q5_K
 
+
 @kernel
 def _scale_min_k4(j, y, so):
     if j < 4:
         return y[so + j] & 63, y[so + j + 4] & 63
-    return ((y[so + j + 4] & 0xF) | ((y[so + j - 4] >> 6) << 4),
-            (y[so + j + 4] >> 4) | ((y[so + j] >> 6) << 4))
+    return ((y[so + j + 4] & 0xF) | ((y[so + j - 4] >> 6) << 4), (y[so + j + 4] >> 4) | ((y[so + j] >> 6) << 4))
 
 
 @kernel
@@ -629,8 +636,9 @@ def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
             av_x = np.sqrt(_sum_x2(x, xo + 32 * j, 32) / F(32.0))
             for l in range(32):
                 weights[l] = av_x + abs(x[xo + 32 * j + l])
-            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  rmin, F(0.1), nstep, False, tmp)
+            scales[j], mins[j] = make_qkx_quants(
+                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], Laux, rmin, F(0.1), nstep, False, tmp
+            )
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -662,8 +670,9 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
         sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(8):
             sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
-            scales[j], mins[j] = make_qkx_quants(32, nmax, x[xo + 32 * j:], weights, L[32 * j:], Laux,
-                                                  F(-0.9), F(0.05), 36, False, tmp)
+            scales[j], mins[j] = make_qkx_quants(
+                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
+            )
         d_block = make_qp_quants(8, 63, scales, Ls, sw)
         m_block = make_qp_quants(8, 63, mins, Lm, sw)
         for j in range(8):
@@ -695,6 +704,7 @@ def quantize_q5_k_weighted(x, y, n, qw):
 
 # --------------------------------------------------------------------------- Q6_K
 
+
 @kernel
 def _q6_k(x, y, n, qw):
     """``quantize_row_q6_K_ref`` (``qw`` empty) / ``_impl``: the same search, with the importance as weights."""
@@ -707,8 +717,8 @@ def _q6_k(x, y, n, qw):
         max_scale = F(0.0)
         max_abs_scale = F(0.0)
         for ib in range(16):
-            w = qw[qo + 16 * ib:qo + 16 * ib + 16] if weighted else qw
-            scale = make_qx_quants(16, 32, x[xo + 16 * ib:], L[16 * ib:], 1, w, tmp)
+            w = qw[qo + 16 * ib : qo + 16 * ib + 16] if weighted else qw
+            scale = make_qx_quants(16, 32, x[xo + 16 * ib :], L[16 * ib :], 1, w, tmp)
             scales[ib] = scale
             if abs(scale) > max_abs_scale:
                 max_abs_scale = abs(scale)
@@ -738,8 +748,15 @@ def _q6_k(x, y, n, qw):
                 q4 = L[j + l + 96] & 0xF
                 y[ql + l] = np.uint8(q1 | (q3 << 4))
                 y[ql + l + 32] = np.uint8(q2 | (q4 << 4))
-                y[qh + l] = np.uint8(((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) | ((L[j + l + 64] >> 4) << 4)
-                                      | ((L[j + l + 96] >> 4) << 6)) & 0xFF)
+                y[qh + l] = np.uint8(
+                    (
+                        (L[j + l] >> 4)
+                        | ((L[j + l + 32] >> 4) << 2)
+                        | ((L[j + l + 64] >> 4) << 4)
+                        | ((L[j + l + 96] >> 4) << 6)
+                    )
+                    & 0xFF
+                )
 
 
 @kernel
@@ -753,6 +770,7 @@ def quantize_q6_k_weighted(x, y, n, qw):
 
 
 # --------------------------------------------------------------------------- dequantizers
+
 
 @kernel
 def dequantize_q2_k(y, x):

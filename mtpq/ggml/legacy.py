@@ -146,7 +146,7 @@ def _signed_impl(x, y, n, qw, ts, nmax):
         for ib in range(nb):
             at = r * n + 32 * ib
             _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d = make_qx_quants(32, nmax, x[at:at + 32], L, 1, weight, tmp)
+            d = make_qx_quants(32, nmax, x[at : at + 32], L, 1, weight, tmp)
             o = ts * (r * nb + ib)
             put_fp16(y, o, d)
             _put_levels(y, o + 2, L, nmax == 16)
@@ -165,7 +165,7 @@ def _min_impl(x, y, n, qw, ts, nmax):
         for ib in range(nb):
             at = r * n + 32 * ib
             _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d, mn = make_qkx_quants(32, nmax, x[at:at + 32], weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
+            d, mn = make_qkx_quants(32, nmax, x[at : at + 32], weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
             o = ts * (r * nb + ib)
             put_fp16(y, o, d)
             put_fp16(y, o + 2, -mn)
@@ -226,6 +226,7 @@ def quantize_q2_0(x, y, n_per_row):
 
 
 # --------------------------------------------------------------------------- dequantizers
+
 
 @kernel
 def dequantize_q4_0(y, x):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, QK_K, get_fp16, kernel, put_fp16, roundf
+from .jit import QK_K, F, get_fp16, kernel, put_fp16, roundf
 
 _LONG_MAX_F = F(9.223372036854775807e18)
 
@@ -71,7 +71,7 @@ def quantize_tq2_0(x, y, n_per_row):
 def _unpack5(y, at, width, d, x, xo):
     for n in range(5):
         for m in range(width):
-            q = (np.int64(y[at + m]) * (3 ** n)) & 0xFF
+            q = (np.int64(y[at + m]) * (3**n)) & 0xFF
             x[xo + n * width + m] = F(((q * 3) >> 8) - 1) * d
 
 
@@ -84,7 +84,7 @@ def dequantize_tq1_0(y, x):
         _unpack5(y, o + 32, 16, d, x, xo + 160)
         for n in range(4):
             for j in range(4):
-                q = (np.int64(y[o + 48 + j]) * (3 ** n)) & 0xFF
+                q = (np.int64(y[o + 48 + j]) * (3**n)) & 0xFF
                 x[xo + 240 + 4 * n + j] = F(((q * 3) >> 8) - 1) * d
 
 

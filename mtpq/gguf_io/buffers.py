@@ -40,8 +40,14 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
     try:
         if spec.stored_at is not None and spec.source_type in _FLOAT_SOURCES:
             out = output_buffer(tensor_nbytes(spec.shape, spec.ggml_type))
-            return quantize(Stored(*spec.stored_at, spec.source_type, spec.shape), spec.ggml_type, spec.name,
-                            importance=spec.importance, out=out, progress=report_progress(out))
+            return quantize(
+                Stored(*spec.stored_at, spec.source_type, spec.shape),
+                spec.ggml_type,
+                spec.name,
+                importance=spec.importance,
+                out=out,
+                progress=report_progress(out),
+            )
         if spec.load_rows is not None and len(spec.shape) > 1 and spec.n_elements > SLAB_ELEMENTS:
             return _encode_slabs(spec, quantize)
         return quantize(_as_numpy(spec.load()), spec.ggml_type, spec.name, importance=spec.importance)
@@ -73,8 +79,13 @@ def _encode_slabs(spec: TensorSpec, quantize: Callable) -> np.ndarray:
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         a, b = r0 * total // rows, r1 * total // rows
-        quantize(_as_numpy(spec.load_rows(r0, r1)), spec.ggml_type, spec.name,
-                 importance=imp[r0:r1] if per_expert else imp, out=out[a:b])
+        quantize(
+            _as_numpy(spec.load_rows(r0, r1)),
+            spec.ggml_type,
+            spec.name,
+            importance=imp[r0:r1] if per_expert else imp,
+            out=out[a:b],
+        )
         if report is not None:
             report(b)
     return out
@@ -165,8 +176,13 @@ class _Ahead:
             elif finished:
                 break
         data = self.future.result()  # the encoder's error, if any
-        same = (buf is not None and isinstance(data, np.ndarray) and data.flags.c_contiguous
-                and data.nbytes == buf.nbytes and data.ctypes.data == buf.ctypes.data)
+        same = (
+            buf is not None
+            and isinstance(data, np.ndarray)
+            and data.flags.c_contiguous
+            and data.nbytes == buf.nbytes
+            and data.ctypes.data == buf.ctypes.data
+        )
         if same:
             f.write(memoryview(buf)[written:])
             return
@@ -201,7 +217,7 @@ def encoded(specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec, np.ndarray]]:
     state = {"written": 0, "stop": False}  # tensors the writer is done with; the file is abandoned
 
     def held(i: int) -> int:  # bytes encoded ahead of tensor i and not yet written
-        return sum(size[state["written"]:i])
+        return sum(size[state["written"] : i])
 
     def may_start(i: int) -> bool:
         return state["stop"] or i <= state["written"] or held(i) + size[i] <= PREFETCH_BUDGET

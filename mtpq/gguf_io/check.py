@@ -19,8 +19,10 @@ from .read import GGUFFile
 NEXTN_REQUIRED = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm")  # every family's head (DESIGN.md: MTP math)
 HEAD_FILE_REQUIRED = ("token_embd.weight", "output_norm.weight")  # what llama.cpp's loader requires of a head file
 LOW_BITS = 4.0
-LOW_BITS_RISK = ("heads below 4 bits draft badly (measured on one large model: an int4 head accepted 0-4 % of "
-                 "drafts, an int8 head 39-59 %); requantize it: mtpq graft --replace --mtp-type q8_0")
+LOW_BITS_RISK = (
+    "heads below 4 bits draft badly (measured on one large model: an int4 head accepted 0-4 % of "
+    "drafts, an int8 head 39-59 %); requantize it: mtpq graft --replace --mtp-type q8_0"
+)
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,17 @@ def check_model(g: GGUFFile) -> list[Problem]:
         return problems
     n_blocks = int(n_blocks)
     if blocks and max(blocks) >= n_blocks:
-        add(f"{arch}.block_count is {n_blocks}, but tensors reach blk.{max(blocks)}: block_count must count the "
-            "trunk and the MTP blocks")
+        add(
+            f"{arch}.block_count is {n_blocks}, but tensors reach blk.{max(blocks)}: block_count must count the "
+            "trunk and the MTP blocks"
+        )
         return problems
     if n_mtp is None:
         if nextn_at:
-            add(f"{arch}.nextn_predict_layers is missing, but {_fmt(nextn_at)} hold MTP tensors (nextn.*): "
-                "llama.cpp will not load the head")
+            add(
+                f"{arch}.nextn_predict_layers is missing, but {_fmt(nextn_at)} hold MTP tensors (nextn.*): "
+                "llama.cpp will not load the head"
+            )
         return problems
     n_mtp = int(n_mtp)
     if n_mtp >= n_blocks:
@@ -91,16 +97,22 @@ def check_model(g: GGUFFile) -> list[Problem]:
         return problems
     expected = list(range(n_blocks - n_mtp, n_blocks))
     if n_mtp and not nextn_at:
-        add(f"{arch}.nextn_predict_layers is {n_mtp}, but {_fmt(expected)} hold no MTP tensors: the file declares "
-            "a head it lacks (a trunk-only file drops the key, as llama.cpp's converter does with --no-mtp)")
+        add(
+            f"{arch}.nextn_predict_layers is {n_mtp}, but {_fmt(expected)} hold no MTP tensors: the file declares "
+            "a head it lacks (a trunk-only file drops the key, as llama.cpp's converter does with --no-mtp)"
+        )
         return problems
     if not n_mtp and nextn_at:
-        add(f"{arch}.nextn_predict_layers is 0, but {_fmt(nextn_at)} hold MTP tensors (nextn.*): llama.cpp will "
-            "not load the head")
+        add(
+            f"{arch}.nextn_predict_layers is 0, but {_fmt(nextn_at)} hold MTP tensors (nextn.*): llama.cpp will "
+            "not load the head"
+        )
         return problems
     if nextn_at != expected:
-        add(f"{arch}.nextn_predict_layers is {n_mtp} with block_count {n_blocks}, so the head should be "
-            f"{_fmt(expected)}, but MTP tensors (nextn.*) are in {_fmt(nextn_at)}")
+        add(
+            f"{arch}.nextn_predict_layers is {n_mtp} with block_count {n_blocks}, so the head should be "
+            f"{_fmt(expected)}, but MTP tensors (nextn.*) are in {_fmt(nextn_at)}"
+        )
         return problems
     for text, warning in _head_tensors(g, blocks, expected):
         add(text, warning)
@@ -135,8 +147,12 @@ def _head_tensors(g: GGUFFile, blocks: dict[int, set[str]], head_blocks: list[in
             low.setdefault(qtype.name, []).append(tname)
     for qname, tensors in sorted(low.items()):
         bits = bits_per_weight(GGMLQuantizationType[qname])
-        found.append((f"{len(tensors)} head weights are {qname} ({bits:.2f} bits/weight, e.g. {tensors[0]}): "
-                      f"{LOW_BITS_RISK}", True))
+        found.append(
+            (
+                f"{len(tensors)} head weights are {qname} ({bits:.2f} bits/weight, e.g. {tensors[0]}): {LOW_BITS_RISK}",
+                True,
+            )
+        )
     return found
 
 
@@ -155,11 +171,14 @@ def model_mismatches(trunk: GGUFFile, head: GGUFFile) -> list[str]:
             out.append(f"vocabulary has {len(tok_b)} tokens, {trunk.path.name} {len(tok_a)}")
         else:
             first = next(i for i, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y)
-            out.append(f"vocabulary differs from {trunk.path.name}'s "
-                       f"(token {first}: {tok_b[first]!r} vs {tok_a[first]!r})")
+            out.append(
+                f"vocabulary differs from {trunk.path.name}'s (token {first}: {tok_b[first]!r} vs {tok_a[first]!r})"
+            )
     if trunk.n_trunk != head.n_trunk:
-        out.append(f"made for {head.n_trunk} trunk layers (block_count minus nextn_predict_layers), but "
-                   f"{trunk.path.name} has {trunk.n_trunk}")
+        out.append(
+            f"made for {head.n_trunk} trunk layers (block_count minus nextn_predict_layers), but "
+            f"{trunk.path.name} has {trunk.n_trunk}"
+        )
     return out
 
 

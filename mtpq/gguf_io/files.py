@@ -22,11 +22,22 @@ from gguf.gguf_reader import ReaderTensor
 from ..errors import InputError
 from ..gguf_fields import FastFieldsReader
 
-INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+INT_TYPES = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
 
-SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT,
-                                        Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = (
+    Keys.Split.LLM_KV_SPLIT_NO,
+    Keys.Split.LLM_KV_SPLIT_COUNT,
+    Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+)
 SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
 _SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -63,11 +74,15 @@ class _CheckedReader(FastFieldsReader):
                 raise InputError(self._path, f"tensor {name} has unknown ggml type {int(raw_dtype[0])}") from None
             dims = [int(d) for d in dims]
             if 0 in dims:  # gguf-py and llama.cpp's reader take it; no model has one, and no tensor code expects it
-                raise InputError(self._path, f"tensor {name} has a zero-length dimension (shape {dims} in GGUF's "
-                                             "order): it holds no values")
+                raise InputError(
+                    self._path,
+                    f"tensor {name} has a zero-length dimension (shape {dims} in GGUF's order): it holds no values",
+                )
             if dims and dims[0] % block:
-                raise InputError(self._path, f"tensor {name}: row length {dims[0]} is not a multiple of "
-                                             f"{qtype.name}'s block size {block}")
+                raise InputError(
+                    self._path,
+                    f"tensor {name}: row length {dims[0]} is not a multiple of {qtype.name}'s block size {block}",
+                )
             n_elems = 1
             for d in dims:
                 n_elems *= d
@@ -98,6 +113,7 @@ def open_gguf(path: Path) -> GGUFReader:
         raise InputError(path, f"truncated or corrupt GGUF header (the file has {path.stat().st_size} bytes)") from None
     except Exception as exc:  # gguf-py raises ValueError/struct errors on bad files
         raise InputError(path, f"not a readable GGUF file ({exc})") from None
+
 
 def _split_value(reader: GGUFReader, key: str, path: Path) -> int | None:
     """A ``split.*`` value of one file (None when absent); one that is not an integer is an InputError."""
@@ -148,8 +164,11 @@ def open_model(path: Path) -> ModelFiles:
         raise InputError(path, f"{SPLIT_NO} = {no} is outside {SPLIT_COUNT} = {count}")
     suffix = f"-{no + 1:05d}-of-{count:05d}.gguf"
     if not path.name.endswith(suffix) or len(path.name) == len(suffix):
-        raise InputError(path, f"shard {no + 1} of {count} ({SPLIT_NO} = {no}) must be named PREFIX{suffix} for its "
-                               "other shards to be found (llama.cpp's naming)")
+        raise InputError(
+            path,
+            f"shard {no + 1} of {count} ({SPLIT_NO} = {no}) must be named PREFIX{suffix} for its "
+            "other shards to be found (llama.cpp's naming)",
+        )
     prefix = path.name[: -len(suffix)]
     paths = [path.with_name(shard_name(prefix, i + 1, count)) for i in range(count)]
     readers = []
@@ -165,31 +184,42 @@ def open_model(path: Path) -> ModelFiles:
             raise InputError(p, f"{SPLIT_COUNT} is {theirs}, but {path.name} says {count}: a shard of another split")
         theirs = _split_value(r, SPLIT_NO, p)
         if theirs != i:
-            raise InputError(p, f"{SPLIT_NO} is {theirs}, but this is shard {i + 1} of {count} by its name "
-                                f"({SPLIT_NO} {i}): a shard of another set")
+            raise InputError(
+                p,
+                f"{SPLIT_NO} is {theirs}, but this is shard {i + 1} of {count} by its name "
+                f"({SPLIT_NO} {i}): a shard of another set",
+            )
         readers.append(r)
     expected = [_split_value(r, SPLIT_TENSORS, p) for p, r in zip(paths, readers)]
     for p, n in zip(paths, expected):
         if n != expected[0]:
-            raise InputError(p, f"{SPLIT_TENSORS} is {n}, but {paths[0].name} says {expected[0]}: "
-                                "a shard of another model")
+            raise InputError(
+                p, f"{SPLIT_TENSORS} is {n}, but {paths[0].name} says {expected[0]}: a shard of another model"
+            )
     arch = reader_arch(readers[0], paths[0])
     for p, r in zip(paths[1:], readers[1:]):
         fld = r.fields.get(Keys.General.ARCHITECTURE)  # shards 2.. carry only the split keys; one that says more
         if fld is not None and fld.contents() != arch:  # must not say another architecture
-            raise InputError(p, f"general.architecture is {fld.contents()!r}, but {paths[0].name} says {arch!r}: "
-                                "a shard of another model")
+            raise InputError(
+                p,
+                f"general.architecture is {fld.contents()!r}, but {paths[0].name} says {arch!r}: "
+                "a shard of another model",
+            )
     tensors, where = [], {}
     for i, (p, r) in enumerate(zip(paths, readers)):
         for t in r.tensors:
             if t.name in where:
-                raise InputError(p, f"tensor {t.name} is also in {paths[where[t.name]].name}: "
-                                    "a tensor duplicated across shards")
+                raise InputError(
+                    p, f"tensor {t.name} is also in {paths[where[t.name]].name}: a tensor duplicated across shards"
+                )
             where[t.name] = i
             tensors.append((t, i))
     if expected[0] is not None and len(tensors) != expected[0]:
-        raise InputError(paths[0], f"{SPLIT_TENSORS} is {expected[0]}, but the {count} shards hold {len(tensors)} "
-                                   "tensors: a shard is incomplete or of another model")
+        raise InputError(
+            paths[0],
+            f"{SPLIT_TENSORS} is {expected[0]}, but the {count} shards hold {len(tensors)} "
+            "tensors: a shard is incomplete or of another model",
+        )
     return ModelFiles(paths, readers, tensors)
 
 
@@ -202,6 +232,7 @@ def first_shard(path: Path) -> Path:
     """The file llama.cpp must be given (``-m``) for the model at ``path``: shard 1 of a split set, else
     ``path``; the set is checked first, so a missing shard is our one line, not llama.cpp's."""
     return open_model(path).first
+
 
 def reader_arch(reader: GGUFReader, path: Path) -> str:
     fld = reader.fields.get(Keys.General.ARCHITECTURE)

@@ -19,7 +19,6 @@ from ..tensors import Plan, TensorSpec, block_index, classify
 from .files import INT_TYPES, SPLIT_KEYS, open_model, reader_arch
 
 
-
 def _count_key(reader: GGUFReader, kv: dict[str, GGUFValue], key: str, path: Path) -> int:
     """An integer metadata value (0 when absent); any other type is an InputError."""
     if key not in kv:
@@ -28,6 +27,7 @@ def _count_key(reader: GGUFReader, kv: dict[str, GGUFValue], key: str, path: Pat
     if val.type not in INT_TYPES or isinstance(val.value, (list, str)):
         raise InputError(path, f"metadata {key} must be an integer, got {val.value!r}")
     return int(val.value)
+
 
 def reader_kv(reader: GGUFReader) -> dict[str, GGUFValue]:
     """The metadata of a GGUF as GGUFWriter values, without the header fields, the arch and the split keys."""
@@ -40,6 +40,7 @@ def reader_kv(reader: GGUFReader) -> dict[str, GGUFValue]:
         kv[name] = GGUFValue(fld.contents(), vtype, sub)
     return kv
 
+
 class GGUFFile:
     """One GGUF model opened for reading (a single file or a whole split set, see :func:`open_model`): metadata
     as plain Python values, tensors by name, and the trunk/MTP split. The one reader of the package: plans
@@ -50,8 +51,9 @@ class GGUFFile:
         self.files = open_model(self.path)
         reader = self.files.readers[0]
         self.arch = reader_arch(reader, self.files.first)
-        self.kv: dict[str, Any] = {n: f.contents() for n, f in reader.fields.items()
-                                   if not n.startswith("GGUF.") and n not in SPLIT_KEYS}
+        self.kv: dict[str, Any] = {
+            n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.") and n not in SPLIT_KEYS
+        }
         self.tensors = {t.name: t for t, _ in self.files.tensors}
         self.n_blocks = int(self.value("block_count", 0) or 0)
         self.n_mtp = int(self.value("nextn_predict_layers", 0) or 0)
@@ -166,8 +168,11 @@ def plan_from_gguf(path: Path) -> Plan:
     n_blocks = _count_key(reader, kv, f"{arch}.block_count", files.first)
     n_mtp = _count_key(reader, kv, f"{arch}.nextn_predict_layers", files.first)
     if n_mtp and n_mtp >= n_blocks:
-        raise InputError(files.first, f"metadata contradicts itself: {arch}.nextn_predict_layers is {n_mtp}, but "
-                                      f"{arch}.block_count is {n_blocks} (trunk + MTP blocks; no trunk would be left)")
+        raise InputError(
+            files.first,
+            f"metadata contradicts itself: {arch}.nextn_predict_layers is {n_mtp}, but "
+            f"{arch}.block_count is {n_blocks} (trunk + MTP blocks; no trunk would be left)",
+        )
     n_trunk = n_blocks - n_mtp
     specs = []
     for t, shard in files.tensors:

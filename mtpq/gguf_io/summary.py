@@ -18,8 +18,16 @@ def summarize_gguf(path: Path) -> dict:
     by_role: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "elements": 0})
     for s in plan.tensors:
         nbytes = tensor_nbytes(s.shape, s.ggml_type)
-        tensors.append({"name": s.name, "shape": list(s.shape), "type": s.ggml_type.name, "bytes": nbytes,
-                        "role": s.role.value, "mtp": s.role is Role.MTP})
+        tensors.append(
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "type": s.ggml_type.name,
+                "bytes": nbytes,
+                "role": s.role.value,
+                "mtp": s.role is Role.MTP,
+            }
+        )
         r = by_role[s.role.value]
         r["tensors"] += 1
         r["bytes"] += nbytes
@@ -37,8 +45,9 @@ def summarize_gguf(path: Path) -> dict:
         "nextn_predict_layers": plan.n_mtp_layers,
         "mtp_blocks": mtp_blocks,
         # the head's weight matrices (its router stays f32 whatever the head's precision)
-        "mtp_types": sorted({t["type"] for t in tensors
-                             if t["mtp"] and len(t["shape"]) > 1 and ".ffn_gate_inp" not in t["name"]}),
+        "mtp_types": sorted(
+            {t["type"] for t in tensors if t["mtp"] and len(t["shape"]) > 1 and ".ffn_gate_inp" not in t["name"]}
+        ),
         "tensor_count": len(tensors),
         "bytes": total_bytes,
         "bits_per_weight": round(8 * total_bytes / total_el, 3) if total_el else 0.0,

@@ -93,7 +93,9 @@ class SplitRule:
         size = 0
         for spec in specs:
             n = -(-tensor_nbytes(spec.shape, spec.ggml_type) // GGUF_DEFAULT_ALIGNMENT) * GGUF_DEFAULT_ALIGNMENT
-            full = (self.max_size and size + n > self.max_size) or (self.max_tensors and len(out[-1]) >= self.max_tensors)
+            full = (self.max_size and size + n > self.max_size) or (
+                self.max_tensors and len(out[-1]) >= self.max_tensors
+            )
             if full and out[-1]:
                 out.append([])
                 size = 0
@@ -168,7 +170,7 @@ def remove_stale_partials(out: Path) -> list[Path]:
     except OSError:
         return removed
     for p in candidates:
-        pid = p.name[len(prefix):].split(".")[0]  # .d: a run's intermediate files, .shards: a split output's
+        pid = p.name[len(prefix) :].split(".")[0]  # .d: a run's intermediate files, .shards: a split output's
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             removed += remove_partial(p)
     return removed

@@ -86,8 +86,11 @@ class Imatrix:
         size = e.sums.size
         if size != n_per_row * n_mat:
             shape = f"{n_per_row}" + (f" x {n_mat} experts" if n_mat > 1 else "")
-            raise InputError(self.where(), f"entry {name} has {size} values, the tensor needs {n_per_row * n_mat} "
-                                           f"({shape}): an imatrix made for another model?")
+            raise InputError(
+                self.where(),
+                f"entry {name} has {size} values, the tensor needs {n_per_row * n_mat} "
+                f"({shape}): an imatrix made for another model?",
+            )
         with np.errstate(all="ignore"):
             if self.legacy:
                 ncall = int(e.counts[0]) if e.counts.size else 0
@@ -126,7 +129,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise InputError(self.where, f"truncated imatrix file (ends inside {what})")
-        b = self.data[self.pos:self.pos + n]
+        b = self.data[self.pos : self.pos + n]
         self.pos += n
         return b
 
@@ -193,9 +196,16 @@ def _read_gguf(path: Path) -> Imatrix:
     if not entries:
         raise InputError(where, "no data in imatrix file")
     datasets = meta.get(KV_DATASETS, [])
-    return Imatrix(entries, list(datasets) if isinstance(datasets, list) else [str(datasets)],
-                   int(meta.get(KV_CHUNK_COUNT, 0)), int(meta.get(KV_CHUNK_SIZE, 0)), legacy=False, kv=kv,
-                   alignment=align, tensor_order=order)
+    return Imatrix(
+        entries,
+        list(datasets) if isinstance(datasets, list) else [str(datasets)],
+        int(meta.get(KV_CHUNK_COUNT, 0)),
+        int(meta.get(KV_CHUNK_SIZE, 0)),
+        legacy=False,
+        kv=kv,
+        alignment=align,
+        tensor_order=order,
+    )
 
 
 def _read_legacy(data: bytes, where: str) -> Imatrix:
@@ -235,10 +245,12 @@ def _read_legacy(data: bytes, where: str) -> Imatrix:
 
 def _default_kv(im: Imatrix) -> dict[str, GGUFValue]:
     """The metadata llama-imatrix writes, in its order."""
-    return {"general.type": GGUFValue("imatrix", GGUFValueType.STRING),
-            KV_DATASETS: GGUFValue(list(im.datasets), GGUFValueType.ARRAY, GGUFValueType.STRING),
-            KV_CHUNK_COUNT: GGUFValue(int(im.chunk_count), GGUFValueType.UINT32),
-            KV_CHUNK_SIZE: GGUFValue(int(im.chunk_size), GGUFValueType.UINT32)}
+    return {
+        "general.type": GGUFValue("imatrix", GGUFValueType.STRING),
+        KV_DATASETS: GGUFValue(list(im.datasets), GGUFValueType.ARRAY, GGUFValueType.STRING),
+        KV_CHUNK_COUNT: GGUFValue(int(im.chunk_count), GGUFValueType.UINT32),
+        KV_CHUNK_SIZE: GGUFValue(int(im.chunk_size), GGUFValueType.UINT32),
+    }
 
 
 def imatrix_bytes(im: Imatrix) -> bytes:
@@ -289,8 +301,11 @@ def _write_gguf(im: Imatrix, path: Path) -> None:
         n_mat = e.counts.size
         arr = np.ascontiguousarray(e.sums if kind == "in_sum2" else e.counts, dtype=np.float32)
         # numpy shape = ggml's ne reversed; ggml drops trailing 1s (ggml_n_dims)
-        shape = ((n_mat, arr.size // n_mat) if kind == "in_sum2" else (n_mat, 1)) if n_mat > 1 else \
-            ((arr.size,) if kind == "in_sum2" else (1,))
+        shape = (
+            ((n_mat, arr.size // n_mat) if kind == "in_sum2" else (n_mat, 1))
+            if n_mat > 1
+            else ((arr.size,) if kind == "in_sum2" else (1,))
+        )
         w.add_tensor(f"{base}.{kind}", arr.reshape(shape))
     w.write_header_to_file(path=path)
     w.write_kv_data_to_file()
@@ -322,5 +337,15 @@ def select_entries(im: Imatrix, include: list[str] | None, exclude: list[str] | 
     if include:
         names = [n for n in names if any(x in n for x in include)]
     kept = {n: im.entries[n] for n in names}
-    return Imatrix(kept, im.datasets, im.chunk_count, im.chunk_size, im.legacy, im.path, im.kv, im.alignment,
-                   im.tensor_order, im.legacy_trailer)
+    return Imatrix(
+        kept,
+        im.datasets,
+        im.chunk_count,
+        im.chunk_size,
+        im.legacy,
+        im.path,
+        im.kv,
+        im.alignment,
+        im.tensor_order,
+        im.legacy_trailer,
+    )

@@ -31,8 +31,18 @@ from ..errors import InputError
 from ..tensors import Plan
 
 OPTION = "--override-kv"
-_INT_TYPES = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-                        GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64})
+_INT_TYPES = frozenset(
+    {
+        GGUFValueType.UINT8,
+        GGUFValueType.INT8,
+        GGUFValueType.UINT16,
+        GGUFValueType.INT16,
+        GGUFValueType.UINT32,
+        GGUFValueType.INT32,
+        GGUFValueType.UINT64,
+        GGUFValueType.INT64,
+    }
+)
 # TYPE -> (GGUF type written, the GGUF types a key must already have to take it)
 _KINDS = {
     "int": (GGUFValueType.UINT32, _INT_TYPES),
@@ -61,8 +71,10 @@ def parse_kv_override(text: str) -> KvOverride:
     key, eq, rest = text.partition("=")
     kind, colon, raw = rest.partition(":")
     if not eq or not key or not colon or kind not in _KINDS:
-        raise InputError(OPTION, f"{text!r} is not KEY=TYPE:VALUE with TYPE int, float, bool or str "
-                                 "(e.g. 'general.name=str:My model')")
+        raise InputError(
+            OPTION,
+            f"{text!r} is not KEY=TYPE:VALUE with TYPE int, float, bool or str (e.g. 'general.name=str:My model')",
+        )
     if len(key) > MAX_KEY:
         raise InputError(OPTION, f"key {key[:40]!r}... is longer than llama.cpp's {MAX_KEY} characters")
     if key in _OWNED_BY_WRITER or key.startswith("split."):
@@ -109,8 +121,11 @@ def check_against(plan: Plan, overrides: Sequence[KvOverride]) -> None:
         if have.type == GGUFValueType.ARRAY:
             raise InputError(OPTION, f"{o.key} is an array; --override-kv sets single values only")
         if have.type not in _KINDS[o.kind][1]:
-            raise InputError(OPTION, f"{o.text!r}: {o.key} holds a {have.type.name.lower()}, not {o.kind} "
-                                     "(llama.cpp would ignore the override when loading, yet write it)")
+            raise InputError(
+                OPTION,
+                f"{o.text!r}: {o.key} holds a {have.type.name.lower()}, not {o.kind} "
+                "(llama.cpp would ignore the override when loading, yet write it)",
+            )
 
 
 def apply_kv_overrides(plan: Plan, overrides: Sequence[KvOverride], skip: Sequence[str] = ()) -> None:

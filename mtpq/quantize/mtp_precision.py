@@ -65,8 +65,12 @@ def of_type(qtype: GGMLQuantizationType) -> MtpPrecision:
     return MtpPrecision(MtpPrecisionKind.TYPE, qtype)
 
 
-def parse_mtp(value: Union[str, MtpPrecision, None], option: str, default: Optional[MtpPrecision] = None,
-              allow: tuple[MtpPrecisionKind, ...] = tuple(MtpPrecisionKind)) -> Optional[MtpPrecision]:
+def parse_mtp(
+    value: Union[str, MtpPrecision, None],
+    option: str,
+    default: Optional[MtpPrecision] = None,
+    allow: tuple[MtpPrecisionKind, ...] = tuple(MtpPrecisionKind),
+) -> Optional[MtpPrecision]:
     """Text (or an already parsed value) -> MtpPrecision; ``None`` -> ``default``.
 
     ``allow`` names the kinds the caller can honour; anything else is an

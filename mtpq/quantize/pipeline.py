@@ -25,9 +25,8 @@ from .imatrix import Imatrix, select_entries
 from .kv_override import KvOverride, apply_kv_overrides, parse_kv_overrides
 from .mtp_precision import Q8_0, SAME, MtpPrecision, parse_mtp
 from .policy import Override, PolicyContext, decide, never_quantized, with_counters
+from .presets import FLOAT_TYPES, Category, ModelFacts, Preset, category, preset_named, requires_imatrix, type_named
 from .prune import parse_prune_layers, prune_blocks
-from .presets import (FLOAT_TYPES, Category, ModelFacts, Preset, category, preset_named, requires_imatrix,
-                      type_named)
 
 log = logging.getLogger(__name__)
 
@@ -214,17 +213,27 @@ def plan_quantize(plan: Plan, o: QuantOptions) -> Plan:
 
     if requantized:
         first = requantized[0]
-        what = (f"{len(requantized)} tensor(s) are already quantized and would be requantized "
-                f"(e.g. {first.name}: {first.source_type.name.lower()})")
+        what = (
+            f"{len(requantized)} tensor(s) are already quantized and would be requantized "
+            f"(e.g. {first.name}: {first.source_type.name.lower()})"
+        )
         if not o.allow_requantize:
             where = plan.inputs[0] if plan.inputs else first.source
-            raise InputError(where, f"{what}; requantizing loses precision: start from an f16/bf16/f32 GGUF "
-                                    "or pass --allow-requantize")
+            raise InputError(
+                where,
+                f"{what}; requantizing loses precision: start from an f16/bf16/f32 GGUF or pass --allow-requantize",
+            )
         log.warning("%s; quality will be worse than quantizing from full precision", what)
 
     kv = dict(plan.kv)
-    out = Plan(plan.arch, kv, specs, inputs=list(plan.inputs), n_trunk_layers=plan.n_trunk_layers,
-               n_mtp_layers=plan.n_mtp_layers)
+    out = Plan(
+        plan.arch,
+        kv,
+        specs,
+        inputs=list(plan.inputs),
+        n_trunk_layers=plan.n_trunk_layers,
+        n_mtp_layers=plan.n_mtp_layers,
+    )
     overridden = {kvo.key for kvo in o.kv_overrides}  # llama-quantize applies them after these two
     if Keys.General.FILE_TYPE not in overridden:
         out.set_kv(Keys.General.FILE_TYPE, int(p.ftype), GGUFValueType.UINT32)
@@ -242,8 +251,9 @@ def plan_quantize(plan: Plan, o: QuantOptions) -> Plan:
     return out
 
 
-def _select_imatrix(plan: Plan, imatrix: Optional[Imatrix], include: Sequence[str],
-                    exclude: Sequence[str]) -> Optional[Imatrix]:
+def _select_imatrix(
+    plan: Plan, imatrix: Optional[Imatrix], include: Sequence[str], exclude: Sequence[str]
+) -> Optional[Imatrix]:
     """The entries in use, or None when there are none (then nothing changes, as in llama-quantize)."""
     if include and exclude:
         raise InputError("--include-weights", "cannot be combined with --exclude-weights (llama-quantize refuses too)")
@@ -254,8 +264,11 @@ def _select_imatrix(plan: Plan, imatrix: Optional[Imatrix], include: Sequence[st
     names = {s.name for s in plan.tensors}
     if not any(n in names for n in imatrix.entries):
         example = next(iter(imatrix.entries))
-        raise InputError(imatrix.where(), f"none of its {len(imatrix.entries)} entries (e.g. {example}) names a "
-                                          "tensor of this model: an imatrix made for another model?")
+        raise InputError(
+            imatrix.where(),
+            f"none of its {len(imatrix.entries)} entries (e.g. {example}) names a "
+            "tensor of this model: an imatrix made for another model?",
+        )
     selected = select_entries(imatrix, list(include), list(exclude))
     return selected if selected.entries else None
 
@@ -284,16 +297,21 @@ def _check_imatrix_coverage(specs: list[TensorSpec], preset: Preset, imatrix: Op
     here one line names the tensors and what to do -- for the MTP head, which
     llama-imatrix never runs, a type that needs no imatrix or ``mtpq imatrix --mtp``.
     """
-    missing = [s for s in specs if s.importance is None and s.source_type != s.ggml_type
-               and requires_imatrix(s.name, s.ggml_type, preset)]
+    missing = [
+        s
+        for s in specs
+        if s.importance is None and s.source_type != s.ggml_type and requires_imatrix(s.name, s.ggml_type, preset)
+    ]
     if not missing:
         return
     names = ", ".join(s.name for s in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     types = "/".join(sorted({s.ggml_type.name.lower() for s in missing}))
     what = f"{len(missing)} tensor(s) to be quantized to {types} ({names}) need importance data"
     if any(s.role is Role.MTP for s in missing):
-        remedy = ("llama-imatrix never runs the MTP head: give it a type that needs no imatrix "
-                  "(--mtp-type q8_0, the default) or add the head's entries with `mtpq imatrix --mtp`")
+        remedy = (
+            "llama-imatrix never runs the MTP head: give it a type that needs no imatrix "
+            "(--mtp-type q8_0, the default) or add the head's entries with `mtpq imatrix --mtp`"
+        )
     else:
         remedy = "use an imatrix with entries for them, or a type that needs none"
     if imatrix is None:
@@ -309,17 +327,28 @@ def plan_change_summary(before: Plan, after: Plan) -> dict:
     for new in after.tensors:  # --prune-layers: fewer tensors, renamed
         old = inputs[new.input_name or new.name]
         old_bytes, new_bytes = tensor_nbytes(old.shape, old.ggml_type), tensor_nbytes(new.shape, new.ggml_type)
-        rows.append({"name": new.name, "role": new.role.value, "shape": list(new.shape),
-                     "old_type": old.ggml_type.name, "type": new.ggml_type.name,
-                     "old_bytes": old_bytes, "bytes": new_bytes, "rule": new.reason,
-                     **({"input_name": old.name} if old.name != new.name else {})})
+        rows.append(
+            {
+                "name": new.name,
+                "role": new.role.value,
+                "shape": list(new.shape),
+                "old_type": old.ggml_type.name,
+                "type": new.ggml_type.name,
+                "old_bytes": old_bytes,
+                "bytes": new_bytes,
+                "rule": new.reason,
+                **({"input_name": old.name} if old.name != new.name else {}),
+            }
+        )
         r = by_role[new.role.value]
         r["tensors"] += 1
         r["elements"] += new.n_elements
         r["old_bytes"] += old_bytes
         r["bytes"] += new_bytes
-    roles = {k: {**v, "bits_per_weight": round(8 * v["bytes"] / max(v["elements"], 1), 3)}
-             for k, v in sorted(by_role.items())}
+    roles = {
+        k: {**v, "bits_per_weight": round(8 * v["bytes"] / max(v["elements"], 1), 3)}
+        for k, v in sorted(by_role.items())
+    }
     n_el = sum(v["elements"] for v in by_role.values())
     total_old = sum(v["old_bytes"] for v in by_role.values())
     total_new = sum(v["bytes"] for v in by_role.values())
@@ -328,7 +357,12 @@ def plan_change_summary(before: Plan, after: Plan) -> dict:
         "file_type": after.kv_value(Keys.General.FILE_TYPE),
         "tensors": rows,
         "by_role": roles,
-        "totals": {"tensors": len(rows), "elements": n_el, "old_bytes": total_old, "bytes": total_new,
-                   "bits_per_weight": round(8 * total_new / max(n_el, 1), 3),
-                   "pruned_tensors": len(before.tensors) - len(rows)},
+        "totals": {
+            "tensors": len(rows),
+            "elements": n_el,
+            "old_bytes": total_old,
+            "bytes": total_new,
+            "bits_per_weight": round(8 * total_new / max(n_el, 1), 3),
+            "pruned_tensors": len(before.tensors) - len(rows),
+        },
     }

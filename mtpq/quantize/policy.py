@@ -151,14 +151,30 @@ def float_preset(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
 
 
 def preset_mix(spec: TensorSpec, ctx: PolicyContext) -> Optional[Decision]:
-    return llama_mix(spec.name, _row(spec), ctx.preset, ctx.model,
-                     i_running=ctx.running_index.get(spec.name, 0), n_attn_v=ctx.n_attn_v,
-                     output_tensor_type=ctx.output_tensor_type,
-                     has_imatrix=ctx.has_imatrix, n_mat=spec.shape[0] if len(spec.shape) == 3 else 1)
+    return llama_mix(
+        spec.name,
+        _row(spec),
+        ctx.preset,
+        ctx.model,
+        i_running=ctx.running_index.get(spec.name, 0),
+        n_attn_v=ctx.n_attn_v,
+        output_tensor_type=ctx.output_tensor_type,
+        has_imatrix=ctx.has_imatrix,
+        n_mat=spec.shape[0] if len(spec.shape) == 3 else 1,
+    )
 
 
-RULES: list[Rule] = [never_quantized, leave_output_tensor, token_embedding_option, output_tensor_option,
-                     user_override, mtp_block, pure_preset, float_preset, preset_mix]
+RULES: list[Rule] = [
+    never_quantized,
+    leave_output_tensor,
+    token_embedding_option,
+    output_tensor_option,
+    user_override,
+    mtp_block,
+    pure_preset,
+    float_preset,
+    preset_mix,
+]
 
 
 # ----------------------------------------------------------------------------- deciding

@@ -27,7 +27,6 @@ from enum import Enum
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ..errors import InputError
-
 from ..ggml.types import FLOAT_TYPES, WRITABLE_TYPES
 
 T = GGMLQuantizationType
@@ -48,25 +47,42 @@ class Preset:
 
 F = LlamaFileType
 _PRESETS = [
-    Preset("Q4_0", F.MOSTLY_Q4_0, T.Q4_0), Preset("Q4_1", F.MOSTLY_Q4_1, T.Q4_1),
-    Preset("Q5_0", F.MOSTLY_Q5_0, T.Q5_0), Preset("Q5_1", F.MOSTLY_Q5_1, T.Q5_1),
-    Preset("Q2_K", F.MOSTLY_Q2_K, T.Q2_K), Preset("Q2_K_S", F.MOSTLY_Q2_K_S, T.Q2_K),
-    Preset("Q3_K_S", F.MOSTLY_Q3_K_S, T.Q3_K), Preset("Q3_K_M", F.MOSTLY_Q3_K_M, T.Q3_K),
+    Preset("Q4_0", F.MOSTLY_Q4_0, T.Q4_0),
+    Preset("Q4_1", F.MOSTLY_Q4_1, T.Q4_1),
+    Preset("Q5_0", F.MOSTLY_Q5_0, T.Q5_0),
+    Preset("Q5_1", F.MOSTLY_Q5_1, T.Q5_1),
+    Preset("Q2_K", F.MOSTLY_Q2_K, T.Q2_K),
+    Preset("Q2_K_S", F.MOSTLY_Q2_K_S, T.Q2_K),
+    Preset("Q3_K_S", F.MOSTLY_Q3_K_S, T.Q3_K),
+    Preset("Q3_K_M", F.MOSTLY_Q3_K_M, T.Q3_K),
     Preset("Q3_K_L", F.MOSTLY_Q3_K_L, T.Q3_K),
-    Preset("Q4_K_S", F.MOSTLY_Q4_K_S, T.Q4_K), Preset("Q4_K_M", F.MOSTLY_Q4_K_M, T.Q4_K),
-    Preset("Q5_K_S", F.MOSTLY_Q5_K_S, T.Q5_K), Preset("Q5_K_M", F.MOSTLY_Q5_K_M, T.Q5_K),
-    Preset("Q6_K", F.MOSTLY_Q6_K, T.Q6_K), Preset("Q8_0", F.MOSTLY_Q8_0, T.Q8_0),
-    Preset("IQ4_NL", F.MOSTLY_IQ4_NL, T.IQ4_NL), Preset("IQ4_XS", F.MOSTLY_IQ4_XS, T.IQ4_XS),
+    Preset("Q4_K_S", F.MOSTLY_Q4_K_S, T.Q4_K),
+    Preset("Q4_K_M", F.MOSTLY_Q4_K_M, T.Q4_K),
+    Preset("Q5_K_S", F.MOSTLY_Q5_K_S, T.Q5_K),
+    Preset("Q5_K_M", F.MOSTLY_Q5_K_M, T.Q5_K),
+    Preset("Q6_K", F.MOSTLY_Q6_K, T.Q6_K),
+    Preset("Q8_0", F.MOSTLY_Q8_0, T.Q8_0),
+    Preset("IQ4_NL", F.MOSTLY_IQ4_NL, T.IQ4_NL),
+    Preset("IQ4_XS", F.MOSTLY_IQ4_XS, T.IQ4_XS),
     # the i-quant presets: all but IQ3_S/IQ3_M need an importance matrix for most tensors
-    Preset("IQ1_S", F.MOSTLY_IQ1_S, T.IQ1_S), Preset("IQ1_M", F.MOSTLY_IQ1_M, T.IQ1_M),
-    Preset("IQ2_XXS", F.MOSTLY_IQ2_XXS, T.IQ2_XXS), Preset("IQ2_XS", F.MOSTLY_IQ2_XS, T.IQ2_XS),
-    Preset("IQ2_S", F.MOSTLY_IQ2_S, T.IQ2_XS), Preset("IQ2_M", F.MOSTLY_IQ2_M, T.IQ2_S),
-    Preset("IQ3_XXS", F.MOSTLY_IQ3_XXS, T.IQ3_XXS), Preset("IQ3_XS", F.MOSTLY_IQ3_XS, T.IQ3_S),
-    Preset("IQ3_S", F.MOSTLY_IQ3_S, T.IQ3_S), Preset("IQ3_M", F.MOSTLY_IQ3_M, T.IQ3_S),
-    Preset("Q1_0", F.MOSTLY_Q1_0, T.Q1_0), Preset("Q2_0", F.MOSTLY_Q2_0, T.Q2_0),
-    Preset("TQ1_0", F.MOSTLY_TQ1_0, T.TQ1_0), Preset("TQ2_0", F.MOSTLY_TQ2_0, T.TQ2_0),
+    Preset("IQ1_S", F.MOSTLY_IQ1_S, T.IQ1_S),
+    Preset("IQ1_M", F.MOSTLY_IQ1_M, T.IQ1_M),
+    Preset("IQ2_XXS", F.MOSTLY_IQ2_XXS, T.IQ2_XXS),
+    Preset("IQ2_XS", F.MOSTLY_IQ2_XS, T.IQ2_XS),
+    Preset("IQ2_S", F.MOSTLY_IQ2_S, T.IQ2_XS),
+    Preset("IQ2_M", F.MOSTLY_IQ2_M, T.IQ2_S),
+    Preset("IQ3_XXS", F.MOSTLY_IQ3_XXS, T.IQ3_XXS),
+    Preset("IQ3_XS", F.MOSTLY_IQ3_XS, T.IQ3_S),
+    Preset("IQ3_S", F.MOSTLY_IQ3_S, T.IQ3_S),
+    Preset("IQ3_M", F.MOSTLY_IQ3_M, T.IQ3_S),
+    Preset("Q1_0", F.MOSTLY_Q1_0, T.Q1_0),
+    Preset("Q2_0", F.MOSTLY_Q2_0, T.Q2_0),
+    Preset("TQ1_0", F.MOSTLY_TQ1_0, T.TQ1_0),
+    Preset("TQ2_0", F.MOSTLY_TQ2_0, T.TQ2_0),
     Preset("MXFP4_MOE", F.MOSTLY_MXFP4_MOE, T.MXFP4),
-    Preset("F16", F.MOSTLY_F16, T.F16), Preset("BF16", F.MOSTLY_BF16, T.BF16), Preset("F32", F.ALL_F32, T.F32),
+    Preset("F16", F.MOSTLY_F16, T.F16),
+    Preset("BF16", F.MOSTLY_BF16, T.BF16),
+    Preset("F32", F.ALL_F32, T.F32),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize spells them
@@ -105,17 +121,63 @@ def type_named(name: str, option: str) -> GGMLQuantizationType:
 # ----------------------------------------------------------------------------- what llama-quantize never quantizes
 
 _NEVER_QUANTIZED = (
-    "_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel", "per_layer_model_proj",
-    "ssm_conv1d", "shortconv.conv.weight", "indexer.k_proj.weight", "indexer.q_proj.weight", "attn_rel_b.weight",
-    ".position_embd", "sam.pos_embd", "sam.neck.", "sam.net_", ".rel_pos", ".patch_embd", ".patch_merger",
-    "a.rvq.codebook", "mm.a.code_embd",
-    *(f"time_mix_{k}.weight" for k in ("first", "w0", "w1", "w2", "v0", "v1", "v2", "a0", "a1", "a2", "g1", "g2",
-                                        "decay_w1", "decay_w2", "lerp_fused")),
+    "_norm.weight",
+    "ffn_gate_inp.weight",
+    "ffn_gate_tid2eid.weight",
+    "altup",
+    "laurel",
+    "per_layer_model_proj",
+    "ssm_conv1d",
+    "shortconv.conv.weight",
+    "indexer.k_proj.weight",
+    "indexer.q_proj.weight",
+    "attn_rel_b.weight",
+    ".position_embd",
+    "sam.pos_embd",
+    "sam.neck.",
+    "sam.net_",
+    ".rel_pos",
+    ".patch_embd",
+    ".patch_merger",
+    "a.rvq.codebook",
+    "mm.a.code_embd",
+    *(
+        f"time_mix_{k}.weight"
+        for k in (
+            "first",
+            "w0",
+            "w1",
+            "w2",
+            "v0",
+            "v1",
+            "v2",
+            "a0",
+            "a1",
+            "a2",
+            "g1",
+            "g2",
+            "decay_w1",
+            "decay_w2",
+            "lerp_fused",
+        )
+    ),
 )
-_NEVER_QUANTIZED_GLM5_NEXT = ("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
-                              "indexer_compressor_ape", "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight",
-                              "ssm_g_b.weight", "ssm_beta.weight", "attn_kv_a_mqa.weight", "attn_k_b.weight",
-                              "attn_v_b.weight")
+_NEVER_QUANTIZED_GLM5_NEXT = (
+    "hc_",
+    "indexer.attn_q_b",
+    "indexer.attn_k",
+    "indexer.proj",
+    "indexer_compressor_gate",
+    "indexer_compressor_ape",
+    "ssm_f_a.weight",
+    "ssm_f_b.weight",
+    "ssm_g_a.weight",
+    "ssm_g_b.weight",
+    "ssm_beta.weight",
+    "attn_kv_a_mqa.weight",
+    "attn_k_b.weight",
+    "attn_v_b.weight",
+)
 
 
 def ggml_n_dims(shape: tuple[int, ...]) -> int:
@@ -156,9 +218,14 @@ class Category(str, Enum):
 
 
 _SUBSTRING_CATEGORIES = [  # first match wins, in llama.cpp's order
-    ("attn_qkv.weight", Category.ATTN_QKV), ("attn_kv_b.weight", Category.ATTN_KV_B),
-    ("attn_v.weight", Category.ATTN_V), ("attn_k.weight", Category.ATTN_K), ("attn_q.weight", Category.ATTN_Q),
-    ("attn_output.weight", Category.ATTN_OUTPUT), ("ffn_up", Category.FFN_UP), ("ffn_gate", Category.FFN_GATE),
+    ("attn_qkv.weight", Category.ATTN_QKV),
+    ("attn_kv_b.weight", Category.ATTN_KV_B),
+    ("attn_v.weight", Category.ATTN_V),
+    ("attn_k.weight", Category.ATTN_K),
+    ("attn_q.weight", Category.ATTN_Q),
+    ("attn_output.weight", Category.ATTN_OUTPUT),
+    ("ffn_up", Category.FFN_UP),
+    ("ffn_gate", Category.FFN_GATE),
     ("ffn_down", Category.FFN_DOWN),
 ]
 ATTN_V_LIKE = (Category.ATTN_V, Category.ATTN_QKV, Category.ATTN_KV_B)
@@ -217,10 +284,17 @@ def block_of(name: str) -> int:
 
 
 # 256-wide i-quants fall back to the 32-wide IQ4_NL, K-quants and the 1-2-bit types to the legacy 32-wide ones
-_ROW_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
-                 T.Q2_0: T.Q4_0, T.TQ1_0: T.Q4_0, T.TQ2_0: T.Q4_0,
-                 **{getattr(T, n): T.IQ4_NL for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-                                                      "IQ3_S", "IQ4_XS")}}
+_ROW_FALLBACK = {
+    T.Q2_K: T.Q4_0,
+    T.Q3_K: T.Q4_0,
+    T.Q4_K: T.Q5_0,
+    T.Q5_K: T.Q5_1,
+    T.Q6_K: T.Q8_0,
+    T.Q2_0: T.Q4_0,
+    T.TQ1_0: T.Q4_0,
+    T.TQ2_0: T.Q4_0,
+    **{getattr(T, n): T.IQ4_NL for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")},
+}
 
 
 def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizationType, str]:
@@ -230,8 +304,10 @@ def row_fallback(qtype: GGMLQuantizationType, row: int) -> tuple[GGMLQuantizatio
     if row % block == 0:
         return qtype, ""
     if qtype not in _ROW_FALLBACK and block > 32:
-        raise ValueError(f"a row of {row} is not a multiple of {qtype.name.lower()}'s block of {block}, and "
-                         f"llama-quantize has no fallback type for {qtype.name.lower()}")
+        raise ValueError(
+            f"a row of {row} is not a multiple of {qtype.name.lower()}'s block of {block}, and "
+            f"llama-quantize has no fallback type for {qtype.name.lower()}"
+        )
     fallback = _ROW_FALLBACK.get(qtype, qtype)
     if row % GGML_QUANT_SIZES[fallback][0] != 0:
         fallback = T.F16
@@ -246,18 +322,47 @@ Choice = tuple[GGMLQuantizationType, str]
 _IQ_LOW = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
 # output (and tied token_embd) at q5_k instead of q6_k
 _OUTPUT_Q5_K = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS")
-_TOKEN_EMBD = {"IQ1_S": T.Q2_K, "IQ1_M": T.Q2_K, "IQ2_XXS": T.Q2_K, "IQ2_XS": T.Q2_K,
-               "IQ2_S": T.IQ3_S, "IQ2_M": T.IQ3_S, "IQ3_XXS": T.IQ3_S, "TQ1_0": T.Q4_K, "TQ2_0": T.Q4_K,
-               "Q2_0": T.Q4_K}
+_TOKEN_EMBD = {
+    "IQ1_S": T.Q2_K,
+    "IQ1_M": T.Q2_K,
+    "IQ2_XXS": T.Q2_K,
+    "IQ2_XS": T.Q2_K,
+    "IQ2_S": T.IQ3_S,
+    "IQ2_M": T.IQ3_S,
+    "IQ3_XXS": T.IQ3_S,
+    "TQ1_0": T.Q4_K,
+    "TQ2_0": T.Q4_K,
+    "Q2_0": T.Q4_K,
+}
 _MOE_FFN = (Category.FFN_UP, Category.FFN_GATE, Category.FFN_DOWN)  # bailingmoe3's experts in MXFP4_MOE
 # attn_output of an 8-expert model goes to q5_k in these
-_ATTN_OUTPUT_8_EXPERTS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS",
-                          "IQ3_XS", "IQ3_XXS", "IQ3_S", "IQ3_M")
+_ATTN_OUTPUT_8_EXPERTS = (
+    "Q2_K",
+    "Q3_K_S",
+    "Q3_K_M",
+    "Q4_K_S",
+    "Q4_K_M",
+    "IQ4_NL",
+    "IQ4_XS",
+    "IQ3_XS",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ3_M",
+)
 
 
-def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: int, n_attn_v: int,
-              output_tensor_type: GGMLQuantizationType | None = None, has_imatrix: bool = False,
-              n_mat: int = 1) -> Choice:
+def llama_mix(
+    name: str,
+    row: int,
+    preset: Preset,
+    m: ModelFacts,
+    *,
+    i_running: int,
+    n_attn_v: int,
+    output_tensor_type: GGMLQuantizationType | None = None,
+    has_imatrix: bool = False,
+    n_mat: int = 1,
+) -> Choice:
     """The type llama-quantize's preset gives one quantizable tensor, and why.
 
     ``i_running`` is llama.cpp's running count for the tensor's category
@@ -299,8 +404,7 @@ def llama_mix(name: str, row: int, preset: Preset, m: ModelFacts, *, i_running: 
     return _mix(name, p, base, cat, m, i_running, n_attn_v, has_imatrix)
 
 
-def _low_bit_mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelFacts,
-                 i_running: int) -> Choice:
+def _low_bit_mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelFacts, i_running: int) -> Choice:
     """IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ2_M: llama.cpp's separate branch for these."""
     iq2_sm = p in ("IQ2_S", "IQ2_M")
     if cat in ATTN_V_LIKE:
@@ -324,8 +428,16 @@ def _low_bit_mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m
     return base, f"{p} base type"
 
 
-def _mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelFacts, i_running: int,
-         n_attn_v: int, has_imatrix: bool) -> Choice:
+def _mix(
+    name: str,
+    p: str,
+    base: GGMLQuantizationType,
+    cat: Category,
+    m: ModelFacts,
+    i_running: int,
+    n_attn_v: int,
+    has_imatrix: bool,
+) -> Choice:
     """Every other quantized preset (llama.cpp's main chain)."""
     falcon = m.arch == "falcon"
     if cat in ATTN_V_LIKE:
@@ -412,8 +524,7 @@ def _mix(name: str, p: str, base: GGMLQuantizationType, cat: Category, m: ModelF
                 if p in _ATTN_OUTPUT_8_EXPERTS:
                     return T.Q5_K, "attn_output in an 8-expert model"
             else:
-                bump = {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K,
-                        "IQ3_M": T.Q4_K}.get(p)
+                bump = {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K, "IQ3_M": T.Q4_K}.get(p)
                 if bump is not None:
                     return bump, f"attn_output in {p}"
         elif p == "Q3_K_L":

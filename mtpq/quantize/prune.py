@@ -64,8 +64,11 @@ def prune_blocks(plan: Plan, layers: Sequence[int]) -> Plan:
     n_blocks, n_trunk = plan.n_trunk_layers + plan.n_mtp_layers, plan.n_trunk_layers
     missing = [b for b in layers if b >= n_blocks]
     if missing:
-        raise InputError(OPTION, f"block {missing[0]} does not exist: the model has blocks 0-{n_blocks - 1} "
-                                 f"({n_trunk} trunk" + (f", {plan.n_mtp_layers} MTP)" if plan.n_mtp_layers else ")"))
+        raise InputError(
+            OPTION,
+            f"block {missing[0]} does not exist: the model has blocks 0-{n_blocks - 1} "
+            f"({n_trunk} trunk" + (f", {plan.n_mtp_layers} MTP)" if plan.n_mtp_layers else ")"),
+        )
     pruned = set(layers)
     kept = [b for b in range(n_blocks) if b not in pruned]
     new_index = {old: new for new, old in enumerate(kept)}
@@ -83,8 +86,7 @@ def prune_blocks(plan: Plan, layers: Sequence[int]) -> Plan:
             name = _BLOCK.sub(f"blk.{new_index[b]}.", spec.name, count=1)
             specs.append(replace(spec, name=name, input_name=spec.input_name or spec.name))
     n_mtp = len(kept) - len(kept_trunk)
-    out = Plan(arch, dict(plan.kv), specs, inputs=list(plan.inputs), n_trunk_layers=len(kept_trunk),
-               n_mtp_layers=n_mtp)
+    out = Plan(arch, dict(plan.kv), specs, inputs=list(plan.inputs), n_trunk_layers=len(kept_trunk), n_mtp_layers=n_mtp)
     out.set_kv(f"{arch}.block_count", len(kept), GGUFValueType.UINT32)  # as llama-quantize writes it
     nextn = f"{arch}.nextn_predict_layers"
     if nextn in plan.kv:
@@ -118,6 +120,9 @@ def _check_interval(plan: Plan, kept_trunk: list[int], new_index: dict[int, int]
         new = new_index[old]
         if ((old + 1) % k == 0) != ((new + 1) % k == 0):
             what = "full-attention" if (old + 1) % k == 0 else "linear-attention"
-            raise InputError(OPTION, f"block {old} ({what}) would become block {new}, where {arch}'s "
-                                     f"full_attention_interval {k} expects the other kind: prune whole runs of {k} "
-                                     "blocks")
+            raise InputError(
+                OPTION,
+                f"block {old} ({what}) would become block {new}, where {arch}'s "
+                f"full_attention_interval {k} expects the other kind: prune whole runs of {k} "
+                "blocks",
+            )

@@ -23,16 +23,23 @@ from gguf import GGUFValueType, Keys
 from ..errors import InputError
 from ..gguf_io import refresh_size_label
 from ..tensors import Plan, TensorSpec, block_index, mtp_only_keep
-from .mtp_precision import KEEP, MtpPrecisionKind, MtpPrecision, parse_mtp
+from .mtp_precision import KEEP, MtpPrecision, MtpPrecisionKind, parse_mtp
 from .presets import llama_quantizes, row_fallback
 
 # Hyperparameters that fix the shapes of an MTP block's tensors: they must agree
 # between donor and target (compared when both files carry them as scalars).
 _SHAPE_KEYS = (
-    Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV, Keys.Attention.KEY_LENGTH,
-    Keys.Attention.VALUE_LENGTH, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT,
-    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, Keys.LLM.EXPERT_SHARED_COUNT, Keys.Rope.DIMENSION_COUNT,
+    Keys.Attention.HEAD_COUNT,
+    Keys.Attention.HEAD_COUNT_KV,
+    Keys.Attention.KEY_LENGTH,
+    Keys.Attention.VALUE_LENGTH,
+    Keys.LLM.EXPERT_COUNT,
+    Keys.LLM.EXPERT_USED_COUNT,
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+    Keys.LLM.EXPERT_SHARED_COUNT,
+    Keys.Rope.DIMENSION_COUNT,
 )
+
 
 def _where(plan: Plan) -> str:
     return str(plan.inputs[0]) if plan.inputs else f"<{plan.arch} plan>"
@@ -62,8 +69,11 @@ def _check_same_model(donor: Plan, target: Plan) -> None:
     if donor.kv_value(emb) != target.kv_value(emb):
         raise InputError(a, f"hidden size ({emb}) {donor.kv_value(emb)} does not match {b} ({target.kv_value(emb)})")
     if donor.n_trunk_layers != target.n_trunk_layers:
-        raise InputError(a, f"{donor.n_trunk_layers} trunk layers, but {b} has {target.n_trunk_layers} "
-                            f"(block_count minus {_key(donor, Keys.LLM.NEXTN_PREDICT_LAYERS)})")
+        raise InputError(
+            a,
+            f"{donor.n_trunk_layers} trunk layers, but {b} has {target.n_trunk_layers} "
+            f"(block_count minus {_key(donor, Keys.LLM.NEXTN_PREDICT_LAYERS)})",
+        )
     tok_a, tok_b = donor.kv_value(Keys.Tokenizer.LIST), target.kv_value(Keys.Tokenizer.LIST)
     if tok_a is not None and tok_b is not None:
         if len(tok_a) != len(tok_b):
@@ -74,8 +84,9 @@ def _check_same_model(donor: Plan, target: Plan) -> None:
     emb_a = next((s for s in donor.tensors if s.name == "token_embd.weight"), None)
     emb_b = next((s for s in target.tensors if s.name == "token_embd.weight"), None)
     if emb_a is not None and emb_b is not None and emb_a.shape != emb_b.shape:
-        raise InputError(a, f"token_embd.weight has shape {list(emb_a.shape)}, "
-                            f"but {b}'s is {list(emb_b.shape)} (vocab x hidden)")
+        raise InputError(
+            a, f"token_embd.weight has shape {list(emb_a.shape)}, but {b}'s is {list(emb_b.shape)} (vocab x hidden)"
+        )
     for template in _SHAPE_KEYS:
         k = _key(donor, template)
         va, vb = donor.kv_value(k), target.kv_value(k)
@@ -135,8 +146,11 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, r
     a, b = _where(donor), _where(target)
     head = _mtp_specs(donor)
     if donor.n_mtp_layers == 0 or not head:
-        raise InputError(a, f"has no MTP blocks to graft ({_key(donor, Keys.LLM.NEXTN_PREDICT_LAYERS)} "
-                            f"= {donor.n_mtp_layers}, {len(head)} tensors in blocks >= {donor.n_trunk_layers})")
+        raise InputError(
+            a,
+            f"has no MTP blocks to graft ({_key(donor, Keys.LLM.NEXTN_PREDICT_LAYERS)} "
+            f"= {donor.n_mtp_layers}, {len(head)} tensors in blocks >= {donor.n_trunk_layers})",
+        )
     _check_same_model(donor, target)
     old_head = _mtp_specs(target)
     old_ids = {id(s) for s in old_head}
@@ -144,8 +158,11 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, r
     if not any(block_index(s.name) is not None for s in kept):
         raise InputError(b, "has no trunk blocks (a head-only file cannot receive a head)")
     if old_head and not replace:
-        raise InputError(b, f"already has an MTP head ({len(old_head)} tensors in blk.{target.n_trunk_layers}+); "
-                            "pass --replace to swap it for the donor's")
+        raise InputError(
+            b,
+            f"already has an MTP head ({len(old_head)} tensors in blk.{target.n_trunk_layers}+); "
+            "pass --replace to swap it for the donor's",
+        )
 
     if not precision.is_keep:
         head = [s.with_type(*_mtp_type_for(s, precision.qtype, donor.arch)) for s in head]
@@ -159,8 +176,14 @@ def plan_graft(donor: Plan, target: Plan, mtp_type: MtpPrecision | str = KEEP, r
         at = max(i for i, s in enumerate(kept) if block_index(s.name) is not None) + 1
     tensors = kept[:at] + head + kept[at:]
 
-    out = Plan(arch=target.arch, kv=dict(target.kv), tensors=tensors, inputs=[*target.inputs, *donor.inputs],
-               n_trunk_layers=target.n_trunk_layers, n_mtp_layers=donor.n_mtp_layers)
+    out = Plan(
+        arch=target.arch,
+        kv=dict(target.kv),
+        tensors=tensors,
+        inputs=[*target.inputs, *donor.inputs],
+        n_trunk_layers=target.n_trunk_layers,
+        n_mtp_layers=donor.n_mtp_layers,
+    )
     _merge_per_layer_arrays(out, donor, target)
     bc = _key(out, Keys.LLM.BLOCK_COUNT)
     bc_type = out.kv[bc].type if bc in out.kv else GGUFValueType.UINT32
@@ -181,8 +204,14 @@ def plan_strip_mtp(plan: Plan) -> Plan:
     it: block_count counts the trunk, no nextn_predict_layers, per-block arrays cut to the trunk's blocks."""
     head_ids = {id(s) for s in _mtp_specs(plan)}
     n_blocks, n_trunk = _n_blocks(plan), plan.n_trunk_layers
-    out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=[s for s in plan.tensors if id(s) not in head_ids],
-               inputs=list(plan.inputs), n_trunk_layers=n_trunk, n_mtp_layers=0)
+    out = Plan(
+        arch=plan.arch,
+        kv=dict(plan.kv),
+        tensors=[s for s in plan.tensors if id(s) not in head_ids],
+        inputs=list(plan.inputs),
+        n_trunk_layers=n_trunk,
+        n_mtp_layers=0,
+    )
     for key, val in plan.kv.items():
         if val.type == GGUFValueType.ARRAY and n_blocks != n_trunk and len(val.value) == n_blocks:
             out.set_kv(key, list(val.value[:n_trunk]), val.type, val.sub_type)
@@ -194,14 +223,16 @@ def plan_strip_mtp(plan: Plan) -> Plan:
     return out
 
 
-
 def plan_extract_mtp(plan: Plan) -> Plan:
     """The head-only draft file: MTP blocks + token_embd, output_norm, output; metadata unchanged."""
     where = _where(plan)
     head = _mtp_specs(plan)
     if plan.n_mtp_layers == 0 or not head:
-        raise InputError(where, f"has no MTP blocks to extract ({_key(plan, Keys.LLM.NEXTN_PREDICT_LAYERS)} "
-                                f"= {plan.n_mtp_layers}, {len(head)} tensors in blocks >= {plan.n_trunk_layers})")
+        raise InputError(
+            where,
+            f"has no MTP blocks to extract ({_key(plan, Keys.LLM.NEXTN_PREDICT_LAYERS)} "
+            f"= {plan.n_mtp_layers}, {len(head)} tensors in blocks >= {plan.n_trunk_layers})",
+        )
     names = {s.name for s in plan.tensors}
     for required in ("token_embd.weight", "output_norm.weight"):  # llama.cpp's loader requires both
         if required not in names:
@@ -211,7 +242,13 @@ def plan_extract_mtp(plan: Plan) -> Plan:
     tensors = [s for s in plan.tensors if id(s) in head_ids or s.name in keep]
     if any((b := block_index(s.name)) is not None and b < plan.n_trunk_layers for s in tensors):
         raise AssertionError("a head-only plan kept a trunk block")  # never write a full model as "head-only"
-    out = Plan(arch=plan.arch, kv=dict(plan.kv), tensors=tensors, inputs=list(plan.inputs),
-               n_trunk_layers=plan.n_trunk_layers, n_mtp_layers=plan.n_mtp_layers)
+    out = Plan(
+        arch=plan.arch,
+        kv=dict(plan.kv),
+        tensors=tensors,
+        inputs=list(plan.inputs),
+        n_trunk_layers=plan.n_trunk_layers,
+        n_mtp_layers=plan.n_mtp_layers,
+    )
     refresh_size_label(out)
     return out

@@ -25,8 +25,14 @@ def _front_matter(manifest: dict) -> list[str]:
         lines += ["base_model:", f"- {pub['base_model']}", "base_model_relation: quantized"]
     if pub.get("license"):
         lines.append(f"license: {pub['license']}")
-    lines += ["library_name: gguf", "pipeline_tag: text-generation", "tags:", "- gguf", "- mtp",
-              "- speculative-decoding"]
+    lines += [
+        "library_name: gguf",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- gguf",
+        "- mtp",
+        "- speculative-decoding",
+    ]
     if pub.get("quantized_by"):
         lines.append(f"quantized_by: {_yaml_str(pub['quantized_by'])}")
     return lines + ["---", ""]
@@ -34,8 +40,12 @@ def _front_matter(manifest: dict) -> list[str]:
 
 def _yaml_str(text: str) -> str:
     """A YAML scalar: quoted when plain style would read it as something else."""
-    plain = text and text.strip() == text and not any(c in text for c in ":#'\"[]{},&*!|>%@`") and \
-        text.lower() not in ("yes", "no", "true", "false", "null", "on", "off", "~")
+    plain = (
+        text
+        and text.strip() == text
+        and not any(c in text for c in ":#'\"[]{},&*!|>%@`")
+        and text.lower() not in ("yes", "no", "true", "false", "null", "on", "off", "~")
+    )
     return text if plain else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -71,10 +81,17 @@ def _rows(manifest: dict) -> list[dict]:
         fused_copy = e.get("form") == "combined" and manifest["layout"] != "combined"
         if e["kind"] not in ("reference", "variant") or fused_copy:
             continue
-        fused = next((f for f in files if f.get("form") == "combined" and f.get("tag") == e.get("tag")
-                      and f is not e), None)
-        rows.append({"tag": e.get("tag") or e.get("variant") or e["preset"], "main": e,
-                     "head": heads.get(e.get("head")), "fused": fused})
+        fused = next(
+            (f for f in files if f.get("form") == "combined" and f.get("tag") == e.get("tag") and f is not e), None
+        )
+        rows.append(
+            {
+                "tag": e.get("tag") or e.get("variant") or e["preset"],
+                "main": e,
+                "head": heads.get(e.get("head")),
+                "fused": fused,
+            }
+        )
     return rows
 
 
@@ -83,41 +100,66 @@ def model_card(manifest: dict, repo: str | None = None) -> str:
     gate = manifest.get("gate")
     name, sidecar = manifest["model"], manifest.get("layout", "combined") != "combined"
     lines = _front_matter(manifest)
-    lines += [f"# {name} — GGUF with MTP heads", "",
-              f"Built by {manifest['tool']} from `{manifest['source']['folder']}` (recipe sha256 "
-              f"`{manifest['recipe_sha256'][:12]}`). Every quant keeps the model's Multi-Token-Prediction head, so "
-              "llama.cpp can self-draft with `--spec-type draft-mtp`."]
+    lines += [
+        f"# {name} — GGUF with MTP heads",
+        "",
+        f"Built by {manifest['tool']} from `{manifest['source']['folder']}` (recipe sha256 "
+        f"`{manifest['recipe_sha256'][:12]}`). Every quant keeps the model's Multi-Token-Prediction head, so "
+        "llama.cpp can self-draft with `--spec-type draft-mtp`.",
+    ]
     if sidecar:
-        lines += ["", "Each quant is a trunk-only file and a head file (`mtp-*.gguf`) shared by the quants with the "
-                  "same head type: `llama-server -hf REPO:TAG --spec-type draft-mtp` fetches the two together, and "
-                  "llama.cpp picks each quant's head by the file names (the head named for the tag, else the nearest "
-                  "bits)." + (" The `*_MTP.gguf` files hold trunk and head in one file, for tools that take one."
-                              if manifest["layout"] == "both" else "")]
+        lines += [
+            "",
+            "Each quant is a trunk-only file and a head file (`mtp-*.gguf`) shared by the quants with the "
+            "same head type: `llama-server -hf REPO:TAG --spec-type draft-mtp` fetches the two together, and "
+            "llama.cpp picks each quant's head by the file names (the head named for the tag, else the nearest "
+            "bits)."
+            + (
+                " The `*_MTP.gguf` files hold trunk and head in one file, for tools that take one."
+                if manifest["layout"] == "both"
+                else ""
+            ),
+        ]
     lines.append("")
     if gate:
-        lines += [f"Acceptance: greedy draft acceptance rate at depth k={gate['draft']} on the "
-                  f"`{Path(gate['prompts']).name}` prompts ({gate['max_new_tokens']} new tokens each), measured by "
-                  f"`mtpq accept` ({gate.get('engine', 'torch')} engine) on each quant as llama.cpp loads it"
-                  + (" (the trunk with its head file)" if sidecar else "") + "; drop: below the reference's.", ""]
+        lines += [
+            f"Acceptance: greedy draft acceptance rate at depth k={gate['draft']} on the "
+            f"`{Path(gate['prompts']).name}` prompts ({gate['max_new_tokens']} new tokens each), measured by "
+            f"`mtpq accept` ({gate.get('engine', 'torch')} engine) on each quant as llama.cpp loads it"
+            + (" (the trunk with its head file)" if sidecar else "")
+            + "; drop: below the reference's.",
+            "",
+        ]
     quality = bool(gate and gate.get("text"))
     if quality:
-        lines += [f"Quality: the trunk against the reference on `{Path(gate['text']).name}` as llama-perplexity "
-                  f"--kl-divergence measures it (chunks of {gate['kld_ctx_size']} tokens): mean KLD, how often the "
-                  "top token agrees, PPL ratio; computed by `mtpq compare`.", ""]
+        lines += [
+            f"Quality: the trunk against the reference on `{Path(gate['text']).name}` as llama-perplexity "
+            f"--kl-divergence measures it (chunks of {gate['kld_ctx_size']} tokens): mean KLD, how often the "
+            "top token agrees, PPL ratio; computed by `mtpq compare`.",
+            "",
+        ]
     lines += _quant_table(manifest, quality)
     lines += ["", "## Files", "", "| file | size | bits/weight | holds | acceptance |", "|---|---:|---:|---|---:|"]
     for e in manifest["files"]:
-        lines.append(f"| {_file_name(e)} | {_mib(e['bytes'])} | {e['bits_per_weight']:.2f} | {_holds(e)} | "
-                     f"{_pct(e.get('acceptance', {}).get('acceptance_rate'))} |")
+        lines.append(
+            f"| {_file_name(e)} | {_mib(e['bytes'])} | {e['bits_per_weight']:.2f} | {_holds(e)} | "
+            f"{_pct(e.get('acceptance', {}).get('acceptance_rate'))} |"
+        )
     lines += ["", "## Use with llama.cpp", ""] + _commands(manifest, repo)
     split = [f for f in manifest["files"] if "shards" in f]
     if split:
         first = split[0]
-        lines += ["", f"Files over {_size_text(first.get('split_max_size'))} are split (`NAME-00001-of-0000N.gguf`, "
-                  "...). Download every shard of a quant into one folder and give llama.cpp the first: "
-                  f"`llama-server -m {first['file']} --spec-type draft-mtp` loads them all."]
-    lines += ["", "Check the downloads with `sha256sum -c SHA256SUMS`; check any MTP GGUF with "
-              "`mtpq inspect --check FILE...`.", ""]
+        lines += [
+            "",
+            f"Files over {_size_text(first.get('split_max_size'))} are split (`NAME-00001-of-0000N.gguf`, "
+            "...). Download every shard of a quant into one folder and give llama.cpp the first: "
+            f"`llama-server -m {first['file']} --spec-type draft-mtp` loads them all.",
+        ]
+    lines += [
+        "",
+        "Check the downloads with `sha256sum -c SHA256SUMS`; check any MTP GGUF with `mtpq inspect --check FILE...`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -135,17 +177,21 @@ def _quant_table(manifest: dict, quality: bool) -> list[str]:
         size = e["bytes"] + (h["bytes"] if h else 0)
         types = ", ".join((h or e).get("mtp_precision") or []) or "—"
         rate = e.get("acceptance", {}).get("acceptance_rate")
-        drop = "—" if rate is None or ref_rate is None or e["kind"] == "reference" else \
-            f"{100 * (ref_rate - rate):+.1f} pt"
+        drop = (
+            "—"
+            if rate is None or ref_rate is None or e["kind"] == "reference"
+            else f"{100 * (ref_rate - rate):+.1f} pt"
+        )
         q = e.get("quality") or {}
         cells = ""
         if quality:
-            cells = (f" {q['kld_mean']:.4f} | {100 * q['top1']:.1f} % | {q['ppl_ratio']:.4f} |" if q
-                     else " — | — | — |")
+            cells = f" {q['kld_mean']:.4f} | {100 * q['top1']:.1f} % | {q['ppl_ratio']:.4f} |" if q else " — | — | — |"
         g = e.get("gate")
         verdict = "—" if g is None else ("pass" if g["passed"] else "FAIL: " + g["reason"])
-        lines.append(f"| {row['tag']} | {files} | {_mib(size)} | {e['bits_per_weight']:.2f} | {types} | "
-                     f"{_pct(rate)} | {drop} |{cells} {verdict} |")
+        lines.append(
+            f"| {row['tag']} | {files} | {_mib(size)} | {e['bits_per_weight']:.2f} | {types} | "
+            f"{_pct(rate)} | {drop} |{cells} {verdict} |"
+        )
     return lines
 
 
@@ -164,8 +210,9 @@ def _commands(manifest: dict, repo: str) -> list[str]:
     for row in _rows(manifest):
         e, h, tag = row["main"], row["head"], row["tag"]
         lines.append(f"# {tag}")
-        if naming.resolution_problems(paths, {tag: (e["file"], h["file"] if h else None)}) == [] and \
-                (h is not None or not naming.heads_for(paths, e["file"], tag)):
+        if naming.resolution_problems(paths, {tag: (e["file"], h["file"] if h else None)}) == [] and (
+            h is not None or not naming.heads_for(paths, e["file"], tag)
+        ):
             lines.append(f"llama-server -hf {repo}:{tag} --spec-type draft-mtp")
         if h is not None:
             lines.append(f"llama-server -m {e['file']} -md {h['file']} --spec-type draft-mtp")

@@ -42,8 +42,9 @@ def collect_parts(recipe: Recipe) -> list[dict]:
     return entries
 
 
-def write_manifest(recipe: Recipe, source: dict[str, str] | None,
-                   judge_entry: Callable[[dict, float | None, object], dict]) -> dict:
+def write_manifest(
+    recipe: Recipe, source: dict[str, str] | None, judge_entry: Callable[[dict, float | None, object], dict]
+) -> dict:
     """manifest.json, SHA256SUMS and README.md; every gated variant judged again with ``judge_entry``."""
     entries = collect_parts(recipe)
     if source is None:

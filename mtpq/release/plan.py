@@ -72,12 +72,20 @@ def _split_option(size: int) -> dict:
 
 
 def _variant_options(v: Variant) -> dict:
-    opts = {"preset": v.preset, "mtp_type": str(v.mtp_type),
-            "mtp_experts_type": None if v.mtp_experts_type is None else str(v.mtp_experts_type),
-            "tensor_types": list(v.tensor_types), "graft_into": v.graft_into.name if v.graft_into else None}
+    opts = {
+        "preset": v.preset,
+        "mtp_type": str(v.mtp_type),
+        "mtp_experts_type": None if v.mtp_experts_type is None else str(v.mtp_experts_type),
+        "tensor_types": list(v.tensor_types),
+        "graft_into": v.graft_into.name if v.graft_into else None,
+    }
     if v.imatrix is not None:  # recorded (and part of the build key) only when used
-        opts.update(imatrix=v.imatrix.name, imatrix_sha256=sha256_file(v.imatrix),
-                    include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
+        opts.update(
+            imatrix=v.imatrix.name,
+            imatrix_sha256=sha256_file(v.imatrix),
+            include_weights=list(v.include_weights),
+            exclude_weights=list(v.exclude_weights),
+        )
     return opts
 
 
@@ -103,8 +111,9 @@ def plan_jobs(recipe: Recipe, only: list[str] | None, force: bool, dry_run: bool
     gate_opts = asdict(gate) if gate else None
     if gate is not None and gate.text is not None:  # the text's bytes, not its name, decide the quality figures
         gate_opts["text"] = sha256_file(Path(gate.text))
-    ctx = _Context(recipe, key_of(TOOL, src, recipe.reference_type), gate_opts,
-                   {"force": force, "recipe": recipe, "gate": gate})
+    ctx = _Context(
+        recipe, key_of(TOOL, src, recipe.reference_type), gate_opts, {"force": force, "recipe": recipe, "gate": gate}
+    )
     plan = BuildPlan(src, _reference(ctx))
     if recipe.sidecar:
         plan.reference_head = _reference_head(ctx, plan.reference)
@@ -129,26 +138,57 @@ def _reference(ctx: _Context) -> dict:
     """The checkpoint converted once (layout "combined"), else its trunk (paired by :func:`_reference_head`)."""
     recipe, tag = ctx.recipe, ctx.recipe.reference_type.upper()
     split = recipe.split_of(None)
-    job = {**ctx.common, "kind": "reference", "label": "reference", "tag": tag,
-           "out": ctx.out(naming.model_file(recipe.name, tag)), "part": ctx.part("_reference"),
-           "gated": recipe.gate is not None, "split_max_size": split,
-           "options": {"preset": tag, "mtp_type": recipe.reference_type, **_split_option(split)}}
+    job = {
+        **ctx.common,
+        "kind": "reference",
+        "label": "reference",
+        "tag": tag,
+        "out": ctx.out(naming.model_file(recipe.name, tag)),
+        "part": ctx.part("_reference"),
+        "gated": recipe.gate is not None,
+        "split_max_size": split,
+        "options": {"preset": tag, "mtp_type": recipe.reference_type, **_split_option(split)},
+    }
     if recipe.sidecar:
-        return {**job, "make": "reference-trunk", "form": "trunk",
-                "build_key": _split_key(key_of(ctx.ref_key, "trunk"), split)}
-    return {**job, "make": "convert", "form": "combined", "build_key": _split_key(ctx.ref_key, split),
-            "gate_key": key_of(ctx.ref_key, ctx.gate_opts)}
+        return {
+            **job,
+            "make": "reference-trunk",
+            "form": "trunk",
+            "build_key": _split_key(key_of(ctx.ref_key, "trunk"), split),
+        }
+    return {
+        **job,
+        "make": "convert",
+        "form": "combined",
+        "build_key": _split_key(ctx.ref_key, split),
+        "gate_key": key_of(ctx.ref_key, ctx.gate_opts),
+    }
 
 
 def _reference_head(ctx: _Context, reference: dict) -> dict:
     """The reference's own head file (the --mtp-only conversion), and the reference trunk paired with it."""
     label = ctx.recipe.head_label(None)
-    head = {**ctx.common, "kind": "head", "label": "head", "form": "head", "make": "convert", "mode": "only",
-            "head_label": label, "out": ctx.out(naming.head_file(ctx.recipe.name, label)), "split_max_size": 0,
-            "part": ctx.part(f"_head-{label}"), "gated": False, "build_key": key_of(ctx.ref_key, "head"),
-            "options": {"mtp_type": ctx.recipe.reference_type}}
-    reference.update(head=head["out"], draft_head=head["out"], head_key=head["build_key"],
-                     gate_key=key_of(ctx.ref_key, "pair", head["build_key"], ctx.gate_opts))
+    head = {
+        **ctx.common,
+        "kind": "head",
+        "label": "head",
+        "form": "head",
+        "make": "convert",
+        "mode": "only",
+        "head_label": label,
+        "out": ctx.out(naming.head_file(ctx.recipe.name, label)),
+        "split_max_size": 0,
+        "part": ctx.part(f"_head-{label}"),
+        "gated": False,
+        "build_key": key_of(ctx.ref_key, "head"),
+        "options": {"mtp_type": ctx.recipe.reference_type},
+    }
+    reference.update(
+        head=head["out"],
+        draft_head=head["out"],
+        head_key=head["build_key"],
+        gate_key=key_of(ctx.ref_key, "pair", head["build_key"], ctx.gate_opts),
+    )
     return head
 
 
@@ -158,11 +198,25 @@ def _variant(ctx: _Context, v: Variant, reference: dict) -> dict:
     content = key_of(ctx.ref_key, opts, sha256_model(v.graft_into) if v.graft_into else None)
     size = ctx.recipe.split_of(v)
     opts.update(_split_option(size))
-    return {**ctx.common, "kind": "variant", "label": "variant", "variant": v, "variant_name": v.name, "tag": v.name,
-            "out": ctx.out(naming.model_file(ctx.recipe.name, v.name)), "part": ctx.part(v.name),
-            "reference": reference["out"], "gated": ctx.recipe.gate is not None and v.gate, "split_max_size": size,
-            "options": opts, "content": content, "make": "combined", "form": "combined",
-            "build_key": _split_key(content, size), "gate_key": key_of(content, ctx.gate_opts)}
+    return {
+        **ctx.common,
+        "kind": "variant",
+        "label": "variant",
+        "variant": v,
+        "variant_name": v.name,
+        "tag": v.name,
+        "out": ctx.out(naming.model_file(ctx.recipe.name, v.name)),
+        "part": ctx.part(v.name),
+        "reference": reference["out"],
+        "gated": ctx.recipe.gate is not None and v.gate,
+        "split_max_size": size,
+        "options": opts,
+        "content": content,
+        "make": "combined",
+        "form": "combined",
+        "build_key": _split_key(content, size),
+        "gate_key": key_of(content, ctx.gate_opts),
+    }
 
 
 def _variant_head(ctx: _Context, v: Variant, job: dict, reference_head: dict) -> dict:
@@ -170,19 +224,37 @@ def _variant_head(ctx: _Context, v: Variant, job: dict, reference_head: dict) ->
     label, opts = ctx.recipe.head_label(v), job["options"]
     types = {"mtp_type": opts["mtp_type"], "mtp_experts_type": opts["mtp_experts_type"]}
     spec = {"same": job["content"]} if v.head_like_trunk else types
-    return {**ctx.common, "kind": "head", "label": "head", "form": "head", "make": "head", "variant": v,
-            "head_label": label, "split_max_size": 0, "gated": False,
-            "out": ctx.out(naming.head_file(ctx.recipe.name, label)), "part": ctx.part(f"_head-{label}"),
-            "reference": job["reference"], "reference_head": reference_head["out"],
-            "build_key": key_of(ctx.ref_key, "head", label, spec), "options": types}
+    return {
+        **ctx.common,
+        "kind": "head",
+        "label": "head",
+        "form": "head",
+        "make": "head",
+        "variant": v,
+        "head_label": label,
+        "split_max_size": 0,
+        "gated": False,
+        "out": ctx.out(naming.head_file(ctx.recipe.name, label)),
+        "part": ctx.part(f"_head-{label}"),
+        "reference": job["reference"],
+        "reference_head": reference_head["out"],
+        "build_key": key_of(ctx.ref_key, "head", label, spec),
+        "options": types,
+    }
 
 
 def _pair(ctx: _Context, job: dict, head: dict, reference_head: dict) -> None:
     """``job`` becomes the variant's trunk, gated with ``head``."""
-    job.update(make="trunk", form="trunk", head=head["out"], draft_head=head["out"], head_key=head["build_key"],
-               reference_head=reference_head["out"], build_key=_split_key(key_of(job["content"], "trunk"),
-                                                                         job["split_max_size"]),
-               gate_key=key_of(job["content"], "pair", head["build_key"], ctx.gate_opts))
+    job.update(
+        make="trunk",
+        form="trunk",
+        head=head["out"],
+        draft_head=head["out"],
+        head_key=head["build_key"],
+        reference_head=reference_head["out"],
+        build_key=_split_key(key_of(job["content"], "trunk"), job["split_max_size"]),
+        gate_key=key_of(job["content"], "pair", head["build_key"], ctx.gate_opts),
+    )
 
 
 def _extras(ctx: _Context) -> list[dict]:
@@ -191,12 +263,24 @@ def _extras(ctx: _Context) -> list[dict]:
     jobs = []
     for flag, mode, suffix in ((recipe.mtp_only, "only", "MTP-only"), (recipe.no_mtp, "drop", "no-MTP")):
         if flag:
-            jobs.append({**ctx.common, "kind": mode, "label": suffix.lower(), "form": suffix.lower(),
-                         "make": "convert", "mode": mode, "out": ctx.out(f"{recipe.name}-{tag}-{suffix}.gguf"),
-                         "part": ctx.part(f"_{suffix.lower()}"), "gate": None, "gated": False,
-                         "build_key": _split_key(key_of(ctx.ref_key, mode), split), "gate_key": None,
-                         "split_max_size": split,
-                         "options": {"preset": tag, "mtp_type": suffix, **_split_option(split)}})
+            jobs.append(
+                {
+                    **ctx.common,
+                    "kind": mode,
+                    "label": suffix.lower(),
+                    "form": suffix.lower(),
+                    "make": "convert",
+                    "mode": mode,
+                    "out": ctx.out(f"{recipe.name}-{tag}-{suffix}.gguf"),
+                    "part": ctx.part(f"_{suffix.lower()}"),
+                    "gate": None,
+                    "gated": False,
+                    "build_key": _split_key(key_of(ctx.ref_key, mode), split),
+                    "gate_key": None,
+                    "split_max_size": split,
+                    "options": {"preset": tag, "mtp_type": suffix, **_split_option(split)},
+                }
+            )
     return jobs
 
 
@@ -204,10 +288,19 @@ def _fused(recipe: Recipe, trunk: dict, gate_opts) -> dict:
     """Layout "both": the trunk and its head file as one file, ``NAME-TAG_MTP.gguf``."""
     tag = trunk["tag"]
     key = key_of(trunk["build_key"], trunk["head_key"], "fused")
-    return {**{k: trunk[k] for k in ("force", "recipe", "gate", "gated", "kind", "label", "split_max_size",
-                                     "options", "tag")},
-            **({"variant": trunk["variant"], "variant_name": trunk["variant_name"]} if "variant" in trunk else {}),
-            "make": "fuse", "form": "combined", "trunk": trunk["out"], "head": trunk["head"],
-            "trunk_part": trunk["part"], "out": str(recipe.output / naming.combined_file(recipe.name, tag, "both")),
-            "part": str(recipe.output / PARTS / f"_fused-{tag}.json"), "build_key": key,
-            "gate_key": key_of(key, gate_opts)}
+    return {
+        **{
+            k: trunk[k]
+            for k in ("force", "recipe", "gate", "gated", "kind", "label", "split_max_size", "options", "tag")
+        },
+        **({"variant": trunk["variant"], "variant_name": trunk["variant_name"]} if "variant" in trunk else {}),
+        "make": "fuse",
+        "form": "combined",
+        "trunk": trunk["out"],
+        "head": trunk["head"],
+        "trunk_part": trunk["part"],
+        "out": str(recipe.output / naming.combined_file(recipe.name, tag, "both")),
+        "part": str(recipe.output / PARTS / f"_fused-{tag}.json"),
+        "build_key": key,
+        "gate_key": key_of(key, gate_opts),
+    }

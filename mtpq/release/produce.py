@@ -63,9 +63,15 @@ def quantize_options(v: Variant):
     from ..quantize.imatrix import read_imatrix
     from ..quantize.pipeline import parse_options
 
-    return parse_options(v.preset, v.mtp_type, v.mtp_experts_type, tensor_types=list(v.tensor_types),
-                         imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
-                         include_weights=list(v.include_weights), exclude_weights=list(v.exclude_weights))
+    return parse_options(
+        v.preset,
+        v.mtp_type,
+        v.mtp_experts_type,
+        tensor_types=list(v.tensor_types),
+        imatrix=read_imatrix(v.imatrix) if v.imatrix is not None else None,
+        include_weights=list(v.include_weights),
+        exclude_weights=list(v.exclude_weights),
+    )
 
 
 def head_plan(reference: Plan, v: Variant, reference_type: str) -> Plan:
@@ -128,6 +134,14 @@ def _combined_variant(job: dict, v: Variant, out: Path, split: int) -> list[Path
     options = quantize_options(v)
     trunk = plan_quantize(reference, options)
     prompts = job["recipe"].gate.prompts if job["recipe"].gate else "builtin"
-    _, written = quantize_with_auto_head(Path(job["reference"]), out, reference, trunk, options, v.auto_max_drop,
-                                         prompts, split=SplitRule(max_size=split))
+    _, written = quantize_with_auto_head(
+        Path(job["reference"]),
+        out,
+        reference,
+        trunk,
+        options,
+        v.auto_max_drop,
+        prompts,
+        split=SplitRule(max_size=split),
+    )
     return written

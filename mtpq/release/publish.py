@@ -57,12 +57,16 @@ class UploadPlan:
         for i in self.items:
             out.append(f"{'send' if i.send else 'skip'}  {i.path}  {i.bytes / 2**20:,.1f} MiB  {i.why}")
         for p in self.stale:
-            out.append(f"{'delete' if self.prune else 'keep'}  {p}  on the Hub, not in this build"
-                       + ("" if self.prune else " (--prune deletes it)"))
+            out.append(
+                f"{'delete' if self.prune else 'keep'}  {p}  on the Hub, not in this build"
+                + ("" if self.prune else " (--prune deletes it)")
+            )
         total = sum(i.bytes for i in self.sending)
-        out.append(f"{len(self.sending)} to send ({total / 2**20:,.1f} MiB), "
-                   f"{len(self.items) - len(self.sending)} already on the Hub"
-                   + (f", {len(self.stale)} to delete" if self.prune and self.stale else ""))
+        out.append(
+            f"{len(self.sending)} to send ({total / 2**20:,.1f} MiB), "
+            f"{len(self.items) - len(self.sending)} already on the Hub"
+            + (f", {len(self.stale)} to delete" if self.prune and self.stale else "")
+        )
         return out
 
 
@@ -122,8 +126,10 @@ def hub_token() -> str | None:
 def require_token() -> None:
     """One line, exit 2, before anything is sent (or built) without a token; the token itself is never shown."""
     if not hub_token():
-        raise InputError("Hugging Face token", "none found: set HF_TOKEN or run `hf auth login` (a token that "
-                                               "can write to the repository)")
+        raise InputError(
+            "Hugging Face token",
+            "none found: set HF_TOKEN or run `hf auth login` (a token that can write to the repository)",
+        )
 
 
 def remote_files(api, repo: str) -> tuple[bool, dict]:
@@ -160,8 +166,14 @@ def plan_upload(folder: Path, repo: str | None, api, prune: bool = False, privat
         if not (folder / name).is_file():
             raise InputError(folder / name, "missing (run mtpq build --merge)")
     exists, remote = remote_files(api, repo)
-    plan = UploadPlan(folder, repo, exists, bool((manifest.get("publish") or {}).get("private"))
-                      if private is None else private, card, prune=prune)
+    plan = UploadPlan(
+        folder,
+        repo,
+        exists,
+        bool((manifest.get("publish") or {}).get("private")) if private is None else private,
+        card,
+        prune=prune,
+    )
     for path, size, sha in local:
         have = remote.get(path)
         if have is None:
@@ -176,8 +188,9 @@ def plan_upload(folder: Path, repo: str | None, api, prune: bool = False, privat
         have = remote.get(name)
         same = have is not None and have.blob_id == git_blob_id(data)
         why = "new" if have is None else f"git blob {'matches' if same else 'differs from'} the Hub's"
-        plan.items.append(Item(name, len(data), not same, why + (" (card for this repository)"
-                                                                 if name == "README.md" else "")))
+        plan.items.append(
+            Item(name, len(data), not same, why + (" (card for this repository)" if name == "README.md" else ""))
+        )
     listed = {i.path for i in plan.items}
     plan.stale = sorted(p for p in remote if p not in listed and p not in KEEP_ON_HUB)
     return plan
@@ -199,6 +212,14 @@ def run_upload(plan: UploadPlan, api, message: str, say: Callable[[str], None] =
     for batch, delete in ((models, []), (texts, deletions)):
         if not batch and not delete:
             continue
-        hub_call(plan.repo, api.upload_folder, repo_id=plan.repo, folder_path=str(plan.folder), repo_type="model",
-                 allow_patterns=batch or [], delete_patterns=delete or None, commit_message=message)
+        hub_call(
+            plan.repo,
+            api.upload_folder,
+            repo_id=plan.repo,
+            folder_path=str(plan.folder),
+            repo_type="model",
+            allow_patterns=batch or [],
+            delete_patterns=delete or None,
+            commit_message=message,
+        )
         say(f"sent {len(batch)} files" + (f", deleted {len(delete)}" if delete else "") + f" to {plan.repo}")

@@ -29,8 +29,9 @@
     [[variant]]
     name = "Q4_K_M"
     preset = "Q4_K_M"
-    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk, "keep" holds the reference type,
-                                  # "auto" measures (the narrowest head within auto_max_drop, default 0.02, of f16's)
+    mtp_type = "q8_0"             # default q8_0; "same" quantizes the head like the trunk, "keep" holds the
+                                  # reference type, "auto" measures (the narrowest head within auto_max_drop,
+                                  # default 0.02, of f16's)
     tensor_types = ["attn_v=q8_0"]  # optional llama-quantize style overrides
     # imatrix = "glm-air.imatrix.gguf"  # optional: importance matrix (llama-imatrix GGUF or .dat), as
     #                                   # llama-quantize --imatrix; its sha256 goes into the manifest
@@ -57,9 +58,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from ..engines import ENGINES
 from ..errors import InputError
@@ -153,7 +155,9 @@ class Recipe:
         for v in self.variants:
             if v.name == name:
                 return v
-        raise InputError(self.path, f"--variant {name!r} is not in the recipe (have: {', '.join(v.name for v in self.variants)})")
+        raise InputError(
+            self.path, f"--variant {name!r} is not in the recipe (have: {', '.join(v.name for v in self.variants)})"
+        )
 
 
 def _err(path: Path, key: str, problem: str) -> InputError:
@@ -255,8 +259,24 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
     gate = None
     if "gate" in doc:
         g = _take(doc, "gate", dict, path, "")
-        _check_unknown(g, {"prompts", "draft", "max_new_tokens", "min_rate", "max_drop", "temperature", "max_prompts",
-                           "engine", "threads", *LLAMA_CPP_GATE_KEYS, *QUALITY_GATE_KEYS}, path, "gate")
+        _check_unknown(
+            g,
+            {
+                "prompts",
+                "draft",
+                "max_new_tokens",
+                "min_rate",
+                "max_drop",
+                "temperature",
+                "max_prompts",
+                "engine",
+                "threads",
+                *LLAMA_CPP_GATE_KEYS,
+                *QUALITY_GATE_KEYS,
+            },
+            path,
+            "gate",
+        )
         prompts = _take(g, "prompts", str, path, "gate", default="builtin")
         if prompts != "builtin" and not (base / prompts).is_file():
             raise _err(path, "gate.prompts", f"{base / prompts} does not exist")
@@ -339,9 +359,25 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         where = f"variant[{i}]"
         if not isinstance(v, dict):
             raise _err(path, where, "must be a table")
-        _check_unknown(v, {"name", "preset", "mtp_type", "mtp_experts_type", "tensor_types", "graft_into", "gate",
-                           "imatrix", "include_weights", "exclude_weights", "split_max_size", "auto_max_drop"},
-                       path, where)
+        _check_unknown(
+            v,
+            {
+                "name",
+                "preset",
+                "mtp_type",
+                "mtp_experts_type",
+                "tensor_types",
+                "graft_into",
+                "gate",
+                "imatrix",
+                "include_weights",
+                "exclude_weights",
+                "split_max_size",
+                "auto_max_drop",
+            },
+            path,
+            where,
+        )
         vname = _take(v, "name", str, path, where, required=True)
         if not _NAME.match(vname):
             raise _err(path, f"{where}.name", f"{vname!r} must be letters, digits, '.', '_' or '-'")
@@ -381,10 +417,21 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
         imatrix, weights = _imatrix_keys(v, path, where, base, check_inputs)
         if imatrix is not None and graft is not None:
             raise _err(path, f"{where}.imatrix", "a grafted variant is not quantized: drop imatrix or graft_into")
-        variants.append(Variant(vname, preset, mtp_type, mtp_experts,
-                                tuple(overrides), base / graft if graft else None,
-                                _take(v, "gate", bool, path, where, default=True), imatrix, *weights,
-                                _split_size(v, path, where), auto_max_drop))
+        variants.append(
+            Variant(
+                vname,
+                preset,
+                mtp_type,
+                mtp_experts,
+                tuple(overrides),
+                base / graft if graft else None,
+                _take(v, "gate", bool, path, where, default=True),
+                imatrix,
+                *weights,
+                _split_size(v, path, where),
+                auto_max_drop,
+            )
+        )
     names = [v.name for v in variants]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
@@ -392,11 +439,21 @@ def load_recipe(path: Path, check_inputs: bool = True) -> Recipe:
 
     extras = _take(doc, "extras", dict, path, "", default={})
     _check_unknown(extras, {"mtp_only", "no_mtp"}, path, "extras")
-    recipe = Recipe(path=path, name=name, source=source, output=output, reference_type=ref_type, variants=variants,
-                    gate=gate, mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
-                    no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
-                    raw_sha256=hashlib.sha256(raw).hexdigest(), split_max_size=_split_size(model, path, "model") or 0,
-                    layout=layout, publish=_publish(doc, path))
+    recipe = Recipe(
+        path=path,
+        name=name,
+        source=source,
+        output=output,
+        reference_type=ref_type,
+        variants=variants,
+        gate=gate,
+        mtp_only=_take(extras, "mtp_only", bool, path, "extras", default=False),
+        no_mtp=_take(extras, "no_mtp", bool, path, "extras", default=False),
+        raw_sha256=hashlib.sha256(raw).hexdigest(),
+        split_max_size=_split_size(model, path, "model") or 0,
+        layout=layout,
+        publish=_publish(doc, path),
+    )
     if recipe.sidecar:
         _check_sidecar_layout(recipe)
     return recipe
@@ -418,21 +475,37 @@ def _check_sidecar_layout(recipe: Recipe) -> None:
     path = recipe.path
     for key in ("mtp_only", "no_mtp"):
         if getattr(recipe, key):
-            raise _err(path, f"extras.{key}", f'layout = "{recipe.layout}" already publishes the reference\'s trunk '
-                       f"and its head ({naming.head_file(recipe.name, recipe.head_label(None))}); drop [extras]")
+            raise _err(
+                path,
+                f"extras.{key}",
+                f'layout = "{recipe.layout}" already publishes the reference\'s trunk '
+                f"and its head ({naming.head_file(recipe.name, recipe.head_label(None))}); drop [extras]",
+            )
     for i, v in enumerate(recipe.variants):
         if v.auto_max_drop is not None:
-            raise _err(path, f"variant[{i}].mtp_type", '"auto" measures the head inside one quant; with layout '
-                       f'"{recipe.layout}" name the head type (mtpq quantize --mtp-type auto tells which)')
+            raise _err(
+                path,
+                f"variant[{i}].mtp_type",
+                '"auto" measures the head inside one quant; with layout '
+                f'"{recipe.layout}" name the head type (mtpq quantize --mtp-type auto tells which)',
+            )
     made = {recipe.head_label(None): ("model.reference_type", recipe.reference_type)}
     for i, v in enumerate(recipe.variants):  # one label, one head: a head like its trunk named as another's type
         label, spec = recipe.head_label(v), _head_spec(recipe, v)
         key, other = made.setdefault(label, (f"variant[{i}]", spec))
         if other != spec:
-            raise _err(path, f"variant[{i}]", f"its head ({_describe(spec)}) and {key}'s ({_describe(other)}) would "
-                       f"both be {naming.head_file(recipe.name, label)}; rename the variant")
-    pairs = {recipe.reference_type.upper(): (naming.model_file(recipe.name, recipe.reference_type.upper()),
-                                             naming.head_file(recipe.name, recipe.head_label(None)))}
+            raise _err(
+                path,
+                f"variant[{i}]",
+                f"its head ({_describe(spec)}) and {key}'s ({_describe(other)}) would "
+                f"both be {naming.head_file(recipe.name, label)}; rename the variant",
+            )
+    pairs = {
+        recipe.reference_type.upper(): (
+            naming.model_file(recipe.name, recipe.reference_type.upper()),
+            naming.head_file(recipe.name, recipe.head_label(None)),
+        )
+    }
     for v in recipe.variants:
         pairs[v.name] = (naming.model_file(recipe.name, v.name), naming.head_file(recipe.name, recipe.head_label(v)))
     files = sorted({f for pair in pairs.values() for f in pair})
@@ -440,14 +513,23 @@ def _check_sidecar_layout(recipe: Recipe) -> None:
         files += [naming.combined_file(recipe.name, tag, "both") for tag in pairs]
     for tag, (model, _) in pairs.items():
         if model.startswith(naming.HEAD_PREFIX) or not naming.is_model(model):
-            raise _err(path, "model.name", f"{recipe.name!r} makes {model}, which llama.cpp never takes as a model "
-                       f"(it skips file names holding {', '.join(naming.NOT_MODELS)})")
+            raise _err(
+                path,
+                "model.name",
+                f"{recipe.name!r} makes {model}, which llama.cpp never takes as a model "
+                f"(it skips file names holding {', '.join(naming.NOT_MODELS)})",
+            )
     problems = naming.resolution_problems(files, pairs)
     if problems:
-        where = next((f"variant[{i}]" for i, v in enumerate(recipe.variants) if f"REPO:{v.name} " in problems[0]),
-                     "model.layout")
-        raise _err(path, where, f"{problems[0]} (llama.cpp pairs a tag with the head named -TAG., else with the "
-                   'nearest bits); give these quants one head type, or use layout = "combined"')
+        where = next(
+            (f"variant[{i}]" for i, v in enumerate(recipe.variants) if f"REPO:{v.name} " in problems[0]), "model.layout"
+        )
+        raise _err(
+            path,
+            where,
+            f"{problems[0]} (llama.cpp pairs a tag with the head named -TAG., else with the "
+            'nearest bits); give these quants one head type, or use layout = "combined"',
+        )
 
 
 def _head_spec(recipe: Recipe, v: Variant) -> str:

@@ -2,7 +2,8 @@
 
 What each job is and how its key is made: :mod:`.plan`; what its file is made of: :mod:`.produce`; the
 manifest, sums and card: :mod:`.manifest`; how an artifact is measured and gated: :mod:`mtpq.workflows.gates`.
-Parts are also the unit a CI matrix ships around: ``--merge`` turns whatever parts sit in the output folder into the manifest. Artifacts hold no timestamps, so building
+Parts are also the unit a CI matrix ships around: ``--merge`` turns whatever parts sit in the output folder into the
+manifest. Artifacts hold no timestamps, so building
 twice gives the same bytes.
 
 An artifact may be a split GGUF (``split_max_size``): its part and the manifest name shard 1 as its ``file``
@@ -42,8 +43,9 @@ def reusable(job: dict, old: dict | None) -> bool:
     if not old or job["force"] or old.get("build_key") != job["build_key"]:
         return False
     folder = Path(job["out"]).parent
-    return all((folder / f["file"]).is_file() and (folder / f["file"]).stat().st_size == f["bytes"]
-               for f in files_of(old))
+    return all(
+        (folder / f["file"]).is_file() and (folder / f["file"]).stat().st_size == f["bytes"] for f in files_of(old)
+    )
 
 
 def _identity(job: dict) -> dict:
@@ -72,9 +74,15 @@ def build_artifact(job: dict) -> dict:
         for f in files_of(old) if old else []:  # the previous build's files of this artifact (another layout)
             if f["file"] not in {g["file"] for g in files}:
                 (out.parent / f["file"]).unlink(missing_ok=True)
-        entry = {"file": files[0]["file"], **_identity(job), "build_key": job["build_key"],
-                 **({"sha256": files[0]["sha256"]} if len(files) == 1 else {}),
-                 **describe(written[0]), **({"shards": files} if len(files) > 1 else {}), **job["options"]}
+        entry = {
+            "file": files[0]["file"],
+            **_identity(job),
+            "build_key": job["build_key"],
+            **({"sha256": files[0]["sha256"]} if len(files) == 1 else {}),
+            **describe(written[0]),
+            **({"shards": files} if len(files) > 1 else {}),
+            **job["options"],
+        }
     else:
         entry = {k: v for k, v in old.items() if k not in ("acceptance", "quality", "gate", "gate_key")}
     entry["reused"] = reused
@@ -101,8 +109,13 @@ def build_artifact(job: dict) -> dict:
 # ----------------------------------------------------------------------------- the build
 
 
-def run_build(recipe: Recipe, only: list[str] | None = None, jobs: int = 1, force: bool = False,
-              log: Callable[[str], None] = print) -> int:
+def run_build(
+    recipe: Recipe,
+    only: list[str] | None = None,
+    jobs: int = 1,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> int:
     """Build the recipe; returns the exit code (0 all passed, 1 a gate failed)."""
     from .produce import converted
 

@@ -86,8 +86,9 @@ class RecurrentCache:
         """True while a checkpoint is open: the layer must report every intermediate state."""
         return self._trail is not None
 
-    def push(self, n_tokens: int, final: dict[str, torch.Tensor],
-             per_token: list[dict[str, torch.Tensor]] | None = None) -> None:
+    def push(
+        self, n_tokens: int, final: dict[str, torch.Tensor], per_token: list[dict[str, torch.Tensor]] | None = None
+    ) -> None:
         """``n_tokens`` consumed; ``final`` is the state after them. While recording, ``per_token`` must hold
         the state after each of them (``per_token[-1]`` is ``final``)."""
         if self._trail is not None:

@@ -178,7 +178,7 @@ def causal_conv(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | N
     T = window.shape[1] - taps.shape[0] + 1
     acc = window[:, :T] * taps[0]
     for i in range(1, taps.shape[0]):
-        acc += window[:, i:i + T] * taps[i]
+        acc += window[:, i : i + T] * taps[i]
     if bias is not None:
         acc += bias
     return F.silu(acc, inplace=True)
@@ -192,8 +192,9 @@ def conv_window(cache: RecurrentCache | None, mixed: torch.Tensor, conv_kernel: 
     return torch.cat((prev, mixed), dim=1)
 
 
-def delta_rule_through_cache(q, k, v, g, beta, cache: RecurrentCache | None, window: torch.Tensor | None,
-                             conv_kernel: int, chunked) -> torch.Tensor:
+def delta_rule_through_cache(
+    q, k, v, g, beta, cache: RecurrentCache | None, window: torch.Tensor | None, conv_kernel: int, chunked
+) -> torch.Tensor:
     """The gated delta rule over T new tokens (:func:`recurrent_gated_delta_rule`'s arguments; the start state is
     the cache's) -> out [B, H, T, d_v], and the cache (if any) advanced: its state becomes the last K-1 rows of the
     conv ``window`` [B, K-1+T, C] (history, then the new inputs) and the final recurrent state; under an open
@@ -207,7 +208,7 @@ def delta_rule_through_cache(q, k, v, g, beta, cache: RecurrentCache | None, win
     else:
         (out, final), per_token = chunked(q, k, v, g, beta, ssm), None
     if recording:  # the state after every token: the conv window ends at that token
-        after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
+        after = [{"conv": window[:, t + 1 : t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
         cache.push(T, after[-1], after)
     elif cache is not None:
         cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})
@@ -224,8 +225,9 @@ class GatedDeltaNet(nn.Module):
         self.wqkv, self.wz = w.linear("attn_qkv"), w.linear("attn_gate")
         # beta and alpha: two projections, or Qwen3-Next's fused one (per key head: r betas, r alphas)
         self.wba = w.linear("ssm_ba") if w.has("ssm_ba") else None
-        self.wbeta, self.walpha = (None, None) if self.wba is not None else (w.linear("ssm_beta"),
-                                                                              w.linear("ssm_alpha"))
+        self.wbeta, self.walpha = (
+            (None, None) if self.wba is not None else (w.linear("ssm_beta"), w.linear("ssm_alpha"))
+        )
         self.a = w.tensor("ssm_a", torch.float32)  # -exp(A_log), per value head
         self.dt_bias = w.tensor("ssm_dt.bias", torch.float32)
         self.conv = w.tensor("ssm_conv1d")  # [C, K]
@@ -234,8 +236,11 @@ class GatedDeltaNet(nn.Module):
         self.wo = w.linear("ssm_out")
         want = (cfg.conv_channels, cfg.conv_kernel)
         if tuple(self.conv.shape) != want or self.wqkv.out_features != cfg.conv_channels:
-            raise InputError(w.file.path, f"{w.name('ssm_conv1d')} / attn_qkv do not fit the ssm metadata "
-                                          f"(conv {tuple(self.conv.shape)}, expected {want})")
+            raise InputError(
+                w.file.path,
+                f"{w.name('ssm_conv1d')} / attn_qkv do not fit the ssm metadata "
+                f"(conv {tuple(self.conv.shape)}, expected {want})",
+            )
 
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
@@ -248,8 +253,9 @@ class GatedDeltaNet(nn.Module):
         b, a = self.wba(x).view(B, T, self.cfg.n_k_heads, -1).chunk(2, dim=-1)
         return b.reshape(B, T, -1), a.reshape(B, T, -1)
 
-    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         K = cfg.conv_kernel
@@ -261,7 +267,7 @@ class GatedDeltaNet(nn.Module):
 
         nk, nv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.head_k_dim, cfg.head_v_dim
         q, k, v = qkv.float().split((nk * dk, nk * dk, nv * dv), dim=-1)
-        q = (l2norm(q.view(B, T, nk, dk)) * dk ** -0.5).transpose(1, 2)
+        q = (l2norm(q.view(B, T, nk, dk)) * dk**-0.5).transpose(1, 2)
         k = l2norm(k.view(B, T, nk, dk)).transpose(1, 2)
         expand = group_key_heads if cfg.grouped_heads else tile_key_heads
         q, k = expand(q, nv), expand(k, nv)

@@ -326,11 +326,13 @@ def dequantize_iq1_m(b: torch.Tensor) -> torch.Tensor:
     s3 = (sc.unsqueeze(-1) >> _const((0, 3, 6, 9), torch.int64, b.device)) & 7
     dl = (d * (2 * s3.reshape(n, 16) + 1).to(_F32)).view(n, 16, 1, 1, 1)
     qh = b[:, 32:48].to(torch.int64)
-    qh2 = (qh.unsqueeze(-1) >> _const((0, 4), torch.int64, b.device))  # (n, 16, 2)
+    qh2 = qh.unsqueeze(-1) >> _const((0, 4), torch.int64, b.device)  # (n, 16, 2)
     qs = b[:, :32].to(torch.int64) | ((qh2 & 7).reshape(n, 32) << 8)
     delta = torch.where((qh2 & 8) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(_F32).view(n, 8, 2, 2, 1)
     g = grid[qs].view(n, 8, 2, 2, 8)
     return (dl.view(n, 8, 2, 1, 1) * (g + delta)).reshape(n, QK_K)
+
+
 _KVALUES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
 
 
@@ -346,11 +348,25 @@ def dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
 
 
 _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
-    T.Q8_0: dequantize_q8_0, T.Q4_0: dequantize_q4_0, T.Q4_1: dequantize_q4_1, T.Q5_0: dequantize_q5_0,
-    T.Q5_1: dequantize_q5_1, T.Q2_K: dequantize_q2_k, T.Q3_K: dequantize_q3_k, T.Q4_K: dequantize_q4_k,
-    T.Q5_K: dequantize_q5_k, T.Q6_K: dequantize_q6_k, T.IQ4_NL: dequantize_iq4_nl, T.IQ4_XS: dequantize_iq4_xs,
-    T.IQ2_XXS: dequantize_iq2_xxs, T.IQ3_XXS: dequantize_iq3_xxs, T.IQ2_XS: dequantize_iq2_xs,
-    T.IQ2_S: dequantize_iq2_s, T.IQ3_S: dequantize_iq3_s, T.IQ1_S: dequantize_iq1_s, T.IQ1_M: dequantize_iq1_m,
+    T.Q8_0: dequantize_q8_0,
+    T.Q4_0: dequantize_q4_0,
+    T.Q4_1: dequantize_q4_1,
+    T.Q5_0: dequantize_q5_0,
+    T.Q5_1: dequantize_q5_1,
+    T.Q2_K: dequantize_q2_k,
+    T.Q3_K: dequantize_q3_k,
+    T.Q4_K: dequantize_q4_k,
+    T.Q5_K: dequantize_q5_k,
+    T.Q6_K: dequantize_q6_k,
+    T.IQ4_NL: dequantize_iq4_nl,
+    T.IQ4_XS: dequantize_iq4_xs,
+    T.IQ2_XXS: dequantize_iq2_xxs,
+    T.IQ3_XXS: dequantize_iq3_xxs,
+    T.IQ2_XS: dequantize_iq2_xs,
+    T.IQ2_S: dequantize_iq2_s,
+    T.IQ3_S: dequantize_iq3_s,
+    T.IQ1_S: dequantize_iq1_s,
+    T.IQ1_M: dequantize_iq1_m,
     T.MXFP4: dequantize_mxfp4,
 }
 
@@ -398,5 +414,5 @@ def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shap
         return decode(b).reshape(shape)
     out = torch.empty((nblocks, bs), dtype=torch.float32, device=b.device)
     for b0 in range(0, nblocks, step):
-        out[b0:b0 + step] = decode(b[b0:b0 + step])
+        out[b0 : b0 + step] = decode(b[b0 : b0 + step])
     return out.reshape(shape)

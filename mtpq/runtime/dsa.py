@@ -84,8 +84,10 @@ class LightningIndexer(nn.Module):
     def __init__(self, w: Scope, cfg: IndexerConfig, rope: Rope):
         super().__init__()
         self.cfg, self.rope = cfg, rope
-        self.wq_b, self.wk = w.linear("indexer.attn_q_b.weight", bias=False), \
-            w.linear("indexer.attn_k.weight", bias=False)
+        self.wq_b, self.wk = (
+            w.linear("indexer.attn_q_b.weight", bias=False),
+            w.linear("indexer.attn_k.weight", bias=False),
+        )
         self.k_norm, self.k_norm_b = w.tensor("indexer.k_norm.weight"), w.tensor("indexer.k_norm.bias")
         self.proj = w.linear("indexer.proj.weight", bias=False)
         self.register_buffer("rotation", hadamard(cfg.head_dim).to(w.weights.device), persistent=False)
@@ -111,8 +113,16 @@ class LightningIndexer(nn.Module):
         q = self._rotated(self.rope.apply(self.wq_b(qr).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), q_at))
         weights = (self.proj(xq) * (1.0 / math.sqrt(cfg.head_dim * cfg.n_heads))).transpose(1, 2)[..., None]
         step = max(1, SCORE_CHUNK // max(1, B * cfg.n_heads * S))
-        out = torch.cat([(self.activation(torch.matmul(q[:, :, a:a + step], keys.transpose(-1, -2)))
-                          * weights[:, :, a:a + step]).sum(dim=1) for a in range(0, T, step)], dim=1)
+        out = torch.cat(
+            [
+                (
+                    self.activation(torch.matmul(q[:, :, a : a + step], keys.transpose(-1, -2)))
+                    * weights[:, :, a : a + step]
+                ).sum(dim=1)
+                for a in range(0, T, step)
+            ],
+            dim=1,
+        )
         return out.masked_fill(~_visible(q_at, T, S, out.device), float("-inf"))
 
 
@@ -191,8 +201,9 @@ class SparseMLA(MLA):
     (and puts its selection in ``selections``), one without reuses the last full layer's (GLM-5.2's shared
     layers). While no query sees more than top_k keys, attention is plain causal MLA."""
 
-    def __init__(self, w: Scope, cfg: MLAConfig, rope: Rope, indexer: LightningIndexer | None, top_k: int,
-                 selections: Selections):
+    def __init__(
+        self, w: Scope, cfg: MLAConfig, rope: Rope, indexer: LightningIndexer | None, top_k: int, selections: Selections
+    ):
         super().__init__(w, cfg, rope)
         self.indexer, self.top_k, self.selections = indexer, top_k, selections
         self.select = top_k_allowed
@@ -200,8 +211,9 @@ class SparseMLA(MLA):
     def new_cache(self) -> KVCache:
         return KVCache()  # c, k_pe and (full layers) the indexer's key, per token
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None,
-                key=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None, key=None
+    ) -> torch.Tensor:
         """As :meth:`MLA.forward`; ``key`` names the sequence of a packed pass (:class:`Selections`)."""
         xq = x if rows is None else take_rows(x, rows)
         at = start if rows is None else start + rows
@@ -224,6 +236,6 @@ class SparseMLA(MLA):
         outs, at = [], 0
         for i, (T, first) in enumerate(zip(packing.lengths, packing.firsts)):
             rows = None if first == 0 else torch.arange(first, T, device=x.device)[None]
-            outs.append(self.forward(x[:, at:at + T], 0, None, rows, key=i))
+            outs.append(self.forward(x[:, at : at + T], 0, None, rows, key=i))
             at += T
         return torch.cat(outs, dim=1)

@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from . import weights as weight_io
 from .cache import KVCache
 from .dsa import hadamard, top_k_allowed
 from .layers import MoE, MoEConfig, Rope, rms_norm
-from . import weights as weight_io
 from .weights import Scope, as_dtype, vec_dot_input
 
 
@@ -110,7 +110,7 @@ def _fold(x: torch.Tensor, pre: torch.Tensor, cfg: HcConfig) -> torch.Tensor:
     xs = x.unflatten(-1, (cfg.n, cfg.hidden))
     out = xs[..., 0, :] * pre[..., 0:1]
     for s in range(1, cfg.n):
-        out = out + xs[..., s, :] * pre[..., s:s + 1]
+        out = out + xs[..., s, :] * pre[..., s : s + 1]
     return out
 
 
@@ -133,13 +133,12 @@ class HyperMix(nn.Module):
             weight_io.observer(self.fn_name, None, F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.norm_eps))
         mixes = _mixes(x, self.fn, self.cfg.norm_eps)
         pre = torch.sigmoid(mixes[..., :n] * self.scale[0] + self.base[:n]) + self.cfg.eps
-        post = torch.sigmoid(mixes[..., n:2 * n] * self.scale[1] + self.base[n:2 * n]) * 2.0
-        comb = (mixes[..., 2 * n:] * self.scale[2] + self.base[2 * n:]).unflatten(-1, (n, n))
+        post = torch.sigmoid(mixes[..., n : 2 * n] * self.scale[1] + self.base[n : 2 * n]) * 2.0
+        comb = (mixes[..., 2 * n :] * self.scale[2] + self.base[2 * n :]).unflatten(-1, (n, n))
         comb = sinkhorn(comb, self.cfg.iters, self.cfg.eps)
         return as_dtype(_fold(x, pre.to(x.dtype), self.cfg), x.dtype), post.to(x.dtype), comb.to(x.dtype)
 
-    def post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-             ) -> torch.Tensor:
+    def post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The streams after the layer: out [.., hidden], residual [.., n * hidden] -> [.., n * hidden]."""
         rs = residual.unflatten(-1, (self.cfg.n, self.cfg.hidden))
         mixed = out[..., None, :] * post[..., :, None] + torch.einsum("...sd,...sh->...dh", comb, rs)
@@ -250,7 +249,7 @@ class Compressor(nn.Module):
         nb = S // r
         if nb == 0:
             return kv.new_zeros(B, 1, 0, d)
-        kv, score = kv[:, 0, :nb * r].view(B, nb, r, W), score[:, 0, :nb * r].view(B, nb, r, W)
+        kv, score = kv[:, 0, : nb * r].view(B, nb, r, W), score[:, 0, : nb * r].view(B, nb, r, W)
         if self.overlap:  # the previous block's tokens (first half; none before block 0) and the block's own
             prev_kv = torch.cat((kv.new_zeros(B, 1, r, d), kv[:, :-1, :, :d]), dim=1)
             prev_sc = torch.cat((score.new_full((B, 1, r, d), float("-inf")), score[:, :-1, :, :d]), dim=1)
@@ -274,13 +273,16 @@ class CompressedAttention(nn.Module):
         self.wo_a, self.wo_b = w.qweight("attn_output_a"), w.linear("attn_output_b", bias=False)
         self.sinks = w.tensor("attn_sinks", torch.float32)
         self.window = cfg.window
-        self.compressor = Compressor(w, "attn_compressor", cfg.ratio, cfg.head_dim, cfg.eps, rope) \
-            if cfg.ratio else None
+        self.compressor = (
+            Compressor(w, "attn_compressor", cfg.ratio, cfg.head_dim, cfg.eps, rope) if cfg.ratio else None
+        )
         self.indexer = None
         if cfg.ratio == 4:
             self.indexer = Compressor(w, "indexer_compressor", 4, cfg.idx_dim, cfg.eps, comp_rope)
-            self.idx_q, self.idx_proj = w.linear("indexer.attn_q_b.weight", bias=False), \
-                w.linear("indexer.proj.weight", bias=False)
+            self.idx_q, self.idx_proj = (
+                w.linear("indexer.attn_q_b.weight", bias=False),
+                w.linear("indexer.proj.weight", bias=False),
+            )
             self.idx_rope = comp_rope
             self.register_buffer("rotation", hadamard(cfg.idx_dim).to(w.weights.device), persistent=False)
             # llama_cpp_numerics: the indexer's keys as llama.cpp's default cache stores them (f16)
@@ -292,8 +294,9 @@ class CompressedAttention(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache()  # per token: the raw key, and the compressors' kv / score rows
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         qr = rms_norm(self.wq_a(x), self.q_a_norm, cfg.eps)
@@ -315,8 +318,11 @@ class CompressedAttention(nn.Module):
             xq, qrq, q_pos = x[idx, rows], qr[idx, rows], start + rows
         Tq = xq.shape[1]
         q = self.wq_b(qrq).view(B, Tq, cfg.n_heads, cfg.head_dim)
-        q = F.rms_norm(q, (cfg.head_dim,), None, cfg.eps) if q.dtype == torch.float32 else \
-            rms_norm(q, torch.ones((), dtype=q.dtype, device=q.device), cfg.eps)
+        q = (
+            F.rms_norm(q, (cfg.head_dim,), None, cfg.eps)
+            if q.dtype == torch.float32
+            else rms_norm(q, torch.ones((), dtype=q.dtype, device=q.device), cfg.eps)
+        )
         q = rope_tail(self.rope, q.transpose(1, 2), q_pos)  # [B, H, Tq, d]
 
         k_pos = torch.arange(S, device=x.device)

@@ -35,8 +35,15 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def check(model, part: str, logits: torch.Tensor, hidden: torch.Tensor, rerun: Callable[[], object] | None,
-          start: int = 0, packing=None) -> None:
+def check(
+    model,
+    part: str,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    rerun: Callable[[], object] | None,
+    start: int = 0,
+    packing=None,
+) -> None:
     """Raise if ``logits`` or ``hidden`` (an output of ``model``'s ``part``: "trunk" or "head") holds a non-finite
     value. ``rerun`` repeats the pass uncached from position 0 (None for a step after cached tokens).
 
@@ -59,13 +66,19 @@ def check(model, part: str, logits: torch.Tensor, hidden: torch.Tensor, rerun: C
             _check_weights(model, names)
         x = hidden if what == "hidden states" else logits if logits.shape[:2] == hidden.shape[:2] else None
         where = f"at {_position(x, packing, start)}" if x is not None else "in its logits"
-        raise MeasurementError(model.path, f"non-finite {what} from the {_PART[part]} {where}; every weight of it is "
-                                           f"finite (computed in {_dtype(model)})")
+        raise MeasurementError(
+            model.path,
+            f"non-finite {what} from the {_PART[part]} {where}; every weight of it is "
+            f"finite (computed in {_dtype(model)})",
+        )
     label, names, x = found
     _check_weights(model, names)
-    raise MeasurementError(model.path, f"non-finite {what} from the {_PART[part]}: first in {label} at "
-                                       f"{_position(x, packing, start)}; its weights are finite (computed in "
-                                       f"{_dtype(model)})")
+    raise MeasurementError(
+        model.path,
+        f"non-finite {what} from the {_PART[part]}: first in {label} at "
+        f"{_position(x, packing, start)}; its weights are finite (computed in "
+        f"{_dtype(model)})",
+    )
 
 
 _PART = {"trunk": "trunk", "head": "MTP head"}
@@ -121,23 +134,34 @@ def _trunk_stages(model) -> list[Stage]:
     """The token embeddings (checked as block 0's input), each block (its output), then norm and output matrix."""
     blocks = list(model.blocks)
     out = ["output_norm.weight", "output.weight" if "output.weight" in model.family.file else "token_embd.weight"]
-    return [("the token embeddings (token_embd)", (blocks[0], "pre"), ["token_embd.weight"]),
-            *((f"layer {i} (blk.{i})", (b, "post"), _names(model, f"blk.{i}.")) for i, b in enumerate(blocks)),
-            ("the output norm and output matrix", None, out)]
+    return [
+        ("the token embeddings (token_embd)", (blocks[0], "pre"), ["token_embd.weight"]),
+        *((f"layer {i} (blk.{i})", (b, "post"), _names(model, f"blk.{i}.")) for i, b in enumerate(blocks)),
+        ("the output norm and output matrix", None, out),
+    ]
 
 
 def _head_stages(model) -> list[Stage]:
     """The head's input (embedding, enorm/hnorm, eh_proj: the block's input), its block, its norm and head."""
     n, head = len(model.blocks), model.mtp
     top = [] if not head.tied_embed else ["token_embd.weight"]
-    tail = [] if not head.tied_head else ["output.weight" if "output.weight" in model.family.file else
-                                          "token_embd.weight"]
+    tail = (
+        [] if not head.tied_head else ["output.weight" if "output.weight" in model.family.file else "token_embd.weight"]
+    )
     nextn = f"blk.{n}.nextn."
-    return [(f"the MTP head's input projection ({nextn}eh_proj)", (head.block, "pre"),
-             top + [f"{nextn}{k}.weight" for k in ("embed_tokens", "enorm", "hnorm", "eh_proj")]),
-            (f"the MTP block (blk.{n})", (head.block, "post"), _names(model, f"blk.{n}.", exclude=".nextn.")),
-            ("the MTP head's norm and output matrix", None,
-             [f"{nextn}shared_head_norm.weight", f"{nextn}shared_head_head.weight", "output_norm.weight"] + tail)]
+    return [
+        (
+            f"the MTP head's input projection ({nextn}eh_proj)",
+            (head.block, "pre"),
+            top + [f"{nextn}{k}.weight" for k in ("embed_tokens", "enorm", "hnorm", "eh_proj")],
+        ),
+        (f"the MTP block (blk.{n})", (head.block, "post"), _names(model, f"blk.{n}.", exclude=".nextn.")),
+        (
+            "the MTP head's norm and output matrix",
+            None,
+            [f"{nextn}shared_head_norm.weight", f"{nextn}shared_head_head.weight", "output_norm.weight"] + tail,
+        ),
+    ]
 
 
 class _Found(Exception):
@@ -197,8 +221,10 @@ def _check_weights(model, names: list[str]) -> None:
             total += m.numel()
         if bad:
             kinds = " and ".join(k for k, c in (("NaN", nan), ("inf", bad - nan)) if c)
-            raise InputError(shard_of[name], f"tensor {name} holds {kinds} ({bad:,} of {total:,} values are not "
-                                             "finite): the file is broken")
+            raise InputError(
+                shard_of[name],
+                f"tensor {name} holds {kinds} ({bad:,} of {total:,} values are not finite): the file is broken",
+            )
 
 
 def _position(x: torch.Tensor, packing, start: int) -> str:

@@ -86,7 +86,7 @@ def chunk_tokens(tokens: list[int], n_ctx: int, max_chunks: int | None, bos_id: 
         n = min(n, max_chunks)
     out = []
     for i in range(n):
-        chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
+        chunk = list(tokens[i * n_ctx : (i + 1) * n_ctx])
         if bos_id is not None:
             chunk[0] = bos_id
         out.append(chunk)
@@ -94,8 +94,13 @@ def chunk_tokens(tokens: list[int], n_ctx: int, max_chunks: int | None, bos_id: 
 
 
 @torch.no_grad()
-def collect(model: MtpModel, chunks: list[list[int]], trunk: bool = True, head: bool = True,
-            on_chunk: Callable[[int, int], None] | None = None) -> ImatrixStats:
+def collect(
+    model: MtpModel,
+    chunks: list[list[int]],
+    trunk: bool = True,
+    head: bool = True,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> ImatrixStats:
     """Statistics over ``chunks`` (see :func:`chunk_tokens`) for the trunk and/or the MTP head."""
     stats = ImatrixStats(chunk_size=len(chunks[0]) if chunks else 0)
     watch = _Collector(expert_counts(model), stats)

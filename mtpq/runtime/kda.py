@@ -96,22 +96,26 @@ class KimiDeltaAttention(nn.Module):
         self.wo = w.linear("attn_output")
         convs = [w.tensor(f"ssm_conv1d_{x}") for x in "qkv"]  # [1, C, 1, K] each
         if any(t.numel() != C * K for t in convs) or self.a.numel() != cfg.n_heads:
-            raise InputError(w.file.path, f"{w.prefix}ssm_conv1d_* / ssm_a do not fit the kda metadata "
-                                          f"({cfg.n_heads} heads of {cfg.head_dim}, kernel {K})")
+            raise InputError(
+                w.file.path,
+                f"{w.prefix}ssm_conv1d_* / ssm_a do not fit the kda metadata "
+                f"({cfg.n_heads} heads of {cfg.head_dim}, kernel {K})",
+            )
         self.taps = torch.cat([t.reshape(C, K) for t in convs]).t().contiguous()  # [K, 3C]: tap i, every channel
 
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         H, d, K = cfg.n_heads, cfg.head_dim, cfg.conv_kernel
         mixed = torch.cat(self.qkv(x), dim=-1)  # [B, T, 3C]
         window = conv_window(cache, mixed, K)
         q, k, v = causal_conv(window, as_dtype(self.taps, mixed.dtype)).float().view(B, T, 3, H, d).unbind(2)
-        q = (l2norm(q, cfg.eps) * d ** -0.5).transpose(1, 2)
+        q = (l2norm(q, cfg.eps) * d**-0.5).transpose(1, 2)
         k, v = l2norm(k, cfg.eps).transpose(1, 2), v.transpose(1, 2)
         decay_in = (self.w_decay(x).float() + self.dt_bias).view(B, T, H, d) * self.a[:, None]
         g = (cfg.gate_lower_bound * torch.sigmoid(decay_in)).transpose(1, 2)  # [B, H, T, d]

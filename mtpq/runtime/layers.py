@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LengthCache
 from . import weights as weight_io  # weight_io.observer: see mtpq.runtime.importance
+from .cache import KVCache, LengthCache
 from .weights import FusedLinear, Scope, as_dtype, widened
 
 
@@ -51,8 +51,15 @@ def rope_inv_freq(dim: int, base: float, linear_factor: float = 1.0) -> torch.Te
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)) / linear_factor
 
 
-def yarn_inv_freq(dim: int, base: float, factor: float, orig_ctx: int, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0, ext_factor: float = 1.0) -> torch.Tensor:
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    orig_ctx: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    ext_factor: float = 1.0,
+) -> torch.Tensor:
     """YaRN's inverse frequencies: high-frequency pairs keep RoPE's, low-frequency pairs are divided by
     ``factor``, with a linear ramp between the pairs that turn ``beta_fast`` and ``beta_slow`` times over
     ``orig_ctx`` (transformers' _compute_yarn_parameters, ggml's rope_yarn). The attention scaling YaRN
@@ -118,7 +125,7 @@ class Rope:
         d = self.dim
         rot, rest = x[..., :d], x[..., d:]
         if self.neox:
-            x1, x2 = rot[..., : d // 2], rot[..., d // 2:]
+            x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
             out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
         else:  # pairs (2i, 2i+1) share frequency i: (x1 c - x2 s, x2 c + x1 s) as rot * cos + swapped pairs *
             # (-s, s), the same bits (a + (-b) == a - b) in 4 contiguous ops instead of 6 strided ones and a stack
@@ -142,8 +149,9 @@ def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tens
     return _mask_memo[1]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [B, Hq, T, D] at positions start.. (or at positions ``start`` [B, T]), k [B, Hkv, S, D] and
     v [B, Hkv, S, Dv] at positions 0..S-1 (GQA: query head h reads key head h // (Hq / Hkv)) -> [B, Hq, T, Dv]."""
     B, Hq, T, _ = q.shape
@@ -163,8 +171,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     else:
         allowed = _causal_mask(start, T, S, q.device)
     if mqa:  # one kv head (MLA's latent): the heads become rows of one query, one GEMM instead of SDPA's GQA path
-        out = F.scaled_dot_product_attention(q.reshape(B, 1, Hq * T, -1), k, v, scale=scale,
-                                             attn_mask=None if allowed is None else allowed.repeat(Hq, 1))
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, 1, Hq * T, -1), k, v, scale=scale, attn_mask=None if allowed is None else allowed.repeat(Hq, 1)
+        )
         return out.view(B, Hq, T, -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
@@ -191,8 +200,9 @@ def _strict_upper(n: int, device: torch.device) -> torch.Tensor:
     return _upper_memo[key]
 
 
-def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
-                             ) -> torch.Tensor:
+def blocked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
     """:func:`causal_attention` for q at positions start..start+T-1 as block GEMMs: each block of query rows
     (every query head of a key head folded into its rows) is scored against the keys it sees only, the
     diagonal square masked, softmax, times v. SDPA's CPU flash kernel runs its small per-head tiles well
@@ -210,14 +220,19 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         n, seen = b - a, start + b  # the block's rows (positions start+a..), the keys they see (0..seen-1)
         qb = torch.mul(q[:, :, a:b], scale, out=q.new_empty(BH, g, n, D))  # contiguous: its rows fold
         s = torch.bmm(qb.view(BH, g * n, D), k[:, :seen].transpose(1, 2))
-        s.view(BH, g, n, seen)[..., seen - n:].add_(_strict_upper(n, q.device))
+        s.view(BH, g, n, seen)[..., seen - n :].add_(_strict_upper(n, q.device))
         p = torch.softmax(s, dim=-1)
         out[:, :, a:b] = torch.bmm(p, v[:, :seen]).view(BH, g, n, Dv)
     return out.view(B, Hq, T, Dv)
 
 
-def packed_attention(q: torch.Tensor, kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], packing: Packing,
-                     scale: float, attend: Callable = None) -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor,
+    kv: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    packing: Packing,
+    scale: float,
+    attend: Callable = None,
+) -> torch.Tensor:
     """Attention of packed sequences, each on its own rows: q [Nq, Hq, D] (the packing's output rows), and
     ``kv(a, n)`` the keys [n, Hkv, D] and values [n, Hkv, Dv] of the packed rows a..a+n-1 -> [Nq, Hq, Dv].
     One causal attention per sequence at its own length: a padded batch would spend its longest
@@ -228,7 +243,7 @@ def packed_attention(q: torch.Tensor, kv: Callable[[int, int], tuple[torch.Tenso
     for T, first in zip(packing.lengths, packing.firsts):
         M = T - first  # its output rows: positions first..T-1
         kb, vb = kv(at, T)
-        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[aq:aq + M], kb, vb))
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[aq : aq + M], kb, vb))
         outs.append(attend(qb, kb, vb, first, scale)[0].transpose(0, 1))
         at, aq = at + T, aq + M
     return torch.cat(outs)
@@ -263,8 +278,11 @@ class Attention(nn.Module):
         # q and k normed and rotated as one tensor of n_heads + n_kv_heads heads (half the small ops; the
         # same arithmetic per element), with the two norms' weights stacked per head
         self.joint = (self.q_norm is None) == (self.k_norm is None)
-        self.qk_norm = None if self.q_norm is None or not self.joint else torch.cat(
-            (self.q_norm.expand(cfg.n_heads, -1), self.k_norm.expand(cfg.n_kv_heads, -1)))
+        self.qk_norm = (
+            None
+            if self.q_norm is None or not self.joint
+            else torch.cat((self.q_norm.expand(cfg.n_heads, -1), self.k_norm.expand(cfg.n_kv_heads, -1)))
+        )
         # llama.cpp's numerics: keys and values as its default (f16) KV cache stores them
         self.stored_as = torch.float16 if w.weights.round_inputs else None
 
@@ -317,19 +335,25 @@ class Attention(nn.Module):
         xq = None if packing.kept is None else x[:, packing.kept]
         q, k, v, gate = self._project(x, xq, packing.out_positions, packing.positions)
         k, v = k[0].transpose(0, 1), v[0]  # [N, n_kv, D] rows
-        out = packed_attention(q[0].transpose(0, 1), lambda a, n: (k[a:a + n], v[a:a + n]), packing,
-                               self.cfg.head_dim ** -0.5, self.attend)
+        out = packed_attention(
+            q[0].transpose(0, 1),
+            lambda a, n: (k[a : a + n], v[a : a + n]),
+            packing,
+            self.cfg.head_dim**-0.5,
+            self.attend,
+        )
         return self._output(out.reshape(1, q.shape[2], -1), gate)
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``rows`` [B, M]: outputs for those positions only (every row still gives its key and value)."""
         at = start if rows is None else start + rows  # the queries' positions
         q, k, v, gate = self._project(x, None if rows is None else take_rows(x, rows), at, start)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
-        out = self.attend(q, k, v, at, self.cfg.head_dim ** -0.5).transpose(1, 2)
+        out = self.attend(q, k, v, at, self.cfg.head_dim**-0.5).transpose(1, 2)
         return self._output(out.reshape(x.shape[0], q.shape[2], -1), gate)
 
 
@@ -421,15 +445,24 @@ class MoE(nn.Module):
         self.up, self.down = w.qweight("ffn_up_exps"), w.qweight("ffn_down_exps")
         self.latent_down = w.linear("ffn_latent_down", bias=False) if w.has("ffn_latent_down") else None
         self.latent_up = w.linear("ffn_latent_up", bias=False) if w.has("ffn_latent_up") else None
-        self.shared = SwiGLU(w, "_shexp", cfg.shared_swiglu_limit, cfg.clamp_gate) if w.has("ffn_gate_shexp") else \
-            SquaredReLU(w, "_shexp") if w.has("ffn_up_shexp") else None
+        self.shared = (
+            SwiGLU(w, "_shexp", cfg.shared_swiglu_limit, cfg.clamp_gate)
+            if w.has("ffn_gate_shexp")
+            else SquaredReLU(w, "_shexp")
+            if w.has("ffn_up_shexp")
+            else None
+        )
         self.shared_gate = w.optional("ffn_gate_inp_shexp", torch.float32)  # [H] or [1, H]
         self.register_buffer("gate_up", None, persistent=False)  # float stacks: gate|up as one [2*E*F, H]
-        if self.gate is not None and not self.gate.quantized and not self.up.quantized and \
-                self.gate.data.dtype == self.up.data.dtype:
+        if (
+            self.gate is not None
+            and not self.gate.quantized
+            and not self.up.quantized
+            and self.gate.data.dtype == self.up.data.dtype
+        ):
             E, F_, H = self.gate.data.shape
             both = torch.cat([self.gate.data.reshape(E * F_, H), self.up.data.reshape(E * F_, H)])
-            self.gate.data, self.up.data = both[: E * F_].view(E, F_, H), both[E * F_:].view(E, F_, H)
+            self.gate.data, self.up.data = both[: E * F_].view(E, F_, H), both[E * F_ :].view(E, F_, H)
             self.gate_up = both  # (the expert stacks are now views of it)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,8 +520,11 @@ class MoE(nn.Module):
         if self.gate_up is not None:
             g, u = F.linear(self.gate.input(x), widened(self.gate_up, x.dtype, self.gate.pool)).chunk(2, dim=-1)
         else:
-            g = None if self.gate is None else \
-                F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            g = (
+                None
+                if self.gate is None
+                else F.linear(self.gate.input(x), as_dtype(self.gate.matrix(), x.dtype).reshape(E * F_, H))
+            )
             u = F.linear(self.up.input(x), as_dtype(self.up.matrix(), x.dtype).reshape(E * F_, H))
         h = relu_squared(u) if g is None else swiglu_(g, u, self.cfg.swiglu_limit, self.cfg.clamp_gate)  # [N, E*F]
         h = self.down.input(h.view(-1, E, F_)).view(h.shape)  # (rounded per expert row, as llama.cpp)
@@ -509,8 +545,12 @@ class MoE(nn.Module):
         if self.gate is None:
             h = relu_squared(u)  # [N*k, 1, F]
         else:
-            h = swiglu_(torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2)), u,
-                        self.cfg.swiglu_limit, self.cfg.clamp_gate)
+            h = swiglu_(
+                torch.bmm(self.gate.input(xs), _picked(self.gate, flat, x.dtype).transpose(1, 2)),
+                u,
+                self.cfg.swiglu_limit,
+                self.cfg.clamp_gate,
+            )
         y = torch.bmm(self.down.input(h), _picked(self.down, flat, x.dtype).transpose(1, 2))  # [N*k, 1, H]
         return (y.view(N, k, -1) * as_dtype(weights, x.dtype)[..., None]).sum(dim=1)
 
@@ -528,7 +568,7 @@ class MoE(nn.Module):
             groups, at = [], 0
             for e, count in enumerate(torch.bincount(flat, minlength=self.cfg.n_experts).tolist()):
                 if count:
-                    groups.append((e, tok_sorted[at:at + count], w_sorted[at:at + count]))
+                    groups.append((e, tok_sorted[at : at + count], w_sorted[at : at + count]))
                 at += count
         for e, tok, w in groups:
             h = x[tok]
@@ -539,8 +579,12 @@ class MoE(nn.Module):
             if self.gate is None:
                 h = relu_squared(u)
             else:
-                h = swiglu_(F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)), u,
-                            self.cfg.swiglu_limit, self.cfg.clamp_gate)
+                h = swiglu_(
+                    F.linear(self.gate.input(h), as_dtype(self.gate.matrix(e), x.dtype)),
+                    u,
+                    self.cfg.swiglu_limit,
+                    self.cfg.clamp_gate,
+                )
             if watch is not None:
                 watch(self.down.name, e, h)
             h = F.linear(self.down.input(h), as_dtype(self.down.matrix(e), x.dtype))
@@ -577,8 +621,11 @@ class Packing:
         self.lengths, self.firsts = list(lengths), list(out_from) if out_from is not None else [0] * B
         # each row's position in its sequence, and the output rows' ([1, N] / [1, kept]: RoPE's tensor form)
         self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
-        self.out_positions = self.positions if out_from is None else torch.cat(
-            [torch.arange(f, n) for f, n in zip(out_from, lengths)]).to(device)[None]
+        self.out_positions = (
+            self.positions
+            if out_from is None
+            else torch.cat([torch.arange(f, n) for f, n in zip(out_from, lengths)]).to(device)[None]
+        )
         self.slots = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)]).to(device)
         if out_from is None:
             self.rows = self.kept = None
@@ -589,8 +636,9 @@ class Packing:
         self.rows = torch.minimum(firsts[:, None] + torch.arange(M), torch.tensor(lengths)[:, None] - 1).to(device)
         at = [0] + list(itertools.accumulate(lengths))
         self.kept = torch.cat([torch.arange(a + f, a + n) for a, f, n in zip(at, out_from, lengths)]).to(device)
-        self.out_slots = torch.cat([torch.arange(n - f) + b * M for b, (n, f) in
-                                    enumerate(zip(lengths, out_from))]).to(device)
+        self.out_slots = torch.cat([torch.arange(n - f) + b * M for b, (n, f) in enumerate(zip(lengths, out_from))]).to(
+            device
+        )
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[1, N, H] -> [B, T, H] (padding rows zero)."""
@@ -609,8 +657,9 @@ class DecoderBlock(nn.Module):
     ``mix`` is any sequence-mixing layer (attention, MLA, DeltaNet, Mamba-2, :class:`PositionWise`); the norm
     names are the family's (``post_attention_norm`` for GLM/Qwen, ``ffn_norm`` for DeepSeek)."""
 
-    def __init__(self, w: Scope, mix: nn.Module, ffn: nn.Module | None, eps: float,
-                 ffn_norm: str = "post_attention_norm"):
+    def __init__(
+        self, w: Scope, mix: nn.Module, ffn: nn.Module | None, eps: float, ffn_norm: str = "post_attention_norm"
+    ):
         super().__init__()
         self.eps = eps
         self.attn_norm, self.attn = w.tensor("attn_norm"), mix
@@ -645,8 +694,9 @@ class PositionWise(nn.Module):
     def new_cache(self) -> LengthCache:
         return LengthCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: LengthCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: LengthCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if cache is not None:
             cache.advance(x.shape[1])
         return self.ffn(x if rows is None else take_rows(x, rows))

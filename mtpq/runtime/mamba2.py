@@ -118,18 +118,26 @@ class Mamba2(nn.Module):
         self.group_of_head = torch.arange(cfg.n_heads, device=self.a.device) // (cfg.n_heads // cfg.n_groups)
         want = (cfg.conv_channels, cfg.conv_kernel)
         in_rows = cfg.d_inner + cfg.conv_channels + cfg.n_heads
-        if tuple(self.conv.shape) != want or self.w_in.out_features != in_rows or self.a.numel() != cfg.n_heads \
-                or tuple(self.norm.shape) != (cfg.n_groups, cfg.d_inner // cfg.n_groups):
-            raise InputError(w.file.path, f"{w.name('ssm_in')} / ssm_conv1d / ssm_a / ssm_norm do not fit the ssm "
-                                          f"metadata (conv {tuple(self.conv.shape)}, expected {want}; ssm_in "
-                                          f"{self.w_in.out_features} rows, expected {in_rows}; ssm_norm "
-                                          f"{tuple(self.norm.shape)})")
+        if (
+            tuple(self.conv.shape) != want
+            or self.w_in.out_features != in_rows
+            or self.a.numel() != cfg.n_heads
+            or tuple(self.norm.shape) != (cfg.n_groups, cfg.d_inner // cfg.n_groups)
+        ):
+            raise InputError(
+                w.file.path,
+                f"{w.name('ssm_in')} / ssm_conv1d / ssm_a / ssm_norm do not fit the ssm "
+                f"metadata (conv {tuple(self.conv.shape)}, expected {want}; ssm_in "
+                f"{self.w_in.out_features} rows, expected {in_rows}; ssm_norm "
+                f"{tuple(self.norm.shape)})",
+            )
 
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
 
-    def forward(self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         Bsz, T, _ = x.shape
         K, H, P, G, N = cfg.conv_kernel, cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
@@ -147,13 +155,16 @@ class Mamba2(nn.Module):
         ssm = state["ssm"] if state is not None else None
         recording = cache is not None and cache.recording
         if recording or T <= RECURRENT_MAX_T:
-            y, final, per_token = recurrent_scan(xs * dt[..., None], dt * self.a[:, None], Bh, Ch, ssm,
-                                                 keep_all=recording)
+            y, final, per_token = recurrent_scan(
+                xs * dt[..., None], dt * self.a[:, None], Bh, Ch, ssm, keep_all=recording
+            )
         else:
-            (y, final), per_token = chunked_scan(xs * dt[..., None], dt * self.a[:, None], Bh, Ch, ssm,
-                                                 final=cache is not None), None
+            (y, final), per_token = (
+                chunked_scan(xs * dt[..., None], dt * self.a[:, None], Bh, Ch, ssm, final=cache is not None),
+                None,
+            )
         if recording:  # the state after every token: the conv window ends at that token
-            after = [{"conv": window[:, t + 1: t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
+            after = [{"conv": window[:, t + 1 : t + K].clone(), "ssm": s} for t, s in enumerate(per_token)]
             cache.push(T, after[-1], after)
         elif cache is not None:
             cache.push(T, {"conv": window[:, T:].clone(), "ssm": final})

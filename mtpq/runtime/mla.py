@@ -46,8 +46,9 @@ def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: float = 1.0,
-                    mscale: float | None = None) -> tuple[float, float]:
+def yarn_mla_scales(
+    factor: float, mscale_all_dim: float | None, attn_factor: float = 1.0, mscale: float | None = None
+) -> tuple[float, float]:
     """(cos/sin multiplier, softmax-scale multiplier) of DeepSeek's YaRN as llama.cpp derives them from the
     GGUF: ``factor`` (1 without YaRN), ``mscale_all_dim`` (``rope.scaling.yarn_log_multiplier`` / 0.1) and
     ``rope.scaling.attn_factor``; ``mscale`` is config.json's, which llama.cpp assumes (None: equal to
@@ -63,10 +64,12 @@ def yarn_mla_scales(factor: float, mscale_all_dim: float | None, attn_factor: fl
     if mscale_all_dim:
         if mscale is None or mscale == mscale_all_dim:
             return attn_factor, (attn_factor * yarn_get_mscale(factor, mscale_all_dim)) ** 2
-        return (attn_factor * yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim),
-                (attn_factor * yarn_get_mscale(factor, mscale)) ** 2)
+        return (
+            attn_factor * yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim),
+            (attn_factor * yarn_get_mscale(factor, mscale)) ** 2,
+        )
     rope_scale = attn_factor * yarn_get_mscale(factor)
-    return rope_scale, rope_scale ** 2
+    return rope_scale, rope_scale**2
 
 
 EXPAND_MIN_T = 16  # from this many new tokens on, attention runs on expanded keys/values (fewer FLOPs)
@@ -95,8 +98,13 @@ class MLA(nn.Module):
         """k_b and v_b as one [kv_lora, H*nope | H*v] matrix: both expansions of the latent rows in one GEMM
         (a broadcast matmul per head would copy c once per head and run H small GEMMs)."""
         cfg = self.cfg
-        return torch.cat((as_dtype(self.k_b.matrix(), dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
-                          as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1)), dim=1)
+        return torch.cat(
+            (
+                as_dtype(self.k_b.matrix(), dtype).permute(1, 0, 2).reshape(cfg.kv_lora_rank, -1),
+                as_dtype(self.v_b.matrix(), dtype).permute(2, 0, 1).reshape(cfg.kv_lora_rank, -1),
+            ),
+            dim=1,
+        )
 
     def q_latent(self, xq: torch.Tensor) -> torch.Tensor:
         """The query rows' normed low-rank latent (``attn_q_a`` -> ``attn_q_a_norm``); ``xq`` itself without one."""
@@ -113,10 +121,11 @@ class MLA(nn.Module):
         q = q.view(B, Tq, cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim).transpose(1, 2)
         c, k_pe = self.wkv_a(x).split((cfg.kv_lora_rank, cfg.qk_rope_dim), dim=-1)
         c = rms_norm(c, self.kv_a_norm, cfg.eps)[:, None]
-        return q, self.rope.apply(q[..., cfg.qk_nope_dim:], q_at), c, self.rope.apply(k_pe[:, None], k_at)
+        return q, self.rope.apply(q[..., cfg.qk_nope_dim :], q_at), c, self.rope.apply(k_pe[:, None], k_at)
 
-    def _expanded_kv(self, c: torch.Tensor, k_pe: torch.Tensor, expansion: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _expanded_kv(
+        self, c: torch.Tensor, k_pe: torch.Tensor, expansion: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values expanded per head from the latent rows c [B, 1, S, kv_lora] and k_pe [B, 1, S, rope]
         (``expansion``: :meth:`_expansion`): k [B, H, S, nope + rope], v [B, H, S, v]."""
         cfg = self.cfg
@@ -132,18 +141,19 @@ class MLA(nn.Module):
         cfg = self.cfg
         xq = x if packing.kept is None else x[:, packing.kept]
         q, q_pe, c, k_pe = self._project(x, xq, packing.out_positions, packing.positions)
-        q[..., cfg.qk_nope_dim:] = q_pe
+        q[..., cfg.qk_nope_dim :] = q_pe
         expansion = self._expansion(x.dtype)
 
         def kv(a: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            k, v = self._expanded_kv(c[:, :, a:a + n], k_pe[:, :, a:a + n], expansion)
+            k, v = self._expanded_kv(c[:, :, a : a + n], k_pe[:, :, a : a + n], expansion)
             return k[0].transpose(0, 1), v[0].transpose(0, 1)
 
         out = packed_attention(q[0].transpose(0, 1), kv, packing, cfg.kq_scale)
         return self.wo(out.view(1, -1, cfg.n_heads * cfg.v_dim))
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``rows`` [B, M]: outputs for those positions only (every row still gives its latent key/value)."""
         xq = x if rows is None else take_rows(x, rows)
         at = start if rows is None else start + rows  # the queries' positions
@@ -152,8 +162,15 @@ class MLA(nn.Module):
             c, k_pe = cache.update(c, k_pe)
         return self.attend(q, q_pe, c, k_pe, at)
 
-    def attend(self, q: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, at,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        q_pe: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        at,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The queries (:meth:`_project`, at positions ``at``) on the latent rows c / k_pe at positions 0..S-1,
         through ``attn_output``. ``allowed`` [B, 1, T, S] (bool): the keys each query reads; None: causal."""
         cfg = self.cfg
@@ -162,32 +179,41 @@ class MLA(nn.Module):
             # many queries (prefill, teacher forcing): keys and values expanded per head, as transformers does;
             # attention over nope + rope dims costs a fraction of the latent form's kv_lora + rope
             k, v = self._expanded_kv(c, k_pe, self._expansion(q.dtype))
-            q[..., cfg.qk_nope_dim:] = q_pe
+            q[..., cfg.qk_nope_dim :] = q_pe
             out = _attention(q, k, v, at, cfg.kq_scale, allowed)
             return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
         # absorb k_b into the query: q_nope . (W_k c) == (W_k^T q_nope) . c
-        q_lat = torch.matmul(q[..., : cfg.qk_nope_dim],  # [B, H, T, kv_lora]
-                             as_dtype(self.k_b.matrix(), q.dtype).transpose(1, 2))
+        q_lat = torch.matmul(
+            q[..., : cfg.qk_nope_dim],  # [B, H, T, kv_lora]
+            as_dtype(self.k_b.matrix(), q.dtype).transpose(1, 2),
+        )
         # attention in the latent space: every head reads the one latent "head" (GQA with 1 kv head)
-        lat = _attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale,
-                         allowed)
+        lat = _attention(torch.cat((q_lat, q_pe), dim=-1), torch.cat((c, k_pe), dim=-1), c, at, cfg.kq_scale, allowed)
         out = torch.matmul(lat, as_dtype(self.v_b.matrix(), q.dtype).transpose(1, 2))  # [B, H, T, v]
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_dim))
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at, scale: float,
-               allowed: torch.Tensor | None) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at, scale: float, allowed: torch.Tensor | None
+) -> torch.Tensor:
     """Causal attention (``allowed`` None), or attention on the keys ``allowed`` [B, 1, T, S] marks."""
     if allowed is None:
         return causal_attention(q, k, v, at, scale)
     H, Hk = q.shape[1], k.shape[1]
     if Hk == 1 and H > 1:  # one latent head: the heads become rows of one query (as causal_attention does)
         B, _, T, _ = q.shape
-        out = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, -1), k, v, attn_mask=allowed.repeat(1, 1, H, 1),
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, 1, H * T, -1), k, v, attn_mask=allowed.repeat(1, 1, H, 1), scale=scale
+        )
         return out.view(B, H, T, -1)
     # SDPA with a mask holds every score: query rows in chunks of at most MASKED_SCORES
     step = max(1, MASKED_SCORES // (q.shape[0] * H * k.shape[2]))
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + step], k, v, attn_mask=allowed[:, :, a:a + step],
-                                                     scale=scale, enable_gqa=H != Hk)
-                      for a in range(0, q.shape[2], step)], dim=2)
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, a : a + step], k, v, attn_mask=allowed[:, :, a : a + step], scale=scale, enable_gqa=H != Hk
+            )
+            for a in range(0, q.shape[2], step)
+        ],
+        dim=2,
+    )

@@ -101,15 +101,23 @@ class MtpOut:
 @dataclass
 class RollbackPoint:
     """Where each layer cache stood (a KV length; a recurrent state), to roll back to; no KV tensor is copied."""
+
     trunk: list
     mtp: object
     later: list = field(default_factory=list)  # the later heads' caches (chained heads)
 
 
 class MtpModel(nn.Module):
-    def __init__(self, g: GGUFFile, family: RuntimeFamily, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, hidden: str = "auto", llama_cpp_numerics: bool = False,
-                 first_pair: str = "zero_state"):
+    def __init__(
+        self,
+        g: GGUFFile,
+        family: RuntimeFamily,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        hidden: str = "auto",
+        llama_cpp_numerics: bool = False,
+        first_pair: str = "zero_state",
+    ):
         super().__init__()
         if hidden not in HIDDEN_CHOICES:
             raise ValueError(f"hidden must be one of {HIDDEN_CHOICES}, got {hidden!r}")
@@ -133,8 +141,9 @@ class MtpModel(nn.Module):
         self.out_norm = top.tensor("output_norm")
         self.output = top.linear("output", bias=False) if top.has("output") else QuantLinear(self.tok_embd)
         # every MTP block with a NextN head: the first drafts; later ones (Step-3.5, MiMo-V2.5: 3) chain drafts
-        heads = [self.head_at(w, i) for i in range(g.n_trunk, g.n_trunk + g.n_mtp)
-                 if f"blk.{i}.nextn.eh_proj.weight" in g]
+        heads = [
+            self.head_at(w, i) for i in range(g.n_trunk, g.n_trunk + g.n_mtp) if f"blk.{i}.nextn.eh_proj.weight" in g
+        ]
         self.mtp = heads[0] if heads else None
         self.later_heads = nn.ModuleList(heads[1:])
         self.reset()
@@ -146,10 +155,20 @@ class MtpModel(nn.Module):
         own = fam.nextn_head(w, index, self)
         if own is not None:
             return own
-        return NextNHead(w.at(f"blk.{index}."), fam.block(w.at(f"blk.{index}."), index), self.eps,
-                         trunk_embd=self.tok_embd, trunk_output=self.output, trunk_norm=self.out_norm,
-                         hidden_first=fam.hidden_first, norm=fam.norm, logit_scale=fam.logit_scale,
-                         head_norm_name=fam.head_norm_name, layer_norm_head=fam.layer_norm_head, head_eps=fam.head_eps)
+        return NextNHead(
+            w.at(f"blk.{index}."),
+            fam.block(w.at(f"blk.{index}."), index),
+            self.eps,
+            trunk_embd=self.tok_embd,
+            trunk_output=self.output,
+            trunk_norm=self.out_norm,
+            hidden_first=fam.hidden_first,
+            norm=fam.norm,
+            logit_scale=fam.logit_scale,
+            head_norm_name=fam.head_norm_name,
+            layer_norm_head=fam.layer_norm_head,
+            head_eps=fam.head_eps,
+        )
 
     @property
     def n_heads(self) -> int:
@@ -178,9 +197,11 @@ class MtpModel(nn.Module):
         return self.mtp_cache.length if self.mtp_cache is not None else 0
 
     def checkpoint(self) -> RollbackPoint:
-        return RollbackPoint([c.checkpoint() for c in self.trunk_cache],
-                             self.mtp_cache.checkpoint() if self.mtp_cache is not None else None,
-                             [c.checkpoint() for c in self.later_caches])
+        return RollbackPoint(
+            [c.checkpoint() for c in self.trunk_cache],
+            self.mtp_cache.checkpoint() if self.mtp_cache is not None else None,
+            [c.checkpoint() for c in self.later_caches],
+        )
 
     def rollback(self, ck: RollbackPoint, trunk_kept: int | None = None, mtp_kept: int | None = None) -> None:
         """Keep ``trunk_kept`` / ``mtp_kept`` of the tokens each part consumed since ``ck`` (None: leave it);
@@ -199,8 +220,9 @@ class MtpModel(nn.Module):
 
     # -- the head's pairs ----------------------------------------------------------------
 
-    def head_rows(self, ids: torch.Tensor, hidden: torch.Tensor, lengths: list[int], out_from: list[int] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    def head_rows(
+        self, ids: torch.Tensor, hidden: torch.Tensor, lengths: list[int], out_from: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
         """The head's input rows for whole sequences, teacher-forced: ``ids`` [1, N] packs sequences of
         ``lengths`` and ``hidden`` [1, N, H] is the trunk's output for them. -> (next ids, states, packing) for
         :meth:`draft`, whose output row i of sequence b is the draft of x_{t+2} from the pair (h_t, x_{t+1}),
@@ -211,27 +233,40 @@ class MtpModel(nn.Module):
         dev = hidden.device
         if self.first_pair == "none":
             pairs = torch.cat([torch.arange(a, a + T - 1) for a, T in zip(starts, lengths)])
-            return (ids[:, pairs + 1], hidden[:, pairs.to(dev)],
-                    Packing([T - 1 for T in lengths], dev, out_from=list(out_from)))
+            return (
+                ids[:, pairs + 1],
+                hidden[:, pairs.to(dev)],
+                Packing([T - 1 for T in lengths], dev, out_from=list(out_from)),
+            )
         # row p of a sequence: x_p beside h_{p-1}; the state row before each sequence's first is a zero row
         zero = hidden.new_zeros(1, 1, hidden.shape[-1])
         states = torch.cat((zero, hidden), dim=1)  # states[:, r + 1] is hidden[:, r]
         rows = torch.cat([torch.cat((torch.tensor([-1]), torch.arange(a, a + T - 1))) for a, T in zip(starts, lengths)])
         return ids, states[:, (rows + 1).to(dev)], Packing(list(lengths), dev, out_from=[f + 1 for f in out_from])
 
-    def prompt_pairs(self, prompt_ids: list[int], first: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prompt_pairs(
+        self, prompt_ids: list[int], first: int, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs the head consumes after a prefill of ``prompt_ids`` whose next token is ``first`` (hidden:
         the trunk's states for the prompt [1, n, H]) -> (ids [1, m], states [1, m, H])."""
         if self.first_pair == "none":
             return torch.tensor([list(prompt_ids[1:]) + [first]], device=self.device), hidden
-        return (torch.tensor([list(prompt_ids) + [first]], device=self.device),
-                torch.cat((hidden.new_zeros(1, 1, hidden.shape[-1]), hidden), dim=1))
+        return (
+            torch.tensor([list(prompt_ids) + [first]], device=self.device),
+            torch.cat((hidden.new_zeros(1, 1, hidden.shape[-1]), hidden), dim=1),
+        )
 
     # -- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def trunk(self, ids: torch.Tensor, use_cache: bool = True, last_only: bool = False,
-              packing: Packing | None = None, logit_rows: torch.Tensor | None = None) -> TrunkOut:
+    def trunk(
+        self,
+        ids: torch.Tensor,
+        use_cache: bool = True,
+        last_only: bool = False,
+        packing: Packing | None = None,
+        logit_rows: torch.Tensor | None = None,
+    ) -> TrunkOut:
         """Run the trunk on ids [B, T] (appended to the caches when ``use_cache``); logits for the last
         position only with ``last_only``, for positions ``logit_rows`` of ids only with those. ``packing``:
         ids [1, N] are the sequences it packs (uncached)."""
@@ -247,14 +282,25 @@ class MtpModel(nn.Module):
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         out = TrunkOut(as_dtype(logits, torch.float32), normed if self.hidden == "post_norm" else x)
-        again = lambda: self.trunk(ids, use_cache=False, last_only=last_only, packing=packing,  # noqa: E731
-                                   logit_rows=logit_rows)
+        again = lambda: self.trunk(
+            ids,
+            use_cache=False,
+            last_only=last_only,
+            packing=packing,  # noqa: E731
+            logit_rows=logit_rows,
+        )
         finite.check(self, "trunk", out.logits, out.hidden, again if start == 0 else None, start, packing)
         return out
 
     @torch.inference_mode()
-    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, use_cache: bool = True,
-              packing: Packing | None = None, head: int = 0) -> MtpOut:
+    def draft(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        use_cache: bool = True,
+        packing: Packing | None = None,
+        head: int = 0,
+    ) -> MtpOut:
         """MTP head ``head`` on pairs (hidden[t], next_ids[t]) = (h_t, x_{t+1}); logits predict x_{t+2}. With
         ``packing`` (pairs [1, N] of the sequences it packs, uncached), logits and hidden cover its kept
         pairs only."""
@@ -269,4 +315,3 @@ class MtpModel(nn.Module):
         again = lambda: self.draft(next_ids, hidden, use_cache=False, packing=packing, head=head)  # noqa: E731
         finite.check(self, "head", out.logits, out.hidden, again if start == 0 else None, start, packing)
         return out
-

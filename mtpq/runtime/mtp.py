@@ -25,10 +25,22 @@ from .weights import QuantLinear, QWeight, Scope, as_dtype
 
 
 class NextNHead(nn.Module):
-    def __init__(self, w: Scope, block: nn.Module, eps: float, *, trunk_embd: QWeight, trunk_output: QuantLinear,
-                 trunk_norm: torch.Tensor, hidden_first: bool = False, norm=rms_norm, logit_scale: float = 1.0,
-                 head_norm_name: str = "nextn.shared_head_norm.weight", layer_norm_head: bool = False,
-                 head_eps: float | None = None):
+    def __init__(
+        self,
+        w: Scope,
+        block: nn.Module,
+        eps: float,
+        *,
+        trunk_embd: QWeight,
+        trunk_output: QuantLinear,
+        trunk_norm: torch.Tensor,
+        hidden_first: bool = False,
+        norm=rms_norm,
+        logit_scale: float = 1.0,
+        head_norm_name: str = "nextn.shared_head_norm.weight",
+        layer_norm_head: bool = False,
+        head_eps: float | None = None,
+    ):
         """``norm`` (x, weight, eps): the family's norm for enorm, hnorm and the head's final norm;
         ``head_norm_name``: that final norm's tensor under the block's prefix (Ling 3.0: layer_output_norm);
         ``layer_norm_head``: that final norm a LayerNorm of epsilon ``head_eps`` (Nemotron-H) instead."""

@@ -48,17 +48,21 @@ import torch
 
 from ..acceptance.metrics import GenerationResult
 from . import finite
-from .layers import Packing
 from .families import load
+from .layers import Packing
 from .model import MtpModel
 from .weights import GGUFFile
-
 
 # ----------------------------------------------------------------------------- loading
 
 
-def load_model(path: Path | str, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
-               hidden: str = "auto", head: Path | str | None = None) -> tuple[MtpModel, object]:
+def load_model(
+    path: Path | str,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    hidden: str = "auto",
+    head: Path | str | None = None,
+) -> tuple[MtpModel, object]:
     """(model, tokenizer) from a GGUF of any family the runtime has. device: CUDA when available unless
     given. hidden: see model.py. head: a head file (``mtp-*.gguf``) whose MTP blocks draft for the trunk at
     ``path``, as llama.cpp's ``-md`` (:class:`~mtpq.gguf_io.pair.PairedGGUF`)."""
@@ -105,8 +109,13 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
 
 
-def accept_drafts(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                  params: SamplingParams, gen: torch.Generator | None) -> tuple[int, int]:
+def accept_drafts(
+    target_logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+) -> tuple[int, int]:
     """Verify k drafts against k+1 target logits -> (number accepted, next token).
 
     Greedy: accept while the draft is the target's argmax; the next token is the argmax
@@ -137,7 +146,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def _choose(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
     """Pick a token from logits [V]: (token, the distribution it was drawn from or None when greedy)."""
     if params.greedy:
         return int(logits.argmax().item()), None
@@ -247,10 +258,10 @@ class SpeculativeDecoder:
         ok, a, *values = torch.cat((finite_ok, accepted, best, drafted)).tolist()  # the round's one read-back
         if not ok:
             tests.settle()  # raises, naming the pass
-        best_ids, draft_ids = values[:k + 1], values[k + 1:]
+        best_ids, draft_ids = values[: k + 1], values[k + 1 :]
         m.rollback(ck, trunk_kept=1 + a, mtp_kept=0)  # keep x_j, d_1..d_a; drop the heads' draft-time entries
         emitted = draft_ids[:a] + [best_ids[a]]
-        self.pending_ids = torch.cat((drafted[:a], best[a:a + 1]))[None]
+        self.pending_ids = torch.cat((drafted[:a], best[a : a + 1]))[None]
         self.pending_hidden = verify.hidden[:, : a + 1]
         self.tokens.extend(emitted)
         return emitted, draft_ids
@@ -276,8 +287,13 @@ class SpeculativeDecoder:
         return m.draft(drafted, torch.cat(chain, dim=1), head=drafted.shape[1])
 
     def save(self) -> DecoderState:
-        return DecoderState(list(self.tokens), self.model.checkpoint(), self.pending_ids,
-                            self.pending_hidden, None if self.gen is None else self.gen.get_state())
+        return DecoderState(
+            list(self.tokens),
+            self.model.checkpoint(),
+            self.pending_ids,
+            self.pending_hidden,
+            None if self.gen is None else self.gen.get_state(),
+        )
 
     def restore(self, s: DecoderState) -> None:
         """Return to a saved state (valid until the model is reset)."""
@@ -301,9 +317,17 @@ def _stopped(tokens: list[int], stop_ids: set[int] | None) -> bool:
     return bool(stop_ids) and any(t in stop_ids for t in tokens)
 
 
-def run_speculative(model: MtpModel, prompt_ids: list[int], max_new_tokens: int, k: int = 1,
-                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    stop_ids: set[int] | None = None) -> GenerationResult:
+def run_speculative(
+    model: MtpModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    k: int = 1,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: set[int] | None = None,
+) -> GenerationResult:
     """Generate ``max_new_tokens`` tokens (fewer after a stop token) with k-token MTP drafts."""
     dec = SpeculativeDecoder(model, k, SamplingParams(temperature, top_k, top_p), seed)
     t0 = time.perf_counter()
@@ -323,8 +347,16 @@ def run_speculative(model: MtpModel, prompt_ids: list[int], max_new_tokens: int,
     return res
 
 
-def run_plain(model: MtpModel, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None) -> GenerationResult:
+def run_plain(
+    model: MtpModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: set[int] | None = None,
+) -> GenerationResult:
     """Ordinary autoregressive decoding with the trunk (the baseline for output and tokens/s)."""
     params = SamplingParams(temperature, top_k, top_p)
     gen = None if params.greedy else torch.Generator().manual_seed(seed)
@@ -339,8 +371,13 @@ def run_plain(model: MtpModel, prompt_ids: list[int], max_new_tokens: int, tempe
             break
         out = model.trunk(torch.tensor([[tok]]))
     _sync(model.device)
-    return GenerationResult(prompt_len=len(prompt_ids), tokens=_finish(generated, max_new_tokens, stop_ids), k=0,
-                            seconds=time.perf_counter() - t0, trunk_forwards=len(generated))
+    return GenerationResult(
+        prompt_len=len(prompt_ids),
+        tokens=_finish(generated, max_new_tokens, stop_ids),
+        k=0,
+        seconds=time.perf_counter() - t0,
+        trunk_forwards=len(generated),
+    )
 
 
 # ----------------------------------------------------------------------------- teacher forcing
@@ -396,8 +433,9 @@ def teacher_forced_acceptances(model: MtpModel, seqs: list[tuple[list[int], int]
 
 
 @torch.no_grad()
-def teacher_forced_heads(model: MtpModel, seqs: list[tuple[list[int], int]],
-                         heads: dict[str, object]) -> dict[str, list[TeacherForcedResult]]:
+def teacher_forced_heads(
+    model: MtpModel, seqs: list[tuple[list[int], int]], heads: dict[str, object]
+) -> dict[str, list[TeacherForcedResult]]:
     """:func:`teacher_forced_acceptances` for several MTP heads on one trunk: each packed trunk pass runs once
     and every head (a :class:`~mtpq.runtime.mtp.NextNHead` built for this trunk) drafts from its hidden states
     (``mtpq sweep`` and ``--mtp-type auto`` compare head precisions this way)."""
@@ -420,8 +458,9 @@ def teacher_forced_heads(model: MtpModel, seqs: list[tuple[list[int], int]],
         group.append((ids, n))
         rows, logits = rows + len(ids), logits + more
     flush()
-    return {h: [TeacherForcedResult(n, m, *_loop_counts(m)) for (_, n), m in zip(seqs, ms)]
-            for h, ms in matches.items()}
+    return {
+        h: [TeacherForcedResult(n, m, *_loop_counts(m)) for (_, n), m in zip(seqs, ms)] for h, ms in matches.items()
+    }
 
 
 def pack_rows(model: MtpModel) -> int:
@@ -429,8 +468,9 @@ def pack_rows(model: MtpModel) -> int:
     return min(PACK_ROWS[1], max(PACK_ROWS[0], PACK_VALUES // model.tok_embd.shape[-1]))
 
 
-def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
-                    heads: dict[str, object]) -> dict[str, list[list[bool]]]:
+def _packed_matches(
+    model: MtpModel, group: list[tuple[list[int], int]], heads: dict[str, object]
+) -> dict[str, list[list[bool]]]:
     """One packed trunk pass, then each head's: for each sequence, matches[i] compares the head's draft from the
     pair (h_{j-1}, x_j) with the trunk's argmax at j, j = prompt_len + i (see TeacherForcedResult)."""
     dev = model.device
@@ -453,7 +493,7 @@ def _packed_matches(model: MtpModel, group: list[tuple[list[int], int]],
             model.mtp = head
             drafted = model.draft(head_ids, head_states, use_cache=False, packing=head_packing)
             same = (block_argmax(drafted.logits[0]) == target).tolist()
-            out[name] = [same[end - c:end] for c, end in zip(counts, itertools.accumulate(counts))]
+            out[name] = [same[end - c : end] for c, end in zip(counts, itertools.accumulate(counts))]
     finally:
         model.mtp = own
     return out

@@ -45,8 +45,15 @@ class SwaConfig:
     value_scale: float = 1.0
 
 
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float,
-                       window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int | torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`~mtpq.runtime.layers.causal_attention` with a sliding ``window`` and ``sinks`` [Hq]: q [B, Hq, T, D] at
     positions start.. (or at positions ``start`` [B, T]), k [B, Hkv, S, D] and v [B, Hkv, S, Dv] at 0..S-1."""
     T, S = q.shape[2], k.shape[2]
@@ -128,8 +135,9 @@ class WindowedAttention(nn.Module):
         if isinstance(qkv, tuple):
             q, k, v = qkv
         else:
-            q, k, v = qkv.split((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
-                                 cfg.n_kv_heads * cfg.v_head_dim), dim=-1)
+            q, k, v = qkv.split(
+                (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.v_head_dim), dim=-1
+            )
         q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
         k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -140,7 +148,7 @@ class WindowedAttention(nn.Module):
         return q, k, v.reshape(B, T, cfg.n_kv_heads, cfg.v_head_dim).transpose(1, 2)
 
     def _attention(self, q, k, v, start) -> torch.Tensor:
-        return windowed_attention(q, k, v, start, self.cfg.head_dim ** -0.5, self.cfg.window, self.sinks)
+        return windowed_attention(q, k, v, start, self.cfg.head_dim**-0.5, self.cfg.window, self.sinks)
 
     def _output(self, out: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [B, Tq, n_heads, Dv] of the rows ``xq`` (the layer's input there) -> [B, Tq, H]."""
@@ -149,8 +157,9 @@ class WindowedAttention(nn.Module):
         y = self.wo(out.flatten(-2))
         return y * self.cfg.value_scale if self.cfg.value_scale != 1.0 else y
 
-    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start: int, cache: KVCache | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``rows`` [B, M]: outputs for those positions only."""
         q, k, v = self._project(x, start, start)
         if cache is not None:
@@ -167,7 +176,7 @@ class WindowedAttention(nn.Module):
         outs, at = [], 0
         for T, first in zip(packing.lengths, packing.firsts):
             sl = slice(at + first, at + T)  # the sequence's output rows
-            outs.append(self._attention(q[:, :, sl], k[:, :, at:at + T], v[:, :, at:at + T], first))
+            outs.append(self._attention(q[:, :, sl], k[:, :, at : at + T], v[:, :, at : at + T], first))
             at += T
         xq = x if packing.kept is None else x[:, packing.kept]
         return self._output(torch.cat(outs, dim=2).transpose(1, 2), xq)

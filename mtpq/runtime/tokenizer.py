@@ -36,8 +36,10 @@ _LLAMA_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2 + r"|\s+", r"\p{N}+", r"[0-9][0
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK3 = [
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",
@@ -93,8 +95,11 @@ def tokenizer_from_gguf(g: GGUFFile):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    added = [AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)
+    ]
     tok.add_tokens(added)
 
     def special(role: str) -> str | None:
@@ -103,19 +108,30 @@ def tokenizer_from_gguf(g: GGUFFile):
 
     bos = special("bos")
     if g.kv.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, vocab[bos])])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+
     def full():
         from transformers import PreTrainedTokenizerFast
 
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=special("eos"),
-                                       unk_token=special("unknown"), pad_token=special("padding"))
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=bos,
+            eos_token=special("eos"),
+            unk_token=special("unknown"),
+            pad_token=special("padding"),
+        )
         if (template := g.kv.get("tokenizer.chat_template")) is not None:
             fast.chat_template = template
         return fast
 
-    return RuntimeTokenizer(tok, full, bos_token_id=tok.token_to_id(bos) if bos else None,
-                            eos_token_id=tok.token_to_id(eos) if (eos := special("eos")) else None)
+    return RuntimeTokenizer(
+        tok,
+        full,
+        bos_token_id=tok.token_to_id(bos) if bos else None,
+        eos_token_id=tok.token_to_id(eos) if (eos := special("eos")) else None,
+    )
 
 
 class RuntimeTokenizer:

@@ -98,24 +98,38 @@ class FileQuality:
         kld = sorted(self.kld)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         out = {
-            "file": self.file, "size_bytes": self.size_bytes, "bits_per_weight": round(self.bits_per_weight, 4),
+            "file": self.file,
+            "size_bytes": self.size_bytes,
+            "bits_per_weight": round(self.bits_per_weight, 4),
             "positions": self.count,
-            "ppl": self.ppl, "ppl_ratio": math.exp(mean(self.nll) - mean(self.nll_ref)),
-            "kld_mean": mean(kld), "kld_median": median(kld), "kld_p99": percentile(kld, 0.99), "kld_max": kld[-1],
-            "top1": self.same_top / self.count, "dp_rms": math.sqrt(mean([d * d for d in self.p_diff])),
+            "ppl": self.ppl,
+            "ppl_ratio": math.exp(mean(self.nll) - mean(self.nll_ref)),
+            "kld_mean": mean(kld),
+            "kld_median": median(kld),
+            "kld_p99": percentile(kld, 0.99),
+            "kld_max": kld[-1],
+            "top1": self.same_top / self.count,
+            "dp_rms": math.sqrt(mean([d * d for d in self.p_diff])),
             "accept_rate": self.accept_rate,
         }
         ref_rate = reference.accept_rate if reference is not None else None
-        out["accept_drop"] = (ref_rate - self.accept_rate) if ref_rate is not None and self.accept_rate is not None \
-            else None
+        out["accept_drop"] = (
+            (ref_rate - self.accept_rate) if ref_rate is not None and self.accept_rate is not None else None
+        )
         return out
 
 
 class QualityRun:
     """One GGUF loaded for the runtime, and the figures gathered for it."""
 
-    def __init__(self, path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 numerics: str = "llama.cpp", head: Path | None = None):
+    def __init__(
+        self,
+        path: Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        numerics: str = "llama.cpp",
+        head: Path | None = None,
+    ):
         """``head``: a head file drafting for the trunk at ``path`` (:class:`~mtpq.gguf_io.pair.PairedGGUF`)."""
         from ..gguf_io import GGUFFile
         from ..gguf_io.pair import PairedGGUF
@@ -176,8 +190,14 @@ def score_chunk(q: FileQuality, logp: torch.Tensor, logp_ref: torch.Tensor, next
     q.same_top += int((block_argmax(logp) == block_argmax(logp_ref)).sum())
 
 
-def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_ctx: int = 512,
-                 n_chunks: int | None = None, on_chunk: Callable[[int, int], None] | None = None) -> int:
+def compare_runs(
+    reference: QualityRun,
+    quants: list[QualityRun],
+    text: str,
+    n_ctx: int = 512,
+    n_chunks: int | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> int:
     """Score every quant against the reference on llama-perplexity's chunks of ``text``; returns the chunk count.
     The reference's own figures (its PPL, its head's rate) land in ``reference.quality``."""
     if n_ctx < 4:
@@ -189,21 +209,29 @@ def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_c
     bos = reference.tokenizer.bos_token_id if reference.add_bos else None
     tokens = reference.tokenizer.encode(text)  # BOS first when the vocabulary adds one, as common_tokenize
     if len(tokens) < 2 * n_ctx:
-        raise InputError("--text", f"tokenizes to {len(tokens)} tokens; a context of {n_ctx} needs at least "
-                                   f"{2 * n_ctx} (llama-perplexity's rule): give more text or a smaller --ctx-size")
+        raise InputError(
+            "--text",
+            f"tokenizes to {len(tokens)} tokens; a context of {n_ctx} needs at least "
+            f"{2 * n_ctx} (llama-perplexity's rule): give more text or a smaller --ctx-size",
+        )
     chunks = perplexity_chunks(tokens, n_ctx, n_chunks, bos)
     first = n_ctx // 2
     per_pass = max(1, min(pack_rows(reference.model) // n_ctx, PACK_LOGITS // ((n_ctx - first) * vocab)))
     done = 0
     for g in range(0, len(chunks), per_pass):
-        group = chunks[g:g + per_pass]
+        group = chunks[g : g + per_pass]
         refs = reference.chunks(group, first)
         for ids, (logp_ref, matches) in zip(group, refs):
-            _add(reference, logp_ref, logp_ref, matches, torch.tensor(ids[first + 1:], device=logp_ref.device))
+            _add(reference, logp_ref, logp_ref, matches, torch.tensor(ids[first + 1 :], device=logp_ref.device))
         for q in quants:  # one quant's group at a time beside the reference's
             for ids, (logp_ref, _), (logp, matches) in zip(group, refs, q.chunks(group, first)):
-                _add(q, logp.to(logp_ref.device), logp_ref, matches,
-                     torch.tensor(ids[first + 1:], device=logp_ref.device))
+                _add(
+                    q,
+                    logp.to(logp_ref.device),
+                    logp_ref,
+                    matches,
+                    torch.tensor(ids[first + 1 :], device=logp_ref.device),
+                )
         del refs
         done += len(group)
         if on_chunk is not None:
@@ -211,39 +239,54 @@ def compare_runs(reference: QualityRun, quants: list[QualityRun], text: str, n_c
     return len(chunks)
 
 
-def compare_with_base(base, quants: list[QualityRun], n_chunks: int | None = None,
-                      on_chunk: Callable[[int, int], None] | None = None) -> FileQuality:
+def compare_with_base(
+    base, quants: list[QualityRun], n_chunks: int | None = None, on_chunk: Callable[[int, int], None] | None = None
+) -> FileQuality:
     """Score every quant against a reference's log-probabilities as ``llama-perplexity --kl-divergence-base``
     saved them (``base``: a :class:`~mtpq.engines.kld_base.KldBase`), on the file's own tokens and chunks.
     Returns the reference's figures (its PPL; it has no head here)."""
     for q in quants:
         if q.model.vocab_size != base.n_vocab:
-            raise InputError(q.path, f"vocabulary of {q.model.vocab_size} tokens; {base.path.name} was written for "
-                                     f"{base.n_vocab}")
+            raise InputError(
+                q.path, f"vocabulary of {q.model.vocab_size} tokens; {base.path.name} was written for {base.n_vocab}"
+            )
     reference = FileQuality(str(base.path), base.path.stat().st_size, 0.0, has_head=False)
     n = base.n_chunk if n_chunks is None else min(n_chunks, base.n_chunk)
     first = base.first
-    per_pass = max(1, min(pack_rows(quants[0].model) // base.n_ctx,
-                          PACK_LOGITS // ((base.n_ctx - first) * base.n_vocab)))
+    per_pass = max(
+        1, min(pack_rows(quants[0].model) // base.n_ctx, PACK_LOGITS // ((base.n_ctx - first) * base.n_vocab))
+    )
     for g in range(0, n, per_pass):
         chunks = list(range(g, min(n, g + per_pass)))
         group = [base.tokens(c) for c in chunks]
         logp_refs = [torch.from_numpy(base.log_probs(c)) for c in chunks]
         for ids, logp_ref in zip(group, logp_refs):  # the reference against itself: its NLL, hence its PPL
-            score_chunk(reference, logp_ref, logp_ref, torch.tensor(ids[first + 1:]))
+            score_chunk(reference, logp_ref, logp_ref, torch.tensor(ids[first + 1 :]))
         for q in quants:
             bos = q.tokenizer.bos_token_id if q.add_bos else None  # as llama-perplexity, by the quant's vocabulary
             seqs = [[bos, *ids[1:]] if bos is not None else ids for ids in group]
             for ids, logp_ref, (logp, matches) in zip(group, logp_refs, q.chunks(seqs, first)):
-                _add(q, logp, logp_ref.to(logp.device), matches, torch.tensor(ids[first + 1:], device=logp.device),
-                     ref_rows=True)
+                _add(
+                    q,
+                    logp,
+                    logp_ref.to(logp.device),
+                    matches,
+                    torch.tensor(ids[first + 1 :], device=logp.device),
+                    ref_rows=True,
+                )
         if on_chunk is not None:
             on_chunk(chunks[-1] + 1, n)
     return reference
 
 
-def _add(run: QualityRun, logp: torch.Tensor, logp_ref: torch.Tensor, matches: torch.Tensor | None,
-         next_ids: torch.Tensor, ref_rows: bool = False) -> None:
+def _add(
+    run: QualityRun,
+    logp: torch.Tensor,
+    logp_ref: torch.Tensor,
+    matches: torch.Tensor | None,
+    next_ids: torch.Tensor,
+    ref_rows: bool = False,
+) -> None:
     """One chunk of one file: the trunk's statistics on positions first..n-2, the head's on first..n-1
     (``ref_rows``: ``logp_ref`` holds the scored positions only, as a base file does)."""
     score_chunk(run.quality, logp[:-1], logp_ref if ref_rows else logp_ref[:-1], next_ids)

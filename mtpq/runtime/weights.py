@@ -23,8 +23,6 @@ Shapes are torch order throughout: ``(rows, row_length)``; GGUF's ne[0] is the r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -111,8 +109,9 @@ class Scope:
         if full not in self.file:
             raise InputError(self.file.path, f"missing tensor {full}")
         t = self.file.tensors[full]
-        q = QWeight.from_reader(t, self.file.shape(full), self.weights.device, self.weights.dtype,
-                                pool=self.weights.pool)
+        q = QWeight.from_reader(
+            t, self.file.shape(full), self.weights.device, self.weights.dtype, pool=self.weights.pool
+        )
         q.round_inputs = self.weights.round_inputs
         return q
 
@@ -143,8 +142,15 @@ class QWeight(nn.Module):
     only, so a MoE layer dequantizes just the experts a token is routed to.
     """
 
-    def __init__(self, qtype: GGMLQuantizationType, shape: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype,
-                 name: str = "", pool: dict | None = None):
+    def __init__(
+        self,
+        qtype: GGMLQuantizationType,
+        shape: tuple[int, ...],
+        data: torch.Tensor,
+        dtype: torch.dtype,
+        name: str = "",
+        pool: dict | None = None,
+    ):
         super().__init__()
         self.name = name  # the GGUF tensor name (importance statistics are keyed by it)
         self.qtype = qtype
@@ -252,8 +258,9 @@ class QuantLinear(nn.Module):
             return F.linear(x, as_dtype(w.matrix(), x.dtype), bias)
         # a big quantized or narrow matrix (the LM head: vocab x hidden) is decoded a slab of rows at a time
         step = max(1, DEQUANT_CHUNK // cols)
-        out = torch.cat([F.linear(x, w.row_range(r, min(rows, r + step)).to(x.dtype)) for r in range(0, rows, step)],
-                        dim=-1)
+        out = torch.cat(
+            [F.linear(x, w.row_range(r, min(rows, r + step)).to(x.dtype)) for r in range(0, rows, step)], dim=-1
+        )
         return out if bias is None else out + bias
 
 
@@ -275,15 +282,22 @@ class FusedLinear(nn.Module):
             return
         weight = torch.cat([w.data for w in ws])  # in the parts' own dtype (narrow stays narrow)
         biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b.to(ws[0].dtype) if b is not None else weight.new_zeros(n, dtype=ws[0].dtype)
-             for b, n in zip(biases, self.sizes)])  # biases in the compute dtype, even when the weights are narrow
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b.to(ws[0].dtype) if b is not None else weight.new_zeros(n, dtype=ws[0].dtype)
+                    for b, n in zip(biases, self.sizes)
+                ]
+            )
+        )  # biases in the compute dtype, even when the weights are narrow
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.pool = ws[0].pool
         row = 0
         for p, n in zip(parts, self.sizes):  # the parts now view the fused matrix
-            p.weight.data = weight[row:row + n]
+            p.weight.data = weight[row : row + n]
             row += n
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -299,8 +313,24 @@ class FusedLinear(nn.Module):
 
 # ----------------------------------------------------------------------------- llama.cpp's CPU numerics
 
-_KQ = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                          "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS")}
+_KQ = {
+    GGMLQuantizationType[n]
+    for n in (
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ4_XS",
+    )
+}
 _Q8_0 = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")}
 
 

@@ -31,16 +31,26 @@ def _no_progress(description: str, total: int) -> ContextManager[Callable[[int, 
     return contextlib.nullcontext(lambda n, label="": None)
 
 
-def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, max_drop: float, prompts: str,
-                            split=None, progress: Progress = _no_progress, say: Callable[[str], None] | None = None,
-                            head_file: bool = False):
+def quantize_with_auto_head(
+    src: Path,
+    dst: Path,
+    before,
+    trunk_plan,
+    options,
+    max_drop: float,
+    prompts: str,
+    split=None,
+    progress: Progress = _no_progress,
+    say: Callable[[str], None] | None = None,
+    head_file: bool = False,
+):
     """Write ``dst`` (split by ``split``, a SplitRule) with the measured head type; returns the plan and the files
     written. ``trunk_plan`` is the trunk quantized by ``options`` (the job's QuantOptions) with the head kept; each
     candidate head is quantized by the same options at its own type. ``progress`` (a byte bar) and ``say`` (a line)
     report to a person; by default nothing is shown. ``head_file``: ``src`` is a head file and ``trunk_plan`` the
     quantized trunk it drafts for (see above)."""
-    from ..quantize.pipeline import plan_quantize
     from ..acceptance.prompts import load_prompts
+    from ..quantize.pipeline import plan_quantize
     from ..quantize.surgery import plan_graft
     from ..runtime.accept import use_threads
     from .headsweep import AUTO_CANDIDATES, AUTO_KEY, AutoChoice, choose_head_type, head_plan, head_rates
@@ -56,9 +66,18 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, m
         with progress(f"quantize trunk -> {dst.name}", _nbytes(trunk_plan)) as advance:
             write_plan(trunk_plan, trunk_file, on_tensor=lambda spec, n: advance(n, spec.name))
         if say:
-            say(f"measuring {len(AUTO_CANDIDATES)} head types on the {options.preset.name} trunk ({len(pairs)} prompts)")
-        rates = head_rates(trunk_file, before, options, list(AUTO_CANDIDATES), [p for _, p in pairs], workdir=tmp,
-                           head=src if head_file else None)
+            say(
+                f"measuring {len(AUTO_CANDIDATES)} head types on the {options.preset.name} trunk ({len(pairs)} prompts)"
+            )
+        rates = head_rates(
+            trunk_file,
+            before,
+            options,
+            list(AUTO_CANDIDATES),
+            [p for _, p in pairs],
+            workdir=tmp,
+            head=src if head_file else None,
+        )
         choice = AutoChoice(choose_head_type(rates, max_drop), max_drop, rates)
         if head_file:  # the whole head file, its MTP block at the chosen type
             final = plan_quantize(before, options.with_mtp_type(choice.head_type))
@@ -72,8 +91,10 @@ def quantize_with_auto_head(src: Path, dst: Path, before, trunk_plan, options, m
         written = write_plan(final, dst, split=split)
     line = ", ".join(f"{t} {100 * r.rate:.1f} %" for t, r in rates.items())
     if say:
-        say(f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
-            f"{100 * choice.baseline:.1f} %; {line})")
+        say(
+            f"--mtp-type auto: {choice.head_type} (within {100 * max_drop:.1f} points of f16's "
+            f"{100 * choice.baseline:.1f} %; {line})"
+        )
     return final, written
 
 

@@ -16,9 +16,13 @@ if TYPE_CHECKING:
     from ..tensors import Plan
 
 
-def converted_plan(src: Path, blocks: "BlockSelection", outtype: "GGMLQuantizationType | None",
-                   options: "QuantOptions | None" = None,
-                   kv_overrides: Sequence["KvOverride"] = ()) -> tuple["Plan", "Plan"]:
+def converted_plan(
+    src: Path,
+    blocks: "BlockSelection",
+    outtype: "GGMLQuantizationType | None",
+    options: "QuantOptions | None" = None,
+    kv_overrides: Sequence["KvOverride"] = (),
+) -> tuple["Plan", "Plan"]:
     """(the checkpoint's plan, the plan to write): quantized by ``options`` when given (``--outtype`` still decides
     what the preset leaves unquantized, as if converted first and quantized after), else with ``kv_overrides``
     written. ``outtype`` None is llama.cpp's ``auto``."""

@@ -53,8 +53,13 @@ def describe(path: Path) -> dict:
     for t in info["tensors"]:
         by_role.setdefault(t["role"], {}).setdefault(t["type"], 0)
         by_role[t["role"]][t["type"]] += 1
-    return {"bytes": sum(s["bytes"] for s in info["shards"]), "bits_per_weight": info["bits_per_weight"],
-            "types_by_role": by_role, "mtp_precision": info["mtp_types"], "mtp_blocks": len(info["mtp_blocks"])}
+    return {
+        "bytes": sum(s["bytes"] for s in info["shards"]),
+        "bits_per_weight": info["bits_per_weight"],
+        "types_by_role": by_role,
+        "mtp_precision": info["mtp_types"],
+        "mtp_blocks": len(info["mtp_blocks"]),
+    }
 
 
 # ----------------------------------------------------------------------------- gates
@@ -63,13 +68,24 @@ def describe(path: Path) -> dict:
 def measure(path: Path, gate: Gate, head: Path | None = None) -> dict:
     """Greedy acceptance figures of one GGUF (``head``: a trunk with this head file, as llama.cpp's -md) on the
     gate's prompts (deterministic: no timings)."""
-    kw = dict(prompts=gate.prompts, draft=gate.draft, max_new_tokens=gate.max_new_tokens, temperature=gate.temperature,
-              max_prompts=gate.max_prompts)
+    kw = dict(
+        prompts=gate.prompts,
+        draft=gate.draft,
+        max_new_tokens=gate.max_new_tokens,
+        temperature=gate.temperature,
+        max_prompts=gate.max_prompts,
+    )
     if gate.engine == "llama.cpp":
         from ..engines.llama_cpp import ServerConfig, find_server, measure_with_llama_cpp, with_draft_model
 
-        cfg = ServerConfig(find_server(gate.llama_cpp), ngl=gate.ngl, ctx_size=gate.ctx_size, threads=gate.threads,
-                           rpc=gate.rpc, extra=list(gate.server_args))
+        cfg = ServerConfig(
+            find_server(gate.llama_cpp),
+            ngl=gate.ngl,
+            ctx_size=gate.ctx_size,
+            threads=gate.threads,
+            rpc=gate.rpc,
+            extra=list(gate.server_args),
+        )
         report = measure_with_llama_cpp(path, **kw, server=cfg if head is None else with_draft_model(cfg, head))
     else:
         from ..runtime.accept import measure_file
@@ -83,8 +99,13 @@ def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
     if gate.engine == "llama.cpp":
         from ..engines.perplexity import PerplexityConfig, find_perplexity, kld_with_llama_cpp
 
-        cfg = PerplexityConfig(find_perplexity(gate.llama_cpp), ctx_size=gate.kld_ctx_size, chunks=gate.kld_chunks,
-                               threads=gate.threads, ngl=gate.ngl)
+        cfg = PerplexityConfig(
+            find_perplexity(gate.llama_cpp),
+            ctx_size=gate.kld_ctx_size,
+            chunks=gate.kld_chunks,
+            threads=gate.threads,
+            ngl=gate.ngl,
+        )
         _, (figures,), chunks = kld_with_llama_cpp(reference, [path], Path(gate.text), cfg)
         return {**figures, "chunks": chunks, "ctx_size": gate.kld_ctx_size, "engine": "llama.cpp"}
     from ..runtime.accept import use_threads
@@ -94,8 +115,12 @@ def measure_quality(reference: Path, path: Path, gate: Gate) -> dict:
     ref, q = QualityRun(reference), QualityRun(path)
     chunks = compare_runs(ref, [q], Path(gate.text).read_text(), n_ctx=gate.kld_ctx_size, n_chunks=gate.kld_chunks)
     keep = ("ppl", "ppl_ratio", "kld_mean", "kld_median", "kld_p99", "kld_max", "top1", "dp_rms")
-    return {**{k: v for k, v in q.quality.summary(ref.quality).items() if k in keep}, "chunks": chunks,
-            "ctx_size": gate.kld_ctx_size, "engine": "torch"}
+    return {
+        **{k: v for k, v in q.quality.summary(ref.quality).items() if k in keep},
+        "chunks": chunks,
+        "ctx_size": gate.kld_ctx_size,
+        "engine": "torch",
+    }
 
 
 def judge(rate: float | None, ref_rate: float | None, gate: Gate, quality: dict | None = None) -> dict:
@@ -106,7 +131,12 @@ def judge(rate: float | None, ref_rate: float | None, gate: Gate, quality: dict 
 
     drop = ref_rate - rate if rate is not None and ref_rate is not None else None
     row = {**(quality or {}), "file": "", "accept_rate": rate, "accept_drop": drop}
-    gates = Gates(max_kld=gate.max_kld, min_top1=gate.min_top1, max_ppl_ratio=gate.max_ppl_ratio,
-                  min_rate=gate.min_rate, max_drop=gate.max_drop)
+    gates = Gates(
+        max_kld=gate.max_kld,
+        min_top1=gate.min_top1,
+        max_ppl_ratio=gate.max_ppl_ratio,
+        min_rate=gate.min_rate,
+        max_drop=gate.max_drop,
+    )
     reasons = judge_figures([row], gates, {g: f"gate.{g}" for g in CHECKS})[""]
     return {"passed": not reasons, "reason": "; ".join(reasons) or "ok"}

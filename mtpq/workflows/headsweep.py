@@ -35,9 +35,8 @@ class HeadRate:
 def head_plan(reference_plan, options, head_type: str):
     """The MTP block's tensors of ``mtpq quantize REF OUT`` with the job's ``options`` (QuantOptions) but
     ``--mtp-type head_type`` (lazy: nothing else is quantized), as a plan with the reference's metadata."""
-    from ..quantize.pipeline import plan_quantize
-
     from ..gguf_io.pair import OWN
+    from ..quantize.pipeline import plan_quantize
 
     full = plan_quantize(reference_plan, options.with_mtp_type(head_type))
     n = full.n_trunk_layers
@@ -72,9 +71,18 @@ def greedy_sequences(model, tok, prompts: list[str], max_new_tokens: int) -> lis
     return out
 
 
-def head_rates(trunk: Path, reference, options, head_types: list[str], prompts: list[str],
-               max_new_tokens: int = 48, device: str | None = None, workdir: Path | None = None,
-               on_head: Callable[[str], None] | None = None, head: Path | None = None) -> dict[str, HeadRate]:
+def head_rates(
+    trunk: Path,
+    reference,
+    options,
+    head_types: list[str],
+    prompts: list[str],
+    max_new_tokens: int = 48,
+    device: str | None = None,
+    workdir: Path | None = None,
+    on_head: Callable[[str], None] | None = None,
+    head: Path | None = None,
+) -> dict[str, HeadRate]:
     """Greedy k=1 acceptance of each head type (quantized from ``reference``, a GGUF path or a plan, by the job's
     ``options``, a QuantOptions) on ``trunk``'s trunk, from one trunk pass. ``head``: the head file that drafts for
     ``trunk`` (a trunk-only file) in that pass, as ``accept --head``; ``reference`` is then that head file."""
@@ -104,7 +112,6 @@ def _totals(head_type: str, results: list[TeacherForcedResult]) -> HeadRate:
     return HeadRate(head_type, sum(r.loop_drafts for r in results), sum(r.loop_accepted for r in results))
 
 
-
 # --mtp-type auto: the candidates, widest first (bits per weight of a 256-wide row: f16 16, q8_0 8.5, q6_k 6.56 ...)
 AUTO_CANDIDATES = ("f16", "q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k")
 AUTO_KEY = "mtpq.mtp_type_auto"  # the choice and its figures, recorded in the file (no general.* key)
@@ -121,8 +128,12 @@ class AutoChoice:
         return self.rates["f16"].rate
 
     def to_dict(self) -> dict:
-        return {"mtp_type": self.head_type, "max_drop": self.max_drop, "baseline": "f16",
-                "rates": {t: {"rate": r.rate, "drafted": r.drafts, "accepted": r.accepted} for t, r in self.rates.items()}}
+        return {
+            "mtp_type": self.head_type,
+            "max_drop": self.max_drop,
+            "baseline": "f16",
+            "rates": {t: {"rate": r.rate, "drafted": r.drafts, "accepted": r.accepted} for t, r in self.rates.items()},
+        }
 
 
 def choose_head_type(rates: dict[str, HeadRate], max_drop: float) -> str:

@@ -17,9 +17,12 @@ import torch
 from tests.builders import tiny
 from tests.helpers.runcli import run_cli
 
-PROMPTS = ['{"category": "code", "prompt": "def add(a, b):"}', '{"category": "code", "prompt": "class Point:"}',
-           '{"category": "prose", "prompt": "The quick brown fox"}', '{"category": "prose", "prompt": "for i in"}']
-
+PROMPTS = [
+    '{"category": "code", "prompt": "def add(a, b):"}',
+    '{"category": "code", "prompt": "class Point:"}',
+    '{"category": "prose", "prompt": "The quick brown fox"}',
+    '{"category": "prose", "prompt": "for i in"}',
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +84,13 @@ def test_report_is_consistent_and_per_category(work, tmp_path):
 def test_gate_exit_codes(work):
     code, good = accept_json(work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "2", "-n", "24")
     rate = good["acceptance_rate"]
-    code, rep = accept_json(work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "2", "-n", "24",
-                            "--min-rate", f"{rate - 0.01:.4f}")
+    code, rep = accept_json(
+        work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "2", "-n", "24", "--min-rate", f"{rate - 0.01:.4f}"
+    )
     assert code == 0 and rep["passed"]
-    code, rep = accept_json(work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "2", "-n", "24",
-                            "--min-rate", f"{rate + 0.01:.4f}")
+    code, rep = accept_json(
+        work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "2", "-n", "24", "--min-rate", f"{rate + 0.01:.4f}"
+    )
     assert code == 1 and not rep["passed"] and "min-rate" in rep["reasons"][0]
 
 
@@ -93,25 +98,50 @@ def test_reference_drop_catches_a_broken_head(work):
     _, good = accept_json(work / "good.gguf", "--prompts", work / "p.jsonl", "-k", "1", "-n", "24")
     limit = good["acceptance_rate"] / 2
     assert limit > 0.02
-    code, rep = accept_json(work / "bad.gguf", "--reference", work / "good.gguf", "--prompts", work / "p.jsonl",
-                            "-k", "1", "-n", "24", "--max-drop", f"{limit:.4f}")
+    code, rep = accept_json(
+        work / "bad.gguf",
+        "--reference",
+        work / "good.gguf",
+        "--prompts",
+        work / "p.jsonl",
+        "-k",
+        "1",
+        "-n",
+        "24",
+        "--max-drop",
+        f"{limit:.4f}",
+    )
     assert code == 1, rep
     assert rep["reference"]["acceptance_rate"] == good["acceptance_rate"]
     assert rep["reference"]["acceptance_rate"] - rep["acceptance_rate"] == pytest.approx(rep["drop"], abs=1e-6)
     assert rep["drop"] > limit and "max-drop" in rep["reasons"][0]
-    code, rep = accept_json(work / "good.gguf", "--reference", work / "good.gguf", "--prompts", work / "p.jsonl",
-                            "-k", "2", "-n", "24", "--max-drop", "0.0")
+    code, rep = accept_json(
+        work / "good.gguf",
+        "--reference",
+        work / "good.gguf",
+        "--prompts",
+        work / "p.jsonl",
+        "-k",
+        "2",
+        "-n",
+        "24",
+        "--max-drop",
+        "0.0",
+    )
     assert code == 0 and rep["drop"] == 0.0
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["missing.gguf"], "missing.gguf"),
-    (["{w}/trunk.gguf", "--prompts", "{w}/p.jsonl"], "no MTP head"),
-    (["{w}/good.gguf", "--max-drop", "0.1"], "--reference"),
-    (["{w}/good.gguf", "--prompts", "{w}/nope.jsonl"], "nope.jsonl"),
-    (["{w}/good.gguf", "--draft", "9", "--prompts", "{w}/p.jsonl"], "--draft"),
-    (["{w}/p.jsonl"], "p.jsonl"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["missing.gguf"], "missing.gguf"),
+        (["{w}/trunk.gguf", "--prompts", "{w}/p.jsonl"], "no MTP head"),
+        (["{w}/good.gguf", "--max-drop", "0.1"], "--reference"),
+        (["{w}/good.gguf", "--prompts", "{w}/nope.jsonl"], "nope.jsonl"),
+        (["{w}/good.gguf", "--draft", "9", "--prompts", "{w}/p.jsonl"], "--draft"),
+        (["{w}/p.jsonl"], "p.jsonl"),
+    ],
+)
 def test_bad_input(work, args, needle):
     res = run_cli("accept", *[a.format(w=work) for a in args])
     assert res.exit_code == 2, res.output

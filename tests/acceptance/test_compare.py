@@ -41,8 +41,23 @@ def files(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def report(files, tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("report") / "r.json"
-    res = run_cli("compare", files["f16"], files["q4km"], files["q2k"], files["q2k_head2"], "-f", files["text"],
-                  "-c", CTX, "--chunks", 12, "--json", path, "--threads", 1)
+    res = run_cli(
+        "compare",
+        files["f16"],
+        files["q4km"],
+        files["q2k"],
+        files["q2k_head2"],
+        "-f",
+        files["text"],
+        "-c",
+        CTX,
+        "--chunks",
+        12,
+        "--json",
+        path,
+        "--threads",
+        1,
+    )
     assert res.exit_code == 0, res.output
     return json.loads(path.read_text())
 
@@ -52,8 +67,20 @@ def test_the_report_has_every_figure_and_orders_the_quants(report):
     assert report["chunks"] == 12 and ref["positions"] == 12 * (CTX - 1 - CTX // 2)
     assert ref["kld_mean"] == 0 and ref["top1"] == 1 and ref["ppl_ratio"] == 1
     for f in (q4, q2):
-        assert set(f) >= {"ppl", "ppl_ratio", "kld_mean", "kld_median", "kld_p99", "kld_max", "top1", "dp_rms",
-                          "accept_rate", "accept_drop", "size_bytes", "bits_per_weight"}
+        assert set(f) >= {
+            "ppl",
+            "ppl_ratio",
+            "kld_mean",
+            "kld_median",
+            "kld_p99",
+            "kld_max",
+            "top1",
+            "dp_rms",
+            "accept_rate",
+            "accept_drop",
+            "size_bytes",
+            "bits_per_weight",
+        }
         assert 0 < f["kld_median"] <= f["kld_p99"] <= f["kld_max"]
     assert q4["kld_mean"] < q2["kld_mean"] and q4["top1"] > q2["top1"] and q4["bits_per_weight"] > q2["bits_per_weight"]
 
@@ -69,8 +96,8 @@ def test_the_head_column_separates_a_q2_k_head_from_a_q8_0_head(report):
 
 def test_the_head_column_is_the_teacher_forced_estimator_on_the_chunks(files):
     """compare's head matches on a chunk equal the estimator's (teacher_forced_acceptance) on that chunk."""
-    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
     from mtpq.runtime.speculative import teacher_forced_acceptance
+    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
 
     run = QualityRun(files["q4km"], numerics="exact")
     tokens = run.tokenizer.encode(files["text"].read_text())
@@ -98,19 +125,36 @@ def test_kld_and_top1_against_a_definition_in_float64(files):
 
 def test_gates_fail_with_exit_1_and_name_the_file(files, tmp_path):
     md = tmp_path / "r.md"
-    res = run_cli("compare", files["f16"], files["q4km"], files["q2k"], "-f", files["text"], "-c", CTX, "--chunks", 6,
-                  "--max-kld", 0.02, "--md", md)
+    res = run_cli(
+        "compare",
+        files["f16"],
+        files["q4km"],
+        files["q2k"],
+        "-f",
+        files["text"],
+        "-c",
+        CTX,
+        "--chunks",
+        6,
+        "--max-kld",
+        0.02,
+        "--md",
+        md,
+    )
     assert res.exit_code == 1, res.output
     assert "FAIL q2k.gguf" in " ".join(res.stdout.split()) and "PASS q4km.gguf" in " ".join(res.stdout.split())
     assert "| `q4km.gguf` |" in md.read_text() and "**FAIL** `q2k.gguf`" in md.read_text()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("-c", 2), "--ctx-size"),
-    (("-c", 65536), "tokenizes to"),
-    (("--ngl", 3), "belongs to --engine llama.cpp"),
-    (("--max-drop", 2.0), "between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("-c", 2), "--ctx-size"),
+        (("-c", 65536), "tokenizes to"),
+        (("--ngl", 3), "belongs to --engine llama.cpp"),
+        (("--max-drop", 2.0), "between 0 and 1"),
+    ],
+)
 def test_bad_options_exit_2_with_one_line(files, args, needle):
     res = run_cli("compare", files["f16"], files["q4km"], "-f", files["text"], *args)
     assert res.exit_code == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
@@ -124,8 +168,9 @@ def test_same_figures_as_llama_perplexity(files, llama_cpp_bin):
     common = ("-f", files["text"], "-c", CTX, "--json", "-")
     quants = (files["q4km"], files["q2k"])
     ours = run_cli("compare", files["f16"], *quants, *common, "--threads", 1)
-    theirs = run_cli("compare", files["f16"], *quants, *common, "--engine", "llama.cpp", "--llama-cpp", llama_cpp_bin,
-                     "--threads", 2)
+    theirs = run_cli(
+        "compare", files["f16"], *quants, *common, "--engine", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--threads", 2
+    )
     assert ours.exit_code == 0 and theirs.exit_code == 0, (ours.output[-2000:], theirs.output[-2000:])
     a, b = json.loads(ours.stdout), json.loads(theirs.stdout)
     assert a["chunks"] == b["chunks"]
@@ -145,36 +190,38 @@ def test_a_llama_perplexity_log_cut_short_is_rerun(tmp_path, monkeypatch):
     from mtpq.engines import perplexity as P
     from mtpq.errors import InputError
 
-    stats = ("Mean PPL(Q)                   :  10.000000 ±   0.1\nMean PPL(Q)/PPL(base)         :   1.010000\n"
-             "Mean    KLD:   0.012300 ±   0.0001\nMedian  KLD:   0.005000\n99.0%   KLD:   0.090000\n"
-             "Maximum KLD:   0.500000\nSame top p: 91.500 ± 0.1 %\nRMS Δp    :  2.000 ± 0.1 %\n")
+    stats = (
+        "Mean PPL(Q)                   :  10.000000 ±   0.1\nMean PPL(Q)/PPL(base)         :   1.010000\n"
+        "Mean    KLD:   0.012300 ±   0.0001\nMedian  KLD:   0.005000\n99.0%   KLD:   0.090000\n"
+        "Maximum KLD:   0.500000\nSame top p: 91.500 ± 0.1 %\nRMS Δp    :  2.000 ± 0.1 %\n"
+    )
     head = "perplexity: computing over 3 chunks, n_ctx=128\n[1]9.1,[2]9.5,[3]10.0\n"
     perf = "llama_perf_context_print: load time = 1 ms\n"
     count = tmp_path / "count"
     fake = tmp_path / "llama-perplexity"
     # the first call's log stops after the chunks, the second's within the statistics (both cut short: seen in CI
     # on 2026-11-29, "no 'top1' statistics"), later calls print everything
-    fake.write_text("#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\necho \"$@\" >> %s.args\n"
-                    "printf '%%s' \"$HEAD\"\n[ \"$n\" -eq 1 ] && printf '%%s' \"$PARTIAL\"\n"
-                    "[ \"$n\" -ge 2 ] && printf '%%s%%s' \"$STATS\" \"$PERF\"\nexit 0\n"
-                    % (count, count, count))
+    fake.write_text(
+        '#!/bin/sh\nn=$(cat %s 2>/dev/null || echo 0); echo $((n+1)) > %s\necho "$@" >> %s.args\n'
+        'printf \'%%s\' "$HEAD"\n[ "$n" -eq 1 ] && printf \'%%s\' "$PARTIAL"\n'
+        '[ "$n" -ge 2 ] && printf \'%%s%%s\' "$STATS" "$PERF"\nexit 0\n' % (count, count, count)
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("HEAD", head)
     monkeypatch.setenv("STATS", stats)
     monkeypatch.setenv("PERF", perf)
-    monkeypatch.setenv("PARTIAL", stats[:stats.index("Same top p")])
+    monkeypatch.setenv("PARTIAL", stats[: stats.index("Same top p")])
     complete = P.kld_complete
     log = P._run([str(fake), "-m", "q.gguf", "-t", "2"], tmp_path / "q.gguf", complete=complete)
     assert count.read_text().strip() == "3"
     # each rerun leaves llama.cpp's log thread a core: one compute thread fewer, down to one
-    assert (tmp_path / "count.args").read_text().splitlines() == ["-m q.gguf -t 2", "-m q.gguf -t 1",
-                                                                   "-m q.gguf -t 1"]
+    assert (tmp_path / "count.args").read_text().splitlines() == ["-m q.gguf -t 2", "-m q.gguf -t 1", "-m q.gguf -t 1"]
     assert P.parse_kld_log(log, tmp_path / "q.gguf")["kld_mean"] == 0.0123
     # too few tokens: the run ends normally (perf printed) without statistics -> no rerun, one clear refusal
     count.write_text("0")
     monkeypatch.setenv("HEAD", "perplexity: computing over 1 chunks\n")
     monkeypatch.setenv("STATS", "")
-    fake.write_text("#!/bin/sh\nn=$(cat %s); echo $((n+1)) > %s\nprintf '%%s%%s' \"$HEAD\" \"$PERF\"\n" % (count, count))
+    fake.write_text('#!/bin/sh\nn=$(cat %s); echo $((n+1)) > %s\nprintf \'%%s%%s\' "$HEAD" "$PERF"\n' % (count, count))
     log = P._run([str(fake)], tmp_path / "q.gguf", complete=complete)
     assert count.read_text().strip() == "1"
     with pytest.raises(InputError, match="give more text"):

@@ -34,7 +34,7 @@ def write_base(path: Path, tokens: np.ndarray, log_probs: np.ndarray, n_ctx: int
     scale = ((top - low) / 65535).astype(np.float32)
     q = np.where(log_probs > low, np.rint((log_probs - low) / scale), 0).astype(np.uint16)
     head = np.concatenate((scale, low.astype(np.float32)), -1).view(np.uint16)
-    body[..., :4], body[..., 4:4 + vocab] = head, q
+    body[..., :4], body[..., 4 : 4 + vocab] = head, q
     with open(path, "wb") as f:
         f.write(b"_logits_")
         f.write(np.array([n_ctx], np.uint32).tobytes() + np.array([vocab, n_chunk], np.int32).tobytes())
@@ -65,18 +65,21 @@ def test_the_reader_reads_what_the_layout_says(tmp_path):
     tokens = rng.integers(0, vocab, n_chunk * n_ctx)
     base = KldBase(write_base(tmp_path / "b.kld", tokens, logp, n_ctx))
     assert (base.n_ctx, base.n_vocab, base.n_chunk, base.rows) == (n_ctx, vocab, n_chunk, rows)
-    assert base.tokens(2) == tokens[2 * n_ctx:].tolist()
+    assert base.tokens(2) == tokens[2 * n_ctx :].tolist()
     for c in range(n_chunk):  # 16 bits over at most 16 nats below the top: within half a step of the truth there
         kept = logp[c] > np.maximum(logp[c].min(-1, keepdims=True), logp[c].max(-1, keepdims=True) - 16)
         assert np.abs(base.log_probs(c) - logp[c])[kept].max() <= 16 / 65535
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda b: b[:-10], "truncated after 2 whole chunks"),
-    (lambda b: b + b"x", "trailing bytes"),
-    (lambda b: b"_logitz_" + b[8:], "not a llama-perplexity --kl-divergence-base file"),
-    (lambda b: b[:12], "not a llama-perplexity --kl-divergence-base file"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda b: b[:-10], "truncated after 2 whole chunks"),
+        (lambda b: b + b"x", "trailing bytes"),
+        (lambda b: b"_logitz_" + b[8:], "not a llama-perplexity --kl-divergence-base file"),
+        (lambda b: b[:12], "not a llama-perplexity --kl-divergence-base file"),
+    ],
+)
 def test_a_damaged_base_file_exits_2_naming_it(demo, tmp_path, damage, needle):
     rng = np.random.default_rng(1)
     logp = np.log(rng.dirichlet(np.ones(2048), size=(3, 63)))
@@ -88,16 +91,20 @@ def test_a_damaged_base_file_exits_2_naming_it(demo, tmp_path, damage, needle):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("-f", "TEXT"), "not with --kld-base"),
-    (("-c", 64), "not with --kld-base"),
-    (("--max-drop", 0.1), "no reference model"),
-    (("--engine", "llama.cpp"), "torch engine"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("-f", "TEXT"), "not with --kld-base"),
+        (("-c", 64), "not with --kld-base"),
+        (("--max-drop", 0.1), "no reference model"),
+        (("--engine", "llama.cpp"), "torch engine"),
+    ],
+)
 def test_options_that_do_not_fit_a_base_file_exit_2(demo, tmp_path, args, needle):
     rng = np.random.default_rng(2)
-    base = write_base(tmp_path / "b.kld", rng.integers(0, 2048, 3 * CTX),
-                      np.log(rng.dirichlet(np.ones(2048), size=(3, 63))), CTX)
+    base = write_base(
+        tmp_path / "b.kld", rng.integers(0, 2048, 3 * CTX), np.log(rng.dirichlet(np.ones(2048), size=(3, 63))), CTX
+    )
     args = [demo["text"] if a == "TEXT" else a for a in args]
     res = run_cli("compare", "--kld-base", base, demo["q4km"], *args)
     assert res.exit_code == 2 and needle in res.stderr, res.output
@@ -105,8 +112,9 @@ def test_options_that_do_not_fit_a_base_file_exit_2(demo, tmp_path, args, needle
 
 def test_a_base_file_of_another_vocabulary_exits_2(demo, tmp_path):
     rng = np.random.default_rng(3)
-    base = write_base(tmp_path / "b.kld", rng.integers(0, 100, 2 * CTX), np.log(rng.dirichlet(np.ones(100), (2, 63))),
-                      CTX)
+    base = write_base(
+        tmp_path / "b.kld", rng.integers(0, 100, 2 * CTX), np.log(rng.dirichlet(np.ones(100), (2, 63))), CTX
+    )
     res = run_cli("compare", "--kld-base", base, demo["q4km"])
     assert res.exit_code == 2 and "vocabulary of 2048 tokens" in res.stderr, res.output
 
@@ -144,8 +152,10 @@ def test_the_reference_measured_against_its_own_base(demo, llama_base, llama_cpp
     log = perplexity(llama_cpp_bin, "-m", demo["f16"], "-c", CTX, "--kl-divergence-base", llama_base, "--kl-divergence")
     theirs = parse_kld_log(log, demo["f16"])
     base_ppl = float(__import__("re").search(r"Mean PPL\(base\)\s*:\s*([\d.]+)", log).group(1))
-    print(f"\nf16 against its own base: mean KLD {f['kld_mean']:.2e}, top-1 {f['top1']:.2%}, PPL {f['ppl']:.4f} "
-          f"(llama-perplexity {theirs['ppl']:.4f}); the base's PPL {r['reference']['ppl']:.4f} ({base_ppl:.4f})")
+    print(
+        f"\nf16 against its own base: mean KLD {f['kld_mean']:.2e}, top-1 {f['top1']:.2%}, PPL {f['ppl']:.4f} "
+        f"(llama-perplexity {theirs['ppl']:.4f}); the base's PPL {r['reference']['ppl']:.4f} ({base_ppl:.4f})"
+    )
     assert f["kld_mean"] <= 1e-4 and f["top1"] >= 0.995
     assert f["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3)
     assert r["reference"]["ppl"] == pytest.approx(base_ppl, rel=1e-5)
@@ -165,12 +175,16 @@ def test_a_quant_against_a_base_gives_llama_perplexitys_figures(demo, llama_base
     docs/notes/runtime.md has the measurements."""
     from mtpq.engines.perplexity import parse_kld_log
 
-    theirs = parse_kld_log(perplexity(llama_cpp_bin, "-m", demo["q4km"], "-c", CTX, "--kl-divergence-base", llama_base,
-                                      "--kl-divergence"), demo["q4km"])
+    theirs = parse_kld_log(
+        perplexity(llama_cpp_bin, "-m", demo["q4km"], "-c", CTX, "--kl-divergence-base", llama_base, "--kl-divergence"),
+        demo["q4km"],
+    )
     res = run_cli("compare", "--kld-base", llama_base, demo["q4km"], "--json", "-", "--threads", 1)
     assert res.exit_code == 0, res.output
     ours = json.loads(res.stdout)["files"][0]
-    print(f"\nQ4_K_M: PPL {ours['ppl']:.4f} vs {theirs['ppl']:.4f}, mean KLD {ours['kld_mean']:.6f} vs "
-          f"{theirs['kld_mean']:.6f}, top-1 {ours['top1']:.2%} vs {theirs['top1']:.2%}")
+    print(
+        f"\nQ4_K_M: PPL {ours['ppl']:.4f} vs {theirs['ppl']:.4f}, mean KLD {ours['kld_mean']:.6f} vs "
+        f"{theirs['kld_mean']:.6f}, top-1 {ours['top1']:.2%} vs {theirs['top1']:.2%}"
+    )
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3)
     assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.02)

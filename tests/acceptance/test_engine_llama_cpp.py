@@ -25,7 +25,7 @@ import pytest
 from tests.helpers.llamacpp_ref import free_port
 from tests.helpers.runcli import run_cli
 
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import json, os, socketserver, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -79,7 +79,7 @@ host = opt("--host")
 if host.endswith(".sock"):  # llama-server's rule: such a host is a unix socket path
     UnixHTTPServer(host, H).serve_forever()
 ThreadingHTTPServer((host, int(opt("--port"))), H).serve_forever()
-'''
+"""
 
 
 @pytest.fixture
@@ -133,13 +133,38 @@ def test_report_from_server_counters(fake_bin, model, tmp_path):
     from mtpq.acceptance.prompts import load_prompts
 
     out = tmp_path / "r.json"
-    res = run_cli("accept", model, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--prompts", "builtin",
-                  "--max-prompts", "5", "-k", "2", "-n", "30", "--json", out, "--ngl", "7", "--", "--tensor-split",
-                  "1,1")
+    res = run_cli(
+        "accept",
+        model,
+        "--engine",
+        "llama.cpp",
+        "--llama-cpp",
+        fake_bin,
+        "--prompts",
+        "builtin",
+        "--max-prompts",
+        "5",
+        "-k",
+        "2",
+        "-n",
+        "30",
+        "--json",
+        out,
+        "--ngl",
+        "7",
+        "--",
+        "--tensor-split",
+        "1,1",
+    )
     assert res.exit_code == 0, res.output
     argv = json.loads((fake_bin.parent / "state" / "argv.json").read_text())
-    for flag, value in (("--spec-type", "draft-mtp"), ("--spec-draft-n-max", "2"), ("-ngl", "7"),
-                        ("--tensor-split", "1,1"), ("-m", str(model))):
+    for flag, value in (
+        ("--spec-type", "draft-mtp"),
+        ("--spec-draft-n-max", "2"),
+        ("-ngl", "7"),
+        ("--tensor-split", "1,1"),
+        ("-m", str(model)),
+    ):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert _gone(_pid(fake_bin)), "llama-server left running"
     # a unix socket in a folder only we can enter, not a TCP port: a port picked free and bound later by the
@@ -162,8 +187,22 @@ def test_report_from_server_counters(fake_bin, model, tmp_path):
 
 def test_k1_gives_the_position_rate(fake_bin, model, tmp_path):
     out = tmp_path / "r.json"
-    res = run_cli("accept", model, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--max-prompts", "3", "-k", "1",
-                  "-n", "20", "--json", out)
+    res = run_cli(
+        "accept",
+        model,
+        "--engine",
+        "llama.cpp",
+        "--llama-cpp",
+        fake_bin,
+        "--max-prompts",
+        "3",
+        "-k",
+        "1",
+        "-n",
+        "20",
+        "--json",
+        out,
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert doc["per_position"] == [pytest.approx(doc["acceptance_rate"])]
@@ -195,23 +234,38 @@ def test_running_server_by_url(fake_bin, model, tmp_path):
     with LlamaServer(ServerConfig(fake_bin / "llama-server"), model, draft=1) as srv:
         assert srv.socket_dir.stat().st_mode & 0o777 == 0o700  # no other user can reach or replace the socket
         out = tmp_path / "r.json"
-        res = run_cli("accept", model, "--engine", "llama.cpp", "--server", srv.url, "-k", "1", "--max-prompts", "2",
-                      "--json", out)
+        res = run_cli(
+            "accept",
+            model,
+            "--engine",
+            "llama.cpp",
+            "--server",
+            srv.url,
+            "-k",
+            "1",
+            "--max-prompts",
+            "2",
+            "--json",
+            out,
+        )
         assert res.exit_code == 0, res.output
         assert json.loads(out.read_text())["server"] == srv.url
         pid = srv.proc.pid
     assert _gone(pid)
 
 
-@pytest.mark.parametrize("args, where", [
-    (["--ngl", "5"], "--ngl"),  # a llama.cpp option with the torch engine
-    (["--engine", "llama.cpp", "--device", "cpu"], "--device"),
-    (["--engine", "llama.cpp", "--dtype", "bf16"], "--dtype"),
-    (["--engine", "llama.cpp", "--server", "gpu-box:8080"], "--server"),
-    (["--engine", "llama.cpp", "--server", "http://x:1", "--ngl", "3"], "--ngl"),
-    (["--engine", "vllm"], "--engine"),
-    (["--engine", "llama.cpp", "--llama-cpp", "/nonexistent"], "--llama-cpp"),
-])
+@pytest.mark.parametrize(
+    "args, where",
+    [
+        (["--ngl", "5"], "--ngl"),  # a llama.cpp option with the torch engine
+        (["--engine", "llama.cpp", "--device", "cpu"], "--device"),
+        (["--engine", "llama.cpp", "--dtype", "bf16"], "--dtype"),
+        (["--engine", "llama.cpp", "--server", "gpu-box:8080"], "--server"),
+        (["--engine", "llama.cpp", "--server", "http://x:1", "--ngl", "3"], "--ngl"),
+        (["--engine", "vllm"], "--engine"),
+        (["--engine", "llama.cpp", "--llama-cpp", "/nonexistent"], "--llama-cpp"),
+    ],
+)
 def test_engine_options_are_checked(model, args, where):
     res = run_cli("accept", model, *args)
     assert res.exit_code == 2 and res.stderr.startswith(f"error: {where}"), res.output
@@ -220,8 +274,19 @@ def test_engine_options_are_checked(model, args, where):
 def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
     """--server http://HOST:PORT: a server someone started on a TCP port."""
     port = free_port()
-    srv = subprocess.Popen([str(fake_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-                            str(port), "--spec-draft-n-max", "1"])
+    srv = subprocess.Popen(
+        [
+            str(fake_bin / "llama-server"),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--spec-draft-n-max",
+            "1",
+        ]
+    )
     try:
         from mtpq.engines.llama_cpp import _health
 
@@ -229,8 +294,20 @@ def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
         while not _health(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
             time.sleep(0.1)
         out = tmp_path / "r.json"
-        res = run_cli("accept", model, "--engine", "llama.cpp", "--server", f"http://127.0.0.1:{port}", "-k", "1",
-                      "--max-prompts", "2", "--json", out)
+        res = run_cli(
+            "accept",
+            model,
+            "--engine",
+            "llama.cpp",
+            "--server",
+            f"http://127.0.0.1:{port}",
+            "-k",
+            "1",
+            "--max-prompts",
+            "2",
+            "--json",
+            out,
+        )
         assert res.exit_code == 0, res.output
         doc = json.loads(out.read_text())
         assert doc["server"] == f"http://127.0.0.1:{port}" and doc["drafted"] > 0, doc
@@ -246,10 +323,26 @@ def test_no_server_outlives_mtpq(fake_bin, model, monkeypatch, sig, code):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     # SIGINT as a terminal's Ctrl-C delivers it: a shell that starts a job in the background (`make test &`)
     # leaves SIGINT ignored in it, and Python keeps an inherited SIG_IGN; that child would run on to exit 0
-    p = subprocess.Popen([sys.executable, "-m", "mtpq.cli", "accept", str(model), "--engine", "llama.cpp",
-                          "--llama-cpp", str(fake_bin), "--max-prompts", "1"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtpq.cli",
+            "accept",
+            str(model),
+            "--engine",
+            "llama.cpp",
+            "--llama-cpp",
+            str(fake_bin),
+            "--max-prompts",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     pidfile = fake_bin.parent / "state" / "pid"
     deadline = time.monotonic() + 60
     while not pidfile.exists() and time.monotonic() < deadline:
@@ -285,8 +378,12 @@ preset = "Q8_0"
 def test_build_gate_on_llama_cpp(glm_ckpt, fake_bin, tmp_path):
     """[gate] engine = "llama.cpp": every GGUF is measured by a llama-server of its own; the manifest says so."""
     recipe = tmp_path / "r.toml"
-    recipe.write_text(BUILD_RECIPE.format(source=glm_ckpt, engine=f'engine = "llama.cpp"\nllama_cpp = "{fake_bin}"\n'
-                                                                   'ngl = 0\nserver_args = ["--mlock"]'))
+    recipe.write_text(
+        BUILD_RECIPE.format(
+            source=glm_ckpt,
+            engine=f'engine = "llama.cpp"\nllama_cpp = "{fake_bin}"\nngl = 0\nserver_args = ["--mlock"]',
+        )
+    )
     res = run_cli("build", recipe)
     assert res.exit_code == 0, res.output
     manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
@@ -301,12 +398,15 @@ def test_build_gate_on_llama_cpp(glm_ckpt, fake_bin, tmp_path):
     assert _gone(_pid(fake_bin))
 
 
-@pytest.mark.parametrize("engine, key", [
-    ('engine = "vllm"', "gate.engine"),
-    ('ngl = 3', "gate.ngl"),  # a llama.cpp key with the torch engine
-    ('engine = "llama.cpp"\nserver_args = [1]', "gate.server_args[0]"),
-    ('engine = "llama.cpp"\nctx_size = 0', "gate.ctx_size"),
-])
+@pytest.mark.parametrize(
+    "engine, key",
+    [
+        ('engine = "vllm"', "gate.engine"),
+        ("ngl = 3", "gate.ngl"),  # a llama.cpp key with the torch engine
+        ('engine = "llama.cpp"\nserver_args = [1]', "gate.server_args[0]"),
+        ('engine = "llama.cpp"\nctx_size = 0', "gate.ctx_size"),
+    ],
+)
 def test_broken_engine_keys_name_the_key(glm_ckpt, tmp_path, engine, key):
     recipe = tmp_path / "r.toml"
     recipe.write_text(BUILD_RECIPE.format(source=glm_ckpt, engine=engine))
@@ -335,14 +435,20 @@ def test_engines_agree_on_the_demo_models(demo, llama_cpp_bin, tmp_path):
     head as llama.cpp's draft-mtp driver does; the counts differ where the two stop generating differently)."""
     folder, prompts = DEMOS[demo]
     gguf = tmp_path / f"{demo}.gguf"
-    assert run_cli("convert", Path(str(resources.files("mtpq").joinpath(folder))), gguf, "--outtype", "f32",
-                   "-q").exit_code == 0
+    assert (
+        run_cli(
+            "convert", Path(str(resources.files("mtpq").joinpath(folder))), gguf, "--outtype", "f32", "-q"
+        ).exit_code
+        == 0
+    )
     common = [gguf, "--prompts", prompts, "-k", "1", "-n", "64", "--max-prompts", "12"]
     torch_doc = _accept_json(*common)
     llama_doc = _accept_json(*common, "--engine", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--threads", "1", *EXACT)
     assert llama_doc["drafted"] > 200
-    print(f"\n{demo}: llama.cpp {llama_doc['accepted']}/{llama_doc['drafted']} = {llama_doc['acceptance_rate']:.2%}, "
-          f"torch {torch_doc['accepted']}/{torch_doc['drafted']} = {torch_doc['acceptance_rate']:.2%}")
+    print(
+        f"\n{demo}: llama.cpp {llama_doc['accepted']}/{llama_doc['drafted']} = {llama_doc['acceptance_rate']:.2%}, "
+        f"torch {torch_doc['accepted']}/{torch_doc['drafted']} = {torch_doc['acceptance_rate']:.2%}"
+    )
     assert abs(llama_doc["acceptance_rate"] - torch_doc["acceptance_rate"]) < 0.01, (llama_doc, torch_doc)
 
 
@@ -356,17 +462,42 @@ def test_acceptance_through_rpc_servers_equals_local(llama_cpp_bin, tmp_path):
         pytest.skip("llama.cpp built without -DGGML_RPC=ON (no rpc-server)")
 
     gguf = tmp_path / "demo.gguf"
-    assert run_cli("convert", Path(str(resources.files("mtpq").joinpath("data/demo"))), gguf, "--outtype", "f32",
-                   "-q").exit_code == 0
+    assert (
+        run_cli(
+            "convert", Path(str(resources.files("mtpq").joinpath("data/demo"))), gguf, "--outtype", "f32", "-q"
+        ).exit_code
+        == 0
+    )
     ports = [free_port(), free_port()]
-    servers = [subprocess.Popen([str(rpc_bin), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-               for port in ports]
+    servers = [
+        subprocess.Popen(
+            [str(rpc_bin), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for port in ports
+    ]
     try:
         time.sleep(2)
         assert all(s.poll() is None for s in servers), "rpc-server did not start"
-        common = [gguf, "--engine", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--prompts", "demo_heldout", "-k", "1",
-                  "-n", "48", "--max-prompts", "6", "--threads", "1"]
+        common = [
+            gguf,
+            "--engine",
+            "llama.cpp",
+            "--llama-cpp",
+            llama_cpp_bin,
+            "--prompts",
+            "demo_heldout",
+            "-k",
+            "1",
+            "-n",
+            "48",
+            "--max-prompts",
+            "6",
+            "--threads",
+            "1",
+        ]
         local = _accept_json(*common, *EXACT)
         spread = _accept_json(*common, "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "--ngl", "999", *EXACT)
     finally:
@@ -399,6 +530,11 @@ def test_the_cli_sets_only_what_the_user_left_unset():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS", "MTPQ_SET_ENV")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "OMP_WAIT_POLICY,OPENBLAS_NUM_THREADS"]
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "4"},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OPENBLAS_NUM_THREADS": "4"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.split() == ["4", "OMP_WAIT_POLICY"]

@@ -52,14 +52,17 @@ def test_accept_fails_a_nan_rate_and_a_nan_drop():
     assert not v.passed and "accept drop is NaN" in v.reasons[0] and "--max-drop" in v.reasons[0]
 
 
-@pytest.mark.parametrize("rate,ref_rate,quality,words", [
-    (None, 0.6, {}, ["head accept", "not measured", "gate.min_rate"]),  # skipped in silence before
-    (math.nan, 0.6, {}, ["head accept is NaN", "gate.min_rate"]),
-    (0.6, None, {}, ["accept drop", "not measured", "gate.max_drop"]),  # skipped in silence before
-    (0.6, math.inf, {}, ["accept drop is +infinite", "gate.max_drop"]),
-    (0.6, 0.6, {"kld_mean": math.nan}, ["mean KLD is NaN", "gate.max_kld"]),
-    (0.6, 0.6, {"error": "non-finite logits"}, ["mean KLD was not measured: non-finite logits"]),
-])
+@pytest.mark.parametrize(
+    "rate,ref_rate,quality,words",
+    [
+        (None, 0.6, {}, ["head accept", "not measured", "gate.min_rate"]),  # skipped in silence before
+        (math.nan, 0.6, {}, ["head accept is NaN", "gate.min_rate"]),
+        (0.6, None, {}, ["accept drop", "not measured", "gate.max_drop"]),  # skipped in silence before
+        (0.6, math.inf, {}, ["accept drop is +infinite", "gate.max_drop"]),
+        (0.6, 0.6, {"kld_mean": math.nan}, ["mean KLD is NaN", "gate.max_kld"]),
+        (0.6, 0.6, {"error": "non-finite logits"}, ["mean KLD was not measured: non-finite logits"]),
+    ],
+)
 def test_a_build_gate_fails_a_missing_or_non_finite_figure(rate, ref_rate, quality, words):
     gate = Gate(min_rate=0.5, max_drop=0.05, text="t.txt", max_kld=0.05)
     assert judge_build(0.6, 0.6, gate, {"kld_mean": 0.01})["passed"]
@@ -82,9 +85,16 @@ RMS Δp    :  1.234 ± 0.012 %
 Same top p: 95.123 ± 0.123 %
 llama_perf_context_print:        load time =      10.00 ms
 """
-LINE_OF = {"ppl": "Mean PPL(Q)    ", "ppl_ratio": "Mean PPL(Q)/PPL(base)", "kld_mean": "Mean    KLD",
-           "kld_median": "Median  KLD", "kld_p99": "99.0%   KLD", "kld_max": "Maximum KLD", "top1": "Same top p",
-           "dp_rms": "RMS Δp"}
+LINE_OF = {
+    "ppl": "Mean PPL(Q)    ",
+    "ppl_ratio": "Mean PPL(Q)/PPL(base)",
+    "kld_mean": "Mean    KLD",
+    "kld_median": "Median  KLD",
+    "kld_p99": "99.0%   KLD",
+    "kld_max": "Maximum KLD",
+    "top1": "Same top p",
+    "dp_rms": "RMS Δp",
+}
 
 
 def _with(key: str, printed: str) -> str:
@@ -138,8 +148,19 @@ def test_compare_with_a_nan_from_llama_perplexity_fails_its_gate(tmp_path):
     (tmp_path / "t.txt").write_text("text")
     log = "over 4 chunks\nFinal estimate: PPL = 12.3456 +/- 0.12345\n" + _with("kld_mean", "nan")
     bins = _fake_perplexity(tmp_path / "bin", log)
-    res = run_cli("compare", model, model, "-f", tmp_path / "t.txt", "--engine", "llama.cpp", "--llama-cpp", bins,
-                  "--max-kld", "0.05")
+    res = run_cli(
+        "compare",
+        model,
+        model,
+        "-f",
+        tmp_path / "t.txt",
+        "--engine",
+        "llama.cpp",
+        "--llama-cpp",
+        bins,
+        "--max-kld",
+        "0.05",
+    )
     assert res.exit_code == 1, res.output
     assert "printed nan for kld_mean (mean KLD)" in res.output and len(res.output.strip().splitlines()) == 1
     res = run_cli("compare", model, model, "-f", tmp_path / "t.txt", "--engine", "llama.cpp", "--llama-cpp", bins)

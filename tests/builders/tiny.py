@@ -20,8 +20,18 @@ import torch
 from safetensors.torch import save_file
 
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}<|assistant|>\n"
-GLM_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-                "<|user|>", "<|assistant|>", "<|observation|>"]
+GLM_SPECIALS = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+]
 _CORPUS = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
     "The quick brown fox jumps over the lazy dog. 3 + 4 = 7, 12 * 12 = 144.\n"
@@ -38,8 +48,12 @@ def make_tokenizer(folder: Path, n_tokens: int = 300, specials: list[str] | None
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=n_tokens, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=n_tokens,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_CORPUS], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0] if specials else None)
     fast.chat_template = CHAT_TEMPLATE
@@ -55,12 +69,14 @@ def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
     per = math.ceil(len(names) / n_shards)
     weight_map = {}
     for i in range(n_shards):
-        part = names[i * per:(i + 1) * per]
+        part = names[i * per : (i + 1) * per]
         fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in part}, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": weight_map,
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -78,16 +94,29 @@ def n_blocks(cfg: dict, with_mtp: bool) -> int:
     return cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if with_mtp else 0)
 
 
-def finish_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                      n_shards: int) -> Path:
+def finish_checkpoint(
+    folder: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, n_shards: int
+) -> Path:
     """save_checkpoint with every tensor cast to dtype; returns the folder."""
     save_checkpoint(folder, config, {k: v.to(dtype) for k, v in tensors.items()}, n_shards=n_shards)
     return folder
 
 
-def block_checkpoint(folder: Path, config, specials: list[str], block_tensors, h: int, *, seed: int,
-                     dtype: torch.dtype, n_shards: int, with_mtp: bool, embed: str = "model.embed_tokens.weight",
-                     norm=None, **over) -> Path:
+def block_checkpoint(
+    folder: Path,
+    config,
+    specials: list[str],
+    block_tensors,
+    h: int,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    n_shards: int,
+    with_mtp: bool,
+    embed: str = "model.embed_tokens.weight",
+    norm=None,
+    **over,
+) -> Path:
     """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
     final norm (drawn by ``norm``, default _norm), lm_head unless the config ties it, then
     ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
@@ -118,8 +147,12 @@ def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[
     """The DeepSeek-style MTP layer's own tensors, stored as layer n; with head, its embed_tokens and
     shared_head.head too (checkpoints that tie them to the trunk's leave them out)."""
     h, p = cfg.hidden_size, f"model.layers.{n}."
-    t = {p + "eh_proj.weight": _randn(h, 2 * h, gen=gen), p + "enorm.weight": _norm(h, gen),
-         p + "hnorm.weight": _norm(h, gen), p + "shared_head.norm.weight": _norm(h, gen)}
+    t = {
+        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+        p + "enorm.weight": _norm(h, gen),
+        p + "hnorm.weight": _norm(h, gen),
+        p + "shared_head.norm.weight": _norm(h, gen),
+    }
     if head:
         t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
         t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
@@ -150,8 +183,11 @@ def _norm(n: int, gen: torch.Generator) -> torch.Tensor:
 
 def rand_mlp(p: str, ff: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A SwiGLU MLP's projections under ``p``, drawn in the order gate, up, down (what every builder draws)."""
-    return {p + "gate_proj.weight": _randn(ff, h, gen=gen), p + "up_proj.weight": _randn(ff, h, gen=gen),
-            p + "down_proj.weight": _randn(h, ff, gen=gen)}
+    return {
+        p + "gate_proj.weight": _randn(ff, h, gen=gen),
+        p + "up_proj.weight": _randn(ff, h, gen=gen),
+        p + "down_proj.weight": _randn(h, ff, gen=gen),
+    }
 
 
 def rand_experts(p: str, n_exp: int, ff: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -162,32 +198,63 @@ def rand_experts(p: str, n_exp: int, ff: int, h: int, gen: torch.Generator) -> d
     return t
 
 
-def rand_attention(p: str, h: int, nh: int, nkv: int, hd: int, gen: torch.Generator,
-                   dv: int | None = None) -> dict[str, torch.Tensor]:
+def rand_attention(
+    p: str, h: int, nh: int, nkv: int, hd: int, gen: torch.Generator, dv: int | None = None
+) -> dict[str, torch.Tensor]:
     """q/k/v/o projections under ``p`` (v and o ``dv`` wide per head, default ``hd``), drawn in that order."""
     dv = dv or hd
-    return {p + "q_proj.weight": _randn(nh * hd, h, gen=gen), p + "k_proj.weight": _randn(nkv * hd, h, gen=gen),
-            p + "v_proj.weight": _randn(nkv * dv, h, gen=gen), p + "o_proj.weight": _randn(h, nh * dv, gen=gen)}
+    return {
+        p + "q_proj.weight": _randn(nh * hd, h, gen=gen),
+        p + "k_proj.weight": _randn(nkv * hd, h, gen=gen),
+        p + "v_proj.weight": _randn(nkv * dv, h, gen=gen),
+        p + "o_proj.weight": _randn(h, nh * dv, gen=gen),
+    }
 
 
 def rand_nextn(p: str, h: int, gen: torch.Generator, *norms: str, norm=_norm) -> dict[str, torch.Tensor]:
     """An MTP layer's NextN tensors under ``p``: eh_proj, enorm, hnorm, then ``norms``, drawn in that order."""
-    return {p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-            **{p + n + ".weight": norm(h, gen) for n in ("enorm", "hnorm", *norms)}}
+    return {
+        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+        **{p + n + ".weight": norm(h, gen) for n in ("enorm", "hnorm", *norms)},
+    }
 
 
 def glm4moe_config(**over) -> dict:
-    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-               num_nextn_predict_layers=1, n_group=1, topk_group=1, max_position_embeddings=512,
-               use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5, tie_word_embeddings=False)
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=512,
+        use_qk_norm=True,
+        attention_bias=True,
+        routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+    )
     cfg.update(over)
     return cfg
 
 
-def glm4moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, glm46: bool = False,
-            n_shards: int = 2, **config_over) -> Path:
+def glm4moe(
+    folder: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    glm46: bool = False,
+    n_shards: int = 2,
+    **config_over,
+) -> Path:
     """A tiny GLM-4.5 checkpoint with one MTP layer (``model.layers.{n_layers}.*``).
 
     ``glm46=True`` omits the head's embed_tokens and shared_head.head, as GLM-4.6 does.
@@ -255,9 +322,15 @@ def _rewrite_fp8(folder: Path, per_channel: bool, block: int, keep=None) -> None
         tensors = load_file(str(folder / shard))
         out = {}
         for name, w in tensors.items():
-            quantizable = (w.dim() == 2 and name.endswith(".weight") and "norm" not in name
-                           and "embed_tokens" not in name and "lm_head" not in name and ".mlp.gate." not in name
-                           and not (keep and keep(name)))
+            quantizable = (
+                w.dim() == 2
+                and name.endswith(".weight")
+                and "norm" not in name
+                and "embed_tokens" not in name
+                and "lm_head" not in name
+                and ".mlp.gate." not in name
+                and not (keep and keep(name))
+            )
             if not quantizable:
                 out[name] = w
                 continue
@@ -273,17 +346,20 @@ def _rewrite_fp8(folder: Path, per_channel: bool, block: int, keep=None) -> None
                 q = torch.empty_like(w)
                 for i in range(tr):
                     for j in range(tc):
-                        tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                        tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
                         s[i, j] = tile.abs().max().clamp(min=1e-12) / fp8_max
-                        q[i * block:(i + 1) * block, j * block:(j + 1) * block] = tile / s[i, j]
+                        q[i * block : (i + 1) * block, j * block : (j + 1) * block] = tile / s[i, j]
                 out[name] = q.to(torch.float8_e4m3fn)
                 out[name + "_scale_inv"] = s
             index["weight_map"][name + ("_scale" if per_channel else "_scale_inv")] = shard
         save_file(out, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = ({"quant_method": "compressed-tensors", "format": "float-quantized"} if per_channel
-                                  else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]})
+    cfg["quantization_config"] = (
+        {"quant_method": "compressed-tensors", "format": "float-quantized"}
+        if per_channel
+        else {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    )
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -296,6 +372,7 @@ def copy_head(folder: Path, n_layers: int = 2) -> Path:
     accepted and rejected drafts, including runs of several accepted ones.
     """
     from safetensors.torch import load_file
+
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     embed = None

@@ -30,16 +30,46 @@ H = 256
 
 def config(vocab: int, **over) -> dict:
     cfg = dict(
-        architectures=["BailingMoeV3ForCausalLM"], model_type="bailing_moe_v3", vocab_size=vocab, hidden_size=H,
-        intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-        layer_group_size=2, short_conv_kernel_size=4, no_kda_lora=True, kda_safe_gate=True, kda_lower_bound=-5.0,
-        gated_attention_proj_granularity_type="head_wise", q_lora_rank=None, kv_lora_rank=256,
-        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, num_experts=4, num_experts_per_tok=2,
-        num_shared_experts=1, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
-        n_group=1, topk_group=1, rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=600000.0,
-        use_bias=False, tie_word_embeddings=False, num_nextn_predict_layers=1,
-        bos_token_id=1, eos_token_id=0, pad_token_id=0,
+        architectures=["BailingMoeV3ForCausalLM"],
+        model_type="bailing_moe_v3",
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        layer_group_size=2,
+        short_conv_kernel_size=4,
+        no_kda_lora=True,
+        kda_safe_gate=True,
+        kda_lower_bound=-5.0,
+        gated_attention_proj_granularity_type="head_wise",
+        q_lora_rank=None,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        moe_intermediate_size=256,
+        moe_shared_expert_intermediate_size=256,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        score_function="sigmoid",
+        n_group=1,
+        topk_group=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=600000.0,
+        use_bias=False,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        bos_token_id=1,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     cfg.update(over)
     return cfg
@@ -55,23 +85,39 @@ def _kda(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     d = nh * hd
     t = {p + f"{x}_proj.weight": _randn(d, H, gen=gen) for x in ("q", "k", "v", "f", "g")}
     t.update({p + f"{x}_conv1d.weight": _randn(d, 1, k, gen=gen, scale=0.3) for x in ("q", "k", "v")})
-    t.update({p + "b_proj.weight": _randn(nh, H, gen=gen), p + "A_log": torch.log(torch.linspace(1, 8, nh)),
-              p + "dt_bias": _randn(d, gen=gen, scale=0.5), p + "o_norm.weight": _norm(hd, gen),
-              p + "o_proj.weight": _randn(H, d, gen=gen)})
+    t.update(
+        {
+            p + "b_proj.weight": _randn(nh, H, gen=gen),
+            p + "A_log": torch.log(torch.linspace(1, 8, nh)),
+            p + "dt_bias": _randn(d, gen=gen, scale=0.5),
+            p + "o_norm.weight": _norm(hd, gen),
+            p + "o_proj.weight": _randn(H, d, gen=gen),
+        }
+    )
     return t
 
 
 def _mla(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    nh, nope, rope, v, kv = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
-                                              "v_head_dim", "kv_lora_rank"))
-    t = {p + "kv_a_proj_with_mqa.weight": _randn(kv + rope, H, gen=gen), p + "kv_a_layernorm.weight": _norm(kv, gen),
-         p + "kv_b_proj.weight": _randn(nh * (nope + v), kv, gen=gen), p + "g_proj.weight": _randn(nh, H, gen=gen),
-         p + "dense.weight": _randn(H, nh * v, gen=gen)}
+    nh, nope, rope, v, kv = (
+        cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
+    t = {
+        p + "kv_a_proj_with_mqa.weight": _randn(kv + rope, H, gen=gen),
+        p + "kv_a_layernorm.weight": _norm(kv, gen),
+        p + "kv_b_proj.weight": _randn(nh * (nope + v), kv, gen=gen),
+        p + "g_proj.weight": _randn(nh, H, gen=gen),
+        p + "dense.weight": _randn(H, nh * v, gen=gen),
+    }
     if (q_lora := cfg["q_lora_rank"]) is None:
         t[p + "q_proj.weight"] = _randn(nh * (nope + rope), H, gen=gen)
     else:
-        t.update({p + "q_a_proj.weight": _randn(q_lora, H, gen=gen), p + "q_a_layernorm.weight": _norm(q_lora, gen),
-                  p + "q_b_proj.weight": _randn(nh * (nope + rope), q_lora, gen=gen)})
+        t.update(
+            {
+                p + "q_a_proj.weight": _randn(q_lora, H, gen=gen),
+                p + "q_a_layernorm.weight": _norm(q_lora, gen),
+                p + "q_b_proj.weight": _randn(nh * (nope + rope), q_lora, gen=gen),
+            }
+        )
     return t
 
 
@@ -95,7 +141,19 @@ def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]
     return t
 
 
-def bailingmoe3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-                with_mtp: bool = True, **over) -> Path:
-    return block_checkpoint(folder, config, SPECIALS, _block, H, seed=seed, dtype=dtype, n_shards=n_shards,
-                            with_mtp=with_mtp, embed="model.word_embeddings.weight", **over)
+def bailingmoe3(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
+) -> Path:
+    return block_checkpoint(
+        folder,
+        config,
+        SPECIALS,
+        _block,
+        H,
+        seed=seed,
+        dtype=dtype,
+        n_shards=n_shards,
+        with_mtp=with_mtp,
+        embed="model.word_embeddings.weight",
+        **over,
+    )

@@ -30,16 +30,40 @@ H = 256
 def config(vocab: int, **over) -> dict:
     n = over.pop("num_hidden_layers", 4)
     cfg = dict(
-        architectures=["Cohere2MoeForCausalLM"], model_type="cohere2_moe", vocab_size=vocab, hidden_size=H,
-        intermediate_size=256, prefix_dense_intermediate_size=512, logit_scale=0.0625, num_hidden_layers=n,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="silu", max_position_embeddings=4096,
-        layer_norm_eps=1e-5, rms_norm_eps=None, bos_token_id=1, eos_token_id=0, pad_token_id=0,
-        tie_word_embeddings=True, rope_theta=50000.0, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        attention_bias=False, sliding_window=16, num_experts_per_tok=2, num_experts=4, num_shared_experts=1,
-        shared_expert_combination_strategy="average", expert_selection_fn="sigmoid",
+        architectures=["Cohere2MoeForCausalLM"],
+        model_type="cohere2_moe",
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=256,
+        prefix_dense_intermediate_size=512,
+        logit_scale=0.0625,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        layer_norm_eps=1e-5,
+        rms_norm_eps=None,
+        bos_token_id=1,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        rope_theta=50000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        attention_bias=False,
+        sliding_window=16,
+        num_experts_per_tok=2,
+        num_experts=4,
+        num_shared_experts=1,
+        shared_expert_combination_strategy="average",
+        expert_selection_fn="sigmoid",
         layer_types=["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
-        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), prefix_dense_sliding_window_pattern=1,
-        norm_topk_prob=True, sliding_window_pattern=4, num_nextn_predict_layers=1,
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+        prefix_dense_sliding_window_pattern=1,
+        norm_topk_prob=True,
+        sliding_window_pattern=4,
+        num_nextn_predict_layers=1,
     )
     cfg.update(over)
     return cfg
@@ -50,8 +74,12 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     t = {p + "input_layernorm.weight": _norm(H, gen)} | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
     if cfg["attention_bias"]:  # zero, as Cohere ships them (llama.cpp drops zero biases)
-        t.update({p + f"self_attn.{x}_proj.bias": torch.zeros(n) for x, n in
-                  (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", H))})
+        t.update(
+            {
+                p + f"self_attn.{x}_proj.bias": torch.zeros(n)
+                for x, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", H))
+            }
+        )
     types = cfg["mlp_layer_types"]
     if bid < len(types) and types[bid] == "dense":
         t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], H, gen))
@@ -66,7 +94,9 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def cohere2moe(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-               with_mtp: bool = True, **over) -> Path:
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
-                            with_mtp=with_mtp, **over)
+def cohere2moe(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
+) -> Path:
+    return block_checkpoint(
+        folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards, with_mtp=with_mtp, **over
+    )

@@ -27,25 +27,61 @@ from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_d
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "rope_theta": 10000.0,
+}
 
 
 def deepseek_v3_config(**over) -> dict:
-    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-               q_lora_rank=256, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-               first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-               num_nextn_predict_layers=1, max_position_embeddings=16384, rms_norm_eps=1e-6,
-               rope_parameters=dict(YARN), tie_word_embeddings=False,
-               scoring_func="sigmoid", topk_method="noaux_tc")  # as DeepSeek-V3's config.json has them
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=256,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=16384,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(YARN),
+        tie_word_embeddings=False,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )  # as DeepSeek-V3's config.json has them
     cfg.update(over)
     return cfg
 
 
-def deepseek_v3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
-                mtp_head_tensors: bool = True, **config_over) -> Path:
+def deepseek_v3(
+    folder: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    n_shards: int = 2,
+    mtp_head_tensors: bool = True,
+    **config_over,
+) -> Path:
     """Write the tiny checkpoint to ``folder`` and return it.
 
     ``mtp_head_tensors=False`` leaves out the MTP layer's ``embed_tokens`` and
@@ -81,8 +117,13 @@ def _use_bos(folder: Path) -> None:
     """
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=BOS, eos_token=EOS,
-                                   add_bos_token=True, add_eos_token=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token=BOS,
+        eos_token=EOS,
+        add_bos_token=True,
+        add_eos_token=False,
+    )
     fast.chat_template = (folder / "chat_template.jinja").read_text()
     fast.save_pretrained(str(folder))
     path = folder / "tokenizer_config.json"
@@ -118,7 +159,7 @@ def trunk_copy_head(folder: Path, embed_rms: float = 0.02) -> Path:
         for name in list(t):
             if not name.startswith(p):
                 continue
-            rest = name[len(p):]
+            rest = name[len(p) :]
             if rest in ("embed_tokens.weight", "shared_head.head.weight"):
                 del t[name]
                 del index["weight_map"][name]

@@ -29,8 +29,15 @@ def deepseek_v32_config(**over) -> dict:
     return deepseek_v3_config(**{"index_n_heads": 4, "index_head_dim": 64, "index_topk": 4, **over})
 
 
-def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
-                 positive_index_weights: bool = False, **config_over) -> Path:
+def deepseek_v32(
+    folder: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    n_shards: int = 2,
+    positive_index_weights: bool = False,
+    **config_over,
+) -> Path:
     """Write the tiny checkpoint to ``folder`` and return it.
 
     ``positive_index_weights``: the indexer's per-head weights (``weights_proj``) made positive, so that a
@@ -48,7 +55,11 @@ def deepseek_v32(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bflo
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "head_dim", "qk_head_dim"):
         config.pop(key, None)
     rope = dict(YARN)
-    config.update(num_hidden_layers=n, architectures=["DeepseekV32ForCausalLM"], rope_theta=rope.pop("rope_theta"),
-                  rope_scaling={"type": rope.pop("rope_type"), **rope})
+    config.update(
+        num_hidden_layers=n,
+        architectures=["DeepseekV32ForCausalLM"],
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling={"type": rope.pop("rope_type"), **rope},
+    )
     save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
     return folder

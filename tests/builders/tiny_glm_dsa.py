@@ -28,35 +28,74 @@ import torch
 
 from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
 
-_MLA = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=256,
-            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-            norm_topk_prob=True, num_nextn_predict_layers=1, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            topk_method="noaux_tc")
+_MLA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=256,
+    kv_lora_rank=256,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    topk_method="noaux_tc",
+)
 
 
 def glm_dsa_config(**over) -> dict:
     """GLM-5.2's config.json keys at tiny sizes: 4 trunk layers, the first dense, indexers full/full/shared/full."""
-    cfg = dict(_MLA, num_hidden_layers=4, first_k_dense_replace=1, routed_scaling_factor=2.5,
-               scoring_func="sigmoid", max_position_embeddings=4096,
-               rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-               index_n_heads=4, index_head_dim=64, index_topk=64,
-               indexer_types=["full", "full", "shared", "full"])
+    cfg = dict(
+        _MLA,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        scoring_func="sigmoid",
+        max_position_embeddings=4096,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        index_n_heads=4,
+        index_head_dim=64,
+        index_topk=64,
+        indexer_types=["full", "full", "shared", "full"],
+    )
     cfg.update(over)
     return cfg
 
 
 def glm4_moe_lite_config(**over) -> dict:
     """GLM-4.7-Flash's config.json keys at tiny sizes (no scoring_func, top-level rope_theta, as released)."""
-    cfg = dict(_MLA, num_hidden_layers=2, first_k_dense_replace=1, routed_scaling_factor=1.8,
-               max_position_embeddings=4096, rope_theta=1000000.0, partial_rotary_factor=1.0)
+    cfg = dict(
+        _MLA,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.8,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        partial_rotary_factor=1.0,
+    )
     cfg.update(over)
     return cfg
 
 
-def glm_dsa(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
-            mtp_indexer: bool = True, **config_over) -> Path:
+def glm_dsa(
+    folder: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    n_shards: int = 2,
+    mtp_indexer: bool = True,
+    **config_over,
+) -> Path:
     """Write a tiny GLM-5.x checkpoint; ``mtp_indexer=False`` stores the MTP block without an indexer,
     ``indexer_types=None`` writes a GLM-5 / 5.1 config (no indexer_types: every layer has an indexer)."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -65,8 +104,17 @@ def glm_dsa(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     n = params["num_hidden_layers"]
     types = params.get("indexer_types")
     over = {"indexer_types": list(types) + ["full" if mtp_indexer else "shared"]} if types is not None else {}
-    folder = _build(folder, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, "GlmMoeDsaForCausalLM", params,
-                    {**params, "num_hidden_layers": n + 1, **over}, seed, dtype, n_shards)
+    folder = _build(
+        folder,
+        GlmMoeDsaConfig,
+        GlmMoeDsaForCausalLM,
+        "GlmMoeDsaForCausalLM",
+        params,
+        {**params, "num_hidden_layers": n + 1, **over},
+        seed,
+        dtype,
+        n_shards,
+    )
     if types is None:  # GLM-5 / 5.1: config.json lists none (every layer runs its indexer)
         path = folder / "config.json"
         config = json.loads(path.read_text())
@@ -75,13 +123,23 @@ def glm_dsa(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     return folder
 
 
-def glm4_moe_lite(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2,
-                  **config_over) -> Path:
+def glm4_moe_lite(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2, **config_over
+) -> Path:
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
 
     params = glm4_moe_lite_config(**config_over)
-    return _build(folder, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, "Glm4MoeLiteForCausalLM", params,
-                  {**params, "num_hidden_layers": params["num_hidden_layers"] + 1}, seed, dtype, n_shards)
+    return _build(
+        folder,
+        Glm4MoeLiteConfig,
+        Glm4MoeLiteForCausalLM,
+        "Glm4MoeLiteForCausalLM",
+        params,
+        {**params, "num_hidden_layers": params["num_hidden_layers"] + 1},
+        seed,
+        dtype,
+        n_shards,
+    )
 
 
 def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, seed: int, dtype, n_shards) -> Path:

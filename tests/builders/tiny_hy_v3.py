@@ -27,15 +27,35 @@ H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
 
 def config(vocab: int, **over) -> dict:
     cfg = dict(
-        architectures=["HYV3ForCausalLM"], model_type="hy_v3", vocab_size=vocab, hidden_size=H,
-        intermediate_size=FF, moe_intermediate_size=MOE_FF, expert_hidden_dim=MOE_FF, num_hidden_layers=3,
-        num_attention_heads=N_HEAD, num_key_value_heads=N_KV, head_dim=HEAD_DIM, qk_norm=True,
-        first_k_dense_replace=1, num_experts=N_EXP, num_experts_per_tok=2, num_shared_experts=1,
-        moe_router_use_sigmoid=True, moe_router_enable_expert_bias=True, route_norm=True,
-        router_scaling_factor=2.826, rms_norm_eps=1e-5, hidden_act="silu",
-        rope_parameters={"rope_theta": 11158840.0, "rope_type": "default"}, max_position_embeddings=4096,
-        tie_word_embeddings=False, num_nextn_predict_layers=1, enable_lm_head_fp32=True,
-        bos_token_id=1, eos_token_id=0,
+        architectures=["HYV3ForCausalLM"],
+        model_type="hy_v3",
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=FF,
+        moe_intermediate_size=MOE_FF,
+        expert_hidden_dim=MOE_FF,
+        num_hidden_layers=3,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_KV,
+        head_dim=HEAD_DIM,
+        qk_norm=True,
+        first_k_dense_replace=1,
+        num_experts=N_EXP,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        moe_router_use_sigmoid=True,
+        moe_router_enable_expert_bias=True,
+        route_norm=True,
+        router_scaling_factor=2.826,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        rope_parameters={"rope_theta": 11158840.0, "rope_type": "default"},
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        enable_lm_head_fp32=True,
+        bos_token_id=1,
+        eos_token_id=0,
     )
     cfg.update(over)
     return cfg
@@ -60,7 +80,9 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def hyv3(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-         with_mtp: bool = True, **over) -> Path:
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
-                            with_mtp=with_mtp, **over)
+def hyv3(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
+) -> Path:
+    return block_checkpoint(
+        folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards, with_mtp=with_mtp, **over
+    )

@@ -16,8 +16,16 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import (_norm, _randn, finish_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn,
-                                 start_checkpoint)
+from tests.builders.tiny import (
+    _norm,
+    _randn,
+    finish_checkpoint,
+    rand_attention,
+    rand_experts,
+    rand_mlp,
+    rand_nextn,
+    start_checkpoint,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 3
@@ -28,27 +36,61 @@ PATTERN = [0, 1, 1]
 
 def config(vocab: int, **over) -> dict:
     cfg = dict(
-        architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash", vocab_size=vocab, hidden_size=H,
-        intermediate_size=FF, moe_intermediate_size=MOE_FF, num_hidden_layers=N_TRUNK,
-        num_attention_heads=N_HEAD, num_key_value_heads=KV[0], swa_num_attention_heads=N_HEAD,
-        swa_num_key_value_heads=KV[1], head_dim=D, swa_head_dim=D, v_head_dim=DV, swa_v_head_dim=DV,
-        hybrid_layer_pattern=PATTERN, sliding_window=16, partial_rotary_factor=0.334,
-        rope_theta=5000000.0, swa_rope_theta=10000.0, layernorm_epsilon=1e-5, max_position_embeddings=4096,
-        n_routed_experts=N_EXP, num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
-        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=None, attention_value_scale=0.707,
-        moe_layer_freq=[0, 1, 1], add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
+        architectures=["MiMoV2FlashForCausalLM"],
+        model_type="mimo_v2_flash",
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=FF,
+        moe_intermediate_size=MOE_FF,
+        num_hidden_layers=N_TRUNK,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=KV[0],
+        swa_num_attention_heads=N_HEAD,
+        swa_num_key_value_heads=KV[1],
+        head_dim=D,
+        swa_head_dim=D,
+        v_head_dim=DV,
+        swa_v_head_dim=DV,
+        hybrid_layer_pattern=PATTERN,
+        sliding_window=16,
+        partial_rotary_factor=0.334,
+        rope_theta=5000000.0,
+        swa_rope_theta=10000.0,
+        layernorm_epsilon=1e-5,
+        max_position_embeddings=4096,
+        n_routed_experts=N_EXP,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=None,
+        attention_value_scale=0.707,
+        moe_layer_freq=[0, 1, 1],
+        add_swa_attention_sink_bias=True,
+        add_full_attention_sink_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
     )
     cfg.update(over)
     return cfg
 
 
-def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator, cfg: dict | None = None) -> dict[str, torch.Tensor]:
+def block_tensors(
+    p: str, swa: bool, moe: bool, gen: torch.Generator, cfg: dict | None = None
+) -> dict[str, torch.Tensor]:
     """One block's tensors, shaped by ``cfg``'s head counts and widths (the module's defaults without one)."""
     cfg = cfg or config(0)
     n_head, d, dv = cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
     n_kv = cfg["swa_num_key_value_heads" if swa else "num_key_value_heads"]
-    h, ff, moe_ff, n_exp = cfg["hidden_size"], cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    h, ff, moe_ff, n_exp = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["moe_intermediate_size"],
+        cfg["n_routed_experts"],
+    )
     t = {p + "input_layernorm.weight": _norm(h, gen), p + "post_attention_layernorm.weight": _norm(h, gen)}
     t |= rand_attention(p + "self_attn.", h, n_head, n_kv, d, gen, dv=dv)
     if swa:
@@ -62,11 +104,15 @@ def block_tensors(p: str, swa: bool, moe: bool, gen: torch.Generator, cfg: dict 
     return t
 
 
-def mimo2(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-          n_mtp: int = N_MTP, **over) -> Path:
+def mimo2(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, n_mtp: int = N_MTP, **over
+) -> Path:
     folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"model.embed_tokens.weight": _randn(vocab, H, gen=gen), "model.norm.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
+    sd = {
+        "model.embed_tokens.weight": _randn(vocab, H, gen=gen),
+        "model.norm.weight": _norm(H, gen),
+        "lm_head.weight": _randn(vocab, H, gen=gen),
+    }
     for bid in range(N_TRUNK):
         sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen, cfg))
     for i in range(n_mtp):
@@ -93,8 +139,14 @@ def v25_heads(tp: int) -> dict:
     ``num_key_value_heads`` ranks (V2.5: 4 full-attention KV heads, 8 sliding; V2.5-Pro: 8 and 8). With 16 heads
     of 48 (rope 16, even for llama.cpp's CPU rope) and values of 32, the per-rank scale tiles of 4 and 8 ranks
     differ in count, as in the releases, so llama.cpp's converter (which tries 8 ranks, then 4) reads them too."""
-    return dict(num_attention_heads=16, swa_num_attention_heads=16, head_dim=48, swa_head_dim=48,
-                num_key_value_heads=tp, swa_num_key_value_heads=8)
+    return dict(
+        num_attention_heads=16,
+        swa_num_attention_heads=16,
+        head_dim=48,
+        swa_head_dim=48,
+        num_key_value_heads=tp,
+        swa_num_key_value_heads=8,
+    )
 
 
 def fp8_rank_tiles(ranks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +157,7 @@ def fp8_rank_tiles(ranks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     for rows in ranks:
         rows = rows.float()
         for a in range(0, rows.shape[0], 128):
-            tile_rows = rows[a:a + 128]
+            tile_rows = rows[a : a + 128]
             scales = torch.stack([c.abs().max().clamp(min=1e-12) / fp8_max for c in tile_rows.split(128, 1)])
             s.append(scales)
             q.append(tile_rows / scales.repeat_interleave(128)[: rows.shape[1]])
@@ -148,9 +200,14 @@ def as_v25_fused_fp8(folder: Path, tp: int | None = None) -> Path:
     from tests.helpers.familycheck import add_tensors
 
     gen = torch.Generator().manual_seed(5)
-    add_tensors(folder, {"visual.patch_embed.proj.weight": torch.randn(32, 48, generator=gen),
-                         "audio_encoder.projection.mlp.0.weight": torch.randn(32, 32, generator=gen),
-                         "speech_embeddings.0.weight": torch.randn(8, 32, generator=gen)})
+    add_tensors(
+        folder,
+        {
+            "visual.patch_embed.proj.weight": torch.randn(32, 48, generator=gen),
+            "audio_encoder.projection.mlp.0.weight": torch.randn(32, 32, generator=gen),
+            "speech_embeddings.0.weight": torch.randn(8, 32, generator=gen),
+        },
+    )
     return folder
 
 
@@ -163,7 +220,7 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     -> (packed uint8 [rows, cols/2], scale uint8 [rows, cols/32])."""
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // 32, 32)
-    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
     e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     q = groups / torch.exp2(e)[..., None]
     codes = (q[..., None] - E2M1).abs().argmin(-1).to(torch.uint8).reshape(rows, cols)
@@ -175,7 +232,8 @@ def mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The values an MXFP4 pair stands for (OCP's definition: E2M1 code x 2^(e-127)), float32."""
     codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
     return (E2M1[codes].reshape(packed.shape[0], -1, 32) * torch.exp2(scale.float() - 127)[..., None]).reshape(
-        packed.shape[0], -1)
+        packed.shape[0], -1
+    )
 
 
 def as_mxfp4_experts(folder: Path) -> Path:

@@ -28,18 +28,53 @@ H = 256
 
 def config(vocab: int, **over) -> dict:
     cfg = dict(
-        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=vocab, hidden_size=H,
-        hybrid_override_pattern="ME*E", num_hidden_layers=4, tie_word_embeddings=False,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        attention_bias=False, mlp_bias=False, mlp_hidden_act="relu2", intermediate_size=512,
-        ssm_state_size=64, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, conv_kernel=4, expand=2,
-        use_conv_bias=True, mamba_proj_bias=False, chunk_size=128, mamba_hidden_act="silu",
-        time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, time_step_limit=[0.0, float("inf")],
-        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
-        num_experts_per_tok=2, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
-        num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E", layer_norm_epsilon=1e-5,
-        rescale_prenorm_residual=True, residual_in_fp32=False, use_bias=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        architectures=["NemotronHForCausalLM"],
+        model_type="nemotron_h",
+        vocab_size=vocab,
+        hidden_size=H,
+        hybrid_override_pattern="ME*E",
+        num_hidden_layers=4,
+        tie_word_embeddings=False,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        attention_bias=False,
+        mlp_bias=False,
+        mlp_hidden_act="relu2",
+        intermediate_size=512,
+        ssm_state_size=64,
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+        use_conv_bias=True,
+        mamba_proj_bias=False,
+        chunk_size=128,
+        mamba_hidden_act="silu",
+        time_step_min=0.001,
+        time_step_max=0.1,
+        time_step_floor=1e-4,
+        time_step_limit=[0.0, float("inf")],
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=256,
+        moe_shared_expert_intermediate_size=256,
+        num_experts_per_tok=2,
+        routed_scaling_factor=2.5,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=1,
+        mtp_hybrid_override_pattern="*E",
+        layer_norm_epsilon=1e-5,
+        rescale_prenorm_residual=True,
+        residual_in_fp32=False,
+        use_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     cfg.update(over)
     return cfg
@@ -63,16 +98,22 @@ def _mamba(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _attention(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    return {p + "q_proj.weight": _randn(nh * hd, H, gen=gen), p + "k_proj.weight": _randn(nkv * hd, H, gen=gen),
-            p + "v_proj.weight": _randn(nkv * hd, H, gen=gen), p + "o_proj.weight": _randn(H, nh * hd, gen=gen)}
+    return {
+        p + "q_proj.weight": _randn(nh * hd, H, gen=gen),
+        p + "k_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "v_proj.weight": _randn(nkv * hd, H, gen=gen),
+        p + "o_proj.weight": _randn(H, nh * hd, gen=gen),
+    }
 
 
 def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     n_exp, ff, sff = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
-    t = {p + "gate.weight": _randn(n_exp, H, gen=gen),
-         p + "gate.e_score_correction_bias": 0.05 * torch.randn(n_exp, generator=gen),
-         p + "shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
-         p + "shared_experts.down_proj.weight": _randn(H, sff, gen=gen)}
+    t = {
+        p + "gate.weight": _randn(n_exp, H, gen=gen),
+        p + "gate.e_score_correction_bias": 0.05 * torch.randn(n_exp, generator=gen),
+        p + "shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
+        p + "shared_experts.down_proj.weight": _randn(H, sff, gen=gen),
+    }
     for e in range(n_exp):
         t[f"{p}experts.{e}.up_proj.weight"] = _randn(ff, H, gen=gen)
         t[f"{p}experts.{e}.down_proj.weight"] = _randn(H, ff, gen=gen)
@@ -82,11 +123,15 @@ def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 _MIXERS = {"M": _mamba, "*": _attention, "E": _moe}
 
 
-def nemotronh(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-              with_mtp: bool = True, **over) -> Path:
+def nemotronh(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
+) -> Path:
     folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {"backbone.embeddings.weight": _randn(vocab, H, gen=gen), "backbone.norm_f.weight": _norm(H, gen),
-          "lm_head.weight": _randn(vocab, H, gen=gen)}
+    sd = {
+        "backbone.embeddings.weight": _randn(vocab, H, gen=gen),
+        "backbone.norm_f.weight": _norm(H, gen),
+        "lm_head.weight": _randn(vocab, H, gen=gen),
+    }
     for i, kind in enumerate(cfg["hybrid_override_pattern"]):
         p = f"backbone.layers.{i}."
         sd[p + "norm.weight"] = _norm(H, gen)
@@ -96,7 +141,12 @@ def nemotronh(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32
             p = f"mtp.layers.{j}."
             sd[p + "norm.weight"] = _norm(H, gen)
             sd.update(_MIXERS[kind](p + "mixer.", cfg, gen))
-        sd.update({"mtp.layers.0.enorm.weight": _norm(H, gen), "mtp.layers.0.hnorm.weight": _norm(H, gen),
-                   "mtp.layers.0.eh_proj.weight": _randn(H, 2 * H, gen=gen),
-                   "mtp.layers.1.final_layernorm.weight": _norm(H, gen)})
+        sd.update(
+            {
+                "mtp.layers.0.enorm.weight": _norm(H, gen),
+                "mtp.layers.0.hnorm.weight": _norm(H, gen),
+                "mtp.layers.0.eh_proj.weight": _randn(H, 2 * H, gen=gen),
+                "mtp.layers.1.final_layernorm.weight": _norm(H, gen),
+            }
+        )
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

@@ -36,12 +36,29 @@ MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
 
 
 def text_config(moe: bool, **over) -> dict:
-    cfg = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-               linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=1024,
-               rms_norm_eps=1e-6, tie_word_embeddings=False,
-               rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                                "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True})
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": list(MROPE_SECTION),
+            "mrope_interleaved": True,
+        },
+    )
     if moe:
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
     else:
@@ -50,13 +67,30 @@ def text_config(moe: bool, **over) -> dict:
     return cfg
 
 
-_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=4,
-               num_position_embeddings=16)
+_VISION = dict(
+    depth=1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,
+    out_hidden_size=256,
+    patch_size=4,
+    num_position_embeddings=16,
+)
 
 
-def qwen35(folder: Path, *, moe: bool = False, conditional: bool = False, seed: int = 0,
-           dtype: torch.dtype = torch.bfloat16, fused_experts: bool = False, mtp_fused_experts: bool | None = None,
-           with_mtp: bool = True, n_shards: int = 2, **config_over) -> Path:
+def qwen35(
+    folder: Path,
+    *,
+    moe: bool = False,
+    conditional: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    fused_experts: bool = False,
+    mtp_fused_experts: bool | None = None,
+    with_mtp: bool = True,
+    n_shards: int = 2,
+    **config_over,
+) -> Path:
     """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer)."""
     import transformers as tf
 
@@ -138,8 +172,9 @@ def mtp_tensors(text_cfg, moe: bool, gen: torch.Generator, fused: bool = False) 
     for name, p in layer.state_dict().items():
         if name.startswith("mlp.experts."):
             continue
-        t["mtp.layers.0." + name] = (0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1
-                                     else 0.02 * torch.randn(p.shape, generator=gen))
+        t["mtp.layers.0." + name] = (
+            0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen)
+        )
     if moe:
         n, f = cfg.num_experts, cfg.moe_intermediate_size
         per = {}

@@ -30,18 +30,45 @@ from tests.builders.tiny_qwen35 import QWEN_SPECIALS, _informative_1d, fuse_expe
 
 
 def qwen3next_config(**over) -> dict:
-    cfg = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
-               num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, norm_topk_prob=True,
-               rope_theta=10_000_000.0, partial_rotary_factor=0.25)
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+    )
     cfg.update(over)
     return cfg
 
 
-def qwen3next(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
-              release_config: bool = True, fused_experts: bool = False, n_shards: int = 2, **config_over) -> Path:
+def qwen3next(
+    folder: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    with_mtp: bool = True,
+    release_config: bool = True,
+    fused_experts: bool = False,
+    n_shards: int = 2,
+    **config_over,
+) -> Path:
     """Write a tiny Qwen3-Next checkpoint (3 linear-attention + 1 full-attention layer, + 1 MTP layer)."""
     import transformers as tf
 
@@ -67,8 +94,12 @@ def qwen3next(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat1
     if release_config:
         for key in ("layer_types", "rope_parameters"):
             config.pop(key, None)
-        config.update(full_attention_interval=4, rope_theta=params["rope_theta"], rope_scaling=None,
-                      partial_rotary_factor=params["partial_rotary_factor"])
+        config.update(
+            full_attention_interval=4,
+            rope_theta=params["rope_theta"],
+            rope_scaling=None,
+            partial_rotary_factor=params["partial_rotary_factor"],
+        )
     save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
     return folder
 
@@ -87,8 +118,9 @@ def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
     for name, p in layer.state_dict().items():
         if name.startswith("mlp.experts."):  # fused in the module; the release stores them per expert
             continue
-        t["mtp.layers.0." + name] = (0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1
-                                     else 0.02 * torch.randn(p.shape, generator=gen))
+        t["mtp.layers.0." + name] = (
+            0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen)
+        )
     f = cfg.moe_intermediate_size
     for e in range(cfg.num_experts):
         for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):

@@ -32,23 +32,45 @@ LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding
 
 def config(vocab: int, **over) -> dict:
     cfg = dict(
-        architectures=["Step3p5ForCausalLM"], model_type="step3p5", vocab_size=vocab, hidden_size=H,
-        intermediate_size=FF, num_hidden_layers=N_TRUNK, num_attention_heads=HEADS["full_attention"][0],
-        num_attention_groups=HEADS["full_attention"][1], head_dim=HEAD_DIM,
-        attention_other_setting={"attention_type": "sliding_attention",
-                                 "num_attention_heads": HEADS["sliding_attention"][0],
-                                 "num_attention_groups": HEADS["sliding_attention"][1],
-                                 "head_dim": HEAD_DIM, "true_head_dim": HEAD_DIM},
-        sliding_window=16, layer_types=LAYER_TYPES,
+        architectures=["Step3p5ForCausalLM"],
+        model_type="step3p5",
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=FF,
+        num_hidden_layers=N_TRUNK,
+        num_attention_heads=HEADS["full_attention"][0],
+        num_attention_groups=HEADS["full_attention"][1],
+        head_dim=HEAD_DIM,
+        attention_other_setting={
+            "attention_type": "sliding_attention",
+            "num_attention_heads": HEADS["sliding_attention"][0],
+            "num_attention_groups": HEADS["sliding_attention"][1],
+            "head_dim": HEAD_DIM,
+            "true_head_dim": HEAD_DIM,
+        },
+        sliding_window=16,
+        layer_types=LAYER_TYPES,
         partial_rotary_factors=[1.0 if t == "sliding_attention" else 0.5 for t in LAYER_TYPES],
         rope_theta=[1000000.0 if t == "full_attention" else 10000.0 for t in LAYER_TYPES],
-        max_position_embeddings=4096, rms_norm_eps=1e-5,
-        moe_num_experts=N_EXP, moe_top_k=2, moe_intermediate_size=MOE_FF, share_expert_dim=SHARE_FF,
-        moe_layers_enum=",".join(str(i) for i in range(1, N_TRUNK)), moe_every_n_layer=1,
-        moe_router_activation="sigmoid", moe_router_scaling_factor=3.0, norm_expert_weight=True,
-        use_head_wise_attn_gate=True, use_moe_router_bias=True,
-        swiglu_limits=[None, 7.0, 7.0], swiglu_limits_shared=[None, 16.0, 16.0],
-        num_nextn_predict_layers=N_MTP, tie_word_embeddings=False, bos_token_id=1, eos_token_id=0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        moe_num_experts=N_EXP,
+        moe_top_k=2,
+        moe_intermediate_size=MOE_FF,
+        share_expert_dim=SHARE_FF,
+        moe_layers_enum=",".join(str(i) for i in range(1, N_TRUNK)),
+        moe_every_n_layer=1,
+        moe_router_activation="sigmoid",
+        moe_router_scaling_factor=3.0,
+        norm_expert_weight=True,
+        use_head_wise_attn_gate=True,
+        use_moe_router_bias=True,
+        swiglu_limits=[None, 7.0, 7.0],
+        swiglu_limits_shared=[None, 16.0, 16.0],
+        num_nextn_predict_layers=N_MTP,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=0,
     )
     cfg.update(over)
     return cfg
@@ -71,14 +93,16 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     }
     moe = 0 < bid < cfg["num_hidden_layers"]
     if moe:
-        t.update({
-            p + "moe.gate.weight": _randn(N_EXP, H, gen=gen),
-            p + "moe.router_bias": 0.05 * torch.randn(N_EXP, generator=gen),
-            p + "moe.gate_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
-            p + "moe.up_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
-            p + "moe.down_proj.weight": _randn(N_EXP, H, MOE_FF, gen=gen),
-            **rand_mlp(p + "share_expert.", SHARE_FF, H, gen),
-        })
+        t.update(
+            {
+                p + "moe.gate.weight": _randn(N_EXP, H, gen=gen),
+                p + "moe.router_bias": 0.05 * torch.randn(N_EXP, generator=gen),
+                p + "moe.gate_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
+                p + "moe.up_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
+                p + "moe.down_proj.weight": _randn(N_EXP, H, MOE_FF, gen=gen),
+                **rand_mlp(p + "share_expert.", SHARE_FF, H, gen),
+            }
+        )
     else:  # the leading dense layer and the MTP blocks
         t.update(rand_mlp(p + "mlp.", FF, H, gen))
     if bid >= cfg["num_hidden_layers"]:
@@ -87,15 +111,30 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def step35(folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2,
-           with_mtp: bool = True, **over) -> Path:
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards,
-                            with_mtp=with_mtp, norm=_zero_centred, **over)
+def step35(
+    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
+) -> Path:
+    return block_checkpoint(
+        folder,
+        config,
+        SPECIALS,
+        block_tensors,
+        H,
+        seed=seed,
+        dtype=dtype,
+        n_shards=n_shards,
+        with_mtp=with_mtp,
+        norm=_zero_centred,
+        **over,
+    )
 
 
-VISION_TOWER = {"vision_model.positional_embedding": (4, 64), "vision_model.vit_downsampler1.weight": (64, 64),
-                "vision_model.transformer.layers.0.attn.in_proj_weight": (192, 64),
-                "vit_large_projector.weight": (H, 64)}
+VISION_TOWER = {
+    "vision_model.positional_embedding": (4, 64),
+    "vision_model.vit_downsampler1.weight": (64, 64),
+    "vision_model.transformer.layers.0.attn.in_proj_weight": (192, 64),
+    "vit_large_projector.weight": (H, 64),
+}
 
 
 def as_step37(folder: Path, nested: bool = True) -> Path:

@@ -18,46 +18,83 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_bailingmoe3
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp,
-                                       assert_same_gguf, assert_table_f32, checkpoint_fixtures, convert_with_both,
-                                       dequant_block_scaled, expected_table, inspect_json, quantize_q4_k_m,
-                                       quantize_with_both, stack_experts, vocab)
-from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.familycheck import (
+    assert_bad_tensor_refused,
+    assert_drafts_in_llama_cpp,
+    assert_mode_files,
+    assert_needs_no_mtp,
+    assert_same_gguf,
+    assert_table_f32,
+    checkpoint_fixtures,
+    convert_with_both,
+    dequant_block_scaled,
+    expected_table,
+    inspect_json,
+    quantize_q4_k_m,
+    quantize_with_both,
+    stack_experts,
+    vocab,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
 N_HEAD, NOPE, ROPE, V_DIM, KV_LORA = 4, 64, 64, 64, 256
 # layer_group_size 2, 4 trunk layers: KDA at 0 and 2, MLA at 1, 3 and the MTP layer 4; layer 0 dense
-KDA = {"attn_q.weight": ((256, 256), "attention.q_proj.weight"), "attn_k.weight": ((256, 256), "attention.k_proj.weight"),
-       "attn_v.weight": ((256, 256), "attention.v_proj.weight"),
-       "ssm_conv1d_q.weight": ((1, 256, 1, 4), "attention.q_conv1d.weight"),
-       "ssm_conv1d_k.weight": ((1, 256, 1, 4), "attention.k_conv1d.weight"),
-       "ssm_conv1d_v.weight": ((1, 256, 1, 4), "attention.v_conv1d.weight"),
-       "ssm_f_a.weight": ((256, 256), "attention.f_proj.weight"), "ssm_beta.weight": ((4, 256), "attention.b_proj.weight"),
-       "ssm_a": ((4, 1), "attention.A_log"), "ssm_dt.bias": ((256,), "attention.dt_bias"),
-       "ssm_g_a.weight": ((256, 256), "attention.g_proj.weight"), "ssm_norm.weight": ((64,), "attention.o_norm.weight"),
-       "attn_output.weight": ((256, 256), "attention.o_proj.weight")}
-MLA = {"attn_q.weight": ((512, 256), "attention.q_proj.weight"),
-       "attn_kv_a_mqa.weight": ((320, 256), "attention.kv_a_proj_with_mqa.weight"),
-       "attn_kv_a_norm.weight": ((256,), "attention.kv_a_layernorm.weight"),
-       "attn_k_b.weight": ((4, 256, 64), "attention.kv_b_proj.weight"),
-       "attn_v_b.weight": ((4, 64, 256), "attention.kv_b_proj.weight"),
-       "attn_gate.weight": ((4, 256), "attention.g_proj.weight"), "attn_output.weight": ((256, 256), "attention.dense.weight")}
-NORMS = {"attn_norm.weight": ((256,), "input_layernorm.weight"), "ffn_norm.weight": ((256,), "post_attention_layernorm.weight")}
-DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
-MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"), "exp_probs_b.bias": ((4,), "mlp.gate.expert_bias"),
-       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
-       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
-       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight")}
-NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
-         "nextn.hnorm.weight": ((256,), "hnorm.weight"), "layer_output_norm.weight": ((256,), "final_layernorm.weight")}
+KDA = {
+    "attn_q.weight": ((256, 256), "attention.q_proj.weight"),
+    "attn_k.weight": ((256, 256), "attention.k_proj.weight"),
+    "attn_v.weight": ((256, 256), "attention.v_proj.weight"),
+    "ssm_conv1d_q.weight": ((1, 256, 1, 4), "attention.q_conv1d.weight"),
+    "ssm_conv1d_k.weight": ((1, 256, 1, 4), "attention.k_conv1d.weight"),
+    "ssm_conv1d_v.weight": ((1, 256, 1, 4), "attention.v_conv1d.weight"),
+    "ssm_f_a.weight": ((256, 256), "attention.f_proj.weight"),
+    "ssm_beta.weight": ((4, 256), "attention.b_proj.weight"),
+    "ssm_a": ((4, 1), "attention.A_log"),
+    "ssm_dt.bias": ((256,), "attention.dt_bias"),
+    "ssm_g_a.weight": ((256, 256), "attention.g_proj.weight"),
+    "ssm_norm.weight": ((64,), "attention.o_norm.weight"),
+    "attn_output.weight": ((256, 256), "attention.o_proj.weight"),
+}
+MLA = {
+    "attn_q.weight": ((512, 256), "attention.q_proj.weight"),
+    "attn_kv_a_mqa.weight": ((320, 256), "attention.kv_a_proj_with_mqa.weight"),
+    "attn_kv_a_norm.weight": ((256,), "attention.kv_a_layernorm.weight"),
+    "attn_k_b.weight": ((4, 256, 64), "attention.kv_b_proj.weight"),
+    "attn_v_b.weight": ((4, 64, 256), "attention.kv_b_proj.weight"),
+    "attn_gate.weight": ((4, 256), "attention.g_proj.weight"),
+    "attn_output.weight": ((256, 256), "attention.dense.weight"),
+}
+NORMS = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+}
+DENSE = {
+    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
+    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
+}
+MOE = {
+    "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
+    "exp_probs_b.bias": ((4,), "mlp.gate.expert_bias"),
+    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
+    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
+    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight"),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
+    "nextn.enorm.weight": ((256,), "enorm.weight"),
+    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+    "layer_output_norm.weight": ((256,), "final_layernorm.weight"),
+}
 BLOCKS = [KDA | NORMS | DENSE, MLA | NORMS | MOE, KDA | NORMS | MOE, MLA | NORMS | MOE, MLA | NORMS | MOE | NEXTN]
-TOP = {"token_embd.weight": (("V", 256), "model.word_embeddings.weight"),
-       "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": (("V", 256), "lm_head.weight")}
+TOP = {
+    "token_embd.weight": (("V", 256), "model.word_embeddings.weight"),
+    "output_norm.weight": ((256,), "model.norm.weight"),
+    "output.weight": (("V", 256), "lm_head.weight"),
+}
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -74,7 +111,7 @@ def value(src: dict[str, torch.Tensor], name: str, hf: str) -> torch.Tensor:
     if name.endswith(".ssm_a"):
         return torch.exp(t).reshape(-1, 1)
     if name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
-        heads = [t[h * (NOPE + V_DIM):(h + 1) * (NOPE + V_DIM)] for h in range(N_HEAD)]
+        heads = [t[h * (NOPE + V_DIM) : (h + 1) * (NOPE + V_DIM)] for h in range(N_HEAD)]
         if name.endswith(".attn_k_b.weight"):
             return torch.stack([rows[:NOPE].T for rows in heads])
         return torch.stack([rows[NOPE:] for rows in heads])
@@ -92,19 +129,34 @@ def test_f32_every_tensor_named_shaped_and_valued(bl_ckpt, bl_f32):
 def test_metadata(bl_ckpt, bl_f32):
     kv, _ = bl_f32
     want = {
-        "general.architecture": "bailingmoe3", "bailingmoe3.block_count": 5, "bailingmoe3.nextn_predict_layers": 1,
-        "bailingmoe3.context_length": 4096, "bailingmoe3.embedding_length": 256, "bailingmoe3.feed_forward_length": 512,
+        "general.architecture": "bailingmoe3",
+        "bailingmoe3.block_count": 5,
+        "bailingmoe3.nextn_predict_layers": 1,
+        "bailingmoe3.context_length": 4096,
+        "bailingmoe3.embedding_length": 256,
+        "bailingmoe3.feed_forward_length": 512,
         "bailingmoe3.attention.head_count": 4,
         "bailingmoe3.attention.head_count_kv": [0, 1, 0, 1, 1],  # 1 on MLA layers (and the MTP layer), 0 on KDA
-        "bailingmoe3.attention.key_length": KV_LORA + ROPE, "bailingmoe3.attention.value_length": 64,
-        "bailingmoe3.attention.key_length_mla": NOPE + ROPE, "bailingmoe3.attention.value_length_mla": V_DIM,
-        "bailingmoe3.attention.kv_lora_rank": KV_LORA, "bailingmoe3.rope.dimension_count": ROPE,
-        "bailingmoe3.vocab_size": vocab(bl_ckpt), "bailingmoe3.ssm.conv_kernel": 4, "bailingmoe3.kda.head_dim": 64,
-        "bailingmoe3.kda.safe_gate": True, "bailingmoe3.expert_count": 4, "bailingmoe3.expert_used_count": 2,
-        "bailingmoe3.expert_group_count": 1, "bailingmoe3.expert_group_used_count": 1,
-        "bailingmoe3.expert_gating_func": 2, "bailingmoe3.expert_feed_forward_length": 256,
-        "bailingmoe3.expert_shared_feed_forward_length": 256, "bailingmoe3.expert_shared_count": 1,
-        "bailingmoe3.leading_dense_block_count": 1, "bailingmoe3.expert_weights_norm": True,
+        "bailingmoe3.attention.key_length": KV_LORA + ROPE,
+        "bailingmoe3.attention.value_length": 64,
+        "bailingmoe3.attention.key_length_mla": NOPE + ROPE,
+        "bailingmoe3.attention.value_length_mla": V_DIM,
+        "bailingmoe3.attention.kv_lora_rank": KV_LORA,
+        "bailingmoe3.rope.dimension_count": ROPE,
+        "bailingmoe3.vocab_size": vocab(bl_ckpt),
+        "bailingmoe3.ssm.conv_kernel": 4,
+        "bailingmoe3.kda.head_dim": 64,
+        "bailingmoe3.kda.safe_gate": True,
+        "bailingmoe3.expert_count": 4,
+        "bailingmoe3.expert_used_count": 2,
+        "bailingmoe3.expert_group_count": 1,
+        "bailingmoe3.expert_group_used_count": 1,
+        "bailingmoe3.expert_gating_func": 2,
+        "bailingmoe3.expert_feed_forward_length": 256,
+        "bailingmoe3.expert_shared_feed_forward_length": 256,
+        "bailingmoe3.expert_shared_count": 1,
+        "bailingmoe3.leading_dense_block_count": 1,
+        "bailingmoe3.expert_weights_norm": True,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -118,8 +170,13 @@ def test_f16_keeps_the_short_convolutions_f32(bl_ckpt, tmp_path):
     """ggml's ssm_conv takes f32 weights only: q/k/v_conv1d stay F32 (llama.cpp aborts on an f16 one)."""
     _, tensors = convert(bl_ckpt, tmp_path / "m.gguf", "--outtype", "f16")
     for name, (qtype, data) in tensors.items():
-        f32 = data.ndim == 1 or "ssm_conv1d" in name or "ffn_gate_inp" in name or name.endswith("ssm_a") \
+        f32 = (
+            data.ndim == 1
+            or "ssm_conv1d" in name
+            or "ffn_gate_inp" in name
+            or name.endswith("ssm_a")
             or name.endswith("norm.weight")
+        )
         assert qtype == (T.F32 if f32 else T.F16), name
 
 
@@ -135,19 +192,26 @@ def test_checkpoint_without_mtp_layer(tmp_path):
     assert_needs_no_mtp(ck, tmp_path, "layer 4")
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("model.layers.4.final_layernorm.weight", None, "missing tensor model.layers.4.final_layernorm.weight"),
-    ("model.layers.2.attention.dt_bias", None, "missing tensor model.layers.2.attention.dt_bias"),
-    ("model.layers.4.attention.kv_b_proj.weight", torch.zeros(512, 128), "config.json implies [512, 256]"),
-    ("model.layers.0.attention.k_conv1d.weight", torch.zeros(256, 1, 3), "config.json implies [256, 1, 4]"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("model.layers.4.final_layernorm.weight", None, "missing tensor model.layers.4.final_layernorm.weight"),
+        ("model.layers.2.attention.dt_bias", None, "missing tensor model.layers.2.attention.dt_bias"),
+        ("model.layers.4.attention.kv_b_proj.weight", torch.zeros(512, 128), "config.json implies [512, 256]"),
+        ("model.layers.0.attention.k_conv1d.weight", torch.zeros(256, 1, 3), "config.json implies [256, 1, 4]"),
+    ],
+)
 def test_missing_or_misshaped_tensor_exits_2(bl_ckpt, tmp_path, name, value, needle):
     assert_bad_tensor_refused(shutil.copytree(bl_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
-@pytest.mark.parametrize("change,needle", [({"no_kda_lora": False}, "no_kda_lora"),
-                                           ({"gated_attention_proj_granularity_type": "element_wise"},
-                                            "gated_attention_proj_granularity_type")])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"no_kda_lora": False}, "no_kda_lora"),
+        ({"gated_attention_proj_granularity_type": "element_wise"}, "gated_attention_proj_granularity_type"),
+    ],
+)
 def test_unsupported_variants_exit_2(bl_ckpt, tmp_path, change, needle):
     ck = shutil.copytree(bl_ckpt, tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())
@@ -166,8 +230,12 @@ def test_fp8_block_scaled_dequantized(bl_ckpt, tmp_path):
     tiny.to_fp8_block_scaled(ck)
     stored = source_tensors(ck)
     dequant = dequant_block_scaled(stored)
-    for n in ("model.layers.4.attention.kv_b_proj.weight", "model.layers.0.attention.f_proj.weight",
-              "model.layers.4.eh_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight"):
+    for n in (
+        "model.layers.4.attention.kv_b_proj.weight",
+        "model.layers.0.attention.f_proj.weight",
+        "model.layers.4.eh_proj.weight",
+        "model.layers.2.mlp.experts.3.down_proj.weight",
+    ):
         assert stored[n].dtype == torch.float8_e4m3fn, n
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     for name, (_, hf) in expected(vocab(ck)).items():
@@ -190,6 +258,7 @@ def test_mxfp4_experts_keep_their_bits(ling_mxfp4, tmp_path):
     the outtype (file type MOSTLY_MXFP4_MOE), its values the checkpoint's by the OCP definition (E2M1 code x
     2^(e - 127)) bit for bit; the rest is the FP8 dequantized to the outtype."""
     import gguf
+
     from tests.builders import tiny_mimo2
 
     kv, tensors = convert(ling_mxfp4, tmp_path / "m.gguf", "--outtype", "f16")
@@ -203,8 +272,9 @@ def test_mxfp4_experts_keep_their_bits(ling_mxfp4, tmp_path):
         for e in range(4):
             hf = f"model.layers.{bid}.mlp.experts.{e}.{proj}_proj.weight"
             assert src[hf].dtype == torch.uint8 and src[hf + "_scale_inv"].dtype == torch.uint8
-            np.testing.assert_array_equal(got[e], tiny_mimo2.mxfp4_values(src[hf], src[hf + "_scale_inv"]).numpy(),
-                                          err_msg=hf)
+            np.testing.assert_array_equal(
+                got[e], tiny_mimo2.mxfp4_values(src[hf], src[hf + "_scale_inv"]).numpy(), err_msg=hf
+            )
     assert tensors["blk.2.ffn_gate_exps.weight"][1].shape == (4, 256, 512 // 32 * 17)  # full width: 512 values
     assert tensors["blk.3.attn_q.weight"][0] == T.F16 and tensors["blk.0.ssm_f_a.weight"][0] == T.F16
 
@@ -229,8 +299,13 @@ def test_mxfp4_file_quantizes_inspects_and_extracts(ling_mxfp4, tmp_path):
     assert {n for n in head_tensors if n.startswith("blk.")} == {n for n in tensors if n.startswith("blk.4.")}
 
 
-@pytest.mark.parametrize("change,needle", [({"routed_experts_quant_method": "nvfp4"}, "routed_experts_quant_method"),
-                                           ({"routed_experts_group_size": 16}, "routed_experts_group_size")])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"routed_experts_quant_method": "nvfp4"}, "routed_experts_quant_method"),
+        ({"routed_experts_group_size": 16}, "routed_experts_group_size"),
+    ],
+)
 def test_unsupported_mxfp4_declarations_exit_2(ling_mxfp4, tmp_path, change, needle):
     ck = shutil.copytree(ling_mxfp4, tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())
@@ -254,20 +329,33 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(bl_ckpt, tmp_path):
 def test_inspect_shows_the_head(bl_ckpt, tmp_path):
     info = inspect_json(bl_ckpt, tmp_path)
     assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(vocab(bl_ckpt))
-                                                                if n.startswith("blk.4.")}
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {
+        n for n in expected(vocab(bl_ckpt)) if n.startswith("blk.4.")
+    }
 
 
 # ----------------------------------------------------------------------------- llama.cpp
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("mode,dtype,over", [
-    (None, torch.float32, {}), ("--no-mtp", torch.float32, {}), ("--mtp", torch.float32, {}),
-    (None, torch.bfloat16, {}),
-    (None, torch.float32, {"q_lora_rank": 256, "expert_swiglu_limit_list": [None, 7.0, 7.0, 7.0],
-                           "share_expert_swiglu_limit_list": [None, 10.0, 10.0, 10.0]}),
-])
+@pytest.mark.parametrize(
+    "mode,dtype,over",
+    [
+        (None, torch.float32, {}),
+        ("--no-mtp", torch.float32, {}),
+        ("--mtp", torch.float32, {}),
+        (None, torch.bfloat16, {}),
+        (
+            None,
+            torch.float32,
+            {
+                "q_lora_rank": 256,
+                "expert_swiglu_limit_list": [None, 7.0, 7.0, 7.0],
+                "share_expert_swiglu_limit_list": [None, 10.0, 10.0, 10.0],
+            },
+        ),
+    ],
+)
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP layer too), in its three modes, from bf16, and with q LoRA + SwiGLU clamps."""
@@ -282,8 +370,9 @@ def test_f16_types_as_llama_cpp_converter(bl_ckpt, tmp_path, llama_cpp_src):
     from tests.helpers.llamacpp_ref import llama_cpp_convert
 
     kv, tensors = convert(bl_ckpt, tmp_path / "ours.gguf", "--outtype", "f16")
-    _, ref = read_gguf(llama_cpp_convert(llama_cpp_src, bl_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                                         outtype="f16"))
+    _, ref = read_gguf(
+        llama_cpp_convert(llama_cpp_src, bl_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"], outtype="f16")
+    )
     assert {n: t for n, (t, _) in tensors.items()} == {n: t for n, (t, _) in ref.items()}
 
 
@@ -337,11 +426,17 @@ def test_mxfp4_blocks_as_llama_cpp_repacks_them(ling_mxfp4, tmp_path, llama_cpp_
         "        hf = [f'model.layers.{bid}.mlp.experts.{e}.{proj}_proj.weight' for e in range(4)]\n"
         "        out[f'blk.{bid}.ffn_{proj}_exps.weight'] = np.stack(\n"
         "            [ModelBase.repack_mxfp4_blocks(src[n], src[n + '_scale_inv']) for n in hf])\n"
-        "np.savez(sys.argv[3], **out)\n")
+        "np.savez(sys.argv[3], **out)\n"
+    )
     ref = tmp_path / "ref.npz"
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", script, str(llama_cpp_src), str(ling_mxfp4), str(ref)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(llama_cpp_src), str(ling_mxfp4), str(ref)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = np.load(ref)
     for name in MXFP4_STACKS:

@@ -17,36 +17,61 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_cohere2moe
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp,
-                                       assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
-                                       assert_table_f32, checkpoint_fixtures, convert_with_both, expected_table,
-                                       inspect_json, quantize_q4_k_m, quantize_with_both, rewrite_tensor, stack_experts,
-                                       strip_general, vocab)
-from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.familycheck import (
+    assert_bad_tensor_refused,
+    assert_drafts_in_llama_cpp,
+    assert_fp8_source_same_as_llama_cpp,
+    assert_mode_files,
+    assert_needs_no_mtp,
+    assert_same_gguf,
+    assert_table_f32,
+    checkpoint_fixtures,
+    convert_with_both,
+    expected_table,
+    inspect_json,
+    quantize_q4_k_m,
+    quantize_with_both,
+    rewrite_tensor,
+    stack_experts,
+    strip_general,
+    vocab,
+)
 from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
-ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
-        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight")}
-DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
-MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
-       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
-       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
-       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight")}
-NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
-         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-         "nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight")}
+ATTN = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+}
+DENSE = {
+    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
+    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
+}
+MOE = {
+    "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
+    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
+    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
+    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight"),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
+    "nextn.enorm.weight": ((256,), "enorm.weight"),
+    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+    "nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight"),
+}
 BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
-TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: no output.weight
-       "output_norm.weight": ((256,), "model.norm.weight")}
+TOP = {
+    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: no output.weight
+    "output_norm.weight": ((256,), "model.norm.weight"),
+}
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -69,18 +94,29 @@ def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
 def test_metadata(co_ckpt, co_f32):
     kv, _ = co_f32
     want = {
-        "general.architecture": "cohere2moe", "cohere2moe.block_count": 5, "cohere2moe.nextn_predict_layers": 1,
-        "cohere2moe.context_length": 4096, "cohere2moe.embedding_length": 256,
+        "general.architecture": "cohere2moe",
+        "cohere2moe.block_count": 5,
+        "cohere2moe.nextn_predict_layers": 1,
+        "cohere2moe.context_length": 4096,
+        "cohere2moe.embedding_length": 256,
         "cohere2moe.feed_forward_length": 512,  # the dense prefix's width (prefix_dense_intermediate_size)
-        "cohere2moe.attention.head_count": 4, "cohere2moe.attention.head_count_kv": 2,
-        "cohere2moe.attention.key_length": 64, "cohere2moe.attention.value_length": 64,
-        "cohere2moe.rope.dimension_count": 64, "cohere2moe.rope.scaling.type": "none",
+        "cohere2moe.attention.head_count": 4,
+        "cohere2moe.attention.head_count_kv": 2,
+        "cohere2moe.attention.key_length": 64,
+        "cohere2moe.attention.value_length": 64,
+        "cohere2moe.rope.dimension_count": 64,
+        "cohere2moe.rope.scaling.type": "none",
         "cohere2moe.attention.sliding_window": 16,
         "cohere2moe.attention.sliding_window_pattern": [True, True, True, False],  # trunk layers only
-        "cohere2moe.vocab_size": vocab(co_ckpt), "cohere2moe.expert_count": 4, "cohere2moe.expert_used_count": 2,
-        "cohere2moe.expert_gating_func": 2, "cohere2moe.expert_feed_forward_length": 256,
-        "cohere2moe.expert_shared_count": 1, "cohere2moe.expert_shared_feed_forward_length": 256,
-        "cohere2moe.leading_dense_block_count": 1, "cohere2moe.expert_weights_norm": True,
+        "cohere2moe.vocab_size": vocab(co_ckpt),
+        "cohere2moe.expert_count": 4,
+        "cohere2moe.expert_used_count": 2,
+        "cohere2moe.expert_gating_func": 2,
+        "cohere2moe.expert_feed_forward_length": 256,
+        "cohere2moe.expert_shared_count": 1,
+        "cohere2moe.expert_shared_feed_forward_length": 256,
+        "cohere2moe.leading_dense_block_count": 1,
+        "cohere2moe.expert_weights_norm": True,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -93,8 +129,9 @@ def test_metadata(co_ckpt, co_f32):
 
 def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
     # tied embeddings: the head file carries token_embd (its lm_head too) and output_norm
-    assert_mode_files(co_ckpt, tmp_path, "cohere2moe", 4, expected(vocab(co_ckpt)),
-                      top=("token_embd.weight", "output_norm.weight"))
+    assert_mode_files(
+        co_ckpt, tmp_path, "cohere2moe", 4, expected(vocab(co_ckpt)), top=("token_embd.weight", "output_norm.weight")
+    )
 
 
 def test_checkpoint_without_mtp_layer(tmp_path):
@@ -147,12 +184,15 @@ def test_layer_types_neither_stored_nor_derivable_exits_2(co_ckpt, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
-    ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),
-    ("model.layers.4.mlp.experts.3.down_proj.weight", torch.zeros(256, 128), "config.json implies [256, 256]"),
-    ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
+        ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),
+        ("model.layers.4.mlp.experts.3.down_proj.weight", torch.zeros(256, 128), "config.json implies [256, 256]"),
+        ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
+    ],
+)
 def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, needle):
     assert_bad_tensor_refused(shutil.copytree(co_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
@@ -171,8 +211,9 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
 def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
     info = inspect_json(co_ckpt, tmp_path)
     assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(vocab(co_ckpt))
-                                                                if n.startswith("blk.4.")}
+    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {
+        n for n in expected(vocab(co_ckpt)) if n.startswith("blk.4.")
+    }
 
 
 # ----------------------------------------------------------------------------- llama.cpp
@@ -184,8 +225,10 @@ def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("dtype,over", [(torch.float32, {}), (torch.bfloat16, {}),
-                                        (torch.float32, {"attention_bias": True, "rms_norm_eps": 1e-6})])
+@pytest.mark.parametrize(
+    "dtype,over",
+    [(torch.float32, {}), (torch.bfloat16, {}), (torch.float32, {"attention_bias": True, "rms_norm_eps": 1e-6})],
+)
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP block too), from f32 and bf16, and with zero biases + RMSNorm.
@@ -194,8 +237,9 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, dtype, over):
     0-d tensor"), so the bias case runs it with --no-lazy.
     """
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "ckpt", dtype=dtype, **over)
-    out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, None,
-                                              *(["--no-lazy"] if over.get("attention_bias") else []))
+    out, kv, tensors, ref = convert_with_both(
+        llama_cpp_src, ck, tmp_path, None, *(["--no-lazy"] if over.get("attention_bias") else [])
+    )
     assert_same_gguf(out, kv, tensors, ref)
     assert "blk.4.nextn.eh_proj.weight" in tensors
 
@@ -217,7 +261,8 @@ def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path
     assert set(trunk) == {n for n in ref if not n.startswith("blk.4.")}
     head_kv, head = convert(co_ckpt, tmp_path / "head.gguf", "--outtype", "f32", "--mtp-only")
     assert {k: v for k, v in strip_general(head_kv).items() if k != "general.size_label"} == {
-        k: v for k, v in strip_general(ref_kv).items() if k != "general.size_label"}
+        k: v for k, v in strip_general(ref_kv).items() if k != "general.size_label"
+    }
     assert set(head) == {n for n in ref if n.startswith("blk.4.") or n in ("token_embd.weight", "output_norm.weight")}
     for part in (trunk, head):
         for name, (qtype, data) in part.items():

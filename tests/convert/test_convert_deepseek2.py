@@ -17,20 +17,24 @@ import numpy as np
 import pytest
 import torch
 
-from tests.builders import tiny
-from tests.builders import tiny_deepseek2
-from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
+from tests.builders import tiny, tiny_deepseek2
 from tests.helpers import mla
-from tests.helpers.familycheck import (assert_f16_as_llama_cpp, assert_f32_equal, assert_refused, checkpoint_fixtures,
-                                       copy_with_config, dequant_block_scaled)
-from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.familycheck import (
+    assert_f16_as_llama_cpp,
+    assert_f32_equal,
+    assert_mode_files,
+    assert_refused,
+    checkpoint_fixtures,
+    copy_with_config,
+    dequant_block_scaled,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
 CFG = tiny_deepseek2.deepseek_v3_config()
 N_HEAD, NOPE, ROPE, V = CFG["num_attention_heads"], CFG["qk_nope_head_dim"], CFG["qk_rope_head_dim"], CFG["v_head_dim"]
 KV_LORA = CFG["kv_lora_rank"]
-
 
 
 def split_kv_b(kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +80,10 @@ def test_mtp_block_present(ds_f32):
     assert kv["deepseek2.nextn_predict_layers"] == 1
     assert kv["deepseek2.block_count"] == N_TRUNK + 1
     nextn = {n for n in tensors if ".nextn." in n}
-    assert nextn == {f"blk.{MTP}.nextn.{k}.weight" for k in
-                     ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+    assert nextn == {
+        f"blk.{MTP}.nextn.{k}.weight"
+        for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
+    }
     # the MTP block's own MLA attention and MoE, named as in the trunk's MoE layer
     trunk_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.1.")}
     mtp_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith(f"blk.{MTP}.") and ".nextn." not in n}
@@ -106,8 +112,9 @@ def test_plain_q_proj_and_tied_output(tmp_path):
     assert "deepseek2.attention.q_lora_rank" not in kv
     for bid in range(N_TRUNK + 1):
         assert not any(n.startswith(f"blk.{bid}.attn_q_") for n in tensors)
-        np.testing.assert_array_equal(tensors[f"blk.{bid}.attn_q.weight"][1],
-                                      src[f"model.layers.{bid}.self_attn.q_proj.weight"].numpy())
+        np.testing.assert_array_equal(
+            tensors[f"blk.{bid}.attn_q.weight"][1], src[f"model.layers.{bid}.self_attn.q_proj.weight"].numpy()
+        )
         assert tensors[f"blk.{bid}.attn_q.weight"][1].shape == (N_HEAD * (NOPE + ROPE), 256)
     assert "output.weight" in tensors
     cfg = json.loads((ck / "config.json").read_text())
@@ -143,27 +150,48 @@ def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
 def test_metadata(ds_ckpt, ds_f32):
     kv, _ = ds_f32
     want = {
-        "general.architecture": "deepseek2", "deepseek2.block_count": 3, "deepseek2.nextn_predict_layers": 1,
-        "deepseek2.context_length": 16384, "deepseek2.embedding_length": 256, "deepseek2.feed_forward_length": 512,
+        "general.architecture": "deepseek2",
+        "deepseek2.block_count": 3,
+        "deepseek2.nextn_predict_layers": 1,
+        "deepseek2.context_length": 16384,
+        "deepseek2.embedding_length": 256,
+        "deepseek2.feed_forward_length": 512,
         "deepseek2.attention.head_count": 4,
         "deepseek2.attention.head_count_kv": 1,  # MLA runs as MQA over the compressed cache
-        "deepseek2.attention.q_lora_rank": 256, "deepseek2.attention.kv_lora_rank": 256,
-        "deepseek2.attention.key_length": 256 + 32, "deepseek2.attention.value_length": 256,
-        "deepseek2.attention.key_length_mla": 64 + 32, "deepseek2.attention.value_length_mla": 64,
-        "deepseek2.rope.dimension_count": 32, "deepseek2.leading_dense_block_count": 1,
-        "deepseek2.vocab_size": 512, "deepseek2.expert_count": 8, "deepseek2.expert_used_count": 2,
-        "deepseek2.expert_shared_count": 1, "deepseek2.expert_feed_forward_length": 256,
-        "deepseek2.expert_group_count": 2, "deepseek2.expert_group_used_count": 1,
-        "deepseek2.expert_gating_func": 2, "deepseek2.expert_weights_norm": True,
-        "deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.original_context_length": 4096,
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.add_bos_token": True, "general.file_type": 0,
+        "deepseek2.attention.q_lora_rank": 256,
+        "deepseek2.attention.kv_lora_rank": 256,
+        "deepseek2.attention.key_length": 256 + 32,
+        "deepseek2.attention.value_length": 256,
+        "deepseek2.attention.key_length_mla": 64 + 32,
+        "deepseek2.attention.value_length_mla": 64,
+        "deepseek2.rope.dimension_count": 32,
+        "deepseek2.leading_dense_block_count": 1,
+        "deepseek2.vocab_size": 512,
+        "deepseek2.expert_count": 8,
+        "deepseek2.expert_used_count": 2,
+        "deepseek2.expert_shared_count": 1,
+        "deepseek2.expert_feed_forward_length": 256,
+        "deepseek2.expert_group_count": 2,
+        "deepseek2.expert_group_used_count": 1,
+        "deepseek2.expert_gating_func": 2,
+        "deepseek2.expert_weights_norm": True,
+        "deepseek2.rope.scaling.type": "yarn",
+        "deepseek2.rope.scaling.original_context_length": 4096,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.add_bos_token": True,
+        "general.file_type": 0,
     }
     for k, v in want.items():
         assert kv[k] == v, k
-    approx = {"deepseek2.expert_weights_scale": 2.5, "deepseek2.rope.freq_base": 10000.0,
-              "deepseek2.rope.scaling.factor": 4.0, "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
-              "deepseek2.rope.scaling.yarn_beta_slow": 1.0, "deepseek2.attention.layer_norm_rms_epsilon": 1e-6,
-              "deepseek2.rope.scaling.yarn_log_multiplier": 0.1}  # 0.1 * mscale_all_dim, as llama.cpp stores it
+    approx = {
+        "deepseek2.expert_weights_scale": 2.5,
+        "deepseek2.rope.freq_base": 10000.0,
+        "deepseek2.rope.scaling.factor": 4.0,
+        "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
+        "deepseek2.rope.scaling.yarn_beta_slow": 1.0,
+        "deepseek2.attention.layer_norm_rms_epsilon": 1e-6,
+        "deepseek2.rope.scaling.yarn_log_multiplier": 0.1,
+    }  # 0.1 * mscale_all_dim, as llama.cpp stores it
     for k, v in approx.items():
         assert kv[k] == pytest.approx(v), k
     from transformers import AutoTokenizer
@@ -277,8 +305,9 @@ _NOT_COMPARED = {"general.size_label"}
 def _same_kv(ours: dict, theirs: dict):
     """Same keys and values; tokenizer.ggml.pre only as a key, since the harness above forces llama.cpp's value."""
     assert set(ours) == set(theirs)
-    assert {k: v for k, v in ours.items() if k != "tokenizer.ggml.pre"} == \
-        {k: v for k, v in theirs.items() if k != "tokenizer.ggml.pre"}
+    assert {k: v for k, v in ours.items() if k != "tokenizer.ggml.pre"} == {
+        k: v for k, v in theirs.items() if k != "tokenizer.ggml.pre"
+    }
 
 
 @pytest.mark.llama_cpp
@@ -288,8 +317,11 @@ def test_matches_llama_cpp_converter(ds_ckpt, ds_f32, llama_cpp_src, tmp_path):
     ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ds_ckpt, tmp_path / "ref.gguf")
     assert set(ref) == {n for n in tensors if not n.startswith(f"blk.{MTP}.")}
     _same_tensors(tensors, ref, set(ref))
-    ours = {k: v for k, v in kv.items()
-            if k not in _NOT_COMPARED | {"deepseek2.nextn_predict_layers", "deepseek2.block_count"}}
+    ours = {
+        k: v
+        for k, v in kv.items()
+        if k not in _NOT_COMPARED | {"deepseek2.nextn_predict_layers", "deepseek2.block_count"}
+    }
     theirs = {k: v for k, v in ref_kv.items() if k not in _NOT_COMPARED | {"deepseek2.block_count"}}
     _same_kv(ours, theirs)
     assert ref_kv["deepseek2.block_count"] == N_TRUNK and kv["deepseek2.block_count"] == N_TRUNK + 1
@@ -300,8 +332,14 @@ def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama
     """llama.cpp keeps the same MTP block for DeepSeek-V3.2 (arch deepseek32): its names, shapes and values
     for blk.2.* must equal ours (same checkpoint relabelled DeepseekV32ForCausalLM; no indexer tensors)."""
     kv, tensors = ds_f32
-    ck = copy_with_config(ds_ckpt, tmp_path / "ck32", architectures=["DeepseekV32ForCausalLM"],
-               index_n_heads=4, index_head_dim=64, index_topk=64)
+    ck = copy_with_config(
+        ds_ckpt,
+        tmp_path / "ck32",
+        architectures=["DeepseekV32ForCausalLM"],
+        index_n_heads=4,
+        index_head_dim=64,
+        index_topk=64,
+    )
     ref_kv, ref = _llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref32.gguf")
     assert set(ref) == set(tensors)
     _same_tensors(tensors, ref, set(ref))
@@ -311,8 +349,14 @@ def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama
 
 
 def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    res = subprocess.run(
+        [str(c) for c in cmd],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )  # a random model prints invalid UTF-8
     assert res.returncode == 0, (cmd, res.stderr[-3000:])
     return res
 
@@ -330,10 +374,13 @@ def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
     convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
     _run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
-    runs = {"creating MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    runs = {
+        "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
+        "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],
+    }
     for banner, models in runs.items():
-        res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):",
-                                        "-n", 16, *_LLAMA_FLAGS)
+        res, stats = speculative_simple(
+            llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS
+        )
         assert banner in res.stderr, res.stderr[-2000:]
         assert stats["n_drafted"] > 0, res.stderr[-2000:]

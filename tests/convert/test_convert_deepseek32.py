@@ -19,15 +19,23 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.builders import tiny
-from tests.builders import tiny_deepseek32
-from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, assert_targets_are_greedy,
-                         convert_with_both, copy_with_config, dequant_block_scaled, quantize_q4_k_m, quantize_with_both,
-                         rewrite_tensor)
-from tests.helpers.familycheck import assert_mode_files
+from tests.builders import tiny, tiny_deepseek32
+from tests.helpers import mla
+from tests.helpers.familycheck import (
+    assert_f32_equal,
+    assert_mode_files,
+    assert_refused,
+    assert_same_gguf,
+    assert_targets_are_greedy,
+    convert_with_both,
+    copy_with_config,
+    dequant_block_scaled,
+    quantize_q4_k_m,
+    quantize_with_both,
+    rewrite_tensor,
+)
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
-from tests.helpers import mla
 
 N_TRUNK, MTP = 2, 2  # 2 trunk layers; the MTP block is blk.2
 INDEXER = mla.INDEXER_NAMES
@@ -60,8 +68,10 @@ def test_f32_every_tensor_equals_source(ck, f32):
     assert tensors["blk.2.indexer.attn_q_b.weight"][1].shape == (4 * 64, 256)
     assert tensors["blk.2.indexer.proj.weight"][1].shape == (4, 256)
     nextn = {n for n in tensors if ".nextn." in n}
-    assert nextn == {f"blk.{MTP}.nextn.{k}.weight" for k in
-                     ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+    assert nextn == {
+        f"blk.{MTP}.nextn.{k}.weight"
+        for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
+    }
 
 
 def test_f16_types(ck, tmp_path):
@@ -76,16 +86,29 @@ def test_metadata(f32):
     kv, _ = f32
     a = "deepseek32"
     want = {
-        "general.architecture": a, f"{a}.block_count": 3, f"{a}.nextn_predict_layers": 1,
-        f"{a}.attention.indexer.head_count": 4, f"{a}.attention.indexer.key_length": 64,
+        "general.architecture": a,
+        f"{a}.block_count": 3,
+        f"{a}.nextn_predict_layers": 1,
+        f"{a}.attention.indexer.head_count": 4,
+        f"{a}.attention.indexer.key_length": 64,
         f"{a}.attention.indexer.top_k": 4,
-        f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 1, f"{a}.attention.q_lora_rank": 256,
-        f"{a}.attention.kv_lora_rank": 256, f"{a}.attention.key_length": 256 + 32,
-        f"{a}.attention.value_length": 256, f"{a}.attention.key_length_mla": 64 + 32,
-        f"{a}.attention.value_length_mla": 64, f"{a}.rope.dimension_count": 32,
-        f"{a}.leading_dense_block_count": 1, f"{a}.expert_count": 8, f"{a}.expert_used_count": 2,
-        f"{a}.expert_shared_count": 1, f"{a}.expert_feed_forward_length": 256, f"{a}.expert_gating_func": 2,
-        f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.original_context_length": 4096,
+        f"{a}.attention.head_count": 4,
+        f"{a}.attention.head_count_kv": 1,
+        f"{a}.attention.q_lora_rank": 256,
+        f"{a}.attention.kv_lora_rank": 256,
+        f"{a}.attention.key_length": 256 + 32,
+        f"{a}.attention.value_length": 256,
+        f"{a}.attention.key_length_mla": 64 + 32,
+        f"{a}.attention.value_length_mla": 64,
+        f"{a}.rope.dimension_count": 32,
+        f"{a}.leading_dense_block_count": 1,
+        f"{a}.expert_count": 8,
+        f"{a}.expert_used_count": 2,
+        f"{a}.expert_shared_count": 1,
+        f"{a}.expert_feed_forward_length": 256,
+        f"{a}.expert_gating_func": 2,
+        f"{a}.rope.scaling.type": "yarn",
+        f"{a}.rope.scaling.original_context_length": 4096,
         "tokenizer.ggml.add_bos_token": True,
     }
     for k, v in want.items():
@@ -130,8 +153,9 @@ def test_fp8_block_scaled_dequantized(ck, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("victim", ["model.layers.2.self_attn.indexer.k_norm.bias",
-                                    "model.layers.0.self_attn.indexer.weights_proj.weight"])
+@pytest.mark.parametrize(
+    "victim", ["model.layers.2.self_attn.indexer.k_norm.bias", "model.layers.0.self_attn.indexer.weights_proj.weight"]
+)
 def test_missing_indexer_tensor(ck, tmp_path, victim):
     folder = copy_with_config(ck, tmp_path / "ck")
     rewrite_tensor(folder, victim, None)
@@ -198,9 +222,31 @@ def test_same_types_and_bytes_as_llama_quantize(ck, tmp_path, llama_cpp_bin):
 def _speculative(llama_cpp_bin: Path, gguf_path: Path, prompt: str, n: int) -> list[tuple[int, int, int]]:
     """Run llama-speculative-simple with the MTP head; (accepted, drafted, target token) per verification step."""
     # --no-repack: AMX repacking cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek2.py)
-    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(gguf_path), "-p", prompt,
-                           "-n", str(n), "--spec-type", "draft-mtp", "--temp", "0", "-t", "1", "-c", "256",
-                           "--no-repack", "-lv", "5"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-speculative-simple"),
+            "-m",
+            str(gguf_path),
+            "-p",
+            prompt,
+            "-n",
+            str(n),
+            "--spec-type",
+            "draft-mtp",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "-c",
+            "256",
+            "--no-repack",
+            "-lv",
+            "5",
+        ],
+        capture_output=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
     assert proc.returncode == 0, log[-3000:]
     assert "creating MTP draft context" in log, log[-3000:]
@@ -225,7 +271,7 @@ def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
     model = tf.DeepseekV32ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.llama_cpp
@@ -241,8 +287,9 @@ def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin, ind
     score exactly 0 (every head's ReLU(q.k) is 0), and the two engines break such ties differently.
     """
     prompt, n = "def add(a, b):", 10
-    config = dict(index_topk=2048) if indexer == "keeps_every_key" else \
-        dict(index_n_heads=16, positive_index_weights=True)
+    config = (
+        dict(index_topk=2048) if indexer == "keeps_every_key" else dict(index_n_heads=16, positive_index_weights=True)
+    )
     folder = tiny_deepseek32.deepseek_v32(tmp_path / "ck", dtype=torch.float32, **config)
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")

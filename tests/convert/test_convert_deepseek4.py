@@ -19,34 +19,64 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests import releases
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_same_gguf, convert_with_both,
-                         rewrite_tensor, run)
+from tests.builders.tiny_mimo2 import mxfp4_values
+from tests.helpers.familycheck import (
+    assert_bad_tensor_refused,
+    assert_drafts_in_llama_cpp,
+    assert_same_gguf,
+    convert_with_both,
+    rewrite_tensor,
+    run,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
-from tests.builders.tiny_mimo2 import mxfp4_values
 
 M = releases.manifests()["deepseek_v4_flash"]
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
-OUTPUT_HC = {"output_hc_fn.weight": "hc_head_fn", "output_hc_base.weight": "hc_head_base",
-             "output_hc_scale.weight": "hc_head_scale"}
+OUTPUT_HC = {
+    "output_hc_fn.weight": "hc_head_fn",
+    "output_hc_base.weight": "hc_head_base",
+    "output_hc_scale.weight": "hc_head_scale",
+}
 # GGUF name in blk.N -> DeepSeek name in layers.N / mtp.0
-LAYER = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-         **{f"hc_{a}_{b}.weight": f"hc_{a}_{b}" for a in ("attn", "ffn") for b in ("fn", "base", "scale")},
-         "attn_sinks.weight": "attn.attn_sink", "attn_q_a.weight": "attn.wq_a.weight",
-         "attn_q_a_norm.weight": "attn.q_norm.weight", "attn_q_b.weight": "attn.wq_b.weight",
-         "attn_kv.weight": "attn.wkv.weight", "attn_kv_a_norm.weight": "attn.kv_norm.weight",
-         "attn_output_a.weight": "attn.wo_a.weight", "attn_output_b.weight": "attn.wo_b.weight",
-         "ffn_gate_inp.weight": "ffn.gate.weight", "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
-         "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight", "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight",
-         "ffn_gate_exps.weight": "ffn.experts.*.w1.weight", "ffn_down_exps.weight": "ffn.experts.*.w2.weight",
-         "ffn_up_exps.weight": "ffn.experts.*.w3.weight"}
-COMPRESSOR = {f"attn_compressor_{k}.weight": f"attn.compressor.{v}" for k, v in
-              (("ape", "ape"), ("kv", "wkv.weight"), ("gate", "wgate.weight"), ("norm", "norm.weight"))}
-INDEXER = {"indexer.attn_q_b.weight": "attn.indexer.wq_b.weight", "indexer.proj.weight": "attn.indexer.weights_proj.weight",
-           **{f"indexer_compressor_{k}.weight": f"attn.indexer.compressor.{v}" for k, v in
-              (("ape", "ape"), ("kv", "wkv.weight"), ("gate", "wgate.weight"), ("norm", "norm.weight"))}}
-NEXTN = {"nextn.enorm.weight": "enorm.weight", "nextn.hnorm.weight": "hnorm.weight",
-         "nextn.shared_head_norm.weight": "norm.weight", "nextn.eh_proj.weight": "e_proj.weight|h_proj.weight"}
+LAYER = {
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    **{f"hc_{a}_{b}.weight": f"hc_{a}_{b}" for a in ("attn", "ffn") for b in ("fn", "base", "scale")},
+    "attn_sinks.weight": "attn.attn_sink",
+    "attn_q_a.weight": "attn.wq_a.weight",
+    "attn_q_a_norm.weight": "attn.q_norm.weight",
+    "attn_q_b.weight": "attn.wq_b.weight",
+    "attn_kv.weight": "attn.wkv.weight",
+    "attn_kv_a_norm.weight": "attn.kv_norm.weight",
+    "attn_output_a.weight": "attn.wo_a.weight",
+    "attn_output_b.weight": "attn.wo_b.weight",
+    "ffn_gate_inp.weight": "ffn.gate.weight",
+    "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
+    "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight",
+    "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight",
+    "ffn_gate_exps.weight": "ffn.experts.*.w1.weight",
+    "ffn_down_exps.weight": "ffn.experts.*.w2.weight",
+    "ffn_up_exps.weight": "ffn.experts.*.w3.weight",
+}
+COMPRESSOR = {
+    f"attn_compressor_{k}.weight": f"attn.compressor.{v}"
+    for k, v in (("ape", "ape"), ("kv", "wkv.weight"), ("gate", "wgate.weight"), ("norm", "norm.weight"))
+}
+INDEXER = {
+    "indexer.attn_q_b.weight": "attn.indexer.wq_b.weight",
+    "indexer.proj.weight": "attn.indexer.weights_proj.weight",
+    **{
+        f"indexer_compressor_{k}.weight": f"attn.indexer.compressor.{v}"
+        for k, v in (("ape", "ape"), ("kv", "wkv.weight"), ("gate", "wgate.weight"), ("norm", "norm.weight"))
+    },
+}
+NEXTN = {
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "norm.weight",
+    "nextn.eh_proj.weight": "e_proj.weight|h_proj.weight",
+}
 RATIOS = M.CONFIG["compress_ratios"]  # [0, 0, 4, 128] + the MTP layer's 0
 
 
@@ -58,8 +88,11 @@ def block(bid: int) -> dict[str, str]:
         names |= COMPRESSOR
     if RATIOS[bid] == 4:
         names |= INDEXER
-    names |= {"ffn_gate_tid2eid.weight": "ffn.gate.tid2eid"} if bid < M.CONFIG["num_hash_layers"] else {
-        "exp_probs_b.bias": "ffn.gate.bias"}
+    names |= (
+        {"ffn_gate_tid2eid.weight": "ffn.gate.tid2eid"}
+        if bid < M.CONFIG["num_hash_layers"]
+        else {"exp_probs_b.bias": "ffn.gate.bias"}
+    )
     if bid >= N_TRUNK:
         names |= NEXTN
     return {f"blk.{bid}.{k}": "|".join(p + x for x in v.split("|")) for k, v in names.items()}
@@ -78,7 +111,7 @@ def expected(head_only: bool) -> dict[str, str]:
 def fp8_values(src: dict, name: str) -> torch.Tensor:
     """e4m3 code x 2^(e - 127) of its 128x128 tile, computed here."""
     w, e = src[name].float(), src[name.removesuffix(".weight") + ".scale"].view(torch.uint8).float()
-    s = torch.exp2(e - 127).repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+    s = torch.exp2(e - 127).repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
     return w * s
 
 
@@ -88,8 +121,12 @@ def want(src: dict, hf: str) -> tuple[T, np.ndarray]:
         return T.Q8_0, gguf.quants.quantize(torch.cat([fp8_values(src, n) for n in hf.split("|")], 1).numpy(), T.Q8_0)
     if "*" in hf:  # FP4 experts -> MXFP4: their values
         parts = [hf.replace("*", str(e)) for e in range(M.CONFIG["n_routed_experts"])]
-        return T.MXFP4, torch.stack([mxfp4_values(src[n].view(torch.uint8), src[n.removesuffix("weight") + "scale"]
-                                                  .view(torch.uint8)) for n in parts]).numpy()
+        return T.MXFP4, torch.stack(
+            [
+                mxfp4_values(src[n].view(torch.uint8), src[n.removesuffix("weight") + "scale"].view(torch.uint8))
+                for n in parts
+            ]
+        ).numpy()
     t = src[hf]
     if t.dtype == torch.float8_e4m3fn:
         return T.Q8_0, gguf.quants.quantize(fp8_values(src, hf).numpy(), T.Q8_0)
@@ -109,8 +146,10 @@ def ds4(tmp_path_factory):
 def files(ds4, tmp_path_factory):
     """(trunk, head): the --no-mtp and --mtp-only conversions, f32 outtype."""
     d = tmp_path_factory.mktemp("ds4_out")
-    return (convert(ds4, d / "trunk.gguf", "--outtype", "f32", "--no-mtp"),
-            convert(ds4, d / "head.gguf", "--outtype", "f32", "--mtp-only"))
+    return (
+        convert(ds4, d / "trunk.gguf", "--outtype", "f32", "--no-mtp"),
+        convert(ds4, d / "head.gguf", "--outtype", "f32", "--mtp-only"),
+    )
 
 
 @pytest.mark.parametrize("head_only", [False, True], ids=["trunk", "head"])
@@ -124,7 +163,9 @@ def test_every_tensor_named_typed_and_valued(ds4, files, head_only):
         wtype, value = want(src, hf)
         assert qtype == wtype, name
         if qtype == T.MXFP4:
-            np.testing.assert_array_equal(gguf.quants.dequantize(data, T.MXFP4).reshape(value.shape), value, err_msg=name)
+            np.testing.assert_array_equal(
+                gguf.quants.dequantize(data, T.MXFP4).reshape(value.shape), value, err_msg=name
+            )
         else:
             np.testing.assert_array_equal(data.reshape(-1).view(value.dtype), value.reshape(-1), err_msg=name)
 
@@ -132,23 +173,47 @@ def test_every_tensor_named_typed_and_valued(ds4, files, head_only):
 def test_metadata(files):
     (kv, _), (head_kv, _) = files
     a = "deepseek4"
-    fixed = {"general.architecture": a, f"{a}.block_count": 4, f"{a}.embedding_length": 256,
-             f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": 256,
-             f"{a}.attention.value_length": 256, f"{a}.rope.dimension_count": 64, f"{a}.attention.q_lora_rank": 256,
-             f"{a}.attention.sliding_window": 128, f"{a}.expert_count": 4, f"{a}.expert_used_count": 2,
-             f"{a}.expert_feed_forward_length": 256, f"{a}.expert_shared_count": 1, f"{a}.expert_weights_norm": True,
-             f"{a}.expert_gating_func": 4, f"{a}.attention.indexer.head_count": 4,
-             f"{a}.attention.indexer.key_length": 128, f"{a}.attention.indexer.top_k": 512,
-             f"{a}.attention.output_group_count": 2, f"{a}.attention.output_lora_rank": 128,
-             f"{a}.attention.compress_ratios": [0, 0, 4, 128, 0], f"{a}.hyper_connection.count": 4,
-             f"{a}.hyper_connection.sinkhorn_iterations": 20, f"{a}.hash_layer_count": 3,
-             f"{a}.embedding_length_out": 1024, f"{a}.rope.scaling.type": "yarn",
-             f"{a}.rope.scaling.original_context_length": 65536, "general.file_type": 38}  # MOSTLY_MXFP4_MOE
+    fixed = {
+        "general.architecture": a,
+        f"{a}.block_count": 4,
+        f"{a}.embedding_length": 256,
+        f"{a}.attention.head_count": 4,
+        f"{a}.attention.head_count_kv": 1,
+        f"{a}.attention.key_length": 256,
+        f"{a}.attention.value_length": 256,
+        f"{a}.rope.dimension_count": 64,
+        f"{a}.attention.q_lora_rank": 256,
+        f"{a}.attention.sliding_window": 128,
+        f"{a}.expert_count": 4,
+        f"{a}.expert_used_count": 2,
+        f"{a}.expert_feed_forward_length": 256,
+        f"{a}.expert_shared_count": 1,
+        f"{a}.expert_weights_norm": True,
+        f"{a}.expert_gating_func": 4,
+        f"{a}.attention.indexer.head_count": 4,
+        f"{a}.attention.indexer.key_length": 128,
+        f"{a}.attention.indexer.top_k": 512,
+        f"{a}.attention.output_group_count": 2,
+        f"{a}.attention.output_lora_rank": 128,
+        f"{a}.attention.compress_ratios": [0, 0, 4, 128, 0],
+        f"{a}.hyper_connection.count": 4,
+        f"{a}.hyper_connection.sinkhorn_iterations": 20,
+        f"{a}.hash_layer_count": 3,
+        f"{a}.embedding_length_out": 1024,
+        f"{a}.rope.scaling.type": "yarn",
+        f"{a}.rope.scaling.original_context_length": 65536,
+        "general.file_type": 38,
+    }  # MOSTLY_MXFP4_MOE
     for k, v in fixed.items():
         assert kv[k] == v, k
-    for k, v in {f"{a}.rope.freq_base": 10000.0, f"{a}.attention.compress_rope_freq_base": 160000.0,
-                 f"{a}.rope.scaling.factor": 16.0, f"{a}.rope.scaling.yarn_beta_fast": 32.0,
-                 f"{a}.hyper_connection.epsilon": 1e-6, f"{a}.expert_weights_scale": 1.5}.items():
+    for k, v in {
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.attention.compress_rope_freq_base": 160000.0,
+        f"{a}.rope.scaling.factor": 16.0,
+        f"{a}.rope.scaling.yarn_beta_fast": 32.0,
+        f"{a}.hyper_connection.epsilon": 1e-6,
+        f"{a}.expert_weights_scale": 1.5,
+    }.items():
         assert kv[k] == pytest.approx(v), k
     assert list(kv[f"{a}.swiglu_clamp_exp"]) == [10.0] * 4 and f"{a}.nextn_predict_layers" not in kv
     assert head_kv[f"{a}.block_count"] == 5 and head_kv[f"{a}.nextn_predict_layers"] == 1
@@ -163,14 +228,17 @@ def test_one_file_keeping_the_head_is_refused_with_the_two_file_route(ds4, tmp_p
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("mtp.0.hnorm.weight", None, "missing tensor mtp.0.hnorm.weight"),
-    ("mtp.0.hc_head_fn", None, "missing tensor mtp.0.hc_head_fn"),
-    ("mtp.0.ffn.experts.1.w3.scale", None, "has no mtp.0.ffn.experts.1.w3.scale"),
-    ("mtp.0.enorm.weight", torch.zeros(128, dtype=torch.bfloat16), "config.json implies [256]"),
-    ("layers.1.attn.wkv.scale", torch.zeros(1, 1, dtype=torch.uint8), "expected F8_E8M0 [2, 2]"),
-    ("layers.2.ffn.experts.0.w1.weight", torch.zeros(256, 256, dtype=torch.bfloat16), "which is BF16"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("mtp.0.hnorm.weight", None, "missing tensor mtp.0.hnorm.weight"),
+        ("mtp.0.hc_head_fn", None, "missing tensor mtp.0.hc_head_fn"),
+        ("mtp.0.ffn.experts.1.w3.scale", None, "has no mtp.0.ffn.experts.1.w3.scale"),
+        ("mtp.0.enorm.weight", torch.zeros(128, dtype=torch.bfloat16), "config.json implies [256]"),
+        ("layers.1.attn.wkv.scale", torch.zeros(1, 1, dtype=torch.uint8), "expected F8_E8M0 [2, 2]"),
+        ("layers.2.ffn.experts.0.w1.weight", torch.zeros(256, 256, dtype=torch.bfloat16), "which is BF16"),
+    ],
+)
 def test_damaged_checkpoint_exits_2(ds4, tmp_path, name, value, needle):
     assert_bad_tensor_refused(shutil.copytree(ds4, tmp_path / "ck"), tmp_path, name, value, needle, "--mtp-only")
 
@@ -179,8 +247,14 @@ def test_experts_not_in_fp4_exit_2(ds4, tmp_path):
     """A bf16 cast of the experts: llama.cpp's converter cannot convert it either (it only repacks FP4)."""
     ck = shutil.copytree(ds4, tmp_path / "ck")
     rewrite_tensor(ck, "layers.3.ffn.experts.2.w2.scale", None)
-    assert_bad_tensor_refused(ck, tmp_path, "layers.3.ffn.experts.2.w2.weight",
-                              torch.zeros(256, 256, dtype=torch.bfloat16), "must be FP4", "--mtp-only")
+    assert_bad_tensor_refused(
+        ck,
+        tmp_path,
+        "layers.3.ffn.experts.2.w2.weight",
+        torch.zeros(256, 256, dtype=torch.bfloat16),
+        "must be FP4",
+        "--mtp-only",
+    )
 
 
 def test_trunk_without_the_mtp_layer(ds4, tmp_path):
@@ -203,8 +277,14 @@ def test_dspark_stages_in_place_of_the_head(ds4, tmp_path):
     ck = shutil.copytree(ds4, tmp_path / "ck")
     for n in [n for n in source_tensors(ck) if n.startswith("mtp.")]:
         rewrite_tensor(ck, n, None)
-    add_tensors(ck, {f"mtp.{i}.{n}": torch.zeros(256, 256, dtype=torch.bfloat16) for i in range(3)
-                     for n in ("main_proj.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight")})
+    add_tensors(
+        ck,
+        {
+            f"mtp.{i}.{n}": torch.zeros(256, 256, dtype=torch.bfloat16)
+            for i in range(3)
+            for n in ("main_proj.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight")
+        },
+    )
     _, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert set(tensors) == set(expected(False))
     for args in ((), ("--mtp-only",)):
@@ -232,8 +312,9 @@ def test_q4_k_m_holds_the_head_at_q8_0(head_q4):
     _, before = read_gguf(head_q4 / "head.gguf")
     _, tensors = read_gguf(head_q4 / "q.gguf")
     for name, (qtype, data) in tensors.items():
-        if name.startswith("blk.4.") and not name.endswith(("norm.weight", "_base.weight", "_scale.weight",
-                                                                 "ffn_gate_inp.weight", "attn_sinks.weight", ".bias")):
+        if name.startswith("blk.4.") and not name.endswith(
+            ("norm.weight", "_base.weight", "_scale.weight", "ffn_gate_inp.weight", "attn_sinks.weight", ".bias")
+        ):
             assert qtype == T.Q8_0, name  # experts (MXFP4) and the hyper-connection matrices included
         elif name.startswith("blk.4."):
             assert qtype == before[name][0], name  # norms, routers, 1-D tensors as converted
@@ -306,8 +387,9 @@ def test_same_bytes_as_llama_quantize(ds4, tmp_path, llama_cpp_bin, mode):
     f16 = tmp_path / "f16.gguf"
     convert(ds4, f16, "--outtype", "f16", mode)
     run([llama_cpp_bin / "llama-quantize", "--allow-requantize", f16, tmp_path / "ref.gguf", "Q4_K_M", "1"])
-    res = run_cli("quantize", f16, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--allow-requantize",
-                  "--quiet")
+    res = run_cli(
+        "quantize", f16, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--allow-requantize", "--quiet"
+    )
     assert res.exit_code == 0, res.output
     (_, a), (_, b) = read_gguf(tmp_path / "ours.gguf"), read_gguf(tmp_path / "ref.gguf")
     assert set(a) == set(b)

@@ -15,8 +15,13 @@ import pytest
 import torch
 
 from tests.builders import tiny
-from tests.helpers.familycheck import assert_f16_as_llama_cpp, assert_f32_equal, assert_same_gguf, convert_with_both
-from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.familycheck import (
+    assert_f16_as_llama_cpp,
+    assert_f32_equal,
+    assert_mode_files,
+    assert_same_gguf,
+    convert_with_both,
+)
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.names import FFN_MOE_NEXTN_NAMES, TOP_NAMES
 from tests.helpers.runcli import run_cli
@@ -24,11 +29,15 @@ from tests.helpers.runcli import run_cli
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     **FFN_MOE_NEXTN_NAMES,
 }
 
@@ -59,10 +68,6 @@ def expected_gguf(folder: Path) -> dict[str, torch.Tensor]:
     return exp
 
 
-
-
-
-
 def test_f32_every_tensor_equals_source(glm_ckpt, tmp_path):
     kv, tensors = convert(glm_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(glm_ckpt)
@@ -70,8 +75,18 @@ def test_f32_every_tensor_equals_source(glm_ckpt, tmp_path):
     # the MTP block is the layer after the trunk, with its nextn tensors and its own MoE block
     n = kv["glm4moe.block_count"] - kv["glm4moe.nextn_predict_layers"]
     assert n == 2 and kv["glm4moe.nextn_predict_layers"] == 1
-    for kind in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.embed_tokens", "nextn.shared_head_head",
-                 "nextn.shared_head_norm", "attn_q", "ffn_gate_exps", "ffn_down_shexp", "ffn_gate_inp"):
+    for kind in (
+        "nextn.eh_proj",
+        "nextn.enorm",
+        "nextn.hnorm",
+        "nextn.embed_tokens",
+        "nextn.shared_head_head",
+        "nextn.shared_head_norm",
+        "attn_q",
+        "ffn_gate_exps",
+        "ffn_down_shexp",
+        "ffn_gate_inp",
+    ):
         assert f"blk.2.{kind}.weight" in tensors, kind
     assert tensors["blk.2.nextn.eh_proj.weight"][1].shape == (256, 512)
 
@@ -80,15 +95,28 @@ def test_metadata_matches_llama_cpp_keys(glm_ckpt, tmp_path):
     kv, _ = convert(glm_ckpt, tmp_path / "m.gguf")
     cfg = json.loads((glm_ckpt / "config.json").read_text())
     want = {
-        "general.architecture": "glm4moe", "glm4moe.block_count": 3, "glm4moe.nextn_predict_layers": 1,
-        "glm4moe.context_length": cfg["max_position_embeddings"], "glm4moe.embedding_length": 256,
-        "glm4moe.feed_forward_length": 512, "glm4moe.attention.head_count": 4, "glm4moe.attention.head_count_kv": 2,
-        "glm4moe.attention.key_length": 64, "glm4moe.attention.value_length": 64,
-        "glm4moe.rope.dimension_count": 32, "glm4moe.expert_count": 4, "glm4moe.expert_used_count": 2,
-        "glm4moe.expert_shared_count": 1, "glm4moe.expert_feed_forward_length": 256,
-        "glm4moe.leading_dense_block_count": 1, "glm4moe.expert_gating_func": 2,
-        "glm4moe.expert_weights_norm": True, "glm4moe.expert_group_count": 1, "glm4moe.expert_group_used_count": 1,
-        "tokenizer.ggml.model": "gpt2", "general.file_type": 1,
+        "general.architecture": "glm4moe",
+        "glm4moe.block_count": 3,
+        "glm4moe.nextn_predict_layers": 1,
+        "glm4moe.context_length": cfg["max_position_embeddings"],
+        "glm4moe.embedding_length": 256,
+        "glm4moe.feed_forward_length": 512,
+        "glm4moe.attention.head_count": 4,
+        "glm4moe.attention.head_count_kv": 2,
+        "glm4moe.attention.key_length": 64,
+        "glm4moe.attention.value_length": 64,
+        "glm4moe.rope.dimension_count": 32,
+        "glm4moe.expert_count": 4,
+        "glm4moe.expert_used_count": 2,
+        "glm4moe.expert_shared_count": 1,
+        "glm4moe.expert_feed_forward_length": 256,
+        "glm4moe.leading_dense_block_count": 1,
+        "glm4moe.expert_gating_func": 2,
+        "glm4moe.expert_weights_norm": True,
+        "glm4moe.expert_group_count": 1,
+        "glm4moe.expert_group_used_count": 1,
+        "tokenizer.ggml.model": "gpt2",
+        "general.file_type": 1,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -145,7 +173,9 @@ def test_fp8_dequantized_on_the_fly(tmp_path, style):
             want = torch.empty_like(w)
             for i in range(s.shape[0]):
                 for j in range(s.shape[1]):
-                    want[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] * s[i, j]
+                    want[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (
+                        w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] * s[i, j]
+                    )
         else:
             want = w * stored[name + "_scale"].float()
         gname, expert = gguf_name_of(name)
@@ -261,8 +291,26 @@ def test_llama_cpp_loads_and_drafts(glm_ckpt, tmp_path, llama_cpp_bin):
 
     out = tmp_path / "m.gguf"
     convert(glm_ckpt, out, "--outtype", "f16")
-    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(out), "-p", "def add",
-                           "-n", "16", "--temp", "0", "--spec-type", "draft-mtp", "--no-repack"],
-                          capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-speculative-simple"),
+            "-m",
+            str(out),
+            "-p",
+            "def add",
+            "-n",
+            "16",
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--no-repack",
+        ],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "MTP draft context" in proc.stderr

@@ -16,12 +16,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.builders import tiny
-from tests.builders import tiny_glm_dsa
+from tests.builders import tiny, tiny_glm_dsa
 from tests.helpers import mla
-from tests.helpers.familycheck import (assert_f32_equal, assert_refused, assert_same_gguf, checkpoint_fixtures,
-                                       convert_with_both, copy_with_config)
-from tests.helpers.familycheck import assert_mode_files
+from tests.helpers.familycheck import (
+    assert_f32_equal,
+    assert_mode_files,
+    assert_refused,
+    assert_same_gguf,
+    checkpoint_fixtures,
+    convert_with_both,
+    copy_with_config,
+)
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -88,8 +93,10 @@ def test_mtp_block_present(dsa_f32):
     mtp = N_TRUNK
     assert kv["glm-dsa.nextn_predict_layers"] == 1 and kv["glm-dsa.block_count"] == N_TRUNK + 1
     nextn = {n for n in tensors if ".nextn." in n}
-    assert nextn == {f"blk.{mtp}.nextn.{k}.weight" for k in
-                     ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+    assert nextn == {
+        f"blk.{mtp}.nextn.{k}.weight"
+        for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
+    }
     trunk_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.3.")}  # a full-indexer MoE layer
     mtp_kinds = {n.split(".", 2)[2] for n in tensors if n.startswith(f"blk.{mtp}.") and ".nextn." not in n}
     assert mtp_kinds == trunk_kinds and {"attn_k_b.weight", "ffn_gate_exps.weight"} <= mtp_kinds
@@ -138,8 +145,16 @@ def test_glm5_config_without_indexer_types(dsa_ckpt, dsa_f32, tmp_path):
     assert all(f"blk.{b}.indexer.proj.weight" in tensors for b in range(N_TRUNK + 1))
 
 
-@pytest.mark.parametrize("keys", [{}, {"index_topk_freq": 4}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
-                                  {"index_topk_pattern": "FFSFSSFS"}, {"index_topk_pattern": ["full", "shared"] * 4}])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"index_topk_freq": 4},
+        {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+        {"index_topk_pattern": "FFSFSSFS"},
+        {"index_topk_pattern": ["full", "shared"] * 4},
+    ],
+)
 def test_indexer_types_derived_as_transformers_does(keys):
     """Without indexer_types, the pattern comes from index_topk_freq/offset or index_topk_pattern: ours ==
     transformers' GlmMoeDsaConfig (which llama.cpp's converter reads) on 8 layers."""
@@ -190,25 +205,45 @@ def test_fp8_dequantized(dsa_ckpt, tmp_path, style):
 def test_metadata(dsa_ckpt, dsa_f32):
     kv, _ = dsa_f32
     want = {
-        "general.architecture": "glm-dsa", "glm-dsa.block_count": 5, "glm-dsa.nextn_predict_layers": 1,
-        "glm-dsa.context_length": 4096, "glm-dsa.embedding_length": 256, "glm-dsa.feed_forward_length": 512,
-        "glm-dsa.attention.head_count": 4, "glm-dsa.attention.head_count_kv": 1,
-        "glm-dsa.attention.q_lora_rank": 256, "glm-dsa.attention.kv_lora_rank": 256,
-        "glm-dsa.attention.key_length": 256 + 32, "glm-dsa.attention.value_length": 256,
-        "glm-dsa.attention.key_length_mla": 64 + 32, "glm-dsa.attention.value_length_mla": 64,
-        "glm-dsa.rope.dimension_count": 32, "glm-dsa.leading_dense_block_count": 1,
-        "glm-dsa.vocab_size": 512, "glm-dsa.expert_count": 4, "glm-dsa.expert_used_count": 2,
-        "glm-dsa.expert_shared_count": 1, "glm-dsa.expert_feed_forward_length": 256,
-        "glm-dsa.expert_group_count": 1, "glm-dsa.expert_group_used_count": 1,
-        "glm-dsa.expert_gating_func": 2, "glm-dsa.expert_weights_norm": True,
-        "glm-dsa.attention.indexer.head_count": 4, "glm-dsa.attention.indexer.key_length": 64,
-        "glm-dsa.attention.indexer.top_k": 64, "glm-dsa.attention.indexer.types": [True, True, False, True],
-        "tokenizer.ggml.model": "gpt2", "general.file_type": 0,
+        "general.architecture": "glm-dsa",
+        "glm-dsa.block_count": 5,
+        "glm-dsa.nextn_predict_layers": 1,
+        "glm-dsa.context_length": 4096,
+        "glm-dsa.embedding_length": 256,
+        "glm-dsa.feed_forward_length": 512,
+        "glm-dsa.attention.head_count": 4,
+        "glm-dsa.attention.head_count_kv": 1,
+        "glm-dsa.attention.q_lora_rank": 256,
+        "glm-dsa.attention.kv_lora_rank": 256,
+        "glm-dsa.attention.key_length": 256 + 32,
+        "glm-dsa.attention.value_length": 256,
+        "glm-dsa.attention.key_length_mla": 64 + 32,
+        "glm-dsa.attention.value_length_mla": 64,
+        "glm-dsa.rope.dimension_count": 32,
+        "glm-dsa.leading_dense_block_count": 1,
+        "glm-dsa.vocab_size": 512,
+        "glm-dsa.expert_count": 4,
+        "glm-dsa.expert_used_count": 2,
+        "glm-dsa.expert_shared_count": 1,
+        "glm-dsa.expert_feed_forward_length": 256,
+        "glm-dsa.expert_group_count": 1,
+        "glm-dsa.expert_group_used_count": 1,
+        "glm-dsa.expert_gating_func": 2,
+        "glm-dsa.expert_weights_norm": True,
+        "glm-dsa.attention.indexer.head_count": 4,
+        "glm-dsa.attention.indexer.key_length": 64,
+        "glm-dsa.attention.indexer.top_k": 64,
+        "glm-dsa.attention.indexer.types": [True, True, False, True],
+        "tokenizer.ggml.model": "gpt2",
+        "general.file_type": 0,
     }
     for k, v in want.items():
         assert kv[k] == v, k
-    for k, v in {"glm-dsa.expert_weights_scale": 2.5, "glm-dsa.rope.freq_base": 1e6,
-                 "glm-dsa.attention.layer_norm_rms_epsilon": 1e-5}.items():
+    for k, v in {
+        "glm-dsa.expert_weights_scale": 2.5,
+        "glm-dsa.rope.freq_base": 1e6,
+        "glm-dsa.attention.layer_norm_rms_epsilon": 1e-5,
+    }.items():
         assert kv[k] == pytest.approx(v), k
     from transformers import AutoTokenizer
 
@@ -250,10 +285,17 @@ def test_indexer_in_a_shared_layer(dsa_ckpt, tmp_path):
     assert "model.layers.1.self_attn.indexer." in line and "implies no such tensor" in line, line
 
 
-@pytest.mark.parametrize("keys", [{"indexer_types": "full"}, {"indexer_types": ["full", "sparse", "full", "full"]},
-                                  {"indexer_types": ["full"]}, {"indexer_types": [{}, [], 1, "full"]},
-                                  {"indexer_types": None, "index_topk_freq": "x"},
-                                  {"indexer_types": None, "index_topk_pattern": 7}])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"indexer_types": "full"},
+        {"indexer_types": ["full", "sparse", "full", "full"]},
+        {"indexer_types": ["full"]},
+        {"indexer_types": [{}, [], 1, "full"]},
+        {"indexer_types": None, "index_topk_freq": "x"},
+        {"indexer_types": None, "index_topk_pattern": 7},
+    ],
+)
 def test_bad_indexer_types(dsa_ckpt, tmp_path, keys):
     ck = copy_with_config(dsa_ckpt, tmp_path / "ck", **keys)
     line = assert_refused(ck, tmp_path / "o.gguf")
@@ -288,20 +330,29 @@ def test_flash_every_tensor_equals_source(lite_ckpt, lite_f32):
         np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
     assert {n for n in tensors if ".nextn." in n} == {
         f"blk.{LITE_TRUNK}.nextn.{k}.weight"
-        for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
+        for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
+    }
     assert not any(".indexer." in n for n in tensors)
 
 
 def test_flash_metadata(lite_ckpt, lite_f32):
     kv, _ = lite_f32
     want = {
-        "general.architecture": "deepseek2", "deepseek2.block_count": 3, "deepseek2.nextn_predict_layers": 1,
-        "deepseek2.attention.head_count_kv": 1, "deepseek2.attention.q_lora_rank": 256,
-        "deepseek2.attention.kv_lora_rank": 256, "deepseek2.attention.key_length_mla": 96,
-        "deepseek2.attention.value_length_mla": 64, "deepseek2.rope.dimension_count": 32,
-        "deepseek2.leading_dense_block_count": 1, "deepseek2.expert_count": 4, "deepseek2.expert_shared_count": 1,
+        "general.architecture": "deepseek2",
+        "deepseek2.block_count": 3,
+        "deepseek2.nextn_predict_layers": 1,
+        "deepseek2.attention.head_count_kv": 1,
+        "deepseek2.attention.q_lora_rank": 256,
+        "deepseek2.attention.kv_lora_rank": 256,
+        "deepseek2.attention.key_length_mla": 96,
+        "deepseek2.attention.value_length_mla": 64,
+        "deepseek2.rope.dimension_count": 32,
+        "deepseek2.leading_dense_block_count": 1,
+        "deepseek2.expert_count": 4,
+        "deepseek2.expert_shared_count": 1,
         # no scoring_func in the release's config.json: sigmoid is written anyway (see glm4moe_lite.py)
-        "deepseek2.expert_gating_func": 2, "deepseek2.expert_weights_norm": True,
+        "deepseek2.expert_gating_func": 2,
+        "deepseek2.expert_weights_norm": True,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -319,8 +370,9 @@ def test_flash_no_mtp_and_mtp_only(lite_ckpt, lite_f32, tmp_path):
     kv, tensors = convert(lite_ckpt, tmp_path / "trunk.gguf", "--no-mtp", "--outtype", "f32")
     assert kv["deepseek2.block_count"] == LITE_TRUNK and set(tensors) == {n for n in full if not n.startswith(mtp)}
     kv, tensors = convert(lite_ckpt, tmp_path / "head.gguf", "--mtp-only", "--outtype", "f32")
-    assert set(tensors) == ({n for n in full if n.startswith(mtp)}
-                            | {"token_embd.weight", "output_norm.weight", "output.weight"})
+    assert set(tensors) == (
+        {n for n in full if n.startswith(mtp)} | {"token_embd.weight", "output_norm.weight", "output.weight"}
+    )
 
 
 def test_flash_shape_contradicts_config(lite_ckpt, tmp_path):
@@ -357,7 +409,7 @@ def test_flash_runs_in_the_torch_runtime_as_transformers(lite_ckpt, lite_f32, tm
     scale = ref.abs().max().item()
     assert (model.trunk(ids, use_cache=False).logits - ref).abs().max().item() <= 1e-4 * scale
     model.reset()
-    parts = [model.trunk(ids[:, :12]).logits] + [model.trunk(ids[:, i:i + 1]).logits for i in range(12, 24)]
+    parts = [model.trunk(ids[:, :12]).logits] + [model.trunk(ids[:, i : i + 1]).logits for i in range(12, 24)]
     assert (torch.cat(parts, dim=1) - ref).abs().max().item() <= 1e-4 * scale
 
 
@@ -425,10 +477,13 @@ def test_loads_and_drafts_in_llama_cpp(dsa_ckpt, lite_ckpt, llama_cpp_bin, tmp_p
     convert(ck, tmp_path / "full.gguf", "--quant", "Q4_K_M")
     convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ck, tmp_path / "head.gguf", "--mtp-only")
-    runs = {"creating MTP draft context": ["-m", tmp_path / "full.gguf"],
-            "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
+    runs = {
+        "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
+        "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],
+    }
     for banner, models in runs.items():
-        res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):",
-                                        "-n", 16, *_LLAMA_FLAGS)
+        res, stats = speculative_simple(
+            llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS
+        )
         assert banner in res.stderr, res.stderr[-2000:]
         assert stats["n_drafted"] > 0, res.stderr[-2000:]

@@ -16,39 +16,63 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.builders import tiny
-from tests.builders import tiny_hy_v3
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp, assert_needs_no_mtp,
-                                       assert_same_gguf, assert_table_f32, checkpoint_fixtures, convert_with_both,
-                                       dequant_block_scaled, expected_table, inspect_json, quantize_q4_k_m,
-                                       quantize_with_both, stack_experts, vocab)
+from tests.builders import tiny, tiny_hy_v3
+from tests.helpers.familycheck import (
+    assert_bad_tensor_refused,
+    assert_drafts_in_llama_cpp,
+    assert_needs_no_mtp,
+    assert_same_gguf,
+    assert_table_f32,
+    checkpoint_fixtures,
+    convert_with_both,
+    dequant_block_scaled,
+    expected_table,
+    inspect_json,
+    quantize_q4_k_m,
+    quantize_with_both,
+    stack_experts,
+    vocab,
+)
 from tests.helpers.ggufcheck import convert, source_tensors
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
-ATTN = {"attn_norm.weight": ((256,), "input_layernorm.weight"),
-        "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-        "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-        "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
-        "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
-        "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight")}
-DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
-MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.router.gate.weight"),
-       "exp_probs_b": ((4,), "mlp.expert_bias"),  # no .bias suffix: hy-v3.cpp loads tn(FFN_EXP_PROBS_B, i)
-       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-       "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_mlp.gate_proj.weight"),
-       "ffn_up_shexp.weight": ((256, 256), "mlp.shared_mlp.up_proj.weight"),
-       "ffn_down_shexp.weight": ((256, 256), "mlp.shared_mlp.down_proj.weight")}
-NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
-         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-         "nextn.shared_head_norm.weight": ((256,), "final_layernorm.weight")}
+ATTN = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
+    "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight"),
+}
+DENSE = {
+    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
+    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
+}
+MOE = {
+    "ffn_gate_inp.weight": ((4, 256), "mlp.router.gate.weight"),
+    "exp_probs_b": ((4,), "mlp.expert_bias"),  # no .bias suffix: hy-v3.cpp loads tn(FFN_EXP_PROBS_B, i)
+    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
+    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
+    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
+    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_mlp.gate_proj.weight"),
+    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_mlp.up_proj.weight"),
+    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_mlp.down_proj.weight"),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
+    "nextn.enorm.weight": ((256,), "enorm.weight"),
+    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+    "nextn.shared_head_norm.weight": ((256,), "final_layernorm.weight"),
+}
 BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
-TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
-       "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": (("V", 256), "lm_head.weight")}
+TOP = {
+    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
+    "output_norm.weight": ((256,), "model.norm.weight"),
+    "output.weight": (("V", 256), "lm_head.weight"),
+}
 
 
 def expected(vocab: int, blocks=range(4)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -71,13 +95,23 @@ def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
 def test_metadata(hy_f32):
     kv, _ = hy_f32
     want = {
-        "general.architecture": "hy_v3", "hy_v3.block_count": 4, "hy_v3.nextn_predict_layers": 1,
-        "hy_v3.context_length": 4096, "hy_v3.embedding_length": 256, "hy_v3.feed_forward_length": 512,
-        "hy_v3.attention.head_count": 4, "hy_v3.attention.head_count_kv": 2,
-        "hy_v3.attention.key_length": 64, "hy_v3.attention.value_length": 64,
-        "hy_v3.expert_count": 4, "hy_v3.expert_used_count": 2, "hy_v3.expert_feed_forward_length": 256,
-        "hy_v3.expert_shared_feed_forward_length": 256, "hy_v3.expert_weights_norm": True,
-        "hy_v3.expert_gating_func": 2, "general.file_type": 0,
+        "general.architecture": "hy_v3",
+        "hy_v3.block_count": 4,
+        "hy_v3.nextn_predict_layers": 1,
+        "hy_v3.context_length": 4096,
+        "hy_v3.embedding_length": 256,
+        "hy_v3.feed_forward_length": 512,
+        "hy_v3.attention.head_count": 4,
+        "hy_v3.attention.head_count_kv": 2,
+        "hy_v3.attention.key_length": 64,
+        "hy_v3.attention.value_length": 64,
+        "hy_v3.expert_count": 4,
+        "hy_v3.expert_used_count": 2,
+        "hy_v3.expert_feed_forward_length": 256,
+        "hy_v3.expert_shared_feed_forward_length": 256,
+        "hy_v3.expert_weights_norm": True,
+        "hy_v3.expert_gating_func": 2,
+        "general.file_type": 0,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -102,7 +136,10 @@ def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
     kv, tensors = convert(hy_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["hy_v3.block_count"] == 4 and kv["hy_v3.nextn_predict_layers"] == 1
     assert set(tensors) == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")} | {
-        "token_embd.weight", "output_norm.weight", "output.weight"}
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 def test_checkpoint_without_mtp_layer(tmp_path):
@@ -113,12 +150,15 @@ def test_checkpoint_without_mtp_layer(tmp_path):
     assert_needs_no_mtp(ck, tmp_path, "layer 3")
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("model.layers.3.final_layernorm.weight", None, "missing tensor model.layers.3.final_layernorm.weight"),
-    ("model.layers.2.mlp.expert_bias", None, "missing tensor model.layers.2.mlp.expert_bias"),
-    ("model.layers.3.mlp.experts.1.up_proj.weight", torch.zeros(128, 256), "[128, 256]"),
-    ("model.layers.1.self_attn.k_norm.weight", torch.zeros(32), "config.json implies [64]"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("model.layers.3.final_layernorm.weight", None, "missing tensor model.layers.3.final_layernorm.weight"),
+        ("model.layers.2.mlp.expert_bias", None, "missing tensor model.layers.2.mlp.expert_bias"),
+        ("model.layers.3.mlp.experts.1.up_proj.weight", torch.zeros(128, 256), "[128, 256]"),
+        ("model.layers.1.self_attn.k_norm.weight", torch.zeros(32), "config.json implies [64]"),
+    ],
+)
 def test_missing_or_misshaped_tensor_exits_2(hy_ckpt, tmp_path, name, value, needle):
     assert_bad_tensor_refused(shutil.copytree(hy_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
@@ -155,9 +195,14 @@ def test_inspect_shows_the_head(hy_ckpt, tmp_path):
     assert {t["role"] for t in info["tensors"] if t["mtp"]} == {"mtp"}
 
 
-@pytest.mark.parametrize("stored,dense", [({"first_k_dense_replace": 2}, [0, 1]),
-                                          ({"first_k_dense_replace": None, "mlp_layer_types": None}, [0]),
-                                          ({"mlp_layer_types": ["dense", "dense", "sparse"]}, [0, 1])])
+@pytest.mark.parametrize(
+    "stored,dense",
+    [
+        ({"first_k_dense_replace": 2}, [0, 1]),
+        ({"first_k_dense_replace": None, "mlp_layer_types": None}, [0]),
+        ({"mlp_layer_types": ["dense", "dense", "sparse"]}, [0, 1]),
+    ],
+)
 def test_dense_layers_as_config_json_declares_them(tmp_path, stored, dense):
     """The dense layers are config.json's (``mlp_layer_types``, else ``first_k_dense_replace``, which vLLM's hy_v3
     builds them from), else transformers' default (layer 0). transformers' derived ``mlp_layer_types`` ignores a
@@ -185,8 +230,9 @@ def _edit(ck, changes: dict) -> None:
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32),
-                                        ("--mtp", torch.float32), (None, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32), ("--mtp", torch.float32), (None, torch.bfloat16)]
+)
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps Hy3's MTP block, as ours does), in all three modes and from a bf16 source."""

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from tests.builders import tiny
-from tests.builders import tiny_deepseek2
+from tests.builders import tiny, tiny_deepseek2
 
 ROOT = Path(__file__).resolve().parents[2]
 N_EXP, FF, H = 32, 2048, 256  # one stack: 16 M values, 67 MB in float32, 34 MB in bf16
@@ -50,8 +49,14 @@ print(json.dumps(status("VmHWM") - base))
 @pytest.fixture(scope="module")
 def fp8_experts(tmp_path_factory) -> Path:
     """DeepSeek-V3 layout, block-scaled FP8; one MoE layer (the MTP block) of 32 experts of 2048 x 256."""
-    folder = tiny_deepseek2.deepseek_v3(tmp_path_factory.mktemp("ds") / "fp8", n_routed_experts=N_EXP,
-                                       moe_intermediate_size=FF, first_k_dense_replace=2, n_group=1, topk_group=1)
+    folder = tiny_deepseek2.deepseek_v3(
+        tmp_path_factory.mktemp("ds") / "fp8",
+        n_routed_experts=N_EXP,
+        moe_intermediate_size=FF,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+    )
     tiny.to_fp8_block_scaled(folder)
     return folder
 
@@ -59,9 +64,16 @@ def fp8_experts(tmp_path_factory) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
 def test_fp8_experts_are_stacked_in_the_output_type(fp8_experts, tmp_path):
     outtypes = ("bf16", "q8_0")
-    children = {ot: subprocess.Popen([sys.executable, "-c", CHILD, str(fp8_experts), str(tmp_path / f"{ot}.gguf"), ot],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-                for ot in outtypes}
+    children = {
+        ot: subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(fp8_experts), str(tmp_path / f"{ot}.gguf"), ot],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for ot in outtypes
+    }
     f32_stack = N_EXP * FF * H * 4
     for outtype, child in children.items():
         stdout, stderr = child.communicate(timeout=120)
@@ -78,7 +90,8 @@ def test_fp8_experts_are_stacked_in_the_output_type(fp8_experts, tmp_path):
         # here: about 30 MB above the output; 170-340 MB when the experts were stacked in float32)
         assert peak < out_stack + f32_stack, (
             f"{outtype}: writing added {peak / 1e6:.0f} MB for a {out_stack / 1e6:.0f} MB experts stack "
-            f"({f32_stack / 1e6:.0f} MB in float32)")
+            f"({f32_stack / 1e6:.0f} MB in float32)"
+        )
 
 
 def test_streamed_float_encoding_is_quantizes_encoding():
@@ -104,7 +117,7 @@ def test_streamed_float_encoding_is_quantizes_encoding():
         v = x.clone()
         if qtype == T.F16:
             v = v.clamp(-65504, 65504) * torch.rand(v.shape, generator=gen)  # F16 refuses larger values
-        slabs = [(r, r + 5, (lambda a: lambda: v[a:a + 5])(r)) for r in range(0, 64, 5)]
+        slabs = [(r, r + 5, (lambda a: lambda: v[a : a + 5])(r)) for r in range(0, 64, 5)]
         got = encode_slabs("t", "src", tuple(v.shape), qtype, slabs)
         want = quantize(v.numpy(), qtype, "t")
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -139,7 +152,7 @@ def test_fp8_tile_tables_give_the_rounded_float32_bytes(tmp_path):
     q = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
     for i in range(0, rows, 128):  # every byte value in every tile
         for j in range(0, cols, 128):
-            tile = q[i:i + 128, j:j + 128]
+            tile = q[i : i + 128, j : j + 128]
             flat = tile.flatten()
             flat[:256] = torch.arange(256, dtype=torch.uint8)
             tile.copy_(flat.view(tile.shape))
@@ -206,15 +219,22 @@ def test_fp8_block_scaled_values_are_torchs_products(tmp_path):
             folder = tmp_path / f"{fp8}-{nan}"
             folder.mkdir()
             (folder / "config.json").write_text("{}")
-            save_file({"w": q[0].clone().view(fp8), "w_scale_inv": s[0].clone(), "e": q.view(fp8), "e_scale_inv": s},
-                      str(folder / "model.safetensors"))
+            save_file(
+                {"w": q[0].clone().view(fp8), "w_scale_inv": s[0].clone(), "e": q.view(fp8), "e_scale_inv": s},
+                str(folder / "model.safetensors"),
+            )
             ck = HFCheckpoint(folder)
             want = q.view(fp8).to(torch.float32)
             want *= s.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols]
-            for got, exp in ((ck.load_rows("w", 0, rows), want[0]), (ck.load_rows("w", 128, rows), want[0, 128:]),
-                             (ck.load("e"), want), (ck.load_rows("e", 1, 2), want[1:])):
+            for got, exp in (
+                (ck.load_rows("w", 0, rows), want[0]),
+                (ck.load_rows("w", 128, rows), want[0, 128:]),
+                (ck.load("e"), want),
+                (ck.load_rows("e", 1, 2), want[1:]),
+            ):
                 assert torch.equal(got.view(torch.int32), exp.view(torch.int32)) or (
-                    torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num())), (fp8, nan)
+                    torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num())
+                ), (fp8, nan)
             assert bool(want.isnan().any()) == nan
 
 
@@ -242,7 +262,8 @@ def test_tensors_encoded_ahead_are_written_as_encoded(tmp_path, monkeypatch):
             time.sleep(0.01)  # the writer gets the finished rows before the tensor is done
             if fail and r0 >= rows // 2:
                 raise InputError("src", "broken slab")
-            return v[r0:r0 + 8]
+            return v[r0 : r0 + 8]
+
         return [(r0, r0 + 8, (lambda r0: lambda: load(r0))(r0)) for r0 in range(0, rows, 8)]
 
     def encoded(i: int, how: str):
@@ -253,16 +274,21 @@ def test_tensors_encoded_ahead_are_written_as_encoded(tmp_path, monkeypatch):
             if how == "other":  # other bytes than the rows reported
                 return np.ascontiguousarray(out[::-1])
             return out
+
         return run
 
     def plan(hows: list[str]) -> Plan:
-        specs = [TensorSpec(f"t{i}", (rows, cols), Role.OTHER, T.BF16, lambda: None, "src", T.BF16, encoded(i, how))
-                 for i, how in enumerate(hows)]
+        specs = [
+            TensorSpec(f"t{i}", (rows, cols), Role.OTHER, T.BF16, lambda: None, "src", T.BF16, encoded(i, how))
+            for i, how in enumerate(hows)
+        ]
         return Plan("llama", {}, specs)
 
     hows = ["same", "same", "copy", "other"]
     gio.write_plan(plan(hows), tmp_path / "ok.gguf")
-    got = {t.name: np.array(t.data).view(np.uint16).reshape(rows, cols) for t in GGUFReader(tmp_path / "ok.gguf").tensors}
+    got = {
+        t.name: np.array(t.data).view(np.uint16).reshape(rows, cols) for t in GGUFReader(tmp_path / "ok.gguf").tensors
+    }
     for i, how in enumerate(hows):
         want = values[i].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         assert np.array_equal(got[f"t{i}"], want[::-1] if how == "other" else want), how
@@ -284,7 +310,7 @@ def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         for shape in ((300, 130), (64,), (5, 7, 9)):
             q = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-            q.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[:q.numel()]
+            q.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: q.numel()]
             for kind in ("channel", "tensor"):
                 if kind == "channel":
                     s = torch.exp(torch.randn(shape[0], 1, generator=gen) * 6)
@@ -296,10 +322,16 @@ def test_fp8_channel_scaled_values_are_torchs_products(tmp_path):
                 (folder / "config.json").write_text("{}")
                 save_file({"w": q.view(fp8), "w_scale": s}, str(folder / "model.safetensors"))
                 ck = HFCheckpoint(folder)
-                want = q.view(fp8).to(torch.float32) * (s.reshape(-1, *[1] * (len(shape) - 1)) if kind == "channel" else s)
+                want = q.view(fp8).to(torch.float32) * (
+                    s.reshape(-1, *[1] * (len(shape) - 1)) if kind == "channel" else s
+                )
                 for got, exp in ((ck.load("w"), want), (ck.load_rows("w", 2, 4), want[2:4])):
                     assert got.shape == exp.shape and torch.equal(got.isnan(), exp.isnan()), (fp8, shape, kind)
-                    assert torch.equal(got.nan_to_num().view(torch.int32), exp.nan_to_num().view(torch.int32)), (fp8, shape, kind)
+                    assert torch.equal(got.nan_to_num().view(torch.int32), exp.nan_to_num().view(torch.int32)), (
+                        fp8,
+                        shape,
+                        kind,
+                    )
 
 
 CHILD_BUDGET = r"""
@@ -336,12 +368,23 @@ def test_a_stack_encoded_ahead_is_not_held_past_its_write(tmp_path):
     Measured with q8_0, whose stacks are encoded into a buffer of their own; a float stack (bf16) is encoded
     as it is written (stream.SlabWrites) and never held whole."""
     n_exp = 3 * N_EXP  # 96 experts: 101 MB stacks in bf16, 53 MB in q8_0
-    folder = tiny_deepseek2.deepseek_v3(tmp_path / "fp8", n_routed_experts=n_exp, moe_intermediate_size=FF,
-                                       first_k_dense_replace=2, n_group=1, topk_group=1)
+    folder = tiny_deepseek2.deepseek_v3(
+        tmp_path / "fp8",
+        n_routed_experts=n_exp,
+        moe_intermediate_size=FF,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+    )
     tiny.to_fp8_block_scaled(folder)
     for outtype, stack in (("q8_0", n_exp * FF * H // 32 * 34), ("bf16", n_exp * FF * H * 2)):
-        res = subprocess.run([sys.executable, "-c", CHILD_BUDGET, str(folder), str(tmp_path / "out.gguf"),
-                              str(stack * 3 // 2), outtype], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        res = subprocess.run(
+            [sys.executable, "-c", CHILD_BUDGET, str(folder), str(tmp_path / "out.gguf"), str(stack * 3 // 2), outtype],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert res.returncode == 0, res.stderr[-2000:]
         peak = json.loads(res.stdout.strip().splitlines()[-1])
         msg = f"{outtype}: writing added {peak / 1e6:.0f} MB for {stack / 1e6:.0f} MB stacks"

@@ -16,37 +16,68 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_mimo2
-from tests.helpers.familycheck import (add_tensors, assert_drafts_in_llama_cpp, assert_refused, assert_same_gguf,
-                                       assert_table_f32, convert_with_both, copy_with_config, quantize_with_both,
-                                       rewrite_tensor, run)
+from tests.helpers.familycheck import (
+    add_tensors,
+    assert_drafts_in_llama_cpp,
+    assert_refused,
+    assert_same_gguf,
+    assert_table_f32,
+    convert_with_both,
+    copy_with_config,
+    quantize_with_both,
+    rewrite_tensor,
+    run,
+)
 from tests.helpers.ggufcheck import convert, kv_types, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
-ATTN_FULL = {"attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-             "attn_v.weight": ((64, 256), "self_attn.v_proj.weight"),
-             "attn_output.weight": ((256, 128), "self_attn.o_proj.weight")}
-ATTN_SWA = {"attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((64, 256), "self_attn.k_proj.weight"),
-            "attn_v.weight": ((32, 256), "self_attn.v_proj.weight"),
-            "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
-            "attn_sinks.weight": ((4,), "self_attn.attention_sink_bias")}
-NORMS = {"attn_norm.weight": ((256,), "input_layernorm.weight"), "ffn_norm.weight": ((256,), "post_attention_layernorm.weight")}
+ATTN_FULL = {
+    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((64, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
+}
+ATTN_SWA = {
+    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((64, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((32, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
+    "attn_sinks.weight": ((4,), "self_attn.attention_sink_bias"),
+}
+NORMS = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+}
 MTP_NORMS = {**NORMS, "ffn_norm.weight": ((256,), "pre_mlp_layernorm.weight")}  # the MTP blocks' name, as released
-DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
-MOE = {"ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"), "exp_probs_b.bias": ((4,), "mlp.gate.e_score_correction_bias"),
-       "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.{e}.gate_proj.weight"),
-       "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.{e}.up_proj.weight"),
-       "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.{e}.down_proj.weight")}
-NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
-         "nextn.hnorm.weight": ((256,), "hnorm.weight"), "layer_output_norm.weight": ((256,), "final_layernorm.weight")}
+DENSE = {
+    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
+    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
+}
+MOE = {
+    "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
+    "exp_probs_b.bias": ((4,), "mlp.gate.e_score_correction_bias"),
+    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.{e}.gate_proj.weight"),
+    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.{e}.up_proj.weight"),
+    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.{e}.down_proj.weight"),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
+    "nextn.enorm.weight": ((256,), "enorm.weight"),
+    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+    "layer_output_norm.weight": ((256,), "final_layernorm.weight"),
+}
 BLOCKS = [ATTN_FULL | DENSE, ATTN_SWA | MOE, ATTN_SWA | MOE] + [ATTN_SWA | DENSE | NEXTN] * 3
 
 
 def expected(vocab: int, blocks=range(6)) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (shape, HF source name; ``{e}`` for stacked experts)."""
-    out = {"token_embd.weight": ((vocab, 256), "model.embed_tokens.weight"),
-           "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": ((vocab, 256), "lm_head.weight")}
+    out = {
+        "token_embd.weight": ((vocab, 256), "model.embed_tokens.weight"),
+        "output_norm.weight": ((256,), "model.norm.weight"),
+        "output.weight": ((vocab, 256), "lm_head.weight"),
+    }
     for bid in blocks:
         prefix = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
         for kind, (shape, hf) in (BLOCKS[bid] | (NORMS if bid < 3 else MTP_NORMS)).items():
@@ -65,21 +96,36 @@ def _vocab(folder) -> int:
 
 def test_f32_every_tensor_named_shaped_and_valued(mimo_ckpt, tmp_path):
     _, tensors = convert(mimo_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
-    assert_table_f32(tensors, expected(_vocab(mimo_ckpt)), mimo_ckpt, lambda src, name, hf: (
-        torch.stack([src[hf.format(e=e)] for e in range(4)]) if "{e}" in hf else src[hf]))
+    assert_table_f32(
+        tensors,
+        expected(_vocab(mimo_ckpt)),
+        mimo_ckpt,
+        lambda src, name, hf: torch.stack([src[hf.format(e=e)] for e in range(4)]) if "{e}" in hf else src[hf],
+    )
 
 
 def test_metadata(mimo_ckpt, tmp_path):
     out = tmp_path / "m.gguf"
     kv, _ = convert(mimo_ckpt, out)
     want = {
-        "general.architecture": "mimo2", "mimo2.block_count": 6, "mimo2.nextn_predict_layers": 3,
-        "mimo2.context_length": 4096, "mimo2.embedding_length": 256, "mimo2.feed_forward_length": 512,
-        "mimo2.attention.head_count": 4, "mimo2.attention.head_count_kv": [2, 1, 1, 1, 1, 1],
-        "mimo2.attention.key_length": 64, "mimo2.attention.value_length": 32,
-        "mimo2.attention.sliding_window": 16, "mimo2.attention.sliding_window_pattern": [0, 1, 1, 1, 1, 1],
-        "mimo2.expert_count": 4, "mimo2.expert_used_count": 2, "mimo2.expert_feed_forward_length": 256,
-        "mimo2.expert_group_count": 1, "mimo2.expert_group_used_count": 1, "mimo2.expert_gating_func": 2,
+        "general.architecture": "mimo2",
+        "mimo2.block_count": 6,
+        "mimo2.nextn_predict_layers": 3,
+        "mimo2.context_length": 4096,
+        "mimo2.embedding_length": 256,
+        "mimo2.feed_forward_length": 512,
+        "mimo2.attention.head_count": 4,
+        "mimo2.attention.head_count_kv": [2, 1, 1, 1, 1, 1],
+        "mimo2.attention.key_length": 64,
+        "mimo2.attention.value_length": 32,
+        "mimo2.attention.sliding_window": 16,
+        "mimo2.attention.sliding_window_pattern": [0, 1, 1, 1, 1, 1],
+        "mimo2.expert_count": 4,
+        "mimo2.expert_used_count": 2,
+        "mimo2.expert_feed_forward_length": 256,
+        "mimo2.expert_group_count": 1,
+        "mimo2.expert_group_used_count": 1,
+        "mimo2.expert_gating_func": 2,
         "mimo2.rope.dimension_count": 21,  # int(64 * 0.334)
     }
     for k, v in want.items():
@@ -98,7 +144,10 @@ def test_no_mtp_and_mtp_only(mimo_ckpt, tmp_path):
     kv, tensors = convert(mimo_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["mimo2.block_count"] == 6 and kv["mimo2.nextn_predict_layers"] == 3
     assert set(tensors) == {n for n in expected(_vocab(mimo_ckpt)) if n.startswith(("blk.3.", "blk.4.", "blk.5."))} | {
-        "token_embd.weight", "output_norm.weight", "output.weight"}
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 def test_mtp_layers_counted_from_the_checkpoint(tmp_path):
@@ -130,15 +179,17 @@ def test_mtp_ffn_norm_as_released_or_as_the_trunk_names_it(mimo_ckpt, tmp_path):
     assert_refused(both, tmp_path / "both.gguf", extra, "implies no such tensor")
 
 
-@pytest.mark.parametrize("model_type,arch", [("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
-                                             ("mimo_v2", "MiMoV2ForCausalLM")])
+@pytest.mark.parametrize(
+    "model_type,arch", [("mimo_v2_flash", "MiMoV2FlashForCausalLM"), ("mimo_v2", "MiMoV2ForCausalLM")]
+)
 def test_sliding_window_size_alone_is_read_as_transformers_reads_it(mimo_ckpt, tmp_path, model_type, arch):
     """A config with sliding_window_size and no sliding_window: transformers' MiMoV2FlashConfig (the view
     llama.cpp's converter reads) makes it sliding_window = sliding_window_size + 1 (the reference attends to
     that many previous tokens plus the query); the same for MiMo-V2.5's model type, which transformers does
     not know."""
-    ck = copy_with_config(mimo_ckpt, tmp_path / "ck", model_type=model_type, architectures=[arch],
-                          sliding_window_size=16)
+    ck = copy_with_config(
+        mimo_ckpt, tmp_path / "ck", model_type=model_type, architectures=[arch], sliding_window_size=16
+    )
     cfg = json.loads((ck / "config.json").read_text())
     del cfg["sliding_window"]
     (ck / "config.json").write_text(json.dumps(cfg))
@@ -163,7 +214,7 @@ def test_qkv_ranks_are_the_kv_heads_where_8_and_4_both_fit(tmp_path):
         p = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
         want = torch.cat([plain[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float()
         got = torch.from_numpy(tensors[f"blk.{bid}.attn_qkv.weight"][1].copy())
-        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2 ** -16, msg=str(bid))
+        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2**-16, msg=str(bid))
 
 
 def test_unsupported_config_is_refused(tmp_path):
@@ -185,9 +236,11 @@ def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
     by its whole size); the vision and audio towers are not in the file."""
     plain = source_tensors(tiny_mimo2.mimo2(tmp_path / "plain", **tiny_mimo2.v25_heads(tp)))
     kv, tensors = convert(_v25(tmp_path, tp), tmp_path / "v25.gguf", "--outtype", "f32")
-    assert set(tensors) == {n for n in expected(_vocab(tmp_path / "plain"))
-                            if not n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))} | {
-        f"blk.{b}.attn_qkv.weight" for b in range(6)}
+    assert set(tensors) == {
+        n
+        for n in expected(_vocab(tmp_path / "plain"))
+        if not n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))
+    } | {f"blk.{b}.attn_qkv.weight" for b in range(6)}
     for bid in range(6):
         p = f"model.layers.{bid}." if bid < 3 else f"model.mtp.layers.{bid - 3}."
         want = torch.cat([plain[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).float()
@@ -195,7 +248,7 @@ def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
         assert got.shape == want.shape
         # twice e4m3-rounded (the unfused file's tiles, then the ranks'): 1/16 each relative, and the tiles'
         # subnormal steps (max / 448 * 2^-9) absolute
-        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2 ** -16, msg=str(bid))
+        torch.testing.assert_close(got, want, rtol=1 / 8, atol=want.abs().max().item() * 2**-16, msg=str(bid))
     assert kv["general.architecture"] == "mimo2" and kv["mimo2.block_count"] == 6
 
 
@@ -246,8 +299,16 @@ def test_bad_mxfp4_layouts_are_refused(tmp_path):
     hf = "model.layers.1.mlp.experts.0.up_proj.weight"
     rewrite_tensor(ck, hf + "_scale", torch.zeros(256, 4, dtype=torch.uint8))  # 8 groups of 32 values per row
     assert_refused(ck, tmp_path / "a.gguf", hf + "_scale", "E8M0")
-    ck = copy_with_config(_mxfp4(tmp_path / "b"), tmp_path / "c", quantization_config={
-        "quant_method": "fp8", "weight_block_size": [128, 128], "store_dtype": "mxfp4", "mxfp4_block_size": 16})
+    ck = copy_with_config(
+        _mxfp4(tmp_path / "b"),
+        tmp_path / "c",
+        quantization_config={
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "store_dtype": "mxfp4",
+            "mxfp4_block_size": 16,
+        },
+    )
     assert_refused(ck, tmp_path / "c.gguf", "config.json", "mxfp4_block_size")
 
 
@@ -304,20 +365,40 @@ def test_mxfp4_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode):
 def test_mxfp4_requantized_as_llama_quantize_and_drafts(tmp_path, llama_cpp_bin):
     """Q4_K_M from MXFP4 experts (--allow-requantize on both sides): llama-quantize's bytes; the f16 file with
     its MXFP4 experts drafts in llama.cpp."""
-    ck = tiny_mimo2.as_mxfp4_experts(tiny_mimo2.as_v25_fused_fp8(
-        tiny_mimo2.mimo2(tmp_path / "ckpt", partial_rotary_factor=0.5, **tiny_mimo2.v25_heads(4))))
+    ck = tiny_mimo2.as_mxfp4_experts(
+        tiny_mimo2.as_v25_fused_fp8(
+            tiny_mimo2.mimo2(tmp_path / "ckpt", partial_rotary_factor=0.5, **tiny_mimo2.v25_heads(4))
+        )
+    )
     f16 = tmp_path / "f16.gguf"
     convert(ck, f16, "--outtype", "f16")
     run([llama_cpp_bin / "llama-quantize", "--allow-requantize", f16, tmp_path / "ref.gguf", "Q4_K_M", "1"])
-    res = run_cli("quantize", f16, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--allow-requantize",
-                  "--quiet")
+    res = run_cli(
+        "quantize", f16, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--allow-requantize", "--quiet"
+    )
     assert res.exit_code == 0, res.output
     (_, a), (_, b) = read_gguf(tmp_path / "ours.gguf"), read_gguf(tmp_path / "ref.gguf")
     assert set(a) == set(b) and a["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
-    res, stats = speculative_simple(llama_cpp_bin, "-m", f16, "--spec-type", "draft-mtp", "-c", "256", "-t", "1",
-                                    "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16)
+    res, stats = speculative_simple(
+        llama_cpp_bin,
+        "-m",
+        f16,
+        "--spec-type",
+        "draft-mtp",
+        "-c",
+        "256",
+        "-t",
+        "1",
+        "--temp",
+        "0",
+        "--no-repack",
+        "-p",
+        "def add(a, b):",
+        "-n",
+        16,
+    )
     assert "MTP draft context" in res.stderr and stats["n_drafted"] > 0, res.stderr[-2000:]
 
 
@@ -326,8 +407,9 @@ def test_mimo_v25_drafts_in_llama_cpp(tmp_path, llama_cpp_bin):
     """llama.cpp's mimo2 MTP graph needs the fused attn_qkv (MiMo-V2-Flash's split q/k/v files load but cannot
     draft: "MIMO2 MTP requires fused attn_qkv"): the V2.5 layout drafts, as one Q4_K_M file and as trunk + head
     file. (A RoPE width of 32: llama.cpp's CPU rope needs an even one, the tiny default 0.334 x 64 is 21.)"""
-    ck = tiny_mimo2.as_v25_fused_fp8(tiny_mimo2.mimo2(tmp_path / "v25", partial_rotary_factor=0.5,
-                                                      **tiny_mimo2.v25_heads(4)))
+    ck = tiny_mimo2.as_v25_fused_fp8(
+        tiny_mimo2.mimo2(tmp_path / "v25", partial_rotary_factor=0.5, **tiny_mimo2.v25_heads(4))
+    )
     assert_drafts_in_llama_cpp(ck, tmp_path, llama_cpp_bin)
 
 

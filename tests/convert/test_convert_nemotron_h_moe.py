@@ -20,23 +20,53 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny_nemotron_h_moe
-from tests.helpers.familycheck import (assert_bad_tensor_refused, assert_drafts_in_llama_cpp,
-                                       assert_fp8_source_same_as_llama_cpp, assert_needs_no_mtp, assert_same_gguf,
-                                       checkpoint_fixtures, convert_with_both, inspect_json, quantize_q4_k_m,
-                                       quantize_with_both)
+from tests.helpers.familycheck import (
+    assert_bad_tensor_refused,
+    assert_drafts_in_llama_cpp,
+    assert_fp8_source_same_as_llama_cpp,
+    assert_needs_no_mtp,
+    assert_same_gguf,
+    checkpoint_fixtures,
+    convert_with_both,
+    inspect_json,
+    quantize_q4_k_m,
+    quantize_with_both,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
 MTP = 4  # pattern "ME*E": blk.4 is the folded MTP block
-MAMBA = {"ssm_in.weight": (1288, 256), "ssm_conv1d.weight": (768, 4), "ssm_conv1d.bias": (768,),
-         "ssm_dt.bias": (8,), "ssm_a": (8, 1), "ssm_d": (8, 1), "ssm_norm.weight": (2, 256),
-         "ssm_out.weight": (256, 512)}
-ATTN = {"attn_q.weight": (256, 256), "attn_k.weight": (128, 256), "attn_v.weight": (128, 256),
-        "attn_output.weight": (256, 256)}
-MOE = {"ffn_gate_inp.weight": (4, 256), "exp_probs_b.bias": (4,), "ffn_up_exps.weight": (4, 256, 256),
-       "ffn_down_exps.weight": (4, 256, 256), "ffn_up_shexp.weight": (256, 256), "ffn_down_shexp.weight": (256, 256)}
-NEXTN = {"nextn.eh_proj.weight": (256, 512), "nextn.enorm.weight": (256,), "nextn.hnorm.weight": (256,),
-         "nextn.shared_head_norm.weight": (256,), "post_attention_norm.weight": (256,)}
+MAMBA = {
+    "ssm_in.weight": (1288, 256),
+    "ssm_conv1d.weight": (768, 4),
+    "ssm_conv1d.bias": (768,),
+    "ssm_dt.bias": (8,),
+    "ssm_a": (8, 1),
+    "ssm_d": (8, 1),
+    "ssm_norm.weight": (2, 256),
+    "ssm_out.weight": (256, 512),
+}
+ATTN = {
+    "attn_q.weight": (256, 256),
+    "attn_k.weight": (128, 256),
+    "attn_v.weight": (128, 256),
+    "attn_output.weight": (256, 256),
+}
+MOE = {
+    "ffn_gate_inp.weight": (4, 256),
+    "exp_probs_b.bias": (4,),
+    "ffn_up_exps.weight": (4, 256, 256),
+    "ffn_down_exps.weight": (4, 256, 256),
+    "ffn_up_shexp.weight": (256, 256),
+    "ffn_down_shexp.weight": (256, 256),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": (256, 512),
+    "nextn.enorm.weight": (256,),
+    "nextn.hnorm.weight": (256,),
+    "nextn.shared_head_norm.weight": (256,),
+    "post_attention_norm.weight": (256,),
+}
 NORM = {"attn_norm.weight": (256,)}
 BLOCKS = [MAMBA | NORM, MOE | NORM, ATTN | NORM, MOE | NORM, ATTN | MOE | NEXTN | NORM]
 TOP = {"token_embd.weight": ("V", 256), "output_norm.weight": (256,), "output.weight": ("V", 256)}
@@ -64,44 +94,64 @@ def interleave_heads(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def expected_values(src: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
     """GGUF name -> f32 values, derived from the HF tensors by the documented transforms."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    out = {"token_embd.weight": src["backbone.embeddings.weight"], "output_norm.weight": src["backbone.norm_f.weight"],
-           "output.weight": src["lm_head.weight"]}
+    out = {
+        "token_embd.weight": src["backbone.embeddings.weight"],
+        "output_norm.weight": src["backbone.norm_f.weight"],
+        "output.weight": src["lm_head.weight"],
+    }
 
     def mixer(bid: int, p: str):
         if p + "in_proj.weight" in src:
-            out.update({f"blk.{bid}.ssm_in.weight": src[p + "in_proj.weight"],
-                        f"blk.{bid}.ssm_conv1d.weight": src[p + "conv1d.weight"][:, 0, :],
-                        f"blk.{bid}.ssm_conv1d.bias": src[p + "conv1d.bias"],
-                        f"blk.{bid}.ssm_dt.bias": src[p + "dt_bias"],
-                        f"blk.{bid}.ssm_a": -torch.exp(src[p + "A_log"]).unsqueeze(1),
-                        f"blk.{bid}.ssm_d": src[p + "D"].unsqueeze(1),
-                        f"blk.{bid}.ssm_norm.weight": src[p + "norm.weight"].view(cfg["n_groups"], -1),
-                        f"blk.{bid}.ssm_out.weight": src[p + "out_proj.weight"]})
+            out.update(
+                {
+                    f"blk.{bid}.ssm_in.weight": src[p + "in_proj.weight"],
+                    f"blk.{bid}.ssm_conv1d.weight": src[p + "conv1d.weight"][:, 0, :],
+                    f"blk.{bid}.ssm_conv1d.bias": src[p + "conv1d.bias"],
+                    f"blk.{bid}.ssm_dt.bias": src[p + "dt_bias"],
+                    f"blk.{bid}.ssm_a": -torch.exp(src[p + "A_log"]).unsqueeze(1),
+                    f"blk.{bid}.ssm_d": src[p + "D"].unsqueeze(1),
+                    f"blk.{bid}.ssm_norm.weight": src[p + "norm.weight"].view(cfg["n_groups"], -1),
+                    f"blk.{bid}.ssm_out.weight": src[p + "out_proj.weight"],
+                }
+            )
         elif p + "q_proj.weight" in src:
-            out.update({f"blk.{bid}.attn_q.weight": interleave_heads(src[p + "q_proj.weight"], nh),
-                        f"blk.{bid}.attn_k.weight": interleave_heads(src[p + "k_proj.weight"], nkv),
-                        f"blk.{bid}.attn_v.weight": src[p + "v_proj.weight"],
-                        f"blk.{bid}.attn_output.weight": src[p + "o_proj.weight"]})
+            out.update(
+                {
+                    f"blk.{bid}.attn_q.weight": interleave_heads(src[p + "q_proj.weight"], nh),
+                    f"blk.{bid}.attn_k.weight": interleave_heads(src[p + "k_proj.weight"], nkv),
+                    f"blk.{bid}.attn_v.weight": src[p + "v_proj.weight"],
+                    f"blk.{bid}.attn_output.weight": src[p + "o_proj.weight"],
+                }
+            )
         else:
-            out.update({f"blk.{bid}.ffn_gate_inp.weight": src[p + "gate.weight"],
-                        f"blk.{bid}.exp_probs_b.bias": src[p + "gate.e_score_correction_bias"],
-                        f"blk.{bid}.ffn_up_shexp.weight": src[p + "shared_experts.up_proj.weight"],
-                        f"blk.{bid}.ffn_down_shexp.weight": src[p + "shared_experts.down_proj.weight"]})
+            out.update(
+                {
+                    f"blk.{bid}.ffn_gate_inp.weight": src[p + "gate.weight"],
+                    f"blk.{bid}.exp_probs_b.bias": src[p + "gate.e_score_correction_bias"],
+                    f"blk.{bid}.ffn_up_shexp.weight": src[p + "shared_experts.up_proj.weight"],
+                    f"blk.{bid}.ffn_down_shexp.weight": src[p + "shared_experts.down_proj.weight"],
+                }
+            )
             for proj in ("up", "down"):
                 out[f"blk.{bid}.ffn_{proj}_exps.weight"] = torch.stack(
-                    [src[f"{p}experts.{e}.{proj}_proj.weight"] for e in range(cfg["n_routed_experts"])])
+                    [src[f"{p}experts.{e}.{proj}_proj.weight"] for e in range(cfg["n_routed_experts"])]
+                )
 
     for bid in range(cfg["num_hidden_layers"]):
         out[f"blk.{bid}.attn_norm.weight"] = src[f"backbone.layers.{bid}.norm.weight"]
         mixer(bid, f"backbone.layers.{bid}.mixer.")
     mixer(MTP, "mtp.layers.0.mixer.")
     mixer(MTP, "mtp.layers.1.mixer.")
-    out.update({f"blk.{MTP}.nextn.eh_proj.weight": src["mtp.layers.0.eh_proj.weight"],
-                f"blk.{MTP}.nextn.enorm.weight": src["mtp.layers.0.enorm.weight"],
-                f"blk.{MTP}.nextn.hnorm.weight": src["mtp.layers.0.hnorm.weight"],
-                f"blk.{MTP}.attn_norm.weight": src["mtp.layers.0.norm.weight"],
-                f"blk.{MTP}.post_attention_norm.weight": src["mtp.layers.1.norm.weight"],
-                f"blk.{MTP}.nextn.shared_head_norm.weight": src["mtp.layers.1.final_layernorm.weight"]})
+    out.update(
+        {
+            f"blk.{MTP}.nextn.eh_proj.weight": src["mtp.layers.0.eh_proj.weight"],
+            f"blk.{MTP}.nextn.enorm.weight": src["mtp.layers.0.enorm.weight"],
+            f"blk.{MTP}.nextn.hnorm.weight": src["mtp.layers.0.hnorm.weight"],
+            f"blk.{MTP}.attn_norm.weight": src["mtp.layers.0.norm.weight"],
+            f"blk.{MTP}.post_attention_norm.weight": src["mtp.layers.1.norm.weight"],
+            f"blk.{MTP}.nextn.shared_head_norm.weight": src["mtp.layers.1.final_layernorm.weight"],
+        }
+    )
     return out
 
 
@@ -127,21 +177,32 @@ def test_f32_every_tensor_named_shaped_and_valued(nh_ckpt, nh_f32):
 def test_metadata(nh_ckpt, nh_f32):
     kv, _ = nh_f32
     want = {
-        "general.architecture": "nemotron_h_moe", "nemotron_h_moe.block_count": 5,
-        "nemotron_h_moe.nextn_predict_layers": 1, "nemotron_h_moe.context_length": 2 ** 20,
+        "general.architecture": "nemotron_h_moe",
+        "nemotron_h_moe.block_count": 5,
+        "nemotron_h_moe.nextn_predict_layers": 1,
+        "nemotron_h_moe.context_length": 2**20,
         "nemotron_h_moe.embedding_length": 256,
         "nemotron_h_moe.feed_forward_length": [0, 256, 0, 256, 256],  # MoE layers and the MTP block
         "nemotron_h_moe.attention.head_count": 4,
         "nemotron_h_moe.attention.head_count_kv": [0, 0, 2, 0, 2],  # attention layers and the MTP block
-        "nemotron_h_moe.attention.key_length": 64, "nemotron_h_moe.attention.value_length": 64,
-        "nemotron_h_moe.rope.dimension_count": 64, "nemotron_h_moe.rope.scaling.finetuned": False,
+        "nemotron_h_moe.attention.key_length": 64,
+        "nemotron_h_moe.attention.value_length": 64,
+        "nemotron_h_moe.rope.dimension_count": 64,
+        "nemotron_h_moe.rope.scaling.finetuned": False,
         "nemotron_h_moe.vocab_size": 304,
-        "nemotron_h_moe.ssm.conv_kernel": 4, "nemotron_h_moe.ssm.state_size": 64, "nemotron_h_moe.ssm.group_count": 2,
-        "nemotron_h_moe.ssm.inner_size": 512, "nemotron_h_moe.ssm.time_step_rank": 8,
-        "nemotron_h_moe.expert_count": 4, "nemotron_h_moe.expert_used_count": 2,
-        "nemotron_h_moe.expert_group_count": 1, "nemotron_h_moe.expert_group_used_count": 1,
-        "nemotron_h_moe.expert_feed_forward_length": 256, "nemotron_h_moe.expert_shared_feed_forward_length": 256,
-        "nemotron_h_moe.expert_shared_count": 1, "nemotron_h_moe.expert_weights_norm": True,
+        "nemotron_h_moe.ssm.conv_kernel": 4,
+        "nemotron_h_moe.ssm.state_size": 64,
+        "nemotron_h_moe.ssm.group_count": 2,
+        "nemotron_h_moe.ssm.inner_size": 512,
+        "nemotron_h_moe.ssm.time_step_rank": 8,
+        "nemotron_h_moe.expert_count": 4,
+        "nemotron_h_moe.expert_used_count": 2,
+        "nemotron_h_moe.expert_group_count": 1,
+        "nemotron_h_moe.expert_group_used_count": 1,
+        "nemotron_h_moe.expert_feed_forward_length": 256,
+        "nemotron_h_moe.expert_shared_feed_forward_length": 256,
+        "nemotron_h_moe.expert_shared_count": 1,
+        "nemotron_h_moe.expert_weights_norm": True,
     }
     for k, v in want.items():
         assert kv[k] == v, k
@@ -161,8 +222,10 @@ def test_latent_moe_of_nemotron_3_super(tmp_path):
     assert kv["nemotron_h_moe.moe_latent_size"] == 256 and kv["nemotron_h_moe.block_count"] == 5
     src = source_tensors(ck)
     for bid, p in ((1, "backbone.layers.1.mixer."), (3, "backbone.layers.3.mixer."), (4, "mtp.layers.1.mixer.")):
-        for gg, hf, shape in (("ffn_latent_down", "fc1_latent_proj", (256, 512)),
-                              ("ffn_latent_up", "fc2_latent_proj", (512, 256))):
+        for gg, hf, shape in (
+            ("ffn_latent_down", "fc1_latent_proj", (256, 512)),
+            ("ffn_latent_up", "fc2_latent_proj", (512, 256)),
+        ):
             got = tensors[f"blk.{bid}.{gg}.weight"][1]
             assert got.shape == shape
             np.testing.assert_array_equal(got, src[p + hf + ".weight"].float().numpy())
@@ -195,7 +258,10 @@ def test_no_mtp_and_mtp_only(nh_ckpt, tmp_path):
     kv, tensors = convert(nh_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["nemotron_h_moe.block_count"] == 5 and kv["nemotron_h_moe.nextn_predict_layers"] == 1
     assert set(tensors) == {n for n in expected(304) if n.startswith("blk.4.")} | {
-        "token_embd.weight", "output_norm.weight", "output.weight"}
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 def test_checkpoint_without_mtp_head(tmp_path):
@@ -205,21 +271,28 @@ def test_checkpoint_without_mtp_head(tmp_path):
     assert_needs_no_mtp(ck, tmp_path, "mtp.layers")
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("mtp.layers.1.final_layernorm.weight", None, "missing tensor mtp.layers.1.final_layernorm.weight"),
-    ("backbone.layers.0.mixer.A_log", None, "missing tensor backbone.layers.0.mixer.A_log"),
-    ("mtp.layers.1.mixer.experts.2.up_proj.weight", torch.zeros(128, 256), "config.json implies [256, 256]"),
-    ("backbone.layers.0.mixer.in_proj.weight", torch.zeros(1280, 256), "config.json implies [1288, 256]"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("mtp.layers.1.final_layernorm.weight", None, "missing tensor mtp.layers.1.final_layernorm.weight"),
+        ("backbone.layers.0.mixer.A_log", None, "missing tensor backbone.layers.0.mixer.A_log"),
+        ("mtp.layers.1.mixer.experts.2.up_proj.weight", torch.zeros(128, 256), "config.json implies [256, 256]"),
+        ("backbone.layers.0.mixer.in_proj.weight", torch.zeros(1280, 256), "config.json implies [1288, 256]"),
+    ],
+)
 def test_missing_or_misshaped_tensor_exits_2(nh_ckpt, tmp_path, name, value, needle):
     assert_bad_tensor_refused(shutil.copytree(nh_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
 
 
 def test_unsupported_configs_exit_2(nh_ckpt, tmp_path):
-    for i, (change, needle) in enumerate((({"mtp_hybrid_override_pattern": "*-"}, "mtp_hybrid_override_pattern"),
-                                          ({"hybrid_override_pattern": "ME*"}, "hybrid_override_pattern"),
-                                          # LatentMoE declared, its projections absent: refused, naming them
-                                          ({"moe_latent_size": 64}, "fc1_latent_proj"))):
+    for i, (change, needle) in enumerate(
+        (
+            ({"mtp_hybrid_override_pattern": "*-"}, "mtp_hybrid_override_pattern"),
+            ({"hybrid_override_pattern": "ME*"}, "hybrid_override_pattern"),
+            # LatentMoE declared, its projections absent: refused, naming them
+            ({"moe_latent_size": 64}, "fc1_latent_proj"),
+        )
+    ):
         ck = shutil.copytree(nh_ckpt, tmp_path / f"ck{i}")
         cfg = _cfg(ck)
         cfg.update(change)
@@ -233,8 +306,13 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(nh_ckpt, tmp_path):
     tensors = quantize_q4_k_m(nh_ckpt, tmp_path)
     shapes = expected(304)
     for name, (qtype, _) in tensors.items():
-        if len(shapes[name]) == 1 or "ffn_gate_inp" in name or not name.endswith(".weight") or "_norm" in name \
-                or "conv1d" in name:
+        if (
+            len(shapes[name]) == 1
+            or "ffn_gate_inp" in name
+            or not name.endswith(".weight")
+            or "_norm" in name
+            or "conv1d" in name
+        ):
             assert qtype == T.F32, name
         elif name.startswith("blk.4."):
             assert qtype == T.Q8_0, name
@@ -272,12 +350,17 @@ def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("mode,dtype,over", [
-    (None, torch.float32, {}), ("--no-mtp", torch.float32, {}), ("--mtp", torch.float32, {}),
-    (None, torch.bfloat16, {}),
-    # 8 heads: rope.dimension_count = hidden / heads = 32, not head_dim (llama.cpp's Granite drops head_dim)
-    (None, torch.float32, {"num_attention_heads": 8, "hybrid_override_pattern": "M*EME", "num_hidden_layers": 5}),
-])
+@pytest.mark.parametrize(
+    "mode,dtype,over",
+    [
+        (None, torch.float32, {}),
+        ("--no-mtp", torch.float32, {}),
+        ("--mtp", torch.float32, {}),
+        (None, torch.bfloat16, {}),
+        # 8 heads: rope.dimension_count = hidden / heads = 32, not head_dim (llama.cpp's Granite drops head_dim)
+        (None, torch.float32, {"num_attention_heads": 8, "hybrid_override_pattern": "M*EME", "num_hidden_layers": 5}),
+    ],
+)
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the folded MTP block too), in its three modes, from bf16 and with another layout."""
@@ -295,8 +378,9 @@ def test_f16_types_as_llama_cpp_converter(nh_ckpt, tmp_path, llama_cpp_src):
     from tests.helpers.llamacpp_ref import llama_cpp_convert
 
     kv, tensors = convert(nh_ckpt, tmp_path / "ours.gguf", "--outtype", "f16")
-    _, ref = read_gguf(llama_cpp_convert(llama_cpp_src, nh_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                                         outtype="f16"))
+    _, ref = read_gguf(
+        llama_cpp_convert(llama_cpp_src, nh_ckpt, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"], outtype="f16")
+    )
     diff = {n: (tensors[n][0], ref[n][0]) for n in ref if tensors[n][0] != ref[n][0]}
     assert diff == {"blk.4.ffn_gate_inp.weight": (T.F32, T.F16)}
 

@@ -21,10 +21,16 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny
-from tests.builders import tiny_qwen35
-from tests.helpers.familycheck import (Experts, assert_f32_equal, assert_refused, assert_same_gguf,
-                                       assert_targets_are_greedy, built_once, convert_with_both)
+from tests.builders import tiny, tiny_qwen35
+from tests.helpers.familycheck import (
+    Experts,
+    assert_f32_equal,
+    assert_refused,
+    assert_same_gguf,
+    assert_targets_are_greedy,
+    built_once,
+    convert_with_both,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
@@ -36,33 +42,56 @@ VARIANTS = {
     "dense_cg_tied": dict(conditional=True, tie_word_embeddings=True),  # no lm_head
 }
 LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
-    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
-    "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
-    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-HEAD = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-        "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}
-ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-                "model.norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+HEAD = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+ZERO_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "model.norm.weight",
+    "mtp.norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
 
 
 # ----------------------------------------------------------------------------- expected values
-
-
 
 
 def tiled_rows(cfg: dict, head_dim: int) -> torch.Tensor:
@@ -119,15 +148,12 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
     return {**exp, **experts.stacked()}
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen35.qwen35(
-        folder, dtype=torch.float32, **VARIANTS[variant]))
+    return built_once(
+        tmp_path_factory, lambda folder, variant: tiny_qwen35.qwen35(folder, dtype=torch.float32, **VARIANTS[variant])
+    )
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -144,11 +170,26 @@ def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
     assert kv[f"{arch}.block_count"] == 5 and kv[f"{arch}.nextn_predict_layers"] == 1
     # the MTP block is block 4: its nextn tensors AND a full-attention decoder block
     mtp = {n for n in tensors if n.startswith("blk.4.")}
-    for kind in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_norm",
-                 "post_attention_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"):
+    for kind in (
+        "nextn.eh_proj",
+        "nextn.enorm",
+        "nextn.hnorm",
+        "nextn.shared_head_norm",
+        "attn_norm",
+        "post_attention_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "attn_q_norm",
+        "attn_k_norm",
+    ):
         assert f"blk.4.{kind}.weight" in mtp, kind
-    ffn = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_gate_inp_shexp") \
-        if "moe" in variant else ("ffn_gate", "ffn_up", "ffn_down")
+    ffn = (
+        ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_gate_inp_shexp")
+        if "moe" in variant
+        else ("ffn_gate", "ffn_up", "ffn_down")
+    )
     assert all(f"blk.4.{k}.weight" in mtp for k in ffn)
     assert not any("ssm" in n for n in mtp)
     assert tensors["blk.4.nextn.eh_proj.weight"][1].shape == (256, 512)  # [n_embd out, 2*n_embd in]
@@ -166,8 +207,9 @@ def test_plan_roles_and_types(ckpt):
     assert by_name["blk.0.ssm_out.weight"].role == Role.SSM
     assert by_name["blk.0.ffn_up_exps.weight"].role == Role.FFN_EXPS
     for s in plan.tensors:  # as llama.cpp's converter types them
-        f32 = len(s.shape) == 1 or s.name.endswith(("_norm.weight", "ssm_a", ".bias", "ssm_conv1d.weight",
-                                                    "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        f32 = len(s.shape) == 1 or s.name.endswith(
+            ("_norm.weight", "ssm_a", ".bias", "ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+        )
         assert s.ggml_type == (T.F32 if f32 else T.F16), s.name
 
 
@@ -180,19 +222,36 @@ def test_metadata(ckpt, tmp_path, variant):
     kv, _ = convert(folder, tmp_path / "m.gguf")
     a = kv["general.architecture"]
     want = {
-        f"{a}.block_count": 5, f"{a}.nextn_predict_layers": 1, f"{a}.context_length": 1024,
-        f"{a}.embedding_length": 256, f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 2,
-        f"{a}.attention.key_length": 64, f"{a}.attention.value_length": 64,
-        f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.state_size": 64, f"{a}.ssm.group_count": 2,
-        f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 256, f"{a}.full_attention_interval": 4,
+        f"{a}.block_count": 5,
+        f"{a}.nextn_predict_layers": 1,
+        f"{a}.context_length": 1024,
+        f"{a}.embedding_length": 256,
+        f"{a}.attention.head_count": 4,
+        f"{a}.attention.head_count_kv": 2,
+        f"{a}.attention.key_length": 64,
+        f"{a}.attention.value_length": 64,
+        f"{a}.ssm.conv_kernel": 4,
+        f"{a}.ssm.state_size": 64,
+        f"{a}.ssm.group_count": 2,
+        f"{a}.ssm.time_step_rank": 4,
+        f"{a}.ssm.inner_size": 256,
+        f"{a}.full_attention_interval": 4,
         f"{a}.attention.recurrent_layers": [True, True, True, False, False],  # the MTP block is full attention
-        f"{a}.rope.dimension_count": 16, f"{a}.rope.dimension_sections": [3, 3, 2, 0],
-        "tokenizer.ggml.model": "gpt2", "general.file_type": 1,
+        f"{a}.rope.dimension_count": 16,
+        f"{a}.rope.dimension_sections": [3, 3, 2, 0],
+        "tokenizer.ggml.model": "gpt2",
+        "general.file_type": 1,
         "tokenizer.chat_template": tiny.CHAT_TEMPLATE,
     }
     if a == "qwen35moe":
-        want.update({f"{a}.expert_count": 4, f"{a}.expert_used_count": 2, f"{a}.expert_feed_forward_length": 256,
-                     f"{a}.expert_shared_feed_forward_length": 256})
+        want.update(
+            {
+                f"{a}.expert_count": 4,
+                f"{a}.expert_used_count": 2,
+                f"{a}.expert_feed_forward_length": 256,
+                f"{a}.expert_shared_feed_forward_length": 256,
+            }
+        )
         assert f"{a}.feed_forward_length" not in kv
     else:
         want[f"{a}.feed_forward_length"] = 512
@@ -236,8 +295,11 @@ def test_no_mtp_and_mtp_only(ckpt, tmp_path):
 
     kv, tensors = convert(folder, tmp_path / "head.gguf", "--mtp-only")
     assert kv["qwen35moe.block_count"] == 5 and kv["qwen35moe.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in exp if n.startswith("blk.4.")} | {"token_embd.weight", "output_norm.weight",
-                                                                         "output.weight"}
+    assert set(tensors) == {n for n in exp if n.startswith("blk.4.")} | {
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 def test_checkpoint_without_mtp_tensors(tmp_path):
@@ -324,11 +386,21 @@ def test_missing_expert(ckpt, tmp_path):
 
 # ----------------------------------------------------------------------------- llama.cpp
 
+
 # Runs llama.cpp's own converter with its own gguf-py. Its pre-tokenizer lookup refuses the tiny
 # tokenizer's unknown fingerprint, so it is told the name mtpq chose (argv[2]).
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("variant,mode", [("dense", None), ("moe_cg", None), ("moe_fused", None),
-                                          ("dense_cg_tied", None), ("moe_cg", "--no-mtp"), ("moe_cg", "--mtp")])
+@pytest.mark.parametrize(
+    "variant,mode",
+    [
+        ("dense", None),
+        ("moe_cg", None),
+        ("moe_fused", None),
+        ("dense_cg_tied", None),
+        ("moe_cg", "--no-mtp"),
+        ("moe_cg", "--mtp"),
+    ],
+)
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys and values, and f32 bytes equal llama.cpp's converter's output."""
     folder = ckpt(variant)
@@ -347,7 +419,7 @@ def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.llama_cpp
@@ -359,8 +431,25 @@ def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, vari
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")
     prompt, n = "def add(a, b):", 10
-    proc, stats = speculative_simple(llama_cpp_bin, "-m", gguf_path, "-p", prompt, "-n", n, "--spec-type", "draft-mtp",
-                                     "--temp", "0", "-t", "1", "-c", "256", "-lv", "5")
+    proc, stats = speculative_simple(
+        llama_cpp_bin,
+        "-m",
+        gguf_path,
+        "-p",
+        prompt,
+        "-n",
+        n,
+        "--spec-type",
+        "draft-mtp",
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "-c",
+        "256",
+        "-lv",
+        "5",
+    )
     log = proc.stdout + proc.stderr
     assert stats["n_drafted"] > 0  # the MTP head ran
     step = r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)"

@@ -22,11 +22,19 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny
-from tests.builders import tiny_qwen3next
-from tests.helpers.familycheck import (Experts, assert_f32_equal, assert_refused, assert_same_gguf,
-                                       assert_targets_are_greedy, built_once, convert_with_both, quantize_q4_k_m,
-                                       quantize_with_both, rewrite_tensor)
+from tests.builders import tiny, tiny_qwen3next
+from tests.helpers.familycheck import (
+    Experts,
+    assert_f32_equal,
+    assert_refused,
+    assert_same_gguf,
+    assert_targets_are_greedy,
+    built_once,
+    convert_with_both,
+    quantize_q4_k_m,
+    quantize_with_both,
+    rewrite_tensor,
+)
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
 
@@ -37,25 +45,48 @@ VARIANTS = {
 }
 N = 4  # trunk layers; the MTP block is blk.4
 LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.A_log": "ssm_a",
-    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-    "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-HEAD = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-        "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}
+HEAD = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 # RMSNorms computed as x_hat * (1 + w): written as 1 + w. The gated linear_attn.norm (x_hat * w) is not.
-ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-                "model.norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+ZERO_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "model.norm.weight",
+    "mtp.norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
 
 
 # ----------------------------------------------------------------------------- expected values
@@ -107,8 +138,10 @@ def expected_gguf(folder: Path, src: dict[str, torch.Tensor] | None = None) -> d
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny f32 checkpoints by variant name, built once per module."""
-    return built_once(tmp_path_factory, lambda folder, variant: tiny_qwen3next.qwen3next(
-        folder, **{"dtype": torch.float32, **VARIANTS[variant]}))
+    return built_once(
+        tmp_path_factory,
+        lambda folder, variant: tiny_qwen3next.qwen3next(folder, **{"dtype": torch.float32, **VARIANTS[variant]}),
+    )
 
 
 # ----------------------------------------------------------------------------- tensors and metadata
@@ -120,13 +153,30 @@ def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
     kv, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder)
     assert_f32_equal(tensors, exp)
-    assert tensors["blk.0.attn_qkv.weight"][1].shape == (512, 256) and tensors["blk.0.attn_gate.weight"][1].shape \
-        == (256, 256)
+    assert tensors["blk.0.attn_qkv.weight"][1].shape == (512, 256) and tensors["blk.0.attn_gate.weight"][1].shape == (
+        256,
+        256,
+    )
     # the MTP block: its nextn tensors AND a full-attention MoE decoder block
     mtp = {n for n in tensors if n.startswith(f"blk.{N}.")}
-    for kind in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_q", "attn_k",
-                 "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate_inp", "ffn_gate_exps",
-                 "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_gate_inp_shexp"):
+    for kind in (
+        "nextn.eh_proj",
+        "nextn.enorm",
+        "nextn.hnorm",
+        "nextn.shared_head_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "attn_q_norm",
+        "attn_k_norm",
+        "ffn_gate_inp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
+        "ffn_gate_shexp",
+        "ffn_gate_inp_shexp",
+    ):
         assert f"blk.{N}.{kind}.weight" in mtp, kind
     assert not any("ssm" in n for n in mtp)
 
@@ -134,8 +184,9 @@ def test_f32_every_tensor_equals_source(ckpt, tmp_path, variant):
 def test_f16_types(ckpt, tmp_path):
     _, tensors = convert(ckpt("release"), tmp_path / "m.gguf", "--outtype", "f16")
     for name, (qtype, data) in tensors.items():  # as llama.cpp's converter types them
-        f32 = data.ndim == 1 or name.endswith(("_norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight",
-                                               "ffn_gate_inp_shexp.weight"))
+        f32 = data.ndim == 1 or name.endswith(
+            ("_norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+        )
         assert qtype == (T.F32 if f32 else T.F16), name
 
 
@@ -144,13 +195,26 @@ def test_metadata(ckpt, tmp_path, variant):
     kv, _ = convert(ckpt(variant), tmp_path / "m.gguf", "--outtype", "f32")
     a = "qwen3next"
     want = {
-        "general.architecture": a, f"{a}.block_count": 5, f"{a}.nextn_predict_layers": 1,
-        f"{a}.context_length": 1024, f"{a}.embedding_length": 256, f"{a}.feed_forward_length": 512,
-        f"{a}.attention.head_count": 4, f"{a}.attention.head_count_kv": 2, f"{a}.attention.key_length": 64,
-        f"{a}.attention.value_length": 64, f"{a}.expert_count": 4, f"{a}.expert_used_count": 2,
-        f"{a}.expert_feed_forward_length": 256, f"{a}.expert_shared_feed_forward_length": 256,
-        f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.state_size": 64, f"{a}.ssm.group_count": 2,
-        f"{a}.ssm.time_step_rank": 4, f"{a}.ssm.inner_size": 256, f"{a}.full_attention_interval": 4,
+        "general.architecture": a,
+        f"{a}.block_count": 5,
+        f"{a}.nextn_predict_layers": 1,
+        f"{a}.context_length": 1024,
+        f"{a}.embedding_length": 256,
+        f"{a}.feed_forward_length": 512,
+        f"{a}.attention.head_count": 4,
+        f"{a}.attention.head_count_kv": 2,
+        f"{a}.attention.key_length": 64,
+        f"{a}.attention.value_length": 64,
+        f"{a}.expert_count": 4,
+        f"{a}.expert_used_count": 2,
+        f"{a}.expert_feed_forward_length": 256,
+        f"{a}.expert_shared_feed_forward_length": 256,
+        f"{a}.ssm.conv_kernel": 4,
+        f"{a}.ssm.state_size": 64,
+        f"{a}.ssm.group_count": 2,
+        f"{a}.ssm.time_step_rank": 4,
+        f"{a}.ssm.inner_size": 256,
+        f"{a}.full_attention_interval": 4,
         # from full_attention_interval when config.json has no layer_types; the MTP block is full attention
         f"{a}.attention.recurrent_layers": [True, True, True, False, False],
         f"{a}.rope.dimension_count": 16,  # head_dim 64 * partial_rotary_factor 0.25
@@ -175,8 +239,11 @@ def test_no_mtp_mtp_only_and_inspect(ckpt, tmp_path):
 
     kv, tensors = convert(folder, tmp_path / "head.gguf", "--mtp-only")
     assert kv["qwen3next.block_count"] == 5 and kv["qwen3next.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in exp if n.startswith(f"blk.{N}.")} | {"token_embd.weight",
-                                                                           "output_norm.weight", "output.weight"}
+    assert set(tensors) == {n for n in exp if n.startswith(f"blk.{N}.")} | {
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
     convert(folder, tmp_path / "full.gguf")
     res = run_cli("inspect", tmp_path / "full.gguf", "--json")
     assert res.exit_code == 0, res.output
@@ -227,8 +294,12 @@ def test_fp8_block_scaled_dequantized(tmp_path):
     reference = source_tensors(folder)
     tiny.to_fp8_block_scaled(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     stored = source_tensors(folder)
     dequant = {}
@@ -239,8 +310,11 @@ def test_fp8_block_scaled_dequantized(tmp_path):
         dequant[name] = _dequant_tiles(q, stored[name + "_scale_inv"])
         assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
     fp8 = {n for n, q in stored.items() if q.dtype == torch.float8_e4m3fn}
-    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "mtp.fc.weight",
-            "mtp.layers.0.mlp.experts.3.down_proj.weight"} <= fp8
+    assert {
+        "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        "mtp.fc.weight",
+        "mtp.layers.0.mlp.experts.3.down_proj.weight",
+    } <= fp8
     _, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder, dequant)
     assert set(tensors) == set(exp)
@@ -263,9 +337,14 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("victim", ["model.layers.1.linear_attn.in_proj_ba.weight",
-                                    "mtp.layers.0.self_attn.q_norm.weight",
-                                    "mtp.layers.0.mlp.experts.2.up_proj.weight"])
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "model.layers.1.linear_attn.in_proj_ba.weight",
+        "mtp.layers.0.self_attn.q_norm.weight",
+        "mtp.layers.0.mlp.experts.2.up_proj.weight",
+    ],
+)
 def test_missing_tensor(ckpt, tmp_path, victim):
     folder = _copy(ckpt, tmp_path)
     rewrite_tensor(folder, victim, None)
@@ -283,8 +362,9 @@ def test_fused_projection_shape_contradicts_config(ckpt, tmp_path):
     assert_refused(folder, tmp_path / "o.gguf", shard.name, victim, "[704, 256]", "config.json implies [768, 256]")
 
 
-@pytest.mark.parametrize("change", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2),
-                                    dict(decoder_sparse_step="two")])
+@pytest.mark.parametrize(
+    "change", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2), dict(decoder_sparse_step="two")]
+)
 def test_dense_layers_are_refused(ckpt, tmp_path, change):
     folder = _copy(ckpt, tmp_path)
     _edit_config(folder, **change)
@@ -311,8 +391,10 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(ckpt, tmp_path):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("variant,mode", [("release", None), ("tf5_fused", None), ("release_bf16", None),
-                                          ("release", "--no-mtp"), ("release", "--mtp")])
+@pytest.mark.parametrize(
+    "variant,mode",
+    [("release", None), ("tf5_fused", None), ("release_bf16", None), ("release", "--no-mtp"), ("release", "--mtp")],
+)
 def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant, mode):
     """Names, shapes, types, metadata keys, values and value types, and f32 bytes equal llama.cpp's converter's
     (which keeps the MTP block for qwen3next)."""
@@ -329,7 +411,7 @@ def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.llama_cpp
@@ -340,9 +422,30 @@ def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_p
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")
     prompt, n = "def add(a, b):", 10
-    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(gguf_path), "-p", prompt,
-                           "-n", str(n), "--spec-type", "draft-mtp", "--temp", "0", "-t", "1", "-c", "256",
-                           "-lv", "5"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-speculative-simple"),
+            "-m",
+            str(gguf_path),
+            "-p",
+            prompt,
+            "-n",
+            str(n),
+            "--spec-type",
+            "draft-mtp",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "-c",
+            "256",
+            "-lv",
+            "5",
+        ],
+        capture_output=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
     assert proc.returncode == 0, log[-3000:]
     assert "MTP draft context" in log, log[-3000:]

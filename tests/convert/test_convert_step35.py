@@ -17,40 +17,69 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_step35
-from tests.helpers.familycheck import (add_tensors, assert_fp8_source_same_as_llama_cpp, assert_refused,
-                                       assert_same_gguf, assert_table_f32, convert_with_both, copy_with_config,
-                                       quantize_q4_k_m, quantize_with_both, strip_general)
+from tests.helpers.familycheck import (
+    add_tensors,
+    assert_fp8_source_same_as_llama_cpp,
+    assert_refused,
+    assert_same_gguf,
+    assert_table_f32,
+    convert_with_both,
+    copy_with_config,
+    quantize_q4_k_m,
+    quantize_with_both,
+    strip_general,
+)
 from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
-
-FULL = {"attn_q.weight": ((256, 256), "self_attn.q_proj.weight"), "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-        "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-        "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
-        "attn_gate.weight": ((4, 256), "self_attn.g_proj.weight")}
-SLIDING = {"attn_q.weight": ((512, 256), "self_attn.q_proj.weight"),
-           "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-           "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-           "attn_output.weight": ((256, 512), "self_attn.o_proj.weight"),
-           "attn_gate.weight": ((8, 256), "self_attn.g_proj.weight")}
-NORMS = {"attn_norm.weight": ((256,), "input_layernorm.weight"), "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-         "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"), "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight")}
-DENSE = {"ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"), "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-         "ffn_down.weight": ((256, 512), "mlp.down_proj.weight")}
-MOE = {"ffn_gate_inp.weight": ((4, 256), "moe.gate.weight"), "exp_probs_b.bias": ((4,), "moe.router_bias"),
-       "ffn_gate_exps.weight": ((4, 256, 256), "moe.gate_proj.weight"),
-       "ffn_up_exps.weight": ((4, 256, 256), "moe.up_proj.weight"),
-       "ffn_down_exps.weight": ((4, 256, 256), "moe.down_proj.weight"),
-       "ffn_gate_shexp.weight": ((256, 256), "share_expert.gate_proj.weight"),
-       "ffn_up_shexp.weight": ((256, 256), "share_expert.up_proj.weight"),
-       "ffn_down_shexp.weight": ((256, 256), "share_expert.down_proj.weight")}
-NEXTN = {"nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"), "nextn.enorm.weight": ((256,), "enorm.weight"),
-         "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-         "nextn.shared_head_norm.weight": ((256,), "transformer.shared_head.norm.weight"),
-         "nextn.shared_head_head.weight": (("V", 256), "transformer.shared_head.output.weight")}
+FULL = {
+    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    "attn_gate.weight": ((4, 256), "self_attn.g_proj.weight"),
+}
+SLIDING = {
+    "attn_q.weight": ((512, 256), "self_attn.q_proj.weight"),
+    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
+    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
+    "attn_output.weight": ((256, 512), "self_attn.o_proj.weight"),
+    "attn_gate.weight": ((8, 256), "self_attn.g_proj.weight"),
+}
+NORMS = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+    "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
+    "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight"),
+}
+DENSE = {
+    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
+    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
+    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
+}
+MOE = {
+    "ffn_gate_inp.weight": ((4, 256), "moe.gate.weight"),
+    "exp_probs_b.bias": ((4,), "moe.router_bias"),
+    "ffn_gate_exps.weight": ((4, 256, 256), "moe.gate_proj.weight"),
+    "ffn_up_exps.weight": ((4, 256, 256), "moe.up_proj.weight"),
+    "ffn_down_exps.weight": ((4, 256, 256), "moe.down_proj.weight"),
+    "ffn_gate_shexp.weight": ((256, 256), "share_expert.gate_proj.weight"),
+    "ffn_up_shexp.weight": ((256, 256), "share_expert.up_proj.weight"),
+    "ffn_down_shexp.weight": ((256, 256), "share_expert.down_proj.weight"),
+}
+NEXTN = {
+    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
+    "nextn.enorm.weight": ((256,), "enorm.weight"),
+    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+    "nextn.shared_head_norm.weight": ((256,), "transformer.shared_head.norm.weight"),
+    "nextn.shared_head_head.weight": (("V", 256), "transformer.shared_head.output.weight"),
+}
 BLOCKS = [FULL | DENSE, SLIDING | MOE, FULL | MOE, SLIDING | DENSE | NEXTN, SLIDING | DENSE | NEXTN]
-TOP = {"token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
-       "output_norm.weight": ((256,), "model.norm.weight"), "output.weight": (("V", 256), "lm_head.weight")}
+TOP = {
+    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
+    "output_norm.weight": ((256,), "model.norm.weight"),
+    "output.weight": (("V", 256), "lm_head.weight"),
+}
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -75,22 +104,37 @@ def _vocab(folder) -> int:
 def test_f32_every_tensor_named_shaped_and_valued(step_ckpt, tmp_path):
     kv, tensors = convert(step_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
     # zero-centred norms: 1 + w
-    assert_table_f32(tensors, expected(_vocab(step_ckpt)), step_ckpt,
-                     lambda src, name, hf: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0))
+    assert_table_f32(
+        tensors,
+        expected(_vocab(step_ckpt)),
+        step_ckpt,
+        lambda src, name, hf: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0),
+    )
 
 
 def test_metadata(step_ckpt, tmp_path):
     kv, _ = convert(step_ckpt, tmp_path / "m.gguf")
     want = {
-        "general.architecture": "step35", "step35.block_count": 5, "step35.nextn_predict_layers": 2,
-        "step35.context_length": 4096, "step35.embedding_length": 256, "step35.feed_forward_length": 512,
-        "step35.attention.head_count": [4, 8, 4, 8, 8], "step35.attention.head_count_kv": [2, 2, 2, 2, 2],
-        "step35.attention.key_length": 64, "step35.attention.value_length": 64,
+        "general.architecture": "step35",
+        "step35.block_count": 5,
+        "step35.nextn_predict_layers": 2,
+        "step35.context_length": 4096,
+        "step35.embedding_length": 256,
+        "step35.feed_forward_length": 512,
+        "step35.attention.head_count": [4, 8, 4, 8, 8],
+        "step35.attention.head_count_kv": [2, 2, 2, 2, 2],
+        "step35.attention.key_length": 64,
+        "step35.attention.value_length": 64,
         "step35.attention.sliding_window": 16,
         "step35.attention.sliding_window_pattern": [False, True, False, True, True],
-        "step35.expert_count": 4, "step35.expert_used_count": 2, "step35.expert_feed_forward_length": 256,
-        "step35.expert_shared_feed_forward_length": 256, "step35.expert_weights_norm": True,
-        "step35.expert_gating_func": 2, "step35.leading_dense_block_count": 1, "step35.moe_every_n_layers": 1,
+        "step35.expert_count": 4,
+        "step35.expert_used_count": 2,
+        "step35.expert_feed_forward_length": 256,
+        "step35.expert_shared_feed_forward_length": 256,
+        "step35.expert_weights_norm": True,
+        "step35.expert_gating_func": 2,
+        "step35.leading_dense_block_count": 1,
+        "step35.moe_every_n_layers": 1,
         "step35.swiglu_clamp_exp": [0.0, 7.0, 7.0, 0.0, 0.0],  # MTP blocks: no clamp
         "step35.swiglu_clamp_shexp": [0.0, 16.0, 16.0, 0.0, 0.0],
         "general.file_type": 1,
@@ -112,7 +156,10 @@ def test_no_mtp_and_mtp_only(step_ckpt, tmp_path):
     kv, tensors = convert(step_ckpt, tmp_path / "head.gguf", "--mtp-only")
     assert kv["step35.block_count"] == 5 and kv["step35.nextn_predict_layers"] == 2
     assert set(tensors) == {n for n in expected(_vocab(step_ckpt)) if n.startswith(("blk.3.", "blk.4."))} | {
-        "token_embd.weight", "output_norm.weight", "output.weight"}
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["text_config", "flat_config"])
@@ -150,9 +197,16 @@ def test_bad_rotary_factors_are_refused(tmp_path):
 
 # The releases' RoPE (stepfun-ai/Step-3.5-Flash and Step-3.7-Flash config.json): Llama-3 scaling on the
 # full-attention layers only, per-layer bases (tiny_step35: 1e6 full, 1e4 sliding).
-LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
-                           "low_freq_factor": 1.0, "high_freq_factor": 32.0},
-          "yarn_only_types": ["full_attention"]}
+LLAMA3 = {
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 2.0,
+        "original_max_position_embeddings": 131072,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 32.0,
+    },
+    "yarn_only_types": ["full_attention"],
+}
 
 
 def llama3_factors(base: float, head_dim: int, rotary_share: float, factor=2.0, old_ctx=131072, low=1.0, high=32.0):
@@ -191,8 +245,9 @@ def test_llama3_rope_scaling_writes_rope_freqs(llama3_ckpt, tmp_path, mode):
 
 def test_llama3_rope_scaling_without_full_attention_layers_is_refused(tmp_path):
     """llama.cpp's factors need a full-attention layer's rotary share; without one its converter stops too."""
-    ck = tiny_step35.step35(tmp_path / "ck", **LLAMA3, layer_types=["sliding_attention"] * 5,
-                            partial_rotary_factors=[1.0] * 5)
+    ck = tiny_step35.step35(
+        tmp_path / "ck", **LLAMA3, layer_types=["sliding_attention"] * 5, partial_rotary_factors=[1.0] * 5
+    )
     assert_refused(ck, tmp_path / "m.gguf", "config.json", "full-attention")
 
 
@@ -222,8 +277,9 @@ def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32),
-                                        ("--mtp", torch.float32), (None, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32), ("--mtp", torch.float32), (None, torch.bfloat16)]
+)
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's.
 
@@ -263,9 +319,29 @@ def test_same_bytes_as_llama_quantize_and_drafts(step_ckpt, tmp_path, llama_cpp_
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     # llama.cpp builds its MTP draft context from the appended blocks
-    proc = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(f16), "-p", "def add", "-n", "8",
-                           "--temp", "0", "--spec-type", "draft-mtp", "--no-repack", "-t", "1"],
-                          capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-speculative-simple"),
+            "-m",
+            str(f16),
+            "-p",
+            "def add",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--no-repack",
+            "-t",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "MTP draft context" in proc.stderr
 

@@ -74,8 +74,7 @@ def test_every_manifest_cites_located_sources_for_fields_it_has(release_ckpt):
     tensor-name part its account names is one the manifest builds (tests/releases/_citations.py)."""
     from tests.releases._citations import citation_problems, has
 
-    fields = {name: set().union(*(has(release_ckpt(name, form)) for form in m.FORMS))
-              for name, m in MANIFESTS.items()}
+    fields = {name: set().union(*(has(release_ckpt(name, form)) for form in m.FORMS)) for name, m in MANIFESTS.items()}
     every = set().union(*fields.values())
     problems = {name: citation_problems(m, fields[name], every) for name, m in MANIFESTS.items()}
     assert not {n: p for n, p in problems.items() if p}
@@ -161,8 +160,11 @@ def _assert_llama_cpp_as_recorded(record, ok: bool, log: str, ck, ours, ref, key
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("cell", [c if c in releases.ci_cells() else pytest.param(c, marks=pytest.mark.heavy)
-                                  for c in releases.cells()], ids=_ids)
+@pytest.mark.parametrize(
+    "cell",
+    [c if c in releases.ci_cells() else pytest.param(c, marks=pytest.mark.heavy) for c in releases.cells()],
+    ids=_ids,
+)
 def test_release_same_as_llama_cpp(cell, release_ckpt, tmp_path, llama_cpp_src):
     """Both converters accept (and write the same file) or both refuse; where the manifest records that mtpq
     knowingly differs or refuses, llama.cpp does what the record says (asserted, then reported as xfail)."""
@@ -181,8 +183,14 @@ def test_release_same_as_llama_cpp(cell, release_ckpt, tmp_path, llama_cpp_src):
         pre = read_gguf(out)[0]["tokenizer.ggml.pre"]
     ref_path = tmp_path / "ref.gguf"
     their_mode = getattr(m, "LLAMA_CPP_MODE", {}).get(mode, mode)
-    ok, log = llama_cpp_convert_result(llama_cpp_src, ck, ref_path, pre, *([their_mode] if their_mode else []),
-                                       raw_config=getattr(m, "LLAMA_CPP_RAW_CONFIG", False))
+    ok, log = llama_cpp_convert_result(
+        llama_cpp_src,
+        ck,
+        ref_path,
+        pre,
+        *([their_mode] if their_mode else []),
+        raw_config=getattr(m, "LLAMA_CPP_RAW_CONFIG", False),
+    )
     if refuses is not None:
         assert ours.exit_code == 2 and len(ours.stderr.strip().splitlines()) == 1, ours.output
         _assert_llama_cpp_as_recorded(refuses, ok, log, ck, out, ref_path, keys)
@@ -215,12 +223,21 @@ def release_q4(release_ckpt, tmp_path_factory):
             form = next(iter(m.FORMS))
             head_only = ("--mtp-only",) if (form, None) in getattr(m, "REFUSES", {}) else ()
             d = tmp_path_factory.mktemp(f"{name}-q4")
-            res = run_cli("convert", release_ckpt(name, form), d / "f16.gguf", "--quiet", "--outtype", "f16",
-                          *head_only)
+            res = run_cli(
+                "convert", release_ckpt(name, form), d / "f16.gguf", "--quiet", "--outtype", "f16", *head_only
+            )
             assert res.exit_code == 0, res.output
             # releases converted as llama.cpp does keep some tensors quantized (FP8 -> Q8_0, MXFP4 experts)
-            res = run_cli("quantize", d / "f16.gguf", d / "q.gguf", "Q4_K_M", "--mtp-type", "q8_0",
-                          "--allow-requantize", "--quiet")
+            res = run_cli(
+                "quantize",
+                d / "f16.gguf",
+                d / "q.gguf",
+                "Q4_K_M",
+                "--mtp-type",
+                "q8_0",
+                "--allow-requantize",
+                "--quiet",
+            )
             assert res.exit_code == 0, res.output
             kv, tensors = read_gguf(d / "q.gguf")
             arch = kv["general.architecture"]
@@ -309,5 +326,6 @@ def test_release_drafts_in_llama_cpp(name, release_ckpt, tmp_path, llama_cpp_bin
 
     m = MANIFESTS[name]
     form = next(iter(m.FORMS))
-    assert_drafts_in_llama_cpp(release_ckpt(name, form), tmp_path, llama_cpp_bin,
-                               one_file=(form, None) not in getattr(m, "REFUSES", {}))
+    assert_drafts_in_llama_cpp(
+        release_ckpt(name, form), tmp_path, llama_cpp_bin, one_file=(form, None) not in getattr(m, "REFUSES", {})
+    )

@@ -21,31 +21,59 @@ import pytest
 from mtpq.convert.vocab import add_special_flags
 
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-BOS_TEMPLATE = {"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+BOS_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "<s>", "type_id": 1}},
+        {"Sequence": {"id": "B", "type_id": 1}},
+    ],
+    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+}
 CASES = {
     # name: (post_processor, tokenizer_config flags and tokens, expected flags)
-    "deepseek_v3_like": (BYTE_LEVEL, {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>"},
-                         {"bos": False, "eos": False}),
+    "deepseek_v3_like": (
+        BYTE_LEVEL,
+        {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>"},
+        {"bos": False, "eos": False},
+    ),
     "glm_qwen_like": (BYTE_LEVEL, {"eos_token": "</s>"}, {"bos": False, "eos": False}),
-    "template_bos": ({"type": "Sequence", "processors": [BYTE_LEVEL, BOS_TEMPLATE]},
-                     {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>"},
-                     {"bos": True, "eos": False, "sep": False}),  # a pair template without sep/eos between A and B
+    "template_bos": (
+        {"type": "Sequence", "processors": [BYTE_LEVEL, BOS_TEMPLATE]},
+        {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>"},
+        {"bos": True, "eos": False, "sep": False},
+    ),  # a pair template without sep/eos between A and B
     "template_unnamed_bos": (BOS_TEMPLATE, {"eos_token": "</s>"}, {"bos": True, "sep": False}),
-    "no_post_processor": (None, {"add_bos_token": True, "add_eos_token": True, "bos_token": "<s>"},
-                          {"bos": True, "eos": True}),
+    "no_post_processor": (
+        None,
+        {"add_bos_token": True, "add_eos_token": True, "bos_token": "<s>"},
+        {"bos": True, "eos": True},
+    ),
 }
 
 
 def write_case(folder: Path, post, config: dict) -> Path:
     folder.mkdir(parents=True)
-    added = [{"id": i, "content": t, "special": True, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False} for i, t in enumerate(["</s>", "<s>"])]
-    tok = {"version": "1.0", "added_tokens": added, "post_processor": post,
-           "model": {"type": "BPE", "vocab": {"</s>": 0, "<s>": 1, "a": 2}, "merges": []}}
+    added = [
+        {
+            "id": i,
+            "content": t,
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+        for i, t in enumerate(["</s>", "<s>"])
+    ]
+    tok = {
+        "version": "1.0",
+        "added_tokens": added,
+        "post_processor": post,
+        "model": {"type": "BPE", "vocab": {"</s>": 0, "<s>": 1, "a": 2}, "merges": []},
+    }
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
@@ -85,7 +113,12 @@ def test_same_flags_as_llama_cpp_gguf_py(tmp_path, llama_cpp_src, case):
     post, config, _ = CASES[case]
     folder = write_case(tmp_path / case, post, config)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(llama_cpp_src), str(folder)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(llama_cpp_src), str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert add_special_flags(folder) == json.loads(proc.stdout.strip().splitlines()[-1])

@@ -19,27 +19,27 @@ import hashlib
 import json
 import shutil
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
-import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import GGUFValue
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny  # noqa: E402
-from tests.builders import tiny_deepseek2  # noqa: E402
-from tests.builders import tiny_mimo2  # noqa: E402
-from tests.builders import tiny_qwen35  # noqa: E402
-from tests.builders import tiny_step35  # noqa: E402
-from tests.helpers.runcli import run_cli  # noqa: E402
-
 from mtpq.convert import BlockSelection, plan_checkpoint  # noqa: E402
 from mtpq.gguf_io import SplitRule, plan_from_gguf, write_plan  # noqa: E402
+from tests.builders import (
+    tiny,  # noqa: E402
+    tiny_deepseek2,  # noqa: E402
+    tiny_mimo2,  # noqa: E402
+    tiny_qwen35,  # noqa: E402
+    tiny_step35,  # noqa: E402
+)
+from tests.helpers.runcli import run_cli  # noqa: E402
 
 # ----------------------------------------------------------------------------- the good inputs
 
@@ -63,8 +63,17 @@ def bases(tmp_path_factory, glm_ckpt) -> dict[str, Path]:
         (root / key).mkdir()
         assert len(write_plan(plan_from_gguf(full), root / key / "model.gguf", split=SplitRule(max_size=size))) == n
         splits[key] = root / key
-    return {"glm": glm_ckpt, "qwen35": qwen, "ds": ds, "step35": step, "mimo2": mimo, "full": full, "trunk": trunk,
-            "prompts": prompts, **splits}
+    return {
+        "glm": glm_ckpt,
+        "qwen35": qwen,
+        "ds": ds,
+        "step35": step,
+        "mimo2": mimo,
+        "full": full,
+        "trunk": trunk,
+        "prompts": prompts,
+        **splits,
+    }
 
 
 @dataclass
@@ -150,8 +159,8 @@ class Case:
         """Rewrite one shard's safetensors header (and optionally its data) through ``fn(header, data)``."""
         raw = shard.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + n])
-        data = bytearray(raw[8 + n:])
+        header = json.loads(raw[8 : 8 + n])
+        data = bytearray(raw[8 + n :])
         new_data = fn(header, data)
         text = json.dumps(header).encode()
         shard.write_bytes(struct.pack("<Q", len(text)) + text + bytes(new_data if new_data is not None else data))
@@ -192,7 +201,7 @@ class Case:
             struct.pack_into("<I", raw, type_at, fields["ggml_type"])
         if "offset_of" in fields:
             _, other = layout(info_at(fields["offset_of"]))
-            raw[off_at:off_at + 8] = raw[other:other + 8]
+            raw[off_at : off_at + 8] = raw[other : other + 8]
         dst.write_bytes(bytes(raw))
         return dst
 
@@ -202,8 +211,14 @@ class Case:
             shutil.copy(p, self.inp / p.name)
         return sorted(self.inp.glob("model-*-of-*.gguf"))
 
-    def rewrite(self, path: Path, kv: dict | None = None, drop_keys: tuple[str, ...] = (),
-                add: list | None = None, drop_last: bool = False) -> Path:
+    def rewrite(
+        self,
+        path: Path,
+        kv: dict | None = None,
+        drop_keys: tuple[str, ...] = (),
+        add: list | None = None,
+        drop_last: bool = False,
+    ) -> Path:
         """Rewrite one GGUF (a shard) through gguf-py: metadata ``kv`` set (key -> (value, type)) or dropped,
         tensors (gguf-py ReaderTensors) added or its last one dropped."""
         r = GGUFReader(path)
@@ -242,12 +257,17 @@ _DELETE = object()
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
 U32 = GGUFValueType.UINT32
 
 
 def _first(header: dict, pred: Callable[[str], bool] = lambda n: True) -> str:
-    return next(n for n in sorted(header, key=lambda n: header[n]["data_offsets"][0] if n != "__metadata__" else -1)
-                if n != "__metadata__" and pred(n))
+    return next(
+        n
+        for n in sorted(header, key=lambda n: header[n]["data_offsets"][0] if n != "__metadata__" else -1)
+        if n != "__metadata__" and pred(n)
+    )
 
 
 def _by_offset(header: dict) -> list[str]:
@@ -275,6 +295,7 @@ def conv(c: Case, folder: Path, *extra: str) -> list:
 def file_cases(table: dict[str, tuple[str, str | bytes | None, list[str]]]) -> None:
     """Cases ``{name: (file, content, needles)}``: convert a checkpoint whose ``file`` holds ``content`` (text or
     bytes; None: the file removed) and expect the ``needles``."""
+
     def run(c: Case, file: str, content, needles: list[str]) -> tuple:
         f = c.ckpt()
         if content is None:
@@ -320,7 +341,10 @@ _CONFIG_CASES = {
     "experts-more-than-stored": (dict(n_routed_experts=8), "config.json implies [8, 256]"),
     "experts-fewer-than-stored": (dict(n_routed_experts=2), "shape"),
     "two-mtp-layers-declared": (dict(num_nextn_predict_layers=2), "no tensors for layer 3"),
-    "a-billion-layers": (dict(num_hidden_layers=10**9), "no tensors for layer 3 (model.layers.3.*; config.json has 1000000000 layers"),
+    "a-billion-layers": (
+        dict(num_hidden_layers=10**9),
+        "no tensors for layer 3 (model.layers.3.*; config.json has 1000000000 layers",
+    ),
     "a-billion-experts": (dict(n_routed_experts=10**9), "config.json implies [1000000000, 256]"),
     "a-billion-nextn-layers": (dict(num_nextn_predict_layers=10**9), "no tensors for layer 3"),
     "dense-layer-declared-moe": (dict(first_k_dense_replace=0), "missing tensor model.layers.0.mlp.gate.weight"),
@@ -333,17 +357,23 @@ _CONFIG_CASES = {
 for _name, (_changes, _needle) in _CONFIG_CASES.items():
     # a bad value is blamed on config.json; a tensor that contradicts a (valid) value names the tensor
     _blames_config = any(w in _needle for w in ("must", "missing ", "unsupported", "implies"))
-    case(f"convert-config-{_name}")(lambda c, ch=_changes, nd=_needle, cfg=_blames_config: (
-        conv(c, c.config(c.ckpt(), **ch)), ["config.json", nd] if cfg else [nd]))
+    case(f"convert-config-{_name}")(
+        lambda c, ch=_changes, nd=_needle, cfg=_blames_config: (
+            conv(c, c.config(c.ckpt(), **ch)),
+            ["config.json", nd] if cfg else [nd],
+        )
+    )
 
 
-file_cases({  # config.json damaged or gone
-    "convert-config-missing": ("config.json", None, ["config.json", "missing config.json"]),
-    "convert-config-not-json": ("config.json", "{ not json", ["config.json", "invalid JSON"]),
-    "convert-config-list": ("config.json", "[1, 2, 3]", ["config.json", "expected a JSON object"]),
-    "convert-config-not-utf8": ("config.json", b'{"hidden_size": "\xff\xfe"}', ["config.json", "not UTF-8"]),
-    "convert-config-empty": ("config.json", "", ["config.json", "invalid JSON"]),
-})
+file_cases(
+    {  # config.json damaged or gone
+        "convert-config-missing": ("config.json", None, ["config.json", "missing config.json"]),
+        "convert-config-not-json": ("config.json", "{ not json", ["config.json", "invalid JSON"]),
+        "convert-config-list": ("config.json", "[1, 2, 3]", ["config.json", "expected a JSON object"]),
+        "convert-config-not-utf8": ("config.json", b'{"hidden_size": "\xff\xfe"}', ["config.json", "not UTF-8"]),
+        "convert-config-empty": ("config.json", "", ["config.json", "invalid JSON"]),
+    }
+)
 
 
 @case("convert-config-is-folder")
@@ -379,8 +409,7 @@ _MISSING = {
     "embed-tokens": "model.embed_tokens.weight",
 }
 for _name, _tensor in _MISSING.items():
-    case(f"convert-missing-{_name}")(
-        lambda c, t=_tensor: (conv(c, c.drop(c.ckpt(), t)), [f"missing tensor {t}"]))
+    case(f"convert-missing-{_name}")(lambda c, t=_tensor: (conv(c, c.drop(c.ckpt(), t)), [f"missing tensor {t}"]))
 
 
 @case("convert-missing-whole-mtp-layer")
@@ -395,7 +424,10 @@ def _(c):
 
 @case("convert-unknown-extra-tensor")
 def _(c):
-    return conv(c, c.add(c.ckpt(), "model.layers.0.foo.weight", torch.zeros(4))), ["model.layers.0.foo.weight", "implies no such tensor"]
+    return conv(c, c.add(c.ckpt(), "model.layers.0.foo.weight", torch.zeros(4))), [
+        "model.layers.0.foo.weight",
+        "implies no such tensor",
+    ]
 
 
 _SHAPES = {
@@ -409,7 +441,8 @@ _SHAPES = {
 }
 for _name, (_tensor, _make) in _SHAPES.items():
     case(f"convert-shape-{_name}")(
-        lambda c, t=_tensor, mk=_make: (conv(c, c.replace(c.ckpt(), t, mk)), [t, "config.json implies"]))
+        lambda c, t=_tensor, mk=_make: (conv(c, c.replace(c.ckpt(), t, mk)), [t, "config.json implies"])
+    )
 
 _DTYPES = {
     "int-lm-head": ("lm_head.weight", lambda t: t.to(torch.int32), "dtype I32"),
@@ -421,7 +454,8 @@ _DTYPES = {
 }
 for _name, (_tensor, _make, _needle) in _DTYPES.items():
     case(f"convert-dtype-{_name}")(
-        lambda c, t=_tensor, mk=_make, nd=_needle: (conv(c, c.replace(c.ckpt(), t, mk)), [t, nd, ".safetensors"]))
+        lambda c, t=_tensor, mk=_make, nd=_needle: (conv(c, c.replace(c.ckpt(), t, mk)), [t, nd, ".safetensors"])
+    )
 
 
 def _fp8(c: Case, per_channel: bool = False) -> Path:
@@ -432,18 +466,26 @@ def _fp8(c: Case, per_channel: bool = False) -> Path:
 
 _Q = "model.layers.0.self_attn.q_proj.weight"
 _FP8 = {
-    "block-scale-wrong-shape": (lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t[:1].contiguous()),
-                                [_Q + "_scale_inv", "128x128 tiles"]),
-    "channel-scale-wrong-shape": (lambda c: c.replace(_fp8(c, True), _Q + "_scale", lambda t: t[:7].contiguous()),
-                                  [_Q + "_scale", "one scale per output row"]),
-    "block-size-string": (lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8",
-                                                                          "weight_block_size": "128"}),
-                          ["config.json", "weight_block_size must be two positive integers"]),
-    "block-size-zero": (lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8",
-                                                                        "weight_block_size": [0, 128]}),
-                        ["config.json", "weight_block_size"]),
-    "scale-int": (lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t.to(torch.int32)),
-                  [_Q + "_scale_inv", "dtype I32"]),
+    "block-scale-wrong-shape": (
+        lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t[:1].contiguous()),
+        [_Q + "_scale_inv", "128x128 tiles"],
+    ),
+    "channel-scale-wrong-shape": (
+        lambda c: c.replace(_fp8(c, True), _Q + "_scale", lambda t: t[:7].contiguous()),
+        [_Q + "_scale", "one scale per output row"],
+    ),
+    "block-size-string": (
+        lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8", "weight_block_size": "128"}),
+        ["config.json", "weight_block_size must be two positive integers"],
+    ),
+    "block-size-zero": (
+        lambda c: c.config(_fp8(c), quantization_config={"quant_method": "fp8", "weight_block_size": [0, 128]}),
+        ["config.json", "weight_block_size"],
+    ),
+    "scale-int": (
+        lambda c: c.replace(_fp8(c), _Q + "_scale_inv", lambda t: t.to(torch.int32)),
+        [_Q + "_scale_inv", "dtype I32"],
+    ),
     "scale-missing": (lambda c: c.drop(_fp8(c), _Q + "_scale_inv"), [_Q, "no weight_scale_inv"]),
 }
 for _name, (_make, _needles) in _FP8.items():
@@ -451,6 +493,7 @@ for _name, (_make, _needles) in _FP8.items():
 
 
 # --- convert: the safetensors container ----------------------------------------------------
+
 
 def _shard(c: Case) -> tuple[Path, Path]:
     f = c.ckpt()
@@ -514,8 +557,12 @@ _header_case("dtype-number", _set("dtype", 7), "unsupported dtype")
 _header_case("offsets-one", _set("data_offsets", [0]), "data_offsets")
 _header_case("offsets-reversed", _set("data_offsets", [8, 0]), "data_offsets")
 _header_case("offsets-strings", _set("data_offsets", ["0", "8"]), "data_offsets")
-_header_case("entry-no-dtype", lambda h, d: h[_by_offset(h)[0]].pop("dtype") and None, "corrupt safetensors header entry")
-_header_case("entry-not-object", lambda h, d: h.__setitem__(_by_offset(h)[0], [1, 2]), "corrupt safetensors header entry")
+_header_case(
+    "entry-no-dtype", lambda h, d: h[_by_offset(h)[0]].pop("dtype") and None, "corrupt safetensors header entry"
+)
+_header_case(
+    "entry-not-object", lambda h, d: h.__setitem__(_by_offset(h)[0], [1, 2]), "corrupt safetensors header entry"
+)
 
 
 @case("convert-safetensors-truncated")
@@ -564,10 +611,10 @@ def _(c):
     f, shard = _shard(c)
     raw = shard.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = _by_offset(header)[0]
     text = json.dumps(header)[:-1] + f', "{name}": {json.dumps(header[name])}' + "}"
-    shard.write_bytes(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n:])
+    shard.write_bytes(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n :])
     return conv(c, f), [shard.name, "listed twice"]
 
 
@@ -592,12 +639,14 @@ def _(c):
 
 
 _INDEX = "model.safetensors.index.json"
-file_cases({  # the safetensors index damaged
-    "convert-index-not-json": (_INDEX, "{", [_INDEX, "invalid index"]),
-    "convert-index-no-weight-map": (_INDEX, '{"metadata": {}}', [_INDEX, "invalid index"]),
-    "convert-index-weight-map-list": (_INDEX, '{"weight_map": [1, 2]}', [_INDEX, "invalid index"]),
-    "convert-index-not-utf8": (_INDEX, b'{"weight_map": {"\xff": 1}}', [_INDEX, "invalid index"]),
-})
+file_cases(
+    {  # the safetensors index damaged
+        "convert-index-not-json": (_INDEX, "{", [_INDEX, "invalid index"]),
+        "convert-index-no-weight-map": (_INDEX, '{"metadata": {}}', [_INDEX, "invalid index"]),
+        "convert-index-weight-map-list": (_INDEX, '{"weight_map": [1, 2]}', [_INDEX, "invalid index"]),
+        "convert-index-not-utf8": (_INDEX, b'{"weight_map": {"\xff": 1}}', [_INDEX, "invalid index"]),
+    }
+)
 
 
 @case("convert-index-shard-missing")
@@ -628,21 +677,38 @@ def _(c):
 
 # --- convert: tokenizer ---------------------------------------------------------------------
 
-file_cases({  # the tokenizer's files damaged or gone
-    "convert-tokenizer-json-missing": ("tokenizer.json", None, ["tokenizer.json", "missing"]),
-    "convert-tokenizer-json-corrupt": ("tokenizer.json", '{"model": ', ["tokenizer.json", "invalid JSON"]),
-    "convert-tokenizer-json-list": ("tokenizer.json", "[]", ["tokenizer.json", "expected a JSON object"]),
-    "convert-tokenizer-config-corrupt": ("tokenizer_config.json", "{ broken",
-                                         ["tokenizer_config.json", "invalid JSON"]),
-    "convert-tokenizer-config-not-utf8": ("tokenizer_config.json", b"\xff\xfe{}", ["tokenizer_config.json", "not UTF-8"]),
-    "convert-tokenizer-json-not-a-tokenizer": ("tokenizer.json", '{"hello": 1}',
-                                               ["tokenizer.json", "'model' (missing)"]),
-    "convert-tokenizer-json-empty-object": ("tokenizer.json", "{}",
-                                            ["tokenizer.json", "'added_tokens' (missing), 'model' (missing)"]),
-    "convert-tokenizer-json-no-merges": ("tokenizer.json",
-                                         '{"added_tokens": [], "model": {"type": "BPE", "vocab": {}}}',
-                                         ["tokenizer.json", "'model.merges' (missing)"]),
-})
+file_cases(
+    {  # the tokenizer's files damaged or gone
+        "convert-tokenizer-json-missing": ("tokenizer.json", None, ["tokenizer.json", "missing"]),
+        "convert-tokenizer-json-corrupt": ("tokenizer.json", '{"model": ', ["tokenizer.json", "invalid JSON"]),
+        "convert-tokenizer-json-list": ("tokenizer.json", "[]", ["tokenizer.json", "expected a JSON object"]),
+        "convert-tokenizer-config-corrupt": (
+            "tokenizer_config.json",
+            "{ broken",
+            ["tokenizer_config.json", "invalid JSON"],
+        ),
+        "convert-tokenizer-config-not-utf8": (
+            "tokenizer_config.json",
+            b"\xff\xfe{}",
+            ["tokenizer_config.json", "not UTF-8"],
+        ),
+        "convert-tokenizer-json-not-a-tokenizer": (
+            "tokenizer.json",
+            '{"hello": 1}',
+            ["tokenizer.json", "'model' (missing)"],
+        ),
+        "convert-tokenizer-json-empty-object": (
+            "tokenizer.json",
+            "{}",
+            ["tokenizer.json", "'added_tokens' (missing), 'model' (missing)"],
+        ),
+        "convert-tokenizer-json-no-merges": (
+            "tokenizer.json",
+            '{"added_tokens": [], "model": {"type": "BPE", "vocab": {}}}',
+            ["tokenizer.json", "'model.merges' (missing)"],
+        ),
+    }
+)
 
 
 @case("convert-tokenizer-vocab-too-small")
@@ -652,6 +718,7 @@ def _(c):
 
 
 # --- convert: paths and options ----------------------------------------------------------
+
 
 @case("convert-src-missing")
 def _(c):
@@ -725,36 +792,47 @@ def _(c):
 _QWEN = {
     "missing-mtp-fc": (lambda c, f: c.drop(f, "mtp.fc.weight"), ["mtp.fc.weight"]),
     "missing-mtp-enorm": (lambda c, f: c.drop(f, "mtp.pre_fc_norm_embedding.weight"), ["mtp.pre_fc_norm_embedding"]),
-    "missing-mtp-layer-q": (lambda c, f: c.drop(f, "mtp.layers.0.self_attn.q_proj.weight"),
-                            ["missing tensor mtp.layers.0.self_attn.q_proj.weight"]),
-    "missing-a-log": (lambda c, f: c.drop(f, "model.layers.0.linear_attn.A_log"),
-                      ["missing tensor model.layers.0.linear_attn.A_log"]),
-    "missing-full-attn-q": (lambda c, f: c.drop(f, "model.layers.3.self_attn.q_proj.weight"),
-                            ["missing tensor model.layers.3.self_attn.q_proj.weight"]),
+    "missing-mtp-layer-q": (
+        lambda c, f: c.drop(f, "mtp.layers.0.self_attn.q_proj.weight"),
+        ["missing tensor mtp.layers.0.self_attn.q_proj.weight"],
+    ),
+    "missing-a-log": (
+        lambda c, f: c.drop(f, "model.layers.0.linear_attn.A_log"),
+        ["missing tensor model.layers.0.linear_attn.A_log"],
+    ),
+    "missing-full-attn-q": (
+        lambda c, f: c.drop(f, "model.layers.3.self_attn.q_proj.weight"),
+        ["missing tensor model.layers.3.self_attn.q_proj.weight"],
+    ),
     "missing-conv1d": (lambda c, f: c.drop(f, "model.layers.1.linear_attn.conv1d.weight"), ["conv1d"]),
     "missing-output-norm": (lambda c, f: c.drop(f, "model.norm.weight"), ["missing tensor model.norm.weight"]),
     "value-heads-not-multiple": (lambda c, f: c.config(f, linear_num_value_heads=3), ["linear_num_value_heads"]),
     "mtp-layers-declared-2": (lambda c, f: c.config(f, mtp_num_hidden_layers=2), ["mtp_num_hidden_layers"]),
     "missing-linear-key-dim": (lambda c, f: c.config(f, linear_key_head_dim=_DELETE), ["missing linear_key_head_dim"]),
     "layer-types-not-strings": (lambda c, f: c.config(f, layer_types=[1, 2, 3, 4]), ["layer_types must be a list"]),
-    "q-proj-not-gated": (lambda c, f: c.replace(f, "model.layers.3.self_attn.q_proj.weight",
-                                                 lambda t: t[:256].contiguous()), ["config.json implies"]),
+    "q-proj-not-gated": (
+        lambda c, f: c.replace(f, "model.layers.3.self_attn.q_proj.weight", lambda t: t[:256].contiguous()),
+        ["config.json implies"],
+    ),
 }
 for _name, (_damage, _needles) in _QWEN.items():
     case(f"convert-qwen35-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("qwen35"))), nd))
 
 _DS = {
     "missing-kv-b": (lambda c, f: c.drop(f, "model.layers.0.self_attn.kv_b_proj.weight"), ["kv_b_proj"]),
-    "missing-mtp-eh-proj": (lambda c, f: c.drop(f, "model.layers.2.eh_proj.weight"),
-                            ["missing tensor model.layers.2.eh_proj.weight"]),
+    "missing-mtp-eh-proj": (
+        lambda c, f: c.drop(f, "model.layers.2.eh_proj.weight"),
+        ["missing tensor model.layers.2.eh_proj.weight"],
+    ),
     "missing-mtp-hnorm": (lambda c, f: c.drop(f, "model.layers.2.hnorm.weight"), ["model.layers.2.hnorm.weight"]),
-    "missing-q-a-norm": (lambda c, f: c.drop(f, "model.layers.1.self_attn.q_a_layernorm.weight"),
-                         ["q_a_layernorm"]),
+    "missing-q-a-norm": (lambda c, f: c.drop(f, "model.layers.1.self_attn.q_a_layernorm.weight"), ["q_a_layernorm"]),
     "kv-lora-contradicts": (lambda c, f: c.config(f, kv_lora_rank=128), ["config.json implies"]),
     "missing-kv-lora": (lambda c, f: c.config(f, kv_lora_rank=_DELETE), ["missing kv_lora_rank"]),
     "rope-dim-string": (lambda c, f: c.config(f, qk_rope_head_dim="32"), ["qk_rope_head_dim must be an integer"]),
-    "int-kv-a": (lambda c, f: c.replace(f, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
-                                         lambda t: t.to(torch.int16)), ["dtype I16"]),
+    "int-kv-a": (
+        lambda c, f: c.replace(f, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", lambda t: t.to(torch.int16)),
+        ["dtype I16"],
+    ),
 }
 for _name, (_damage, _needles) in _DS.items():
     case(f"convert-deepseek-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("ds"))), nd))
@@ -784,15 +862,18 @@ _STEP = {
     "missing-mtp-shared-head-norm": _missing("model.layers.3.transformer.shared_head.norm.weight"),
     "missing-mtp-mlp": _missing("model.layers.3.mlp.down_proj.weight"),
     "missing-mtp-attn-k": _missing("model.layers.4.self_attn.k_proj.weight"),
-    "missing-whole-mtp-layer": ((lambda c, f: c.drop(f, "model.layers.4.")),
-                                ["no tensors for layer 4", "--no-mtp"]),
+    "missing-whole-mtp-layer": ((lambda c, f: c.drop(f, "model.layers.4.")), ["no tensors for layer 4", "--no-mtp"]),
     "extra-router-on-dense-layer": _extra("model.layers.0.moe.gate.weight", torch.zeros(4, 256)),
     "extra-unknown-in-mtp-block": _extra("model.layers.3.foo.weight", torch.zeros(4)),
     "extra-q-bias": _extra("model.layers.1.self_attn.q_proj.bias", torch.zeros(512)),
-    "router-bias-switched-off": ((lambda c, f: c.config(f, use_moe_router_bias=False)),
-                                 ["model.layers.1.moe.router_bias", "implies no such tensor"]),
-    "gate-switched-off": ((lambda c, f: c.config(f, use_head_wise_attn_gate=False)),
-                          ["model.layers.0.self_attn.g_proj.weight", "implies no such tensor"]),
+    "router-bias-switched-off": (
+        (lambda c, f: c.config(f, use_moe_router_bias=False)),
+        ["model.layers.1.moe.router_bias", "implies no such tensor"],
+    ),
+    "gate-switched-off": (
+        (lambda c, f: c.config(f, use_head_wise_attn_gate=False)),
+        ["model.layers.0.self_attn.g_proj.weight", "implies no such tensor"],
+    ),
     "sliding-q-with-full-heads": _shape("model.layers.1.self_attn.q_proj.weight", lambda t: t[:256].contiguous()),
     "mtp-o-proj-full-heads": _shape("model.layers.3.self_attn.o_proj.weight", lambda t: t[:, :256].contiguous()),
     "gate-heads-short": _shape("model.layers.0.self_attn.g_proj.weight", lambda t: t[:2].contiguous()),
@@ -800,22 +881,36 @@ _STEP = {
     "experts-per-expert-2d": _shape("model.layers.1.moe.gate_proj.weight", lambda t: t[0].contiguous()),
     "mtp-eh-proj-square": _shape("model.layers.3.eh_proj.weight", lambda t: t[:, :256].contiguous()),
     "mtp-head-short": _shape("model.layers.4.transformer.shared_head.output.weight", lambda t: t[:-1].contiguous()),
-    "sliding-heads-changed": ((lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": 4})),
-                              ["model.layers.1.self_attn.q_proj.weight", "config.json implies [256, 256]"]),
-    "layer-types-swapped": ((lambda c, f: c.config(f, layer_types=["sliding_attention", *tiny_step35.LAYER_TYPES[1:]])),
-                            ["model.layers.0.self_attn.q_proj.weight", "config.json implies [512, 256]"]),
-    "moe-layers-changed": ((lambda c, f: c.config(f, moe_layers_enum="1")),
-                           ["missing tensor model.layers.2.mlp.gate_proj.weight"]),
-    "moe-layers-not-numbers": ((lambda c, f: c.config(f, moe_layers_enum="one,two")),
-                               ["moe_layers_enum", "config.json"]),
-    "more-mtp-layers-declared": ((lambda c, f: c.config(f, num_nextn_predict_layers=3)),
-                                 ["no tensors for layer 5", "--no-mtp"]),
+    "sliding-heads-changed": (
+        (lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": 4})),
+        ["model.layers.1.self_attn.q_proj.weight", "config.json implies [256, 256]"],
+    ),
+    "layer-types-swapped": (
+        (lambda c, f: c.config(f, layer_types=["sliding_attention", *tiny_step35.LAYER_TYPES[1:]])),
+        ["model.layers.0.self_attn.q_proj.weight", "config.json implies [512, 256]"],
+    ),
+    "moe-layers-changed": (
+        (lambda c, f: c.config(f, moe_layers_enum="1")),
+        ["missing tensor model.layers.2.mlp.gate_proj.weight"],
+    ),
+    "moe-layers-not-numbers": (
+        (lambda c, f: c.config(f, moe_layers_enum="one,two")),
+        ["moe_layers_enum", "config.json"],
+    ),
+    "more-mtp-layers-declared": (
+        (lambda c, f: c.config(f, num_nextn_predict_layers=3)),
+        ["no tensors for layer 5", "--no-mtp"],
+    ),
     "missing-share-expert-dim": ((lambda c, f: c.config(f, share_expert_dim=_DELETE)), ["missing share_expert_dim"]),
     "experts-count-string": ((lambda c, f: c.config(f, moe_num_experts="4")), ["moe_num_experts must be an integer"]),
-    "gate-switch-string": ((lambda c, f: c.config(f, use_head_wise_attn_gate="yes")),
-                           ["use_head_wise_attn_gate must be true or false"]),
-    "other-heads-string": ((lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": "8"})),
-                           ["attention_other_setting.num_attention_heads must be a positive integer"]),
+    "gate-switch-string": (
+        (lambda c, f: c.config(f, use_head_wise_attn_gate="yes")),
+        ["use_head_wise_attn_gate must be true or false"],
+    ),
+    "other-heads-string": (
+        (lambda c, f: c.config(f, attention_other_setting={"num_attention_heads": "8"})),
+        ["attention_other_setting.num_attention_heads must be a positive integer"],
+    ),
 }
 for _name, (_damage, _needles) in _STEP.items():
     case(f"convert-step35-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("step35"))), nd))
@@ -831,38 +926,56 @@ _MIMO = {
     "missing-mtp-ffn-norm": _missing("model.mtp.layers.1.pre_mlp_layernorm.weight"),
     "missing-mtp-v-proj": _missing("model.mtp.layers.2.self_attn.v_proj.weight"),
     "missing-mtp-sinks": _missing("model.mtp.layers.0.self_attn.attention_sink_bias"),
-    "missing-middle-mtp-layer": ((lambda c, f: c.drop(f, "model.mtp.layers.1.")),
-                                 ["model.mtp.layers.0..N-1", "[0, 2]"]),
+    "missing-middle-mtp-layer": (
+        (lambda c, f: c.drop(f, "model.mtp.layers.1.")),
+        ["model.mtp.layers.0..N-1", "[0, 2]"],
+    ),
     "extra-sinks-on-full-layer": _extra("model.layers.0.self_attn.attention_sink_bias", torch.zeros(4)),
     "extra-unknown-in-mtp-layer": _extra("model.mtp.layers.0.foo.weight", torch.zeros(4)),
     "extra-shared-experts": _extra("model.layers.1.mlp.shared_experts.up_proj.weight", torch.zeros(256, 256)),
-    "sinks-switched-off": ((lambda c, f: c.config(f, add_swa_attention_sink_bias=False)),
-                           ["model.layers.1.self_attn.attention_sink_bias", "implies no such tensor"]),
+    "sinks-switched-off": (
+        (lambda c, f: c.config(f, add_swa_attention_sink_bias=False)),
+        ["model.layers.1.self_attn.attention_sink_bias", "implies no such tensor"],
+    ),
     "v-proj-with-qk-head-dim": _shape("model.layers.0.self_attn.v_proj.weight", lambda t: t.repeat(2, 1).contiguous()),
     "o-proj-with-qk-head-dim": _shape("model.layers.1.self_attn.o_proj.weight", lambda t: t.repeat(1, 2).contiguous()),
-    "mtp-k-with-full-kv-heads": _shape("model.mtp.layers.0.self_attn.k_proj.weight",
-                                       lambda t: t.repeat(2, 1).contiguous()),
+    "mtp-k-with-full-kv-heads": _shape(
+        "model.mtp.layers.0.self_attn.k_proj.weight", lambda t: t.repeat(2, 1).contiguous()
+    ),
     "expert-short": _shape("model.layers.1.mlp.experts.0.up_proj.weight", lambda t: t[:128].contiguous()),
     "mtp-enorm-short": _shape("model.mtp.layers.2.enorm.weight", lambda t: t[:-1].contiguous()),
-    "swa-kv-heads-changed": ((lambda c, f: c.config(f, swa_num_key_value_heads=2)),
-                             ["model.layers.1.self_attn.k_proj.weight", "config.json implies [128, 256]"]),
-    "hybrid-pattern-changed": ((lambda c, f: c.config(f, hybrid_layer_pattern=[1, 1, 1])),
-                               ["model.layers.0.self_attn.k_proj.weight", "config.json implies [64, 256]"]),
-    "moe-freq-changed": ((lambda c, f: c.config(f, moe_layer_freq=[0, 0, 1])),
-                         ["missing tensor model.layers.1.mlp.gate_proj.weight"]),
+    "swa-kv-heads-changed": (
+        (lambda c, f: c.config(f, swa_num_key_value_heads=2)),
+        ["model.layers.1.self_attn.k_proj.weight", "config.json implies [128, 256]"],
+    ),
+    "hybrid-pattern-changed": (
+        (lambda c, f: c.config(f, hybrid_layer_pattern=[1, 1, 1])),
+        ["model.layers.0.self_attn.k_proj.weight", "config.json implies [64, 256]"],
+    ),
+    "moe-freq-changed": (
+        (lambda c, f: c.config(f, moe_layer_freq=[0, 0, 1])),
+        ["missing tensor model.layers.1.mlp.gate_proj.weight"],
+    ),
     "moe-freq-short": ((lambda c, f: c.config(f, moe_layer_freq=[0, 1])), ["moe_layer_freq", "config.json"]),
-    "hybrid-pattern-not-flags": ((lambda c, f: c.config(f, hybrid_layer_pattern=[0, 2, 1])),
-                                 ["hybrid_layer_pattern must be a list of 0/1 flags"]),
-    "missing-swa-kv-heads": ((lambda c, f: c.config(f, swa_num_key_value_heads=_DELETE)),
-                             ["missing swa_num_key_value_heads"]),
-    "sinks-switch-number": ((lambda c, f: c.config(f, add_swa_attention_sink_bias=1)),
-                            ["add_swa_attention_sink_bias must be true or false"]),
+    "hybrid-pattern-not-flags": (
+        (lambda c, f: c.config(f, hybrid_layer_pattern=[0, 2, 1])),
+        ["hybrid_layer_pattern must be a list of 0/1 flags"],
+    ),
+    "missing-swa-kv-heads": (
+        (lambda c, f: c.config(f, swa_num_key_value_heads=_DELETE)),
+        ["missing swa_num_key_value_heads"],
+    ),
+    "sinks-switch-number": (
+        (lambda c, f: c.config(f, add_swa_attention_sink_bias=1)),
+        ["add_swa_attention_sink_bias must be true or false"],
+    ),
 }
 for _name, (_damage, _needles) in _MIMO.items():
     case(f"convert-mimo2-{_name}")(lambda c, d=_damage, nd=_needles: (conv(c, d(c, c.ckpt("mimo2"))), nd))
 
 
 # --- GGUF inputs: inspect, quantize, graft, extract-mtp --------------------------------------
+
 
 def _gguf_commands(c: Case, bad: Path) -> dict[str, list]:
     good = c.copy("full", "good.gguf")
@@ -878,40 +991,62 @@ def _gguf_commands(c: Case, bad: Path) -> dict[str, list]:
 
 _BAD_GGUF = {
     "truncated": (lambda c: c.truncated(cut=1000), ["truncated: tensor", "ends at byte", "the file has"]),
-    "truncated-header": (lambda c: c.truncated(cut=c.bases["full"].stat().st_size - 200),
-                         ["truncated or corrupt GGUF header (the file has 200 bytes)"]),
-    "nextn-above-blocks": (lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (5, U32)}),
-                           ["nextn_predict_layers is 5", "block_count is 3"]),
-    "nextn-equals-blocks": (lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (3, U32)}),
-                            ["nextn_predict_layers is 3"]),
-    "block-beyond-count": (lambda c: c.gguf(**{"glm4moe.block_count": (2, U32),
-                                               "glm4moe.nextn_predict_layers": (1, U32)}),
-                           ["is in block 2", "block_count is 2"]),
-    "block-count-string": (lambda c: c.gguf(**{"glm4moe.block_count": ("three", GGUFValueType.STRING)}),
-                           ["block_count must be an integer"]),
-    "not-gguf": (lambda c: _write(c.inp / "model.gguf", b"PK\x03\x04" + b"\0" * 100),
-                 ["not a readable GGUF file"]),
+    "truncated-header": (
+        lambda c: c.truncated(cut=c.bases["full"].stat().st_size - 200),
+        ["truncated or corrupt GGUF header (the file has 200 bytes)"],
+    ),
+    "nextn-above-blocks": (
+        lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (5, U32)}),
+        ["nextn_predict_layers is 5", "block_count is 3"],
+    ),
+    "nextn-equals-blocks": (
+        lambda c: c.gguf(**{"glm4moe.nextn_predict_layers": (3, U32)}),
+        ["nextn_predict_layers is 3"],
+    ),
+    "block-beyond-count": (
+        lambda c: c.gguf(**{"glm4moe.block_count": (2, U32), "glm4moe.nextn_predict_layers": (1, U32)}),
+        ["is in block 2", "block_count is 2"],
+    ),
+    "block-count-string": (
+        lambda c: c.gguf(**{"glm4moe.block_count": ("three", GGUFValueType.STRING)}),
+        ["block_count must be an integer"],
+    ),
+    "not-gguf": (lambda c: _write(c.inp / "model.gguf", b"PK\x03\x04" + b"\0" * 100), ["not a readable GGUF file"]),
     "empty": (lambda c: _write(c.inp / "model.gguf", b""), ["model.gguf"]),
-    "unknown-ggml-type": (lambda c: c.tensor_info("blk.0.attn_q.weight", ggml_type=99),
-                          ["tensor blk.0.attn_q.weight has unknown ggml type 99"]),
-    "overlapping-data": (lambda c: c.tensor_info("blk.0.attn_k.weight", offset_of="blk.0.attn_v.weight"),
-                         ["overlap", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]),
-    "zero-length-rows": (lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=0),
-                         ["tensor blk.0.attn_q.weight has a zero-length dimension"]),
-    "zero-rows": (lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=1),
-                  ["tensor blk.0.attn_q.weight has a zero-length dimension"]),
+    "unknown-ggml-type": (
+        lambda c: c.tensor_info("blk.0.attn_q.weight", ggml_type=99),
+        ["tensor blk.0.attn_q.weight has unknown ggml type 99"],
+    ),
+    "overlapping-data": (
+        lambda c: c.tensor_info("blk.0.attn_k.weight", offset_of="blk.0.attn_v.weight"),
+        ["overlap", "blk.0.attn_k.weight", "blk.0.attn_v.weight"],
+    ),
+    "zero-length-rows": (
+        lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=0),
+        ["tensor blk.0.attn_q.weight has a zero-length dimension"],
+    ),
+    "zero-rows": (
+        lambda c: c.tensor_info("blk.0.attn_q.weight", zero_dim=1),
+        ["tensor blk.0.attn_q.weight has a zero-length dimension"],
+    ),
 }
 for _name, (_make, _needles) in _BAD_GGUF.items():
     for _cmd in ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target"):
         case(f"{_cmd}-{_name}")(
-            lambda c, mk=_make, cmd=_cmd, nd=_needles: (lambda bad: (_gguf_commands(c, bad)[cmd], ["model.gguf", *nd]))(mk(c)))
+            lambda c, mk=_make, cmd=_cmd, nd=_needles: (lambda bad: (_gguf_commands(c, bad)[cmd], ["model.gguf", *nd]))(
+                mk(c)
+            )
+        )
 
 
 @case("quantize-q4_k_m-zero-length-dimension")
 def _(c):  # "internal error in quantize: ZeroDivisionError" (exit 3) before the reader refused it
     bad = c.tensor_info("blk.1.ffn_down_exps.weight", zero_dim=1)
-    return ["quantize", bad, c.out / "q.gguf", "Q4_K_M", "-q"], ["model.gguf", "blk.1.ffn_down_exps.weight",
-                                                                "zero-length dimension"]
+    return ["quantize", bad, c.out / "q.gguf", "Q4_K_M", "-q"], [
+        "model.gguf",
+        "blk.1.ffn_down_exps.weight",
+        "zero-length dimension",
+    ]
 
 
 @case("inspect-missing-file")
@@ -980,19 +1115,26 @@ def _(c):
 @case("graft-donor-without-head")
 def _(c):
     t = c.copy("trunk")
-    return ["graft", c.out / "g.gguf", "--mtp-from", t, "--into", c.copy("trunk", "t2.gguf")], ["no MTP blocks to graft"]
+    return ["graft", c.out / "g.gguf", "--mtp-from", t, "--into", c.copy("trunk", "t2.gguf")], [
+        "no MTP blocks to graft"
+    ]
 
 
 @case("graft-target-has-head")
 def _(c):
-    return ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("full", "f2.gguf")], \
-        ["already has an MTP head", "--replace"]
+    return ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("full", "f2.gguf")], [
+        "already has an MTP head",
+        "--replace",
+    ]
 
 
 @case("graft-bad-mtp-type")
 def _(c):
-    return ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), "--mtp-type", "q9"], \
-        ["--mtp-type", "unknown", "q9"]
+    return ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), "--mtp-type", "q9"], [
+        "--mtp-type",
+        "unknown",
+        "q9",
+    ]
 
 
 @case("graft-out-is-target")
@@ -1014,14 +1156,17 @@ def _(c):
 
 # --- split GGUFs: every command that reads a model, given a shard of a broken set ---------------------
 
+
 def _split_commands(c: Case, bad: Path) -> dict[str, list]:
     cmds = _gguf_commands(c, bad)
     text = _write(c.inp / "text.txt", b"def f(x):\n    return x + 1\n" * 30)
-    return {**cmds,
-            "accept": ["accept", bad, "--max-prompts", "1", "-n", "2"],
-            "imatrix": ["imatrix", bad, "--text", text, "-o", c.out / "im.gguf"],
-            "sweep": ["sweep", bad, "--mtp", "q8_0", "--trunk", "Q8_0", "--max-prompts", "1"],
-            "compare": ["compare", bad, c.inp / "good.gguf", "--text", text]}
+    return {
+        **cmds,
+        "accept": ["accept", bad, "--max-prompts", "1", "-n", "2"],
+        "imatrix": ["imatrix", bad, "--text", text, "-o", c.out / "im.gguf"],
+        "sweep": ["sweep", bad, "--mtp", "q8_0", "--trunk", "Q8_0", "--max-prompts", "1"],
+        "compare": ["compare", bad, c.inp / "good.gguf", "--text", text],
+    }
 
 
 U16, I32 = GGUFValueType.UINT16, GGUFValueType.INT32
@@ -1034,30 +1179,63 @@ def _swap_in(c: Case, shards: list[Path], i: int, src: Path) -> None:
 _BAD_SPLIT = {  # (damage the copied set, return the shard to give and the needles)
     "missing-last-shard": lambda c, s: (s[3].unlink(), s[0], [s[3].name, "missing: shard 4 of 4"]),
     "missing-first-shard": lambda c, s: (s[0].unlink(), s[1], [s[0].name, "missing: shard 1 of 4", s[1].name]),
-    "shard-of-another-split": lambda c, s: (_swap_in(c, s, 1, sorted(c.bases["split3"].iterdir())[1]), s[0],
-                                            [s[1].name, "split.count is 3", "another split"]),
+    "shard-of-another-split": lambda c, s: (
+        _swap_in(c, s, 1, sorted(c.bases["split3"].iterdir())[1]),
+        s[0],
+        [s[1].name, "split.count is 3", "another split"],
+    ),
     "shard-of-another-set": lambda c, s: (_swap_in(c, s, 1, s[2]), s[0], [s[1].name, "split.no is 2", "another set"]),
-    "shard-of-another-model": lambda c, s: (c.rewrite(s[2], {"split.tensors.count": (99, I32)}), s[0],
-                                            [s[2].name, "split.tensors.count is 99", "another model"]),
-    "shard-of-another-arch": lambda c, s: (c.rewrite(s[1], {"general.architecture": ("llama", GGUFValueType.STRING)}),
-                                           s[0], [s[1].name, "general.architecture is 'llama'", "another model"]),
-    "tensor-duplicated": lambda c, s: (c.rewrite(s[1], add=[GGUFReader(s[0]).tensors[0]]), s[0],
-                                       [s[1].name, "is also in", s[0].name, "duplicated"]),
-    "tensor-missing": lambda c, s: (c.rewrite(s[3], drop_last=True), s[1],
-                                    [s[0].name, "split.tensors.count is 61", "hold 60 tensors"]),
-    "shard-renamed": lambda c, s: (s[0].rename(c.inp / "model.gguf"), c.inp / "model.gguf",
-                                   ["model.gguf", "must be named PREFIX-00001-of-00004.gguf"]),
+    "shard-of-another-model": lambda c, s: (
+        c.rewrite(s[2], {"split.tensors.count": (99, I32)}),
+        s[0],
+        [s[2].name, "split.tensors.count is 99", "another model"],
+    ),
+    "shard-of-another-arch": lambda c, s: (
+        c.rewrite(s[1], {"general.architecture": ("llama", GGUFValueType.STRING)}),
+        s[0],
+        [s[1].name, "general.architecture is 'llama'", "another model"],
+    ),
+    "tensor-duplicated": lambda c, s: (
+        c.rewrite(s[1], add=[GGUFReader(s[0]).tensors[0]]),
+        s[0],
+        [s[1].name, "is also in", s[0].name, "duplicated"],
+    ),
+    "tensor-missing": lambda c, s: (
+        c.rewrite(s[3], drop_last=True),
+        s[1],
+        [s[0].name, "split.tensors.count is 61", "hold 60 tensors"],
+    ),
+    "shard-renamed": lambda c, s: (
+        s[0].rename(c.inp / "model.gguf"),
+        c.inp / "model.gguf",
+        ["model.gguf", "must be named PREFIX-00001-of-00004.gguf"],
+    ),
     "no-split-no": lambda c, s: (c.rewrite(s[0], drop_keys=("split.no",)), s[0], [s[0].name, "no split.no"]),
-    "split-no-out-of-range": lambda c, s: (c.rewrite(s[0], {"split.no": (7, U16)}), s[0],
-                                           [s[0].name, "split.no = 7 is outside split.count = 4"]),
+    "split-no-out-of-range": lambda c, s: (
+        c.rewrite(s[0], {"split.no": (7, U16)}),
+        s[0],
+        [s[0].name, "split.no = 7 is outside split.count = 4"],
+    ),
 }
-_EVERY_COMMAND = ("inspect", "quantize", "extract-mtp", "graft-donor", "graft-target", "accept", "imatrix", "sweep",
-                  "compare")
+_EVERY_COMMAND = (
+    "inspect",
+    "quantize",
+    "extract-mtp",
+    "graft-donor",
+    "graft-target",
+    "accept",
+    "imatrix",
+    "sweep",
+    "compare",
+)
 for _name, _damage in _BAD_SPLIT.items():  # the checks live in one place (gguf_io.open_model): every command
     # meets the first two damages, the rest are met by two commands
-    for _cmd in _EVERY_COMMAND if _name in ("missing-last-shard", "shard-of-another-split") else ("inspect", "quantize"):
+    for _cmd in (
+        _EVERY_COMMAND if _name in ("missing-last-shard", "shard-of-another-split") else ("inspect", "quantize")
+    ):
         case(f"split-{_cmd}-{_name}")(
-            lambda c, dmg=_damage, cmd=_cmd: (lambda r: (_split_commands(c, r[1])[cmd], r[2]))(dmg(c, c.shards())))
+            lambda c, dmg=_damage, cmd=_cmd: (lambda r: (_split_commands(c, r[1])[cmd], r[2]))(dmg(c, c.shards()))
+        )
 
 
 _SPLIT_OPTIONS = {
@@ -1067,17 +1245,24 @@ _SPLIT_OPTIONS = {
     "tensors-zero": (["--split-max-tensors", "0"], ["--split-max-tensors", "must be at least 1"]),
 }
 for _name, (_opts, _needles) in _SPLIT_OPTIONS.items():
-    case(f"quantize-split-{_name}")(lambda c, o=_opts, nd=_needles: (
-        ["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", *o], nd))
+    case(f"quantize-split-{_name}")(
+        lambda c, o=_opts, nd=_needles: (["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", *o], nd)
+    )
     case(f"convert-split-{_name}")(lambda c, o=_opts, nd=_needles: (conv(c, c.ckpt(), *o), nd))
-    case(f"graft-split-{_name}")(lambda c, o=_opts, nd=_needles: (
-        ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), *o], nd))
+    case(f"graft-split-{_name}")(
+        lambda c, o=_opts, nd=_needles: (
+            ["graft", c.out / "g.gguf", "--mtp-from", c.copy("full"), "--into", c.copy("trunk"), *o],
+            nd,
+        )
+    )
 
 
 @case("quantize-keep-split-with-size")
 def _(c):
-    return (["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", "--keep-split", "--split-max-size", "1M"],
-            ["--keep-split", "not with --split-max-size"])
+    return (
+        ["quantize", c.copy("full"), c.out / "q.gguf", "Q8_0", "--keep-split", "--split-max-size", "1M"],
+        ["--keep-split", "not with --split-max-size"],
+    )
 
 
 @case("quantize-keep-split-over-its-input")
@@ -1087,6 +1272,7 @@ def _(c):
 
 
 # --- accept: options checked before any measuring ------------------------------------------------
+
 
 def acc(c: Case, *extra) -> list:
     return ["accept", c.copy("full"), "--max-prompts", "1", "-n", "2", *extra]
@@ -1128,8 +1314,7 @@ def _(c):
 
 @case("sweep-device-cuda7")
 def _(c):
-    return ["sweep", c.copy("full"), "--mtp", "q8_0", "--trunk", "Q8_0", "--device", "cuda:7"], \
-        ["--device", "cuda:7"]
+    return ["sweep", c.copy("full"), "--mtp", "q8_0", "--trunk", "Q8_0", "--device", "cuda:7"], ["--device", "cuda:7"]
 
 
 @case("demo-device-tpu9")
@@ -1202,6 +1387,7 @@ def _(c):
 
 # --- build: the recipe ---------------------------------------------------------------------------
 
+
 def _recipe(c: Case, model: dict | None = None, variant: dict | None = None, extra: str = "") -> Path:
     src = c.ckpt()
     m = {"name": "tiny", "source": src.name, "output": "../out/dist", **(model or {})}
@@ -1226,11 +1412,13 @@ _BUILD = {
     "gate-draft-zero": (lambda c: _recipe(c, extra="[gate]\ndraft = 0\n"), ["gate.draft"]),
     "gate-n-negative": (lambda c: _recipe(c, extra="[gate]\nmax_new_tokens = -5\n"), ["gate.max_new_tokens"]),
     "gate-temperature-negative": (lambda c: _recipe(c, extra="[gate]\ntemperature = -1.0\n"), ["gate.temperature"]),
-    "gate-min-rate-string": (lambda c: _recipe(c, extra="[gate]\nmin_rate = \"high\"\n"), ["gate.min_rate"]),
+    "gate-min-rate-string": (lambda c: _recipe(c, extra='[gate]\nmin_rate = "high"\n'), ["gate.min_rate"]),
     "graft-into-missing": (lambda c: _recipe(c, variant={"graft_into": "nope.gguf"}), ["graft_into", "does not exist"]),
     "split-size-word": (lambda c: _recipe(c, {"split_max_size": "big"}), ["model.split_max_size", "expected bytes"]),
-    "split-size-zero": (lambda c: _recipe(c, variant={"split_max_size": 0}), ["variant[0].split_max_size",
-                                                                               "must be positive"]),
+    "split-size-zero": (
+        lambda c: _recipe(c, variant={"split_max_size": 0}),
+        ["variant[0].split_max_size", "must be positive"],
+    ),
     "split-size-bool": (lambda c: _recipe(c, variant={"split_max_size": True}), ["variant[0].split_max_size"]),
     "not-toml": (lambda c: _write(c.inp / "recipe.toml", b"[model\n"), ["not valid TOML"]),
     "missing": (lambda c: c.inp / "nope.toml", ["nope.toml", "no such recipe file"]),
@@ -1286,4 +1474,7 @@ def test_the_good_inputs_pass(bases, tmp_path):
         assert res.exit_code == 0 and not res.stderr.strip(), res.output
     assert run_cli("inspect", bases["full"]).exit_code == 0
     assert run_cli("extract-mtp", bases["full"], tmp_path / "h.gguf", "-q").exit_code == 0
-    assert run_cli("graft", tmp_path / "g.gguf", "--mtp-from", bases["full"], "--into", bases["trunk"], "-q").exit_code == 0
+    assert (
+        run_cli("graft", tmp_path / "g.gguf", "--mtp-from", bases["full"], "--into", bases["trunk"], "-q").exit_code
+        == 0
+    )

@@ -81,8 +81,23 @@ def test_llama_cpp_acceptance_agrees(demo_gguf, prompts, llama_cpp_bin, tmp_path
         prompt_file = tmp_path / f"p{i}.txt"
         prompt_file.write_text(text)
         # every prompt on both sides: a rate over a subset of the prompts is a different number
-        _, stats = speculative_simple(llama_cpp_bin, "-m", demo_gguf, "-f", prompt_file, "--no-escape", "-n", N_NEW,
-                                      "--temp", "0", "--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--no-repack")
+        _, stats = speculative_simple(
+            llama_cpp_bin,
+            "-m",
+            demo_gguf,
+            "-f",
+            prompt_file,
+            "--no-escape",
+            "-n",
+            N_NEW,
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            "1",
+            "--no-repack",
+        )
         theirs_acc, theirs_drafts = theirs_acc + stats["n_accept"], theirs_drafts + stats["n_drafted"]
         r = run_speculative(model, tok.encode(text), N_NEW, k=1)
         ours_acc, ours_drafts = ours_acc + r.n_accepted, ours_drafts + r.n_drafts

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runcli import run_cli
-
 from mtpq.convert import plan_checkpoint
 from mtpq.gguf_io import atomic_outputs, output_paths, remove_stale_partials, write_plan
+from tests.helpers.runcli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,8 +56,13 @@ def full_gguf(tmp_path_factory, glm_ckpt) -> Path:
 
 def _start(*args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _size(p: Path) -> int:
@@ -83,9 +87,11 @@ def _wait_for_partial(proc: subprocess.Popen, out: Path, timeout: float = 120.0,
 
 
 def _commands(glm_ckpt: Path, full_gguf: Path, out: Path) -> dict[str, list]:
-    return {"convert": ["convert", glm_ckpt, out, "--quiet"],
-            "quantize": ["quantize", full_gguf, out, "Q8_0", "--quiet"],
-            "convert-split": ["convert", glm_ckpt, out, "--quiet", "--split-max-size", "1M"]}
+    return {
+        "convert": ["convert", glm_ckpt, out, "--quiet"],
+        "quantize": ["quantize", full_gguf, out, "Q8_0", "--quiet"],
+        "convert-split": ["convert", glm_ckpt, out, "--quiet", "--split-max-size", "1M"],
+    }
 
 
 def _outputs(folder: Path) -> dict[str, bytes]:
@@ -115,8 +121,9 @@ def test_sigterm_mid_write_cleans_up(command, glm_ckpt, full_gguf, tmp_path):
     assert _outputs(out.parent) == _outputs(tmp_path / "clean")
 
 
-@pytest.mark.parametrize("command", ["convert-split", *(pytest.param(c, marks=pytest.mark.slow)
-                                                       for c in ("convert", "quantize"))])
+@pytest.mark.parametrize(
+    "command", ["convert-split", *(pytest.param(c, marks=pytest.mark.slow) for c in ("convert", "quantize"))]
+)
 def test_rerun_after_sigkill_removes_the_stale_partial(command, glm_ckpt, full_gguf, tmp_path):
     out, proc, partial = _interrupted_run(command, glm_ckpt, full_gguf, tmp_path)
     proc.kill()
@@ -228,7 +235,9 @@ def test_unexpected_exception_is_one_line_and_traceback_only_with_debug(full_ggu
     monkeypatch.setattr(inspect_cli, "summarize_gguf", boom)
     res = run_cli("inspect", full_gguf)
     assert res.exit_code == 3
-    assert res.stderr.splitlines() == ["error: internal error in inspect: RuntimeError: boom second line; please report it"]
+    assert res.stderr.splitlines() == [
+        "error: internal error in inspect: RuntimeError: boom second line; please report it"
+    ]
     assert "Traceback" not in res.output
     from mtpq.cli.common import DEBUG
 
@@ -251,4 +260,5 @@ def test_bad_json_path_fails_before_measuring(full_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(runtime_accept, "measure_file", never)
     res = run_cli("accept", full_gguf, "--json", tmp_path / "missing" / "r.json")
     assert res.exit_code == 2 and res.stderr.splitlines() == [
-        f"error: --json: {tmp_path / 'missing' / 'r.json'}: folder {tmp_path / 'missing'} does not exist"]
+        f"error: --json: {tmp_path / 'missing' / 'r.json'}: folder {tmp_path / 'missing'} does not exist"
+    ]

@@ -77,7 +77,8 @@ def _command(cmd: str, f: dict[str, Path], bad: Path, gate: bool = True) -> list
 
 # every damage through compare and accept; one NaN and one inf file through sweep and imatrix
 BROKEN_RUNS = [(n, c) for c in ("compare", "accept") for n in BROKEN] + [
-    (n, c) for c in ("sweep", "imatrix") for n in ("norm-nan", "layer-inf", "head-nan")]
+    (n, c) for c in ("sweep", "imatrix") for n in ("norm-nan", "layer-inf", "head-nan")
+]
 
 
 @pytest.mark.parametrize("name,cmd", BROKEN_RUNS)
@@ -91,8 +92,10 @@ def test_a_file_whose_weights_hold_nan_or_inf_is_refused_naming_the_tensor(files
     assert not files[name].with_suffix(".imatrix").exists()
 
 
-@pytest.mark.parametrize("cmd,gate,code", [("compare", True, 1), ("compare", False, 2), ("accept", True, 1),
-                                           ("sweep", False, 2), ("imatrix", False, 2)])
+@pytest.mark.parametrize(
+    "cmd,gate,code",
+    [("compare", True, 1), ("compare", False, 2), ("accept", True, 1), ("sweep", False, 2), ("imatrix", False, 2)],
+)
 def test_finite_weights_with_non_finite_activations_name_the_layer(files, cmd, gate, code):
     res = run_cli(*_command(cmd, files, files["overflow"], gate))
     assert res.exit_code == code, res.output
@@ -143,11 +146,18 @@ def _source_with(folder: Path, tensor: str, value: float) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("tensor,value,code,words", [
-    ("model.norm.weight", float("nan"), 2, ["model.norm.weight", "NaN"]),  # refused by the conversion
-    ("model.layers.2.mlp.shared_experts.down_proj.weight", 3e38, 1,
-     ["FAIL", "demo-F32.gguf: non-finite hidden states from the trunk: first in layer 2 (blk.2)"]),
-])
+@pytest.mark.parametrize(
+    "tensor,value,code,words",
+    [
+        ("model.norm.weight", float("nan"), 2, ["model.norm.weight", "NaN"]),  # refused by the conversion
+        (
+            "model.layers.2.mlp.shared_experts.down_proj.weight",
+            3e38,
+            1,
+            ["FAIL", "demo-F32.gguf: non-finite hidden states from the trunk: first in layer 2 (blk.2)"],
+        ),
+    ],
+)
 def test_build_stops_on_a_source_that_is_not_finite(tmp_path, tensor, value, code, words):
     src = _source_with(tmp_path / "src", tensor, value)
     recipe = tmp_path / "r.toml"
@@ -172,8 +182,10 @@ def test_an_activation_that_overflows_the_compute_dtype_is_named_by_position(fil
     prompts.write_text(json.dumps({"category": "code", "prompt": prompt}) + "\n")
     res = run_cli("accept", bad, "--prompts", prompts, "-n", 4, "--dtype", "f16")
     assert res.exit_code == 1, res.output
-    assert _one_line(res) == (f"FAIL {bad}: non-finite hidden states from the trunk: first in the token embeddings "
-                              f"(token_embd) at position {p}; its weights are finite (computed in float16)")
+    assert _one_line(res) == (
+        f"FAIL {bad}: non-finite hidden states from the trunk: first in the token embeddings "
+        f"(token_embd) at position {p}; its weights are finite (computed in float16)"
+    )
     assert run_cli("accept", bad, "--prompts", prompts, "-n", 4).exit_code == 0
 
 
@@ -182,8 +194,25 @@ def test_an_activation_that_overflows_the_compute_dtype_is_named_by_position(fil
 def test_llama_perplexity_on_a_non_finite_file_fails_the_gate(files, llama_cpp_bin, name):
     """The same files through llama.cpp: llama-perplexity prints nan for the quant's statistics, which compare
     names as an engine failure (exit 1 with its gate) instead of reading a number."""
-    res = run_cli("compare", files["f32"], files[name], "-f", files["text"], "-c", 128, "--chunks", 2, "--engine",
-                  "llama.cpp", "--llama-cpp", llama_cpp_bin, "--max-kld", 0.05, "--threads", 1)
+    res = run_cli(
+        "compare",
+        files["f32"],
+        files[name],
+        "-f",
+        files["text"],
+        "-c",
+        128,
+        "--chunks",
+        2,
+        "--engine",
+        "llama.cpp",
+        "--llama-cpp",
+        llama_cpp_bin,
+        "--max-kld",
+        0.05,
+        "--threads",
+        1,
+    )
     assert res.exit_code == 1, res.output
     line = _one_line(res)
     assert line.startswith(f"FAIL {files[name]}: llama-perplexity printed ") and "nan for " in line, line

@@ -109,10 +109,11 @@ def widen_experts(folder: Path, n_experts: int) -> None:
     for k in range(0, len(todo), per_shard):
         name = f"widened-{k // per_shard:05d}.safetensors"
         part = {}
-        for i, e, proj in todo[k:k + per_shard]:
+        for i, e, proj in todo[k : k + per_shard]:
             shape = (H, FF) if proj == "down" else (FF, H)
             part[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] = (
-                torch.randn(*shape, generator=gen, dtype=torch.bfloat16) * 0.02)
+                torch.randn(*shape, generator=gen, dtype=torch.bfloat16) * 0.02
+            )
         save_file(part, str(folder / name), metadata={"format": "pt"})
         wm.update({n: name for n in part})
         del part
@@ -124,12 +125,20 @@ def widen_experts(folder: Path, n_experts: int) -> None:
 
 def run_child(*args, report: Path, copy_inputs: list[Path], copy_out_bytes: int) -> dict:
     """The command in a child, with a copy of ``copy_inputs`` to ``copy_out_bytes`` timed in it (see CHILD)."""
-    copy = {"inputs": [str(p) for p in copy_inputs], "out_bytes": copy_out_bytes,
-            "target": str(report.parent / "copy.bin")}
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "MTPQ_SCALE_REPORT": str(report), "MTPQ_SCALE_COPY": json.dumps(copy)}
-    res = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True,
-                         timeout=1800)
+    copy = {
+        "inputs": [str(p) for p in copy_inputs],
+        "out_bytes": copy_out_bytes,
+        "target": str(report.parent / "copy.bin"),
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "MTPQ_SCALE_REPORT": str(report),
+        "MTPQ_SCALE_COPY": json.dumps(copy),
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True, timeout=1800
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(report.read_text())
 
@@ -162,8 +171,15 @@ def test_seven_gb_through_convert_and_quantize(tmp_path_factory, capsys):
 def _convert_and_quantize(work: Path, capsys) -> None:
     ck = work / "ckpt"
     t0 = time.perf_counter()
-    tiny.glm4moe(ck, hidden_size=H, intermediate_size=2 * FF, moe_intermediate_size=FF, n_routed_experts=2,
-                 first_k_dense_replace=1, n_shards=1)
+    tiny.glm4moe(
+        ck,
+        hidden_size=H,
+        intermediate_size=2 * FF,
+        moe_intermediate_size=FF,
+        n_routed_experts=2,
+        first_k_dense_replace=1,
+        n_shards=1,
+    )
     widen_experts(ck, N_EXPERTS)
     build_s = time.perf_counter() - t0
     ck_files = sorted(ck.glob("*.safetensors"))
@@ -174,31 +190,57 @@ def _convert_and_quantize(work: Path, capsys) -> None:
     ck_bytes = warm(ck_files)
     # the copies write what the outputs will hold: bf16 -> bf16 the checkpoint's bytes, Q4_K_M the dry run's
     # total (each within 0.2 % of the files written: metadata, alignment)
-    conv = run_child("convert", ck, work / "bf16.gguf", "--outtype", "bf16", "--split-max-size", SPLIT, "--quiet",
-                     report=work / "convert.json", copy_inputs=ck_files, copy_out_bytes=ck_bytes)
+    conv = run_child(
+        "convert",
+        ck,
+        work / "bf16.gguf",
+        "--outtype",
+        "bf16",
+        "--split-max-size",
+        SPLIT,
+        "--quiet",
+        report=work / "convert.json",
+        copy_inputs=ck_files,
+        copy_out_bytes=ck_bytes,
+    )
     bf16 = shards(work, "bf16")
     out_bytes = sum(p.stat().st_size for p in bf16)
     rows.append(("convert -> bf16", ck_bytes, out_bytes, len(bf16), conv))
 
     in_bytes = warm(bf16)
     plan = json.loads(run_cli("quantize", bf16[0], work / "q4km.gguf", "Q4_K_M", "--dry-run", "--json").stdout)
-    quant = run_child("quantize", bf16[0], work / "q4km.gguf", "Q4_K_M", "--split-max-size", SPLIT, "--quiet",
-                      report=work / "quantize.json", copy_inputs=bf16, copy_out_bytes=plan["totals"]["bytes"])
+    quant = run_child(
+        "quantize",
+        bf16[0],
+        work / "q4km.gguf",
+        "Q4_K_M",
+        "--split-max-size",
+        SPLIT,
+        "--quiet",
+        report=work / "quantize.json",
+        copy_inputs=bf16,
+        copy_out_bytes=plan["totals"]["bytes"],
+    )
     q4 = shards(work, "q4km")
     out_bytes = sum(p.stat().st_size for p in q4)
     rows.append(("quantize Q4_K_M", in_bytes, out_bytes, len(q4), quant))
 
     with capsys.disabled():
-        print(f"\n{ck_bytes / 1e9:.2f} GB checkpoint ({N_EXPERTS} experts x 2 MoE layers, largest tensor "
-              f"{largest / 1e9:.2f} GB; built in {build_s:.0f} s), {os.cpu_count()} CPUs; RSS bound "
-              f"1 GB + largest = {bound / 1e9:.2f} GB")
+        print(
+            f"\n{ck_bytes / 1e9:.2f} GB checkpoint ({N_EXPERTS} experts x 2 MoE layers, largest tensor "
+            f"{largest / 1e9:.2f} GB; built in {build_s:.0f} s), {os.cpu_count()} CPUs; RSS bound "
+            f"1 GB + largest = {bound / 1e9:.2f} GB"
+        )
         for label, nin, nout, n, r in rows:
             stream, copy_s = r["write_seconds"], min(r["copies"])
-            print(f"{label:16s} {nin / 1e9:5.2f} GB -> {nout / 1e9:5.2f} GB in {n} shards | command {r['seconds']:5.1f} s, "
-                  f"streaming {stream:5.1f} s ({nin / stream / 1e9:.2f} GB/s read) | copy of the same bytes "
-                  f"{copy_s:5.1f} s (first of two {r['copies'][0]:.1f} s): streaming at {copy_s / stream:.2f}x the "
-                  f"copy's speed | peak RSS "
-                  f"{r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / bound:.2f}x the bound")
+            print(
+                f"{label:16s} {nin / 1e9:5.2f} GB -> {nout / 1e9:5.2f} GB in {n} shards | command "
+                f"{r['seconds']:5.1f} s, "
+                f"streaming {stream:5.1f} s ({nin / stream / 1e9:.2f} GB/s read) | copy of the same bytes "
+                f"{copy_s:5.1f} s (first of two {r['copies'][0]:.1f} s): streaming at {copy_s / stream:.2f}x the "
+                f"copy's speed | peak RSS "
+                f"{r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / bound:.2f}x the bound"
+            )
 
     for label, _, _, _, r in rows:
         assert r["peak_rss"] <= bound, (label, r)

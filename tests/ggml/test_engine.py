@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.helpers.golden_quants import load_golden
-
 from mtpq.ggml import engine, iqtables, jit
 from mtpq.ggml.engine import Stored, dequantize, quantize
 from mtpq.ggml.registry import TYPES, bytes_per_row, record
+from tests.helpers.golden_quants import load_golden
 
 
 def test_leading_dims_and_input_dtypes(inputs):
@@ -89,9 +88,27 @@ def test_a_file_that_ends_inside_the_tensor_is_refused(tmp_path):
 
 
 def _special_f32() -> np.ndarray:
-    bits = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF,
-                     0x3F80C000, 0x7F7FFFFF, 0xFF7FFFFF, 0x387FC000, 0x33800000, 0x33800001, 0x477FEFFF,
-                     0x477FF000, 0x0001FFFF], dtype=np.uint32)  # zeros, subnormals, ties, fp16 / bf16 edges
+    bits = np.array(
+        [
+            0x00000000,
+            0x80000000,
+            0x00000001,
+            0x807FFFFF,
+            0x3F808000,
+            0x3F818000,
+            0x3F807FFF,
+            0x3F80C000,
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+            0x387FC000,
+            0x33800000,
+            0x33800001,
+            0x477FEFFF,
+            0x477FF000,
+            0x0001FFFF,
+        ],
+        dtype=np.uint32,
+    )  # zeros, subnormals, ties, fp16 / bf16 edges
     rng = np.random.default_rng(7)
     rand = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-8, 4, 4096)).astype(np.float32)
     return np.concatenate([bits.view(np.float32), rand]).reshape(-1, 16)
@@ -130,7 +147,7 @@ def test_fp16_conversion_is_round_to_nearest_even_on_every_half_step():
     with np.errstate(over="ignore"):
         want = probes.astype(np.float16).view(np.uint16)
     assert np.array_equal(got.view(np.uint16), want) and not ok  # 65520 and up overflow: reported
-    assert jit.fp16(np.float32("nan")) == 0x7E00 and jit.fp16_to_f32(np.uint16(0x0001)) == np.float32(2.0 ** -24)
+    assert jit.fp16(np.float32("nan")) == 0x7E00 and jit.fp16_to_f32(np.uint16(0x0001)) == np.float32(2.0**-24)
 
 
 def test_c_rounding_helpers():
@@ -138,7 +155,7 @@ def test_c_rounding_helpers():
         assert jit.nearest_int(np.float32(v)) == want  # the 12582912.f trick: halves to even
     for v, want in [(0.5, 1.0), (-0.5, -1.0), (2.5, 3.0), (0.49999997, 0.0), (-2.5, -3.0)]:
         assert jit.roundf(np.float32(v)) == np.float32(want)  # C roundf: halves away from zero
-    assert jit.c_int(np.float32("nan")) == -(2 ** 31) and jit.c_int(np.float32(3e9)) == -(2 ** 31)
+    assert jit.c_int(np.float32("nan")) == -(2**31) and jit.c_int(np.float32(3e9)) == -(2**31)
     assert jit.c_int(np.float32(-7.9)) == -7
 
 
@@ -150,10 +167,10 @@ def test_grid_neighbour_lists_follow_ggml_rules():
     rng = np.random.default_rng(0)
     reachable = [u for u in range(1 << 16) if all(((u >> (2 * k)) & 3) <= 2 for k in range(8))]
     off = [u for u in reachable if kmap[u] < 0]
-    assert len(off) == 3 ** 8 - 256
+    assert len(off) == 3**8 - 256
     for u in rng.choice(off, 20, replace=False):
         at = -int(kmap[u]) - 1
-        lst = neighbours[at + 1:at + 1 + int(neighbours[at])].tolist()
+        lst = neighbours[at + 1 : at + 1 + int(neighbours[at])].tolist()
         p = 2 * ((u >> (2 * np.arange(8))) & 3) + 1
         d2 = ((pos.astype(np.int64) - p) ** 2).sum(1)
         two = np.unique(d2)[:2]
@@ -163,8 +180,10 @@ def test_grid_neighbour_lists_follow_ggml_rules():
 def test_gguf_writer_takes_the_arrays(tmp_path):
     """Every type's output goes straight into gguf-py's writer and reads back unchanged."""
     rng = np.random.default_rng(3)
-    tensors = {t: quantize(rng.standard_normal((4, 256)).astype(np.float32), t, t.name,
-                           importance=np.ones(256, np.float32)) for t in TYPES}
+    tensors = {
+        t: quantize(rng.standard_normal((4, 256)).astype(np.float32), t, t.name, importance=np.ones(256, np.float32))
+        for t in TYPES
+    }
     p = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(p, "llama")
     for t, arr in tensors.items():

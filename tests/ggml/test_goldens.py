@@ -21,11 +21,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from tests.helpers.golden_quants import CASES, GOLDEN, load_golden
-
 from mtpq.ggml import engine
 from mtpq.ggml.engine import Stored, dequantize, quantize
 from mtpq.ggml.registry import TYPES
+from tests.helpers.golden_quants import CASES, GOLDEN, load_golden
 
 PLAIN = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 WEIGHTED = [t for t in PLAIN if t is not T.Q8_0]
@@ -83,8 +82,7 @@ def test_stored_values_give_the_arrays_bytes(qtype, source, inputs, tmp_path, mo
     array of the same values is."""
     monkeypatch.setattr(engine, "CHUNK", 512)
     x = inputs["gauss_512"]
-    as_stored = {T.F32: x, T.F16: x.astype(np.float16),
-                 T.BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[source]
+    as_stored = {T.F32: x, T.F16: x.astype(np.float16), T.BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[source]
     path = tmp_path / "values.bin"
     path.write_bytes(b"\x07" * 96 + as_stored.tobytes())
     imp = load_golden("iquant_weights.npz")["gauss_512"] if qtype is T.IQ2_XXS else None
@@ -107,8 +105,9 @@ def test_dequantize_is_ggml_bit_for_bit(qtype):
     if qtype in (T.Q1_0, T.Q2_0):
         d = raw[:, :2].copy().view(np.float16).astype(np.float32)
         bits = np.unpackbits(raw[:, 2:], axis=1, bitorder="little").astype(np.float32)
-        want = np.where(bits > 0, d, -d) if qtype is T.Q1_0 else \
-            ((bits[:, 0::2] + 2 * bits[:, 1::2]) - np.float32(1)) * d
+        want = (
+            np.where(bits > 0, d, -d) if qtype is T.Q1_0 else ((bits[:, 0::2] + 2 * bits[:, 1::2]) - np.float32(1)) * d
+        )
     else:
         with np.errstate(all="ignore"):
             want = np.asarray(gq.dequantize(raw, qtype), np.float32).reshape(got.shape)

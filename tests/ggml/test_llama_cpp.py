@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.helpers.golden_quants import CASES
-
 from mtpq.ggml.engine import quantize
 from mtpq.ggml.registry import FLOAT_TYPES, TYPES
+from tests.helpers.golden_quants import CASES
 
 HARNESS_C = Path(__file__).parents[1] / "golden" / "qharness.c"
 QUANT_TYPES = [t for t in TYPES if t not in FLOAT_TYPES]
@@ -34,8 +33,20 @@ def harness(tmp_path_factory) -> Path:
     if not src or not lib or not shutil.which("gcc"):
         pytest.skip("needs gcc, MTPQ_LLAMA_CPP_SRC and MTPQ_LLAMA_CPP_BIN (with libggml-base)")
     exe = tmp_path_factory.mktemp("qh") / "qh"
-    subprocess.run(["gcc", "-O2", "-o", str(exe), str(HARNESS_C), f"-I{src}/ggml/include", f"-L{lib}",
-                    "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-o",
+            str(exe),
+            str(HARNESS_C),
+            f"-I{src}/ggml/include",
+            f"-L{lib}",
+            "-lggml-base",
+            f"-Wl,-rpath,{lib}",
+        ],
+        check=True,
+    )
     return exe
 
 
@@ -44,8 +55,18 @@ def ggml_quantize(exe: Path, qtype: T, x: np.ndarray, qw: np.ndarray | None, tmp
     np.ascontiguousarray(x, np.float32).tofile(tmp / "x")
     if qw is not None:
         np.ascontiguousarray(qw, np.float32).tofile(tmp / "w")
-    subprocess.run([str(exe), str(int(qtype)), str(rows), str(n), str(tmp / "x"),
-                    str(tmp / "w") if qw is not None else "-", str(tmp / "o")], check=True)
+    subprocess.run(
+        [
+            str(exe),
+            str(int(qtype)),
+            str(rows),
+            str(n),
+            str(tmp / "x"),
+            str(tmp / "w") if qw is not None else "-",
+            str(tmp / "o"),
+        ],
+        check=True,
+    )
     return np.fromfile(tmp / "o", np.uint8).reshape(rows, -1)
 
 
@@ -57,14 +78,19 @@ def fuzz_data(seed: int, rows: int = 8, n: int = 1024):
     xs = {
         "gauss": g * 0.02,
         "student_t": rng.standard_t(3, (rows, n)) * 0.02,
-        "scaled_blocks": (g.reshape(rows, -1, 256) * np.exp(rng.uniform(-20, 10, (rows, n // 256, 1)))).reshape(rows, n),
+        "scaled_blocks": (g.reshape(rows, -1, 256) * np.exp(rng.uniform(-20, 10, (rows, n // 256, 1)))).reshape(
+            rows, n
+        ),
         "sparse": np.where(rng.random((rows, n)) < 0.8, 0, g),
         "integers": rng.integers(-4, 5, (rows, n)),
         "outliers": np.where(rng.random((rows, n)) < 0.01, g * 100, g * 0.01),
         "subnormal": g * 1e-38,
     }
-    ws = {"lognormal": np.exp(rng.normal(0, 2, n)), "uniform": rng.uniform(0, 1, n),
-          "with_zeros": np.where(rng.random(n) < 0.2, 0, rng.uniform(0, 10, n))}
+    ws = {
+        "lognormal": np.exp(rng.normal(0, 2, n)),
+        "uniform": rng.uniform(0, 1, n),
+        "with_zeros": np.where(rng.random(n) < 0.2, 0, rng.uniform(0, 10, n)),
+    }
     for i, (name, x) in enumerate(xs.items()):
         wn = list(ws)[(i + seed) % len(ws)]  # each distribution with one kind of importance, and with none
         yield f"{name}/{wn}", x.astype(np.float32), ws[wn].astype(np.float32)
@@ -104,8 +130,13 @@ def test_llama_quantize_agrees(qtype, inputs, llama_cpp_bin, tmp_path):
 
     src = tmp_path / "f32.gguf"
     w = gguf.GGUFWriter(src, "llama")
-    for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", 256),
-                       ("feed_forward_length", 512), ("head_count", 1)):
+    for key, value in (
+        ("block_count", 1),
+        ("context_length", 256),
+        ("embedding_length", 256),
+        ("feed_forward_length", 512),
+        ("head_count", 1),
+    ):
         getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-5)
     cases = [c for c in CASES if inputs[c].shape[1] % rec.block_size == 0 and takes(c)]
@@ -120,14 +151,33 @@ def test_llama_quantize_agrees(qtype, inputs, llama_cpp_bin, tmp_path):
         from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix
 
         im = tmp_path / "im.dat"
-        write_imatrix(Imatrix({f"blk.0.{c}.weight": Entry(np.ones((1, inputs[c].shape[1]), np.float32),
-                                                          np.ones(1, np.float32)) for c in cases}, legacy=True), im)
+        write_imatrix(
+            Imatrix(
+                {
+                    f"blk.0.{c}.weight": Entry(np.ones((1, inputs[c].shape[1]), np.float32), np.ones(1, np.float32))
+                    for c in cases
+                },
+                legacy=True,
+            ),
+            im,
+        )
         args = ["--imatrix", str(im)]
-    subprocess.run([str(llama_cpp_bin / "llama-quantize"), "--pure", *args, str(src), str(out),
-                    PRESET_OF.get(qtype, qtype.name), "2"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-quantize"),
+            "--pure",
+            *args,
+            str(src),
+            str(out),
+            PRESET_OF.get(qtype, qtype.name),
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     seen = 0
     for t in gguf.GGUFReader(out).tensors:
-        c = t.name[len("blk.0."):-len(".weight")]
+        c = t.name[len("blk.0.") : -len(".weight")]
         assert t.tensor_type == qtype, f"{c}: {t.tensor_type.name}"
         assert np.asarray(t.data).tobytes() == quantize(inputs[c], qtype, c, importance=imp[c]).tobytes(), c
         seen += 1

@@ -94,8 +94,9 @@ def qkx_reference(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
         best_mad += weights[i] * diff
     if nstep < 1:
         return scale, -mn
-    scale, mn = K._qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, 0, nstep, use_mad, mn, mx, sum_w, sum_x,
-                             scale, best_mad)
+    scale, mn = K._qkx_steps(
+        n, nmax, x, weights, L, Laux, rmin, rdelta, 0, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
+    )
     return scale, -mn
 
 
@@ -122,8 +123,11 @@ def blocks(n: int, count: int, seed: int):
             x = np.abs(rng.standard_normal(n)) + rng.choice([0.0, -1e-6])
         else:
             x = rng.standard_t(2, n)
-        w = [np.abs(x) + np.sqrt(np.mean(x * x)), np.exp(rng.normal(0, 2, n)),
-             np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0, 10, n))][k % 3]
+        w = [
+            np.abs(x) + np.sqrt(np.mean(x * x)),
+            np.exp(rng.normal(0, 2, n)),
+            np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0, 10, n)),
+        ][k % 3]
         yield x.astype(F), w.astype(F)
 
 
@@ -141,13 +145,16 @@ def test_make_qx_quants_is_c_pass_by_pass(n, nmax):
     assert checked == 800
 
 
-@pytest.mark.parametrize("n,nmax,rmin,rdelta,nstep,use_mad", [
-    (32, 15, -1.0, 0.1, 20, False),  # Q4_K
-    (32, 31, -0.5, 0.1, 15, False),  # Q5_K
-    (32, 15, -0.9, 0.05, 36, False),  # with importance, Q4_1
-    (16, 3, -0.5, 0.1, 15, True),  # Q2_K
-    (16, 3, -0.9, 0.05, 36, False),  # Q2_K with importance
-])
+@pytest.mark.parametrize(
+    "n,nmax,rmin,rdelta,nstep,use_mad",
+    [
+        (32, 15, -1.0, 0.1, 20, False),  # Q4_K
+        (32, 31, -0.5, 0.1, 15, False),  # Q5_K
+        (32, 15, -0.9, 0.05, 36, False),  # with importance, Q4_1
+        (16, 3, -0.5, 0.1, 15, True),  # Q2_K
+        (16, 3, -0.9, 0.05, 36, False),  # Q2_K with importance
+    ],
+)
 def test_make_qkx_quants_is_c_step_by_step(n, nmax, rmin, rdelta, nstep, use_mad):
     tmp = np.empty(K.QKX_TMP, F)
     for x, w in blocks(n, 400, seed=nstep * 1000 + n):

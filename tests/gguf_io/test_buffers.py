@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T, GGUFReader
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
 
 from tests.helpers.runcli import run_cli
+
 
 @pytest.fixture(scope="module")
 def full(glm_ckpt, tmp_path_factory):
@@ -23,7 +25,7 @@ def _with_nan(full, tmp_path, pick) -> tuple:
     victim = pick(matrices)
     data = bytearray(full.read_bytes())
     at = int(victim.data_offset) + 4 * 37
-    data[at:at + 4] = np.float32("nan").tobytes()
+    data[at : at + 4] = np.float32("nan").tobytes()
     bad = tmp_path / "nan.gguf"
     bad.write_bytes(bytes(data))
     return bad, victim.name

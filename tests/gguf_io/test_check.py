@@ -30,18 +30,31 @@ def check(*files):
 def test_sound_files_pass(made):
     code, lines = check(made / "f16.gguf", made / "trunk.gguf", made / "head.gguf")
     assert code == 0, lines
-    assert lines == [f"{made / 'f16.gguf'}: ok (trunk + head blk.2)",
-                     f"{made / 'trunk.gguf'}: ok (trunk only, no head)", f"{made / 'head.gguf'}: ok (head file blk.2)"]
+    assert lines == [
+        f"{made / 'f16.gguf'}: ok (trunk + head blk.2)",
+        f"{made / 'trunk.gguf'}: ok (trunk only, no head)",
+        f"{made / 'head.gguf'}: ok (head file blk.2)",
+    ]
 
 
-@pytest.mark.parametrize("override, says", [
-    ("glm4moe.nextn_predict_layers=int:2", "nextn_predict_layers is 2 with block_count 3, so the head should be "
-                                           "blk.1, blk.2, but MTP tensors (nextn.*) are in blk.2"),
-    ("glm4moe.nextn_predict_layers=int:0", "nextn_predict_layers is 0, but blk.2 hold MTP tensors (nextn.*): "
-                                           "llama.cpp will not load the head"),
-    ("glm4moe.block_count=int:2", "block_count is 2, but tensors reach blk.2: block_count must count the trunk and "
-                                  "the MTP blocks"),
-])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "glm4moe.nextn_predict_layers=int:2",
+            "nextn_predict_layers is 2 with block_count 3, so the head should be "
+            "blk.1, blk.2, but MTP tensors (nextn.*) are in blk.2",
+        ),
+        (
+            "glm4moe.nextn_predict_layers=int:0",
+            "nextn_predict_layers is 0, but blk.2 hold MTP tensors (nextn.*): llama.cpp will not load the head",
+        ),
+        (
+            "glm4moe.block_count=int:2",
+            "block_count is 2, but tensors reach blk.2: block_count must count the trunk and the MTP blocks",
+        ),
+    ],
+)
 def test_wrong_metadata(made, tmp_path, override, says):
     out = tmp_path / "bad.gguf"
     res = run_cli("quantize", made / "f16.gguf", out, "Q8_0", "--override-kv", override, "-q")
@@ -57,8 +70,10 @@ def test_missing_nextn_key(made, tmp_path):
     plan.drop_kv("glm4moe.nextn_predict_layers")
     write_plan(plan, tmp_path / "bad.gguf")
     code, lines = check(tmp_path / "bad.gguf")
-    assert code == 1 and lines == [f"{tmp_path / 'bad.gguf'}: glm4moe.nextn_predict_layers is missing, but blk.2 "
-                                   "hold MTP tensors (nextn.*): llama.cpp will not load the head"], lines
+    assert code == 1 and lines == [
+        f"{tmp_path / 'bad.gguf'}: glm4moe.nextn_predict_layers is missing, but blk.2 "
+        "hold MTP tensors (nextn.*): llama.cpp will not load the head"
+    ], lines
 
 
 @pytest.mark.parametrize("drop", ["blk.2.nextn.eh_proj.weight", "blk.2.ffn_down_exps.weight"])
@@ -100,8 +115,10 @@ def test_head_file_of_another_model(made, tmp_path):
 def test_any_shard_checks_the_set_and_needs_no_torch(made, tmp_path):
     import subprocess
 
-    assert run_cli("quantize", made / "f16.gguf", tmp_path / "s.gguf", "Q8_0", "--split-max-size", "1M",
-                   "-q").exit_code == 0
+    assert (
+        run_cli("quantize", made / "f16.gguf", tmp_path / "s.gguf", "Q8_0", "--split-max-size", "1M", "-q").exit_code
+        == 0
+    )
     shards = sorted(tmp_path.glob("s-*-of-*.gguf"))
     assert len(shards) > 1
     code, lines = check(shards[-1], shards[0])  # one set, counted once
@@ -112,11 +129,21 @@ def test_any_shard_checks_the_set_and_needs_no_torch(made, tmp_path):
 
 
 FAMILIES = [  # (builder module, function, keyword arguments): every family mtpq converts, as tiny checkpoints
-    ("tiny", "glm4moe", {}), ("tiny", "glm4moe", {"glm46": True}), ("tiny_deepseek2", "deepseek_v3", {}),
-    ("tiny_deepseek32", "deepseek_v32", {}), ("tiny_glm_dsa", "glm_dsa", {}), ("tiny_glm_dsa", "glm4_moe_lite", {}),
-    ("tiny_qwen35", "qwen35", {}), ("tiny_qwen35", "qwen35", {"moe": True}), ("tiny_qwen3next", "qwen3next", {}),
-    ("tiny_step35", "step35", {}), ("tiny_mimo2", "mimo2", {}), ("tiny_hy_v3", "hyv3", {}),
-    ("tiny_cohere2moe", "cohere2moe", {}), ("tiny_nemotron_h_moe", "nemotronh", {}), ("tiny_bailingmoe3", "bailingmoe3", {}),
+    ("tiny", "glm4moe", {}),
+    ("tiny", "glm4moe", {"glm46": True}),
+    ("tiny_deepseek2", "deepseek_v3", {}),
+    ("tiny_deepseek32", "deepseek_v32", {}),
+    ("tiny_glm_dsa", "glm_dsa", {}),
+    ("tiny_glm_dsa", "glm4_moe_lite", {}),
+    ("tiny_qwen35", "qwen35", {}),
+    ("tiny_qwen35", "qwen35", {"moe": True}),
+    ("tiny_qwen3next", "qwen3next", {}),
+    ("tiny_step35", "step35", {}),
+    ("tiny_mimo2", "mimo2", {}),
+    ("tiny_hy_v3", "hyv3", {}),
+    ("tiny_cohere2moe", "cohere2moe", {}),
+    ("tiny_nemotron_h_moe", "nemotronh", {}),
+    ("tiny_bailingmoe3", "bailingmoe3", {}),
 ]
 
 

@@ -55,9 +55,16 @@ def test_a_truncated_string_array_is_refused(meta_file, tmp_path):
         open_gguf(cut)
 
 
-@pytest.mark.parametrize("args", [["inspect", "{f}"], ["quantize", "{f}", "{out}", "Q4_K_M", "--dry-run"],
-                                  ["--help"], ["quantize", "{f}", "{out}", "Q8_0", "--pure", "--quiet"],
-                                  ["quantize", "{f}", "{out}", "Q4_0", "--pure", "--threads", "2", "--quiet"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "{f}"],
+        ["quantize", "{f}", "{out}", "Q4_K_M", "--dry-run"],
+        ["--help"],
+        ["quantize", "{f}", "{out}", "Q8_0", "--pure", "--quiet"],
+        ["quantize", "{f}", "{out}", "Q4_0", "--pure", "--threads", "2", "--quiet"],
+    ],
+)
 def test_metadata_only_commands_start_without_torch(meta_file, tmp_path, args):
     """inspect, quantize --dry-run and --help never import torch (1.5-4 s of a start-up on a 2-core machine),
     nor does quantizing (the kernels are mtpq.ggml's, compiled: see the next test)."""
@@ -87,11 +94,21 @@ def k_source(tmp_path_factory) -> tuple[Path, Path]:
     return src, im
 
 
-@pytest.mark.parametrize("mix,extra,types", [
-    ("Q4_K_M", [], {"Q4_K", "Q6_K"}), ("Q3_K_S", ["--threads", "1"], {"Q3_K"}), ("Q2_K", [], {"Q2_K", "Q3_K"}),
-    ("IQ4_XS", [], {"IQ4_XS"}), ("Q5_1", ["--pure"], {"Q5_1"}), ("TQ1_0", ["--pure"], {"TQ1_0"}),
-    ("Q4_K_M", ["--imatrix", "IM"], {"Q4_K", "Q6_K"}), ("IQ2_XXS", ["--imatrix", "IM"], {"IQ2_XXS"}),
-    ("IQ1_M", ["--imatrix", "IM", "--pure"], {"IQ1_M"}), ("Q4_0", ["--imatrix", "IM", "--pure"], {"Q4_0"})])
+@pytest.mark.parametrize(
+    "mix,extra,types",
+    [
+        ("Q4_K_M", [], {"Q4_K", "Q6_K"}),
+        ("Q3_K_S", ["--threads", "1"], {"Q3_K"}),
+        ("Q2_K", [], {"Q2_K", "Q3_K"}),
+        ("IQ4_XS", [], {"IQ4_XS"}),
+        ("Q5_1", ["--pure"], {"Q5_1"}),
+        ("TQ1_0", ["--pure"], {"TQ1_0"}),
+        ("Q4_K_M", ["--imatrix", "IM"], {"Q4_K", "Q6_K"}),
+        ("IQ2_XXS", ["--imatrix", "IM"], {"IQ2_XXS"}),
+        ("IQ1_M", ["--imatrix", "IM", "--pure"], {"IQ1_M"}),
+        ("Q4_0", ["--imatrix", "IM", "--pure"], {"Q4_0"}),
+    ],
+)
 def test_quantize_starts_without_torch(k_source, tmp_path, mix, extra, types):
     """Nor does quantizing to any type, with an imatrix or without, on one thread or several."""
     src, im = k_source
@@ -103,10 +120,18 @@ def test_quantize_starts_without_torch(k_source, tmp_path, mix, extra, types):
 
 def _run_cli(argv: list[str]) -> str:
     """``mtpq ARGV`` in a fresh interpreter: its exit code, and whether torch was imported."""
-    code = ("import sys\nfrom mtpq.cli import app\nsys.argv = ['mtpq', *sys.argv[1:]]\nrc = 0\n"
-            "try:\n    app()\nexcept SystemExit as e:\n    rc = e.code or 0\n"
-            "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO TORCH')")
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    code = (
+        "import sys\nfrom mtpq.cli import app\nsys.argv = ['mtpq', *sys.argv[1:]]\nrc = 0\n"
+        "try:\n    app()\nexcept SystemExit as e:\n    rc = e.code or 0\n"
+        "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO TORCH')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     lines = proc.stdout.strip().splitlines()
     return lines[-1] if lines else proc.stderr[-2000:]

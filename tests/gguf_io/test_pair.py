@@ -33,7 +33,6 @@ def accept(*args) -> dict:
 
 
 def test_trunk_with_head_file_measures_as_the_combined_file(cut, tmp_path):
-    from tests.builders import tiny
 
     whole = accept(cut / "full.gguf")
     assert whole["drafted"] > 0
@@ -53,7 +52,8 @@ def test_head_of_another_shape_is_refused(cut, tmp_path):
     assert run_cli("convert", other, head, "--mtp-only", "-q").exit_code == 0
     res = run_cli("accept", cut / "trunk.gguf", "--head", head, *FLAGS)
     assert res.exit_code == 2 and res.stderr.strip() == (
-        f"error: {head}: hidden size 512 does not match trunk.gguf's 256: not a head for this trunk"), res.output
+        f"error: {head}: hidden size 512 does not match trunk.gguf's 256: not a head for this trunk"
+    ), res.output
 
 
 def test_tied_head_reads_the_head_files_embeddings(tmp_path):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runcli import run_cli
-
 import mtpq.gguf_io.buffers as buffers
+from tests.helpers.runcli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +68,14 @@ def test_a_plans_new_values_are_written_not_the_stored_ones(target, inputs, tmp_
 
     plan = plan_from_gguf(inputs["full"])
     name = "blk.0.attn_output.weight"
-    plan.tensors = [s.with_values(lambda s=s: torch.zeros(s.shape)).with_type(T[target], "test")
-                    if s.name == name else s for s in plan.tensors]
+    plan.tensors = [
+        s.with_values(lambda s=s: torch.zeros(s.shape)).with_type(T[target], "test") if s.name == name else s
+        for s in plan.tensors
+    ]
     out = tmp_path / "edited.gguf"
     write_plan(plan, out)
     written = {t.name: t for t in GGUFReader(out).tensors}
     assert not np.asarray(written[name].data).any()  # all zeros, in either type
-    assert np.asarray(written["blk.0.ffn_norm.weight" if "blk.0.ffn_norm.weight" in written
-                              else "output_norm.weight"].data).any()  # the others kept
+    assert np.asarray(
+        written["blk.0.ffn_norm.weight" if "blk.0.ffn_norm.weight" in written else "output_norm.weight"].data
+    ).any()  # the others kept

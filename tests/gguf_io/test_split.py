@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from mtpq.gguf_io import SPLIT_KEYS, SplitRule, plan_from_gguf, write_plan
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
-
-from mtpq.gguf_io import SPLIT_KEYS, SplitRule, plan_from_gguf, write_plan
 
 SPLIT_SIZE = "2M"  # the tiny f16 model (6.9 MiB) in 4 shards
 
@@ -44,7 +43,7 @@ def layout(path: Path) -> tuple[list[tuple], list[tuple], bytes]:
     r = GGUFReader(path)
     kv = [(k, f.contents()) for k, f in r.fields.items() if not k.startswith("GGUF.")]
     infos = [(t.name, int(t.tensor_type), [int(d) for d in t.shape]) for t in r.tensors]
-    return kv, infos, path.read_bytes()[r.data_offset:]
+    return kv, infos, path.read_bytes()[r.data_offset :]
 
 
 def split_values(path: Path) -> dict:
@@ -64,8 +63,13 @@ def models(glm_ckpt, tmp_path_factory) -> dict[str, Path | list[Path]]:
     ok("convert", glm_ckpt, root / "sh" / "t.gguf", "--no-mtp", "--split-max-size", SPLIT_SIZE, "--quiet")
     text = root / "text.txt"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
-    return {"full": full, "trunk": trunk, "shards": shards_of(root / "sh", "m"),
-            "trunk_shards": shards_of(root / "sh", "t"), "text": text}
+    return {
+        "full": full,
+        "trunk": trunk,
+        "shards": shards_of(root / "sh", "m"),
+        "trunk_shards": shards_of(root / "sh", "t"),
+        "text": text,
+    }
 
 
 # ----------------------------------------------------------------------------- what a split file holds
@@ -129,10 +133,26 @@ def _same_results(whole: dict[str, Path], split: dict[str, Path], tmp_path: Path
         outs[label] = {
             "inspect": json.loads(ok("inspect", m["model"], "--json")),
             "accept": json.loads(ok("accept", m["model"], "--json", "-", "-k", "2", "-n", "8", "--max-prompts", "2")),
-            "sweep": (ok("sweep", m["model"], "--mtp", "q8_0", "--trunk", "Q8_0", "-n", "6", "--max-prompts", "1",
-                         "--json", d / "sweep.json"), json.loads((d / "sweep.json").read_text()))[1],
-            "compare": json.loads(ok("compare", m["model"], m["model"], "--text", m["text"], "-c", "64", "--chunks",
-                                     "2", "--json", "-")),
+            "sweep": (
+                ok(
+                    "sweep",
+                    m["model"],
+                    "--mtp",
+                    "q8_0",
+                    "--trunk",
+                    "Q8_0",
+                    "-n",
+                    "6",
+                    "--max-prompts",
+                    "1",
+                    "--json",
+                    d / "sweep.json",
+                ),
+                json.loads((d / "sweep.json").read_text()),
+            )[1],
+            "compare": json.loads(
+                ok("compare", m["model"], m["model"], "--text", m["text"], "-c", "64", "--chunks", "2", "--json", "-")
+            ),
         }
         ok("quantize", m["model"], d / "q.gguf", "Q4_K_M", "-q")
         ok("extract-mtp", m["model"], d / "head.gguf", "-q")
@@ -173,8 +193,9 @@ def test_split_outputs_hold_the_unsplit_outputs_bytes(models, tmp_path):
     whole, the unsplit file's bytes."""
     runs = {
         "quantize": lambda out, *s: ok("quantize", models["shards"][0], out, "Q4_K_M", "-q", *s),
-        "graft": lambda out, *s: ok("graft", out, "--mtp-from", models["shards"][0], "--into", models["trunk"],
-                                    "--mtp-type", "q8_0", "-q", *s),
+        "graft": lambda out, *s: ok(
+            "graft", out, "--mtp-from", models["shards"][0], "--into", models["trunk"], "--mtp-type", "q8_0", "-q", *s
+        ),
     }
     for name, run in runs.items():
         run(tmp_path / f"{name}.gguf")
@@ -199,8 +220,13 @@ def test_keep_split_keeps_the_inputs_shards(models, tmp_path):
 
 
 def gguf_split(bin_dir: Path, *args) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(bin_dir / "llama-gguf-split"), *map(str, args)], capture_output=True, text=True,
-                         timeout=300, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [str(bin_dir / "llama-gguf-split"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return res
 
@@ -241,8 +267,21 @@ def test_llama_cpp_loads_and_drafts_from_our_shards(models, tmp_path, llama_cpp_
     counts as the unsplit file."""
     ok("quantize", models["full"], tmp_path / "q.gguf", "Q4_K_M", "-q")
     ok("quantize", models["shards"][0], tmp_path / "qs.gguf", "Q4_K_M", "--split-max-size", "1M", "-q")
-    flags = ["--spec-type", "draft-mtp", "-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):",
-             "-n", "12"]
+    flags = [
+        "--spec-type",
+        "draft-mtp",
+        "-c",
+        "256",
+        "-t",
+        "1",
+        "--temp",
+        "0",
+        "--no-repack",
+        "-p",
+        "def add(a, b):",
+        "-n",
+        "12",
+    ]
     whole, whole_stats = speculative_simple(llama_cpp_bin, "-m", tmp_path / "q.gguf", *flags)
     parts = shards_of(tmp_path, "qs")
     split, split_stats = speculative_simple(llama_cpp_bin, "-m", parts[0], *flags)
@@ -250,8 +289,14 @@ def test_llama_cpp_loads_and_drafts_from_our_shards(models, tmp_path, llama_cpp_
     parts[1].unlink()  # and it did read the other shards: without one it stops. When it exits on its own, its
     # log names the missing shard; its log is written by a thread it does not wait for, and that thread sometimes
     # crashes it on the way out (SIGSEGV) with the message lost or cut after its timestamp: then only the failure.
-    res = subprocess.run([str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(parts[0]), *map(str, flags)],
-                         capture_output=True, text=True, errors="replace", timeout=300, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [str(llama_cpp_bin / "llama-speculative-simple"), "-m", str(parts[0]), *map(str, flags)],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert res.returncode != 0, res.stderr[-2000:]
     assert res.returncode < 0 or parts[1].name in res.stderr, res.stderr[-2000:]
 
@@ -262,8 +307,13 @@ def test_keep_split_matches_llama_quantize(models, tmp_path, llama_cpp_bin):
     and in each shard its tensors, in its order, with its types and bytes."""
     gguf_split(llama_cpp_bin, "--split-max-size", "1M", models["full"], tmp_path / "in")
     first = shards_of(tmp_path, "in")[0]
-    subprocess.run([str(llama_cpp_bin / "llama-quantize"), "--keep-split", first, tmp_path / "ref", "Q4_K_M", "1"],
-                   check=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+    subprocess.run(
+        [str(llama_cpp_bin / "llama-quantize"), "--keep-split", first, tmp_path / "ref", "Q4_K_M", "1"],
+        check=True,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     ok("quantize", first, tmp_path / "ours.gguf", "Q4_K_M", "--mtp-type", "same", "--keep-split", "-q")
     ours, ref = shards_of(tmp_path, "ours"), shards_of(tmp_path, "ref")
     assert len(ours) == len(ref) == len(shards_of(tmp_path, "in"))
@@ -272,8 +322,9 @@ def test_keep_split_matches_llama_quantize(models, tmp_path, llama_cpp_bin):
         assert split_values(a) == split_values(b)
         assert [t.name for t in ra.tensors] == [t.name for t in rb.tensors], a.name
         for ta, tb in zip(ra.tensors, rb.tensors):
-            assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data).view(np.uint8).ravel(),
-                                                                       np.asarray(tb.data).view(np.uint8).ravel()), ta.name
+            assert ta.tensor_type == tb.tensor_type and np.array_equal(
+                np.asarray(ta.data).view(np.uint8).ravel(), np.asarray(tb.data).view(np.uint8).ravel()
+            ), ta.name
 
 
 @pytest.mark.llama_cpp
@@ -285,8 +336,9 @@ def test_the_llama_cpp_engine_is_given_shard_1(models, llama_cpp_bin, monkeypatc
     whole = json.loads(ok("accept", models["full"], *args))
     split = json.loads(ok("accept", models["shards"][-1], *args))
     assert whole["drafted"] > 0
-    assert {k: whole[k] for k in ("drafted", "accepted", "by_category")} == \
-           {k: split[k] for k in ("drafted", "accepted", "by_category")}
+    assert {k: whole[k] for k in ("drafted", "accepted", "by_category")} == {
+        k: split[k] for k in ("drafted", "accepted", "by_category")
+    }
 
 
 def test_split_rule_cuts_as_llama_gguf_split():
@@ -321,6 +373,9 @@ def test_the_llama_cpp_engine_refuses_a_broken_set_before_starting(models, tmp_p
     monkeypatch.setattr(engine.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
     res = run_cli("accept", tmp_path / models["shards"][0].name, "--engine", "llama.cpp", "-n", "4")
     missing = tmp_path / models["shards"][-1].name
-    assert res.exit_code == 2 and res.stderr.strip() == \
-        f"error: {missing}: missing: shard 4 of 4 of the split set {models['shards'][0].name} is in", res.stderr
+    assert (
+        res.exit_code == 2
+        and res.stderr.strip()
+        == f"error: {missing}: missing: shard 4 of 4 of the split set {models['shards'][0].name} is in"
+    ), res.stderr
     assert not started

@@ -5,7 +5,8 @@
 SRC is a llama.cpp source tree with a build in SRC/build (libggml-base); the goldens in the repo were made with
 the one vendored in the llama-cpp-python 0.3.36 sdist (ggml 0.25.3). The inputs are committed data:
 ``inputs.npz`` (the float32 test matrices described in tests/ggml/test_quant_kernels.py), ``importance.npz`` and
-``iquant_weights.npz`` (importance vectors, see tests/ggml/test_imatrix_kernels.py and tests/ggml/test_iquant_kernels.py);
+``iquant_weights.npz`` (importance vectors, see tests/ggml/test_imatrix_kernels.py and
+tests/ggml/test_iquant_kernels.py);
 this script derives every output from them with qharness.c (``ggml_quantize_chunk``):
 
 - ``<TYPE>.npz``          legacy and k-quants and IQ4_NL/IQ4_XS without importance: one key per case;
@@ -38,8 +39,22 @@ IQ_NEED_WEIGHTS = {T.IQ2_XXS, T.IQ2_XS, T.IQ1_S}  # ggml aborts on these without
 def build_harness(src: Path, out: Path) -> Path:
     exe = out / "qharness"
     lib = src / "build" / "bin"
-    subprocess.run(["gcc", "-O2", "-o", str(exe), str(HERE / "qharness.c"), "-I", str(src / "ggml" / "include"),
-                    "-L", str(lib), "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-o",
+            str(exe),
+            str(HERE / "qharness.c"),
+            "-I",
+            str(src / "ggml" / "include"),
+            "-L",
+            str(lib),
+            "-lggml-base",
+            f"-Wl,-rpath,{lib}",
+        ],
+        check=True,
+    )
     return exe
 
 
@@ -49,8 +64,10 @@ def quantize(exe: Path, tmp: Path, qtype: T, x: np.ndarray, w: np.ndarray | None
     np.ascontiguousarray(x, dtype=np.float32).tofile(src)
     if w is not None:
         np.ascontiguousarray(w, dtype=np.float32).tofile(imx)
-    subprocess.run([str(exe), str(int(qtype)), str(rows), str(n), str(src), str(imx) if w is not None else "-",
-                    str(dst)], check=True)
+    subprocess.run(
+        [str(exe), str(int(qtype)), str(rows), str(n), str(src), str(imx) if w is not None else "-", str(dst)],
+        check=True,
+    )
     return np.fromfile(dst, dtype=np.uint8).reshape(rows, -1)
 
 

@@ -16,5 +16,5 @@ def scaled_copy(inputs: list[Path], out_bytes: int, target: Path) -> None:
                 while n := src.readinto(buf):
                     todo = round(n * out_bytes / in_bytes)
                     while todo > 0:
-                        dst.write(memoryview(buf)[:min(n, todo)])
+                        dst.write(memoryview(buf)[: min(n, todo)])
                         todo -= min(n, todo)

@@ -95,8 +95,9 @@ def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
 HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # what a --mtp-only file carries
 
 
-def assert_mode_files(ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str,
-                      top: tuple[str, ...] = HEAD_FILE_TOP) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+def assert_mode_files(
+    ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str, top: tuple[str, ...] = HEAD_FILE_TOP
+) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
     """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but block n_trunk's;
     ``--mtp-only``: n_trunk + 1 blocks, one NextN layer, block n_trunk's names and ``top``. ``args``: more
     convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
@@ -208,8 +209,7 @@ def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return shard
 
 
-def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str,
-                              *args: str):
+def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.Tensor | None, needle: str, *args: str):
     """After rewrite_tensor(ck, name, value): convert (with ``args``) exits 2 with one line holding needle and
     naming the shard (a misshaped tensor) or the folder (a missing one), writes nothing, and leaves ck unchanged."""
     shard = rewrite_tensor(ck, name, value)
@@ -269,22 +269,36 @@ def strip_general(kv: dict) -> dict:
 
 def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a llama.cpp binary; asserts exit 0."""
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                         stdin=subprocess.DEVNULL)  # a random model prints invalid UTF-8
+    res = subprocess.run(
+        [str(c) for c in cmd],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )  # a random model prints invalid UTF-8
     assert res.returncode == 0, (cmd, res.stderr[-3000:])
     return res
 
 
-def convert_with_both(llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str | None = None, *ref_args: str,
-                      raw_config: bool = False):
+def convert_with_both(
+    llama_cpp_src: Path, ck: Path, tmp_path: Path, mode: str | None = None, *ref_args: str, raw_config: bool = False
+):
     """Our f32 conversion in llama.cpp converter mode ``mode`` and llama.cpp's own (ref_args and raw_config
     passed to llamacpp_ref.llama_cpp_convert): (our path, our kv, our tensors, reference path)."""
     from tests.helpers.llamacpp_ref import llama_cpp_convert
 
     out = tmp_path / "ours.gguf"
     kv, tensors = convert(ck, out, "--outtype", "f32", *OUR_MODE[mode])
-    ref = llama_cpp_convert(llama_cpp_src, ck, tmp_path / "ref.gguf", kv["tokenizer.ggml.pre"],
-                            *([mode] if mode else []), *ref_args, raw_config=raw_config)
+    ref = llama_cpp_convert(
+        llama_cpp_src,
+        ck,
+        tmp_path / "ref.gguf",
+        kv["tokenizer.ggml.pre"],
+        *([mode] if mode else []),
+        *ref_args,
+        raw_config=raw_config,
+    )
     return out, kv, tensors, ref
 
 
@@ -298,8 +312,9 @@ def assert_fp8_source_same_as_llama_cpp(llama_cpp_src: Path, ck: Path, tmp_path:
     assert_same_gguf(out, kv, tensors, ref)
 
 
-def assert_same_gguf(out: Path, kv: dict, tensors: dict, ref: Path, value_types: bool = True,
-                     ignore: tuple[str, ...] = ()) -> dict:
+def assert_same_gguf(
+    out: Path, kv: dict, tensors: dict, ref: Path, value_types: bool = True, ignore: tuple[str, ...] = ()
+) -> dict:
     """Every metadata key and value (and with value_types, each value's GGUF type), every tensor name, type,
     shape and byte equal the reference file's (general.* writer keys aside; the keys in ignore left out of
     both); returns the reference tensors."""

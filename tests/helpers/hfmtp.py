@@ -46,7 +46,7 @@ def accepted_like_transformers(hf, model, prompts: list[list[int]], max_new: int
             rounds.clear()
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, use_mtp=True)
             ours = run_speculative(model, ids, max_new, k=1, stop_ids=eos)
-            assert out[0, len(ids):].tolist() == ours.tokens
+            assert out[0, len(ids) :].tolist() == ours.tokens
             assert rounds == counted_like_transformers(ours.accepted, ours.tokens), (rounds, ours.accepted)
             total += sum(rounds)
         return total

@@ -38,16 +38,38 @@ def harness(bin_dir: Path, src: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    cmd = ["g++", "-O2", "-std=c++17", f"-I{src}/include", f"-I{src}/src", f"-I{src}/ggml/include", str(HARNESS),
-           "-o", str(tmp), f"-L{bin_dir}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{bin_dir}"]
+    cmd = [
+        "g++",
+        "-O2",
+        "-std=c++17",
+        f"-I{src}/include",
+        f"-I{src}/src",
+        f"-I{src}/ggml/include",
+        str(HARNESS),
+        "-o",
+        str(tmp),
+        f"-L{bin_dir}",
+        "-lllama",
+        "-lggml",
+        "-lggml-base",
+        f"-Wl,-rpath,{bin_dir}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     assert proc.returncode == 0, proc.stderr[-3000:]
     tmp.replace(out)
     return out
 
 
-def llama_cpp_logits(bin_dir: Path, src: Path, gguf: Path, tokens: list[int], work: Path,
-                     threads: int = 1, f32_cache: bool = False, head: Path | None = None) -> Logits:
+def llama_cpp_logits(
+    bin_dir: Path,
+    src: Path,
+    gguf: Path,
+    tokens: list[int],
+    work: Path,
+    threads: int = 1,
+    f32_cache: bool = False,
+    head: Path | None = None,
+) -> Logits:
     """llama.cpp's logits for ``tokens`` through the whole GGUF ``gguf`` (trunk and every MTP head); ``f32_cache``:
     with f32 KV caches and without flash attention (see the harness); ``head``: a head file whose MTP blocks draft
     for the trunk ``gguf`` (DeepSeek-V4's), as llama.cpp's ``-md``."""
@@ -56,10 +78,22 @@ def llama_cpp_logits(bin_dir: Path, src: Path, gguf: Path, tokens: list[int], wo
     out = work / "llama_cpp_logits.bin"
     from mtpq.engines.llama_cpp import child_env
 
-    proc = subprocess.run([str(harness(bin_dir, src)), str(gguf), str(tok), str(out), str(threads),
-                           "f32" if f32_cache else "-", *([str(head)] if head is not None else [])],
-                          capture_output=True, text=True, errors="replace", timeout=600,
-                          env=child_env())
+    proc = subprocess.run(
+        [
+            str(harness(bin_dir, src)),
+            str(gguf),
+            str(tok),
+            str(out),
+            str(threads),
+            "f32" if f32_cache else "-",
+            *([str(head)] if head is not None else []),
+        ],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=600,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     raw = out.read_bytes()
     assert raw[:4] == b"MTPH", "not a harness output"
@@ -70,7 +104,7 @@ def llama_cpp_logits(bin_dir: Path, src: Path, gguf: Path, tokens: list[int], wo
 
     def take(width: int) -> np.ndarray:
         nonlocal at
-        a = values[at:at + n * width].reshape(n, width)
+        a = values[at : at + n * width].reshape(n, width)
         at += n * width
         return a
 

@@ -41,25 +41,46 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def llama_cpp_convert(src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32",
-                      raw_config: bool = False) -> Path:
+def llama_cpp_convert(
+    src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32", raw_config: bool = False
+) -> Path:
     """``convert_hf_to_gguf.py folder --outfile out --outtype outtype *args``; asserts success."""
     ok, log = llama_cpp_convert_result(src, folder, out, pre, *args, outtype=outtype, raw_config=raw_config)
     assert ok, log[-3000:]
     return out
 
 
-def llama_cpp_convert_result(src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32",
-                             raw_config: bool = False) -> tuple[bool, str]:
+def llama_cpp_convert_result(
+    src: Path, folder: Path, out: Path, pre: str, *args: str, outtype: str = "f32", raw_config: bool = False
+) -> tuple[bool, str]:
     """(whether llama.cpp's converter wrote ``out``, its stderr): for matrices where refusing is an answer."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _HARNESS, str(src), pre, "raw" if raw_config else "auto",
-                           str(folder), "--outfile", str(out),
-                           "--outtype", outtype, *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _HARNESS,
+            str(src),
+            pre,
+            "raw" if raw_config else "auto",
+            str(folder),
+            "--outfile",
+            str(out),
+            "--outtype",
+            outtype,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     return proc.returncode == 0 and out.exists(), proc.stderr
 
 
-def speculative_simple(bin_dir: Path, *args, tries: int = 5, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
+def speculative_simple(
+    bin_dir: Path, *args, tries: int = 5, timeout: int = 300
+) -> tuple[subprocess.CompletedProcess, dict]:
     """One ``llama-speculative-simple`` run and its counters ``{"n_predict", "n_drafted", "n_accept"}``.
 
     llama.cpp logs from a worker thread that the process does not wait for at exit, so the closing
@@ -71,9 +92,13 @@ def speculative_simple(bin_dir: Path, *args, tries: int = 5, timeout: int = 300)
 
     cmd = [str(bin_dir / "llama-speculative-simple"), *map(str, args)]
     for _ in range(tries):
-        with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
-            code = subprocess.run(cmd, stdout=out, stderr=err, timeout=timeout, stdin=subprocess.DEVNULL,
-                                  env=child_env()).returncode
+        with (
+            tempfile.TemporaryFile("w+", errors="replace") as out,
+            tempfile.TemporaryFile("w+", errors="replace") as err,
+        ):
+            code = subprocess.run(
+                cmd, stdout=out, stderr=err, timeout=timeout, stdin=subprocess.DEVNULL, env=child_env()
+            ).returncode
             out.seek(0), err.seek(0)
             proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -93,12 +118,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LOOP_PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Point:", "import os",
-                "Hello, world", "x = [1, 2, 3]", "while True:"]
+LOOP_PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    "for i in range(10):",
+    "class Point:",
+    "import os",
+    "Hello, world",
+    "x = [1, 2, 3]",
+    "while True:",
+]
 
 
-def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: float, n_new: int = 64,
-                                prompts: list[str] = LOOP_PROMPTS) -> None:
+def assert_k1_acceptance_agrees(
+    bin_dir: Path, path: Path, work: Path, max_gap: float, n_new: int = 64, prompts: list[str] = LOOP_PROMPTS
+) -> None:
     """llama.cpp's MTP drafting one token at a time (``llama-speculative-simple --spec-type draft-mtp``) and our
     k=1 loop on the same GGUF and prompts accept within one draft of each other on each prompt, and within
     ``max_gap`` overall, over at least half the prompts (some of which each drafts right).
@@ -113,9 +147,25 @@ def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: 
     for i, text in enumerate(prompts):
         prompt_file = work / f"p{i}.txt"
         prompt_file.write_text(text)  # no trailing newline: llama.cpp's -f would drop it
-        _, stats = speculative_simple(bin_dir, "-m", path, "-f", prompt_file, "--no-escape", "-n", n_new, "--temp",
-                                      "0", "--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "--no-repack",
-                                      "-t", "1")
+        _, stats = speculative_simple(
+            bin_dir,
+            "-m",
+            path,
+            "-f",
+            prompt_file,
+            "--no-escape",
+            "-n",
+            n_new,
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            "1",
+            "--no-repack",
+            "-t",
+            "1",
+        )
         if stats.get("n_predict", 0) <= n_new:  # stopped early at an end-of-generation token
             continue
         r = run_speculative(model, tok.encode(text), n_new + 1, k=1)
@@ -125,8 +175,10 @@ def assert_k1_acceptance_agrees(bin_dir: Path, path: Path, work: Path, max_gap: 
         compared += 1
     assert compared >= len(prompts) // 2 and ours[0] > 0, compared
     rate, ref = ours[0] / ours[1], theirs[0] / theirs[1]
-    print(f"\nk=1 acceptance over {compared} prompts: ours {ours[0]}/{ours[1]} = {rate:.3f}, "
-          f"llama.cpp {theirs[0]}/{theirs[1]} = {ref:.3f}")
+    print(
+        f"\nk=1 acceptance over {compared} prompts: ours {ours[0]}/{ours[1]} = {rate:.3f}, "
+        f"llama.cpp {theirs[0]}/{theirs[1]} = {ref:.3f}"
+    )
     assert abs(rate - ref) <= max_gap, (rate, ref)
 
 

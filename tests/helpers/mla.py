@@ -23,9 +23,12 @@ LAYER_NAMES = {
     **FFN_MOE_NEXTN_NAMES,
 }
 INDEXER_NAMES = {  # DeepSeek-V3.2's / GLM-5's sparse-attention indexer
-    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
-    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight"}
+    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
+}
 
 
 def split_kv_b(kv_b: torch.Tensor, n_head: int, nope: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +36,7 @@ def split_kv_b(kv_b: torch.Tensor, n_head: int, nope: int, v: int) -> tuple[torc
     (per head: nope rows, the k part, transposed; then v rows)."""
     k_b, v_b = [], []
     for h in range(n_head):
-        rows = kv_b[h * (nope + v):(h + 1) * (nope + v)]
+        rows = kv_b[h * (nope + v) : (h + 1) * (nope + v)]
         k_b.append(rows[:nope].T)
         v_b.append(rows[nope:])
     return torch.stack(k_b), torch.stack(v_b)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -16,8 +16,16 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import (tiny, tiny_bailingmoe3, tiny_cohere2moe, tiny_deepseek2, tiny_hy_v3, tiny_mimo2, tiny_qwen35,
-                            tiny_step35)
+from tests.builders import (
+    tiny,
+    tiny_bailingmoe3,
+    tiny_cohere2moe,
+    tiny_deepseek2,
+    tiny_hy_v3,
+    tiny_mimo2,
+    tiny_qwen35,
+    tiny_step35,
+)
 from tests.helpers.runcli import run_cli
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):", "class Point:"]
@@ -43,11 +51,20 @@ def dequantized_copy(src: Path, out: Path) -> Path:
     plan = plan_from_gguf(src)
     specs = []
     for s in plan.tensors:
-        if s.source_type in (T.F32, T.F16, T.BF16, T.I8, T.I16, T.I32, T.I64):  # (integer tables: DeepSeek-V4's tid2eid)
+        if s.source_type in (
+            T.F32,
+            T.F16,
+            T.BF16,
+            T.I8,
+            T.I16,
+            T.I32,
+            T.I64,
+        ):  # (integer tables: DeepSeek-V4's tid2eid)
             specs.append(s)
             continue
-        load = (lambda s=s: torch.from_numpy(gguf.quants.dequantize(np.asarray(s.load_raw()), s.source_type)
-                                             .astype(np.float32)).reshape(s.shape))
+        load = lambda s=s: torch.from_numpy(
+            gguf.quants.dequantize(np.asarray(s.load_raw()), s.source_type).astype(np.float32)
+        ).reshape(s.shape)
         specs.append(s.with_values(load).with_type(T.F32, "dequantized"))
     plan.tensors = specs
     write_plan(plan, out)
@@ -56,14 +73,18 @@ def dequantized_copy(src: Path, out: Path) -> Path:
 
 def requantized(src: Path, out: Path, qtype: T) -> Path:
     """``src`` with every matrix whose rows fit ``qtype``'s blocks (routers aside) in ``qtype``."""
-    from mtpq.gguf_io import plan_from_gguf, write_plan
     from mtpq.ggml.registry import TYPES
+    from mtpq.gguf_io import plan_from_gguf, write_plan
 
     assert qtype in TYPES, f"no {qtype.name} kernel"  # a dropped kernel fails here, never skips
     plan = plan_from_gguf(src)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    plan.tensors = [s.with_type(qtype, "test") if len(s.shape) >= 2 and s.shape[-1] % block == 0
-                    and "ffn_gate_inp" not in s.name else s for s in plan.tensors]
+    plan.tensors = [
+        s.with_type(qtype, "test")
+        if len(s.shape) >= 2 and s.shape[-1] % block == 0 and "ffn_gate_inp" not in s.name
+        else s
+        for s in plan.tensors
+    ]
     write_plan(plan, out)
     return out
 
@@ -80,19 +101,30 @@ def hf_model(family: str, folder: Path, dtype: torch.dtype = F32):
     """transformers' causal LM of a family's checkpoint."""
     import transformers as tf
 
-    cls = {"glm4moe": tf.Glm4MoeForCausalLM, "qwen35": tf.Qwen3_5ForCausalLM, "qwen35moe": tf.Qwen3_5MoeForCausalLM,
-           "deepseek2": tf.DeepseekV3ForCausalLM, "hy_v3": tf.HYV3ForCausalLM,
-           "cohere2moe": tf.Cohere2MoeForCausalLM, "qwen3next": tf.Qwen3NextForCausalLM,
-           "nemotron_h_moe": tf.NemotronHForCausalLM}[family]
+    cls = {
+        "glm4moe": tf.Glm4MoeForCausalLM,
+        "qwen35": tf.Qwen3_5ForCausalLM,
+        "qwen35moe": tf.Qwen3_5MoeForCausalLM,
+        "deepseek2": tf.DeepseekV3ForCausalLM,
+        "hy_v3": tf.HYV3ForCausalLM,
+        "cohere2moe": tf.Cohere2MoeForCausalLM,
+        "qwen3next": tf.Qwen3NextForCausalLM,
+        "nemotron_h_moe": tf.NemotronHForCausalLM,
+    }[family]
     return cls.from_pretrained(str(folder), dtype=dtype).eval()
 
 
 def expert_stack(sd: dict, prefix: str, n_experts: int) -> dict[str, torch.Tensor]:
     """Per-expert gate/up/down matrices as transformers' fused expert parameters."""
-    return {"mlp.experts.gate_up_proj": torch.stack([torch.cat([sd[f"{prefix}{e}.gate_proj.weight"],
-                                                               sd[f"{prefix}{e}.up_proj.weight"]])
-                                                    for e in range(n_experts)]),
-            "mlp.experts.down_proj": torch.stack([sd[f"{prefix}{e}.down_proj.weight"] for e in range(n_experts)])}
+    return {
+        "mlp.experts.gate_up_proj": torch.stack(
+            [
+                torch.cat([sd[f"{prefix}{e}.gate_proj.weight"], sd[f"{prefix}{e}.up_proj.weight"]])
+                for e in range(n_experts)
+            ]
+        ),
+        "mlp.experts.down_proj": torch.stack([sd[f"{prefix}{e}.down_proj.weight"] for e in range(n_experts)]),
+    }
 
 
 class MtpOracle:
@@ -131,8 +163,9 @@ class MtpOracle:
     def __call__(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and post-norm output for the pairs (hidden[t], next_ids[t]), positions 0..T-1, causal."""
         T_ = next_ids.shape[1]
-        u = F.linear(torch.cat([self.enorm(F.embedding(next_ids, self.embed)), self.hnorm(hidden)], dim=-1),
-                     self.eh_proj)
+        u = F.linear(
+            torch.cat([self.enorm(F.embedding(next_ids, self.embed)), self.hnorm(hidden)], dim=-1), self.eh_proj
+        )
         pos = torch.arange(T_)[None]
         mask = torch.full((T_, T_), float("-inf")).triu(1)[None, None]
         g = self.layer(u, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(u, pos))
@@ -145,8 +178,11 @@ class GlmMtpOracle(MtpOracle):
 
     def __init__(self, folder: Path):
         from transformers import Glm4MoeConfig
-        from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
-                                                                    Glm4MoeRotaryEmbedding)
+        from transformers.models.glm4_moe.modeling_glm4_moe import (
+            Glm4MoeDecoderLayer,
+            Glm4MoeRMSNorm,
+            Glm4MoeRotaryEmbedding,
+        )
 
         self.hf = hf_model("glm4moe", folder)
         cfg = Glm4MoeConfig.from_pretrained(str(folder))
@@ -155,11 +191,15 @@ class GlmMtpOracle(MtpOracle):
         p = f"model.layers.{cfg.num_hidden_layers}."
         sd = {}
         for f in sorted(folder.glob("*.safetensors")):
-            sd.update({k[len(p):]: v.float() for k, v in load_file(str(f)).items() if k.startswith(p)})
+            sd.update({k[len(p) :]: v.float() for k, v in load_file(str(f)).items() if k.startswith(p)})
         self.layer = Glm4MoeDecoderLayer(cfg, layer_idx=0).eval()
-        layer_sd = {k: v for k, v in sd.items() if k.startswith(("self_attn.", "input_layernorm.",
-                                                                  "post_attention_layernorm.", "mlp.gate.",
-                                                                  "mlp.shared_experts."))}
+        layer_sd = {
+            k: v
+            for k, v in sd.items()
+            if k.startswith(
+                ("self_attn.", "input_layernorm.", "post_attention_layernorm.", "mlp.gate.", "mlp.shared_experts.")
+            )
+        }
         layer_sd.update(expert_stack(sd, "mlp.experts.", cfg.n_routed_experts))
         self.layer.load_state_dict(layer_sd, strict=True)
         self.enorm, self.hnorm = (self.norm(Glm4MoeRMSNorm, cfg, sd[k]) for k in ("enorm.weight", "hnorm.weight"))
@@ -187,15 +227,19 @@ class Qwen35MtpOracle(MtpOracle):
         sd = {}
         for f in sorted(folder.glob("*.safetensors")):
             sd.update({k: v.float() for k, v in load_file(str(f)).items() if k.startswith("mtp.")})
-        layer_sd = {k[len("mtp.layers.0."):]: v for k, v in sd.items()
-                    if k.startswith("mtp.layers.0.") and ".mlp.experts." not in k}
+        layer_sd = {
+            k[len("mtp.layers.0.") :]: v
+            for k, v in sd.items()
+            if k.startswith("mtp.layers.0.") and ".mlp.experts." not in k
+        }
         if moe:
             layer_sd.update(expert_stack(sd, "mtp.layers.0.mlp.experts.", cfg.num_experts))
         self.layer = getattr(mod, f"{prefix}DecoderLayer")(cfg, 0).eval()
         self.layer.load_state_dict(layer_sd, strict=True)
         rms = getattr(mod, f"{prefix}RMSNorm")
-        self.enorm, self.hnorm, self.head_norm = (self.norm(rms, cfg, sd[f"mtp.{k}.weight"]) for k in
-                                                  ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"))
+        self.enorm, self.hnorm, self.head_norm = (
+            self.norm(rms, cfg, sd[f"mtp.{k}.weight"]) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        )
         self.eh_proj = sd["mtp.fc.weight"]
         self.embed = self.hf.model.embed_tokens.weight.detach()
         self.head = self.hf.lm_head.weight.detach()
@@ -240,6 +284,7 @@ class HeadNames:
     """Where a checkpoint keeps what :func:`bigram_model` rewrites: the head's projection of [embedding ;
     hidden], its embedding norm (and the value that makes it a plain norm; None: left as it is), its final norm,
     the trunk's, and the prefix of the head's tensors."""
+
     fc: str
     enorm: str | None
     enorm_plain: float
@@ -248,14 +293,29 @@ class HeadNames:
     prefix: str = "mtp."
 
 
-QWEN_HEAD = HeadNames("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", 0.0,  # zero-centred norms
-                      "mtp.norm.weight", "model.norm.weight")
-NEMOTRON_HEAD = HeadNames("mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", 1.0,
-                          "mtp.layers.1.final_layernorm.weight", "backbone.norm_f.weight")
+QWEN_HEAD = HeadNames(
+    "mtp.fc.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    0.0,  # zero-centred norms
+    "mtp.norm.weight",
+    "model.norm.weight",
+)
+NEMOTRON_HEAD = HeadNames(
+    "mtp.layers.0.eh_proj.weight",
+    "mtp.layers.0.enorm.weight",
+    1.0,
+    "mtp.layers.1.final_layernorm.weight",
+    "backbone.norm_f.weight",
+)
 
 
-def bigram_model(folder: Path, trunk_scale: float = 0.4, head_mix: float = 0.1, head_shrink: float = 0.1,
-                 names: HeadNames = QWEN_HEAD) -> Path:
+def bigram_model(
+    folder: Path,
+    trunk_scale: float = 0.4,
+    head_mix: float = 0.1,
+    head_shrink: float = 0.1,
+    names: HeadNames = QWEN_HEAD,
+) -> Path:
     """Rewrite a tiny checkpoint whose head lives under ``mtp.`` (Qwen3.5, Qwen3-Next, Nemotron-H: ``names``)
     in place into a "bigram" model: the trunk's mixing and FFN outputs are scaled down (the current token's
     embedding weighs much in its prediction, the rest of the context still decides most of the time), and the
@@ -287,8 +347,13 @@ def bigram_nextn_model(folder: Path, head_norm: str, **kw) -> Path:
     ``hnorm``, its final norm ``head_norm``) that ties its embedding and output to the trunk's."""
     n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     head = f"model.layers.{n}."
-    return bigram_model(folder, names=HeadNames(head + "eh_proj.weight", None, 0.0, f"{head}{head_norm}.weight",
-                                                "model.norm.weight", prefix=head), **kw)
+    return bigram_model(
+        folder,
+        names=HeadNames(
+            head + "eh_proj.weight", None, 0.0, f"{head}{head_norm}.weight", "model.norm.weight", prefix=head
+        ),
+        **kw,
+    )
 
 
 # these trunks need more of the current token than Qwen3.5's for the bigram drafts to be right often (~40 %)
@@ -296,8 +361,9 @@ BIGRAM_NEXTN = dict(trunk_scale=0.1, head_mix=0.0)
 RELEASE_BIGRAM = dict(trunk_scale=0.05, head_mix=0.05, head_shrink=0.05)
 
 
-def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.5,
-                head_shrink: float = 0.5) -> Path:
+def bigram_gguf(
+    src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float = 0.5, head_shrink: float = 0.5
+) -> Path:
     """:func:`bigram_model` on a converted f32 GGUF, for any family with ``nextn.*`` heads (every head of a file):
     the trunk's attention and FFN outputs scaled by ``trunk_scale``; each head's eh_proj passes enorm(E[x]) through
     an identity (plus ``head_mix`` of the hidden state), its block's outputs scaled by ``head_shrink``, its
@@ -309,8 +375,13 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
     plan = plan_from_gguf(src)
     n_trunk = plan.n_trunk_layers
     top = {s.name: s for s in plan.tensors if not s.name.startswith("blk.")}
-    outputs = ("attn_output.weight", "attn_output_b.weight", "ffn_down.weight", "ffn_down_exps.weight",
-               "ffn_down_shexp.weight")
+    outputs = (
+        "attn_output.weight",
+        "attn_output_b.weight",
+        "ffn_down.weight",
+        "ffn_down_exps.weight",
+        "ffn_down_shexp.weight",
+    )
 
     def edit(s):
         head = s.name.startswith("blk.") and int(s.name.split(".")[1]) >= n_trunk
@@ -320,12 +391,17 @@ def bigram_gguf(src: Path, out: Path, trunk_scale: float = 0.1, head_mix: float 
         if not head:
             return None
         if field == "nextn.eh_proj.weight":  # [enorm(e) ; hnorm(h)] -> e + a little of h
-            return lambda: torch.cat([torch.eye(s.shape[0]), head_mix * torch.as_tensor(s.load())[:, s.shape[0]:]], dim=1)
+            return lambda: torch.cat(
+                [torch.eye(s.shape[0]), head_mix * torch.as_tensor(s.load())[:, s.shape[0] :]], dim=1
+            )
         if field == "nextn.enorm.weight":
             return lambda: torch.ones(s.shape)
-        twin = {"nextn.shared_head_norm.weight": "output_norm.weight",
-                "layer_output_norm.weight": "output_norm.weight",
-                "nextn.shared_head_head.weight": "output.weight", "nextn.embed_tokens.weight": "token_embd.weight"}
+        twin = {
+            "nextn.shared_head_norm.weight": "output_norm.weight",
+            "layer_output_norm.weight": "output_norm.weight",
+            "nextn.shared_head_head.weight": "output.weight",
+            "nextn.embed_tokens.weight": "token_embd.weight",
+        }
         return top[twin[field]].load if field in twin else None
 
     plan.tensors = [s if (f := edit(s)) is None else s.with_values(f) for s in plan.tensors]
@@ -360,12 +436,26 @@ def paired_file(trunk: Path, head: Path, out: Path) -> Path:
 SPLIT_HEAD = {"deepseek4"}  # families whose head lives in a file of its own (fixtures: paired_file)
 
 
-V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+V2_LITE_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "rope_theta": 10000.0,
+}
 # YaRN without mscale_all_dim: transformers scales only cos/sin by get_mscale(f), llama.cpp also the softmax
 # (mla.yarn_mla_scales); greedy outputs of the two differ on every test prompt, ours follow llama.cpp's
-BARE_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-             "beta_slow": 1, "rope_theta": 10000.0}
+BARE_YARN = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "rope_theta": 10000.0,
+}
 
 
 def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...] = (), **config) -> Path:
@@ -376,32 +466,50 @@ def release_checkpoint(name: str, folder: Path, form: str, drop: tuple[str, ...]
     from tests import releases
 
     m = releases.manifests()[name]
-    shim = SimpleNamespace(**{k: getattr(m, k) for k in ("SPECIALS", "DTYPE") if hasattr(m, k)},
-                           CONFIG={**m.CONFIG, **config}, FORMS=m.FORMS,
-                           tensors=lambda cfg: {n: s for n, s in m.tensors(cfg).items() if not n.startswith(drop)})
+    shim = SimpleNamespace(
+        **{k: getattr(m, k) for k in ("SPECIALS", "DTYPE") if hasattr(m, k)},
+        CONFIG={**m.CONFIG, **config},
+        FORMS=m.FORMS,
+        tensors=lambda cfg: {n: s for n, s in m.tensors(cfg).items() if not n.startswith(drop)},
+    )
     return releases.build(shim, folder, form)
 
 
 # DeepSeek sparse attention: the releases' shrunk top-k (64) lowered so that the tests' contexts drop keys
 DSA_TOP_K = 8
 # GLM-5.2's pattern: a shared block (no indexer: it reuses block 0's top-k) between two full ones
-GLM52_SHARED = dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=DSA_TOP_K,
-                    drop=("model.layers.1.self_attn.indexer.",))
+GLM52_SHARED = dict(
+    num_hidden_layers=3,
+    indexer_types=["full", "shared", "full"],
+    index_topk=DSA_TOP_K,
+    drop=("model.layers.1.self_attn.indexer.",),
+)
 
 
 def dsa_copy(name: str, form: str):
     """A one-block DeepSeek sparse-attention model whose head drafts (tiny_deepseek2.trunk_copy_head)."""
-    return lambda f: tiny_deepseek2.trunk_copy_head(release_checkpoint(
-        name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16))
+    return lambda f: tiny_deepseek2.trunk_copy_head(
+        release_checkpoint(name, f, form, num_hidden_layers=1, first_k_dense_replace=0, index_topk=16)
+    )
 
 
 CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (f32: exact comparisons)
     "glm4moe": {
         "default": lambda f: tiny.glm4moe(f, dtype=F32),
         # other code paths: group-limited routing, no renormalisation, no q/k norm or bias, MoE from layer 0
-        "alt": lambda f: tiny.glm4moe(f, dtype=F32, seed=3, glm46=True, n_group=2, topk_group=1,
-                                      norm_topk_prob=False, use_qk_norm=False, attention_bias=False,
-                                      first_k_dense_replace=0, num_hidden_layers=3),
+        "alt": lambda f: tiny.glm4moe(
+            f,
+            dtype=F32,
+            seed=3,
+            glm46=True,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
+            use_qk_norm=False,
+            attention_bias=False,
+            first_k_dense_replace=0,
+            num_hidden_layers=3,
+        ),
         # GLM-4.6's head: no embed_tokens / shared_head.head, the trunk's are used
         "glm46": lambda f: tiny.glm4moe(f, dtype=F32, glm46=True, seed=4),
         "copy": lambda f: tiny.copy_head(tiny.glm4moe(f, dtype=F32)),
@@ -421,18 +529,31 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         "v3": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32),
         # "lite" attention (plain q_proj), no RoPE scaling, MoE from layer 0, one group, no renormalisation
         "plain_q": lambda f: tiny_deepseek2.deepseek_v3(
-            f, dtype=F32, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+            f,
+            dtype=F32,
+            q_lora_rank=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
         # V2-Lite's YaRN: mscale = mscale_all_dim = 0.707, factor 40 (the softmax scale moves, cos/sin do not)
-        "v2_lite_yarn": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, rope_parameters=V2_LITE_YARN,
-                                                            max_position_embeddings=163840, seed=2),
-        "bare_yarn": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, rope_parameters=BARE_YARN,
-                                                         max_position_embeddings=32768, seed=5),
+        "v2_lite_yarn": lambda f: tiny_deepseek2.deepseek_v3(
+            f, dtype=F32, rope_parameters=V2_LITE_YARN, max_position_embeddings=163840, seed=2
+        ),
+        "bare_yarn": lambda f: tiny_deepseek2.deepseek_v3(
+            f, dtype=F32, rope_parameters=BARE_YARN, max_position_embeddings=32768, seed=5
+        ),
         # a random head without its own embed_tokens / shared_head.head (tied to the trunk's)
         "tied": lambda f: tiny_deepseek2.deepseek_v3(f, dtype=F32, mtp_head_tensors=False, seed=4),
         # a one-layer trunk whose head is a copy of that layer fed the next token's embedding (~60 % right)
-        "copy": lambda f: tiny_deepseek2.trunk_copy_head(tiny_deepseek2.deepseek_v3(
-            f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0)),
+        "copy": lambda f: tiny_deepseek2.trunk_copy_head(
+            tiny_deepseek2.deepseek_v3(
+                f, dtype=F32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0
+            )
+        ),
     },
     "hy_v3": {
         "default": lambda f: tiny_hy_v3.hyv3(f, dtype=F32),
@@ -442,21 +563,31 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         # LayerNorm (rms_norm_eps null), logit_scale 1/16, window 16, a shared expert averaged in
         "default": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32),
         # as released: RMSNorm, no shared expert, logit_scale 1; five layers (the fifth full, without RoPE)
-        "rms": lambda f: tiny_cohere2moe.cohere2moe(f, dtype=F32, seed=2, rms_norm_eps=1e-6,
-                                                    num_shared_experts=0, logit_scale=1.0, num_hidden_layers=5),
+        "rms": lambda f: tiny_cohere2moe.cohere2moe(
+            f, dtype=F32, seed=2, rms_norm_eps=1e-6, num_shared_experts=0, logit_scale=1.0, num_hidden_layers=5
+        ),
         # untied: with tied embeddings the trunk's greedy output settles on one repeated token
-        "bigram": lambda f: bigram_nextn_model(tiny_cohere2moe.cohere2moe(f, dtype=F32, tie_word_embeddings=False),
-                                               "shared_head.norm", **BIGRAM_NEXTN),
+        "bigram": lambda f: bigram_nextn_model(
+            tiny_cohere2moe.cohere2moe(f, dtype=F32, tie_word_embeddings=False), "shared_head.norm", **BIGRAM_NEXTN
+        ),
     },
     "bailingmoe3": {
         # KDA, MLA, KDA, MLA; a dense first layer
         "default": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32),
         # low-rank q, two expert groups, SwiGLU clamps that bind on the random weights
-        "alt": lambda f: tiny_bailingmoe3.bailingmoe3(f, dtype=F32, seed=3, q_lora_rank=128, n_group=2, topk_group=1,
-                                                      expert_swiglu_limit_list=[0, 0.3, 0.3, 0.3],
-                                                      share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3]),
-        "bigram": lambda f: bigram_nextn_model(tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm",
-                                               **BIGRAM_NEXTN),
+        "alt": lambda f: tiny_bailingmoe3.bailingmoe3(
+            f,
+            dtype=F32,
+            seed=3,
+            q_lora_rank=128,
+            n_group=2,
+            topk_group=1,
+            expert_swiglu_limit_list=[0, 0.3, 0.3, 0.3],
+            share_expert_swiglu_limit_list=[0.3, 0.3, 0, 0.3],
+        ),
+        "bigram": lambda f: bigram_nextn_model(
+            tiny_bailingmoe3.bailingmoe3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN
+        ),
     },
     # the release-shaped checkpoints of tests/releases (bf16 values; the GGUFs are f32); their bigram models
     # scale harder (an MoE in every block, Nemotron's routed scale 5: at 0.4 almost no draft is right)
@@ -466,8 +597,11 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
     },
     "nemotron_h_moe": {
         "release": lambda f: release_checkpoint("nemotron3_super", f, "bf16"),
-        "bigram": lambda f: bigram_model(release_checkpoint("nemotron3_super", f, "bf16"),  # ~35 % right
-                                         names=NEMOTRON_HEAD, **RELEASE_BIGRAM),
+        "bigram": lambda f: bigram_model(
+            release_checkpoint("nemotron3_super", f, "bf16"),  # ~35 % right
+            names=NEMOTRON_HEAD,
+            **RELEASE_BIGRAM,
+        ),
     },
 }
 CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: their release manifests
@@ -496,13 +630,28 @@ CHECKPOINTS |= {  # the families transformers does not run as llama.cpp does: th
     },
 }
 # variants made from another's f32 GGUF: (family, variant) -> (base variant, f(base GGUF, out))
-GGUF_EDITS = {("step35", "bigram"): ("tiny", bigram_gguf), ("mimo2", "bigram"): ("tiny", bigram_gguf),
-              ("deepseek4", "bigram"): ("release", bigram_gguf)}
+GGUF_EDITS = {
+    ("step35", "bigram"): ("tiny", bigram_gguf),
+    ("mimo2", "bigram"): ("tiny", bigram_gguf),
+    ("deepseek4", "bigram"): ("release", bigram_gguf),
+}
 # the loop models: random heads draft nothing useful, these draft a mix of right and wrong tokens
-LOOP_VARIANT = {"glm4moe": "copy", "qwen35": "bigram", "qwen35moe": "bigram", "deepseek2": "copy", "glm-dsa": "copy",
-                "deepseek32": "copy", "hy_v3": "bigram", "cohere2moe": "bigram", "bailingmoe3": "bigram",
-                "qwen3next": "bigram", "nemotron_h_moe": "bigram", "step35": "bigram", "mimo2": "bigram",
-                "deepseek4": "bigram"}
+LOOP_VARIANT = {
+    "glm4moe": "copy",
+    "qwen35": "bigram",
+    "qwen35moe": "bigram",
+    "deepseek2": "copy",
+    "glm-dsa": "copy",
+    "deepseek32": "copy",
+    "hy_v3": "bigram",
+    "cohere2moe": "bigram",
+    "bailingmoe3": "bigram",
+    "qwen3next": "bigram",
+    "nemotron_h_moe": "bigram",
+    "step35": "bigram",
+    "mimo2": "bigram",
+    "deepseek4": "bigram",
+}
 
 
 class Builds:
@@ -527,8 +676,10 @@ class Builds:
             return edit(self.gguf(family, base), path)
         if family in SPLIT_HEAD:
             ckpt = self.ckpt(family, variant)
-            pair = [convert(ckpt, self.root / f"{family}-{variant}-{what}.gguf", "f32", f"--{what}")
-                    for what in ("no-mtp", "mtp-only")]
+            pair = [
+                convert(ckpt, self.root / f"{family}-{variant}-{what}.gguf", "f32", f"--{what}")
+                for what in ("no-mtp", "mtp-only")
+            ]
             return paired_file(*pair, path)
         return convert(self.ckpt(family, variant), path)
 

@@ -28,12 +28,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from tests.builders import tiny
-from tests.helpers.ggufcheck import f32_gguf, gguf_field as _field, gguf_tensors as _tensors
-from tests.helpers.runcli import run_cli
-
 from mtpq.errors import InputError
 from mtpq.quantize.imatrix import Entry, Imatrix, imatrix_bytes, read_imatrix, select_entries, write_imatrix
+from tests.builders import tiny
+from tests.helpers.ggufcheck import f32_gguf
+from tests.helpers.ggufcheck import gguf_field as _field
+from tests.helpers.ggufcheck import gguf_tensors as _tensors
+from tests.helpers.runcli import run_cli
 
 DATA = Path(__file__).parents[1] / "data" / "imatrix"
 FILES = ["glm1.imatrix.gguf", "glm1.imatrix.dat", "glm2_moe.imatrix.gguf"]
@@ -79,9 +80,12 @@ def test_per_expert_rows_and_llama_quantize_normalisation():
 
 
 def test_written_files_read_back(tmp_path):
-    entries = {"blk.0.ffn_down_exps.weight": Entry(np.arange(12, dtype=np.float32).reshape(3, 4),
-                                                   np.array([1, 2, 3], dtype=np.float32)),
-               "blk.0.attn_q.weight": Entry(np.ones((1, 8), np.float32), np.array([5], np.float32))}
+    entries = {
+        "blk.0.ffn_down_exps.weight": Entry(
+            np.arange(12, dtype=np.float32).reshape(3, 4), np.array([1, 2, 3], dtype=np.float32)
+        ),
+        "blk.0.attn_q.weight": Entry(np.ones((1, 8), np.float32), np.array([5], np.float32)),
+    }
     for legacy in (False, True):
         im = Imatrix(entries, datasets=["a.txt", "b.txt"], chunk_count=7, chunk_size=32, legacy=legacy)
         path = tmp_path / ("x.dat" if legacy else "x.gguf")
@@ -100,7 +104,10 @@ def test_written_files_read_back(tmp_path):
 def test_include_and_exclude_weights_select_by_substring():
     im = read_imatrix(DATA / "glm2_moe.imatrix.gguf")
     assert set(select_entries(im, ["exps"], None).entries) == {
-        "blk.1.ffn_down_exps.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight"}
+        "blk.1.ffn_down_exps.weight",
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+    }
     kept = select_entries(im, None, ["attn", "blk.0."]).entries
     assert kept and not any("attn" in n or n.startswith("blk.0.") for n in kept)
 
@@ -145,8 +152,9 @@ def test_other_files_are_refused(tmp_path):
     (tmp_path / "f16.gguf").write_bytes(bytes(raw))
     with pytest.raises(InputError, match="is not F32"):
         read_imatrix(tmp_path / "f16.gguf")
-    only_sums = Imatrix({"a.weight": Entry(np.ones((1, 4), np.float32), np.ones(1, np.float32))},
-                        chunk_count=1, chunk_size=1)
+    only_sums = Imatrix(
+        {"a.weight": Entry(np.ones((1, 4), np.float32), np.ones(1, np.float32))}, chunk_count=1, chunk_size=1
+    )
     raw = imatrix_bytes(only_sums).replace(b"a.weight.counts", b"a.weight.countz")
     (tmp_path / "nocounts.gguf").write_bytes(raw)
     with pytest.raises(InputError, match="neither <name>.in_sum2 nor <name>.counts"):
@@ -183,7 +191,9 @@ def test_quantize_with_imatrix_uses_it_where_it_has_entries(glm1_f32, tmp_path):
     assert _field(plain, "quantize.imatrix.file") is None
     # the legacy file holds the same statistics: the same bytes
     dat = tmp_path / "dat.gguf"
-    assert run_cli("quantize", glm1_f32, dat, "Q4_K_M", "--imatrix", DATA / "glm1.imatrix.dat", "--quiet").exit_code == 0
+    assert (
+        run_cli("quantize", glm1_f32, dat, "Q4_K_M", "--imatrix", DATA / "glm1.imatrix.dat", "--quiet").exit_code == 0
+    )
     c = _tensors(dat)
     n_same = sum(np.array_equal(np.asarray(b[n].data).view(np.uint8), np.asarray(c[n].data).view(np.uint8)) for n in b)
     assert n_same >= len(b) - 2  # (sum/count*ncall)/ncall may differ from sum/count in the last bit
@@ -203,16 +213,28 @@ def test_convert_quant_with_imatrix_equals_convert_then_quantize(glm1_f32, tmp_p
         assert np.array_equal(np.asarray(a[n].data).view(np.uint8), np.asarray(b[n].data).view(np.uint8)), n
 
 
-@pytest.mark.parametrize("make_bad,says", [
-    (lambda p: p.write_bytes((DATA / "glm1.imatrix.gguf").read_bytes()[:5000]), "truncated imatrix file"),
-    (lambda p: p.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16), "truncated imatrix file"),
-    (lambda p: p.write_bytes((DATA / "glm1.imatrix.gguf").read_bytes().replace(b"blk.0.", b"blk.7.")),
-     "names a tensor of this model"),
-    (lambda p: write_imatrix(Imatrix({"blk.0.attn_q.weight": Entry(np.ones((1, 128), np.float32),
-                                                                   np.ones(1, np.float32))},
-                                     chunk_count=1, chunk_size=1), p),
-     "entry blk.0.attn_q.weight has 128 values, the tensor needs 256"),
-])
+@pytest.mark.parametrize(
+    "make_bad,says",
+    [
+        (lambda p: p.write_bytes((DATA / "glm1.imatrix.gguf").read_bytes()[:5000]), "truncated imatrix file"),
+        (lambda p: p.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16), "truncated imatrix file"),
+        (
+            lambda p: p.write_bytes((DATA / "glm1.imatrix.gguf").read_bytes().replace(b"blk.0.", b"blk.7.")),
+            "names a tensor of this model",
+        ),
+        (
+            lambda p: write_imatrix(
+                Imatrix(
+                    {"blk.0.attn_q.weight": Entry(np.ones((1, 128), np.float32), np.ones(1, np.float32))},
+                    chunk_count=1,
+                    chunk_size=1,
+                ),
+                p,
+            ),
+            "entry blk.0.attn_q.weight has 128 values, the tensor needs 256",
+        ),
+    ],
+)
 def test_bad_imatrix_exits_2_with_one_line_and_writes_nothing(glm1_f32, tmp_path, make_bad, says):
     bad = tmp_path / "bad.imatrix"
     make_bad(bad)
@@ -226,8 +248,18 @@ def test_bad_imatrix_exits_2_with_one_line_and_writes_nothing(glm1_f32, tmp_path
 
 def test_include_with_exclude_and_without_imatrix_exit_2(glm1_f32, tmp_path):
     imf = DATA / "glm1.imatrix.gguf"
-    res = run_cli("quantize", glm1_f32, tmp_path / "o.gguf", "Q4_K_M", "--imatrix", imf,
-                  "--include-weights", "attn", "--exclude-weights", "ffn")
+    res = run_cli(
+        "quantize",
+        glm1_f32,
+        tmp_path / "o.gguf",
+        "Q4_K_M",
+        "--imatrix",
+        imf,
+        "--include-weights",
+        "attn",
+        "--exclude-weights",
+        "ffn",
+    )
     assert res.exit_code == 2 and "cannot be combined" in res.output
     res = run_cli("quantize", glm1_f32, tmp_path / "o.gguf", "Q4_K_M", "--exclude-weights", "ffn")
     assert res.exit_code == 2 and "needs --imatrix" in res.output
@@ -244,8 +276,11 @@ def test_head_in_a_type_needing_an_imatrix_without_head_data_exits_2(glm1_f32, t
     ok = tmp_path / "ok.gguf"
     res = run_cli("quantize", glm1_f32, ok, "Q2_K_S", "--imatrix", imf, "-q")
     assert res.exit_code == 0, res.output
-    assert {T(t.tensor_type) for n, t in _tensors(ok).items() if n.startswith("blk.1.") and t.shape.size > 1
-            and "gate_inp" not in n and "norm" not in n} == {T.Q8_0}
+    assert {
+        T(t.tensor_type)
+        for n, t in _tensors(ok).items()
+        if n.startswith("blk.1.") and t.shape.size > 1 and "gate_inp" not in n and "norm" not in n
+    } == {T.Q8_0}
     out = tmp_path / "head.gguf"
     res = run_cli("quantize", glm1_f32, out, "Q2_K_S", "--imatrix", imf, "--mtp-type", "same")
     assert res.exit_code == 2
@@ -262,8 +297,9 @@ def test_head_in_a_type_needing_an_imatrix_without_head_data_exits_2(glm1_f32, t
 
 def _llama(bin_dir: Path, *args, ok: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600,
-                          env=env)
+    proc = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, env=env
+    )
     if ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -285,8 +321,25 @@ def glm2(tmp_path_factory, llama_cpp_bin) -> tuple[Path, Path, Path]:
     out = {}
     for fmt in ("gguf", "dat"):
         out[fmt] = folder / f"imatrix.{fmt}"
-        _llama(llama_cpp_bin, llama_cpp_bin / "llama-imatrix", "-m", f32, "-f", calib, "-o", out[fmt],
-               "--output-format", fmt, "-c", "64", "--chunks", "4", "-t", "1", "--no-ppl")
+        _llama(
+            llama_cpp_bin,
+            llama_cpp_bin / "llama-imatrix",
+            "-m",
+            f32,
+            "-f",
+            calib,
+            "-o",
+            out[fmt],
+            "--output-format",
+            fmt,
+            "-c",
+            "64",
+            "--chunks",
+            "4",
+            "-t",
+            "1",
+            "--no-ppl",
+        )
     return f32, out["gguf"], out["dat"]
 
 
@@ -301,14 +354,19 @@ def test_fresh_llama_imatrix_files_round_trip(glm2):
 def _same_bytes(ours: Path, theirs: Path) -> None:
     a, b = _tensors(ours), _tensors(theirs)
     assert set(a) == set(b)
-    diff = [n for n in a if a[n].tensor_type != b[n].tensor_type
-            or not np.array_equal(np.asarray(a[n].data).view(np.uint8), np.asarray(b[n].data).view(np.uint8))]
+    diff = [
+        n
+        for n in a
+        if a[n].tensor_type != b[n].tensor_type
+        or not np.array_equal(np.asarray(a[n].data).view(np.uint8), np.asarray(b[n].data).view(np.uint8))
+    ]
     assert not diff, f"{len(diff)} tensors differ from llama-quantize's: {diff[:5]}"
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("preset", ["Q4_K_M", "Q6_K", "Q5_K_S", "Q3_K_M", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                    "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "preset", ["Q4_K_M", "Q6_K", "Q5_K_S", "Q3_K_M", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+)
 def test_same_bytes_as_llama_quantize_with_imatrix(glm2, llama_cpp_bin, tmp_path, preset):
     f32, g, _ = glm2
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
@@ -343,6 +401,16 @@ def test_q2_k_s_head_rule_against_llama_quantize(glm2, llama_cpp_bin, tmp_path):
     assert res.exit_code == 2 and "mtpq imatrix --mtp" in res.output
     ours = tmp_path / "ours.gguf"
     assert run_cli("quantize", f32, ours, "Q2_K_S", "--imatrix", g, "-q").exit_code == 0
-    _llama(llama_cpp_bin, llama_cpp_bin / "llama-quantize", "--imatrix", g, "--tensor-type", r"blk\.2\.=q8_0",
-           f32, theirs, "Q2_K_S", "1")
+    _llama(
+        llama_cpp_bin,
+        llama_cpp_bin / "llama-quantize",
+        "--imatrix",
+        g,
+        "--tensor-type",
+        r"blk\.2\.=q8_0",
+        f32,
+        theirs,
+        "Q2_K_S",
+        "1",
+    )
     _same_bytes(ours, theirs)

@@ -30,8 +30,9 @@ def test_file_holds_the_runtime_statistics(work):
     from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.speculative import load_model
 
-    res = run_cli("imatrix", work / "glm.gguf", "-f", work / "calib.txt", "-o", work / "im.gguf", "-c", "64",
-                  "--chunks", "3")
+    res = run_cli(
+        "imatrix", work / "glm.gguf", "-f", work / "calib.txt", "-o", work / "im.gguf", "-c", "64", "--chunks", "3"
+    )
     assert res.exit_code == 0, res.output
     im = read_imatrix(work / "im.gguf")
     model, tok = load_model(work / "glm.gguf", device="cpu")
@@ -50,8 +51,21 @@ def test_file_holds_the_runtime_statistics(work):
 def test_merge_keeps_the_base_and_adds_the_head(work):
     from mtpq.quantize.imatrix import read_imatrix
 
-    assert run_cli("imatrix", work / "glm.gguf", "-f", work / "calib.txt", "-o", work / "trunk.gguf", "-c", "64",
-                   "--chunks", "2").exit_code == 0
+    assert (
+        run_cli(
+            "imatrix",
+            work / "glm.gguf",
+            "-f",
+            work / "calib.txt",
+            "-o",
+            work / "trunk.gguf",
+            "-c",
+            "64",
+            "--chunks",
+            "2",
+        ).exit_code
+        == 0
+    )
     base = read_imatrix(work / "trunk.gguf")
     n = 2  # tiny GLM: two trunk blocks, the head at 2
     trunk_only = {k: v for k, v in base.entries.items() if not k.startswith(f"blk.{n}.")}
@@ -59,22 +73,38 @@ def test_merge_keeps_the_base_and_adds_the_head(work):
     from mtpq.quantize.imatrix import write_imatrix
 
     write_imatrix(base, work / "base.gguf")
-    res = run_cli("imatrix", work / "glm.gguf", "-f", work / "calib.txt", "-o", work / "merged.gguf", "-c", "64",
-                  "--mtp", "--merge-into", work / "base.gguf")
+    res = run_cli(
+        "imatrix",
+        work / "glm.gguf",
+        "-f",
+        work / "calib.txt",
+        "-o",
+        work / "merged.gguf",
+        "-c",
+        "64",
+        "--mtp",
+        "--merge-into",
+        work / "base.gguf",
+    )
     assert res.exit_code == 0, res.output
     merged = read_imatrix(work / "merged.gguf")
-    assert set(merged.entries) - set(trunk_only) and all(k.startswith(f"blk.{n}.") for k in set(merged.entries) - set(trunk_only))
+    assert set(merged.entries) - set(trunk_only) and all(
+        k.startswith(f"blk.{n}.") for k in set(merged.entries) - set(trunk_only)
+    )
     for k, e in trunk_only.items():
         assert np.array_equal(merged.entries[k].sums, e.sums) and np.array_equal(merged.entries[k].counts, e.counts)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["{w}/glm.gguf", "-f", "{w}/nope.txt", "-o", "{w}/x.gguf"], "nope.txt"),
-    (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/glm.gguf"], "glm.gguf"),
-    (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "-c", "100000"], "--chunk"),
-    (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "--chunks", "0"], "--chunks"),
-    (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "--merge-into", "{w}/calib.txt"], "calib.txt"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["{w}/glm.gguf", "-f", "{w}/nope.txt", "-o", "{w}/x.gguf"], "nope.txt"),
+        (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/glm.gguf"], "glm.gguf"),
+        (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "-c", "100000"], "--chunk"),
+        (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "--chunks", "0"], "--chunks"),
+        (["{w}/glm.gguf", "-f", "{w}/calib.txt", "-o", "{w}/x.gguf", "--merge-into", "{w}/calib.txt"], "calib.txt"),
+    ],
+)
 def test_bad_input_is_one_line(work, args, needle):
     res = run_cli("imatrix", *[a.format(w=work) for a in args])
     assert res.exit_code == 2, res.output
@@ -98,18 +128,56 @@ def test_merged_head_lets_llama_quantize_make_an_iq2_xxs_head(llama_cpp_bin, tmp
     the same quantization goes through."""
     model, calib = _demo_f32_and_calibration(tmp_path)
     theirs = tmp_path / "theirs.gguf"
-    run = lambda *a: subprocess.run([str(x) for x in a], capture_output=True, text=True, timeout=600,  # noqa: E731
-                                    stdin=subprocess.DEVNULL, errors="replace")
-    p = run(llama_cpp_bin / "llama-imatrix", "-m", model, "-f", calib, "-o", theirs, "-c", "128", "-b", "128",
-            "--chunks", "4", "--no-ppl", "-t", "1", "--no-repack", "--no-escape")
+    run = lambda *a: subprocess.run(
+        [str(x) for x in a],
+        capture_output=True,
+        text=True,
+        timeout=600,  # noqa: E731
+        stdin=subprocess.DEVNULL,
+        errors="replace",
+    )
+    p = run(
+        llama_cpp_bin / "llama-imatrix",
+        "-m",
+        model,
+        "-f",
+        calib,
+        "-o",
+        theirs,
+        "-c",
+        "128",
+        "-b",
+        "128",
+        "--chunks",
+        "4",
+        "--no-ppl",
+        "-t",
+        "1",
+        "--no-repack",
+        "--no-escape",
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     p = run(llama_cpp_bin / "llama-quantize", "--imatrix", theirs, model, tmp_path / "a.gguf", "IQ2_XXS")
     assert p.returncode != 0 and "Missing importance matrix for tensor blk.4." in p.stdout + p.stderr
-    res = run_cli("imatrix", model, "-f", calib, "-o", tmp_path / "merged.gguf", "-c", "128", "--chunks", "4",
-                  "--mtp", "--merge-into", theirs)
+    res = run_cli(
+        "imatrix",
+        model,
+        "-f",
+        calib,
+        "-o",
+        tmp_path / "merged.gguf",
+        "-c",
+        "128",
+        "--chunks",
+        "4",
+        "--mtp",
+        "--merge-into",
+        theirs,
+    )
     assert res.exit_code == 0, res.output
-    p = run(llama_cpp_bin / "llama-quantize", "--imatrix", tmp_path / "merged.gguf", model, tmp_path / "b.gguf",
-            "IQ2_XXS")
+    p = run(
+        llama_cpp_bin / "llama-quantize", "--imatrix", tmp_path / "merged.gguf", model, tmp_path / "b.gguf", "IQ2_XXS"
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
     assert "blk.4.nextn.eh_proj.weight" in p.stdout + p.stderr
 
@@ -127,9 +195,23 @@ def test_iq2_xxs_head_from_our_imatrix_equals_llama_quantize(llama_cpp_bin, tmp_
     res = run_cli("quantize", model, ours, "Q4_K_M", "--mtp-type", "iq2_xxs", "--imatrix", im, "-q")
     assert res.exit_code == 0, res.output
     theirs = tmp_path / "theirs.gguf"
-    p = subprocess.run([str(llama_cpp_bin / "llama-quantize"), "--imatrix", str(im), "--tensor-type",
-                        r"blk\.4\.=iq2_xxs", str(model), str(theirs), "Q4_K_M"], capture_output=True, text=True,
-                       timeout=600, stdin=subprocess.DEVNULL, errors="replace")
+    p = subprocess.run(
+        [
+            str(llama_cpp_bin / "llama-quantize"),
+            "--imatrix",
+            str(im),
+            "--tensor-type",
+            r"blk\.4\.=iq2_xxs",
+            str(model),
+            str(theirs),
+            "Q4_K_M",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        errors="replace",
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
     a = {t.name: (t.tensor_type, np.array(t.data)) for t in gguf.GGUFReader(ours).tensors}
     b = {t.name: (t.tensor_type, np.array(t.data)) for t in gguf.GGUFReader(theirs).tensors}

@@ -70,17 +70,36 @@ def test_convert_quant_auto_equals_convert_with_the_chosen_type(demo, tmp_path):
     _, prompts = demo
     src = Path(str(resources.files("mtpq").joinpath("data/demo")))
     out = tmp_path / "auto.gguf"
-    res = run_cli("convert", src, out, "--outtype", "f16", "--quant", "Q2_K", "--mtp-type", "auto", "--max-drop",
-                  0.05, "--prompts", prompts)
+    res = run_cli(
+        "convert",
+        src,
+        out,
+        "--outtype",
+        "f16",
+        "--quant",
+        "Q2_K",
+        "--mtp-type",
+        "auto",
+        "--max-drop",
+        0.05,
+        "--prompts",
+        prompts,
+    )
     assert res.exit_code == 0, res.output
     kv, tensors = read_gguf(out)
     chosen = json.loads(kv[AUTO_KEY])["mtp_type"]
     direct = tmp_path / "direct.gguf"
-    assert run_cli("convert", src, direct, "--outtype", "f16", "--quant", "Q2_K", "--mtp-type", chosen,
-                   "--quiet").exit_code == 0
+    assert (
+        run_cli(
+            "convert", src, direct, "--outtype", "f16", "--quant", "Q2_K", "--mtp-type", chosen, "--quiet"
+        ).exit_code
+        == 0
+    )
     kv2, tensors2 = read_gguf(direct)
     assert {k: v for k, v in strip_general(kv).items() if k != AUTO_KEY} == strip_general(kv2)
-    assert {n: (t, d.tobytes()) for n, (t, d) in tensors.items()} == {n: (t, d.tobytes()) for n, (t, d) in tensors2.items()}
+    assert {n: (t, d.tobytes()) for n, (t, d) in tensors.items()} == {
+        n: (t, d.tobytes()) for n, (t, d) in tensors2.items()
+    }
 
 
 def test_auto_reads_a_split_model_and_keeps_its_shards(demo, tmp_path):
@@ -94,12 +113,27 @@ def test_auto_reads_a_split_model_and_keeps_its_shards(demo, tmp_path):
     (tmp_path / "in").mkdir()
     shards = write_plan(plan_from_gguf(f16), tmp_path / "in" / "f16.gguf", split=SplitRule(max_size=4_000_000))
     assert len(shards) > 2
-    res = run_cli("quantize", shards[1], tmp_path / "auto.gguf", "Q4_K_M", "--mtp-type", "auto", "--max-drop", 1.0,
-                  "--prompts", prompts, "--keep-split")
+    res = run_cli(
+        "quantize",
+        shards[1],
+        tmp_path / "auto.gguf",
+        "Q4_K_M",
+        "--mtp-type",
+        "auto",
+        "--max-drop",
+        1.0,
+        "--prompts",
+        prompts,
+        "--keep-split",
+    )
     assert res.exit_code == 0, res.output
     choice = json.loads(read_gguf(tmp_path / "auto-00001-of-{:05d}.gguf".format(len(shards)))[0][AUTO_KEY])["mtp_type"]
-    assert run_cli("quantize", shards[0], tmp_path / "direct.gguf", "Q4_K_M", "--mtp-type", choice, "--keep-split",
-                   "-q").exit_code == 0
+    assert (
+        run_cli(
+            "quantize", shards[0], tmp_path / "direct.gguf", "Q4_K_M", "--mtp-type", choice, "--keep-split", "-q"
+        ).exit_code
+        == 0
+    )
     for i, src in enumerate(shards, 1):
         name = f"-{i:05d}-of-{len(shards):05d}.gguf"
         (kv, auto), (kv2, direct) = read_gguf(tmp_path / f"auto{name}"), read_gguf(tmp_path / f"direct{name}")
@@ -108,5 +142,6 @@ def test_auto_reads_a_split_model_and_keeps_its_shards(demo, tmp_path):
         for t in auto:
             assert auto[t][0] == direct[t][0] and np.array_equal(auto[t][1], direct[t][1]), t
     assert sorted(p.name for p in tmp_path.glob("*.gguf")) == sorted(
-        f"{x}-{i:05d}-of-{len(shards):05d}.gguf" for x in ("auto", "direct") for i in range(1, len(shards) + 1))
+        f"{x}-{i:05d}-of-{len(shards):05d}.gguf" for x in ("auto", "direct") for i in range(1, len(shards) + 1)
+    )
     assert not list(tmp_path.glob(".*"))  # no temporaries left

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -50,43 +49,69 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-
-from tests.builders import tiny  # noqa: E402
-
 from mtpq.errors import InputError  # noqa: E402
 from mtpq.gguf_io import plan_from_gguf  # noqa: E402
 from mtpq.quantize.pipeline import parse_options, plan_quantize  # noqa: E402
 from mtpq.quantize.policy import Override, first_answer, preset_mix  # noqa: E402
 from mtpq.quantize.presets import row_fallback, use_more_bits  # noqa: E402
 from mtpq.tensors import Role  # noqa: E402
+from tests.builders import tiny  # noqa: E402
 from tests.helpers.quantize_tables import DATA, recorded_type  # noqa: E402
 from tests.helpers.quantize_tables import load as _load  # noqa: E402
 
 VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "glm4moe_8layers": ("glm4moe", dict(num_hidden_layers=8)),
-    "glm4moe_8experts_gqa4_tied": ("glm4moe", dict(num_hidden_layers=8, n_routed_experts=8, num_key_value_heads=1,
-                                                   tie_word_embeddings=True)),
-    "glm4moe_odd_rows": ("glm4moe", dict(num_hidden_layers=4, hidden_size=288, intermediate_size=320,
-                                         moe_intermediate_size=80)),
+    "glm4moe_8experts_gqa4_tied": (
+        "glm4moe",
+        dict(num_hidden_layers=8, n_routed_experts=8, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    "glm4moe_odd_rows": (
+        "glm4moe",
+        dict(num_hidden_layers=4, hidden_size=288, intermediate_size=320, moe_intermediate_size=80),
+    ),
     # hybrid linear attention: attn_qkv counts as attn_v; dense ffn_down uses llama.cpp's running count
     "qwen35_8layers": ("qwen35", dict(num_hidden_layers=8)),
     "qwen35moe_8layers": ("qwen35", dict(moe=True, num_hidden_layers=8)),
     # MLA: attn_kv_b counts as attn_v, split attn_k_b/attn_v_b rows of 64 fall back
     "deepseek_v3_8layers": ("deepseek_v3", dict(num_hidden_layers=8)),
     # GLM-5.x: MLA + the DSA indexer (full/shared layers), arch glm-dsa; GLM-4.7-Flash: deepseek2 with its MTP block
-    "glm_dsa_8layers": ("glm_dsa", dict(num_hidden_layers=8, indexer_types=["full"] * 3 + ["shared"] * 3 + ["full"] * 2)),
+    "glm_dsa_8layers": (
+        "glm_dsa",
+        dict(num_hidden_layers=8, indexer_types=["full"] * 3 + ["shared"] * 3 + ["full"] * 2),
+    ),
     "glm4_moe_lite_8layers": ("glm4_moe_lite", dict(num_hidden_layers=8)),
     "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
     "deepseek_v32_8layers": ("tiny_deepseek32.deepseek_v32", dict(num_hidden_layers=8)),  # + lightning indexer
     "hyv3_8layers": ("tiny_hy_v3.hyv3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
     "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
     # Mamba2 + attention + MoE (ReLU^2 experts: no ffn_gate_exps), the two mtp.layers folded into blk.8
-    "nemotronh_8layers": ("tiny_nemotron_h_moe.nemotronh", dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE")),
+    "nemotronh_8layers": (
+        "tiny_nemotron_h_moe.nemotronh",
+        dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE"),
+    ),
     # KDA + MLA (attn_k_b/attn_v_b) + MoE, MTP layer appended; arch not in pip gguf 0.19
     "bailingmoe3_8layers": ("bailingmoe3", dict(num_hidden_layers=8)),
 }
-PRESETS = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K",
-           "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M"]
+PRESETS = [
+    "Q8_0",
+    "Q6_K",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q3_K_L",
+    "Q3_K_M",
+    "Q3_K_S",
+    "Q2_K",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "IQ4_NL",
+    "IQ4_XS",
+    "IQ3_S",
+    "IQ3_M",
+]
 _OPTION_RUNS = {
     "glm4moe_8layers": [
         ("Q4_K_M", {"pure": True}),
@@ -94,16 +119,30 @@ _OPTION_RUNS = {
         ("Q4_K_M", {"tensor_types": [r"blk\.1\.attn_v=q8_0", "ffn_down_exps=q5_k", "ffn_down=q2_k"]}),
         ("Q3_K_M", {"tensor_types": [r"blk\.0\.attn_v=q4_0"]}),
         ("Q4_K_M", {"output_tensor_type": "q8_0", "token_embedding_type": "q5_k"}),
-        ("F16", {}), ("BF16", {}),
+        ("F16", {}),
+        ("BF16", {}),
         ("F16", {"tensor_types": ["attn_v=q8_0"]}),  # llama-quantize ignores overrides here; mtpq applies them
         ("Q4_K_M", {"leave_output_tensor": True}),
         ("Q4_K_M", {"leave_output_tensor": True, "output_tensor_type": "q8_0"}),  # leaving it wins
         # the file's entries after --tensor-type's, first match wins; blk.1's attn_v leaves the count
-        ("Q3_K_M", {"tensor_types": ["attn_q=q4_0"], "tensor_type_file": [r"blk\.1\.attn_v=q8_0", "attn_q=q2_k",
-                                                                          "ffn_down_exps=q5_k"]}),
+        (
+            "Q3_K_M",
+            {
+                "tensor_types": ["attn_q=q4_0"],
+                "tensor_type_file": [r"blk\.1\.attn_v=q8_0", "attn_q=q2_k", "ffn_down_exps=q5_k"],
+            },
+        ),
         # the loader reads the override: 8 experts change attn_output's and attn_k's types
-        ("Q4_K_M", {"override_kv": ["glm4moe.expert_count=int:8", "general.name=str:eight experts",
-                                    "general.file_type=int:7"]}),
+        (
+            "Q4_K_M",
+            {
+                "override_kv": [
+                    "glm4moe.expert_count=int:8",
+                    "general.name=str:eight experts",
+                    "general.file_type=int:7",
+                ]
+            },
+        ),
         # trunk blocks pruned: the rest renumbered, the MTP block 8 -> 6; layer counts stay the input's
         ("Q4_K_M", {"prune_layers": "1,3"}),
         ("Q3_K_M", {"prune_layers": "0,8"}),  # the dense block 0 and the MTP block
@@ -119,14 +158,31 @@ _OPTION_RUNS = {
 }
 
 
-IMATRIX_PRESETS = ["Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K_S", "Q4_K_M",
-                   # the i-quant presets; all but IQ3_S/IQ3_M exist only with an imatrix
-                   "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"]
+IMATRIX_PRESETS = [
+    "Q4_0",
+    "Q5_0",
+    "IQ4_NL",
+    "IQ4_XS",
+    "Q2_K_S",
+    "Q4_K_M",
+    # the i-quant presets; all but IQ3_S/IQ3_M exist only with an imatrix
+    "IQ1_S",
+    "IQ1_M",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ2_M",
+    "IQ3_XXS",
+    "IQ3_XS",
+    "IQ3_S",
+    "IQ3_M",
+]
 
 
 def runs_for(variant: str) -> list[tuple[str, dict]]:
-    return ([(p, {}) for p in PRESETS] + _OPTION_RUNS.get(variant, [])
-            + [(p, {"imatrix": True}) for p in IMATRIX_PRESETS])
+    return (
+        [(p, {}) for p in PRESETS] + _OPTION_RUNS.get(variant, []) + [(p, {"imatrix": True}) for p in IMATRIX_PRESETS]
+    )
 
 
 def synthetic_imatrix(weights: list[tuple[str, int, int]]):
@@ -135,14 +191,19 @@ def synthetic_imatrix(weights: list[tuple[str, int, int]]):
 
     from mtpq.quantize.imatrix import Entry, Imatrix
 
-    entries = {name: Entry(np.ones((n_mat, row), dtype=np.float32), np.ones(n_mat, dtype=np.float32))
-               for name, row, n_mat in sorted(weights)}
+    entries = {
+        name: Entry(np.ones((n_mat, row), dtype=np.float32), np.ones(n_mat, dtype=np.float32))
+        for name, row, n_mat in sorted(weights)
+    }
     return Imatrix(entries, datasets=["synthetic"], chunk_count=1, chunk_size=1)
 
 
 def _plan_weights(plan) -> list[tuple[str, int, int]]:
-    return [(s.name, s.shape[-1], s.shape[0] if len(s.shape) == 3 else 1)
-            for s in plan.tensors if len(s.shape) >= 2 and s.name.endswith("weight")]
+    return [
+        (s.name, s.shape[-1], s.shape[0] if len(s.shape) == 3 else 1)
+        for s in plan.tensors
+        if len(s.shape) >= 2 and s.name.endswith("weight")
+    ]
 
 
 def llama_args(options: dict, imatrix_file: Path | None = None, work: Path | None = None) -> list[str]:
@@ -184,10 +245,12 @@ def recorded_kv(reader: GGUFReader, options: dict) -> dict | None:
     arch = reader.fields["general.architecture"].contents()
     keys = {f"{arch}.block_count", f"{arch}.nextn_predict_layers", f"{arch}.leading_dense_block_count"}
     keys |= {k.partition("=")[0] for k in options.get("override_kv", [])}
-    keys |= {k for k, f in reader.fields.items()
-             if k.startswith(f"{arch}.") and f.types[0] == GGUFValueType.ARRAY}
-    return {k: [GGUFValueType(reader.fields[k].types[0]).name, reader.fields[k].contents()]
-            for k in sorted(keys) if k in reader.fields}
+    keys |= {k for k, f in reader.fields.items() if k.startswith(f"{arch}.") and f.types[0] == GGUFValueType.ARRAY}
+    return {
+        k: [GGUFValueType(reader.fields[k].types[0]).name, reader.fields[k].contents()]
+        for k in sorted(keys)
+        if k in reader.fields
+    }
 
 
 def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
@@ -195,7 +258,9 @@ def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
         import importlib
 
         module, function = builder.split(".")
-        return getattr(importlib.import_module(f"tests.builders.{module}"), function)(folder / "ckpt", dtype=torch.float32, **config)
+        return getattr(importlib.import_module(f"tests.builders.{module}"), function)(
+            folder / "ckpt", dtype=torch.float32, **config
+        )
     if builder == "glm4moe":
         return tiny.glm4moe(folder / "ckpt", dtype=torch.float32, **config)
     if builder == "deepseek_v3":
@@ -209,8 +274,9 @@ def make_checkpoint(folder: Path, builder: str, config: dict) -> Path:
     if builder != "qwen35":  # tests/builders/tiny_<builder>.py with a function <builder>(folder, dtype=..., **config)
         import importlib
 
-        return getattr(importlib.import_module(f"tests.builders.tiny_{builder}"), builder)(folder / "ckpt", dtype=torch.float32,
-                                                                          **config)
+        return getattr(importlib.import_module(f"tests.builders.tiny_{builder}"), builder)(
+            folder / "ckpt", dtype=torch.float32, **config
+        )
     from tests.builders import tiny_qwen35
 
     return tiny_qwen35.qwen35(folder / "ckpt", dtype=torch.float32, **config)
@@ -243,14 +309,27 @@ def record(bin_dir: Path, out_dir: Path, work: Path, variants: list[str] | None 
         from mtpq.quantize.imatrix import write_imatrix
 
         imatrix_file = work / variant / "synthetic.imatrix.gguf"
-        write_imatrix(synthetic_imatrix([(t.name, int(t.shape[0]), int(t.shape[2]) if len(t.shape) == 3 else 1)
-                                         for t in reader.tensors
-                                         if len(t.shape) >= 2 and t.name.endswith("weight")]), imatrix_file)
+        write_imatrix(
+            synthetic_imatrix(
+                [
+                    (t.name, int(t.shape[0]), int(t.shape[2]) if len(t.shape) == 3 else 1)
+                    for t in reader.tensors
+                    if len(t.shape) >= 2 and t.name.endswith("weight")
+                ]
+            ),
+            imatrix_file,
+        )
         runs = []
         for preset, options in runs_for(variant):
             q = work / variant / "q.gguf"
-            cmd = [str(bin_dir / "llama-quantize"), *llama_args(options, imatrix_file, work / variant), str(f32),
-                   str(q), preset, "1"]
+            cmd = [
+                str(bin_dir / "llama-quantize"),
+                *llama_args(options, imatrix_file, work / variant),
+                str(f32),
+                str(q),
+                preset,
+                "1",
+            ]
             subprocess.run(cmd, check=True, capture_output=True)
             out = GGUFReader(q)
             types = {t.name: T(t.tensor_type).name for t in out.tensors}
@@ -265,7 +344,8 @@ def record(bin_dir: Path, out_dir: Path, work: Path, variants: list[str] | None 
             del out
             q.unlink()
         head = {
-            "_doc": "llama-quantize's per-tensor types for a tiny GGUF; tests/quantize/test_policy.py says how it was recorded",
+            "_doc": "llama-quantize's per-tensor types for a tiny GGUF; tests/quantize/test_policy.py says how it "
+            "was recorded",
             "llama_cpp": "vendored by llama-cpp-python 0.3.36 (2026-10-01)",
             "builder": f"tests/builders/tiny*.py {builder}(dtype=float32, **config) -> mtpq convert --outtype f32",
             "config": config,
@@ -319,13 +399,21 @@ def _quantized(plan, preset: str, options: dict, **extra):
         extra["imatrix"] = synthetic_imatrix(_plan_weights(plan))
     with tempfile.TemporaryDirectory() as tmp:
         files = [tensor_type_file(options, Path(tmp))] if "tensor_type_file" in options else []
-        return plan_quantize(plan, parse_options(preset, pure=options.get("pure", False),
-                             tensor_types=options.get("tensor_types", ()), tensor_type_files=files,
-                             output_tensor_type=options.get("output_tensor_type"),
-                             token_embedding_type=options.get("token_embedding_type"),
-                             leave_output_tensor=options.get("leave_output_tensor", False),
-                             kv_overrides=options.get("override_kv", ()), prune_layers=options.get("prune_layers"),
-                             **extra))
+        return plan_quantize(
+            plan,
+            parse_options(
+                preset,
+                pure=options.get("pure", False),
+                tensor_types=options.get("tensor_types", ()),
+                tensor_type_files=files,
+                output_tensor_type=options.get("output_tensor_type"),
+                token_embedding_type=options.get("token_embedding_type"),
+                leave_output_tensor=options.get("leave_output_tensor", False),
+                kv_overrides=options.get("override_kv", ()),
+                prune_layers=options.get("prune_layers"),
+                **extra,
+            ),
+        )
 
 
 def _ours(plan, preset: str, options: dict, **extra) -> dict[str, str]:
@@ -378,8 +466,10 @@ def test_default_holds_mtp_block_at_q8_0_and_nothing_else_changes(f32_plan, vari
     if n_trunk in pruned:
         pytest.skip("the MTP block is pruned")
     rows = {_renumbered(s.name, pruned): s.shape[-1] for s in plan.tensors}
-    overridden = [re.compile(p.rpartition("=")[0]) for p in
-                  run["options"].get("tensor_types", []) + run["options"].get("tensor_type_file", [])]
+    overridden = [
+        re.compile(p.rpartition("=")[0])
+        for p in run["options"].get("tensor_types", []) + run["options"].get("tensor_type_file", [])
+    ]
     mtp_prefix = f"blk.{n_trunk - sum(1 for b in pruned if b < n_trunk)}."  # the MTP block, renumbered
     n_mtp_checked = 0
     for name, their_type in theirs.items():
@@ -398,7 +488,7 @@ def _renumbered(name: str, pruned: list[int]) -> str:
     if m is None or not pruned:
         return name
     b = int(m.group(1))
-    return f"blk.{b - sum(1 for p in pruned if p < b)}.{name[m.end():]}"
+    return f"blk.{b - sum(1 for p in pruned if p < b)}.{name[m.end() :]}"
 
 
 def _kv_cases():
@@ -478,10 +568,20 @@ def test_use_more_bits_pattern():
     assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, *range(6, 28, 3), 28, 29, 30, 31]
 
 
-@pytest.mark.parametrize("qtype,row,want", [
-    (T.Q4_K, 512, T.Q4_K), (T.Q4_K, 288, T.Q5_0), (T.Q5_K, 288, T.Q5_1), (T.Q6_K, 288, T.Q8_0),
-    (T.Q2_K, 288, T.Q4_0), (T.Q3_K, 288, T.Q4_0), (T.Q4_K, 80, T.F16), (T.Q8_0, 80, T.F16), (T.Q8_0, 96, T.Q8_0),
-])
+@pytest.mark.parametrize(
+    "qtype,row,want",
+    [
+        (T.Q4_K, 512, T.Q4_K),
+        (T.Q4_K, 288, T.Q5_0),
+        (T.Q5_K, 288, T.Q5_1),
+        (T.Q6_K, 288, T.Q8_0),
+        (T.Q2_K, 288, T.Q4_0),
+        (T.Q3_K, 288, T.Q4_0),
+        (T.Q4_K, 80, T.F16),
+        (T.Q8_0, 80, T.F16),
+        (T.Q8_0, 96, T.Q8_0),
+    ],
+)
 def test_row_fallbacks(qtype, row, want):
     assert row_fallback(qtype, row)[0] == want
 
@@ -513,7 +613,11 @@ def test_every_decision_has_its_reason(glm8):
 
 
 def test_override_beats_the_mtp_rule_and_first_match_wins(glm8):
-    q = _by_name(plan_quantize(glm8, parse_options("Q4_K_M", tensor_types=[r"blk\.8\.ffn_.*_exps=q4_k", r"blk\.8\.=f16", "exps=q2_k"])))
+    q = _by_name(
+        plan_quantize(
+            glm8, parse_options("Q4_K_M", tensor_types=[r"blk\.8\.ffn_.*_exps=q4_k", r"blk\.8\.=f16", "exps=q2_k"])
+        )
+    )
     assert q["blk.8.ffn_up_exps.weight"].ggml_type == T.Q4_K
     assert q["blk.8.ffn_up_exps.weight"].reason == r"user override blk\.8\.ffn_.*_exps=q4_k"
     assert q["blk.8.nextn.eh_proj.weight"].ggml_type == T.F16
@@ -541,8 +645,11 @@ def test_mtp_experts_type_and_same(glm8):
     assert q["blk.8.ffn_down_exps.weight"].ggml_type == T.Q6_K  # layer 8 of 9 is a more-bits layer
     assert q["blk.8.attn_q.weight"].ggml_type == T.Q8_0
     q = _by_name(plan_quantize(glm8, parse_options("Q2_K", mtp_type="q6_k")))
-    assert {q[n].ggml_type for n in q if n.startswith("blk.8.") and q[n].role is Role.MTP and
-            len(q[n].shape) > 1 and "gate_inp" not in n} == {T.Q6_K}
+    assert {
+        q[n].ggml_type
+        for n in q
+        if n.startswith("blk.8.") and q[n].role is Role.MTP and len(q[n].shape) > 1 and "gate_inp" not in n
+    } == {T.Q6_K}
 
 
 def test_mtp_type_keep_holds_the_source_types(glm8):
@@ -582,8 +689,12 @@ def test_counters_skip_tensors_decided_before_the_mix(glm8):
     from mtpq.quantize.policy import PolicyContext, with_counters
     from mtpq.quantize.presets import preset_named
 
-    ctx = with_counters(PolicyContext(preset_named("Q4_K_M"), model_facts(glm8),
-                                      overrides=(Override("x", re.compile(r"blk\.1\.attn_v"), T.Q8_0),)), glm8.tensors)
+    ctx = with_counters(
+        PolicyContext(
+            preset_named("Q4_K_M"), model_facts(glm8), overrides=(Override("x", re.compile(r"blk\.1\.attn_v"), T.Q8_0),)
+        ),
+        glm8.tensors,
+    )
     assert ctx.n_attn_v == 9 and "blk.1.attn_v.weight" not in ctx.running_index
     assert ctx.running_index["blk.2.attn_v.weight"] == 1
     # llama.cpp counts every name containing "ffn_up": blk.0's dense ffn_up, blk.1's ffn_up_exps and ffn_up_shexp
@@ -606,7 +717,8 @@ def test_imatrix_entries_reach_the_tensors_and_select(glm8):
     assert any(s.importance is not None for s in excl.tensors)
     incl = plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im, include_weights=["attn_q"]))
     assert {s.name for s in incl.tensors if s.importance is not None} == {
-        s.name for s in glm8.tensors if "attn_q" in s.name and s.name.endswith("weight") and len(s.shape) >= 2}
+        s.name for s in glm8.tensors if "attn_q" in s.name and s.name.endswith("weight") and len(s.shape) >= 2
+    }
     with pytest.raises(InputError, match="cannot be combined"):
         plan_quantize(glm8, parse_options("Q4_K_M", imatrix=im, include_weights=["a"], exclude_weights=["b"]))
 
@@ -622,8 +734,9 @@ def test_imatrix_for_another_model_or_size_is_refused(glm8):
     with pytest.raises(InputError, match="names a tensor of this model"):
         plan_quantize(glm8, parse_options("Q4_K_M", imatrix=other))
     wrong = synthetic_imatrix(_plan_weights(glm8))
-    wrong.entries["blk.0.attn_q.weight"] = Entry(wrong.entries["blk.0.attn_q.weight"].sums[:, :-32],
-                                                 wrong.entries["blk.0.attn_q.weight"].counts)
+    wrong.entries["blk.0.attn_q.weight"] = Entry(
+        wrong.entries["blk.0.attn_q.weight"].sums[:, :-32], wrong.entries["blk.0.attn_q.weight"].counts
+    )
     with pytest.raises(InputError, match="entry blk.0.attn_q.weight has .* values, the tensor needs"):
         plan_quantize(glm8, parse_options("Q4_K_M", imatrix=wrong))
 
@@ -643,17 +756,20 @@ def test_type_needing_imatrix_without_head_data_names_tensors_and_remedies(glm8)
     assert "\n" not in msg
 
 
-@pytest.mark.parametrize("kwargs,where,says", [
-    (dict(preset="Q9_X"), "PRESET", "unknown preset"),
-    (dict(preset="IQ2_XXS"), "--imatrix", "need importance data"),  # as llama-quantize, which refuses it
-    (dict(preset="Q2_K_S"), "--imatrix", "need importance data"),  # Q2_K_S exists only with an imatrix
-    (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
-    (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
-    (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),
-    (dict(mtp_type="fp8"), "--mtp-type", "unknown"),
-    (dict(mtp_experts_type="q8_k"), "--mtp-experts-type", "unsupported"),
-    (dict(output_tensor_type="q4"), "--output-tensor-type", "unknown"),
-])
+@pytest.mark.parametrize(
+    "kwargs,where,says",
+    [
+        (dict(preset="Q9_X"), "PRESET", "unknown preset"),
+        (dict(preset="IQ2_XXS"), "--imatrix", "need importance data"),  # as llama-quantize, which refuses it
+        (dict(preset="Q2_K_S"), "--imatrix", "need importance data"),  # Q2_K_S exists only with an imatrix
+        (dict(tensor_types=["(blk=q8_0"]), "--tensor-type", "bad regular expression"),
+        (dict(tensor_types=["attn_v=q9_0"]), "--tensor-type", "unknown or unsupported type"),
+        (dict(tensor_types=["attn_v"]), "--tensor-type", "REGEX=TYPE"),
+        (dict(mtp_type="fp8"), "--mtp-type", "unknown"),
+        (dict(mtp_experts_type="q8_k"), "--mtp-experts-type", "unsupported"),
+        (dict(output_tensor_type="q4"), "--output-tensor-type", "unknown"),
+    ],
+)
 def test_bad_options_name_the_option(glm8, kwargs, where, says):
     kwargs = {"preset": "Q4_K_M", **kwargs}
     with pytest.raises(InputError) as exc:

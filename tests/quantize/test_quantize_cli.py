@@ -22,13 +22,26 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from tests.builders import tiny
-from tests.helpers.ggufcheck import f32_gguf, gguf_tensors as tensors
-from tests.helpers.runcli import run_cli
+from tests.helpers.ggufcheck import f32_gguf
+from tests.helpers.ggufcheck import gguf_tensors as tensors
 from tests.helpers.llamacpp_ref import speculative_simple
+from tests.helpers.runcli import run_cli
 
 # relative RMS error of a Gaussian weight after a round trip: about half these bounds
-MAX_REL_ERROR = {"F32": 0.0, "F16": 1e-3, "Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.05, "Q5_0": 0.06, "Q5_1": 0.06,
-                 "Q4_K": 0.1, "Q4_0": 0.12, "Q4_1": 0.12, "Q3_K": 0.2, "Q2_K": 0.4}
+MAX_REL_ERROR = {
+    "F32": 0.0,
+    "F16": 1e-3,
+    "Q8_0": 0.01,
+    "Q6_K": 0.03,
+    "Q5_K": 0.05,
+    "Q5_0": 0.06,
+    "Q5_1": 0.06,
+    "Q4_K": 0.1,
+    "Q4_0": 0.12,
+    "Q4_1": 0.12,
+    "Q3_K": 0.2,
+    "Q2_K": 0.4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +93,9 @@ def test_file_holds_the_decided_types_and_mtp_at_q8_0(q4km):
     # trunk: llama-quantize's Q4_K_M mix (with 2 blocks no layer is a "more bits" one; output at q6_k)
     assert got["blk.0.attn_v.weight"] == "Q4_K" and got["blk.0.ffn_down.weight"] == "Q4_K"
     assert got["blk.0.attn_q.weight"] == "Q4_K" and got["output.weight"] == "Q6_K"
-    assert {r["name"] for r in info["tensors"] if r["type"] == "F32"} == \
-        {n for n, t in tensors(path).items() if len(t.shape) == 1 or t.shape[1] == 1 or "gate_inp" in n}
+    assert {r["name"] for r in info["tensors"] if r["type"] == "F32"} == {
+        n for n, t in tensors(path).items() if len(t.shape) == 1 or t.shape[1] == 1 or "gate_inp" in n
+    }
 
 
 def test_metadata_like_llama_quantize(q4km, f32):
@@ -130,9 +144,25 @@ def test_dry_run_prints_the_table_and_writes_nothing(f32, tmp_path):
 
 
 def test_options_reach_the_policy(f32, tmp_path):
-    res = run_cli("quantize", f32, tmp_path / "x.gguf", "Q4_0", "--dry-run", "--json", "--pure",
-                  "--tensor-type", r"blk\.0\.attn_q=q8_0", "--mtp-experts-type", "q4_k", "--mtp-type", "f16",
-                  "--output-tensor-type", "q5_k", "--token-embedding-type", "bf16")
+    res = run_cli(
+        "quantize",
+        f32,
+        tmp_path / "x.gguf",
+        "Q4_0",
+        "--dry-run",
+        "--json",
+        "--pure",
+        "--tensor-type",
+        r"blk\.0\.attn_q=q8_0",
+        "--mtp-experts-type",
+        "q4_k",
+        "--mtp-type",
+        "f16",
+        "--output-tensor-type",
+        "q5_k",
+        "--token-embedding-type",
+        "bf16",
+    )
     assert res.exit_code == 0, res.output
     got = {r["name"]: r["type"] for r in json.loads(res.stdout)["tensors"]}
     assert got["blk.0.attn_q.weight"] == "Q8_0" and got["blk.0.attn_v.weight"] == "Q4_0"  # --pure: no attn_v bump
@@ -140,18 +170,21 @@ def test_options_reach_the_policy(f32, tmp_path):
     assert got["output.weight"] == "Q5_K" and got["token_embd.weight"] == "BF16"
 
 
-@pytest.mark.parametrize("args,where", [
-    (["Q9_X"], "PRESET"),
-    (["IQ2_XXS"], "--imatrix"),  # an i-quant preset without importance data, as llama-quantize refuses it
-    (["Q4_K_M", "--tensor-type", "(blk=q8_0"], "--tensor-type"),
-    (["Q4_K_M", "--tensor-type", "attn_v=q9_0"], "--tensor-type"),
-    (["Q4_K_M", "--tensor-type", "attn_v"], "--tensor-type"),
-    (["Q4_K_M", "--mtp-type", "fp8"], "--mtp-type"),
-    (["Q4_K_M", "--mtp-experts-type", "q4"], "--mtp-experts-type"),
-    (["Q4_K_M", "--output-tensor-type", "int4"], "--output-tensor-type"),
-    (["Q4_K_M", "--token-embedding-type", "q4_k_m"], "--token-embedding-type"),
-    (["Q4_K_M", "--threads", "0"], "--threads"),
-])
+@pytest.mark.parametrize(
+    "args,where",
+    [
+        (["Q9_X"], "PRESET"),
+        (["IQ2_XXS"], "--imatrix"),  # an i-quant preset without importance data, as llama-quantize refuses it
+        (["Q4_K_M", "--tensor-type", "(blk=q8_0"], "--tensor-type"),
+        (["Q4_K_M", "--tensor-type", "attn_v=q9_0"], "--tensor-type"),
+        (["Q4_K_M", "--tensor-type", "attn_v"], "--tensor-type"),
+        (["Q4_K_M", "--mtp-type", "fp8"], "--mtp-type"),
+        (["Q4_K_M", "--mtp-experts-type", "q4"], "--mtp-experts-type"),
+        (["Q4_K_M", "--output-tensor-type", "int4"], "--output-tensor-type"),
+        (["Q4_K_M", "--token-embedding-type", "q4_k_m"], "--token-embedding-type"),
+        (["Q4_K_M", "--threads", "0"], "--threads"),
+    ],
+)
 def test_bad_options_exit_2_and_leave_nothing(f32, tmp_path, args, where):
     out = tmp_path / "out.gguf"
     res = run_cli("quantize", f32, out, *args)
@@ -224,12 +257,15 @@ def test_convert_quant_in_one_pass_equals_convert_then_quantize(ckpt, f32, tmp_p
     assert field(one, "general.file_type") == 8  # LLAMA_FTYPE_MOSTLY_Q5_0
 
 
-@pytest.mark.parametrize("args,where", [
-    (["--quant", "Q4_K_X"], "--quant"),
-    (["--quant", "Q4_K_M", "--mtp-type", "q7_0"], "--mtp-type"),
-    (["--quant", "Q4_K_M", "--tensor-type", "[=q8_0"], "--tensor-type"),
-    (["--mtp-type", "q8_0"], "--mtp-type"),  # needs --quant
-])
+@pytest.mark.parametrize(
+    "args,where",
+    [
+        (["--quant", "Q4_K_X"], "--quant"),
+        (["--quant", "Q4_K_M", "--mtp-type", "q7_0"], "--mtp-type"),
+        (["--quant", "Q4_K_M", "--tensor-type", "[=q8_0"], "--tensor-type"),
+        (["--mtp-type", "q8_0"], "--mtp-type"),  # needs --quant
+    ],
+)
 def test_convert_quant_bad_options(ckpt, tmp_path, args, where):
     res = run_cli("convert", ckpt, tmp_path / "out.gguf", *args)
     assert res.exit_code == 2, res.output
@@ -242,7 +278,9 @@ def test_convert_quant_bad_options(ckpt, tmp_path, args, where):
 
 def _llama(bin_dir: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, env=env)
+    proc = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -268,7 +306,8 @@ def test_quantized_file_loads_and_drafts_in_llama_cpp(q4km, llama_cpp_bin):
     path, _ = q4km
     flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
     _llama(llama_cpp_bin, llama_cpp_bin / "llama-cli", "-m", path, "-p", "hi", "-n", 4, "-st", *flags)
-    res, stats = speculative_simple(llama_cpp_bin, "-m", path, "--spec-type", "draft-mtp", "-p", "def add(a, b):",
-                                    "-n", 16, *flags)
+    res, stats = speculative_simple(
+        llama_cpp_bin, "-m", path, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *flags
+    )
     assert "creating MTP draft context" in res.stderr, res.stderr[-2000:]
     assert stats["n_drafted"] > 0

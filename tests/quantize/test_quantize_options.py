@@ -22,7 +22,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from tests.builders import tiny
-from tests.helpers.ggufcheck import f32_gguf, gguf_field as field, gguf_tensors as tensors
+from tests.helpers.ggufcheck import f32_gguf
+from tests.helpers.ggufcheck import gguf_field as field
+from tests.helpers.ggufcheck import gguf_tensors as tensors
 from tests.helpers.runcli import run_cli
 
 
@@ -56,8 +58,9 @@ def test_prune_renumbers_and_the_head_stays_at_q8_0(f32, tmp_path):
     assert T(got["blk.2.ffn_up_exps.weight"].tensor_type) == T.Q8_0
     assert T(got["blk.1.ffn_up_exps.weight"].tensor_type) == T.Q4_K
     src = tensors(f32)
-    assert np.array_equal(np.asarray(got["blk.2.nextn.enorm.weight"].data),
-                          np.asarray(src["blk.3.nextn.enorm.weight"].data))
+    assert np.array_equal(
+        np.asarray(got["blk.2.nextn.enorm.weight"].data), np.asarray(src["blk.3.nextn.enorm.weight"].data)
+    )
 
 
 def test_pruning_the_head_drops_nextn_predict_layers(f32, tmp_path):
@@ -71,9 +74,22 @@ def test_leave_output_tensor_file_and_overrides(f32, tmp_path):
     types_file = tmp_path / "types.txt"
     types_file.write_text("attn_q=q5_0\nblk\\.3\\.=f16  ffn_down=q2_k\n")
     out = tmp_path / "o.gguf"
-    quantize(f32, out, "Q4_K_M", "--leave-output-tensor", "--output-tensor-type", "q8_0",
-             "--tensor-type", "attn_k=q8_0", "--tensor-type-file", types_file,
-             "--override-kv", "general.name=str:tiny pruned", "--override-kv", "glm4moe.expert_weights_scale=float:2.5")
+    quantize(
+        f32,
+        out,
+        "Q4_K_M",
+        "--leave-output-tensor",
+        "--output-tensor-type",
+        "q8_0",
+        "--tensor-type",
+        "attn_k=q8_0",
+        "--tensor-type-file",
+        types_file,
+        "--override-kv",
+        "general.name=str:tiny pruned",
+        "--override-kv",
+        "glm4moe.expert_weights_scale=float:2.5",
+    )
     got = {n: T(t.tensor_type) for n, t in tensors(out).items()}
     assert got["output.weight"] == T.F32  # left as in IN, --output-tensor-type notwithstanding
     assert got["blk.1.attn_q.weight"] == T.Q5_0 and got["blk.1.attn_k.weight"] == T.Q8_0
@@ -84,8 +100,17 @@ def test_leave_output_tensor_file_and_overrides(f32, tmp_path):
 
 
 def test_dry_run_shows_the_renamed_tensors_and_rules(f32, tmp_path):
-    res = run_cli("quantize", f32, tmp_path / "x.gguf", "Q4_K_M", "--prune-layers", "0", "--leave-output-tensor",
-                  "--dry-run", "--json")
+    res = run_cli(
+        "quantize",
+        f32,
+        tmp_path / "x.gguf",
+        "Q4_K_M",
+        "--prune-layers",
+        "0",
+        "--leave-output-tensor",
+        "--dry-run",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     import json
 
@@ -115,23 +140,26 @@ def test_convert_quant_takes_the_options_and_equals_convert_then_quantize(ckpt, 
     assert field(plain, "general.name") == "y"
 
 
-@pytest.mark.parametrize("args,where,says", [
-    (["--override-kv", "general.name"], "--override-kv", "KEY=TYPE:VALUE"),
-    (["--override-kv", "a=double:1"], "--override-kv", "KEY=TYPE:VALUE"),
-    (["--override-kv", "a=int:-1"], "--override-kv", "uint32"),
-    (["--override-kv", "a=int:12abc"], "--override-kv", "not an integer"),
-    (["--override-kv", "a=bool:yes"], "--override-kv", "true or false"),
-    (["--override-kv", f"a=str:{'x' * 128}"], "--override-kv", "at most 127"),
-    (["--override-kv", "general.architecture=str:llama"], "--override-kv", "written by mtpq"),
-    (["--override-kv", "split.count=int:2"], "--override-kv", "written by mtpq"),
-    (["--override-kv", "glm4moe.block_count=float:3"], "--override-kv", "holds a uint32, not float"),
-    (["--override-kv", "tokenizer.ggml.tokens=str:x"], "--override-kv", "is an array"),
-    (["--prune-layers", "1,x"], "--prune-layers", "not a block number"),
-    (["--prune-layers", "-1"], "--prune-layers", "not a block number"),
-    (["--prune-layers", "9"], "--prune-layers", "block 9 does not exist"),
-    (["--prune-layers", "0,1,2"], "--prune-layers", "every trunk block"),
-    (["--tensor-type-file", "missing.txt"], "missing.txt", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "args,where,says",
+    [
+        (["--override-kv", "general.name"], "--override-kv", "KEY=TYPE:VALUE"),
+        (["--override-kv", "a=double:1"], "--override-kv", "KEY=TYPE:VALUE"),
+        (["--override-kv", "a=int:-1"], "--override-kv", "uint32"),
+        (["--override-kv", "a=int:12abc"], "--override-kv", "not an integer"),
+        (["--override-kv", "a=bool:yes"], "--override-kv", "true or false"),
+        (["--override-kv", f"a=str:{'x' * 128}"], "--override-kv", "at most 127"),
+        (["--override-kv", "general.architecture=str:llama"], "--override-kv", "written by mtpq"),
+        (["--override-kv", "split.count=int:2"], "--override-kv", "written by mtpq"),
+        (["--override-kv", "glm4moe.block_count=float:3"], "--override-kv", "holds a uint32, not float"),
+        (["--override-kv", "tokenizer.ggml.tokens=str:x"], "--override-kv", "is an array"),
+        (["--prune-layers", "1,x"], "--prune-layers", "not a block number"),
+        (["--prune-layers", "-1"], "--prune-layers", "not a block number"),
+        (["--prune-layers", "9"], "--prune-layers", "block 9 does not exist"),
+        (["--prune-layers", "0,1,2"], "--prune-layers", "every trunk block"),
+        (["--tensor-type-file", "missing.txt"], "missing.txt", "cannot read"),
+    ],
+)
 def test_bad_options_exit_2_and_leave_nothing(f32, tmp_path, args, where, says):
     args = [a.replace("missing.txt", str(tmp_path / "missing.txt")) for a in args]
     res = run_cli("quantize", f32, tmp_path / "out.gguf", "Q4_K_M", *args)
@@ -151,10 +179,11 @@ def test_a_bad_entry_in_the_tensor_type_file_names_the_file(f32, tmp_path):
 def test_pruning_against_the_layer_pattern_is_refused(tmp_path):
     """Qwen3-Next writes no per-layer array, only full_attention_interval: a block moved onto a position of
     the other kind would load as the wrong kind, so the pruning is refused; whole runs of the period pass."""
+    from gguf import GGUFValueType
+
     from mtpq.errors import InputError
     from mtpq.quantize.prune import prune_blocks
     from mtpq.tensors import Plan
-    from gguf import GGUFValueType
 
     plan = Plan("qwen3next", {}, [], n_trunk_layers=8, n_mtp_layers=1)
     plan.set_kv("qwen3next.full_attention_interval", 4, GGUFValueType.UINT32)
@@ -168,7 +197,9 @@ def test_pruning_against_the_layer_pattern_is_refused(tmp_path):
 
 def _llama(bin_dir: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, env=env)
+    proc = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, env=env
+    )
     assert not check or proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -180,16 +211,31 @@ def test_same_bytes_as_llama_quantize_with_every_option(f32, llama_cpp_bin, tmp_
     from mtpq.quantize.imatrix import Entry, Imatrix, write_imatrix
 
     rng = np.random.default_rng(0)
-    entries = {t.name: Entry(rng.uniform(0.1, 4.0, (int(t.shape[2]) if len(t.shape) == 3 else 1, int(t.shape[0]))
-                                         ).astype(np.float32), np.ones(int(t.shape[2]) if len(t.shape) == 3 else 1,
-                                                                       dtype=np.float32))
-               for t in GGUFReader(f32).tensors if len(t.shape) >= 2 and t.name.endswith("weight")}
+    entries = {
+        t.name: Entry(
+            rng.uniform(0.1, 4.0, (int(t.shape[2]) if len(t.shape) == 3 else 1, int(t.shape[0]))).astype(np.float32),
+            np.ones(int(t.shape[2]) if len(t.shape) == 3 else 1, dtype=np.float32),
+        )
+        for t in GGUFReader(f32).tensors
+        if len(t.shape) >= 2 and t.name.endswith("weight")
+    }
     imatrix = tmp_path / "im.gguf"
     write_imatrix(Imatrix(entries, datasets=["random"], chunk_count=1, chunk_size=1), imatrix)
     types_file = tmp_path / "types.txt"
     types_file.write_text("attn_q=q5_0 ffn_down_exps=q5_k\n")
-    args = ["--prune-layers", "1", "--tensor-type-file", types_file, "--leave-output-tensor", "--imatrix", imatrix,
-            "--override-kv", "general.name=str:pruned", "--override-kv", "glm4moe.expert_count=int:8"]
+    args = [
+        "--prune-layers",
+        "1",
+        "--tensor-type-file",
+        types_file,
+        "--leave-output-tensor",
+        "--imatrix",
+        imatrix,
+        "--override-kv",
+        "general.name=str:pruned",
+        "--override-kv",
+        "glm4moe.expert_count=int:8",
+    ]
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
     quantize(f32, ours, "Q4_K_M", "--mtp-type", "same", *args)
     _llama(llama_cpp_bin, llama_cpp_bin / "llama-quantize", *args, f32, theirs, "Q4_K_M", "1")
@@ -198,8 +244,14 @@ def test_same_bytes_as_llama_quantize_with_every_option(f32, llama_cpp_bin, tmp_
     for name in a:
         assert a[name].tensor_type == b[name].tensor_type, name
         assert np.asarray(a[name].data).tobytes() == np.asarray(b[name].data).tobytes(), name
-    for key in ("general.name", "glm4moe.expert_count", "glm4moe.block_count", "glm4moe.nextn_predict_layers",
-                "general.file_type", "quantize.imatrix.entries_count"):
+    for key in (
+        "general.name",
+        "glm4moe.expert_count",
+        "glm4moe.block_count",
+        "glm4moe.nextn_predict_layers",
+        "general.file_type",
+        "quantize.imatrix.entries_count",
+    ):
         fa, fb = GGUFReader(ours).fields[key], GGUFReader(theirs).fields[key]
         assert fa.contents() == fb.contents() and fa.types == fb.types, key
     # the default head type on top of the same options: only the MTP block (now blk.2) changes, but for the
@@ -207,8 +259,12 @@ def test_same_bytes_as_llama_quantize_with_every_option(f32, llama_cpp_bin, tmp_
     held = tmp_path / "held.gguf"
     quantize(f32, held, "Q4_K_M", *args)
     for name, t in tensors(held).items():
-        if (name.startswith("blk.2.") and len(t.shape) >= 2 and "gate_inp" not in name
-                and not re.search("attn_q|ffn_down_exps", name)):
+        if (
+            name.startswith("blk.2.")
+            and len(t.shape) >= 2
+            and "gate_inp" not in name
+            and not re.search("attn_q|ffn_down_exps", name)
+        ):
             assert T(t.tensor_type) == T.Q8_0, name
         else:
             assert np.asarray(t.data).tobytes() == np.asarray(b[name].data).tobytes(), name
@@ -216,8 +272,27 @@ def test_same_bytes_as_llama_quantize_with_every_option(f32, llama_cpp_bin, tmp_
 
 def _n_layer(bin_dir: Path, path: Path) -> tuple[int | None, str]:
     """llama.cpp's trunk layer count for ``path`` (None: it refused the file), and its error line."""
-    proc = _llama(bin_dir, bin_dir / "llama-cli", "-m", path, "-p", "hi", "-n", 1, "-st", "-c", 128, "-t", 1,
-                  "--temp", 0, "--no-repack", "-lv", 4, check=False)
+    proc = _llama(
+        bin_dir,
+        bin_dir / "llama-cli",
+        "-m",
+        path,
+        "-p",
+        "hi",
+        "-n",
+        1,
+        "-st",
+        "-c",
+        128,
+        "-t",
+        1,
+        "--temp",
+        0,
+        "--no-repack",
+        "-lv",
+        4,
+        check=False,
+    )
     m = re.search(r"print_info: n_layer\s+= (\d+)", proc.stdout + proc.stderr)
     err = next((line for line in (proc.stdout + proc.stderr).splitlines() if "error loading model" in line), "")
     return (int(m.group(1)) if m and proc.returncode == 0 else None), err
@@ -228,6 +303,7 @@ def test_where_llama_quantize_breaks_a_pruned_file_ours_loads(f32, llama_cpp_bin
     """llama-quantize --prune-layers keeps nextn_predict_layers and leading_dense_block_count as they were:
     pruning the head makes llama.cpp run the last trunk block as the head (a trunk one block short), pruning
     the dense block 0 makes it look for a dense FFN in an MoE block. mtpq's files load as meant."""
+
     def both(prune: str) -> tuple[Path, Path]:
         ours, theirs = tmp_path / f"ours-{prune}.gguf", tmp_path / f"theirs-{prune}.gguf"
         quantize(f32, ours, "Q8_0", "--prune-layers", prune)
@@ -250,8 +326,9 @@ def test_pruned_file_drafts_with_its_head_in_llama_cpp(f32, llama_cpp_bin, tmp_p
     out = tmp_path / "p.gguf"
     quantize(f32, out, "Q4_K_M", "--prune-layers", "1")
     flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
-    res, stats = speculative_simple(llama_cpp_bin, "-m", out, "--spec-type", "draft-mtp", "-p", "def add(a, b):",
-                                    "-n", 16, *flags)
+    res, stats = speculative_simple(
+        llama_cpp_bin, "-m", out, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *flags
+    )
     assert "creating MTP draft context" in res.stderr, res.stderr[-2000:]
     assert stats["n_drafted"] > 0
 

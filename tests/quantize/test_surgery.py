@@ -7,9 +7,7 @@ and llama.cpp's ``llama-speculative-simple`` must load and draft with them.
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +18,12 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 from typer.testing import CliRunner
 
-from tests.builders import tiny  # noqa: E402
-from tests.helpers.llamacpp_ref import speculative_simple  # noqa: E402
-
 from mtpq.cli import app  # noqa: E402
 from mtpq.convert import BlockSelection, plan_checkpoint  # noqa: E402
 from mtpq.gguf_io import plan_from_gguf, write_plan  # noqa: E402
 from mtpq.quantize.surgery import plan_graft  # noqa: E402
+from tests.builders import tiny  # noqa: E402
+from tests.helpers.llamacpp_ref import speculative_simple  # noqa: E402
 
 runner = CliRunner()
 
@@ -44,8 +41,9 @@ def contents(path: Path) -> tuple[dict, dict]:
     """(metadata, tensors) as gguf-py reads them, in file order: key -> value, name -> (type, shape, bytes)."""
     r = GGUFReader(path)
     kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    tensors = {t.name: (T(t.tensor_type), tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
-               for t in r.tensors}
+    tensors = {
+        t.name: (T(t.tensor_type), tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes()) for t in r.tensors
+    }
     return kv, tensors
 
 
@@ -61,10 +59,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     nextn_predict_layers 1), as some published quants are and llama.cpp's loader accepts."""
     d = tmp_path_factory.mktemp("surgery")
     src = tiny.glm4moe(d / "glm", seed=0)
-    out = {"dir": d, "src": src,
-           "A": convert(src, d / "A.gguf", BlockSelection.KEEP),
-           "B": convert(src, d / "B.gguf", BlockSelection.DROP),
-           "H": convert(src, d / "H.gguf", BlockSelection.ONLY)}
+    out = {
+        "dir": d,
+        "src": src,
+        "A": convert(src, d / "A.gguf", BlockSelection.KEEP),
+        "B": convert(src, d / "B.gguf", BlockSelection.DROP),
+        "H": convert(src, d / "H.gguf", BlockSelection.ONLY),
+    }
     stripped = plan_from_gguf(out["A"])
     stripped.tensors = [s for s in stripped.tensors if not is_mtp(s.name)]
     write_plan(stripped, d / "T.gguf")
@@ -188,8 +189,11 @@ def other_models(files) -> dict[str, Path]:
     """Trunk-only conversions of models that differ from the fixture's in one way each."""
     d = files["dir"]
     out = {}
-    for label, over in {"hidden": dict(hidden_size=512), "layers": dict(num_hidden_layers=3),
-                        "vocab": dict(vocab_size=768)}.items():
+    for label, over in {
+        "hidden": dict(hidden_size=512),
+        "layers": dict(num_hidden_layers=3),
+        "vocab": dict(vocab_size=768),
+    }.items():
         src = tiny.glm4moe(d / f"glm-{label}", seed=1, **over)
         out[label] = convert(src, d / f"B-{label}.gguf", BlockSelection.DROP)
     plan = plan_from_gguf(files["B"])  # the same file under another architecture name
@@ -200,12 +204,15 @@ def other_models(files) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("label, message", [
-    ("hidden", r"hidden size \(glm4moe.embedding_length\) 256 does not match .*B-hidden.gguf \(512\)"),
-    ("layers", r"2 trunk layers, but .*B-layers.gguf has 3"),
-    ("vocab", r"vocabulary has 512 tokens, but .*B-vocab.gguf has 768"),
-    ("arch", r"architecture glm4moe does not match .*B-arch.gguf \(deepseek2\)"),
-])
+@pytest.mark.parametrize(
+    "label, message",
+    [
+        ("hidden", r"hidden size \(glm4moe.embedding_length\) 256 does not match .*B-hidden.gguf \(512\)"),
+        ("layers", r"2 trunk layers, but .*B-layers.gguf has 3"),
+        ("vocab", r"vocabulary has 512 tokens, but .*B-vocab.gguf has 768"),
+        ("arch", r"architecture glm4moe does not match .*B-arch.gguf \(deepseek2\)"),
+    ],
+)
 def test_mismatched_graft_is_refused(files, other_models, tmp_path, label, message):
     out = tmp_path / "never.gguf"
     res = mtpq("graft", "--mtp-from", files["A"], "--into", other_models[label], out)
@@ -259,8 +266,23 @@ def repeat_head_donor(a_path: Path, out: Path) -> Path:
 def speculate(bin_dir: Path, model: Path, *extra: str) -> tuple[str, dict[str, int]]:
     """Greedy text and draft counts of one llama-speculative-simple run."""
     # --no-repack: ggml's AMX repacked Q8_0 kernels die with SIGILL on CPUs that list AMX but do not grant it
-    proc, stats = speculative_simple(bin_dir, "-m", model, "-p", "def", "-n", "16", "--temp", "0",
-                                     "--spec-type", "draft-mtp", "-t", "1", "--no-repack", *extra)
+    proc, stats = speculative_simple(
+        bin_dir,
+        "-m",
+        model,
+        "-p",
+        "def",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+        "--spec-type",
+        "draft-mtp",
+        "-t",
+        "1",
+        "--no-repack",
+        *extra,
+    )
     return proc.stdout, {k: stats[k] for k in ("n_drafted", "n_accept")}
 
 

@@ -43,8 +43,14 @@ def run_fresh(tmp: Path, *args) -> tuple[subprocess.CompletedProcess, list[str]]
     it had loaded when it exited)."""
     report = tmp / f"modules-{len(list(tmp.glob('modules-*')))}.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(report), *map(str, args)], capture_output=True, text=True,
-                       env=env, cwd=tmp, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(report), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     return p, json.loads(report.read_text())
 
@@ -63,16 +69,18 @@ def files(tmp_path_factory) -> dict[str, Path]:
     for s in plan_from_gguf(f32).tensors:
         if len(s.shape) >= 2:
             n_mat = s.shape[0] if len(s.shape) == 3 else 1
-            entries[s.name] = Entry(np.exp(rng.normal(0, 1, (n_mat, s.shape[-1]))).astype(np.float32),
-                                    np.ones(n_mat, np.float32))
+            entries[s.name] = Entry(
+                np.exp(rng.normal(0, 1, (n_mat, s.shape[-1]))).astype(np.float32), np.ones(n_mat, np.float32)
+            )
     write_imatrix(Imatrix(entries, datasets=["test"], chunk_count=1, chunk_size=1), w / "im.gguf")
     return {"dir": w, "f32": f32, "im": w / "im.gguf"}
 
 
 def test_the_check_sees_torch(files):
     """The probe works: a command that does load torch (a checkpoint conversion) is reported as doing so."""
-    _, heavy = run_fresh(files["dir"], "convert", files["dir"] / "ckpt", files["dir"] / "probe.gguf", "--outtype",
-                         "f32", "-q")
+    _, heavy = run_fresh(
+        files["dir"], "convert", files["dir"] / "ckpt", files["dir"] / "probe.gguf", "--outtype", "f32", "-q"
+    )
     assert "torch" in heavy
 
 
@@ -90,8 +98,18 @@ def test_quantize_inspect_graft_extract_never_import_torch(files):
         ("inspect", w / "head.gguf"),
         ("graft", w / "grafted.gguf", "--mtp-from", w / "head.gguf", "--into", w / "iq4xs.gguf", "--replace", "-q"),
         # requantized from the donor's f32 values
-        ("graft", w / "grafted-q8.gguf", "--mtp-from", f32, "--into", w / "q4km.gguf", "--replace", "--mtp-type",
-         "q8_0", "-q"),
+        (
+            "graft",
+            w / "grafted-q8.gguf",
+            "--mtp-from",
+            f32,
+            "--into",
+            w / "q4km.gguf",
+            "--replace",
+            "--mtp-type",
+            "q8_0",
+            "-q",
+        ),
     ]
     loaded = {}
     for args in commands:

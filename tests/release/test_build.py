@@ -149,7 +149,11 @@ def test_gate_pass_and_fail(glm_ckpt, tmp_path, prompts):
         assert a["acceptance_rate"] == pytest.approx(a["accepted"] / a["drafted"], abs=1e-6)
         assert a["mean_acceptance_length"] == pytest.approx(1 + a["accepted"] / a["drafts"], abs=1e-6)
     # a gate nobody can pass: exit 1, every variant still built, the manifest says why
-    write_recipe(recipe, glm_ckpt, gate=GATE.format(prompts=prompts, min_rate=1.0).replace("min_rate = 1.0", "min_rate = 1.0\nmax_drop = 0.0"))
+    write_recipe(
+        recipe,
+        glm_ckpt,
+        gate=GATE.format(prompts=prompts, min_rate=1.0).replace("min_rate = 1.0", "min_rate = 1.0\nmax_drop = 0.0"),
+    )
     res = run_cli("build", recipe)
     assert res.exit_code == 1, res.output
     manifest = json.loads((tmp_path / "dist" / "manifest.json").read_text())
@@ -160,16 +164,22 @@ def test_gate_pass_and_fail(glm_ckpt, tmp_path, prompts):
     assert "GATE FAILED" in res.stderr
 
 
-@pytest.mark.parametrize("edit, key", [
-    (lambda t: t.replace('preset = "Q4_K_M"', 'preset = "Q9_Z"'), "variant[1].preset"),
-    (lambda t: t.replace('name = "tiny"', ""), "model.name"),
-    (lambda t: t.replace('mtp_type = "q8_0"', 'mtp_type = "q4_x"'), "variant[1].mtp_type"),
-    (lambda t: t.replace('[extras]', '[extras]\nsurprise = 1'), "extras.surprise"),
-    (lambda t: t.replace('preset = "Q8_0"', 'preset = "Q8_0"\ntensor_types = ["blk.(=q8_0"]'), "variant[0].tensor_types[0]"),
-    (lambda t: t.replace('reference_type = "f16"', 'reference_type = "q3"'), "model.reference_type"),
-    (lambda t: t.replace('[[variant]]\nname = "Q4_K_M"', '[[variant]]\nname = "Q8_0"'), "variant"),
-    (lambda t: t + "\n[[[", "TOML"),
-])
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda t: t.replace('preset = "Q4_K_M"', 'preset = "Q9_Z"'), "variant[1].preset"),
+        (lambda t: t.replace('name = "tiny"', ""), "model.name"),
+        (lambda t: t.replace('mtp_type = "q8_0"', 'mtp_type = "q4_x"'), "variant[1].mtp_type"),
+        (lambda t: t.replace("[extras]", "[extras]\nsurprise = 1"), "extras.surprise"),
+        (
+            lambda t: t.replace('preset = "Q8_0"', 'preset = "Q8_0"\ntensor_types = ["blk.(=q8_0"]'),
+            "variant[0].tensor_types[0]",
+        ),
+        (lambda t: t.replace('reference_type = "f16"', 'reference_type = "q3"'), "model.reference_type"),
+        (lambda t: t.replace('[[variant]]\nname = "Q4_K_M"', '[[variant]]\nname = "Q8_0"'), "variant"),
+        (lambda t: t + "\n[[[", "TOML"),
+    ],
+)
 def test_broken_recipe_names_the_key(glm_ckpt, tmp_path, edit, key):
     recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
     recipe.write_text(edit(recipe.read_text()))
@@ -204,8 +214,12 @@ def test_killed_build_leaves_no_partial_artifact_and_resumes(glm_ckpt, tmp_path)
     recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
     dist = tmp_path / "dist"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "mtpq.cli", "build", str(recipe)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtpq.cli", "build", str(recipe)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not list(dist.glob(".tiny-Q4_K_M.gguf.partial-*")):
         time.sleep(0.05)
@@ -234,8 +248,9 @@ def _synthetic_imatrix(ckpt: Path, out: Path, seed: int) -> Path:
     for s in plan_checkpoint(ckpt, outtype=T.F16).tensors:
         if len(s.shape) >= 2 and s.name.endswith("weight"):
             n_mat = s.shape[0] if len(s.shape) == 3 else 1
-            entries[s.name] = Entry(rng.random((n_mat, s.shape[-1]), dtype=np.float32) + 0.01,
-                                    np.ones(n_mat, dtype=np.float32))
+            entries[s.name] = Entry(
+                rng.random((n_mat, s.shape[-1]), dtype=np.float32) + 0.01, np.ones(n_mat, dtype=np.float32)
+            )
     write_imatrix(Imatrix(dict(sorted(entries.items())), datasets=["synthetic"], chunk_count=1, chunk_size=1), out)
     return out
 
@@ -243,7 +258,9 @@ def _synthetic_imatrix(ckpt: Path, out: Path, seed: int) -> Path:
 def test_variant_with_imatrix_records_it_and_rebuilds_when_it_changes(glm_ckpt, tmp_path):
     imf = _synthetic_imatrix(glm_ckpt, tmp_path / "tiny.imatrix.gguf", seed=1)
     recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
-    recipe.write_text(recipe.read_text().replace('mtp_type = "q8_0"', 'mtp_type = "q8_0"\nimatrix = "tiny.imatrix.gguf"'))
+    recipe.write_text(
+        recipe.read_text().replace('mtp_type = "q8_0"', 'mtp_type = "q8_0"\nimatrix = "tiny.imatrix.gguf"')
+    )
     res = run_cli("build", recipe)
     assert res.exit_code == 0, res.output
     dist = tmp_path / "dist"
@@ -263,11 +280,14 @@ def test_variant_with_imatrix_records_it_and_rebuilds_when_it_changes(glm_ckpt, 
     assert {n for n in before if before[n] != after[n]} == {"tiny-Q4_K_M.gguf"}
 
 
-@pytest.mark.parametrize("extra, key, says", [
-    ('imatrix = "missing.imatrix.gguf"', "variant[1].imatrix", "cannot read imatrix file"),
-    ('imatrix = "r.toml"', "variant[1].imatrix", "not an imatrix"),
-    ('exclude_weights = ["ffn"]', "variant[1].exclude_weights", "needs imatrix"),
-])
+@pytest.mark.parametrize(
+    "extra, key, says",
+    [
+        ('imatrix = "missing.imatrix.gguf"', "variant[1].imatrix", "cannot read imatrix file"),
+        ('imatrix = "r.toml"', "variant[1].imatrix", "not an imatrix"),
+        ('exclude_weights = ["ffn"]', "variant[1].exclude_weights", "needs imatrix"),
+    ],
+)
 def test_broken_imatrix_keys_name_the_key(glm_ckpt, tmp_path, extra, key, says):
     recipe = write_recipe(tmp_path / "r.toml", glm_ckpt)
     recipe.write_text(recipe.read_text().replace('mtp_type = "q8_0"', f'mtp_type = "q8_0"\n{extra}'))
@@ -331,10 +351,13 @@ def test_graft_into_variants(glm_ckpt, tmp_path):
     assert by_variant["published-mtp-keep"]["mtp_type"] == "keep"
 
 
-@pytest.mark.parametrize("mtp, key, says", [
-    ("same", "variant[1].mtp_type", "not accepted here"),  # graft has no trunk rule to follow
-    ("q9_9", "variant[1].mtp_type", "unknown"),
-])
+@pytest.mark.parametrize(
+    "mtp, key, says",
+    [
+        ("same", "variant[1].mtp_type", "not accepted here"),  # graft has no trunk rule to follow
+        ("q9_9", "variant[1].mtp_type", "unknown"),
+    ],
+)
 def test_graft_into_refuses_what_graft_cannot_do(glm_ckpt, tmp_path, mtp, key, says):
     target = tmp_path / "t.gguf"
     target.write_bytes(b"")  # never read: the recipe is refused first
@@ -366,11 +389,17 @@ def test_split_artifacts(glm_ckpt, tmp_path, prompts):
     dist, ref = tmp_path / "split", tmp_path / "whole"
     manifest = json.loads((dist / "manifest.json").read_text())
     by_file = {f["file"]: f for f in manifest["files"]}
-    assert set(by_file) == {"tiny-F16-00001-of-00004.gguf", "tiny-Q8_0-00001-of-00005.gguf",
-                            "tiny-Q4_K_M-00001-of-00002.gguf", "tiny-F16-MTP-only-00001-of-00002.gguf"}
+    assert set(by_file) == {
+        "tiny-F16-00001-of-00004.gguf",
+        "tiny-Q8_0-00001-of-00005.gguf",
+        "tiny-Q4_K_M-00001-of-00002.gguf",
+        "tiny-F16-MTP-only-00001-of-00002.gguf",
+    }
     sums = dict(reversed(line.split("  ")) for line in (dist / "SHA256SUMS").read_text().splitlines())
     assert set(sums) == {p.name for p in dist.glob("*.gguf")}
-    whole_manifest = {f["kind"] + str(f["variant"]): f for f in json.loads((ref / "manifest.json").read_text())["files"]}
+    whole_manifest = {
+        f["kind"] + str(f["variant"]): f for f in json.loads((ref / "manifest.json").read_text())["files"]
+    }
     for name, f in by_file.items():
         shards = sorted(dist.glob(name.replace("00001-of", "*-of")))
         assert [s["file"] for s in f["shards"]] == [p.name for p in shards] and len(shards) > 1
@@ -395,8 +424,9 @@ def test_split_artifacts(glm_ckpt, tmp_path, prompts):
     q8 = next(f for f in json.loads((dist / "manifest.json").read_text())["files"] if f["variant"] == "Q8_0")
     assert sorted(p.name for p in dist.glob("tiny-Q8_0*")) == [s["file"] for s in q8["shards"]]
     assert q8["file"] == "tiny-Q8_0-00001-of-00003.gguf"
-    assert {n: t for n, t in stamps(dist).items() if "Q8_0" not in n} == \
-           {n: t for n, t in before.items() if "Q8_0" not in n}
+    assert {n: t for n, t in stamps(dist).items() if "Q8_0" not in n} == {
+        n: t for n, t in before.items() if "Q8_0" not in n
+    }
 
 
 def test_examples_are_what_the_readme_says():

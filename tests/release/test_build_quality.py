@@ -67,8 +67,19 @@ def test_max_kld_fails_q2_k_and_passes_q8_0(work):
     card = (work / "dist" / "README.md").read_text()
     assert "| mean KLD | same top | PPL ratio |" in card and f"{q2['quality']['kld_mean']:.4f}" in card
     # the same figures as mtpq compare on the same files, text and chunks
-    res = run_cli("compare", work / "dist" / "demo-F16.gguf", work / "dist" / "demo-Q2_K.gguf", "-f",
-                  work / "text.txt", "-c", 128, "--chunks", 6, "--json", "-")
+    res = run_cli(
+        "compare",
+        work / "dist" / "demo-F16.gguf",
+        work / "dist" / "demo-Q2_K.gguf",
+        "-f",
+        work / "text.txt",
+        "-c",
+        128,
+        "--chunks",
+        6,
+        "--json",
+        "-",
+    )
     assert json.loads(res.stdout)["files"][0]["kld_mean"] == pytest.approx(q2["quality"]["kld_mean"], rel=1e-9)
 
 
@@ -78,11 +89,14 @@ def test_a_looser_gate_reuses_the_files_and_passes(work):
     assert json.loads((work / "dist" / "manifest.json").read_text())["passed"]
 
 
-@pytest.mark.parametrize("edit,key", [
-    (lambda t: t.replace('text = "text.txt"\n', ""), "gate.max_kld"),
-    (lambda t: t.replace('text = "text.txt"', 'text = "missing.txt"'), "gate.text"),
-    (lambda t: t.replace("kld_ctx_size = 128", "kld_ctx_size = 2"), "gate.kld_ctx_size"),
-])
+@pytest.mark.parametrize(
+    "edit,key",
+    [
+        (lambda t: t.replace('text = "text.txt"\n', ""), "gate.max_kld"),
+        (lambda t: t.replace('text = "text.txt"', 'text = "missing.txt"'), "gate.text"),
+        (lambda t: t.replace("kld_ctx_size = 128", "kld_ctx_size = 2"), "gate.kld_ctx_size"),
+    ],
+)
 def test_broken_quality_gates_name_the_key(work, edit, key, tmp_path):
     r = _recipe(work, 0.05)
     bad = work / "bad.toml"
@@ -116,7 +130,11 @@ auto_max_drop = 1.0
     kv, tensors = read_gguf(tmp_path / "dist" / "demo-Q4_K_M-auto.gguf")
     assert json.loads(kv["mtpq.mtp_type_auto"])["mtp_type"] == "q2_k"  # any drop allowed: the narrowest
     direct = tmp_path / "direct.gguf"
-    assert run_cli("quantize", tmp_path / "dist" / "demo-F16.gguf", direct, "Q4_K_M", "--mtp-type", "q2_k",
-                   "--quiet").exit_code == 0
+    assert (
+        run_cli(
+            "quantize", tmp_path / "dist" / "demo-F16.gguf", direct, "Q4_K_M", "--mtp-type", "q2_k", "--quiet"
+        ).exit_code
+        == 0
+    )
     _, want = read_gguf(direct)
     assert {n: d.tobytes() for n, (_, d) in tensors.items()} == {n: d.tobytes() for n, (_, d) in want.items()}

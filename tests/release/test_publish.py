@@ -37,9 +37,12 @@ class FakeHub:
 
             response = httpx2.Response(404, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{repo}"))
             raise RepositoryNotFoundError(f"404 Client Error: repository {repo} not found", response=response)
-        return [RepoFile(path=p, size=size, oid=blob, **({"lfs": {"size": size, "oid": sha, "pointerSize": 134}}
-                                                          if sha else {}))
-                for p, (size, blob, sha) in self.repos[repo].items()]
+        return [
+            RepoFile(
+                path=p, size=size, oid=blob, **({"lfs": {"size": size, "oid": sha, "pointerSize": 134}} if sha else {})
+            )
+            for p, (size, blob, sha) in self.repos[repo].items()
+        ]
 
     def whoami(self):
         self.calls.append(("whoami",))
@@ -136,7 +139,11 @@ def test_a_changed_variant_sends_only_its_files(fake, built, glm_ckpt, tmp_path)
     assert res.exit_code == 0 and sent(fake) == [], res.output
     plan = res.stdout.splitlines()
     assert [line.split()[1] for line in plan if line.startswith("send")] == [
-        "tiny-Q4_K_M.gguf", "manifest.json", "SHA256SUMS", "README.md"]
+        "tiny-Q4_K_M.gguf",
+        "manifest.json",
+        "SHA256SUMS",
+        "README.md",
+    ]
     assert "skip  mtp-tiny-Q8_0.gguf" in res.stdout and "sha256 matches the Hub's" in res.stdout
     res = run_cli("publish", work / "dist")
     assert res.exit_code == 0, res.output
@@ -147,8 +154,10 @@ def test_dry_run_sends_nothing_and_creates_nothing(fake, built):
     res = run_cli("publish", built / "dist", "--repo", "someone/other", "--dry-run")
     assert res.exit_code == 0, res.output
     assert [c[0] for c in fake.calls] == ["list"] and "create someone/other" in res.stdout
-    assert all(line.startswith(("send", "create", "4 to send", "7 to send", "8 to send", "9 to send"))
-               for line in res.stdout.splitlines()), res.stdout
+    assert all(
+        line.startswith(("send", "create", "4 to send", "7 to send", "8 to send", "9 to send"))
+        for line in res.stdout.splitlines()
+    ), res.stdout
 
 
 def test_prune_deletes_what_the_build_does_not_list(fake, built):
@@ -168,13 +177,19 @@ def test_card_names_the_repository_it_goes_to(fake, built, tmp_path):
     assert "llama-server -hf me/elsewhere:Q4_K_M --spec-type draft-mtp" in (dist / "README.md").read_text()
 
 
-@pytest.mark.parametrize("case, where, says", [
-    ("no token", "Hugging Face token", "none found: set HF_TOKEN or run `hf auth login` (a token that can "
-                                       "write to the repository)"),
-    ("no repo", "--repo", "no repository: pass --repo OWNER/NAME or set [publish] repo in the recipe"),
-    ("bad repo", "--repo", "'not a repo' is not a Hugging Face repository id (OWNER/NAME)"),
-    ("no build", "DIR", "no manifest.json: not a folder mtpq build wrote (run mtpq build first)"),
-])
+@pytest.mark.parametrize(
+    "case, where, says",
+    [
+        (
+            "no token",
+            "Hugging Face token",
+            "none found: set HF_TOKEN or run `hf auth login` (a token that can write to the repository)",
+        ),
+        ("no repo", "--repo", "no repository: pass --repo OWNER/NAME or set [publish] repo in the recipe"),
+        ("bad repo", "--repo", "'not a repo' is not a Hugging Face repository id (OWNER/NAME)"),
+        ("no build", "DIR", "no manifest.json: not a folder mtpq build wrote (run mtpq build first)"),
+    ],
+)
 def test_missing_token_or_repository_is_one_line_exit_2(fake, built, tmp_path, monkeypatch, case, where, says):
     dist = tmp_path / "dist"
     shutil.copytree(built / "dist", dist)

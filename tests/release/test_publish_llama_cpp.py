@@ -89,17 +89,19 @@ def test_llama_server_hf_offline_loads_each_trunk_with_its_head_and_drafts(demo,
     @dataclass
     class HfServer(ServerConfig):
         """llama-server -hf REPO:TAG --offline instead of -m FILE (-v: the loader names each file it reads)."""
+
         hf: str = ""
 
         def args(self, model, draft, host):
             a = super().args(model, draft, host)
             i = a.index("-m")
-            return a[:i] + ["-hf", self.hf, "--offline", "-v"] + a[i + 2:]
+            return a[:i] + ["-hf", self.hf, "--offline", "-v"] + a[i + 2 :]
 
     dist, manifest, hf_home = demo
     for trunk in _trunks(manifest):
-        cfg = HfServer(llama_cpp_bin / "llama-server", threads=1, ctx_size=512, extra=["--no-repack"],
-                       hf=f"{REPO}:{trunk['tag']}")
+        cfg = HfServer(
+            llama_cpp_bin / "llama-server", threads=1, ctx_size=512, extra=["--no-repack"], hf=f"{REPO}:{trunk['tag']}"
+        )
         with LlamaServer(cfg, dist / trunk["file"], draft=1) as srv:
             report = measure_with_llama_cpp(None, PROMPTS, draft=1, max_new_tokens=16, url=srv.url)
             log = srv._log_text()
@@ -119,8 +121,9 @@ def test_pair_drafts_as_the_one_file(demo, llama_cpp_bin):
     cfg = ServerConfig(llama_cpp_bin / "llama-server", threads=1, ctx_size=512, extra=["--no-repack"])
 
     def counts(model: Path, head: Path | None = None) -> tuple[int, int]:
-        r = measure_with_llama_cpp(model, PROMPTS, draft=1, max_new_tokens=24,
-                                   server=cfg if head is None else with_draft_model(cfg, head))
+        r = measure_with_llama_cpp(
+            model, PROMPTS, draft=1, max_new_tokens=24, server=cfg if head is None else with_draft_model(cfg, head)
+        )
         return r.overall.n_drafted, r.overall.n_accepted
 
     for trunk in _trunks(manifest):
@@ -135,20 +138,26 @@ def test_pair_drafts_as_the_one_file(demo, llama_cpp_bin):
 
 # names chosen to trip a wrong reading of common/download.cpp: nearest bits, the -TAG. name, BF16's 16, the
 # _MTP suffix, a head below the model's folder
-@pytest.mark.parametrize("names, tag", [
-    ({"m-Q4_K_M.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-F16.gguf": "head"}, "Q4_K_M"),
-    ({"m-Q8_0.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-F16.gguf": "head"}, "Q8_0"),
-    ({"m-F16.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-BF16.gguf": "head"}, "F16"),
-    ({"m-Q4_K_M.gguf": "trunk", "mtp-m-Q2_K.gguf": "head", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
-    ({"m-Q4_K_M.gguf": "trunk", "m-Q4_K_M_MTP.gguf": "fused", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
-    ({"m-Q4_K_M.gguf": "trunk", "m-Q4_K_M_MTP.gguf": "fused", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M_MTP"),
-    ({"m-Q4_K_M.gguf": "fused", "MTP/mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
-])
+@pytest.mark.parametrize(
+    "names, tag",
+    [
+        ({"m-Q4_K_M.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-F16.gguf": "head"}, "Q4_K_M"),
+        ({"m-Q8_0.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-F16.gguf": "head"}, "Q8_0"),
+        ({"m-F16.gguf": "trunk", "mtp-m-Q8_0.gguf": "head", "mtp-m-BF16.gguf": "head"}, "F16"),
+        ({"m-Q4_K_M.gguf": "trunk", "mtp-m-Q2_K.gguf": "head", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
+        ({"m-Q4_K_M.gguf": "trunk", "m-Q4_K_M_MTP.gguf": "fused", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
+        ({"m-Q4_K_M.gguf": "trunk", "m-Q4_K_M_MTP.gguf": "fused", "mtp-m-Q8_0.gguf": "head"}, "Q4_K_M_MTP"),
+        ({"m-Q4_K_M.gguf": "fused", "MTP/mtp-m-Q8_0.gguf": "head"}, "Q4_K_M"),
+    ],
+)
 def test_mirror_picks_what_llama_cpp_picks(demo, tmp_path, monkeypatch, llama_cpp_bin, names, tag):
     dist, manifest, _ = demo
     trunk = next(t for t in _trunks(manifest) if t["tag"] == "Q4_K_M")
-    source = {"trunk": dist / trunk["file"], "head": dist / trunk["head"],
-              "fused": dist / naming.combined_file(manifest["model"], "Q4_K_M", "both")}
+    source = {
+        "trunk": dist / trunk["file"],
+        "head": dist / trunk["head"],
+        "fused": dist / naming.combined_file(manifest["model"], "Q4_K_M", "both"),
+    }
     hf_home = tmp_path / "hf"
     snap = snapshot(hf_home, "someone/m", {})
     for name, kind in names.items():
@@ -160,9 +169,26 @@ def test_mirror_picks_what_llama_cpp_picks(demo, tmp_path, monkeypatch, llama_cp
     (model,) = naming.models_for_tag(sorted(names), tag)
     heads = naming.heads_for(sorted(names), model, tag)
     assert len(heads) <= 1  # the cases have one winner: no listing order decides
-    proc, stats = speculative_simple(llama_cpp_bin, "-hf", f"someone/m:{tag}", "--offline", "--spec-type",
-                                     "draft-mtp", "-p", "def", "-n", "4", "--temp", "0", "-t", "1", "--no-repack",
-                                     "-c", "256", "-v")
+    proc, stats = speculative_simple(
+        llama_cpp_bin,
+        "-hf",
+        f"someone/m:{tag}",
+        "--offline",
+        "--spec-type",
+        "draft-mtp",
+        "-p",
+        "def",
+        "-n",
+        "4",
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "--no-repack",
+        "-c",
+        "256",
+        "-v",
+    )
     assert _loaded(proc.stderr)[0] == Path(model).name, proc.stderr[-2000:]
     draft = re.search(r"loading draft model '([^']+)'", proc.stderr)
     if heads:

@@ -54,8 +54,12 @@ quantized_by = "someone"
 license = "mit"
 """
 TAGS = ("F16", "Q8_0", "Q6_K", "Q2_K")
-HEADS = {"F16": "mtp-demo-F16.gguf", "Q8_0": "mtp-demo-Q8_0.gguf", "Q6_K": "mtp-demo-Q8_0.gguf",
-         "Q2_K": "mtp-demo-Q2_K.gguf"}  # "same": a head like its trunk, named for it
+HEADS = {
+    "F16": "mtp-demo-F16.gguf",
+    "Q8_0": "mtp-demo-Q8_0.gguf",
+    "Q6_K": "mtp-demo-Q8_0.gguf",
+    "Q2_K": "mtp-demo-Q2_K.gguf",
+}  # "same": a head like its trunk, named for it
 
 
 def sha(p: Path) -> str:
@@ -64,8 +68,10 @@ def sha(p: Path) -> str:
 
 def write(work: Path, layout: str, output: str) -> Path:
     (work / "text.txt").write_text(Path(json.__file__).read_text())
-    (work / "p.jsonl").write_text('{"category": "code", "prompt": "def add(a, b):"}\n'
-                                  '{"category": "prose", "prompt": "import os\\nimport sys\\n"}\n')
+    (work / "p.jsonl").write_text(
+        '{"category": "code", "prompt": "def add(a, b):"}\n'
+        '{"category": "prose", "prompt": "import os\\nimport sys\\n"}\n'
+    )
     r = work / f"{output}.toml"
     r.write_text(RECIPE.format(source=DEMO, output=output, layout=layout, prompts=work / "p.jsonl"))
     return r
@@ -94,7 +100,8 @@ def test_files_pairs_and_llama_cpp_resolution(work):
     assert {t: f["head"] for t, f in trunks.items()} == HEADS
     heads = {f["file"]: f for f in m["files"] if f["kind"] == "head"}
     assert heads["mtp-demo-Q8_0.gguf"]["pairs"] == ["Q6_K", "Q8_0"] and heads["mtp-demo-Q8_0.gguf"][
-        "mtp_precision"] == ["Q8_0"]
+        "mtp_precision"
+    ] == ["Q8_0"]
     assert all(f["mtp_blocks"] == 0 for f in trunks.values()) and all(h["mtp_blocks"] == 1 for h in heads.values())
     pairs = {t: (f"demo-{t}.gguf", h) for t, h in HEADS.items()}
     assert resolution_problems(sorted(names), pairs) == []
@@ -128,8 +135,11 @@ def test_every_file_passes_inspect_check_but_a_two_bit_head(work):
     assert res.exit_code == 1, res.output
     lines = res.stdout.splitlines()
     warned = {line.split(": ")[0] for line in lines if ": warning: " in line}
-    assert warned == {str(work / "both" / "demo-Q2_K_MTP.gguf"), str(work / "both" / "mtp-demo-Q2_K.gguf"),
-                      str(work / "combined" / "demo-Q2_K.gguf")}
+    assert warned == {
+        str(work / "both" / "demo-Q2_K_MTP.gguf"),
+        str(work / "both" / "mtp-demo-Q2_K.gguf"),
+        str(work / "combined" / "demo-Q2_K.gguf"),
+    }
     assert {line.split(": ")[0] for line in lines if ": ok (" in line} == set(map(str, files)) - warned
     assert len(lines) == len(files) - len(warned) + 2 * len(warned)  # q2_K and q3_K weights: two lines each
 
@@ -167,8 +177,9 @@ def test_rebuild_reuses_and_a_layout_change_removes_what_it_replaces(work, tmp_p
     res = run_cli("build", recipe)
     assert res.exit_code == 0 and "built" not in res.stderr, res.output  # the same trunks and heads
     assert not list(dist.glob("*_MTP.gguf")) and "removed demo-Q8_0_MTP.gguf" in res.stderr
-    assert {f["file"] for f in json.loads((dist / "manifest.json").read_text())["files"]} == \
-           {f"demo-{t}.gguf" for t in TAGS} | set(HEADS.values())
+    assert {f["file"] for f in json.loads((dist / "manifest.json").read_text())["files"]} == {
+        f"demo-{t}.gguf" for t in TAGS
+    } | set(HEADS.values())
 
 
 @pytest.mark.slow
@@ -177,8 +188,9 @@ def test_ci_matrix_jobs_merge_into_the_whole_build(glm_ckpt, tmp_path):
     manifest of a whole build (a head two jobs built is the same part)."""
     import shutil
 
-    text = f'[model]\nname = "tiny"\nsource = "{glm_ckpt}"\nreference_type = "f16"\nlayout = "both"\n\n' + \
-        "".join(f'[[variant]]\nname = "{v}"\npreset = "{v}"\n\n' for v in ("Q8_0", "Q4_K_M", "Q5_K_M"))
+    text = f'[model]\nname = "tiny"\nsource = "{glm_ckpt}"\nreference_type = "f16"\nlayout = "both"\n\n' + "".join(
+        f'[[variant]]\nname = "{v}"\npreset = "{v}"\n\n' for v in ("Q8_0", "Q4_K_M", "Q5_K_M")
+    )
     whole = tmp_path / "whole"
     whole.mkdir()
     (whole / "r.toml").write_text(text)

@@ -61,6 +61,7 @@ MODES = (None, "--no-mtp", "--mtp")  # llama.cpp converter's flags: the full fil
 @dataclass(frozen=True)
 class LlamaCppRefuses:
     """llama.cpp's converter exits non-zero in the cell, its log matching the regular expression ``log``."""
+
     reason: str
     log: str
 
@@ -69,6 +70,7 @@ class LlamaCppRefuses:
 class LlamaCppWritesOurs:
     """llama.cpp's converter writes, in the cell, the file mtpq writes in converter mode ``mode`` (every tensor
     and key compared, ``DIFFERS_KEYS`` aside)."""
+
     reason: str
     mode: str
 
@@ -78,6 +80,7 @@ class LlamaCppDiffersIn:
     """llama.cpp's converter writes mtpq's file but for the tensors matching ``tensors``: each is ``ours`` in
     mtpq's file and ``theirs`` with ``their_width`` times the row length in llama.cpp's (at least one matches).
     ``keys`` are metadata keys derived from those tensors (file type, size label): they may differ."""
+
     reason: str
     tensors: str
     ours: str
@@ -101,7 +104,7 @@ def cells(with_modes: bool = True) -> list[tuple[str, str, str | None]]:
     out = []
     for name, m in manifests().items():
         for form in m.FORMS:
-            for mode in (MODES if with_modes else (None,)):
+            for mode in MODES if with_modes else (None,):
                 out.append((name, form, mode))
     return out
 
@@ -176,8 +179,11 @@ def build(manifest: ModuleType, folder: Path, form: str = "bf16", seed: int = 0)
     specials = getattr(manifest, "SPECIALS", tiny.GLM_SPECIALS)
     vocab = tiny.make_tokenizer(folder, specials=specials) + 4  # + padding ids, as releases have
     cfg = json.loads(json.dumps(manifest.CONFIG))  # a deep copy
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) and "vocab_size" in cfg.get(
-        "text_config", {}) else cfg
+    text = (
+        cfg.get("text_config")
+        if isinstance(cfg.get("text_config"), dict) and "vocab_size" in cfg.get("text_config", {})
+        else cfg
+    )
     text["vocab_size"] = vocab
     for table in {id(cfg): cfg, id(text): text}.values():
         _shrink_token_ids(table, len(specials))
@@ -220,16 +226,42 @@ def fp8_block_scaled(folder: Path, keep=None, **quantization_config) -> None:
 # compressed-tensors' FP8 scheme as llm-compressor writes it (GLM-4.5/4.6/4.7-FP8): one group, every Linear, weights
 # per output channel (``weight_scale`` [out, 1]), activations dynamic per token
 COMPRESSED_TENSORS_FP8 = {
-    "config_groups": {"group_0": {
-        "input_activations": {"actorder": None, "block_structure": None, "dynamic": True, "group_size": None,
-                              "num_bits": 8, "observer": None, "observer_kwargs": {}, "strategy": "token",
-                              "symmetric": True, "type": "float"},
-        "output_activations": None, "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
-                    "observer": "minmax", "observer_kwargs": {}, "strategy": "channel", "symmetric": True,
-                    "type": "float"}}},
-    "format": "float-quantized", "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
-    "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "input_activations": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": True,
+                "group_size": None,
+                "num_bits": 8,
+                "observer": None,
+                "observer_kwargs": {},
+                "strategy": "token",
+                "symmetric": True,
+                "type": "float",
+            },
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": None,
+                "num_bits": 8,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "channel",
+                "symmetric": True,
+                "type": "float",
+            },
+        }
+    },
+    "format": "float-quantized",
+    "global_compression_ratio": None,
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
 }
 
 
@@ -259,6 +291,7 @@ def transformers_saved(folder: Path) -> None:
 def without(*keys: str):
     """An encoder dropping ``keys`` from config.json (and its ``text_config``): a config that omits what
     transformers derives (``layer_types``, ``mlp_layer_types``, ...)."""
+
     def encode(folder: Path) -> None:
         path = folder / "config.json"
         cfg = json.loads(path.read_text())
@@ -266,4 +299,5 @@ def without(*keys: str):
             for k in keys:
                 table.pop(k, None)
         path.write_text(json.dumps(cfg, indent=2))
+
     return encode

@@ -75,6 +75,9 @@ def citation_problems(manifest: ModuleType, fields: set[str], every_field: set[s
     (``every_field``) but not of this one (``fields``: :func:`has` of each of its built forms)."""
     out = [f"no URL or repository path: {s[:80]}" for s in manifest.SOURCES if not located(s)]
     for s in manifest.SOURCES:
-        out += [f"{f!r} named by {s[:60]}..., not in the manifest" for f in named_fields(s)
-                if f in every_field and f not in fields]
+        out += [
+            f"{f!r} named by {s[:60]}..., not in the manifest"
+            for f in named_fields(s)
+            if f in every_field and f not in fields
+        ]
     return out

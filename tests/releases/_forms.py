@@ -73,8 +73,11 @@ def _fp8_problems(cfg: dict, stored: dict) -> list[str]:
             continue
         shape, got = stored[name][1], stored[scale][1]
         if block and qc.get("quant_method") == "fp8":  # tiles cover the weight (more where it is tiled by parts)
-            fits = (got[:-2] == shape[:-2] and got[-1] == math.ceil(shape[-1] / block[1])
-                    and math.ceil(shape[-2] / block[0]) <= got[-2] <= shape[-2])
+            fits = (
+                got[:-2] == shape[:-2]
+                and got[-1] == math.ceil(shape[-1] / block[1])
+                and math.ceil(shape[-2] / block[0]) <= got[-2] <= shape[-2]
+            )
         elif channel:
             fits = got == (*shape[:-1], 1)
         else:  # per-tensor (ModelOpt)
@@ -126,15 +129,24 @@ def form_problems(manifest: ModuleType, form: str, folder: Path) -> list[str]:
         got = _find(cfg, "transformers_version")
         return [] if got == transformers.__version__ else [f"transformers_version {got}"]
     if form == "no_layer_types":
-        return ([] if _find(released, "layer_types") and _find(cfg, "layer_types") is None
-                else ["layer_types not dropped (or the release has none)"])
+        return (
+            []
+            if _find(released, "layer_types") and _find(cfg, "layer_types") is None
+            else ["layer_types not dropped (or the release has none)"]
+        )
     if form == "no_dense_keys":
         kept = [k for k in ("first_k_dense_replace", "mlp_layer_types") if _find(cfg, k) is not None]
-        return [f"{k} kept" for k in kept] or ([] if _find(released, "first_k_dense_replace") is not None
-                                              else ["the release has no first_k_dense_replace to drop"])
+        return [f"{k} kept" for k in kept] or (
+            []
+            if _find(released, "first_k_dense_replace") is not None
+            else ["the release has no first_k_dense_replace to drop"]
+        )
     if form == "rope_theta":
-        return ([] if "rope_theta" in cfg and "rope_parameters" not in cfg and "rope_parameters" in released
-                else ["RoPE not moved from rope_parameters to a top-level rope_theta"])
+        return (
+            []
+            if "rope_theta" in cfg and "rope_parameters" not in cfg and "rope_parameters" in released
+            else ["RoPE not moved from rope_parameters to a top-level rope_theta"]
+        )
     stored = headers(folder)
     out = []
     if form == "bf16":

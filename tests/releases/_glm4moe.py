@@ -19,11 +19,17 @@ def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.q_proj.bias": (nh * d,),
-                p + "self_attn.k_proj.weight": (nkv * d, h), p + "self_attn.k_proj.bias": (nkv * d,),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.v_proj.bias": (nkv * d,),
-                p + "self_attn.o_proj.weight": (h, nh * d)}
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h),
+            p + "self_attn.q_proj.bias": (nh * d,),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.k_proj.bias": (nkv * d,),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.bias": (nkv * d,),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+        }
         if cfg.get("use_qk_norm"):
             out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         out |= ffn(cfg, p + "mlp.", L)  # DeepSeek-V3's MoE block

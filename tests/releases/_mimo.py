@@ -30,28 +30,60 @@ from . import experts, mlp, nextn
 # 4 layers in pattern [0, 1, 1, 0], 4 experts, heads 16 with head_dim 48 / v_head_dim 32) and its fixed choices;
 # each manifest adds its release's own keys with ``variant``.
 SHARED_CONFIG = {
-    "add_full_attention_sink_bias": False, "add_swa_attention_sink_bias": True, "attention_bias": False,
-    "attention_chunk_size": 128, "attention_dropout": 0.0, "head_dim": 48, "hidden_act": "silu", "hidden_size": 256,
-    "hybrid_layer_pattern": [0, 1, 1, 0], "initializer_range": 0.02, "intermediate_size": 512,
-    "layernorm_epsilon": 1e-05, "moe_intermediate_size": 256, "moe_layer_freq": [0, 1, 1, 1], "n_group": 1,
-    "n_routed_experts": 4, "n_shared_experts": None, "norm_topk_prob": True, "num_attention_heads": 16,
-    "num_experts_per_tok": 2, "num_hidden_layers": 4, "partial_rotary_factor": 0.334, "routed_scaling_factor": None,
-    "scoring_func": "sigmoid", "sliding_window": 128, "sliding_window_size": 128, "swa_head_dim": 48,
-    "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_rope_theta": 10000, "swa_v_head_dim": 32,
-    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "use_cache": True, "v_head_dim": 32,
+    "add_full_attention_sink_bias": False,
+    "add_swa_attention_sink_bias": True,
+    "attention_bias": False,
+    "attention_chunk_size": 128,
+    "attention_dropout": 0.0,
+    "head_dim": 48,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "hybrid_layer_pattern": [0, 1, 1, 0],
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "layernorm_epsilon": 1e-05,
+    "moe_intermediate_size": 256,
+    "moe_layer_freq": [0, 1, 1, 1],
+    "n_group": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": None,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "partial_rotary_factor": 0.334,
+    "routed_scaling_factor": None,
+    "scoring_func": "sigmoid",
+    "sliding_window": 128,
+    "sliding_window_size": 128,
+    "swa_head_dim": 48,
+    "swa_num_attention_heads": 16,
+    "swa_num_key_value_heads": 8,
+    "swa_rope_theta": 10000,
+    "swa_v_head_dim": 32,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "use_cache": True,
+    "v_head_dim": 32,
     "vocab_size": 152576,
 }
 N_MTP = 3  # every MiMo-V2 release ships 3 MTP layers (llama.cpp's conversion/mimo.py hardcodes 3)
-FP8_LINEAR = re.compile(r"^model\.(?:mtp\.)?layers\.\d+\.(?:self_attn\.(?:q|k|v|qkv)_proj"
-                        r"|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)\.weight$")
+FP8_LINEAR = re.compile(
+    r"^model\.(?:mtp\.)?layers\.\d+\.(?:self_attn\.(?:q|k|v|qkv)_proj"
+    r"|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)\.weight$"
+)
 ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
 ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.(?:weight|e_score_correction_bias)$")
 
 
 def auto_map(module: str, prefix: str) -> dict[str, str]:
     """config.json's ``auto_map`` to the release's remote code (``configuration_{module}.{prefix}Config``, ...)."""
-    return {"AutoConfig": f"configuration_{module}.{prefix}Config", "AutoModel": f"modeling_{module}.{prefix}Model",
-            "AutoModelForCausalLM": f"modeling_{module}.{prefix}ForCausalLM"}
+    return {
+        "AutoConfig": f"configuration_{module}.{prefix}Config",
+        "AutoModel": f"modeling_{module}.{prefix}Model",
+        "AutoModelForCausalLM": f"modeling_{module}.{prefix}ForCausalLM",
+    }
 
 
 def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
@@ -69,8 +101,11 @@ def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
         if fused_qkv:
             out[p + "self_attn.qkv_proj.weight"] = (n_head * d + n_kv * (d + dv), h)
         else:
-            out |= {p + "self_attn.q_proj.weight": (n_head * d, h), p + "self_attn.k_proj.weight": (n_kv * d, h),
-                    p + "self_attn.v_proj.weight": (n_kv * dv, h)}
+            out |= {
+                p + "self_attn.q_proj.weight": (n_head * d, h),
+                p + "self_attn.k_proj.weight": (n_kv * d, h),
+                p + "self_attn.v_proj.weight": (n_kv * dv, h),
+            }
         out[p + "self_attn.o_proj.weight"] = (h, n_head * dv)
         if cfg["add_swa_attention_sink_bias" if swa else "add_full_attention_sink_bias"]:
             out[p + "self_attn.attention_sink_bias"] = (n_head,)
@@ -88,11 +123,11 @@ def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
 def ignored_o_proj(cfg: dict) -> list[str]:
     """quantization_config.ignored_layers as released: every trunk layer's o_proj, and the MTP one's."""
     return [f"model.layers.{i}.self_attn.o_proj" for i in range(cfg["num_hidden_layers"])] + [
-        "model.decoder.self_attn.o_proj"]
+        "model.decoder.self_attn.o_proj"
+    ]
 
 
-def fp8_form(quantization_config: Callable[[dict], dict], mxfp4: bool = False,
-             **config_keys) -> Callable[[Path], None]:
+def fp8_form(quantization_config: Callable[[dict], dict], mxfp4: bool = False, **config_keys) -> Callable[[Path], None]:
     """The encoder of a release's FP8 form: the projections FP8 (a fused qkv_proj tiled per rank over
     num_key_value_heads ranks), the router float32; ``mxfp4``: the routed experts OCP MXFP4 instead (U8
     ``weight`` + U8 E8M0 ``weight_scale``) and the router left bf16; config.json gets

@@ -20,16 +20,27 @@ from pathlib import Path
 
 from . import experts, fp8_block_scaled, mlp
 
-
 # The text config keys every Qwen3.5 / 3.6 / Qwen3-Next manifest holds with the same values: the sizes they are all
 # shrunk to (hidden 256, 4 layers, heads 4/2 of 64, linear-attention heads 2/4 of 64) and fixed choices; each
 # manifest adds its release's own keys with ``variant``.
 SHARED_TEXT = {
-    "attention_bias": False, "attention_dropout": 0.0, "full_attention_interval": 4, "head_dim": 64,
-    "hidden_act": "silu", "hidden_size": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 64,
-    "max_position_embeddings": 262144, "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06, "use_cache": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "full_attention_interval": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 64,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "use_cache": True,
 }
 
 
@@ -46,15 +57,20 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     if not t.get("tie_word_embeddings", cfg.get("tie_word_embeddings")):
         out["lm_head.weight"] = (v, h)
     every = t.get("full_attention_interval", 4)
-    types = t.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                                     for i in range(t["num_hidden_layers"])]
+    types = t.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(t["num_hidden_layers"])
+    ]
     for i, kind in enumerate(types):
         out |= _block(t, f"{top}layers.{i}.", kind == "full_attention")
     n_mtp = t.get("mtp_num_hidden_layers", 1)
     for i in range(n_mtp):
         out |= _block(t, f"mtp.layers.{i}.", True)
-    out |= {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-            "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    out |= {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+    }
     if conditional:
         out |= _vision(cfg["vision_config"])
     return out
@@ -65,21 +81,35 @@ def _block(t: dict, p: str, full: bool) -> dict[str, tuple[int, ...]]:
     out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
     if full:
         nh, nkv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-        out |= {p + "self_attn.q_proj.weight": (2 * nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        out |= {
+            p + "self_attn.q_proj.weight": (2 * nh * d, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+        }
     else:
         nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
         dk, dv, k = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
         conv = 2 * nk * dk + nv * dv
         q = p + "linear_attn."
-        out |= {q + "conv1d.weight": (conv, 1, k), q + "dt_bias": (nv,), q + "A_log": (nv,), q + "norm.weight": (dv,),
-                q + "out_proj.weight": (h, nv * dv)}
+        out |= {
+            q + "conv1d.weight": (conv, 1, k),
+            q + "dt_bias": (nv,),
+            q + "A_log": (nv,),
+            q + "norm.weight": (dv,),
+            q + "out_proj.weight": (h, nv * dv),
+        }
         if t["model_type"] == "qwen3_next":
             out |= {q + "in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, h), q + "in_proj_ba.weight": (2 * nv, h)}
         else:
-            out |= {q + "in_proj_qkv.weight": (conv, h), q + "in_proj_z.weight": (nv * dv, h),
-                    q + "in_proj_b.weight": (nv, h), q + "in_proj_a.weight": (nv, h)}
+            out |= {
+                q + "in_proj_qkv.weight": (conv, h),
+                q + "in_proj_z.weight": (nv * dv, h),
+                q + "in_proj_b.weight": (nv, h),
+                q + "in_proj_a.weight": (nv, h),
+            }
     if "num_experts" in t:
         ne, mff, sff = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
         out |= {p + "mlp.gate.weight": (ne, h), p + "mlp.shared_expert_gate.weight": (1, h)}
@@ -90,31 +120,54 @@ def _block(t: dict, p: str, full: bool) -> dict[str, tuple[int, ...]]:
 
 
 def _vision(vc: dict) -> dict[str, tuple[int, ...]]:
-    h, ff, c, tp, ps = vc["hidden_size"], vc["intermediate_size"], vc["in_channels"], vc["temporal_patch_size"], \
-        vc["patch_size"]
+    h, ff, c, tp, ps = (
+        vc["hidden_size"],
+        vc["intermediate_size"],
+        vc["in_channels"],
+        vc["temporal_patch_size"],
+        vc["patch_size"],
+    )
     merged = h * vc["spatial_merge_size"] ** 2
     p = "model.visual."
-    out = {p + "patch_embed.proj.weight": (h, c, tp, ps, ps), p + "patch_embed.proj.bias": (h,),
-           p + "pos_embed.weight": (vc["num_position_embeddings"], h),
-           p + "merger.norm.weight": (h,), p + "merger.norm.bias": (h,),
-           p + "merger.linear_fc1.weight": (merged, merged), p + "merger.linear_fc1.bias": (merged,),
-           p + "merger.linear_fc2.weight": (vc["out_hidden_size"], merged),
-           p + "merger.linear_fc2.bias": (vc["out_hidden_size"],)}
+    out = {
+        p + "patch_embed.proj.weight": (h, c, tp, ps, ps),
+        p + "patch_embed.proj.bias": (h,),
+        p + "pos_embed.weight": (vc["num_position_embeddings"], h),
+        p + "merger.norm.weight": (h,),
+        p + "merger.norm.bias": (h,),
+        p + "merger.linear_fc1.weight": (merged, merged),
+        p + "merger.linear_fc1.bias": (merged,),
+        p + "merger.linear_fc2.weight": (vc["out_hidden_size"], merged),
+        p + "merger.linear_fc2.bias": (vc["out_hidden_size"],),
+    }
     for i in range(vc["depth"]):
         b = f"{p}blocks.{i}."
-        out |= {b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,), b + "norm2.bias": (h,),
-                b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
-                b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
-                b + "mlp.linear_fc1.weight": (ff, h), b + "mlp.linear_fc1.bias": (ff,),
-                b + "mlp.linear_fc2.weight": (h, ff), b + "mlp.linear_fc2.bias": (h,)}
+        out |= {
+            b + "norm1.weight": (h,),
+            b + "norm1.bias": (h,),
+            b + "norm2.weight": (h,),
+            b + "norm2.bias": (h,),
+            b + "attn.qkv.weight": (3 * h, h),
+            b + "attn.qkv.bias": (3 * h,),
+            b + "attn.proj.weight": (h, h),
+            b + "attn.proj.bias": (h,),
+            b + "mlp.linear_fc1.weight": (ff, h),
+            b + "mlp.linear_fc1.bias": (ff,),
+            b + "mlp.linear_fc2.weight": (h, ff),
+            b + "mlp.linear_fc2.bias": (h,),
+        }
     return out
 
 
 def _not_converted(name: str) -> bool:
     """What the Qwen FP8 releases keep in bf16 (``modules_to_not_convert``): the vision tower, the routers and shared
     expert gates, the linear attention's small a/b (Qwen3-Next: ba) projections."""
-    return ("visual." in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
-            or ".linear_attn.in_proj_" in name and name.endswith(("_a.weight", "_b.weight", "_ba.weight")))
+    return (
+        "visual." in name
+        or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+        or ".linear_attn.in_proj_" in name
+        and name.endswith(("_a.weight", "_b.weight", "_ba.weight"))
+    )
 
 
 def fp8(folder: Path) -> None:

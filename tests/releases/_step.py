@@ -78,8 +78,10 @@ def text_config(**over) -> dict:
     """The text model's config.json keys as released, shrunk (see the module docstring)."""
     cfg = {
         "architectures": ["Step3p5ForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_step3p5.Step3p5Config",
-                     "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM"},
+        "auto_map": {
+            "AutoConfig": "configuration_step3p5.Step3p5Config",
+            "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM",
+        },
         "model_type": "step3p5",
         "hidden_size": 256,
         "intermediate_size": 512,
@@ -111,13 +113,23 @@ def text_config(**over) -> dict:
         "zero_centered": True,
         "sliding_window": 512,
         "layer_types": LAYER_TYPES,
-        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 6,
-                                    "num_attention_groups": 2, "head_dim": 128, "true_head_dim": 128},
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 6,
+            "num_attention_groups": 2,
+            "head_dim": 128,
+            "true_head_dim": 128,
+        },
         "use_rope_layers": [],
         "rope_theta": [5000000.0 if t == "full_attention" else 10000.0 for t in LAYER_TYPES],
         "partial_rotary_factors": [0.5 if t == "full_attention" else 1.0 for t in LAYER_TYPES],
-        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 131072,
-                         "low_freq_factor": 1.0, "high_freq_factor": 32.0},
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 2.0,
+            "original_max_position_embeddings": 131072,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 32.0,
+        },
         "yarn_only_types": ["full_attention"],
         # the release clamps its last two MoE layers' experts (7.0) and the last one's shared expert (16.0)
         "swiglu_limits": [0.0] * (N_TRUNK - 2) + [7.0, 7.0] + [0.0] * N_MTP,
@@ -141,23 +153,37 @@ def text_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
         swa = cfg["layer_types"][L] == other["attention_type"]
-        nh, nkv = ((other["num_attention_heads"], other["num_attention_groups"]) if swa
-                   else (cfg["num_attention_heads"], cfg["num_attention_groups"]))
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                p + "self_attn.g_proj.weight": (nh, h)}
+        nh, nkv = (
+            (other["num_attention_heads"], other["num_attention_groups"])
+            if swa
+            else (cfg["num_attention_heads"], cfg["num_attention_groups"])
+        )
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "self_attn.g_proj.weight": (nh, h),
+        }
         if L in moe:
             ne, ff, sff = cfg["moe_num_experts"], cfg["moe_intermediate_size"], cfg["share_expert_dim"]
-            out |= {p + "moe.gate.weight": (ne, h), p + "moe.router_bias": (ne,),
-                    p + "moe.gate_proj.weight": (ne, ff, h), p + "moe.up_proj.weight": (ne, ff, h),
-                    p + "moe.down_proj.weight": (ne, h, ff)} | mlp(p + "share_expert.", sff, h)
+            out |= {
+                p + "moe.gate.weight": (ne, h),
+                p + "moe.router_bias": (ne,),
+                p + "moe.gate_proj.weight": (ne, ff, h),
+                p + "moe.up_proj.weight": (ne, ff, h),
+                p + "moe.down_proj.weight": (ne, h, ff),
+            } | mlp(p + "share_expert.", sff, h)
         else:
             out |= mlp(p + "mlp.", cfg["intermediate_size"], h)
         if L >= n:
             out |= nextn(p, h, "transformer.shared_head.norm") | {
-                p + "transformer.shared_head.output.weight": (vocab, h)}
+                p + "transformer.shared_head.output.weight": (vocab, h)
+            }
     return out
 
 
@@ -171,8 +197,9 @@ def fp8_routed_experts(folder: Path, block: int = 128) -> None:
     index = json.loads(index_path.read_text())
     for shard in sorted(set(index["weight_map"].values())):
         tensors = load_file(str(folder / shard))
-        for name in [n for n in tensors if n.endswith((".moe.gate_proj.weight", ".moe.up_proj.weight",
-                                                       ".moe.down_proj.weight"))]:
+        for name in [
+            n for n in tensors if n.endswith((".moe.gate_proj.weight", ".moe.up_proj.weight", ".moe.down_proj.weight"))
+        ]:
             w = tensors[name].float()
             e, r, c = w.shape
             tiles = w.reshape(e, r // block, block, c // block, block)
@@ -183,5 +210,12 @@ def fp8_routed_experts(folder: Path, block: int = 128) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(tensors, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    set_config(folder, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                            "weight_block_size": [block, block]})
+    set_config(
+        folder,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [block, block],
+        },
+    )

@@ -40,8 +40,8 @@ CONFIG = {
     "hidden_size": 256,
     "initializer_range": 0.02,
     "intermediate_size": 256,
-    "layer_types": ["full_attention"] + ["sliding_attention" if (i + 1) % 4 else "full_attention"
-                                         for i in range(N_LAYERS - 1)],
+    "layer_types": ["full_attention"]
+    + ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(N_LAYERS - 1)],
     "logit_scale": 1.0,
     "max_position_embeddings": 500000,
     "model_type": "cohere2_moe",
@@ -74,10 +74,15 @@ DRAFTS = True
 
 # llama.cpp's converter refuses --no-mtp / --mtp for Cohere2MoeForCausalLM ("not supported"); mtpq writes the full
 # file's trunk / MTP block (tests/convert/test_convert_cohere2moe.py checks both against llama.cpp's full file)
-DIFFERS = {(form, mode): LlamaCppRefuses("llama.cpp's converter does not support --no-mtp / --mtp for "
-                                         "Cohere2MoeForCausalLM; mtpq writes the parts of its full file",
-                                         r"--mtp / --no-nextn are not supported for Cohere2MoeForCausalLM")
-           for form in FORMS for mode in ("--no-mtp", "--mtp")}
+DIFFERS = {
+    (form, mode): LlamaCppRefuses(
+        "llama.cpp's converter does not support --no-mtp / --mtp for "
+        "Cohere2MoeForCausalLM; mtpq writes the parts of its full file",
+        r"--mtp / --no-nextn are not supported for Cohere2MoeForCausalLM",
+    )
+    for form in FORMS
+    for mode in ("--no-mtp", "--mtp")
+}
 
 
 def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -87,9 +92,13 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d)}
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+        }
         if L < cfg["first_k_dense_replace"]:
             out |= mlp(p + "mlp.", dff, h)
         else:

@@ -16,7 +16,8 @@ layer as blk.2.nextn.* plus its block, which llama.cpp's deepseek2 loader reads 
 """
 
 from . import variant
-from ._deepseek import SHARED_CONFIG, SPECIALS, drops_mtp_layer, fp8_release, tensors as _tensors
+from ._deepseek import SHARED_CONFIG, SPECIALS, drops_mtp_layer, fp8_release  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import tensors as _tensors
 
 RELEASE = "deepseek-ai/DeepSeek-V3"
 SOURCES = [
@@ -32,37 +33,51 @@ SOURCES = [
     "llama.cpp conversion/deepseek.py DeepseekV2Model (skip_mtp, no supports_mtp_export)",
 ]
 # the release's keys beside the sizes every DeepSeek-V3-shaped manifest shrinks alike (_deepseek.SHARED_CONFIG)
-CONFIG = variant(SHARED_CONFIG, {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "auto_map": {
-        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
-        "AutoModel": "modeling_deepseek.DeepseekV3Model",
-        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+CONFIG = variant(
+    SHARED_CONFIG,
+    {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "ep_size": 1,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v3",
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "pretraining_tp": 1,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.33.1",
+        "vocab_size": 129280,
     },
-    "aux_loss_alpha": 0.001,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "ep_size": 1,
-    "initializer_range": 0.02,
-    "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3",
-    "moe_layer_freq": 1,
-    "n_group": 2,
-    "pretraining_tp": 1,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1",
-    "vocab_size": 129280,
-})
+)
 FORMS = {"fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight"))}
 # llama.cpp's deepseek2 converter drops the MTP layer: its default file is the trunk, mtpq's --no-mtp file
 LLAMA_CPP_MODE = {"--no-mtp": None}

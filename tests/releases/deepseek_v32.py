@@ -11,7 +11,8 @@ weights_proj and k_norm stay BF16. llama.cpp's DeepseekV32Model keeps the MTP la
 """
 
 from . import variant
-from ._deepseek import SPECIALS, fp8_release, tensors as _tensors  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import SPECIALS, fp8_release  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import tensors as _tensors
 from .deepseek_v3 import CONFIG as _V3
 
 RELEASE = "deepseek-ai/DeepSeek-V3.2-Exp"
@@ -28,16 +29,25 @@ SOURCES = [
 ]
 # V3's keys and values but the V3.1 key set (no auto_map, aux_loss_alpha, pretraining_tp, seq_aux), the indexer's
 # index_* keys, its model type, quantization_config with scale_fmt ue8m0, transformers_version
-CONFIG = variant(_V3, {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "index_head_dim": 64,
-    "index_n_heads": 4,
-    "index_topk": 64,
-    "model_type": "deepseek_v32",
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
-    "transformers_version": "4.44.2",
-}, drop=("auto_map", "aux_loss_alpha", "pretraining_tp", "seq_aux"))
+CONFIG = variant(
+    _V3,
+    {
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "index_head_dim": 64,
+        "index_n_heads": 4,
+        "index_topk": 64,
+        "model_type": "deepseek_v32",
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+        },
+        "transformers_version": "4.44.2",
+    },
+    drop=("auto_map", "aux_loss_alpha", "pretraining_tp", "seq_aux"),
+)
 FORMS = {"fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight", "indexer.weights_proj.weight"))}
 DRAFTS = True
 

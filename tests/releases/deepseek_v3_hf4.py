@@ -16,8 +16,12 @@ softmax; transformers' DeepseekV3 always routes with sigmoid, which mtpq writes.
 """
 
 from . import variant
-from ._deepseek import SPECIALS  # noqa: F401 (the manifest's tokenizer)
-from ._deepseek import DROPS_MTP, drops_mtp_layer, tensors as _tensors
+from ._deepseek import (
+    DROPS_MTP,
+    SPECIALS,  # noqa: F401 (the manifest's tokenizer)
+    drops_mtp_layer,
+)
+from ._deepseek import tensors as _tensors
 from .deepseek_v3 import CONFIG as _V3
 
 RELEASE = "deepseek-ai/DeepSeek-V3 (saved by transformers 4.x)"
@@ -31,21 +35,44 @@ SOURCES = [
 ]
 # DeepSeek-V3's values (deepseek_v3.py); what DeepseekV3Config adds (dtype, head_dim, qk_head_dim, rope_interleave,
 # rope_scaling's rope_type and floats) and the remote config's keys it has no attribute for, dropped
-CONFIG = variant(_V3, {
-    "dtype": "bfloat16",
-    "head_dim": 32,
-    "qk_head_dim": 96,
-    "rope_interleave": True,
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "type": "yarn"},
-    "transformers_version": "4.57.1",
-}, drop=("auto_map", "aux_loss_alpha", "ep_size", "moe_layer_freq", "quantization_config", "scoring_func", "seq_aux",
-         "topk_method", "torch_dtype"))
+CONFIG = variant(
+    _V3,
+    {
+        "dtype": "bfloat16",
+        "head_dim": 32,
+        "qk_head_dim": 96,
+        "rope_interleave": True,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "type": "yarn",
+        },
+        "transformers_version": "4.57.1",
+    },
+    drop=(
+        "auto_map",
+        "aux_loss_alpha",
+        "ep_size",
+        "moe_layer_freq",
+        "quantization_config",
+        "scoring_func",
+        "seq_aux",
+        "topk_method",
+        "torch_dtype",
+    ),
+)
 FORMS = {"bf16": None}
 LLAMA_CPP_MODE = {"--no-mtp": None}  # as deepseek_v3.py
-DIFFERS_KEYS = {"deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
-                "no gating function and its loader then routes deepseek2 with softmax; transformers' "
-                "DeepseekV3 routes with sigmoid, which mtpq writes"}
+DIFFERS_KEYS = {
+    "deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
+    "no gating function and its loader then routes deepseek2 with softmax; transformers' "
+    "DeepseekV3 routes with sigmoid, which mtpq writes"
+}
 _DROPS = DROPS_MTP + "; and expert_gating_func, as DIFFERS_KEYS says"
 DIFFERS = drops_mtp_layer(FORMS, _DROPS)
 DRAFTS = True

@@ -12,10 +12,14 @@ stored. Shrunk as deepseek_v3.py; the converters differ as for deepseek_v3_hf4.p
 """
 
 from . import variant
-from ._deepseek import SPECIALS  # noqa: F401 (the manifest's tokenizer)
-from ._deepseek import drops_mtp_layer, f32, tensors as _tensors
+from ._deepseek import (
+    SPECIALS,  # noqa: F401 (the manifest's tokenizer)
+    drops_mtp_layer,
+    f32,
+)
+from ._deepseek import tensors as _tensors
+from .deepseek_v3_hf4 import _DROPS, DIFFERS_KEYS, LLAMA_CPP_MODE  # noqa: F401 (the same knowing differences)
 from .deepseek_v3_hf4 import CONFIG as _HF4
-from .deepseek_v3_hf4 import DIFFERS_KEYS, LLAMA_CPP_MODE, _DROPS  # noqa: F401 (the same knowing differences)
 
 RELEASE = "deepseek-ai/DeepSeek-V3 (saved by transformers 5.x)"
 SOURCES = [
@@ -28,14 +32,26 @@ SOURCES = [
 ]
 # 4.x's keys (deepseek_v3_hf4.py) but rope_parameters for rope_scaling / rope_theta, and 5.x's output_router_logits,
 # pad_token_id
-CONFIG = variant(_HF4, {
-    "output_router_logits": False,
-    "pad_token_id": None,
-    "rope_parameters": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                        "original_max_position_embeddings": 4096, "rope_theta": 10000, "rope_type": "yarn",
-                        "type": "yarn"},
-    "transformers_version": "5.24.0",
-}, drop=("rope_scaling", "rope_theta"))
+CONFIG = variant(
+    _HF4,
+    {
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "rope_parameters": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 10000,
+            "rope_type": "yarn",
+            "type": "yarn",
+        },
+        "transformers_version": "5.24.0",
+    },
+    drop=("rope_scaling", "rope_theta"),
+)
 FORMS = {"bf16": f32("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
 DIFFERS = drops_mtp_layer(FORMS, _DROPS)
 DRAFTS = True

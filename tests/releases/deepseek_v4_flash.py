@@ -113,11 +113,33 @@ CONFIG = {
 }
 
 # The release's stored dtypes, by name (everything not listed: BF16)
-FP8 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
-       "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
-       "ffn.shared_experts.w3.weight", "e_proj.weight", "h_proj.weight")
-F32 = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "hc_head_fn",
-       "hc_head_base", "hc_head_scale", "attn.attn_sink", "compressor.ape", "ffn.gate.bias")
+FP8 = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "attn.indexer.wq_b.weight",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+    "e_proj.weight",
+    "h_proj.weight",
+)
+F32 = (
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "attn.attn_sink",
+    "compressor.ape",
+    "ffn.gate.bias",
+)
 
 
 def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -127,27 +149,54 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     ne, ff, top = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     ih, idd = cfg["index_n_heads"], cfg["index_head_dim"]
     n, mix = cfg["num_hidden_layers"], (2 + hc) * hc
-    out = {"embed.weight": (v, h), "norm.weight": (h,), "head.weight": (v, h),
-           "hc_head_fn": (hc, hc * h), "hc_head_base": (hc,), "hc_head_scale": (1,)}
+    out = {
+        "embed.weight": (v, h),
+        "norm.weight": (h,),
+        "head.weight": (v, h),
+        "hc_head_fn": (hc, hc * h),
+        "hc_head_base": (hc,),
+        "hc_head_scale": (1,),
+    }
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"layers.{L}." if L < n else f"mtp.{L - n}."
         ratio = cfg["compress_ratios"][L]
-        out |= {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-                p + "hc_attn_fn": (mix, hc * h), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
-                p + "hc_ffn_fn": (mix, hc * h), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
-                p + "attn.attn_sink": (nh,), p + "attn.wq_a.weight": (ql, h), p + "attn.q_norm.weight": (ql,),
-                p + "attn.wq_b.weight": (nh * d, ql), p + "attn.wkv.weight": (d, h), p + "attn.kv_norm.weight": (d,),
-                p + "attn.wo_a.weight": (og * ol, nh * d // og), p + "attn.wo_b.weight": (h, og * ol)}
+        out |= {
+            p + "attn_norm.weight": (h,),
+            p + "ffn_norm.weight": (h,),
+            p + "hc_attn_fn": (mix, hc * h),
+            p + "hc_attn_base": (mix,),
+            p + "hc_attn_scale": (3,),
+            p + "hc_ffn_fn": (mix, hc * h),
+            p + "hc_ffn_base": (mix,),
+            p + "hc_ffn_scale": (3,),
+            p + "attn.attn_sink": (nh,),
+            p + "attn.wq_a.weight": (ql, h),
+            p + "attn.q_norm.weight": (ql,),
+            p + "attn.wq_b.weight": (nh * d, ql),
+            p + "attn.wkv.weight": (d, h),
+            p + "attn.kv_norm.weight": (d,),
+            p + "attn.wo_a.weight": (og * ol, nh * d // og),
+            p + "attn.wo_b.weight": (h, og * ol),
+        }
         if ratio:
             coff = 2 if ratio == 4 else 1  # ratio 4 compresses overlapping windows: twice as wide
             q = p + "attn.compressor."
-            out |= {q + "ape": (ratio, coff * d), q + "wkv.weight": (coff * d, h), q + "wgate.weight": (coff * d, h),
-                    q + "norm.weight": (d,)}
+            out |= {
+                q + "ape": (ratio, coff * d),
+                q + "wkv.weight": (coff * d, h),
+                q + "wgate.weight": (coff * d, h),
+                q + "norm.weight": (d,),
+            }
         if ratio == 4:
             q = p + "attn.indexer."
-            out |= {q + "wq_b.weight": (ih * idd, ql), q + "weights_proj.weight": (ih, h),
-                    q + "compressor.ape": (4, 2 * idd), q + "compressor.wkv.weight": (2 * idd, h),
-                    q + "compressor.wgate.weight": (2 * idd, h), q + "compressor.norm.weight": (idd,)}
+            out |= {
+                q + "wq_b.weight": (ih * idd, ql),
+                q + "weights_proj.weight": (ih, h),
+                q + "compressor.ape": (4, 2 * idd),
+                q + "compressor.wkv.weight": (2 * idd, h),
+                q + "compressor.wgate.weight": (2 * idd, h),
+                q + "compressor.norm.weight": (idd,),
+            }
         out[p + "ffn.gate.weight"] = (ne, h)
         if L < cfg["num_hash_layers"]:
             out[p + "ffn.gate.tid2eid"] = (v, top)
@@ -157,12 +206,22 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
             q = f"{p}ffn.experts.{e}."
             out |= {q + "w1.weight": (ff, h), q + "w2.weight": (h, ff), q + "w3.weight": (ff, h)}
         sff = ff * cfg["n_shared_experts"]
-        out |= {p + "ffn.shared_experts.w1.weight": (sff, h), p + "ffn.shared_experts.w2.weight": (h, sff),
-                p + "ffn.shared_experts.w3.weight": (sff, h)}
+        out |= {
+            p + "ffn.shared_experts.w1.weight": (sff, h),
+            p + "ffn.shared_experts.w2.weight": (h, sff),
+            p + "ffn.shared_experts.w3.weight": (sff, h),
+        }
         if L >= n:  # the MTP layer's own tensors
-            out |= {p + "e_proj.weight": (h, h), p + "h_proj.weight": (h, h), p + "enorm.weight": (h,),
-                    p + "hnorm.weight": (h,), p + "norm.weight": (h,),
-                    p + "hc_head_fn": (hc, hc * h), p + "hc_head_base": (hc,), p + "hc_head_scale": (1,)}
+            out |= {
+                p + "e_proj.weight": (h, h),
+                p + "h_proj.weight": (h, h),
+                p + "enorm.weight": (h,),
+                p + "hnorm.weight": (h,),
+                p + "norm.weight": (h,),
+                p + "hc_head_fn": (hc, hc * h),
+                p + "hc_head_base": (hc,),
+                p + "hc_head_scale": (1,),
+            }
     return out
 
 
@@ -173,7 +232,7 @@ def fp8_ue8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     pad = torch.zeros(tr * block, tc * block)
     pad[:r, :c] = w.float()
     tiles = pad.reshape(tr, block, tc, block)
-    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=2.0 ** -100)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=2.0**-100)
     e = torch.ceil(torch.log2(amax / torch.finfo(torch.float8_e4m3fn).max)).clamp(-127, 127)
     q = (tiles / torch.exp2(e)[:, None, :, None]).reshape(tr * block, tc * block)[:r, :c]
     return q.to(torch.float8_e4m3fn), (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
@@ -211,9 +270,13 @@ def as_released(folder: Path) -> None:
 
 
 FORMS = {"fp8": as_released}  # the only form DeepSeek ships: FP8 + FP4 experts (no bf16 release)
-REFUSES = {("fp8", None): LlamaCppWritesOurs(
-    "one GGUF cannot hold both the trunk's and the head's output hyper-connection (output_hc_*): llama.cpp's "
-    "converter drops the head by default (its file equals mtpq's --no-mtp) and writes it only into its own --mtp "
-    "file (equal to mtpq's --mtp-only); mtpq refuses to write the head beside the trunk's output_hc_* instead of "
-    "its own", "--no-mtp")}
+REFUSES = {
+    ("fp8", None): LlamaCppWritesOurs(
+        "one GGUF cannot hold both the trunk's and the head's output hyper-connection (output_hc_*): llama.cpp's "
+        "converter drops the head by default (its file equals mtpq's --no-mtp) and writes it only into its own --mtp "
+        "file (equal to mtpq's --mtp-only); mtpq refuses to write the head beside the trunk's output_hc_* instead of "
+        "its own",
+        "--no-mtp",
+    )
+}
 DRAFTS = True

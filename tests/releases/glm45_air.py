@@ -25,10 +25,8 @@ SOURCES = [
     "LoomaFloat/freetoken tests/models/test_glm4_moe_fp8.py (its fixture of zai-org/GLM-4.5-Air-FP8: "
     "compressed-tensors quantization_config, format float-quantized, one config group targeting Linear, weights "
     "e4m3 with strategy channel and a weight_scale [out, 1], input activations dynamic per token)",
-    "HabanaAI/vllm-hpu-extension pull 350 (GLM-4.5 MoE FP8 checkpoints load through vLLM's compressed-tensors "
-    "path)",
-    "vllm-project/vllm pull 32101 (GLM-4.5/4.6/4.7 FP8 checkpoints: weight_scale companions, the MTP layer's "
-    "included)",
+    "HabanaAI/vllm-hpu-extension pull 350 (GLM-4.5 MoE FP8 checkpoints load through vLLM's compressed-tensors path)",
+    "vllm-project/vllm pull 32101 (GLM-4.5/4.6/4.7 FP8 checkpoints: weight_scale companions, the MTP layer's included)",
 ]
 # GLM-4.5's config.json (glm45.py) but for these two values; every size is shrunk to the same numbers
 CONFIG = variant(_GLM45, {"routed_scaling_factor": 1.0, "use_qk_norm": False})

@@ -18,7 +18,10 @@ SOURCES = [
     "vllm/model_executor/models/glm4_moe_mtp.py (the MTP layer's names)",
     "llama.cpp conversion/glm.py Glm4MoeModel",
 ]
-CONFIG = {**{k: v for k, v in _GLM46.items() if k != "torch_dtype"}, "dtype": "bfloat16",
-          "transformers_version": "4.57.1"}
+CONFIG = {
+    **{k: v for k, v in _GLM46.items() if k != "torch_dtype"},
+    "dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+}
 FORMS = {"bf16": None, "fp8": fp8_per_channel}
 DRAFTS = True

@@ -13,7 +13,8 @@ knowing difference is the gating function key (see DIFFERS_KEYS and mtpq/convert
 """
 
 from . import variant
-from ._deepseek import SHARED_CONFIG, f32, tensors as _tensors
+from ._deepseek import SHARED_CONFIG, f32
+from ._deepseek import tensors as _tensors
 
 RELEASE = "zai-org/GLM-4.7-Flash"
 SOURCES = [
@@ -27,27 +28,32 @@ SOURCES = [
     "llama.cpp conversion/glm.py Glm4MoeLiteModel (keeps the MTP layer, --mtp / --no-mtp)",
 ]
 # the release's keys beside the sizes every DeepSeek-V3-shaped manifest shrinks alike (_deepseek.SHARED_CONFIG)
-CONFIG = variant(SHARED_CONFIG, {
-    "architectures": ["Glm4MoeLiteForCausalLM"],
-    "dtype": "bfloat16",
-    "eos_token_id": [154820, 154827, 154829],
-    "max_position_embeddings": 202752,
-    "model_type": "glm4_moe_lite",
-    "n_group": 1,
-    "pad_token_id": 154820,
-    "partial_rotary_factor": 1.0,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "routed_scaling_factor": 1.8,
-    "topk_method": "noaux_tc",
-    "transformers_version": "5.0.0.dev0",
-    "vocab_size": 154880,
-})
+CONFIG = variant(
+    SHARED_CONFIG,
+    {
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "dtype": "bfloat16",
+        "eos_token_id": [154820, 154827, 154829],
+        "max_position_embeddings": 202752,
+        "model_type": "glm4_moe_lite",
+        "n_group": 1,
+        "pad_token_id": 154820,
+        "partial_rotary_factor": 1.0,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "routed_scaling_factor": 1.8,
+        "topk_method": "noaux_tc",
+        "transformers_version": "5.0.0.dev0",
+        "vocab_size": 154880,
+    },
+)
 FORMS = {"bf16": f32("mlp.gate.e_score_correction_bias")}
-DIFFERS_KEYS = {"deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
-                "no gating function and leaves it to its loader, which guesses sigmoid only for 47/48 layers "
-                "with a 154880-token vocab (softmax otherwise); mtpq writes sigmoid, what the model routes with"}
+DIFFERS_KEYS = {
+    "deepseek2.expert_gating_func": "config.json names no scoring_func: llama.cpp's converter writes "
+    "no gating function and leaves it to its loader, which guesses sigmoid only for 47/48 layers "
+    "with a 154880-token vocab (softmax otherwise); mtpq writes sigmoid, what the model routes with"
+}
 DRAFTS = True
 
 

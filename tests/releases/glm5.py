@@ -16,7 +16,8 @@ llama.cpp's GlmMoeDsaModel (conversion/glm.py) keeps the MTP layer: every cell i
 """
 
 from . import variant
-from ._deepseek import f32, fp8_release, tensors as _tensors
+from ._deepseek import f32, fp8_release
+from ._deepseek import tensors as _tensors
 from .glm47_flash import CONFIG as _GLM47_FLASH
 
 RELEASE = "zai-org/GLM-5"
@@ -35,26 +36,32 @@ SOURCES = [
 ]
 # GLM-4.7-Flash's keys (the same GLM vocab, ids and sizes: glm47_flash.py) but DeepSeek-V3.2's indexer keys, a
 # transformers 5 rope_parameters for rope_scaling / rope_theta / partial_rotary_factor, and these values
-CONFIG = variant(_GLM47_FLASH, {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "ep_size": 1,
-    "head_dim": 32,
-    "index_head_dim": 64,
-    "index_n_heads": 4,
-    "index_topk": 64,
-    "indexer_rope_interleave": True,
-    "initializer_range": 0.02,
-    "model_type": "glm_moe_dsa",
-    "moe_layer_freq": 1,
-    "qk_head_dim": 96,
-    "rope_interleave": True,
-    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "transformers_version": "5.0.2.dev0",
-}, drop=("partial_rotary_factor", "rope_scaling", "rope_theta"))
-FORMS = {"bf16": f32("mlp.gate.e_score_correction_bias"),
-         "fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight", "indexer.weights_proj.weight"))}
+CONFIG = variant(
+    _GLM47_FLASH,
+    {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "ep_size": 1,
+        "head_dim": 32,
+        "index_head_dim": 64,
+        "index_n_heads": 4,
+        "index_topk": 64,
+        "indexer_rope_interleave": True,
+        "initializer_range": 0.02,
+        "model_type": "glm_moe_dsa",
+        "moe_layer_freq": 1,
+        "qk_head_dim": 96,
+        "rope_interleave": True,
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "transformers_version": "5.0.2.dev0",
+    },
+    drop=("partial_rotary_factor", "rope_scaling", "rope_theta"),
+)
+FORMS = {
+    "bf16": f32("mlp.gate.e_score_correction_bias"),
+    "fp8": fp8_release(keep=("eh_proj.weight", "shared_head.head.weight", "indexer.weights_proj.weight")),
+}
 DRAFTS = True
 
 

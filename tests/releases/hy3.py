@@ -4,7 +4,8 @@ with a selection bias ``mlp.expert_bias``, per-expert projections (``expert_hidd
 expert ``mlp.shared_mlp.*``. The MTP layer: ``eh_proj`` / ``enorm`` / ``hnorm``, a full MoE block and
 ``final_layernorm`` (before the shared lm_head); no embedding or lm_head of its own.
 
-Forms: ``bf16``; ``tf5`` the config as transformers 5 saves it (``mlp_layer_types`` derived); ``rope_theta`` RoPE as 4.x-style
+Forms: ``bf16``; ``tf5`` the config as transformers 5 saves it (``mlp_layer_types`` derived); ``rope_theta`` RoPE as
+4.x-style
 configs spell it (a top-level ``rope_theta``, which vLLM's HYV3Config reads too); ``no_dense_keys`` a
 config with neither ``first_k_dense_replace`` nor ``mlp_layer_types`` (transformers' HYV3Config then makes layer 0
 dense, and so must a converter).
@@ -81,23 +82,37 @@ def _rope_theta(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
-FORMS = {"bf16": None, "tf5": transformers_saved, "rope_theta": _rope_theta,
-         "no_dense_keys": without("first_k_dense_replace", "mlp_layer_types")}
+FORMS = {
+    "bf16": None,
+    "tf5": transformers_saved,
+    "rope_theta": _rope_theta,
+    "no_dense_keys": without("first_k_dense_replace", "mlp_layer_types"),
+}
 DRAFTS = True
 
 
 def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    nh, nkv, ff, eff = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"], \
-        cfg["expert_hidden_dim"]
+    nh, nkv, ff, eff = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["expert_hidden_dim"],
+    )
     n, ne = cfg["num_hidden_layers"], cfg["num_experts"]
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h),
+            p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+        }
         if L < cfg.get("first_k_dense_replace", 1):
             out |= mlp(p + "mlp.", ff, h)
         else:

@@ -148,14 +148,24 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
         p, a, m = f"model.layers.{bid}.", f"model.layers.{bid}.attention.", f"model.layers.{bid}.mlp."
         out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if _full_attention(bid, cfg):  # gated MLA, direct q_proj (q_lora_rank null)
-            out |= {a + "q_proj.weight": (nh * (nope + rope), h), a + "kv_a_proj_with_mqa.weight": (kv + rope, h),
-                    a + "kv_a_layernorm.weight": (kv,), a + "kv_b_proj.weight": (nh * (nope + vd), kv),
-                    a + "g_proj.weight": (nh, h), a + "dense.weight": (h, nh * vd)}
+            out |= {
+                a + "q_proj.weight": (nh * (nope + rope), h),
+                a + "kv_a_proj_with_mqa.weight": (kv + rope, h),
+                a + "kv_a_layernorm.weight": (kv,),
+                a + "kv_b_proj.weight": (nh * (nope + vd), kv),
+                a + "g_proj.weight": (nh, h),
+                a + "dense.weight": (h, nh * vd),
+            }
         else:  # KDA
             out |= {a + f"{x}_proj.weight": (d, h) for x in ("q", "k", "v", "f", "g")}
             out |= {a + f"{x}_conv1d.weight": (d, 1, k) for x in ("q", "k", "v")}
-            out |= {a + "b_proj.weight": (nh, h), a + "A_log": (1, 1, nh, 1), a + "dt_bias": (d,),
-                    a + "o_norm.weight": (cfg["head_dim"],), a + "o_proj.weight": (h, d)}
+            out |= {
+                a + "b_proj.weight": (nh, h),
+                a + "A_log": (1, 1, nh, 1),
+                a + "dt_bias": (d,),
+                a + "o_norm.weight": (cfg["head_dim"],),
+                a + "o_proj.weight": (h, d),
+            }
         if bid < cfg["first_k_dense_replace"]:
             ff = cfg["intermediate_size"]
             out |= mlp(m, ff, h)
@@ -189,7 +199,7 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MXFP4: E2M1 codes two per byte (element 2i in the low nibble) and one E8M0 byte per 32 values."""
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // 32, 32)
-    e = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
+    e = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100) / 6.0)).clamp(-127, 127)
     codes = (((groups / torch.exp2(e)[..., None])[..., None] - _E2M1).abs().argmin(-1)).to(torch.uint8)
     codes = codes.reshape(rows, cols)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), (e + 127).to(torch.uint8)
@@ -203,8 +213,12 @@ def _fp8(folder: Path, mxfp4_experts: bool) -> None:
     for shard in sorted(set(index["weight_map"].values())):
         out = {}
         for name, w in load_file(str(folder / shard)).items():
-            quantized = (name.startswith("model.layers.") and w.dim() == 2 and "norm" not in name
-                         and not name.endswith((".mlp.gate.weight", ".b_proj.weight")))  # b_proj: not converted
+            quantized = (
+                name.startswith("model.layers.")
+                and w.dim() == 2
+                and "norm" not in name
+                and not name.endswith((".mlp.gate.weight", ".b_proj.weight"))
+            )  # b_proj: not converted
             if not quantized:
                 out[name] = w
                 continue
@@ -212,8 +226,14 @@ def _fp8(folder: Path, mxfp4_experts: bool) -> None:
             index["weight_map"][name + "_scale_inv"] = shard
         save_file(out, str(folder / shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-          "scale_fmt": "ue8m0", "modules_to_not_convert": ["lm_head", "b_proj"]}
+    qc = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "scale_fmt": "ue8m0",
+        "modules_to_not_convert": ["lm_head", "b_proj"],
+    }
     if mxfp4_experts:
         qc |= {"routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
     set_config(folder, quantization_config=qc)
@@ -224,9 +244,17 @@ _NO_MXFP4_IN_LLAMA_CPP = (
     "by the E8M0 exponent bytes as numbers and writes the routed experts at half their width with meaningless "
     "values (a file its own loader refuses: 'ffn_gate_exps has wrong shape'); mtpq moves the bits into ggml MXFP4 "
     "blocks, as llama.cpp's mimo/deepseek4/kimi_k3 converters do (repack_mxfp4_blocks; bytes checked in "
-    "tests/convert/test_convert_bailingmoe3.py)")
-DIFFERS = {("fp8_mxfp4", mode): LlamaCppDiffersIn(_NO_MXFP4_IN_LLAMA_CPP, r"\.ffn_(gate|up|down)_exps\.weight$",
-                                                  ours="MXFP4", theirs="F32", their_width=0.5,
-                                                  keys=("general.file_type", "general.size_label"))
-           for mode in (None, "--no-mtp", "--mtp")}
+    "tests/convert/test_convert_bailingmoe3.py)"
+)
+DIFFERS = {
+    ("fp8_mxfp4", mode): LlamaCppDiffersIn(
+        _NO_MXFP4_IN_LLAMA_CPP,
+        r"\.ffn_(gate|up|down)_exps\.weight$",
+        ours="MXFP4",
+        theirs="F32",
+        their_width=0.5,
+        keys=("general.file_type", "general.size_label"),
+    )
+    for mode in (None, "--no-mtp", "--mtp")
+}
 FORMS = {"bf16": None, "fp8": lambda folder: _fp8(folder, False), "fp8_mxfp4": lambda folder: _fp8(folder, True)}

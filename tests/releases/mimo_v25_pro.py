@@ -21,24 +21,33 @@ SOURCES = [
     "llama.cpp conversion/mimo.py (MimoV2Model: 'V2.5-Pro (TP=8) ship qkv_proj sharded across TP ranks')",
 ]
 # the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
-CONFIG = variant(_mimo.SHARED_CONFIG, {
-    "architectures": ["MiMoV2ForCausalLM"],
-    "auto_map": _mimo.auto_map("mimo_v2", "MiMoV2"),
-    "attention_projection_layout": "fused_qkv",
-    "attention_value_scale": 0.612,
-    "max_position_embeddings": 1048576,
-    "model_type": "mimo_v2",
-    "num_key_value_heads": 8,
-    "rope_theta": 10000000,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.57.1",
-}, first=("architectures", "auto_map"))  # listed first in the release
+CONFIG = variant(
+    _mimo.SHARED_CONFIG,
+    {
+        "architectures": ["MiMoV2ForCausalLM"],
+        "auto_map": _mimo.auto_map("mimo_v2", "MiMoV2"),
+        "attention_projection_layout": "fused_qkv",
+        "attention_value_scale": 0.612,
+        "max_position_embeddings": 1048576,
+        "model_type": "mimo_v2",
+        "num_key_value_heads": 8,
+        "rope_theta": 10000000,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+    },
+    first=("architectures", "auto_map"),
+)  # listed first in the release
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _quantization_config(cfg: dict) -> dict:
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-            "ignored_layers": _mimo.ignored_o_proj(cfg)}
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "ignored_layers": _mimo.ignored_o_proj(cfg),
+    }
 
 
 FORMS = {"fp8": _mimo.fp8_form(_quantization_config)}

@@ -44,24 +44,32 @@ SOURCES = [
     "llama.cpp conversion/mimo.py (MimoV2Model: the keys it reads, 3 MTP layers)",
 ]
 # the release's keys beside the backbone every MiMo-V2 manifest shrinks alike (_mimo.SHARED_CONFIG)
-CONFIG = variant(_mimo.SHARED_CONFIG, {
-    "architectures": ["MiMoV2FlashForCausalLM"],
-    "attention_value_scale": 0.707,
-    "auto_map": _mimo.auto_map("mimo_v2_flash", "MiMoV2Flash"),
-    "hybrid_block_size": None,
-    "max_position_embeddings": 262144,
-    "model_type": "mimo_v2_flash",
-    "num_key_value_heads": 4,
-    "rope_theta": 5000000,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.40.1",
-})
+CONFIG = variant(
+    _mimo.SHARED_CONFIG,
+    {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "attention_value_scale": 0.707,
+        "auto_map": _mimo.auto_map("mimo_v2_flash", "MiMoV2Flash"),
+        "hybrid_block_size": None,
+        "max_position_embeddings": 262144,
+        "model_type": "mimo_v2_flash",
+        "num_key_value_heads": 4,
+        "rope_theta": 5000000,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+    },
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _quantization_config(cfg: dict) -> dict:
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-            "ignored_layers": _mimo.ignored_o_proj(cfg), "weight_block_size": [128, 128]}
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "ignored_layers": _mimo.ignored_o_proj(cfg),
+        "weight_block_size": [128, 128],
+    }
 
 
 FORMS = {"fp8": _mimo.fp8_form(_quantization_config), "bf16": None}

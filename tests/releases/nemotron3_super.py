@@ -118,19 +118,34 @@ def _mixer(p: str, kind: str, cfg: dict) -> dict[str, tuple[int, ...]]:
         nh, groups, state = cfg["mamba_num_heads"], cfg["n_groups"], cfg["ssm_state_size"]
         d_inner = nh * cfg["mamba_head_dim"]
         conv = d_inner + 2 * groups * state
-        return {p + "in_proj.weight": (2 * d_inner + 2 * groups * state + nh, h),
-                p + "conv1d.weight": (conv, 1, cfg["conv_kernel"]), p + "conv1d.bias": (conv,),
-                p + "dt_bias": (nh,), p + "A_log": (nh,), p + "D": (nh,), p + "norm.weight": (d_inner,),
-                p + "out_proj.weight": (h, d_inner)}
+        return {
+            p + "in_proj.weight": (2 * d_inner + 2 * groups * state + nh, h),
+            p + "conv1d.weight": (conv, 1, cfg["conv_kernel"]),
+            p + "conv1d.bias": (conv,),
+            p + "dt_bias": (nh,),
+            p + "A_log": (nh,),
+            p + "D": (nh,),
+            p + "norm.weight": (d_inner,),
+            p + "out_proj.weight": (h, d_inner),
+        }
     if kind == "*":
         nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        return {p + "q_proj.weight": (nh * d, h), p + "k_proj.weight": (nkv * d, h),
-                p + "v_proj.weight": (nkv * d, h), p + "o_proj.weight": (h, nh * d)}
+        return {
+            p + "q_proj.weight": (nh * d, h),
+            p + "k_proj.weight": (nkv * d, h),
+            p + "v_proj.weight": (nkv * d, h),
+            p + "o_proj.weight": (h, nh * d),
+        }
     ne, ff, latent = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_latent_size"]
     sff = cfg["moe_shared_expert_intermediate_size"]
-    out = {p + "gate.weight": (ne, h), p + "gate.e_score_correction_bias": (ne,),
-           p + "fc1_latent_proj.weight": (latent, h), p + "fc2_latent_proj.weight": (h, latent),
-           p + "shared_experts.up_proj.weight": (sff, h), p + "shared_experts.down_proj.weight": (h, sff)}
+    out = {
+        p + "gate.weight": (ne, h),
+        p + "gate.e_score_correction_bias": (ne,),
+        p + "fc1_latent_proj.weight": (latent, h),
+        p + "fc2_latent_proj.weight": (h, latent),
+        p + "shared_experts.up_proj.weight": (sff, h),
+        p + "shared_experts.down_proj.weight": (h, sff),
+    }
     for e in range(ne):  # the routed experts work on the latent width
         out |= {f"{p}experts.{e}.up_proj.weight": (ff, latent), f"{p}experts.{e}.down_proj.weight": (latent, ff)}
     return out
@@ -143,14 +158,27 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
         out |= {f"backbone.layers.{i}.norm.weight": (h,)} | _mixer(f"backbone.layers.{i}.mixer.", kind, cfg)
     for j, kind in enumerate(cfg["mtp_hybrid_override_pattern"]):
         out |= {f"mtp.layers.{j}.norm.weight": (h,)} | _mixer(f"mtp.layers.{j}.mixer.", kind, cfg)
-    out |= {"mtp.layers.0.enorm.weight": (h,), "mtp.layers.0.hnorm.weight": (h,),
-            "mtp.layers.0.eh_proj.weight": (h, 2 * h), "mtp.layers.1.final_layernorm.weight": (h,)}
+    out |= {
+        "mtp.layers.0.enorm.weight": (h,),
+        "mtp.layers.0.hnorm.weight": (h,),
+        "mtp.layers.0.eh_proj.weight": (h, 2 * h),
+        "mtp.layers.1.final_layernorm.weight": (h,),
+    }
     return out
 
 
-_FP8_LINEARS = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
-                "o_proj.weight", "up_proj.weight", "down_proj.weight", "fc1_latent_proj.weight",
-                "fc2_latent_proj.weight")
+_FP8_LINEARS = (
+    "in_proj.weight",
+    "out_proj.weight",
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+    "fc1_latent_proj.weight",
+    "fc2_latent_proj.weight",
+)
 
 
 def modelopt_fp8(folder: Path) -> None:
@@ -181,8 +209,9 @@ def modelopt_fp8(folder: Path) -> None:
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {
-        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"dynamic": False, "num_bits": 8,
-                                                                             "type": "float"},
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
         "ignore": ["lm_head", "backbone.embeddings", "mtp*", "*.mixer.gate", "*.conv1d"],
         "producer": {"name": "modelopt", "version": "0.43.0"},
     }

@@ -28,31 +28,53 @@ SOURCES = [
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 VISION = {
-    "deepstack_visual_indexes": [], "depth": 1, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 64,
-    "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 128, "model_type": "qwen3_5", "num_heads": 2,
-    "num_position_embeddings": 16, "out_hidden_size": 256, "patch_size": 16, "spatial_merge_size": 2,
+    "deepstack_visual_indexes": [],
+    "depth": 1,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "in_channels": 3,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "model_type": "qwen3_5",
+    "num_heads": 2,
+    "num_position_embeddings": 16,
+    "out_hidden_size": 256,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
-ROPE = {"mrope_interleaved": True, "mrope_section": [3, 3, 2], "rope_type": "default", "rope_theta": 10000000,
-        "partial_rotary_factor": 0.25}
+ROPE = {
+    "mrope_interleaved": True,
+    "mrope_section": [3, 3, 2],
+    "rope_type": "default",
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+}
 CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "image_token_id": 248056,
     "model_type": "qwen3_5",
-    "text_config": {**variant(SHARED_TEXT, {
-        "attn_output_gate": True,
-        "dtype": "bfloat16",
-        "eos_token_id": 248044,
-        "initializer_range": 0.02,
-        "intermediate_size": 512,
-        "layer_types": LAYER_TYPES,
-        "mlp_only_layers": [],
-        "model_type": "qwen3_5_text",
-        "mtp_num_hidden_layers": 1,
-        "mtp_use_dedicated_embeddings": False,
-        "tie_word_embeddings": False,
-        "vocab_size": 248320,
-    }), "mamba_ssm_dtype": "float32", "rope_parameters": ROPE},  # these two last, as released
+    "text_config": {
+        **variant(
+            SHARED_TEXT,
+            {
+                "attn_output_gate": True,
+                "dtype": "bfloat16",
+                "eos_token_id": 248044,
+                "initializer_range": 0.02,
+                "intermediate_size": 512,
+                "layer_types": LAYER_TYPES,
+                "mlp_only_layers": [],
+                "model_type": "qwen3_5_text",
+                "mtp_num_hidden_layers": 1,
+                "mtp_use_dedicated_embeddings": False,
+                "tie_word_embeddings": False,
+                "vocab_size": 248320,
+            },
+        ),
+        "mamba_ssm_dtype": "float32",
+        "rope_parameters": ROPE,
+    },  # these two last, as released
     "tie_word_embeddings": False,
     "transformers_version": "4.57.0.dev0",
     "video_token_id": 248057,

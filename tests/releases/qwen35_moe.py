@@ -12,7 +12,8 @@ vision tower as qwen35.py. Every other key as released.
 
 from . import transformers_saved, variant
 from ._qwen35 import fp8, tensors  # noqa: F401  (the manifest's tensors)
-from .qwen35 import CONFIG as _QWEN35, SPECIALS, VISION  # noqa: F401  (SPECIALS: the Qwen tokenizer's)
+from .qwen35 import CONFIG as _QWEN35  # noqa: F401  (SPECIALS: the Qwen tokenizer's)
+from .qwen35 import VISION
 
 RELEASE = "Qwen/Qwen3.5-397B-A17B"
 SOURCES = [
@@ -27,18 +28,25 @@ SOURCES = [
 ]
 # Qwen3.5's config.json (qwen35.py) with an MoE block in every layer: the MoE keys for intermediate_size, no
 # text-level tie_word_embeddings, the MoE model types
-CONFIG = variant(_QWEN35, {
-    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "model_type": "qwen3_5_moe",
-    "text_config": variant(_QWEN35["text_config"], {
-        "model_type": "qwen3_5_moe_text",
-        "moe_intermediate_size": 256,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "router_aux_loss_coef": 0.001,
-        "shared_expert_intermediate_size": 256,
-    }, drop=("intermediate_size", "tie_word_embeddings")),
-    "vision_config": {**VISION, "model_type": "qwen3_5_moe"},
-})
+CONFIG = variant(
+    _QWEN35,
+    {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": variant(
+            _QWEN35["text_config"],
+            {
+                "model_type": "qwen3_5_moe_text",
+                "moe_intermediate_size": 256,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.001,
+                "shared_expert_intermediate_size": 256,
+            },
+            drop=("intermediate_size", "tie_word_embeddings"),
+        ),
+        "vision_config": {**VISION, "model_type": "qwen3_5_moe"},
+    },
+)
 FORMS = {"bf16": None, "fp8": fp8, "tf5": transformers_saved}
 DRAFTS = True

@@ -35,13 +35,14 @@ SOURCES = [
     "[Step3p5ForCausalLM], model_type step3p5, max_seq_len, llama3 rope_scaling, yarn_only_types})",
     *_step.SOURCES,
 ]
-_VISION = {"model_type": "perception_encoder", "image_size": 28, "patch_size": 14, "width": 64, "layers": 1,
-           "heads": 4}
+_VISION = {"model_type": "perception_encoder", "image_size": 28, "patch_size": 14, "width": 64, "layers": 1, "heads": 4}
 CONFIG = {
     "architectures": ["Step3p7ForConditionalGeneration"],
-    "auto_map": {"AutoConfig": "configuration_step3p7.Step3p7Config",
-                 "AutoProcessor": "processing_step3.Step3VLProcessor",
-                 "AutoModelForCausalLM": "modeling_step3p7.Step3p7ForConditionalGeneration"},
+    "auto_map": {
+        "AutoConfig": "configuration_step3p7.Step3p7Config",
+        "AutoProcessor": "processing_step3.Step3VLProcessor",
+        "AutoModelForCausalLM": "modeling_step3p7.Step3p7ForConditionalGeneration",
+    },
     "model_type": "step3p7",
     "image_token_id": 128001,
     "understand_projector_stride": 2,
@@ -51,8 +52,9 @@ CONFIG = {
     "torch_dtype": "bfloat16",
     "vision_config": _VISION,
     # Step-3.7's clamps: the last two MoE layers, routed (7.0) and shared (16.0) experts alike
-    "text_config": _step.text_config(swiglu_limits_shared=[0.0] * (_step.N_TRUNK - 2) + [16.0, 16.0]
-                                     + [0.0] * _step.N_MTP),
+    "text_config": _step.text_config(
+        swiglu_limits_shared=[0.0] * (_step.N_TRUNK - 2) + [16.0, 16.0] + [0.0] * _step.N_MTP
+    ),
 }
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FORMS = {"bf16": None, "fp8": _step.fp8_routed_experts}
@@ -67,17 +69,33 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     mlp = int(round(w * 8960 / 1536))  # the tower's mlp_ratio
     out = _step.text_tensors(text)
     v = "vision_model."
-    out |= {v + "conv1.weight": (w, 3, patch, patch), v + "positional_embedding": ((size // patch) ** 2, w),
-            v + "ln_pre.weight": (w,), v + "ln_pre.bias": (w,),
-            v + "vit_downsampler1.weight": (2 * w, w, 3, 3), v + "vit_downsampler1.bias": (2 * w,),
-            v + "vit_downsampler2.weight": (4 * w, 2 * w, 3, 3), v + "vit_downsampler2.bias": (4 * w,),
-            "vit_large_projector.weight": (text["hidden_size"], 4 * w)}
+    out |= {
+        v + "conv1.weight": (w, 3, patch, patch),
+        v + "positional_embedding": ((size // patch) ** 2, w),
+        v + "ln_pre.weight": (w,),
+        v + "ln_pre.bias": (w,),
+        v + "vit_downsampler1.weight": (2 * w, w, 3, 3),
+        v + "vit_downsampler1.bias": (2 * w,),
+        v + "vit_downsampler2.weight": (4 * w, 2 * w, 3, 3),
+        v + "vit_downsampler2.bias": (4 * w,),
+        "vit_large_projector.weight": (text["hidden_size"], 4 * w),
+    }
     for i in range(n):
         p = f"{v}transformer.resblocks.{i}."
-        out |= {p + "ln_1.weight": (w,), p + "ln_1.bias": (w,), p + "ln_2.weight": (w,), p + "ln_2.bias": (w,),
-                p + "attn.in_proj_weight": (3 * w, w), p + "attn.in_proj_bias": (3 * w,),
-                p + "attn.out_proj.weight": (w, w), p + "attn.out_proj.bias": (w,),
-                p + "ls_1.gamma": (w,), p + "ls_2.gamma": (w,),
-                p + "mlp.c_fc.weight": (mlp, w), p + "mlp.c_fc.bias": (mlp,),
-                p + "mlp.c_proj.weight": (w, mlp), p + "mlp.c_proj.bias": (w,)}
+        out |= {
+            p + "ln_1.weight": (w,),
+            p + "ln_1.bias": (w,),
+            p + "ln_2.weight": (w,),
+            p + "ln_2.bias": (w,),
+            p + "attn.in_proj_weight": (3 * w, w),
+            p + "attn.in_proj_bias": (3 * w,),
+            p + "attn.out_proj.weight": (w, w),
+            p + "attn.out_proj.bias": (w,),
+            p + "ls_1.gamma": (w,),
+            p + "ls_2.gamma": (w,),
+            p + "mlp.c_fc.weight": (mlp, w),
+            p + "mlp.c_fc.bias": (mlp,),
+            p + "mlp.c_proj.weight": (w, mlp),
+            p + "mlp.c_proj.bias": (w,),
+        }
     return out

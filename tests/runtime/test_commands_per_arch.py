@@ -19,8 +19,14 @@ from tests import releases
 from tests.helpers.runcli import run_cli
 
 # GGUF architecture -> (release manifest, form)
-ARCHS = {"hy_v3": ("hy3", "bf16"), "cohere2moe": ("cohere2moe", "bf16"), "bailingmoe3": ("ling3_flash", "bf16"),
-         "step35": ("step35_flash", "bf16"), "mimo2": ("mimo_v25", "fp8"), "deepseek4": ("deepseek_v4_flash", "fp8")}
+ARCHS = {
+    "hy_v3": ("hy3", "bf16"),
+    "cohere2moe": ("cohere2moe", "bf16"),
+    "bailingmoe3": ("ling3_flash", "bf16"),
+    "step35": ("step35_flash", "bf16"),
+    "mimo2": ("mimo_v25", "fp8"),
+    "deepseek4": ("deepseek_v4_flash", "fp8"),
+}
 HEAD_FILE = {"deepseek4"}
 PROMPT = {"category": "code", "prompt": "def add(a, b):\n    return a + b\n"}
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
@@ -70,8 +76,9 @@ def mtp_blocks(path: Path) -> list[str]:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_accept(arch, release):
     f16, prompts, _, head = release(arch)
-    res = run_cli("accept", f16, *with_head(head), "--prompts", prompts, "-k", 2, "-n", 8, "--json", "-",
-                  "--threads", 1)
+    res = run_cli(
+        "accept", f16, *with_head(head), "--prompts", prompts, "-k", 2, "-n", 8, "--json", "-", "--threads", 1
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert report["engine"] == "torch" and report["drafted"] > 0 and report["greedy_outputs_identical"]
@@ -85,14 +92,26 @@ def test_quantize_auto_then_compare(arch, release, tmp_path):
         res = run_cli("quantize", f16, q, "Q4_K_M", "--mtp-type", "auto", "--prompts", prompts)
     else:  # the head file measured on the trunk it drafts for, then the trunk quantized on its own
         q_head = tmp_path / "mtp-q.gguf"
-        res = run_cli("quantize", head, q_head, "Q4_K_M", "--mtp-type", "auto", "--trunk", f16, "--prompts", prompts,
-                      "--allow-requantize")
+        res = run_cli(
+            "quantize",
+            head,
+            q_head,
+            "Q4_K_M",
+            "--mtp-type",
+            "auto",
+            "--trunk",
+            f16,
+            "--prompts",
+            prompts,
+            "--allow-requantize",
+        )
         assert run_cli("quantize", f16, q, "Q4_K_M", "--allow-requantize", "-q").exit_code == 0
         head = q_head
     assert res.exit_code == 0, res.output
     assert "--mtp-type auto:" in " ".join(res.output.split())
-    res = run_cli("compare", f16, q, *with_head(head), "-f", text, "-c", 64, "--chunks", 2, "--json", "-",
-                  "--threads", 1)
+    res = run_cli(
+        "compare", f16, q, *with_head(head), "-f", text, "-c", 64, "--chunks", 2, "--json", "-", "--threads", 1
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     (row,) = report["files"]
@@ -104,8 +123,24 @@ def test_quantize_auto_then_compare(arch, release, tmp_path):
 def test_sweep(arch, release, tmp_path):
     f16, prompts, _, head = release(arch)
     out = tmp_path / "grid.json"
-    res = run_cli("sweep", f16, *with_head(head), *requantize(head), "--mtp", "f16,q4_k", "--trunk", "Q4_K_M",
-                  "--prompts", prompts, "-n", 8, "--json", out, "--threads", 1)
+    res = run_cli(
+        "sweep",
+        f16,
+        *with_head(head),
+        *requantize(head),
+        "--mtp",
+        "f16,q4_k",
+        "--trunk",
+        "Q4_K_M",
+        "--prompts",
+        prompts,
+        "-n",
+        8,
+        "--json",
+        out,
+        "--threads",
+        1,
+    )
     assert res.exit_code == 0, res.output
     grid = json.loads(out.read_text())
     assert grid["mtp_types"] == ["f16", "q4_k"] and len(grid["acceptance"]) == 2 and len(grid["acceptance"][0]) == 1
@@ -117,12 +152,15 @@ def test_imatrix_of_the_head(arch, release, tmp_path):
 
     f16, _, text, head = release(arch)
     out = tmp_path / "head.imatrix"
-    res = run_cli("imatrix", f16, *with_head(head), "-f", text, "-o", out, "--mtp", "-c", 64, "--chunks", 1,
-                  "--threads", 1)
+    res = run_cli(
+        "imatrix", f16, *with_head(head), "-f", text, "-o", out, "--mtp", "-c", 64, "--chunks", 1, "--threads", 1
+    )
     assert res.exit_code == 0, res.output
     names = {t.name.rsplit(".", 1)[0] for t in GGUFReader(out).tensors}
     heads = mtp_blocks(head or f16)  # every head's block (chained heads each take the real pairs), nothing else
     assert names and all(n.startswith(tuple(heads)) for n in names), names
     for head in heads:  # its FFN: experts (Hy3, Cohere, Ling) or dense (Step-3.5's, MiMo's heads)
-        assert head + "nextn.eh_proj.weight" in names and names & {head + "ffn_gate_exps.weight",
-                                                                   head + "ffn_gate.weight"}, names
+        assert head + "nextn.eh_proj.weight" in names and names & {
+            head + "ffn_gate_exps.weight",
+            head + "ffn_gate.weight",
+        }, names

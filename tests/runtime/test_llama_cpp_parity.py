@@ -69,14 +69,21 @@ SHARPER = {
     "bailingmoe3": {"swiglu_clamp_exp": [0.0, 0.0, 1.0, 0.8, 1.0], "swiglu_clamp_shexp": [0.8, 0.0, 1.0, 0.8, 0.9]},
     # GLM-5 runs its indexer in every block; GLM-5.2's "shared" blocks reuse the top-k of the full block before them
     "glm-dsa-shared": {"attention.indexer.types": [True, False]},
-    "step35": {"attention.sliding_window": 48, "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
-               "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0]},
+    "step35": {
+        "attention.sliding_window": 48,
+        "swiglu_clamp_exp": [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 0.0],
+        "swiglu_clamp_shexp": [0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0],
+    },
     "mimo2": {"attention.sliding_window": 48},
     # DeepSeek-V4: its window (128) and indexer top-k (512) never bind on 300 tokens, nor its SwiGLU clamps (10):
     # here the window drops raw keys from token 48 on, the indexer keeps 8 of up to 75 compressed keys, and the
     # clamps (on the gate before its silu, and on up) bind on a few % of the values
-    "deepseek4": {"attention.sliding_window": 48, "attention.indexer.top_k": 8,
-                  "swiglu_clamp_exp": [0.06] * 5, "swiglu_clamp_shexp": [0.06] * 5},
+    "deepseek4": {
+        "attention.sliding_window": 48,
+        "attention.indexer.top_k": 8,
+        "swiglu_clamp_exp": [0.06] * 5,
+        "swiglu_clamp_shexp": [0.06] * 5,
+    },
 }
 # tensors the parity file scales where the fixture's values hide a detail: DeepSeek-V4's streams all start as the
 # embedding and stay nearly equal on the tiny random model, so mixing them (comb) or Sinkhorn's later passes moved
@@ -96,8 +103,14 @@ F32_CACHE = {"glm-dsa", "glm-dsa-shared", "deepseek32", "step35", "mimo2", "deep
 ALL_F32 = {"deepseek4"}
 
 
-def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | None = None, f32: bool = False,
-              scales: dict | None = None) -> Path:
+def sharpened(
+    src: Path,
+    out: Path,
+    factor: float = SHARPEN,
+    metadata: dict | None = None,
+    f32: bool = False,
+    scales: dict | None = None,
+) -> Path:
     """``src`` with ``output_norm`` and every head's final norm (``nextn.shared_head_norm``, Ling's and MiMo's
     ``layer_output_norm``) scaled by ``factor``, and the ``metadata`` values (keys without the arch) set; with
     ``f32`` every float tensor stored F32 (see ALL_F32); ``scales``: {regex: factor} for other tensors
@@ -115,14 +128,18 @@ def sharpened(src: Path, out: Path, factor: float = SHARPEN, metadata: dict | No
         kind, sub = (old.type, old.sub_type) if old is not None else (GGUFValueType.ARRAY, GGUFValueType.BOOL)
         plan.set_kv(f"{plan.arch}.{key}", value, kind, sub)
     scaled = ("output_norm.weight", ".nextn.shared_head_norm.weight")
-    plan.tensors = [s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled)
-                    else s for s in plan.tensors]
+    plan.tensors = [
+        s.with_values(lambda s=s: s.load() * factor) if s.name.endswith(scaled) else s for s in plan.tensors
+    ]
     for pattern, by in (scales or {}).items():
-        plan.tensors = [s.with_values(lambda s=s, by=by: s.load() * by) if re.search(pattern, s.name) else s
-                        for s in plan.tensors]
+        plan.tensors = [
+            s.with_values(lambda s=s, by=by: s.load() * by) if re.search(pattern, s.name) else s for s in plan.tensors
+        ]
     if f32:
-        plan.tensors = [s.with_values(s.load).with_type(T.F32, "parity: f32") if s.source_type not in (T.F32, T.I32)
-                        else s for s in plan.tensors]
+        plan.tensors = [
+            s.with_values(s.load).with_type(T.F32, "parity: f32") if s.source_type not in (T.F32, T.I32) else s
+            for s in plan.tensors
+        ]
     write_plan(plan, out)
     return out
 
@@ -156,19 +173,39 @@ def parity(tmp_path_factory, llama_cpp_bin, llama_cpp_src):
 
                 trunk = convert(ckpt, work / "f32.gguf", "f32", "--no-mtp")
                 n = GGUFFile(trunk).n_blocks  # (the trunk file's per-block arrays end with its blocks)
-                path = sharpened(trunk, work / "sharp.gguf", f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch),
-                                 metadata={k: v[:n] if isinstance(v, list) else v for k, v in (meta or {}).items()})
-                head = sharpened(convert(ckpt, work / "f32-head.gguf", "f32", "--mtp-only"), work / "sharp-head.gguf",
-                                 metadata=meta, f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
+                path = sharpened(
+                    trunk,
+                    work / "sharp.gguf",
+                    f32=arch in ALL_F32,
+                    scales=SHARPER_TENSORS.get(arch),
+                    metadata={k: v[:n] if isinstance(v, list) else v for k, v in (meta or {}).items()},
+                )
+                head = sharpened(
+                    convert(ckpt, work / "f32-head.gguf", "f32", "--mtp-only"),
+                    work / "sharp-head.gguf",
+                    metadata=meta,
+                    f32=arch in ALL_F32,
+                    scales=SHARPER_TENSORS.get(arch),
+                )
                 _heads[path] = head
             else:
-                path = sharpened(convert(ckpt, work / "f32.gguf"), work / "sharp.gguf", metadata=meta,
-                                 f32=arch in ALL_F32, scales=SHARPER_TENSORS.get(arch))
+                path = sharpened(
+                    convert(ckpt, work / "f32.gguf"),
+                    work / "sharp.gguf",
+                    metadata=meta,
+                    f32=arch in ALL_F32,
+                    scales=SHARPER_TENSORS.get(arch),
+                )
             vocab = runtime(path).vocab_size
             n = TOKENS.get(arch, N_TOKENS)
             tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
-            cache[arch] = path, tokens, llama_cpp_logits(llama_cpp_bin, llama_cpp_src, path, tokens, work,
-                                                         f32_cache=arch in F32_CACHE, head=head)
+            cache[arch] = (
+                path,
+                tokens,
+                llama_cpp_logits(
+                    llama_cpp_bin, llama_cpp_src, path, tokens, work, f32_cache=arch in F32_CACHE, head=head
+                ),
+            )
         return cache[arch]
 
     return get
@@ -186,8 +223,11 @@ def figures(model, tokens, ref) -> dict[str, tuple[float, float, float]]:
 
 
 def failing(figs: dict) -> list[str]:
-    return [f"{part}: mean KLD {k:.2e}, top-1 {t:.2%}" for part, (k, _, t) in figs.items()
-            if not (k <= MAX_KLD and t >= MIN_TOP1)]
+    return [
+        f"{part}: mean KLD {k:.2e}, top-1 {t:.2%}"
+        for part, (k, _, t) in figs.items()
+        if not (k <= MAX_KLD and t >= MIN_TOP1)
+    ]
 
 
 @pytest.mark.parametrize("arch", sorted(PARITY))
@@ -196,7 +236,9 @@ def test_runtime_matches_llama_cpp(arch, parity):
     model = runtime(path)
     assert model.n_heads >= 1
     figs = figures(model, tokens, ref)
-    print(f"\n{arch:16s} " + "  ".join(f"{p}: KLD {k:.1e} (max {m:.1e}) top-1 {t:.2%}" for p, (k, m, t) in figs.items()))
+    print(
+        f"\n{arch:16s} " + "  ".join(f"{p}: KLD {k:.1e} (max {m:.1e}) top-1 {t:.2%}" for p, (k, m, t) in figs.items())
+    )
     assert not failing(figs), failing(figs)
     # and the trunk's NextN states are llama.cpp's (what the head is fed)
     h = model.trunk(torch.tensor([tokens]), use_cache=False).hidden[0].numpy()
@@ -222,8 +264,10 @@ def test_trunk_matches_llama_perplexity_base(arch, parity, llama_cpp_bin, tmp_pa
     res = run_cli("compare", "--kld-base", base, path, "--numerics", "exact", "--json", "-", "--threads", 1)
     assert res.exit_code == 0, res.output
     f = json.loads(res.stdout)["files"][0]
-    print(f"\n{arch:16s} against llama-perplexity's base: mean KLD {f['kld_mean']:.1e} (max {f['kld_max']:.1e}) "
-          f"top-1 {f['top1']:.2%}")
+    print(
+        f"\n{arch:16s} against llama-perplexity's base: mean KLD {f['kld_mean']:.1e} (max {f['kld_max']:.1e}) "
+        f"top-1 {f['top1']:.2%}"
+    )
     assert f["kld_mean"] <= MAX_KLD and f["top1"] >= MIN_TOP1
 
 
@@ -373,8 +417,9 @@ def _sparse(model, full: bool | None = None):
     """The sparse-attention layers (``full``: only those with their own indexer, False: only shared ones)."""
     from mtpq.runtime.dsa import SparseMLA
 
-    return [m for m in model.modules() if isinstance(m, SparseMLA)
-            and (full is None or (m.indexer is not None) == full)]
+    return [
+        m for m in model.modules() if isinstance(m, SparseMLA) and (full is None or (m.indexer is not None) == full)
+    ]
 
 
 def top_k_one_fewer(model) -> bool:
@@ -409,9 +454,11 @@ def indexer_rope_pairs_swapped(model) -> bool:
 
 def ties_by_torch_topk(model) -> bool:
     """Ties at the k-th score broken by torch.topk instead of as ggml's CPU top-k breaks them."""
+
     def plain(scores, k):
-        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(min(k, scores.shape[-1])).indices,
-                                                                     True)
+        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+            -1, scores.topk(min(k, scores.shape[-1])).indices, True
+        )
         return (picked & (scores > float("-inf")))[:, None]
 
     layers = _sparse(model, full=True)
@@ -593,9 +640,11 @@ def streams_unmixed(model) -> bool:
 
     mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
     for m in mixes:
+
         def pre(x, pre=m.pre):
             cur, post, comb = pre(x)
             return cur, post, torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)
+
         m.pre = pre
     return bool(mixes)
 
@@ -616,9 +665,11 @@ def hyper_post_halved(model) -> bool:
 
     mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
     for m in mixes:
+
         def pre(x, pre=m.pre):
             cur, post, comb = pre(x)
             return cur, post * 0.5, comb
+
         m.pre = pre
     return bool(mixes)
 
@@ -632,14 +683,47 @@ def compressed_keys_dropped(model) -> bool:
     return bool(layers)
 
 
-BREAKS: dict[str, Callable] = {f.__name__: f for f in (
-    wrong_rope_base, router_bias_dropped, norm_eps_changed, head_pairs_shifted, routed_scale_dropped,
-    expert_groups_ignored, swiglu_clamp_dropped, window_one_short, nope_layers_rotated, logit_scale_dropped,
-    kda_gate_bound_changed, kda_conv_reversed, mla_gate_dropped, top_k_one_fewer, indexer_relu_dropped,
-    indexer_rope_pairs_swapped, ties_by_torch_topk, shared_layers_dense, deltanet_heads_tiled, fused_ba_halved,
-    mamba_groups_tiled, mamba_norm_ungrouped, mamba_d_skip_dropped, attention_roped, head_norm_rms, sinks_dropped,
-    head_gate_dropped, value_scale_dropped, rope_factors_dropped, nextn_state_post_norm, swiglu_clamp_after_silu,
-    hash_routing_by_score, streams_unmixed, sinkhorn_one_pass, hyper_post_halved, compressed_keys_dropped)}
+BREAKS: dict[str, Callable] = {
+    f.__name__: f
+    for f in (
+        wrong_rope_base,
+        router_bias_dropped,
+        norm_eps_changed,
+        head_pairs_shifted,
+        routed_scale_dropped,
+        expert_groups_ignored,
+        swiglu_clamp_dropped,
+        window_one_short,
+        nope_layers_rotated,
+        logit_scale_dropped,
+        kda_gate_bound_changed,
+        kda_conv_reversed,
+        mla_gate_dropped,
+        top_k_one_fewer,
+        indexer_relu_dropped,
+        indexer_rope_pairs_swapped,
+        ties_by_torch_topk,
+        shared_layers_dense,
+        deltanet_heads_tiled,
+        fused_ba_halved,
+        mamba_groups_tiled,
+        mamba_norm_ungrouped,
+        mamba_d_skip_dropped,
+        attention_roped,
+        head_norm_rms,
+        sinks_dropped,
+        head_gate_dropped,
+        value_scale_dropped,
+        rope_factors_dropped,
+        nextn_state_post_norm,
+        swiglu_clamp_after_silu,
+        hash_routing_by_score,
+        streams_unmixed,
+        sinkhorn_one_pass,
+        hyper_post_halved,
+        compressed_keys_dropped,
+    )
+}
 # architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
 BROKEN = {
     "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
@@ -647,31 +731,109 @@ BROKEN = {
     "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
     "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
-    "hy_v3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
-              "routed_scale_dropped"),
-    "cohere2moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
-                   "nope_layers_rotated", "logit_scale_dropped"),
-    "bailingmoe3": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
-                    "routed_scale_dropped", "expert_groups_ignored", "swiglu_clamp_dropped", "kda_gate_bound_changed",
-                    "kda_conv_reversed", "mla_gate_dropped"),
-    "glm-dsa": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "top_k_one_fewer",
-                "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
+    "hy_v3": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "routed_scale_dropped",
+    ),
+    "cohere2moe": (
+        "wrong_rope_base",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "window_one_short",
+        "nope_layers_rotated",
+        "logit_scale_dropped",
+    ),
+    "bailingmoe3": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "routed_scale_dropped",
+        "expert_groups_ignored",
+        "swiglu_clamp_dropped",
+        "kda_gate_bound_changed",
+        "kda_conv_reversed",
+        "mla_gate_dropped",
+    ),
+    "glm-dsa": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "top_k_one_fewer",
+        "indexer_relu_dropped",
+        "indexer_rope_pairs_swapped",
+        "ties_by_torch_topk",
+    ),
     "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
-    "deepseek32": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
-                   "top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk"),
-    "qwen3next": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted", "deltanet_heads_tiled",
-                  "fused_ba_halved"),
-    "nemotron_h_moe": ("router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "mamba_groups_tiled",
-                       "mamba_norm_ungrouped", "mamba_d_skip_dropped", "attention_roped", "head_norm_rms"),
-    "step35": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
-               "head_gate_dropped", "rope_factors_dropped", "swiglu_clamp_dropped", "nextn_state_post_norm"),
-    "mimo2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted", "window_one_short",
-              "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
-    "deepseek4": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted",
-                  "window_one_short", "sinks_dropped", "top_k_one_fewer", "indexer_relu_dropped",
-                  "swiglu_clamp_dropped", "swiglu_clamp_after_silu", "hash_routing_by_score", "streams_unmixed",
-                  "sinkhorn_one_pass", "hyper_post_halved",
-                  "compressed_keys_dropped"),
+    "deepseek32": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "top_k_one_fewer",
+        "indexer_relu_dropped",
+        "indexer_rope_pairs_swapped",
+        "ties_by_torch_topk",
+    ),
+    "qwen3next": (
+        "wrong_rope_base",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "deltanet_heads_tiled",
+        "fused_ba_halved",
+    ),
+    "nemotron_h_moe": (
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "mamba_groups_tiled",
+        "mamba_norm_ungrouped",
+        "mamba_d_skip_dropped",
+        "attention_roped",
+        "head_norm_rms",
+    ),
+    "step35": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "window_one_short",
+        "head_gate_dropped",
+        "rope_factors_dropped",
+        "swiglu_clamp_dropped",
+        "nextn_state_post_norm",
+    ),
+    "mimo2": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "window_one_short",
+        "sinks_dropped",
+        "value_scale_dropped",
+        "nextn_state_post_norm",
+    ),
+    "deepseek4": (
+        "wrong_rope_base",
+        "router_bias_dropped",
+        "norm_eps_changed",
+        "head_pairs_shifted",
+        "window_one_short",
+        "sinks_dropped",
+        "top_k_one_fewer",
+        "indexer_relu_dropped",
+        "swiglu_clamp_dropped",
+        "swiglu_clamp_after_silu",
+        "hash_routing_by_score",
+        "streams_unmixed",
+        "sinkhorn_one_pass",
+        "hyper_post_halved",
+        "compressed_keys_dropped",
+    ),
 }
 
 

@@ -29,8 +29,11 @@ def llama_file(tmp_path_factory):
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(64)])
     rng = np.random.default_rng(0)
-    for name, shape in (("token_embd.weight", (64, 32)), ("output_norm.weight", (32,)),
-                        ("blk.0.attn_q.weight", (32, 32))):
+    for name, shape in (
+        ("token_embd.weight", (64, 32)),
+        ("output_norm.weight", (32,)),
+        ("blk.0.attn_q.weight", (32, 32)),
+    ):
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -39,13 +42,17 @@ def llama_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("command", [
-    ("accept", "{f}"),
-    ("compare", "{f}", "{f}", "-f", "{text}"),
-    ("sweep", "{f}"),
-    ("imatrix", "{f}", "-f", "{text}", "-o", "{out}"),
-    ("quantize", "{f}", "{out}", "Q4_K_M", "--mtp-type", "auto"),
-], ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("accept", "{f}"),
+        ("compare", "{f}", "{f}", "-f", "{text}"),
+        ("sweep", "{f}"),
+        ("imatrix", "{f}", "-f", "{text}", "-o", "{out}"),
+        ("quantize", "{f}", "{out}", "Q4_K_M", "--mtp-type", "auto"),
+    ],
+    ids=lambda c: c[0],
+)
 def test_a_command_that_needs_the_runtime_says_so_first(command, llama_file, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello " * 400)

@@ -35,9 +35,9 @@ def test_causal_attention_is_the_definition(heads, T, start):
     g = torch.Generator().manual_seed(T + start)
     q = torch.randn(2, Hq, T, D, generator=g)
     k, v = torch.randn(2, Hkv, start + T, D, generator=g), torch.randn(2, Hkv, start + T, Dv, generator=g)
-    out = layers.causal_attention(q, k, v, start, D ** -0.5)
+    out = layers.causal_attention(q, k, v, start, D**-0.5)
     assert out.shape == (2, Hq, T, Dv)
-    torch.testing.assert_close(out, reference(q, k, v, start, D ** -0.5), atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference(q, k, v, start, D**-0.5), atol=5e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads", SHAPES, ids=lambda h: "x".join(map(str, h)))
@@ -62,13 +62,22 @@ def test_packed_attention_is_each_sequence_on_its_own():
     lengths, firsts = [150, 40, 300], [0, 10, 170]
     packing = layers.Packing(lengths, torch.device("cpu"), out_from=firsts)
     N, Nq = sum(lengths), sum(T - f for T, f in zip(lengths, firsts))
-    q, k, v = torch.randn(Nq, 4, 96, generator=g), torch.randn(N, 4, 96, generator=g), torch.randn(N, 4, 64, generator=g)
-    out = layers.packed_attention(q, lambda a, n: (k[a:a + n], v[a:a + n]), packing, 0.1)
+    q, k, v = (
+        torch.randn(Nq, 4, 96, generator=g),
+        torch.randn(N, 4, 96, generator=g),
+        torch.randn(N, 4, 64, generator=g),
+    )
+    out = layers.packed_attention(q, lambda a, n: (k[a : a + n], v[a : a + n]), packing, 0.1)
     at = aq = 0
     for T, f in zip(lengths, firsts):
-        ref = reference(q[aq:aq + T - f].transpose(0, 1)[None], k[at:at + T].transpose(0, 1)[None],
-                        v[at:at + T].transpose(0, 1)[None], f, 0.1)
-        torch.testing.assert_close(out[aq:aq + T - f], ref[0].transpose(0, 1), atol=5e-6, rtol=1e-5)
+        ref = reference(
+            q[aq : aq + T - f].transpose(0, 1)[None],
+            k[at : at + T].transpose(0, 1)[None],
+            v[at : at + T].transpose(0, 1)[None],
+            f,
+            0.1,
+        )
+        torch.testing.assert_close(out[aq : aq + T - f], ref[0].transpose(0, 1), atol=5e-6, rtol=1e-5)
         at, aq = at + T, aq + T - f
 
 
@@ -78,5 +87,11 @@ def test_many_heads_times_keys_take_sdpa_and_stay_the_definition(monkeypatch):
     monkeypatch.setattr(layers, "blocked_causal_attention", lambda *a: pytest.fail("blocked path taken"))
     monkeypatch.setattr(layers, "ATTN_BLOCK_SCORES", 4 * 300 * (layers.MIN_BLOCK_ROWS - 1))
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 4, 300, 96, generator=g), torch.randn(1, 4, 300, 96, generator=g), torch.randn(1, 4, 300, 64, generator=g)
-    torch.testing.assert_close(layers.causal_attention(q, k, v, 0, 0.1), reference(q, k, v, 0, 0.1), atol=5e-6, rtol=1e-5)
+    q, k, v = (
+        torch.randn(1, 4, 300, 96, generator=g),
+        torch.randn(1, 4, 300, 96, generator=g),
+        torch.randn(1, 4, 300, 64, generator=g),
+    )
+    torch.testing.assert_close(
+        layers.causal_attention(q, k, v, 0, 0.1), reference(q, k, v, 0, 0.1), atol=5e-6, rtol=1e-5
+    )

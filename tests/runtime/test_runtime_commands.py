@@ -25,27 +25,94 @@ PROMPT = "def add(a, b):\n    return a + b\n"
 N_NEW = 16
 CTX, CHUNKS = 64, 2
 
-DSA_HEAD = ("nextn.eh_proj", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
-            "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+DSA_HEAD = (
+    "nextn.eh_proj",
+    "attn_q_a",
+    "attn_q_b",
+    "attn_kv_a_mqa",
+    "attn_output",
+    "ffn_gate_inp",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+)
 # per architecture: the head's matrices llama.cpp's MTP graph multiplies (what imatrix --mtp records), one of them
 # fed every pair, the routed experts' first matrix, and a head matrix beside its trunk twin's block
 HEAD_MATRICES = {
-    "glm-dsa": DSA_HEAD, "deepseek32": DSA_HEAD,
-    "qwen3next": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_inp_shexp",
-                  "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
-    "nemotron_h_moe": ("nextn.eh_proj", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_latent_down",
-                       "ffn_latent_up", "ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp"),
+    "glm-dsa": DSA_HEAD,
+    "deepseek32": DSA_HEAD,
+    "qwen3next": (
+        "nextn.eh_proj",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate_inp",
+        "ffn_gate_inp_shexp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
+        "ffn_gate_shexp",
+        "ffn_up_shexp",
+        "ffn_down_shexp",
+    ),
+    "nemotron_h_moe": (
+        "nextn.eh_proj",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate_inp",
+        "ffn_latent_down",
+        "ffn_latent_up",
+        "ffn_up_exps",
+        "ffn_down_exps",
+        "ffn_up_shexp",
+        "ffn_down_shexp",
+    ),
     # (the hyper-connections' fn multiply the normed streams; the window-only MTP block has no compressor)
-    "deepseek4": ("nextn.eh_proj", "hc_attn_fn", "attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b",
-                  "hc_ffn_fn", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
-                  "ffn_up_shexp", "ffn_down_shexp"),
+    "deepseek4": (
+        "nextn.eh_proj",
+        "hc_attn_fn",
+        "attn_q_a",
+        "attn_q_b",
+        "attn_kv",
+        "attn_output_a",
+        "attn_output_b",
+        "hc_ffn_fn",
+        "ffn_gate_inp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
+        "ffn_gate_shexp",
+        "ffn_up_shexp",
+        "ffn_down_shexp",
+    ),
 }
-EVERY_PAIR = {"glm-dsa": "attn_q_a", "deepseek32": "attn_q_a", "qwen3next": "attn_q", "nemotron_h_moe": "attn_q",
-              "deepseek4": "attn_q_a"}
-FIRST_EXPERT = {"glm-dsa": "ffn_gate_exps", "deepseek32": "ffn_gate_exps", "qwen3next": "ffn_gate_exps",
-                "nemotron_h_moe": "ffn_up_exps", "deepseek4": "ffn_gate_exps"}
-TRUNK_TWIN = {"glm-dsa": ("attn_q_b", 0), "deepseek32": ("attn_q_b", 0), "qwen3next": ("attn_q", 3),
-              "nemotron_h_moe": ("attn_q", 2), "deepseek4": ("attn_q_b", 0)}
+EVERY_PAIR = {
+    "glm-dsa": "attn_q_a",
+    "deepseek32": "attn_q_a",
+    "qwen3next": "attn_q",
+    "nemotron_h_moe": "attn_q",
+    "deepseek4": "attn_q_a",
+}
+FIRST_EXPERT = {
+    "glm-dsa": "ffn_gate_exps",
+    "deepseek32": "ffn_gate_exps",
+    "qwen3next": "ffn_gate_exps",
+    "nemotron_h_moe": "ffn_up_exps",
+    "deepseek4": "ffn_gate_exps",
+}
+TRUNK_TWIN = {
+    "glm-dsa": ("attn_q_b", 0),
+    "deepseek32": ("attn_q_b", 0),
+    "qwen3next": ("attn_q", 3),
+    "nemotron_h_moe": ("attn_q", 2),
+    "deepseek4": ("attn_q_b", 0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +145,15 @@ def test_accept_counts_are_the_teacher_forced_estimators(arch, rt, work):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
     """The reference's head column (its chunks packed into one pass) == the estimator run on each chunk alone."""
-    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
     from mtpq.runtime.speculative import teacher_forced_acceptance
+    from mtpq.runtime.trunk_quality import QualityRun, perplexity_chunks
 
     path = rt.loop_gguf(arch)
     q8 = work / f"{arch}-q8.gguf"
     assert run_cli("quantize", path, q8, "Q8_0", "-q", *REQUANTIZE.get(arch, ())).exit_code == 0
-    res = run_cli("compare", path, q8, "-f", work / "text.txt", "-c", CTX, "--chunks", CHUNKS, "--json", "-",
-                  "--threads", 1)
+    res = run_cli(
+        "compare", path, q8, "-f", work / "text.txt", "-c", CTX, "--chunks", CHUNKS, "--json", "-", "--threads", 1
+    )
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     run = QualityRun(path)  # compare's numerics: llama.cpp's
@@ -100,8 +168,23 @@ def test_compare_head_column_is_the_estimator_on_each_chunk(arch, rt, work):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sweep_cell_is_accept_on_the_file_it_stands_for(arch, rt, work, tmp_path):
     path = rt.loop_gguf(arch)
-    res = run_cli("sweep", path, "--mtp", "q4_k", "--trunk", "Q8_0", "--prompts", work / "p.jsonl", "-n", N_NEW,
-                  "--json", tmp_path / "grid.json", "--threads", 1, *REQUANTIZE.get(arch, ()))
+    res = run_cli(
+        "sweep",
+        path,
+        "--mtp",
+        "q4_k",
+        "--trunk",
+        "Q8_0",
+        "--prompts",
+        work / "p.jsonl",
+        "-n",
+        N_NEW,
+        "--json",
+        tmp_path / "grid.json",
+        "--threads",
+        1,
+        *REQUANTIZE.get(arch, ()),
+    )
     assert res.exit_code == 0, res.output
     grid = json.loads((tmp_path / "grid.json").read_text())
     full = tmp_path / "q8-q4k.gguf"
@@ -114,8 +197,19 @@ def test_quantize_mtp_type_auto_writes_the_chosen_head(arch, rt, work, tmp_path)
     from mtpq.gguf_io import GGUFFile
 
     out = tmp_path / "auto.gguf"
-    res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", "--mtp-type", "auto", "--max-drop", 1.0,
-                  "--prompts", work / "p.jsonl", *REQUANTIZE.get(arch, ()))
+    res = run_cli(
+        "quantize",
+        rt.loop_gguf(arch),
+        out,
+        "Q4_K_M",
+        "--mtp-type",
+        "auto",
+        "--max-drop",
+        1.0,
+        "--prompts",
+        work / "p.jsonl",
+        *REQUANTIZE.get(arch, ()),
+    )
     assert res.exit_code == 0, res.output
     g = GGUFFile(out)
     choice = json.loads(g.kv["mtpq.mtp_type_auto"])

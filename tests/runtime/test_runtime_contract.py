@@ -35,40 +35,106 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.helpers.runtime import (LOOP_VARIANT, PROMPTS, REL_TOL, close, convert, dequantized_copy, hf_model,
-                                   oracle, random_prompts, requantized)
 from tests.helpers.runcli import run_cli
+from tests.helpers.runtime import (
+    LOOP_VARIANT,
+    PROMPTS,
+    REL_TOL,
+    close,
+    convert,
+    dequantized_copy,
+    hf_model,
+    oracle,
+    random_prompts,
+    requantized,
+)
 
-FAMILIES = ("glm4moe", "qwen35", "qwen35moe", "deepseek2", "glm-dsa", "deepseek32", "hy_v3", "cohere2moe", "bailingmoe3",
-            "qwen3next", "nemotron_h_moe", "step35", "mimo2", "deepseek4")
+FAMILIES = (
+    "glm4moe",
+    "qwen35",
+    "qwen35moe",
+    "deepseek2",
+    "glm-dsa",
+    "deepseek32",
+    "hy_v3",
+    "cohere2moe",
+    "bailingmoe3",
+    "qwen3next",
+    "nemotron_h_moe",
+    "step35",
+    "mimo2",
+    "deepseek4",
+)
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
 NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2", "deepseek4")
 HF_FAMILIES = tuple(f for f in FAMILIES if f not in NO_TRANSFORMERS)
 NO_HEAD_ORACLE = ("qwen3next", "nemotron_h_moe")  # transformers runs their trunks only
-TRUNK_VARIANTS = {"glm4moe": ("default", "alt"), "qwen35": ("dense", "dense_tied"), "qwen35moe": ("moe",),
-                  "deepseek2": ("v3", "plain_q", "v2_lite_yarn"), "hy_v3": ("default",),
-                  "cohere2moe": ("default", "rms"), "bailingmoe3": ("default", "alt"), "glm-dsa": ("glm5", "glm52"),
-                  "deepseek32": ("v32",), "qwen3next": ("release",), "nemotron_h_moe": ("release",),
-                  "step35": ("tiny",), "mimo2": ("tiny", "flash"), "deepseek4": ("release",)}
-TRUNK_LENGTHS = {"glm4moe": (1, 7, 40), "qwen35": (1, 9, 40, 150), "qwen35moe": (1, 9, 40, 150),
-                 "deepseek2": (1, 9, 96), "hy_v3": (1, 7, 40), "cohere2moe": (1, 9, 40), "bailingmoe3": (1, 9, 40),
-                 "glm-dsa": (1, 9, 40), "deepseek32": (1, 9, 40), "qwen3next": (1, 9, 40, 150),
-                 "nemotron_h_moe": (1, 9, 100), "step35": (1, 9, 40), "mimo2": (1, 9, 40), "deepseek4": (1, 9, 40, 150)}
+TRUNK_VARIANTS = {
+    "glm4moe": ("default", "alt"),
+    "qwen35": ("dense", "dense_tied"),
+    "qwen35moe": ("moe",),
+    "deepseek2": ("v3", "plain_q", "v2_lite_yarn"),
+    "hy_v3": ("default",),
+    "cohere2moe": ("default", "rms"),
+    "bailingmoe3": ("default", "alt"),
+    "glm-dsa": ("glm5", "glm52"),
+    "deepseek32": ("v32",),
+    "qwen3next": ("release",),
+    "nemotron_h_moe": ("release",),
+    "step35": ("tiny",),
+    "mimo2": ("tiny", "flash"),
+    "deepseek4": ("release",),
+}
+TRUNK_LENGTHS = {
+    "glm4moe": (1, 7, 40),
+    "qwen35": (1, 9, 40, 150),
+    "qwen35moe": (1, 9, 40, 150),
+    "deepseek2": (1, 9, 96),
+    "hy_v3": (1, 7, 40),
+    "cohere2moe": (1, 9, 40),
+    "bailingmoe3": (1, 9, 40),
+    "glm-dsa": (1, 9, 40),
+    "deepseek32": (1, 9, 40),
+    "qwen3next": (1, 9, 40, 150),
+    "nemotron_h_moe": (1, 9, 100),
+    "step35": (1, 9, 40),
+    "mimo2": (1, 9, 40),
+    "deepseek4": (1, 9, 40, 150),
+}
 # qwen35, qwen3next, bailingmoe3: the token-by-token form, one chunk, several; nemotron_h_moe: Mamba-2 token by
 # token, then chunks of 64; cohere2moe, step35, mimo2: past their window (16)
 # (variant, whether the head shares the trunk's token_embd and output)
-HEAD_VARIANTS = {"glm4moe": (("default", False), ("glm46", True)), "qwen35": (("dense", True), ("dense_tied", True)),
-                 "qwen35moe": (("moe", True),), "deepseek2": (("tied", True),)}
-DEFAULT = {"glm4moe": "default", "qwen35": "dense", "qwen35moe": "moe", "deepseek2": "v3", "hy_v3": "default",
-           "cohere2moe": "default", "bailingmoe3": "default", "glm-dsa": "glm5", "deepseek32": "v32",
-           "qwen3next": "release", "nemotron_h_moe": "release", "step35": "tiny", "mimo2": "tiny",
-           "deepseek4": "release"}
+HEAD_VARIANTS = {
+    "glm4moe": (("default", False), ("glm46", True)),
+    "qwen35": (("dense", True), ("dense_tied", True)),
+    "qwen35moe": (("moe", True),),
+    "deepseek2": (("tied", True),),
+}
+DEFAULT = {
+    "glm4moe": "default",
+    "qwen35": "dense",
+    "qwen35moe": "moe",
+    "deepseek2": "v3",
+    "hy_v3": "default",
+    "cohere2moe": "default",
+    "bailingmoe3": "default",
+    "glm-dsa": "glm5",
+    "deepseek32": "v32",
+    "qwen3next": "release",
+    "nemotron_h_moe": "release",
+    "step35": "tiny",
+    "mimo2": "tiny",
+    "deepseek4": "release",
+}
 
 
 def cases(table: dict, families: tuple[str, ...] = FAMILIES) -> list:
-    return [pytest.param(f, *([v] if isinstance(v, str) else v), id=f"{f}-{v if isinstance(v, str) else v[0]}")
-            for f in families for v in table.get(f, ())]
+    return [
+        pytest.param(f, *([v] if isinstance(v, str) else v), id=f"{f}-{v if isinstance(v, str) else v[0]}")
+        for f in families
+        for v in table.get(f, ())
+    ]
 
 
 # ----------------------------------------------------------------------------- trunk
@@ -86,7 +152,7 @@ def check_trunk(model, family: str, reference) -> None:
         model.reset()
         a, b = n // 4, 3 * n // 4
         parts = [model.trunk(ids[:, i:j]).logits for i, j in ((0, a), (a, b)) if j > i]
-        parts += [model.trunk(ids[:, i:i + 1]).logits for i in range(b, n)]
+        parts += [model.trunk(ids[:, i : i + 1]).logits for i in range(b, n)]
         diff, scale = close(torch.cat(parts, dim=1), ref)
         assert diff <= REL_TOL * scale, ("cached", n, diff, scale)
         assert model.trunk_length == n and {c.length for c in model.trunk_cache} == {n}
@@ -106,8 +172,11 @@ def test_cached_trunk_equals_uncached(family, variant, rt):
     """Where transformers does not run the family: the caches give the uncached pass's logits."""
     from mtpq.runtime.families import load
 
-    check_trunk(load(rt.gguf(family, variant)), family,
-                lambda ids: load(rt.gguf(family, variant)).trunk(ids, use_cache=False).logits)
+    check_trunk(
+        load(rt.gguf(family, variant)),
+        family,
+        lambda ids: load(rt.gguf(family, variant)).trunk(ids, use_cache=False).logits,
+    )
 
 
 @pytest.mark.parametrize("family, variant", cases(TRUNK_VARIANTS, NO_TRANSFORMERS + NO_HEAD_ORACLE))
@@ -121,18 +190,30 @@ def test_cached_head_equals_uncached(family, variant, rt):
     full = model.trunk(ids, use_cache=False)
     for h in range(model.n_heads):
         head = model.draft(ids[:, 1:], full.hidden[:, :-1], use_cache=False, head=h).logits
-        steps = [model.draft(ids[:, i + 1:i + 2], full.hidden[:, i:i + 1], head=h).logits for i in range(n - 1)]
+        steps = [model.draft(ids[:, i + 1 : i + 2], full.hidden[:, i : i + 1], head=h).logits for i in range(n - 1)]
         diff, scale = close(torch.cat(steps, dim=1), head)
         assert diff <= REL_TOL * scale, ("head", h, diff, scale)
         assert model.head_cache(h).length == n - 1
 
 
-BF16_WEIGHT = {"glm4moe": lambda m: m.blocks[0].attn.wq.weight, "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
-               "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight, "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight,
-               "hy_v3": lambda m: m.blocks[0].attn.wq.weight, "cohere2moe": lambda m: m.blocks[0].attn.wq.weight}
+BF16_WEIGHT = {
+    "glm4moe": lambda m: m.blocks[0].attn.wq.weight,
+    "qwen35": lambda m: m.blocks[0].attn.wqkv.weight,
+    "qwen35moe": lambda m: m.blocks[0].attn.wqkv.weight,
+    "deepseek2": lambda m: m.blocks[0].attn.wkv_a.weight,
+    "hy_v3": lambda m: m.blocks[0].attn.wq.weight,
+    "cohere2moe": lambda m: m.blocks[0].attn.wq.weight,
+}
 BF16_WEIGHT["qwen3next"] = BF16_WEIGHT["qwen35moe"]
-BF16_LENGTH = {"glm4moe": 24, "qwen35": 100, "qwen35moe": 100, "deepseek2": 24, "hy_v3": 24, "cohere2moe": 24,
-               "qwen3next": 100}
+BF16_LENGTH = {
+    "glm4moe": 24,
+    "qwen35": 100,
+    "qwen35moe": 100,
+    "deepseek2": 24,
+    "hy_v3": 24,
+    "cohere2moe": 24,
+    "qwen3next": 100,
+}
 # not nemotron_h_moe: transformers' NemotronH multiplies its norms' weights in f32 before rounding to bf16 (ours, as
 # for Llama-style norms, in bf16), and on the release-shaped model one rounding apart flips a top-2 expert pick here
 # and there: the largest error is which flips land where (transformers' own: 0.015 to 0.080 over three seeds), while
@@ -188,7 +269,7 @@ def test_mtp_head_matches_independent_implementation(family, variant, tied, rt):
 
     # the same through the head's own cache, pair by pair
     model.reset()
-    steps = [model.draft(ids[:, i + 1:i + 2], trunk.hidden[:, i:i + 1]).logits for i in range(n - 1)]
+    steps = [model.draft(ids[:, i + 1 : i + 2], trunk.hidden[:, i : i + 1]).logits for i in range(n - 1)]
     diff, scale = close(torch.cat(steps, dim=1), ref_logits)
     assert diff <= REL_TOL * scale, ("pair by pair", diff, scale)
 
@@ -246,8 +327,9 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
     dec.prefill(prompts[0])
     for _ in range(10):
         dec.step()
-        assert {c.length for c in model.trunk_cache} == {len(dec.tokens) - 1} and \
-            model.trunk_length == len(dec.tokens) - 1
+        assert {c.length for c in model.trunk_cache} == {len(dec.tokens) - 1} and model.trunk_length == len(
+            dec.tokens
+        ) - 1
         assert model.mtp_length == len(dec.tokens) - dec.pending_ids.shape[1]
         assert {model.head_cache(h).length for h in range(dec.heads)} == {model.mtp_length}
 
@@ -255,8 +337,12 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_teacher_forced_acceptance_equals_loop(family, rt):
     from mtpq.acceptance.metrics import metrics_from_rounds
-    from mtpq.runtime.speculative import (run_plain, run_speculative, teacher_forced_acceptance,
-                                          teacher_forced_acceptances)
+    from mtpq.runtime.speculative import (
+        run_plain,
+        run_speculative,
+        teacher_forced_acceptance,
+        teacher_forced_acceptances,
+    )
 
     model, tok = rt.loop_model(family)
     matched = mismatched = 0
@@ -290,45 +376,98 @@ def quantized_weights(family: str, m, qtype) -> list[tuple[object, tuple | None]
     if family == "glm4moe":  # one type everywhere
         return [(m.blocks[1].ffn.gate, (qtype,)), (m.tok_embd, (qtype,)), (m.mtp.eh_proj.weight, (qtype,))]
     head = m.mtp
-    if family in ("deepseek2", "glm-dsa", "deepseek32"):  # the head's block at q8_0, the latent's k_b / v_b quantized too
+    if family in (
+        "deepseek2",
+        "glm-dsa",
+        "deepseek32",
+    ):  # the head's block at q8_0, the latent's k_b / v_b quantized too
         attn, ha = m.blocks[1].attn, head.block.attn
         dsa = [(attn.indexer.wq_b.weight, K_TYPES), (attn.indexer.wk.weight, K_TYPES)] if family != "deepseek2" else []
-        return [(attn.wq.weight, (T.Q4_K,)), (m.blocks[1].ffn.gate, K_TYPES), (attn.k_b, None), (attn.v_b, None),
-                (head.eh_proj.weight, (T.Q8_0,)), (ha.wq.weight, (T.Q8_0,)), (head.block.ffn.down, (T.Q8_0,)),
-                (ha.k_b, (T.Q8_0,)), *dsa]
+        return [
+            (attn.wq.weight, (T.Q4_K,)),
+            (m.blocks[1].ffn.gate, K_TYPES),
+            (attn.k_b, None),
+            (attn.v_b, None),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (ha.wq.weight, (T.Q8_0,)),
+            (head.block.ffn.down, (T.Q8_0,)),
+            (ha.k_b, (T.Q8_0,)),
+            *dsa,
+        ]
     if family in ("hy_v3", "cohere2moe"):  # GQA and experts in 4-6 bits, the head's block at q8_0
         moe = m.blocks[1].ffn
         moe, head_moe = getattr(moe, "moe", moe), getattr(head.block.ffn, "moe", head.block.ffn)  # (Cohere's average)
-        return [(m.blocks[1].attn.wq.weight, K_TYPES), (m.blocks[1].attn.wo.weight, K_TYPES), (moe.gate, K_TYPES),
-                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)), (head_moe.down, (T.Q8_0,))]
+        return [
+            (m.blocks[1].attn.wq.weight, K_TYPES),
+            (m.blocks[1].attn.wo.weight, K_TYPES),
+            (moe.gate, K_TYPES),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (head.block.attn.wq.weight, (T.Q8_0,)),
+            (head_moe.down, (T.Q8_0,)),
+        ]
     if family == "nemotron_h_moe":  # Mamba-2, the LatentMoE (experts and latent projections), attention
         moe, hb = m.blocks[1].attn.ffn, head.block
-        return [(m.blocks[0].attn.w_in.weight, K_TYPES), (m.blocks[0].attn.w_out.weight, K_TYPES),
-                (moe.up, K_TYPES), (moe.down, K_TYPES), (moe.latent_down.weight, K_TYPES),
-                (moe.shared.up.weight, K_TYPES), (m.blocks[2].attn.wq.weight, K_TYPES),
-                (head.eh_proj.weight, (T.Q8_0,)), (hb.attn.wq.weight, (T.Q8_0,)), (hb.ffn.up, (T.Q8_0,)),
-                (hb.ffn.latent_up.weight, (T.Q8_0,))]
+        return [
+            (m.blocks[0].attn.w_in.weight, K_TYPES),
+            (m.blocks[0].attn.w_out.weight, K_TYPES),
+            (moe.up, K_TYPES),
+            (moe.down, K_TYPES),
+            (moe.latent_down.weight, K_TYPES),
+            (moe.shared.up.weight, K_TYPES),
+            (m.blocks[2].attn.wq.weight, K_TYPES),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (hb.attn.wq.weight, (T.Q8_0,)),
+            (hb.ffn.up, (T.Q8_0,)),
+            (hb.ffn.latent_up.weight, (T.Q8_0,)),
+        ]
     if family == "bailingmoe3":  # KDA, gated MLA and experts in 4-6 bits, the head's MLA block at q8_0
         kda, mla = m.blocks[0].attn, m.blocks[1].attn
-        return [(kda.wq.weight, K_TYPES), (kda.w_decay.weight, K_TYPES), (kda.wo.weight, K_TYPES),
-                (mla.wq.weight, K_TYPES), (mla.k_b, None), (m.blocks[1].ffn.gate, K_TYPES),
-                (head.eh_proj.weight, (T.Q8_0,)), (head.block.attn.wq.weight, (T.Q8_0,)),
-                (head.block.ffn.gate, (T.Q8_0,))]
+        return [
+            (kda.wq.weight, K_TYPES),
+            (kda.w_decay.weight, K_TYPES),
+            (kda.wo.weight, K_TYPES),
+            (mla.wq.weight, K_TYPES),
+            (mla.k_b, None),
+            (m.blocks[1].ffn.gate, K_TYPES),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (head.block.attn.wq.weight, (T.Q8_0,)),
+            (head.block.ffn.gate, (T.Q8_0,)),
+        ]
     if family == "deepseek4":  # compressed attention and experts requantized, the head's block at q8_0
         a, ha = m.blocks[2].attn, head.block.attn
-        return [(a.wq_a.weight, K_TYPES), (a.wkv.weight, K_TYPES), (a.wo_a, None), (a.idx_q.weight, None),
-                (m.blocks[2].ffn.gate, None), (head.eh_proj.weight, (T.Q8_0,)), (ha.wq_b.weight, (T.Q8_0,)),
-                (head.block.ffn.down, (T.Q8_0,))]
+        return [
+            (a.wq_a.weight, K_TYPES),
+            (a.wkv.weight, K_TYPES),
+            (a.wo_a, None),
+            (a.idx_q.weight, None),
+            (m.blocks[2].ffn.gate, None),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (ha.wq_b.weight, (T.Q8_0,)),
+            (head.block.ffn.down, (T.Q8_0,)),
+        ]
     if family in ("step35", "mimo2"):  # windowed attention and experts in 4-6 bits, every head's block at q8_0
         attn = m.blocks[1].attn
         qkv = attn.qkv.weight if hasattr(attn.qkv, "weight") else attn.qkv.parts[0].weight
         later = m.later_heads[-1]
-        return [(qkv, K_TYPES), (attn.wo.weight, K_TYPES), (m.blocks[1].ffn.gate, K_TYPES),
-                (head.eh_proj.weight, (T.Q8_0,)), (later.eh_proj.weight, (T.Q8_0,)), (later.block.ffn.down, (T.Q8_0,))]
+        return [
+            (qkv, K_TYPES),
+            (attn.wo.weight, K_TYPES),
+            (m.blocks[1].ffn.gate, K_TYPES),
+            (head.eh_proj.weight, (T.Q8_0,)),
+            (later.eh_proj.weight, (T.Q8_0,)),
+            (later.block.ffn.down, (T.Q8_0,)),
+        ]
     dn = m.blocks[0].attn  # DeltaNet, attention and FFN in 4-6 bits, the head at q8_0
-    return [(dn.wqkv.weight, K_TYPES), (dn.wz.weight, K_TYPES), (dn.wo.weight, K_TYPES), (m.blocks[0].ffn.gate, K_TYPES),
-            (m.blocks[3].attn.wq.weight, K_TYPES), (head.eh_proj.weight, (T.Q8_0,)),
-            (head.block.attn.wq.weight, (T.Q8_0,)), (head.block.ffn.gate, (T.Q8_0,))]
+    return [
+        (dn.wqkv.weight, K_TYPES),
+        (dn.wz.weight, K_TYPES),
+        (dn.wo.weight, K_TYPES),
+        (m.blocks[0].ffn.gate, K_TYPES),
+        (m.blocks[3].attn.wq.weight, K_TYPES),
+        (head.eh_proj.weight, (T.Q8_0,)),
+        (head.block.attn.wq.weight, (T.Q8_0,)),
+        (head.block.ffn.gate, (T.Q8_0,)),
+    ]
 
 
 def quantized_gguf(family: str, recipe: str, rt, work):
@@ -339,16 +478,35 @@ def quantized_gguf(family: str, recipe: str, rt, work):
     if recipe == "q4_k":  # every matrix requantized
         return requantized(rt.gguf(family, DEFAULT[family]), out, T.Q4_K), T.Q4_K
     # (DeepSeek-V4's converted files keep its FP8 weights as Q8_0)
-    res = run_cli("quantize", rt.gguf(family, DEFAULT[family]), out, recipe, "-q",
-                  *(["--allow-requantize"] if family == "deepseek4" else []))
+    res = run_cli(
+        "quantize",
+        rt.gguf(family, DEFAULT[family]),
+        out,
+        recipe,
+        "-q",
+        *(["--allow-requantize"] if family == "deepseek4" else []),
+    )
     assert res.exit_code == 0, res.output
     return out, None
 
 
-QUANT_CASES = [("glm4moe", "q8_0"), ("glm4moe", "q4_k"), ("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-               ("deepseek2", "Q4_K_M"), ("glm-dsa", "Q4_K_M"), ("deepseek32", "Q4_K_M"), ("hy_v3", "Q4_K_M"),
-               ("cohere2moe", "Q4_K_M"), ("bailingmoe3", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M"),
-               ("step35", "Q4_K_M"), ("mimo2", "Q4_K_M"), ("deepseek4", "Q4_K_M")]
+QUANT_CASES = [
+    ("glm4moe", "q8_0"),
+    ("glm4moe", "q4_k"),
+    ("qwen35", "Q4_K_M"),
+    ("qwen35moe", "Q4_K_M"),
+    ("deepseek2", "Q4_K_M"),
+    ("glm-dsa", "Q4_K_M"),
+    ("deepseek32", "Q4_K_M"),
+    ("hy_v3", "Q4_K_M"),
+    ("cohere2moe", "Q4_K_M"),
+    ("bailingmoe3", "Q4_K_M"),
+    ("qwen3next", "Q4_K_M"),
+    ("nemotron_h_moe", "Q4_K_M"),
+    ("step35", "Q4_K_M"),
+    ("mimo2", "Q4_K_M"),
+    ("deepseek4", "Q4_K_M"),
+]
 
 
 @pytest.mark.parametrize("family, recipe", QUANT_CASES, ids=[f"{f}-{r.lower()}" for f, r in QUANT_CASES])
@@ -381,8 +539,10 @@ def test_quantized_gguf_equals_dequantized_weights(family, recipe, rt, tmp_path,
     assert run_speculative(quant, prompt, 12, k=2).tokens == run_plain(quant, prompt, 12).tokens
 
 
-@pytest.mark.parametrize("family, recipe", [("glm4moe", None), ("deepseek2", "Q4_K_M"), ("qwen35moe", "Q4_K_M"),
-                                            ("nemotron_h_moe", "Q4_K_M")])  # (non-gated experts on a latent)
+@pytest.mark.parametrize(
+    "family, recipe",
+    [("glm4moe", None), ("deepseek2", "Q4_K_M"), ("qwen35moe", "Q4_K_M"), ("nemotron_h_moe", "Q4_K_M")],
+)  # (non-gated experts on a latent)
 def test_gathered_experts_equal_the_sparse_path(family, recipe, rt, tmp_path):
     """The MoE path GPUs decode with (experts gathered by id on the device, no host sync) gives what the sparse
     path gives, on float and quantized expert stacks (forced here on the CPU, where it is not chosen)."""

@@ -74,16 +74,18 @@ def test_mla_layout(variant, rt):
     assert (not isinstance(blocks[0].ffn, MoE)) == low_rank_q  # v3 layouts: one dense lead layer
     assert model.family.rope.neox is False
     model.trunk(torch.arange(9)[None])
-    assert model.blocks[0].attn.wkv_a is not None and model.trunk_cache[0].buffers[0].shape[-1] == \
-        model.cfg.mla.kv_lora_rank  # the cache holds the latent, not per-head keys
+    assert (
+        model.blocks[0].attn.wkv_a is not None
+        and model.trunk_cache[0].buffers[0].shape[-1] == model.cfg.mla.kv_lora_rank
+    )  # the cache holds the latent, not per-head keys
 
 
 def test_yarn_and_pair_order_matter(v3_ckpt, v3_gguf):
     """The agreement above can fail: NeoX pair order, plain RoPE frequencies or no softmax mscale all miss."""
     from dataclasses import replace
 
-    from mtpq.runtime.layers import rope_inv_freq
     from mtpq.runtime.families import load
+    from mtpq.runtime.layers import rope_inv_freq
 
     hf = hf_model(FAMILY, v3_ckpt)
     ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(3))
@@ -200,11 +202,32 @@ def _llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list
     import urllib.request
 
     port = free_port()
-    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf_path), "--spec-type", "draft-mtp",
-                               "--spec-draft-n-max", "1", "-c", "512", "-t", "1", "-np", "1", "--no-repack",
-                               *F32_CACHES,
-                               "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            str(bin_dir / "llama-server"),
+            "-m",
+            str(gguf_path),
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            "1",
+            "-c",
+            "512",
+            "-t",
+            "1",
+            "-np",
+            "1",
+            "--no-repack",
+            *F32_CACHES,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -218,10 +241,17 @@ def _llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list
             time.sleep(0.1)
         out = []
         for ids in prompts:
-            body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "return_tokens": True,
-                    "cache_prompt": False}
-            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+            body = {
+                "prompt": ids,
+                "n_predict": n,
+                "temperature": 0,
+                "top_k": 1,
+                "return_tokens": True,
+                "cache_prompt": False,
+            }
+            req = urllib.request.Request(
+                url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             out.append(json.loads(urllib.request.urlopen(req, timeout=120).read()))
         return out
     finally:

@@ -26,8 +26,9 @@ def pair(rt, tmp_path_factory):
     out = []
     for what in ("no-mtp", "mtp-only"):
         f32 = convert(ckpt, work / f"{what}.gguf", "f32", f"--{what}")
-        out.append(sharpened(bigram_gguf(f32, work / f"{what}-bigram.gguf"), work / f"{what}-f32.gguf", factor=1.0,
-                             f32=True))
+        out.append(
+            sharpened(bigram_gguf(f32, work / f"{what}-bigram.gguf"), work / f"{what}-f32.gguf", factor=1.0, f32=True)
+        )
     return tuple(out)
 
 
@@ -60,9 +61,33 @@ def test_draft_counts_equal_llama_cpp(pair, k, llama_cpp_bin, tmp_path):
     for i, text in enumerate(LOOP_PROMPTS):
         prompt = tmp_path / f"p{i}.txt"
         prompt.write_text(text)
-        _, theirs = speculative_simple(llama_cpp_bin, "-m", trunk, "-md", head, "-f", prompt, "--no-escape", "-n", 32,
-                                       "--temp", "0", "--spec-type", "draft-mtp", "--spec-draft-n-max", k,
-                                       "--no-repack", "-t", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off")
+        _, theirs = speculative_simple(
+            llama_cpp_bin,
+            "-m",
+            trunk,
+            "-md",
+            head,
+            "-f",
+            prompt,
+            "--no-escape",
+            "-n",
+            32,
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            k,
+            "--no-repack",
+            "-t",
+            "1",
+            "-ctk",
+            "f32",
+            "-ctv",
+            "f32",
+            "-fa",
+            "off",
+        )
         ours = speculative_simple_counts(model, tok.encode(text), 32, k, {tok.eos_token_id})
         assert ours == {key: theirs[key] for key in ours}, (i, ours, theirs)
         accepted, drafted = accepted + ours["n_accept"], drafted + ours["n_drafted"]

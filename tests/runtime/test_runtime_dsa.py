@@ -82,7 +82,7 @@ def test_hadamard_is_ggmls_orthonormal_walsh_matrix(n):
     h = hadamard(n).double()
     assert torch.allclose(h @ h, torch.eye(n, dtype=torch.float64), atol=1e-6) and torch.equal(h, h.T)
     signs = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(n)] for i in range(n)], dtype=torch.float64)
-    assert torch.equal(h, signs * h[0, 0]) and h[0, 0].item() == pytest.approx(n ** -0.5)
+    assert torch.equal(h, signs * h[0, 0]) and h[0, 0].item() == pytest.approx(n**-0.5)
 
 
 def _with_metadata(src, out, **kv):
@@ -101,10 +101,14 @@ def _with_metadata(src, out, **kv):
     return out
 
 
-@pytest.mark.parametrize("types, needle", [([True, False, True, True], "has 4 entries for 3 trunk blocks"),
-                                           ([False, True, True], "block 0 is shared")])
+@pytest.mark.parametrize(
+    "types, needle",
+    [([True, False, True, True], "has 4 entries for 3 trunk blocks"), ([False, True, True], "block 0 is shared")],
+)
 def test_indexer_types_llama_cpp_refuses_are_refused(types, needle, rt, tmp_path):
-    bad = _with_metadata(rt.gguf("glm-dsa", "glm52"), tmp_path / "bad.gguf", **{"glm-dsa.attention.indexer.types": types})
+    bad = _with_metadata(
+        rt.gguf("glm-dsa", "glm52"), tmp_path / "bad.gguf", **{"glm-dsa.attention.indexer.types": types}
+    )
     res = run_cli("accept", bad, "-n", 2, "--max-prompts", 1)
     assert res.exit_code == 2 and needle in res.output and str(bad) in " ".join(res.output.split())
 
@@ -118,8 +122,9 @@ def test_without_indexer_types_every_block_of_glm5_is_full(rt, tmp_path):
 
     assert glm52_indexer_types(80)[:11] == (True, True, True, False, False, False, True, False, False, False, True)
     assert glm52_indexer_types(80)[74:] == (True, False, False, False, False, False)  # 78 entries, shared after
-    path = _with_metadata(rt.gguf("glm-dsa", "glm5"), tmp_path / "untyped.gguf",
-                          **{"glm-dsa.attention.indexer.types": None})
+    path = _with_metadata(
+        rt.gguf("glm-dsa", "glm5"), tmp_path / "untyped.gguf", **{"glm-dsa.attention.indexer.types": None}
+    )
     assert [m.indexer is not None for m in load(path).modules() if isinstance(m, SparseMLA)] == [True, True]
     typed = load(rt.gguf("glm-dsa", "glm52"))
     assert [m.indexer is not None for m in typed.modules() if isinstance(m, SparseMLA)] == [True, False, True]
@@ -166,7 +171,7 @@ def test_trunk_logits_match_transformers_where_no_keys_tie(family, tmp_path):
     assert diff <= REL_TOL * scale, (diff, scale)
     for m in model.modules():  # every key read: the indexer's choice showed
         if isinstance(m, SparseMLA):
-            m.top_k = 10 ** 6
+            m.top_k = 10**6
     assert close(model.trunk(ids, use_cache=False).logits, ref)[0] > 100 * REL_TOL * scale
 
 
@@ -183,8 +188,9 @@ def test_llama_server_drafts_and_accepts_what_we_do(family, rt, llama_cpp_bin):
     model, tok = rt.loop_model(family)
     prompts, eos = [tok.encode(s) for s in PROMPTS], {tok.eos_token_id}
     accepted = 0
-    for ids, ref in zip(prompts, _llama_server_completions(llama_cpp_bin, rt.loop_gguf(family), prompts, 32),
-                        strict=True):
+    for ids, ref in zip(
+        prompts, _llama_server_completions(llama_cpp_bin, rt.loop_gguf(family), prompts, 32), strict=True
+    ):
         assert ref["tokens"] == run_plain(model, ids, 32, stop_ids=eos).tokens, ids
         counts = run_like_llama_cpp(model, ids, 32, eos)
         assert (ref["timings"]["draft_n"], ref["timings"]["draft_n_accepted"]) == counts, ids

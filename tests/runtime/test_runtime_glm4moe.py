@@ -27,7 +27,6 @@ import torch
 from tests.helpers.hfmtp import accepted_like_transformers
 from tests.helpers.runtime import PROMPTS, REL_TOL, GlmMtpOracle, close, hf_model
 
-
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -190,21 +189,29 @@ def test_tokenizer_rebuilt_from_gguf_matches_original(glm_folder, f32_gguf):
 
     ours = tokenizer_from_gguf(GGUFFile(f32_gguf))
     ref = AutoTokenizer.from_pretrained(str(glm_folder))
-    texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox   jumps!! 12345 3.14 ünïcödé 🚀",
-             "[gMASK]<sop><|user|>\nhi there<|assistant|>", "  leading\t\ttabs\n\n\nx's it'll  ", "",
-             "for i in range(10):\n    print(i, i * i)  # comment"]
+    texts = [
+        "def add(a, b):\n    return a + b\n",
+        "The quick brown fox   jumps!! 12345 3.14 ünïcödé 🚀",
+        "[gMASK]<sop><|user|>\nhi there<|assistant|>",
+        "  leading\t\ttabs\n\n\nx's it'll  ",
+        "",
+        "for i in range(10):\n    print(i, i * i)  # comment",
+    ]
     for s in texts:
         a, b = ours.encode(s), ref.encode(s)
         assert a == b, s
         assert ours.decode(a) == ref.decode(b) == s
     assert ours.convert_tokens_to_ids("[gMASK]") == ref.convert_tokens_to_ids("[gMASK]")
     assert ours.eos_token == ref.eos_token
-    assert ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
-        ref.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == ref.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
 
 
-GLM_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # the split regex of GLM-4.5's tokenizer.json
+GLM_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # the split regex of GLM-4.5's tokenizer.json
 
 
 def test_tokenizer_glm4_pre_tokenizer(glm_folder, f32_gguf, tmp_path):
@@ -222,9 +229,12 @@ def test_tokenizer_glm4_pre_tokenizer(glm_folder, f32_gguf, tmp_path):
     write_plan(plan, path)
     ours = tokenizer_from_gguf(GGUFFile(path))
     raw = Tokenizer.from_file(str(glm_folder / "tokenizer.json"))
-    raw.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GLM_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GLM_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     ref = PreTrainedTokenizerFast(tokenizer_object=raw)
     for s in ["It's 12345 apples'LL do\r\n\n  x", "def f(x):\n\treturn x**2  # ünï 🚀", "  a  b   c"]:
         assert ours.encode(s) == ref.encode(s), s

@@ -24,8 +24,8 @@ N_CTX = 64
 
 @pytest.fixture(scope="module")
 def setup(glm_ckpt, tmp_path_factory):
-    from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.families import load
+    from mtpq.runtime.importance import chunk_tokens, collect
 
     work = tmp_path_factory.mktemp("imatrix")
     path = work / "glm-f32.gguf"
@@ -57,12 +57,14 @@ def hf_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndarray]:
                 c[e] = int(rows.sum())
             old = sums.get(name, (0, 0))
             sums[name] = (old[0] + s, old[1] + c)
+
         return pre
 
     def hook(name):
         def pre(_mod, args):
             x = args[0].reshape(-1, args[0].shape[-1]).double()
             sums[name] = sums.get(name, 0) + x.pow(2).sum(0).numpy()
+
         return pre
 
     for name, mod in hf.named_modules():
@@ -81,11 +83,13 @@ def test_trunk_statistics_equal_transformers_inputs(setup, glm_ckpt):
     ref = hf_inputs(glm_ckpt, chunks)
     n_tok = len(chunks) * N_CTX
     assert stats.chunks == 3 and stats.chunk_size == N_CTX
-    for ours, theirs in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
-                         ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj"),
-                         ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj"),
-                         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"),
-                         ("blk.1.ffn_up_shexp.weight", "model.layers.1.mlp.shared_experts.up_proj")]:
+    for ours, theirs in [
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+        ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj"),
+        ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj"),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"),
+        ("blk.1.ffn_up_shexp.weight", "model.layers.1.mlp.shared_experts.up_proj"),
+    ]:
         st = stats.tensors[ours]
         assert st.counts.tolist() == [n_tok], ours
         np.testing.assert_allclose(st.sums[0], ref[theirs], rtol=1e-4, err_msg=ours)
@@ -175,10 +179,34 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
 
     def llama_imatrix(*extra: str) -> dict[str, np.ndarray]:
         out = tmp_path / "theirs.gguf"
-        proc = subprocess.run([str(llama_cpp_bin / "llama-imatrix"), "-m", str(path), "-f", str(calib), "-o",
-                               str(out), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks), "--no-ppl",
-                               "-t", "1", "--no-repack", "--no-escape", *extra],
-                              capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [
+                str(llama_cpp_bin / "llama-imatrix"),
+                "-m",
+                str(path),
+                "-f",
+                str(calib),
+                "-o",
+                str(out),
+                "-c",
+                str(n_ctx),
+                "-b",
+                str(n_ctx),
+                "--chunks",
+                str(n_chunks),
+                "--no-ppl",
+                "-t",
+                "1",
+                "--no-repack",
+                "--no-escape",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
 
@@ -197,8 +225,10 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
             np.testing.assert_array_equal(theirs[name + ".counts"].reshape(-1), st.counts, err_msg=name)
             rel.append(np.max(np.abs(theirs[name + ".in_sum2"].reshape(st.sums.shape) - st.sums) / st.sums))
         worst[label] = max(rel)
-    print(f"largest relative in_sum2 difference: {worst['f32']:.2e} (llama-imatrix in f32), "
-          f"{worst['default']:.2e} (its defaults)")
+    print(
+        f"largest relative in_sum2 difference: {worst['f32']:.2e} (llama-imatrix in f32), "
+        f"{worst['default']:.2e} (its defaults)"
+    )
     assert worst["f32"] < BOUND_F32 < worst["default"] < BOUND_DEFAULT
 
 
@@ -212,8 +242,11 @@ def hf_head_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndar
 
     hf = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32).eval()
     n = hf.config.num_hidden_layers
-    layer = Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32,
-                                               num_hidden_layers=n + 1).eval().model.layers[n]
+    layer = (
+        Glm4MoeForCausalLM.from_pretrained(str(glm_ckpt), dtype=torch.float32, num_hidden_layers=n + 1)
+        .eval()
+        .model.layers[n]
+    )
     t = {}
     for shard in sorted(glm_ckpt.glob("*.safetensors")):
         t.update({k: v.float() for k, v in load_file(shard).items() if k.startswith(f"model.layers.{n}.")})
@@ -241,9 +274,15 @@ def hf_head_inputs(glm_ckpt: Path, chunks: list[list[int]]) -> dict[str, np.ndar
                 s[0][e] += v.double().pow(2).sum(0).numpy()
                 s[1][e] += rows.shape[0]
 
-    gguf = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj":
-            "ffn_gate_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+    gguf = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    }
     for name, mod in layer.named_modules():
         if name in gguf:
             mod.register_forward_pre_hook(hook(gguf[name]))
@@ -289,5 +328,6 @@ def test_head_statistics_equal_an_independent_forward(setup, glm_ckpt):
             assert st.counts.tolist() == [pairs], name
     # the other projections read the same inputs as the ones compared above
     for same, as_ in (("attn_k", "attn_q"), ("ffn_up_shexp", "ffn_gate_shexp"), ("ffn_up_exps", "ffn_gate_exps")):
-        np.testing.assert_array_equal(stats.tensors[f"blk.{n}.{same}.weight"].sums,
-                                      stats.tensors[f"blk.{n}.{as_}.weight"].sums)
+        np.testing.assert_array_equal(
+            stats.tensors[f"blk.{n}.{same}.weight"].sums, stats.tensors[f"blk.{n}.{as_}.weight"].sums
+        )

@@ -14,7 +14,7 @@ from tests.helpers.runtime import close
 
 def kda_inputs(B: int, H: int, T: int, d: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(B, H, T, d, generator=gen), dim=-1) * d ** -0.5
+    q = F.normalize(torch.randn(B, H, T, d, generator=gen), dim=-1) * d**-0.5
     k = F.normalize(torch.randn(B, H, T, d, generator=gen), dim=-1)
     v = torch.randn(B, H, T, d, generator=gen)
     g = -5.0 * torch.sigmoid(torch.randn(B, H, T, d, generator=gen))  # per channel, in (-5, 0) as Ling's
@@ -71,7 +71,7 @@ def test_kda_rolls_back_to_any_kept_prefix(rt):
         layer(x[:, 4:9], 4, cache)  # five tokens, of which `kept` survive
         cache.rollback(ck, kept)
         straight = layer.new_cache()
-        layer(x[:, :4 + kept], 0, straight)
+        layer(x[:, : 4 + kept], 0, straight)
         assert cache.length == straight.length == 4 + kept
         for key in ("conv", "ssm"):  # (to rounding: projections of 9 rows and of 4 + 5 differ in the last bits)
             diff, scale = close(cache.state[key], straight.state[key])
@@ -97,14 +97,18 @@ def masked_reference(q, k, v, positions, scale, window):
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.parametrize("start, T, S, window", [(0, 20, 20, 6), (14, 1, 15, 6), (9, 4, 13, 5), (0, 10, 10, 16),
-                                                 (30, 3, 33, 1)])
+@pytest.mark.parametrize(
+    "start, T, S, window", [(0, 20, 20, 6), (14, 1, 15, 6), (9, 4, 13, 5), (0, 10, 10, 16), (30, 3, 33, 1)]
+)
 def test_windowed_attention_masks_what_llama_cpp_masks(start, T, S, window):
     from mtpq.runtime.swa import windowed_attention
 
     gen = torch.Generator().manual_seed(start + T)
-    q, k, v = torch.randn(2, 4, T, 8, generator=gen), torch.randn(2, 2, S, 8, generator=gen), \
-        torch.randn(2, 2, S, 8, generator=gen)
+    q, k, v = (
+        torch.randn(2, 4, T, 8, generator=gen),
+        torch.randn(2, 2, S, 8, generator=gen),
+        torch.randn(2, 2, S, 8, generator=gen),
+    )
     want = masked_reference(q, k, v, torch.arange(start, start + T), 0.3, window)
     assert close(windowed_attention(q, k, v, start, 0.3, window), want)[0] <= 1e-5
     # positions per row (a packing's), the same answer

@@ -52,7 +52,7 @@ def random_rule_inputs(B, H, T, dk, dv, seed, decay_scale: float = 1.0):
     from mtpq.runtime.deltanet import l2norm
 
     gen = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(B, H, T, dk, generator=gen)) * dk ** -0.5
+    q = l2norm(torch.randn(B, H, T, dk, generator=gen)) * dk**-0.5
     k = l2norm(torch.randn(B, H, T, dk, generator=gen))
     v = torch.randn(B, H, T, dv, generator=gen)
     g = -F.softplus(torch.randn(B, H, T, generator=gen)) * decay_scale  # log decay <= 0
@@ -89,11 +89,11 @@ def test_recurrent_rollback_is_decoding_the_kept_tokens_one_by_one(ggufs):
     for a in range(k + 1):
         one_by_one = layer.new_cache()
         layer(x[:, :20], 0, one_by_one)  # prefill (chunked form)
-        outs = [layer(x[:, 20 + i: 21 + i], 20 + i, one_by_one) for i in range(a)]
+        outs = [layer(x[:, 20 + i : 21 + i], 20 + i, one_by_one) for i in range(a)]
         verified = layer.new_cache()
         layer(x[:, :20], 0, verified)
         ck = verified.checkpoint()
-        batch_out = layer(x[:, 20: 21 + k], 20, verified)  # k + 1 tokens at once, recorded
+        batch_out = layer(x[:, 20 : 21 + k], 20, verified)  # k + 1 tokens at once, recorded
         verified.rollback(ck, a)
         assert verified.length == one_by_one.length == 20 + a
         for name in ("conv", "ssm"):

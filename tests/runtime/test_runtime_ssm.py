@@ -64,11 +64,11 @@ def test_mamba2_rollback_is_decoding_the_kept_tokens_one_by_one(rt):
     for a in range(k + 1):
         one_by_one = layer.new_cache()
         layer(x[:, :n], 0, one_by_one)
-        outs = [layer(x[:, n + i: n + i + 1], n + i, one_by_one) for i in range(a)]
+        outs = [layer(x[:, n + i : n + i + 1], n + i, one_by_one) for i in range(a)]
         verified = layer.new_cache()
         layer(x[:, :n], 0, verified)
         ck = verified.checkpoint()
-        batch_out = layer(x[:, n: n + k + 1], n, verified)  # k + 1 tokens at once, recorded
+        batch_out = layer(x[:, n : n + k + 1], n, verified)  # k + 1 tokens at once, recorded
         verified.rollback(ck, a)
         assert verified.length == one_by_one.length == n + a
         for name in ("conv", "ssm"):
@@ -76,7 +76,7 @@ def test_mamba2_rollback_is_decoding_the_kept_tokens_one_by_one(rt):
             assert diff <= 1e-6 * one_by_one.state[name].abs().max(), (a, name, diff)
         if a:
             assert close(batch_out[:, :a], torch.cat(outs, dim=1))[0] <= 1e-5
-        nxt = x[:, n + 6: n + 7]  # and decoding goes on from there as if nothing else had been seen
+        nxt = x[:, n + 6 : n + 7]  # and decoding goes on from there as if nothing else had been seen
         assert close(layer(nxt, n + a, verified), layer(nxt, n + a, one_by_one))[0] <= 1e-5
 
 
@@ -104,9 +104,14 @@ def test_nemotron_layer_pattern_and_head(rt):
 
 # ----------------------------------------------------------------------------- load-bearing details
 
-TRUNK_BREAKS = [("qwen3next", "deltanet_heads_tiled"), ("qwen3next", "fused_ba_halved"),
-                ("nemotron_h_moe", "mamba_groups_tiled"), ("nemotron_h_moe", "mamba_norm_ungrouped"),
-                ("nemotron_h_moe", "mamba_d_skip_dropped"), ("nemotron_h_moe", "attention_roped")]
+TRUNK_BREAKS = [
+    ("qwen3next", "deltanet_heads_tiled"),
+    ("qwen3next", "fused_ba_halved"),
+    ("nemotron_h_moe", "mamba_groups_tiled"),
+    ("nemotron_h_moe", "mamba_norm_ungrouped"),
+    ("nemotron_h_moe", "mamba_d_skip_dropped"),
+    ("nemotron_h_moe", "attention_roped"),
+]
 
 
 @pytest.mark.parametrize("family, brk", TRUNK_BREAKS, ids=[b for _, b in TRUNK_BREAKS])

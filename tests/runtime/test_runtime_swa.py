@@ -107,24 +107,44 @@ def test_k3_draft_counts_equal_llama_cpp(family, rt, llama_cpp_bin, monkeypatch)
     on its schedule (speculative_simple_counts) draft and accept the same number of tokens on every prompt, past the
     sliding window; a loop whose later heads never see the real pairs does not. (``run_speculative``, what ``mtpq
     accept`` runs, starts its rounds one token later: its counts are printed beside.)"""
-    from tests.helpers.llamacpp_ref import speculative_simple, speculative_simple_counts
-
     from mtpq.runtime.speculative import SpeculativeDecoder, load_model, run_speculative
+    from tests.helpers.llamacpp_ref import speculative_simple, speculative_simple_counts
 
     path, n_new = rt.loop_gguf(family), 32
     model, tok = load_model(path, device="cpu")
     runs = []
     for text in PROMPTS:
-        res, stats = speculative_simple(llama_cpp_bin, "-m", path, "-p", text, "-n", n_new, "--temp", "0",
-                                        "--spec-type", "draft-mtp", "--spec-draft-n-max", 3, "--no-repack", "-t", 1,
-                                        "-c", 512, *F32_ATTENTION, "-v")
+        res, stats = speculative_simple(
+            llama_cpp_bin,
+            "-m",
+            path,
+            "-p",
+            text,
+            "-n",
+            n_new,
+            "--temp",
+            "0",
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            3,
+            "--no-repack",
+            "-t",
+            1,
+            "-c",
+            512,
+            *F32_ATTENTION,
+            "-v",
+        )
         ids = tok.encode(text)
         assert int(re.search(r"encoded\s+(\d+) tokens", res.stderr).group(1)) == len(ids)
         eog = {int(i) for i in re.findall(r"EOG token\s+=\s+(\d+)", res.stderr)}
         ours = speculative_simple_counts(model, ids, n_new, 3, eog)
         spec = run_speculative(model, ids, n_new + 1, k=3, stop_ids=eog)
-        print(f"\n{family} {text!r}: llama.cpp {stats}, ours {ours}; run_speculative drafted {sum(spec.drafted)} "
-              f"accepted {spec.n_accepted}")
+        print(
+            f"\n{family} {text!r}: llama.cpp {stats}, ours {ours}; run_speculative drafted {sum(spec.drafted)} "
+            f"accepted {spec.n_accepted}"
+        )
         assert ours == {key: stats[key] for key in ours}, (text, ours, stats)
         runs.append((ids, eog, ours))
     assert sum(c["n_accept"] for *_, c in runs) > 0
@@ -146,8 +166,11 @@ def test_clamped_swiglu_on_every_expert_path(rt):
     moe = next(m for m in load(rt.gguf("step35", "tiny")).modules() if isinstance(m, MoE) and m.cfg.swiglu_limit)
     x = 20 * torch.randn(4, moe.router.shape[1], generator=torch.Generator().manual_seed(3))  # past the clamp
     weights, ids = moe.route(x)
-    paths = [moe._all_experts(x, weights, ids), moe._used_experts(x, weights, ids, None),
-             moe._gathered_experts(x, weights, ids)]
+    paths = [
+        moe._all_experts(x, weights, ids),
+        moe._used_experts(x, weights, ids, None),
+        moe._gathered_experts(x, weights, ids),
+    ]
     for other in paths[1:]:
         assert torch.allclose(other, paths[0], rtol=1e-5, atol=1e-5 * paths[0].abs().max())
     moe.cfg = replace(moe.cfg, swiglu_limit=0.0)

@@ -39,8 +39,19 @@ def swept(demo_f16, tmp_path_factory):
     gguf_io.write_plan = counting
     try:
         path = tmp_path_factory.mktemp("sweep-out") / "grid.json"
-        res = run_cli("sweep", demo_f16, "--mtp", ",".join(HEADS), "--trunk", ",".join(TRUNKS), *PROMPTS,
-                      "--json", path, "--threads", 1)
+        res = run_cli(
+            "sweep",
+            demo_f16,
+            "--mtp",
+            ",".join(HEADS),
+            "--trunk",
+            ",".join(TRUNKS),
+            *PROMPTS,
+            "--json",
+            path,
+            "--threads",
+            1,
+        )
         assert res.exit_code == 0, res.output
     finally:
         gguf_io.write_plan = real
@@ -64,7 +75,10 @@ def test_the_grid_equals_accept_draft_1_on_each_full_file(swept, demo_f16, tmp_p
             assert run_cli("quantize", demo_f16, q, t, "--mtp-type", m, "--quiet").exit_code == 0
             res = run_cli("accept", q, "--draft", 1, *PROMPTS, "--json", "-", "--threads", 1)
             assert res.exit_code == 0, res.output
-            assert doc["acceptance"][i][j] == pytest.approx(json.loads(res.stdout)["acceptance_rate"], abs=1e-6), (m, t)  # (accept rounds to 6 places)
+            assert doc["acceptance"][i][j] == pytest.approx(json.loads(res.stdout)["acceptance_rate"], abs=1e-6), (
+                m,
+                t,
+            )  # (accept rounds to 6 places)
             q.unlink()
 
 

@@ -33,13 +33,22 @@ def test_default_pre_tokenizer_equals_llama_tokenize(llama_cpp_bin, tmp_path):
     assert run_cli("convert", src, path, "-q").exit_code == 0
     assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "default"
     _, tok = load_model(path, device="cpu")
-    texts = [inspect.getsource(json.decoder), inspect.getsource(inspect.getmodule(subprocess)).split("\n\n\n")[3],
-             "x  =  [1,2,3]  # 12345678 3.14159 !!?? <<>> a|b ^~ $$\n\n\n\tend   \n", "ünïcödé 🚀 ok"]
+    texts = [
+        inspect.getsource(json.decoder),
+        inspect.getsource(inspect.getmodule(subprocess)).split("\n\n\n")[3],
+        "x  =  [1,2,3]  # 12345678 3.14159 !!?? <<>> a|b ^~ $$\n\n\n\tend   \n",
+        "ünïcödé 🚀 ok",
+    ]
     for i, text in enumerate(texts):
         f = tmp_path / f"t{i}.txt"
         f.write_text(text)
-        proc = subprocess.run([str(tool), "-m", str(path), "-f", str(f), "--ids", "--log-disable", "--no-escape"],
-                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [str(tool), "-m", str(path), "-f", str(f), "--ids", "--log-disable", "--no-escape"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         theirs = json.loads(proc.stdout.strip().splitlines()[-1])
         assert tok.encode(text) == theirs, text[:80]

@@ -34,52 +34,79 @@ import re
 from typing import Iterator
 
 import torch
-from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
+from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import Emit, ConvertFamily, BlockSelection, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables
+from ..base import BlockSelection, ConvertFamily, Emit, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
 
 # name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); KDA/MLA-specific names are resolved in _name()
 _COMMON: dict[str, tuple[K, str]] = {
-    "input_layernorm.weight": (K.ATTN_NORM, ".weight"), "post_attention_layernorm.weight": (K.FFN_NORM, ".weight"),
-    "mlp.gate_proj.weight": (K.FFN_GATE, ".weight"), "mlp.up_proj.weight": (K.FFN_UP, ".weight"),
-    "mlp.down_proj.weight": (K.FFN_DOWN, ".weight"), "mlp.gate.weight": (K.FFN_GATE_INP, ".weight"),
+    "input_layernorm.weight": (K.ATTN_NORM, ".weight"),
+    "post_attention_layernorm.weight": (K.FFN_NORM, ".weight"),
+    "mlp.gate_proj.weight": (K.FFN_GATE, ".weight"),
+    "mlp.up_proj.weight": (K.FFN_UP, ".weight"),
+    "mlp.down_proj.weight": (K.FFN_DOWN, ".weight"),
+    "mlp.gate.weight": (K.FFN_GATE_INP, ".weight"),
     "mlp.gate.expert_bias": (K.FFN_EXP_PROBS_B, ".bias"),
     "mlp.shared_experts.gate_proj.weight": (K.FFN_GATE_SHEXP, ".weight"),
     "mlp.shared_experts.up_proj.weight": (K.FFN_UP_SHEXP, ".weight"),
     "mlp.shared_experts.down_proj.weight": (K.FFN_DOWN_SHEXP, ".weight"),
-    "mlp.experts.gate_proj.weight": (K.FFN_GATE_EXP, ".weight"), "mlp.experts.up_proj.weight": (K.FFN_UP_EXP, ".weight"),
+    "mlp.experts.gate_proj.weight": (K.FFN_GATE_EXP, ".weight"),
+    "mlp.experts.up_proj.weight": (K.FFN_UP_EXP, ".weight"),
     "mlp.experts.down_proj.weight": (K.FFN_DOWN_EXP, ".weight"),
     "attention.q_proj.weight": (K.ATTN_Q, ".weight"),
 }
 _KDA: dict[str, tuple[K, str]] = {
-    "attention.k_proj.weight": (K.ATTN_K, ".weight"), "attention.v_proj.weight": (K.ATTN_V, ".weight"),
-    "attention.q_conv1d.weight": (K.SSM_CONV1D_Q, ".weight"), "attention.k_conv1d.weight": (K.SSM_CONV1D_K, ".weight"),
-    "attention.v_conv1d.weight": (K.SSM_CONV1D_V, ".weight"), "attention.f_proj.weight": (K.SSM_F_A, ".weight"),
-    "attention.b_proj.weight": (K.SSM_BETA, ".weight"), "attention.A_log": (K.SSM_A, ""),
-    "attention.dt_bias": (K.SSM_DT, ".bias"), "attention.g_proj.weight": (K.SSM_G_A, ".weight"),
-    "attention.o_norm.weight": (K.SSM_NORM, ".weight"), "attention.o_proj.weight": (K.ATTN_OUT, ".weight"),
+    "attention.k_proj.weight": (K.ATTN_K, ".weight"),
+    "attention.v_proj.weight": (K.ATTN_V, ".weight"),
+    "attention.q_conv1d.weight": (K.SSM_CONV1D_Q, ".weight"),
+    "attention.k_conv1d.weight": (K.SSM_CONV1D_K, ".weight"),
+    "attention.v_conv1d.weight": (K.SSM_CONV1D_V, ".weight"),
+    "attention.f_proj.weight": (K.SSM_F_A, ".weight"),
+    "attention.b_proj.weight": (K.SSM_BETA, ".weight"),
+    "attention.A_log": (K.SSM_A, ""),
+    "attention.dt_bias": (K.SSM_DT, ".bias"),
+    "attention.g_proj.weight": (K.SSM_G_A, ".weight"),
+    "attention.o_norm.weight": (K.SSM_NORM, ".weight"),
+    "attention.o_proj.weight": (K.ATTN_OUT, ".weight"),
 }
 _MLA: dict[str, tuple[K, str]] = {
-    "attention.q_a_proj.weight": (K.ATTN_Q_A, ".weight"), "attention.q_a_layernorm.weight": (K.ATTN_Q_A_NORM, ".weight"),
+    "attention.q_a_proj.weight": (K.ATTN_Q_A, ".weight"),
+    "attention.q_a_layernorm.weight": (K.ATTN_Q_A_NORM, ".weight"),
     "attention.q_b_proj.weight": (K.ATTN_Q_B, ".weight"),
     "attention.kv_a_proj_with_mqa.weight": (K.ATTN_KV_A_MQA, ".weight"),
-    "attention.kv_a_layernorm.weight": (K.ATTN_KV_A_NORM, ".weight"), "attention.g_proj.weight": (K.ATTN_GATE, ".weight"),
+    "attention.kv_a_layernorm.weight": (K.ATTN_KV_A_NORM, ".weight"),
+    "attention.g_proj.weight": (K.ATTN_GATE, ".weight"),
     "attention.dense.weight": (K.ATTN_OUT, ".weight"),
 }
 _NEXTN: dict[str, tuple[K, str]] = {
-    "eh_proj.weight": (K.NEXTN_EH_PROJ, ".weight"), "enorm.weight": (K.NEXTN_ENORM, ".weight"),
-    "hnorm.weight": (K.NEXTN_HNORM, ".weight"), "final_layernorm.weight": (K.LAYER_OUT_NORM, ".weight"),
+    "eh_proj.weight": (K.NEXTN_EH_PROJ, ".weight"),
+    "enorm.weight": (K.NEXTN_ENORM, ".weight"),
+    "hnorm.weight": (K.NEXTN_HNORM, ".weight"),
+    "final_layernorm.weight": (K.LAYER_OUT_NORM, ".weight"),
 }
 _TOP = {"model.word_embeddings.weight": K.TOKEN_EMBD, "model.norm.weight": K.OUTPUT_NORM, "lm_head.weight": K.OUTPUT}
-_REQUIRED = ("layer_group_size", "short_conv_kernel_size", "head_dim", "kda_lower_bound", "kv_lora_rank",
-             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "moe_intermediate_size",
-             "moe_shared_expert_intermediate_size", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob")
+_REQUIRED = (
+    "layer_group_size",
+    "short_conv_kernel_size",
+    "head_dim",
+    "kda_lower_bound",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_experts",
+    "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+)
 
 
 class BailingMoe3(Mxfp4Experts, ConvertFamily):
@@ -105,10 +132,14 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
         qc = hp.get("quantization_config")
         if isinstance(qc, dict) and (method := qc.get("routed_experts_quant_method")) is not None:
             if method != "mxfp4":  # vLLM's Ling loader knows no other either
-                raise InputError(cfg, f"quantization_config.routed_experts_quant_method {method!r} is not "
-                                      "supported (mxfp4 only)")
-            self.find_mxfp4_experts("_scale_inv", qc.get("routed_experts_group_size", MXFP4_GROUP),
-                                    "quantization_config.routed_experts_group_size")
+                raise InputError(
+                    cfg, f"quantization_config.routed_experts_quant_method {method!r} is not supported (mxfp4 only)"
+                )
+            self.find_mxfp4_experts(
+                "_scale_inv",
+                qc.get("routed_experts_group_size", MXFP4_GROUP),
+                "quantization_config.routed_experts_group_size",
+            )
 
     def is_full_attention(self, bid: int) -> bool:
         n, g = self.n_trunk, int(self.hparams["layer_group_size"])
@@ -145,8 +176,10 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
         w.add_expert_weights_scale(hp["routed_scaling_factor"])
         w.add_expert_weights_norm(hp["norm_topk_prob"])
         n = self._n_blocks
-        for key, add in (("expert_swiglu_limit_list", w.add_swiglu_clamp_exp),
-                         ("share_expert_swiglu_limit_list", w.add_swiglu_clamp_shexp)):
+        for key, add in (
+            ("expert_swiglu_limit_list", w.add_swiglu_clamp_exp),
+            ("share_expert_swiglu_limit_list", w.add_swiglu_clamp_shexp),
+        ):
             if (values := hp.get(key)) is not None:  # MTP and missing entries: 0.0 (no clamp)
                 values = [0.0 if v is None else float(v) for v in values[:n]]
                 add(values + [0.0] * (n - len(values)))
@@ -154,8 +187,15 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
     # -- tensors -----------------------------------------------------------------------
 
     def map_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        return name_from_tables(hf_name, _TOP, lambda bid: {
-            **_COMMON, **(_MLA if self.is_full_attention(bid) else _KDA), **(_NEXTN if bid >= self.n_trunk else {})})
+        return name_from_tables(
+            hf_name,
+            _TOP,
+            lambda bid: {
+                **_COMMON,
+                **(_MLA if self.is_full_attention(bid) else _KDA),
+                **(_NEXTN if bid >= self.n_trunk else {}),
+            },
+        )
 
     def tensors(self) -> Iterator[Emit]:
         """The base's loop, but with ``model.word_embeddings`` and MLA's kv_b split."""
@@ -168,8 +208,9 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
             transform, shape = self._transform(name, tuple(self.ckpt.shape(hf)))
             return self.emit(name, hf, transform, shape)
 
-        self.expect_shape(self.require("model.word_embeddings.weight"),
-                          (self.hparams["vocab_size"], self.hparams["hidden_size"]))
+        self.expect_shape(
+            self.require("model.word_embeddings.weight"), (self.hparams["vocab_size"], self.hparams["hidden_size"])
+        )
         yield one("model.word_embeddings.weight")
         names = self.ckpt.names()
         for bid in range(n_blocks):
@@ -179,10 +220,12 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
                 if bid >= self.n_trunk and self.block_selection is BlockSelection.DROP:
                     continue
                 hint = " (convert the trunk alone with --no-mtp)" if bid >= self.n_trunk else ""
-                raise InputError(self.ckpt.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} "
-                                                   f"layers + {self.n_mtp} MTP){hint}")
+                raise InputError(
+                    self.ckpt.folder,
+                    f"no tensors for layer {bid} (config.json has {self.n_trunk} layers + {self.n_mtp} MTP){hint}",
+                )
             for hf in mine:
-                rest = hf[len(p):]
+                rest = hf[len(p) :]
                 if rest.startswith("mlp.experts."):
                     continue
                 if rest == "attention.kv_b_proj.weight":
@@ -211,15 +254,25 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
     def _split_kv_b(self, bid: int, hf: str) -> Iterator[Emit]:
         """kv_b_proj -> attn_k_b (k part, transposed) and attn_v_b, per head, as llama.cpp's MLA wants them."""
         hp = self.hparams
-        n_head, nope, v, kv_lora = (hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"],
-                                    hp["kv_lora_rank"])
+        n_head, nope, v, kv_lora = (
+            hp["num_attention_heads"],
+            hp["qk_nope_head_dim"],
+            hp["v_head_dim"],
+            hp["kv_lora_rank"],
+        )
         self.expect_shape(hf, (n_head * (nope + v), kv_lora))
-        yield self.emit(gguf_name(K.ATTN_K_B, bid), hf,
-                        lambda w: w.reshape(n_head, nope + v, kv_lora)[:, :nope, :].transpose(1, 2).contiguous(),
-                        shape=(n_head, kv_lora, nope))
-        yield self.emit(gguf_name(K.ATTN_V_B, bid), hf,
-                        lambda w: w.reshape(n_head, nope + v, kv_lora)[:, nope:, :].contiguous(),
-                        shape=(n_head, v, kv_lora))
+        yield self.emit(
+            gguf_name(K.ATTN_K_B, bid),
+            hf,
+            lambda w: w.reshape(n_head, nope + v, kv_lora)[:, :nope, :].transpose(1, 2).contiguous(),
+            shape=(n_head, kv_lora, nope),
+        )
+        yield self.emit(
+            gguf_name(K.ATTN_V_B, bid),
+            hf,
+            lambda w: w.reshape(n_head, nope + v, kv_lora)[:, nope:, :].contiguous(),
+            shape=(n_head, v, kv_lora),
+        )
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         hp = self.hparams
@@ -238,19 +291,28 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
                 if (q_lora := hp.get("q_lora_rank")) is None:
                     yield Expected(a + "q_proj.weight", (nh * (nope + rope), h))
                 else:
-                    yield from (Expected(a + "q_a_proj.weight", (q_lora, h)),
-                                Expected(a + "q_a_layernorm.weight", (q_lora,)),
-                                Expected(a + "q_b_proj.weight", (nh * (nope + rope), q_lora)))
-                yield from (Expected(a + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h)),
-                            Expected(a + "kv_a_layernorm.weight", (kv_lora,)),
-                            Expected(a + "kv_b_proj.weight", (nh * (nope + v), kv_lora)),
-                            Expected(a + "g_proj.weight", (nh, h)), Expected(a + "dense.weight", (h, nh * v)))
+                    yield from (
+                        Expected(a + "q_a_proj.weight", (q_lora, h)),
+                        Expected(a + "q_a_layernorm.weight", (q_lora,)),
+                        Expected(a + "q_b_proj.weight", (nh * (nope + rope), q_lora)),
+                    )
+                yield from (
+                    Expected(a + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h)),
+                    Expected(a + "kv_a_layernorm.weight", (kv_lora,)),
+                    Expected(a + "kv_b_proj.weight", (nh * (nope + v), kv_lora)),
+                    Expected(a + "g_proj.weight", (nh, h)),
+                    Expected(a + "dense.weight", (h, nh * v)),
+                )
             else:
                 d = nh * hd
                 yield from (Expected(a + f"{x}_proj.weight", (d, h)) for x in ("q", "k", "v", "f", "g"))
                 yield from (Expected(a + f"{x}_conv1d.weight", (d, 1, k)) for x in ("q", "k", "v"))
-                yield from (Expected(a + "b_proj.weight", (nh, h)), Expected(a + "dt_bias", (d,)),
-                            Expected(a + "o_norm.weight", (hd,)), Expected(a + "o_proj.weight", (h, d)))
+                yield from (
+                    Expected(a + "b_proj.weight", (nh, h)),
+                    Expected(a + "dt_bias", (d,)),
+                    Expected(a + "o_norm.weight", (hd,)),
+                    Expected(a + "o_proj.weight", (h, d)),
+                )
                 if self.resolve(a + "A_log") is not None:
                     yield Expected(a + "A_log", tuple(self.ckpt.shape(a + "A_log")))  # [n_head] or [1, 1, n_head, 1]
                 else:
@@ -261,8 +323,11 @@ class BailingMoe3(Mxfp4Experts, ConvertFamily):
                 yield Expected(p + "mlp.gate.weight", (n_exp, h))
                 yield Expected(p + "mlp.gate.expert_bias", (n_exp,))
                 yield from V.routed_experts(p + "mlp.experts.", h, n_exp, ff)
-                yield from V.dense_ffn(p + "mlp.shared_experts.", h,
-                                       hp["moe_shared_expert_intermediate_size"] * hp.get("num_shared_experts", 1))
+                yield from V.dense_ffn(
+                    p + "mlp.shared_experts.",
+                    h,
+                    hp["moe_shared_expert_intermediate_size"] * hp.get("num_shared_experts", 1),
+                )
             if bid >= self.n_trunk:
                 yield Expected(p + "eh_proj.weight", (h, 2 * h))
                 yield from V.norms(p, h, "enorm", "hnorm", "final_layernorm")

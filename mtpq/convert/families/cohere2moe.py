@@ -26,18 +26,19 @@ from __future__ import annotations
 from typing import Iterator
 
 import gguf
-from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
+from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, Emit, ConvertFamily, name_from_tables, weight_table
+from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, ConvertFamily, Emit, name_from_tables, weight_table
 from ..validate import Expected
 
 _BLOCK_NAMES: dict[str, K] = {  # name inside ``model.layers.{N}.`` (".weight" dropped) -> GGUF kind
     **LLAMA_BLOCK_NAMES,
     "mlp.gate": K.FFN_GATE_INP,
-    "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
+    "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP,
+    "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_experts.down_proj": K.FFN_DOWN_SHEXP,
 }
 _WEIGHTS = weight_table(_BLOCK_NAMES)
@@ -48,8 +49,17 @@ class Cohere2Moe(ConvertFamily):
     arch = "cohere2moe"
     # layer_types is not required as stored: transformers derives it (from sliding_window_pattern and the dense
     # prefix), and llama.cpp's converter reads that derived view
-    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                        "intermediate_size", "num_experts", "logit_scale", "sliding_window")
+    required_hparams = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_experts",
+        "logit_scale",
+        "sliding_window",
+    )
     expert_count_keys = ("num_experts",)
 
     def __init__(self, ckpt):
@@ -86,8 +96,9 @@ class Cohere2Moe(ConvertFamily):
         for bid in range(self.n_trunk + (self.n_mtp if keep_mtp else 0)):
             p = f"model.layers.{bid}."
             yield from V.norms(p, h, "input_layernorm")
-            yield from V.attention(p + "self_attn.", h, nh, hp.get("num_key_value_heads") or nh, hd,
-                                   bias=bool(hp.get("attention_bias")))
+            yield from V.attention(
+                p + "self_attn.", h, nh, hp.get("num_key_value_heads") or nh, hd, bias=bool(hp.get("attention_bias"))
+            )
             if hp.get("attention_bias"):  # o_proj has one too (Cohere2MoeAttention)
                 yield Expected(p + "self_attn.o_proj.bias", (h,))
             if bid < self._n_dense():

@@ -25,15 +25,22 @@ from typing import Iterator
 
 import gguf
 import torch
-from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as MT
+from gguf import GGUFWriter
 
 from .. import validate as V
-from ..base import Emit, ConvertFamily, gguf_name
+from ..base import ConvertFamily, Emit, gguf_name
 from ..validate import Expected
 
-_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "kv_lora_rank",
-             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
 
 
 class DeepseekV3(ConvertFamily):
@@ -48,8 +55,14 @@ class DeepseekV3(ConvertFamily):
             return (Expected(p + rest, shape) for rest, shape in self.mla_shapes().items())
 
         moe_ff = self.hp("moe_intermediate_size", "intermediate_size")
-        return V.deepseek_layout(self.hparams, self.n_trunk, self.blocks_checked(keep_mtp), attention, moe_ff=moe_ff,
-                                 router_bias=self.router_bias())
+        return V.deepseek_layout(
+            self.hparams,
+            self.n_trunk,
+            self.blocks_checked(keep_mtp),
+            attention,
+            moe_ff=moe_ff,
+            router_bias=self.router_bias(),
+        )
 
     def router_bias(self) -> bool | None:
         """Whether the routers store ``e_score_correction_bias``, as the reference implementations create it:
@@ -109,8 +122,11 @@ class DeepseekV3(ConvertFamily):
         if rp.get("rope_type") == "yarn" and rp.get("factor") is not None:
             extra = (
                 (K.SCALING_YARN_EXT_FACTOR, rp.get("extrapolation_factor"), w.add_rope_scaling_yarn_ext_factor),
-                (K.SCALING_YARN_ATTN_FACTOR, rp.get("attention_factor", rp.get("attn_factor")),
-                 w.add_rope_scaling_yarn_attn_factor),
+                (
+                    K.SCALING_YARN_ATTN_FACTOR,
+                    rp.get("attention_factor", rp.get("attn_factor")),
+                    w.add_rope_scaling_yarn_attn_factor,
+                ),
                 (K.SCALING_YARN_BETA_FAST, rp.get("beta_fast"), w.add_rope_scaling_yarn_beta_fast),
                 (K.SCALING_YARN_BETA_SLOW, rp.get("beta_slow"), w.add_rope_scaling_yarn_beta_slow),
             )

@@ -50,8 +50,15 @@ class DeepseekV32(DeepseekV3):
         hp = self.hparams
         n, d, h = hp["index_n_heads"], hp["index_head_dim"], hp["hidden_size"]
         p = "self_attn.indexer."
-        want.update({p + "wq_b.weight": (n * d, hp["q_lora_rank"]), p + "wk.weight": (d, h),
-                     p + "k_norm.weight": (d,), p + "k_norm.bias": (d,), p + "weights_proj.weight": (n, h)})
+        want.update(
+            {
+                p + "wq_b.weight": (n * d, hp["q_lora_rank"]),
+                p + "wk.weight": (d, h),
+                p + "k_norm.weight": (d,),
+                p + "k_norm.bias": (d,),
+                p + "weights_proj.weight": (n, h),
+            }
+        )
         return want
 
     def set_metadata(self, w: GGUFWriter) -> None:

@@ -48,35 +48,63 @@ from ...errors import InputError
 from ...tensors import mtp_only_keep
 from .. import validate as V
 from ..base import (
-    BlockSelection, Emit, ConvertFamily, add_hparams, check_unused, layer_of, mxfp4_stack,
+    BlockSelection,
+    ConvertFamily,
+    Emit,
+    add_hparams,
+    check_unused,
+    layer_of,
+    mxfp4_stack,
 )
 from ..checkpoint import fp8_scaled
 from ..validate import Expected
 
-_HC_HEAD = {"hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
-            "hc_head_scale": "output_hc_scale.weight"}
-_TOP = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "head.weight": "output.weight",
-        **_HC_HEAD}
+_HC_HEAD = {
+    "hc_head_fn": "output_hc_fn.weight",
+    "hc_head_base": "output_hc_base.weight",
+    "hc_head_scale": "output_hc_scale.weight",
+}
+_TOP = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "head.weight": "output.weight",
+    **_HC_HEAD,
+}
 # name inside ``layers.N.`` / ``mtp.i.`` -> GGUF name inside ``blk.N.``
 _LAYER = {
-    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
     **{f"hc_{w}_{x}": f"hc_{w}_{x}.weight" for w in ("attn", "ffn") for x in ("fn", "base", "scale")},
-    "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
-    "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
-    "attn.wkv.weight": "attn_kv.weight", "attn.kv_norm.weight": "attn_kv_a_norm.weight",
-    "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
-    **{f"attn.compressor.{x}": f"attn_compressor_{y}.weight" for x, y in
-       (("ape", "ape"), ("wkv.weight", "kv"), ("wgate.weight", "gate"), ("norm.weight", "norm"))},
-    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "attn.indexer.weights_proj.weight": "indexer.proj.weight",
-    **{f"attn.indexer.compressor.{x}": f"indexer_compressor_{y}.weight" for x, y in
-       (("ape", "ape"), ("wkv.weight", "kv"), ("wgate.weight", "gate"), ("norm.weight", "norm"))},
-    "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+    "attn.attn_sink": "attn_sinks.weight",
+    "attn.wq_a.weight": "attn_q_a.weight",
+    "attn.q_norm.weight": "attn_q_a_norm.weight",
+    "attn.wq_b.weight": "attn_q_b.weight",
+    "attn.wkv.weight": "attn_kv.weight",
+    "attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "attn.wo_a.weight": "attn_output_a.weight",
+    "attn.wo_b.weight": "attn_output_b.weight",
+    **{
+        f"attn.compressor.{x}": f"attn_compressor_{y}.weight"
+        for x, y in (("ape", "ape"), ("wkv.weight", "kv"), ("wgate.weight", "gate"), ("norm.weight", "norm"))
+    },
+    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+    **{
+        f"attn.indexer.compressor.{x}": f"indexer_compressor_{y}.weight"
+        for x, y in (("ape", "ape"), ("wkv.weight", "kv"), ("wgate.weight", "gate"), ("norm.weight", "norm"))
+    },
+    "ffn.gate.weight": "ffn_gate_inp.weight",
+    "ffn.gate.bias": "exp_probs_b.bias",
     "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",
-    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight", "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
+    "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
     "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
 }
-_NEXTN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
-          "norm.weight": "nextn.shared_head_norm.weight"}
+_NEXTN = {
+    "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight",
+    "norm.weight": "nextn.shared_head_norm.weight",
+}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _EXPS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
 # a head-only file keeps the head's own output hyper-connection (tensors.mtp_only_keep)
@@ -93,11 +121,35 @@ _KEYS = {
     "num_hash_layers": ("{arch}.hash_layer_count", "uint32"),
 }
 COMPRESS_RATIOS_KEY = "{arch}.attention.compress_ratios"
-_INTS = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "qk_rope_head_dim", "o_groups",
-         "o_lora_rank", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
-         "index_n_heads", "index_head_dim", "index_topk", "sliding_window", "hc_mult", "hc_sinkhorn_iters")
-_REQUIRED = (*_INTS, "num_hash_layers", "compress_ratios", "compress_rope_theta", "hc_eps", "swiglu_limit",
-             "routed_scaling_factor", "norm_topk_prob")
+_INTS = (
+    "hidden_size",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "o_groups",
+    "o_lora_rank",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "sliding_window",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+)
+_REQUIRED = (
+    *_INTS,
+    "num_hash_layers",
+    "compress_ratios",
+    "compress_rope_theta",
+    "hc_eps",
+    "swiglu_limit",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+)
 _FP8_TILE = 128  # llama.cpp's converter dequantizes 128x128 tiles, whatever weight_block_size says
 _FP4_GROUP = 32  # values per E8M0 scale of an FP4 expert (ggml's MXFP4 block)
 _SCALE_DTYPES = ("F8_E8M0", "U8")  # UE8M0 exponents, as llama.cpp reads them
@@ -118,8 +170,10 @@ class DeepseekV4(ConvertFamily):
         n_all = self.n_trunk + self.n_mtp
         ratios = hp["compress_ratios"]
         if not (isinstance(ratios, list) and len(ratios) >= n_all and all(r in (0, 4, 128) for r in ratios)):
-            raise InputError(cfg, f"compress_ratios must give 0, 4 or 128 for each of the {n_all} layers "
-                                  f"(MTP included), got {ratios!r}")
+            raise InputError(
+                cfg,
+                f"compress_ratios must give 0, 4 or 128 for each of the {n_all} layers (MTP included), got {ratios!r}",
+            )
         if not isinstance(hp["num_hash_layers"], int) or not 0 <= hp["num_hash_layers"] <= self.n_trunk:
             raise InputError(cfg, f"num_hash_layers must be 0..{self.n_trunk}, got {hp['num_hash_layers']!r}")
         if hp.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":  # llama.cpp's deepseek4 loader: the only one
@@ -133,38 +187,55 @@ class DeepseekV4(ConvertFamily):
         for name in ckpt.names():
             st = ckpt.stored[name]
             if st.dtype == "F8_E4M3":
-                self.fp8[name] = self._scale_of(name, (-(-st.shape[0] // _FP8_TILE), -(-st.shape[1] // _FP8_TILE))
-                                                if len(st.shape) == 2 else None)
+                self.fp8[name] = self._scale_of(
+                    name, (-(-st.shape[0] // _FP8_TILE), -(-st.shape[1] // _FP8_TILE)) if len(st.shape) == 2 else None
+                )
             elif st.dtype in ("I8", "U8") and _EXPERT.match(name.split(".", 2)[-1]):
-                self.fp4[name] = self._scale_of(name, (st.shape[0], 2 * st.shape[1] // _FP4_GROUP)
-                                                if len(st.shape) == 2 and (2 * st.shape[1]) % _FP4_GROUP == 0 else None)
+                self.fp4[name] = self._scale_of(
+                    name,
+                    (st.shape[0], 2 * st.shape[1] // _FP4_GROUP)
+                    if len(st.shape) == 2 and (2 * st.shape[1]) % _FP4_GROUP == 0
+                    else None,
+                )
         claimed = set(self.fp8.values()) | set(self.fp4.values())
         for name, st in ckpt.stored.items():
             if name.endswith(".scale") and name not in claimed:
                 weight = name.removesuffix(".scale") + ".weight"
                 what = ckpt.stored[weight].dtype if weight in ckpt.stored else "not stored"
-                raise InputError(st.file, f"{name} scales {weight}, which is {what}: expected F8_E4M3 (FP8) or "
-                                          "I8 (FP4 experts), as released")
+                raise InputError(
+                    st.file,
+                    f"{name} scales {weight}, which is {what}: expected F8_E4M3 (FP8) or I8 (FP4 experts), as released",
+                )
 
     def _scale_of(self, name: str, want: tuple[int, ...] | None) -> str:
         st, scale_name = self.ckpt.stored[name], name.removesuffix(".weight") + ".scale"
         if want is None:
-            raise InputError(st.file, f"{name} is {st.dtype} {list(st.shape)}: expected a matrix"
-                                      + (f" of rows of a multiple of {_FP4_GROUP // 2} bytes" if st.dtype != "F8_E4M3"
-                                         else ""))
+            raise InputError(
+                st.file,
+                f"{name} is {st.dtype} {list(st.shape)}: expected a matrix"
+                + (f" of rows of a multiple of {_FP4_GROUP // 2} bytes" if st.dtype != "F8_E4M3" else ""),
+            )
         scale = self.ckpt.stored.get(scale_name)
         if scale is None:
             raise InputError(st.file, f"{st.dtype} tensor {name} has no {scale_name}")
         if scale.dtype not in _SCALE_DTYPES or tuple(scale.shape) != want:
-            raise InputError(scale.file, f"{scale_name} is {scale.dtype} {list(scale.shape)}, expected F8_E8M0 "
-                                         f"{list(want)} (UE8M0 scales of {name} {list(st.shape)})")
+            raise InputError(
+                scale.file,
+                f"{scale_name} is {scale.dtype} {list(scale.shape)}, expected F8_E8M0 "
+                f"{list(want)} (UE8M0 scales of {name} {list(st.shape)})",
+            )
         return scale_name
 
     @property
     def own_encodings(self) -> frozenset[str]:
         tid2eid = {n for n in self.ckpt.names() if n.endswith(".ffn.gate.tid2eid")}
-        return frozenset(self.fp8) | frozenset(self.fp8.values()) | frozenset(self.fp4) | frozenset(
-            self.fp4.values()) | tid2eid
+        return (
+            frozenset(self.fp8)
+            | frozenset(self.fp8.values())
+            | frozenset(self.fp4)
+            | frozenset(self.fp4.values())
+            | tid2eid
+        )
 
     # -- what config.json implies -------------------------------------------------------
 
@@ -193,31 +264,51 @@ class DeepseekV4(ConvertFamily):
 
     def _hc_head(self, p: str) -> Iterator[Expected]:
         hc, h = self.hparams["hc_mult"], self.hparams["hidden_size"]
-        yield from (Expected(p + "hc_head_fn", (hc, hc * h)), Expected(p + "hc_head_base", (hc,)),
-                    Expected(p + "hc_head_scale", (1,)))
+        yield from (
+            Expected(p + "hc_head_fn", (hc, hc * h)),
+            Expected(p + "hc_head_base", (hc,)),
+            Expected(p + "hc_head_scale", (1,)),
+        )
 
     def _layer(self, p: str, bid: int) -> Iterator[Expected]:
         """One layer as inference/model.py's Block builds it (Attention, Compressor, Indexer, Gate, MoE)."""
         hp = self.hparams
-        h, hc, nh, d, ql = hp["hidden_size"], hp["hc_mult"], hp["num_attention_heads"], hp["head_dim"], hp["q_lora_rank"]
+        h, hc, nh, d, ql = (
+            hp["hidden_size"],
+            hp["hc_mult"],
+            hp["num_attention_heads"],
+            hp["head_dim"],
+            hp["q_lora_rank"],
+        )
         og, ol, ff = hp["o_groups"], hp["o_lora_rank"], hp["moe_intermediate_size"]
         mix = (2 + hc) * hc  # pre, post and the hc x hc residual mix
         yield from V.norms(p, h, "attn_norm", "ffn_norm")
         for w in ("attn", "ffn"):
-            yield from (Expected(f"{p}hc_{w}_fn", (mix, hc * h)), Expected(f"{p}hc_{w}_base", (mix,)),
-                        Expected(f"{p}hc_{w}_scale", (3,)))
+            yield from (
+                Expected(f"{p}hc_{w}_fn", (mix, hc * h)),
+                Expected(f"{p}hc_{w}_base", (mix,)),
+                Expected(f"{p}hc_{w}_scale", (3,)),
+            )
         a = p + "attn."
-        yield from (Expected(a + "attn_sink", (nh,)), Expected(a + "wq_a.weight", (ql, h)),
-                    Expected(a + "q_norm.weight", (ql,)), Expected(a + "wq_b.weight", (nh * d, ql)),
-                    Expected(a + "wkv.weight", (d, h)), Expected(a + "kv_norm.weight", (d,)),
-                    Expected(a + "wo_a.weight", (og * ol, nh * d // og)), Expected(a + "wo_b.weight", (h, og * ol)))
+        yield from (
+            Expected(a + "attn_sink", (nh,)),
+            Expected(a + "wq_a.weight", (ql, h)),
+            Expected(a + "q_norm.weight", (ql,)),
+            Expected(a + "wq_b.weight", (nh * d, ql)),
+            Expected(a + "wkv.weight", (d, h)),
+            Expected(a + "kv_norm.weight", (d,)),
+            Expected(a + "wo_a.weight", (og * ol, nh * d // og)),
+            Expected(a + "wo_b.weight", (h, og * ol)),
+        )
         ratio = hp["compress_ratios"][bid]
         if ratio:
             yield from self._compressor(a + "compressor.", ratio, d)
         if ratio == 4:
             n, di = hp["index_n_heads"], hp["index_head_dim"]
-            yield from (Expected(a + "indexer.wq_b.weight", (n * di, ql)),
-                        Expected(a + "indexer.weights_proj.weight", (n, h)))
+            yield from (
+                Expected(a + "indexer.wq_b.weight", (n * di, ql)),
+                Expected(a + "indexer.weights_proj.weight", (n, h)),
+            )
             yield from self._compressor(a + "indexer.compressor.", ratio, di)
         ne = hp["n_routed_experts"]
         yield Expected(p + "ffn.gate.weight", (ne, h))
@@ -227,18 +318,28 @@ class DeepseekV4(ConvertFamily):
             yield Expected(p + "ffn.gate.bias", (ne,))
         for e in range(ne):
             q = f"{p}ffn.experts.{e}."
-            yield from (Expected(q + "w1.weight", (ff, h)), Expected(q + "w2.weight", (h, ff)),
-                        Expected(q + "w3.weight", (ff, h)))
+            yield from (
+                Expected(q + "w1.weight", (ff, h)),
+                Expected(q + "w2.weight", (h, ff)),
+                Expected(q + "w3.weight", (ff, h)),
+            )
         sff = ff * hp["n_shared_experts"]
         s = p + "ffn.shared_experts."
-        yield from (Expected(s + "w1.weight", (sff, h)), Expected(s + "w2.weight", (h, sff)),
-                    Expected(s + "w3.weight", (sff, h)))
+        yield from (
+            Expected(s + "w1.weight", (sff, h)),
+            Expected(s + "w2.weight", (h, sff)),
+            Expected(s + "w3.weight", (sff, h)),
+        )
 
     def _compressor(self, p: str, ratio: int, d: int) -> list[Expected]:
         coff = 2 if ratio == 4 else 1  # ratio 4 pools overlapping windows: twice as wide
         h = self.hparams["hidden_size"]
-        return [Expected(p + "ape", (ratio, coff * d)), Expected(p + "wkv.weight", (coff * d, h)),
-                Expected(p + "wgate.weight", (coff * d, h)), Expected(p + "norm.weight", (d,))]
+        return [
+            Expected(p + "ape", (ratio, coff * d)),
+            Expected(p + "wkv.weight", (coff * d, h)),
+            Expected(p + "wgate.weight", (coff * d, h)),
+            Expected(p + "norm.weight", (d,)),
+        ]
 
     def _prefix(self, bid: int) -> str:
         return f"layers.{bid}." if bid < self.n_trunk else f"mtp.{bid - self.n_trunk}."
@@ -262,15 +363,19 @@ class DeepseekV4(ConvertFamily):
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, n = self.hparams, self.n_blocks
-        add_hparams(w, hp, (
-            ("add_rope_dimension_count", "qk_rope_head_dim"),
-            ("add_q_lora_rank", "q_lora_rank"),
-            ("add_sliding_window", "sliding_window"),
-            ("add_expert_feed_forward_length", "moe_intermediate_size"),
-            ("add_expert_shared_count", "n_shared_experts"),
-            ("add_expert_weights_scale", "routed_scaling_factor"),
-            ("add_expert_weights_norm", "norm_topk_prob"),
-        ))
+        add_hparams(
+            w,
+            hp,
+            (
+                ("add_rope_dimension_count", "qk_rope_head_dim"),
+                ("add_q_lora_rank", "q_lora_rank"),
+                ("add_sliding_window", "sliding_window"),
+                ("add_expert_feed_forward_length", "moe_intermediate_size"),
+                ("add_expert_shared_count", "n_shared_experts"),
+                ("add_expert_weights_scale", "routed_scaling_factor"),
+                ("add_expert_weights_norm", "norm_topk_prob"),
+            ),
+        )
         w.add_swiglu_clamp_exp([hp["swiglu_limit"]] * n)
         w.add_swiglu_clamp_shexp([hp["swiglu_limit"]] * n)
         w.add_indexer_head_count(hp["index_n_heads"])
@@ -289,8 +394,9 @@ class DeepseekV4(ConvertFamily):
             from importlib import resources
 
             name = "DeepSeek-V4-Flash-0731" if "0731" in self.ckpt.folder.name else "DeepSeek-V4"
-            w.add_chat_template(resources.files("mtpq").joinpath(f"data/templates/deepseek-ai-{name}.jinja")
-                                .read_text(encoding="utf-8"))
+            w.add_chat_template(
+                resources.files("mtpq").joinpath(f"data/templates/deepseek-ai-{name}.jinja").read_text(encoding="utf-8")
+            )
 
     def file_type(self, outtype: T) -> gguf.LlamaFileType:
         return gguf.LlamaFileType.MOSTLY_MXFP4_MOE  # as llama.cpp's converter, whatever the outtype
@@ -299,18 +405,26 @@ class DeepseekV4(ConvertFamily):
 
     def plan(self, mtp: BlockSelection = BlockSelection.KEEP, outtype: T = T.F16):
         if mtp is not BlockSelection.DROP and self.dspark:  # the trunk converts (--no-mtp), as llama.cpp's default does
-            raise InputError(self.ckpt.folder, "mtp.* holds DeepSeek-V4 DSpark draft stages (main_proj, "
-                                               "markov_head, ...), not an MTP head: llama.cpp writes them into a "
-                                               "separate dflash file (its converter's --dspark); convert the trunk "
-                                               "with --no-mtp")
+            raise InputError(
+                self.ckpt.folder,
+                "mtp.* holds DeepSeek-V4 DSpark draft stages (main_proj, "
+                "markov_head, ...), not an MTP head: llama.cpp writes them into a "
+                "separate dflash file (its converter's --dspark); convert the trunk "
+                "with --no-mtp",
+            )
         if mtp is not BlockSelection.DROP and any(i >= self.n_mtp for i in self.mtp_layers):  # llama.cpp stops the same
-            raise InputError(self.ckpt.folder, f"MTP layers {self.mtp_layers} stored, config.json has "
-                                               f"num_nextn_predict_layers {self.n_mtp}")
+            raise InputError(
+                self.ckpt.folder,
+                f"MTP layers {self.mtp_layers} stored, config.json has num_nextn_predict_layers {self.n_mtp}",
+            )
         if mtp is BlockSelection.KEEP and self.n_mtp:
-            raise InputError(self.ckpt.folder, "DeepSeek-V4's MTP head has its own output hyper-connection "
-                                               "(mtp.0.hc_head_*), which llama.cpp reads from a head-only file "
-                                               "(one GGUF holds one output_hc_*): convert the trunk with --no-mtp "
-                                               "and the head with --mtp-only, and draft with -m TRUNK -md HEAD")
+            raise InputError(
+                self.ckpt.folder,
+                "DeepSeek-V4's MTP head has its own output hyper-connection "
+                "(mtp.0.hc_head_*), which llama.cpp reads from a head-only file "
+                "(one GGUF holds one output_hc_*): convert the trunk with --no-mtp "
+                "and the head with --mtp-only, and draft with -m TRUNK -md HEAD",
+            )
         return super().plan(mtp, outtype)
 
     def tensors(self) -> Iterator[Emit]:
@@ -333,11 +447,13 @@ class DeepseekV4(ConvertFamily):
         names = [n for n in self.ckpt.names() if n.startswith(p)]
         if not names:
             hint = " (convert the trunk alone with --no-mtp)" if mtp else ""
-            raise InputError(self.ckpt.folder, f"no tensors for layer {bid} ({p}*; config.json has {self.n_trunk} "
-                                               f"layers + {self.n_mtp} MTP){hint}")
+            raise InputError(
+                self.ckpt.folder,
+                f"no tensors for layer {bid} ({p}*; config.json has {self.n_trunk} layers + {self.n_mtp} MTP){hint}",
+            )
         experts: dict[str, list[tuple[int, str]]] = {}
         for hf in names:
-            rest = hf[len(p):]
+            rest = hf[len(p) :]
             if m := _EXPERT.match(rest):
                 experts.setdefault(m[2], []).append((int(m[1]), hf))
             elif rest in _LAYER:
@@ -359,10 +475,18 @@ class DeepseekV4(ConvertFamily):
             load = self._fp8_loader(hf)
             return Emit(name, tuple(st.shape), load, f"{st.file.name}:{hf}", ggml_type=self._q8_0(st.shape))
         if st.dtype == "I64" or st.dtype == "I32":  # tid2eid: token -> experts, as int32
+
             def encode(qtype: T, hf=hf) -> np.ndarray:
                 return self.ckpt.raw(hf).to(torch.int32).numpy()
-            return Emit(name, tuple(st.shape), lambda: self.ckpt.raw(hf).to(torch.int32), f"{st.file.name}:{hf}",
-                        encode, ggml_type=T.I32)
+
+            return Emit(
+                name,
+                tuple(st.shape),
+                lambda: self.ckpt.raw(hf).to(torch.int32),
+                f"{st.file.name}:{hf}",
+                encode,
+                ggml_type=T.I32,
+            )
         if not st.dtype.startswith(("F", "BF")):
             raise InputError(st.file, f"tensor {hf} has dtype {st.dtype}; expected a float weight here")
         e = self.emit(name, hf)
@@ -381,16 +505,24 @@ class DeepseekV4(ConvertFamily):
         loads = [self._fp8_loader(n) if n in self.fp8 else self.ckpt.loader(n) for n in (e, h)]
         rows, cols = self.ckpt.shape(e)
         shape = (rows, cols + self.ckpt.shape(h)[1])
-        return Emit(name, shape, lambda: torch.cat([f().float() for f in loads], dim=1),
-                    f"{self.ckpt.stored[e].file.name}:{e} + {h}", ggml_type=self._q8_0(shape))
+        return Emit(
+            name,
+            shape,
+            lambda: torch.cat([f().float() for f in loads], dim=1),
+            f"{self.ckpt.stored[e].file.name}:{e} + {h}",
+            ggml_type=self._q8_0(shape),
+        )
 
     def _experts(self, name: str, parts: list[str], used: list[str]) -> Emit:
         used += parts
         missing = [hf for hf in parts if hf not in self.fp4]
         if missing:  # llama.cpp's converter needs them as released too (it repacks them, nothing else)
             st = self.ckpt.stored[missing[0]]
-            raise InputError(st.file, f"routed expert {missing[0]} is {st.dtype}: DeepSeek-V4's experts must be FP4 "
-                                      "(I8 codes + .scale), as released")
+            raise InputError(
+                st.file,
+                f"routed expert {missing[0]} is {st.dtype}: DeepSeek-V4's experts must be FP4 "
+                "(I8 codes + .scale), as released",
+            )
         return mxfp4_stack(self.ckpt, name, [(hf, self.fp4[hf]) for hf in parts])
 
     @staticmethod

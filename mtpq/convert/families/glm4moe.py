@@ -27,8 +27,16 @@ from ..validate import Expected
 class Glm4Moe(ConvertFamily):
     hf_architectures = ("Glm4MoeForCausalLM",)
     arch = "glm4moe"
-    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
+    required_hparams = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "n_routed_experts",
+        "moe_intermediate_size",
+    )
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
         hp = self.hparams
@@ -36,11 +44,24 @@ class Glm4Moe(ConvertFamily):
         hd = hp.get("head_dim") or h // nh
 
         def attention(p: str) -> list[Expected]:
-            return V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
-                               bias=bool(hp.get("attention_bias")), qk_norm=bool(hp.get("use_qk_norm")))
+            return V.attention(
+                p + "self_attn.",
+                h,
+                nh,
+                hp["num_key_value_heads"],
+                hd,
+                bias=bool(hp.get("attention_bias")),
+                qk_norm=bool(hp.get("use_qk_norm")),
+            )
 
-        return V.deepseek_layout(self.hparams, self.n_trunk, self.blocks_checked(keep_mtp), attention,
-                                 moe_ff=hp["moe_intermediate_size"], router_bias=True)
+        return V.deepseek_layout(
+            self.hparams,
+            self.n_trunk,
+            self.blocks_checked(keep_mtp),
+            attention,
+            moe_ff=hp["moe_intermediate_size"],
+            router_bias=True,
+        )
 
     def set_metadata(self, w: GGUFWriter) -> None:
         hp = self.hparams

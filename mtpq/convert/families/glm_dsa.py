@@ -28,9 +28,9 @@ import gguf
 from gguf import GGUFWriter
 
 from ...errors import InputError
+from ..validate import Expected
 from .deepseek2 import DeepseekV3
 from .glm4moe import Glm4Moe
-from ..validate import Expected
 
 _INDEXER_TYPES_KEY = "{arch}.attention.indexer.types"  # not in gguf-py 0.19's Keys
 
@@ -61,12 +61,17 @@ class GlmMoeDsa(DeepseekV3):
             try:
                 types = derived_indexer_types(self.hparams, n)
             except (TypeError, ValueError):  # a pattern that is not a sequence, a frequency that is not a number
-                types = {k: self.hparams.get(k) for k in ("index_topk_pattern", "index_topk_freq",
-                                                         "index_skip_topk_offset") if k in self.hparams}
+                types = {
+                    k: self.hparams.get(k)
+                    for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
+                    if k in self.hparams
+                }
         if not (isinstance(types, list) and len(types) >= n and all(t in ("full", "shared") for t in types[:n])):
-            raise InputError(self.ckpt.folder / "config.json",
-                             "indexer_types (or the index_topk_* keys it derives from) must give "
-                             f"\"full\" or \"shared\" for each of the {n} layers, got {types!r}")
+            raise InputError(
+                self.ckpt.folder / "config.json",
+                "indexer_types (or the index_topk_* keys it derives from) must give "
+                f'"full" or "shared" for each of the {n} layers, got {types!r}',
+            )
         return types  # as stored: llama.cpp writes every entry (the MTP block may have one too)
 
     def expected_tensors(self, keep_mtp: bool) -> Iterator[Expected]:
@@ -78,9 +83,13 @@ class GlmMoeDsa(DeepseekV3):
             if not mtp and types[bid] != "full":
                 continue
             p = f"model.layers.{bid}.self_attn.indexer."
-            for rest, shape in (("wq_b.weight", (heads * dim, hp["q_lora_rank"])), ("wk.weight", (dim, h)),
-                                ("k_norm.weight", (dim,)), ("k_norm.bias", (dim,)),
-                                ("weights_proj.weight", (heads, h))):
+            for rest, shape in (
+                ("wq_b.weight", (heads * dim, hp["q_lora_rank"])),
+                ("wk.weight", (dim, h)),
+                ("k_norm.weight", (dim,)),
+                ("k_norm.bias", (dim,)),
+                ("weights_proj.weight", (heads, h)),
+            ):
                 yield Expected(p + rest, shape, optional=mtp)  # the MTP block's indexer is unused by llama.cpp
 
     def set_metadata(self, w: GGUFWriter) -> None:
@@ -94,4 +103,3 @@ class GlmMoeDsa(DeepseekV3):
         w.add_indexer_top_k(hp["index_topk"])
         # llama.cpp's converter writes what transformers' config holds: config.json's list, or the derived one
         w.add_array(_INDEXER_TYPES_KEY.format(arch=self.arch), [t == "full" for t in self.indexer_types()])
-

@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import gguf
-from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
+from gguf import GGUFWriter
 
 from .. import validate as V
 from ..base import LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES, NEXTN_TENSORS, ConvertFamily, name_from_tables, weight_table
@@ -35,9 +35,11 @@ from ..validate import Expected
 _WEIGHT_NAMES: dict[str, K] = {
     **LLAMA_BLOCK_NAMES,
     "post_attention_layernorm": K.FFN_NORM,
-    "self_attn.q_norm": K.ATTN_Q_NORM, "self_attn.k_norm": K.ATTN_K_NORM,
+    "self_attn.q_norm": K.ATTN_Q_NORM,
+    "self_attn.k_norm": K.ATTN_K_NORM,
     "mlp.router.gate": K.FFN_GATE_INP,
-    "mlp.shared_mlp.gate_proj": K.FFN_GATE_SHEXP, "mlp.shared_mlp.up_proj": K.FFN_UP_SHEXP,
+    "mlp.shared_mlp.gate_proj": K.FFN_GATE_SHEXP,
+    "mlp.shared_mlp.up_proj": K.FFN_UP_SHEXP,
     "mlp.shared_mlp.down_proj": K.FFN_DOWN_SHEXP,
 }
 _BLOCK_NAMES: dict[str, tuple[K, str]] = {
@@ -49,8 +51,15 @@ _BLOCK_NAMES: dict[str, tuple[K, str]] = {
 class HyV3(ConvertFamily):
     hf_architectures = ("HYV3ForCausalLM",)
     arch = "hy_v3"
-    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
+    required_hparams = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+    )
     expert_count_keys = ("num_experts", "num_local_experts")
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": K.NEXTN_SHARED_HEAD_NORM}
 
@@ -78,8 +87,15 @@ class HyV3(ConvertFamily):
             p = f"model.layers.{bid}."
             yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
             # q/k norms are unconditional in the model (no config switch)
-            yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd,
-                                   bias=bool(hp.get("attention_bias")), qk_norm=True)
+            yield from V.attention(
+                p + "self_attn.",
+                h,
+                nh,
+                hp["num_key_value_heads"],
+                hd,
+                bias=bool(hp.get("attention_bias")),
+                qk_norm=True,
+            )
             if self._is_dense(bid) or not n_exp:
                 yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
             else:

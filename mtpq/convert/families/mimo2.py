@@ -44,7 +44,7 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import NEXTN_TENSORS, Emit, ConvertFamily, gguf_name, layer_of
+from ..base import NEXTN_TENSORS, ConvertFamily, Emit, gguf_name, layer_of
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
@@ -62,16 +62,27 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
     nextn_tensors = {**NEXTN_TENSORS, "final_layernorm.weight": gguf.MODEL_TENSOR.LAYER_OUT_NORM}
 
     required_hparams = ConvertFamily.required_hparams + (
-        "hybrid_layer_pattern", "head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads",
-        "swa_num_key_value_heads", "intermediate_size", "n_routed_experts", "moe_intermediate_size")
+        "hybrid_layer_pattern",
+        "head_dim",
+        "v_head_dim",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "swa_num_key_value_heads",
+        "intermediate_size",
+        "n_routed_experts",
+        "moe_intermediate_size",
+    )
 
     def __init__(self, ckpt):
         super().__init__(ckpt)
         cfg = ckpt.folder / "config.json"
         hp = self.hparams
         # llama.cpp's converter asserts the same: its graph has one attention shape for both layer kinds
-        for swa_key, key in (("swa_head_dim", "head_dim"), ("swa_num_attention_heads", "num_attention_heads"),
-                             ("swa_v_head_dim", "v_head_dim")):
+        for swa_key, key in (
+            ("swa_head_dim", "head_dim"),
+            ("swa_num_attention_heads", "num_attention_heads"),
+            ("swa_v_head_dim", "v_head_dim"),
+        ):
             if hp.get(swa_key, hp[key]) != hp[key]:
                 raise InputError(cfg, f"{swa_key} {hp[swa_key]} differs from {key} {hp[key]} (not supported)")
         if hp.get("sliding_window") is None and hp.get("sliding_window_size") is None:
@@ -79,16 +90,23 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
         if hp.get("topk_method", "noaux_tc") != "noaux_tc":
             raise InputError(cfg, f"topk_method {hp['topk_method']!r} is not supported (noaux_tc only)")
         if len(hp["hybrid_layer_pattern"]) != self.n_trunk:
-            raise InputError(cfg, f"hybrid_layer_pattern has {len(hp['hybrid_layer_pattern'])} entries, "
-                                  f"num_hidden_layers is {self.n_trunk}")
+            raise InputError(
+                cfg,
+                f"hybrid_layer_pattern has {len(hp['hybrid_layer_pattern'])} entries, "
+                f"num_hidden_layers is {self.n_trunk}",
+            )
         freq = hp.get("moe_layer_freq")
-        if freq is not None and not (isinstance(freq, list) and len(freq) >= self.n_trunk
-                                     and all(f in (0, 1) and not isinstance(f, float) for f in freq)):
+        if freq is not None and not (
+            isinstance(freq, list)
+            and len(freq) >= self.n_trunk
+            and all(f in (0, 1) and not isinstance(f, float) for f in freq)
+        ):
             raise InputError(cfg, f"moe_layer_freq must be a 0/1 flag per layer ({self.n_trunk}), got {freq!r}")
         qc = hp.get("quantization_config")
         if isinstance(qc, dict) and qc.get("store_dtype") == "mxfp4":  # MXFP4 experts beside a weight_scale
-            self.find_mxfp4_experts("_scale", qc.get("mxfp4_block_size", MXFP4_GROUP),
-                                    "quantization_config.mxfp4_block_size")
+            self.find_mxfp4_experts(
+                "_scale", qc.get("mxfp4_block_size", MXFP4_GROUP), "quantization_config.mxfp4_block_size"
+            )
         found = sorted({i for n in ckpt.names() if (i := layer_of(n, self.mtp_prefix)) is not None})
         if found != list(range(len(found))):
             raise InputError(ckpt.folder, f"MTP layers must be {self.mtp_prefix}0..N-1, found {found}")
@@ -97,8 +115,9 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
         if fused and hp.get("attention_bias"):
             raise InputError(cfg, "attention_bias with a fused qkv_proj is not supported")
         # FP8 fused qkv_proj -> its tensor-parallel rank count (scale tiles per rank), checked before anything
-        self.tp_ranks = {n: self._tp_ranks(n, bid) for n, bid in fused.items()
-                         if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)}
+        self.tp_ranks = {
+            n: self._tp_ranks(n, bid) for n, bid in fused.items() if n + "_scale_inv" in ckpt.stored and ckpt.is_fp8(n)
+        }
 
     # -- what config.json implies (checked before anything is planned) -------------------
 
@@ -115,8 +134,15 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
             swa = self._is_swa(bid)
             n_kv = hp["swa_num_key_value_heads" if swa else "num_key_value_heads"]
             yield from V.norms(p, h, "input_layernorm", self._ffn_norm(bid, p))
-            attention = V.attention(p + "self_attn.", h, n_head, n_kv, hp["head_dim"], v_head_dim=hp["v_head_dim"],
-                                    bias=bool(hp.get("attention_bias")))
+            attention = V.attention(
+                p + "self_attn.",
+                h,
+                n_head,
+                n_kv,
+                hp["head_dim"],
+                v_head_dim=hp["v_head_dim"],
+                bias=bool(hp.get("attention_bias")),
+            )
             if self.resolve(p + QKV) is not None:  # MiMo-V2.5: q, k and v rows in one tensor
                 qkv = [e for e in attention if e.name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
                 attention = [e for e in attention if e not in qkv]
@@ -137,7 +163,9 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
         released (vLLM's and SGLang's MTP loaders), or post_attention_layernorm in its place (both are ffn_norm
         to llama.cpp's converter; both stored is refused: which one is the block's?)."""
         legacy = "post_attention_layernorm"
-        if bid < self.n_trunk or (f"{p}{legacy}.weight" in self.ckpt and f"{p}pre_mlp_layernorm.weight" not in self.ckpt):
+        if bid < self.n_trunk or (
+            f"{p}{legacy}.weight" in self.ckpt and f"{p}pre_mlp_layernorm.weight" not in self.ckpt
+        ):
             return legacy
         return "pre_mlp_layernorm"
 
@@ -154,8 +182,12 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, K = self.hparams, gguf.Keys
         hybrid = list(hp["hybrid_layer_pattern"]) + [1] * (self.n_blocks - self.n_trunk)  # MTP blocks: SWA
-        for key in (K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH, K.LLM.EXPERT_COUNT,
-                    K.Attention.LAYERNORM_RMS_EPS):
+        for key in (
+            K.Attention.HEAD_COUNT_KV,
+            K.Attention.VALUE_LENGTH,
+            K.LLM.EXPERT_COUNT,
+            K.Attention.LAYERNORM_RMS_EPS,
+        ):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # the values below replace the common ones
         n_kv, n_kv_swa = hp["num_key_value_heads"], hp["swa_num_key_value_heads"]
         w.add_head_count_kv([n_kv_swa if s == 1 else n_kv for s in hybrid])
@@ -210,13 +242,19 @@ class MiMoV2(Mxfp4Experts, ConvertFamily):
         rows, cols = st.shape if len(st.shape) == 2 else (0, 0)
         tp = self.hparams["num_key_value_heads"]
         if rows % tp or tuple(scale.shape) != (tp * -(-rows // tp // bh), -(-cols // bw)):
-            raise InputError(scale.file, f"{scale.name} has shape {list(scale.shape)}: not the per-rank {bh}x{bw} "
-                                         f"tiles of {hf} {list(st.shape)} sharded over num_key_value_heads ({tp}) "
-                                         "tensor-parallel ranks")
+            raise InputError(
+                scale.file,
+                f"{scale.name} has shape {list(scale.shape)}: not the per-rank {bh}x{bw} "
+                f"tiles of {hf} {list(st.shape)} sharded over num_key_value_heads ({tp}) "
+                "tensor-parallel ranks",
+            )
         sizes = self._qkv_rows(bid)
         if sum(sizes) != rows or any(n % tp for n in sizes):
-            raise InputError(st.file, f"{hf} has {rows} rows: config.json implies q/k/v rows {list(sizes)}, "
-                                      f"split over {tp} tensor-parallel ranks")
+            raise InputError(
+                st.file,
+                f"{hf} has {rows} rows: config.json implies q/k/v rows {list(sizes)}, "
+                f"split over {tp} tensor-parallel ranks",
+            )
         return tp
 
     def _tp_qkv(self, hf: str, bid: int) -> torch.Tensor:

@@ -36,44 +36,81 @@ import re
 from typing import Iterator
 
 import torch
-from gguf import GGUFWriter
 from gguf import MODEL_TENSOR as K
+from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
 from ..base import (
-    BlockSelection, Emit, ConvertFamily, Transform, add_hparams, as_llama_cpp_reads, check_unused, gguf_name,
+    BlockSelection,
+    ConvertFamily,
+    Emit,
+    Transform,
+    add_hparams,
+    as_llama_cpp_reads,
+    check_unused,
+    gguf_name,
 )
 from ..validate import Expected
 
 _KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
-_LIST_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
-               "full_attention": "attention", "moe": "moe", "mlp": "mlp"}
+_LIST_KINDS = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "moe": "moe",
+    "mlp": "mlp",
+}
 _MIXER: dict[str, tuple[K, str]] = {  # name inside ``...mixer.`` -> (GGUF kind, suffix)
-    "in_proj.weight": (K.SSM_IN, ".weight"), "conv1d.weight": (K.SSM_CONV1D, ".weight"),
-    "conv1d.bias": (K.SSM_CONV1D, ".bias"), "dt_bias": (K.SSM_DT, ".bias"), "A_log": (K.SSM_A, ""),
-    "D": (K.SSM_D, ""), "norm.weight": (K.SSM_NORM, ".weight"), "out_proj.weight": (K.SSM_OUT, ".weight"),
-    "q_proj.weight": (K.ATTN_Q, ".weight"), "k_proj.weight": (K.ATTN_K, ".weight"),
-    "v_proj.weight": (K.ATTN_V, ".weight"), "o_proj.weight": (K.ATTN_OUT, ".weight"),
-    "gate.weight": (K.FFN_GATE_INP, ".weight"), "gate.e_score_correction_bias": (K.FFN_EXP_PROBS_B, ".bias"),
+    "in_proj.weight": (K.SSM_IN, ".weight"),
+    "conv1d.weight": (K.SSM_CONV1D, ".weight"),
+    "conv1d.bias": (K.SSM_CONV1D, ".bias"),
+    "dt_bias": (K.SSM_DT, ".bias"),
+    "A_log": (K.SSM_A, ""),
+    "D": (K.SSM_D, ""),
+    "norm.weight": (K.SSM_NORM, ".weight"),
+    "out_proj.weight": (K.SSM_OUT, ".weight"),
+    "q_proj.weight": (K.ATTN_Q, ".weight"),
+    "k_proj.weight": (K.ATTN_K, ".weight"),
+    "v_proj.weight": (K.ATTN_V, ".weight"),
+    "o_proj.weight": (K.ATTN_OUT, ".weight"),
+    "gate.weight": (K.FFN_GATE_INP, ".weight"),
+    "gate.e_score_correction_bias": (K.FFN_EXP_PROBS_B, ".bias"),
     "shared_experts.up_proj.weight": (K.FFN_UP_SHEXP, ".weight"),
     "shared_experts.down_proj.weight": (K.FFN_DOWN_SHEXP, ".weight"),
-    "fc1_latent_proj.weight": (K.MOE_LATENT_DOWN, ".weight"), "fc2_latent_proj.weight": (K.MOE_LATENT_UP, ".weight"),
+    "fc1_latent_proj.weight": (K.MOE_LATENT_DOWN, ".weight"),
+    "fc2_latent_proj.weight": (K.MOE_LATENT_UP, ".weight"),
 }
 _MTP_OWN: dict[str, K] = {  # the MTP sub-layers' own tensors -> GGUF kind (all ".weight")
-    "mtp.layers.0.enorm.weight": K.NEXTN_ENORM, "mtp.layers.0.hnorm.weight": K.NEXTN_HNORM,
-    "mtp.layers.0.eh_proj.weight": K.NEXTN_EH_PROJ, "mtp.layers.0.norm.weight": K.ATTN_NORM,
-    "mtp.layers.1.norm.weight": K.ATTN_POST_NORM, "mtp.layers.1.final_layernorm.weight": K.NEXTN_SHARED_HEAD_NORM,
+    "mtp.layers.0.enorm.weight": K.NEXTN_ENORM,
+    "mtp.layers.0.hnorm.weight": K.NEXTN_HNORM,
+    "mtp.layers.0.eh_proj.weight": K.NEXTN_EH_PROJ,
+    "mtp.layers.0.norm.weight": K.ATTN_NORM,
+    "mtp.layers.1.norm.weight": K.ATTN_POST_NORM,
+    "mtp.layers.1.final_layernorm.weight": K.NEXTN_SHARED_HEAD_NORM,
 }
 
 
 class NemotronHMoe(ConvertFamily):
     hf_architectures = ("NemotronHForCausalLM",)
     arch = "nemotron_h_moe"
-    required_hparams = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                        "moe_shared_expert_intermediate_size", "mamba_num_heads", "mamba_head_dim", "n_groups",
-                        "ssm_state_size", "conv_kernel")
+    required_hparams = (
+        "vocab_size",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "n_groups",
+        "ssm_state_size",
+        "conv_kernel",
+    )
 
     @staticmethod
     def text_config(config: dict) -> dict:
@@ -92,8 +129,9 @@ class NemotronHMoe(ConvertFamily):
         pattern = self.hparams.get("hybrid_override_pattern") or self.hparams.get("layers_block_type")
         self.kinds = self._kinds(pattern, "hybrid_override_pattern")
         if len(self.kinds) != self.n_trunk:
-            raise InputError(cfg, f"hybrid_override_pattern has {len(self.kinds)} layers, num_hidden_layers "
-                                  f"{self.n_trunk}")
+            raise InputError(
+                cfg, f"hybrid_override_pattern has {len(self.kinds)} layers, num_hidden_layers {self.n_trunk}"
+            )
         if self.n_mtp > 1:
             raise InputError(cfg, "num_nextn_predict_layers > 1: only one MTP layer is supported (as in llama.cpp)")
         mtp = self.hparams.get("mtp_hybrid_override_pattern") or self.hparams.get("mtp_layers_block_type") or "*E"
@@ -121,36 +159,52 @@ class NemotronHMoe(ConvertFamily):
     def set_metadata(self, w: GGUFWriter) -> None:
         hp, n = self.hparams, self._n_blocks
         kinds = self.kinds + ["mtp"] * (n - self.n_trunk)  # the MTP block counts as attention and MoE
-        for key in ("context_length", "feed_forward_length", "attention.head_count_kv", "attention.key_length",
-                    "attention.value_length", "expert_count", "expert_group_count", "expert_used_count"):
+        for key in (
+            "context_length",
+            "feed_forward_length",
+            "attention.head_count_kv",
+            "attention.key_length",
+            "attention.value_length",
+            "expert_count",
+            "expert_group_count",
+            "expert_used_count",
+        ):
             w.kv_data[0].pop(f"{self.arch}.{key}", None)  # replaced below, as llama.cpp's later writers do
-        w.add_context_length(2 ** 20)  # no RoPE: llama.cpp's GraniteHybrid writes its fixed 2**20
+        w.add_context_length(2**20)  # no RoPE: llama.cpp's GraniteHybrid writes its fixed 2**20
         w.add_feed_forward_length([hp["moe_intermediate_size"] if k in ("moe", "mtp") else 0 for k in kinds])
         w.add_head_count_kv([hp["num_key_value_heads"] if k in ("attention", "mtp") else 0 for k in kinds])
         if (v := self.hp("layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")) is not None:
             w.add_layer_norm_eps(v)
         w.add_vocab_size(self.vocab_size())
         w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
-        add_hparams(w, hp, (
-            ("add_ssm_conv_kernel", "conv_kernel"),
-            ("add_ssm_state_size", "ssm_state_size"),
-            ("add_ssm_group_count", "n_groups"),
-        ))
+        add_hparams(
+            w,
+            hp,
+            (
+                ("add_ssm_conv_kernel", "conv_kernel"),
+                ("add_ssm_state_size", "ssm_state_size"),
+                ("add_ssm_group_count", "n_groups"),
+            ),
+        )
         w.add_ssm_inner_size(self.d_inner)
         w.add_ssm_time_step_rank(hp["mamba_num_heads"])
         w.add_rope_scaling_finetuned(False)
-        add_hparams(w, hp, (
-            ("add_key_length", "head_dim"),
-            ("add_value_length", "head_dim"),
-            ("add_expert_feed_forward_length", "moe_intermediate_size"),
-            ("add_expert_shared_feed_forward_length", "moe_shared_expert_intermediate_size"),
-            ("add_expert_count", "n_routed_experts"),
-            ("add_expert_shared_count", "n_shared_experts"),
-            ("add_expert_weights_norm", "norm_topk_prob"),
-            ("add_expert_weights_scale", "routed_scaling_factor"),
-            ("add_expert_group_count", "n_group"),
-            ("add_expert_used_count", "num_experts_per_tok"),
-        ))
+        add_hparams(
+            w,
+            hp,
+            (
+                ("add_key_length", "head_dim"),
+                ("add_value_length", "head_dim"),
+                ("add_expert_feed_forward_length", "moe_intermediate_size"),
+                ("add_expert_shared_feed_forward_length", "moe_shared_expert_intermediate_size"),
+                ("add_expert_count", "n_routed_experts"),
+                ("add_expert_shared_count", "n_shared_experts"),
+                ("add_expert_weights_norm", "norm_topk_prob"),
+                ("add_expert_weights_scale", "routed_scaling_factor"),
+                ("add_expert_group_count", "n_group"),
+                ("add_expert_used_count", "num_experts_per_tok"),
+            ),
+        )
         if (latent := hp.get("moe_latent_size")) is not None:
             w.add_moe_latent_size(latent)
 
@@ -167,8 +221,9 @@ class NemotronHMoe(ConvertFamily):
             yield Expected(p + "norm.weight", (h,))
             yield from self._mixer(p + "mixer.", kind)
         if keep_mtp and self.n_mtp:
-            yield from (Expected(name, (h, 2 * h) if kind is K.NEXTN_EH_PROJ else (h,))
-                        for name, kind in _MTP_OWN.items())
+            yield from (
+                Expected(name, (h, 2 * h) if kind is K.NEXTN_EH_PROJ else (h,)) for name, kind in _MTP_OWN.items()
+            )
             yield from self._mixer("mtp.layers.0.mixer.", "attention")
             yield from self._mixer("mtp.layers.1.mixer.", "moe")
 
@@ -187,7 +242,11 @@ class NemotronHMoe(ConvertFamily):
         elif kind == "attention":
             yield from V.attention(p, h, hp["num_attention_heads"], hp["num_key_value_heads"], hp["head_dim"])
         elif kind == "moe":
-            n_exp, ff, sff = hp["n_routed_experts"], hp["moe_intermediate_size"], hp["moe_shared_expert_intermediate_size"]
+            n_exp, ff, sff = (
+                hp["n_routed_experts"],
+                hp["moe_intermediate_size"],
+                hp["moe_shared_expert_intermediate_size"],
+            )
             latent = hp.get("moe_latent_size")
             yield Expected(p + "gate.weight", (n_exp, h))
             yield Expected(p + "gate.e_score_correction_bias", (n_exp,))
@@ -221,8 +280,11 @@ class NemotronHMoe(ConvertFamily):
             for j in (0, 1):
                 yield from self._mixer_tensors(bid, f"mtp.layers.{j}.mixer.", one, used)
         elif self.n_mtp and self.block_selection is not BlockSelection.DROP:
-            raise InputError(self.ckpt.folder, f"no tensors for the MTP layer (mtp.layers.*; config.json has "
-                                               f"{self.n_mtp} MTP) (convert the trunk alone with --no-mtp)")
+            raise InputError(
+                self.ckpt.folder,
+                f"no tensors for the MTP layer (mtp.layers.*; config.json has "
+                f"{self.n_mtp} MTP) (convert the trunk alone with --no-mtp)",
+            )
         yield one(gguf_name(K.OUTPUT_NORM), self.require("backbone.norm_f.weight"))
         if "lm_head.weight" in self.ckpt:
             yield one(gguf_name(K.OUTPUT), "lm_head.weight")
@@ -237,7 +299,7 @@ class NemotronHMoe(ConvertFamily):
     def _mixer_tensors(self, bid: int, p: str, one, used: list[str]) -> Iterator[Emit]:
         names = [n for n in self.ckpt.names() if n.startswith(p)]
         for hf in names:
-            if (entry := _MIXER.get(hf[len(p):])) is not None:
+            if (entry := _MIXER.get(hf[len(p) :])) is not None:
                 yield one(gguf_name(entry[0], bid, entry[1]), hf)
         if any(n.startswith(p + "experts.") for n in names):
             for proj, kind in (("up_proj", K.FFN_UP_EXP), ("down_proj", K.FFN_DOWN_EXP)):

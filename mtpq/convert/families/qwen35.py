@@ -38,7 +38,7 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from ...tensors import tensor_kind
 from .. import validate as V
-from ..base import Emit, ConvertFamily, Transform, check_unused
+from ..base import ConvertFamily, Emit, Transform, check_unused
 from ..checkpoint import HFCheckpoint
 from ..validate import Expected
 
@@ -52,8 +52,16 @@ MTP_HEAD = {
     "pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
     "norm.weight": "nextn.shared_head_norm.weight",
 }
-ZERO_CENTRED_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm",
-                      "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
+ZERO_CENTRED_NORMS = {
+    "attn_norm",
+    "post_attention_norm",
+    "attn_q_norm",
+    "attn_k_norm",
+    "output_norm",
+    "nextn.enorm",
+    "nextn.hnorm",
+    "nextn.shared_head_norm",
+}
 # llama.cpp's loaders require rope.dimension_sections; its converter writes Qwen3.5's default when absent
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # newer than gguf-py 0.19's Keys
@@ -71,7 +79,7 @@ def tile_v_heads(t: torch.Tensor, dim: int, n_k_heads: int, head_dim: int) -> to
     """Reorder value heads along ``dim``: grouped [k0v0, k0v1, k1v0, k1v1] -> tiled [k0v0, k1v0, k0v1, k1v1]."""
     shape = list(t.shape)
     n_per_k = shape[dim] // (n_k_heads * head_dim)
-    grouped = t.reshape(*shape[:dim], n_k_heads, n_per_k, head_dim, *shape[dim + 1:])
+    grouped = t.reshape(*shape[:dim], n_k_heads, n_per_k, head_dim, *shape[dim + 1 :])
     return grouped.transpose(dim, dim + 1).reshape(shape)
 
 
@@ -79,9 +87,18 @@ class Qwen35(ConvertFamily):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     other_towers = ("model.visual.", "visual.")
     arch = "qwen35"
-    required_hparams = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
-                        "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+    required_hparams = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    )
 
     def __init__(self, ckpt: HFCheckpoint):
         super().__init__(ckpt)
@@ -102,12 +119,12 @@ class Qwen35(ConvertFamily):
                 continue
             name = _TEXT_PREFIX.sub("model.", hf)
             if name.startswith("model.mtp."):
-                name = name[len("model."):]
+                name = name[len("model.") :]
             self.logical[name] = hf
             if m := _MTP_LAYER.match(name):
                 self.mtp_layers.setdefault(int(m[1]), {})[m[2]] = hf
             elif name.startswith("mtp."):
-                self.mtp_head[name[len("mtp."):]] = hf
+                self.mtp_head[name[len("mtp.") :]] = hf
             elif m := _LAYER.match(name):
                 self.layers.setdefault(int(m[1]), {})[m[2]] = hf
             else:
@@ -119,14 +136,18 @@ class Qwen35(ConvertFamily):
         found = sorted(self.mtp_layers)
         if not found and not self.mtp_head:
             if declared:
-                log.warning("%s declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; "
-                            "converting the trunk", cfg, declared)
+                log.warning(
+                    "%s declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; converting the trunk",
+                    cfg,
+                    declared,
+                )
             return 0
         if found != list(range(len(found))) or not found:
             raise InputError(self.ckpt.folder, f"MTP layers must be mtp.layers.0..N-1, found {found or 'none'}")
         if declared and declared != len(found):
-            raise InputError(cfg, f"mtp_num_hidden_layers is {declared}, "
-                                  f"but the checkpoint holds {len(found)} MTP layer(s)")
+            raise InputError(
+                cfg, f"mtp_num_hidden_layers is {declared}, but the checkpoint holds {len(found)} MTP layer(s)"
+            )
         missing = [k for k in MTP_HEAD if k not in self.mtp_head]
         if missing:
             raise InputError(self.ckpt.folder, f"MTP head is incomplete: missing tensor mtp.{missing[0]}")
@@ -161,8 +182,9 @@ class Qwen35(ConvertFamily):
         for i, p in enumerate(blocks):
             yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
             if i in full or p.startswith("mtp."):  # gated attention: q_proj holds [q; gate] per head
-                yield from V.attention(p + "self_attn.", h, nh, hp["num_key_value_heads"], hd, qk_norm=True,
-                                       q_rows=2 * nh * hd)
+                yield from V.attention(
+                    p + "self_attn.", h, nh, hp["num_key_value_heads"], hd, qk_norm=True, q_rows=2 * nh * hd
+                )
             else:
                 yield from (V.Expected(p + inner, shape) for inner, shape in self.linear_attn_shapes().items())
             yield from self.expected_ffn(p + "mlp.")
@@ -185,8 +207,10 @@ class Qwen35(ConvertFamily):
             raise InputError(self.ckpt.folder / "config.json", f"missing linear-attention hparam {exc}") from None
         if (layer_types := hp.get("layer_types")) is not None:
             if len(layer_types) != self.n_trunk:
-                raise InputError(self.ckpt.folder / "config.json",
-                                 f"layer_types has {len(layer_types)} entries, num_hidden_layers is {self.n_trunk}")
+                raise InputError(
+                    self.ckpt.folder / "config.json",
+                    f"layer_types has {len(layer_types)} entries, num_hidden_layers is {self.n_trunk}",
+                )
             recurrent = [t == "linear_attention" for t in layer_types]
             recurrent += [False] * (self.n_blocks - self.n_trunk)  # MTP blocks use full attention
             w.add_array(RECURRENT_LAYERS_KEY.format(arch=self.arch), recurrent)
@@ -208,14 +232,17 @@ class Qwen35(ConvertFamily):
         self.used: list[str] = []
         embed = self.top.get("model.embed_tokens.weight")
         if embed is None:
-            raise InputError(self.ckpt.folder, "missing tensor model.embed_tokens.weight "
-                                               "(or model.language_model.embed_tokens.weight)")
+            raise InputError(
+                self.ckpt.folder,
+                "missing tensor model.embed_tokens.weight (or model.language_model.embed_tokens.weight)",
+            )
         self.expect_shape(embed, (hp["vocab_size"], hp["hidden_size"]))
         yield self._emit("token_embd.weight", embed)
         for bid in range(self.n_trunk):
             if bid not in self.layers:
-                raise InputError(self.ckpt.folder,
-                                 f"no tensors for layer {bid} (config.json has {self.n_trunk} layers)")
+                raise InputError(
+                    self.ckpt.folder, f"no tensors for layer {bid} (config.json has {self.n_trunk} layers)"
+                )
             yield from self.block_tensors(bid, self.layers[bid])
         for i in range(self.n_mtp):
             bid = self.n_trunk + i
@@ -264,9 +291,16 @@ class Qwen35(ConvertFamily):
         n_k, n_v = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
         qk, d_v = 2 * n_k * hp["linear_key_head_dim"], hp["linear_value_head_dim"]
         # kind -> (dim, where the V heads start along it, V head size)
-        v_part = {"attn_qkv": (0, qk, d_v), "ssm_conv1d": (0, qk, d_v), "attn_gate": (0, 0, d_v),
-                  "ssm_beta": (0, 0, 1), "ssm_alpha": (0, 0, 1), "ssm_a": (0, 0, 1), "ssm_dt.bias": (0, 0, 1),
-                  "ssm_out": (1, 0, d_v)}
+        v_part = {
+            "attn_qkv": (0, qk, d_v),
+            "ssm_conv1d": (0, qk, d_v),
+            "attn_gate": (0, 0, d_v),
+            "ssm_beta": (0, 0, 1),
+            "ssm_alpha": (0, 0, 1),
+            "ssm_a": (0, 0, 1),
+            "ssm_dt.bias": (0, 0, 1),
+            "ssm_out": (1, 0, d_v),
+        }
         if n_v == n_k or kind not in v_part:
             return identity
         dim, start, head_dim = v_part[kind]
@@ -286,12 +320,19 @@ class Qwen35(ConvertFamily):
         h, n_k, n_v = hp["hidden_size"], hp["linear_num_key_heads"], hp["linear_num_value_heads"]
         d_k, d_v, k = hp["linear_key_head_dim"], hp["linear_value_head_dim"], hp["linear_conv_kernel_dim"]
         if n_v % n_k:
-            raise InputError(self.ckpt.folder / "config.json",
-                             f"linear_num_value_heads {n_v} is not a multiple of linear_num_key_heads {n_k}")
+            raise InputError(
+                self.ckpt.folder / "config.json",
+                f"linear_num_value_heads {n_v} is not a multiple of linear_num_key_heads {n_k}",
+            )
         conv = 2 * n_k * d_k + n_v * d_v
         return {
-            "linear_attn.in_proj_qkv.weight": (conv, h), "linear_attn.in_proj_z.weight": (n_v * d_v, h),
-            "linear_attn.in_proj_a.weight": (n_v, h), "linear_attn.in_proj_b.weight": (n_v, h),
-            "linear_attn.A_log": (n_v,), "linear_attn.dt_bias": (n_v,), "linear_attn.conv1d.weight": (conv, 1, k),
-            "linear_attn.out_proj.weight": (h, n_v * d_v), "linear_attn.norm.weight": (d_v,),
+            "linear_attn.in_proj_qkv.weight": (conv, h),
+            "linear_attn.in_proj_z.weight": (n_v * d_v, h),
+            "linear_attn.in_proj_a.weight": (n_v, h),
+            "linear_attn.in_proj_b.weight": (n_v, h),
+            "linear_attn.A_log": (n_v,),
+            "linear_attn.dt_bias": (n_v,),
+            "linear_attn.conv1d.weight": (conv, 1, k),
+            "linear_attn.out_proj.weight": (h, n_v * d_v),
+            "linear_attn.norm.weight": (d_v,),
         }

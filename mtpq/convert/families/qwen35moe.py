@@ -82,8 +82,10 @@ class Qwen35Moe(Qwen35):
         for proj, by_expert in per.items():
             missing = [e for e in range(n_exp) if e not in by_expert]
             if missing or len(by_expert) != n_exp:
-                raise InputError(self.ckpt.folder, f"layer {bid}: {proj} has experts {sorted(by_expert)}, "
-                                                   f"config.json has num_experts={n_exp}")
+                raise InputError(
+                    self.ckpt.folder,
+                    f"layer {bid}: {proj} has experts {sorted(by_expert)}, config.json has num_experts={n_exp}",
+                )
             parts = [by_expert[e] for e in range(n_exp)]
             for hf in parts:
                 self.expect_shape(hf, (h, ff) if proj == "down_proj" else (ff, h))
@@ -97,10 +99,18 @@ class Qwen35Moe(Qwen35):
             src = f"{self.ckpt.stored[hf].file.name}:{hf}"
             for proj, lo, what in (("gate_proj", 0, "gate"), ("up_proj", ff, "up")):
                 # what the writer uses: this half alone, one expert at a time (not the fused stack, twice)
-                encode = (lambda hf, name, lo, s: lambda q: stream.encode_rows_of_stack(
-                    self.ckpt, hf, name, s, lo, lo + ff, q))(hf, gguf_name[proj], lo, f"{src} [{what} half]")
-                yield Emit(gguf_name[proj], (n_exp, ff, h), (lambda lo: lambda: load()[:, lo:lo + ff, :])(lo),
-                           f"{src} [{what} half]", encode)
+                encode = (
+                    lambda hf, name, lo, s: (
+                        lambda q: stream.encode_rows_of_stack(self.ckpt, hf, name, s, lo, lo + ff, q)
+                    )
+                )(hf, gguf_name[proj], lo, f"{src} [{what} half]")
+                yield Emit(
+                    gguf_name[proj],
+                    (n_exp, ff, h),
+                    (lambda lo: lambda: load()[:, lo : lo + ff, :])(lo),
+                    f"{src} [{what} half]",
+                    encode,
+                )
         if (hf := fused.get("down_proj")) is not None:
             self.expect_shape(hf, (n_exp, h, ff))
             self.used.append(hf)

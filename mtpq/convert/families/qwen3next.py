@@ -50,9 +50,11 @@ class Qwen3Next(Qwen35Moe):
         super().__init__(ckpt)
         hp = self.hparams
         if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step") not in (None, 1):
-            raise InputError(ckpt.folder / "config.json",
-                             "mlp_only_layers / decoder_sparse_step give dense layers; llama.cpp's qwen3next "
-                             "needs an MoE block in every layer")
+            raise InputError(
+                ckpt.folder / "config.json",
+                "mlp_only_layers / decoder_sparse_step give dense layers; llama.cpp's qwen3next "
+                "needs an MoE block in every layer",
+            )
 
     def rope_sections(self) -> list[int] | None:
         return self.rope_parameters.get("mrope_section")  # plain partial RoPE, unless a config says otherwise
@@ -88,7 +90,8 @@ class Qwen3Next(Qwen35Moe):
 
         def part(start: int, size: int) -> Transform:
             def take(w: torch.Tensor) -> torch.Tensor:
-                return w.reshape(n_k, 2 * d_k + 2 * v_per_k, h)[:, start:start + size].reshape(-1, h)
+                return w.reshape(n_k, 2 * d_k + 2 * v_per_k, h)[:, start : start + size].reshape(-1, h)
+
             return take
 
         q, k, v, z = part(0, d_k), part(d_k, d_k), part(2 * d_k, v_per_k), part(2 * d_k + v_per_k, v_per_k)

@@ -47,12 +47,24 @@ from gguf import GGUFWriter
 from ...errors import InputError
 from .. import validate as V
 from ..base import (
-    NEXTN_TENSORS, Emit, ConvertFamily, Transform, add_hparams, as_llama_cpp_reads, gguf_name, keeps_bytes,
+    NEXTN_TENSORS,
+    ConvertFamily,
+    Emit,
+    Transform,
+    add_hparams,
+    as_llama_cpp_reads,
+    gguf_name,
+    keeps_bytes,
 )
 from ..validate import Expected
 
-_SQUEEZED = (".self_attn.g_proj.weight", ".moe.gate.weight", ".moe.up_proj.weight", ".moe.gate_proj.weight",
-             ".moe.down_proj.weight")
+_SQUEEZED = (
+    ".self_attn.g_proj.weight",
+    ".moe.gate.weight",
+    ".moe.up_proj.weight",
+    ".moe.gate_proj.weight",
+    ".moe.down_proj.weight",
+)
 
 
 def _pad(values: list, n: int, default) -> list:
@@ -75,13 +87,23 @@ class Step35(ConvertFamily):
     per_expert_infix = "moe.experts."  # none in the releases: experts are stored stacked
     other_towers = ("vision_model.", "vit_large_projector.")  # Step3.7's vision tower: llama.cpp's mmproj file
     # the release nests the MTP shared head under ``transformer.`` and calls the head ``output``
-    nextn_tensors = {**NEXTN_TENSORS,
-                     "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
-                     "transformer.shared_head.output.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD}
+    nextn_tensors = {
+        **NEXTN_TENSORS,
+        "transformer.shared_head.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM,
+        "transformer.shared_head.output.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD,
+    }
 
     required_hparams = ConvertFamily.required_hparams + (
-        "num_attention_heads", "num_attention_groups", "head_dim", "intermediate_size", "sliding_window",
-        "moe_num_experts", "moe_top_k", "moe_intermediate_size", "share_expert_dim")
+        "num_attention_heads",
+        "num_attention_groups",
+        "head_dim",
+        "intermediate_size",
+        "sliding_window",
+        "moe_num_experts",
+        "moe_top_k",
+        "moe_intermediate_size",
+        "share_expert_dim",
+    )
 
     # -- metadata -----------------------------------------------------------------------
 
@@ -112,24 +134,34 @@ class Step35(ConvertFamily):
         factors = _pad(hp.get("partial_rotary_factors") or [], n, 0.5)
         want = [1.0 if t == "sliding_attention" else 0.5 for t in layer_types]
         if [float(f) for f in factors] != want:  # llama.cpp asserts the same: its graph assumes these factors
-            raise InputError(cfg, f"partial_rotary_factors {factors} do not follow layer_types "
-                                  "(0.5 for full attention, 1.0 for sliding)")
+            raise InputError(
+                cfg,
+                f"partial_rotary_factors {factors} do not follow layer_types (0.5 for full attention, 1.0 for sliding)",
+            )
         swa = [t == "sliding_attention" for t in layer_types]
-        for key in (K.Attention.HEAD_COUNT, K.Attention.HEAD_COUNT_KV, K.Attention.VALUE_LENGTH,
-                    K.Attention.LAYERNORM_RMS_EPS):
+        for key in (
+            K.Attention.HEAD_COUNT,
+            K.Attention.HEAD_COUNT_KV,
+            K.Attention.VALUE_LENGTH,
+            K.Attention.LAYERNORM_RMS_EPS,
+        ):
             w.kv_data[0].pop(key.format(arch=self.arch), None)  # per-layer values replace the common scalars
         heads = [self._heads(bid) for bid in range(n)]
         w.add_head_count([n_head for n_head, _ in heads])
         w.add_head_count_kv([n_kv for _, n_kv in heads])
         w.add_sliding_window(hp["sliding_window"])
         w.add_sliding_window_pattern(swa)
-        add_hparams(w, hp, (
-            ("add_value_length", "head_dim"),
-            ("add_expert_count", "moe_num_experts"),
-            ("add_expert_used_count", "moe_top_k"),
-            ("add_expert_feed_forward_length", "moe_intermediate_size"),
-            ("add_expert_shared_feed_forward_length", "share_expert_dim"),
-        ))
+        add_hparams(
+            w,
+            hp,
+            (
+                ("add_value_length", "head_dim"),
+                ("add_expert_count", "moe_num_experts"),
+                ("add_expert_used_count", "moe_top_k"),
+                ("add_expert_feed_forward_length", "moe_intermediate_size"),
+                ("add_expert_shared_feed_forward_length", "share_expert_dim"),
+            ),
+        )
         if (v := hp.get("moe_router_scaling_factor")) is not None:
             w.add_expert_weights_scale(v)
         if (v := hp.get("norm_expert_weight")) is not None:
@@ -161,8 +193,9 @@ class Step35(ConvertFamily):
                 raise ValueError
             return {int(i) for i in items}
         except (TypeError, ValueError):
-            raise InputError(self.ckpt.folder / "config.json",
-                             f"moe_layers_enum {enum!r} is not a list of layer numbers") from None
+            raise InputError(
+                self.ckpt.folder / "config.json", f"moe_layers_enum {enum!r} is not a list of layer numbers"
+            ) from None
 
     def _is_moe(self, bid: int) -> bool:
         if (layers := self._moe_layers()) is not None:
@@ -179,8 +212,10 @@ class Step35(ConvertFamily):
             n_head, n_kv = other.get("num_attention_heads", n_head), other.get("num_attention_groups", n_kv)
         for key, v in (("num_attention_heads", n_head), ("num_attention_groups", n_kv)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(self.ckpt.folder / "config.json",
-                                 f"attention_other_setting.{key} must be a positive integer, got {v!r}")
+                raise InputError(
+                    self.ckpt.folder / "config.json",
+                    f"attention_other_setting.{key} must be a positive integer, got {v!r}",
+                )
         return n_head, n_kv
 
     # -- what config.json implies (checked before anything is planned) -------------------
@@ -196,22 +231,27 @@ class Step35(ConvertFamily):
             p = f"model.layers.{bid}."
             n_head, n_kv = self._heads(bid)
             yield from V.norms(p, h, "input_layernorm", "post_attention_layernorm")
-            yield from V.attention(p + "self_attn.", h, n_head, n_kv, d, bias=bool(hp.get("attention_bias")),
-                                   qk_norm=True)
-            yield from V.switched(hp.get("use_head_wise_attn_gate"),
-                                  Expected(p + "self_attn.g_proj.weight", (n_head, h)))
+            yield from V.attention(
+                p + "self_attn.", h, n_head, n_kv, d, bias=bool(hp.get("attention_bias")), qk_norm=True
+            )
+            yield from V.switched(
+                hp.get("use_head_wise_attn_gate"), Expected(p + "self_attn.g_proj.weight", (n_head, h))
+            )
             if self._is_moe(bid):
                 n_exp, ff = hp["moe_num_experts"], hp["moe_intermediate_size"]
                 yield Expected(p + "moe.gate.weight", (n_exp, h))
                 yield from V.switched(hp.get("use_moe_router_bias"), Expected(p + "moe.router_bias", (n_exp,)))
-                yield from (Expected(p + f"moe.{proj}.weight", (n_exp, *shape))
-                            for proj, shape in (("gate_proj", (ff, h)), ("up_proj", (ff, h)), ("down_proj", (h, ff))))
+                yield from (
+                    Expected(p + f"moe.{proj}.weight", (n_exp, *shape))
+                    for proj, shape in (("gate_proj", (ff, h)), ("up_proj", (ff, h)), ("down_proj", (h, ff)))
+                )
                 yield from V.dense_ffn(p + "share_expert.", h, hp["share_expert_dim"])
             else:
                 yield from V.dense_ffn(p + "mlp.", h, hp["intermediate_size"])
             if bid >= self.n_trunk:
-                yield from V.nextn_head(p, h, vocab, norm="transformer.shared_head.norm",
-                                        head="transformer.shared_head.output")
+                yield from V.nextn_head(
+                    p, h, vocab, norm="transformer.shared_head.norm", head="transformer.shared_head.output"
+                )
 
     # -- tensors: the base's per-layer loop; these hooks are the family's differences ----
 
@@ -229,14 +269,20 @@ class Step35(ConvertFamily):
         hp, cfg = self.hparams, self.ckpt.folder / "config.json"
         theta = hp.get("rope_theta", 10000.0)  # not rope_parameters' own: llama.cpp reads the hparam
         base = float(theta[0] if isinstance(theta, list) else theta)
-        storage_dim = int(hp["head_dim"] if hp.get("head_dim") is not None
-                          else hp["hidden_size"] // hp["num_attention_heads"])
+        storage_dim = int(
+            hp["head_dim"] if hp.get("head_dim") is not None else hp["hidden_size"] // hp["num_attention_heads"]
+        )
         # the first full-attention layer's rotary share, among the blocks this file holds (as stored, unpadded)
-        pairs = zip((hp.get("layer_types") or [])[:self.n_blocks], (hp.get("partial_rotary_factors") or [])[:self.n_blocks])
+        pairs = zip(
+            (hp.get("layer_types") or [])[: self.n_blocks], (hp.get("partial_rotary_factors") or [])[: self.n_blocks]
+        )
         factor = next((float(f) for t, f in pairs if t == "full_attention"), None)
         if factor is None:  # llama.cpp's converter stops here too (StopIteration)
-            raise InputError(cfg, "llama3 RoPE scaling applies to full-attention layers, but layer_types / "
-                                  "partial_rotary_factors name none")
+            raise InputError(
+                cfg,
+                "llama3 RoPE scaling applies to full-attention layers, but layer_types / "
+                "partial_rotary_factors name none",
+            )
         rotary_dim = int(storage_dim * factor)
 
         def load() -> torch.Tensor:

@@ -16,25 +16,38 @@ import torch
 from ...errors import InputError
 from ..model import MtpModel, RuntimeFamily
 from ..weights import GGUFFile
-from .deepseek2 import Deepseek2
 from .bailingmoe3 import BailingMoe3
 from .cohere2moe import Cohere2Moe
-from .deepseek32 import Deepseek32
+from .deepseek2 import Deepseek2
 from .deepseek4 import Deepseek4
+from .deepseek32 import Deepseek32
 from .glm4moe import Glm4Moe
 from .glm_dsa import GlmDsa
 from .hy_v3 import HyV3
 from .mimo2 import Mimo2
 from .nemotron_h_moe import NemotronHMoe
-from .qwen35 import Qwen35
 from .qwen3next import Qwen3Next
+from .qwen35 import Qwen35
 from .step35 import Step35
 
 # GGUF arch -> family
 RUNTIME_FAMILIES: dict[str, type[RuntimeFamily]] = {
     arch: fam
-    for fam in (Glm4Moe, Qwen35, Deepseek2, Deepseek32, GlmDsa, HyV3, Cohere2Moe, BailingMoe3, Qwen3Next, NemotronHMoe,
-                Step35, Mimo2, Deepseek4)
+    for fam in (
+        Glm4Moe,
+        Qwen35,
+        Deepseek2,
+        Deepseek32,
+        GlmDsa,
+        HyV3,
+        Cohere2Moe,
+        BailingMoe3,
+        Qwen3Next,
+        NemotronHMoe,
+        Step35,
+        Mimo2,
+        Deepseek4,
+    )
     for arch in fam.archs
 }
 
@@ -43,13 +56,21 @@ def runtime_family_for(g: GGUFFile) -> type[RuntimeFamily]:
     """The family that runs ``g`` (by its GGUF arch), or an InputError naming those the runtime runs."""
     fam = RUNTIME_FAMILIES.get(g.arch)
     if fam is None:
-        raise InputError(g.path, f"architecture {g.arch!r} has no runtime yet; the runtime runs "
-                                 f"{', '.join(sorted(RUNTIME_FAMILIES))}")
+        raise InputError(
+            g.path,
+            f"architecture {g.arch!r} has no runtime yet; the runtime runs {', '.join(sorted(RUNTIME_FAMILIES))}",
+        )
     return fam
 
 
-def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         hidden: str = "auto", g: GGUFFile | None = None, llama_cpp_numerics: bool = False) -> MtpModel:
+def load(
+    path: Path | str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    hidden: str = "auto",
+    g: GGUFFile | None = None,
+    llama_cpp_numerics: bool = False,
+) -> MtpModel:
     """The model in a GGUF, for any architecture the runtime has (:data:`RUNTIME_FAMILIES`)."""
     from ...ggml.malloc import keep_freed_buffers
 
@@ -65,7 +86,9 @@ def load(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtyp
     from ...gguf_io.check import is_head_file
 
     if is_head_file(g) and not any(n.startswith("blk.0.") for n in g.tensors):
-        raise InputError(g.path, "is a head file (the MTP block without the trunk): give the trunk file, and this "
-                                 "one with --head")
-    return MtpModel(g, runtime_family_for(g)(g), device=device, dtype=dtype, hidden=hidden,
-                    llama_cpp_numerics=llama_cpp_numerics).eval()
+        raise InputError(
+            g.path, "is a head file (the MTP block without the trunk): give the trunk file, and this one with --head"
+        )
+    return MtpModel(
+        g, runtime_family_for(g)(g), device=device, dtype=dtype, hidden=hidden, llama_cpp_numerics=llama_cpp_numerics
+    ).eval()

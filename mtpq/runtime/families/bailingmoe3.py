@@ -78,26 +78,39 @@ class BailingMoe3(RuntimeFamily):
     def __init__(self, g: GGUFFile):
         super().__init__(g)
         if any(g.value("rope.dimension_sections") or ()):
-            raise InputError(g.path, "multi-section RoPE (rope.dimension_sections) is not supported by the "
-                                     "bailingmoe3 runtime")
+            raise InputError(
+                g.path, "multi-section RoPE (rope.dimension_sections) is not supported by the bailingmoe3 runtime"
+            )
         if g.value("rope.scaling.type", "none") not in ("none", None):
-            raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the "
-                                     "bailingmoe3 runtime")
+            raise InputError(
+                g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the bailingmoe3 runtime"
+            )
         kv_heads = g.require("attention.head_count_kv")
         kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * (g.n_trunk + g.n_mtp)
         if len(kv_heads) < g.n_trunk:
-            raise InputError(g.path, f"{g.arch}.attention.head_count_kv has {len(kv_heads)} entries for "
-                                     f"{g.n_trunk} trunk blocks")
+            raise InputError(
+                g.path, f"{g.arch}.attention.head_count_kv has {len(kv_heads)} entries for {g.n_trunk} trunk blocks"
+            )
         n_heads, rope_dim = int(g.require("attention.head_count")), int(g.require("rope.dimension_count"))
         key_mla = int(g.require("attention.key_length_mla"))
         self.cfg = BailingMoe3Config(
             vocab_size=g.shape("token_embd.weight")[0],
-            mla=MLAConfig(n_heads=n_heads, kv_lora_rank=int(g.require("attention.kv_lora_rank")),
-                          qk_nope_dim=key_mla - rope_dim, qk_rope_dim=rope_dim,
-                          v_dim=int(g.require("attention.value_length_mla")), eps=self.eps, kq_scale=key_mla ** -0.5),
-            kda=KDAConfig(n_heads=n_heads, head_dim=int(g.require("kda.head_dim")),
-                          conv_kernel=int(g.require("ssm.conv_kernel")), eps=self.eps,
-                          gate_lower_bound=float(g.require("kda.gate_lower_bound"))),
+            mla=MLAConfig(
+                n_heads=n_heads,
+                kv_lora_rank=int(g.require("attention.kv_lora_rank")),
+                qk_nope_dim=key_mla - rope_dim,
+                qk_rope_dim=rope_dim,
+                v_dim=int(g.require("attention.value_length_mla")),
+                eps=self.eps,
+                kq_scale=key_mla**-0.5,
+            ),
+            kda=KDAConfig(
+                n_heads=n_heads,
+                head_dim=int(g.require("kda.head_dim")),
+                conv_kernel=int(g.require("ssm.conv_kernel")),
+                eps=self.eps,
+                gate_lower_bound=float(g.require("kda.gate_lower_bound")),
+            ),
             moe=routed_moe_config(g, ExpertGatingFuncType.SIGMOID),
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
             recurrent=tuple(int(n) == 0 for n in kv_heads[: g.n_trunk]),

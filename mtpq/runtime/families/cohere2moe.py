@@ -51,8 +51,10 @@ def sliding_layers(g: GGUFFile) -> tuple[bool, ...]:
     pattern = g.value("attention.sliding_window_pattern", 4)
     if isinstance(pattern, (list, tuple)):
         if len(pattern) < g.n_trunk:
-            raise InputError(g.path, f"{g.arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
-                                     f"{g.n_trunk} trunk blocks")
+            raise InputError(
+                g.path,
+                f"{g.arch}.attention.sliding_window_pattern has {len(pattern)} entries for {g.n_trunk} trunk blocks",
+            )
         return tuple(bool(p) for p in pattern[: g.n_trunk])
     n = int(pattern)
     return tuple(n == 0 or i % n != 0 for i in range(g.n_trunk))

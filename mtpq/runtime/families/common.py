@@ -25,8 +25,9 @@ def routed_moe_config(g: GGUFFile, default_gating: ExpertGatingFuncType) -> MoEC
     gating = int(g.value("expert_gating_func", default_gating) or default_gating)
     names = {ExpertGatingFuncType.SOFTMAX: "softmax", ExpertGatingFuncType.SIGMOID: "sigmoid"}
     if gating not in names:
-        raise InputError(g.path, f"{g.arch}.expert_gating_func {gating} is not supported by the runtime "
-                                 "(1 softmax, 2 sigmoid)")
+        raise InputError(
+            g.path, f"{g.arch}.expert_gating_func {gating} is not supported by the runtime (1 softmax, 2 sigmoid)"
+        )
     return MoEConfig(
         n_experts=int(g.value("expert_count", 0)),
         n_used=int(g.value("expert_used_count", 0)),
@@ -56,6 +57,7 @@ def sliding_layers(g: GGUFFile, n: int) -> list[bool]:
 @dataclass(frozen=True)
 class WindowedModelConfig:
     """A family of :class:`~mtpq.runtime.swa.WindowedAttention` blocks (step35, mimo2)."""
+
     vocab_size: int
     attn: list[SwaConfig]  # per block, MTP blocks included
     sliding: list[bool]
@@ -73,12 +75,15 @@ def windowed_configs(g: GGUFFile, eps: float, value_scale: float = 1.0) -> tuple
     window = int(g.require("attention.sliding_window"))
     head_dim = int(g.require("attention.key_length"))
     v_dim = int(g.value("attention.value_length", head_dim))
-    return [SwaConfig(int(h), int(k), head_dim, v_dim, eps, window if s else None, value_scale)
-            for h, k, s in zip(heads, kv, sliding)], sliding
+    return [
+        SwaConfig(int(h), int(k), head_dim, v_dim, eps, window if s else None, value_scale)
+        for h, k, s in zip(heads, kv, sliding)
+    ], sliding
 
 
 def refuse_rope_scaling(g: GGUFFile, note: str = "") -> None:
     """The families whose releases need no ``rope.scaling.type`` refuse one rather than ignore it."""
     if g.value("rope.scaling.type", "none") not in ("none", None):
-        raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the {g.arch} "
-                                 f"runtime{note}")
+        raise InputError(
+            g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the {g.arch} runtime{note}"
+        )

@@ -45,8 +45,9 @@ class Deepseek2(RuntimeFamily):
     def __init__(self, g: GGUFFile):
         super().__init__(g)
         if g.value("attention.temperature_scale"):
-            raise InputError(g.path, "attention temperature scaling (Mistral-Large style) is not supported by the "
-                                     "deepseek2 runtime")
+            raise InputError(
+                g.path, "attention temperature scaling (Mistral-Large style) is not supported by the deepseek2 runtime"
+            )
         n_heads = int(g.require("attention.head_count"))
         rope_dim = int(g.require("rope.dimension_count"))
         key_mla = int(g.require("attention.key_length_mla"))  # nope + rope per head, as transformers sees it
@@ -62,7 +63,7 @@ class Deepseek2(RuntimeFamily):
                 qk_rope_dim=rope_dim,
                 v_dim=int(g.require("attention.value_length_mla")),
                 eps=self.eps,
-                kq_scale=softmax_mul / key_mla ** 0.5,
+                kq_scale=softmax_mul / key_mla**0.5,
             ),
             moe=routed_moe_config(g, self.default_gating),
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
@@ -75,8 +76,9 @@ class Deepseek2(RuntimeFamily):
         log_mul = g.value("rope.scaling.yarn_log_multiplier") if self.reads_yarn_log_mul else None
         # llama.cpp stores 0.1 * mscale_all_dim and divides in float32 on load
         mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1)) if log_mul else None
-        return yarn_mla_scales(factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0),
-                               mscale=self.yarn_mscale)
+        return yarn_mla_scales(
+            factor, mscale_all_dim, float(g.value("rope.scaling.attn_factor", 1.0) or 1.0), mscale=self.yarn_mscale
+        )
 
     @staticmethod
     def _rope_schedule(g: GGUFFile, dim: int, base: float):
@@ -87,16 +89,23 @@ class Deepseek2(RuntimeFamily):
         if scaling != "yarn":
             raise InputError(g.path, f"rope scaling {scaling!r} is not supported by the {g.arch} runtime")
         factor = float(g.require("rope.scaling.factor"))
-        inv = yarn_inv_freq(dim, base, factor, int(g.require("rope.scaling.original_context_length")),
-                            beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-                            beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-                            ext_factor=float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0))
+        inv = yarn_inv_freq(
+            dim,
+            base,
+            factor,
+            int(g.require("rope.scaling.original_context_length")),
+            beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+            beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+            ext_factor=float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0),
+        )
         return inv, factor
 
     def block(self, w: Scope, index: int) -> DecoderBlock:
         if not w.has("attn_k_b"):
-            raise InputError(self.file.path, f"{w.prefix}attn_k_b/attn_v_b missing (a legacy GGUF with an unsplit "
-                                             f"attn_kv_b? reconvert it)")
+            raise InputError(
+                self.file.path,
+                f"{w.prefix}attn_k_b/attn_v_b missing (a legacy GGUF with an unsplit attn_kv_b? reconvert it)",
+            )
         # as llama.cpp: dense by index; MTP blocks sit past the lead and are always MoE
         ffn = SwiGLU(w) if index < self.cfg.n_dense_lead else MoE(w, self.cfg.moe)
         return DecoderBlock(w, self.attention(w, index), ffn, self.eps, ffn_norm="ffn_norm")

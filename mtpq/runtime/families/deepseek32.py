@@ -34,10 +34,12 @@ class Deepseek32(Deepseek2):
         self.check_gating(g)
         g.require("attention.q_lora_rank")  # the indexer's queries start from MLA's query latent
         super().__init__(g)
-        self.indexer_cfg = IndexerConfig(n_heads=int(g.require("attention.indexer.head_count")),
-                                         head_dim=int(g.require("attention.indexer.key_length")),
-                                         top_k=int(g.require("attention.indexer.top_k")),
-                                         norm_eps=self.indexer_norm_eps)
+        self.indexer_cfg = IndexerConfig(
+            n_heads=int(g.require("attention.indexer.head_count")),
+            head_dim=int(g.require("attention.indexer.key_length")),
+            top_k=int(g.require("attention.indexer.top_k")),
+            norm_eps=self.indexer_norm_eps,
+        )
         if self.indexer_cfg.top_k < 1:
             raise InputError(g.path, f"{g.arch}.attention.indexer.top_k must be at least 1")
         try:
@@ -45,8 +47,11 @@ class Deepseek32(Deepseek2):
         except ValueError as e:
             raise InputError(g.path, f"{g.arch}.attention.indexer.key_length: {e}") from None
         if self.rope.dim > self.indexer_cfg.head_dim:
-            raise InputError(g.path, f"{g.arch}.rope.dimension_count {self.rope.dim} exceeds the indexer's "
-                                     f"key length {self.indexer_cfg.head_dim}")
+            raise InputError(
+                g.path,
+                f"{g.arch}.rope.dimension_count {self.rope.dim} exceeds the indexer's "
+                f"key length {self.indexer_cfg.head_dim}",
+            )
         # the model's RoPE (frequencies, YaRN, cos/sin factor) in the indexer's own pair order
         self.indexer_rope = Rope(self.rope.inv_freq, neox=self.indexer_neox, mscale=self.rope.mscale)
         self.full = self.indexer_layers(g)

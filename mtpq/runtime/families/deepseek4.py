@@ -24,8 +24,16 @@ import torch
 from torch import nn
 
 from ...errors import InputError
-from ..dsv4 import (CompressedAttention, HashMoE, HcConfig, HyperHead, HyperMix, Tokens, V4AttnConfig,
-                    yarn_cancelled_mscale)
+from ..dsv4 import (
+    CompressedAttention,
+    HashMoE,
+    HcConfig,
+    HyperHead,
+    HyperMix,
+    Tokens,
+    V4AttnConfig,
+    yarn_cancelled_mscale,
+)
 from ..layers import MoEConfig, Packing, Rope, rms_norm, rope_inv_freq, yarn_inv_freq
 from ..model import RuntimeFamily
 from ..mtp import NextNHead
@@ -135,44 +143,75 @@ class Deepseek4(RuntimeFamily):
     def __init__(self, g: GGUFFile):
         super().__init__(g)
         if int(g.value("expert_gating_func", 0) or 0) != GATING_SQRT_SOFTPLUS:
-            raise InputError(g.path, f"{g.arch}.expert_gating_func must be {GATING_SQRT_SOFTPLUS} (sqrt(softplus)), "
-                                     "the only scoring llama.cpp's deepseek4 runs")
+            raise InputError(
+                g.path,
+                f"{g.arch}.expert_gating_func must be {GATING_SQRT_SOFTPLUS} (sqrt(softplus)), "
+                "the only scoring llama.cpp's deepseek4 runs",
+            )
         n_all = g.n_trunk + g.n_mtp
         ratios = tuple(int(r) for r in g.require("attention.compress_ratios"))
         if len(ratios) < n_all or any(r not in (0, 4, 128) for r in ratios[:n_all]):
-            raise InputError(g.path, f"{g.arch}.attention.compress_ratios must give 0, 4 or 128 for each of the "
-                                     f"{n_all} blocks, got {list(ratios)}")
+            raise InputError(
+                g.path,
+                f"{g.arch}.attention.compress_ratios must give 0, 4 or 128 for each of the "
+                f"{n_all} blocks, got {list(ratios)}",
+            )
         hidden = int(g.require("embedding_length"))
-        self.hc = HcConfig(n=int(g.require("hyper_connection.count")), hidden=hidden,
-                           iters=int(g.require("hyper_connection.sinkhorn_iterations")),
-                           eps=float(g.require("hyper_connection.epsilon")), norm_eps=self.eps)
+        self.hc = HcConfig(
+            n=int(g.require("hyper_connection.count")),
+            hidden=hidden,
+            iters=int(g.require("hyper_connection.sinkhorn_iterations")),
+            eps=float(g.require("hyper_connection.epsilon")),
+            norm_eps=self.eps,
+        )
         clamp_exp = [float(v) for v in per_layer(g, "swiglu_clamp_exp", n_all, 0.0)]
-        clamp_shexp = [float(v) for v in per_layer(g, "swiglu_clamp_shexp", n_all, 0.0)] \
-            if g.value("swiglu_clamp_shexp") is not None else clamp_exp
+        clamp_shexp = (
+            [float(v) for v in per_layer(g, "swiglu_clamp_shexp", n_all, 0.0)]
+            if g.value("swiglu_clamp_shexp") is not None
+            else clamp_exp
+        )
         self.cfg = Deepseek4Config(
-            vocab_size=g.shape("token_embd.weight")[0], hc=self.hc, ratios=ratios[:n_all],
+            vocab_size=g.shape("token_embd.weight")[0],
+            hc=self.hc,
+            ratios=ratios[:n_all],
             n_hash=int(g.value("hash_layer_count", 0) or 0),
-            moe=MoEConfig(n_experts=int(g.require("expert_count")), n_used=int(g.require("expert_used_count")),
-                          gating="sqrtsoftplus", norm_topk=bool(g.value("expert_weights_norm", False)),
-                          scale=float(g.value("expert_weights_scale", 1.0) or 1.0), clamp_gate=True),
-            clamp_exp=tuple(clamp_exp), clamp_shexp=tuple(clamp_shexp))
+            moe=MoEConfig(
+                n_experts=int(g.require("expert_count")),
+                n_used=int(g.require("expert_used_count")),
+                gating="sqrtsoftplus",
+                norm_topk=bool(g.value("expert_weights_norm", False)),
+                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
+                clamp_gate=True,
+            ),
+            clamp_exp=tuple(clamp_exp),
+            clamp_shexp=tuple(clamp_shexp),
+        )
         self.head_dim = int(g.require("attention.key_length"))
-        self.attn = dict(n_heads=int(g.require("attention.head_count")), head_dim=self.head_dim,
-                         o_groups=int(g.require("attention.output_group_count")),
-                         o_lora=int(g.require("attention.output_lora_rank")), eps=self.eps,
-                         window=int(g.require("attention.sliding_window")),
-                         top_k=int(g.value("attention.indexer.top_k", 0) or 0),
-                         idx_heads=int(g.value("attention.indexer.head_count", 0) or 0),
-                         idx_dim=int(g.value("attention.indexer.key_length", 0) or 0))
+        self.attn = dict(
+            n_heads=int(g.require("attention.head_count")),
+            head_dim=self.head_dim,
+            o_groups=int(g.require("attention.output_group_count")),
+            o_lora=int(g.require("attention.output_lora_rank")),
+            eps=self.eps,
+            window=int(g.require("attention.sliding_window")),
+            top_k=int(g.value("attention.indexer.top_k", 0) or 0),
+            idx_heads=int(g.value("attention.indexer.head_count", 0) or 0),
+            idx_dim=int(g.value("attention.indexer.key_length", 0) or 0),
+        )
         rope_dim = int(g.require("rope.dimension_count"))
         self.rope = Rope(rope_inv_freq(rope_dim, float(g.value("rope.freq_base", 10000.0))), neox=False)
         comp_base = float(g.require("attention.compress_rope_freq_base"))
         scaling = g.value("rope.scaling.type", "none")
         if scaling == "yarn":
             factor = float(g.require("rope.scaling.factor"))
-            inv = yarn_inv_freq(rope_dim, comp_base, factor, int(g.require("rope.scaling.original_context_length")),
-                                beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-                                beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
+            inv = yarn_inv_freq(
+                rope_dim,
+                comp_base,
+                factor,
+                int(g.require("rope.scaling.original_context_length")),
+                beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+                beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+            )
             self.comp_rope = Rope(inv, neox=False, mscale=yarn_cancelled_mscale(factor))
         elif scaling in ("none", None):
             self.comp_rope = Rope(rope_inv_freq(rope_dim, comp_base), neox=False)
@@ -186,8 +225,9 @@ class Deepseek4(RuntimeFamily):
     def block(self, w: Scope, index: int) -> V4Block:
         cfg = self.cfg
         ratio = cfg.ratios[index]
-        attn = CompressedAttention(w, V4AttnConfig(ratio=ratio, **self.attn), self.comp_rope if ratio else self.rope,
-                                   self.comp_rope)
+        attn = CompressedAttention(
+            w, V4AttnConfig(ratio=ratio, **self.attn), self.comp_rope if ratio else self.rope, self.comp_rope
+        )
         moe_cfg = replace(cfg.moe, swiglu_limit=cfg.clamp_exp[index], shared_swiglu_limit=cfg.clamp_shexp[index])
         hashed = index < cfg.n_hash and index < self.file.n_trunk  # (llama.cpp's MTP block is never hash-routed)
         return V4Block(w, attn, HashMoE(w, moe_cfg, self.tokens if hashed else None), self.hc, self.eps)

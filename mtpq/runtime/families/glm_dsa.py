@@ -44,12 +44,16 @@ class GlmDsa(Deepseek32):
             full = (True,) * n if int(g.value("context_length", 0) or 0) < GLM_5_2_CONTEXT else glm52_indexer_types(n)
         elif isinstance(types, (list, tuple)):
             if len(types) != n:  # llama.cpp refuses the file
-                raise InputError(g.path, f"{g.arch}.attention.indexer.types has {len(types)} entries for {n} "
-                                         "trunk blocks")
+                raise InputError(
+                    g.path, f"{g.arch}.attention.indexer.types has {len(types)} entries for {n} trunk blocks"
+                )
             full = tuple(bool(t) for t in types)
         else:
             full = (bool(types),) * n
         if n and not full[0]:
-            raise InputError(g.path, f"{g.arch}.attention.indexer.types: block 0 is shared, but a shared block "
-                                     "reuses the top-k of a full block before it")
+            raise InputError(
+                g.path,
+                f"{g.arch}.attention.indexer.types: block 0 is shared, but a shared block "
+                "reuses the top-k of a full block before it",
+            )
         return full

@@ -36,14 +36,21 @@ class Mimo2(RuntimeFamily):
             vocab_size=g.shape("token_embd.weight")[0],
             attn=attn,
             sliding=sliding,
-            moe=MoEConfig(n_experts=int(g.value("expert_count", 0)), n_used=int(g.value("expert_used_count", 0)),
-                          gating="sigmoid", norm_topk=True, n_group=int(g.value("expert_group_count", 1) or 1),
-                          topk_group=int(g.value("expert_group_used_count", 1) or 1)),
+            moe=MoEConfig(
+                n_experts=int(g.value("expert_count", 0)),
+                n_used=int(g.value("expert_used_count", 0)),
+                gating="sigmoid",
+                norm_topk=True,
+                n_group=int(g.value("expert_group_count", 1) or 1),
+                topk_group=int(g.value("expert_group_used_count", 1) or 1),
+            ),
         )
         n_rot = int(g.value("rope.dimension_count", attn[0].head_dim))
         n_rot = int(g.value("rope.dimension_count_swa", n_rot)) if sliding[0] else n_rot
-        self.ropes = {s: Rope(rope_inv_freq(n_rot, float(g.value(key, 10000.0))), neox=True)
-                      for s, key in ((False, "rope.freq_base"), (True, "rope.freq_base_swa"))}
+        self.ropes = {
+            s: Rope(rope_inv_freq(n_rot, float(g.value(key, 10000.0))), neox=True)
+            for s, key in ((False, "rope.freq_base"), (True, "rope.freq_base_swa"))
+        }
 
     def block(self, w: Scope, index: int) -> DecoderBlock:
         cfg = self.cfg

@@ -55,8 +55,9 @@ def per_block(g: GGUFFile, key: str, default=None) -> list[int]:
 def block_kinds(g: GGUFFile) -> tuple[str, ...]:
     """llama.cpp's rule: recurrent iff no kv heads and no FFN; attention iff no FFN; else a feed-forward layer."""
     kv, ff = per_block(g, "attention.head_count_kv"), per_block(g, "feed_forward_length")
-    return tuple("mamba" if kv[i] == 0 and ff[i] == 0 else "attention" if ff[i] == 0 else "ffn"
-                 for i in range(g.n_trunk))
+    return tuple(
+        "mamba" if kv[i] == 0 and ff[i] == 0 else "attention" if ff[i] == 0 else "ffn" for i in range(g.n_trunk)
+    )
 
 
 class NemotronHMoe(RuntimeFamily):
@@ -73,9 +74,14 @@ class NemotronHMoe(RuntimeFamily):
         n_heads = int(g.require("ssm.time_step_rank"))
         self.cfg = NemotronHConfig(
             vocab_size=g.shape("token_embd.weight")[0],
-            mamba=Mamba2Config(n_heads=n_heads, head_dim=int(g.require("ssm.inner_size")) // n_heads,
-                               d_state=int(g.require("ssm.state_size")), n_groups=int(g.require("ssm.group_count")),
-                               conv_kernel=int(g.require("ssm.conv_kernel")), eps=self.eps),
+            mamba=Mamba2Config(
+                n_heads=n_heads,
+                head_dim=int(g.require("ssm.inner_size")) // n_heads,
+                d_state=int(g.require("ssm.state_size")),
+                n_groups=int(g.require("ssm.group_count")),
+                conv_kernel=int(g.require("ssm.conv_kernel")),
+                eps=self.eps,
+            ),
             # the graph routes with sigmoid scores whatever the file says
             moe=replace(routed_moe_config(g, ExpertGatingFuncType.SIGMOID), gating="sigmoid"),
             kinds=block_kinds(g),
@@ -97,6 +103,11 @@ class NemotronHMoe(RuntimeFamily):
         if index >= len(self.cfg.kinds):  # the MTP block: attention, then the MoE
             return DecoderBlock(w, self._attention(w, index), self._ffn(w, index), self.eps)
         kind = self.cfg.kinds[index]
-        mix = Mamba2(w, self.cfg.mamba) if kind == "mamba" else self._attention(w, index) if kind == "attention" \
+        mix = (
+            Mamba2(w, self.cfg.mamba)
+            if kind == "mamba"
+            else self._attention(w, index)
+            if kind == "attention"
             else PositionWise(self._ffn(w, index))
+        )
         return DecoderBlock(w, mix, None, self.eps)

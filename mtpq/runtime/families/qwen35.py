@@ -44,8 +44,9 @@ def recurrent_layers(g: GGUFFile) -> tuple[bool, ...]:
     flags = g.value("attention.recurrent_layers")
     if flags is not None:
         if len(flags) < g.n_trunk:
-            raise InputError(g.path, f"{g.arch}.attention.recurrent_layers has {len(flags)} entries "
-                                     f"for {g.n_trunk} trunk blocks")
+            raise InputError(
+                g.path, f"{g.arch}.attention.recurrent_layers has {len(flags)} entries for {g.n_trunk} trunk blocks"
+            )
         return tuple(bool(f) for f in flags[: g.n_trunk])
     interval = int(g.value("full_attention_interval", 4) or 4)
     return tuple((i + 1) % interval != 0 for i in range(g.n_trunk))
@@ -63,29 +64,43 @@ class Qwen35(RuntimeFamily):
             vocab_size=g.shape("token_embd.weight")[0],
             attn=gqa_config(g, self.eps, gated=True),
             deltanet=DeltaNetConfig(
-                n_k_heads=int(g.require("ssm.group_count")), n_v_heads=n_v,
-                head_k_dim=int(g.require("ssm.state_size")), head_v_dim=int(g.require("ssm.inner_size")) // n_v,
-                conv_kernel=int(g.require("ssm.conv_kernel")), eps=self.eps, grouped_heads=self.grouped_heads),
-            moe=MoEConfig(n_experts=n_experts, n_used=int(g.require("expert_used_count")), gating="softmax",
-                          norm_topk=True, scale=float(g.value("expert_weights_scale", 1.0) or 1.0))
-            if n_experts else None,
+                n_k_heads=int(g.require("ssm.group_count")),
+                n_v_heads=n_v,
+                head_k_dim=int(g.require("ssm.state_size")),
+                head_v_dim=int(g.require("ssm.inner_size")) // n_v,
+                conv_kernel=int(g.require("ssm.conv_kernel")),
+                eps=self.eps,
+                grouped_heads=self.grouped_heads,
+            ),
+            moe=MoEConfig(
+                n_experts=n_experts,
+                n_used=int(g.require("expert_used_count")),
+                gating="softmax",
+                norm_topk=True,
+                scale=float(g.value("expert_weights_scale", 1.0) or 1.0),
+            )
+            if n_experts
+            else None,
             recurrent=recurrent_layers(g),
         )
         if g.value("rope.scaling.type", "none") not in ("none", None):
-            raise InputError(g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported "
-                                     f"by the {g.arch} runtime")
+            raise InputError(
+                g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the {g.arch} runtime"
+            )
         rope_dim = int(g.value("rope.dimension_count", self.cfg.attn.head_dim))
         self.rope = Rope(rope_inv_freq(rope_dim, float(g.value("rope.freq_base", 10000.0))), neox=True)
 
     def block(self, w: Scope, index: int) -> DecoderBlock:
         cfg = self.cfg
         is_mtp = index >= len(cfg.recurrent)
-        mix = GatedDeltaNet(w, cfg.deltanet) if not is_mtp and cfg.recurrent[index] else \
-            Attention(w, cfg.attn, self.rope)
+        mix = (
+            GatedDeltaNet(w, cfg.deltanet) if not is_mtp and cfg.recurrent[index] else Attention(w, cfg.attn, self.rope)
+        )
         if w.has("ffn_gate_inp"):
             if cfg.moe is None:
-                raise InputError(self.file.path, f"{w.name('ffn_gate_inp')} present but {self.file.arch}."
-                                                 "expert_count is missing")
+                raise InputError(
+                    self.file.path, f"{w.name('ffn_gate_inp')} present but {self.file.arch}.expert_count is missing"
+                )
             ffn = MoE(w, cfg.moe)
         else:
             ffn = SwiGLU(w)

@@ -58,15 +58,18 @@ class Step35(RuntimeFamily):
         if "rope_freqs.weight" in g:
             factors = torch.from_numpy(np.array(g.tensors["rope_freqs.weight"].data, dtype=np.float32))
             full = full / factors[: full.numel()]
-        self.ropes = {False: Rope(full, neox=True),
-                      True: Rope(rope_inv_freq(n_rot_swa, float(g.value("rope.freq_base_swa", 10000.0))), neox=True)}
+        self.ropes = {
+            False: Rope(full, neox=True),
+            True: Rope(rope_inv_freq(n_rot_swa, float(g.value("rope.freq_base_swa", 10000.0))), neox=True),
+        }
 
     def block(self, w: Scope, index: int) -> DecoderBlock:
         cfg = self.cfg
         attn = WindowedAttention(w, cfg.attn[index], self.ropes[cfg.sliding[index]])
         if w.has("ffn_gate_inp"):
-            ffn = MoE(w, replace(cfg.moe, swiglu_limit=cfg.clamp_exp[index],
-                                 shared_swiglu_limit=cfg.clamp_shexp[index]))
+            ffn = MoE(
+                w, replace(cfg.moe, swiglu_limit=cfg.clamp_exp[index], shared_swiglu_limit=cfg.clamp_shexp[index])
+            )
         else:
             ffn = SwiGLU(w, limit=cfg.clamp_shexp[index])  # llama.cpp's build_ffn clamps with the shared limit
         return DecoderBlock(w, attn, ffn, self.eps, ffn_norm="ffn_norm")
