@@ -6,7 +6,7 @@
 
 Without MODEL, converts a model to f16 first: ``--demo glm`` (the default) and ``--demo qwen35`` the
 bundled demos, ``--demo deepseek`` the tests' tiny DeepSeek-V3 with a drafting "trunk copy" head (one MoE
-layer of MLA + 8 experts, hidden 256, tests/builders/tiny_deepseek.py: random weights, fixed seed, the same file
+layer of MLA + 8 experts, hidden 256, tests/builders/tiny_deepseek2.py: random weights, fixed seed, the same file
 every time). Prints, for the same prompts: tokens/s of plain greedy decoding (the baseline), of
 speculative decoding with k = 1..4 (and each one's ratio to the baseline and its acceptance), and the time
 of the teacher-forced depth-1 estimator (the prompts and their greedy continuations packed into passes of
@@ -152,12 +152,12 @@ def _tiny_deepseek(work: Path) -> Path:
     """The checkpoint of the deepseek2 "copy" checkpoint of tests/helpers/runtime.py (float32, converted to f16
     here)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's test builders
-    from tests.builders import tiny_deepseek
+    from tests.builders import tiny_deepseek2
 
-    folder = tiny_deepseek.deepseek_v3(
+    folder = tiny_deepseek2.deepseek_v3(
         work / "deepseek", dtype=torch.float32, mtp_head_tensors=False, num_hidden_layers=1, first_k_dense_replace=0
     )
-    return tiny_deepseek.trunk_copy_head(folder)
+    return tiny_deepseek2.trunk_copy_head(folder)
 
 
 DEMOS = {"glm": _bundled("demo"), "qwen35": _bundled("demo_qwen35"), "deepseek": _tiny_deepseek}

@@ -107,7 +107,7 @@ H, FF = 2048, 1024
 
 def build(family: str, folder: Path, scale: float) -> None:
     """The family's tiny test checkpoint, with big matrices; DeepSeek's FP8 copy is made from the bf16 one."""
-    from tests.builders import tiny, tiny_deepseek, tiny_mimo2, tiny_qwen35, tiny_step35
+    from tests.builders import tiny, tiny_deepseek2, tiny_mimo2, tiny_qwen35, tiny_step35
 
     new = NEW_BUILDERS.get(family)
     if new is not None:
@@ -124,7 +124,7 @@ def build(family: str, folder: Path, scale: float) -> None:
             first_k_dense_replace=2,
         )
     elif family == "deepseek2":
-        tiny_deepseek.deepseek_v3(
+        tiny_deepseek2.deepseek_v3(
             folder,
             hidden_size=H,
             moe_intermediate_size=FF,
@@ -222,11 +222,11 @@ def _new_builders() -> dict:
         )
 
     def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        from tests.builders import tiny_hyv3
+        from tests.builders import tiny_hy_v3
 
         _with_hidden(
-            tiny_hyv3,
-            tiny_hyv3.hyv3,
+            tiny_hy_v3,
+            tiny_hy_v3.hy_v3,
             folder,
             num_hidden_layers=2,
             intermediate_size=2 * FF,
@@ -249,11 +249,11 @@ def _new_builders() -> dict:
         )
 
     def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
-        from tests.builders import tiny_nemotronh
+        from tests.builders import tiny_nemotron_h_moe
 
         _with_hidden(
-            tiny_nemotronh,
-            tiny_nemotronh.nemotronh,
+            tiny_nemotron_h_moe,
+            tiny_nemotron_h_moe.nemotron_h_moe,
             folder,
             moe_intermediate_size=FF,
             moe_shared_expert_intermediate_size=FF,

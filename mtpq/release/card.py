@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import layout as naming
-from .files import files_of
+from .bookkeeping import files_of
 
 PLACEHOLDER_REPO = "OWNER/NAME"
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
+from .bookkeeping import PARTS, TOOL, files_of, write_json, write_text
 from .card import model_card
-from .files import PARTS, TOOL, files_of, write_json, write_text
 from .recipe import Recipe
 
 KIND_ORDER = {"reference": 0, "variant": 1, "head": 2}

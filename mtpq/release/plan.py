@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import layout as naming
-from .files import PARTS, TOOL, key_of, sha256_file, sha256_model, write_json
+from .bookkeeping import PARTS, TOOL, key_of, sha256_file, sha256_model, write_json
 from .recipe import Recipe, Variant
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
+from .bookkeeping import files_of, write_text
 from .card import model_card
-from .files import files_of, write_text
 from .manifest import MANIFEST
 from .recipe import REPO_ID
 

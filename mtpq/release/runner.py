@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..workflows.gates import Gate, describe, judge, measure, measure_quality
-from .files import PARTS, files_of, sha256_file, write_json
+from .bookkeeping import PARTS, files_of, sha256_file, write_json
 from .manifest import write_manifest
 from .plan import BuildPlan, plan_jobs
 from .recipe import Recipe

@@ -81,11 +81,6 @@ class RuntimeFamily:
         return None
 
 
-# Deprecated: the old name, kept so that a family module written against it still imports; new code says
-# RuntimeFamily (the convert side's is ConvertFamily).
-Family = RuntimeFamily
-
-
 @dataclass
 class TrunkOut:
     logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)

@@ -104,12 +104,12 @@ def start(folder: Path, config_cls, params: dict):
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer(folder, specials=SPECIALS)
-    _use_bos(folder)
+    use_bos(folder)
     n = params["num_hidden_layers"]
     return folder, n, config_cls(**{**params, "num_hidden_layers": n + 1})
 
 
-def _use_bos(folder: Path) -> None:
+def use_bos(folder: Path) -> None:
     """BOS is added to every prompt, as DeepSeek-V3's tokenizer does.
 
     transformers bakes that into tokenizer.json's post-processor; gguf-py (and so

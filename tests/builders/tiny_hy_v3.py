@@ -80,7 +80,7 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def hyv3(
+def hy_v3(
     folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
 ) -> Path:
     return block_checkpoint(

@@ -123,7 +123,7 @@ def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 _MIXERS = {"M": _mamba, "*": _attention, "E": _moe}
 
 
-def nemotronh(
+def nemotron_h_moe(
     folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
 ) -> Path:
     folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)

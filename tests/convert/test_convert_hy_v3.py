@@ -84,7 +84,7 @@ def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
     return stack_experts(src, hf)
 
 
-hy_ckpt, hy_f32 = checkpoint_fixtures("hy", tiny_hy_v3.hyv3)
+hy_ckpt, hy_f32 = checkpoint_fixtures("hy", tiny_hy_v3.hy_v3)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
@@ -144,7 +144,7 @@ def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
 
 def test_checkpoint_without_mtp_layer(tmp_path):
     """Published copies may drop layer N: --no-mtp converts them; without it, one clear line and no file."""
-    ck = tiny_hy_v3.hyv3(tmp_path / "stripped", with_mtp=False)
+    ck = tiny_hy_v3.hy_v3(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["hy_v3.block_count"] == 3 and not any(n.startswith("blk.3.") for n in tensors)
     assert_needs_no_mtp(ck, tmp_path, "layer 3")
@@ -208,7 +208,7 @@ def test_dense_layers_as_config_json_declares_them(tmp_path, stored, dense):
     builds them from), else transformers' default (layer 0). transformers' derived ``mlp_layer_types`` ignores a
     stored ``first_k_dense_replace``: read first, it refused a checkpoint whose layer 1 is dense as config.json says."""
     first_k = max(dense) + 1
-    ck = tiny_hy_v3.hyv3(tmp_path / "ckpt", first_k_dense_replace=first_k)
+    ck = tiny_hy_v3.hy_v3(tmp_path / "ckpt", first_k_dense_replace=first_k)
     _edit(ck, stored)
     _, tensors = convert(ck, tmp_path / "m.gguf")
     assert sorted(int(n.split(".")[1]) for n in tensors if n.endswith("ffn_gate.weight")) == dense
@@ -236,7 +236,7 @@ def _edit(ck, changes: dict) -> None:
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps Hy3's MTP block, as ours does), in all three modes and from a bf16 source."""
-    ck = tiny_hy_v3.hyv3(tmp_path / "ckpt", dtype=dtype)
+    ck = tiny_hy_v3.hy_v3(tmp_path / "ckpt", dtype=dtype)
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
     assert_same_gguf(out, kv, tensors, ref)
     assert any(n.startswith("blk.3.nextn.") for n in tensors) == (mode != "--no-mtp")
@@ -245,7 +245,7 @@ def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype):
 @pytest.mark.llama_cpp
 def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
     """``first_k_dense_replace: 2`` (layers 0 and 1 dense): llama.cpp's converter maps what is stored; so do we."""
-    ck = tiny_hy_v3.hyv3(tmp_path / "ckpt", first_k_dense_replace=2)
+    ck = tiny_hy_v3.hy_v3(tmp_path / "ckpt", first_k_dense_replace=2)
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path)
     assert_same_gguf(out, kv, tensors, ref)
     assert "blk.1.ffn_gate.weight" in tensors

@@ -155,7 +155,7 @@ def expected_values(src: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.
     return out
 
 
-nh_ckpt, nh_f32 = checkpoint_fixtures("nh", tiny_nemotron_h_moe.nemotronh)
+nh_ckpt, nh_f32 = checkpoint_fixtures("nh", tiny_nemotron_h_moe.nemotron_h_moe)
 
 
 def _cfg(folder) -> dict:
@@ -235,7 +235,7 @@ def test_latent_moe_of_nemotron_3_super(tmp_path):
 
 def test_vocab_padded_to_a_multiple_of_8(tmp_path):
     """llama.cpp pads a Mamba model's vocabulary to a multiple of 8 ([PADn] tokens); the tensors keep their rows."""
-    ck = tiny_nemotron_h_moe.nemotronh(tmp_path / "ck")
+    ck = tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "ck")
     cfg = _cfg(ck)
     cfg["vocab_size"] -= 3  # 301 ids in config.json; the checkpoint's embedding rows must follow
     src = source_tensors(ck)
@@ -265,7 +265,7 @@ def test_no_mtp_and_mtp_only(nh_ckpt, tmp_path):
 
 
 def test_checkpoint_without_mtp_head(tmp_path):
-    ck = tiny_nemotron_h_moe.nemotronh(tmp_path / "stripped", with_mtp=False)
+    ck = tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "stripped", with_mtp=False)
     kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
     assert kv["nemotron_h_moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
     assert_needs_no_mtp(ck, tmp_path, "mtp.layers")
@@ -346,7 +346,7 @@ def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
 
 @pytest.mark.llama_cpp
 def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_nemotron_h_moe.nemotronh(tmp_path / "ckpt"), tmp_path)
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp
@@ -364,7 +364,7 @@ def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
 def test_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, mode, dtype, over):
     """Names, shapes, types, every metadata key and value, and f32 bytes equal llama.cpp's converter's
     (which keeps the folded MTP block too), in its three modes, from bf16 and with another layout."""
-    ck = tiny_nemotron_h_moe.nemotronh(tmp_path / "ckpt", dtype=dtype, **over)
+    ck = tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "ckpt", dtype=dtype, **over)
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path, mode)
     assert_same_gguf(out, kv, tensors, ref)
     assert any(n.startswith("blk.") and ".nextn." in n for n in tensors) == (mode != "--no-mtp")

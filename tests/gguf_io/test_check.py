@@ -140,9 +140,9 @@ FAMILIES = [  # (builder module, function, keyword arguments): every family mtpq
     ("tiny_qwen3next", "qwen3next", {}),
     ("tiny_step35", "step35", {}),
     ("tiny_mimo2", "mimo2", {}),
-    ("tiny_hy_v3", "hyv3", {}),
+    ("tiny_hy_v3", "hy_v3", {}),
     ("tiny_cohere2moe", "cohere2moe", {}),
-    ("tiny_nemotron_h_moe", "nemotronh", {}),
+    ("tiny_nemotron_h_moe", "nemotron_h_moe", {}),
     ("tiny_bailingmoe3", "bailingmoe3", {}),
 ]
 

@@ -556,8 +556,8 @@ CHECKPOINTS = {  # family -> variant -> f(folder) writing the checkpoint there (
         ),
     },
     "hy_v3": {
-        "default": lambda f: tiny_hy_v3.hyv3(f, dtype=F32),
-        "bigram": lambda f: bigram_nextn_model(tiny_hy_v3.hyv3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
+        "default": lambda f: tiny_hy_v3.hy_v3(f, dtype=F32),
+        "bigram": lambda f: bigram_nextn_model(tiny_hy_v3.hy_v3(f, dtype=F32), "final_layernorm", **BIGRAM_NEXTN),
     },
     "cohere2moe": {
         # LayerNorm (rms_norm_eps null), logit_scale 1/16, window 16, a shared expert averaged in

@@ -82,11 +82,11 @@ VARIANTS = {  # file stem -> (tiny builder, keyword arguments)
     "glm4_moe_lite_8layers": ("glm4_moe_lite", dict(num_hidden_layers=8)),
     "qwen3next_8layers": ("tiny_qwen3next.qwen3next", dict(num_hidden_layers=8)),  # fused qkvz split, ssm_ba
     "deepseek_v32_8layers": ("tiny_deepseek32.deepseek_v32", dict(num_hidden_layers=8)),  # + lightning indexer
-    "hyv3_8layers": ("tiny_hy_v3.hyv3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
+    "hyv3_8layers": ("tiny_hy_v3.hy_v3", dict(num_hidden_layers=8)),  # arch hy_v3 (not in pip gguf 0.19), MoE MTP block
     "cohere2moe_8layers": ("cohere2moe", dict(num_hidden_layers=8)),  # tied embeddings, no ffn_norm, MoE MTP block
     # Mamba2 + attention + MoE (ReLU^2 experts: no ffn_gate_exps), the two mtp.layers folded into blk.8
     "nemotronh_8layers": (
-        "tiny_nemotron_h_moe.nemotronh",
+        "tiny_nemotron_h_moe.nemotron_h_moe",
         dict(num_hidden_layers=8, hybrid_override_pattern="MEM*EMEE"),
     ),
     # KDA + MLA (attn_k_b/attn_v_b) + MoE, MTP layer appended; arch not in pip gguf 0.19

@@ -242,10 +242,10 @@ def as_released(folder: Path) -> None:
     """The bf16 tiny checkpoint in the release's mixed encoding (see the module docstring)."""
     from safetensors.torch import load_file, save_file
 
-    from tests.builders.tiny_deepseek2 import _use_bos
+    from tests.builders.tiny_deepseek2 import use_bos
     from tests.builders.tiny_mimo2 import to_mxfp4
 
-    _use_bos(folder)
+    use_bos(folder)
     cfg = json.loads((folder / "config.json").read_text())
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
