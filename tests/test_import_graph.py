@@ -196,3 +196,64 @@ def test_no_private_name_is_imported():
                     f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
                 ]
     assert found == []
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def unresolved_test_imports(tests: Path, others: tuple[Path, ...] = ()) -> list[str]:
+    """Every ``from tests.x import y`` in the test tree, lazy ones inside a test included, whose module or name
+    does not exist (a lazy import of a renamed module fails only when its -- maybe llama.cpp-marked -- test runs),
+    and every private name one test module takes from another; ``others``: more files that import the tests'
+    helpers (the benchmarks)."""
+    mods = _modules(tests)
+    bad = []
+    for path in [*mods.values(), *others]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == tests.name):
+                continue
+            where = f"{path.relative_to(tests.parent) if path.is_relative_to(tests.parent) else path}:{node.lineno}"
+            if node.module not in mods:
+                bad.append(f"{where}: no module {node.module}")
+                continue
+            defined = _top_level_names(mods[node.module])
+            for a in node.names:
+                if f"{node.module}.{a.name}" in mods:
+                    continue  # a submodule
+                if a.name not in defined:
+                    bad.append(f"{where}: {node.module} has no {a.name}")
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    bad.append(f"{where}: {node.module}.{a.name} is private")
+    return bad
+
+
+def test_every_test_import_resolves():
+    root = PACKAGE.parent
+    assert unresolved_test_imports(root / "tests", tuple(sorted((root / "benchmarks").glob("*.py")))) == []
+
+
+def test_the_test_import_check_can_fail(tmp_path):
+    tests = tmp_path / "tests"
+    (tests / "helpers").mkdir(parents=True)
+    (tests / "__init__.py").write_text("")
+    (tests / "helpers" / "__init__.py").write_text("")
+    (tests / "helpers" / "a.py").write_text("X = 1\ndef f(): ...\ndef _g(): ...\n")
+    (tests / "test_b.py").write_text(
+        "from tests.helpers.a import X, f\n"
+        "def test():\n    from tests.helpers.a import _g, h\n    from tests.runtime.gone import f\n"
+    )
+    assert unresolved_test_imports(tests) == [
+        "tests/test_b.py:3: tests.helpers.a._g is private",
+        "tests/test_b.py:3: tests.helpers.a has no h",
+        "tests/test_b.py:4: no module tests.runtime.gone",
+    ]

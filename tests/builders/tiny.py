@@ -118,13 +118,13 @@ def block_checkpoint(
     **over,
 ) -> Path:
     """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
-    final norm (drawn by ``norm``, default _norm), lm_head unless the config ties it, then
+    final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
     ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
-    norm = norm or _norm
+    norm = norm or rand_norm
     folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
-    sd = {embed: _randn(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
+    sd = {embed: rand_weight(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
     if not cfg.get("tie_word_embeddings"):
-        sd["lm_head.weight"] = _randn(vocab, h, gen=gen)
+        sd["lm_head.weight"] = rand_weight(vocab, h, gen=gen)
     for bid in range(n_blocks(cfg, with_mtp)):
         sd.update(block_tensors(bid, cfg, gen))
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
@@ -139,8 +139,8 @@ def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(_norm(p.numel(), gen) if is_norm(name) else 0.05 * torch.randn(p.numel(), generator=gen))
-    return _hf_state_dict(model), gen
+                p.copy_(rand_norm(p.numel(), gen) if is_norm(name) else 0.05 * torch.randn(p.numel(), generator=gen))
+    return hf_state_dict(model), gen
 
 
 def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[str, torch.Tensor]:
@@ -148,18 +148,18 @@ def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[
     shared_head.head too (checkpoints that tie them to the trunk's leave them out)."""
     h, p = cfg.hidden_size, f"model.layers.{n}."
     t = {
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
-        p + "enorm.weight": _norm(h, gen),
-        p + "hnorm.weight": _norm(h, gen),
-        p + "shared_head.norm.weight": _norm(h, gen),
+        p + "eh_proj.weight": rand_weight(h, 2 * h, gen=gen),
+        p + "enorm.weight": rand_norm(h, gen),
+        p + "hnorm.weight": rand_norm(h, gen),
+        p + "shared_head.norm.weight": rand_norm(h, gen),
     }
     if head:
-        t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
-        t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        t[p + "embed_tokens.weight"] = rand_weight(cfg.vocab_size, h, gen=gen)
+        t[p + "shared_head.head.weight"] = rand_weight(cfg.vocab_size, h, gen=gen)
     return t
 
 
-def _hf_state_dict(model) -> dict[str, torch.Tensor]:
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The state dict as save_pretrained writes it (per-expert tensors, original names)."""
     import tempfile
 
@@ -173,20 +173,20 @@ def _hf_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _randn(*shape: int, gen: torch.Generator, scale: float = 0.02) -> torch.Tensor:
+def rand_weight(*shape: int, gen: torch.Generator, scale: float = 0.02) -> torch.Tensor:
     return torch.randn(*shape, generator=gen) * scale
 
 
-def _norm(n: int, gen: torch.Generator) -> torch.Tensor:
+def rand_norm(n: int, gen: torch.Generator) -> torch.Tensor:
     return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
 
 def rand_mlp(p: str, ff: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A SwiGLU MLP's projections under ``p``, drawn in the order gate, up, down (what every builder draws)."""
     return {
-        p + "gate_proj.weight": _randn(ff, h, gen=gen),
-        p + "up_proj.weight": _randn(ff, h, gen=gen),
-        p + "down_proj.weight": _randn(h, ff, gen=gen),
+        p + "gate_proj.weight": rand_weight(ff, h, gen=gen),
+        p + "up_proj.weight": rand_weight(ff, h, gen=gen),
+        p + "down_proj.weight": rand_weight(h, ff, gen=gen),
     }
 
 
@@ -204,17 +204,17 @@ def rand_attention(
     """q/k/v/o projections under ``p`` (v and o ``dv`` wide per head, default ``hd``), drawn in that order."""
     dv = dv or hd
     return {
-        p + "q_proj.weight": _randn(nh * hd, h, gen=gen),
-        p + "k_proj.weight": _randn(nkv * hd, h, gen=gen),
-        p + "v_proj.weight": _randn(nkv * dv, h, gen=gen),
-        p + "o_proj.weight": _randn(h, nh * dv, gen=gen),
+        p + "q_proj.weight": rand_weight(nh * hd, h, gen=gen),
+        p + "k_proj.weight": rand_weight(nkv * hd, h, gen=gen),
+        p + "v_proj.weight": rand_weight(nkv * dv, h, gen=gen),
+        p + "o_proj.weight": rand_weight(h, nh * dv, gen=gen),
     }
 
 
-def rand_nextn(p: str, h: int, gen: torch.Generator, *norms: str, norm=_norm) -> dict[str, torch.Tensor]:
+def rand_nextn(p: str, h: int, gen: torch.Generator, *norms: str, norm=rand_norm) -> dict[str, torch.Tensor]:
     """An MTP layer's NextN tensors under ``p``: eh_proj, enorm, hnorm, then ``norms``, drawn in that order."""
     return {
-        p + "eh_proj.weight": _randn(h, 2 * h, gen=gen),
+        p + "eh_proj.weight": rand_weight(h, 2 * h, gen=gen),
         **{p + n + ".weight": norm(h, gen) for n in ("enorm", "hnorm", *norms)},
     }
 
@@ -280,24 +280,24 @@ def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     t = {
         **rand_nextn(p, h, gen, "shared_head.norm"),
-        p + "input_layernorm.weight": _norm(h, gen),
-        p + "post_attention_layernorm.weight": _norm(h, gen),
+        p + "input_layernorm.weight": rand_norm(h, gen),
+        p + "post_attention_layernorm.weight": rand_norm(h, gen),
         **rand_attention(p + "self_attn.", h, nh, nkv, hd, gen),
-        p + "mlp.gate.weight": _randn(cfg.n_routed_experts, h, gen=gen),
+        p + "mlp.gate.weight": rand_weight(cfg.n_routed_experts, h, gen=gen),
         p + "mlp.gate.e_score_correction_bias": 0.01 * torch.randn(cfg.n_routed_experts, generator=gen),
     }
     if cfg.attention_bias:
         for x, d in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
             t[p + f"self_attn.{x}_proj.bias"] = 0.05 * torch.randn(d, generator=gen)
     if cfg.use_qk_norm:
-        t[p + "self_attn.q_norm.weight"] = _norm(hd, gen)
-        t[p + "self_attn.k_norm.weight"] = _norm(hd, gen)
+        t[p + "self_attn.q_norm.weight"] = rand_norm(hd, gen)
+        t[p + "self_attn.k_norm.weight"] = rand_norm(hd, gen)
     ff = cfg.moe_intermediate_size
     t.update(rand_experts(p + "mlp.experts.", cfg.n_routed_experts, ff, h, gen))
     t.update(rand_mlp(p + "mlp.shared_experts.", ff * cfg.n_shared_experts, h, gen))
     if not glm46:
-        t[p + "embed_tokens.weight"] = _randn(cfg.vocab_size, h, gen=gen)
-        t[p + "shared_head.head.weight"] = _randn(cfg.vocab_size, h, gen=gen)
+        t[p + "embed_tokens.weight"] = rand_weight(cfg.vocab_size, h, gen=gen)
+        t[p + "shared_head.head.weight"] = rand_weight(cfg.vocab_size, h, gen=gen)
     return t
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_experts, rand_mlp, rand_nextn
+from tests.builders.tiny import block_checkpoint, rand_experts, rand_mlp, rand_nextn, rand_norm, rand_weight
 
 SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
 H = 256
@@ -83,15 +83,15 @@ def is_full_attention(bid: int, cfg: dict) -> bool:
 def _kda(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     nh, hd, k = cfg["num_attention_heads"], cfg["head_dim"], cfg["short_conv_kernel_size"]
     d = nh * hd
-    t = {p + f"{x}_proj.weight": _randn(d, H, gen=gen) for x in ("q", "k", "v", "f", "g")}
-    t.update({p + f"{x}_conv1d.weight": _randn(d, 1, k, gen=gen, scale=0.3) for x in ("q", "k", "v")})
+    t = {p + f"{x}_proj.weight": rand_weight(d, H, gen=gen) for x in ("q", "k", "v", "f", "g")}
+    t.update({p + f"{x}_conv1d.weight": rand_weight(d, 1, k, gen=gen, scale=0.3) for x in ("q", "k", "v")})
     t.update(
         {
-            p + "b_proj.weight": _randn(nh, H, gen=gen),
+            p + "b_proj.weight": rand_weight(nh, H, gen=gen),
             p + "A_log": torch.log(torch.linspace(1, 8, nh)),
-            p + "dt_bias": _randn(d, gen=gen, scale=0.5),
-            p + "o_norm.weight": _norm(hd, gen),
-            p + "o_proj.weight": _randn(H, d, gen=gen),
+            p + "dt_bias": rand_weight(d, gen=gen, scale=0.5),
+            p + "o_norm.weight": rand_norm(hd, gen),
+            p + "o_proj.weight": rand_weight(H, d, gen=gen),
         }
     )
     return t
@@ -102,20 +102,20 @@ def _mla(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
         cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
     )
     t = {
-        p + "kv_a_proj_with_mqa.weight": _randn(kv + rope, H, gen=gen),
-        p + "kv_a_layernorm.weight": _norm(kv, gen),
-        p + "kv_b_proj.weight": _randn(nh * (nope + v), kv, gen=gen),
-        p + "g_proj.weight": _randn(nh, H, gen=gen),
-        p + "dense.weight": _randn(H, nh * v, gen=gen),
+        p + "kv_a_proj_with_mqa.weight": rand_weight(kv + rope, H, gen=gen),
+        p + "kv_a_layernorm.weight": rand_norm(kv, gen),
+        p + "kv_b_proj.weight": rand_weight(nh * (nope + v), kv, gen=gen),
+        p + "g_proj.weight": rand_weight(nh, H, gen=gen),
+        p + "dense.weight": rand_weight(H, nh * v, gen=gen),
     }
     if (q_lora := cfg["q_lora_rank"]) is None:
-        t[p + "q_proj.weight"] = _randn(nh * (nope + rope), H, gen=gen)
+        t[p + "q_proj.weight"] = rand_weight(nh * (nope + rope), H, gen=gen)
     else:
         t.update(
             {
-                p + "q_a_proj.weight": _randn(q_lora, H, gen=gen),
-                p + "q_a_layernorm.weight": _norm(q_lora, gen),
-                p + "q_b_proj.weight": _randn(nh * (nope + rope), q_lora, gen=gen),
+                p + "q_a_proj.weight": rand_weight(q_lora, H, gen=gen),
+                p + "q_a_layernorm.weight": rand_norm(q_lora, gen),
+                p + "q_b_proj.weight": rand_weight(nh * (nope + rope), q_lora, gen=gen),
             }
         )
     return t
@@ -126,14 +126,17 @@ def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.T
         return rand_mlp(p, cfg["intermediate_size"], H, gen)
     n_exp, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
     sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
-    t = {p + "gate.weight": _randn(n_exp, H, gen=gen), p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen)}
+    t = {
+        p + "gate.weight": rand_weight(n_exp, H, gen=gen),
+        p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen),
+    }
     t.update(rand_mlp(p + "shared_experts.", sff, H, gen))
     return t | rand_experts(p + "experts.", n_exp, ff, H, gen)
 
 
 def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     p = f"model.layers.{bid}."
-    t = {p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)}
+    t = {p + "input_layernorm.weight": rand_norm(H, gen), p + "post_attention_layernorm.weight": rand_norm(H, gen)}
     t.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
     t.update(_mlp(p + "mlp.", cfg, bid, gen))
     if bid >= cfg["num_hidden_layers"]:

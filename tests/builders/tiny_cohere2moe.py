@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn
+from tests.builders.tiny import (
+    block_checkpoint,
+    rand_attention,
+    rand_experts,
+    rand_mlp,
+    rand_nextn,
+    rand_norm,
+    rand_weight,
+)
 
 SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
 H = 256
@@ -72,7 +80,7 @@ def config(vocab: int, **over) -> dict:
 def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     p = f"model.layers.{bid}."
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    t = {p + "input_layernorm.weight": _norm(H, gen)} | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
+    t = {p + "input_layernorm.weight": rand_norm(H, gen)} | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
     if cfg["attention_bias"]:  # zero, as Cohere ships them (llama.cpp drops zero biases)
         t.update(
             {
@@ -85,7 +93,7 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
         t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], H, gen))
     else:  # MoE, the MTP layer too
         ff, n_exp = cfg["intermediate_size"], cfg["num_experts"]
-        t[p + "mlp.gate.weight"] = _randn(n_exp, H, gen=gen)
+        t[p + "mlp.gate.weight"] = rand_weight(n_exp, H, gen=gen)
         t.update(rand_experts(p + "mlp.experts.", n_exp, ff, H, gen))
         if n_shared := cfg["num_shared_experts"]:
             t.update(rand_mlp(p + "mlp.shared_experts.", ff * n_shared, H, gen))

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, block_checkpoint, rand_attention, rand_experts, rand_mlp, rand_nextn
+from tests.builders.tiny import (
+    block_checkpoint,
+    rand_attention,
+    rand_experts,
+    rand_mlp,
+    rand_nextn,
+    rand_norm,
+    rand_weight,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
@@ -65,13 +73,13 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     p = f"model.layers.{bid}."
     nh, nkv, hd, n_exp = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_experts"]
     ff, moe_ff = cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    t = {p + "input_layernorm.weight": _norm(H, gen), p + "post_attention_layernorm.weight": _norm(H, gen)}
+    t = {p + "input_layernorm.weight": rand_norm(H, gen), p + "post_attention_layernorm.weight": rand_norm(H, gen)}
     t |= rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
-    t |= {p + "self_attn.q_norm.weight": _norm(hd, gen), p + "self_attn.k_norm.weight": _norm(hd, gen)}
+    t |= {p + "self_attn.q_norm.weight": rand_norm(hd, gen), p + "self_attn.k_norm.weight": rand_norm(hd, gen)}
     if bid < cfg["first_k_dense_replace"]:
         t.update(rand_mlp(p + "mlp.", ff, H, gen))
     else:  # MoE, the MTP layer too
-        t[p + "mlp.router.gate.weight"] = _randn(n_exp, H, gen=gen)
+        t[p + "mlp.router.gate.weight"] = rand_weight(n_exp, H, gen=gen)
         t[p + "mlp.expert_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
         t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, H, gen))
         t.update(rand_mlp(p + "mlp.shared_mlp.", moe_ff * cfg["num_shared_experts"], H, gen))

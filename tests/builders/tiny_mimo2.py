@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from tests.builders.tiny import (
-    _norm,
-    _randn,
     finish_checkpoint,
     rand_attention,
     rand_experts,
     rand_mlp,
     rand_nextn,
+    rand_norm,
+    rand_weight,
     start_checkpoint,
 )
 
@@ -91,12 +91,12 @@ def block_tensors(
         cfg["moe_intermediate_size"],
         cfg["n_routed_experts"],
     )
-    t = {p + "input_layernorm.weight": _norm(h, gen), p + "post_attention_layernorm.weight": _norm(h, gen)}
+    t = {p + "input_layernorm.weight": rand_norm(h, gen), p + "post_attention_layernorm.weight": rand_norm(h, gen)}
     t |= rand_attention(p + "self_attn.", h, n_head, n_kv, d, gen, dv=dv)
     if swa:
         t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(n_head, generator=gen)
     if moe:
-        t[p + "mlp.gate.weight"] = _randn(n_exp, h, gen=gen)
+        t[p + "mlp.gate.weight"] = rand_weight(n_exp, h, gen=gen)
         t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
         t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, h, gen))
     else:
@@ -109,9 +109,9 @@ def mimo2(
 ) -> Path:
     folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {
-        "model.embed_tokens.weight": _randn(vocab, H, gen=gen),
-        "model.norm.weight": _norm(H, gen),
-        "lm_head.weight": _randn(vocab, H, gen=gen),
+        "model.embed_tokens.weight": rand_weight(vocab, H, gen=gen),
+        "model.norm.weight": rand_norm(H, gen),
+        "lm_head.weight": rand_weight(vocab, H, gen=gen),
     }
     for bid in range(N_TRUNK):
         sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen, cfg))

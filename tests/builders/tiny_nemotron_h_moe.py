@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _norm, _randn, finish_checkpoint, start_checkpoint
+from tests.builders.tiny import finish_checkpoint, rand_norm, rand_weight, start_checkpoint
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 H = 256
@@ -85,38 +85,38 @@ def _mamba(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     d_inner = n_heads * cfg["mamba_head_dim"]
     conv_dim = d_inner + 2 * groups * d_state
     return {
-        p + "in_proj.weight": _randn(2 * d_inner + 2 * groups * d_state + n_heads, H, gen=gen),
-        p + "conv1d.weight": _randn(conv_dim, 1, cfg["conv_kernel"], gen=gen, scale=0.3),
-        p + "conv1d.bias": _randn(conv_dim, gen=gen, scale=0.1),
-        p + "dt_bias": _randn(n_heads, gen=gen, scale=0.5),
+        p + "in_proj.weight": rand_weight(2 * d_inner + 2 * groups * d_state + n_heads, H, gen=gen),
+        p + "conv1d.weight": rand_weight(conv_dim, 1, cfg["conv_kernel"], gen=gen, scale=0.3),
+        p + "conv1d.bias": rand_weight(conv_dim, gen=gen, scale=0.1),
+        p + "dt_bias": rand_weight(n_heads, gen=gen, scale=0.5),
         p + "A_log": torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)),
-        p + "D": 1.0 + _randn(n_heads, gen=gen, scale=0.1),
-        p + "norm.weight": _norm(d_inner, gen),
-        p + "out_proj.weight": _randn(H, d_inner, gen=gen),
+        p + "D": 1.0 + rand_weight(n_heads, gen=gen, scale=0.1),
+        p + "norm.weight": rand_norm(d_inner, gen),
+        p + "out_proj.weight": rand_weight(H, d_inner, gen=gen),
     }
 
 
 def _attention(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     return {
-        p + "q_proj.weight": _randn(nh * hd, H, gen=gen),
-        p + "k_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "v_proj.weight": _randn(nkv * hd, H, gen=gen),
-        p + "o_proj.weight": _randn(H, nh * hd, gen=gen),
+        p + "q_proj.weight": rand_weight(nh * hd, H, gen=gen),
+        p + "k_proj.weight": rand_weight(nkv * hd, H, gen=gen),
+        p + "v_proj.weight": rand_weight(nkv * hd, H, gen=gen),
+        p + "o_proj.weight": rand_weight(H, nh * hd, gen=gen),
     }
 
 
 def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     n_exp, ff, sff = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
     t = {
-        p + "gate.weight": _randn(n_exp, H, gen=gen),
+        p + "gate.weight": rand_weight(n_exp, H, gen=gen),
         p + "gate.e_score_correction_bias": 0.05 * torch.randn(n_exp, generator=gen),
-        p + "shared_experts.up_proj.weight": _randn(sff, H, gen=gen),
-        p + "shared_experts.down_proj.weight": _randn(H, sff, gen=gen),
+        p + "shared_experts.up_proj.weight": rand_weight(sff, H, gen=gen),
+        p + "shared_experts.down_proj.weight": rand_weight(H, sff, gen=gen),
     }
     for e in range(n_exp):
-        t[f"{p}experts.{e}.up_proj.weight"] = _randn(ff, H, gen=gen)
-        t[f"{p}experts.{e}.down_proj.weight"] = _randn(H, ff, gen=gen)
+        t[f"{p}experts.{e}.up_proj.weight"] = rand_weight(ff, H, gen=gen)
+        t[f"{p}experts.{e}.down_proj.weight"] = rand_weight(H, ff, gen=gen)
     return t
 
 
@@ -128,25 +128,25 @@ def nemotron_h_moe(
 ) -> Path:
     folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
     sd = {
-        "backbone.embeddings.weight": _randn(vocab, H, gen=gen),
-        "backbone.norm_f.weight": _norm(H, gen),
-        "lm_head.weight": _randn(vocab, H, gen=gen),
+        "backbone.embeddings.weight": rand_weight(vocab, H, gen=gen),
+        "backbone.norm_f.weight": rand_norm(H, gen),
+        "lm_head.weight": rand_weight(vocab, H, gen=gen),
     }
     for i, kind in enumerate(cfg["hybrid_override_pattern"]):
         p = f"backbone.layers.{i}."
-        sd[p + "norm.weight"] = _norm(H, gen)
+        sd[p + "norm.weight"] = rand_norm(H, gen)
         sd.update(_MIXERS[kind](p + "mixer.", cfg, gen))
     if with_mtp:
         for j, kind in enumerate(cfg["mtp_hybrid_override_pattern"]):
             p = f"mtp.layers.{j}."
-            sd[p + "norm.weight"] = _norm(H, gen)
+            sd[p + "norm.weight"] = rand_norm(H, gen)
             sd.update(_MIXERS[kind](p + "mixer.", cfg, gen))
         sd.update(
             {
-                "mtp.layers.0.enorm.weight": _norm(H, gen),
-                "mtp.layers.0.hnorm.weight": _norm(H, gen),
-                "mtp.layers.0.eh_proj.weight": _randn(H, 2 * H, gen=gen),
-                "mtp.layers.1.final_layernorm.weight": _norm(H, gen),
+                "mtp.layers.0.enorm.weight": rand_norm(H, gen),
+                "mtp.layers.0.hnorm.weight": rand_norm(H, gen),
+                "mtp.layers.0.eh_proj.weight": rand_weight(H, 2 * H, gen=gen),
+                "mtp.layers.1.final_layernorm.weight": rand_norm(H, gen),
             }
         )
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)

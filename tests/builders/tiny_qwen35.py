@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _hf_state_dict, make_tokenizer, save_checkpoint
+from tests.builders.tiny import hf_state_dict, make_tokenizer, save_checkpoint
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
@@ -110,10 +110,10 @@ def qwen35(
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    sd = {k: v for k, v in _hf_state_dict(model).items()}
+    sd = {k: v for k, v in hf_state_dict(model).items()}
     for name, t in sd.items():
         if t.dim() == 1 and ("language_model." in name or not conditional):
-            sd[name] = _informative_1d(name, t.numel(), gen)
+            sd[name] = informative_1d(name, t.numel(), gen)
     if fused_experts:
         sd = fuse_experts(sd, text.num_experts)
     if with_mtp:
@@ -130,7 +130,7 @@ def qwen35(
     return folder
 
 
-def _informative_1d(name: str, n: int, gen: torch.Generator) -> torch.Tensor:
+def informative_1d(name: str, n: int, gen: torch.Generator) -> torch.Tensor:
     """Random init leaves norms at 0 (zero-centred) or 1 and dt_bias at 1: make every 1-D tensor distinct."""
     if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: plain weight, around 1
         return 1.0 + 0.1 * torch.randn(n, generator=gen)

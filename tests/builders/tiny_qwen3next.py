@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _hf_state_dict, make_tokenizer, save_checkpoint
-from tests.builders.tiny_qwen35 import QWEN_SPECIALS, _informative_1d, fuse_experts
+from tests.builders.tiny import hf_state_dict, make_tokenizer, save_checkpoint
+from tests.builders.tiny_qwen35 import QWEN_SPECIALS, fuse_experts, informative_1d
 
 
 def qwen3next_config(**over) -> dict:
@@ -80,10 +80,10 @@ def qwen3next(
     torch.manual_seed(seed)
     model = tf.Qwen3NextForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    sd = _hf_state_dict(model)
+    sd = hf_state_dict(model)
     for name, t in sd.items():  # random init leaves norms at 0 (zero-centred) or 1: make them informative
         if t.dim() == 1:
-            sd[name] = _informative_1d(name, t.numel(), gen)
+            sd[name] = informative_1d(name, t.numel(), gen)
     if fused_experts:
         sd = fuse_experts(sd, cfg.num_experts)
     if with_mtp:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import _randn, block_checkpoint, rand_attention, rand_mlp, rand_nextn
+from tests.builders.tiny import block_checkpoint, rand_attention, rand_mlp, rand_nextn, rand_weight
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 2
@@ -89,17 +89,17 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
         **rand_attention(p + "self_attn.", H, n_head, n_kv, HEAD_DIM, gen),
         p + "self_attn.q_norm.weight": _zero_centred(HEAD_DIM, gen),
         p + "self_attn.k_norm.weight": _zero_centred(HEAD_DIM, gen),
-        p + "self_attn.g_proj.weight": _randn(n_head, H, gen=gen),
+        p + "self_attn.g_proj.weight": rand_weight(n_head, H, gen=gen),
     }
     moe = 0 < bid < cfg["num_hidden_layers"]
     if moe:
         t.update(
             {
-                p + "moe.gate.weight": _randn(N_EXP, H, gen=gen),
+                p + "moe.gate.weight": rand_weight(N_EXP, H, gen=gen),
                 p + "moe.router_bias": 0.05 * torch.randn(N_EXP, generator=gen),
-                p + "moe.gate_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
-                p + "moe.up_proj.weight": _randn(N_EXP, MOE_FF, H, gen=gen),
-                p + "moe.down_proj.weight": _randn(N_EXP, H, MOE_FF, gen=gen),
+                p + "moe.gate_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
+                p + "moe.up_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
+                p + "moe.down_proj.weight": rand_weight(N_EXP, H, MOE_FF, gen=gen),
                 **rand_mlp(p + "share_expert.", SHARE_FF, H, gen),
             }
         )
@@ -107,7 +107,7 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
         t.update(rand_mlp(p + "mlp.", FF, H, gen))
     if bid >= cfg["num_hidden_layers"]:
         t.update(rand_nextn(p, H, gen, "transformer.shared_head.norm", norm=_zero_centred))
-        t[p + "transformer.shared_head.output.weight"] = _randn(cfg["vocab_size"], H, gen=gen)
+        t[p + "transformer.shared_head.output.weight"] = rand_weight(cfg["vocab_size"], H, gen=gen)
     return t
 
 

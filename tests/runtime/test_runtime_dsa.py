@@ -182,14 +182,14 @@ def test_llama_server_drafts_and_accepts_what_we_do(family, rt, llama_cpp_bin):
     contexts pass the top-k (16): the same greedy tokens, and exactly the drafts and acceptances of our loop --
     the indexer's keys rolled back after each rejection on both sides."""
     from mtpq.runtime.speculative import run_plain
+    from tests.helpers.llama_server import llama_server_completions, run_like_llama_cpp
     from tests.helpers.runtime import PROMPTS
-    from tests.runtime.test_runtime_deepseek import _llama_server_completions, run_like_llama_cpp
 
     model, tok = rt.loop_model(family)
     prompts, eos = [tok.encode(s) for s in PROMPTS], {tok.eos_token_id}
     accepted = 0
     for ids, ref in zip(
-        prompts, _llama_server_completions(llama_cpp_bin, rt.loop_gguf(family), prompts, 32), strict=True
+        prompts, llama_server_completions(llama_cpp_bin, rt.loop_gguf(family), prompts, 32), strict=True
     ):
         assert ref["tokens"] == run_plain(model, ids, 32, stop_ids=eos).tokens, ids
         counts = run_like_llama_cpp(model, ids, 32, eos)
