@@ -9,13 +9,11 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
+from . import options
 from .app import app
 from .common import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
-    JSON_REPORT_HELP,
-    MD_REPORT_HELP,
-    RUNTIME_THREADS_HELP,
     check_device,
     check_engine,
     check_fractions,
@@ -171,10 +169,10 @@ def accept(
     max_drop: float = typer.Option(
         None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."
     ),
-    json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
-    md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
-    device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
-    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
+    json_out: Path = options.JSON_REPORT,
+    md_out: Path = options.MD_REPORT,
+    device: str = options.DEVICE,
+    threads: int = options.RUNTIME_THREADS,
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, bf16 or f16."),
     hidden: str = typer.Option(
         "auto",
@@ -199,7 +197,7 @@ def accept(
         "unix:PATH for one started with --host PATH.sock; started with --spec-type "
         "draft-mtp) instead of starting one.",
     ),
-    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
+    ngl: int = options.NGL,
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="llama.cpp: context size of the server."),
     rpc: str = typer.Option(
         None, "--rpc", help="llama.cpp: rpc-server endpoints HOST:PORT,HOST:PORT to spread the model over."

@@ -141,17 +141,6 @@ def report_hooks(quiet: bool) -> dict:
     return {} if quiet else {"progress": byte_progress, "say": console.print}
 
 
-THREADS_HELP = (
-    "CPU threads for quantizing (default: every CPU this process may use). The bytes written do not depend on it."
-)
-
-
-RUNTIME_THREADS_HELP = (
-    "CPU threads for the runtime (default: 1 for a file under 1 GiB, whose ops are too small "
-    "to split, else every core)."
-)
-
-
 def set_threads(threads: int | None) -> None:
     """``--threads``: the threads the kernels split each tensor over (and torch's, where it is loaded)."""
     if threads is None:
@@ -186,17 +175,6 @@ def check_device(device: str | None) -> str | None:
     return device
 
 
-SPLIT_MAX_SIZE_HELP = (
-    "Write shards of at most this much tensor data: bytes, or a number with K, M or G (powers of "
-    "1000: 48G, under Hugging Face's 50 GB per file), named OUT-00001-of-0000N.gguf as llama.cpp's "
-    "tools name them (a model that fits stays one file, OUT)."
-)
-SPLIT_MAX_TENSORS_HELP = "Write shards of at most this many tensors (as llama-gguf-split --split-max-tensors)."
-KEEP_SPLIT_HELP = (
-    "Write the shards the input has (each tensor into the shard it came from), as llama-quantize --keep-split."
-)
-
-
 def split_rule(max_size: str | None, max_tensors: int | None, keep: bool = False):
     """The ``--split-max-size`` / ``--split-max-tensors`` / ``--keep-split`` options as a SplitRule (None: one
     file), refused with one line before any file is read."""
@@ -222,12 +200,6 @@ def files_written(paths: list) -> str:
     if len(paths) == 1:
         return str(paths[0])
     return f"{paths[0]} .. {paths[-1].name} ({len(paths)} shards)"
-
-
-QUIET_HELP = "No progress bar or summary."
-AUTO_MAX_DROP_HELP = "With --mtp-type auto: the acceptance a head may lose against the f16 head (a fraction)."
-JSON_REPORT_HELP = "Write the report as JSON here ('-' = stdout)."
-MD_REPORT_HELP = "Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY)."
 
 
 def check_fractions(**options: float | None) -> None:

@@ -8,13 +8,11 @@ from pathlib import Path
 import typer
 from rich.progress import Progress
 
+from . import options
 from .app import app
 from .common import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
-    JSON_REPORT_HELP,
-    MD_REPORT_HELP,
-    RUNTIME_THREADS_HELP,
     check_device,
     check_engine,
     check_fractions,
@@ -78,8 +76,8 @@ def compare(
         help="Tokens per chunk (llama-perplexity's -c; default 512, or the --kld-base file's).",
     ),
     chunks: int = typer.Option(None, "--chunks", help="Score only the first N chunks."),
-    json_out: Path = typer.Option(None, "--json", help=JSON_REPORT_HELP),
-    md_out: Path = typer.Option(None, "--md", help=MD_REPORT_HELP),
+    json_out: Path = options.JSON_REPORT,
+    md_out: Path = options.MD_REPORT,
     max_kld: float = typer.Option(
         None, "--max-kld", help="Fail (exit 1) when a quant's mean KLD is above this (nats)."
     ),
@@ -111,13 +109,13 @@ def compare(
     device: str = typer.Option(
         None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."
     ),
-    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
+    threads: int = options.RUNTIME_THREADS,
     llama_cpp: Path = typer.Option(
         None,
         "--llama-cpp",
         help="llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH).",
     ),
-    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
+    ngl: int = options.NGL,
 ) -> None:
     """Score quants against their full-precision reference: PPL, PPL ratio, mean/median/99 %/max KLD, how often
     the top token agrees, RMS Δp — the table quant publishers put on model cards, computed as llama-perplexity

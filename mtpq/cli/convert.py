@@ -12,13 +12,10 @@ import typer
 from ..gguf_io import tensor_nbytes
 from ..quantize.imatrix import read_imatrix
 from ..quantize.kv_override import parse_kv_overrides
+from . import options
 from . import quant_options as opt
 from .app import app
 from .common import (
-    QUIET_HELP,
-    SPLIT_MAX_SIZE_HELP,
-    SPLIT_MAX_TENSORS_HELP,
-    THREADS_HELP,
     auto_head_asked,
     check_runtime_arch,
     console,
@@ -76,10 +73,10 @@ def convert(
     imatrix: Optional[Path] = opt.IMATRIX,
     include_weights: Optional[List[str]] = opt.INCLUDE_WEIGHTS,
     exclude_weights: Optional[List[str]] = opt.EXCLUDE_WEIGHTS,
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
-    split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
-    split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    threads: Optional[int] = options.THREADS,
+    split_max_size: Optional[str] = options.SPLIT_MAX_SIZE,
+    split_max_tensors: Optional[int] = options.SPLIT_MAX_TENSORS,
+    quiet: bool = options.QUIET,
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, keeping every MTP tensor.
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from . import options
 from .app import app
-from .common import RUNTIME_THREADS_HELP, check_device, console, guarded, out
+from .common import check_device, console, guarded, out
 
 # (file suffix, trunk preset, --mtp-type): the head at q8_0 vs quantized like the trunk
 DEMO_VARIANTS = [
@@ -55,7 +56,7 @@ def demo(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
     max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
     device: str = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
-    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
+    threads: int = options.RUNTIME_THREADS,
 ) -> None:
     """Convert a bundled demo model (a small GLM-4.5 or Qwen3.5 with one MTP layer, trained on
     Python's standard library), quantize it with the head held at q8_0 and with the head quantized like

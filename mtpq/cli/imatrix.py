@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.progress import Progress
 
+from . import options
 from .app import app
 from .common import check_device, check_runtime, console, fail, guarded, out
 
@@ -41,7 +42,7 @@ def imatrix(
         help="An existing imatrix (e.g. llama-imatrix's): keep its entries and add ours "
         "for tensors it lacks (the head); written to --output.",
     ),
-    device: str = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda when available)."),
+    device: str = options.DEVICE,
     threads: int = typer.Option(None, "--threads", help="CPU threads for the runtime (default: 1 for small models)."),
 ) -> None:
     """Collect importance statistics (llama-imatrix's sums of squared activations) with the bundled runtime.

@@ -13,8 +13,6 @@ from typing import Optional, Sequence
 
 import typer
 
-from .common import AUTO_MAX_DROP_HELP
-
 TYPES_HELP = "q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, q5_0, q5_1, q4_0, q4_1, iq4_nl, iq4_xs, f16, bf16 or f32"
 
 MTP_TYPE = typer.Option(
@@ -26,7 +24,9 @@ MTP_TYPE = typer.Option(
     "the quantized trunk stays within --max-drop of the f16 head's. "
     "Float presets default to same.",
 )
-MAX_DROP = typer.Option(0.02, "--max-drop", help=AUTO_MAX_DROP_HELP)
+MAX_DROP = typer.Option(
+    0.02, "--max-drop", help="With --mtp-type auto: the acceptance a head may lose against the f16 head (a fraction)."
+)
 PROMPTS = typer.Option(
     "builtin", "--prompts", help="With --mtp-type auto: the prompts to measure on ('builtin' or a JSONL file)."
 )

@@ -15,14 +15,10 @@ from ..gguf_io import plan_from_gguf
 from ..quantize.imatrix import read_imatrix
 from ..quantize.pipeline import plan_change_summary, plan_quantize
 from ..quantize.presets import PRESETS
+from . import options
 from . import quant_options as opt
 from .app import app
 from .common import (
-    KEEP_SPLIT_HELP,
-    QUIET_HELP,
-    SPLIT_MAX_SIZE_HELP,
-    SPLIT_MAX_TENSORS_HELP,
-    THREADS_HELP,
     auto_head_asked,
     check_runtime_arch,
     console,
@@ -81,11 +77,11 @@ def quantize(
     allow_requantize: bool = opt.ALLOW_REQUANTIZE,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the per-tensor decisions and totals; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the decisions and totals as JSON on stdout."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
-    split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
-    split_max_tensors: Optional[int] = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
-    keep_split: bool = typer.Option(False, "--keep-split", help=KEEP_SPLIT_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    threads: Optional[int] = options.THREADS,
+    split_max_size: Optional[str] = options.SPLIT_MAX_SIZE,
+    split_max_tensors: Optional[int] = options.SPLIT_MAX_TENSORS,
+    keep_split: bool = options.KEEP_SPLIT,
+    quiet: bool = options.QUIET,
 ) -> None:
     """Quantize a GGUF with a llama-quantize preset, holding MTP heads at high precision.
 

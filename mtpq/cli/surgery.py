@@ -10,17 +10,9 @@ from ..ggml.types import WRITABLE_TYPES
 from ..gguf_io import plan_from_gguf
 from ..quantize.mtp_precision import parse_mtp
 from ..tensors import Plan, Role
+from . import options
 from .app import app
-from .common import (
-    QUIET_HELP,
-    SPLIT_MAX_SIZE_HELP,
-    SPLIT_MAX_TENSORS_HELP,
-    console,
-    files_written,
-    guarded,
-    split_rule,
-    write_with_progress,
-)
+from .common import console, files_written, guarded, split_rule, write_with_progress
 
 MTP_TYPES = {t.name.lower(): t for t in WRITABLE_TYPES}  # what mtpq's kernels write
 
@@ -64,9 +56,9 @@ def graft(
         "1-D tensors and routers stay as stored.",
     ),
     replace: bool = typer.Option(False, "--replace", help="Swap out a head the target already has."),
-    split_max_size: str = typer.Option(None, "--split-max-size", help=SPLIT_MAX_SIZE_HELP),
-    split_max_tensors: int = typer.Option(None, "--split-max-tensors", help=SPLIT_MAX_TENSORS_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    split_max_size: str = options.SPLIT_MAX_SIZE,
+    split_max_tensors: int = options.SPLIT_MAX_TENSORS,
+    quiet: bool = options.QUIET,
 ) -> None:
     """Give a GGUF without an MTP head the MTP blocks of another GGUF of the same model.
 
@@ -103,7 +95,7 @@ def graft(
 def extract_mtp(
     src: Path = typer.Argument(..., help="GGUF with MTP blocks."),
     out: Path = typer.Argument(..., help="Head-only GGUF to write: MTP blocks + token_embd, output_norm, output."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    quiet: bool = options.QUIET,
 ) -> None:
     """Write the head-only GGUF that llama.cpp loads as an MTP draft model.
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from . import options
 from .app import app
-from .common import RUNTIME_THREADS_HELP, check_device, check_runtime, console, fail, guarded, out
+from .common import check_device, check_runtime, console, fail, guarded, out
 
 PLOT_INSTALL = "pip install 'mtpq[plot]'"
 
@@ -98,9 +99,9 @@ def sweep(
         "from it. llama.cpp: one grafted file per pair, measured by llama-server.",
     ),
     llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server."),
-    ngl: int = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all)."),
+    ngl: int = options.NGL,
     device: str = typer.Option(None, "--device"),
-    threads: int = typer.Option(None, "--threads", "-t", help=RUNTIME_THREADS_HELP),
+    threads: int = options.RUNTIME_THREADS,
 ) -> None:
     """How many bits does my head need? For every trunk preset the trunk is quantized ONCE; for every head
     type only the head's tensors are quantized (exactly as `mtpq quantize --mtp-type T` writes them) and
@@ -148,13 +149,15 @@ def sweep(
     folder.mkdir(parents=True, exist_ok=True)
     grid = {m: {} for m in mtps}
     kld: dict[str, float] = {}
-    try:
-        ref_rate = _rates(
+
+    def rates(trunk_file: Path, preset: str, head_types: list[str]) -> dict[str, float]:
+        """Each head type's rate on ``trunk_file``, quantized with ``preset``, under this sweep's settings."""
+        return _rates(
             engine,
+            trunk_file,
             reference,
-            reference,
-            "F16",
-            ["keep"],
+            preset,
+            head_types,
             pairs,
             max_new_tokens,
             device,
@@ -164,29 +167,17 @@ def sweep(
             threads,
             head,
             allow_requantize,
-        )["keep"]
+        )
+
+    try:
+        ref_rate = rates(reference, "F16", ["keep"])["keep"]
         for t in trunks:
             path = folder / f"{reference.stem}-{t}.gguf"
             console.print(f"{t}: quantizing the trunk -> {path.name}")
             write_plan(
                 plan_quantize(ref_plan, parse_options(t, mtp_type="keep", allow_requantize=allow_requantize)), path
             )  # the head is measured per type below
-            for m, rate in _rates(
-                engine,
-                path,
-                reference,
-                t,
-                mtps,
-                pairs,
-                max_new_tokens,
-                device,
-                folder,
-                llama_cpp,
-                ngl,
-                threads,
-                head,
-                allow_requantize,
-            ).items():
+            for m, rate in rates(path, t, mtps).items():
                 grid[m][t] = rate
             if text is not None:
                 kld[t] = _trunk_kld(reference, path, text, ctx_size, chunks, device)
