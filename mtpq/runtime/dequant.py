@@ -118,20 +118,20 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).view(nb, QK_K)
 
 
-def _k4_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K blocks -> the 8 sub-blocks' scales d * sc and mins dmin * m, each (nb, 8, 1)."""
+    nb = b.shape[0]
+    d, dmin = from_fp16_bytes(b[:, 0:2]), from_fp16_bytes(b[:, 2:4])
+    s = b[:, 4:16]
+    ds, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([ds & 0x3F, (md & 0x0F) | ((ds >> 2) & 0x30)], dim=1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return sc, mn
+    return (d[:, None] * sc.to(_F32)).view(nb, 8, 1), (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
 
 
 def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
-    d = from_fp16_bytes(b[:, 0:2])
-    dmin = from_fp16_bytes(b[:, 2:4])
-    sc, mn = _k4_scale_min(b[:, 4:16])
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
-    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
+    dl, ml = _k4_scales(b)
     qs = b[:, 16:].view(nb, 4, 1, 32)
     q = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32).to(_F32)
     return (dl * q - ml).view(nb, QK_K)
@@ -139,11 +139,7 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
-    d = from_fp16_bytes(b[:, 0:2])
-    dmin = from_fp16_bytes(b[:, 2:4])
-    sc, mn = _k4_scale_min(b[:, 4:16])
-    dl = (d[:, None] * sc.to(_F32)).view(nb, 8, 1)
-    ml = (dmin[:, None] * mn.to(_F32)).view(nb, 8, 1)
+    dl, ml = _k4_scales(b)
     qh = b[:, 16:48]
     qs = b[:, 48:].view(nb, 4, 1, 32)
     ql = torch.cat([qs & 0xF, qs >> 4], dim=2).view(nb, 8, 32)
@@ -206,6 +202,14 @@ def _dequant_tables(name: str, device: str):
     return grid, ksigns
 
 
+def _grid_block(b: torch.Tensor, name: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the grid-coded types (gguf-py class ``name``) start with: the block count n, their grid and sign tables
+    on b's device, and the fp16 block scale d as (n, 1)."""
+    n = b.shape[0]
+    grid, ksigns = _dequant_tables(name, b.device.type)
+    return n, grid, ksigns, from_fp16_bytes(b[:, :2]).view(n, 1)
+
+
 def _u32(b: torch.Tensor) -> torch.Tensor:
     """(n, 4k) uint8 -> (n, k) int64 little-endian uint32 values."""
     v = b.to(torch.int64).view(b.shape[0], -1, 4)
@@ -221,9 +225,7 @@ def _sign_factors(bits7: torch.Tensor, ksigns: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     """(n, 66) uint8 -> (n, 256) float32, as gguf-py's IQ2_XXS."""
-    n = b.shape[0]
-    grid, ksigns = _dequant_tables("IQ2_XXS", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, ksigns, d = _grid_block(b, "IQ2_XXS")
     qs = _u32(b[:, 2:]).view(n, 8, 2)
     db = (d * (_f32(0.5) + (qs[..., 1] >> 28).to(_F32)) * _f32(0.25)).view(n, 8, 1, 1)
     sh = _const((0, 7, 14, 21), torch.int64, b.device)
@@ -235,9 +237,7 @@ def dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     """(n, 98) uint8 -> (n, 256) float32, as gguf-py's IQ3_XXS."""
-    n = b.shape[0]
-    grid, ksigns = _dequant_tables("IQ3_XXS", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, ksigns, d = _grid_block(b, "IQ3_XXS")
     qs = b[:, 2:66].to(torch.int64).view(n, 8, 8)
     sc = _u32(b[:, 66:98])  # (n, 8)
     db = (d * (_f32(0.5) + (sc >> 28).to(_F32)) * _f32(0.5)).view(n, 8, 1, 1)
@@ -261,9 +261,7 @@ def _bit_signs(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq2_xs(b: torch.Tensor) -> torch.Tensor:
     """(n, 74) uint8 -> (n, 256) float32, as gguf-py's IQ2_XS."""
-    n = b.shape[0]
-    grid, ksigns = _dequant_tables("IQ2_XS", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, ksigns, d = _grid_block(b, "IQ2_XS")
     qs = b[:, 2:66].to(torch.int64).view(n, 32, 2)
     qs = qs[..., 0] | (qs[..., 1] << 8)  # (n, 32) uint16
     db = (d * (_f32(0.5) + _nibble_scales(b[:, 66:74])) * _f32(0.25)).view(n, 16, 1, 1)
@@ -274,9 +272,7 @@ def dequantize_iq2_xs(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq2_s(b: torch.Tensor) -> torch.Tensor:
     """(n, 82) uint8 -> (n, 256) float32, as gguf-py's IQ2_S."""
-    n = b.shape[0]
-    grid, _ = _dequant_tables("IQ2_S", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, _, d = _grid_block(b, "IQ2_S")
     db = (d * (_f32(0.5) + _nibble_scales(b[:, 74:82])) * _f32(0.25)).view(n, 16, 1, 1)
     signs = _bit_signs(b[:, 34:66]).view(n, 16, 2, 8)
     qh = (b[:, 66:74].to(torch.int64).unsqueeze(-1) >> _const((0, 2, 4, 6), torch.int64, b.device)) & 3
@@ -287,9 +283,7 @@ def dequantize_iq2_s(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq3_s(b: torch.Tensor) -> torch.Tensor:
     """(n, 110) uint8 -> (n, 256) float32, as gguf-py's IQ3_S."""
-    n = b.shape[0]
-    grid, _ = _dequant_tables("IQ3_S", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, _, d = _grid_block(b, "IQ3_S")
     sc = b[:, 106:110].to(torch.int64)
     sc = torch.stack([sc & 15, sc >> 4], -1).reshape(n, 8)
     db = (d * (1 + 2 * sc).to(_F32)).view(n, 8, 1, 1)
@@ -302,9 +296,7 @@ def dequantize_iq3_s(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_iq1_s(b: torch.Tensor) -> torch.Tensor:
     """(n, 50) uint8 -> (n, 256) float32, as gguf-py's IQ1_S."""
-    n = b.shape[0]
-    grid, _ = _dequant_tables("IQ1_S", b.device.type)
-    d = from_fp16_bytes(b[:, :2]).view(n, 1)
+    n, grid, _, d = _grid_block(b, "IQ1_S")
     qh = b[:, 34:50].to(torch.int64).view(n, 8, 2)
     qh = qh[..., 0] | (qh[..., 1] << 8)  # (n, 8) uint16
     dl = (d * (2 * ((qh >> 12) & 7) + 1).to(_F32)).view(n, 8, 1, 1)

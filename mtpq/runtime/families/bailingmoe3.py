@@ -25,7 +25,7 @@ from ..layers import DecoderBlock, MoE, MoEConfig, Packing, Rope, SwiGLU, rope_i
 from ..mla import MLA, MLAConfig
 from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
-from .common import routed_moe_config
+from .common import mla_config, refuse_rope_scaling, routed_moe_config
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,7 @@ class BailingMoe3(RuntimeFamily):
             raise InputError(
                 g.path, "multi-section RoPE (rope.dimension_sections) is not supported by the bailingmoe3 runtime"
             )
-        if g.value("rope.scaling.type", "none") not in ("none", None):
-            raise InputError(
-                g.path, f"rope scaling {g.value('rope.scaling.type')!r} is not supported by the bailingmoe3 runtime"
-            )
+        refuse_rope_scaling(g)
         kv_heads = g.require("attention.head_count_kv")
         kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * (g.n_trunk + g.n_mtp)
         if len(kv_heads) < g.n_trunk:
@@ -92,18 +89,9 @@ class BailingMoe3(RuntimeFamily):
                 g.path, f"{g.arch}.attention.head_count_kv has {len(kv_heads)} entries for {g.n_trunk} trunk blocks"
             )
         n_heads, rope_dim = int(g.require("attention.head_count")), int(g.require("rope.dimension_count"))
-        key_mla = int(g.require("attention.key_length_mla"))
         self.cfg = BailingMoe3Config(
             vocab_size=g.shape("token_embd.weight")[0],
-            mla=MLAConfig(
-                n_heads=n_heads,
-                kv_lora_rank=int(g.require("attention.kv_lora_rank")),
-                qk_nope_dim=key_mla - rope_dim,
-                qk_rope_dim=rope_dim,
-                v_dim=int(g.require("attention.value_length_mla")),
-                eps=self.eps,
-                kq_scale=key_mla**-0.5,
-            ),
+            mla=mla_config(g, self.eps),
             kda=KDAConfig(
                 n_heads=n_heads,
                 head_dim=int(g.require("kda.head_dim")),

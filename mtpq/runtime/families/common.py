@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from gguf import ExpertGatingFuncType
 
 from ...errors import InputError
-from ..layers import AttnConfig, MoEConfig
+from ..layers import AttnConfig, MoEConfig, yarn_inv_freq
+from ..mla import MLAConfig
 from ..swa import SwaConfig
 from ..weights import GGUFFile
 
@@ -37,6 +38,38 @@ def routed_moe_config(g: GGUFFile, default_gating: ExpertGatingFuncType) -> MoEC
         n_group=int(g.value("expert_group_count", 1) or 1),
         topk_group=int(g.value("expert_group_used_count", 1) or 1),
     )
+
+
+def mla_config(g: GGUFFile, eps: float, softmax_mul: float | None = None) -> MLAConfig:
+    """Multi-head latent attention as llama.cpp's deepseek2 graph reads it: ``attention.key_length_mla`` is nope +
+    rope per head; softmax scale 1/sqrt(key_length_mla), times ``softmax_mul`` where given (YaRN's)."""
+    rope_dim, key_mla = int(g.require("rope.dimension_count")), int(g.require("attention.key_length_mla"))
+    return MLAConfig(
+        n_heads=int(g.require("attention.head_count")),
+        kv_lora_rank=int(g.require("attention.kv_lora_rank")),
+        qk_nope_dim=key_mla - rope_dim,
+        qk_rope_dim=rope_dim,
+        v_dim=int(g.require("attention.value_length_mla")),
+        eps=eps,
+        kq_scale=key_mla**-0.5 if softmax_mul is None else softmax_mul / key_mla**0.5,
+    )
+
+
+def yarn_rope(g: GGUFFile, dim: int, base: float, read_ext_factor: bool = True):
+    """YaRN's inverse frequencies from the ``rope.scaling.*`` keys -> (inverse frequencies, factor);
+    ``read_ext_factor=False``: ext_factor 1 whatever the file says (deepseek4's compressor RoPE)."""
+    factor = float(g.require("rope.scaling.factor"))
+    ext = {"ext_factor": float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0)} if read_ext_factor else {}
+    inv = yarn_inv_freq(
+        dim,
+        base,
+        factor,
+        int(g.require("rope.scaling.original_context_length")),
+        beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+        beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+        **ext,
+    )
+    return inv, factor
 
 
 def per_layer(g: GGUFFile, key: str, n: int, default=None) -> list:

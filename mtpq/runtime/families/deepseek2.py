@@ -18,11 +18,11 @@ from gguf import ExpertGatingFuncType
 from torch import nn
 
 from ...errors import InputError
-from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq, yarn_inv_freq
+from ..layers import DecoderBlock, MoE, MoEConfig, Rope, SwiGLU, rope_inv_freq
 from ..mla import MLA, MLAConfig, yarn_mla_scales
 from ..model import RuntimeFamily
 from ..weights import GGUFFile, Scope
-from .common import routed_moe_config
+from .common import mla_config, routed_moe_config, yarn_rope
 
 
 @dataclass(frozen=True)
@@ -48,23 +48,13 @@ class Deepseek2(RuntimeFamily):
             raise InputError(
                 g.path, "attention temperature scaling (Mistral-Large style) is not supported by the deepseek2 runtime"
             )
-        n_heads = int(g.require("attention.head_count"))
         rope_dim = int(g.require("rope.dimension_count"))
-        key_mla = int(g.require("attention.key_length_mla"))  # nope + rope per head, as transformers sees it
         base = float(g.value("rope.freq_base", 10000.0))
         inv_freq, factor = self._rope_schedule(g, rope_dim, base)
         rope_scale, softmax_mul = self._yarn_scales(g, factor)
         self.cfg = Deepseek2Config(
             vocab_size=g.shape("token_embd.weight")[0],
-            mla=MLAConfig(
-                n_heads=n_heads,
-                kv_lora_rank=int(g.require("attention.kv_lora_rank")),
-                qk_nope_dim=key_mla - rope_dim,
-                qk_rope_dim=rope_dim,
-                v_dim=int(g.require("attention.value_length_mla")),
-                eps=self.eps,
-                kq_scale=softmax_mul / key_mla**0.5,
-            ),
+            mla=mla_config(g, self.eps, softmax_mul),
             moe=routed_moe_config(g, self.default_gating),
             n_dense_lead=int(g.value("leading_dense_block_count", 0)),
             rope_scale=rope_scale,
@@ -88,17 +78,7 @@ class Deepseek2(RuntimeFamily):
             return rope_inv_freq(dim, base), 1.0
         if scaling != "yarn":
             raise InputError(g.path, f"rope scaling {scaling!r} is not supported by the {g.arch} runtime")
-        factor = float(g.require("rope.scaling.factor"))
-        inv = yarn_inv_freq(
-            dim,
-            base,
-            factor,
-            int(g.require("rope.scaling.original_context_length")),
-            beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-            beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-            ext_factor=float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0),
-        )
-        return inv, factor
+        return yarn_rope(g, dim, base)
 
     def block(self, w: Scope, index: int) -> DecoderBlock:
         if not w.has("attn_k_b"):

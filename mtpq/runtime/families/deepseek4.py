@@ -34,11 +34,11 @@ from ..dsv4 import (
     V4AttnConfig,
     yarn_cancelled_mscale,
 )
-from ..layers import MoEConfig, Packing, Rope, rms_norm, rope_inv_freq, yarn_inv_freq
+from ..layers import MoEConfig, Packing, Rope, rms_norm, rope_inv_freq
 from ..model import RuntimeFamily
 from ..mtp import NextNHead
 from ..weights import GGUFFile, Scope, Weights, as_dtype
-from .common import per_layer
+from .common import per_layer, yarn_rope
 
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, the only one its loader takes
 
@@ -203,15 +203,7 @@ class Deepseek4(RuntimeFamily):
         comp_base = float(g.require("attention.compress_rope_freq_base"))
         scaling = g.value("rope.scaling.type", "none")
         if scaling == "yarn":
-            factor = float(g.require("rope.scaling.factor"))
-            inv = yarn_inv_freq(
-                rope_dim,
-                comp_base,
-                factor,
-                int(g.require("rope.scaling.original_context_length")),
-                beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-                beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-            )
+            inv, factor = yarn_rope(g, rope_dim, comp_base, read_ext_factor=False)
             self.comp_rope = Rope(inv, neox=False, mscale=yarn_cancelled_mscale(factor))
         elif scaling in ("none", None):
             self.comp_rope = Rope(rope_inv_freq(rope_dim, comp_base), neox=False)
