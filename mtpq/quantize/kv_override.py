@@ -28,24 +28,13 @@ from typing import Sequence, Union
 from gguf import GGUFValueType
 
 from ..errors import InputError
+from ..gguf_io.files import INT_TYPES
 from ..tensors import Plan
 
 OPTION = "--override-kv"
-_INT_TYPES = frozenset(
-    {
-        GGUFValueType.UINT8,
-        GGUFValueType.INT8,
-        GGUFValueType.UINT16,
-        GGUFValueType.INT16,
-        GGUFValueType.UINT32,
-        GGUFValueType.INT32,
-        GGUFValueType.UINT64,
-        GGUFValueType.INT64,
-    }
-)
 # TYPE -> (GGUF type written, the GGUF types a key must already have to take it)
 _KINDS = {
-    "int": (GGUFValueType.UINT32, _INT_TYPES),
+    "int": (GGUFValueType.UINT32, frozenset(INT_TYPES)),
     "float": (GGUFValueType.FLOAT32, frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})),
     "bool": (GGUFValueType.BOOL, frozenset({GGUFValueType.BOOL})),
     "str": (GGUFValueType.STRING, frozenset({GGUFValueType.STRING})),

@@ -39,57 +39,73 @@ from gguf import GGUFWriter
 
 from ...errors import InputError
 from .. import validate as V
-from ..base import BlockSelection, ConvertFamily, Emit, as_llama_cpp_reads, check_unused, gguf_name, name_from_tables
+from ..base import (
+    BlockSelection,
+    ConvertFamily,
+    Emit,
+    as_llama_cpp_reads,
+    check_unused,
+    gguf_name,
+    name_from_tables,
+    weight_table,
+)
 from ..mxfp4_experts import GROUP as MXFP4_GROUP
 from ..mxfp4_experts import Mxfp4Experts
 from ..validate import Expected
 
 # name inside ``model.layers.{N}.`` -> (GGUF kind, suffix); KDA/MLA-specific names are resolved in _name()
 _COMMON: dict[str, tuple[K, str]] = {
-    "input_layernorm.weight": (K.ATTN_NORM, ".weight"),
-    "post_attention_layernorm.weight": (K.FFN_NORM, ".weight"),
-    "mlp.gate_proj.weight": (K.FFN_GATE, ".weight"),
-    "mlp.up_proj.weight": (K.FFN_UP, ".weight"),
-    "mlp.down_proj.weight": (K.FFN_DOWN, ".weight"),
-    "mlp.gate.weight": (K.FFN_GATE_INP, ".weight"),
+    **weight_table(
+        {
+            "input_layernorm": K.ATTN_NORM,
+            "post_attention_layernorm": K.FFN_NORM,
+            "mlp.gate_proj": K.FFN_GATE,
+            "mlp.up_proj": K.FFN_UP,
+            "mlp.down_proj": K.FFN_DOWN,
+            "mlp.gate": K.FFN_GATE_INP,
+            "mlp.shared_experts.gate_proj": K.FFN_GATE_SHEXP,
+            "mlp.shared_experts.up_proj": K.FFN_UP_SHEXP,
+            "mlp.shared_experts.down_proj": K.FFN_DOWN_SHEXP,
+            "mlp.experts.gate_proj": K.FFN_GATE_EXP,
+            "mlp.experts.up_proj": K.FFN_UP_EXP,
+            "mlp.experts.down_proj": K.FFN_DOWN_EXP,
+            "attention.q_proj": K.ATTN_Q,
+        }
+    ),
     "mlp.gate.expert_bias": (K.FFN_EXP_PROBS_B, ".bias"),
-    "mlp.shared_experts.gate_proj.weight": (K.FFN_GATE_SHEXP, ".weight"),
-    "mlp.shared_experts.up_proj.weight": (K.FFN_UP_SHEXP, ".weight"),
-    "mlp.shared_experts.down_proj.weight": (K.FFN_DOWN_SHEXP, ".weight"),
-    "mlp.experts.gate_proj.weight": (K.FFN_GATE_EXP, ".weight"),
-    "mlp.experts.up_proj.weight": (K.FFN_UP_EXP, ".weight"),
-    "mlp.experts.down_proj.weight": (K.FFN_DOWN_EXP, ".weight"),
-    "attention.q_proj.weight": (K.ATTN_Q, ".weight"),
 }
 _KDA: dict[str, tuple[K, str]] = {
-    "attention.k_proj.weight": (K.ATTN_K, ".weight"),
-    "attention.v_proj.weight": (K.ATTN_V, ".weight"),
-    "attention.q_conv1d.weight": (K.SSM_CONV1D_Q, ".weight"),
-    "attention.k_conv1d.weight": (K.SSM_CONV1D_K, ".weight"),
-    "attention.v_conv1d.weight": (K.SSM_CONV1D_V, ".weight"),
-    "attention.f_proj.weight": (K.SSM_F_A, ".weight"),
-    "attention.b_proj.weight": (K.SSM_BETA, ".weight"),
+    **weight_table(
+        {
+            "attention.k_proj": K.ATTN_K,
+            "attention.v_proj": K.ATTN_V,
+            "attention.q_conv1d": K.SSM_CONV1D_Q,
+            "attention.k_conv1d": K.SSM_CONV1D_K,
+            "attention.v_conv1d": K.SSM_CONV1D_V,
+            "attention.f_proj": K.SSM_F_A,
+            "attention.b_proj": K.SSM_BETA,
+            "attention.g_proj": K.SSM_G_A,
+            "attention.o_norm": K.SSM_NORM,
+            "attention.o_proj": K.ATTN_OUT,
+        }
+    ),
     "attention.A_log": (K.SSM_A, ""),
     "attention.dt_bias": (K.SSM_DT, ".bias"),
-    "attention.g_proj.weight": (K.SSM_G_A, ".weight"),
-    "attention.o_norm.weight": (K.SSM_NORM, ".weight"),
-    "attention.o_proj.weight": (K.ATTN_OUT, ".weight"),
 }
-_MLA: dict[str, tuple[K, str]] = {
-    "attention.q_a_proj.weight": (K.ATTN_Q_A, ".weight"),
-    "attention.q_a_layernorm.weight": (K.ATTN_Q_A_NORM, ".weight"),
-    "attention.q_b_proj.weight": (K.ATTN_Q_B, ".weight"),
-    "attention.kv_a_proj_with_mqa.weight": (K.ATTN_KV_A_MQA, ".weight"),
-    "attention.kv_a_layernorm.weight": (K.ATTN_KV_A_NORM, ".weight"),
-    "attention.g_proj.weight": (K.ATTN_GATE, ".weight"),
-    "attention.dense.weight": (K.ATTN_OUT, ".weight"),
-}
-_NEXTN: dict[str, tuple[K, str]] = {
-    "eh_proj.weight": (K.NEXTN_EH_PROJ, ".weight"),
-    "enorm.weight": (K.NEXTN_ENORM, ".weight"),
-    "hnorm.weight": (K.NEXTN_HNORM, ".weight"),
-    "final_layernorm.weight": (K.LAYER_OUT_NORM, ".weight"),
-}
+_MLA = weight_table(
+    {
+        "attention.q_a_proj": K.ATTN_Q_A,
+        "attention.q_a_layernorm": K.ATTN_Q_A_NORM,
+        "attention.q_b_proj": K.ATTN_Q_B,
+        "attention.kv_a_proj_with_mqa": K.ATTN_KV_A_MQA,
+        "attention.kv_a_layernorm": K.ATTN_KV_A_NORM,
+        "attention.g_proj": K.ATTN_GATE,
+        "attention.dense": K.ATTN_OUT,
+    }
+)
+_NEXTN = weight_table(
+    {"eh_proj": K.NEXTN_EH_PROJ, "enorm": K.NEXTN_ENORM, "hnorm": K.NEXTN_HNORM, "final_layernorm": K.LAYER_OUT_NORM}
+)
 _TOP = {"model.word_embeddings.weight": K.TOKEN_EMBD, "model.norm.weight": K.OUTPUT_NORM, "lm_head.weight": K.OUTPUT}
 _REQUIRED = (
     "layer_group_size",

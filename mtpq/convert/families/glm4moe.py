@@ -27,10 +27,7 @@ from ..validate import Expected
 class Glm4Moe(ConvertFamily):
     hf_architectures = ("Glm4MoeForCausalLM",)
     arch = "glm4moe"
-    required_hparams = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
+    required_hparams = ConvertFamily.required_hparams + (
         "num_attention_heads",
         "num_key_value_heads",
         "intermediate_size",

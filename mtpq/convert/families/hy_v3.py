@@ -51,10 +51,7 @@ _BLOCK_NAMES: dict[str, tuple[K, str]] = {
 class HyV3(ConvertFamily):
     hf_architectures = ("HYV3ForCausalLM",)
     arch = "hy_v3"
-    required_hparams = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
+    required_hparams = ConvertFamily.required_hparams + (
         "num_attention_heads",
         "num_key_value_heads",
         "intermediate_size",

@@ -87,10 +87,7 @@ class Qwen35(ConvertFamily):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     other_towers = ("model.visual.", "visual.")
     arch = "qwen35"
-    required_hparams = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
+    required_hparams = ConvertFamily.required_hparams + (
         "num_attention_heads",
         "num_key_value_heads",
         "linear_conv_kernel_dim",
