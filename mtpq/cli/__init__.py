@@ -3,11 +3,11 @@
 import os
 
 # Thread settings mtpq chooses for itself when the user has not (read when torch or numpy loads, so set before
-# any command imports them):
+# any command imports them; the figures behind them: docs/notes/quantize.md, "Command start-up"):
 # - torch's OpenMP pool spin-waits between ops by default; on a shared machine the spinning threads steal the
-#   cores the work needs. Passive waiting costs nothing measurable on our sizes.
-# - numpy's OpenBLAS starts a thread per core that spins ~0.1 s of CPU at start-up; mtpq's numpy does no
-#   matrix products worth a thread (the models run in torch), and --threads workers are processes.
+#   cores the work needs, and passive waiting does not slow our sizes down.
+# - numpy's OpenBLAS starts a spinning thread per core at start-up; mtpq's numpy does no matrix products worth a
+#   thread (the models run in torch).
 # Child processes get the user's environment back (engines.binaries.child_env): ggml's OpenMP pool under
 # PASSIVE lets llama.cpp exit before its log thread has written the closing lines.
 _CHOSEN = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
@@ -25,8 +25,7 @@ from . import app as _app  # noqa: E402
 
 # The modules that register the commands on `app` (cli/app.py, which imports none of them), in --help's order,
 # with the commands each registers. `mtpq CMD ...` imports only CMD's module: the others' imports (and their
-# typer signatures, which typer resolves for every registered command) add ~0.13 s to every command's start-up
-# (issue 37: quantize under 0.6 s; docs/performance.md).
+# typer signatures, which typer resolves for every registered command) would lengthen every command's start-up.
 _MODULES = {
     "convert": ("convert",),
     "quantize": ("quantize",),
@@ -62,8 +61,8 @@ def main() -> None:
     """The ``mtpq`` entry point: registers the command asked for (all for --help or a mistyped one) and runs it.
 
     When it returns (or exits), every object left is frozen out of the garbage collector: the interpreter's
-    last collections would otherwise walk numba's, typer's and gguf-py's millions of objects, ~0.14 s of every
-    short command (benchmarks/startup_bench.py; docs/performance.md), for memory the process hands back anyway."""
+    last collections would otherwise walk numba's, typer's and gguf-py's millions of objects, a good part of a
+    short command's time (docs/notes/quantize.md, "Command start-up"), for memory the process hands back anyway."""
     try:
         register(_command_in(sys.argv[1:]))()
     finally:

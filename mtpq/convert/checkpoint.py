@@ -202,7 +202,7 @@ class HFCheckpoint:
         self._hparams: dict | None = None
         self.shards = self._find_shards()
         # the last few block-scaled tensors' float32 tile scales: each slab of a tensor needs them, and reading
-        # them again (a file open, a read, a conversion) was a fifth of a small slab's time
+        # them again (a file open, a read, a conversion) is a large part of a small slab's time
         self._scales: dict[str, np.ndarray] = {}
         self._scales_lock = threading.Lock()
         self.stored: dict[str, StoredTensor] = {}
@@ -549,8 +549,8 @@ def fp8_scaled(
     man, bias, bad = _FP8_LAYOUT[fp8]
     if finite or _codes_below(q, bad):
         bits = x.view(torch.int32)
-        # sign-extended (the sign reaches bit 31 after the shift); torch's widening: 1.5x numpy's on a slab in
-        # cache (the same in a conversion, where writing the slab's float32 out of cache is the cost)
+        # sign-extended (the sign reaches bit 31 after the shift); torch widens, quicker than numpy on a slab in
+        # cache
         bits.copy_(torch.from_numpy(q).view(torch.int8))
         bits.bitwise_left_shift_(23 - man).bitwise_and_(-(1 << 31) | 0x7F << (23 - man))
         up = np.float32(2.0 ** (127 - bias))

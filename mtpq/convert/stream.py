@@ -167,8 +167,8 @@ class SlabWrites:
         row = flat[1] * self.dtype.itemsize
         dtype = _TORCH_OF[self.qtype]
 
-        # the file system writes into one file one write at a time (the inode's lock); a worker that found the
-        # other writing spun on that lock in the kernel (4 % of the CPU of an FP8 -> bf16 write): it sleeps here
+        # the file system writes into one file one write at a time (the inode's lock); a worker that finds the
+        # other writing would spin on that lock in the kernel: it sleeps here
         writing = threading.Lock()
 
         def one(i: int, slab: Slab) -> None:
@@ -201,8 +201,8 @@ def _float_slabs(name: str, source: str, shape: tuple[int, ...], qtype: T, slabs
     from ..ggml.malloc import keep_freed_buffers
 
     keep_freed_buffers()  # the slabs' temporaries are reused, not faulted in again for every slab
-    # the writer's buffer: huge pages (madvise; the first writes into a fresh output in 4 KB page faults took
-    # 5x as long), and the memory of the previous tensor of this size when it could keep it
+    # the writer's buffer: huge pages (madvise; first writes into a fresh output in 4 KB page faults are slow),
+    # and the memory of the previous tensor of this size when it could keep it
     dtype = np.dtype(np.float32 if qtype == T.F32 else np.int16)
     buf = output_buffer(math.prod(shape) * dtype.itemsize)
     out = torch.from_numpy(buf.view(dtype).reshape(shape))

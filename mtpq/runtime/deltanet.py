@@ -148,7 +148,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, final:
     u_from_v, u_from_s = both.split((dv, dk), dim=-1)
     attn = (q @ k.transpose(-1, -2)).mul_(decay)
     # freed before the loop's temporaries: a lower peak of memory, i.e. fewer first-touch page faults on the
-    # first long pass (those cost ~5 % of the estimator's first call)
+    # first long pass
     del decay, k_beta, system, rhs
     q_decayed = q * e_c[..., None]
     k_to_end = k * masked_exp(c[..., -1:] - c)[..., None]

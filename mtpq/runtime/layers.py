@@ -162,7 +162,7 @@ def causal_attention(
     if T >= BLOCKED_MIN_T and q.device.type == "cpu" and _block_rows(B, Hq, S) >= MIN_BLOCK_ROWS:
         return blocked_causal_attention(q, k, v, start, scale)
     mqa = k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
-    if (pad := q.shape[-1] - v.shape[-1]) > 0 and not mqa:  # SDPA's CPU flash kernel wants v as wide as q (~2x)
+    if (pad := q.shape[-1] - v.shape[-1]) > 0 and not mqa:  # SDPA's CPU flash kernel wants v as wide as q
         return causal_attention(q, k, F.pad(v, (0, pad)), start, scale)[..., : v.shape[-1]]
     if start == 0 and T == S and not mqa:  # a whole sequence (prefill, uncached): bitwise the mask's result, faster
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -75,12 +75,11 @@ def load(
     from ...ggml.malloc import keep_freed_buffers
 
     # long passes (prefill, teacher forcing, imatrix) allocate and free many 0.1-2 MB temporaries: under
-    # glibc's default policy they are returned and faulted in again (~30k page faults, ~15 % of a
-    # teacher-forced pass on the Qwen3.5 demo)
+    # glibc's default policy they are returned and faulted in again
     keep_freed_buffers()
     if torch.device(device).type == "cuda":
-        # cuDNN's attention builds a plan for every new key length: ~2 ms of CPU per call while decoding, where
-        # the flash and memory-efficient kernels launch in microseconds
+        # cuDNN's attention builds a plan for every new key length, costly while decoding, where the flash and
+        # memory-efficient kernels launch at once
         torch.backends.cuda.enable_cudnn_sdp(False)
     g = g or GGUFFile(Path(path))
     from ...gguf_io.check import is_head_file
