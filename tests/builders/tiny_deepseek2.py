@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, nextn_tensors, random_hf_state_dict, start_folder
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
@@ -94,16 +94,13 @@ def deepseek_v3(
     sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
     config = cfg.to_dict()
     config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
 def start(folder: Path, config_cls, params: dict):
     """The folder with DeepSeek's tokenizer (BOS added), the trunk's layer count n and the transformers config of
     ``params`` with one more layer: layer n is the MTP block."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=SPECIALS)
+    folder, _ = start_folder(folder, SPECIALS)
     use_bos(folder)
     n = params["num_hidden_layers"]
     return folder, n, config_cls(**{**params, "num_hidden_layers": n + 1})

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, nextn_tensors, random_hf_state_dict
 from tests.builders.tiny_deepseek2 import YARN, deepseek_v3_config, start
 
 
@@ -61,5 +61,4 @@ def deepseek_v32(
         rope_theta=rope.pop("rope_theta"),
         rope_scaling={"type": rope.pop("rope_type"), **rope},
     )
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)

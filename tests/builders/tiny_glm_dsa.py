@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, nextn_tensors, random_hf_state_dict, start_folder
 
 _MLA = dict(
     vocab_size=512,
@@ -143,9 +143,7 @@ def glm4_moe_lite(
 
 
 def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, seed: int, dtype, n_shards) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
+    folder, _ = start_folder(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
     n = params["num_hidden_layers"]
     cfg = config_cls(**build)
     sd, gen = random_hf_state_dict(model_cls, cfg, seed)
@@ -155,5 +153,4 @@ def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, 
         if isinstance(config.get(key), list):
             config[key] = config[key][:n]
     config.update(num_hidden_layers=n, architectures=[arch])
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
