@@ -115,17 +115,19 @@ def block_checkpoint(
     block_tensors,
     h: int,
     *,
-    seed: int,
-    dtype: torch.dtype,
-    n_shards: int,
-    with_mtp: bool,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    n_shards: int = 2,
+    with_mtp: bool = True,
     embed: str = "model.embed_tokens.weight",
     norm=None,
     **over,
 ) -> Path:
-    """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
-    final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
-    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
+    """A hand-built family checkpoint (start_checkpoint's tokenizer and ``config(vocab, **over)``): the embeddings
+    ``embed``, the final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
+    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks: with_mtp, the MTP blocks too), in that order;
+    saved by finish_checkpoint as ``dtype`` in ``n_shards`` shards. The families' builders are this with their
+    own config, specials, block_tensors and hidden size."""
     norm = norm or rand_norm
     folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
     sd = {embed: rand_weight(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}

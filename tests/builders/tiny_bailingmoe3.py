@@ -150,19 +150,6 @@ def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]
     return t
 
 
-def bailingmoe3(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder,
-        config,
-        SPECIALS,
-        _block,
-        H,
-        seed=seed,
-        dtype=dtype,
-        n_shards=n_shards,
-        with_mtp=with_mtp,
-        embed="model.word_embeddings.weight",
-        **over,
-    )
+def bailingmoe3(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, _block, H, embed="model.word_embeddings.weight", **over)

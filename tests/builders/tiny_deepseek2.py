@@ -39,33 +39,41 @@ YARN = {
 }
 
 
+# DeepSeek-V3's config.json keys of an MLA + MoE model at tiny sizes, shared with the MLA releases built alike
+# (tiny_glm_dsa.py: GLM-5.x, GLM-4.7-Flash name them the same). Transformers' config classes keep unknown keys
+# (num_nextn_predict_layers, scoring_func, topk_method, ...) in the order given: the configs below keep theirs.
+MLA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=256,
+    kv_lora_rank=256,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+)
+
+
 def deepseek_v3_config(**over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
+        MLA,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=256,
-        kv_lora_rank=256,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
         n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
         n_group=2,
-        topk_group=1,
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_nextn_predict_layers=1,
         max_position_embeddings=16384,
         rms_norm_eps=1e-6,
         rope_parameters=dict(YARN),
-        tie_word_embeddings=False,
         scoring_func="sigmoid",
         topk_method="noaux_tc",
     )  # as DeepSeek-V3's config.json has them

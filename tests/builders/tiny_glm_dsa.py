@@ -27,30 +27,9 @@ from pathlib import Path
 import torch
 
 from tests.builders.tiny import finish_checkpoint, nextn_tensors, random_hf_state_dict, start_folder
+from tests.builders.tiny_deepseek2 import MLA
 
-_MLA = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=256,
-    kv_lora_rank=256,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=64,
-    v_head_dim=64,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
-    num_nextn_predict_layers=1,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    topk_method="noaux_tc",
-)
+_MLA = dict(MLA, n_routed_experts=4, n_group=1, rms_norm_eps=1e-5, topk_method="noaux_tc")  # GLM-5.x's, 4.7-Flash's
 
 
 def glm_dsa_config(**over) -> dict:

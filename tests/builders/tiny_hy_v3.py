@@ -95,9 +95,6 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def hy_v3(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards, with_mtp=with_mtp, **over
-    )
+def hy_v3(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, **over)

@@ -35,22 +35,30 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
 
 
+# The hybrid (gated DeltaNet + gated attention) layout's config keys at tiny sizes, as Qwen3.5 and Qwen3-Next
+# (tiny_qwen3next.py) name them, and their MoE keys
+HYBRID = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
 def text_config(moe: bool, **over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        HYBRID,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
@@ -60,7 +68,7 @@ def text_config(moe: bool, **over) -> dict:
         },
     )
     if moe:
-        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+        cfg.update(MOE)
     else:
         cfg.update(intermediate_size=512)
     cfg.update(over)

@@ -26,30 +26,21 @@ from pathlib import Path
 import torch
 
 from tests.builders.tiny import finish_checkpoint, start_folder
-from tests.builders.tiny_qwen35 import QWEN_SPECIALS, fuse_experts, informative_state_dict, mtp_head_tensors
+from tests.builders.tiny_qwen35 import (
+    HYBRID,
+    MOE,
+    QWEN_SPECIALS,
+    fuse_experts,
+    informative_state_dict,
+    mtp_head_tensors,
+)
 
 
 def qwen3next_config(**over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        HYBRID,
         intermediate_size=512,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        **MOE,
         norm_topk_prob=True,
         rope_theta=10_000_000.0,
         partial_rotary_factor=0.25,

@@ -117,22 +117,9 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def step35(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder,
-        config,
-        SPECIALS,
-        block_tensors,
-        H,
-        seed=seed,
-        dtype=dtype,
-        n_shards=n_shards,
-        with_mtp=with_mtp,
-        norm=_zero_centred,
-        **over,
-    )
+def step35(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, norm=_zero_centred, **over)
 
 
 VISION_TOWER = {
