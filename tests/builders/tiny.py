@@ -145,7 +145,11 @@ def seeded_model(model_cls, cfg, seed: int):
     return model_cls(cfg).eval(), torch.Generator().manual_seed(seed + 1)
 
 
-def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" in name):
+def _has_norm(name: str) -> bool:
+    return "norm" in name
+
+
+def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=_has_norm):
     """(state dict as save_pretrained writes it, generator for further tensors) of a seeded random
     transformers model whose 1-D parameters are made informative (random init leaves norms at 1, biases 0)."""
     model, gen = seeded_model(model_cls, cfg, seed)
@@ -154,6 +158,21 @@ def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" 
             if p.dim() == 1:
                 p.copy_(rand_norm(p.numel(), gen) if is_norm(name) else 0.05 * torch.randn(p.numel(), generator=gen))
     return hf_state_dict(model), gen
+
+
+def mtp_last_layer(model_cls, config_cls, params: dict, seed: int, *, head: bool = True, is_norm=_has_norm, **build):
+    """(state dict, config.json dict) of a checkpoint whose MTP block is a real decoder layer of transformers'
+    ``model_cls``: the model is built (random_hf_state_dict, with ``is_norm``) from ``config_cls(**params, **build)``
+    with one layer more than ``params``' n trunk layers, so layer n carries exactly the names and shapes
+    transformers gives a decoder layer; nextn_tensors adds its MTP-only tensors (``head``: its own embed_tokens
+    and shared_head.head too). config.json says n layers, architectures ``model_cls``'s name."""
+    n = params["num_hidden_layers"]
+    cfg = config_cls(**{**params, "num_hidden_layers": n + 1, **build})
+    sd, gen = random_hf_state_dict(model_cls, cfg, seed, is_norm)
+    sd.update(nextn_tensors(cfg, n, gen, head=head))
+    config = cfg.to_dict()
+    config.update(num_hidden_layers=n, architectures=[model_cls.__name__])
+    return sd, config
 
 
 def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, nextn_tensors, random_hf_state_dict, start_folder
+from tests.builders.tiny import finish_checkpoint, mtp_last_layer, start_folder
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
@@ -97,21 +97,17 @@ def deepseek_v3(
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder, n, cfg = start(folder, DeepseekV3Config, deepseek_v3_config(**config_over))
-    sd, gen = random_hf_state_dict(DeepseekV3ForCausalLM, cfg, seed)
-    sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
-    config = cfg.to_dict()
-    config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
+    folder = start(folder)
+    params = deepseek_v3_config(**config_over)
+    sd, config = mtp_last_layer(DeepseekV3ForCausalLM, DeepseekV3Config, params, seed, head=mtp_head_tensors)
     return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
-def start(folder: Path, config_cls, params: dict):
-    """The folder with DeepSeek's tokenizer (BOS added), the trunk's layer count n and the transformers config of
-    ``params`` with one more layer: layer n is the MTP block."""
+def start(folder: Path) -> Path:
+    """The folder, created, with DeepSeek's tokenizer (BOS added)."""
     folder, _ = start_folder(folder, SPECIALS)
     use_bos(folder)
-    n = params["num_hidden_layers"]
-    return folder, n, config_cls(**{**params, "num_hidden_layers": n + 1})
+    return folder
 
 
 def use_bos(folder: Path) -> None:
