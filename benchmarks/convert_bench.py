@@ -221,68 +221,53 @@ def _new_builders() -> dict:
             num_experts=n(scale),
         )
 
-    def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        from tests.builders import tiny_hy_v3
+    def with_hidden(name: str, experts: str, **over):
+        """tests/builders/tiny_{name}.py's {name}(), at _with_hidden's hidden size, with ``over`` and the scaled
+        expert count ``experts``."""
 
-        _with_hidden(
-            tiny_hy_v3,
-            tiny_hy_v3.hy_v3,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=2 * FF,
-            moe_intermediate_size=FF,
-            expert_hidden_dim=FF,
-            num_experts=n(scale),
-        )
+        def build(folder, scale):
+            import importlib
 
-    def cohere2moe(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        from tests.builders import tiny_cohere2moe
+            mod = importlib.import_module(f"tests.builders.tiny_{name}")
+            _with_hidden(mod, getattr(mod, name), folder, **over, **{experts: n(scale)})
 
-        _with_hidden(
-            tiny_cohere2moe,
-            tiny_cohere2moe.cohere2moe,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=FF,
-            prefix_dense_intermediate_size=2 * FF,
-            num_experts=n(scale),
-        )
-
-    def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
-        from tests.builders import tiny_nemotron_h_moe
-
-        _with_hidden(
-            tiny_nemotron_h_moe,
-            tiny_nemotron_h_moe.nemotron_h_moe,
-            folder,
-            moe_intermediate_size=FF,
-            moe_shared_expert_intermediate_size=FF,
-            n_routed_experts=n(scale),
-        )
-
-    def bailingmoe3(folder, scale):  # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
-        from tests.builders import tiny_bailingmoe3
-
-        _with_hidden(
-            tiny_bailingmoe3,
-            tiny_bailingmoe3.bailingmoe3,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=2 * FF,
-            moe_intermediate_size=FF,
-            moe_shared_expert_intermediate_size=FF,
-            num_experts=n(scale),
-        )
+        return build
 
     return dict(
         glm_dsa=glm_dsa,
         glm4_moe_lite=glm4_moe_lite,
         deepseek32=deepseek32,
         qwen3next=qwen3next,
-        hy_v3=hy_v3,
-        cohere2moe=cohere2moe,
-        nemotron_h_moe=nemotron_h_moe,
-        bailingmoe3=bailingmoe3,
+        # layer 0 dense, layer 1 and the MTP layer MoE
+        hy_v3=with_hidden(
+            "hy_v3",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            expert_hidden_dim=FF,
+        ),
+        # layer 0 dense, layer 1 and the MTP layer MoE
+        cohere2moe=with_hidden(
+            "cohere2moe",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=FF,
+            prefix_dense_intermediate_size=2 * FF,
+        ),
+        # two MoE layers + one in the MTP block, up and down only
+        nemotron_h_moe=with_hidden(
+            "nemotron_h_moe", "n_routed_experts", moe_intermediate_size=FF, moe_shared_expert_intermediate_size=FF
+        ),
+        # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
+        bailingmoe3=with_hidden(
+            "bailingmoe3",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            moe_shared_expert_intermediate_size=FF,
+        ),
     )
 
 
