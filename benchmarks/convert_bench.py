@@ -105,6 +105,13 @@ print(json.dumps({"seconds": plan_end - t0 + t2 - t1, "plan_seconds": plan_end -
 H, FF = 2048, 1024
 
 
+def _big_moe(n_routed_experts: int, **over) -> dict:
+    """The big-matrix overrides of the GLM / DeepSeek-shaped builders (hidden H, experts FF wide, dense FFN 2 FF)."""
+    return dict(
+        hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF, n_routed_experts=n_routed_experts, **over
+    )
+
+
 def build(family: str, folder: Path, scale: float) -> None:
     """The family's tiny test checkpoint, with big matrices; DeepSeek's FP8 copy is made from the bf16 one."""
     from tests.builders import tiny, tiny_deepseek2, tiny_mimo2, tiny_qwen35, tiny_step35
@@ -115,23 +122,9 @@ def build(family: str, folder: Path, scale: float) -> None:
     n_exp = max(2, int(32 * scale))
     bf16 = torch.bfloat16
     if family == "glm4moe":  # layers 0-1 dense, the MTP layer (2) MoE: one layer of experts
-        tiny.glm4moe(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=2 * n_exp,
-            first_k_dense_replace=2,
-        )
+        tiny.glm4moe(folder, **_big_moe(2 * n_exp, first_k_dense_replace=2))
     elif family == "deepseek2":
-        tiny_deepseek2.deepseek_v3(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=2 * n_exp,
-            first_k_dense_replace=2,
-        )
+        tiny_deepseek2.deepseek_v3(folder, **_big_moe(2 * n_exp, first_k_dense_replace=2))
     elif family == "qwen35moe":  # every layer MoE (4 + the MTP layer), smaller experts
         tiny_qwen35.qwen35(
             folder,
@@ -176,39 +169,18 @@ def _new_builders() -> dict:
 
         tiny_glm_dsa.glm_dsa(
             folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale, 64),
-            num_hidden_layers=2,
-            first_k_dense_replace=2,
-            indexer_types=["full", "full"],
+            **_big_moe(n(scale, 64), num_hidden_layers=2, first_k_dense_replace=2, indexer_types=["full", "full"]),
         )
 
     def glm4_moe_lite(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE (transformers' model
         from tests.builders import tiny_glm_dsa  # makes layer 1 MoE whatever first_k_dense_replace says)
 
-        tiny_glm_dsa.glm4_moe_lite(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale),
-            num_hidden_layers=2,
-            first_k_dense_replace=1,
-        )
+        tiny_glm_dsa.glm4_moe_lite(folder, **_big_moe(n(scale), num_hidden_layers=2, first_k_dense_replace=1))
 
     def deepseek32(folder, scale):
         from tests.builders import tiny_deepseek32
 
-        tiny_deepseek32.deepseek_v32(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale, 64),
-            first_k_dense_replace=2,
-        )
+        tiny_deepseek32.deepseek_v32(folder, **_big_moe(n(scale, 64), first_k_dense_replace=2))
 
     def qwen3next(folder, scale):  # every layer MoE (4 + the MTP layer), smaller experts, as qwen35moe
         from tests.builders import tiny_qwen3next
