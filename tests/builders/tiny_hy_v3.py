@@ -31,6 +31,7 @@ from tests.builders.tiny import (
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
+MOE_NAMES = dict(gate="router.gate.weight", bias="expert_bias", shared="shared_mlp.")  # under mlp., as released
 
 
 def config(vocab: int, **over) -> dict:
@@ -77,19 +78,8 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     t |= rand_qk_norms(p + "self_attn.", hd, gen)
     if bid < cfg["first_k_dense_replace"]:
         t.update(rand_mlp(p + "mlp.", ff, H, gen))
-    else:  # MoE, the MTP layer too: router.gate, expert_bias, experts, shared_mlp
-        shared_ff = moe_ff * cfg["num_shared_experts"]
-        t |= rand_moe(
-            p + "mlp.",
-            n_exp,
-            moe_ff,
-            H,
-            gen,
-            gate="router.gate.weight",
-            bias="expert_bias",
-            shared="shared_mlp.",
-            shared_ff=shared_ff,
-        )
+    else:  # MoE, the MTP layer too
+        t |= rand_moe(p + "mlp.", n_exp, moe_ff, H, gen, shared_ff=moe_ff * cfg["num_shared_experts"], **MOE_NAMES)
     if bid >= cfg["num_hidden_layers"]:
         t.update(rand_nextn(p, H, gen, "final_layernorm"))
     return t
