@@ -105,6 +105,13 @@ print(json.dumps({"seconds": plan_end - t0 + t2 - t1, "plan_seconds": plan_end -
 H, FF = 2048, 1024
 
 
+def _big_moe(n_routed_experts: int, **over) -> dict:
+    """The big-matrix overrides of the GLM / DeepSeek-shaped builders (hidden H, experts FF wide, dense FFN 2 FF)."""
+    return dict(
+        hidden_size=H, moe_intermediate_size=FF, intermediate_size=2 * FF, n_routed_experts=n_routed_experts, **over
+    )
+
+
 def build(family: str, folder: Path, scale: float) -> None:
     """The family's tiny test checkpoint, with big matrices; DeepSeek's FP8 copy is made from the bf16 one."""
     from tests.builders import tiny, tiny_deepseek2, tiny_mimo2, tiny_qwen35, tiny_step35
@@ -115,23 +122,9 @@ def build(family: str, folder: Path, scale: float) -> None:
     n_exp = max(2, int(32 * scale))
     bf16 = torch.bfloat16
     if family == "glm4moe":  # layers 0-1 dense, the MTP layer (2) MoE: one layer of experts
-        tiny.glm4moe(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=2 * n_exp,
-            first_k_dense_replace=2,
-        )
+        tiny.glm4moe(folder, **_big_moe(2 * n_exp, first_k_dense_replace=2))
     elif family == "deepseek2":
-        tiny_deepseek2.deepseek_v3(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=2 * n_exp,
-            first_k_dense_replace=2,
-        )
+        tiny_deepseek2.deepseek_v3(folder, **_big_moe(2 * n_exp, first_k_dense_replace=2))
     elif family == "qwen35moe":  # every layer MoE (4 + the MTP layer), smaller experts
         tiny_qwen35.qwen35(
             folder,
@@ -176,39 +169,18 @@ def _new_builders() -> dict:
 
         tiny_glm_dsa.glm_dsa(
             folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale, 64),
-            num_hidden_layers=2,
-            first_k_dense_replace=2,
-            indexer_types=["full", "full"],
+            **_big_moe(n(scale, 64), num_hidden_layers=2, first_k_dense_replace=2, indexer_types=["full", "full"]),
         )
 
     def glm4_moe_lite(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE (transformers' model
         from tests.builders import tiny_glm_dsa  # makes layer 1 MoE whatever first_k_dense_replace says)
 
-        tiny_glm_dsa.glm4_moe_lite(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale),
-            num_hidden_layers=2,
-            first_k_dense_replace=1,
-        )
+        tiny_glm_dsa.glm4_moe_lite(folder, **_big_moe(n(scale), num_hidden_layers=2, first_k_dense_replace=1))
 
     def deepseek32(folder, scale):
         from tests.builders import tiny_deepseek32
 
-        tiny_deepseek32.deepseek_v32(
-            folder,
-            hidden_size=H,
-            moe_intermediate_size=FF,
-            intermediate_size=2 * FF,
-            n_routed_experts=n(scale, 64),
-            first_k_dense_replace=2,
-        )
+        tiny_deepseek32.deepseek_v32(folder, **_big_moe(n(scale, 64), first_k_dense_replace=2))
 
     def qwen3next(folder, scale):  # every layer MoE (4 + the MTP layer), smaller experts, as qwen35moe
         from tests.builders import tiny_qwen3next
@@ -221,68 +193,53 @@ def _new_builders() -> dict:
             num_experts=n(scale),
         )
 
-    def hy_v3(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        from tests.builders import tiny_hy_v3
+    def with_hidden(name: str, experts: str, **over):
+        """tests/builders/tiny_{name}.py's {name}(), at _with_hidden's hidden size, with ``over`` and the scaled
+        expert count ``experts``."""
 
-        _with_hidden(
-            tiny_hy_v3,
-            tiny_hy_v3.hy_v3,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=2 * FF,
-            moe_intermediate_size=FF,
-            expert_hidden_dim=FF,
-            num_experts=n(scale),
-        )
+        def build(folder, scale):
+            import importlib
 
-    def cohere2moe(folder, scale):  # layer 0 dense, layer 1 and the MTP layer MoE
-        from tests.builders import tiny_cohere2moe
+            mod = importlib.import_module(f"tests.builders.tiny_{name}")
+            _with_hidden(mod, getattr(mod, name), folder, **over, **{experts: n(scale)})
 
-        _with_hidden(
-            tiny_cohere2moe,
-            tiny_cohere2moe.cohere2moe,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=FF,
-            prefix_dense_intermediate_size=2 * FF,
-            num_experts=n(scale),
-        )
-
-    def nemotron_h_moe(folder, scale):  # two MoE layers + one in the MTP block, up and down only
-        from tests.builders import tiny_nemotron_h_moe
-
-        _with_hidden(
-            tiny_nemotron_h_moe,
-            tiny_nemotron_h_moe.nemotron_h_moe,
-            folder,
-            moe_intermediate_size=FF,
-            moe_shared_expert_intermediate_size=FF,
-            n_routed_experts=n(scale),
-        )
-
-    def bailingmoe3(folder, scale):  # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
-        from tests.builders import tiny_bailingmoe3
-
-        _with_hidden(
-            tiny_bailingmoe3,
-            tiny_bailingmoe3.bailingmoe3,
-            folder,
-            num_hidden_layers=2,
-            intermediate_size=2 * FF,
-            moe_intermediate_size=FF,
-            moe_shared_expert_intermediate_size=FF,
-            num_experts=n(scale),
-        )
+        return build
 
     return dict(
         glm_dsa=glm_dsa,
         glm4_moe_lite=glm4_moe_lite,
         deepseek32=deepseek32,
         qwen3next=qwen3next,
-        hy_v3=hy_v3,
-        cohere2moe=cohere2moe,
-        nemotron_h_moe=nemotron_h_moe,
-        bailingmoe3=bailingmoe3,
+        # layer 0 dense, layer 1 and the MTP layer MoE
+        hy_v3=with_hidden(
+            "hy_v3",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            expert_hidden_dim=FF,
+        ),
+        # layer 0 dense, layer 1 and the MTP layer MoE
+        cohere2moe=with_hidden(
+            "cohere2moe",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=FF,
+            prefix_dense_intermediate_size=2 * FF,
+        ),
+        # two MoE layers + one in the MTP block, up and down only
+        nemotron_h_moe=with_hidden(
+            "nemotron_h_moe", "n_routed_experts", moe_intermediate_size=FF, moe_shared_expert_intermediate_size=FF
+        ),
+        # layer 0 (KDA) dense, layer 1 (MLA) and the MTP layer MoE
+        bailingmoe3=with_hidden(
+            "bailingmoe3",
+            "num_experts",
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            moe_intermediate_size=FF,
+            moe_shared_expert_intermediate_size=FF,
+        ),
     )
 
 

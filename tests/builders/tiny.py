@@ -80,12 +80,18 @@ def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def start_folder(folder: Path, specials: list[str] | None = None) -> tuple[Path, int]:
+    """(the folder, created, now holding make_tokenizer's tokenizer of ``specials`` (default GLM's), its size)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, make_tokenizer(folder, specials=specials)
+
+
 def start_checkpoint(folder: Path, config, specials: list[str], seed: int, **over):
     """A hand-built family checkpoint's start: (folder, now holding its tokenizer; vocab = the tokenizer's
     size + 4 padding ids, as releases have; ``config(vocab, **over)``; the seeded generator for every tensor)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder, specials=specials) + 4
+    folder, n_tokens = start_folder(folder, specials)
+    vocab = n_tokens + 4
     return folder, vocab, config(vocab, **over), torch.Generator().manual_seed(seed)
 
 
@@ -109,17 +115,19 @@ def block_checkpoint(
     block_tensors,
     h: int,
     *,
-    seed: int,
-    dtype: torch.dtype,
-    n_shards: int,
-    with_mtp: bool,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    n_shards: int = 2,
+    with_mtp: bool = True,
     embed: str = "model.embed_tokens.weight",
     norm=None,
     **over,
 ) -> Path:
-    """A hand-built family checkpoint (start_checkpoint's tokenizer and config): the embeddings ``embed``, the
-    final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
-    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks), in that order; saved by finish_checkpoint."""
+    """A hand-built family checkpoint (start_checkpoint's tokenizer and ``config(vocab, **over)``): the embeddings
+    ``embed``, the final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
+    ``block_tensors(bid, cfg, gen)`` for every block (n_blocks: with_mtp, the MTP blocks too), in that order;
+    saved by finish_checkpoint as ``dtype`` in ``n_shards`` shards. The families' builders are this with their
+    own config, specials, block_tensors and hidden size."""
     norm = norm or rand_norm
     folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
     sd = {embed: rand_weight(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
@@ -130,17 +138,41 @@ def block_checkpoint(
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
 
 
-def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=lambda name: "norm" in name):
+def seeded_model(model_cls, cfg, seed: int):
+    """(a transformers model of ``cfg`` in eval mode, random init under torch seed ``seed``, the generator
+    (seed + 1) for every further tensor)."""
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval(), torch.Generator().manual_seed(seed + 1)
+
+
+def _has_norm(name: str) -> bool:
+    return "norm" in name
+
+
+def random_hf_state_dict(model_cls, cfg, seed: int, is_norm=_has_norm):
     """(state dict as save_pretrained writes it, generator for further tensors) of a seeded random
     transformers model whose 1-D parameters are made informative (random init leaves norms at 1, biases 0)."""
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
+    model, gen = seeded_model(model_cls, cfg, seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(rand_norm(p.numel(), gen) if is_norm(name) else 0.05 * torch.randn(p.numel(), generator=gen))
     return hf_state_dict(model), gen
+
+
+def mtp_last_layer(model_cls, config_cls, params: dict, seed: int, *, head: bool = True, is_norm=_has_norm, **build):
+    """(state dict, config.json dict) of a checkpoint whose MTP block is a real decoder layer of transformers'
+    ``model_cls``: the model is built (random_hf_state_dict, with ``is_norm``) from ``config_cls(**params, **build)``
+    with one layer more than ``params``' n trunk layers, so layer n carries exactly the names and shapes
+    transformers gives a decoder layer; nextn_tensors adds its MTP-only tensors (``head``: its own embed_tokens
+    and shared_head.head too). config.json says n layers, architectures ``model_cls``'s name."""
+    n = params["num_hidden_layers"]
+    cfg = config_cls(**{**params, "num_hidden_layers": n + 1, **build})
+    sd, gen = random_hf_state_dict(model_cls, cfg, seed, is_norm)
+    sd.update(nextn_tensors(cfg, n, gen, head=head))
+    config = cfg.to_dict()
+    config.update(num_hidden_layers=n, architectures=[model_cls.__name__])
+    return sd, config
 
 
 def nextn_tensors(cfg, n: int, gen: torch.Generator, head: bool = True) -> dict[str, torch.Tensor]:
@@ -196,6 +228,48 @@ def rand_experts(p: str, n_exp: int, ff: int, h: int, gen: torch.Generator) -> d
     for e in range(n_exp):
         t.update(rand_mlp(f"{p}{e}.", ff, h, gen))
     return t
+
+
+def rand_router(
+    weight: str, n_exp: int, h: int, gen: torch.Generator, bias: str | None = None, scale: float = 0.05
+) -> dict[str, torch.Tensor]:
+    """A MoE router: its ``weight`` [n_exp, h], then (with ``bias``, a full name) its per-expert selection bias,
+    ``scale`` N(0, 1)."""
+    t = {weight: rand_weight(n_exp, h, gen=gen)}
+    if bias:
+        t[bias] = scale * torch.randn(n_exp, generator=gen)
+    return t
+
+
+def rand_moe(
+    p: str,
+    n_exp: int,
+    ff: int,
+    h: int,
+    gen: torch.Generator,
+    *,
+    gate: str = "gate.weight",
+    bias: str | None = None,
+    shared: str | None = None,
+    shared_ff: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A routed MoE block under ``p``, drawn in the order router (``p + gate``, ``p + bias``: rand_router),
+    experts (``p + "experts.{e}."``), then, with ``shared``, a ``shared_ff`` wide shared expert ``p + shared``."""
+    t = rand_router(p + gate, n_exp, h, gen, bias=bias and p + bias)
+    t.update(rand_experts(p + "experts.", n_exp, ff, h, gen))
+    if shared:
+        t.update(rand_mlp(p + shared, shared_ff, h, gen))
+    return t
+
+
+def rand_block_norms(p: str, h: int, gen: torch.Generator, norm=rand_norm) -> dict[str, torch.Tensor]:
+    """A pre-norm decoder block's two norms under ``p``: input_layernorm, then post_attention_layernorm."""
+    return {p + "input_layernorm.weight": norm(h, gen), p + "post_attention_layernorm.weight": norm(h, gen)}
+
+
+def rand_qk_norms(p: str, hd: int, gen: torch.Generator, norm=rand_norm) -> dict[str, torch.Tensor]:
+    """Per-head q and k norms under ``p`` (``p + "q_norm.weight"``, then k_norm), ``hd`` wide."""
+    return {p + "q_norm.weight": norm(hd, gen), p + "k_norm.weight": norm(hd, gen)}
 
 
 def rand_attention(
@@ -261,16 +335,13 @@ def glm4moe(
     """
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder)
+    folder, _ = start_folder(folder)
     cfg = Glm4MoeConfig(**glm4moe_config(**config_over))
     sd, gen = random_hf_state_dict(Glm4MoeForCausalLM, cfg, seed)
     sd.update(glm4moe_mtp_tensors(cfg, gen, glm46=glm46))
     config = cfg.to_dict()
     config["architectures"] = ["Glm4MoeForCausalLM"]
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
 def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[str, torch.Tensor]:
@@ -280,18 +351,17 @@ def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     t = {
         **rand_nextn(p, h, gen, "shared_head.norm"),
-        p + "input_layernorm.weight": rand_norm(h, gen),
-        p + "post_attention_layernorm.weight": rand_norm(h, gen),
+        **rand_block_norms(p, h, gen),
         **rand_attention(p + "self_attn.", h, nh, nkv, hd, gen),
-        p + "mlp.gate.weight": rand_weight(cfg.n_routed_experts, h, gen=gen),
-        p + "mlp.gate.e_score_correction_bias": 0.01 * torch.randn(cfg.n_routed_experts, generator=gen),
+        **rand_router(
+            p + "mlp.gate.weight", cfg.n_routed_experts, h, gen, p + "mlp.gate.e_score_correction_bias", 0.01
+        ),
     }
     if cfg.attention_bias:
         for x, d in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
             t[p + f"self_attn.{x}_proj.bias"] = 0.05 * torch.randn(d, generator=gen)
     if cfg.use_qk_norm:
-        t[p + "self_attn.q_norm.weight"] = rand_norm(hd, gen)
-        t[p + "self_attn.k_norm.weight"] = rand_norm(hd, gen)
+        t.update(rand_qk_norms(p + "self_attn.", hd, gen))
     ff = cfg.moe_intermediate_size
     t.update(rand_experts(p + "mlp.experts.", cfg.n_routed_experts, ff, h, gen))
     t.update(rand_mlp(p + "mlp.shared_experts.", ff * cfg.n_shared_experts, h, gen))

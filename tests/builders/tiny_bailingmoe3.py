@@ -22,7 +22,16 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import block_checkpoint, rand_experts, rand_mlp, rand_nextn, rand_norm, rand_weight
+from tests.builders.tiny import (
+    block_checkpoint,
+    rand_block_norms,
+    rand_experts,
+    rand_mlp,
+    rand_nextn,
+    rand_norm,
+    rand_router,
+    rand_weight,
+)
 
 SPECIALS = ["<|endoftext|>", "<role>", "</role>"]
 H = 256
@@ -126,17 +135,14 @@ def _mlp(p: str, cfg: dict, bid: int, gen: torch.Generator) -> dict[str, torch.T
         return rand_mlp(p, cfg["intermediate_size"], H, gen)
     n_exp, ff = cfg["num_experts"], cfg["moe_intermediate_size"]
     sff = cfg["moe_shared_expert_intermediate_size"] * cfg["num_shared_experts"]
-    t = {
-        p + "gate.weight": rand_weight(n_exp, H, gen=gen),
-        p + "gate.expert_bias": 0.05 * torch.randn(n_exp, generator=gen),
-    }
+    t = rand_router(p + "gate.weight", n_exp, H, gen, bias=p + "gate.expert_bias")
     t.update(rand_mlp(p + "shared_experts.", sff, H, gen))
     return t | rand_experts(p + "experts.", n_exp, ff, H, gen)
 
 
 def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     p = f"model.layers.{bid}."
-    t = {p + "input_layernorm.weight": rand_norm(H, gen), p + "post_attention_layernorm.weight": rand_norm(H, gen)}
+    t = rand_block_norms(p, H, gen)
     t.update((_mla if is_full_attention(bid, cfg) else _kda)(p + "attention.", cfg, gen))
     t.update(_mlp(p + "mlp.", cfg, bid, gen))
     if bid >= cfg["num_hidden_layers"]:
@@ -144,19 +150,6 @@ def _block(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]
     return t
 
 
-def bailingmoe3(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder,
-        config,
-        SPECIALS,
-        _block,
-        H,
-        seed=seed,
-        dtype=dtype,
-        n_shards=n_shards,
-        with_mtp=with_mtp,
-        embed="model.word_embeddings.weight",
-        **over,
-    )
+def bailingmoe3(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, _block, H, embed="model.word_embeddings.weight", **over)

@@ -21,15 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import (
-    block_checkpoint,
-    rand_attention,
-    rand_experts,
-    rand_mlp,
-    rand_nextn,
-    rand_norm,
-    rand_weight,
-)
+from tests.builders.tiny import block_checkpoint, rand_attention, rand_mlp, rand_moe, rand_nextn, rand_norm
 
 SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
 H = 256
@@ -92,19 +84,14 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     if bid < len(types) and types[bid] == "dense":
         t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], H, gen))
     else:  # MoE, the MTP layer too
-        ff, n_exp = cfg["intermediate_size"], cfg["num_experts"]
-        t[p + "mlp.gate.weight"] = rand_weight(n_exp, H, gen=gen)
-        t.update(rand_experts(p + "mlp.experts.", n_exp, ff, H, gen))
-        if n_shared := cfg["num_shared_experts"]:
-            t.update(rand_mlp(p + "mlp.shared_experts.", ff * n_shared, H, gen))
+        ff, n_shared = cfg["intermediate_size"], cfg["num_shared_experts"]
+        shared = "shared_experts." if n_shared else None
+        t.update(rand_moe(p + "mlp.", cfg["num_experts"], ff, H, gen, shared=shared, shared_ff=ff * n_shared))
     if bid >= cfg["num_hidden_layers"]:
         t.update(rand_nextn(p, H, gen, "shared_head.norm"))
     return t
 
 
-def cohere2moe(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards, with_mtp=with_mtp, **over
-    )
+def cohere2moe(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, **over)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, mtp_last_layer, start_folder
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
@@ -39,33 +39,41 @@ YARN = {
 }
 
 
+# DeepSeek-V3's config.json keys of an MLA + MoE model at tiny sizes, shared with the MLA releases built alike
+# (tiny_glm_dsa.py: GLM-5.x, GLM-4.7-Flash name them the same). Transformers' config classes keep unknown keys
+# (num_nextn_predict_layers, scoring_func, topk_method, ...) in the order given: the configs below keep theirs.
+MLA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=256,
+    kv_lora_rank=256,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+)
+
+
 def deepseek_v3_config(**over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
+        MLA,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=256,
-        kv_lora_rank=256,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
         n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
         n_group=2,
-        topk_group=1,
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_nextn_predict_layers=1,
         max_position_embeddings=16384,
         rms_norm_eps=1e-6,
         rope_parameters=dict(YARN),
-        tie_word_embeddings=False,
         scoring_func="sigmoid",
         topk_method="noaux_tc",
     )  # as DeepSeek-V3's config.json has them
@@ -89,24 +97,17 @@ def deepseek_v3(
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder, n, cfg = start(folder, DeepseekV3Config, deepseek_v3_config(**config_over))
-    sd, gen = random_hf_state_dict(DeepseekV3ForCausalLM, cfg, seed)
-    sd.update(nextn_tensors(cfg, n, gen, head=mtp_head_tensors))
-    config = cfg.to_dict()
-    config.update(num_hidden_layers=n, architectures=["DeepseekV3ForCausalLM"])
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    folder = start(folder)
+    params = deepseek_v3_config(**config_over)
+    sd, config = mtp_last_layer(DeepseekV3ForCausalLM, DeepseekV3Config, params, seed, head=mtp_head_tensors)
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
-def start(folder: Path, config_cls, params: dict):
-    """The folder with DeepSeek's tokenizer (BOS added), the trunk's layer count n and the transformers config of
-    ``params`` with one more layer: layer n is the MTP block."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=SPECIALS)
+def start(folder: Path) -> Path:
+    """The folder, created, with DeepSeek's tokenizer (BOS added)."""
+    folder, _ = start_folder(folder, SPECIALS)
     use_bos(folder)
-    n = params["num_hidden_layers"]
-    return folder, n, config_cls(**{**params, "num_hidden_layers": n + 1})
+    return folder
 
 
 def use_bos(folder: Path) -> None:

@@ -21,12 +21,16 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, mtp_last_layer
 from tests.builders.tiny_deepseek2 import YARN, deepseek_v3_config, start
 
 
 def deepseek_v32_config(**over) -> dict:
     return deepseek_v3_config(**{"index_n_heads": 4, "index_head_dim": 64, "index_topk": 4, **over})
+
+
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith("norm.weight")  # the indexer's k_norm bias is no norm weight
 
 
 def deepseek_v32(
@@ -46,20 +50,13 @@ def deepseek_v32(
     """
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    folder, n, cfg = start(folder, DeepseekV32Config, deepseek_v32_config(**config_over))
-    sd, gen = random_hf_state_dict(DeepseekV32ForCausalLM, cfg, seed, is_norm=lambda name: name.endswith("norm.weight"))
+    folder = start(folder)
+    params = deepseek_v32_config(**config_over)
+    sd, config = mtp_last_layer(DeepseekV32ForCausalLM, DeepseekV32Config, params, seed, is_norm=_is_norm_weight)
     if positive_index_weights:
         sd.update({k: v.abs() for k, v in sd.items() if k.endswith("indexer.weights_proj.weight")})
-    sd.update(nextn_tensors(cfg, n, gen))
-    config = cfg.to_dict()
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "head_dim", "qk_head_dim"):
         config.pop(key, None)
     rope = dict(YARN)
-    config.update(
-        num_hidden_layers=n,
-        architectures=["DeepseekV32ForCausalLM"],
-        rope_theta=rope.pop("rope_theta"),
-        rope_scaling={"type": rope.pop("rope_type"), **rope},
-    )
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling={"type": rope.pop("rope_type"), **rope})
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)

@@ -26,31 +26,10 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import make_tokenizer, nextn_tensors, random_hf_state_dict, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, mtp_last_layer, start_folder
+from tests.builders.tiny_deepseek2 import MLA
 
-_MLA = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=256,
-    kv_lora_rank=256,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=64,
-    v_head_dim=64,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
-    num_nextn_predict_layers=1,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    topk_method="noaux_tc",
-)
+_MLA = dict(MLA, n_routed_experts=4, n_group=1, rms_norm_eps=1e-5, topk_method="noaux_tc")  # GLM-5.x's, 4.7-Flash's
 
 
 def glm_dsa_config(**over) -> dict:
@@ -101,20 +80,9 @@ def glm_dsa(
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     params = glm_dsa_config(**config_over)
-    n = params["num_hidden_layers"]
     types = params.get("indexer_types")
     over = {"indexer_types": list(types) + ["full" if mtp_indexer else "shared"]} if types is not None else {}
-    folder = _build(
-        folder,
-        GlmMoeDsaConfig,
-        GlmMoeDsaForCausalLM,
-        "GlmMoeDsaForCausalLM",
-        params,
-        {**params, "num_hidden_layers": n + 1, **over},
-        seed,
-        dtype,
-        n_shards,
-    )
+    folder = _build(folder, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, params, seed, dtype, n_shards, **over)
     if types is None:  # GLM-5 / 5.1: config.json lists none (every layer runs its indexer)
         path = folder / "config.json"
         config = json.loads(path.read_text())
@@ -129,31 +97,14 @@ def glm4_moe_lite(
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
 
     params = glm4_moe_lite_config(**config_over)
-    return _build(
-        folder,
-        Glm4MoeLiteConfig,
-        Glm4MoeLiteForCausalLM,
-        "Glm4MoeLiteForCausalLM",
-        params,
-        {**params, "num_hidden_layers": params["num_hidden_layers"] + 1},
-        seed,
-        dtype,
-        n_shards,
-    )
+    return _build(folder, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, params, seed, dtype, n_shards)
 
 
-def _build(folder, config_cls, model_cls, arch: str, params: dict, build: dict, seed: int, dtype, n_shards) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
+def _build(folder, config_cls, model_cls, params: dict, seed: int, dtype, n_shards, **build) -> Path:
+    folder, _ = start_folder(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
+    sd, config = mtp_last_layer(model_cls, config_cls, params, seed, **build)
     n = params["num_hidden_layers"]
-    cfg = config_cls(**build)
-    sd, gen = random_hf_state_dict(model_cls, cfg, seed)
-    sd.update(nextn_tensors(cfg, n, gen))
-    config = cfg.to_dict()
     for key in ("indexer_types", "mlp_layer_types", "layer_types"):
         if isinstance(config.get(key), list):
             config[key] = config[key][:n]
-    config.update(num_hidden_layers=n, architectures=[arch])
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)

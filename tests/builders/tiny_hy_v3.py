@@ -22,15 +22,16 @@ import torch
 from tests.builders.tiny import (
     block_checkpoint,
     rand_attention,
-    rand_experts,
+    rand_block_norms,
     rand_mlp,
+    rand_moe,
     rand_nextn,
-    rand_norm,
-    rand_weight,
+    rand_qk_norms,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
+MOE_NAMES = dict(gate="router.gate.weight", bias="expert_bias", shared="shared_mlp.")  # under mlp., as released
 
 
 def config(vocab: int, **over) -> dict:
@@ -73,24 +74,17 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     p = f"model.layers.{bid}."
     nh, nkv, hd, n_exp = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_experts"]
     ff, moe_ff = cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    t = {p + "input_layernorm.weight": rand_norm(H, gen), p + "post_attention_layernorm.weight": rand_norm(H, gen)}
-    t |= rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
-    t |= {p + "self_attn.q_norm.weight": rand_norm(hd, gen), p + "self_attn.k_norm.weight": rand_norm(hd, gen)}
+    t = rand_block_norms(p, H, gen) | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
+    t |= rand_qk_norms(p + "self_attn.", hd, gen)
     if bid < cfg["first_k_dense_replace"]:
         t.update(rand_mlp(p + "mlp.", ff, H, gen))
     else:  # MoE, the MTP layer too
-        t[p + "mlp.router.gate.weight"] = rand_weight(n_exp, H, gen=gen)
-        t[p + "mlp.expert_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
-        t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, H, gen))
-        t.update(rand_mlp(p + "mlp.shared_mlp.", moe_ff * cfg["num_shared_experts"], H, gen))
+        t |= rand_moe(p + "mlp.", n_exp, moe_ff, H, gen, shared_ff=moe_ff * cfg["num_shared_experts"], **MOE_NAMES)
     if bid >= cfg["num_hidden_layers"]:
         t.update(rand_nextn(p, H, gen, "final_layernorm"))
     return t
 
 
-def hy_v3(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder, config, SPECIALS, block_tensors, H, seed=seed, dtype=dtype, n_shards=n_shards, with_mtp=with_mtp, **over
-    )
+def hy_v3(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, **over)

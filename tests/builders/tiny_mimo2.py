@@ -19,8 +19,9 @@ import torch
 from tests.builders.tiny import (
     finish_checkpoint,
     rand_attention,
-    rand_experts,
+    rand_block_norms,
     rand_mlp,
+    rand_moe,
     rand_nextn,
     rand_norm,
     rand_weight,
@@ -91,14 +92,11 @@ def block_tensors(
         cfg["moe_intermediate_size"],
         cfg["n_routed_experts"],
     )
-    t = {p + "input_layernorm.weight": rand_norm(h, gen), p + "post_attention_layernorm.weight": rand_norm(h, gen)}
-    t |= rand_attention(p + "self_attn.", h, n_head, n_kv, d, gen, dv=dv)
+    t = rand_block_norms(p, h, gen) | rand_attention(p + "self_attn.", h, n_head, n_kv, d, gen, dv=dv)
     if swa:
         t[p + "self_attn.attention_sink_bias"] = 0.5 * torch.randn(n_head, generator=gen)
     if moe:
-        t[p + "mlp.gate.weight"] = rand_weight(n_exp, h, gen=gen)
-        t[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(n_exp, generator=gen)
-        t.update(rand_experts(p + "mlp.experts.", n_exp, moe_ff, h, gen))
+        t.update(rand_moe(p + "mlp.", n_exp, moe_ff, h, gen, bias="gate.e_score_correction_bias"))
     else:
         t.update(rand_mlp(p + "mlp.", ff, h, gen))
     return t

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, rand_norm, rand_weight, start_checkpoint
+from tests.builders.tiny import finish_checkpoint, rand_attention, rand_norm, rand_router, rand_weight, start_checkpoint
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 H = 256
@@ -97,20 +97,13 @@ def _mamba(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def _attention(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    return {
-        p + "q_proj.weight": rand_weight(nh * hd, H, gen=gen),
-        p + "k_proj.weight": rand_weight(nkv * hd, H, gen=gen),
-        p + "v_proj.weight": rand_weight(nkv * hd, H, gen=gen),
-        p + "o_proj.weight": rand_weight(H, nh * hd, gen=gen),
-    }
+    return rand_attention(p, H, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], gen)
 
 
 def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     n_exp, ff, sff = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
     t = {
-        p + "gate.weight": rand_weight(n_exp, H, gen=gen),
-        p + "gate.e_score_correction_bias": 0.05 * torch.randn(n_exp, generator=gen),
+        **rand_router(p + "gate.weight", n_exp, H, gen, bias=p + "gate.e_score_correction_bias"),
         p + "shared_experts.up_proj.weight": rand_weight(sff, H, gen=gen),
         p + "shared_experts.down_proj.weight": rand_weight(H, sff, gen=gen),
     }
@@ -123,6 +116,16 @@ def _moe(p: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 _MIXERS = {"M": _mamba, "*": _attention, "E": _moe}
 
 
+def _layers(prefix: str, pattern: str, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The layers ``prefix + "{i}."`` of a hybrid pattern (M, *, E): each a ``norm`` and its ``mixer.*``."""
+    t = {}
+    for i, kind in enumerate(pattern):
+        p = f"{prefix}{i}."
+        t[p + "norm.weight"] = rand_norm(H, gen)
+        t.update(_MIXERS[kind](p + "mixer.", cfg, gen))
+    return t
+
+
 def nemotron_h_moe(
     folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
 ) -> Path:
@@ -132,15 +135,9 @@ def nemotron_h_moe(
         "backbone.norm_f.weight": rand_norm(H, gen),
         "lm_head.weight": rand_weight(vocab, H, gen=gen),
     }
-    for i, kind in enumerate(cfg["hybrid_override_pattern"]):
-        p = f"backbone.layers.{i}."
-        sd[p + "norm.weight"] = rand_norm(H, gen)
-        sd.update(_MIXERS[kind](p + "mixer.", cfg, gen))
+    sd.update(_layers("backbone.layers.", cfg["hybrid_override_pattern"], cfg, gen))
     if with_mtp:
-        for j, kind in enumerate(cfg["mtp_hybrid_override_pattern"]):
-            p = f"mtp.layers.{j}."
-            sd[p + "norm.weight"] = rand_norm(H, gen)
-            sd.update(_MIXERS[kind](p + "mixer.", cfg, gen))
+        sd.update(_layers("mtp.layers.", cfg["mtp_hybrid_override_pattern"], cfg, gen))
         sd.update(
             {
                 "mtp.layers.0.enorm.weight": rand_norm(H, gen),

@@ -29,28 +29,36 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import hf_state_dict, make_tokenizer, save_checkpoint
+from tests.builders.tiny import finish_checkpoint, hf_state_dict, rand_experts, seeded_model, start_folder
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
 
 
+# The hybrid (gated DeltaNet + gated attention) layout's config keys at tiny sizes, as Qwen3.5 and Qwen3-Next
+# (tiny_qwen3next.py) name them, and their MoE keys
+HYBRID = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
 def text_config(moe: bool, **over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        HYBRID,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
@@ -60,7 +68,7 @@ def text_config(moe: bool, **over) -> dict:
         },
     )
     if moe:
-        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+        cfg.update(MOE)
     else:
         cfg.update(intermediate_size=512)
     cfg.update(over)
@@ -94,9 +102,7 @@ def qwen35(
     """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer)."""
     import transformers as tf
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=QWEN_SPECIALS)
+    folder, _ = start_folder(folder, QWEN_SPECIALS)
     tcfg = text_config(moe, **config_over)
     if conditional:
         cfg_cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
@@ -107,13 +113,7 @@ def qwen35(
         cfg = (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**tcfg)
         model_cls = tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM
         text = cfg
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    sd = {k: v for k, v in hf_state_dict(model).items()}
-    for name, t in sd.items():
-        if t.dim() == 1 and ("language_model." in name or not conditional):
-            sd[name] = informative_1d(name, t.numel(), gen)
+    sd, gen = informative_state_dict(model_cls, cfg, seed, lambda name: "language_model." in name or not conditional)
     if fused_experts:
         sd = fuse_experts(sd, text.num_experts)
     if with_mtp:
@@ -126,8 +126,18 @@ def qwen35(
     if with_mtp:  # as the real config.json files declare it (transformers' config class drops unknown keys)
         sub["mtp_num_hidden_layers"] = 1
         sub["mtp_use_dedicated_embeddings"] = False
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+
+
+def informative_state_dict(model_cls, cfg, seed: int, keep=lambda name: True):
+    """(the state dict save_pretrained writes for a seeded random ``model_cls(cfg)``, every 1-D tensor ``keep``
+    accepts made informative (informative_1d); the generator for further tensors)."""
+    model, gen = seeded_model(model_cls, cfg, seed)
+    sd = hf_state_dict(model)
+    for name, t in sd.items():
+        if t.dim() == 1 and keep(name):
+            sd[name] = informative_1d(name, t.numel(), gen)
+    return sd, gen
 
 
 def informative_1d(name: str, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -159,30 +169,36 @@ def mtp_tensors(text_cfg, moe: bool, gen: torch.Generator, fused: bool = False) 
 
     The block is a full-attention decoder layer: names and shapes come from transformers' own layer.
     """
-    import copy
-
     import transformers.models.qwen3_5.modeling_qwen3_5 as dense
     import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as sparse
+
+    layer_cls = sparse.Qwen3_5MoeDecoderLayer if moe else dense.Qwen3_5DecoderLayer
+    return mtp_head_tensors(layer_cls, text_cfg, gen, moe, fused)
+
+
+def mtp_head_tensors(
+    layer_cls, text_cfg, gen: torch.Generator, moe: bool, fused: bool = False
+) -> dict[str, torch.Tensor]:
+    """A Qwen MTP head (Qwen3.5, Qwen3-Next: ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.norm``, ``mtp.layers.0.*``), random values: the block is ``layer_cls`` built as a full-attention layer
+    (its names and shapes), 1-D tensors ~0.1 N(0, 1), matrices ~0.02 N(0, 1); with ``moe`` its routed experts are
+    drawn per expert (``fused``: stored as fuse_experts does) in place of the module's own."""
+    import copy
 
     h = text_cfg.hidden_size
     cfg = copy.deepcopy(text_cfg)
     cfg.layer_types = ["full_attention"]
-    layer = (sparse.Qwen3_5MoeDecoderLayer if moe else dense.Qwen3_5DecoderLayer)(cfg, 0)
+    layer = layer_cls(cfg, 0)
     t: dict[str, torch.Tensor] = {}
     for name, p in layer.state_dict().items():
-        if name.startswith("mlp.experts."):
+        if name.startswith("mlp.experts."):  # fused in the module; drawn per expert below
             continue
         t["mtp.layers.0." + name] = (
             0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen)
         )
     if moe:
-        n, f = cfg.num_experts, cfg.moe_intermediate_size
-        per = {}
-        for i in range(n):
-            per[f"mtp.layers.0.mlp.experts.{i}.gate_proj.weight"] = 0.02 * torch.randn(f, h, generator=gen)
-            per[f"mtp.layers.0.mlp.experts.{i}.up_proj.weight"] = 0.02 * torch.randn(f, h, generator=gen)
-            per[f"mtp.layers.0.mlp.experts.{i}.down_proj.weight"] = 0.02 * torch.randn(h, f, generator=gen)
-        t.update(fuse_experts(per, n) if fused else per)
+        per = rand_experts("mtp.layers.0.mlp.experts.", cfg.num_experts, cfg.moe_intermediate_size, h, gen)
+        t.update(fuse_experts(per, cfg.num_experts) if fused else per)
     t["mtp.fc.weight"] = 0.02 * torch.randn(h, 2 * h, generator=gen)
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         t[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)

@@ -25,31 +25,22 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import hf_state_dict, make_tokenizer, save_checkpoint
-from tests.builders.tiny_qwen35 import QWEN_SPECIALS, fuse_experts, informative_1d
+from tests.builders.tiny import finish_checkpoint, start_folder
+from tests.builders.tiny_qwen35 import (
+    HYBRID,
+    MOE,
+    QWEN_SPECIALS,
+    fuse_experts,
+    informative_state_dict,
+    mtp_head_tensors,
+)
 
 
 def qwen3next_config(**over) -> dict:
     cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        HYBRID,
         intermediate_size=512,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        **MOE,
         norm_topk_prob=True,
         rope_theta=10_000_000.0,
         partial_rotary_factor=0.25,
@@ -72,18 +63,11 @@ def qwen3next(
     """Write a tiny Qwen3-Next checkpoint (3 linear-attention + 1 full-attention layer, + 1 MTP layer)."""
     import transformers as tf
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=QWEN_SPECIALS)
+    folder, _ = start_folder(folder, QWEN_SPECIALS)
     params = qwen3next_config(**config_over)
     cfg = tf.Qwen3NextConfig(**params)
-    torch.manual_seed(seed)
-    model = tf.Qwen3NextForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    sd = hf_state_dict(model)
-    for name, t in sd.items():  # random init leaves norms at 0 (zero-centred) or 1: make them informative
-        if t.dim() == 1:
-            sd[name] = informative_1d(name, t.numel(), gen)
+    # random init leaves norms at 0 (zero-centred) or 1: informative_state_dict makes them informative
+    sd, gen = informative_state_dict(tf.Qwen3NextForCausalLM, cfg, seed)
     if fused_experts:
         sd = fuse_experts(sd, cfg.num_experts)
     if with_mtp:
@@ -100,35 +84,15 @@ def qwen3next(
             rope_scaling=None,
             partial_rotary_factor=params["partial_rotary_factor"],
         )
-    save_checkpoint(folder, config, {k: v.to(dtype) for k, v in sd.items()}, n_shards=n_shards)
-    return folder
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
 def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The MTP head under the release's names; random values (transformers does not run this head)."""
-    import copy
-
+    """The MTP head under the release's names (experts stored per expert); random values (transformers does
+    not run this head)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
-    h = cfg.hidden_size
-    layer_cfg = copy.deepcopy(cfg)
-    layer_cfg.layer_types = ["full_attention"]
-    layer = Qwen3NextDecoderLayer(layer_cfg, 0)
-    t: dict[str, torch.Tensor] = {}
-    for name, p in layer.state_dict().items():
-        if name.startswith("mlp.experts."):  # fused in the module; the release stores them per expert
-            continue
-        t["mtp.layers.0." + name] = (
-            0.1 * torch.randn(p.shape, generator=gen) if p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen)
-        )
-    f = cfg.moe_intermediate_size
-    for e in range(cfg.num_experts):
-        for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
-            t[f"mtp.layers.0.mlp.experts.{e}.{proj}.weight"] = 0.02 * torch.randn(shape, generator=gen)
-    t["mtp.fc.weight"] = 0.02 * torch.randn(h, 2 * h, generator=gen)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        t[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)
-    return t
+    return mtp_head_tensors(Qwen3NextDecoderLayer, cfg, gen, moe=True)
 
 
 def read_config(folder: Path) -> dict:

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import block_checkpoint, rand_attention, rand_mlp, rand_nextn, rand_weight
+from tests.builders.tiny import (
+    block_checkpoint,
+    rand_attention,
+    rand_block_norms,
+    rand_mlp,
+    rand_nextn,
+    rand_qk_norms,
+    rand_router,
+    rand_weight,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_TRUNK, N_MTP = 3, 2
@@ -84,19 +93,16 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     p = f"model.layers.{bid}."
     n_head, n_kv = HEADS[cfg["layer_types"][bid]]
     t = {
-        p + "input_layernorm.weight": _zero_centred(H, gen),
-        p + "post_attention_layernorm.weight": _zero_centred(H, gen),
+        **rand_block_norms(p, H, gen, norm=_zero_centred),
         **rand_attention(p + "self_attn.", H, n_head, n_kv, HEAD_DIM, gen),
-        p + "self_attn.q_norm.weight": _zero_centred(HEAD_DIM, gen),
-        p + "self_attn.k_norm.weight": _zero_centred(HEAD_DIM, gen),
+        **rand_qk_norms(p + "self_attn.", HEAD_DIM, gen, norm=_zero_centred),
         p + "self_attn.g_proj.weight": rand_weight(n_head, H, gen=gen),
     }
     moe = 0 < bid < cfg["num_hidden_layers"]
     if moe:
         t.update(
             {
-                p + "moe.gate.weight": rand_weight(N_EXP, H, gen=gen),
-                p + "moe.router_bias": 0.05 * torch.randn(N_EXP, generator=gen),
+                **rand_router(p + "moe.gate.weight", N_EXP, H, gen, bias=p + "moe.router_bias"),
                 p + "moe.gate_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
                 p + "moe.up_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
                 p + "moe.down_proj.weight": rand_weight(N_EXP, H, MOE_FF, gen=gen),
@@ -111,22 +117,9 @@ def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.
     return t
 
 
-def step35(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, with_mtp: bool = True, **over
-) -> Path:
-    return block_checkpoint(
-        folder,
-        config,
-        SPECIALS,
-        block_tensors,
-        H,
-        seed=seed,
-        dtype=dtype,
-        n_shards=n_shards,
-        with_mtp=with_mtp,
-        norm=_zero_centred,
-        **over,
-    )
+def step35(folder: Path, **over) -> Path:
+    """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, norm=_zero_centred, **over)
 
 
 VISION_TOWER = {

@@ -147,6 +147,37 @@ def experts(p: str, ne: int, ff: int, h: int) -> dict[str, tuple[int, ...]]:
     return {n: s for e in range(ne) for n, s in mlp(f"{p}{e}.", ff, h).items()}
 
 
+def trunk(v: int, h: int, embed: str = "model.embed_tokens.weight", lm_head: bool = True) -> dict[str, tuple[int, ...]]:
+    """The trunk's own tensors: the embeddings ``embed`` [v, h], the final ``model.norm`` and (unless tied)
+    ``lm_head`` [v, h]."""
+    out = {embed: (v, h), "model.norm.weight": (h,)}
+    if lm_head:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+def block_norms(p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """A pre-norm decoder block's two norms under ``p``: ``input_layernorm``, ``post_attention_layernorm``."""
+    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+
+
+def attention(
+    p: str, h: int, nh: int, nkv: int, d: int, *, bias: bool = False, qk_norm: bool = False, gated: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """GQA projections under ``p`` (``p + "q_proj.weight"``, k, v, o; ``nh`` query and ``nkv`` key/value heads
+    of ``d``), in the releases' order: with ``bias`` each of q/k/v followed by its bias, with ``qk_norm`` the
+    per-head ``q_norm``/``k_norm`` after o; ``gated``: q_proj also holds the output gate (2 x the rows)."""
+    out = {}
+    for x, rows in (("q", (2 if gated else 1) * nh * d), ("k", nkv * d), ("v", nkv * d)):
+        out[p + f"{x}_proj.weight"] = (rows, h)
+        if bias:
+            out[p + f"{x}_proj.bias"] = (rows,)
+    out[p + "o_proj.weight"] = (h, nh * d)
+    if qk_norm:
+        out |= {p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)}
+    return out
+
+
 def nextn(p: str, h: int, *norms: str) -> dict[str, tuple[int, ...]]:
     """An MTP layer's NextN tensors under ``p``: ``eh_proj`` [h, 2h], ``enorm``, ``hnorm``, then the ``norms``
     the release adds (``shared_head.norm``, ``final_layernorm``)."""

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from . import LlamaCppRefuses, LlamaCppWritesOurs, experts, fp8_block_scaled, mlp, nextn
+from . import LlamaCppRefuses, LlamaCppWritesOurs, block_norms, experts, fp8_block_scaled, mlp, nextn, trunk
 
 # DeepSeek's tokenizer specials; BOS first so that the release's bos_token_id 0 / eos_token_id 1 name them
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -97,12 +97,11 @@ def tensors(cfg: dict, indexed: Callable[[int], bool] = lambda bid: False) -> di
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, nope, rope, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     ql, kvl, n = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["num_hidden_layers"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    out = trunk(v, h)
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
+        out |= block_norms(p, h)
         out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_a_proj.weight": (ql, h),
             p + "self_attn.q_a_layernorm.weight": (ql,),
             p + "self_attn.q_b_proj.weight": (nh * (nope + rope), ql),

@@ -9,29 +9,18 @@ head shares the trunk's, ``embed_tokens`` and ``shared_head.head``.
 
 from __future__ import annotations
 
-from . import nextn
+from . import attention, block_norms, nextn, trunk
 from ._deepseek import ffn
 
 
 def tensors(cfg: dict, own_head: bool = True) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
     nh, nkv, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    out = trunk(v, h)
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * d, h),
-            p + "self_attn.q_proj.bias": (nh * d,),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.k_proj.bias": (nkv * d,),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.bias": (nkv * d,),
-            p + "self_attn.o_proj.weight": (h, nh * d),
-        }
-        if cfg.get("use_qk_norm"):
-            out |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        out |= block_norms(p, h)
+        out |= attention(p + "self_attn.", h, nh, nkv, d, bias=True, qk_norm=bool(cfg.get("use_qk_norm")))
         out |= ffn(cfg, p + "mlp.", L)  # DeepSeek-V3's MoE block
         if L >= n:  # the MTP layer: NextN tensors beside a full MoE block
             out |= nextn(p, h, "shared_head.norm")

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import experts, mlp, nextn
+from . import experts, mlp, nextn, trunk
 
 # The config.json keys every MiMo-V2 manifest holds with the same values: the backbone's shrunk sizes (hidden 256,
 # 4 layers in pattern [0, 1, 1, 0], 4 experts, heads 16 with head_dim 48 / v_head_dim 32) and its fixed choices;
@@ -90,7 +90,7 @@ def text_tensors(cfg: dict, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
     """Every tensor of the language model, named and shaped as the releases store them (bf16 form)."""
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     n_head, d, dv = cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
-    out = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    out = trunk(vocab, h)
     for L in range(n + N_MTP):
         mtp = L >= n
         p = f"model.mtp.layers.{L - n}." if mtp else f"model.layers.{L}."

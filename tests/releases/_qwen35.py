@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import experts, fp8_block_scaled, mlp
+from . import attention, block_norms, experts, fp8_block_scaled, mlp
 
 # The text config keys every Qwen3.5 / 3.6 / Qwen3-Next manifest holds with the same values: the sizes they are all
 # shrunk to (hidden 256, 4 layers, heads 4/2 of 64, linear-attention heads 2/4 of 64) and fixed choices; each
@@ -78,17 +78,10 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def _block(t: dict, p: str, full: bool) -> dict[str, tuple[int, ...]]:
     h = t["hidden_size"]
-    out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    if full:
+    out = block_norms(p, h)
+    if full:  # gated attention: q_proj also holds the output gate
         nh, nkv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-        out |= {
-            p + "self_attn.q_proj.weight": (2 * nh * d, h),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.o_proj.weight": (h, nh * d),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-        }
+        out |= attention(p + "self_attn.", h, nh, nkv, d, qk_norm=True, gated=True)
     else:
         nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
         dk, dv, k = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import mlp, nextn, set_config
+from . import attention, block_norms, mlp, nextn, set_config, trunk
 
 N_TRUNK, N_MTP = 4, 3
 LAYER_TYPES = ["full_attention"] + ["sliding_attention"] * 3 + ["sliding_attention"] * N_MTP
@@ -149,7 +149,7 @@ def text_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     n = cfg["num_hidden_layers"]
     moe = {int(i) for i in cfg["moe_layers_enum"].split(",")}
     other = cfg["attention_other_setting"]
-    out = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    out = trunk(vocab, h)
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
         swa = cfg["layer_types"][L] == other["attention_type"]
@@ -158,17 +158,8 @@ def text_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
             if swa
             else (cfg["num_attention_heads"], cfg["num_attention_groups"])
         )
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * d, h),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.o_proj.weight": (h, nh * d),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "self_attn.g_proj.weight": (nh, h),
-        }
+        out |= block_norms(p, h) | attention(p + "self_attn.", h, nh, nkv, d, qk_norm=True)
+        out[p + "self_attn.g_proj.weight"] = (nh, h)
         if L in moe:
             ne, ff, sff = cfg["moe_num_experts"], cfg["moe_intermediate_size"], cfg["share_expert_dim"]
             out |= {

@@ -14,7 +14,7 @@ prefix, which has no RoPE), heads 32/4 -> 4/2 (head_dim 128 -> 64), experts 128 
 (8 -> 2 per token), expert width 768 -> 256, dense prefix width 3072 -> 512. Every other key as released.
 """
 
-from . import LlamaCppRefuses, experts, mlp, nextn, transformers_saved, without
+from . import LlamaCppRefuses, attention, experts, mlp, nextn, transformers_saved, trunk, without
 
 RELEASE = "CohereLabs/North-Mini-Code-1.0"
 SOURCES = [
@@ -89,16 +89,11 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, v, d = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
     nh, nkv, ne = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_experts"]
     eff, dff, n = cfg["intermediate_size"], cfg["prefix_dense_intermediate_size"], cfg["num_hidden_layers"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    out = trunk(v, h, lm_head=False)  # tied embeddings
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * d, h),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.o_proj.weight": (h, nh * d),
-        }
+        out[p + "input_layernorm.weight"] = (h,)  # one norm: parallel attention and MLP
+        out |= attention(p + "self_attn.", h, nh, nkv, d)
         if L < cfg["first_k_dense_replace"]:
             out |= mlp(p + "mlp.", dff, h)
         else:

@@ -17,7 +17,7 @@ Shrunk: hidden 4096 -> 256, layers 80 -> 2 (+1 MTP), heads 64/8 -> 4/2 (head_dim
 import json
 from pathlib import Path
 
-from . import experts, mlp, nextn, transformers_saved, without
+from . import attention, block_norms, experts, mlp, nextn, transformers_saved, trunk, without
 
 RELEASE = "tencent/Hy3"
 SOURCES = [
@@ -100,19 +100,10 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
         cfg["expert_hidden_dim"],
     )
     n, ne = cfg["num_hidden_layers"], cfg["num_experts"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    out = trunk(v, h)
     for L in range(n + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{L}."
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * d, h),
-            p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h),
-            p + "self_attn.o_proj.weight": (h, nh * d),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-        }
+        out |= block_norms(p, h) | attention(p + "self_attn.", h, nh, nkv, d, qk_norm=True)
         if L < cfg.get("first_k_dense_replace", 1):
             out |= mlp(p + "mlp.", ff, h)
         else:

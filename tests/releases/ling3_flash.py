@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import LlamaCppDiffersIn, experts, mlp, nextn, set_config
+from . import LlamaCppDiffersIn, block_norms, experts, mlp, nextn, set_config, trunk
 
 RELEASE = "inclusionAI/Ling-3.0-flash"
 SOURCES = [
@@ -142,11 +142,11 @@ def tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, v, nh = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
     nope, rope, vd, kv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     d, k = nh * cfg["head_dim"], cfg["short_conv_kernel_size"]
-    out = {"model.word_embeddings.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    out = trunk(v, h, embed="model.word_embeddings.weight")
     n = cfg["num_hidden_layers"]
     for bid in range(n + cfg["num_nextn_predict_layers"]):
         p, a, m = f"model.layers.{bid}.", f"model.layers.{bid}.attention.", f"model.layers.{bid}.mlp."
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        out |= block_norms(p, h)
         if _full_attention(bid, cfg):  # gated MLA, direct q_proj (q_lora_rank null)
             out |= {
                 a + "q_proj.weight": (nh * (nope + rope), h),
