@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from tests.helpers.familycheck import (
     checkpoint_fixtures,
     copy_with_config,
     dequant_block_scaled,
+    run,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
@@ -99,9 +99,7 @@ def test_f16_types(ds_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
     _, full = ds_f32
-    _, (_, tensors) = assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32")
-    for name, (_, data) in tensors.items():
-        np.testing.assert_array_equal(data, full[name][1], err_msg=name)
+    assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32", head_equals=full)
 
 
 def test_plain_q_proj_and_tied_output(tmp_path):
@@ -348,19 +346,6 @@ def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama
     _same_kv(kv, renamed)
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run(
-        [str(c) for c in cmd],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 # --no-repack: on CPUs with AMX, llama.cpp puts f16/q8_0 weights in its AMX buffer, which cannot run MLA's 3-D
 # attn_k_b product, and aborts (GGML_ASSERT(*cur_backend_id != -1)) -- with its own converter's GGUF as well.
 _LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
@@ -373,7 +358,7 @@ def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
     convert(ds_ckpt, tmp_path / "full.gguf", "--outtype", "q8_0")
     convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    _run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
+    run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
     runs = {
         "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
         "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],

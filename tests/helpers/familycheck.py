@@ -49,6 +49,40 @@ def expected_table(top: dict, blocks: list[dict], vocab: int, block_ids) -> dict
     return out
 
 
+def ffn_table(hf_prefix: str, ff: int, hidden: int = 256, suffix: str = "", experts: int = 0) -> dict:
+    """llama.cpp's gate/up/down projections for a family's table (name -> (shape, HF name inside the block)):
+    ``ffn_{gate,up,down}{suffix}.weight`` from ``{hf_prefix}{gate,up,down}_proj.weight``, gate and up
+    [ff, hidden], down [hidden, ff], each behind the expert count when ``experts``."""
+    lead = (experts,) if experts else ()
+    return {
+        f"ffn_gate{suffix}.weight": ((*lead, ff, hidden), f"{hf_prefix}gate_proj.weight"),
+        f"ffn_up{suffix}.weight": ((*lead, ff, hidden), f"{hf_prefix}up_proj.weight"),
+        f"ffn_down{suffix}.weight": ((*lead, hidden, ff), f"{hf_prefix}down_proj.weight"),
+    }
+
+
+def nextn_table(hidden: int = 256) -> dict:
+    """The NextN block's eh_proj ([hidden, 2 * hidden]), enorm and hnorm, from HF's eh_proj, enorm, hnorm."""
+    return {
+        "nextn.eh_proj.weight": ((hidden, 2 * hidden), "eh_proj.weight"),
+        "nextn.enorm.weight": ((hidden,), "enorm.weight"),
+        "nextn.hnorm.weight": ((hidden,), "hnorm.weight"),
+    }
+
+
+# a block's two RMSNorms under transformers' usual names
+LAYER_NORMS = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+}
+
+
+def top_table(embed: str = "model.embed_tokens.weight", output: str | None = "lm_head.weight") -> dict:
+    """token_embd, output_norm (model.norm) and, unless tied (output None), output; "V" = the vocab."""
+    out = {"token_embd.weight": (("V", 256), embed), "output_norm.weight": ((256,), "model.norm.weight")}
+    return out | ({"output.weight": (("V", 256), output)} if output else {})
+
+
 class Experts:
     """Expected expert tensors as llama.cpp writes them: per-expert ``mlp.experts.{e}.{gate,up,down}_proj``
     stacked by expert number, or transformers' fused ``gate_up_proj`` (split in halves) and ``down_proj``."""
@@ -96,24 +130,38 @@ HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # 
 
 
 def assert_mode_files(
-    ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str, top: tuple[str, ...] = HEAD_FILE_TOP
+    ckpt: Path,
+    tmp_path: Path,
+    arch: str,
+    n_trunk: int,
+    names,
+    *args: str,
+    top: tuple[str, ...] = HEAD_FILE_TOP,
+    n_mtp: int = 1,
+    head_equals: dict | None = None,
 ) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
-    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but block n_trunk's;
-    ``--mtp-only``: n_trunk + 1 blocks, one NextN layer, block n_trunk's names and ``top``. ``args``: more
-    convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
-    mtp = f"blk.{n_trunk}."
+    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but the n_mtp MTP
+    blocks' (from block n_trunk on); ``--mtp-only``: n_trunk + n_mtp blocks, n_mtp NextN layers, the MTP blocks'
+    names and ``top``, with ``head_equals`` (the full file's tensors) each tensor's values equal to its own there.
+    ``args``: more convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
+    mtp = tuple(f"blk.{bid}." for bid in range(n_trunk, n_trunk + n_mtp))
     trunk = convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp", *args)
     assert trunk[0][f"{arch}.block_count"] == n_trunk and f"{arch}.nextn_predict_layers" not in trunk[0]
     assert set(trunk[1]) == {n for n in names if not n.startswith(mtp)}
     head = convert(ckpt, tmp_path / "head.gguf", "--mtp-only", *args)
-    assert head[0][f"{arch}.block_count"] == n_trunk + 1 and head[0][f"{arch}.nextn_predict_layers"] == 1
+    assert head[0][f"{arch}.block_count"] == n_trunk + n_mtp and head[0][f"{arch}.nextn_predict_layers"] == n_mtp
     assert set(head[1]) == {n for n in names if n.startswith(mtp)} | set(top)
+    if head_equals is not None:
+        for name, (_, data) in head[1].items():
+            np.testing.assert_array_equal(data, head_equals[name][1], err_msg=name)
     return trunk, head
 
 
-def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value) -> None:
+def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value=None) -> None:
     """The file holds exactly ``want``'s names (GGUF name -> (shape, HF name)) at those shapes, each F32 and equal
-    to ``value(src, name, hf)`` over the checkpoint's tensors ``src``."""
+    to ``value(src, name, hf)`` over the checkpoint's tensors ``src`` (by default the HF tensor as stored, or the
+    experts stacked where hf has a ``*``: stack_experts)."""
+    value = value or (lambda src, name, hf: stack_experts(src, hf))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(ckpt)
     assert_f32_equal(tensors, {name: value(src, name, hf).float() for name, (_, hf) in want.items()})
@@ -153,6 +201,22 @@ def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> d
                 want[tile] = w[tile] * s[i, j]
         dequant[name] = want
     return dequant
+
+
+def to_fp8_dequantized(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Checkpoint folder rewritten as FP8 (e4m3, 128x128 weight_scale_inv tiles) -> (its stored tensors, their
+    values by dequant_block_scaled); asserts each e4m3 tensor's round trip stays close to the weights it was made
+    from (within 7% of their largest magnitude)."""
+    from tests.builders.tiny import to_fp8_block_scaled
+
+    reference = source_tensors(folder)
+    to_fp8_block_scaled(folder)
+    stored = source_tensors(folder)
+    dequant = dequant_block_scaled(stored)
+    for name, q in stored.items():
+        if q.dtype == torch.float8_e4m3fn:
+            assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+    return stored, dequant
 
 
 def built_once(tmp_path_factory, build):
@@ -223,8 +287,11 @@ def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 
 
-def assert_needs_no_mtp(ck: Path, tmp_path: Path, needle: str):
-    """A checkpoint without its MTP weights: convert without --no-mtp exits 2 naming what is missing, no file."""
+def assert_converts_only_with_no_mtp(ck: Path, tmp_path: Path, arch: str, n_trunk: int, needle: str):
+    """A checkpoint without its MTP weights: ``--no-mtp`` converts its n_trunk blocks (no blk.{n_trunk} tensor);
+    without it, convert exits 2 naming what is missing (needle) and --no-mtp, and writes no file."""
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv[f"{arch}.block_count"] == n_trunk and not any(n.startswith(f"blk.{n_trunk}.") for n in tensors)
     res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
     assert res.exit_code == 2 and needle in res.stderr and "--no-mtp" in res.stderr
     assert not (tmp_path / "m.gguf").exists()
@@ -279,6 +346,28 @@ def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     )  # a random model prints invalid UTF-8
     assert res.returncode == 0, (cmd, res.stderr[-3000:])
     return res
+
+
+def mtp_drafting_log(
+    llama_cpp_bin: Path, model: Path, prompt: str, n: int, *flags, banner: str = "MTP draft context"
+) -> str:
+    """``llama-speculative-simple -m model -p prompt -n n --temp 0 --spec-type draft-mtp *flags``: llama.cpp
+    drafting with the file's MTP head. Asserts it exits 0 having built its draft context (banner in stderr);
+    returns its stdout and stderr."""
+    cmd = [llama_cpp_bin / "llama-speculative-simple", "-m", model, "-p", prompt, "-n", n, "--temp", "0"]
+    res = run([*cmd, "--spec-type", "draft-mtp", *flags])
+    assert banner in res.stderr, res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def mtp_draft_steps(llama_cpp_bin: Path, model: Path, prompt: str, n: int, *flags, **kw) -> list[tuple[int, int, int]]:
+    """mtp_drafting_log at -lv 5 (kw: its banner) -> (accepted, drafted, target token) per verification step;
+    asserts the head drafted."""
+    log = mtp_drafting_log(llama_cpp_bin, model, prompt, n, *flags, "-lv", "5", **kw)
+    step = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
+    steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
+    assert sum(d for _, d, _ in steps) > 0, log[-3000:]  # the MTP head drafted
+    return steps
 
 
 def convert_with_both(
