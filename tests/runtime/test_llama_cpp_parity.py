@@ -634,19 +634,20 @@ def hash_routing_by_score(model) -> bool:
     return bool(layers)
 
 
-def streams_unmixed(model) -> bool:
-    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+def _hyper_pre_changed(model, change) -> bool:
+    """Every DeepSeek-V4 hyper-connection's (cur, post, comb) passed through ``change`` on their way out."""
     from mtpq.runtime.dsv4 import HyperMix
 
     mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
     for m in mixes:
-
-        def pre(x, pre=m.pre):
-            cur, post, comb = pre(x)
-            return cur, post, torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)
-
-        m.pre = pre
+        m.pre = lambda x, pre=m.pre: change(*pre(x))
     return bool(mixes)
+
+
+def streams_unmixed(model) -> bool:
+    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+    eye = lambda comb: torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)  # noqa: E731
+    return _hyper_pre_changed(model, lambda cur, post, comb: (cur, post, eye(comb)))
 
 
 def sinkhorn_one_pass(model) -> bool:
@@ -661,17 +662,7 @@ def sinkhorn_one_pass(model) -> bool:
 
 def hyper_post_halved(model) -> bool:
     """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...)."""
-    from mtpq.runtime.dsv4 import HyperMix
-
-    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
-    for m in mixes:
-
-        def pre(x, pre=m.pre):
-            cur, post, comb = pre(x)
-            return cur, post * 0.5, comb
-
-        m.pre = pre
-    return bool(mixes)
+    return _hyper_pre_changed(model, lambda cur, post, comb: (cur, post * 0.5, comb))
 
 
 def compressed_keys_dropped(model) -> bool:
