@@ -22,9 +22,12 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_head_at_q8_0,
     assert_mode_files,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     checkpoint_fixtures,
     convert_with_both,
     expected_table,
@@ -32,7 +35,6 @@ from tests.helpers.familycheck import (
     inspect_json,
     nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     rewrite_tensor,
     strip_general,
     top_table,
@@ -44,10 +46,7 @@ from tests.helpers.runcli import run_cli
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
 ATTN = {
     "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    **attn_table(256, 128),
 }
 DENSE = ffn_table("mlp.", 512)
 MOE = {
@@ -179,12 +178,7 @@ def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, nee
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
     tensors = quantize_q4_k_m(co_ckpt, tmp_path)
-    shapes = expected(vocab(co_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith("blk.4."):
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(co_ckpt)), "blk.4.")
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -253,9 +247,7 @@ def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(co_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

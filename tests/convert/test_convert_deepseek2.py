@@ -19,17 +19,19 @@ import torch
 from tests.builders import tiny, tiny_deepseek2
 from tests.helpers import mla
 from tests.helpers.familycheck import (
+    assert_drafts_in_llama_cpp,
     assert_f16_as_llama_cpp,
     assert_f32_equal,
     assert_mode_files,
     assert_refused,
+    assert_values_equal,
     checkpoint_fixtures,
     copy_with_config,
     dequant_block_scaled,
     run,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
-from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
+from tests.helpers.llamacpp_ref import llama_cpp_convert
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
 CFG = tiny_deepseek2.deepseek_v3_config()
@@ -132,9 +134,7 @@ def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
     assert n_fp8 > 30 and any(stored[n].shape[0] % 128 for n in stored if n.endswith("kv_a_proj_with_mqa.weight"))
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
     # and the FP8 round trip stays close to the original weights
     orig = expected_gguf(reference)
     for name in ("blk.2.attn_k_b.weight", "blk.2.nextn.eh_proj.weight", "blk.1.ffn_down_exps.weight"):
@@ -355,17 +355,8 @@ _LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
 def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
     """llama.cpp loads trunk + MTP (it checks every MTP tensor's presence and dims, and aborts otherwise),
     builds the MTP draft context and generates with it -- from one file, and from --no-mtp + --mtp-only files."""
-    convert(ds_ckpt, tmp_path / "full.gguf", "--outtype", "q8_0")
-    convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
+    banner = "creating MTP draft context"
+    assert_drafts_in_llama_cpp(
+        ds_ckpt, tmp_path, llama_cpp_bin, full=("--outtype", "q8_0"), flags=_LLAMA_FLAGS, banner=banner
+    )
     run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
-    runs = {
-        "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
-        "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],
-    }
-    for banner, models in runs.items():
-        res, stats = speculative_simple(
-            llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS
-        )
-        assert banner in res.stderr, res.stderr[-2000:]
-        assert stats["n_drafted"] > 0, res.stderr[-2000:]

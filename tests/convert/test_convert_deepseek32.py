@@ -12,7 +12,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -23,13 +22,14 @@ from tests.helpers.familycheck import (
     assert_f32_equal,
     assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_targets_are_greedy,
+    assert_values_equal,
     convert_with_both,
     copy_with_config,
     mtp_draft_steps,
     quantize_q4_k_m,
-    quantize_with_both,
     rewrite_tensor,
     to_fp8_dequantized,
 )
@@ -138,9 +138,7 @@ def test_fp8_block_scaled_dequantized(ck, tmp_path):
     assert stored["model.layers.0.self_attn.indexer.wk.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(fp8, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -207,9 +205,7 @@ def test_same_gguf_as_llama_cpp_converter(ck, tmp_path, llama_cpp_src, mode):
 @pytest.mark.llama_cpp
 def test_same_types_and_bytes_as_llama_quantize(ck, tmp_path, llama_cpp_bin):
     """With --mtp-type same, Q4_K_M equals llama-quantize tensor for tensor, MTP block and indexer included."""
-    a, b = quantize_with_both(ck, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert_same_as_llama_quantize(ck, tmp_path, llama_cpp_bin)
 
 
 def _speculative(llama_cpp_bin: Path, gguf_path: Path, prompt: str, n: int) -> list[tuple[int, int, int]]:

@@ -22,9 +22,12 @@ from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
+    assert_head_at_q8_0,
     assert_mode_files,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     checkpoint_fixtures,
     convert_with_both,
     dequant_block_scaled,
@@ -33,7 +36,6 @@ from tests.helpers.familycheck import (
     inspect_json,
     nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     stack_experts,
     top_table,
     vocab,
@@ -43,10 +45,7 @@ from tests.helpers.ggufcheck import convert, source_tensors
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
 ATTN = {
     **LAYER_NORMS,
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    **attn_table(256, 128),
     "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
     "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight"),
 }
@@ -150,12 +149,7 @@ def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(hy_ckpt, tmp_path):
     tensors = quantize_q4_k_m(hy_ckpt, tmp_path)
-    shapes = expected(vocab(hy_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith("blk.3."):
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(hy_ckpt)), "blk.3.")
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -226,9 +220,7 @@ def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_s
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(hy_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.3.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

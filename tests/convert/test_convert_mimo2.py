@@ -20,15 +20,17 @@ from tests.helpers.familycheck import (
     LAYER_NORMS,
     add_tensors,
     assert_drafts_in_llama_cpp,
+    assert_head_at_q8_0,
     assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     convert_with_both,
     copy_with_config,
     ffn_table,
     nextn_table,
-    quantize_with_both,
     rewrite_tensor,
     run,
     vocab,
@@ -37,19 +39,8 @@ from tests.helpers.ggufcheck import convert, kv_types, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
-ATTN_FULL = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((64, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
-}
-ATTN_SWA = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((64, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((32, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
-    "attn_sinks.weight": ((4,), "self_attn.attention_sink_bias"),
-}
+ATTN_FULL = attn_table(256, 128, v=64, out_in=128)
+ATTN_SWA = attn_table(256, 64, v=32, out_in=128) | {"attn_sinks.weight": ((4,), "self_attn.attention_sink_bias")}
 NORMS = LAYER_NORMS
 MTP_NORMS = {**NORMS, "ffn_norm.weight": ((256,), "pre_mlp_layernorm.weight")}  # the MTP blocks' name, as released
 DENSE = ffn_table("mlp.", 512)
@@ -292,12 +283,7 @@ def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
     res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
     _, tensors = read_gguf(out)
-    shapes = expected(vocab(mimo_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith(("blk.3.", "blk.4.", "blk.5.")):
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(mimo_ckpt)), ("blk.3.", "blk.4.", "blk.5."))
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
 
 
@@ -320,10 +306,8 @@ def test_mimo_v25_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, tp):
 
 @pytest.mark.llama_cpp
 def test_mimo_v25_same_bytes_as_llama_quantize(tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(_v25(tmp_path), tmp_path, llama_cpp_bin)
+    a, b = assert_same_as_llama_quantize(_v25(tmp_path), tmp_path, llama_cpp_bin)
     assert a["blk.0.attn_qkv.weight"][0] == b["blk.0.attn_qkv.weight"][0]
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
 
 
 @pytest.mark.llama_cpp
@@ -372,6 +356,4 @@ def test_mimo_v25_drafts_in_llama_cpp(tmp_path, llama_cpp_bin):
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(mimo_ckpt, tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(mimo_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert_same_as_llama_quantize(mimo_ckpt, tmp_path, llama_cpp_bin)

@@ -25,12 +25,12 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     checkpoint_fixtures,
     convert_with_both,
     inspect_json,
     quantize_q4_k_m,
-    quantize_with_both,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
@@ -386,9 +386,7 @@ def test_f16_types_as_llama_cpp_converter(nh_ckpt, tmp_path, llama_cpp_src):
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(nh_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

@@ -15,7 +15,6 @@ import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -28,6 +27,7 @@ from tests.helpers.familycheck import (
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
+    assert_values_equal,
     built_once,
     convert_with_both,
     to_fp8_dequantized,
@@ -291,9 +291,7 @@ def test_fp8_block_scaled_dequantized(tmp_path):
     assert n_fp8 > 40 and any(k.endswith("in_proj_qkv.weight_scale_inv") for k in stored)
     _, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder, dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -21,17 +21,19 @@ from tests.helpers.familycheck import (
     add_tensors,
     assert_converts_only_with_no_mtp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_head_at_q8_0,
     assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     convert_with_both,
     copy_with_config,
     ffn_table,
     mtp_drafting_log,
     nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     strip_general,
     top_table,
     vocab,
@@ -39,20 +41,8 @@ from tests.helpers.familycheck import (
 from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
-FULL = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
-    "attn_gate.weight": ((4, 256), "self_attn.g_proj.weight"),
-}
-SLIDING = {
-    "attn_q.weight": ((512, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 512), "self_attn.o_proj.weight"),
-    "attn_gate.weight": ((8, 256), "self_attn.g_proj.weight"),
-}
+FULL = attn_table(256, 128) | {"attn_gate.weight": ((4, 256), "self_attn.g_proj.weight")}
+SLIDING = attn_table(512, 128) | {"attn_gate.weight": ((8, 256), "self_attn.g_proj.weight")}
 NORMS = {
     **LAYER_NORMS,
     "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
@@ -241,12 +231,7 @@ def test_llama3_rope_freqs_survive_quantize_and_extract(llama3_ckpt, tmp_path):
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
     """Quantizing never fails on the MTP blocks (dense FFNs after MoE layers), and holds them at q8_0."""
     tensors = quantize_q4_k_m(step_ckpt, tmp_path)
-    for name, (qtype, _) in tensors.items():
-        mtp = name.startswith(("blk.3.", "blk.4."))
-        if len(expected(vocab(step_ckpt))[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif mtp:
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(step_ckpt)), ("blk.3.", "blk.4."))
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -288,10 +273,8 @@ def test_step37_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize_and_drafts(step_ckpt, tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(step_ckpt, tmp_path, llama_cpp_bin)
+    assert_same_as_llama_quantize(step_ckpt, tmp_path, llama_cpp_bin)
     f16 = tmp_path / "f16.gguf"  # the f16 file both quantized
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     # llama.cpp builds its MTP draft context from the appended blocks
     mtp_drafting_log(llama_cpp_bin, f16, "def add", 8, "--no-repack", "-t", "1")
 

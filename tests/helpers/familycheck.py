@@ -61,6 +61,17 @@ def ffn_table(hf_prefix: str, ff: int, hidden: int = 256, suffix: str = "", expe
     }
 
 
+def attn_table(q: int, kv: int, v: int | None = None, out_in: int | None = None, hidden: int = 256) -> dict:
+    """attn_q/k/v/output from ``self_attn.{q,k,v,o}_proj.weight`` for a family's table: q [q, hidden], k
+    [kv, hidden], v [v (kv by default), hidden], output [hidden, out_in (q by default)]."""
+    return {
+        "attn_q.weight": ((q, hidden), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((kv, hidden), "self_attn.k_proj.weight"),
+        "attn_v.weight": ((kv if v is None else v, hidden), "self_attn.v_proj.weight"),
+        "attn_output.weight": ((hidden, q if out_in is None else out_in), "self_attn.o_proj.weight"),
+    }
+
+
 def nextn_table(hidden: int = 256) -> dict:
     """The NextN block's eh_proj ([hidden, 2 * hidden]), enorm and hnorm, from HF's eh_proj, enorm, hnorm."""
     return {
@@ -107,13 +118,18 @@ class Experts:
         return {name: torch.stack([d[e] for e in sorted(d)]) for name, d in self.per_expert.items()}
 
 
-def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
-    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+def assert_values_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each equal to its expected values."""
     assert set(tensors) == set(exp)
     for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+
+
+def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+    assert_values_equal(tensors, exp)
+    for name in exp:
+        assert tensors[name][0] == T.F32, name
 
 
 def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
@@ -317,6 +333,16 @@ def quantize_q4_k_m(ckpt: Path, tmp_path: Path) -> dict:
     return tensors
 
 
+def assert_head_at_q8_0(tensors: dict, shapes: dict, head: str | tuple[str, ...]) -> None:
+    """A Q4_K_M file's types: 1-D tensors (by their ``shapes`` entry, (shape, HF name)) and routers F32, the MTP
+    blocks' other tensors (names starting with ``head``) Q8_0."""
+    for name, (qtype, _) in tensors.items():
+        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        elif name.startswith(head):
+            assert qtype == T.Q8_0, name
+
+
 def inspect_json(ckpt: Path, tmp_path: Path) -> dict:
     """``mtpq inspect --json`` of the checkpoint's f16 conversion."""
     out = tmp_path / "m.gguf"
@@ -435,17 +461,38 @@ def quantize_with_both(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple
     return a, b
 
 
-def assert_drafts_in_llama_cpp(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path, one_file: bool = True):
-    """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp): one file (quantized,
-    head at q8_0; unless not ``one_file``: a head that converts only into its own file), and a --no-mtp
-    trunk with a --mtp-only head file."""
+def assert_same_as_llama_quantize(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple[dict, dict]:
+    """quantize_with_both, and every tensor's type and bytes equal llama-quantize's: (our tensors, its)."""
+    a, b = quantize_with_both(ckpt, tmp_path, llama_cpp_bin)
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    return a, b
+
+
+# --no-repack: AMX buffers cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek2.py)
+DRAFT_FLAGS = ("-c", "256", "-t", "1", "--temp", "0", "--no-repack")
+
+
+def assert_drafts_in_llama_cpp(
+    ckpt: Path,
+    tmp_path: Path,
+    llama_cpp_bin: Path,
+    one_file: bool = True,
+    full: tuple = ("--outtype", "f16", "--quant", "Q4_K_M"),
+    flags: tuple = DRAFT_FLAGS,
+    banner: str = "MTP draft context",
+):
+    """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp, more ``flags``): one file
+    (tmp_path/full.gguf converted with ``full``, by default quantized, head at q8_0; its log shows ``banner``;
+    unless not ``one_file``: a head that converts only into its own file), and a --no-mtp trunk with a
+    --mtp-only head file."""
     convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
+    flags = [*flags, "-p", "def add(a, b):", "-n", 16]
     runs = {"loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
     if one_file:
-        convert(ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-        runs["MTP draft context"] = ["-m", tmp_path / "full.gguf"]
+        convert(ckpt, tmp_path / "full.gguf", *full)
+        runs[banner] = ["-m", tmp_path / "full.gguf"]
     for banner, models in runs.items():
         res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", *flags)
         assert banner in res.stderr, res.stderr[-2000:]
