@@ -31,6 +31,7 @@ from tests.helpers.familycheck import (
     copy_with_config,
     ffn_table,
     nextn_table,
+    quantize_q4_k_m,
     rewrite_tensor,
     run,
     vocab,
@@ -277,12 +278,7 @@ def test_bad_mxfp4_layouts_are_refused(tmp_path):
 
 
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(mimo_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
+    tensors = quantize_q4_k_m(mimo_ckpt, tmp_path, one_pass=False)
     assert_head_at_q8_0(tensors, expected(vocab(mimo_ckpt)), ("blk.3.", "blk.4.", "blk.5."))
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
 

@@ -316,15 +316,18 @@ def assert_converts_only_with_no_mtp(ck: Path, tmp_path: Path, arch: str, n_trun
 # ----------------------------------------------------------------------------- mtpq quantize / inspect
 
 
-def quantize_q4_k_m(ckpt: Path, tmp_path: Path) -> dict:
-    """f16 conversion then ``mtpq quantize Q4_K_M``; asserts ``convert --quant Q4_K_M`` in one pass chooses
-    the same type for every tensor; returns the quantized file's tensors for the family's type checks."""
+def quantize_q4_k_m(ckpt: Path, tmp_path: Path, one_pass: bool = True) -> dict:
+    """f16 conversion then ``mtpq quantize Q4_K_M``; with one_pass, asserts ``convert --quant Q4_K_M`` in one
+    pass chooses the same type for every tensor; returns the quantized file's tensors for the family's type
+    checks."""
     f16 = tmp_path / "f16.gguf"
     convert(ckpt, f16, "--outtype", "f16")
     out = tmp_path / "q.gguf"
     res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
     _, tensors = read_gguf(out)
+    if not one_pass:
+        return tensors
     one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
     res = run_cli("convert", ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
