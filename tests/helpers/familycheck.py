@@ -328,10 +328,10 @@ def quantize_q4_k_m(ckpt: Path, tmp_path: Path, one_pass: bool = True) -> dict:
     _, tensors = read_gguf(out)
     if not one_pass:
         return tensors
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
+    one = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
+    res = run_cli("convert", ckpt, one, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
+    _, direct = read_gguf(one)
     assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
     return tensors
 
@@ -496,9 +496,9 @@ def assert_drafts_in_llama_cpp(
     if one_file:
         convert(ckpt, tmp_path / "full.gguf", *full)
         runs[banner] = ["-m", tmp_path / "full.gguf"]
-    for banner, models in runs.items():
+    for shown, models in runs.items():
         res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", *flags)
-        assert banner in res.stderr, res.stderr[-2000:]
+        assert shown in res.stderr, res.stderr[-2000:]
         assert stats["n_drafted"] > 0, res.stderr[-2000:]
 
 
