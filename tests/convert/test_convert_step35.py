@@ -30,6 +30,7 @@ from tests.helpers.familycheck import (
     attn_table,
     convert_with_both,
     copy_with_config,
+    expected_table,
     ffn_table,
     mtp_drafting_log,
     nextn_table,
@@ -65,12 +66,7 @@ TOP = top_table()
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (shape, HF source name)."""
-    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
-    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
-    for bid in blocks:
-        for kind, (shape, hf) in (BLOCKS[bid] | NORMS).items():
-            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
-    return out
+    return expected_table(TOP, [block | NORMS for block in BLOCKS], vocab, blocks)
 
 
 @pytest.fixture(scope="module")
