@@ -19,20 +19,24 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_bailingmoe3
 from tests.helpers.familycheck import (
+    LAYER_NORMS,
     assert_bad_tensor_refused,
+    assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_mode_files,
-    assert_needs_no_mtp,
     assert_same_gguf,
     assert_table_f32,
     checkpoint_fixtures,
     convert_with_both,
     dequant_block_scaled,
     expected_table,
+    ffn_table,
     inspect_json,
+    nextn_table,
     quantize_q4_k_m,
     quantize_with_both,
     stack_experts,
+    top_table,
     vocab,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
@@ -64,37 +68,17 @@ MLA = {
     "attn_gate.weight": ((4, 256), "attention.g_proj.weight"),
     "attn_output.weight": ((256, 256), "attention.dense.weight"),
 }
-NORMS = {
-    "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-}
-DENSE = {
-    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
-    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
-}
+NORMS = LAYER_NORMS
+DENSE = ffn_table("mlp.", 512)
 MOE = {
     "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
     "exp_probs_b.bias": ((4,), "mlp.gate.expert_bias"),
-    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
-    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
-    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight"),
+    **ffn_table("mlp.experts.*.", 256, suffix="_exps", experts=4),
+    **ffn_table("mlp.shared_experts.", 256, suffix="_shexp"),
 }
-NEXTN = {
-    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
-    "nextn.enorm.weight": ((256,), "enorm.weight"),
-    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-    "layer_output_norm.weight": ((256,), "final_layernorm.weight"),
-}
+NEXTN = nextn_table() | {"layer_output_norm.weight": ((256,), "final_layernorm.weight")}
 BLOCKS = [KDA | NORMS | DENSE, MLA | NORMS | MOE, KDA | NORMS | MOE, MLA | NORMS | MOE, MLA | NORMS | MOE | NEXTN]
-TOP = {
-    "token_embd.weight": (("V", 256), "model.word_embeddings.weight"),
-    "output_norm.weight": ((256,), "model.norm.weight"),
-    "output.weight": (("V", 256), "lm_head.weight"),
-}
+TOP = top_table(embed="model.word_embeddings.weight")
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -187,9 +171,7 @@ def test_no_mtp_and_mtp_only(bl_ckpt, tmp_path):
 
 def test_checkpoint_without_mtp_layer(tmp_path):
     ck = tiny_bailingmoe3.bailingmoe3(tmp_path / "stripped", with_mtp=False)
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["bailingmoe3.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    assert_needs_no_mtp(ck, tmp_path, "layer 4")
+    assert_converts_only_with_no_mtp(ck, tmp_path, "bailingmoe3", 4, "layer 4")
 
 
 @pytest.mark.parametrize(

@@ -19,21 +19,25 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny_cohere2moe
 from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
+    assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_head_at_q8_0,
     assert_mode_files,
-    assert_needs_no_mtp,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     checkpoint_fixtures,
     convert_with_both,
     expected_table,
+    ffn_table,
     inspect_json,
+    nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     rewrite_tensor,
-    stack_experts,
     strip_general,
+    top_table,
     vocab,
 )
 from tests.helpers.ggufcheck import convert, read_gguf
@@ -42,36 +46,17 @@ from tests.helpers.runcli import run_cli
 N_TRUNK, MTP = 4, 4  # blk.4 is the MTP block
 ATTN = {
     "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    **attn_table(256, 128),
 }
-DENSE = {
-    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
-    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
-}
+DENSE = ffn_table("mlp.", 512)
 MOE = {
     "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
-    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_experts.gate_proj.weight"),
-    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_experts.up_proj.weight"),
-    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_experts.down_proj.weight"),
+    **ffn_table("mlp.experts.*.", 256, suffix="_exps", experts=4),
+    **ffn_table("mlp.shared_experts.", 256, suffix="_shexp"),
 }
-NEXTN = {
-    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
-    "nextn.enorm.weight": ((256,), "enorm.weight"),
-    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-    "nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight"),
-}
+NEXTN = nextn_table() | {"nextn.shared_head_norm.weight": ((256,), "shared_head.norm.weight")}
 BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
-TOP = {
-    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),  # tied: no output.weight
-    "output_norm.weight": ((256,), "model.norm.weight"),
-}
+TOP = top_table(output=None)  # tied: no output.weight
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -79,16 +64,12 @@ def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], st
     return expected_table(TOP, BLOCKS, vocab, blocks)
 
 
-def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
-    return stack_experts(src, hf)
-
-
 co_ckpt, co_f32 = checkpoint_fixtures("co", tiny_cohere2moe.cohere2moe)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
     _, tensors = co_f32
-    assert_table_f32(tensors, expected(vocab(co_ckpt)), co_ckpt, lambda src, name, hf: source_value(src, hf))
+    assert_table_f32(tensors, expected(vocab(co_ckpt)), co_ckpt)
 
 
 def test_metadata(co_ckpt, co_f32):
@@ -136,9 +117,7 @@ def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
 
 def test_checkpoint_without_mtp_layer(tmp_path):
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "stripped", with_mtp=False)
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["cohere2moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    assert_needs_no_mtp(ck, tmp_path, "layer 4")
+    assert_converts_only_with_no_mtp(ck, tmp_path, "cohere2moe", 4, "layer 4")
 
 
 def test_zero_biases_dropped_nonzero_refused(tmp_path):
@@ -199,12 +178,7 @@ def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, nee
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
     tensors = quantize_q4_k_m(co_ckpt, tmp_path)
-    shapes = expected(vocab(co_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith("blk.4."):
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(co_ckpt)), "blk.4.")
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -273,9 +247,7 @@ def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(co_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

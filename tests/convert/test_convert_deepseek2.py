@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,19 @@ import torch
 from tests.builders import tiny, tiny_deepseek2
 from tests.helpers import mla
 from tests.helpers.familycheck import (
+    assert_drafts_in_llama_cpp,
     assert_f16_as_llama_cpp,
     assert_f32_equal,
     assert_mode_files,
     assert_refused,
+    assert_values_equal,
     checkpoint_fixtures,
     copy_with_config,
     dequant_block_scaled,
+    run,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
-from tests.helpers.llamacpp_ref import llama_cpp_convert, speculative_simple
+from tests.helpers.llamacpp_ref import llama_cpp_convert
 
 N_TRUNK, MTP = 2, 2  # tiny model: 2 trunk layers, the MTP block is blk.2
 CFG = tiny_deepseek2.deepseek_v3_config()
@@ -99,9 +101,7 @@ def test_f16_types(ds_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(ds_ckpt, ds_f32, tmp_path):
     _, full = ds_f32
-    _, (_, tensors) = assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32")
-    for name, (_, data) in tensors.items():
-        np.testing.assert_array_equal(data, full[name][1], err_msg=name)
+    assert_mode_files(ds_ckpt, tmp_path, "deepseek2", N_TRUNK, full, "--outtype", "f32", head_equals=full)
 
 
 def test_plain_q_proj_and_tied_output(tmp_path):
@@ -134,9 +134,7 @@ def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
     assert n_fp8 > 30 and any(stored[n].shape[0] % 128 for n in stored if n.endswith("kv_a_proj_with_mqa.weight"))
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
     # and the FP8 round trip stays close to the original weights
     orig = expected_gguf(reference)
     for name in ("blk.2.attn_k_b.weight", "blk.2.nextn.eh_proj.weight", "blk.1.ffn_down_exps.weight"):
@@ -348,19 +346,6 @@ def test_mtp_block_matches_llama_cpp_deepseek32_converter(ds_ckpt, ds_f32, llama
     _same_kv(kv, renamed)
 
 
-def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    res = subprocess.run(
-        [str(c) for c in cmd],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )  # a random model prints invalid UTF-8
-    assert res.returncode == 0, (cmd, res.stderr[-3000:])
-    return res
-
-
 # --no-repack: on CPUs with AMX, llama.cpp puts f16/q8_0 weights in its AMX buffer, which cannot run MLA's 3-D
 # attn_k_b product, and aborts (GGML_ASSERT(*cur_backend_id != -1)) -- with its own converter's GGUF as well.
 _LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
@@ -370,17 +355,8 @@ _LLAMA_FLAGS = ["-c", "256", "-t", "2", "--temp", "0", "--no-repack"]
 def test_loads_and_drafts_in_llama_cpp(ds_ckpt, llama_cpp_bin, tmp_path):
     """llama.cpp loads trunk + MTP (it checks every MTP tensor's presence and dims, and aborts otherwise),
     builds the MTP draft context and generates with it -- from one file, and from --no-mtp + --mtp-only files."""
-    convert(ds_ckpt, tmp_path / "full.gguf", "--outtype", "q8_0")
-    convert(ds_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(ds_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    _run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])
-    runs = {
-        "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
-        "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],
-    }
-    for banner, models in runs.items():
-        res, stats = speculative_simple(
-            llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS
-        )
-        assert banner in res.stderr, res.stderr[-2000:]
-        assert stats["n_drafted"] > 0, res.stderr[-2000:]
+    banner = "creating MTP draft context"
+    assert_drafts_in_llama_cpp(
+        ds_ckpt, tmp_path, llama_cpp_bin, full=("--outtype", "q8_0"), flags=_LLAMA_FLAGS, banner=banner
+    )
+    run([llama_cpp_bin / "llama-cli", "-m", tmp_path / "full.gguf", "-p", "hi", "-n", 4, "-st", *_LLAMA_FLAGS])

@@ -9,30 +9,29 @@ names from llama.cpp's gguf-py tensor map (``model.layers.{bid}.self_attn.indexe
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.builders import tiny, tiny_deepseek32
+from tests.builders import tiny_deepseek32
 from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_f32_equal,
     assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_targets_are_greedy,
+    assert_values_equal,
     convert_with_both,
     copy_with_config,
-    dequant_block_scaled,
+    mtp_draft_steps,
     quantize_q4_k_m,
-    quantize_with_both,
     rewrite_tensor,
+    to_fp8_dequantized,
 )
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
@@ -134,20 +133,12 @@ def test_no_mtp_mtp_only_and_inspect(ck, f32, tmp_path):
 def test_fp8_block_scaled_dequantized(ck, tmp_path):
     """V3.2 ships e4m3 weights (the indexer's wq_b and wk too) with 128x128 weight_scale_inv tiles."""
     fp8 = shutil.copytree(ck, tmp_path / "fp8")
-    reference = source_tensors(fp8)
-    tiny.to_fp8_block_scaled(fp8)
-    stored = source_tensors(fp8)
-    dequant = dequant_block_scaled(stored)
-    for name, q in stored.items():
-        if q.dtype == torch.float8_e4m3fn:
-            assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+    stored, dequant = to_fp8_dequantized(fp8)
     assert stored["model.layers.2.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.0.self_attn.indexer.wk.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(fp8, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -214,46 +205,14 @@ def test_same_gguf_as_llama_cpp_converter(ck, tmp_path, llama_cpp_src, mode):
 @pytest.mark.llama_cpp
 def test_same_types_and_bytes_as_llama_quantize(ck, tmp_path, llama_cpp_bin):
     """With --mtp-type same, Q4_K_M equals llama-quantize tensor for tensor, MTP block and indexer included."""
-    a, b = quantize_with_both(ck, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert_same_as_llama_quantize(ck, tmp_path, llama_cpp_bin)
 
 
 def _speculative(llama_cpp_bin: Path, gguf_path: Path, prompt: str, n: int) -> list[tuple[int, int, int]]:
-    """Run llama-speculative-simple with the MTP head; (accepted, drafted, target token) per verification step."""
+    """llama-speculative-simple with the MTP head: (accepted, drafted, target token) per verification step."""
     # --no-repack: AMX repacking cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek2.py)
-    proc = subprocess.run(
-        [
-            str(llama_cpp_bin / "llama-speculative-simple"),
-            "-m",
-            str(gguf_path),
-            "-p",
-            prompt,
-            "-n",
-            str(n),
-            "--spec-type",
-            "draft-mtp",
-            "--temp",
-            "0",
-            "-t",
-            "1",
-            "-c",
-            "256",
-            "--no-repack",
-            "-lv",
-            "5",
-        ],
-        capture_output=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
-    assert proc.returncode == 0, log[-3000:]
-    assert "creating MTP draft context" in log, log[-3000:]
-    step = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
-    steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
-    assert sum(d for _, d, _ in steps) > 0, log[-3000:]  # the MTP head drafted
-    return steps
+    flags = ("-t", "1", "-c", "256", "--no-repack")
+    return mtp_draft_steps(llama_cpp_bin, gguf_path, prompt, n, *flags, banner="creating MTP draft context")
 
 
 @pytest.mark.llama_cpp

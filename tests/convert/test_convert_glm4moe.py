@@ -21,6 +21,7 @@ from tests.helpers.familycheck import (
     assert_mode_files,
     assert_same_gguf,
     convert_with_both,
+    mtp_drafting_log,
 )
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.names import FFN_MOE_NEXTN_NAMES, TOP_NAMES
@@ -287,30 +288,6 @@ def test_same_gguf_as_llama_cpp_converter(glm_ckpt, tmp_path, llama_cpp_src, mod
 
 @pytest.mark.llama_cpp
 def test_llama_cpp_loads_and_drafts(glm_ckpt, tmp_path, llama_cpp_bin):
-    import subprocess
-
     out = tmp_path / "m.gguf"
     convert(glm_ckpt, out, "--outtype", "f16")
-    proc = subprocess.run(
-        [
-            str(llama_cpp_bin / "llama-speculative-simple"),
-            "-m",
-            str(out),
-            "-p",
-            "def add",
-            "-n",
-            "16",
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--no-repack",
-        ],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "MTP draft context" in proc.stderr
+    mtp_drafting_log(llama_cpp_bin, out, "def add", 16, "--no-repack")

@@ -19,16 +19,18 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny, tiny_glm_dsa
 from tests.helpers import mla
 from tests.helpers.familycheck import (
+    assert_drafts_in_llama_cpp,
     assert_f32_equal,
     assert_mode_files,
     assert_refused,
     assert_same_gguf,
+    assert_values_equal,
     checkpoint_fixtures,
     convert_with_both,
     copy_with_config,
+    dequant_block_scaled,
 )
 from tests.helpers.ggufcheck import convert, source_tensors
-from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
 CFG = tiny_glm_dsa.glm_dsa_config()
@@ -116,9 +118,7 @@ def test_f16_types(dsa_ckpt, tmp_path):
 
 def test_no_mtp_and_mtp_only(dsa_ckpt, dsa_f32, tmp_path):
     _, full = dsa_f32
-    _, (_, tensors) = assert_mode_files(dsa_ckpt, tmp_path, "glm-dsa", N_TRUNK, full, "--outtype", "f32")
-    for name, (_, data) in tensors.items():
-        np.testing.assert_array_equal(data, full[name][1], err_msg=name)
+    assert_mode_files(dsa_ckpt, tmp_path, "glm-dsa", N_TRUNK, full, "--outtype", "f32", head_equals=full)
 
 
 def test_mtp_block_without_indexer(tmp_path):
@@ -173,30 +173,18 @@ def test_fp8_dequantized(dsa_ckpt, tmp_path, style):
     ck = shutil.copytree(dsa_ckpt, tmp_path / "fp8")
     (tiny.to_fp8_block_scaled if style == "block" else tiny.to_fp8_per_channel)(ck)
     stored = source_tensors(ck)
-    dequant: dict[str, torch.Tensor] = {}
-    for name, q in stored.items():
-        if name.endswith(("_scale_inv", "_scale")):
-            continue
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q.float()
-            continue
-        w = q.float()
-        if style == "per_channel":
-            dequant[name] = w * stored[name + "_scale"].float()
-            continue
-        s = stored[name + "_scale_inv"]
-        want = torch.empty_like(w)  # tile by tile (the last ones may be partial)
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                want[tile] = w[tile] * s[i, j]
-        dequant[name] = want
+    if style == "block":
+        dequant = dequant_block_scaled(stored)
+    else:  # each row times its scale
+        dequant = {
+            name: q.float() * stored[name + "_scale"].float() if q.dtype == torch.float8_e4m3fn else q.float()
+            for name, q in stored.items()
+            if not name.endswith("_scale")
+        }
     assert stored["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- GLM-5.x metadata
@@ -324,10 +312,7 @@ def test_checkpoint_without_mtp_layer(dsa_ckpt, dsa_f32, tmp_path):
 def test_flash_every_tensor_equals_source(lite_ckpt, lite_f32):
     kv, tensors = lite_f32
     exp = expected_gguf(source_tensors(lite_ckpt))
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        assert tensors[name][0] == T.F32, name
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_f32_equal(tensors, exp)
     assert {n for n in tensors if ".nextn." in n} == {
         f"blk.{LITE_TRUNK}.nextn.{k}.weight"
         for k in ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
@@ -464,26 +449,11 @@ def test_flash_same_gguf_as_llama_cpp_converter(lite_ckpt, tmp_path, llama_cpp_s
     assert kv["deepseek2.expert_gating_func"] == 2
 
 
-# --no-repack: see test_convert_deepseek2.py (AMX buffers cannot run MLA's 3-D attn_k_b product)
-_LLAMA_FLAGS = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("which", ["glm5", "flash"])
 def test_loads_and_drafts_in_llama_cpp(dsa_ckpt, lite_ckpt, llama_cpp_bin, tmp_path, which):
     """llama.cpp loads trunk + MTP (both archs have an MTP graph: glm-dsa.cpp, deepseek2.cpp), builds the MTP
     draft context and drafts -- from one Q4_K_M file with the head at q8_0, and from --no-mtp + --mtp-only files."""
     ck = dsa_ckpt if which == "glm5" else lite_ckpt
-    convert(ck, tmp_path / "full.gguf", "--quant", "Q4_K_M")
-    convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    convert(ck, tmp_path / "head.gguf", "--mtp-only")
-    runs = {
-        "creating MTP draft context": ["-m", tmp_path / "full.gguf"],
-        "loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"],
-    }
-    for banner, models in runs.items():
-        res, stats = speculative_simple(
-            llama_cpp_bin, *models, "--spec-type", "draft-mtp", "-p", "def add(a, b):", "-n", 16, *_LLAMA_FLAGS
-        )
-        assert banner in res.stderr, res.stderr[-2000:]
-        assert stats["n_drafted"] > 0, res.stderr[-2000:]
+    full, banner = ("--quant", "Q4_K_M"), "creating MTP draft context"
+    assert_drafts_in_llama_cpp(ck, tmp_path, llama_cpp_bin, full=full, banner=banner)

@@ -18,61 +18,47 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny, tiny_hy_v3
 from tests.helpers.familycheck import (
+    LAYER_NORMS,
     assert_bad_tensor_refused,
+    assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
-    assert_needs_no_mtp,
+    assert_head_at_q8_0,
+    assert_mode_files,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     checkpoint_fixtures,
     convert_with_both,
     dequant_block_scaled,
     expected_table,
+    ffn_table,
     inspect_json,
+    nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     stack_experts,
+    top_table,
     vocab,
 )
 from tests.helpers.ggufcheck import convert, source_tensors
 
 N_TRUNK, MTP = 3, 3  # blk.3 is the MTP block
 ATTN = {
-    "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
+    **LAYER_NORMS,
+    **attn_table(256, 128),
     "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
     "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight"),
 }
-DENSE = {
-    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
-    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
-}
+DENSE = ffn_table("mlp.", 512)
 MOE = {
     "ffn_gate_inp.weight": ((4, 256), "mlp.router.gate.weight"),
     "exp_probs_b": ((4,), "mlp.expert_bias"),  # no .bias suffix: hy-v3.cpp loads tn(FFN_EXP_PROBS_B, i)
-    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.*.gate_proj.weight"),
-    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.*.up_proj.weight"),
-    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.*.down_proj.weight"),
-    "ffn_gate_shexp.weight": ((256, 256), "mlp.shared_mlp.gate_proj.weight"),
-    "ffn_up_shexp.weight": ((256, 256), "mlp.shared_mlp.up_proj.weight"),
-    "ffn_down_shexp.weight": ((256, 256), "mlp.shared_mlp.down_proj.weight"),
+    **ffn_table("mlp.experts.*.", 256, suffix="_exps", experts=4),
+    **ffn_table("mlp.shared_mlp.", 256, suffix="_shexp"),
 }
-NEXTN = {
-    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
-    "nextn.enorm.weight": ((256,), "enorm.weight"),
-    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-    "nextn.shared_head_norm.weight": ((256,), "final_layernorm.weight"),
-}
+NEXTN = nextn_table() | {"nextn.shared_head_norm.weight": ((256,), "final_layernorm.weight")}
 BLOCKS = [ATTN | DENSE, ATTN | MOE, ATTN | MOE, ATTN | MOE | NEXTN]
-TOP = {
-    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
-    "output_norm.weight": ((256,), "model.norm.weight"),
-    "output.weight": (("V", 256), "lm_head.weight"),
-}
+TOP = top_table()
 
 
 def expected(vocab: int, blocks=range(4)) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -80,16 +66,12 @@ def expected(vocab: int, blocks=range(4)) -> dict[str, tuple[tuple[int, ...], st
     return expected_table(TOP, BLOCKS, vocab, blocks)
 
 
-def source_value(src: dict[str, torch.Tensor], hf: str) -> torch.Tensor:
-    return stack_experts(src, hf)
-
-
 hy_ckpt, hy_f32 = checkpoint_fixtures("hy", tiny_hy_v3.hy_v3)
 
 
 def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
     _, tensors = hy_f32
-    assert_table_f32(tensors, expected(vocab(hy_ckpt)), hy_ckpt, lambda src, name, hf: source_value(src, hf))
+    assert_table_f32(tensors, expected(vocab(hy_ckpt)), hy_ckpt)
 
 
 def test_metadata(hy_f32):
@@ -130,24 +112,13 @@ def test_f16_types(hy_ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
-    kv, tensors = convert(hy_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["hy_v3.block_count"] == 3 and "hy_v3.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(vocab(hy_ckpt), range(3)))
-    kv, tensors = convert(hy_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["hy_v3.block_count"] == 4 and kv["hy_v3.nextn_predict_layers"] == 1
-    assert set(tensors) == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")} | {
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-    }
+    assert_mode_files(hy_ckpt, tmp_path, "hy_v3", 3, expected(vocab(hy_ckpt)))
 
 
 def test_checkpoint_without_mtp_layer(tmp_path):
     """Published copies may drop layer N: --no-mtp converts them; without it, one clear line and no file."""
     ck = tiny_hy_v3.hy_v3(tmp_path / "stripped", with_mtp=False)
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["hy_v3.block_count"] == 3 and not any(n.startswith("blk.3.") for n in tensors)
-    assert_needs_no_mtp(ck, tmp_path, "layer 3")
+    assert_converts_only_with_no_mtp(ck, tmp_path, "hy_v3", 3, "layer 3")
 
 
 @pytest.mark.parametrize(
@@ -173,17 +144,12 @@ def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
     assert stored["model.layers.3.mlp.experts.2.down_proj.weight"].dtype == torch.float8_e4m3fn
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     for name, (_, hf) in expected(vocab(ck)).items():
-        np.testing.assert_array_equal(tensors[name][1], source_value(dequant, hf).numpy(), err_msg=name)
+        np.testing.assert_array_equal(tensors[name][1], stack_experts(dequant, hf).numpy(), err_msg=name)
 
 
 def test_q4_k_m_holds_the_mtp_block_at_q8_0(hy_ckpt, tmp_path):
     tensors = quantize_q4_k_m(hy_ckpt, tmp_path)
-    shapes = expected(vocab(hy_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith("blk.3."):
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(hy_ckpt)), "blk.3.")
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -254,9 +220,7 @@ def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_s
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(hy_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.3.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

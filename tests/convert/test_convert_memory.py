@@ -46,19 +46,19 @@ print(json.dumps(status("VmHWM") - base))
 """
 
 
-@pytest.fixture(scope="module")
-def fp8_experts(tmp_path_factory) -> Path:
-    """DeepSeek-V3 layout, block-scaled FP8; one MoE layer (the MTP block) of 32 experts of 2048 x 256."""
+def fp8_moe_checkpoint(folder: Path, n_exp: int) -> Path:
+    """DeepSeek-V3 layout, block-scaled FP8; one MoE layer (the MTP block) of n_exp experts of FF x H."""
     folder = tiny_deepseek2.deepseek_v3(
-        tmp_path_factory.mktemp("ds") / "fp8",
-        n_routed_experts=N_EXP,
-        moe_intermediate_size=FF,
-        first_k_dense_replace=2,
-        n_group=1,
-        topk_group=1,
+        folder, n_routed_experts=n_exp, moe_intermediate_size=FF, first_k_dense_replace=2, n_group=1, topk_group=1
     )
     tiny.to_fp8_block_scaled(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def fp8_experts(tmp_path_factory) -> Path:
+    """32 experts of 2048 x 256."""
+    return fp8_moe_checkpoint(tmp_path_factory.mktemp("ds") / "fp8", N_EXP)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
@@ -368,15 +368,7 @@ def test_a_stack_encoded_ahead_is_not_held_past_its_write(tmp_path):
     Measured with q8_0, whose stacks are encoded into a buffer of their own; a float stack (bf16) is encoded
     as it is written (stream.SlabWrites) and never held whole."""
     n_exp = 3 * N_EXP  # 96 experts: 101 MB stacks in bf16, 53 MB in q8_0
-    folder = tiny_deepseek2.deepseek_v3(
-        tmp_path / "fp8",
-        n_routed_experts=n_exp,
-        moe_intermediate_size=FF,
-        first_k_dense_replace=2,
-        n_group=1,
-        topk_group=1,
-    )
-    tiny.to_fp8_block_scaled(folder)
+    folder = fp8_moe_checkpoint(tmp_path / "fp8", n_exp)
     for outtype, stack in (("q8_0", n_exp * FF * H // 32 * 34), ("bf16", n_exp * FF * H * 2)):
         res = subprocess.run(
             [sys.executable, "-c", CHILD_BUDGET, str(folder), str(tmp_path / "out.gguf"), str(stack * 3 // 2), outtype],

@@ -17,62 +17,45 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_mimo2
 from tests.helpers.familycheck import (
+    LAYER_NORMS,
     add_tensors,
     assert_drafts_in_llama_cpp,
+    assert_head_at_q8_0,
+    assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     convert_with_both,
     copy_with_config,
-    quantize_with_both,
+    ffn_table,
+    nextn_table,
+    quantize_q4_k_m,
     rewrite_tensor,
     run,
+    vocab,
 )
 from tests.helpers.ggufcheck import convert, kv_types, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
-ATTN_FULL = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((64, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
-}
-ATTN_SWA = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((64, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((32, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 128), "self_attn.o_proj.weight"),
-    "attn_sinks.weight": ((4,), "self_attn.attention_sink_bias"),
-}
-NORMS = {
-    "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
-}
+ATTN_FULL = attn_table(256, 128, v=64, out_in=128)
+ATTN_SWA = attn_table(256, 64, v=32, out_in=128) | {"attn_sinks.weight": ((4,), "self_attn.attention_sink_bias")}
+NORMS = LAYER_NORMS
 MTP_NORMS = {**NORMS, "ffn_norm.weight": ((256,), "pre_mlp_layernorm.weight")}  # the MTP blocks' name, as released
-DENSE = {
-    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
-    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
-}
+DENSE = ffn_table("mlp.", 512)
 MOE = {
     "ffn_gate_inp.weight": ((4, 256), "mlp.gate.weight"),
     "exp_probs_b.bias": ((4,), "mlp.gate.e_score_correction_bias"),
-    "ffn_gate_exps.weight": ((4, 256, 256), "mlp.experts.{e}.gate_proj.weight"),
-    "ffn_up_exps.weight": ((4, 256, 256), "mlp.experts.{e}.up_proj.weight"),
-    "ffn_down_exps.weight": ((4, 256, 256), "mlp.experts.{e}.down_proj.weight"),
+    **ffn_table("mlp.experts.*.", 256, suffix="_exps", experts=4),
 }
-NEXTN = {
-    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
-    "nextn.enorm.weight": ((256,), "enorm.weight"),
-    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
-    "layer_output_norm.weight": ((256,), "final_layernorm.weight"),
-}
+NEXTN = nextn_table() | {"layer_output_norm.weight": ((256,), "final_layernorm.weight")}
 BLOCKS = [ATTN_FULL | DENSE, ATTN_SWA | MOE, ATTN_SWA | MOE] + [ATTN_SWA | DENSE | NEXTN] * 3
 
 
 def expected(vocab: int, blocks=range(6)) -> dict[str, tuple[tuple[int, ...], str]]:
-    """GGUF name -> (shape, HF source name; ``{e}`` for stacked experts)."""
+    """GGUF name -> (shape, HF source name; ``*`` = the experts, stacked in order)."""
     out = {
         "token_embd.weight": ((vocab, 256), "model.embed_tokens.weight"),
         "output_norm.weight": ((256,), "model.norm.weight"),
@@ -90,18 +73,9 @@ def mimo_ckpt(tmp_path_factory):
     return tiny_mimo2.mimo2(tmp_path_factory.mktemp("mimo2") / "ckpt")
 
 
-def _vocab(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
-
-
 def test_f32_every_tensor_named_shaped_and_valued(mimo_ckpt, tmp_path):
     _, tensors = convert(mimo_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
-    assert_table_f32(
-        tensors,
-        expected(_vocab(mimo_ckpt)),
-        mimo_ckpt,
-        lambda src, name, hf: torch.stack([src[hf.format(e=e)] for e in range(4)]) if "{e}" in hf else src[hf],
-    )
+    assert_table_f32(tensors, expected(vocab(mimo_ckpt)), mimo_ckpt)
 
 
 def test_metadata(mimo_ckpt, tmp_path):
@@ -137,17 +111,8 @@ def test_metadata(mimo_ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(mimo_ckpt, tmp_path):
-    kv, tensors = convert(mimo_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["mimo2.block_count"] == 3 and "mimo2.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(_vocab(mimo_ckpt), range(3)))
+    (kv, _), _ = assert_mode_files(mimo_ckpt, tmp_path, "mimo2", 3, expected(vocab(mimo_ckpt)), n_mtp=3)
     assert kv["mimo2.attention.sliding_window_pattern"] == [0, 1, 1]
-    kv, tensors = convert(mimo_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["mimo2.block_count"] == 6 and kv["mimo2.nextn_predict_layers"] == 3
-    assert set(tensors) == {n for n in expected(_vocab(mimo_ckpt)) if n.startswith(("blk.3.", "blk.4.", "blk.5."))} | {
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-    }
 
 
 def test_mtp_layers_counted_from_the_checkpoint(tmp_path):
@@ -238,7 +203,7 @@ def test_mimo_v25_fused_fp8_qkv_is_q_k_v(tmp_path, tp):
     kv, tensors = convert(_v25(tmp_path, tp), tmp_path / "v25.gguf", "--outtype", "f32")
     assert set(tensors) == {
         n
-        for n in expected(_vocab(tmp_path / "plain"))
+        for n in expected(vocab(tmp_path / "plain"))
         if not n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))
     } | {f"blk.{b}.attn_qkv.weight" for b in range(6)}
     for bid in range(6):
@@ -313,18 +278,8 @@ def test_bad_mxfp4_layouts_are_refused(tmp_path):
 
 
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
-    f16 = tmp_path / "f16.gguf"
-    convert(mimo_ckpt, f16, "--outtype", "f16")
-    out = tmp_path / "q.gguf"
-    res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
-    assert res.exit_code == 0, res.output
-    _, tensors = read_gguf(out)
-    shapes = expected(_vocab(mimo_ckpt))
-    for name, (qtype, _) in tensors.items():
-        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif name.startswith(("blk.3.", "blk.4.", "blk.5.")):
-            assert qtype == T.Q8_0, name
+    tensors = quantize_q4_k_m(mimo_ckpt, tmp_path, one_pass=False)
+    assert_head_at_q8_0(tensors, expected(vocab(mimo_ckpt)), ("blk.3.", "blk.4.", "blk.5."))
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
 
 
@@ -347,10 +302,8 @@ def test_mimo_v25_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, tp):
 
 @pytest.mark.llama_cpp
 def test_mimo_v25_same_bytes_as_llama_quantize(tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(_v25(tmp_path), tmp_path, llama_cpp_bin)
+    a, b = assert_same_as_llama_quantize(_v25(tmp_path), tmp_path, llama_cpp_bin)
     assert a["blk.0.attn_qkv.weight"][0] == b["blk.0.attn_qkv.weight"][0]
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
 
 
 @pytest.mark.llama_cpp
@@ -381,24 +334,8 @@ def test_mxfp4_requantized_as_llama_quantize_and_drafts(tmp_path, llama_cpp_bin)
     assert set(a) == set(b) and a["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
     for name in b:
         assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
-    res, stats = speculative_simple(
-        llama_cpp_bin,
-        "-m",
-        f16,
-        "--spec-type",
-        "draft-mtp",
-        "-c",
-        "256",
-        "-t",
-        "1",
-        "--temp",
-        "0",
-        "--no-repack",
-        "-p",
-        "def add(a, b):",
-        "-n",
-        16,
-    )
+    spec = ("--spec-type", "draft-mtp", "-c", "256", "-t", "1", "--temp", "0", "--no-repack")
+    res, stats = speculative_simple(llama_cpp_bin, "-m", f16, *spec, "-p", "def add(a, b):", "-n", 16)
     assert "MTP draft context" in res.stderr and stats["n_drafted"] > 0, res.stderr[-2000:]
 
 
@@ -415,6 +352,4 @@ def test_mimo_v25_drafts_in_llama_cpp(tmp_path, llama_cpp_bin):
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(mimo_ckpt, tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(mimo_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    assert_same_as_llama_quantize(mimo_ckpt, tmp_path, llama_cpp_bin)

@@ -22,15 +22,15 @@ from safetensors.torch import load_file, save_file
 from tests.builders import tiny_nemotron_h_moe
 from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
+    assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
-    assert_needs_no_mtp,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     checkpoint_fixtures,
     convert_with_both,
     inspect_json,
     quantize_q4_k_m,
-    quantize_with_both,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.runcli import run_cli
@@ -266,9 +266,7 @@ def test_no_mtp_and_mtp_only(nh_ckpt, tmp_path):
 
 def test_checkpoint_without_mtp_head(tmp_path):
     ck = tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "stripped", with_mtp=False)
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["nemotron_h_moe.block_count"] == 4 and not any(n.startswith("blk.4.") for n in tensors)
-    assert_needs_no_mtp(ck, tmp_path, "mtp.layers")
+    assert_converts_only_with_no_mtp(ck, tmp_path, "nemotron_h_moe", 4, "mtp.layers")
 
 
 @pytest.mark.parametrize(
@@ -388,9 +386,7 @@ def test_f16_types_as_llama_cpp_converter(nh_ckpt, tmp_path, llama_cpp_src):
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin):
     """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    a, b = quantize_with_both(nh_ckpt, tmp_path, llama_cpp_bin)
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    _, b = assert_same_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin)
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
 
 

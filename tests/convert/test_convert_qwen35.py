@@ -15,7 +15,6 @@ import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -28,11 +27,14 @@ from tests.helpers.familycheck import (
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
+    assert_values_equal,
     built_once,
     convert_with_both,
+    to_fp8_dequantized,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
+from tests.helpers.names import QWEN_GDN_LAYER_NAMES, QWEN_MTP_HEAD_NAMES, QWEN_ZERO_CENTRED, TOP_NAMES
 from tests.helpers.runcli import run_cli
 
 VARIANTS = {
@@ -42,53 +44,18 @@ VARIANTS = {
     "dense_cg_tied": dict(conditional=True, tie_word_embeddings=True),  # no lm_head
 }
 LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **QWEN_GDN_LAYER_NAMES,
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight",
-    "linear_attn.A_log": "ssm_a",
-    "linear_attn.dt_bias": "ssm_dt.bias",
-    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-    "linear_attn.norm.weight": "ssm_norm.weight",
-    "linear_attn.out_proj.weight": "ssm_out.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-HEAD = {
-    "mtp.fc.weight": "nextn.eh_proj.weight",
-    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
-    "mtp.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-ZERO_CENTRED = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "q_norm.weight",
-    "k_norm.weight",
-    "model.norm.weight",
-    "mtp.norm.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-)
+HEAD = QWEN_MTP_HEAD_NAMES
+TOP = TOP_NAMES
+ZERO_CENTRED = QWEN_ZERO_CENTRED
 
 
 # ----------------------------------------------------------------------------- expected values
@@ -319,30 +286,12 @@ def test_checkpoint_without_mtp_tensors(tmp_path):
 
 def test_fp8_block_scaled_dequantized(tmp_path):
     folder = tiny_qwen35.qwen35(tmp_path / "ck", moe=True, dtype=torch.float32)
-    reference = source_tensors(folder)
-    tiny.to_fp8_block_scaled(folder)
-    stored = source_tensors(folder)
-    dequant = {}
-    for name, q in stored.items():  # independent dequant: loop over 128x128 tiles, w = q * s
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q
-            continue
-        w, s = q.float(), stored[name + "_scale_inv"]
-        out = torch.empty_like(w)
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                tile = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
-                out[tile] = w[tile] * s[i, j]
-        dequant[name] = out
-        # and the FP8 round trip stays close to the original weights
-        assert (out - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+    stored, dequant = to_fp8_dequantized(folder)
     n_fp8 = sum(q.dtype == torch.float8_e4m3fn for q in stored.values())
     assert n_fp8 > 40 and any(k.endswith("in_proj_qkv.weight_scale_inv") for k in stored)
     _, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder, dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +21,24 @@ import torch
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 
-from tests.builders import tiny, tiny_qwen3next
+from tests.builders import tiny_qwen3next
 from tests.helpers.familycheck import (
     Experts,
     assert_f32_equal,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
+    assert_values_equal,
     built_once,
     convert_with_both,
+    mtp_draft_steps,
     quantize_q4_k_m,
     quantize_with_both,
     rewrite_tensor,
+    to_fp8_dequantized,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
+from tests.helpers.names import QWEN_GDN_LAYER_NAMES, QWEN_MTP_HEAD_NAMES, QWEN_ZERO_CENTRED, TOP_NAMES
 from tests.helpers.runcli import run_cli
 
 VARIANTS = {
@@ -45,48 +48,12 @@ VARIANTS = {
 }
 N = 4  # trunk layers; the MTP block is blk.4
 LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **QWEN_GDN_LAYER_NAMES,
     "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
-    "linear_attn.A_log": "ssm_a",
-    "linear_attn.dt_bias": "ssm_dt.bias",
-    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-    "linear_attn.norm.weight": "ssm_norm.weight",
-    "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-HEAD = {
-    "mtp.fc.weight": "nextn.eh_proj.weight",
-    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
-    "mtp.norm.weight": "nextn.shared_head_norm.weight",
-}
-TOP = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-# RMSNorms computed as x_hat * (1 + w): written as 1 + w. The gated linear_attn.norm (x_hat * w) is not.
-ZERO_CENTRED = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "q_norm.weight",
-    "k_norm.weight",
-    "model.norm.weight",
-    "mtp.norm.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-)
+HEAD = QWEN_MTP_HEAD_NAMES
+TOP = TOP_NAMES
+ZERO_CENTRED = QWEN_ZERO_CENTRED
 
 
 # ----------------------------------------------------------------------------- expected values
@@ -278,21 +245,10 @@ def test_checkpoint_without_mtp_tensors(tmp_path):
 # ----------------------------------------------------------------------------- FP8
 
 
-def _dequant_tiles(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """w = q * s per 128x128 tile, one tile at a time."""
-    w, out = q.float(), torch.empty(q.shape)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
-            out[tile] = w[tile] * s[i, j]
-    return out
-
-
 def test_fp8_block_scaled_dequantized(tmp_path):
     """Qwen3-Next-80B-A3B-*-FP8 stores e4m3 weights with 128x128 weight_scale_inv tiles."""
     folder = tiny_qwen3next.qwen3next(tmp_path / "ck", dtype=torch.float32)
-    reference = source_tensors(folder)
-    tiny.to_fp8_block_scaled(folder)
+    stored, dequant = to_fp8_dequantized(folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {
         "activation_scheme": "dynamic",
@@ -301,14 +257,6 @@ def test_fp8_block_scaled_dequantized(tmp_path):
         "weight_block_size": [128, 128],
     }
     (folder / "config.json").write_text(json.dumps(cfg))
-    stored = source_tensors(folder)
-    dequant = {}
-    for name, q in stored.items():
-        if q.dtype != torch.float8_e4m3fn:
-            dequant[name] = q
-            continue
-        dequant[name] = _dequant_tiles(q, stored[name + "_scale_inv"])
-        assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
     fp8 = {n for n, q in stored.items() if q.dtype == torch.float8_e4m3fn}
     assert {
         "model.layers.0.linear_attn.in_proj_qkvz.weight",
@@ -317,9 +265,7 @@ def test_fp8_block_scaled_dequantized(tmp_path):
     } <= fp8
     _, tensors = convert(folder, tmp_path / "m.gguf", "--outtype", "f32")
     exp = expected_gguf(folder, dequant)
-    assert set(tensors) == set(exp)
-    for name, want in exp.items():
-        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+    assert_values_equal(tensors, exp)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -422,36 +368,7 @@ def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_p
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")
     prompt, n = "def add(a, b):", 10
-    proc = subprocess.run(
-        [
-            str(llama_cpp_bin / "llama-speculative-simple"),
-            "-m",
-            str(gguf_path),
-            "-p",
-            prompt,
-            "-n",
-            str(n),
-            "--spec-type",
-            "draft-mtp",
-            "--temp",
-            "0",
-            "-t",
-            "1",
-            "-c",
-            "256",
-            "-lv",
-            "5",
-        ],
-        capture_output=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    log = (proc.stdout + proc.stderr).decode("utf-8", "replace")
-    assert proc.returncode == 0, log[-3000:]
-    assert "MTP draft context" in log, log[-3000:]
-    step = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
-    steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
-    assert sum(d for _, d, _ in steps) > 0  # the MTP head drafted
+    steps = mtp_draft_steps(llama_cpp_bin, gguf_path, prompt, n, "-t", "1", "-c", "256")
     want = _hf_greedy(folder, prompt, n + 4)
     assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)
 

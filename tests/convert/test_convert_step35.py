@@ -9,7 +9,6 @@ tests compare against llama.cpp's own converter and llama-quantize.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -18,78 +17,56 @@ from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_step35
 from tests.helpers.familycheck import (
+    LAYER_NORMS,
     add_tensors,
+    assert_converts_only_with_no_mtp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_head_at_q8_0,
+    assert_mode_files,
     assert_refused,
+    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
+    attn_table,
     convert_with_both,
     copy_with_config,
+    expected_table,
+    ffn_table,
+    mtp_drafting_log,
+    nextn_table,
     quantize_q4_k_m,
-    quantize_with_both,
     strip_general,
+    top_table,
+    vocab,
 )
 from tests.helpers.ggufcheck import convert, read_gguf
 from tests.helpers.runcli import run_cli
 
-FULL = {
-    "attn_q.weight": ((256, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 256), "self_attn.o_proj.weight"),
-    "attn_gate.weight": ((4, 256), "self_attn.g_proj.weight"),
-}
-SLIDING = {
-    "attn_q.weight": ((512, 256), "self_attn.q_proj.weight"),
-    "attn_k.weight": ((128, 256), "self_attn.k_proj.weight"),
-    "attn_v.weight": ((128, 256), "self_attn.v_proj.weight"),
-    "attn_output.weight": ((256, 512), "self_attn.o_proj.weight"),
-    "attn_gate.weight": ((8, 256), "self_attn.g_proj.weight"),
-}
+FULL = attn_table(256, 128) | {"attn_gate.weight": ((4, 256), "self_attn.g_proj.weight")}
+SLIDING = attn_table(512, 128) | {"attn_gate.weight": ((8, 256), "self_attn.g_proj.weight")}
 NORMS = {
-    "attn_norm.weight": ((256,), "input_layernorm.weight"),
-    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+    **LAYER_NORMS,
     "attn_q_norm.weight": ((64,), "self_attn.q_norm.weight"),
     "attn_k_norm.weight": ((64,), "self_attn.k_norm.weight"),
 }
-DENSE = {
-    "ffn_gate.weight": ((512, 256), "mlp.gate_proj.weight"),
-    "ffn_up.weight": ((512, 256), "mlp.up_proj.weight"),
-    "ffn_down.weight": ((256, 512), "mlp.down_proj.weight"),
-}
+DENSE = ffn_table("mlp.", 512)
 MOE = {
     "ffn_gate_inp.weight": ((4, 256), "moe.gate.weight"),
     "exp_probs_b.bias": ((4,), "moe.router_bias"),
-    "ffn_gate_exps.weight": ((4, 256, 256), "moe.gate_proj.weight"),
-    "ffn_up_exps.weight": ((4, 256, 256), "moe.up_proj.weight"),
-    "ffn_down_exps.weight": ((4, 256, 256), "moe.down_proj.weight"),
-    "ffn_gate_shexp.weight": ((256, 256), "share_expert.gate_proj.weight"),
-    "ffn_up_shexp.weight": ((256, 256), "share_expert.up_proj.weight"),
-    "ffn_down_shexp.weight": ((256, 256), "share_expert.down_proj.weight"),
+    **ffn_table("moe.", 256, suffix="_exps", experts=4),
+    **ffn_table("share_expert.", 256, suffix="_shexp"),
 }
-NEXTN = {
-    "nextn.eh_proj.weight": ((256, 512), "eh_proj.weight"),
-    "nextn.enorm.weight": ((256,), "enorm.weight"),
-    "nextn.hnorm.weight": ((256,), "hnorm.weight"),
+NEXTN = nextn_table() | {
     "nextn.shared_head_norm.weight": ((256,), "transformer.shared_head.norm.weight"),
     "nextn.shared_head_head.weight": (("V", 256), "transformer.shared_head.output.weight"),
 }
 BLOCKS = [FULL | DENSE, SLIDING | MOE, FULL | MOE, SLIDING | DENSE | NEXTN, SLIDING | DENSE | NEXTN]
-TOP = {
-    "token_embd.weight": (("V", 256), "model.embed_tokens.weight"),
-    "output_norm.weight": ((256,), "model.norm.weight"),
-    "output.weight": (("V", 256), "lm_head.weight"),
-}
+TOP = top_table()
 
 
 def expected(vocab: int, blocks=range(5)) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (shape, HF source name)."""
-    fix = lambda shape: tuple(vocab if d == "V" else d for d in shape)  # noqa: E731
-    out = {k: (fix(s), hf) for k, (s, hf) in TOP.items()}
-    for bid in blocks:
-        for kind, (shape, hf) in (BLOCKS[bid] | NORMS).items():
-            out[f"blk.{bid}.{kind}"] = (fix(shape), f"model.layers.{bid}.{hf}")
-    return out
+    return expected_table(TOP, [block | NORMS for block in BLOCKS], vocab, blocks)
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +74,12 @@ def step_ckpt(tmp_path_factory):
     return tiny_step35.step35(tmp_path_factory.mktemp("step35") / "ckpt")
 
 
-def _vocab(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
-
-
 def test_f32_every_tensor_named_shaped_and_valued(step_ckpt, tmp_path):
     kv, tensors = convert(step_ckpt, tmp_path / "m.gguf", "--outtype", "f32")
     # zero-centred norms: 1 + w
     assert_table_f32(
         tensors,
-        expected(_vocab(step_ckpt)),
+        expected(vocab(step_ckpt)),
         step_ckpt,
         lambda src, name, hf: src[hf].float() + (1.0 if hf.endswith("norm.weight") else 0.0),
     )
@@ -149,17 +122,8 @@ def test_metadata(step_ckpt, tmp_path):
 
 
 def test_no_mtp_and_mtp_only(step_ckpt, tmp_path):
-    kv, tensors = convert(step_ckpt, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["step35.block_count"] == 3 and "step35.nextn_predict_layers" not in kv
-    assert set(tensors) == set(expected(_vocab(step_ckpt), range(3)))
+    (kv, _), _ = assert_mode_files(step_ckpt, tmp_path, "step35", 3, expected(vocab(step_ckpt)), n_mtp=2)
     assert kv["step35.attention.head_count"] == [4, 8, 4] and kv["step35.swiglu_clamp_exp"] == [0.0, 7.0, 7.0]
-    kv, tensors = convert(step_ckpt, tmp_path / "head.gguf", "--mtp-only")
-    assert kv["step35.block_count"] == 5 and kv["step35.nextn_predict_layers"] == 2
-    assert set(tensors) == {n for n in expected(_vocab(step_ckpt)) if n.startswith(("blk.3.", "blk.4."))} | {
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-    }
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["text_config", "flat_config"])
@@ -181,11 +145,7 @@ def test_step37_layout_converts_as_its_text_model(step_ckpt, tmp_path, nested):
 def test_checkpoint_without_mtp_layers(tmp_path):
     """Published copies often drop the appended layers: --no-mtp converts them; without it, one clear line."""
     ck = tiny_step35.step35(tmp_path / "stripped", with_mtp=False)
-    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
-    assert kv["step35.block_count"] == 3 and not any(n.startswith("blk.3.") for n in tensors)
-    res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
-    assert res.exit_code == 2 and "no tensors for layer 3" in res.stderr and "--no-mtp" in res.stderr
-    assert not (tmp_path / "m.gguf").exists()
+    assert_converts_only_with_no_mtp(ck, tmp_path, "step35", 3, "no tensors for layer 3")
 
 
 def test_bad_rotary_factors_are_refused(tmp_path):
@@ -267,12 +227,7 @@ def test_llama3_rope_freqs_survive_quantize_and_extract(llama3_ckpt, tmp_path):
 def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
     """Quantizing never fails on the MTP blocks (dense FFNs after MoE layers), and holds them at q8_0."""
     tensors = quantize_q4_k_m(step_ckpt, tmp_path)
-    for name, (qtype, _) in tensors.items():
-        mtp = name.startswith(("blk.3.", "blk.4."))
-        if len(expected(_vocab(step_ckpt))[name][0]) == 1 or "ffn_gate_inp" in name:
-            assert qtype == T.F32, name
-        elif mtp:
-            assert qtype == T.Q8_0, name
+    assert_head_at_q8_0(tensors, expected(vocab(step_ckpt)), ("blk.3.", "blk.4."))
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
 
 
@@ -314,36 +269,10 @@ def test_step37_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
 
 @pytest.mark.llama_cpp
 def test_same_bytes_as_llama_quantize_and_drafts(step_ckpt, tmp_path, llama_cpp_bin):
-    a, b = quantize_with_both(step_ckpt, tmp_path, llama_cpp_bin)
+    assert_same_as_llama_quantize(step_ckpt, tmp_path, llama_cpp_bin)
     f16 = tmp_path / "f16.gguf"  # the f16 file both quantized
-    for name in b:
-        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
     # llama.cpp builds its MTP draft context from the appended blocks
-    proc = subprocess.run(
-        [
-            str(llama_cpp_bin / "llama-speculative-simple"),
-            "-m",
-            str(f16),
-            "-p",
-            "def add",
-            "-n",
-            "8",
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--no-repack",
-            "-t",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "MTP draft context" in proc.stderr
+    mtp_drafting_log(llama_cpp_bin, f16, "def add", 8, "--no-repack", "-t", "1")
 
 
 def test_inspect_extract_and_graft(step_ckpt, tmp_path):
@@ -358,7 +287,7 @@ def test_inspect_extract_and_graft(step_ckpt, tmp_path):
     res = run_cli("graft", "--mtp-from", head, "--into", trunk, grafted, "--mtp-type", "q8_0", "--quiet")
     assert res.exit_code == 0, res.output
     kv, tensors = read_gguf(grafted)
-    assert set(tensors) == set(expected(_vocab(step_ckpt)))
+    assert set(tensors) == set(expected(vocab(step_ckpt)))
     assert kv["step35.block_count"] == 5 and kv["step35.nextn_predict_layers"] == 2
     assert kv["step35.attention.head_count"] == [4, 8, 4, 8, 8]  # per-block arrays gain the donor's MTP entries
     assert tensors["blk.3.nextn.eh_proj.weight"][0] == T.Q8_0 and tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K

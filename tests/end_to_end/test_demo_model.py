@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.hfmtp import accepted_like_transformers
-from tests.helpers.llamacpp_ref import speculative_simple
+from tests.helpers.llamacpp_ref import greedy_drafting, speculative_simple
 from tests.helpers.runcli import run_cli
 
 N_PROMPTS, N_NEW = 8, 64
@@ -82,21 +82,7 @@ def test_llama_cpp_acceptance_agrees(demo_gguf, prompts, llama_cpp_bin, tmp_path
         prompt_file.write_text(text)
         # every prompt on both sides: a rate over a subset of the prompts is a different number
         _, stats = speculative_simple(
-            llama_cpp_bin,
-            "-m",
-            demo_gguf,
-            "-f",
-            prompt_file,
-            "--no-escape",
-            "-n",
-            N_NEW,
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            "1",
-            "--no-repack",
+            llama_cpp_bin, "-m", demo_gguf, "-f", prompt_file, "--no-escape", "-n", N_NEW, *greedy_drafting("1")
         )
         theirs_acc, theirs_drafts = theirs_acc + stats["n_accept"], theirs_drafts + stats["n_drafted"]
         r = run_speculative(model, tok.encode(text), N_NEW, k=1)

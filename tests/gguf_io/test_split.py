@@ -267,21 +267,8 @@ def test_llama_cpp_loads_and_drafts_from_our_shards(models, tmp_path, llama_cpp_
     counts as the unsplit file."""
     ok("quantize", models["full"], tmp_path / "q.gguf", "Q4_K_M", "-q")
     ok("quantize", models["shards"][0], tmp_path / "qs.gguf", "Q4_K_M", "--split-max-size", "1M", "-q")
-    flags = [
-        "--spec-type",
-        "draft-mtp",
-        "-c",
-        "256",
-        "-t",
-        "1",
-        "--temp",
-        "0",
-        "--no-repack",
-        "-p",
-        "def add(a, b):",
-        "-n",
-        "12",
-    ]
+    flags = ["--spec-type", "draft-mtp", "-c", "256", "-t", "1", "--temp", "0", "--no-repack"]
+    flags += ["-p", "def add(a, b):", "-n", "12"]
     whole, whole_stats = speculative_simple(llama_cpp_bin, "-m", tmp_path / "q.gguf", *flags)
     parts = shards_of(tmp_path, "qs")
     split, split_stats = speculative_simple(llama_cpp_bin, "-m", parts[0], *flags)

@@ -49,6 +49,51 @@ def expected_table(top: dict, blocks: list[dict], vocab: int, block_ids) -> dict
     return out
 
 
+def ffn_table(hf_prefix: str, ff: int, hidden: int = 256, suffix: str = "", experts: int = 0) -> dict:
+    """llama.cpp's gate/up/down projections for a family's table (name -> (shape, HF name inside the block)):
+    ``ffn_{gate,up,down}{suffix}.weight`` from ``{hf_prefix}{gate,up,down}_proj.weight``, gate and up
+    [ff, hidden], down [hidden, ff], each behind the expert count when ``experts``."""
+    lead = (experts,) if experts else ()
+    return {
+        f"ffn_gate{suffix}.weight": ((*lead, ff, hidden), f"{hf_prefix}gate_proj.weight"),
+        f"ffn_up{suffix}.weight": ((*lead, ff, hidden), f"{hf_prefix}up_proj.weight"),
+        f"ffn_down{suffix}.weight": ((*lead, hidden, ff), f"{hf_prefix}down_proj.weight"),
+    }
+
+
+def attn_table(q: int, kv: int, v: int | None = None, out_in: int | None = None, hidden: int = 256) -> dict:
+    """attn_q/k/v/output from ``self_attn.{q,k,v,o}_proj.weight`` for a family's table: q [q, hidden], k
+    [kv, hidden], v [v (kv by default), hidden], output [hidden, out_in (q by default)]."""
+    return {
+        "attn_q.weight": ((q, hidden), "self_attn.q_proj.weight"),
+        "attn_k.weight": ((kv, hidden), "self_attn.k_proj.weight"),
+        "attn_v.weight": ((kv if v is None else v, hidden), "self_attn.v_proj.weight"),
+        "attn_output.weight": ((hidden, q if out_in is None else out_in), "self_attn.o_proj.weight"),
+    }
+
+
+def nextn_table(hidden: int = 256) -> dict:
+    """The NextN block's eh_proj ([hidden, 2 * hidden]), enorm and hnorm, from HF's eh_proj, enorm, hnorm."""
+    return {
+        "nextn.eh_proj.weight": ((hidden, 2 * hidden), "eh_proj.weight"),
+        "nextn.enorm.weight": ((hidden,), "enorm.weight"),
+        "nextn.hnorm.weight": ((hidden,), "hnorm.weight"),
+    }
+
+
+# a block's two RMSNorms under transformers' usual names
+LAYER_NORMS = {
+    "attn_norm.weight": ((256,), "input_layernorm.weight"),
+    "ffn_norm.weight": ((256,), "post_attention_layernorm.weight"),
+}
+
+
+def top_table(embed: str = "model.embed_tokens.weight", output: str | None = "lm_head.weight") -> dict:
+    """token_embd, output_norm (model.norm) and, unless tied (output None), output; "V" = the vocab."""
+    out = {"token_embd.weight": (("V", 256), embed), "output_norm.weight": ((256,), "model.norm.weight")}
+    return out | ({"output.weight": (("V", 256), output)} if output else {})
+
+
 class Experts:
     """Expected expert tensors as llama.cpp writes them: per-expert ``mlp.experts.{e}.{gate,up,down}_proj``
     stacked by expert number, or transformers' fused ``gate_up_proj`` (split in halves) and ``down_proj``."""
@@ -73,13 +118,18 @@ class Experts:
         return {name: torch.stack([d[e] for e in sorted(d)]) for name, d in self.per_expert.items()}
 
 
-def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
-    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+def assert_values_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each equal to its expected values."""
     assert set(tensors) == set(exp)
     for name, want in exp.items():
-        qtype, got = tensors[name]
-        assert qtype == T.F32, name
-        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+        np.testing.assert_array_equal(tensors[name][1], want.numpy(), err_msg=name)
+
+
+def assert_f32_equal(tensors: dict, exp: dict[str, torch.Tensor]):
+    """The file holds exactly exp's tensors, each F32 and equal to its expected values."""
+    assert_values_equal(tensors, exp)
+    for name in exp:
+        assert tensors[name][0] == T.F32, name
 
 
 def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
@@ -96,24 +146,38 @@ HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # 
 
 
 def assert_mode_files(
-    ckpt: Path, tmp_path: Path, arch: str, n_trunk: int, names, *args: str, top: tuple[str, ...] = HEAD_FILE_TOP
+    ckpt: Path,
+    tmp_path: Path,
+    arch: str,
+    n_trunk: int,
+    names,
+    *args: str,
+    top: tuple[str, ...] = HEAD_FILE_TOP,
+    n_mtp: int = 1,
+    head_equals: dict | None = None,
 ) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
-    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but block n_trunk's;
-    ``--mtp-only``: n_trunk + 1 blocks, one NextN layer, block n_trunk's names and ``top``. ``args``: more
-    convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
-    mtp = f"blk.{n_trunk}."
+    """``--no-mtp``: n_trunk blocks, no NextN count, every one of ``names`` (the full file's) but the n_mtp MTP
+    blocks' (from block n_trunk on); ``--mtp-only``: n_trunk + n_mtp blocks, n_mtp NextN layers, the MTP blocks'
+    names and ``top``, with ``head_equals`` (the full file's tensors) each tensor's values equal to its own there.
+    ``args``: more convert flags. -> ((kv, tensors) of the trunk file, (kv, tensors) of the head file)."""
+    mtp = tuple(f"blk.{bid}." for bid in range(n_trunk, n_trunk + n_mtp))
     trunk = convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp", *args)
     assert trunk[0][f"{arch}.block_count"] == n_trunk and f"{arch}.nextn_predict_layers" not in trunk[0]
     assert set(trunk[1]) == {n for n in names if not n.startswith(mtp)}
     head = convert(ckpt, tmp_path / "head.gguf", "--mtp-only", *args)
-    assert head[0][f"{arch}.block_count"] == n_trunk + 1 and head[0][f"{arch}.nextn_predict_layers"] == 1
+    assert head[0][f"{arch}.block_count"] == n_trunk + n_mtp and head[0][f"{arch}.nextn_predict_layers"] == n_mtp
     assert set(head[1]) == {n for n in names if n.startswith(mtp)} | set(top)
+    if head_equals is not None:
+        for name, (_, data) in head[1].items():
+            np.testing.assert_array_equal(data, head_equals[name][1], err_msg=name)
     return trunk, head
 
 
-def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value) -> None:
+def assert_table_f32(tensors: dict, want: dict[str, tuple[tuple[int, ...], str]], ckpt: Path, value=None) -> None:
     """The file holds exactly ``want``'s names (GGUF name -> (shape, HF name)) at those shapes, each F32 and equal
-    to ``value(src, name, hf)`` over the checkpoint's tensors ``src``."""
+    to ``value(src, name, hf)`` over the checkpoint's tensors ``src`` (by default the HF tensor as stored, or the
+    experts stacked where hf has a ``*``: stack_experts)."""
+    value = value or (lambda src, name, hf: stack_experts(src, hf))
     assert {n: tensors[n][1].shape for n in tensors} == {n: s for n, (s, _) in want.items()}
     src = source_tensors(ckpt)
     assert_f32_equal(tensors, {name: value(src, name, hf).float() for name, (_, hf) in want.items()})
@@ -153,6 +217,22 @@ def dequant_block_scaled(stored: dict[str, torch.Tensor], block: int = 128) -> d
                 want[tile] = w[tile] * s[i, j]
         dequant[name] = want
     return dequant
+
+
+def to_fp8_dequantized(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Checkpoint folder rewritten as FP8 (e4m3, 128x128 weight_scale_inv tiles) -> (its stored tensors, their
+    values by dequant_block_scaled); asserts each e4m3 tensor's round trip stays close to the weights it was made
+    from (within 7% of their largest magnitude)."""
+    from tests.builders.tiny import to_fp8_block_scaled
+
+    reference = source_tensors(folder)
+    to_fp8_block_scaled(folder)
+    stored = source_tensors(folder)
+    dequant = dequant_block_scaled(stored)
+    for name, q in stored.items():
+        if q.dtype == torch.float8_e4m3fn:
+            assert (dequant[name] - reference[name]).abs().max() <= 0.07 * reference[name].abs().max(), name
+    return stored, dequant
 
 
 def built_once(tmp_path_factory, build):
@@ -223,8 +303,11 @@ def assert_bad_tensor_refused(ck: Path, tmp_path: Path, name: str, value: torch.
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 
 
-def assert_needs_no_mtp(ck: Path, tmp_path: Path, needle: str):
-    """A checkpoint without its MTP weights: convert without --no-mtp exits 2 naming what is missing, no file."""
+def assert_converts_only_with_no_mtp(ck: Path, tmp_path: Path, arch: str, n_trunk: int, needle: str):
+    """A checkpoint without its MTP weights: ``--no-mtp`` converts its n_trunk blocks (no blk.{n_trunk} tensor);
+    without it, convert exits 2 naming what is missing (needle) and --no-mtp, and writes no file."""
+    kv, tensors = convert(ck, tmp_path / "trunk.gguf", "--no-mtp")
+    assert kv[f"{arch}.block_count"] == n_trunk and not any(n.startswith(f"blk.{n_trunk}.") for n in tensors)
     res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
     assert res.exit_code == 2 and needle in res.stderr and "--no-mtp" in res.stderr
     assert not (tmp_path / "m.gguf").exists()
@@ -233,21 +316,34 @@ def assert_needs_no_mtp(ck: Path, tmp_path: Path, needle: str):
 # ----------------------------------------------------------------------------- mtpq quantize / inspect
 
 
-def quantize_q4_k_m(ckpt: Path, tmp_path: Path) -> dict:
-    """f16 conversion then ``mtpq quantize Q4_K_M``; asserts ``convert --quant Q4_K_M`` in one pass chooses
-    the same type for every tensor; returns the quantized file's tensors for the family's type checks."""
+def quantize_q4_k_m(ckpt: Path, tmp_path: Path, one_pass: bool = True) -> dict:
+    """f16 conversion then ``mtpq quantize Q4_K_M``; with one_pass, asserts ``convert --quant Q4_K_M`` in one
+    pass chooses the same type for every tensor; returns the quantized file's tensors for the family's type
+    checks."""
     f16 = tmp_path / "f16.gguf"
     convert(ckpt, f16, "--outtype", "f16")
     out = tmp_path / "q.gguf"
     res = run_cli("quantize", f16, out, "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
     _, tensors = read_gguf(out)
-    one_pass = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
-    res = run_cli("convert", ckpt, one_pass, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
+    if not one_pass:
+        return tensors
+    one = tmp_path / "one.gguf"  # convert --quant makes the same choices straight from the checkpoint
+    res = run_cli("convert", ckpt, one, "--outtype", "f16", "--quant", "Q4_K_M", "--quiet")
     assert res.exit_code == 0, res.output
-    _, direct = read_gguf(one_pass)
+    _, direct = read_gguf(one)
     assert {n: t for n, (t, _) in direct.items()} == {n: t for n, (t, _) in tensors.items()}
     return tensors
+
+
+def assert_head_at_q8_0(tensors: dict, shapes: dict, head: str | tuple[str, ...]) -> None:
+    """A Q4_K_M file's types: 1-D tensors (by their ``shapes`` entry, (shape, HF name)) and routers F32, the MTP
+    blocks' other tensors (names starting with ``head``) Q8_0."""
+    for name, (qtype, _) in tensors.items():
+        if len(shapes[name][0]) == 1 or "ffn_gate_inp" in name:
+            assert qtype == T.F32, name
+        elif name.startswith(head):
+            assert qtype == T.Q8_0, name
 
 
 def inspect_json(ckpt: Path, tmp_path: Path) -> dict:
@@ -279,6 +375,28 @@ def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     )  # a random model prints invalid UTF-8
     assert res.returncode == 0, (cmd, res.stderr[-3000:])
     return res
+
+
+def mtp_drafting_log(
+    llama_cpp_bin: Path, model: Path, prompt: str, n: int, *flags, banner: str = "MTP draft context"
+) -> str:
+    """``llama-speculative-simple -m model -p prompt -n n --temp 0 --spec-type draft-mtp *flags``: llama.cpp
+    drafting with the file's MTP head. Asserts it exits 0 having built its draft context (banner in stderr);
+    returns its stdout and stderr."""
+    cmd = [llama_cpp_bin / "llama-speculative-simple", "-m", model, "-p", prompt, "-n", n, "--temp", "0"]
+    res = run([*cmd, "--spec-type", "draft-mtp", *flags])
+    assert banner in res.stderr, res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def mtp_draft_steps(llama_cpp_bin: Path, model: Path, prompt: str, n: int, *flags, **kw) -> list[tuple[int, int, int]]:
+    """mtp_drafting_log at -lv 5 (kw: its banner) -> (accepted, drafted, target token) per verification step;
+    asserts the head drafted."""
+    log = mtp_drafting_log(llama_cpp_bin, model, prompt, n, *flags, "-lv", "5", **kw)
+    step = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
+    steps = [(int(a), int(d), int(t)) for a, d, t in re.findall(step, log)]
+    assert sum(d for _, d, _ in steps) > 0, log[-3000:]  # the MTP head drafted
+    return steps
 
 
 def convert_with_both(
@@ -346,20 +464,41 @@ def quantize_with_both(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple
     return a, b
 
 
-def assert_drafts_in_llama_cpp(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path, one_file: bool = True):
-    """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp): one file (quantized,
-    head at q8_0; unless not ``one_file``: a head that converts only into its own file), and a --no-mtp
-    trunk with a --mtp-only head file."""
+def assert_same_as_llama_quantize(ckpt: Path, tmp_path: Path, llama_cpp_bin: Path) -> tuple[dict, dict]:
+    """quantize_with_both, and every tensor's type and bytes equal llama-quantize's: (our tensors, its)."""
+    a, b = quantize_with_both(ckpt, tmp_path, llama_cpp_bin)
+    for name in b:
+        assert a[name][0] == b[name][0] and np.array_equal(a[name][1], b[name][1]), name
+    return a, b
+
+
+# --no-repack: AMX buffers cannot run MLA's 3-D attn_k_b product (see tests/convert/test_convert_deepseek2.py)
+DRAFT_FLAGS = ("-c", "256", "-t", "1", "--temp", "0", "--no-repack")
+
+
+def assert_drafts_in_llama_cpp(
+    ckpt: Path,
+    tmp_path: Path,
+    llama_cpp_bin: Path,
+    one_file: bool = True,
+    full: tuple = ("--outtype", "f16", "--quant", "Q4_K_M"),
+    flags: tuple = DRAFT_FLAGS,
+    banner: str = "MTP draft context",
+):
+    """llama.cpp loads trunk + MTP block and drafts with it (--spec-type draft-mtp, more ``flags``): one file
+    (tmp_path/full.gguf converted with ``full``, by default quantized, head at q8_0; its log shows ``banner``;
+    unless not ``one_file``: a head that converts only into its own file), and a --no-mtp trunk with a
+    --mtp-only head file."""
     convert(ckpt, tmp_path / "trunk.gguf", "--no-mtp")
     convert(ckpt, tmp_path / "head.gguf", "--mtp-only")
-    flags = ["-c", "256", "-t", "1", "--temp", "0", "--no-repack", "-p", "def add(a, b):", "-n", 16]
+    flags = [*flags, "-p", "def add(a, b):", "-n", 16]
     runs = {"loading draft model": ["-m", tmp_path / "trunk.gguf", "-md", tmp_path / "head.gguf"]}
     if one_file:
-        convert(ckpt, tmp_path / "full.gguf", "--outtype", "f16", "--quant", "Q4_K_M")
-        runs["MTP draft context"] = ["-m", tmp_path / "full.gguf"]
-    for banner, models in runs.items():
+        convert(ckpt, tmp_path / "full.gguf", *full)
+        runs[banner] = ["-m", tmp_path / "full.gguf"]
+    for shown, models in runs.items():
         res, stats = speculative_simple(llama_cpp_bin, *models, "--spec-type", "draft-mtp", *flags)
-        assert banner in res.stderr, res.stderr[-2000:]
+        assert shown in res.stderr, res.stderr[-2000:]
         assert stats["n_drafted"] > 0, res.stderr[-2000:]
 
 

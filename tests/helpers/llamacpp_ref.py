@@ -108,6 +108,24 @@ def speculative_simple(
     raise AssertionError(f"no draft counters in {tries} runs of llama-speculative-simple: {proc.stderr[-2000:]}")
 
 
+def llama_imatrix(bin_dir: Path, model: Path, calib: Path, out: Path, n_ctx: int, n_chunks: int, *extra) -> Path:
+    """``llama-imatrix`` of model over n_chunks chunks of n_ctx tokens of calib (one batch a chunk, the text as
+    written, no perplexity, one thread, no AMX repacking; ``extra``: more flags) into out; asserts exit 0."""
+    cmd = [bin_dir / "llama-imatrix", "-m", model, "-f", calib, "-o", out, "-c", n_ctx, "-b", n_ctx]
+    cmd += ["--chunks", n_chunks, "--no-escape", "--no-ppl", "-t", 1, "--no-repack", *extra]
+    proc = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def greedy_drafting(k) -> tuple:
+    """llama-speculative-simple's flags for greedy decoding with the MTP head drafting at most k tokens a round,
+    without AMX repacking (which cannot run every model's 3-D products)."""
+    return ("--temp", "0", "--spec-type", "draft-mtp", "--spec-draft-n-max", k, "--no-repack")
+
+
 def free_port() -> int:
     """A TCP port free now on 127.0.0.1, for the tests' own llama.cpp servers (rpc-server, a llama-server
     started by hand): mtpq's engine itself listens on a private unix socket instead."""
@@ -148,23 +166,7 @@ def assert_k1_acceptance_agrees(
         prompt_file = work / f"p{i}.txt"
         prompt_file.write_text(text)  # no trailing newline: llama.cpp's -f would drop it
         _, stats = speculative_simple(
-            bin_dir,
-            "-m",
-            path,
-            "-f",
-            prompt_file,
-            "--no-escape",
-            "-n",
-            n_new,
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            "1",
-            "--no-repack",
-            "-t",
-            "1",
+            bin_dir, "-m", path, "-f", prompt_file, "--no-escape", "-n", n_new, *greedy_drafting(1), "-t", "1"
         )
         if stats.get("n_predict", 0) <= n_new:  # stopped early at an end-of-generation token
             continue

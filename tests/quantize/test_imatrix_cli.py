@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.llamacpp_ref import llama_imatrix
 from tests.helpers.runcli import run_cli
 
 
@@ -136,27 +137,7 @@ def test_merged_head_lets_llama_quantize_make_an_iq2_xxs_head(llama_cpp_bin, tmp
         stdin=subprocess.DEVNULL,
         errors="replace",
     )
-    p = run(
-        llama_cpp_bin / "llama-imatrix",
-        "-m",
-        model,
-        "-f",
-        calib,
-        "-o",
-        theirs,
-        "-c",
-        "128",
-        "-b",
-        "128",
-        "--chunks",
-        "4",
-        "--no-ppl",
-        "-t",
-        "1",
-        "--no-repack",
-        "--no-escape",
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
+    llama_imatrix(llama_cpp_bin, model, calib, theirs, 128, 4)
     p = run(llama_cpp_bin / "llama-quantize", "--imatrix", theirs, model, tmp_path / "a.gguf", "IQ2_XXS")
     assert p.returncode != 0 and "Missing importance matrix for tensor blk.4." in p.stdout + p.stderr
     res = run_cli(

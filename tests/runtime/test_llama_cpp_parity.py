@@ -634,19 +634,20 @@ def hash_routing_by_score(model) -> bool:
     return bool(layers)
 
 
-def streams_unmixed(model) -> bool:
-    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+def _hyper_pre_changed(model, change) -> bool:
+    """Every DeepSeek-V4 hyper-connection's (cur, post, comb) passed through ``change`` on their way out."""
     from mtpq.runtime.dsv4 import HyperMix
 
     mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
     for m in mixes:
-
-        def pre(x, pre=m.pre):
-            cur, post, comb = pre(x)
-            return cur, post, torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)
-
-        m.pre = pre
+        m.pre = lambda x, pre=m.pre: change(*pre(x))
     return bool(mixes)
+
+
+def streams_unmixed(model) -> bool:
+    """DeepSeek-V4's hyper-connections without their stream mixing (comb the identity: each stream keeps its own)."""
+    eye = lambda comb: torch.eye(comb.shape[-1], dtype=comb.dtype).expand_as(comb)  # noqa: E731
+    return _hyper_pre_changed(model, lambda cur, post, comb: (cur, post, eye(comb)))
 
 
 def sinkhorn_one_pass(model) -> bool:
@@ -661,17 +662,7 @@ def sinkhorn_one_pass(model) -> bool:
 
 def hyper_post_halved(model) -> bool:
     """DeepSeek-V4's hyper-connections writing each layer's output at sigmoid(...) instead of 2 sigmoid(...)."""
-    from mtpq.runtime.dsv4 import HyperMix
-
-    mixes = [m for m in model.modules() if isinstance(m, HyperMix)]
-    for m in mixes:
-
-        def pre(x, pre=m.pre):
-            cur, post, comb = pre(x)
-            return cur, post * 0.5, comb
-
-        m.pre = pre
-    return bool(mixes)
+    return _hyper_pre_changed(model, lambda cur, post, comb: (cur, post * 0.5, comb))
 
 
 def compressed_keys_dropped(model) -> bool:
@@ -724,33 +715,21 @@ BREAKS: dict[str, Callable] = {
         compressed_keys_dropped,
     )
 }
-# architecture -> the breaks that apply to it (one without a router bias cannot drop it, ...)
+# the breaks every family takes (NO_BIAS: those without a router bias), and a DeepSeek sparse-attention indexer's
+COMMON = ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted")
+NO_BIAS = tuple(b for b in COMMON if b != "router_bias_dropped")
+INDEXER = ("top_k_one_fewer", "indexer_relu_dropped", "indexer_rope_pairs_swapped", "ties_by_torch_topk")
+# architecture -> the breaks that apply to it
 BROKEN = {
-    "glm4moe": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
-    "qwen35": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
-    "qwen35moe": ("wrong_rope_base", "norm_eps_changed", "head_pairs_shifted"),
-    "deepseek2": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
-    "deepseek2-lite": ("wrong_rope_base", "router_bias_dropped", "norm_eps_changed", "head_pairs_shifted"),
-    "hy_v3": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "routed_scale_dropped",
-    ),
-    "cohere2moe": (
-        "wrong_rope_base",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "window_one_short",
-        "nope_layers_rotated",
-        "logit_scale_dropped",
-    ),
+    "glm4moe": COMMON,
+    "qwen35": NO_BIAS,
+    "qwen35moe": NO_BIAS,
+    "deepseek2": COMMON,
+    "deepseek2-lite": COMMON,
+    "hy_v3": (*COMMON, "routed_scale_dropped"),
+    "cohere2moe": (*NO_BIAS, "window_one_short", "nope_layers_rotated", "logit_scale_dropped"),
     "bailingmoe3": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
+        *COMMON,
         "routed_scale_dropped",
         "expert_groups_ignored",
         "swiglu_clamp_dropped",
@@ -758,34 +737,10 @@ BROKEN = {
         "kda_conv_reversed",
         "mla_gate_dropped",
     ),
-    "glm-dsa": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "top_k_one_fewer",
-        "indexer_relu_dropped",
-        "indexer_rope_pairs_swapped",
-        "ties_by_torch_topk",
-    ),
+    "glm-dsa": (*COMMON, *INDEXER),
     "glm-dsa-shared": ("top_k_one_fewer", "shared_layers_dense"),
-    "deepseek32": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "top_k_one_fewer",
-        "indexer_relu_dropped",
-        "indexer_rope_pairs_swapped",
-        "ties_by_torch_topk",
-    ),
-    "qwen3next": (
-        "wrong_rope_base",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "deltanet_heads_tiled",
-        "fused_ba_halved",
-    ),
+    "deepseek32": (*COMMON, *INDEXER),
+    "qwen3next": (*NO_BIAS, "deltanet_heads_tiled", "fused_ba_halved"),
     "nemotron_h_moe": (
         "router_bias_dropped",
         "norm_eps_changed",
@@ -797,31 +752,16 @@ BROKEN = {
         "head_norm_rms",
     ),
     "step35": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
+        *COMMON,
         "window_one_short",
         "head_gate_dropped",
         "rope_factors_dropped",
         "swiglu_clamp_dropped",
         "nextn_state_post_norm",
     ),
-    "mimo2": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
-        "window_one_short",
-        "sinks_dropped",
-        "value_scale_dropped",
-        "nextn_state_post_norm",
-    ),
+    "mimo2": (*COMMON, "window_one_short", "sinks_dropped", "value_scale_dropped", "nextn_state_post_norm"),
     "deepseek4": (
-        "wrong_rope_base",
-        "router_bias_dropped",
-        "norm_eps_changed",
-        "head_pairs_shifted",
+        *COMMON,
         "window_one_short",
         "sinks_dropped",
         "top_k_one_fewer",

@@ -25,72 +25,21 @@ PROMPT = "def add(a, b):\n    return a + b\n"
 N_NEW = 16
 CTX, CHUNKS = 64, 2
 
-DSA_HEAD = (
-    "nextn.eh_proj",
-    "attn_q_a",
-    "attn_q_b",
-    "attn_kv_a_mqa",
-    "attn_output",
-    "ffn_gate_inp",
-    "ffn_gate_exps",
-    "ffn_up_exps",
-    "ffn_down_exps",
-    "ffn_gate_shexp",
-    "ffn_up_shexp",
-    "ffn_down_shexp",
-)
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SHARED_EXPERT = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+GQA = ("attn_q", "attn_k", "attn_v", "attn_output")
+DSA_HEAD = ("nextn.eh_proj", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_inp")
 # per architecture: the head's matrices llama.cpp's MTP graph multiplies (what imatrix --mtp records), one of them
 # fed every pair, the routed experts' first matrix, and a head matrix beside its trunk twin's block
 HEAD_MATRICES = {
-    "glm-dsa": DSA_HEAD,
-    "deepseek32": DSA_HEAD,
-    "qwen3next": (
-        "nextn.eh_proj",
-        "attn_q",
-        "attn_k",
-        "attn_v",
-        "attn_output",
-        "ffn_gate_inp",
-        "ffn_gate_inp_shexp",
-        "ffn_gate_exps",
-        "ffn_up_exps",
-        "ffn_down_exps",
-        "ffn_gate_shexp",
-        "ffn_up_shexp",
-        "ffn_down_shexp",
-    ),
-    "nemotron_h_moe": (
-        "nextn.eh_proj",
-        "attn_q",
-        "attn_k",
-        "attn_v",
-        "attn_output",
-        "ffn_gate_inp",
-        "ffn_latent_down",
-        "ffn_latent_up",
-        "ffn_up_exps",
-        "ffn_down_exps",
-        "ffn_up_shexp",
-        "ffn_down_shexp",
-    ),
+    "glm-dsa": DSA_HEAD + EXPERTS + SHARED_EXPERT,
+    "deepseek32": DSA_HEAD + EXPERTS + SHARED_EXPERT,
+    "qwen3next": ("nextn.eh_proj", *GQA, "ffn_gate_inp", "ffn_gate_inp_shexp", *EXPERTS, *SHARED_EXPERT),
+    "nemotron_h_moe": ("nextn.eh_proj", *GQA, "ffn_gate_inp", "ffn_latent_down", "ffn_latent_up")
+    + ("ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp"),
     # (the hyper-connections' fn multiply the normed streams; the window-only MTP block has no compressor)
-    "deepseek4": (
-        "nextn.eh_proj",
-        "hc_attn_fn",
-        "attn_q_a",
-        "attn_q_b",
-        "attn_kv",
-        "attn_output_a",
-        "attn_output_b",
-        "hc_ffn_fn",
-        "ffn_gate_inp",
-        "ffn_gate_exps",
-        "ffn_up_exps",
-        "ffn_down_exps",
-        "ffn_gate_shexp",
-        "ffn_up_shexp",
-        "ffn_down_shexp",
-    ),
+    "deepseek4": ("nextn.eh_proj", "hc_attn_fn", "attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b")
+    + ("hc_ffn_fn", "ffn_gate_inp", *EXPERTS, *SHARED_EXPERT),
 }
 EVERY_PAIR = {
     "glm-dsa": "attn_q_a",
@@ -197,19 +146,8 @@ def test_quantize_mtp_type_auto_writes_the_chosen_head(arch, rt, work, tmp_path)
     from mtpq.gguf_io import GGUFFile
 
     out = tmp_path / "auto.gguf"
-    res = run_cli(
-        "quantize",
-        rt.loop_gguf(arch),
-        out,
-        "Q4_K_M",
-        "--mtp-type",
-        "auto",
-        "--max-drop",
-        1.0,
-        "--prompts",
-        work / "p.jsonl",
-        *REQUANTIZE.get(arch, ()),
-    )
+    auto = ("--mtp-type", "auto", "--max-drop", 1.0, "--prompts", work / "p.jsonl", *REQUANTIZE.get(arch, ()))
+    res = run_cli("quantize", rt.loop_gguf(arch), out, "Q4_K_M", *auto)
     assert res.exit_code == 0, res.output
     g = GGUFFile(out)
     choice = json.loads(g.kv["mtpq.mtp_type_auto"])

@@ -53,7 +53,7 @@ def test_paired_view_is_the_one_file_fixture(pair, tmp_path):
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_counts_equal_llama_cpp(pair, k, llama_cpp_bin, tmp_path):
     from mtpq.runtime.speculative import load_model
-    from tests.helpers.llamacpp_ref import LOOP_PROMPTS, speculative_simple, speculative_simple_counts
+    from tests.helpers.llamacpp_ref import LOOP_PROMPTS, greedy_drafting, speculative_simple, speculative_simple_counts
 
     trunk, head = pair
     model, tok = load_model(trunk, device="cpu", head=head)
@@ -61,32 +61,9 @@ def test_draft_counts_equal_llama_cpp(pair, k, llama_cpp_bin, tmp_path):
     for i, text in enumerate(LOOP_PROMPTS):
         prompt = tmp_path / f"p{i}.txt"
         prompt.write_text(text)
+        flags = (*greedy_drafting(k), "-t", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off")
         _, theirs = speculative_simple(
-            llama_cpp_bin,
-            "-m",
-            trunk,
-            "-md",
-            head,
-            "-f",
-            prompt,
-            "--no-escape",
-            "-n",
-            32,
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            k,
-            "--no-repack",
-            "-t",
-            "1",
-            "-ctk",
-            "f32",
-            "-ctv",
-            "f32",
-            "-fa",
-            "off",
+            llama_cpp_bin, "-m", trunk, "-md", head, "-f", prompt, "--no-escape", "-n", 32, *flags
         )
         ours = speculative_simple_counts(model, tok.encode(text), 32, k, {tok.eos_token_id})
         assert ours == {key: theirs[key] for key in ours}, (i, ours, theirs)

@@ -161,13 +161,13 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
     ours do."""
     import inspect
     import json as json_module
-    import subprocess
     from importlib import resources
 
     import gguf
 
     from mtpq.runtime.importance import chunk_tokens, collect
     from mtpq.runtime.speculative import load_model
+    from tests.helpers.llamacpp_ref import llama_imatrix
 
     src = Path(str(resources.files("mtpq").joinpath("data/demo")))
     path = tmp_path / "demo-f32.gguf"
@@ -177,37 +177,8 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
     calib.write_text(text)
     n_ctx, n_chunks = 128, 4
 
-    def llama_imatrix(*extra: str) -> dict[str, np.ndarray]:
-        out = tmp_path / "theirs.gguf"
-        proc = subprocess.run(
-            [
-                str(llama_cpp_bin / "llama-imatrix"),
-                "-m",
-                str(path),
-                "-f",
-                str(calib),
-                "-o",
-                str(out),
-                "-c",
-                str(n_ctx),
-                "-b",
-                str(n_ctx),
-                "--chunks",
-                str(n_chunks),
-                "--no-ppl",
-                "-t",
-                "1",
-                "--no-repack",
-                "--no-escape",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    def theirs_imatrix(*extra: str) -> dict[str, np.ndarray]:
+        out = llama_imatrix(llama_cpp_bin, path, calib, tmp_path / "theirs.gguf", n_ctx, n_chunks, *extra)
         return {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
 
     model, tok = load_model(path, device="cpu")
@@ -216,7 +187,7 @@ def test_trunk_statistics_equal_llama_imatrix(llama_cpp_bin, tmp_path):
     n_head = len(model.blocks)
     worst = {}
     for label, extra in (("f32", LLAMA_F32), ("default", ())):
-        theirs = llama_imatrix(*extra)
+        theirs = theirs_imatrix(*extra)
         names = {k[: -len(".in_sum2")] for k in theirs if k.endswith(".in_sum2")}
         assert names == {k for k in ours.tensors if not k.startswith(f"blk.{n_head}.")} and names
         rel = []

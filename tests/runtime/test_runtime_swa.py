@@ -108,34 +108,14 @@ def test_k3_draft_counts_equal_llama_cpp(family, rt, llama_cpp_bin, monkeypatch)
     sliding window; a loop whose later heads never see the real pairs does not. (``run_speculative``, what ``mtpq
     accept`` runs, starts its rounds one token later: its counts are printed beside.)"""
     from mtpq.runtime.speculative import SpeculativeDecoder, load_model, run_speculative
-    from tests.helpers.llamacpp_ref import speculative_simple, speculative_simple_counts
+    from tests.helpers.llamacpp_ref import greedy_drafting, speculative_simple, speculative_simple_counts
 
     path, n_new = rt.loop_gguf(family), 32
     model, tok = load_model(path, device="cpu")
     runs = []
     for text in PROMPTS:
-        res, stats = speculative_simple(
-            llama_cpp_bin,
-            "-m",
-            path,
-            "-p",
-            text,
-            "-n",
-            n_new,
-            "--temp",
-            "0",
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            3,
-            "--no-repack",
-            "-t",
-            1,
-            "-c",
-            512,
-            *F32_ATTENTION,
-            "-v",
-        )
+        flags = (*greedy_drafting(3), "-t", 1, "-c", 512, *F32_ATTENTION, "-v")
+        res, stats = speculative_simple(llama_cpp_bin, "-m", path, "-p", text, "-n", n_new, *flags)
         ids = tok.encode(text)
         assert int(re.search(r"encoded\s+(\d+) tokens", res.stderr).group(1)) == len(ids)
         eog = {int(i) for i in re.findall(r"EOG token\s+=\s+(\d+)", res.stderr)}
