@@ -362,6 +362,48 @@ def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
 # --------------------------------------------------------------------------- IQ1_S, IQ1_M
 
 
+_XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float32)
+_XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
+
+
+@kernel
+def _iq1_values(code, k, ng):
+    """The shifted levels of group ``k`` of ``ng``: ``code``'s bit 1 shifts the first half down, bit 0 the
+    second (IQ1_M's four codes; IQ1_S uses 0 and 3)."""
+    return _XM if ((code >> 1) if 2 * k < ng else code) & 1 else _XP
+
+
+@kernel
+def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, pos):
+    """The chosen split's levels (sorted values below ``i1``: 0, below ``i2``: 1, then 2), flipped with the
+    scale's sign; each group of 8 to a grid point, the scale refitted when one was off the grid: (scale, code)."""
+    for j in range(bn):
+        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
+    if scale < 0:
+        for j in range(bn):
+            L[j] = 2 - L[j]
+        scale = -scale
+        code = 3 - code
+    ng = bn // 8
+    all_on_grid = True
+    for k in range(ng):
+        index[k], on = _iq1_snap(x, xb, weight, L, k, scale, _iq1_values(code, k, ng), kmap, neighbours, pos)
+        all_on_grid = all_on_grid and on
+    if not all_on_grid:
+        sumqx = F(0.0)
+        sumq2 = F(0.0)
+        for k in range(ng):
+            xx = _iq1_values(code, k, ng)
+            for j in range(8):
+                w = weight[8 * k + j]
+                qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
+                sumqx += w * qv * x[xb + 8 * k + j]
+                sumq2 += w * qv * qv
+        if sumqx > 0 and sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale, code
+
+
 @kernel
 def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, L, lo):
     """``iq1_find_best_neighbour2``."""
@@ -382,12 +424,6 @@ def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, 
 
 
 @kernel
-def _iq1_levels(x, xb, bn, idx, i1, i2, L):
-    for j in range(bn):
-        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
-
-
-@kernel
 def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
     u = 0
     for j in range(8):
@@ -396,10 +432,6 @@ def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
     if g >= 0:
         return g, True
     return _find_best_neighbour2(neighbours, -g - 1, pos, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
-
-
-_XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float32)
-_XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
 
 
 @kernel
@@ -425,7 +457,7 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
                 mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
             if mx < F(1e-12):
                 scales[ib] = F(0.0)
-                shifts[ib] = 1
+                shifts[ib] = 0
                 continue
             idx = np.argsort(x[xb : xb + 32], kind="mergesort")
             sumx[0] = F(0.0)
@@ -438,7 +470,7 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
             scale = mx
             besti1 = -1
             besti2 = -1
-            best_shift = 0
+            best_shift = -1
             for i1 in range(33):
                 for i2 in range(i1, 33):
                     for sh in range(2):
@@ -456,33 +488,14 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
                             best_score = scale * sumqx
                             besti1 = i1
                             besti2 = i2
-                            best_shift = 1 if sh == 0 else -1
-            if besti1 < 0 or besti2 < 0 or best_shift == 0:
+                            best_shift = 3 * sh
+            if besti1 < 0 or besti2 < 0 or best_shift < 0:
                 scales[ib] = F(0.0)
-                shifts[ib] = 1
+                shifts[ib] = 0
                 continue
-            _iq1_levels(x, xb, 32, idx, besti1, besti2, L)
-            if scale < 0:
-                for j in range(32):
-                    L[j] = 2 - L[j]
-                scale = -scale
-                best_shift = -best_shift
-            xx = _XP if best_shift == 1 else _XM
-            all_on_grid = True
-            for k in range(4):
-                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
-                all_on_grid = all_on_grid and on
-            if not all_on_grid:
-                sumqx = F(0.0)
-                sumq2 = F(0.0)
-                for k in range(4):
-                    for j in range(8):
-                        w = weight[8 * k + j]
-                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
-                        sumqx += w * qv * x[xb + 8 * k + j]
-                        sumq2 += w * qv * qv
-                if sumqx > 0 and sumq2 > 0:
-                    scale = sumqx / sumq2
+            scale, best_shift = _iq1_finish(
+                x, xb, weight, L, idx, 32, besti1, besti2, scale, best_shift, index, kmap, neighbours, pos
+            )
             h = 0
             for k in range(4):
                 y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
@@ -499,7 +512,7 @@ def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
         idv = F(1.0) / d
         for ib in range(8):
             l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
-            if shifts[ib] == -1:
+            if shifts[ib] == 3:
                 l |= 8
             y[o + 35 + 2 * ib] |= np.uint8(l << 4)
 
@@ -585,29 +598,9 @@ def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
                 scales[ib] = F(0.0)
                 shifts[ib] = 0
                 continue
-            _iq1_levels(x, xb, 16, idx, besti1, besti2, L)
-            if scale < 0:
-                for j in range(16):
-                    L[j] = 2 - L[j]
-                scale = -scale
-                best_k = 3 - best_k
-            all_on_grid = True
-            for k in range(2):
-                xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
-                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
-                all_on_grid = all_on_grid and on
-            if not all_on_grid:
-                sqx = F(0.0)
-                sq2 = F(0.0)
-                for k in range(2):
-                    xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
-                    for j in range(8):
-                        w = weight[8 * k + j]
-                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
-                        sqx += w * qv * x[xb + 8 * k + j]
-                        sq2 += w * qv * qv
-                if sqx > 0 and sq2 > 0:
-                    scale = sqx / sq2
+            scale, best_k = _iq1_finish(
+                x, xb, weight, L, idx, 16, besti1, besti2, scale, best_k, index, kmap, neighbours, pos
+            )
             y[o + 2 * ib] = np.uint8(index[0] & 255)
             y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
             y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
@@ -629,7 +622,7 @@ def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
             _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
             qh = np.int64(y[o + 32 + ib])
             for k in range(2):
-                xx = (_XP if shifts[ib] < 2 else _XM) if k == 0 else (_XP if shifts[ib] % 2 == 0 else _XM)
+                xx = _iq1_values(shifts[ib], k, 2)
                 g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
                 for j in range(8):
                     w = weight[8 * k + j]

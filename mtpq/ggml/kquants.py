@@ -401,6 +401,16 @@ def _q2_k_levels(x, xo, y, o, L):
 
 
 @kernel
+def _q2_k_put(y, o, v, vmax, shift):
+    """The 4-bit codes of ``v`` (scales: ``shift`` 0, mins: 4) at 15/``vmax``; returns the block's fp16 value."""
+    if vmax > 0:
+        iscale = F(15.0) / vmax
+        for j in range(16):
+            y[o + j] |= np.uint8((nearest_int(iscale * v[j]) << shift) & 0xFF)
+    return vmax / F(15.0)
+
+
+@kernel
 def quantize_q2_k(x, y, n_per_row):
     L = np.empty(QK_K, np.int64)
     Laux = np.empty(16, np.int64)
@@ -422,22 +432,10 @@ def quantize_q2_k(x, y, n_per_row):
                 max_scale = scales[j]
             if mins[j] > max_min:
                 max_min = mins[j]
-        if max_scale > 0:
-            iscale = F(15.0) / max_scale
-            for j in range(16):
-                y[o + j] = np.uint8(nearest_int(iscale * scales[j]) & 0xFF)
-            put_fp16(y, o + 80, max_scale / F(15.0))
-        else:
-            for j in range(16):
-                y[o + j] = 0
-            put_fp16(y, o + 80, F(0.0))
-        if max_min > 0:
-            iscale = F(15.0) / max_min
-            for j in range(16):
-                y[o + j] |= np.uint8((nearest_int(iscale * mins[j]) << 4) & 0xFF)
-            put_fp16(y, o + 82, max_min / F(15.0))
-        else:
-            put_fp16(y, o + 82, F(0.0))
+        for j in range(16):
+            y[o + j] = 0
+        put_fp16(y, o + 80, _q2_k_put(y, o, scales, max_scale, 0))
+        put_fp16(y, o + 82, _q2_k_put(y, o, mins, max_min, 4))
         _q2_k_levels(x, xo, y, o, L)
 
 
@@ -456,11 +454,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
         xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
         sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(16):
-            sw[j] = F(0.0)
-            for l in range(16):
-                weights[l] = qw[qo + 16 * j + l] * np.sqrt(sigma2 + x[xo + 16 * j + l] * x[xo + 16 * j + l])
-            for l in range(16):
-                sw[j] += weights[l]
+            sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
             scales[j], mins[j] = make_qkx_quants(
                 16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
             )
