@@ -40,8 +40,7 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
     so here one pass over x runs the 19 side by side -- each scale's sums still taken in C's order, one lane
     each -- and the choices are then made in C's order; the levels written are those of the last scale chosen,
     as C leaves them. Every ``iscale * x[i]`` is within nmax + 1 of 0 (``max`` is the largest |x|), so the
-    levels come from :func:`_level`. Bytes as C's (tests/ggml's goldens); ~2.5x the speed of the pass-by-pass
-    loop (docs/performance.md)."""
+    levels come from :func:`_level`. tests/ggml/test_searches.py holds it to C's pass-by-pass loop."""
     mx = F(0.0)
     amax = F(0.0)
     for i in range(n):
@@ -190,10 +189,10 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
     C's steps run one after the other, each bound by its chains of float additions, and each depends on the
     steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
     side by side (one lane each, every sum in C's order) on the current ``min``; the choices are made in C's
-    order up to the first that moves ``min``, and the next group starts after it (a Q4_K search moves it ~2.7
-    times in its 21 steps: groups of 8 measured fastest, all the steps left at once slower than C's order).
-    The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a group is below 2**22 (its
-    bound is that of x's two ends), else the rest go step by step as C (:func:`_qkx_steps`)."""
+    order up to the first that moves ``min``, and the next group starts after it (why groups of 8:
+    docs/notes/quantize.md). The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a
+    group is below 2**22 (its bound is that of x's two ends), else the rest go step by step as C
+    (:func:`_qkx_steps`)."""
     mn = x[0]
     mx = x[0]
     sum_w = weights[0]

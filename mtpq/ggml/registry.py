@@ -38,15 +38,14 @@ class GgmlType:
 
 
 def _iq(qtype: T, type_size: int, kind, unweighted: bool, family: str = "", fp16_fields=(0,)) -> GgmlType:
-    """An i-quant's record: ``kind`` a grid type of :func:`iquants.quantize_grid`, or an IQ1 quantizer; its
-    tables (``family``'s, default its own) bound at their first use. ``unweighted``: ggml quantizes it without
-    importance too (the same function, ``qw`` empty)."""
+    """An i-quant's record: ``kind`` its code in :mod:`.iquants` (IQ2_XXS..IQ3_S: :func:`iquants.quantize_grid`,
+    IQ1_S/IQ1_M: :func:`iquants.quantize_iq1`); its tables (``family``'s, default its own) bound at first use.
+    ``unweighted``: ggml quantizes it without importance too (the same function, ``qw`` empty)."""
     family = family or qtype.name
-    fn = iquants.quantize_grid if isinstance(kind, int) else kind
-    args = (kind,) if isinstance(kind, int) else ()
+    fn = iquants.quantize_iq1 if kind >= iquants.IQ1_S else iquants.quantize_grid
 
     def run(x, y, n, qw=_NONE):
-        fn(x, y, n, qw, *args, *iqtables.grid_tables(family))
+        fn(x, y, n, qw, kind, *iqtables.grid_tables(family))
 
     deq = getattr(iquants, f"dequantize_{qtype.name.lower()}")
 
@@ -93,8 +92,8 @@ TYPES: dict[T, GgmlType] = {
         _iq(T.IQ2_S, 82, iquants.IQ2_S, True),
         _iq(T.IQ3_XXS, 98, iquants.IQ3_XXS, True),
         _iq(T.IQ3_S, 110, iquants.IQ3_S, True),
-        _iq(T.IQ1_S, 50, iquants.quantize_iq1_s, False, "IQ1_S"),
-        _iq(T.IQ1_M, 56, iquants.quantize_iq1_m, True, "IQ1_S", ()),
+        _iq(T.IQ1_S, 50, iquants.IQ1_S, False),
+        _iq(T.IQ1_M, 56, iquants.IQ1_M, True, "IQ1_S", ()),
         _block(ternary, T.TQ1_0, 256, 54, (52,), weighted=False),
         _block(ternary, T.TQ2_0, 256, 66, (64,), weighted=False),
         _block(legacy, T.Q1_0, 128, 18, weighted=False),
