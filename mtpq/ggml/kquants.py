@@ -139,9 +139,41 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def _qkx_steps(
-    n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
-):
+def qkx_start(n, nmax, x, weights, L, use_mad):
+    """The search's start, levels at ``nmax / (max - min)`` with ``min`` at most 0: (min, max, the least x, the
+    sums of weights and of weights * x, scale, its error); with ``max <= min`` a scale 0 and levels 0."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    xmin = mn
+    if mn > 0:
+        mn = F(0.0)
+    best_mad = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return mn, mx, xmin, sum_w, sum_x, F(0.0), best_mad
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    return mn, mx, xmin, sum_w, sum_x, scale, best_mad
+
+
+@kernel
+def qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad):
     """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
     for step in range(first, nstep + 1):
         iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
@@ -192,35 +224,9 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
     order up to the first that moves ``min``, and the next group starts after it (why groups of 8:
     docs/notes/quantize.md). The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a
     group is below 2**22 (its bound is that of x's two ends), else the rest go step by step as C
-    (:func:`_qkx_steps`)."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    xmin = mn
-    if mn > 0:
-        mn = F(0.0)
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_mad = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_mad += weights[i] * diff
-    if nstep < 1:
+    (:func:`qkx_steps`)."""
+    mn, mx, xmin, sum_w, sum_x, scale, best_mad = qkx_start(n, nmax, x, weights, L, use_mad)
+    if mx <= mn or nstep < 1:
         return scale, -mn
     hi = F(nmax)
     first = 0
@@ -244,7 +250,7 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
             s_xl[j] = F(0.0)
             mads[j] = F(0.0)
         if not exact:
-            scale, mn = _qkx_steps(
+            scale, mn = qkx_steps(
                 n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
             )
             break
