@@ -380,11 +380,23 @@ def _sum_x2(x, at, n):
 
 @kernel
 def _pack_2bit(y, o, L):
+    """The levels' low 2 bits, four to a byte (Q2_K, Q3_K)."""
     for j in range(0, QK_K, 128):
         for l in range(32):
             y[o + j // 4 + l] = np.uint8(
-                (L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)) & 0xFF
+                (L[j + l] & 3) | ((L[j + l + 32] & 3) << 2) | ((L[j + l + 64] & 3) << 4) | ((L[j + l + 96] & 3) << 6)
             )
+
+
+@kernel
+def _pack_high_bits(y, o, L, bit):
+    """Bit ``bit`` of each level into the mask at ``o``: level ``32 * k + m`` is bit k of byte m (Q3_K's hmask,
+    Q5_K's qh). C tests and subtracts level by level; the same bits without its unpredictable branches."""
+    for m in range(32):
+        b = 0
+        for k in range(8):
+            b |= ((L[32 * k + m] >> bit) & 1) << k
+        y[o + m] = np.uint8(b)
 
 
 # --------------------------------------------------------------------------- Q2_K
@@ -487,18 +499,7 @@ def _q3_k_finish(x, xo, y, o, L):
             continue
         for ii in range(16):
             L[16 * j + ii] = max(-4, min(3, nearest_int(x[xo + 16 * j + ii] / d))) + 4
-    for m in range(32):
-        y[o + m] = 0
-    m = 0
-    hm = 1
-    for j in range(QK_K):
-        if L[j] > 3:
-            y[o + m] |= np.uint8(hm)
-            L[j] -= 4
-        m += 1
-        if m == 32:
-            m = 0
-            hm <<= 1
+    _pack_high_bits(y, o, L, 2)
     _pack_2bit(y, o + 32, L)
 
 
@@ -595,28 +596,12 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
         dm = dmin * F(m)
         for ii in range(32):
             L[32 * j + ii] = max(0, min(nmax, nearest_int((x[xo + 32 * j + ii] + dm) / d)))
-    if nmax == 15:
-        for j in range(0, QK_K, 64):
-            for l in range(32):
-                y[o + 16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
-        return
-    for j in range(32):
-        y[o + 16 + j] = 0
-    m1 = 1
-    m2 = 2
-    for n in range(0, QK_K, 64):
-        for j in range(32):
-            l1 = L[n + j]
-            if l1 > 15:
-                l1 -= 16
-                y[o + 16 + j] |= np.uint8(m1)
-            l2 = L[n + j + 32]
-            if l2 > 15:
-                l2 -= 16
-                y[o + 16 + j] |= np.uint8(m2)
-            y[o + 48 + n // 2 + j] = np.uint8(l1 | (l2 << 4))
-        m1 <<= 2
-        m2 <<= 2
+    if nmax == 31:
+        _pack_high_bits(y, o + 16, L, 4)
+    qs = o + 16 if nmax == 15 else o + 48
+    for j in range(0, QK_K, 64):
+        for l in range(32):
+            y[qs + j // 2 + l] = np.uint8((L[j + l] & 15) | ((L[j + l + 32] & 15) << 4))
 
 
 @kernel
