@@ -53,6 +53,17 @@ _SCALE_TO_ZERO = F(2.0**-110)
 _INT_MAX_F = F(2147483648.0)
 
 
+def bind(fn, *consts):
+    """``fn`` with its last arguments fixed: one type's kernel where types share a loop. ``.kernel`` is ``fn``
+    (what the engine asks numba about)."""
+
+    def run(*args):
+        fn(*args, *consts)
+
+    run.kernel = fn
+    return run
+
+
 @intrinsic
 def f32_bits(typingctx, x):
     """The bits of a float32, as a uint32 (C's memcpy into an int)."""

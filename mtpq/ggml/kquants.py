@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import GROUP_MAX_EPS, QK_K, F, bind, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
@@ -605,7 +605,7 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
 
 
 @kernel
-def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
+def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
     L = np.empty(QK_K, np.int64)
     Laux = np.empty(32, np.int64)
     weights = np.empty(32, np.float32)
@@ -666,31 +666,17 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
         _q45_k_finish(x, xo, y, o, L, nmax)
 
 
-@kernel
-def quantize_q4_k(x, y, n_per_row):
-    _q45_k_ref(x, y, 144, 15, F(-1.0), 20)
-
-
-@kernel
-def quantize_q5_k(x, y, n_per_row):
-    _q45_k_ref(x, y, 176, 31, F(-0.5), 15)
-
-
-@kernel
-def quantize_q4_k_weighted(x, y, n, qw):
-    _q45_k_impl(x, y, n, qw, 144, 15)
-
-
-@kernel
-def quantize_q5_k_weighted(x, y, n, qw):
-    _q45_k_impl(x, y, n, qw, 176, 31)
+quantize_q4_k = bind(_q45_k_ref, 144, 15, F(-1.0), 20)
+quantize_q5_k = bind(_q45_k_ref, 176, 31, F(-0.5), 15)
+quantize_q4_k_weighted = bind(_q45_k_impl, 144, 15)
+quantize_q5_k_weighted = bind(_q45_k_impl, 176, 31)
 
 
 # --------------------------------------------------------------------------- Q6_K
 
 
 @kernel
-def _q6_k(x, y, n, qw):
+def quantize_q6_k_weighted(x, y, n, qw):
     """``quantize_row_q6_K_ref`` (``qw`` empty) / ``_impl``: the same search, with the importance as weights."""
     L = np.empty(QK_K, np.int64)
     scales = np.empty(16, np.float32)
@@ -743,14 +729,7 @@ def _q6_k(x, y, n, qw):
                 )
 
 
-@kernel
-def quantize_q6_k(x, y, n_per_row):
-    _q6_k(x, y, n_per_row, _NO_WEIGHTS)
-
-
-@kernel
-def quantize_q6_k_weighted(x, y, n, qw):
-    _q6_k(x, y, n, qw)
+quantize_q6_k = bind(quantize_q6_k_weighted, _NO_WEIGHTS)
 
 
 # --------------------------------------------------------------------------- dequantizers
@@ -822,14 +801,8 @@ def _dequantize_q45_k(y, x, ts, five):
             u2 <<= 2
 
 
-@kernel
-def dequantize_q4_k(y, x):
-    _dequantize_q45_k(y, x, 144, False)
-
-
-@kernel
-def dequantize_q5_k(y, x):
-    _dequantize_q45_k(y, x, 176, True)
+dequantize_q4_k = bind(_dequantize_q45_k, 144, False)
+dequantize_q5_k = bind(_dequantize_q45_k, 176, True)
 
 
 @kernel
