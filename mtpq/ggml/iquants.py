@@ -609,8 +609,10 @@ def quantize_iq1(x, y, n, qw, kind, pos, kmap, neighbours):
 
 
 @kernel
-def _sign(signs, j):
-    return F(-1.0) if signs & (1 << j) else F(1.0)
+def _put_signed(x, at, db, grid, g, n, signs, bit):
+    """``n`` values of grid point ``g`` at ``db``, value j negated where ``signs`` has bit ``bit + j``."""
+    for j in range(n):
+        x[at + j] = db * grid[g, j] * (F(-1.0) if signs & (1 << (bit + j)) else F(1.0))
 
 
 @kernel
@@ -624,8 +626,7 @@ def dequantize_iq2_xxs(y, x, grid):
             for l in range(4):
                 g = y[o + 2 + 8 * ib + l]
                 signs = KSIGNS[(a1 >> (7 * l)) & 127]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g, 8, signs, 0)
 
 
 @kernel
@@ -640,8 +641,7 @@ def dequantize_iq2_xs(y, x, grid):
             for l in range(4):
                 q = get_u16(y, o + 2 + 2 * (4 * ib + l))
                 signs = KSIGNS[q >> 9]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[q & 511, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, q & 511, 8, signs, 0)
 
 
 @kernel
@@ -657,8 +657,7 @@ def dequantize_iq2_s(y, x, grid):
             for l in range(4):
                 g = np.int64(y[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
                 signs = y[o + 34 + 4 * ib + l]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[g, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, g, 8, signs, 0)
 
 
 @kernel
@@ -673,9 +672,8 @@ def dequantize_iq3_xxs(y, x, grid):
                 signs = KSIGNS[(a >> (7 * l)) & 127]
                 g1 = y[o + 2 + 8 * ib + 2 * l]
                 g2 = y[o + 2 + 8 * ib + 2 * l + 1]
-                for j in range(4):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
-                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
+                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
 
 
 @kernel
@@ -691,9 +689,8 @@ def dequantize_iq3_s(y, x, grid):
                 g1 = np.int64(y[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
                 g2 = np.int64(y[o + 2 + 8 * ib + 2 * l + 1]) | ((qh << (7 - 2 * l)) & 256)
                 signs = y[o + 74 + 4 * ib + l]
-                for j in range(4):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
-                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
+                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
 
 
 @kernel

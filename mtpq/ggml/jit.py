@@ -169,6 +169,19 @@ def fp16_round(f):
 
 
 @kernel
+def absmax(x, at, n):
+    """(largest |x|, the value that has it: the first found) over ``x[at:at+n]``; (0, 0) for all zeros."""
+    amax = F(0.0)
+    mx = F(0.0)
+    for i in range(n):
+        ax = abs(x[at + i])
+        if ax > amax:
+            amax = ax
+            mx = x[at + i]
+    return amax, mx
+
+
+@kernel
 def put_fp16(y, at, f):
     """Store ``f`` as fp16 at byte ``at`` of ``y`` (little-endian); returns the uint16."""
     h = fp16(f)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, bind, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
@@ -41,13 +41,7 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
     each -- and the choices are then made in C's order; the levels written are those of the last scale chosen,
     as C leaves them. Every ``iscale * x[i]`` is within nmax + 1 of 0 (``max`` is the largest |x|), so the
     levels come from :func:`_level`. tests/ggml/test_searches.py holds it to C's pass-by-pass loop."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
@@ -95,13 +89,7 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
 @kernel
 def make_q3_quants(n, nmax, x, L):
     """``make_q3_quants(..., do_rmse = true)``."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
@@ -283,17 +271,20 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
                 diff = abs(diff) if use_mad else diff * diff
                 mads[j] += w * diff
         nxt = first + k
+        taken = -1  # the last step taken: its levels are those C leaves in L (all at this group's min)
         for j in range(k):
             if t_d[j] > 0 and mads[j] < best_mad:
-                for i in range(n):
-                    L[i] = np.int64(_level(isc[j] * (x[i] - mn), F(0.0), hi))
+                taken = j
                 best_mad = mads[j]
                 scale = t_scale[j]
                 moved = f32_bits(t_min[j]) != f32_bits(mn)  # bits: C's min = this_min may be 0.0 for -0.0
-                mn = t_min[j]
                 if moved:
                     nxt = first + j + 1
                     break
+        if taken >= 0:
+            for i in range(n):
+                L[i] = np.int64(_level(isc[taken] * (x[i] - mn), F(0.0), hi))
+            mn = t_min[taken]
         first = nxt
     return scale, -mn
 

@@ -9,23 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, bind, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
+from .jit import F, absmax, bind, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
 from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
-
-
-@kernel
-def _absmax_signed(x, at):
-    """The value of largest magnitude in a block of 32 (the first found), 0 for an all-zero block."""
-    amax = F(0.0)
-    mx = F(0.0)
-    for j in range(32):
-        v = x[at + j]
-        if amax < abs(v):
-            amax = abs(v)
-            mx = v
-    return mx
 
 
 @kernel
@@ -62,7 +49,7 @@ def _signed_ref(x, y, n_per_row, ts, nmax, top):
     L = np.empty(32, np.int64)
     half = F(nmax) + F(0.5)
     for i in range(x.size // 32):
-        d = _absmax_signed(x, 32 * i) / F(-nmax)
+        d = absmax(x, 32 * i, 32)[1] / F(-nmax)
         idv = F(1.0) / d if d != 0 else F(0.0)
         put_fp16(y, ts * i, d)
         for j in range(32):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mtpq.ggml import kquants as K
-from mtpq.ggml.jit import GROUP_MAX_EPS, nearest_int
+from mtpq.ggml.jit import GROUP_MAX_EPS, absmax, nearest_int
 
 F = np.float32
 
@@ -21,13 +21,7 @@ F = np.float32
 @numba.njit(error_model="numpy")
 def qx_reference(n, nmax, x, L, qw):
     """ggml's make_qx_quants(n, nmax, x, L, 1, qw), pass after pass (qw empty: NULL)."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
