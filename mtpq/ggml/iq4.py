@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, fp16, get_fp16, kernel, nearest_int
+from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, fp16, get_fp16, kernel, nearest_int
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _NO_WEIGHTS = np.empty(0, np.float32)
@@ -53,13 +53,7 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
                 weight[j] = qw[qo + 32 * ib + j] * np.sqrt(sigma2 + x[xb + j] * x[xb + j])
             else:
                 weight[j] = x[xb + j] * x[xb + j]
-        amax = F(0.0)
-        mx = F(0.0)
-        for j in range(32):
-            ax = abs(x[xb + j])
-            if ax > amax:
-                amax = ax
-                mx = x[xb + j]
+        amax, mx = absmax(x, xb, 32)
         if amax < GROUP_MAX_EPS:
             scales[ib] = F(0.0)
             continue
@@ -135,24 +129,10 @@ def _iq4(x, y, n, qw, super_size, ts):
         _iq4_impl(super_size, x, xo, y, ts * i, super_size == QK_K, scales, weight, L, KVALUES_IQ4NL, qw, xo % n, 7)
 
 
-@kernel
-def quantize_iq4_nl(x, y, n_per_row):
-    _iq4(x, y, n_per_row, _NO_WEIGHTS, 32, 18)
-
-
-@kernel
-def quantize_iq4_nl_weighted(x, y, n, qw):
-    _iq4(x, y, n, qw, 32, 18)
-
-
-@kernel
-def quantize_iq4_xs(x, y, n_per_row):
-    _iq4(x, y, n_per_row, _NO_WEIGHTS, QK_K, 136)
-
-
-@kernel
-def quantize_iq4_xs_weighted(x, y, n, qw):
-    _iq4(x, y, n, qw, QK_K, 136)
+quantize_iq4_nl = bind(_iq4, _NO_WEIGHTS, 32, 18)
+quantize_iq4_nl_weighted = bind(_iq4, 32, 18)
+quantize_iq4_xs = bind(_iq4, _NO_WEIGHTS, QK_K, 136)
+quantize_iq4_xs_weighted = bind(_iq4, QK_K, 136)
 
 
 @kernel

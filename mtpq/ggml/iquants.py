@@ -3,9 +3,9 @@ of ``ggml-quants.c``, on the grids of :mod:`.iqtables`.
 
 The five grid types share one search (:func:`_grid_search`): signs first, then candidate scales, each group of
 8 (IQ2) or 4 (IQ3) levels snapped to its grid point or to the best of its neighbours, the best candidate
-refitted; their own code packs the blocks. The IQ1 types split sorted values into three groups. Quantizers
-take ``(x, y, n_per_row, qw, pos, kmap, neighbours)`` (``qw`` empty: none given), the tables' arrays at the
-end; :mod:`.registry` binds them.
+refitted; their own code packs the blocks. The IQ1 types (:func:`quantize_iq1`) split sorted values into
+three groups. Quantizers take ``(x, y, n_per_row, qw, kind, pos, kmap, neighbours)`` (``qw`` empty: none
+given; ``kind``: the type's code below), the tables' arrays at the end; :mod:`.registry` binds them.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _scale_code(idv, scale, top):
 # per grid type (the code ``kind``): values per sub-block, per group, bits per level, kMaxQ, candidate steps, step,
 # GROUP_MAX_EPS (0: ``!max``), parity signs, ``0.25f*sigma2`` in the unweighted weights, IQ2_XXS's start, groups
 # start on the grid, refit every group, sigma2 doubled, bytes per block, the fudge factor of d
-IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S = range(5)
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = range(7)
 _SPEC_N = np.array([32, 16, 16, 32, 32])
 _SPEC_GW = np.array([8, 8, 8, 4, 4])
 _SPEC_BITS = np.array([2, 2, 2, 3, 3])
@@ -362,6 +362,48 @@ def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
 # --------------------------------------------------------------------------- IQ1_S, IQ1_M
 
 
+_XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float32)
+_XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
+
+
+@kernel
+def _iq1_values(code, k, ng):
+    """The shifted levels of group ``k`` of ``ng``: ``code``'s bit 1 shifts the first half down, bit 0 the
+    second (IQ1_M's four codes; IQ1_S uses 0 and 3)."""
+    return _XM if ((code >> 1) if 2 * k < ng else code) & 1 else _XP
+
+
+@kernel
+def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, pos):
+    """The chosen split's levels (sorted values below ``i1``: 0, below ``i2``: 1, then 2), flipped with the
+    scale's sign; each group of 8 to a grid point, the scale refitted when one was off the grid: (scale, code)."""
+    for j in range(bn):
+        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
+    if scale < 0:
+        for j in range(bn):
+            L[j] = 2 - L[j]
+        scale = -scale
+        code = 3 - code
+    ng = bn // 8
+    all_on_grid = True
+    for k in range(ng):
+        index[k], on = _iq1_snap(x, xb, weight, L, k, scale, _iq1_values(code, k, ng), kmap, neighbours, pos)
+        all_on_grid = all_on_grid and on
+    if not all_on_grid:
+        sumqx = F(0.0)
+        sumq2 = F(0.0)
+        for k in range(ng):
+            xx = _iq1_values(code, k, ng)
+            for j in range(8):
+                w = weight[8 * k + j]
+                qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
+                sumqx += w * qv * x[xb + 8 * k + j]
+                sumq2 += w * qv * qv
+        if sumqx > 0 and sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale, code
+
+
 @kernel
 def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, L, lo):
     """``iq1_find_best_neighbour2``."""
@@ -382,12 +424,6 @@ def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, 
 
 
 @kernel
-def _iq1_levels(x, xb, bn, idx, i1, i2, L):
-    for j in range(bn):
-        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
-
-
-@kernel
 def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
     u = 0
     for j in range(8):
@@ -398,238 +434,159 @@ def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
     return _find_best_neighbour2(neighbours, -g - 1, pos, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
 
 
-_XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float32)
-_XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
-
-
 @kernel
-def quantize_iq1_s(x, y, n, qw, pos, kmap, neighbours):
-    weight = np.empty(32, np.float32)
-    sumx = np.empty(33, np.float32)
-    sumw = np.empty(33, np.float32)
-    L = np.empty(32, np.int64)
-    index = np.empty(4, np.int64)
-    scales = np.empty(8, np.float32)
-    shifts = np.empty(8, np.int64)
-    for ibl in range(x.size // QK_K):
-        xo, o, qo = QK_K * ibl, 50 * ibl, (QK_K * ibl) % n
-        for j in range(50):
-            y[o + j] = 0
-        max_scale = F(0.0)
-        sigma2 = _sigma2(x, xo, True)
-        for ib in range(8):
-            xb = xo + 32 * ib
-            _weights(x, xb, qw, qo + 32 * ib, sigma2, weight, 32, False)
-            mx = abs(x[xb])
-            for i in range(1, 32):
-                mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
-            if mx < F(1e-12):
-                scales[ib] = F(0.0)
-                shifts[ib] = 1
-                continue
-            idx = np.argsort(x[xb : xb + 32], kind="mergesort")
-            sumx[0] = F(0.0)
-            sumw[0] = F(0.0)
-            for j in range(32):
-                i = idx[j]
-                sumx[j + 1] = sumx[j] + weight[i] * x[xb + i]
-                sumw[j + 1] = sumw[j] + weight[i]
-            best_score = -_FLT_MAX
-            scale = mx
-            besti1 = -1
-            besti2 = -1
-            best_shift = 0
-            for i1 in range(33):
-                for i2 in range(i1, 33):
-                    for sh in range(2):
-                        xx = _XP if sh == 0 else _XM
-                        sumqx = (
-                            (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
-                        )
-                        sumq2 = (
-                            (sumw[i1] - sumw[0]) * xx[0] * xx[0]
-                            + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
-                            + (sumw[32] - sumw[i2]) * xx[2] * xx[2]
-                        )
-                        if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:
-                            scale = sumqx / sumq2
-                            best_score = scale * sumqx
-                            besti1 = i1
-                            besti2 = i2
-                            best_shift = 1 if sh == 0 else -1
-            if besti1 < 0 or besti2 < 0 or best_shift == 0:
-                scales[ib] = F(0.0)
-                shifts[ib] = 1
-                continue
-            _iq1_levels(x, xb, 32, idx, besti1, besti2, L)
-            if scale < 0:
-                for j in range(32):
-                    L[j] = 2 - L[j]
-                scale = -scale
-                best_shift = -best_shift
-            xx = _XP if best_shift == 1 else _XM
-            all_on_grid = True
-            for k in range(4):
-                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
-                all_on_grid = all_on_grid and on
-            if not all_on_grid:
-                sumqx = F(0.0)
-                sumq2 = F(0.0)
-                for k in range(4):
-                    for j in range(8):
-                        w = weight[8 * k + j]
-                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
-                        sumqx += w * qv * x[xb + 8 * k + j]
-                        sumq2 += w * qv * qv
-                if sumqx > 0 and sumq2 > 0:
+def _iq1_s_split(x, xb, weight, idx, mx, sumx, sumw):
+    """IQ1_S's search over the splits of 32 sorted values, both shifts: (scale, i1, i2, code 0 or 3)."""
+    sumx[0] = F(0.0)
+    sumw[0] = F(0.0)
+    for j in range(32):
+        i = idx[j]
+        sumx[j + 1] = sumx[j] + weight[i] * x[xb + i]
+        sumw[j + 1] = sumw[j] + weight[i]
+    best_score = -_FLT_MAX
+    scale = mx
+    besti1 = -1
+    besti2 = -1
+    best_shift = -1
+    for i1 in range(33):
+        for i2 in range(i1, 33):
+            for sh in range(2):
+                xx = _XP if sh == 0 else _XM
+                sumqx = (sumx[i1] - sumx[0]) * xx[0] + (sumx[i2] - sumx[i1]) * xx[1] + (sumx[32] - sumx[i2]) * xx[2]
+                sumq2 = (
+                    (sumw[i1] - sumw[0]) * xx[0] * xx[0]
+                    + (sumw[i2] - sumw[i1]) * xx[1] * xx[1]
+                    + (sumw[32] - sumw[i2]) * xx[2] * xx[2]
+                )
+                if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:
                     scale = sumqx / sumq2
-            h = 0
-            for k in range(4):
-                y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
-                h |= (index[k] >> 8) << (3 * k)
-            y[o + 34 + 2 * ib] = np.uint8(h & 255)
-            y[o + 35 + 2 * ib] = np.uint8(h >> 8)
-            scales[ib] = scale
-            shifts[ib] = best_shift
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == 0:
-            continue
-        d = max_scale / F(15.0)
-        put_fp16(y, o, d * F(1.125))
-        idv = F(1.0) / d
-        for ib in range(8):
-            l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
-            if shifts[ib] == -1:
-                l |= 8
-            y[o + 35 + 2 * ib] |= np.uint8(l << 4)
+                    best_score = scale * sumqx
+                    besti1 = i1
+                    besti2 = i2
+                    best_shift = 3 * sh
+    return scale, besti1, besti2, best_shift
 
 
 @kernel
-def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
-    weight = np.empty(16, np.float32)
-    px = np.empty((2, 17), np.float32)
-    pw = np.empty((2, 17), np.float32)
-    L = np.empty(16, np.int64)
-    index = np.empty(2, np.int64)
-    scales = np.empty(16, np.float32)
-    shifts = np.empty(16, np.int64)
-    sumqx = np.empty(4, np.float32)
-    sumq2 = np.empty(4, np.float32)
-    sc = np.empty(4, np.int64)
-    masks = (0x00, 0x80, 0x08, 0x88)
+def _iq1_m_split(x, xb, weight, idx, mx, px, pw):
+    """IQ1_M's search over the splits of 16 sorted values, each half's shift apart: (scale, i1, i2, code)."""
     cp1 = _XP[0] * _XP[0] - _XP[1] * _XP[1]
     cp2 = _XP[1] * _XP[1] - _XP[2] * _XP[2]
     cm1 = _XM[0] * _XM[0] - _XM[1] * _XM[1]
     cm2 = _XM[1] * _XM[1] - _XM[2] * _XM[2]
     p2 = _XP[2]
     m2 = _XM[2]
+    best_score = -_FLT_MAX
+    scale = mx
+    besti1 = -1
+    besti2 = -1
+    best_k = -1
+    px[:, 0] = F(0.0)
+    pw[:, 0] = F(0.0)
+    for j in range(16):
+        i = idx[j]
+        h = 0 if i < 8 else 1
+        px[h, j + 1] = px[h, j] + weight[i] * x[xb + i]
+        px[1 - h, j + 1] = px[1 - h, j]
+        pw[h, j + 1] = pw[h, j] + weight[i]
+        pw[1 - h, j + 1] = pw[1 - h, j]
+    for i1 in range(17):
+        for i2 in range(i1, 17):
+            sx0 = px[0, i1] + px[0, i2]
+            sx1 = px[1, i1] + px[1, i2]
+            qxp0 = px[0, 16] * p2 - sx0
+            qxm0 = px[0, 16] * m2 - sx0
+            qxp1 = px[1, 16] * p2 - sx1
+            qxm1 = px[1, 16] * m2 - sx1
+            q2p0 = pw[0, 16] * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
+            q2m0 = pw[0, 16] * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
+            q2p1 = pw[1, 16] * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
+            q2m1 = pw[1, 16] * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
+            sumqx = (qxp0 + qxp1, qxp0 + qxm1, qxm0 + qxp1, qxm0 + qxm1)
+            sumq2 = (q2p0 + q2p1, q2p0 + q2m1, q2m0 + q2p1, q2m0 + q2m1)
+            for k in range(4):
+                if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best_score * sumq2[k]:
+                    scale = sumqx[k] / sumq2[k]
+                    best_score = scale * sumqx[k]
+                    besti1 = i1
+                    besti2 = i2
+                    best_k = k
+    return scale, besti1, besti2, best_k
+
+
+@kernel
+def quantize_iq1(x, y, n, qw, kind, pos, kmap, neighbours):
+    """``quantize_row_iq1_s_impl`` / ``quantize_row_iq1_m_impl`` (``kind``: IQ1_S, IQ1_M), row by row."""
+    m = kind == IQ1_M
+    bn, ts = (16, 56) if m else (32, 50)
+    weight = np.empty(bn, np.float32)
+    px = np.empty((2, 33), np.float32)  # IQ1_S: its sums in px[0], pw[0]
+    pw = np.empty((2, 33), np.float32)
+    L = np.empty(bn, np.int64)
+    index = np.empty(4, np.int64)
+    scales = np.empty(16, np.float32)
+    shifts = np.empty(16, np.int64)
+    sc = np.empty(4, np.int64)
     for ibl in range(x.size // QK_K):
-        xo, o, qo = QK_K * ibl, 56 * ibl, (QK_K * ibl) % n
-        for j in range(56):
+        xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
+        for j in range(ts):
             y[o + j] = 0
         max_scale = F(0.0)
         sigma2 = _sigma2(x, xo, True)
-        for ib in range(16):
-            xb = xo + 16 * ib
-            _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
+        for ib in range(QK_K // bn):
+            xb = xo + bn * ib
+            _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, False)
             mx = abs(x[xb])
-            for i in range(1, 16):
+            for i in range(1, bn):
                 mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
-            if mx < F(1e-7):
-                scales[ib] = F(0.0)
-                shifts[ib] = 0
+            scales[ib] = F(0.0)
+            shifts[ib] = 0
+            if mx < (F(1e-7) if m else F(1e-12)):
                 continue
-            idx = np.argsort(x[xb : xb + 16], kind="mergesort")
-            best_score = -_FLT_MAX
-            scale = mx
-            besti1 = -1
-            besti2 = -1
-            best_k = -1
-            px[:, 0] = F(0.0)
-            pw[:, 0] = F(0.0)
-            for j in range(16):
-                i = idx[j]
-                h = 0 if i < 8 else 1
-                px[h, j + 1] = px[h, j] + weight[i] * x[xb + i]
-                px[1 - h, j + 1] = px[1 - h, j]
-                pw[h, j + 1] = pw[h, j] + weight[i]
-                pw[1 - h, j + 1] = pw[1 - h, j]
-            for i1 in range(17):
-                for i2 in range(i1, 17):
-                    sx0 = px[0, i1] + px[0, i2]
-                    sx1 = px[1, i1] + px[1, i2]
-                    qxp0 = px[0, 16] * p2 - sx0
-                    qxm0 = px[0, 16] * m2 - sx0
-                    qxp1 = px[1, 16] * p2 - sx1
-                    qxm1 = px[1, 16] * m2 - sx1
-                    q2p0 = pw[0, 16] * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
-                    q2m0 = pw[0, 16] * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
-                    q2p1 = pw[1, 16] * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
-                    q2m1 = pw[1, 16] * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
-                    sumqx[0] = qxp0 + qxp1
-                    sumqx[1] = qxp0 + qxm1
-                    sumqx[2] = qxm0 + qxp1
-                    sumqx[3] = qxm0 + qxm1
-                    sumq2[0] = q2p0 + q2p1
-                    sumq2[1] = q2p0 + q2m1
-                    sumq2[2] = q2m0 + q2p1
-                    sumq2[3] = q2m0 + q2m1
-                    for k in range(4):
-                        if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best_score * sumq2[k]:
-                            scale = sumqx[k] / sumq2[k]
-                            best_score = scale * sumqx[k]
-                            besti1 = i1
-                            besti2 = i2
-                            best_k = k
-            if besti1 < 0 or besti2 < 0 or best_k < 0:
-                scales[ib] = F(0.0)
-                shifts[ib] = 0
+            idx = np.argsort(x[xb : xb + bn], kind="mergesort")
+            if m:
+                scale, i1, i2, code = _iq1_m_split(x, xb, weight, idx, mx, px, pw)
+            else:
+                scale, i1, i2, code = _iq1_s_split(x, xb, weight, idx, mx, px[0], pw[0])
+            if i1 < 0 or i2 < 0 or code < 0:
                 continue
-            _iq1_levels(x, xb, 16, idx, besti1, besti2, L)
-            if scale < 0:
-                for j in range(16):
-                    L[j] = 2 - L[j]
-                scale = -scale
-                best_k = 3 - best_k
-            all_on_grid = True
-            for k in range(2):
-                xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
-                index[k], on = _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos)
-                all_on_grid = all_on_grid and on
-            if not all_on_grid:
-                sqx = F(0.0)
-                sq2 = F(0.0)
-                for k in range(2):
-                    xx = (_XP if best_k < 2 else _XM) if k == 0 else (_XP if best_k % 2 == 0 else _XM)
-                    for j in range(8):
-                        w = weight[8 * k + j]
-                        qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
-                        sqx += w * qv * x[xb + 8 * k + j]
-                        sq2 += w * qv * qv
-                if sqx > 0 and sq2 > 0:
-                    scale = sqx / sq2
-            y[o + 2 * ib] = np.uint8(index[0] & 255)
-            y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
-            y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
+            scale, code = _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, pos)
+            if m:
+                y[o + 2 * ib] = np.uint8(index[0] & 255)
+                y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
+                y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
+            else:
+                h = 0
+                for k in range(4):
+                    y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
+                    h |= (index[k] >> 8) << (3 * k)
+                y[o + 34 + 2 * ib] = np.uint8(h & 255)
+                y[o + 35 + 2 * ib] = np.uint8(h >> 8)
             scales[ib] = scale
-            shifts[ib] = best_k
+            shifts[ib] = code
             max_scale = max_scale if max_scale > scale else scale
         if max_scale == 0:
             continue
-        sc[:] = 0
         d = max_scale / F(15.0)
         idv = F(1.0) / d
+        if not m:
+            put_fp16(y, o, d * F(1.125))
+            for ib in range(8):
+                l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
+                y[o + 35 + 2 * ib] |= np.uint8((l | (8 if shifts[ib] == 3 else 0)) << 4)
+            continue
+        sc[:] = 0
         sqx = F(0.0)
         sq2 = F(0.0)
         for ib in range(16):
             l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
             sc[ib // 4] |= l << (3 * (ib % 4))
-            y[o + 32 + ib] |= np.uint8(masks[shifts[ib]])
+            y[o + 32 + ib] |= np.uint8((0x00, 0x80, 0x08, 0x88)[shifts[ib]])
             xb = xo + 16 * ib
             _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
             qh = np.int64(y[o + 32 + ib])
             for k in range(2):
-                xx = (_XP if shifts[ib] < 2 else _XM) if k == 0 else (_XP if shifts[ib] % 2 == 0 else _XM)
+                xx = _iq1_values(shifts[ib], k, 2)
                 g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
                 for j in range(8):
                     w = weight[8 * k + j]
@@ -652,8 +609,10 @@ def quantize_iq1_m(x, y, n, qw, pos, kmap, neighbours):
 
 
 @kernel
-def _sign(signs, j):
-    return F(-1.0) if signs & (1 << j) else F(1.0)
+def _put_signed(x, at, db, grid, g, n, signs, bit):
+    """``n`` values of grid point ``g`` at ``db``, value j negated where ``signs`` has bit ``bit + j``."""
+    for j in range(n):
+        x[at + j] = db * grid[g, j] * (F(-1.0) if signs & (1 << (bit + j)) else F(1.0))
 
 
 @kernel
@@ -667,8 +626,7 @@ def dequantize_iq2_xxs(y, x, grid):
             for l in range(4):
                 g = y[o + 2 + 8 * ib + l]
                 signs = KSIGNS[(a1 >> (7 * l)) & 127]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g, 8, signs, 0)
 
 
 @kernel
@@ -683,8 +641,7 @@ def dequantize_iq2_xs(y, x, grid):
             for l in range(4):
                 q = get_u16(y, o + 2 + 2 * (4 * ib + l))
                 signs = KSIGNS[q >> 9]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[q & 511, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, q & 511, 8, signs, 0)
 
 
 @kernel
@@ -700,8 +657,7 @@ def dequantize_iq2_s(y, x, grid):
             for l in range(4):
                 g = np.int64(y[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
                 signs = y[o + 34 + 4 * ib + l]
-                for j in range(8):
-                    x[xo + 32 * ib + 8 * l + j] = (db0 if l < 2 else db1) * grid[g, j] * _sign(signs, j)
+                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, g, 8, signs, 0)
 
 
 @kernel
@@ -716,9 +672,8 @@ def dequantize_iq3_xxs(y, x, grid):
                 signs = KSIGNS[(a >> (7 * l)) & 127]
                 g1 = y[o + 2 + 8 * ib + 2 * l]
                 g2 = y[o + 2 + 8 * ib + 2 * l + 1]
-                for j in range(4):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
-                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
+                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
 
 
 @kernel
@@ -734,9 +689,8 @@ def dequantize_iq3_s(y, x, grid):
                 g1 = np.int64(y[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
                 g2 = np.int64(y[o + 2 + 8 * ib + 2 * l + 1]) | ((qh << (7 - 2 * l)) & 256)
                 signs = y[o + 74 + 4 * ib + l]
-                for j in range(4):
-                    x[xo + 32 * ib + 8 * l + j] = db * grid[g1, j] * _sign(signs, j)
-                    x[xo + 32 * ib + 8 * l + j + 4] = db * grid[g2, j] * _sign(signs, j + 4)
+                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
+                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
 
 
 @kernel

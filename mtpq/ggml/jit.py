@@ -53,6 +53,17 @@ _SCALE_TO_ZERO = F(2.0**-110)
 _INT_MAX_F = F(2147483648.0)
 
 
+def bind(fn, *consts):
+    """``fn`` with its last arguments fixed: one type's kernel where types share a loop. ``.kernel`` is ``fn``
+    (what the engine asks numba about)."""
+
+    def run(*args):
+        fn(*args, *consts)
+
+    run.kernel = fn
+    return run
+
+
 @intrinsic
 def f32_bits(typingctx, x):
     """The bits of a float32, as a uint32 (C's memcpy into an int)."""
@@ -155,6 +166,19 @@ def fp16_to_f32(h):
 def fp16_round(f):
     """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f))``."""
     return fp16_to_f32(fp16(f))
+
+
+@kernel
+def absmax(x, at, n):
+    """(largest |x|, the value that has it: the first found) over ``x[at:at+n]``; (0, 0) for all zeros."""
+    amax = F(0.0)
+    mx = F(0.0)
+    for i in range(n):
+        ax = abs(x[at + i])
+        if ax > amax:
+            amax = ax
+            mx = x[at + i]
+    return amax, mx
 
 
 @kernel

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
@@ -40,15 +40,8 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
     so here one pass over x runs the 19 side by side -- each scale's sums still taken in C's order, one lane
     each -- and the choices are then made in C's order; the levels written are those of the last scale chosen,
     as C leaves them. Every ``iscale * x[i]`` is within nmax + 1 of 0 (``max`` is the largest |x|), so the
-    levels come from :func:`_level`. Bytes as C's (tests/ggml's goldens); ~2.5x the speed of the pass-by-pass
-    loop (docs/performance.md)."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    levels come from :func:`_level`. tests/ggml/test_searches.py holds it to C's pass-by-pass loop."""
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
@@ -96,13 +89,7 @@ def make_qx_quants(n, nmax, x, L, rmse_type, qw, tmp):
 @kernel
 def make_q3_quants(n, nmax, x, L):
     """``make_q3_quants(..., do_rmse = true)``."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
@@ -140,9 +127,41 @@ def make_q3_quants(n, nmax, x, L):
 
 
 @kernel
-def _qkx_steps(
-    n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
-):
+def qkx_start(n, nmax, x, weights, L, use_mad):
+    """The search's start, levels at ``nmax / (max - min)`` with ``min`` at most 0: (min, max, the least x, the
+    sums of weights and of weights * x, scale, its error); with ``max <= min`` a scale 0 and levels 0."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    xmin = mn
+    if mn > 0:
+        mn = F(0.0)
+    best_mad = F(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return mn, mx, xmin, sum_w, sum_x, F(0.0), best_mad
+    iscale = F(nmax) / (mx - mn)
+    scale = F(1.0) / iscale
+    for i in range(n):
+        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        diff = scale * F(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    return mn, mx, xmin, sum_w, sum_x, scale, best_mad
+
+
+@kernel
+def qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad):
     """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
     for step in range(first, nstep + 1):
         iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
@@ -190,38 +209,12 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
     C's steps run one after the other, each bound by its chains of float additions, and each depends on the
     steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
     side by side (one lane each, every sum in C's order) on the current ``min``; the choices are made in C's
-    order up to the first that moves ``min``, and the next group starts after it (a Q4_K search moves it ~2.7
-    times in its 21 steps: groups of 8 measured fastest, all the steps left at once slower than C's order).
-    The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a group is below 2**22 (its
-    bound is that of x's two ends), else the rest go step by step as C (:func:`_qkx_steps`)."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    xmin = mn
-    if mn > 0:
-        mn = F(0.0)
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_mad = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_mad += weights[i] * diff
-    if nstep < 1:
+    order up to the first that moves ``min``, and the next group starts after it (why groups of 8:
+    docs/notes/quantize.md). The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a
+    group is below 2**22 (its bound is that of x's two ends), else the rest go step by step as C
+    (:func:`qkx_steps`)."""
+    mn, mx, xmin, sum_w, sum_x, scale, best_mad = qkx_start(n, nmax, x, weights, L, use_mad)
+    if mx <= mn or nstep < 1:
         return scale, -mn
     hi = F(nmax)
     first = 0
@@ -245,7 +238,7 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
             s_xl[j] = F(0.0)
             mads[j] = F(0.0)
         if not exact:
-            scale, mn = _qkx_steps(
+            scale, mn = qkx_steps(
                 n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
             )
             break
@@ -278,17 +271,20 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
                 diff = abs(diff) if use_mad else diff * diff
                 mads[j] += w * diff
         nxt = first + k
+        taken = -1  # the last step taken: its levels are those C leaves in L (all at this group's min)
         for j in range(k):
             if t_d[j] > 0 and mads[j] < best_mad:
-                for i in range(n):
-                    L[i] = np.int64(_level(isc[j] * (x[i] - mn), F(0.0), hi))
+                taken = j
                 best_mad = mads[j]
                 scale = t_scale[j]
                 moved = f32_bits(t_min[j]) != f32_bits(mn)  # bits: C's min = this_min may be 0.0 for -0.0
-                mn = t_min[j]
                 if moved:
                     nxt = first + j + 1
                     break
+        if taken >= 0:
+            for i in range(n):
+                L[i] = np.int64(_level(isc[taken] * (x[i] - mn), F(0.0), hi))
+            mn = t_min[taken]
         first = nxt
     return scale, -mn
 
@@ -375,11 +371,23 @@ def _sum_x2(x, at, n):
 
 @kernel
 def _pack_2bit(y, o, L):
+    """The levels' low 2 bits, four to a byte (Q2_K, Q3_K)."""
     for j in range(0, QK_K, 128):
         for l in range(32):
             y[o + j // 4 + l] = np.uint8(
-                (L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)) & 0xFF
+                (L[j + l] & 3) | ((L[j + l + 32] & 3) << 2) | ((L[j + l + 64] & 3) << 4) | ((L[j + l + 96] & 3) << 6)
             )
+
+
+@kernel
+def _pack_high_bits(y, o, L, bit):
+    """Bit ``bit`` of each level into the mask at ``o``: level ``32 * k + m`` is bit k of byte m (Q3_K's hmask,
+    Q5_K's qh). C tests and subtracts level by level; the same bits without its unpredictable branches."""
+    for m in range(32):
+        b = 0
+        for k in range(8):
+            b |= ((L[32 * k + m] >> bit) & 1) << k
+        y[o + m] = np.uint8(b)
 
 
 # --------------------------------------------------------------------------- Q2_K
@@ -398,6 +406,16 @@ def _q2_k_levels(x, xo, y, o, L):
         for ii in range(16):
             L[16 * j + ii] = max(0, min(3, nearest_int((x[xo + 16 * j + ii] + dm) / d)))
     _pack_2bit(y, o + 16, L)
+
+
+@kernel
+def _q2_k_put(y, o, v, vmax, shift):
+    """The 4-bit codes of ``v`` (scales: ``shift`` 0, mins: 4) at 15/``vmax``; returns the block's fp16 value."""
+    if vmax > 0:
+        iscale = F(15.0) / vmax
+        for j in range(16):
+            y[o + j] |= np.uint8((nearest_int(iscale * v[j]) << shift) & 0xFF)
+    return vmax / F(15.0)
 
 
 @kernel
@@ -422,22 +440,10 @@ def quantize_q2_k(x, y, n_per_row):
                 max_scale = scales[j]
             if mins[j] > max_min:
                 max_min = mins[j]
-        if max_scale > 0:
-            iscale = F(15.0) / max_scale
-            for j in range(16):
-                y[o + j] = np.uint8(nearest_int(iscale * scales[j]) & 0xFF)
-            put_fp16(y, o + 80, max_scale / F(15.0))
-        else:
-            for j in range(16):
-                y[o + j] = 0
-            put_fp16(y, o + 80, F(0.0))
-        if max_min > 0:
-            iscale = F(15.0) / max_min
-            for j in range(16):
-                y[o + j] |= np.uint8((nearest_int(iscale * mins[j]) << 4) & 0xFF)
-            put_fp16(y, o + 82, max_min / F(15.0))
-        else:
-            put_fp16(y, o + 82, F(0.0))
+        for j in range(16):
+            y[o + j] = 0
+        put_fp16(y, o + 80, _q2_k_put(y, o, scales, max_scale, 0))
+        put_fp16(y, o + 82, _q2_k_put(y, o, mins, max_min, 4))
         _q2_k_levels(x, xo, y, o, L)
 
 
@@ -456,11 +462,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
         xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
         sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(16):
-            sw[j] = F(0.0)
-            for l in range(16):
-                weights[l] = qw[qo + 16 * j + l] * np.sqrt(sigma2 + x[xo + 16 * j + l] * x[xo + 16 * j + l])
-            for l in range(16):
-                sw[j] += weights[l]
+            sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
             scales[j], mins[j] = make_qkx_quants(
                 16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
             )
@@ -488,18 +490,7 @@ def _q3_k_finish(x, xo, y, o, L):
             continue
         for ii in range(16):
             L[16 * j + ii] = max(-4, min(3, nearest_int(x[xo + 16 * j + ii] / d))) + 4
-    for m in range(32):
-        y[o + m] = 0
-    m = 0
-    hm = 1
-    for j in range(QK_K):
-        if L[j] > 3:
-            y[o + m] |= np.uint8(hm)
-            L[j] -= 4
-        m += 1
-        if m == 32:
-            m = 0
-            hm <<= 1
+    _pack_high_bits(y, o, L, 2)
     _pack_2bit(y, o + 32, L)
 
 
@@ -596,32 +587,16 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
         dm = dmin * F(m)
         for ii in range(32):
             L[32 * j + ii] = max(0, min(nmax, nearest_int((x[xo + 32 * j + ii] + dm) / d)))
-    if nmax == 15:
-        for j in range(0, QK_K, 64):
-            for l in range(32):
-                y[o + 16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
-        return
-    for j in range(32):
-        y[o + 16 + j] = 0
-    m1 = 1
-    m2 = 2
-    for n in range(0, QK_K, 64):
-        for j in range(32):
-            l1 = L[n + j]
-            if l1 > 15:
-                l1 -= 16
-                y[o + 16 + j] |= np.uint8(m1)
-            l2 = L[n + j + 32]
-            if l2 > 15:
-                l2 -= 16
-                y[o + 16 + j] |= np.uint8(m2)
-            y[o + 48 + n // 2 + j] = np.uint8(l1 | (l2 << 4))
-        m1 <<= 2
-        m2 <<= 2
+    if nmax == 31:
+        _pack_high_bits(y, o + 16, L, 4)
+    qs = o + 16 if nmax == 15 else o + 48
+    for j in range(0, QK_K, 64):
+        for l in range(32):
+            y[qs + j // 2 + l] = np.uint8((L[j + l] & 15) | ((L[j + l + 32] & 15) << 4))
 
 
 @kernel
-def _q45_k_ref(x, y, ts, nmax, rmin, nstep):
+def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
     L = np.empty(QK_K, np.int64)
     Laux = np.empty(32, np.int64)
     weights = np.empty(32, np.float32)
@@ -682,31 +657,17 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
         _q45_k_finish(x, xo, y, o, L, nmax)
 
 
-@kernel
-def quantize_q4_k(x, y, n_per_row):
-    _q45_k_ref(x, y, 144, 15, F(-1.0), 20)
-
-
-@kernel
-def quantize_q5_k(x, y, n_per_row):
-    _q45_k_ref(x, y, 176, 31, F(-0.5), 15)
-
-
-@kernel
-def quantize_q4_k_weighted(x, y, n, qw):
-    _q45_k_impl(x, y, n, qw, 144, 15)
-
-
-@kernel
-def quantize_q5_k_weighted(x, y, n, qw):
-    _q45_k_impl(x, y, n, qw, 176, 31)
+quantize_q4_k = bind(_q45_k_ref, 144, 15, F(-1.0), 20)
+quantize_q5_k = bind(_q45_k_ref, 176, 31, F(-0.5), 15)
+quantize_q4_k_weighted = bind(_q45_k_impl, 144, 15)
+quantize_q5_k_weighted = bind(_q45_k_impl, 176, 31)
 
 
 # --------------------------------------------------------------------------- Q6_K
 
 
 @kernel
-def _q6_k(x, y, n, qw):
+def quantize_q6_k_weighted(x, y, n, qw):
     """``quantize_row_q6_K_ref`` (``qw`` empty) / ``_impl``: the same search, with the importance as weights."""
     L = np.empty(QK_K, np.int64)
     scales = np.empty(16, np.float32)
@@ -759,14 +720,7 @@ def _q6_k(x, y, n, qw):
                 )
 
 
-@kernel
-def quantize_q6_k(x, y, n_per_row):
-    _q6_k(x, y, n_per_row, _NO_WEIGHTS)
-
-
-@kernel
-def quantize_q6_k_weighted(x, y, n, qw):
-    _q6_k(x, y, n, qw)
+quantize_q6_k = bind(quantize_q6_k_weighted, _NO_WEIGHTS)
 
 
 # --------------------------------------------------------------------------- dequantizers
@@ -838,14 +792,8 @@ def _dequantize_q45_k(y, x, ts, five):
             u2 <<= 2
 
 
-@kernel
-def dequantize_q4_k(y, x):
-    _dequantize_q45_k(y, x, 144, False)
-
-
-@kernel
-def dequantize_q5_k(y, x):
-    _dequantize_q45_k(y, x, 176, True)
+dequantize_q4_k = bind(_dequantize_q45_k, 144, False)
+dequantize_q5_k = bind(_dequantize_q45_k, 176, True)
 
 
 @kernel

@@ -9,23 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
+from .jit import F, absmax, bind, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
 from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
-
-
-@kernel
-def _absmax_signed(x, at):
-    """The value of largest magnitude in a block of 32 (the first found), 0 for an all-zero block."""
-    amax = F(0.0)
-    mx = F(0.0)
-    for j in range(32):
-        v = x[at + j]
-        if amax < abs(v):
-            amax = abs(v)
-            mx = v
-    return mx
 
 
 @kernel
@@ -57,12 +44,12 @@ def _put_levels(y, o, L, five):
 
 
 @kernel
-def _signed_ref(x, y, ts, nmax, top):
+def _signed_ref(x, y, n_per_row, ts, nmax, top):
     """quantize_row_q4_0_ref (nmax 8, top 15) / quantize_row_q5_0_ref (nmax 16, top 31)."""
     L = np.empty(32, np.int64)
     half = F(nmax) + F(0.5)
     for i in range(x.size // 32):
-        d = _absmax_signed(x, 32 * i) / F(-nmax)
+        d = absmax(x, 32 * i, 32)[1] / F(-nmax)
         idv = F(1.0) / d if d != 0 else F(0.0)
         put_fp16(y, ts * i, d)
         for j in range(32):
@@ -71,7 +58,7 @@ def _signed_ref(x, y, ts, nmax, top):
 
 
 @kernel
-def _min_ref(x, y, ts, top):
+def _min_ref(x, y, n_per_row, ts, top):
     """quantize_row_q4_1_ref (top 15) / quantize_row_q5_1_ref (top 31, no MIN)."""
     L = np.empty(32, np.int64)
     for i in range(x.size // 32):
@@ -86,24 +73,10 @@ def _min_ref(x, y, ts, top):
         _put_levels(y, ts * i + 4, L, top == 31)
 
 
-@kernel
-def quantize_q4_0(x, y, n_per_row):
-    _signed_ref(x, y, 18, 8, 15)
-
-
-@kernel
-def quantize_q5_0(x, y, n_per_row):
-    _signed_ref(x, y, 22, 16, 31)
-
-
-@kernel
-def quantize_q4_1(x, y, n_per_row):
-    _min_ref(x, y, 20, 15)
-
-
-@kernel
-def quantize_q5_1(x, y, n_per_row):
-    _min_ref(x, y, 24, 31)
+quantize_q4_0 = bind(_signed_ref, 18, 8, 15)
+quantize_q5_0 = bind(_signed_ref, 22, 16, 31)
+quantize_q4_1 = bind(_min_ref, 20, 15)
+quantize_q5_1 = bind(_min_ref, 24, 31)
 
 
 @kernel
@@ -172,24 +145,10 @@ def _min_impl(x, y, n, qw, ts, nmax):
             _put_levels(y, o + 4, L, nmax == 31)
 
 
-@kernel
-def quantize_q4_0_weighted(x, y, n, qw):
-    _signed_impl(x, y, n, qw, 18, 8)
-
-
-@kernel
-def quantize_q5_0_weighted(x, y, n, qw):
-    _signed_impl(x, y, n, qw, 22, 16)
-
-
-@kernel
-def quantize_q4_1_weighted(x, y, n, qw):
-    _min_impl(x, y, n, qw, 20, 15)
-
-
-@kernel
-def quantize_q5_1_weighted(x, y, n, qw):
-    _min_impl(x, y, n, qw, 24, 31)
+quantize_q4_0_weighted = bind(_signed_impl, 18, 8)
+quantize_q5_0_weighted = bind(_signed_impl, 22, 16)
+quantize_q4_1_weighted = bind(_min_impl, 20, 15)
+quantize_q5_1_weighted = bind(_min_impl, 24, 31)
 
 
 @kernel

@@ -18,9 +18,8 @@ def keep_freed_buffers() -> None:
     Every chunk allocates and frees the same few 0.25-4 MB buffers.  With
     glibc's default policy (mmap above a threshold that only grows when an
     mmapped block is freed; trim the heap top above twice that) they go back to
-    the kernel and are faulted in again, page by page, at the next chunk: 3x
-    the page faults and about 20 % of Q6_K's time (benchmarks/quant_bench.py).
-    Fixing the mmap threshold at 32 MB -- the ceiling of glibc's own dynamic
+    the kernel and are faulted in again, page by page, at the next chunk (what
+    that costs: docs/notes/quantize.md).  Fixing the mmap threshold at 32 MB -- the ceiling of glibc's own dynamic
     threshold -- and trimming only above 128 MB keeps them.  Larger blocks
     (whole tensors) are still mmapped and returned.  A no-op off glibc.
     """

@@ -37,30 +37,32 @@ class GgmlType:
         return self.quantize is None and self.quantize_weighted is not None
 
 
-def _grid(kind: int, family: str):
-    """The grid type ``kind``'s quantizer with its tables (one function: with and without weights)."""
+def _iq(qtype: T, type_size: int, kind, unweighted: bool, family: str = "", fp16_fields=(0,)) -> GgmlType:
+    """An i-quant's record: ``kind`` its code in :mod:`.iquants` (IQ2_XXS..IQ3_S: :func:`iquants.quantize_grid`,
+    IQ1_S/IQ1_M: :func:`iquants.quantize_iq1`); its tables (``family``'s, default its own) bound at first use.
+    ``unweighted``: ggml quantizes it without importance too (the same function, ``qw`` empty)."""
+    family = family or qtype.name
+    fn = iquants.quantize_iq1 if kind >= iquants.IQ1_S else iquants.quantize_grid
 
     def run(x, y, n, qw=_NONE):
-        iquants.quantize_grid(x, y, n, qw, kind, *iqtables.grid_tables(family))
+        fn(x, y, n, qw, kind, *iqtables.grid_tables(family))
 
-    run.kernel = iquants.quantize_grid
-    return run
+    deq = getattr(iquants, f"dequantize_{qtype.name.lower()}")
 
+    def dequantize(y, x):
+        deq(y, x, iqtables.dequant_grid(family))
 
-def _iq1(fn, family: str = "IQ1_S"):
-    def run(x, y, n, qw=_NONE):
-        fn(x, y, n, qw, *iqtables.grid_tables(family))
-
-    run.kernel = fn
-    return run
+    run.kernel, dequantize.kernel = fn, deq
+    return GgmlType(qtype, 256, type_size, run if unweighted else None, run, dequantize, fp16_fields)
 
 
-def _with_grid(fn, family: str):
-    def run(y, x):
-        fn(y, x, iqtables.dequant_grid(family))
-
-    run.kernel = fn
-    return run
+def _block(module, qtype: T, block_size: int, type_size: int, fp16_fields=(0,), weighted=True) -> GgmlType:
+    """A type whose kernels are ``module``'s ``quantize_<name>``, ``quantize_<name>_weighted`` (``weighted``:
+    ggml has that path) and ``dequantize_<name>``."""
+    name = qtype.name.lower()
+    q, dq = getattr(module, f"quantize_{name}"), getattr(module, f"dequantize_{name}")
+    qw = getattr(module, f"quantize_{name}_weighted") if weighted else None
+    return GgmlType(qtype, block_size, type_size, q, qw, dq, fp16_fields)
 
 
 def _float(qtype: T, size: int) -> GgmlType:
@@ -73,89 +75,30 @@ TYPES: dict[T, GgmlType] = {
         _float(T.F32, 4),
         _float(T.F16, 2),
         _float(T.BF16, 2),
-        GgmlType(T.Q8_0, 32, 34, legacy.quantize_q8_0, None, legacy.dequantize_q8_0, (0,)),
-        GgmlType(T.Q4_0, 32, 18, legacy.quantize_q4_0, legacy.quantize_q4_0_weighted, legacy.dequantize_q4_0, (0,)),
-        GgmlType(T.Q4_1, 32, 20, legacy.quantize_q4_1, legacy.quantize_q4_1_weighted, legacy.dequantize_q4_1, (0, 2)),
-        GgmlType(T.Q5_0, 32, 22, legacy.quantize_q5_0, legacy.quantize_q5_0_weighted, legacy.dequantize_q5_0, (0,)),
-        GgmlType(T.Q5_1, 32, 24, legacy.quantize_q5_1, legacy.quantize_q5_1_weighted, legacy.dequantize_q5_1, (0, 2)),
-        GgmlType(
-            T.Q2_K, 256, 84, kquants.quantize_q2_k, kquants.quantize_q2_k_weighted, kquants.dequantize_q2_k, (80, 82)
-        ),
-        GgmlType(
-            T.Q3_K, 256, 110, kquants.quantize_q3_k, kquants.quantize_q3_k_weighted, kquants.dequantize_q3_k, (108,)
-        ),
-        GgmlType(
-            T.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.quantize_q4_k_weighted, kquants.dequantize_q4_k, (0, 2)
-        ),
-        GgmlType(
-            T.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.quantize_q5_k_weighted, kquants.dequantize_q5_k, (0, 2)
-        ),
-        GgmlType(
-            T.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.quantize_q6_k_weighted, kquants.dequantize_q6_k, (208,)
-        ),
-        GgmlType(T.IQ4_NL, 32, 18, iq4.quantize_iq4_nl, iq4.quantize_iq4_nl_weighted, iq4.dequantize_iq4_nl, (0,)),
-        GgmlType(T.IQ4_XS, 256, 136, iq4.quantize_iq4_xs, iq4.quantize_iq4_xs_weighted, iq4.dequantize_iq4_xs, (0,)),
-        GgmlType(
-            T.IQ2_XXS,
-            256,
-            66,
-            None,
-            _grid(iquants.IQ2_XXS, "IQ2_XXS"),
-            _with_grid(iquants.dequantize_iq2_xxs, "IQ2_XXS"),
-            (0,),
-        ),
-        GgmlType(
-            T.IQ2_XS,
-            256,
-            74,
-            None,
-            _grid(iquants.IQ2_XS, "IQ2_XS"),
-            _with_grid(iquants.dequantize_iq2_xs, "IQ2_XS"),
-            (0,),
-        ),
-        GgmlType(
-            T.IQ2_S,
-            256,
-            82,
-            _grid(iquants.IQ2_S, "IQ2_S"),
-            _grid(iquants.IQ2_S, "IQ2_S"),
-            _with_grid(iquants.dequantize_iq2_s, "IQ2_S"),
-            (0,),
-        ),
-        GgmlType(
-            T.IQ3_XXS,
-            256,
-            98,
-            _grid(iquants.IQ3_XXS, "IQ3_XXS"),
-            _grid(iquants.IQ3_XXS, "IQ3_XXS"),
-            _with_grid(iquants.dequantize_iq3_xxs, "IQ3_XXS"),
-            (0,),
-        ),
-        GgmlType(
-            T.IQ3_S,
-            256,
-            110,
-            _grid(iquants.IQ3_S, "IQ3_S"),
-            _grid(iquants.IQ3_S, "IQ3_S"),
-            _with_grid(iquants.dequantize_iq3_s, "IQ3_S"),
-            (0,),
-        ),
-        GgmlType(
-            T.IQ1_S, 256, 50, None, _iq1(iquants.quantize_iq1_s), _with_grid(iquants.dequantize_iq1_s, "IQ1_S"), (0,)
-        ),
-        GgmlType(
-            T.IQ1_M,
-            256,
-            56,
-            _iq1(iquants.quantize_iq1_m),
-            _iq1(iquants.quantize_iq1_m),
-            _with_grid(iquants.dequantize_iq1_m, "IQ1_S"),
-        ),
-        GgmlType(T.TQ1_0, 256, 54, ternary.quantize_tq1_0, None, ternary.dequantize_tq1_0, (52,)),
-        GgmlType(T.TQ2_0, 256, 66, ternary.quantize_tq2_0, None, ternary.dequantize_tq2_0, (64,)),
-        GgmlType(T.Q1_0, 128, 18, legacy.quantize_q1_0, None, legacy.dequantize_q1_0, (0,)),
-        GgmlType(T.Q2_0, 64, 18, legacy.quantize_q2_0, None, legacy.dequantize_q2_0, (0,)),
-        GgmlType(T.MXFP4, 32, 17, mxfp4.quantize_mxfp4, None, mxfp4.dequantize_mxfp4),
+        _block(legacy, T.Q8_0, 32, 34, weighted=False),
+        _block(legacy, T.Q4_0, 32, 18),
+        _block(legacy, T.Q4_1, 32, 20, (0, 2)),
+        _block(legacy, T.Q5_0, 32, 22),
+        _block(legacy, T.Q5_1, 32, 24, (0, 2)),
+        _block(kquants, T.Q2_K, 256, 84, (80, 82)),
+        _block(kquants, T.Q3_K, 256, 110, (108,)),
+        _block(kquants, T.Q4_K, 256, 144, (0, 2)),
+        _block(kquants, T.Q5_K, 256, 176, (0, 2)),
+        _block(kquants, T.Q6_K, 256, 210, (208,)),
+        _block(iq4, T.IQ4_NL, 32, 18),
+        _block(iq4, T.IQ4_XS, 256, 136),
+        _iq(T.IQ2_XXS, 66, iquants.IQ2_XXS, False),
+        _iq(T.IQ2_XS, 74, iquants.IQ2_XS, False),
+        _iq(T.IQ2_S, 82, iquants.IQ2_S, True),
+        _iq(T.IQ3_XXS, 98, iquants.IQ3_XXS, True),
+        _iq(T.IQ3_S, 110, iquants.IQ3_S, True),
+        _iq(T.IQ1_S, 50, iquants.IQ1_S, False),
+        _iq(T.IQ1_M, 56, iquants.IQ1_M, True, "IQ1_S", ()),
+        _block(ternary, T.TQ1_0, 256, 54, (52,), weighted=False),
+        _block(ternary, T.TQ2_0, 256, 66, (64,), weighted=False),
+        _block(legacy, T.Q1_0, 128, 18, weighted=False),
+        _block(legacy, T.Q2_0, 64, 18, weighted=False),
+        _block(mxfp4, T.MXFP4, 32, 17, (), weighted=False),
     )
 }
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mtpq.ggml import kquants as K
-from mtpq.ggml.jit import GROUP_MAX_EPS, nearest_int
+from mtpq.ggml.jit import GROUP_MAX_EPS, absmax, nearest_int
 
 F = np.float32
 
@@ -21,13 +21,7 @@ F = np.float32
 @numba.njit(error_model="numpy")
 def qx_reference(n, nmax, x, L, qw):
     """ggml's make_qx_quants(n, nmax, x, L, 1, qw), pass after pass (qw empty: NULL)."""
-    mx = F(0.0)
-    amax = F(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    amax, mx = absmax(x, 0, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[i] = 0
@@ -66,35 +60,10 @@ def qx_reference(n, nmax, x, L, qw):
 @numba.njit(error_model="numpy")
 def qkx_reference(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
     """ggml's make_qkx2_quants: make_qkx_quants' start, then all its steps one after the other."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if mn > 0:
-        mn = F(0.0)
-    if mx <= mn:
-        for i in range(n):
-            L[i] = 0
-        return F(0.0), -mn
-    iscale = F(nmax) / (mx - mn)
-    scale = F(1.0) / iscale
-    best_mad = F(0.0)
-    for i in range(n):
-        L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-        diff = scale * F(L[i]) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_mad += weights[i] * diff
-    if nstep < 1:
+    mn, mx, _, sum_w, sum_x, scale, best_mad = K.qkx_start(n, nmax, x, weights, L, use_mad)
+    if mx <= mn or nstep < 1:
         return scale, -mn
-    scale, mn = K._qkx_steps(
+    scale, mn = K.qkx_steps(
         n, nmax, x, weights, L, Laux, rmin, rdelta, 0, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
     )
     return scale, -mn
