@@ -58,7 +58,7 @@ def bind(fn, *consts):
     (what the engine asks numba about)."""
 
     def run(*args):
-        fn(*args, *consts)
+        return fn(*args, *consts)
 
     run.kernel = fn
     return run
