@@ -59,7 +59,7 @@ def yarn_rope(g: GGUFFile, dim: int, base: float, read_ext_factor: bool = True):
     """YaRN's inverse frequencies from the ``rope.scaling.*`` keys -> (inverse frequencies, factor);
     ``read_ext_factor=False``: ext_factor 1 whatever the file says (deepseek4's compressor RoPE)."""
     factor = float(g.require("rope.scaling.factor"))
-    ext = {"ext_factor": float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0)} if read_ext_factor else {}
+    ext_factor = float(g.value("rope.scaling.yarn_ext_factor", 1.0) or 1.0) if read_ext_factor else 1.0
     inv = yarn_inv_freq(
         dim,
         base,
@@ -67,7 +67,7 @@ def yarn_rope(g: GGUFFile, dim: int, base: float, read_ext_factor: bool = True):
         int(g.require("rope.scaling.original_context_length")),
         beta_fast=float(g.value("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
         beta_slow=float(g.value("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-        **ext,
+        ext_factor=ext_factor,
     )
     return inv, factor
 
