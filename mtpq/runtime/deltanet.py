@@ -38,7 +38,7 @@ from torch import nn
 
 from ..errors import InputError
 from .cache import RecurrentCache
-from .layers import rms_norm, take_rows
+from .layers import autograd_records, rms_norm, take_rows
 from .weights import Scope, as_dtype
 
 # tokens per chunk of the chunked form: smaller chunks shrink its batched triangular solves, its costliest op, until
@@ -181,7 +181,7 @@ def causal_conv(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | N
         acc += window[:, i : i + T] * taps[i]
     if bias is not None:
         acc += bias
-    return F.silu(acc, inplace=True)
+    return F.silu(acc, inplace=not autograd_records(acc))
 
 
 def conv_window(cache: RecurrentCache | None, mixed: torch.Tensor, conv_kernel: int) -> torch.Tensor:
@@ -203,7 +203,8 @@ def delta_rule_through_cache(
     T, K = q.shape[2], conv_kernel
     ssm = cache.state["ssm"] if cache is not None and cache.state is not None else None
     recording = cache is not None and cache.recording
-    if recording or T <= RECURRENT_MAX_T:
+    # (the chunked form writes into its buffers, which autograd cannot follow)
+    if recording or T <= RECURRENT_MAX_T or autograd_records(q, k, v, g, beta):
         out, final, per_token = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, keep_all=recording)
     else:
         (out, final), per_token = chunked(q, k, v, g, beta, ssm), None

@@ -149,6 +149,12 @@ def _causal_mask(start: int, T: int, S: int, device: torch.device) -> torch.Tens
     return _mask_memo[1]
 
 
+def autograd_records(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors``: then the ops that overwrite their inputs to save memory at
+    inference must not (scripts/train_family.py trains through the runtime)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -159,7 +165,8 @@ def causal_attention(
     if isinstance(start, torch.Tensor):  # each sequence's own query positions
         allowed = (torch.arange(S, device=q.device) <= start[..., None])[:, None]  # [B, 1, T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    if T >= BLOCKED_MIN_T and q.device.type == "cpu" and _block_rows(B, Hq, S) >= MIN_BLOCK_ROWS:
+    blocked = T >= BLOCKED_MIN_T and q.device.type == "cpu" and _block_rows(B, Hq, S) >= MIN_BLOCK_ROWS
+    if blocked and not autograd_records(q, k, v):  # (its blocks are written into a buffer autograd cannot follow)
         return blocked_causal_attention(q, k, v, start, scale)
     mqa = k.shape[1] == 1 and Hq > 1 and T < 16  # (long T: SDPA's own GQA path is as fast)
     if (pad := q.shape[-1] - v.shape[-1]) > 0 and not mqa:  # SDPA's CPU flash kernel wants v as wide as q
@@ -365,6 +372,12 @@ def swiglu_(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, clamp_gate
     / ``_shexp``): up clamped to [-limit, limit] and silu(gate) to at most limit, before the product; with
     ``clamp_gate`` the gate itself is clamped to at most limit before the silu instead (ggml_swiglu_clamp:
     DeepSeek-V4, Hy-V4)."""
+    if autograd_records(gate, up):
+        if limit <= 0:
+            return F.silu(gate) * up
+        if clamp_gate:
+            return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
     if limit > 0 and clamp_gate:
         return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp(-limit, limit))
     act = F.silu(gate, inplace=True)
@@ -391,7 +404,7 @@ class SwiGLU(nn.Module):
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
     """relu(h)^2, in place (llama.cpp's LLM_FFN_RELU_SQR without a gate)."""
-    return F.relu(h, inplace=True).square_()
+    return F.relu(h).square() if autograd_records(h) else F.relu(h, inplace=True).square_()
 
 
 class SquaredReLU(nn.Module):

@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import InputError
 from .cache import RecurrentCache
 from .deltanet import RECURRENT_MAX_T, causal_conv, masked_exp
-from .layers import rms_norm, take_rows
+from .layers import autograd_records, rms_norm, take_rows
 from .weights import Scope, as_dtype
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -154,7 +154,8 @@ class Mamba2(nn.Module):
         Bh, Ch = (t.view(Bsz, T, G, N).transpose(1, 2)[:, self.group_of_head] for t in (Bg, Cg))
         ssm = state["ssm"] if state is not None else None
         recording = cache is not None and cache.recording
-        if recording or T <= RECURRENT_MAX_T:
+        # (the chunked form writes into its buffers, which autograd cannot follow)
+        if recording or T <= RECURRENT_MAX_T or autograd_records(xs, Bh):
             y, final, per_token = recurrent_scan(
                 xs * dt[..., None], dt * self.a[:, None], Bh, Ch, ssm, keep_all=recording
             )
