@@ -27,6 +27,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+# Where a speculative loop's rounds fall, as llama.cpp's two drivers place them (runtime.speculative.run_speculative)
+ROUNDS = ("llama-server", "llama-speculative-simple")
+
 
 @dataclass
 class GenerationResult:

@@ -9,6 +9,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
+from ..acceptance.metrics import ROUNDS
 from . import options
 from .app import app
 from .common import (
@@ -88,7 +89,20 @@ def check_numbers(
 
 
 def check_engine_options(
-    engine: str, extra: list[str], *, llama_cpp, server, ngl, ctx_size, rpc, threads, device, dtype, hidden, reference
+    engine: str,
+    extra: list[str],
+    *,
+    llama_cpp,
+    server,
+    ngl,
+    ctx_size,
+    rpc,
+    threads,
+    device,
+    dtype,
+    hidden,
+    reference,
+    rounds="llama-server",
 ):
     """The options that belong to one engine only; -> the llama-server configuration (None for torch or --server)."""
     llama_only = {"--llama-cpp": llama_cpp, "--server": server, "--ngl": ngl, "--ctx-size": ctx_size, "--rpc": rpc}
@@ -98,6 +112,8 @@ def check_engine_options(
     for opt, v, default in (("--device", device, None), ("--dtype", dtype, "f32"), ("--hidden", hidden, "auto")):
         if v != default:
             fail(opt, "belongs to --engine torch (llama-server decides devices and precision itself)")
+    if rounds != "llama-server":
+        fail("--rounds", "belongs to --engine torch (llama-server places its rounds as llama-server does)")
     if server is not None:
         if not server.startswith(("http://", "https://", "unix:")):
             fail("--server", f"{server}: expected http://HOST:PORT or unix:/path/to/llama.sock")
@@ -181,6 +197,15 @@ def accept(
         "feeds this architecture's head), post_norm or pre_norm.",
     ),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    rounds: str = typer.Option(
+        "llama-server",
+        "--rounds",
+        help="torch engine: where the draft rounds fall, as one of llama.cpp's drivers places them. "
+        "llama-server (default): drafting starts after the prompt's first new token. "
+        "llama-speculative-simple: the prompt's last token starts the first round (the first new token is "
+        "drafted too), and it counts the rounds that example prints. Greedy acceptance differs between the two "
+        "by a point or so on a good head: a run of accepted drafts keeps its phase until a miss.",
+    ),
     engine: str = typer.Option(
         "torch",
         "--engine",
@@ -229,7 +254,10 @@ def accept(
         dtype=dtype,
         hidden=hidden,
         reference=reference,
+        rounds=rounds,
     )
+    if rounds not in ROUNDS:
+        fail("--rounds", f"choose {' or '.join(ROUNDS)}")
     if dtype not in DTYPES:
         fail("--dtype", f"choose one of {', '.join(DTYPES)}")
     if hidden not in ("auto", "post_norm", "pre_norm"):
@@ -278,6 +306,7 @@ def accept(
             dtype={"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype],
             hidden=hidden,
             threads=threads,
+            rounds=rounds,
         )
     reports = {}
     # accept always judges (greedy outputs identical, and its gates): a measurement that fails is a failed check

@@ -47,9 +47,11 @@ def measure_file(
     threads: int | None = None,
     head: str | Path | None = None,
     on_prompt: Callable[[int, int], None] | None = None,
+    rounds: str = "llama-server",
 ) -> AcceptReport:
     """Acceptance of one GGUF's MTP head over a prompt set (``head``: a head file drafting for the trunk at
-    ``path``, as llama.cpp's ``-md``)."""
+    ``path``, as llama.cpp's ``-md``; ``rounds``: which llama.cpp driver's rounds to count, see
+    :func:`~mtpq.runtime.speculative.run_speculative`)."""
     path = Path(path)
     if not 1 <= draft <= 8:
         raise InputError("--draft", "must be between 1 and 8")
@@ -78,6 +80,7 @@ def measure_file(
             top_p=top_p,
             seed=seed + i,
             stop_ids=stop,
+            rounds=rounds,
         )
         plain = (
             run_plain(

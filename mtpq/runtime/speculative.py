@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance.metrics import GenerationResult
+from ..acceptance.metrics import ROUNDS, GenerationResult
 from . import finite
 from .families import load
 from .layers import Packing
@@ -327,15 +327,29 @@ def run_speculative(
     top_p: float = 1.0,
     seed: int = 0,
     stop_ids: set[int] | None = None,
+    rounds: str = "llama-server",
 ) -> GenerationResult:
-    """Generate ``max_new_tokens`` tokens (fewer after a stop token) with k-token MTP drafts."""
+    """Generate ``max_new_tokens`` tokens (fewer after a stop token) with k-token MTP drafts.
+
+    ``rounds`` says where the rounds fall, as one of llama.cpp's two drivers places them (greedy drafting
+    accepts a different count on each, since a run of accepted drafts keeps its phase until a miss):
+    - ``llama-server``: the prompt's pass emits the first new token, and drafting starts after it;
+    - ``llama-speculative-simple``: the prompt's last token starts the first round, so the first new token is
+      drafted and verified too; a round drafts at most the tokens still wanted less one (llama.cpp: 0 means no
+      cap), and rounds go on until more than ``max_new_tokens`` were generated (the surplus is cut from
+      ``tokens``, not from the counts). A one-token prompt has no pair to draft from: server rounds."""
+    if rounds not in ROUNDS:
+        raise ValueError(f"rounds must be one of {', '.join(ROUNDS)}, got {rounds!r}")
     dec = SpeculativeDecoder(model, k, SamplingParams(temperature, top_k, top_p), seed)
     t0 = time.perf_counter()
-    first = dec.prefill(list(prompt_ids))
-    generated = [first]
+    simple = rounds == "llama-speculative-simple" and len(prompt_ids) >= 2
+    first = dec.prefill(list(prompt_ids), draft_first=simple)
+    generated = [] if simple else [first]
     res = GenerationResult(prompt_len=len(prompt_ids), tokens=[], k=dec.k)
-    while len(generated) < max_new_tokens and not _stopped(generated, stop_ids):
-        emitted, drafts = dec.step()
+    limit = max_new_tokens + 1 if simple else max_new_tokens  # (simple: stops once it has more than asked)
+    while len(generated) < limit and not _stopped(generated, stop_ids):
+        cap = max_new_tokens - len(generated) - 1 if simple else 0
+        emitted, drafts = dec.step(cap if cap > 0 else None)
         generated.extend(emitted)
         res.accepted.append(len(emitted) - 1)
         res.drafted.append(len(drafts))

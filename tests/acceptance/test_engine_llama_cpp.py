@@ -260,6 +260,7 @@ def test_running_server_by_url(fake_bin, model, tmp_path):
         (["--ngl", "5"], "--ngl"),  # a llama.cpp option with the torch engine
         (["--engine", "llama.cpp", "--device", "cpu"], "--device"),
         (["--engine", "llama.cpp", "--dtype", "bf16"], "--dtype"),
+        (["--engine", "llama.cpp", "--rounds", "llama-speculative-simple"], "--rounds"),
         (["--engine", "llama.cpp", "--server", "gpu-box:8080"], "--server"),
         (["--engine", "llama.cpp", "--server", "http://x:1", "--ngl", "3"], "--ngl"),
         (["--engine", "vllm"], "--engine"),

@@ -1298,6 +1298,7 @@ _ACCEPT = {
     "max-drop-without-reference": (["--max-drop", "0.1"], ["--max-drop", "needs --reference"]),
     "dtype-unknown": (["--dtype", "f8"], ["--dtype"]),
     "hidden-unknown": (["--hidden", "middle"], ["--hidden"]),
+    "rounds-unknown": (["--rounds", "vllm"], ["--rounds", "llama-speculative-simple"]),
     "prompts-missing": (["--prompts", "nope.jsonl"], ["nope.jsonl", "no such prompts file"]),
 }
 for _name, (_extra, _needles) in _ACCEPT.items():

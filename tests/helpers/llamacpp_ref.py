@@ -185,22 +185,15 @@ def assert_k1_acceptance_agrees(
 
 
 def speculative_simple_counts(model, prompt_ids: list[int], n_predict: int, k: int, eog: set[int]) -> dict:
-    """The torch runtime's greedy loop (:class:`~mtpq.runtime.speculative.SpeculativeDecoder`) driven as
-    ``llama-speculative-simple`` drives llama.cpp's drafter -> the counters it prints (``n_predict``, ``n_drafted``,
-    ``n_accept``). Its rounds differ from ``run_speculative``'s: the prompt's last token starts the first round (the
-    first new token is drafted and verified too); a round drafts min(k, n_predict - generated - 1) tokens (k when
-    that is 0 or less: its 0 means no cap); it stops once more than ``n_predict`` tokens were generated, or after
-    the round that emitted an end-of-generation token (``eog``; that round still counts)."""
-    from mtpq.runtime.speculative import SpeculativeDecoder
+    """The torch runtime's greedy loop with ``llama-speculative-simple``'s rounds (``run_speculative(...,
+    rounds="llama-speculative-simple")``, what ``mtpq accept --rounds llama-speculative-simple`` runs) -> the
+    counters that example prints (``n_predict``, ``n_drafted``, ``n_accept``): every round's tokens count, the
+    surplus past ``n_predict`` too, and a round that emitted an end-of-generation token (``eog``) is the last."""
+    from mtpq.runtime.speculative import run_speculative
 
-    dec = SpeculativeDecoder(model, k)
-    dec.prefill(list(prompt_ids), draft_first=True)
-    counts = {"n_predict": 0, "n_drafted": 0, "n_accept": 0}
-    while True:
-        cap = n_predict - counts["n_predict"] - 1
-        emitted, drafts = dec.step(cap if cap > 0 else None)
-        counts["n_drafted"] += len(drafts)
-        counts["n_accept"] += len(emitted) - 1
-        counts["n_predict"] += len(emitted)
-        if counts["n_predict"] > n_predict or eog & set(emitted):
-            return counts
+    r = run_speculative(model, list(prompt_ids), n_predict, k, stop_ids=eog, rounds="llama-speculative-simple")
+    return {
+        "n_predict": sum(r.accepted) + len(r.accepted),
+        "n_drafted": sum(r.drafted),
+        "n_accept": sum(r.accepted),
+    }

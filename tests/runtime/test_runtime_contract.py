@@ -319,6 +319,10 @@ def test_greedy_speculative_equals_plain_greedy(family, rt):
             accepted_any += spec.n_accepted
             rejected_any += sum(a < k for a in spec.accepted)
             multi += sum(a >= 2 for a in spec.accepted)
+            if k in (1, 3):  # llama-speculative-simple's rounds: drafting from the prompt's last token on
+                simple = run_speculative(model, ids, 32, k=k, rounds="llama-speculative-simple")
+                assert simple.tokens == base.tokens, (k, ids)
+                assert sum(simple.accepted) + simple.n_drafts > 32 and simple.trunk_forwards == 1 + simple.n_drafts
     # the comparison means something only if drafts were both accepted and rejected, several at a time too
     assert accepted_any > 0 and rejected_any > 0 and multi > 0, (accepted_any, rejected_any, multi)
     # caches after rollbacks: every trunk layer holds every token but the last; each head the decoder drafts with
