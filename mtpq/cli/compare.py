@@ -197,6 +197,21 @@ def compare(
     raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
 
 
+def _default_device() -> str:
+    return "cuda" if __import__("torch").cuda.is_available() else "cpu"
+
+
+def _load_quality_runs(paths: list[Path], device: str, numerics: str, head: Path | None, progress, task) -> list:
+    """A QualityRun per file (the torch engine's figures), the progress line naming the file it loads."""
+    from ..runtime.trunk_quality import QualityRun
+
+    runs = []
+    for p in paths:
+        progress.update(task, description=f"loading {p.name}")
+        runs.append(QualityRun(p, device=device, numerics=numerics, head=head))
+    return runs
+
+
 def _with_torch(
     reference: Path,
     quants: list[Path],
@@ -209,16 +224,13 @@ def _with_torch(
     head: Path | None = None,
 ) -> dict:
     from ..runtime.accept import use_threads
-    from ..runtime.trunk_quality import QualityRun, compare_runs
+    from ..runtime.trunk_quality import compare_runs
 
     use_threads(reference, threads)
-    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    dev = device or _default_device()
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading", total=None)
-        runs = []
-        for p in (reference, *quants):
-            progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
+        runs = _load_quality_runs([reference, *quants], dev, numerics, head, progress, task)
         progress.update(task, description=f"scoring {len(quants) + 1} files")
         n = compare_runs(
             runs[0],
@@ -251,17 +263,14 @@ def _with_base(
 ) -> dict:
     from ..engines.kld_base import KldBase
     from ..runtime.accept import use_threads
-    from ..runtime.trunk_quality import QualityRun, compare_with_base
+    from ..runtime.trunk_quality import compare_with_base
 
     base = KldBase(base_path)
     use_threads(quants[0], threads)
-    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    dev = device or _default_device()
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading", total=None)
-        runs = []
-        for p in quants:
-            progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
+        runs = _load_quality_runs(quants, dev, numerics, head, progress, task)
         progress.update(task, description=f"scoring {len(quants)} files against {base_path.name}")
         ref = compare_with_base(
             base, runs, n_chunks=chunks, on_chunk=lambda i, total: progress.update(task, completed=i, total=total)
