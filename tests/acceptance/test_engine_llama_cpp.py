@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ggufcheck import one_tensor_gguf
 from tests.helpers.llamacpp_ref import free_port
 from tests.helpers.runcli import run_cli
 
@@ -95,23 +96,9 @@ def fake_bin(tmp_path, monkeypatch) -> Path:
     return d
 
 
-def _tiny_gguf(path: Path) -> Path:
-    """A valid GGUF of one tensor: mtpq checks a model (its split set) before it starts llama-server."""
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), "glm4moe")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture
 def model(tmp_path) -> Path:
-    return _tiny_gguf(tmp_path / "m.gguf")
+    return one_tensor_gguf(tmp_path / "m.gguf", "glm4moe")  # mtpq checks a model before it starts llama-server
 
 
 def _gone(pid: int, wait: float = 10.0) -> bool:
@@ -204,7 +191,7 @@ def test_k1_gives_the_position_rate(fake_bin, model, tmp_path):
 
 
 def test_server_that_cannot_load_the_model(fake_bin, tmp_path):
-    bad = _tiny_gguf(tmp_path / "FAIL.gguf")  # the fake server fails to load it (its name says so)
+    bad = one_tensor_gguf(tmp_path / "FAIL.gguf", "glm4moe")  # the fake server fails to load it (its name says so)
     res = accept_with_llama_cpp(bad, "--llama-cpp", fake_bin, "--max-prompts", "1")
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
