@@ -513,6 +513,19 @@ def assert_refused(folder: Path, out: Path, *needles: str) -> str:
     return line
 
 
+def transformers_greedy(model_class: str, folder: Path, prompt: str, n: int) -> list[int]:
+    """The ``n`` tokens transformers' ``model_class`` (its name in transformers) generates greedily in f32 after
+    ``prompt``, from the checkpoint in ``folder``: the continuation llama.cpp's targets must follow."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(folder))
+    model = getattr(tf, model_class).from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
 def assert_targets_are_greedy(steps: list[tuple[int, int]], want: list[int], at_least: int = 5):
     """llama-speculative-simple's verification steps, (accepted drafts, target token) each, follow the greedy
     continuation want: a step accepts some drafts, then emits one target token, which must be the next of
