@@ -20,6 +20,7 @@ from tests.builders import tiny_deepseek32
 from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_f32_equal,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -111,8 +112,7 @@ def test_metadata(f32):
         f"{a}.rope.scaling.original_context_length": 4096,
         "tokenizer.ggml.add_bos_token": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv[f"{a}.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)  # 0.1 * mscale_all_dim
 
 

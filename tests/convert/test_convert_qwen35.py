@@ -24,6 +24,7 @@ from tests.builders import tiny, tiny_qwen35
 from tests.helpers.familycheck import (
     Experts,
     assert_f32_equal,
+    assert_kv_holds,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
@@ -223,8 +224,7 @@ def test_metadata(ckpt, tmp_path, variant):
         assert f"{a}.feed_forward_length" not in kv
     else:
         want[f"{a}.feed_forward_length"] = 512
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["tokenizer.ggml.pre"]  # the name is vocab.py's business (tests/convert/test_convert_glm4moe.py)
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)

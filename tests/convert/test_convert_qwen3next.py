@@ -25,6 +25,7 @@ from tests.builders import tiny_qwen3next
 from tests.helpers.familycheck import (
     Experts,
     assert_f32_equal,
+    assert_kv_holds,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
@@ -187,8 +188,7 @@ def test_metadata(ckpt, tmp_path, variant):
         f"{a}.attention.recurrent_layers": [True, True, True, False, False],
         f"{a}.rope.dimension_count": 16,  # head_dim 64 * partial_rotary_factor 0.25
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert f"{a}.rope.dimension_sections" not in kv  # plain partial RoPE, no MRoPE
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)

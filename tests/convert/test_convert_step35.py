@@ -22,6 +22,7 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_fp8_source_same_as_llama_cpp,
     assert_head_at_q8_0,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -112,8 +113,7 @@ def test_metadata(step_ckpt, tmp_path):
         "step35.swiglu_clamp_shexp": [0.0, 16.0, 16.0, 0.0, 0.0],
         "general.file_type": 1,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["step35.rope.freq_base"] == pytest.approx(1e6)
     assert kv["step35.rope.freq_base_swa"] == pytest.approx(1e4)
     assert kv["step35.expert_weights_scale"] == pytest.approx(3.0)

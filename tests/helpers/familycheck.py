@@ -145,6 +145,12 @@ def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
 HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # what a --mtp-only file carries
 
 
+def assert_kv_holds(kv: dict, want: dict) -> None:
+    """Every key of ``want`` is in the metadata ``kv`` with exactly its value (the failing key named)."""
+    for k, v in want.items():
+        assert kv[k] == v, k
+
+
 def assert_mode_files(
     ckpt: Path,
     tmp_path: Path,
