@@ -3,6 +3,7 @@ next to the MTP head's acceptance. Exit 1 when a gate fails."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -174,9 +175,10 @@ def compare(
     gates = Gates(max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, min_rate=min_rate, max_drop=max_drop)
     with gating(gates.any()):  # non-finite figures: a failed gate (exit 1), else bad input (2)
         if kld_base is not None:
-            report = _with_base(kld_base, quants, chunks, device, threads, numerics, head)
+            report = _with_base(kld_base, quants, chunks, TorchScoring.chosen(device, threads, numerics, head))
         elif engine == "torch":
-            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, device, threads, numerics, head)
+            scoring = TorchScoring.chosen(device, threads, numerics, head)
+            report = _with_torch(reference, quants, _read_text(text), ctx_size, chunks, scoring)
         else:
             _read_text(text)
             report = _with_llama_cpp(reference, quants, text, ctx_size, chunks, threads, ngl, llama_cpp, passed_on)
@@ -197,28 +199,50 @@ def compare(
     raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
 
 
-def _with_torch(
-    reference: Path,
-    quants: list[Path],
-    text: str,
-    ctx_size: int,
-    chunks: int | None,
-    device,
-    threads: int | None,
-    numerics: str,
-    head: Path | None = None,
-) -> dict:
-    from ..runtime.accept import use_threads
-    from ..runtime.trunk_quality import QualityRun, compare_runs
+@dataclass(frozen=True)
+class TorchScoring:
+    """How the torch engine scores files: device, CPU threads, numerics, and the head file that drafts for every
+    trunk (None: each file's own head)."""
 
-    use_threads(reference, threads)
-    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    device: str
+    threads: int | None
+    numerics: str
+    head: Path | None
+
+    @classmethod
+    def chosen(cls, device: str | None, threads: int | None, numerics: str, head: Path | None) -> TorchScoring:
+        """The options as given; no --device: cuda when available, else cpu."""
+        return cls(device or ("cuda" if __import__("torch").cuda.is_available() else "cpu"), threads, numerics, head)
+
+    @property
+    def label(self) -> str:
+        return f"torch ({self.device}, numerics {self.numerics})"
+
+    def load_runs(self, paths: list[Path], progress, task) -> list:
+        """A QualityRun per file (threads chosen by the first), the progress line naming the file it loads."""
+        from ..runtime.accept import use_threads
+        from ..runtime.trunk_quality import QualityRun
+
+        use_threads(paths[0], self.threads)
+        runs = []
+        for p in paths:
+            progress.update(task, description=f"loading {p.name}")
+            runs.append(QualityRun(p, device=self.device, numerics=self.numerics, head=self.head))
+        return runs
+
+
+# what the torch engine measures of the head
+HEAD_FIGURES = "teacher-forced depth-1 acceptance on the same chunks"
+
+
+def _with_torch(
+    reference: Path, quants: list[Path], text: str, ctx_size: int, chunks: int | None, scoring: TorchScoring
+) -> dict:
+    from ..runtime.trunk_quality import compare_runs
+
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading", total=None)
-        runs = []
-        for p in (reference, *quants):
-            progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
+        runs = scoring.load_runs([reference, *quants], progress, task)
         progress.update(task, description=f"scoring {len(quants) + 1} files")
         n = compare_runs(
             runs[0],
@@ -229,44 +253,30 @@ def _with_torch(
             on_chunk=lambda i, total: progress.update(task, completed=i, total=total),
         )
     ref = runs[0].quality
-    label = f"torch ({dev}, numerics {numerics})"
+    label = scoring.label
     return {
         "reference": ref.summary(ref),
         "files": [r.quality.summary(ref) for r in runs[1:]],
         "ctx_size": ctx_size,
         "chunks": n,
-        "numerics": numerics,
-        "engine": {"trunk": label, "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks"},
+        "numerics": scoring.numerics,
+        "engine": {"trunk": label, "head": f"{label}: {HEAD_FIGURES}"},
     }
 
 
-def _with_base(
-    base_path: Path,
-    quants: list[Path],
-    chunks: int | None,
-    device,
-    threads: int | None,
-    numerics: str,
-    head: Path | None = None,
-) -> dict:
+def _with_base(base_path: Path, quants: list[Path], chunks: int | None, scoring: TorchScoring) -> dict:
     from ..engines.kld_base import KldBase
-    from ..runtime.accept import use_threads
-    from ..runtime.trunk_quality import QualityRun, compare_with_base
+    from ..runtime.trunk_quality import compare_with_base
 
     base = KldBase(base_path)
-    use_threads(quants[0], threads)
-    dev = device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading", total=None)
-        runs = []
-        for p in quants:
-            progress.update(task, description=f"loading {p.name}")
-            runs.append(QualityRun(p, device=dev, numerics=numerics, head=head))
+        runs = scoring.load_runs(quants, progress, task)
         progress.update(task, description=f"scoring {len(quants)} files against {base_path.name}")
         ref = compare_with_base(
             base, runs, n_chunks=chunks, on_chunk=lambda i, total: progress.update(task, completed=i, total=total)
         )
-    label = f"torch ({dev}, numerics {numerics})"
+    label = scoring.label
     summary = ref.summary(ref)
     summary.update(size_bytes=None, bits_per_weight=None)
     return {
@@ -274,11 +284,11 @@ def _with_base(
         "files": [r.quality.summary(None) for r in runs],
         "ctx_size": base.n_ctx,
         "chunks": min(chunks or base.n_chunk, base.n_chunk),
-        "numerics": numerics,
+        "numerics": scoring.numerics,
         "kld_base": str(base_path),
         "engine": {
             "trunk": f"{label} against {base_path.name} (llama-perplexity's reference log-probabilities)",
-            "head": f"{label}: teacher-forced depth-1 acceptance on the same chunks",
+            "head": f"{label}: {HEAD_FIGURES}",
         },
     }
 

@@ -216,7 +216,15 @@ def delta_rule_through_cache(
     return out
 
 
-class GatedDeltaNet(nn.Module):
+class RecurrentMixer(nn.Module):
+    """A sequence-mixing layer whose cache is a :class:`RecurrentCache`: a short-conv window and a fixed-size state
+    (DeltaNet's, Kimi's delta attention's, Mamba-2's), not keys and values."""
+
+    def new_cache(self) -> RecurrentCache:
+        return RecurrentCache()
+
+
+class GatedDeltaNet(RecurrentMixer):
     """A sequence-mixing layer with the layers.py signature ``layer(x, start, cache)``; ``cache`` is a
     :class:`RecurrentCache` holding ``{"conv": [B, K-1, C], "ssm": [B, n_v, d_k, d_v]}``."""
 
@@ -242,9 +250,6 @@ class GatedDeltaNet(nn.Module):
                 f"{w.name('ssm_conv1d')} / attn_qkv do not fit the ssm metadata "
                 f"(conv {tuple(self.conv.shape)}, expected {want})",
             )
-
-    def new_cache(self) -> RecurrentCache:
-        return RecurrentCache()
 
     def beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The projections behind beta and the decay, [B, T, n_v] each, value heads in the layer's order."""

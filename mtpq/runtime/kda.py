@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..errors import InputError
 from .cache import RecurrentCache
-from .deltanet import causal_conv, conv_window, delta_rule_through_cache, l2norm
+from .deltanet import RecurrentMixer, causal_conv, conv_window, delta_rule_through_cache, l2norm
 from .layers import rms_norm, take_rows
 from .weights import FusedLinear, Scope, as_dtype
 
@@ -79,7 +78,7 @@ def chunked_kda(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(B, H, n * chunk, -1)[:, :, :T], S
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(RecurrentMixer):
     """A sequence-mixing layer with the layers.py signature ``layer(x, start, cache, rows=None)``; ``cache`` is a
     :class:`RecurrentCache` holding ``{"conv": [B, K-1, 3 H d] (q | k | v inputs), "ssm": [B, H, d, d]}``."""
 
@@ -102,9 +101,6 @@ class KimiDeltaAttention(nn.Module):
                 f"({cfg.n_heads} heads of {cfg.head_dim}, kernel {K})",
             )
         self.taps = torch.cat([t.reshape(C, K) for t in convs]).t().contiguous()  # [K, 3C]: tap i, every channel
-
-    def new_cache(self) -> RecurrentCache:
-        return RecurrentCache()
 
     def forward(
         self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None

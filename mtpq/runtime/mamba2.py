@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..errors import InputError
 from .cache import RecurrentCache
-from .deltanet import RECURRENT_MAX_T, causal_conv, masked_exp
+from .deltanet import RECURRENT_MAX_T, RecurrentMixer, causal_conv, masked_exp
 from .layers import autograd_records, rms_norm, take_rows
 from .weights import Scope, as_dtype
 
@@ -100,7 +99,7 @@ def chunked_scan(x, log_decay, B, C, state, chunk: int = CHUNK, final: bool = Tr
     return y.reshape(b, h, n * chunk, p)[:, :, :T], S if final else None
 
 
-class Mamba2(nn.Module):
+class Mamba2(RecurrentMixer):
     """A sequence-mixing layer with the layers.py signature ``layer(x, start, cache, rows=None)``; ``cache`` is a
     :class:`RecurrentCache` holding ``{"conv": [B, K-1, C], "ssm": [B, n_heads, P, N]}``."""
 
@@ -131,9 +130,6 @@ class Mamba2(nn.Module):
                 f"{self.w_in.out_features} rows, expected {in_rows}; ssm_norm "
                 f"{tuple(self.norm.shape)})",
             )
-
-    def new_cache(self) -> RecurrentCache:
-        return RecurrentCache()
 
     def forward(
         self, x: torch.Tensor, start: int, cache: RecurrentCache | None, rows: torch.Tensor | None = None

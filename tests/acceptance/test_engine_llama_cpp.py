@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ggufcheck import one_tensor_gguf
 from tests.helpers.llamacpp_ref import free_port
 from tests.helpers.runcli import run_cli
 
@@ -95,23 +96,9 @@ def fake_bin(tmp_path, monkeypatch) -> Path:
     return d
 
 
-def _tiny_gguf(path: Path) -> Path:
-    """A valid GGUF of one tensor: mtpq checks a model (its split set) before it starts llama-server."""
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), "glm4moe")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture
 def model(tmp_path) -> Path:
-    return _tiny_gguf(tmp_path / "m.gguf")
+    return one_tensor_gguf(tmp_path / "m.gguf", "glm4moe")  # mtpq checks a model before it starts llama-server
 
 
 def _gone(pid: int, wait: float = 10.0) -> bool:
@@ -129,15 +116,22 @@ def _pid(fake_bin: Path) -> int:
     return int((fake_bin.parent / "state" / "pid").read_text())
 
 
+def accept_with_llama_cpp(model, *args):
+    """``mtpq accept MODEL --engine llama.cpp ARGS...``."""
+    return run_cli("accept", model, "--engine", "llama.cpp", *args)
+
+
+def accept_at_server(model, url: str, out: Path):
+    """k=1 over two prompts through the llama-server at ``url``, the report written to ``out``."""
+    return accept_with_llama_cpp(model, "--server", url, "-k", "1", "--max-prompts", "2", "--json", out)
+
+
 def test_report_from_server_counters(fake_bin, model, tmp_path):
     from mtpq.acceptance.prompts import load_prompts
 
     out = tmp_path / "r.json"
-    res = run_cli(
-        "accept",
+    res = accept_with_llama_cpp(
         model,
-        "--engine",
-        "llama.cpp",
         "--llama-cpp",
         fake_bin,
         "--prompts",
@@ -187,21 +181,8 @@ def test_report_from_server_counters(fake_bin, model, tmp_path):
 
 def test_k1_gives_the_position_rate(fake_bin, model, tmp_path):
     out = tmp_path / "r.json"
-    res = run_cli(
-        "accept",
-        model,
-        "--engine",
-        "llama.cpp",
-        "--llama-cpp",
-        fake_bin,
-        "--max-prompts",
-        "3",
-        "-k",
-        "1",
-        "-n",
-        "20",
-        "--json",
-        out,
+    res = accept_with_llama_cpp(
+        model, "--llama-cpp", fake_bin, "--max-prompts", "3", "-k", "1", "-n", "20", "--json", out
     )
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
@@ -210,8 +191,8 @@ def test_k1_gives_the_position_rate(fake_bin, model, tmp_path):
 
 
 def test_server_that_cannot_load_the_model(fake_bin, tmp_path):
-    bad = _tiny_gguf(tmp_path / "FAIL.gguf")  # the fake server fails to load it (its name says so)
-    res = run_cli("accept", bad, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--max-prompts", "1")
+    bad = one_tensor_gguf(tmp_path / "FAIL.gguf", "glm4moe")  # the fake server fails to load it (its name says so)
+    res = accept_with_llama_cpp(bad, "--llama-cpp", fake_bin, "--max-prompts", "1")
     assert res.exit_code == 2, res.output
     line = res.stderr.strip()
     assert len(line.splitlines()) == 1 and "data is not within the file bounds" in line, line
@@ -223,7 +204,7 @@ def test_server_that_cannot_load_the_model(fake_bin, tmp_path):
 
 def test_a_server_that_does_not_draft_is_refused(fake_bin, model, monkeypatch):
     monkeypatch.setenv("FAKE_NO_DRAFT", "1")
-    res = run_cli("accept", model, "--engine", "llama.cpp", "--llama-cpp", fake_bin, "--max-prompts", "1")
+    res = accept_with_llama_cpp(model, "--llama-cpp", fake_bin, "--max-prompts", "1")
     assert res.exit_code == 2 and "drafted nothing" in res.stderr, res.output
     assert _gone(_pid(fake_bin))
 
@@ -234,20 +215,7 @@ def test_running_server_by_url(fake_bin, model, tmp_path):
     with LlamaServer(ServerConfig(fake_bin / "llama-server"), model, draft=1) as srv:
         assert srv.socket_dir.stat().st_mode & 0o777 == 0o700  # no other user can reach or replace the socket
         out = tmp_path / "r.json"
-        res = run_cli(
-            "accept",
-            model,
-            "--engine",
-            "llama.cpp",
-            "--server",
-            srv.url,
-            "-k",
-            "1",
-            "--max-prompts",
-            "2",
-            "--json",
-            out,
-        )
+        res = accept_at_server(model, srv.url, out)
         assert res.exit_code == 0, res.output
         assert json.loads(out.read_text())["server"] == srv.url
         pid = srv.proc.pid
@@ -295,20 +263,7 @@ def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
         while not _health(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
             time.sleep(0.1)
         out = tmp_path / "r.json"
-        res = run_cli(
-            "accept",
-            model,
-            "--engine",
-            "llama.cpp",
-            "--server",
-            f"http://127.0.0.1:{port}",
-            "-k",
-            "1",
-            "--max-prompts",
-            "2",
-            "--json",
-            out,
-        )
+        res = accept_at_server(model, f"http://127.0.0.1:{port}", out)
         assert res.exit_code == 0, res.output
         doc = json.loads(out.read_text())
         assert doc["server"] == f"http://127.0.0.1:{port}" and doc["drafted"] > 0, doc

@@ -17,6 +17,7 @@ from mtpq.engines.perplexity import _FIELDS, parse_kld_log, parse_ppl_log
 from mtpq.errors import MeasurementError
 from mtpq.release.recipe import Gate
 from mtpq.workflows.gates import judge as judge_build
+from tests.helpers.ggufcheck import one_tensor_gguf
 from tests.helpers.runcli import run_cli
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "missing": None}
@@ -135,16 +136,7 @@ def _fake_perplexity(folder: Path, log: str) -> Path:
 
 def test_compare_with_a_nan_from_llama_perplexity_fails_its_gate(tmp_path):
     """The log of a reference run (its PPL) and a quant run whose mean KLD is nan: exit 1, the figure named."""
-    import gguf
-    import numpy as np
-
-    model = tmp_path / "m.gguf"  # a valid GGUF that is never run: the stand-in prints its log whatever it is given
-    w = gguf.GGUFWriter(model, "llama")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    model = one_tensor_gguf(tmp_path / "m.gguf")  # never run: the stand-in prints its log whatever it is given
     (tmp_path / "t.txt").write_text("text")
     log = "over 4 chunks\nFinal estimate: PPL = 12.3456 +/- 0.12345\n" + _with("kld_mean", "nan")
     bins = _fake_perplexity(tmp_path / "bin", log)

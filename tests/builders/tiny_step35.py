@@ -37,6 +37,18 @@ N_TRUNK, N_MTP = 3, 2
 H, HEAD_DIM, FF, MOE_FF, SHARE_FF, N_EXP = 256, 64, 512, 256, 256, 4
 HEADS = {"full_attention": (4, 2), "sliding_attention": (8, 2)}  # (q heads, kv groups)
 LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+# the releases' RoPE scaling (stepfun-ai/Step-3.5-Flash and Step-3.7-Flash config.json): Llama-3's, on the
+# full-attention layers only
+RELEASE_ROPE_SCALING = {
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 2.0,
+        "original_max_position_embeddings": 131072,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 32.0,
+    },
+    "yarn_only_types": ["full_attention"],
+}
 
 
 def config(vocab: int, **over) -> dict:

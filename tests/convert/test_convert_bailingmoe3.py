@@ -23,6 +23,7 @@ from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
+    assert_kv_holds,
     assert_mode_files,
     assert_same_gguf,
     assert_table_f32,
@@ -142,8 +143,7 @@ def test_metadata(bl_ckpt, bl_f32):
         "bailingmoe3.leading_dense_block_count": 1,
         "bailingmoe3.expert_weights_norm": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["bailingmoe3.kda.gate_lower_bound"] == pytest.approx(-5.0)
     assert kv["bailingmoe3.expert_weights_scale"] == pytest.approx(2.5)
     assert kv["bailingmoe3.rope.freq_base"] == pytest.approx(600000.0)

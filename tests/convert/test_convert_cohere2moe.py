@@ -23,6 +23,7 @@ from tests.helpers.familycheck import (
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
     assert_head_at_q8_0,
+    assert_kv_holds,
     assert_mode_files,
     assert_same_as_llama_quantize,
     assert_same_gguf,
@@ -99,8 +100,7 @@ def test_metadata(co_ckpt, co_f32):
         "cohere2moe.leading_dense_block_count": 1,
         "cohere2moe.expert_weights_norm": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["cohere2moe.logit_scale"] == pytest.approx(0.0625)
     assert kv["cohere2moe.rope.freq_base"] == pytest.approx(50000.0)
     assert kv["cohere2moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)

@@ -22,6 +22,7 @@ from tests.helpers.familycheck import (
     assert_drafts_in_llama_cpp,
     assert_f16_as_llama_cpp,
     assert_f32_equal,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_values_equal,
@@ -179,8 +180,7 @@ def test_metadata(ds_ckpt, ds_f32):
         "tokenizer.ggml.add_bos_token": True,
         "general.file_type": 0,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     approx = {
         "deepseek2.expert_weights_scale": 2.5,
         "deepseek2.rope.freq_base": 10000.0,

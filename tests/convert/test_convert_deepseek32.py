@@ -20,6 +20,7 @@ from tests.builders import tiny_deepseek32
 from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_f32_equal,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -32,6 +33,7 @@ from tests.helpers.familycheck import (
     quantize_q4_k_m,
     rewrite_tensor,
     to_fp8_dequantized,
+    transformers_greedy,
 )
 from tests.helpers.ggufcheck import convert, source_tensors
 from tests.helpers.runcli import run_cli
@@ -110,8 +112,7 @@ def test_metadata(f32):
         f"{a}.rope.scaling.original_context_length": 4096,
         "tokenizer.ggml.add_bos_token": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv[f"{a}.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)  # 0.1 * mscale_all_dim
 
 
@@ -223,16 +224,6 @@ def test_llama_cpp_drafts_with_the_head(ck, tmp_path, llama_cpp_bin):
     assert len(_speculative(llama_cpp_bin, gguf_path, "def add(a, b):", 10)) >= 5
 
 
-def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
-    import transformers as tf
-
-    tok = tf.AutoTokenizer.from_pretrained(str(folder))
-    model = tf.DeepseekV32ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("indexer", ["keeps_every_key", "top_4"])
 def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin, indexer):
@@ -253,8 +244,9 @@ def test_llama_cpp_greedy_tokens_equal_transformers(tmp_path, llama_cpp_bin, ind
     gguf_path = tmp_path / "m.gguf"
     convert(folder, gguf_path, "--outtype", "f32")
     steps = _speculative(llama_cpp_bin, gguf_path, prompt, n)
-    want = _hf_greedy(folder, prompt, n + 4)
+    want = transformers_greedy("DeepseekV32ForCausalLM", folder, prompt, n + 4)
     if indexer == "top_4":
         every_key = copy_with_config(folder, tmp_path / "every_key", index_topk=2048)
-        assert _hf_greedy(every_key, prompt, n + 4)[:8] != want[:8]  # the indexer's choice shows in the tokens
+        # the indexer's choice shows in the tokens
+        assert transformers_greedy("DeepseekV32ForCausalLM", every_key, prompt, n + 4)[:8] != want[:8]
     assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)

@@ -18,6 +18,7 @@ from tests.builders import tiny
 from tests.helpers.familycheck import (
     assert_f16_as_llama_cpp,
     assert_f32_equal,
+    assert_kv_holds,
     assert_mode_files,
     assert_same_gguf,
     convert_with_both,
@@ -119,8 +120,7 @@ def test_metadata_matches_llama_cpp_keys(glm_ckpt, tmp_path):
         "tokenizer.ggml.model": "gpt2",
         "general.file_type": 1,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["glm4moe.expert_weights_scale"] == pytest.approx(1.5)
     assert kv["glm4moe.rope.freq_base"] == pytest.approx(10000.0)
     assert kv["glm4moe.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)

@@ -21,6 +21,7 @@ from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_drafts_in_llama_cpp,
     assert_f32_equal,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_gguf,
@@ -225,8 +226,7 @@ def test_metadata(dsa_ckpt, dsa_f32):
         "tokenizer.ggml.model": "gpt2",
         "general.file_type": 0,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     for k, v in {
         "glm-dsa.expert_weights_scale": 2.5,
         "glm-dsa.rope.freq_base": 1e6,
@@ -339,8 +339,7 @@ def test_flash_metadata(lite_ckpt, lite_f32):
         "deepseek2.expert_gating_func": 2,
         "deepseek2.expert_weights_norm": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["deepseek2.expert_weights_scale"] == pytest.approx(1.8)
     assert kv["deepseek2.rope.freq_base"] == pytest.approx(1e6)
     from transformers import AutoTokenizer

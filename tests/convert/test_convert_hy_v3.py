@@ -23,6 +23,7 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_head_at_q8_0,
+    assert_kv_holds,
     assert_mode_files,
     assert_same_as_llama_quantize,
     assert_same_gguf,
@@ -95,8 +96,7 @@ def test_metadata(hy_f32):
         "hy_v3.expert_gating_func": 2,
         "general.file_type": 0,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["hy_v3.rope.freq_base"] == pytest.approx(11158840.0)
     assert kv["hy_v3.expert_weights_scale"] == pytest.approx(2.826)
     assert kv["hy_v3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)

@@ -21,6 +21,7 @@ from tests.helpers.familycheck import (
     add_tensors,
     assert_drafts_in_llama_cpp,
     assert_head_at_q8_0,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -102,8 +103,7 @@ def test_metadata(mimo_ckpt, tmp_path):
         "mimo2.expert_gating_func": 2,
         "mimo2.rope.dimension_count": 21,  # int(64 * 0.334)
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv_types(out)["mimo2.attention.sliding_window_pattern"][-1] == 5  # INT32 elements, as llama.cpp writes
     assert kv["mimo2.rope.freq_base"] == pytest.approx(5e6) and kv["mimo2.rope.freq_base_swa"] == pytest.approx(1e4)
     assert kv["mimo2.attention.value_scale"] == pytest.approx(0.707)

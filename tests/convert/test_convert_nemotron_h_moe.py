@@ -25,6 +25,7 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
     assert_fp8_source_same_as_llama_cpp,
+    assert_kv_holds,
     assert_same_as_llama_quantize,
     assert_same_gguf,
     checkpoint_fixtures,
@@ -204,8 +205,7 @@ def test_metadata(nh_ckpt, nh_f32):
         "nemotron_h_moe.expert_shared_count": 1,
         "nemotron_h_moe.expert_weights_norm": True,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["nemotron_h_moe.expert_weights_scale"] == pytest.approx(2.5)
     assert kv["nemotron_h_moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
     assert len(kv["tokenizer.ggml.tokens"]) == 304

@@ -24,6 +24,7 @@ from tests.builders import tiny, tiny_qwen35
 from tests.helpers.familycheck import (
     Experts,
     assert_f32_equal,
+    assert_kv_holds,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
@@ -31,6 +32,7 @@ from tests.helpers.familycheck import (
     built_once,
     convert_with_both,
     to_fp8_dequantized,
+    transformers_greedy,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.llamacpp_ref import speculative_simple
@@ -222,8 +224,7 @@ def test_metadata(ckpt, tmp_path, variant):
         assert f"{a}.feed_forward_length" not in kv
     else:
         want[f"{a}.feed_forward_length"] = 512
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["tokenizer.ggml.pre"]  # the name is vocab.py's business (tests/convert/test_convert_glm4moe.py)
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
@@ -358,19 +359,6 @@ def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant
     assert_same_gguf(out, kv, tensors, ref, value_types=False)
 
 
-def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
-    import transformers as tf
-
-    cfg = tiny_qwen35.read_config(folder)
-    cls = tf.Qwen3_5MoeForCausalLM if "num_experts" in cfg else tf.Qwen3_5ForCausalLM
-    tok = tf.AutoTokenizer.from_pretrained(str(folder))
-    model = cls.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("variant", ["dense", "moe_fused"])
 def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, variant):
@@ -403,5 +391,6 @@ def test_llama_cpp_runs_it_with_mtp_drafting(ckpt, tmp_path, llama_cpp_bin, vari
     assert stats["n_drafted"] > 0  # the MTP head ran
     step = r"accepted (\d+)/\d+ draft tokens, the last target token is: \((\d+)\)"
     steps = [(int(a), int(t)) for a, t in re.findall(step, log)]
-    want = _hf_greedy(folder, prompt, n + 4)
+    model_class = "Qwen3_5MoeForCausalLM" if "num_experts" in tiny_qwen35.read_config(folder) else "Qwen3_5ForCausalLM"
+    want = transformers_greedy(model_class, folder, prompt, n + 4)
     assert_targets_are_greedy(steps, want)

@@ -25,6 +25,7 @@ from tests.builders import tiny_qwen3next
 from tests.helpers.familycheck import (
     Experts,
     assert_f32_equal,
+    assert_kv_holds,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
@@ -36,6 +37,7 @@ from tests.helpers.familycheck import (
     quantize_with_both,
     rewrite_tensor,
     to_fp8_dequantized,
+    transformers_greedy,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
 from tests.helpers.names import QWEN_GDN_LAYER_NAMES, QWEN_MTP_HEAD_NAMES, QWEN_ZERO_CENTRED, TOP_NAMES
@@ -186,8 +188,7 @@ def test_metadata(ckpt, tmp_path, variant):
         f"{a}.attention.recurrent_layers": [True, True, True, False, False],
         f"{a}.rope.dimension_count": 16,  # head_dim 64 * partial_rotary_factor 0.25
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert f"{a}.rope.dimension_sections" not in kv  # plain partial RoPE, no MRoPE
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
@@ -349,17 +350,6 @@ def test_same_gguf_as_llama_cpp_converter(ckpt, tmp_path, llama_cpp_src, variant
     assert_same_gguf(out, kv, tensors, ref)
 
 
-def _hf_greedy(folder: Path, prompt: str, n: int) -> list[int]:
-    import transformers as tf
-
-    tok = tf.AutoTokenizer.from_pretrained(str(folder))
-    model = tf.Qwen3NextForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
-
-
 @pytest.mark.llama_cpp
 def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_path, llama_cpp_bin):
     """llama.cpp loads trunk + MTP block, drafts with the head (draft-mtp), and its greedy tokens equal
@@ -369,7 +359,7 @@ def test_llama_cpp_drafts_with_the_head_and_agrees_with_transformers(ckpt, tmp_p
     convert(folder, gguf_path, "--outtype", "f32")
     prompt, n = "def add(a, b):", 10
     steps = mtp_draft_steps(llama_cpp_bin, gguf_path, prompt, n, "-t", "1", "-c", "256")
-    want = _hf_greedy(folder, prompt, n + 4)
+    want = transformers_greedy("Qwen3NextForCausalLM", folder, prompt, n + 4)
     assert_targets_are_greedy([(accepted, target) for accepted, _, target in steps], want)
 
 

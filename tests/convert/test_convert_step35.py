@@ -22,6 +22,7 @@ from tests.helpers.familycheck import (
     assert_converts_only_with_no_mtp,
     assert_fp8_source_same_as_llama_cpp,
     assert_head_at_q8_0,
+    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -112,8 +113,7 @@ def test_metadata(step_ckpt, tmp_path):
         "step35.swiglu_clamp_shexp": [0.0, 16.0, 16.0, 0.0, 0.0],
         "general.file_type": 1,
     }
-    for k, v in want.items():
-        assert kv[k] == v, k
+    assert_kv_holds(kv, want)
     assert kv["step35.rope.freq_base"] == pytest.approx(1e6)
     assert kv["step35.rope.freq_base_swa"] == pytest.approx(1e4)
     assert kv["step35.expert_weights_scale"] == pytest.approx(3.0)
@@ -155,18 +155,9 @@ def test_bad_rotary_factors_are_refused(tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-# The releases' RoPE (stepfun-ai/Step-3.5-Flash and Step-3.7-Flash config.json): Llama-3 scaling on the
-# full-attention layers only, per-layer bases (tiny_step35: 1e6 full, 1e4 sliding).
-LLAMA3 = {
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 2.0,
-        "original_max_position_embeddings": 131072,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 32.0,
-    },
-    "yarn_only_types": ["full_attention"],
-}
+# The releases' RoPE: Llama-3 scaling on the full-attention layers only, per-layer bases (tiny_step35: 1e6 full,
+# 1e4 sliding).
+LLAMA3 = tiny_step35.RELEASE_ROPE_SCALING
 
 
 def llama3_factors(base: float, head_dim: int, rotary_share: float, factor=2.0, old_ctx=131072, low=1.0, high=32.0):

@@ -1323,25 +1323,23 @@ def _(c):
     return ["demo", "--workdir", c.out / "w", "--device", "tpu9"], ["--device", "tpu9"]
 
 
-@case("accept-empty-prompt")
-def _(c):
+def accept_with_prompts_file(c: Case, text: str) -> list:
+    """``accept`` on the full file, its prompts read from a p.jsonl holding ``text``."""
     p = c.inp / "p.jsonl"
-    p.write_text('{"prompt": "def f(x):"}\n{"category": "chat", "prompt": "   "}\n')
-    return ["accept", c.copy("full"), "--prompts", p], ["p.jsonl", "prompt 2 is empty"]
+    p.write_text(text)
+    return ["accept", c.copy("full"), "--prompts", p]
 
 
-@case("accept-prompts-bad-line")
-def _(c):
-    p = c.inp / "p.jsonl"
-    p.write_text('{"prompt": "a"}\nnot json\n')
-    return ["accept", c.copy("full"), "--prompts", p], ["p.jsonl", "line 2"]
-
-
-@case("accept-prompts-empty-file")
-def _(c):
-    p = c.inp / "p.jsonl"
-    p.write_text("\n")
-    return ["accept", c.copy("full"), "--prompts", p], ["p.jsonl", "no prompts"]
+_PROMPTS_FILES = {  # case -> (the file's text, what the error names)
+    "empty-prompt": (
+        '{"prompt": "def f(x):"}\n{"category": "chat", "prompt": "   "}\n',
+        ["p.jsonl", "prompt 2 is empty"],
+    ),
+    "prompts-bad-line": ('{"prompt": "a"}\nnot json\n', ["p.jsonl", "line 2"]),
+    "prompts-empty-file": ("\n", ["p.jsonl", "no prompts"]),
+}
+for _name, (_text, _needles) in _PROMPTS_FILES.items():
+    case(f"accept-{_name}")(lambda c, tx=_text, nd=_needles: (accept_with_prompts_file(c, tx), nd))
 
 
 @case("accept-json-folder-missing")

@@ -13,16 +13,9 @@ def test_llama_cpp_measurements_and_reports_do_not_need_torch(tmp_path):
     import subprocess
     import sys
 
-    import gguf
-    import numpy as np
+    from tests.helpers.ggufcheck import one_tensor_gguf
 
-    model = tmp_path / "m.gguf"
-    w = gguf.GGUFWriter(str(model), "llama")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    model = one_tensor_gguf(tmp_path / "m.gguf")
     code = (
         "import sys\n"
         "from mtpq.engines import binaries, perplexity\n"

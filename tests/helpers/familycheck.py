@@ -145,6 +145,12 @@ def assert_f16_as_llama_cpp(tensors: dict, exp: dict[str, torch.Tensor]):
 HEAD_FILE_TOP = ("token_embd.weight", "output_norm.weight", "output.weight")  # what a --mtp-only file carries
 
 
+def assert_kv_holds(kv: dict, want: dict) -> None:
+    """Every key of ``want`` is in the metadata ``kv`` with exactly its value (the failing key named)."""
+    for k, v in want.items():
+        assert kv[k] == v, k
+
+
 def assert_mode_files(
     ckpt: Path,
     tmp_path: Path,
@@ -511,6 +517,19 @@ def assert_refused(folder: Path, out: Path, *needles: str) -> str:
     assert "\n" not in line and all(n in line for n in needles), line
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
     return line
+
+
+def transformers_greedy(model_class: str, folder: Path, prompt: str, n: int) -> list[int]:
+    """The ``n`` tokens transformers' ``model_class`` (its name in transformers) generates greedily in f32 after
+    ``prompt``, from the checkpoint in ``folder``: the continuation llama.cpp's targets must follow."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(folder))
+    model = getattr(tf, model_class).from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
 
 
 def assert_targets_are_greedy(steps: list[tuple[int, int]], want: list[int], at_least: int = 5):

@@ -1,4 +1,5 @@
-"""Reading what a conversion wrote, for tests: the source safetensors and the GGUF (through gguf-py's reader)."""
+"""Reading what a conversion wrote, for tests: the source safetensors and the GGUF (through gguf-py's reader);
+and the smallest valid GGUF, for commands that check a file they never run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
 from tests.helpers.runcli import run_cli
@@ -44,6 +45,17 @@ def f32_gguf(src: Path, out: Path) -> Path:
     res = run_cli("convert", src, out, "--outtype", "f32", "--quiet")
     assert res.exit_code == 0, res.output
     return out
+
+
+def one_tensor_gguf(path: Path, arch: str = "llama") -> Path:
+    """A valid GGUF of one zero tensor (token_embd) at ``path``: what a command checks before it hands the file on."""
+    w = GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def gguf_tensors(path: Path) -> dict:

@@ -23,6 +23,15 @@ from . import LlamaCppRefuses, LlamaCppWritesOurs, block_norms, experts, fp8_blo
 # DeepSeek's tokenizer specials; BOS first so that the release's bos_token_id 0 / eos_token_id 1 name them
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 
+# The FP8 encoding DeepSeek declares from V3.2 on: e4m3 in 128x128 blocks, power-of-two (ue8m0) scales
+FP8_UE8M0_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+
 # The config.json keys every DeepSeek-V3-shaped manifest holds with the same values: the sizes they are all shrunk
 # to (hidden 256, 2 layers + 1 MTP, 4 experts, MLA ranks 256, qk_nope/rope/v 64/32/64) and the layout's fixed
 # choices; each manifest adds its release's own keys with ``variant``.

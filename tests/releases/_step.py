@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from tests.builders.tiny_step35 import RELEASE_ROPE_SCALING
+
 from . import attention, block_norms, mlp, nextn, set_config, trunk
 
 N_TRUNK, N_MTP = 4, 3
@@ -123,14 +125,7 @@ def text_config(**over) -> dict:
         "use_rope_layers": [],
         "rope_theta": [5000000.0 if t == "full_attention" else 10000.0 for t in LAYER_TYPES],
         "partial_rotary_factors": [0.5 if t == "full_attention" else 1.0 for t in LAYER_TYPES],
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 2.0,
-            "original_max_position_embeddings": 131072,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 32.0,
-        },
-        "yarn_only_types": ["full_attention"],
+        **RELEASE_ROPE_SCALING,
         # the release clamps its last two MoE layers' experts (7.0) and the last one's shared expert (16.0)
         "swiglu_limits": [0.0] * (N_TRUNK - 2) + [7.0, 7.0] + [0.0] * N_MTP,
         "swiglu_limits_shared": [0.0] * (N_TRUNK - 1) + [16.0] + [0.0] * N_MTP,

@@ -11,7 +11,7 @@ weights_proj and k_norm stay BF16. llama.cpp's DeepseekV32Model keeps the MTP la
 """
 
 from . import variant
-from ._deepseek import SPECIALS, fp8_release  # noqa: F401 (SPECIALS: the manifest's tokenizer)
+from ._deepseek import FP8_UE8M0_CONFIG, SPECIALS, fp8_release  # noqa: F401 (SPECIALS: the manifest's tokenizer)
 from ._deepseek import tensors as _tensors
 from .deepseek_v3 import CONFIG as _V3
 
@@ -37,13 +37,7 @@ CONFIG = variant(
         "index_n_heads": 4,
         "index_topk": 64,
         "model_type": "deepseek_v32",
-        "quantization_config": {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
+        "quantization_config": FP8_UE8M0_CONFIG,
         "transformers_version": "4.44.2",
     },
     drop=("auto_map", "aux_loss_alpha", "pretraining_tp", "seq_aux"),

@@ -36,6 +36,7 @@ import torch
 from tests.builders.tiny_deepseek2 import SPECIALS  # noqa: F401  (the tokenizer's: DeepSeek's BOS/EOS, BOS added to every prompt)
 
 from . import LlamaCppWritesOurs
+from ._deepseek import FP8_UE8M0_CONFIG
 
 RELEASE = "deepseek-ai/DeepSeek-V4-Flash"
 SOURCES = [
@@ -82,13 +83,7 @@ CONFIG = {
     "o_lora_rank": 128,
     "q_lora_rank": 256,
     "qk_rope_head_dim": 64,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
+    "quantization_config": FP8_UE8M0_CONFIG,
     "rms_norm_eps": 1e-06,
     "rope_scaling": {
         "beta_fast": 32,

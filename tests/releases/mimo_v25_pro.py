@@ -8,6 +8,8 @@ Shrunk: hidden 6144 -> 256, layers 70 -> 4 (pattern [0, 1, 1, 0], dense first la
 moe_intermediate 2048 -> 256. Every other key as released.
 """
 
+from tests.builders.tiny_mimo2 import SPECIALS  # noqa: F401  (the manifest's tokenizer: MiMo's)
+
 from . import _mimo, variant
 
 RELEASE = "XiaomiMiMo/MiMo-V2.5-Pro"
@@ -37,7 +39,6 @@ CONFIG = variant(
     },
     first=("architectures", "auto_map"),
 )  # listed first in the release
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _quantization_config(cfg: dict) -> dict:

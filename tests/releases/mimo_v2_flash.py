@@ -20,6 +20,8 @@ KeyError 'partial_rotary_factor' on every MiMo-V2-Flash release; with transforme
 model type (<= 4.57, which the release names) it reads config.json as stored, which is what is compared.
 """
 
+from tests.builders.tiny_mimo2 import SPECIALS  # noqa: F401  (the manifest's tokenizer: MiMo's)
+
 from . import _mimo, variant
 
 RELEASE = "XiaomiMiMo/MiMo-V2-Flash"
@@ -59,7 +61,6 @@ CONFIG = variant(
         "transformers_version": "4.40.1",
     },
 )
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _quantization_config(cfg: dict) -> dict:

@@ -35,6 +35,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from mtpq.runtime.archs import RUNTIME_ARCHS_IN_ORDER
 from tests.helpers.runcli import run_cli
 from tests.helpers.runtime import (
     LOOP_VARIANT,
@@ -49,22 +50,7 @@ from tests.helpers.runtime import (
     requantized,
 )
 
-FAMILIES = (
-    "glm4moe",
-    "qwen35",
-    "qwen35moe",
-    "deepseek2",
-    "glm-dsa",
-    "deepseek32",
-    "hy_v3",
-    "cohere2moe",
-    "bailingmoe3",
-    "qwen3next",
-    "nemotron_h_moe",
-    "step35",
-    "mimo2",
-    "deepseek4",
-)
+FAMILIES = RUNTIME_ARCHS_IN_ORDER  # every family the runtime runs
 # transformers 5.25's bailing_hybrid reads Ling 3.0 under other tensor names and shapes (A_log [n_head], its own
 # head_dim): it does not load the release's checkpoints
 NO_TRANSFORMERS = ("bailingmoe3", "glm-dsa", "deepseek32", "step35", "mimo2", "deepseek4")
