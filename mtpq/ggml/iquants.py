@@ -371,6 +371,21 @@ def _iq1_values(code, k, ng):
 
 
 @inline
+def _sort_order(x, xb, n, idx, xs):
+    """The order of ``x[xb:xb+n]`` ascending into ``idx``, equal values in index order as glibc's ``qsort`` (a
+    merge sort) leaves them: an insertion sort in place (``xs`` the sorted values), no array made per call."""
+    for j in range(n):
+        v = x[xb + j]
+        k = j
+        while k > 0 and xs[k - 1] > v:
+            xs[k] = xs[k - 1]
+            idx[k] = idx[k - 1]
+            k -= 1
+        xs[k] = v
+        idx[k] = j
+
+
+@inline
 def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, levels):
     """The chosen split's levels (sorted values below ``i1``: 0, below ``i2``: 1, then 2), flipped with the
     scale's sign; each group of 8 to a grid point, the scale refitted when one was off the grid: (scale, code)."""
@@ -527,6 +542,8 @@ def _iq1_quantizer(kind):
         scales = np.empty(16, np.float32)
         shifts = np.empty(16, np.int64)
         sc = np.empty(4, np.int64)
+        idx = np.empty(bn, np.int64)
+        xs = np.empty(bn, np.float32)
         for ibl in range(x.size // QK_K):
             xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
             for j in range(ts):
@@ -543,7 +560,7 @@ def _iq1_quantizer(kind):
                 shifts[ib] = 0
                 if mx < (F(1e-7) if m else F(1e-12)):
                     continue
-                idx = np.argsort(x[xb : xb + bn], kind="mergesort")
+                _sort_order(x, xb, bn, idx, xs)
                 if m:
                     scale, i1, i2, code = _iq1_m_split(x, xb, weight, idx, mx, px, pw)
                 else:
