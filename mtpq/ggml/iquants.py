@@ -4,9 +4,11 @@ of ``ggml-quants.c``, on the grids of :mod:`.iqtables`.
 The five grid types share one search (:func:`_grid_search`): signs first, then candidate scales, each group of
 8 (IQ2) or 4 (IQ3) levels snapped to its grid point or to the best of its neighbours, the best candidate
 refitted; their own code packs the blocks. The IQ1 types (:func:`_iq1_quantizer`) split sorted values into
-three groups. ``QUANTIZERS[kind]`` is a type's kernel (``kind``: its code below), compiled for that type alone:
-``(x, y, n_per_row, qw, grid, levels, kmap, neighbours)`` (``qw`` empty: none given), the tables' arrays at the end;
-:mod:`.registry` binds them.
+three groups. ``QUANTIZERS[kind]`` quantizes rows of one type (``kind``: its code below) with its own kernel (its
+``.kernel``), compiled for that type alone: ``(x, y, n_per_row, qw, grid, levels, kmap, neighbours)`` (``qw``
+empty: none given), the tables' arrays at the end; :mod:`.registry` binds them. The kernels run without numba's
+reference counting (:data:`.jit.raw_kernel`): their helpers are inlined, and each array an inlined helper takes
+would otherwise cost an atomic increment and decrement at every group of every candidate.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ from __future__ import annotations
 import numpy as np
 
 from .iqtables import KSIGNS
-from .jit import QK_K, F, fp16, fp16_to_f32, get_fp16, get_u16, get_u32, inline, kernel, nearest_int, put_fp16, put_u32
+from .jit import (
+    QK_K,
+    F,
+    fp16,
+    fp16_to_f32,
+    get_fp16,
+    get_u16,
+    get_u32,
+    inline,
+    kernel,
+    nearest_int,
+    put_fp16,
+    put_u32,
+    raw_kernel,
+)
 from .kquants import make_qp_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
@@ -226,25 +242,37 @@ _GRID_SPECS = {
 
 def _grid_quantizer(kind):
     """``quantize_row_iq2_xxs_impl`` .. ``quantize_row_iq3_s_impl`` (``kind``: IQ2_XXS .. IQ3_S), row by row: one
-    kernel per type, its spec compile-time constants (numba freezes the values a closure reads)."""
+    kernel per type (``rows``), its spec compile-time constants (numba freezes the values a closure reads);
+    ``quantize`` hands it its scratch arrays."""
     bn, gw, bits, kmax, steps, step, eps, ts, fudge, flags = _GRID_SPECS[kind]
     parity, bias, start_qp, init_on_grid, refit_all, twice = flags
     step, eps, fudge = F(step), F(eps), F(fudge)
+    nsub = QK_K // bn
 
-    @kernel
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
-        nsub = QK_K // bn
-        weight = np.empty(bn, np.float32)
-        waux = np.empty(bn, np.float32)
-        xval = np.empty(bn, np.float32)
-        L = np.empty(bn, np.int64)
-        Laux = np.empty(bn, np.int64)
-        gidx = np.empty(bn // gw, np.int64)
-        on_grid = np.empty(bn // gw, np.bool_)
-        on_aux = np.empty(bn // gw, np.bool_)
-        signs = np.empty(bn // 8, np.int64)
-        scales = np.empty(nsub, np.float32)
-        q = np.zeros(104, np.int64)  # IQ2_XXS: 16 uint32; IQ2_XS: 32 uint16; IQ3_XXS: 64 bytes then 8 uint32
+        rows(
+            x,
+            y,
+            n,
+            qw,
+            grid,
+            levels,
+            kmap,
+            neighbours,
+            np.empty((3, bn), np.float32),
+            np.empty((2, bn), np.int64),
+            np.empty(bn // gw, np.int64),
+            np.empty((2, bn // gw), np.bool_),
+            np.empty(bn // 8, np.int64),
+            np.empty(nsub, np.float32),
+            np.empty(104, np.int64),
+        )
+
+    @raw_kernel
+    def rows(x, y, n, qw, grid, levels, kmap, neighbours, fs, ls, gidx, ons, signs, scales, q):
+        weight, waux, xval = fs[0], fs[1], fs[2]
+        L, Laux = ls[0], ls[1]
+        on_grid, on_aux = ons[0], ons[1]
         for ibl in range(x.size // QK_K):
             xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
             for j in range(ts):
@@ -353,6 +381,7 @@ def _grid_quantizer(kind):
                     l2 = _scale_code(idv, scales[ib + 1], 15)
                     y[o + 106 + ib // 2] = np.uint8(l1 | (l2 << 4))
 
+    quantize.kernel = rows
     return quantize
 
 
@@ -532,18 +561,28 @@ def _iq1_quantizer(kind):
     m = kind == IQ1_M
     bn, ts = (16, 56) if m else (32, 50)
 
-    @kernel
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
-        weight = np.empty(bn, np.float32)
-        px = np.empty((2, 33), np.float32)  # IQ1_S: its sums in px[0], pw[0]
-        pw = np.empty((2, 33), np.float32)
-        L = np.empty(bn, np.int64)
-        index = np.empty(4, np.int64)
-        scales = np.empty(16, np.float32)
-        shifts = np.empty(16, np.int64)
-        sc = np.empty(4, np.int64)
-        idx = np.empty(bn, np.int64)
-        xs = np.empty(bn, np.float32)
+        rows(
+            x,
+            y,
+            n,
+            qw,
+            levels,
+            kmap,
+            neighbours,
+            np.empty((2, bn), np.float32),
+            np.empty((2, 2, 33), np.float32),
+            np.empty((2, bn), np.int64),
+            np.empty(16, np.float32),
+            np.empty(24, np.int64),
+        )
+
+    @raw_kernel
+    def rows(x, y, n, qw, levels, kmap, neighbours, fs, sums, ls, scales, ints):
+        weight, xs = fs[0], fs[1]
+        px, pw = sums[0], sums[1]  # IQ1_S: its sums in px[0], pw[0]
+        L, idx = ls[0], ls[1]
+        shifts, index, sc = ints[:16], ints[16:20], ints[20:]
         for ibl in range(x.size // QK_K):
             xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
             for j in range(ts):
@@ -623,6 +662,7 @@ def _iq1_quantizer(kind):
                 y[o + 48 + 2 * j] = np.uint8(sc[j] & 255)
                 y[o + 49 + 2 * j] = np.uint8((sc[j] >> 8) & 255)
 
+    quantize.kernel = rows
     return quantize
 
 

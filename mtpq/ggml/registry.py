@@ -52,7 +52,7 @@ def _iq(qtype: T, type_size: int, kind, unweighted: bool, family: str = "", fp16
     def dequantize(y, x):
         deq(y, x, iqtables.dequant_grid(family))
 
-    run.kernel, dequantize.kernel = fn, deq
+    run.kernel, dequantize.kernel = fn.kernel, deq
     return GgmlType(qtype, 256, type_size, run if unweighted else None, run, dequantize, fp16_fields)
 
 
