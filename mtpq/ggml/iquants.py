@@ -250,23 +250,10 @@ def _grid_quantizer(kind):
     nsub = QK_K // bn
 
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
-        rows(
-            x,
-            y,
-            n,
-            qw,
-            grid,
-            levels,
-            kmap,
-            neighbours,
-            np.empty((3, bn), np.float32),
-            np.empty((2, bn), np.int64),
-            np.empty(bn // gw, np.int64),
-            np.empty((2, bn // gw), np.bool_),
-            np.empty(bn // 8, np.int64),
-            np.empty(nsub, np.float32),
-            np.empty(104, np.int64),
-        )
+        f32, i64, ng = np.float32, np.int64, bn // gw
+        fs, ls, ons = np.empty((3, bn), f32), np.empty((2, bn), i64), np.empty((2, ng), np.bool_)
+        scratch = fs, ls, np.empty(ng, i64), ons, np.empty(bn // 8, i64), np.empty(nsub, f32), np.empty(104, i64)
+        rows(x, y, n, qw, grid, levels, kmap, neighbours, *scratch)
 
     @raw_kernel
     def rows(x, y, n, qw, grid, levels, kmap, neighbours, fs, ls, gidx, ons, signs, scales, q):
@@ -562,20 +549,9 @@ def _iq1_quantizer(kind):
     bn, ts = (16, 56) if m else (32, 50)
 
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
-        rows(
-            x,
-            y,
-            n,
-            qw,
-            levels,
-            kmap,
-            neighbours,
-            np.empty((2, bn), np.float32),
-            np.empty((2, 2, 33), np.float32),
-            np.empty((2, bn), np.int64),
-            np.empty(16, np.float32),
-            np.empty(24, np.int64),
-        )
+        f32, i64 = np.float32, np.int64
+        scratch = np.empty((2, bn), f32), np.empty((2, 2, 33), f32), np.empty((2, bn), i64), np.empty(16, f32)
+        rows(x, y, n, qw, levels, kmap, neighbours, *scratch, np.empty(24, i64))
 
     @raw_kernel
     def rows(x, y, n, qw, levels, kmap, neighbours, fs, sums, ls, scales, ints):
