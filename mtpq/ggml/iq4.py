@@ -6,32 +6,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, fp16, get_fp16, kernel, nearest_int
+from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, fp16, get_fp16, inline, kernel, nearest_int
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _NO_WEIGHTS = np.empty(0, np.float32)
 
 
-@kernel
-def best_index_int8(n, val, x):
-    """``best_index_int8``: the index of the table value nearest ``x`` (ties to the lower one)."""
-    if x <= F(val[0]):
-        return 0
-    if x >= F(val[n - 1]):
-        return n - 1
-    ml = 0
-    mu = n - 1
-    while mu - ml > 1:
-        mav = (ml + mu) // 2
-        if x < F(val[mav]):
-            mu = mav
-        else:
-            ml = mav
-    return mu - 1 if x - F(val[mu - 1]) < F(val[mu]) - x else mu
+_KV = KVALUES_IQ4NL.astype(np.float32)
 
 
-@kernel
-def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, ntry):
+@inline
+def best_index_int8(x):
+    """``best_index_int8(16, kvalues_iq4nl, x)``: the index of the table value nearest ``x`` (ties to the lower
+    one). C's binary search ends at the mu with ``val[mu-1] <= x < val[mu]`` (mu 1 below ``val[1]``, 15 from
+    ``val[14]`` on or for NaN): here a count of the inner values not above ``x``, without the branches the data
+    decide at random; the first/last answers come out of the same final test."""
+    mu = 1
+    for k in range(1, 15):
+        mu += np.int64(not x < _KV[k])
+    return mu - 1 if x - _KV[mu - 1] < _KV[mu] - x else mu
+
+
+@inline
+def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, qw, qo, ntry):
     """``quantize_row_iq4_nl_impl(super_size, 32, ...)`` for the super-block at ``x[xo]``, into the block at
     ``y[o]`` (IQ4_NL: d, qs; IQ4_XS: d, scales_h, scales_l, qs)."""
     weighted = qw.size > 0
@@ -45,7 +42,7 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
     h = fp16(F(0.0))
     max_scale = F(0.0)
     amax_scale = F(0.0)
-    v0 = F(values[0])
+    v0 = _KV[0]
     for ib in range(super_size // 32):
         xb = xo + 32 * ib
         for j in range(32):
@@ -62,20 +59,20 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
         sumqx = F(0.0)
         sumq2 = F(0.0)
         for j in range(32):
-            l = best_index_int8(16, values, idv * x[xb + j])
+            l = best_index_int8(idv * x[xb + j])
             L[32 * ib + j] = l
-            q = F(values[l])
+            q = _KV[l]
             w = weight[j]
             sumqx += w * q * x[xb + j]
             sumq2 += w * q * q
         d = sumqx / sumq2 if sumq2 > 0 else F(0.0)
         best = d * sumqx
         for itry in range(-ntry, ntry + 1):
-            idv = F(itry + np.int64(values[0])) / mx
+            idv = F(itry + np.int64(KVALUES_IQ4NL[0])) / mx
             sumqx = F(0.0)
             sumq2 = F(0.0)
             for j in range(32):
-                q = F(values[best_index_int8(16, values, idv * x[xb + j])])
+                q = _KV[best_index_int8(idv * x[xb + j])]
                 w = weight[j]
                 sumqx += w * q * x[xb + j]
                 sumq2 += w * q * q
@@ -97,7 +94,7 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
             dl = d * F(l)
             idl = F(1.0) / dl if dl != 0 else F(0.0)
             for j in range(32):
-                L[32 * ib + j] = best_index_int8(16, values, idl * x[xo + 32 * ib + j])
+                L[32 * ib + j] = best_index_int8(idl * x[xo + 32 * ib + j])
             l += 32
             if ib % 2 == 0:
                 y[o + 4 + ib // 2] = np.uint8(l & 0xF)
@@ -111,7 +108,7 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
         if ntry > 0:
             idv = F(1.0) / scales[0] if scales[0] != 0 else F(0.0)
             for j in range(super_size):
-                L[j] = best_index_int8(16, values, idv * x[xo + j])
+                L[j] = best_index_int8(idv * x[xo + j])
     y[o] = np.uint8(h & 0xFF)
     y[o + 1] = np.uint8(h >> 8)
     for i in range(super_size // 32):
@@ -119,20 +116,26 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, values, qw, qo, nt
             y[q4 + 16 * i + j] = np.uint8(L[32 * i + j] | (L[32 * i + 16 + j] << 4))
 
 
-@kernel
-def _iq4(x, y, n, qw, super_size, ts):
-    L = np.empty(QK_K, np.int64)
-    weight = np.empty(32, np.float32)
-    scales = np.empty(8, np.float32)
-    for i in range(x.size // super_size):
-        xo = super_size * i
-        _iq4_impl(super_size, x, xo, y, ts * i, super_size == QK_K, scales, weight, L, KVALUES_IQ4NL, qw, xo % n, 7)
+def _iq4_quantizer(super_size, ts):
+    """The kernel of one of the two types: ``(x, y, n, qw)``, its block sizes compile-time constants."""
+    xs = super_size == QK_K
+
+    @kernel
+    def quantize(x, y, n, qw):
+        L = np.empty(QK_K, np.int64)
+        weight = np.empty(32, np.float32)
+        scales = np.empty(8, np.float32)
+        for i in range(x.size // super_size):
+            xo = super_size * i
+            _iq4_impl(super_size, x, xo, y, ts * i, xs, scales, weight, L, qw, xo % n, 7)
+
+    return quantize
 
 
-quantize_iq4_nl = bind(_iq4, _NO_WEIGHTS, 32, 18)
-quantize_iq4_nl_weighted = bind(_iq4, 32, 18)
-quantize_iq4_xs = bind(_iq4, _NO_WEIGHTS, QK_K, 136)
-quantize_iq4_xs_weighted = bind(_iq4, QK_K, 136)
+quantize_iq4_nl_weighted = _iq4_quantizer(32, 18)
+quantize_iq4_nl = bind(quantize_iq4_nl_weighted, _NO_WEIGHTS)
+quantize_iq4_xs_weighted = _iq4_quantizer(QK_K, 136)
+quantize_iq4_xs = bind(quantize_iq4_xs_weighted, _NO_WEIGHTS)
 
 
 @kernel

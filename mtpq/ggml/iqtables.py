@@ -88,6 +88,15 @@ def grid_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @functools.cache
+def search_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the quantizers search with: (grid points' values 2l + 1 as float32, their levels l as int8, both
+    flat: point g at ``[coordinates*g:]``; kmap; neighbours). The values are float once here, not at every
+    candidate of a neighbour search."""
+    pos, kmap, neighbours = grid_tables(family)
+    return pos.astype(np.float32).ravel(), ((pos - 1) // 2).astype(np.int8).ravel(), kmap, neighbours
+
+
+@functools.cache
 def dequant_grid(family: str) -> np.ndarray:
     """The grid's dequantized values (ggml's ``iq2xxs_grid`` ... bytes), float32 (n_grid, coordinates)."""
     qcls = _FAMILIES[family][0]

@@ -3,9 +3,12 @@ of ``ggml-quants.c``, on the grids of :mod:`.iqtables`.
 
 The five grid types share one search (:func:`_grid_search`): signs first, then candidate scales, each group of
 8 (IQ2) or 4 (IQ3) levels snapped to its grid point or to the best of its neighbours, the best candidate
-refitted; their own code packs the blocks. The IQ1 types (:func:`quantize_iq1`) split sorted values into
-three groups. Quantizers take ``(x, y, n_per_row, qw, kind, pos, kmap, neighbours)`` (``qw`` empty: none
-given; ``kind``: the type's code below), the tables' arrays at the end; :mod:`.registry` binds them.
+refitted; their own code packs the blocks. The IQ1 types (:func:`_iq1_quantizer`) split sorted values into
+three groups. ``QUANTIZERS[kind]`` quantizes rows of one type (``kind``: its code below) with its own kernel (its
+``.kernel``), compiled for that type alone: ``(x, y, n_per_row, qw, grid, levels, kmap, neighbours)`` (``qw``
+empty: none given), the tables' arrays at the end; :mod:`.registry` binds them. The kernels run without numba's
+reference counting (:data:`.jit.raw_kernel`): their helpers are inlined, and each array an inlined helper takes
+would otherwise cost an atomic increment and decrement at every group of every candidate.
 """
 
 from __future__ import annotations
@@ -13,7 +16,21 @@ from __future__ import annotations
 import numpy as np
 
 from .iqtables import KSIGNS
-from .jit import QK_K, F, fp16, fp16_to_f32, get_fp16, get_u16, get_u32, kernel, nearest_int, put_fp16, put_u32
+from .jit import (
+    QK_K,
+    F,
+    fp16,
+    fp16_to_f32,
+    get_fp16,
+    get_u16,
+    get_u32,
+    inline,
+    kernel,
+    nearest_int,
+    put_fp16,
+    put_u32,
+    raw_kernel,
+)
 from .kquants import make_qp_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
@@ -23,7 +40,7 @@ _IQ1_DELTA = F(0.125)
 # --------------------------------------------------------------------------- shared parts
 
 
-@kernel
+@inline
 def _weights(x, xo, qw, qo, sigma2, weight, n, no_imatrix_bias):
     """``qw * sqrtf(sigma2 + x*x)``, or without weights ``x*x`` (+ ``0.25f*sigma2`` for IQ2_S)."""
     if qw.size > 0:
@@ -37,7 +54,7 @@ def _weights(x, xo, qw, qo, sigma2, weight, n, no_imatrix_bias):
             weight[i] = x[xo + i] * x[xo + i]
 
 
-@kernel
+@inline
 def _sigma2(x, xo, twice):
     s = F(0.0)
     for i in range(QK_K):
@@ -45,7 +62,7 @@ def _sigma2(x, xo, twice):
     return F(2.0) * s / F(QK_K) if twice else s / F(QK_K)
 
 
-@kernel
+@inline
 def _signs(x, xo, weight, xval, signs, n, parity):
     """|x| into ``xval`` and each 8 values' sign bits; with ``parity`` (an even count of negatives, the 7-bit
     codes) the value of least weighted square changes sign when the count is odd."""
@@ -73,29 +90,28 @@ def _signs(x, xo, weight, xval, signs, n, parity):
         signs[k] = s & 127 if parity else s
 
 
-@kernel
-def _find_best_neighbour(neighbours, start, pos, xval, xo, waux, scale, L, lo):
+@inline
+def _find_best_neighbour(neighbours, start, grid, levels, gw, xval, xo, waux, scale, L, lo):
     """``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour``: the neighbour of least weighted squared error
     at ``scale``; its levels into ``L[lo:]``."""
-    gw = pos.shape[1]
     best_d2 = _FLT_MAX
     grid_index = -1
     for j in range(1, np.int64(neighbours[start]) + 1):
         g = np.int64(neighbours[start + j])
         d2 = F(0.0)
         for i in range(gw):
-            diff = scale * F(pos[g, i]) - xval[xo + i]
+            diff = scale * grid[gw * g + i] - xval[xo + i]
             d2 += waux[xo + i] * diff * diff
         if d2 < best_d2:
             best_d2 = d2
             grid_index = g
     for i in range(gw):
-        L[lo + i] = (np.int64(pos[grid_index, i]) - 1) // 2
+        L[lo + i] = levels[gw * grid_index + i]
     return grid_index
 
 
-@kernel
-def _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, pos):
+@inline
+def _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels):
     """Group k's levels ``L[gw*k:]`` to a grid point: its index, and whether they were on the grid."""
     u = 0
     for i in range(gw):
@@ -103,16 +119,16 @@ def _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, pos):
     g = kmap[u]
     if g >= 0:
         return g, True
-    return _find_best_neighbour(neighbours, -g - 1, pos, xval, gw * k, waux, scale, L, gw * k), False
+    return _find_best_neighbour(neighbours, -g - 1, grid, levels, gw, xval, gw * k, waux, scale, L, gw * k), False
 
 
-@kernel
+@inline
 def _levels_at(xval, L, k, gw, idv, kmax):
     for i in range(gw):
         L[gw * k + i] = max(0, min(kmax - 1, nearest_int(F(0.5) * (idv * xval[gw * k + i] - F(1.0)))))
 
 
-@kernel
+@inline
 def _fit(weight, xval, L, n):
     sumqx = F(0.0)
     sumq2 = F(0.0)
@@ -124,7 +140,7 @@ def _fit(weight, xval, L, n):
     return sumqx, sumq2
 
 
-@kernel
+@inline
 def _grid_search(
     n,
     gw,
@@ -142,7 +158,8 @@ def _grid_search(
     on_grid_aux,
     kmap,
     neighbours,
-    pos,
+    grid,
+    levels,
     start_qp,
     init_on_grid,
     refit_all,
@@ -172,7 +189,7 @@ def _grid_search(
         this_scale = F(1.0) / idv
         for k in range(ng):
             _levels_at(xval, Laux, k, gw, idv, kmax)
-            gidx[k], on_grid_aux[k] = _snap(xval, waux, Laux, k, gw, bits, this_scale, kmap, neighbours, pos)
+            gidx[k], on_grid_aux[k] = _snap(xval, waux, Laux, k, gw, bits, this_scale, kmap, neighbours, grid, levels)
         sumqx, sumq2 = _fit(weight, xval, Laux, n)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -191,7 +208,7 @@ def _grid_search(
             if on_grid[k] and not refit_all:
                 continue
             _levels_at(xval, L, k, gw, idv, kmax)
-            _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, pos)
+            _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels)
         sumqx, sumq2 = _fit(weight, xval, L, n)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -203,160 +220,156 @@ def _grid_search(
     return scale, True
 
 
-@kernel
+@inline
 def _scale_code(idv, scale, top):
     return max(0, min(top, nearest_int(F(0.5) * (idv * scale - F(1.0)))))
 
 
-# per grid type (the code ``kind``): values per sub-block, per group, bits per level, kMaxQ, candidate steps, step,
-# GROUP_MAX_EPS (0: ``!max``), parity signs, ``0.25f*sigma2`` in the unweighted weights, IQ2_XXS's start, groups
-# start on the grid, refit every group, sigma2 doubled, bytes per block, the fudge factor of d
+# the codes of the i-quant types (the registry's records name them)
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = range(7)
-_SPEC_N = np.array([32, 16, 16, 32, 32])
-_SPEC_GW = np.array([8, 8, 8, 4, 4])
-_SPEC_BITS = np.array([2, 2, 2, 3, 3])
-_SPEC_KMAX = np.array([3, 3, 3, 8, 8])
-_SPEC_STEPS = np.array([6, 9, 9, 15, 9])
-_SPEC_STEP = np.array([0.1, 0.1, 0.1, 0.2, 0.2], np.float32)
-_SPEC_EPS = np.array([1e-15, 1e-15, 1e-8, 1e-8, 0.0], np.float32)
-_SPEC_FLAGS = np.array(
-    [  # parity, bias, start_qp, init_on_grid, refit_all, sigma2 doubled
-        [1, 0, 1, 0, 1, 0],
-        [1, 0, 0, 1, 0, 0],
-        [0, 1, 0, 1, 0, 1],
-        [1, 0, 0, 1, 0, 1],
-        [0, 0, 0, 0, 1, 1],
-    ],
-    np.bool_,
-)
-_SPEC_TS = np.array([66, 74, 82, 98, 110])
-_SPEC_FUDGE = np.array([1.0, 1.0, 0.9875, 1.0125, 1.033], np.float32)
+
+# per grid type: values per sub-block, per group, bits per level, kMaxQ, candidate steps, step, GROUP_MAX_EPS
+# (0: ``!max``), bytes per block, the fudge factor of d; then parity signs, ``0.25f*sigma2`` in the unweighted
+# weights, IQ2_XXS's start, groups start on the grid, refit every group, sigma2 doubled
+_GRID_SPECS = {
+    IQ2_XXS: (32, 8, 2, 3, 6, 0.1, 1e-15, 66, 1.0, (True, False, True, False, True, False)),
+    IQ2_XS: (16, 8, 2, 3, 9, 0.1, 1e-15, 74, 1.0, (True, False, False, True, False, False)),
+    IQ2_S: (16, 8, 2, 3, 9, 0.1, 1e-8, 82, 0.9875, (False, True, False, True, False, True)),
+    IQ3_XXS: (32, 4, 3, 8, 15, 0.2, 1e-8, 98, 1.0125, (True, False, False, True, False, True)),
+    IQ3_S: (32, 4, 3, 8, 9, 0.2, 0.0, 110, 1.033, (False, False, False, False, True, True)),
+}
 
 
-@kernel
-def quantize_grid(x, y, n, qw, kind, pos, kmap, neighbours):
-    """``quantize_row_iq2_xxs_impl`` .. ``quantize_row_iq3_s_impl`` (``kind``: IQ2_XXS .. IQ3_S), row by row."""
-    bn, gw, bits, kmax = _SPEC_N[kind], _SPEC_GW[kind], _SPEC_BITS[kind], _SPEC_KMAX[kind]
-    parity, bias, start_qp, init_on_grid, refit_all, twice = _SPEC_FLAGS[kind]
-    ts, eps = _SPEC_TS[kind], _SPEC_EPS[kind]
+def _grid_quantizer(kind):
+    """``quantize_row_iq2_xxs_impl`` .. ``quantize_row_iq3_s_impl`` (``kind``: IQ2_XXS .. IQ3_S), row by row: one
+    kernel per type (``rows``), its spec compile-time constants (numba freezes the values a closure reads);
+    ``quantize`` hands it its scratch arrays."""
+    bn, gw, bits, kmax, steps, step, eps, ts, fudge, flags = _GRID_SPECS[kind]
+    parity, bias, start_qp, init_on_grid, refit_all, twice = flags
+    step, eps, fudge = F(step), F(eps), F(fudge)
     nsub = QK_K // bn
-    weight = np.empty(bn, np.float32)
-    waux = np.empty(bn, np.float32)
-    xval = np.empty(bn, np.float32)
-    L = np.empty(bn, np.int64)
-    Laux = np.empty(bn, np.int64)
-    gidx = np.empty(bn // gw, np.int64)
-    on_grid = np.empty(bn // gw, np.bool_)
-    on_aux = np.empty(bn // gw, np.bool_)
-    signs = np.empty(bn // 8, np.int64)
-    scales = np.empty(nsub, np.float32)
-    q = np.zeros(104, np.int64)  # IQ2_XXS: 16 uint32; IQ2_XS: 32 uint16; IQ3_XXS: 64 bytes then 8 uint32
-    for ibl in range(x.size // QK_K):
-        xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
-        for j in range(ts):
-            y[o + j] = 0
-        q[:] = 0
-        qpos = o + 2  # IQ3_S: its qs and signs move on only past the sub-blocks it keeps
-        spos = o + 74
-        max_scale = F(0.0)
-        sigma2 = _sigma2(x, xo, twice)
-        for ib in range(nsub):
-            xb = xo + bn * ib
-            _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, bias)
-            for i in range(bn):
-                waux[i] = np.sqrt(weight[i])
-            _signs(x, xb, weight, xval, signs, bn, parity)
-            mx = xval[0]
-            for i in range(1, bn):
-                mx = mx if mx > xval[i] else xval[i]
-            if mx < eps or mx == 0:
-                scales[ib] = F(0.0)
+
+    def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
+        f32, i64, ng = np.float32, np.int64, bn // gw
+        fs, ls, ons = np.empty((3, bn), f32), np.empty((2, bn), i64), np.empty((2, ng), np.bool_)
+        scratch = fs, ls, np.empty(ng, i64), ons, np.empty(bn // 8, i64), np.empty(nsub, f32), np.empty(104, i64)
+        rows(x, y, n, qw, grid, levels, kmap, neighbours, *scratch)
+
+    @raw_kernel
+    def rows(x, y, n, qw, grid, levels, kmap, neighbours, fs, ls, gidx, ons, signs, scales, q):
+        weight, waux, xval = fs[0], fs[1], fs[2]
+        L, Laux = ls[0], ls[1]
+        on_grid, on_aux = ons[0], ons[1]
+        for ibl in range(x.size // QK_K):
+            xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
+            for j in range(ts):
+                y[o + j] = 0
+            q[:] = 0
+            qpos = o + 2  # IQ3_S: its qs and signs move on only past the sub-blocks it keeps
+            spos = o + 74
+            max_scale = F(0.0)
+            sigma2 = _sigma2(x, xo, twice)
+            for ib in range(nsub):
+                xb = xo + bn * ib
+                _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, bias)
+                for i in range(bn):
+                    waux[i] = np.sqrt(weight[i])
+                _signs(x, xb, weight, xval, signs, bn, parity)
+                mx = xval[0]
+                for i in range(1, bn):
+                    mx = mx if mx > xval[i] else xval[i]
+                if mx < eps or mx == 0:
+                    scales[ib] = F(0.0)
+                    continue
+                scale, ok = _grid_search(
+                    bn,
+                    gw,
+                    bits,
+                    kmax,
+                    steps,
+                    step,
+                    xval,
+                    weight,
+                    waux,
+                    L,
+                    Laux,
+                    gidx,
+                    on_grid,
+                    on_aux,
+                    kmap,
+                    neighbours,
+                    grid,
+                    levels,
+                    start_qp,
+                    init_on_grid,
+                    refit_all,
+                )
+                if not ok:
+                    scales[ib] = F(0.0)
+                    continue
+                if scale < 0:
+                    scale = -scale
+                    for k in range(bn // 8):
+                        signs[k] = (~signs[k]) & (127 if parity else 255)
+                if kind == IQ2_XXS:
+                    for k in range(4):
+                        q[2 * ib] |= gidx[k] << (8 * k)
+                        q[2 * ib + 1] |= signs[k] << (7 * k)
+                elif kind == IQ2_XS:
+                    for k in range(2):
+                        q[2 * ib + k] = gidx[k] | (signs[k] << 9)
+                elif kind == IQ2_S:
+                    for k in range(2):
+                        i8 = 2 * ib + k
+                        y[o + 2 + i8] = np.uint8(gidx[k] & 255)
+                        y[o + 66 + i8 // 4] |= np.uint8((gidx[k] >> 8) << (2 * (i8 % 4)))
+                        y[o + 34 + i8] = np.uint8(signs[k])
+                elif kind == IQ3_XXS:
+                    for k in range(8):
+                        q[8 * ib + k] = gidx[k]
+                    q[64 + ib] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                else:
+                    for k in range(8):
+                        y[qpos + k] = np.uint8(gidx[k] & 255)
+                        y[o + 66 + ib] |= np.uint8((gidx[k] >> 8) << k)
+                    qpos += 8
+                    for k in range(4):
+                        y[spos + k] = np.uint8(signs[k])
+                    spos += 4
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == 0:
                 continue
-            scale, ok = _grid_search(
-                bn,
-                gw,
-                bits,
-                kmax,
-                _SPEC_STEPS[kind],
-                _SPEC_STEP[kind],
-                xval,
-                weight,
-                waux,
-                L,
-                Laux,
-                gidx,
-                on_grid,
-                on_aux,
-                kmap,
-                neighbours,
-                pos,
-                start_qp,
-                init_on_grid,
-                refit_all,
-            )
-            if not ok:
-                scales[ib] = F(0.0)
-                continue
-            if scale < 0:
-                scale = -scale
-                for k in range(bn // 8):
-                    signs[k] = (~signs[k]) & (127 if parity else 255)
+            d = max_scale / F(31.0)
+            put_fp16(y, o, d * fudge if kind >= IQ2_S else d)
+            idv = F(1.0) / d
             if kind == IQ2_XXS:
-                for k in range(4):
-                    q[2 * ib] |= gidx[k] << (8 * k)
-                    q[2 * ib + 1] |= signs[k] << (7 * k)
-            elif kind == IQ2_XS:
-                for k in range(2):
-                    q[2 * ib + k] = gidx[k] | (signs[k] << 9)
-            elif kind == IQ2_S:
-                for k in range(2):
-                    i8 = 2 * ib + k
-                    y[o + 2 + i8] = np.uint8(gidx[k] & 255)
-                    y[o + 66 + i8 // 4] |= np.uint8((gidx[k] >> 8) << (2 * (i8 % 4)))
-                    y[o + 34 + i8] = np.uint8(signs[k])
+                for ib in range(8):
+                    q[2 * ib + 1] |= _scale_code(idv, scales[ib], 15) << 28
+                for j in range(16):
+                    put_u32(y, o + 2 + 4 * j, q[j])
+            elif kind == IQ2_XS or kind == IQ2_S:
+                for j in range(32):
+                    if kind == IQ2_XS:
+                        y[o + 2 + 2 * j] = np.uint8(q[j] & 255)
+                        y[o + 3 + 2 * j] = np.uint8(q[j] >> 8)
+                for ib in range(16):
+                    y[o + ts - 8 + ib // 2] |= np.uint8(_scale_code(idv, scales[ib], 15) << (4 * (ib % 2)))
             elif kind == IQ3_XXS:
-                for k in range(8):
-                    q[8 * ib + k] = gidx[k]
-                q[64 + ib] = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                for ib in range(8):
+                    q[64 + ib] |= _scale_code(idv, scales[ib], 15) << 28
+                for j in range(64):
+                    y[o + 2 + j] = np.uint8(q[j])
+                for ib in range(8):
+                    put_u32(y, o + 66 + 4 * ib, q[64 + ib])
             else:
-                for k in range(8):
-                    y[qpos + k] = np.uint8(gidx[k] & 255)
-                    y[o + 66 + ib] |= np.uint8((gidx[k] >> 8) << k)
-                qpos += 8
-                for k in range(4):
-                    y[spos + k] = np.uint8(signs[k])
-                spos += 4
-            scales[ib] = scale
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == 0:
-            continue
-        d = max_scale / F(31.0)
-        put_fp16(y, o, d * _SPEC_FUDGE[kind] if kind >= IQ2_S else d)
-        idv = F(1.0) / d
-        if kind == IQ2_XXS:
-            for ib in range(8):
-                q[2 * ib + 1] |= _scale_code(idv, scales[ib], 15) << 28
-            for j in range(16):
-                put_u32(y, o + 2 + 4 * j, q[j])
-        elif kind == IQ2_XS or kind == IQ2_S:
-            for j in range(32):
-                if kind == IQ2_XS:
-                    y[o + 2 + 2 * j] = np.uint8(q[j] & 255)
-                    y[o + 3 + 2 * j] = np.uint8(q[j] >> 8)
-            for ib in range(16):
-                y[o + ts - 8 + ib // 2] |= np.uint8(_scale_code(idv, scales[ib], 15) << (4 * (ib % 2)))
-        elif kind == IQ3_XXS:
-            for ib in range(8):
-                q[64 + ib] |= _scale_code(idv, scales[ib], 15) << 28
-            for j in range(64):
-                y[o + 2 + j] = np.uint8(q[j])
-            for ib in range(8):
-                put_u32(y, o + 66 + 4 * ib, q[64 + ib])
-        else:
-            for ib in range(0, 8, 2):
-                l1 = _scale_code(idv, scales[ib], 15)
-                l2 = _scale_code(idv, scales[ib + 1], 15)
-                y[o + 106 + ib // 2] = np.uint8(l1 | (l2 << 4))
+                for ib in range(0, 8, 2):
+                    l1 = _scale_code(idv, scales[ib], 15)
+                    l2 = _scale_code(idv, scales[ib + 1], 15)
+                    y[o + 106 + ib // 2] = np.uint8(l1 | (l2 << 4))
+
+    quantize.kernel = rows
+    return quantize
 
 
 # --------------------------------------------------------------------------- IQ1_S, IQ1_M
@@ -366,15 +379,30 @@ _XP = np.array([F(-1.0) + _IQ1_DELTA, _IQ1_DELTA, F(1.0) + _IQ1_DELTA], np.float
 _XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.float32)
 
 
-@kernel
+@inline
 def _iq1_values(code, k, ng):
     """The shifted levels of group ``k`` of ``ng``: ``code``'s bit 1 shifts the first half down, bit 0 the
     second (IQ1_M's four codes; IQ1_S uses 0 and 3)."""
     return _XM if ((code >> 1) if 2 * k < ng else code) & 1 else _XP
 
 
-@kernel
-def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, pos):
+@inline
+def _sort_order(x, xb, n, idx, xs):
+    """The order of ``x[xb:xb+n]`` ascending into ``idx``, equal values in index order as glibc's ``qsort`` (a
+    merge sort) leaves them: an insertion sort in place (``xs`` the sorted values), no array made per call."""
+    for j in range(n):
+        v = x[xb + j]
+        k = j
+        while k > 0 and xs[k - 1] > v:
+            xs[k] = xs[k - 1]
+            idx[k] = idx[k - 1]
+            k -= 1
+        xs[k] = v
+        idx[k] = j
+
+
+@inline
+def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, levels):
     """The chosen split's levels (sorted values below ``i1``: 0, below ``i2``: 1, then 2), flipped with the
     scale's sign; each group of 8 to a grid point, the scale refitted when one was off the grid: (scale, code)."""
     for j in range(bn):
@@ -387,7 +415,7 @@ def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, nei
     ng = bn // 8
     all_on_grid = True
     for k in range(ng):
-        index[k], on = _iq1_snap(x, xb, weight, L, k, scale, _iq1_values(code, k, ng), kmap, neighbours, pos)
+        index[k], on = _iq1_snap(x, xb, weight, L, k, scale, _iq1_values(code, k, ng), kmap, neighbours, levels)
         all_on_grid = all_on_grid and on
     if not all_on_grid:
         sumqx = F(0.0)
@@ -396,7 +424,7 @@ def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, nei
             xx = _iq1_values(code, k, ng)
             for j in range(8):
                 w = weight[8 * k + j]
-                qv = xx[(np.int64(pos[index[k], j]) - 1) // 2]
+                qv = xx[levels[8 * index[k] + j]]
                 sumqx += w * qv * x[xb + 8 * k + j]
                 sumq2 += w * qv * qv
         if sumqx > 0 and sumq2 > 0:
@@ -404,8 +432,8 @@ def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, nei
     return scale, code
 
 
-@kernel
-def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, L, lo):
+@inline
+def _find_best_neighbour2(neighbours, start, levels, x, xo, weight, wo, scale, xx, L, lo):
     """``iq1_find_best_neighbour2``."""
     best = _FLT_MAX
     grid_index = -1
@@ -413,28 +441,28 @@ def _find_best_neighbour2(neighbours, start, pos, x, xo, weight, wo, scale, xx, 
         g = np.int64(neighbours[start + j])
         d2 = F(0.0)
         for i in range(8):
-            diff = scale * xx[(np.int64(pos[g, i]) - 1) // 2] - x[xo + i]
+            diff = scale * xx[levels[8 * g + i]] - x[xo + i]
             d2 += weight[wo + i] * diff * diff
         if d2 < best:
             best = d2
             grid_index = g
     for i in range(8):
-        L[lo + i] = (np.int64(pos[grid_index, i]) - 1) // 2
+        L[lo + i] = levels[8 * grid_index + i]
     return grid_index
 
 
-@kernel
-def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, pos):
+@inline
+def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, levels):
     u = 0
     for j in range(8):
         u |= L[8 * k + j] << (2 * j)
     g = kmap[u]
     if g >= 0:
         return g, True
-    return _find_best_neighbour2(neighbours, -g - 1, pos, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
+    return _find_best_neighbour2(neighbours, -g - 1, levels, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
 
 
-@kernel
+@inline
 def _iq1_s_split(x, xb, weight, idx, mx, sumx, sumw):
     """IQ1_S's search over the splits of 32 sorted values, both shifts: (scale, i1, i2, code 0 or 3)."""
     sumx[0] = F(0.0)
@@ -467,7 +495,7 @@ def _iq1_s_split(x, xb, weight, idx, mx, sumx, sumw):
     return scale, besti1, besti2, best_shift
 
 
-@kernel
+@inline
 def _iq1_m_split(x, xb, weight, idx, mx, px, pw):
     """IQ1_M's search over the splits of 16 sorted values, each half's shift apart: (scale, i1, i2, code)."""
     cp1 = _XP[0] * _XP[0] - _XP[1] * _XP[1]
@@ -514,95 +542,107 @@ def _iq1_m_split(x, xb, weight, idx, mx, px, pw):
     return scale, besti1, besti2, best_k
 
 
-@kernel
-def quantize_iq1(x, y, n, qw, kind, pos, kmap, neighbours):
-    """``quantize_row_iq1_s_impl`` / ``quantize_row_iq1_m_impl`` (``kind``: IQ1_S, IQ1_M), row by row."""
+def _iq1_quantizer(kind):
+    """``quantize_row_iq1_s_impl`` / ``quantize_row_iq1_m_impl`` (``kind``: IQ1_S, IQ1_M), row by row: one kernel
+    per type, as :func:`_grid_quantizer`."""
     m = kind == IQ1_M
     bn, ts = (16, 56) if m else (32, 50)
-    weight = np.empty(bn, np.float32)
-    px = np.empty((2, 33), np.float32)  # IQ1_S: its sums in px[0], pw[0]
-    pw = np.empty((2, 33), np.float32)
-    L = np.empty(bn, np.int64)
-    index = np.empty(4, np.int64)
-    scales = np.empty(16, np.float32)
-    shifts = np.empty(16, np.int64)
-    sc = np.empty(4, np.int64)
-    for ibl in range(x.size // QK_K):
-        xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
-        for j in range(ts):
-            y[o + j] = 0
-        max_scale = F(0.0)
-        sigma2 = _sigma2(x, xo, True)
-        for ib in range(QK_K // bn):
-            xb = xo + bn * ib
-            _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, False)
-            mx = abs(x[xb])
-            for i in range(1, bn):
-                mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
-            scales[ib] = F(0.0)
-            shifts[ib] = 0
-            if mx < (F(1e-7) if m else F(1e-12)):
+
+    def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
+        f32, i64 = np.float32, np.int64
+        scratch = np.empty((2, bn), f32), np.empty((2, 2, 33), f32), np.empty((2, bn), i64), np.empty(16, f32)
+        rows(x, y, n, qw, levels, kmap, neighbours, *scratch, np.empty(24, i64))
+
+    @raw_kernel
+    def rows(x, y, n, qw, levels, kmap, neighbours, fs, sums, ls, scales, ints):
+        weight, xs = fs[0], fs[1]
+        px, pw = sums[0], sums[1]  # IQ1_S: its sums in px[0], pw[0]
+        L, idx = ls[0], ls[1]
+        shifts, index, sc = ints[:16], ints[16:20], ints[20:]
+        for ibl in range(x.size // QK_K):
+            xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
+            for j in range(ts):
+                y[o + j] = 0
+            max_scale = F(0.0)
+            sigma2 = _sigma2(x, xo, True)
+            for ib in range(QK_K // bn):
+                xb = xo + bn * ib
+                _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, False)
+                mx = abs(x[xb])
+                for i in range(1, bn):
+                    mx = mx if mx > abs(x[xb + i]) else abs(x[xb + i])
+                scales[ib] = F(0.0)
+                shifts[ib] = 0
+                if mx < (F(1e-7) if m else F(1e-12)):
+                    continue
+                _sort_order(x, xb, bn, idx, xs)
+                if m:
+                    scale, i1, i2, code = _iq1_m_split(x, xb, weight, idx, mx, px, pw)
+                else:
+                    scale, i1, i2, code = _iq1_s_split(x, xb, weight, idx, mx, px[0], pw[0])
+                if i1 < 0 or i2 < 0 or code < 0:
+                    continue
+                scale, code = _iq1_finish(
+                    x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, levels
+                )
+                if m:
+                    y[o + 2 * ib] = np.uint8(index[0] & 255)
+                    y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
+                    y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
+                else:
+                    h = 0
+                    for k in range(4):
+                        y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
+                        h |= (index[k] >> 8) << (3 * k)
+                    y[o + 34 + 2 * ib] = np.uint8(h & 255)
+                    y[o + 35 + 2 * ib] = np.uint8(h >> 8)
+                scales[ib] = scale
+                shifts[ib] = code
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == 0:
                 continue
-            idx = np.argsort(x[xb : xb + bn], kind="mergesort")
-            if m:
-                scale, i1, i2, code = _iq1_m_split(x, xb, weight, idx, mx, px, pw)
-            else:
-                scale, i1, i2, code = _iq1_s_split(x, xb, weight, idx, mx, px[0], pw[0])
-            if i1 < 0 or i2 < 0 or code < 0:
+            d = max_scale / F(15.0)
+            idv = F(1.0) / d
+            if not m:
+                put_fp16(y, o, d * F(1.125))
+                for ib in range(8):
+                    l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
+                    y[o + 35 + 2 * ib] |= np.uint8((l | (8 if shifts[ib] == 3 else 0)) << 4)
                 continue
-            scale, code = _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, pos)
-            if m:
-                y[o + 2 * ib] = np.uint8(index[0] & 255)
-                y[o + 2 * ib + 1] = np.uint8(index[1] & 255)
-                y[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
-            else:
-                h = 0
-                for k in range(4):
-                    y[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
-                    h |= (index[k] >> 8) << (3 * k)
-                y[o + 34 + 2 * ib] = np.uint8(h & 255)
-                y[o + 35 + 2 * ib] = np.uint8(h >> 8)
-            scales[ib] = scale
-            shifts[ib] = code
-            max_scale = max_scale if max_scale > scale else scale
-        if max_scale == 0:
-            continue
-        d = max_scale / F(15.0)
-        idv = F(1.0) / d
-        if not m:
-            put_fp16(y, o, d * F(1.125))
-            for ib in range(8):
+            sc[:] = 0
+            sqx = F(0.0)
+            sq2 = F(0.0)
+            for ib in range(16):
                 l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
-                y[o + 35 + 2 * ib] |= np.uint8((l | (8 if shifts[ib] == 3 else 0)) << 4)
-            continue
-        sc[:] = 0
-        sqx = F(0.0)
-        sq2 = F(0.0)
-        for ib in range(16):
-            l = max(0, min(7, nearest_int(F(0.5) * (idv * scales[ib] - F(1.0)))))
-            sc[ib // 4] |= l << (3 * (ib % 4))
-            y[o + 32 + ib] |= np.uint8((0x00, 0x80, 0x08, 0x88)[shifts[ib]])
-            xb = xo + 16 * ib
-            _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
-            qh = np.int64(y[o + 32 + ib])
-            for k in range(2):
-                xx = _iq1_values(shifts[ib], k, 2)
-                g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
-                for j in range(8):
-                    w = weight[8 * k + j]
-                    qv = xx[(np.int64(pos[g, j]) - 1) // 2] * F(2 * l + 1)
-                    sqx += w * qv * x[xb + 8 * k + j]
-                    sq2 += w * qv * qv
-        if sq2 > 0:
-            d = sqx / sq2
-        s = np.int64(fp16(d * F(1.1125)))
-        sc[0] |= (s & 0x000F) << 12
-        sc[1] |= (s & 0x00F0) << 8
-        sc[2] |= (s & 0x0F00) << 4
-        sc[3] |= s & 0xF000
-        for j in range(4):
-            y[o + 48 + 2 * j] = np.uint8(sc[j] & 255)
-            y[o + 49 + 2 * j] = np.uint8((sc[j] >> 8) & 255)
+                sc[ib // 4] |= l << (3 * (ib % 4))
+                y[o + 32 + ib] |= np.uint8((0x00, 0x80, 0x08, 0x88)[shifts[ib]])
+                xb = xo + 16 * ib
+                _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
+                qh = np.int64(y[o + 32 + ib])
+                for k in range(2):
+                    xx = _iq1_values(shifts[ib], k, 2)
+                    g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        qv = xx[levels[8 * g + j]] * F(2 * l + 1)
+                        sqx += w * qv * x[xb + 8 * k + j]
+                        sq2 += w * qv * qv
+            if sq2 > 0:
+                d = sqx / sq2
+            s = np.int64(fp16(d * F(1.1125)))
+            sc[0] |= (s & 0x000F) << 12
+            sc[1] |= (s & 0x00F0) << 8
+            sc[2] |= (s & 0x0F00) << 4
+            sc[3] |= s & 0xF000
+            for j in range(4):
+                y[o + 48 + 2 * j] = np.uint8(sc[j] & 255)
+                y[o + 49 + 2 * j] = np.uint8((sc[j] >> 8) & 255)
+
+    quantize.kernel = rows
+    return quantize
+
+
+QUANTIZERS = {kind: _grid_quantizer(kind) for kind in _GRID_SPECS} | {k: _iq1_quantizer(k) for k in (IQ1_S, IQ1_M)}
 
 
 # --------------------------------------------------------------------------- dequantizers

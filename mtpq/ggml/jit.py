@@ -43,6 +43,12 @@ CACHE_DIR = _cache_dir()
 numba.config.CACHE_DIR = CACHE_DIR  # read by numba when a kernel is first called
 
 kernel = numba.njit(nogil=True, cache=True, error_model="numpy")  # C division: x/0 is inf or NaN
+# a helper numba copies into each caller before typing it: the caller's constants (a type's group width, bits,
+# flags) reach its loops, which LLVM then unrolls and folds
+inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+# a kernel without numba's reference counting: it allocates nothing, its caller hands it every array (scratch
+# included), so the arrays its inlined helpers pass on cost no atomic increments and decrements in its loops
+raw_kernel = numba.njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
 
 F = np.float32
 GROUP_MAX_EPS = F(1e-15)

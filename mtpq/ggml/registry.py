@@ -38,21 +38,21 @@ class GgmlType:
 
 
 def _iq(qtype: T, type_size: int, kind, unweighted: bool, family: str = "", fp16_fields=(0,)) -> GgmlType:
-    """An i-quant's record: ``kind`` its code in :mod:`.iquants` (IQ2_XXS..IQ3_S: :func:`iquants.quantize_grid`,
-    IQ1_S/IQ1_M: :func:`iquants.quantize_iq1`); its tables (``family``'s, default its own) bound at first use.
-    ``unweighted``: ggml quantizes it without importance too (the same function, ``qw`` empty)."""
+    """An i-quant's record: ``kind`` its code in :mod:`.iquants` (its kernel ``iquants.QUANTIZERS[kind]``); its
+    tables (``family``'s, default its own) bound at first use. ``unweighted``: ggml quantizes it without
+    importance too (the same function, ``qw`` empty)."""
     family = family or qtype.name
-    fn = iquants.quantize_iq1 if kind >= iquants.IQ1_S else iquants.quantize_grid
+    fn = iquants.QUANTIZERS[kind]
 
     def run(x, y, n, qw=_NONE):
-        fn(x, y, n, qw, kind, *iqtables.grid_tables(family))
+        fn(x, y, n, qw, *iqtables.search_tables(family))
 
     deq = getattr(iquants, f"dequantize_{qtype.name.lower()}")
 
     def dequantize(y, x):
         deq(y, x, iqtables.dequant_grid(family))
 
-    run.kernel, dequantize.kernel = fn, deq
+    run.kernel, dequantize.kernel = fn.kernel, deq
     return GgmlType(qtype, 256, type_size, run if unweighted else None, run, dequantize, fp16_fields)
 
 
