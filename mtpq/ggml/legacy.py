@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, absmax, bind, c_int, get_fp16, get_u32, i8, kernel, put_fp16, put_u32, roundf
+from .jit import F, absmax, bind, c_int, get_fp16, get_u32, i8, inline, kernel, put_fp16, put_u32, roundf
 from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
@@ -158,11 +158,18 @@ def quantize_q1_0(x, y, n_per_row):
         for j in range(128):
             sum_abs += abs(x[128 * i + j])
         put_fp16(y, 18 * i, sum_abs / F(128.0))
-        for j in range(16):
-            y[18 * i + 2 + j] = 0
-        for j in range(128):
-            if x[128 * i + j] >= F(0.0):
-                y[18 * i + 2 + j // 8] |= np.uint8(1 << (j % 8))
+        for k in range(16):  # bit j % 8 of byte j // 8: x[j] >= 0 (so not for a NaN)
+            b = np.uint8(0)
+            for bit in range(8):
+                b |= np.uint8(x[128 * i + 8 * k + bit] >= F(0.0)) << np.uint8(bit)
+            y[18 * i + 2 + k] = b
+
+
+@inline
+def _q2_level(v):
+    """``MIN(3, MAX(0, (int)roundf(v) + 1))`` for |v| < 1.5 or NaN: roundf is -1 from -0.5 down, 1 from 0.5
+    up; a NaN is x86's INT_MIN + 1, clamped to 0."""
+    return np.uint8(1) + np.uint8(v >= F(0.5)) - np.uint8(v <= F(-0.5)) - np.uint8(v != v)
 
 
 @kernel
@@ -176,12 +183,22 @@ def quantize_q2_0(x, y, n_per_row):
         d = amax
         idv = F(1.0) / d if d > F(0.0) else F(0.0)
         put_fp16(y, 18 * i, d)
-        for j in range(16):
-            y[18 * i + 2 + j] = 0
-        for j in range(64):
-            q = c_int(roundf(x[64 * i + j] * idv)) + 1
-            q = min(3, max(0, q))
-            y[18 * i + 2 + j // 4] |= np.uint8(q << ((j % 4) * 2))
+        if idv < np.inf:  # |x * idv| <= amax * (1 / amax) < 1.5 for every finite x
+            for k in range(16):
+                o = 64 * i + 4 * k
+                y[18 * i + 2 + k] = (
+                    _q2_level(x[o] * idv)
+                    | (_q2_level(x[o + 1] * idv) << np.uint8(2))
+                    | (_q2_level(x[o + 2] * idv) << np.uint8(4))
+                    | (_q2_level(x[o + 3] * idv) << np.uint8(6))
+                )
+        else:  # amax below 2^-128: 1 / amax is inf, so x * idv is +-inf or NaN
+            for j in range(16):
+                y[18 * i + 2 + j] = 0
+            for j in range(64):
+                q = c_int(roundf(x[64 * i + j] * idv)) + 1
+                q = min(3, max(0, q))
+                y[18 * i + 2 + j // 4] |= np.uint8(q << ((j % 4) * 2))
 
 
 # --------------------------------------------------------------------------- dequantizers

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, bits_f32, c_int, kernel
+from .jit import F, bits_f32, c_int, inline, kernel
 
 KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
@@ -25,6 +25,7 @@ def e8m0_half(e):
 
 @kernel
 def _best_index(x, d):
+    """``best_index_mxfp4``: the first of the 16 codes whose ``|kvalues[i] * d - x|`` is least."""
     best = 0
     best_err = abs(F(KVALUES[0]) * d - x)
     for i in range(1, 16):
@@ -33,6 +34,27 @@ def _best_index(x, d):
             best = i
             best_err = err
     return best
+
+
+@inline
+def _code(v, d):
+    """``_best_index`` by comparing |v| with the midpoints between the magnitudes 0, 1, 2, 3, 4, 6, 8, 12
+    (times d: exact, d is a power of two >= 2^-128). The caller makes sure |v| < 16 d and 12 d is finite. Then
+    the two errors at a midpoint are exact (Sterbenz: the magnitudes either side are within a factor 2 of |v|),
+    so ``err < best_err`` is the exact comparison, won by the smaller magnitude on a tie (``a > h``); a negative
+    v takes the same magnitude's code + 8 (codes 9-15 are 1-7 negated; the scan meets +0 before -0); a NaN finds
+    no midpoint and takes code 0, as in the scan."""
+    a = abs(v)
+    q = (
+        np.uint8(a > F(0.5) * d)
+        + np.uint8(a > F(1.5) * d)
+        + np.uint8(a > F(2.5) * d)
+        + np.uint8(a > F(3.5) * d)
+        + np.uint8(a > F(5.0) * d)
+        + np.uint8(a > F(7.0) * d)
+        + np.uint8(a > F(10.0) * d)
+    )
+    return q | (np.uint8(8) * np.uint8((v < F(0.0)) & (q > 0)))
 
 
 @kernel
@@ -47,8 +69,12 @@ def quantize_mxfp4(x, y, n_per_row):
             e = c_int(np.floor(F(np.log2(np.float64(amax)))) - F(2.0) + F(127.0)) & 0xFF
         d = e8m0_half(e)
         y[17 * i] = np.uint8(e)
-        for j in range(16):
-            y[17 * i + 1 + j] = np.uint8(_best_index(x[32 * i + j], d) | (_best_index(x[32 * i + 16 + j], d) << 4))
+        if amax < F(16.0) * d and F(12.0) * d < np.inf:
+            for j in range(16):
+                y[17 * i + 1 + j] = _code(x[32 * i + j], d) | (_code(x[32 * i + 16 + j], d) << np.uint8(4))
+        else:  # an infinite value, or a block near FLT_MAX or below 2^-125 (e wrapped): the scan decides
+            for j in range(16):
+                y[17 * i + 1 + j] = np.uint8(_best_index(x[32 * i + j], d) | (_best_index(x[32 * i + 16 + j], d) << 4))
 
 
 @kernel
