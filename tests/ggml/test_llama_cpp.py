@@ -72,7 +72,7 @@ def ggml_quantize(exe: Path, qtype: T, x: np.ndarray, qw: np.ndarray | None, tmp
 
 def fuzz_data(seed: int, rows: int = 8, n: int = 1024):
     """(name, x, importance) triples: value distributions from ordinary weights to per-block scales spanning
-    1e-9..1e4, sparse, integer grids, subnormals; importance lognormal, uniform or with zeros, and none."""
+    1e-9..1e4, sparse, integer and half-integer grids, subnormals; importance lognormal, uniform or with zeros, and none."""
     rng = np.random.default_rng(seed)
     g = rng.standard_normal((rows, n)).astype(np.float32)
     xs = {
@@ -83,6 +83,7 @@ def fuzz_data(seed: int, rows: int = 8, n: int = 1024):
         ),
         "sparse": np.where(rng.random((rows, n)) < 0.8, 0, g),
         "integers": rng.integers(-4, 5, (rows, n)),
+        "halves": rng.integers(-30, 31, (rows, n)) / 2,  # MXFP4's midpoints (0.5 .. 10 at d = 1), exactly
         "outliers": np.where(rng.random((rows, n)) < 0.01, g * 100, g * 0.01),
         "subnormal": g * 1e-38,
     }
