@@ -4,7 +4,8 @@
     MTPQ_LLAMA_CPP_BIN=DIR python benchmarks/kernel_ab.py [--types IQ2_XXS,IQ3_S] [--rows 16] [--repeat 7]
 
 The rows are N(0, 0.02^2), 4096 values each, quantized with an importance weight per column
-(``exp(N(0, 1.5^2))``, as llama-imatrix's mean squared activations) for the types that take one. The two run
+(``exp(N(0, 1.5^2))``, as llama-imatrix's mean squared activations) for the types that take one (not with
+``--no-imatrix``). The two run
 alternately, ``--repeat`` times; the best thread CPU time of each is kept (what other jobs on a shared machine
 disturb least) and the ratio printed is ours / C in throughput (above 1: mtpq is faster). The bytes are
 compared: a difference ends the run with exit status 1.
@@ -31,6 +32,11 @@ def main() -> int:
     p.add_argument("--types", default=IQUANTS, help="comma-separated ggml type names (default: the i-quants)")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument(
+        "--no-imatrix",
+        action="store_true",
+        help="the reference quantizers (what llama-quantize runs without --imatrix)",
+    )
     a = p.parse_args()
     lib = ctypes.CDLL(os.path.join(os.environ["MTPQ_LLAMA_CPP_BIN"], "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
@@ -45,7 +51,8 @@ def main() -> int:
     for name in a.types.split(","):
         t = T[name]
         rec = registry.record(t)
-        ours, cq = (rec.quantize_weighted, qw) if rec.quantize_weighted is not None else (rec.quantize, None)
+        weighted = rec.quantize_weighted is not None and not a.no_imatrix
+        ours, cq = (rec.quantize_weighted, qw) if weighted else (rec.quantize, None)
         size = a.rows * registry.bytes_per_row(t, n)
         yo, yc = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
         lib.ggml_quantize_init(int(t))
