@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, fp16, get_fp16, inline, kernel, nearest_int
+from .legacy import dequantize_nibbles
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _NO_WEIGHTS = np.empty(0, np.float32)
@@ -138,14 +139,7 @@ quantize_iq4_xs_weighted = _iq4_quantizer(QK_K, 136)
 quantize_iq4_xs = bind(quantize_iq4_xs_weighted, _NO_WEIGHTS)
 
 
-@kernel
-def dequantize_iq4_nl(y, x):
-    for i in range(x.size // 32):
-        d = get_fp16(y, 18 * i)
-        for j in range(16):
-            b = y[18 * i + 2 + j]
-            x[32 * i + j] = d * F(KVALUES_IQ4NL[b & 0xF])
-            x[32 * i + j + 16] = d * F(KVALUES_IQ4NL[b >> 4])
+dequantize_iq4_nl = bind(dequantize_nibbles, KVALUES_IQ4NL)
 
 
 @kernel

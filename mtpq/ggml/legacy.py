@@ -205,13 +205,18 @@ def quantize_q2_0(x, y, n_per_row):
 
 
 @kernel
-def dequantize_q4_0(y, x):
+def dequantize_nibbles(y, x, values):
+    """Blocks of 32 values in 18 bytes: an fp16 scale d, then byte j holding value j's index into ``values``
+    in its low nibble and value j + 16's in its high one; value = d * values[index] (Q4_0, IQ4_NL)."""
     for i in range(x.size // 32):
         d = get_fp16(y, 18 * i)
         for j in range(16):
             b = y[18 * i + 2 + j]
-            x[32 * i + j] = F((b & 0x0F) - 8) * d
-            x[32 * i + j + 16] = F((b >> 4) - 8) * d
+            x[32 * i + j] = d * F(values[b & 0x0F])
+            x[32 * i + j + 16] = d * F(values[b >> 4])
+
+
+dequantize_q4_0 = bind(dequantize_nibbles, np.arange(-8, 8, dtype=np.int8))
 
 
 @kernel

@@ -19,12 +19,14 @@ def _trit(f):
 
 
 @kernel
-def _absmax_scale(x, xo):
+def _put_absmax_scale(x, xo, y, at):
+    """The block's scale, its largest |x|, stored as fp16 at ``y[at]``; returns its inverse (0 for 0)."""
     amax = F(0.0)
     for j in range(QK_K):
         a = abs(x[xo + j])
         amax = amax if amax > a else a
-    return amax, (F(1.0) / amax if amax != 0 else F(0.0))
+    put_fp16(y, at, amax)
+    return F(1.0) / amax if amax != 0 else F(0.0)
 
 
 @kernel
@@ -41,8 +43,7 @@ def _pack5(x, xo, idv, width, y, at):
 def quantize_tq1_0(x, y, n_per_row):
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, 54 * i
-        d, idv = _absmax_scale(x, xo)
-        put_fp16(y, o + 52, d)
+        idv = _put_absmax_scale(x, xo, y, o + 52)
         _pack5(x, xo, idv, 32, y, o)
         _pack5(x, xo + 160, idv, 16, y, o + 32)
         for j in range(4):
@@ -57,8 +58,7 @@ def quantize_tq1_0(x, y, n_per_row):
 def quantize_tq2_0(x, y, n_per_row):
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, 66 * i
-        d, idv = _absmax_scale(x, xo)
-        put_fp16(y, o + 64, d)
+        idv = _put_absmax_scale(x, xo, y, o + 64)
         for j in range(0, 64, 32):
             for m in range(32):
                 q = 0
