@@ -521,10 +521,12 @@ def test_quantized_gguf_equals_dequantized_weights(family, recipe, rt, tmp_path,
     diff, scale = close(q_head, r_head)
     assert diff <= REL_TOL * scale, ("head", diff, scale)
     assert close(q_out.logits, f_out.logits)[0] > 10 * REL_TOL * scale  # quantization did change the model
-    # big quantized matrices are decoded in slabs of rows: force slabs everywhere, same logits
+    # big quantized matrices are decoded in slabs of rows: force slabs everywhere, the same logits up to the
+    # GEMM's summation order, which a narrower matrix may change by an ulp per product (the recurrent layers
+    # carry it along the 80 tokens: qwen3next 1.8e-6 of the scale on an AVX-512 CPU); a wrong row would be O(1)
     monkeypatch.setattr(weights, "DEQUANT_CHUNK", 5000)
     diff, scale = close(quant.trunk(ids, use_cache=False).logits, q_out.logits)
-    assert diff <= 1e-6 * scale, ("slabs", diff)
+    assert diff <= 1e-5 * scale, ("slabs", diff)
     prompt = ids[0, :10].tolist()  # the loop runs on the quantized model
     assert run_speculative(quant, prompt, 12, k=2).tokens == run_plain(quant, prompt, 12).tokens
 
