@@ -41,17 +41,6 @@ def text_config(moe: bool, **over) -> dict:
     return release_config("qwen35_moe" if moe else "qwen35", **over)
 
 
-_VISION = dict(
-    depth=1,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=2,
-    out_hidden_size=256,
-    patch_size=4,
-    num_position_embeddings=16,
-)
-
-
 def qwen35(folder: Path, **over) -> Path:
     """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer).
 
@@ -76,7 +65,8 @@ def _state(
     tcfg = text_config(moe, **config_over)
     if conditional:
         cfg_cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
-        cfg = cfg_cls(text_config=tcfg, vision_config=dict(_VISION), tie_word_embeddings=tcfg["tie_word_embeddings"])
+        vision = release_config("qwen35_vision")  # the vision tower's config.json keys at tiny sizes
+        cfg = cfg_cls(text_config=tcfg, vision_config=vision, tie_word_embeddings=tcfg["tie_word_embeddings"])
         model_cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
         text = cfg.text_config
     else:
