@@ -48,6 +48,7 @@ ends the run with exit status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -240,21 +241,9 @@ WHOLE_TYPES = (
     "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_1,Q5_0,Q4_1,Q4_0,IQ4_NL,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,"
     "IQ1_M,IQ1_S,TQ2_0,TQ1_0,Q2_0,MXFP4"
 )  # not Q1_0: the file's rows of 352 have no Q1_0 fallback
-# GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408)
-GLM_SHAPE = dict(
-    hidden_size=1024,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    intermediate_size=2816,
-    moe_intermediate_size=352,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    num_hidden_layers=3,
-    vocab_size=8192,
-)
+# GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408):
+# glm_shape.json beside this file
+GLM_SHAPE = json.loads(Path(__file__).with_name("glm_shape.json").read_text())  # tiny.glm4moe's keywords
 
 
 def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:

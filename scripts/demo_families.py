@@ -13,6 +13,7 @@ one gated full-attention layer, whatever the trunk's layer pattern).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -51,22 +52,12 @@ class DemoModel(nn.Module):
         return self.lm.lm_head(self.mtp(h, self.lm.model.embed_tokens(next_ids), rope))
 
 
-# what the two demo trunks share: hidden 256 (FFN 768), 4 layers of 4 query / 2 KV heads of 64, an untied head
-_TRUNK = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-)
-
-
-def _config(config_cls, vocab: int, eos: list[int], **keys):
-    """``config_cls`` of the shared trunk sizes and the family's ``keys``, stopping on ``eos``, run with sdpa."""
-    cfg = config_cls(vocab_size=vocab, **_TRUNK, **keys, eos_token_id=eos, pad_token_id=eos[0])
+def _config(config_cls, family: str, vocab: int, eos: list[int]):
+    """``config_cls`` of ``demo_configs/{family}.json`` (the trunk sizes the two demo families share: hidden 256
+    (FFN 768), 4 layers of 4 query / 2 KV heads of 64, an untied head; then the family's own keys), stopping on
+    ``eos``, run with sdpa."""
+    keys = json.loads((Path(__file__).parent / "demo_configs" / f"{family}.json").read_text())
+    cfg = config_cls(vocab_size=vocab, **keys, eos_token_id=eos, pad_token_id=eos[0])
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -118,25 +109,8 @@ class Glm4Moe:
     def make_config(self, vocab: int, eos: list[int]):
         from transformers import Glm4MoeConfig
 
-        return _config(
-            Glm4MoeConfig,
-            vocab,
-            eos,
-            moe_intermediate_size=256,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.5,
-            use_qk_norm=True,
-            attention_bias=True,
-            rms_norm_eps=1e-5,
-            num_nextn_predict_layers=1,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        )
+        # 4 routed experts (2 per token) of 256 and one shared, layer 0 dense; q/k norms and qkv biases, half-rotary
+        return _config(Glm4MoeConfig, self.name, vocab, eos)
 
     def build(self, config, norm_spread: float, gen: torch.Generator) -> DemoModel:
         from transformers import Glm4MoeForCausalLM
@@ -246,24 +220,7 @@ class Qwen35:
 
         # 3 gated-DeltaNet layers + 1 gated full-attention layer (full_attention_interval 4), dense SwiGLU;
         # 2 key / 4 value heads so llama.cpp's value-head reordering is exercised, as in the real releases
-        return _config(
-            Qwen3_5TextConfig,
-            vocab,
-            eos,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_conv_kernel_dim=4,
-            rms_norm_eps=1e-6,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000_000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [3, 3, 2],
-                "mrope_interleaved": True,
-            },
-        )
+        return _config(Qwen3_5TextConfig, self.name, vocab, eos)
 
     def build(self, config, norm_spread: float, gen: torch.Generator) -> DemoModel:
         from transformers import Qwen3_5ForCausalLM

@@ -7,7 +7,9 @@ from transformers' own model classes (random init, fixed seed) so that the
 trunk is what transformers would load.
 
 Sizes follow DESIGN.md's note: hidden 256, FFN/expert widths multiples of 256,
-so K-quants apply to every weight row.
+so K-quants apply to every weight row. Each family's config.json keys at those sizes
+are data: ``configs/<family>.json`` beside the builders (release_config reads them;
+``"vocab_size": null`` where the builder sets it from its tokenizer).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+CONFIGS = Path(__file__).parent / "configs"
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}<|assistant|>\n"
 GLM_SPECIALS = [
     "<|endoftext|>",
@@ -80,6 +83,14 @@ def save_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def release_config(family: str, **over) -> dict:
+    """``configs/{family}.json`` (a release's config.json keys at tiny sizes, in its order) with ``over`` on top
+    (new keys last)."""
+    cfg = json.loads((CONFIGS / f"{family}.json").read_text())
+    cfg.update(over)
+    return cfg
+
+
 def start_folder(folder: Path, specials: list[str] | None = None) -> tuple[Path, int]:
     """(the folder, created, now holding make_tokenizer's tokenizer of ``specials`` (default GLM's), its size)."""
     folder = Path(folder)
@@ -113,7 +124,6 @@ def block_checkpoint(
     config,
     specials: list[str],
     block_tensors,
-    h: int,
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
@@ -127,15 +137,47 @@ def block_checkpoint(
     ``embed``, the final norm (drawn by ``norm``, default rand_norm), lm_head unless the config ties it, then
     ``block_tensors(bid, cfg, gen)`` for every block (n_blocks: with_mtp, the MTP blocks too), in that order;
     saved by finish_checkpoint as ``dtype`` in ``n_shards`` shards. The families' builders are this with their
-    own config, specials, block_tensors and hidden size."""
-    norm = norm or rand_norm
+    own config, specials and block_tensors."""
     folder, vocab, cfg, gen = start_checkpoint(folder, config, specials, seed, **over)
-    sd = {embed: rand_weight(vocab, h, gen=gen), "model.norm.weight": norm(h, gen)}
-    if not cfg.get("tie_word_embeddings"):
-        sd["lm_head.weight"] = rand_weight(vocab, h, gen=gen)
+    sd = rand_ends(cfg, gen, embed=embed, norm=norm)
     for bid in range(n_blocks(cfg, with_mtp)):
         sd.update(block_tensors(bid, cfg, gen))
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
+
+
+def rand_ends(
+    cfg: dict,
+    gen: torch.Generator,
+    *,
+    embed: str = "model.embed_tokens.weight",
+    final_norm: str = "model.norm.weight",
+    norm=None,
+) -> dict[str, torch.Tensor]:
+    """A hand-built trunk's ends, drawn in this order: the embeddings ``embed``, the final norm ``final_norm``
+    (drawn by ``norm``, default rand_norm), then lm_head unless the config ties it; ``hidden_size`` wide."""
+    vocab, h = cfg["vocab_size"], cfg["hidden_size"]
+    sd = {embed: rand_weight(vocab, h, gen=gen), final_norm: (norm or rand_norm)(h, gen)}
+    if not cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = rand_weight(vocab, h, gen=gen)
+    return sd
+
+
+def hf_checkpoint(
+    folder: Path,
+    specials: list[str] | None,
+    build,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    n_shards: int = 2,
+    **over,
+) -> Path:
+    """A checkpoint of transformers' own classes: the folder with start_folder's tokenizer of ``specials``
+    (None: GLM's), then ``build(seed, **over)`` -> (state dict, config.json dict), saved by finish_checkpoint
+    as ``dtype`` in ``n_shards`` shards. The transformers-based builders are this with their own build."""
+    folder, _ = start_folder(folder, specials)
+    sd, config = build(seed, **over)
+    return finish_checkpoint(folder, config, sd, dtype, n_shards)
 
 
 def seeded_model(model_cls, cfg, seed: int):
@@ -294,54 +336,27 @@ def rand_nextn(p: str, h: int, gen: torch.Generator, *norms: str, norm=rand_norm
 
 
 def glm4moe_config(**over) -> dict:
-    cfg = dict(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=512,
-        use_qk_norm=True,
-        attention_bias=True,
-        routed_scaling_factor=1.5,
-        tie_word_embeddings=False,
-    )
-    cfg.update(over)
-    return cfg
+    return release_config("glm4moe", **over)
 
 
-def glm4moe(
-    folder: Path,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    glm46: bool = False,
-    n_shards: int = 2,
-    **config_over,
-) -> Path:
+def glm4moe(folder: Path, **over) -> Path:
     """A tiny GLM-4.5 checkpoint with one MTP layer (``model.layers.{n_layers}.*``).
 
-    ``glm46=True`` omits the head's embed_tokens and shared_head.head, as GLM-4.6 does.
+    ``glm46=True`` omits the head's embed_tokens and shared_head.head, as GLM-4.6 does. seed (0), dtype
+    (bfloat16), n_shards (2): hf_checkpoint's; other keywords: glm4moe_config()'s.
     """
+    return hf_checkpoint(folder, None, _glm4moe_state, **over)
+
+
+def _glm4moe_state(seed: int, glm46: bool = False, **config_over) -> tuple[dict[str, torch.Tensor], dict]:
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    folder, _ = start_folder(folder)
     cfg = Glm4MoeConfig(**glm4moe_config(**config_over))
     sd, gen = random_hf_state_dict(Glm4MoeForCausalLM, cfg, seed)
     sd.update(glm4moe_mtp_tensors(cfg, gen, glm46=glm46))
     config = cfg.to_dict()
     config["architectures"] = ["Glm4MoeForCausalLM"]
-    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+    return sd, config
 
 
 def glm4moe_mtp_tensors(cfg, gen: torch.Generator, glm46: bool = False) -> dict[str, torch.Tensor]:

@@ -21,77 +21,55 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import block_checkpoint, rand_attention, rand_mlp, rand_moe, rand_nextn, rand_norm
+from tests.builders.tiny import (
+    block_checkpoint,
+    rand_attention,
+    rand_mlp,
+    rand_moe,
+    rand_nextn,
+    rand_norm,
+    release_config,
+)
 
 SPECIALS = ["<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>"]
-H = 256
 
 
 def config(vocab: int, **over) -> dict:
-    n = over.pop("num_hidden_layers", 4)
-    cfg = dict(
-        architectures=["Cohere2MoeForCausalLM"],
-        model_type="cohere2_moe",
-        vocab_size=vocab,
-        hidden_size=H,
-        intermediate_size=256,
-        prefix_dense_intermediate_size=512,
-        logit_scale=0.0625,
-        num_hidden_layers=n,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        hidden_act="silu",
-        max_position_embeddings=4096,
-        layer_norm_eps=1e-5,
-        rms_norm_eps=None,
-        bos_token_id=1,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        rope_theta=50000.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        attention_bias=False,
-        sliding_window=16,
-        num_experts_per_tok=2,
-        num_experts=4,
-        num_shared_experts=1,
-        shared_expert_combination_strategy="average",
-        expert_selection_fn="sigmoid",
+    """configs/cohere2moe.json, its per-layer ``layer_types`` / ``mlp_layer_types`` following ``num_hidden_layers``
+    (every 4th layer full attention, the first dense), as the release's do."""
+    cfg = release_config("cohere2moe", vocab_size=vocab)
+    n = over.get("num_hidden_layers", cfg["num_hidden_layers"])
+    cfg.update(
         layer_types=["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
         mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
-        prefix_dense_sliding_window_pattern=1,
-        norm_topk_prob=True,
-        sliding_window_pattern=4,
-        num_nextn_predict_layers=1,
     )
     cfg.update(over)
     return cfg
 
 
 def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    p = f"model.layers.{bid}."
+    p, h = f"model.layers.{bid}.", cfg["hidden_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    t = {p + "input_layernorm.weight": rand_norm(H, gen)} | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
+    t = {p + "input_layernorm.weight": rand_norm(h, gen)} | rand_attention(p + "self_attn.", h, nh, nkv, hd, gen)
     if cfg["attention_bias"]:  # zero, as Cohere ships them (llama.cpp drops zero biases)
         t.update(
             {
                 p + f"self_attn.{x}_proj.bias": torch.zeros(n)
-                for x, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", H))
+                for x, n in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", h))
             }
         )
     types = cfg["mlp_layer_types"]
     if bid < len(types) and types[bid] == "dense":
-        t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], H, gen))
+        t.update(rand_mlp(p + "mlp.", cfg["prefix_dense_intermediate_size"], h, gen))
     else:  # MoE, the MTP layer too
         ff, n_shared = cfg["intermediate_size"], cfg["num_shared_experts"]
         shared = "shared_experts." if n_shared else None
-        t.update(rand_moe(p + "mlp.", cfg["num_experts"], ff, H, gen, shared=shared, shared_ff=ff * n_shared))
+        t.update(rand_moe(p + "mlp.", cfg["num_experts"], ff, h, gen, shared=shared, shared_ff=ff * n_shared))
     if bid >= cfg["num_hidden_layers"]:
-        t.update(rand_nextn(p, H, gen, "shared_head.norm"))
+        t.update(rand_nextn(p, h, gen, "shared_head.norm"))
     return t
 
 
 def cohere2moe(folder: Path, **over) -> Path:
     """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, **over)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, **over)

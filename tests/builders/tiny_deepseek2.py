@@ -23,95 +23,38 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, mtp_last_layer, start_folder
+from tests.builders.tiny import hf_checkpoint, mtp_last_layer, release_config
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIALS = [EOS, BOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # make_tokenizer: first = eos
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "rope_theta": 10000.0,
-}
-
-
-# DeepSeek-V3's config.json keys of an MLA + MoE model at tiny sizes, shared with the MLA releases built alike
-# (tiny_glm_dsa.py: GLM-5.x, GLM-4.7-Flash name them the same). Transformers' config classes keep unknown keys
-# (num_nextn_predict_layers, scoring_func, topk_method, ...) in the order given: the configs below keep theirs.
-MLA = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=256,
-    kv_lora_rank=256,
-    qk_rope_head_dim=32,
-    qk_nope_head_dim=64,
-    v_head_dim=64,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    topk_group=1,
-    norm_topk_prob=True,
-    num_nextn_predict_layers=1,
-    tie_word_embeddings=False,
-)
 
 
 def deepseek_v3_config(**over) -> dict:
-    cfg = dict(
-        MLA,
-        num_hidden_layers=2,
-        n_routed_experts=8,
-        n_group=2,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=16384,
-        rms_norm_eps=1e-6,
-        rope_parameters=dict(YARN),
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-    )  # as DeepSeek-V3's config.json has them
-    cfg.update(over)
-    return cfg
+    """configs/deepseek_v3.json: DeepSeek-V3's config.json keys of an MLA + MoE model at tiny sizes. Transformers'
+    config classes keep unknown keys (num_nextn_predict_layers, scoring_func, topk_method, ...) in the order given:
+    the file keeps theirs."""
+    return release_config("deepseek_v3", **over)
 
 
-def deepseek_v3(
-    folder: Path,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    n_shards: int = 2,
-    mtp_head_tensors: bool = True,
-    **config_over,
-) -> Path:
+def deepseek_v3(folder: Path, **over) -> Path:
     """Write the tiny checkpoint to ``folder`` and return it.
 
     ``mtp_head_tensors=False`` leaves out the MTP layer's ``embed_tokens`` and
-    ``shared_head.head`` (checkpoints that tie them to the trunk's).
+    ``shared_head.head`` (checkpoints that tie them to the trunk's). seed (0), dtype (bfloat16), n_shards (2):
+    hf_checkpoint's; other keywords: deepseek_v3_config()'s.
     """
+    return use_bos(hf_checkpoint(folder, SPECIALS, _state, **over))
+
+
+def _state(seed: int, mtp_head_tensors: bool = True, **config_over) -> tuple[dict[str, torch.Tensor], dict]:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder = start(folder)
     params = deepseek_v3_config(**config_over)
-    sd, config = mtp_last_layer(DeepseekV3ForCausalLM, DeepseekV3Config, params, seed, head=mtp_head_tensors)
-    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+    return mtp_last_layer(DeepseekV3ForCausalLM, DeepseekV3Config, params, seed, head=mtp_head_tensors)
 
 
-def start(folder: Path) -> Path:
-    """The folder, created, with DeepSeek's tokenizer (BOS added)."""
-    folder, _ = start_folder(folder, SPECIALS)
-    use_bos(folder)
-    return folder
-
-
-def use_bos(folder: Path) -> None:
-    """BOS is added to every prompt, as DeepSeek-V3's tokenizer does.
+def use_bos(folder: Path) -> Path:
+    """BOS is added to every prompt, as DeepSeek-V3's tokenizer does (the folder's tokenizer rewritten; returns it).
 
     transformers bakes that into tokenizer.json's post-processor; gguf-py (and so
     llama.cpp's converter) reads ``add_bos_token`` from tokenizer_config.json.
@@ -131,6 +74,7 @@ def use_bos(folder: Path) -> None:
     tc = json.loads(path.read_text())
     tc.update(add_bos_token=True, add_eos_token=False)
     path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+    return folder
 
 
 def trunk_copy_head(folder: Path, embed_rms: float = 0.02) -> Path:

@@ -21,90 +21,60 @@ releases' (sigmoid router with ``noaux_tc`` correction bias, GLM's special token
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, mtp_last_layer, start_folder
-from tests.builders.tiny_deepseek2 import MLA
-
-_MLA = dict(MLA, n_routed_experts=4, n_group=1, rms_norm_eps=1e-5, topk_method="noaux_tc")  # GLM-5.x's, 4.7-Flash's
+from tests.builders.tiny import hf_checkpoint, mtp_last_layer, release_config
 
 
 def glm_dsa_config(**over) -> dict:
-    """GLM-5.2's config.json keys at tiny sizes: 4 trunk layers, the first dense, indexers full/full/shared/full."""
-    cfg = dict(
-        _MLA,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        scoring_func="sigmoid",
-        max_position_embeddings=4096,
-        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-        index_n_heads=4,
-        index_head_dim=64,
-        index_topk=64,
-        indexer_types=["full", "full", "shared", "full"],
-    )
-    cfg.update(over)
-    return cfg
+    """GLM-5.2's config.json keys at tiny sizes (configs/glm_dsa.json): 4 trunk layers, the first dense, indexers
+    full/full/shared/full."""
+    return release_config("glm_dsa", **over)
 
 
 def glm4_moe_lite_config(**over) -> dict:
-    """GLM-4.7-Flash's config.json keys at tiny sizes (no scoring_func, top-level rope_theta, as released)."""
-    cfg = dict(
-        _MLA,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        routed_scaling_factor=1.8,
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        partial_rotary_factor=1.0,
-    )
-    cfg.update(over)
-    return cfg
+    """GLM-4.7-Flash's config.json keys at tiny sizes (configs/glm4_moe_lite.json: no scoring_func, top-level
+    rope_theta, as released)."""
+    return release_config("glm4_moe_lite", **over)
 
 
-def glm_dsa(
-    folder: Path,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    n_shards: int = 2,
-    mtp_indexer: bool = True,
-    **config_over,
-) -> Path:
+def glm_dsa(folder: Path, **over) -> Path:
     """Write a tiny GLM-5.x checkpoint; ``mtp_indexer=False`` stores the MTP block without an indexer,
-    ``indexer_types=None`` writes a GLM-5 / 5.1 config (no indexer_types: every layer has an indexer)."""
+    ``indexer_types=None`` writes a GLM-5 / 5.1 config (no indexer_types: every layer has an indexer).
+    seed (0), dtype (bfloat16), n_shards (2): hf_checkpoint's; other keywords: glm_dsa_config()'s."""
+    return hf_checkpoint(folder, None, _glm_dsa_state, **over)  # GLM's special tokens ([gMASK], <|user|>, ...)
+
+
+def glm4_moe_lite(folder: Path, **over) -> Path:
+    """Write a tiny GLM-4.7-Flash checkpoint; seed (0), dtype (bfloat16), n_shards (2): hf_checkpoint's; other
+    keywords: glm4_moe_lite_config()'s."""
+    return hf_checkpoint(folder, None, _glm4_moe_lite_state, **over)
+
+
+def _glm_dsa_state(seed: int, mtp_indexer: bool = True, **config_over) -> tuple[dict[str, torch.Tensor], dict]:
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     params = glm_dsa_config(**config_over)
     types = params.get("indexer_types")
     over = {"indexer_types": list(types) + ["full" if mtp_indexer else "shared"]} if types is not None else {}
-    folder = _build(folder, GlmMoeDsaConfig, GlmMoeDsaForCausalLM, params, seed, dtype, n_shards, **over)
+    sd, config = _state(GlmMoeDsaConfig, GlmMoeDsaForCausalLM, params, seed, **over)
     if types is None:  # GLM-5 / 5.1: config.json lists none (every layer runs its indexer)
-        path = folder / "config.json"
-        config = json.loads(path.read_text())
         del config["indexer_types"]
-        path.write_text(json.dumps(config, indent=2))
-    return folder
+    return sd, config
 
 
-def glm4_moe_lite(
-    folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, n_shards: int = 2, **config_over
-) -> Path:
+def _glm4_moe_lite_state(seed: int, **config_over) -> tuple[dict[str, torch.Tensor], dict]:
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
 
-    params = glm4_moe_lite_config(**config_over)
-    return _build(folder, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, params, seed, dtype, n_shards)
+    return _state(Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, glm4_moe_lite_config(**config_over), seed)
 
 
-def _build(folder, config_cls, model_cls, params: dict, seed: int, dtype, n_shards, **build) -> Path:
-    folder, _ = start_folder(folder)  # GLM's special tokens ([gMASK], <|user|>, ...)
+def _state(config_cls, model_cls, params: dict, seed: int, **build) -> tuple[dict[str, torch.Tensor], dict]:
     sd, config = mtp_last_layer(model_cls, config_cls, params, seed, **build)
     n = params["num_hidden_layers"]
     for key in ("indexer_types", "mlp_layer_types", "layer_types"):
         if isinstance(config.get(key), list):
             config[key] = config[key][:n]
-    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+    return sd, config

@@ -27,64 +27,32 @@ from tests.builders.tiny import (
     rand_moe,
     rand_nextn,
     rand_qk_norms,
+    release_config,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-H, HEAD_DIM, N_HEAD, N_KV, FF, MOE_FF, N_EXP = 256, 64, 4, 2, 512, 256, 4
 MOE_NAMES = dict(gate="router.gate.weight", bias="expert_bias", shared="shared_mlp.")  # under mlp., as released
 
 
 def config(vocab: int, **over) -> dict:
-    cfg = dict(
-        architectures=["HYV3ForCausalLM"],
-        model_type="hy_v3",
-        vocab_size=vocab,
-        hidden_size=H,
-        intermediate_size=FF,
-        moe_intermediate_size=MOE_FF,
-        expert_hidden_dim=MOE_FF,
-        num_hidden_layers=3,
-        num_attention_heads=N_HEAD,
-        num_key_value_heads=N_KV,
-        head_dim=HEAD_DIM,
-        qk_norm=True,
-        first_k_dense_replace=1,
-        num_experts=N_EXP,
-        num_experts_per_tok=2,
-        num_shared_experts=1,
-        moe_router_use_sigmoid=True,
-        moe_router_enable_expert_bias=True,
-        route_norm=True,
-        router_scaling_factor=2.826,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        rope_parameters={"rope_theta": 11158840.0, "rope_type": "default"},
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        num_nextn_predict_layers=1,
-        enable_lm_head_fp32=True,
-        bos_token_id=1,
-        eos_token_id=0,
-    )
-    cfg.update(over)
-    return cfg
+    return release_config("hy_v3", vocab_size=vocab, **over)
 
 
 def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    p = f"model.layers.{bid}."
+    p, h = f"model.layers.{bid}.", cfg["hidden_size"]
     nh, nkv, hd, n_exp = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_experts"]
     ff, moe_ff = cfg["intermediate_size"], cfg["moe_intermediate_size"]
-    t = rand_block_norms(p, H, gen) | rand_attention(p + "self_attn.", H, nh, nkv, hd, gen)
+    t = rand_block_norms(p, h, gen) | rand_attention(p + "self_attn.", h, nh, nkv, hd, gen)
     t |= rand_qk_norms(p + "self_attn.", hd, gen)
     if bid < cfg["first_k_dense_replace"]:
-        t.update(rand_mlp(p + "mlp.", ff, H, gen))
+        t.update(rand_mlp(p + "mlp.", ff, h, gen))
     else:  # MoE, the MTP layer too
-        t |= rand_moe(p + "mlp.", n_exp, moe_ff, H, gen, shared_ff=moe_ff * cfg["num_shared_experts"], **MOE_NAMES)
+        t |= rand_moe(p + "mlp.", n_exp, moe_ff, h, gen, shared_ff=moe_ff * cfg["num_shared_experts"], **MOE_NAMES)
     if bid >= cfg["num_hidden_layers"]:
-        t.update(rand_nextn(p, H, gen, "final_layernorm"))
+        t.update(rand_nextn(p, h, gen, "final_layernorm"))
     return t
 
 
 def hy_v3(folder: Path, **over) -> Path:
     """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, **over)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, **over)

@@ -20,63 +20,20 @@ from tests.builders.tiny import (
     finish_checkpoint,
     rand_attention,
     rand_block_norms,
+    rand_ends,
     rand_mlp,
     rand_moe,
     rand_nextn,
-    rand_norm,
-    rand_weight,
+    release_config,
     start_checkpoint,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-N_TRUNK, N_MTP = 3, 3
-H, D, DV, FF, MOE_FF, N_EXP, N_HEAD = 256, 64, 32, 512, 256, 4, 4
-KV = {0: 2, 1: 1}  # full / sliding KV heads
-PATTERN = [0, 1, 1]
+N_MTP = 3  # MTP layers under model.mtp.layers.{i} (config.json does not count them)
 
 
 def config(vocab: int, **over) -> dict:
-    cfg = dict(
-        architectures=["MiMoV2FlashForCausalLM"],
-        model_type="mimo_v2_flash",
-        vocab_size=vocab,
-        hidden_size=H,
-        intermediate_size=FF,
-        moe_intermediate_size=MOE_FF,
-        num_hidden_layers=N_TRUNK,
-        num_attention_heads=N_HEAD,
-        num_key_value_heads=KV[0],
-        swa_num_attention_heads=N_HEAD,
-        swa_num_key_value_heads=KV[1],
-        head_dim=D,
-        swa_head_dim=D,
-        v_head_dim=DV,
-        swa_v_head_dim=DV,
-        hybrid_layer_pattern=PATTERN,
-        sliding_window=16,
-        partial_rotary_factor=0.334,
-        rope_theta=5000000.0,
-        swa_rope_theta=10000.0,
-        layernorm_epsilon=1e-5,
-        max_position_embeddings=4096,
-        n_routed_experts=N_EXP,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        norm_topk_prob=True,
-        routed_scaling_factor=None,
-        attention_value_scale=0.707,
-        moe_layer_freq=[0, 1, 1],
-        add_swa_attention_sink_bias=True,
-        add_full_attention_sink_bias=False,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=0,
-    )
-    cfg.update(over)
-    return cfg
+    return release_config("mimo2", vocab_size=vocab, **over)
 
 
 def block_tensors(
@@ -105,20 +62,17 @@ def block_tensors(
 def mimo2(
     folder: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, n_shards: int = 2, n_mtp: int = N_MTP, **over
 ) -> Path:
-    folder, vocab, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
-    sd = {
-        "model.embed_tokens.weight": rand_weight(vocab, H, gen=gen),
-        "model.norm.weight": rand_norm(H, gen),
-        "lm_head.weight": rand_weight(vocab, H, gen=gen),
-    }
-    for bid in range(N_TRUNK):
-        sd.update(block_tensors(f"model.layers.{bid}.", PATTERN[bid] == 1, bid > 0, gen, cfg))
+    folder, _, cfg, gen = start_checkpoint(folder, config, SPECIALS, seed, **over)
+    sd = rand_ends(cfg, gen)
+    for bid in range(cfg["num_hidden_layers"]):  # hybrid_layer_pattern 1: sliding window; moe_layer_freq 1: MoE
+        swa, moe = cfg["hybrid_layer_pattern"][bid] == 1, cfg["moe_layer_freq"][bid] == 1
+        sd.update(block_tensors(f"model.layers.{bid}.", swa, moe, gen, cfg))
     for i in range(n_mtp):
         p = f"model.mtp.layers.{i}."
         block = block_tensors(p, True, False, gen, cfg)  # as released: the MTP block's FFN norm is pre_mlp_layernorm
         block[p + "pre_mlp_layernorm.weight"] = block.pop(p + "post_attention_layernorm.weight")
         sd.update(block)
-        sd.update(rand_nextn(p, H, gen, "final_layernorm"))
+        sd.update(rand_nextn(p, cfg["hidden_size"], gen, "final_layernorm"))
     return finish_checkpoint(folder, cfg, sd, dtype, n_shards)
 
 

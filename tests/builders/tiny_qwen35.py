@@ -29,84 +29,44 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, hf_state_dict, rand_experts, seeded_model, start_folder
+from tests.builders.tiny import hf_checkpoint, hf_state_dict, rand_experts, release_config, seeded_model
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MROPE_SECTION = [3, 3, 2]  # sums to rotary_dim / 2 = 64 * 0.25 / 2
-
-
-# The hybrid (gated DeltaNet + gated attention) layout's config keys at tiny sizes, as Qwen3.5 and Qwen3-Next
-# (tiny_qwen3next.py) name them, and their MoE keys
-HYBRID = dict(
-    vocab_size=512,
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
 def text_config(moe: bool, **over) -> dict:
-    cfg = dict(
-        HYBRID,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": list(MROPE_SECTION),
-            "mrope_interleaved": True,
-        },
-    )
-    if moe:
-        cfg.update(MOE)
-    else:
-        cfg.update(intermediate_size=512)
-    cfg.update(over)
-    return cfg
+    """The text model's config.json keys at tiny sizes (configs/qwen35.json, MoE: configs/qwen35_moe.json): the
+    hybrid (gated DeltaNet + gated attention) layout as Qwen3.5 and Qwen3-Next name it, interleaved M-RoPE whose
+    sections sum to rotary_dim / 2 (64 * 0.25 / 2)."""
+    return release_config("qwen35_moe" if moe else "qwen35", **over)
 
 
-_VISION = dict(
-    depth=1,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=2,
-    out_hidden_size=256,
-    patch_size=4,
-    num_position_embeddings=16,
-)
+def qwen35(folder: Path, **over) -> Path:
+    """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer).
+
+    ``moe`` (False): the MoE text model; ``conditional`` (False): the ``...ForConditionalGeneration`` layout;
+    ``fused_experts`` (False), ``mtp_fused_experts`` (None): as above; ``with_mtp`` (True). seed (0), dtype
+    (bfloat16), n_shards (2): hf_checkpoint's; other keywords: text_config()'s.
+    """
+    return hf_checkpoint(folder, QWEN_SPECIALS, _state, **over)
 
 
-def qwen35(
-    folder: Path,
-    *,
+def _state(
+    seed: int,
     moe: bool = False,
     conditional: bool = False,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
     fused_experts: bool = False,
     mtp_fused_experts: bool | None = None,
     with_mtp: bool = True,
-    n_shards: int = 2,
     **config_over,
-) -> Path:
-    """Write a tiny Qwen3.5 checkpoint (4 layers: 3 linear-attention + 1 full-attention, + 1 MTP layer)."""
+) -> tuple[dict[str, torch.Tensor], dict]:
     import transformers as tf
 
-    folder, _ = start_folder(folder, QWEN_SPECIALS)
     tcfg = text_config(moe, **config_over)
     if conditional:
         cfg_cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
-        cfg = cfg_cls(text_config=tcfg, vision_config=dict(_VISION), tie_word_embeddings=tcfg["tie_word_embeddings"])
+        vision = release_config("qwen35_vision")  # the vision tower's config.json keys at tiny sizes
+        cfg = cfg_cls(text_config=tcfg, vision_config=vision, tie_word_embeddings=tcfg["tie_word_embeddings"])
         model_cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
         text = cfg.text_config
     else:
@@ -126,7 +86,7 @@ def qwen35(
     if with_mtp:  # as the real config.json files declare it (transformers' config class drops unknown keys)
         sub["mtp_num_hidden_layers"] = 1
         sub["mtp_use_dedicated_embeddings"] = False
-    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+    return sd, config
 
 
 def informative_state_dict(model_cls, cfg, seed: int, keep=lambda name: True):

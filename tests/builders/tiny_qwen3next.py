@@ -25,45 +25,28 @@ from pathlib import Path
 
 import torch
 
-from tests.builders.tiny import finish_checkpoint, start_folder
-from tests.builders.tiny_qwen35 import (
-    HYBRID,
-    MOE,
-    QWEN_SPECIALS,
-    fuse_experts,
-    informative_state_dict,
-    mtp_head_tensors,
-)
+from tests.builders import tiny
+from tests.builders.tiny_qwen35 import QWEN_SPECIALS, fuse_experts, informative_state_dict, mtp_head_tensors
 
 
 def qwen3next_config(**over) -> dict:
-    cfg = dict(
-        HYBRID,
-        intermediate_size=512,
-        **MOE,
-        norm_topk_prob=True,
-        rope_theta=10_000_000.0,
-        partial_rotary_factor=0.25,
-    )
-    cfg.update(over)
-    return cfg
+    return tiny.release_config("qwen3next", **over)  # tiny.: qwen3next()'s release_config is a keyword
 
 
-def qwen3next(
-    folder: Path,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    with_mtp: bool = True,
-    release_config: bool = True,
-    fused_experts: bool = False,
-    n_shards: int = 2,
-    **config_over,
-) -> Path:
-    """Write a tiny Qwen3-Next checkpoint (3 linear-attention + 1 full-attention layer, + 1 MTP layer)."""
+def qwen3next(folder: Path, **over) -> Path:
+    """Write a tiny Qwen3-Next checkpoint (3 linear-attention + 1 full-attention layer, + 1 MTP layer).
+
+    ``with_mtp`` (True), ``release_config`` (True), ``fused_experts`` (False): as above; seed (0), dtype (bfloat16),
+    n_shards (2): hf_checkpoint's; other keywords: qwen3next_config()'s.
+    """
+    return tiny.hf_checkpoint(folder, QWEN_SPECIALS, _state, **over)
+
+
+def _state(
+    seed: int, with_mtp: bool = True, release_config: bool = True, fused_experts: bool = False, **config_over
+) -> tuple[dict[str, torch.Tensor], dict]:
     import transformers as tf
 
-    folder, _ = start_folder(folder, QWEN_SPECIALS)
     params = qwen3next_config(**config_over)
     cfg = tf.Qwen3NextConfig(**params)
     # random init leaves norms at 0 (zero-centred) or 1: informative_state_dict makes them informative
@@ -84,7 +67,7 @@ def qwen3next(
             rope_scaling=None,
             partial_rotary_factor=params["partial_rotary_factor"],
         )
-    return finish_checkpoint(folder, config, sd, dtype, n_shards)
+    return sd, config
 
 
 def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:

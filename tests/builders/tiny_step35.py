@@ -30,13 +30,11 @@ from tests.builders.tiny import (
     rand_qk_norms,
     rand_router,
     rand_weight,
+    release_config,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-N_TRUNK, N_MTP = 3, 2
-H, HEAD_DIM, FF, MOE_FF, SHARE_FF, N_EXP = 256, 64, 512, 256, 256, 4
-HEADS = {"full_attention": (4, 2), "sliding_attention": (8, 2)}  # (q heads, kv groups)
-LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+LAYER_TYPES = release_config("step35")["layer_types"]  # the blocks' attention: trunk, then the MTP blocks
 # the releases' RoPE scaling (stepfun-ai/Step-3.5-Flash and Step-3.7-Flash config.json): Llama-3's, on the
 # full-attention layers only
 RELEASE_ROPE_SCALING = {
@@ -52,93 +50,59 @@ RELEASE_ROPE_SCALING = {
 
 
 def config(vocab: int, **over) -> dict:
-    cfg = dict(
-        architectures=["Step3p5ForCausalLM"],
-        model_type="step3p5",
-        vocab_size=vocab,
-        hidden_size=H,
-        intermediate_size=FF,
-        num_hidden_layers=N_TRUNK,
-        num_attention_heads=HEADS["full_attention"][0],
-        num_attention_groups=HEADS["full_attention"][1],
-        head_dim=HEAD_DIM,
-        attention_other_setting={
-            "attention_type": "sliding_attention",
-            "num_attention_heads": HEADS["sliding_attention"][0],
-            "num_attention_groups": HEADS["sliding_attention"][1],
-            "head_dim": HEAD_DIM,
-            "true_head_dim": HEAD_DIM,
-        },
-        sliding_window=16,
-        layer_types=LAYER_TYPES,
-        partial_rotary_factors=[1.0 if t == "sliding_attention" else 0.5 for t in LAYER_TYPES],
-        rope_theta=[1000000.0 if t == "full_attention" else 10000.0 for t in LAYER_TYPES],
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        moe_num_experts=N_EXP,
-        moe_top_k=2,
-        moe_intermediate_size=MOE_FF,
-        share_expert_dim=SHARE_FF,
-        moe_layers_enum=",".join(str(i) for i in range(1, N_TRUNK)),
-        moe_every_n_layer=1,
-        moe_router_activation="sigmoid",
-        moe_router_scaling_factor=3.0,
-        norm_expert_weight=True,
-        use_head_wise_attn_gate=True,
-        use_moe_router_bias=True,
-        swiglu_limits=[None, 7.0, 7.0],
-        swiglu_limits_shared=[None, 16.0, 16.0],
-        num_nextn_predict_layers=N_MTP,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=0,
-    )
-    cfg.update(over)
-    return cfg
+    return release_config("step35", vocab_size=vocab, **over)
 
 
 def _zero_centred(n: int, gen: torch.Generator) -> torch.Tensor:
     return 0.1 * torch.randn(n, generator=gen)
 
 
+def _heads(cfg: dict, layer_type: str) -> tuple[int, int]:
+    """(q heads, kv groups) of a layer type: ``attention_other_setting``'s for its type, the top level's else."""
+    other = cfg["attention_other_setting"]
+    keys = other if layer_type == other["attention_type"] else cfg
+    return keys["num_attention_heads"], keys["num_attention_groups"]
+
+
 def block_tensors(bid: int, cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    p = f"model.layers.{bid}."
-    n_head, n_kv = HEADS[cfg["layer_types"][bid]]
+    p, h, hd = f"model.layers.{bid}.", cfg["hidden_size"], cfg["head_dim"]
+    n_head, n_kv = _heads(cfg, cfg["layer_types"][bid])
+    n_exp, moe_ff = cfg["moe_num_experts"], cfg["moe_intermediate_size"]
     t = {
-        **rand_block_norms(p, H, gen, norm=_zero_centred),
-        **rand_attention(p + "self_attn.", H, n_head, n_kv, HEAD_DIM, gen),
-        **rand_qk_norms(p + "self_attn.", HEAD_DIM, gen, norm=_zero_centred),
-        p + "self_attn.g_proj.weight": rand_weight(n_head, H, gen=gen),
+        **rand_block_norms(p, h, gen, norm=_zero_centred),
+        **rand_attention(p + "self_attn.", h, n_head, n_kv, hd, gen),
+        **rand_qk_norms(p + "self_attn.", hd, gen, norm=_zero_centred),
+        p + "self_attn.g_proj.weight": rand_weight(n_head, h, gen=gen),
     }
     moe = 0 < bid < cfg["num_hidden_layers"]
     if moe:
         t.update(
             {
-                **rand_router(p + "moe.gate.weight", N_EXP, H, gen, bias=p + "moe.router_bias"),
-                p + "moe.gate_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
-                p + "moe.up_proj.weight": rand_weight(N_EXP, MOE_FF, H, gen=gen),
-                p + "moe.down_proj.weight": rand_weight(N_EXP, H, MOE_FF, gen=gen),
-                **rand_mlp(p + "share_expert.", SHARE_FF, H, gen),
+                **rand_router(p + "moe.gate.weight", n_exp, h, gen, bias=p + "moe.router_bias"),
+                p + "moe.gate_proj.weight": rand_weight(n_exp, moe_ff, h, gen=gen),
+                p + "moe.up_proj.weight": rand_weight(n_exp, moe_ff, h, gen=gen),
+                p + "moe.down_proj.weight": rand_weight(n_exp, h, moe_ff, gen=gen),
+                **rand_mlp(p + "share_expert.", cfg["share_expert_dim"], h, gen),
             }
         )
     else:  # the leading dense layer and the MTP blocks
-        t.update(rand_mlp(p + "mlp.", FF, H, gen))
+        t.update(rand_mlp(p + "mlp.", cfg["intermediate_size"], h, gen))
     if bid >= cfg["num_hidden_layers"]:
-        t.update(rand_nextn(p, H, gen, "transformer.shared_head.norm", norm=_zero_centred))
-        t[p + "transformer.shared_head.output.weight"] = rand_weight(cfg["vocab_size"], H, gen=gen)
+        t.update(rand_nextn(p, h, gen, "transformer.shared_head.norm", norm=_zero_centred))
+        t[p + "transformer.shared_head.output.weight"] = rand_weight(cfg["vocab_size"], h, gen=gen)
     return t
 
 
 def step35(folder: Path, **over) -> Path:
     """block_checkpoint's seed (0), dtype (float32), n_shards (2), with_mtp (True); other keywords: config()'s."""
-    return block_checkpoint(folder, config, SPECIALS, block_tensors, H, norm=_zero_centred, **over)
+    return block_checkpoint(folder, config, SPECIALS, block_tensors, norm=_zero_centred, **over)
 
 
 VISION_TOWER = {
     "vision_model.positional_embedding": (4, 64),
     "vision_model.vit_downsampler1.weight": (64, 64),
     "vision_model.transformer.layers.0.attn.in_proj_weight": (192, 64),
-    "vit_large_projector.weight": (H, 64),
+    "vit_large_projector.weight": (256, 64),  # to the text model's hidden size
 }
 
 
