@@ -19,7 +19,6 @@ import torch
 
 from tests.builders import tiny_cohere2moe
 from tests.helpers.familycheck import (
-    assert_fp8_source_same_as_llama_cpp,
     assert_kv_holds,
     assert_mode_files,
     assert_same_gguf,
@@ -153,11 +152,6 @@ def test_layer_types_neither_stored_nor_derivable_exits_2(co_ckpt, tmp_path):
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_cohere2moe.cohere2moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp

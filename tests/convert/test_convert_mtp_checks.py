@@ -29,6 +29,7 @@ from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
     assert_converts_only_with_no_mtp,
     assert_drafts_in_llama_cpp,
+    assert_fp8_source_same_as_llama_cpp,
     assert_head_at_q8_0,
     assert_same_as_llama_quantize,
     built_once,
@@ -185,3 +186,12 @@ def test_loads_and_drafts_in_llama_cpp(ckpt, tmp_path, llama_cpp_bin, family):
     """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
     a --no-mtp trunk with a --mtp-only head file."""
     assert_drafts_in_llama_cpp(ckpt(family), tmp_path, llama_cpp_bin)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("family,raw_config", [("cohere2moe", False), ("nemotron_h_moe", False), ("step35", True)])
+def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src, family, raw_config):
+    """An FP8 block-scaled source dequantizes to what llama.cpp's converter writes (raw_config: it reads
+    config.json as stored, which transformers rewrites for Step3.5: tests/helpers/llamacpp_ref.py)."""
+    ck = _fam(family).build(tmp_path / "ckpt")
+    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, ck, tmp_path, raw_config=raw_config)

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny_nemotron_h_moe
 from tests.helpers.familycheck import (
-    assert_fp8_source_same_as_llama_cpp,
     assert_kv_holds,
     assert_same_gguf,
     checkpoint_fixtures,
@@ -313,11 +312,6 @@ def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp

@@ -21,7 +21,6 @@ from tests.builders import tiny_step35
 from tests.helpers.familycheck import (
     LAYER_NORMS,
     add_tensors,
-    assert_fp8_source_same_as_llama_cpp,
     assert_kv_holds,
     assert_mode_files,
     assert_refused,
@@ -230,11 +229,6 @@ def test_llama3_rope_freqs_same_as_llama_cpp_converter(llama3_ckpt, tmp_path, ll
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, llama3_ckpt, tmp_path, mode, raw_config=True)
     assert "rope_freqs.weight" in tensors
     assert_same_gguf(out, kv, tensors, ref)
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_step35.step35(tmp_path / "ckpt"), tmp_path, raw_config=True)
 
 
 @pytest.mark.llama_cpp
