@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.ggufcheck import one_tensor_gguf
+from tests.helpers.llama_server import llama_server_cmd
 from tests.helpers.llamacpp_ref import free_port
 from tests.helpers.runcli import run_cli
 
@@ -243,19 +244,7 @@ def test_engine_options_are_checked(model, args, where):
 def test_running_server_by_tcp_url(fake_bin, model, tmp_path):
     """--server http://HOST:PORT: a server someone started on a TCP port."""
     port = free_port()
-    srv = subprocess.Popen(
-        [
-            str(fake_bin / "llama-server"),
-            "-m",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--spec-draft-n-max",
-            "1",
-        ]
-    )
+    srv = subprocess.Popen(llama_server_cmd(fake_bin, model, port, "--spec-draft-n-max", "1"))
     try:
         from mtpq.engines.llama_cpp import _health
 

@@ -1,5 +1,7 @@
 """Ling 3.0 (BailingMoeV3ForCausalLM) conversion: KDA + MLA + MoE tensors, the MTP layer, metadata, modes, llama.cpp.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 The expected GGUF names, shapes, value transforms and metadata are written out here by
 hand (from llama.cpp's conversion/bailingmoe3.py, its gguf-py tensor map and the loader
 src/models/bailingmoe3.cpp), independently of mtpq's tables; the llama_cpp-marked tests
@@ -20,9 +22,6 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny_bailingmoe3
 from tests.helpers.familycheck import (
     LAYER_NORMS,
-    assert_bad_tensor_refused,
-    assert_converts_only_with_no_mtp,
-    assert_drafts_in_llama_cpp,
     assert_kv_holds,
     assert_mode_files,
     assert_same_gguf,
@@ -32,7 +31,6 @@ from tests.helpers.familycheck import (
     dequant_block_scaled,
     expected_table,
     ffn_table,
-    inspect_json,
     nextn_table,
     quantize_q4_k_m,
     quantize_with_both,
@@ -169,24 +167,6 @@ def test_no_mtp_and_mtp_only(bl_ckpt, tmp_path):
     assert kv["bailingmoe3.attention.head_count_kv"] == [0, 1, 0, 1]
 
 
-def test_checkpoint_without_mtp_layer(tmp_path):
-    ck = tiny_bailingmoe3.bailingmoe3(tmp_path / "stripped", with_mtp=False)
-    assert_converts_only_with_no_mtp(ck, tmp_path, "bailingmoe3", 4, "layer 4")
-
-
-@pytest.mark.parametrize(
-    "name,value,needle",
-    [
-        ("model.layers.4.final_layernorm.weight", None, "missing tensor model.layers.4.final_layernorm.weight"),
-        ("model.layers.2.attention.dt_bias", None, "missing tensor model.layers.2.attention.dt_bias"),
-        ("model.layers.4.attention.kv_b_proj.weight", torch.zeros(512, 128), "config.json implies [512, 256]"),
-        ("model.layers.0.attention.k_conv1d.weight", torch.zeros(256, 1, 3), "config.json implies [256, 1, 4]"),
-    ],
-)
-def test_missing_or_misshaped_tensor_exits_2(bl_ckpt, tmp_path, name, value, needle):
-    assert_bad_tensor_refused(shutil.copytree(bl_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
-
-
 @pytest.mark.parametrize(
     "change,needle",
     [
@@ -308,14 +288,6 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(bl_ckpt, tmp_path):
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.ssm_f_a.weight"][0] == T.Q4_K
 
 
-def test_inspect_shows_the_head(bl_ckpt, tmp_path):
-    info = inspect_json(bl_ckpt, tmp_path)
-    assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {
-        n for n in expected(vocab(bl_ckpt)) if n.startswith("blk.4.")
-    }
-
-
 # ----------------------------------------------------------------------------- llama.cpp
 
 
@@ -374,13 +346,6 @@ def test_same_bytes_as_llama_quantize(bl_ckpt, tmp_path, llama_cpp_bin):
             ours = ours.reshape(theirs.shape)
         assert a[name][0] == b[name][0] and np.array_equal(ours, theirs), name
     assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
-
-
-@pytest.mark.llama_cpp
-def test_loads_and_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin):
-    """llama.cpp loads trunk + MTP layer and drafts with it: one file (quantized, head at q8_0), and
-    a --no-mtp trunk with a --mtp-only head file."""
-    assert_drafts_in_llama_cpp(bl_ckpt, tmp_path, llama_cpp_bin)
 
 
 @pytest.mark.llama_cpp

@@ -1,5 +1,7 @@
 """Cohere2 MoE (Cohere2MoeForCausalLM) conversion: tensors and values, the MTP block, metadata, modes, quantizing.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 The expected GGUF names, shapes and metadata are written out here by hand (from
 llama.cpp's conversion/command_r.py Cohere2MoeModel, its gguf-py tensor map for
 cohere2moe and the loader src/models/cohere2moe.cpp), independently of mtpq's
@@ -14,18 +16,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 
 from tests.builders import tiny_cohere2moe
 from tests.helpers.familycheck import (
-    assert_bad_tensor_refused,
-    assert_converts_only_with_no_mtp,
-    assert_drafts_in_llama_cpp,
-    assert_fp8_source_same_as_llama_cpp,
-    assert_head_at_q8_0,
     assert_kv_holds,
     assert_mode_files,
-    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
     attn_table,
@@ -33,9 +28,7 @@ from tests.helpers.familycheck import (
     convert_with_both,
     expected_table,
     ffn_table,
-    inspect_json,
     nextn_table,
-    quantize_q4_k_m,
     rewrite_tensor,
     strip_general,
     top_table,
@@ -115,11 +108,6 @@ def test_no_mtp_and_mtp_only(co_ckpt, tmp_path):
     )
 
 
-def test_checkpoint_without_mtp_layer(tmp_path):
-    ck = tiny_cohere2moe.cohere2moe(tmp_path / "stripped", with_mtp=False)
-    assert_converts_only_with_no_mtp(ck, tmp_path, "cohere2moe", 4, "layer 4")
-
-
 def test_zero_biases_dropped_nonzero_refused(tmp_path):
     """attention_bias: llama.cpp's graph has no biases; zero ones are dropped, others refused (exit 2)."""
     ck = tiny_cohere2moe.cohere2moe(tmp_path / "bias", attention_bias=True)
@@ -163,39 +151,7 @@ def test_layer_types_neither_stored_nor_derivable_exits_2(co_ckpt, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize(
-    "name,value,needle",
-    [
-        ("model.layers.4.hnorm.weight", None, "missing tensor model.layers.4.hnorm.weight"),
-        ("model.layers.1.mlp.shared_experts.up_proj.weight", None, "missing tensor model.layers.1.mlp.shared_experts"),
-        ("model.layers.4.mlp.experts.3.down_proj.weight", torch.zeros(256, 128), "config.json implies [256, 256]"),
-        ("model.layers.0.mlp.gate_proj.weight", torch.zeros(256, 256), "config.json implies [512, 256]"),
-    ],
-)
-def test_missing_or_misshaped_tensor_exits_2(co_ckpt, tmp_path, name, value, needle):
-    assert_bad_tensor_refused(shutil.copytree(co_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
-
-
-def test_q4_k_m_holds_the_mtp_block_at_q8_0(co_ckpt, tmp_path):
-    tensors = quantize_q4_k_m(co_ckpt, tmp_path)
-    assert_head_at_q8_0(tensors, expected(vocab(co_ckpt)), "blk.4.")
-    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-
-
-def test_inspect_shows_the_head(co_ckpt, co_f32, tmp_path):
-    info = inspect_json(co_ckpt, tmp_path)
-    assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {
-        n for n in expected(vocab(co_ckpt)) if n.startswith("blk.4.")
-    }
-
-
 # ----------------------------------------------------------------------------- llama.cpp
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_cohere2moe.cohere2moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp
@@ -242,17 +198,3 @@ def test_no_mtp_and_mtp_only_are_parts_of_llama_cpp_conversion(co_ckpt, tmp_path
         for name, (qtype, data) in part.items():
             assert qtype == ref[name][0], name
             np.testing.assert_array_equal(data, ref[name][1], err_msg=name)
-
-
-@pytest.mark.llama_cpp
-def test_same_bytes_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin):
-    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    _, b = assert_same_as_llama_quantize(co_ckpt, tmp_path, llama_cpp_bin)
-    assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
-
-
-@pytest.mark.llama_cpp
-def test_loads_and_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin):
-    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
-    a --no-mtp trunk with a --mtp-only head file."""
-    assert_drafts_in_llama_cpp(co_ckpt, tmp_path, llama_cpp_bin)

@@ -1,5 +1,7 @@
 """Hy3 (HYV3ForCausalLM) conversion: every tensor and its values, the MTP block, metadata, modes, FP8, quantizing.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 The expected GGUF names, shapes and metadata are written out here by hand (from
 llama.cpp's conversion/hunyuan.py HYV3Model, its gguf-py tensor map for hy_v3 and
 the loader src/models/hy-v3.cpp), independently of mtpq's tables; the
@@ -19,13 +21,8 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny, tiny_hy_v3
 from tests.helpers.familycheck import (
     LAYER_NORMS,
-    assert_bad_tensor_refused,
-    assert_converts_only_with_no_mtp,
-    assert_drafts_in_llama_cpp,
-    assert_head_at_q8_0,
     assert_kv_holds,
     assert_mode_files,
-    assert_same_as_llama_quantize,
     assert_same_gguf,
     assert_table_f32,
     attn_table,
@@ -34,9 +31,7 @@ from tests.helpers.familycheck import (
     dequant_block_scaled,
     expected_table,
     ffn_table,
-    inspect_json,
     nextn_table,
-    quantize_q4_k_m,
     stack_experts,
     top_table,
     vocab,
@@ -115,25 +110,6 @@ def test_no_mtp_and_mtp_only(hy_ckpt, tmp_path):
     assert_mode_files(hy_ckpt, tmp_path, "hy_v3", 3, expected(vocab(hy_ckpt)))
 
 
-def test_checkpoint_without_mtp_layer(tmp_path):
-    """Published copies may drop layer N: --no-mtp converts them; without it, one clear line and no file."""
-    ck = tiny_hy_v3.hy_v3(tmp_path / "stripped", with_mtp=False)
-    assert_converts_only_with_no_mtp(ck, tmp_path, "hy_v3", 3, "layer 3")
-
-
-@pytest.mark.parametrize(
-    "name,value,needle",
-    [
-        ("model.layers.3.final_layernorm.weight", None, "missing tensor model.layers.3.final_layernorm.weight"),
-        ("model.layers.2.mlp.expert_bias", None, "missing tensor model.layers.2.mlp.expert_bias"),
-        ("model.layers.3.mlp.experts.1.up_proj.weight", torch.zeros(128, 256), "[128, 256]"),
-        ("model.layers.1.self_attn.k_norm.weight", torch.zeros(32), "config.json implies [64]"),
-    ],
-)
-def test_missing_or_misshaped_tensor_exits_2(hy_ckpt, tmp_path, name, value, needle):
-    assert_bad_tensor_refused(shutil.copytree(hy_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
-
-
 def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
     """e4m3 weights with 128x128 weight_scale_inv tiles: GGUF values = the dequantized source, computed here."""
     ck = shutil.copytree(hy_ckpt, tmp_path / "fp8")
@@ -145,20 +121,6 @@ def test_fp8_block_scaled_dequantized(hy_ckpt, tmp_path):
     _, tensors = convert(ck, tmp_path / "m.gguf", "--outtype", "f32")
     for name, (_, hf) in expected(vocab(ck)).items():
         np.testing.assert_array_equal(tensors[name][1], stack_experts(dequant, hf).numpy(), err_msg=name)
-
-
-def test_q4_k_m_holds_the_mtp_block_at_q8_0(hy_ckpt, tmp_path):
-    tensors = quantize_q4_k_m(hy_ckpt, tmp_path)
-    assert_head_at_q8_0(tensors, expected(vocab(hy_ckpt)), "blk.3.")
-    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-
-
-def test_inspect_shows_the_head(hy_ckpt, tmp_path):
-    info = inspect_json(hy_ckpt, tmp_path)
-    assert info["mtp_blocks"] == [3] and info["trunk_blocks"] == 3 and info["nextn_predict_layers"] == 1
-    mtp = {t["name"] for t in info["tensors"] if t["mtp"]}
-    assert mtp == {n for n in expected(vocab(hy_ckpt)) if n.startswith("blk.3.")}
-    assert {t["role"] for t in info["tensors"] if t["mtp"]} == {"mtp"}
 
 
 @pytest.mark.parametrize(
@@ -215,17 +177,3 @@ def test_two_dense_layers_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_s
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, ck, tmp_path)
     assert_same_gguf(out, kv, tensors, ref)
     assert "blk.1.ffn_gate.weight" in tensors
-
-
-@pytest.mark.llama_cpp
-def test_same_bytes_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin):
-    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    _, b = assert_same_as_llama_quantize(hy_ckpt, tmp_path, llama_cpp_bin)
-    assert b["blk.3.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
-
-
-@pytest.mark.llama_cpp
-def test_loads_and_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin):
-    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
-    a --no-mtp trunk with a --mtp-only head file."""
-    assert_drafts_in_llama_cpp(hy_ckpt, tmp_path, llama_cpp_bin)

@@ -1,5 +1,7 @@
 """MiMo-V2-Flash conversion: every tensor and its values, the MTP blocks from model.mtp.layers, metadata, modes.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 Expected names, shapes and metadata are written out by hand (from llama.cpp's
 conversion/mimo.py, gguf-py's tensor map and src/models/mimo2.cpp); the
 llama_cpp-marked tests compare against llama.cpp's converter and llama-quantize.
@@ -20,7 +22,6 @@ from tests.helpers.familycheck import (
     LAYER_NORMS,
     add_tensors,
     assert_drafts_in_llama_cpp,
-    assert_head_at_q8_0,
     assert_kv_holds,
     assert_mode_files,
     assert_refused,
@@ -32,7 +33,6 @@ from tests.helpers.familycheck import (
     copy_with_config,
     ffn_table,
     nextn_table,
-    quantize_q4_k_m,
     rewrite_tensor,
     run,
     vocab,
@@ -275,12 +275,6 @@ def test_bad_mxfp4_layouts_are_refused(tmp_path):
         },
     )
     assert_refused(ck, tmp_path / "c.gguf", "config.json", "mxfp4_block_size")
-
-
-def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(mimo_ckpt, tmp_path):
-    tensors = quantize_q4_k_m(mimo_ckpt, tmp_path, one_pass=False)
-    assert_head_at_q8_0(tensors, expected(vocab(mimo_ckpt)), ("blk.3.", "blk.4.", "blk.5."))
-    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K
 
 
 @pytest.mark.llama_cpp

@@ -1,6 +1,8 @@
 """Nemotron-H MoE (NemotronHForCausalLM with experts) conversion: Mamba2/attention/MoE tensors, the folded MTP
 block, metadata, modes, quantizing, llama.cpp.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 The expected GGUF names, shapes, value transforms and metadata are written out here by
 hand (from llama.cpp's conversion/nemotron.py + mamba.py + granite.py + llama.py, its
 gguf-py tensor map and src/models/nemotron-h-moe.cpp), independently of mtpq's tables;
@@ -21,16 +23,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny_nemotron_h_moe
 from tests.helpers.familycheck import (
-    assert_bad_tensor_refused,
-    assert_converts_only_with_no_mtp,
-    assert_drafts_in_llama_cpp,
-    assert_fp8_source_same_as_llama_cpp,
     assert_kv_holds,
-    assert_same_as_llama_quantize,
     assert_same_gguf,
     checkpoint_fixtures,
     convert_with_both,
-    inspect_json,
     quantize_q4_k_m,
 )
 from tests.helpers.ggufcheck import convert, read_gguf, source_tensors
@@ -264,24 +260,6 @@ def test_no_mtp_and_mtp_only(nh_ckpt, tmp_path):
     }
 
 
-def test_checkpoint_without_mtp_head(tmp_path):
-    ck = tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "stripped", with_mtp=False)
-    assert_converts_only_with_no_mtp(ck, tmp_path, "nemotron_h_moe", 4, "mtp.layers")
-
-
-@pytest.mark.parametrize(
-    "name,value,needle",
-    [
-        ("mtp.layers.1.final_layernorm.weight", None, "missing tensor mtp.layers.1.final_layernorm.weight"),
-        ("backbone.layers.0.mixer.A_log", None, "missing tensor backbone.layers.0.mixer.A_log"),
-        ("mtp.layers.1.mixer.experts.2.up_proj.weight", torch.zeros(128, 256), "config.json implies [256, 256]"),
-        ("backbone.layers.0.mixer.in_proj.weight", torch.zeros(1280, 256), "config.json implies [1288, 256]"),
-    ],
-)
-def test_missing_or_misshaped_tensor_exits_2(nh_ckpt, tmp_path, name, value, needle):
-    assert_bad_tensor_refused(shutil.copytree(nh_ckpt, tmp_path / "ck"), tmp_path, name, value, needle)
-
-
 def test_unsupported_configs_exit_2(nh_ckpt, tmp_path):
     for i, (change, needle) in enumerate(
         (
@@ -317,12 +295,6 @@ def test_q4_k_m_holds_the_mtp_block_at_q8_0(nh_ckpt, tmp_path):
     assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.ssm_in.weight"][0] != T.F16
 
 
-def test_inspect_shows_the_head(nh_ckpt, nh_f32, tmp_path):
-    info = inspect_json(nh_ckpt, tmp_path)
-    assert info["mtp_blocks"] == [4] and info["trunk_blocks"] == 4 and info["nextn_predict_layers"] == 1
-    assert {t["name"] for t in info["tensors"] if t["mtp"]} == {n for n in expected(304) if n.startswith("blk.4.")}
-
-
 def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
     """A --no-mtp quant given the head back by graft: the MTP block, and the per-layer arrays
     (head_count_kv, feed_forward_length) regain its entry, as in the full conversion."""
@@ -340,11 +312,6 @@ def test_extract_and_graft_restore_the_per_layer_arrays(nh_ckpt, tmp_path):
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_nemotron_h_moe.nemotron_h_moe(tmp_path / "ckpt"), tmp_path)
 
 
 @pytest.mark.llama_cpp
@@ -381,17 +348,3 @@ def test_f16_types_as_llama_cpp_converter(nh_ckpt, tmp_path, llama_cpp_src):
     )
     diff = {n: (tensors[n][0], ref[n][0]) for n in ref if tensors[n][0] != ref[n][0]}
     assert diff == {"blk.4.ffn_gate_inp.weight": (T.F32, T.F16)}
-
-
-@pytest.mark.llama_cpp
-def test_same_bytes_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin):
-    """With --mtp-type same every tensor's type and bytes equal llama-quantize's Q4_K_M (head included)."""
-    _, b = assert_same_as_llama_quantize(nh_ckpt, tmp_path, llama_cpp_bin)
-    assert b["blk.4.nextn.eh_proj.weight"][0] != T.Q8_0  # llama-quantize crushes the head with the trunk
-
-
-@pytest.mark.llama_cpp
-def test_loads_and_drafts_in_llama_cpp(nh_ckpt, tmp_path, llama_cpp_bin):
-    """llama.cpp loads trunk + MTP block and drafts with it: one file (quantized, head at q8_0), and
-    a --no-mtp trunk with a --mtp-only head file."""
-    assert_drafts_in_llama_cpp(nh_ckpt, tmp_path, llama_cpp_bin)

@@ -1,5 +1,7 @@
 """Step3.5 Flash conversion: every tensor and its values, the appended MTP blocks, metadata, modes, quantizing.
 
+The checks it shares with other families are its rows in tests/convert/test_convert_mtp_checks.py.
+
 The expected GGUF names, shapes and metadata are written out here by hand (from
 llama.cpp's conversion/step3.py, gguf-py's tensor map and the loader
 src/models/step35.cpp), independently of mtpq's tables; the llama_cpp-marked
@@ -19,9 +21,6 @@ from tests.builders import tiny_step35
 from tests.helpers.familycheck import (
     LAYER_NORMS,
     add_tensors,
-    assert_converts_only_with_no_mtp,
-    assert_fp8_source_same_as_llama_cpp,
-    assert_head_at_q8_0,
     assert_kv_holds,
     assert_mode_files,
     assert_refused,
@@ -35,7 +34,6 @@ from tests.helpers.familycheck import (
     ffn_table,
     mtp_drafting_log,
     nextn_table,
-    quantize_q4_k_m,
     strip_general,
     top_table,
     vocab,
@@ -142,12 +140,6 @@ def test_step37_layout_converts_as_its_text_model(step_ckpt, tmp_path, nested):
     assert_refused(ck, tmp_path / "bad.gguf", "not recognised", "model.stray_adapter.weight")
 
 
-def test_checkpoint_without_mtp_layers(tmp_path):
-    """Published copies often drop the appended layers: --no-mtp converts them; without it, one clear line."""
-    ck = tiny_step35.step35(tmp_path / "stripped", with_mtp=False)
-    assert_converts_only_with_no_mtp(ck, tmp_path, "step35", 3, "no tensors for layer 3")
-
-
 def test_bad_rotary_factors_are_refused(tmp_path):
     ck = tiny_step35.step35(tmp_path / "bad", partial_rotary_factors=[0.5] * 5)
     res = run_cli("convert", ck, tmp_path / "m.gguf", "--quiet")
@@ -215,13 +207,6 @@ def test_llama3_rope_freqs_survive_quantize_and_extract(llama3_ckpt, tmp_path):
     np.testing.assert_array_equal(head_tensors["rope_freqs.weight"][1], tensors["rope_freqs.weight"][1])
 
 
-def test_q4_k_m_holds_the_mtp_blocks_at_q8_0(step_ckpt, tmp_path):
-    """Quantizing never fails on the MTP blocks (dense FFNs after MoE layers), and holds them at q8_0."""
-    tensors = quantize_q4_k_m(step_ckpt, tmp_path)
-    assert_head_at_q8_0(tensors, expected(vocab(step_ckpt)), ("blk.3.", "blk.4."))
-    assert tensors["blk.1.ffn_up_exps.weight"][0] == T.Q4_K and tensors["blk.0.attn_q.weight"][0] == T.Q4_K
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize(
     "mode,dtype", [(None, torch.float32), ("--no-mtp", torch.float32), ("--mtp", torch.float32), (None, torch.bfloat16)]
@@ -244,11 +229,6 @@ def test_llama3_rope_freqs_same_as_llama_cpp_converter(llama3_ckpt, tmp_path, ll
     out, kv, tensors, ref = convert_with_both(llama_cpp_src, llama3_ckpt, tmp_path, mode, raw_config=True)
     assert "rope_freqs.weight" in tensors
     assert_same_gguf(out, kv, tensors, ref)
-
-
-@pytest.mark.llama_cpp
-def test_fp8_source_same_gguf_as_llama_cpp_converter(tmp_path, llama_cpp_src):
-    assert_fp8_source_same_as_llama_cpp(llama_cpp_src, tiny_step35.step35(tmp_path / "ckpt"), tmp_path, raw_config=True)
 
 
 @pytest.mark.llama_cpp

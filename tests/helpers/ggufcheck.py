@@ -47,6 +47,28 @@ def f32_gguf(src: Path, out: Path) -> Path:
     return out
 
 
+def glm4moe_fixtures(num_hidden_layers: int):
+    """Module fixtures ``ckpt`` (a tiny f32 GLM-4.5 checkpoint: ``num_hidden_layers`` trunk blocks, block 0 dense,
+    then its MTP block) and ``f32`` (its f32 GGUF). Bind both in the test module: ``ckpt, f32 = glm4moe_fixtures(n)``.
+    """
+    import pytest
+
+    from tests.builders import tiny
+
+    name = f"glm{num_hidden_layers}"
+
+    @pytest.fixture(scope="module", name="ckpt")
+    def ckpt(tmp_path_factory) -> Path:
+        folder = tmp_path_factory.mktemp(name) / "ckpt"
+        return tiny.glm4moe(folder, num_hidden_layers=num_hidden_layers, dtype=torch.float32)
+
+    @pytest.fixture(scope="module", name="f32")
+    def f32(ckpt, tmp_path_factory) -> Path:
+        return f32_gguf(ckpt, tmp_path_factory.mktemp("f32") / f"{name}-f32.gguf")
+
+    return ckpt, f32
+
+
 def one_tensor_gguf(path: Path, arch: str = "llama") -> Path:
     """A valid GGUF of one zero tensor (token_embd) at ``path``: what a command checks before it hands the file on."""
     w = GGUFWriter(str(path), arch)

@@ -20,31 +20,17 @@ from tests.helpers.llamacpp_ref import free_port
 F32_CACHES = ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
 
 
+def llama_server_cmd(bin_dir: Path, model: Path, port: int, *flags: str) -> list[str]:
+    """``llama-server -m model *flags --host 127.0.0.1 --port port``, the binary from bin_dir."""
+    return [str(bin_dir / "llama-server"), "-m", str(model), *flags, "--host", "127.0.0.1", "--port", str(port)]
+
+
 def llama_server_completions(bin_dir: Path, gguf_path: Path, prompts: list[list[int]], n: int) -> list[dict]:
     """Greedy completions of token prompts from llama-server drafting with the file's MTP head (k=1)."""
     port = free_port()
+    flags = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "1", "-c", "512", "-t", "1", "-np", "1", "--no-repack"]
     server = subprocess.Popen(
-        [
-            str(bin_dir / "llama-server"),
-            "-m",
-            str(gguf_path),
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            "1",
-            "-c",
-            "512",
-            "-t",
-            "1",
-            "-np",
-            "1",
-            "--no-repack",
-            *F32_CACHES,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
+        llama_server_cmd(bin_dir, gguf_path, port, *flags, *F32_CACHES),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -21,9 +21,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from tests.builders import tiny
-from tests.helpers.ggufcheck import f32_gguf
 from tests.helpers.ggufcheck import gguf_tensors as tensors
+from tests.helpers.ggufcheck import glm4moe_fixtures
 from tests.helpers.llamacpp_ref import speculative_simple
 from tests.helpers.runcli import run_cli
 
@@ -44,15 +43,8 @@ MAX_REL_ERROR = {
 }
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    # one trunk layer keeps the K-quant work small; the MTP block (layer 1) is a full MoE block
-    return tiny.glm4moe(tmp_path_factory.mktemp("glm1") / "ckpt", num_hidden_layers=1, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def f32(ckpt, tmp_path_factory) -> Path:
-    return f32_gguf(ckpt, tmp_path_factory.mktemp("f32") / "tiny-f32.gguf")
+# one trunk layer keeps the K-quant work small; the MTP block (layer 1) is a full MoE block
+ckpt, f32 = glm4moe_fixtures(1)
 
 
 @pytest.fixture(scope="module")

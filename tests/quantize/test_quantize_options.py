@@ -21,22 +21,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from tests.builders import tiny
-from tests.helpers.ggufcheck import f32_gguf
 from tests.helpers.ggufcheck import gguf_field as field
 from tests.helpers.ggufcheck import gguf_tensors as tensors
+from tests.helpers.ggufcheck import glm4moe_fixtures
 from tests.helpers.runcli import run_cli
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    # 3 trunk blocks (block 0 dense, 1-2 MoE) + the MTP block 3
-    return tiny.glm4moe(tmp_path_factory.mktemp("glm3") / "ckpt", num_hidden_layers=3, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def f32(ckpt, tmp_path_factory) -> Path:
-    return f32_gguf(ckpt, tmp_path_factory.mktemp("f32") / "glm3-f32.gguf")
+ckpt, f32 = glm4moe_fixtures(3)  # 3 trunk blocks (block 0 dense, 1-2 MoE) + the MTP block 3
 
 
 def quantize(src: Path, out: Path, *args) -> None:

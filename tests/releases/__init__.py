@@ -53,6 +53,22 @@ from types import ModuleType
 import torch
 
 MODES = (None, "--no-mtp", "--mtp")  # llama.cpp converter's flags: the full file, trunk only, head only
+# GGUF architecture -> (release manifest, form): the release-shaped checkpoint the runtime tests build for each
+# architecture the demo trainer cannot (tests/runtime/test_trained_acceptance.py, test_commands_per_arch.py)
+BY_ARCH = {
+    "deepseek4": ("deepseek_v4_flash", "fp8"),
+    "glm-dsa": ("glm5", "bf16"),
+    "deepseek32": ("deepseek_v32", "fp8"),
+    "qwen3next": ("qwen3next", "bf16"),
+    "nemotron_h_moe": ("nemotron3_super", "bf16"),
+    "step35": ("step35_flash", "bf16"),
+    "mimo2": ("mimo_v25", "fp8"),
+    "hy_v3": ("hy3", "bf16"),
+    "cohere2moe": ("cohere2moe", "bf16"),
+    "bailingmoe3": ("ling3_flash", "bf16"),
+}
+# the architectures whose head llama.cpp's converter writes to a file of its own (--no-mtp / --mtp-only; -md)
+HEAD_FILE = {"deepseek4"}
 
 
 # ----------------------------------------------------------------------------- what llama.cpp does where mtpq does not

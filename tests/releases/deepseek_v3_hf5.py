@@ -18,6 +18,7 @@ from ._deepseek import (
     f32,
 )
 from ._deepseek import tensors as _tensors
+from .deepseek_v3 import CONFIG as _V3
 from .deepseek_v3_hf4 import _DROPS, DIFFERS_KEYS, LLAMA_CPP_MODE  # noqa: F401 (the same knowing differences)
 from .deepseek_v3_hf4 import CONFIG as _HF4
 
@@ -37,17 +38,8 @@ CONFIG = variant(
     {
         "output_router_logits": False,
         "pad_token_id": None,
-        "rope_parameters": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 40,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "rope_theta": 10000,
-            "rope_type": "yarn",
-            "type": "yarn",
-        },
+        # deepseek_v3.py's rope_scaling (its ints, not 4.x's floats), rope_theta and rope_type inside
+        "rope_parameters": dict(sorted((_V3["rope_scaling"] | {"rope_theta": 10000, "rope_type": "yarn"}).items())),
         "transformers_version": "5.24.0",
     },
     drop=("rope_scaling", "rope_theta"),

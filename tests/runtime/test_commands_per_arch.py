@@ -19,15 +19,8 @@ from tests import releases
 from tests.helpers.runcli import run_cli
 
 # GGUF architecture -> (release manifest, form)
-ARCHS = {
-    "hy_v3": ("hy3", "bf16"),
-    "cohere2moe": ("cohere2moe", "bf16"),
-    "bailingmoe3": ("ling3_flash", "bf16"),
-    "step35": ("step35_flash", "bf16"),
-    "mimo2": ("mimo_v25", "fp8"),
-    "deepseek4": ("deepseek_v4_flash", "fp8"),
-}
-HEAD_FILE = {"deepseek4"}
+ARCHS = {a: releases.BY_ARCH[a] for a in ("hy_v3", "cohere2moe", "bailingmoe3", "step35", "mimo2", "deepseek4")}
+HEAD_FILE = releases.HEAD_FILE
 PROMPT = {"category": "code", "prompt": "def add(a, b):\n    return a + b\n"}
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 

@@ -38,22 +38,11 @@ from tests.helpers.runtime import convert
 
 pytestmark = [pytest.mark.llama_cpp, pytest.mark.slow]
 
-# GGUF architecture -> (release manifest, form): the ten llama.cpp drafts with that the demo trainer cannot build
-TRAINED = {
-    "deepseek4": ("deepseek_v4_flash", "fp8"),
-    "glm-dsa": ("glm5", "bf16"),
-    "deepseek32": ("deepseek_v32", "fp8"),
-    "qwen3next": ("qwen3next", "bf16"),
-    "nemotron_h_moe": ("nemotron3_super", "bf16"),
-    "step35": ("step35_flash", "bf16"),
-    "mimo2": ("mimo_v25", "fp8"),
-    "hy_v3": ("hy3", "bf16"),
-    "cohere2moe": ("cohere2moe", "bf16"),
-    "bailingmoe3": ("ling3_flash", "bf16"),
-}
+# the ten llama.cpp drafts with that the demo trainer cannot build: GGUF architecture -> (release manifest, form)
+TRAINED = releases.BY_ARCH
 # DeepSeek-V4's head lives in a file of its own (llama.cpp's -md), and its converted files keep Q8_0 / MXFP4
 # weights whatever the outtype: both are rewritten all-F32 so that every weight trains
-HEAD_FILE = {"deepseek4"}
+HEAD_FILE = releases.HEAD_FILE
 STEPS, BATCH, SEQ = 200, 8, 96
 N_PROMPTS, N_NEW = 12, 96
 MAX_GAP = 0.01  # issue 36: within 1 point
