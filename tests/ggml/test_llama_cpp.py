@@ -72,7 +72,8 @@ def ggml_quantize(exe: Path, qtype: T, x: np.ndarray, qw: np.ndarray | None, tmp
 
 def fuzz_data(seed: int, rows: int = 8, n: int = 1024):
     """(name, x, importance) triples: value distributions from ordinary weights to per-block scales spanning
-    1e-9..1e4, sparse, integer and half-integer grids, subnormals; importance lognormal, uniform or with zeros, and none."""
+    1e-9..1e4, sparse, integer and half-integer grids, subnormals; importance lognormal, uniform or with zeros,
+    and none."""
     rng = np.random.default_rng(seed)
     g = rng.standard_normal((rows, n)).astype(np.float32)
     xs = {
