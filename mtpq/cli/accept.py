@@ -13,8 +13,6 @@ from ..acceptance.metrics import ROUNDS
 from . import options
 from .app import app
 from .common import (
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
     check_device,
     check_engine,
     check_fractions,
@@ -23,10 +21,10 @@ from .common import (
     check_torch_engine,
     console,
     fail,
+    finish_report,
     gating,
     guarded,
     out,
-    write_reports,
 )
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
@@ -335,8 +333,8 @@ def accept(
         "passed": verdict.passed,
         "reasons": verdict.reasons,
     }
-    write_reports(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict))
-    if str(json_out) != "-":
+
+    def show() -> None:
         out.print(_table(report, ref))
         if report.engine == "llama.cpp":
             out.print(
@@ -351,4 +349,5 @@ def accept(
         if report.greedy_outputs_identical is False:
             out.print("[red]greedy speculative output differs from plain greedy output[/]")
         out.print("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.reasons))
-    raise typer.Exit(EXIT_OK if verdict.passed else EXIT_CHECK_FAILED)
+
+    finish_report(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict), show, verdict.passed)

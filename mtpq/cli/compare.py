@@ -12,8 +12,6 @@ from rich.progress import Progress
 from . import options
 from .app import app
 from .common import (
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
     check_device,
     check_engine,
     check_fractions,
@@ -22,10 +20,10 @@ from .common import (
     check_torch_engine,
     console,
     fail,
+    finish_report,
     gating,
     guarded,
     out,
-    write_reports,
 )
 
 
@@ -185,8 +183,8 @@ def compare(
     failures = judge(report["files"], gates, OPTIONS)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
-    write_reports(json_out, report, md_out, lambda: to_markdown(report, failures))
-    if str(json_out) != "-":
+
+    def show() -> None:
         out.print(rich_table(report))
         out.print(f"trunk: {report['engine']['trunk']}; head: {report['engine']['head']}")
         if gates.any():
@@ -196,7 +194,8 @@ def compare(
                     if reasons
                     else f"[green]PASS[/] {Path(f).name}"
                 )
-    raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
+
+    finish_report(json_out, report, md_out, lambda: to_markdown(report, failures), show, report["passed"])
 
 
 @dataclass(frozen=True)
