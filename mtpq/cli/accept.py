@@ -162,12 +162,10 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
 def accept(
     ctx: typer.Context,
     model: Path = typer.Argument(..., help="GGUF with an MTP head (or a trunk, with --head)."),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
+    head: Path = options.head(
+        "A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
         "llama.cpp's -md: its MTP blocks (and its token_embd/output where the head ties to "
-        "them) replace any head MODEL has.",
+        "them) replace any head MODEL has."
     ),
     reference: Path = typer.Option(
         None, "--reference", help="A higher-precision GGUF of the same model to compare with."
@@ -204,14 +202,12 @@ def accept(
         "drafted too), and it counts the rounds that example prints. Greedy acceptance differs between the two "
         "by a point or so on a good head: a run of accepted drafts keeps its phase until a miss.",
     ),
-    engine: str = typer.Option(
-        "torch",
-        "--engine",
-        help="torch: the bundled runtime (one device). llama.cpp: "
-        "llama-server with its MTP drafter, for models that need several GPUs or machines.",
+    engine: str = options.engine(
+        "torch: the bundled runtime (one device). llama.cpp: "
+        "llama-server with its MTP drafter, for models that need several GPUs or machines."
     ),
-    llama_cpp: Path = typer.Option(
-        None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
+    llama_cpp: Path = options.llama_cpp(
+        "llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
     ),
     server: str = typer.Option(
         None,

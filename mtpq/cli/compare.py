@@ -86,17 +86,12 @@ def compare(
     max_drop: float = typer.Option(
         None, "--max-drop", help="Fail when the head's acceptance drops more than this below the reference's."
     ),
-    engine: str = typer.Option(
-        "torch",
-        "--engine",
-        help="torch: the bundled runtime (one device). llama.cpp: "
-        "llama-perplexity for the trunk, llama-server for the head.",
+    engine: str = options.engine(
+        "torch: the bundled runtime (one device). llama.cpp: llama-perplexity for the trunk, llama-server for the head."
     ),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="torch engine: a head file (mtp-*.gguf) that drafts for every "
-        "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file).",
+    head: Path = options.head(
+        "torch engine: a head file (mtp-*.gguf) that drafts for every "
+        "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."
     ),
     numerics: str = typer.Option(
         "llama.cpp",
@@ -109,10 +104,8 @@ def compare(
         None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."
     ),
     threads: int = options.RUNTIME_THREADS,
-    llama_cpp: Path = typer.Option(
-        None,
-        "--llama-cpp",
-        help="llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH).",
+    llama_cpp: Path = options.llama_cpp(
+        "llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
     ),
     ngl: int = options.NGL,
 ) -> None:
