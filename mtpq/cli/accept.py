@@ -59,18 +59,11 @@ def _table(report, reference=None) -> Table:
     return t
 
 
-def check_numbers(
-    *,
-    draft: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    max_new_tokens: int,
-    max_prompts: int | None,
-    min_rate: float | None,
-    max_drop: float | None,
-) -> None:
-    """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing)."""
+def check_numbers(run: dict, *, min_rate: float | None, max_drop: float | None) -> None:
+    """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing); ``run``: the
+    measurement's options (draft, temperature, top_k, top_p, max_new_tokens, max_prompts, seed)."""
+    draft, temperature, top_k, top_p = run["draft"], run["temperature"], run["top_k"], run["top_p"]
+    max_new_tokens, max_prompts = run["max_new_tokens"], run["max_prompts"]
     if not 1 <= draft <= 8:
         fail("--draft", f"must be between 1 and 8, got {draft}")
     if not 0.0 <= temperature < math.inf:
@@ -260,16 +253,16 @@ def accept(
         fail("--max-drop", "needs --reference")
     if head is not None and server is not None:
         fail("--head", "a running --server holds its draft model already")
-    check_numbers(
+    run = dict(
         draft=draft,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         max_new_tokens=max_new_tokens,
         max_prompts=max_prompts,
-        min_rate=min_rate,
-        max_drop=max_drop,
-    )
+        seed=seed,
+    )  # what measure_file and measure_with_llama_cpp take besides the prompts
+    check_numbers(run, min_rate=min_rate, max_drop=max_drop)
     device = check_device(device)
     for p in (model, reference, head):
         if p is not None and not p.is_file() and server is None:
@@ -281,17 +274,7 @@ def accept(
             "accept --engine torch",
             "--engine llama.cpp measures it through llama-server",
         )
-    prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
-    kw = dict(
-        prompts=prompts,
-        draft=draft,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        max_prompts=max_prompts,
-    )
+    kw = dict(prompts=check_prompts(load_prompts(prompts, max_prompts), prompts), **run)
     if engine == "torch":
         import torch
 
