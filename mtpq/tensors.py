@@ -74,21 +74,16 @@ def classify(name: str, shape: tuple[int, ...], n_trunk_layers: int) -> Role:
     if len(shape) <= 1:
         return Role.NORM
     kind = tensor_kind(name)
-    if name.startswith("token_embd"):
-        return Role.TOKEN_EMBD
-    if name.startswith("output"):
-        return Role.OUTPUT
-    if kind.startswith("ffn_gate_inp"):
-        return Role.ROUTER
-    if kind.endswith("_exps"):
-        return Role.FFN_EXPS
-    if kind.startswith("ffn"):
-        return Role.FFN
-    if kind.startswith("attn"):
-        return Role.ATTN
-    if kind.startswith("ssm"):
-        return Role.SSM
-    return Role.OTHER
+    rules = (  # the first that holds decides
+        (Role.TOKEN_EMBD, name.startswith("token_embd")),
+        (Role.OUTPUT, name.startswith("output")),
+        (Role.ROUTER, kind.startswith("ffn_gate_inp")),
+        (Role.FFN_EXPS, kind.endswith("_exps")),
+        (Role.FFN, kind.startswith("ffn")),
+        (Role.ATTN, kind.startswith("attn")),
+        (Role.SSM, kind.startswith("ssm")),
+    )
+    return next((role for role, holds in rules if holds), Role.OTHER)
 
 
 @dataclass

@@ -110,6 +110,37 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], confidence: float = 0.9
     return (max(0.0, r - half), min(1.0, r + half))
 
 
+def _from_counts(
+    n_sequences: int,
+    n_drafts: int,
+    n_drafted: int,
+    n_accepted: int,
+    ci: tuple[float, float],
+    per_position: list[float],
+    per_position_ci: list[tuple[float, float]],
+    n_generated: int,
+    seconds: float,
+    confidence: float,
+) -> AcceptanceMetrics:
+    """The metrics from the counts, whichever engine gave them: the rates, the mean acceptance length and
+    tokens/s computed here alone (nan where their denominator is 0)."""
+    return AcceptanceMetrics(
+        n_sequences=n_sequences,
+        n_drafts=n_drafts,
+        n_drafted=n_drafted,
+        n_accepted=n_accepted,
+        acceptance_rate=n_accepted / n_drafted if n_drafted else float("nan"),
+        ci=ci,
+        per_position=per_position,
+        per_position_ci=per_position_ci,
+        mean_acceptance_length=1 + n_accepted / n_drafts if n_drafts else float("nan"),
+        n_generated=n_generated,
+        seconds=seconds,
+        tokens_per_s=n_generated / seconds if seconds > 0 else float("nan"),
+        confidence=confidence,
+    )
+
+
 def metrics_from_rounds(
     results: Sequence[GenerationResult], confidence: float = 0.95, unit: str = "draft"
 ) -> AcceptanceMetrics:
@@ -125,22 +156,11 @@ def metrics_from_rounds(
         ci = ratio_ci(accepted, drafted, confidence)
     else:
         ci = ratio_ci([r.n_accepted for r in results], [r.n_drafted for r in results], confidence)
-    n_gen = sum(len(r.tokens) for r in results)
-    secs = sum(r.seconds for r in results)
-    return AcceptanceMetrics(
-        n_sequences=len(results),
-        n_drafts=n_drafts,
-        n_drafted=n_dft,
-        n_accepted=n_acc,
-        acceptance_rate=n_acc / n_dft if n_dft else float("nan"),
-        ci=ci,
-        per_position=[c / n_drafts for c in per_pos_counts] if n_drafts else [],
-        per_position_ci=[wilson(c, n_drafts, confidence) for c in per_pos_counts],
-        mean_acceptance_length=1 + n_acc / n_drafts if n_drafts else float("nan"),
-        n_generated=n_gen,
-        seconds=secs,
-        tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
-        confidence=confidence,
+    per_position = [c / n_drafts for c in per_pos_counts] if n_drafts else []
+    per_position_ci = [wilson(c, n_drafts, confidence) for c in per_pos_counts]
+    n_gen, secs = sum(len(r.tokens) for r in results), sum(r.seconds for r in results)
+    return _from_counts(
+        len(results), n_drafts, n_dft, n_acc, ci, per_position, per_position_ci, n_gen, secs, confidence
     )
 
 
@@ -169,19 +189,6 @@ def metrics_from_totals(totals: Sequence[DraftTotals], confidence: float = 0.95)
     per_position, per_position_ci = [], []
     if ks == {1} and n_dft:
         per_position, per_position_ci = [n_acc / n_dft], [wilson(n_acc, n_dft, confidence)]
+    ci = ratio_ci([t.accepted for t in totals], [t.drafted for t in totals], confidence)
     n_gen, secs = sum(t.generated for t in totals), sum(t.seconds for t in totals)
-    return AcceptanceMetrics(
-        n_sequences=len(totals),
-        n_drafts=rounds,
-        n_drafted=n_dft,
-        n_accepted=n_acc,
-        acceptance_rate=n_acc / n_dft if n_dft else float("nan"),
-        ci=ratio_ci([t.accepted for t in totals], [t.drafted for t in totals], confidence),
-        per_position=per_position,
-        per_position_ci=per_position_ci,
-        mean_acceptance_length=1 + n_acc / rounds if rounds else float("nan"),
-        n_generated=n_gen,
-        seconds=secs,
-        tokens_per_s=n_gen / secs if secs > 0 else float("nan"),
-        confidence=confidence,
-    )
+    return _from_counts(len(totals), rounds, n_dft, n_acc, ci, per_position, per_position_ci, n_gen, secs, confidence)

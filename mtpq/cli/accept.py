@@ -13,8 +13,6 @@ from ..acceptance.metrics import ROUNDS
 from . import options
 from .app import app
 from .common import (
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
     check_device,
     check_engine,
     check_fractions,
@@ -23,10 +21,10 @@ from .common import (
     check_torch_engine,
     console,
     fail,
+    finish_report,
     gating,
     guarded,
     out,
-    write_reports,
 )
 
 DTYPES = ("f32", "bf16", "f16")  # torch dtypes by name, resolved when a run starts (no torch to start the CLI)
@@ -61,18 +59,11 @@ def _table(report, reference=None) -> Table:
     return t
 
 
-def check_numbers(
-    *,
-    draft: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    max_new_tokens: int,
-    max_prompts: int | None,
-    min_rate: float | None,
-    max_drop: float | None,
-) -> None:
-    """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing)."""
+def check_numbers(run: dict, *, min_rate: float | None, max_drop: float | None) -> None:
+    """Options whose out-of-range values would measure nonsense (nan %, a PASS on nothing); ``run``: the
+    measurement's options (draft, temperature, top_k, top_p, max_new_tokens, max_prompts, seed)."""
+    draft, temperature, top_k, top_p = run["draft"], run["temperature"], run["top_k"], run["top_p"]
+    max_new_tokens, max_prompts = run["max_new_tokens"], run["max_prompts"]
     if not 1 <= draft <= 8:
         fail("--draft", f"must be between 1 and 8, got {draft}")
     if not 0.0 <= temperature < math.inf:
@@ -164,12 +155,10 @@ def check_prompts(pairs: list[tuple[str, str]], where: str) -> list[tuple[str, s
 def accept(
     ctx: typer.Context,
     model: Path = typer.Argument(..., help="GGUF with an MTP head (or a trunk, with --head)."),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
+    head: Path = options.head(
+        "A head file (mtp-*.gguf) that drafts for MODEL's trunk, as "
         "llama.cpp's -md: its MTP blocks (and its token_embd/output where the head ties to "
-        "them) replace any head MODEL has.",
+        "them) replace any head MODEL has."
     ),
     reference: Path = typer.Option(
         None, "--reference", help="A higher-precision GGUF of the same model to compare with."
@@ -206,14 +195,12 @@ def accept(
         "drafted too), and it counts the rounds that example prints. Greedy acceptance differs between the two "
         "by a point or so on a good head: a run of accepted drafts keeps its phase until a miss.",
     ),
-    engine: str = typer.Option(
-        "torch",
-        "--engine",
-        help="torch: the bundled runtime (one device). llama.cpp: "
-        "llama-server with its MTP drafter, for models that need several GPUs or machines.",
+    engine: str = options.engine(
+        "torch: the bundled runtime (one device). llama.cpp: "
+        "llama-server with its MTP drafter, for models that need several GPUs or machines."
     ),
-    llama_cpp: Path = typer.Option(
-        None, "--llama-cpp", help="llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
+    llama_cpp: Path = options.llama_cpp(
+        "llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
     ),
     server: str = typer.Option(
         None,
@@ -266,16 +253,16 @@ def accept(
         fail("--max-drop", "needs --reference")
     if head is not None and server is not None:
         fail("--head", "a running --server holds its draft model already")
-    check_numbers(
+    run = dict(
         draft=draft,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         max_new_tokens=max_new_tokens,
         max_prompts=max_prompts,
-        min_rate=min_rate,
-        max_drop=max_drop,
-    )
+        seed=seed,
+    )  # what measure_file and measure_with_llama_cpp take besides the prompts
+    check_numbers(run, min_rate=min_rate, max_drop=max_drop)
     device = check_device(device)
     for p in (model, reference, head):
         if p is not None and not p.is_file() and server is None:
@@ -287,17 +274,7 @@ def accept(
             "accept --engine torch",
             "--engine llama.cpp measures it through llama-server",
         )
-    prompts = check_prompts(load_prompts(prompts, max_prompts), prompts)
-    kw = dict(
-        prompts=prompts,
-        draft=draft,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        max_prompts=max_prompts,
-    )
+    kw = dict(prompts=check_prompts(load_prompts(prompts, max_prompts), prompts), **run)
     if engine == "torch":
         import torch
 
@@ -335,8 +312,8 @@ def accept(
         "passed": verdict.passed,
         "reasons": verdict.reasons,
     }
-    write_reports(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict))
-    if str(json_out) != "-":
+
+    def show() -> None:
         out.print(_table(report, ref))
         if report.engine == "llama.cpp":
             out.print(
@@ -351,4 +328,5 @@ def accept(
         if report.greedy_outputs_identical is False:
             out.print("[red]greedy speculative output differs from plain greedy output[/]")
         out.print("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.reasons))
-    raise typer.Exit(EXIT_OK if verdict.passed else EXIT_CHECK_FAILED)
+
+    finish_report(json_out, doc, md_out, lambda: to_markdown(report, ref, verdict), show, verdict.passed)

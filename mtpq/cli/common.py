@@ -11,7 +11,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import typer
 from rich.console import Console
@@ -139,6 +139,30 @@ def write_with_progress(plan, out: Path, label: str, quiet: bool, split=None) ->
 def report_hooks(quiet: bool) -> dict:
     """``progress`` and ``say`` for a library call that reports to a person: the byte bar and stderr (none if quiet)."""
     return {} if quiet else {"progress": byte_progress, "say": console.print}
+
+
+def check_auto_head_arch(arch: str, src: Path) -> None:
+    """``--mtp-type auto`` measures the candidate heads in the torch runtime: ``src``'s architecture needs one."""
+    check_runtime_arch(arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
+
+
+def write_quantized(
+    label: str, src: Path, out: Path, before, plan, options, quiet: bool, split, auto_head=None, head_file=False
+) -> tuple[object, list[Path]]:
+    """``plan`` (``quantize``'s of ``before``, or ``convert --quant``'s) written to ``out`` by the job's ``options``;
+    -> (the plan written, files).
+
+    ``auto_head``: ``(max_drop, prompts)`` of ``--mtp-type auto``: ``plan`` is then the trunk with the input's head,
+    written once, every candidate head measured on it and the chosen one grafted in; the plan returned has the
+    chosen head's types (``head_file``: ``src`` is a head file and ``plan`` its trunk's)."""
+    if auto_head is None:
+        return plan, write_with_progress(plan, out, label, quiet, split)[1]
+    from ..workflows.auto_head import quantize_with_auto_head
+
+    max_drop, prompts = auto_head
+    return quantize_with_auto_head(
+        src, out, before, plan, options, max_drop, prompts, split=split, head_file=head_file, **report_hooks(quiet)
+    )
 
 
 def set_threads(threads: int | None) -> None:
@@ -280,3 +304,19 @@ def write_reports(json_out: Path | None, doc: dict, md_out: Path | None, markdow
     if md_out is not None:
         with open(md_out, "a") as f:
             f.write(markdown())
+
+
+def finish_report(
+    json_out: Path | None,
+    doc: dict,
+    md_out: Path | None,
+    markdown: Callable[[], str],
+    show: Callable[[], None],
+    passed: bool,
+) -> NoReturn:
+    """A measuring command's end: the report to --json and --md, ``show()`` on the terminal unless --json is
+    stdout, and the exit code (0 passed, 1 a check failed)."""
+    write_reports(json_out, doc, md_out, markdown)
+    if str(json_out) != "-":
+        show()
+    raise typer.Exit(EXIT_OK if passed else EXIT_CHECK_FAILED)

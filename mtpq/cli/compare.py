@@ -12,8 +12,6 @@ from rich.progress import Progress
 from . import options
 from .app import app
 from .common import (
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
     check_device,
     check_engine,
     check_fractions,
@@ -22,10 +20,10 @@ from .common import (
     check_torch_engine,
     console,
     fail,
+    finish_report,
     gating,
     guarded,
     out,
-    write_reports,
 )
 
 
@@ -88,17 +86,12 @@ def compare(
     max_drop: float = typer.Option(
         None, "--max-drop", help="Fail when the head's acceptance drops more than this below the reference's."
     ),
-    engine: str = typer.Option(
-        "torch",
-        "--engine",
-        help="torch: the bundled runtime (one device). llama.cpp: "
-        "llama-perplexity for the trunk, llama-server for the head.",
+    engine: str = options.engine(
+        "torch: the bundled runtime (one device). llama.cpp: llama-perplexity for the trunk, llama-server for the head."
     ),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="torch engine: a head file (mtp-*.gguf) that drafts for every "
-        "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file).",
+    head: Path = options.head(
+        "torch engine: a head file (mtp-*.gguf) that drafts for every "
+        "file's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own file)."
     ),
     numerics: str = typer.Option(
         "llama.cpp",
@@ -111,10 +104,8 @@ def compare(
         None, "--device", help="torch engine: cuda, cuda:1 or cpu (default: cuda when available)."
     ),
     threads: int = options.RUNTIME_THREADS,
-    llama_cpp: Path = typer.Option(
-        None,
-        "--llama-cpp",
-        help="llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH).",
+    llama_cpp: Path = options.llama_cpp(
+        "llama.cpp: folder with llama-perplexity and llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
     ),
     ngl: int = options.NGL,
 ) -> None:
@@ -185,8 +176,8 @@ def compare(
     failures = judge(report["files"], gates, OPTIONS)
     report["passed"] = not any(failures.values())
     report["failures"] = {f: r for f, r in failures.items() if r}
-    write_reports(json_out, report, md_out, lambda: to_markdown(report, failures))
-    if str(json_out) != "-":
+
+    def show() -> None:
         out.print(rich_table(report))
         out.print(f"trunk: {report['engine']['trunk']}; head: {report['engine']['head']}")
         if gates.any():
@@ -196,7 +187,8 @@ def compare(
                     if reasons
                     else f"[green]PASS[/] {Path(f).name}"
                 )
-    raise typer.Exit(EXIT_OK if report["passed"] else EXIT_CHECK_FAILED)
+
+    finish_report(json_out, report, md_out, lambda: to_markdown(report, failures), show, report["passed"])
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,14 @@ from . import quant_options as opt
 from .app import app
 from .common import (
     auto_head_asked,
-    check_runtime_arch,
+    check_auto_head_arch,
     console,
     fail,
     files_written,
     guarded,
-    report_hooks,
     set_threads,
     split_rule,
-    write_with_progress,
+    write_quantized,
 )
 
 
@@ -131,17 +130,13 @@ def convert(
         if imatrix is not None:
             options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
     source, plan = converted_plan(src, blocks, OUTTYPES.get(outtype.lower()), options, kv_overrides)  # None: auto
-    if auto:  # the trunk written once, every candidate head measured on it, the chosen one grafted in
-        check_runtime_arch(plan.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
-        from ..workflows.auto_head import quantize_with_auto_head
-
-        plan, written = quantize_with_auto_head(
-            src, out, source, plan, options, max_drop, prompts, split=split, **report_hooks(quiet)
-        )
+    if auto:
+        check_auto_head_arch(plan.arch, src)
+    auto_head = (max_drop, prompts) if auto else None
+    plan, written = write_quantized("convert", src, out, source, plan, options, quiet, split, auto_head)
+    if auto:
         options = options.with_mtp_type(json.loads(plan.kv_value("mtpq.mtp_type_auto"))["mtp_type"])
-        total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
-    else:
-        total, written = write_with_progress(plan, out, "convert", quiet, split)
+    total = sum(tensor_nbytes(s.shape, s.ggml_type) for s in plan.tensors)
     if not quiet:
         n_mtp = sum(1 for s in plan.tensors if s.role.value == "mtp")
         quant_text = ""

@@ -30,11 +30,9 @@ def imatrix(
     chunk: int = typer.Option(512, "--chunk", "-c", help="Tokens per chunk (llama-imatrix's -c)."),
     chunks: int = typer.Option(None, "--chunks", help="Use at most this many chunks (default: all)."),
     mtp: bool = typer.Option(False, "--mtp", help="Only the MTP head (to add to a llama-imatrix file)."),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="A head file (mtp-*.gguf) that drafts for MODEL's trunk, as llama.cpp's -md (DeepSeek-V4's head lives "
-        "in its own file).",
+    head: Path = options.head(
+        "A head file (mtp-*.gguf) that drafts for MODEL's trunk, as llama.cpp's -md (DeepSeek-V4's head lives "
+        "in its own file)."
     ),
     merge_into: Path = typer.Option(
         None,

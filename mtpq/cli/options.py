@@ -44,3 +44,21 @@ DEVICE = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda
 JSON_REPORT = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout).")
 MD_REPORT = typer.Option(None, "--md", help="Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")
 NGL = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all).")
+
+
+# measuring options whose flag and default are one and whose help each command words for itself (whose trunk the
+# head drafts for, which llama.cpp tools the engine runs)
+def head(help: str):
+    """``--head`` (accept, compare, imatrix, sweep): a head file (mtp-*.gguf) that drafts for a trunk, as llama.cpp's
+    -md."""
+    return typer.Option(None, "--head", help=help)
+
+
+def engine(help: str):
+    """``--engine`` (accept, compare, sweep): torch, the bundled runtime (default), or llama.cpp's tools."""
+    return typer.Option("torch", "--engine", help=help)
+
+
+def llama_cpp(help: str):
+    """``--llama-cpp`` (accept, compare, sweep): the folder with the llama.cpp tools the engine runs."""
+    return typer.Option(None, "--llama-cpp", help=help)

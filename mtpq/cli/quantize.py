@@ -20,15 +20,14 @@ from . import quant_options as opt
 from .app import app
 from .common import (
     auto_head_asked,
-    check_runtime_arch,
+    check_auto_head_arch,
     console,
     files_written,
     guarded,
     out,
-    report_hooks,
     set_threads,
     split_rule,
-    write_with_progress,
+    write_quantized,
 )
 
 
@@ -117,7 +116,7 @@ def quantize(
         options = dataclasses.replace(options, imatrix=read_imatrix(imatrix))
     before = plan_from_gguf(src)
     if auto:
-        check_runtime_arch(before.arch, str(src), "--mtp-type auto", "choose the head's type with --mtp-type")
+        check_auto_head_arch(before.arch, src)
     trunk_plan = None
     if trunk is not None:
         from ..gguf_io import GGUFFile
@@ -141,24 +140,13 @@ def quantize(
         else:
             print_decisions(info)
         return
-    if auto:
-        from ..workflows.auto_head import quantize_with_auto_head
-
-        after, written = quantize_with_auto_head(
-            src,
-            dst,
-            before,
-            trunk_plan or after,
-            options,
-            max_drop,
-            prompts,
-            split=split,
-            head_file=trunk_plan is not None,
-            **report_hooks(quiet or as_json),
-        )
-        info = plan_change_summary(before, after)
-    else:
-        written = write_with_progress(after, dst, "quantize", quiet or as_json, split)[1]
+    auto_head = (max_drop, prompts) if auto else None
+    head_file = trunk_plan is not None  # SRC is a head file, its candidates measured on the --trunk plan
+    written_plan, written = write_quantized(
+        "quantize", src, dst, before, trunk_plan or after, options, quiet or as_json, split, auto_head, head_file
+    )
+    if auto:  # the head's types were chosen while writing
+        info = plan_change_summary(before, written_plan)
     if as_json:
         typer.echo(
             json.dumps(

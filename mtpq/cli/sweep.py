@@ -61,12 +61,10 @@ def sweep(
     reference: Path = typer.Argument(
         ..., help="A full-precision (f32/f16/bf16) GGUF with an MTP head (or a trunk, with --head)."
     ),
-    head: Path = typer.Option(
-        None,
-        "--head",
-        help="torch engine: the full-precision head file (mtp-*.gguf) that "
+    head: Path = options.head(
+        "torch engine: the full-precision head file (mtp-*.gguf) that "
         "drafts for REFERENCE's trunk, as llama.cpp's -md (DeepSeek-V4's head lives in its own "
-        "file): the head types are quantized from it.",
+        "file): the head types are quantized from it."
     ),
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
@@ -92,13 +90,11 @@ def sweep(
         "weights as Q8_0).",
     ),
     workdir: Path = typer.Option(None, "--keep", help="Keep the trunk GGUFs (one per preset) in this folder."),
-    engine: str = typer.Option(
-        "torch",
-        "--engine",
-        help="torch: one trunk pass per preset, every head drafting "
-        "from it. llama.cpp: one grafted file per pair, measured by llama-server.",
+    engine: str = options.engine(
+        "torch: one trunk pass per preset, every head drafting "
+        "from it. llama.cpp: one grafted file per pair, measured by llama-server."
     ),
-    llama_cpp: Path = typer.Option(None, "--llama-cpp", help="llama.cpp: folder with llama-server."),
+    llama_cpp: Path = options.llama_cpp("llama.cpp: folder with llama-server."),
     ngl: int = options.NGL,
     device: str = typer.Option(None, "--device"),
     threads: int = options.RUNTIME_THREADS,
