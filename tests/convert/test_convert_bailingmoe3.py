@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny_bailingmoe3
 from tests.helpers.familycheck import (
     LAYER_NORMS,
-    assert_kv_holds,
+    assert_expected_kv,
     assert_mode_files,
     assert_same_gguf,
     assert_table_f32,
@@ -111,37 +111,8 @@ def test_f32_every_tensor_named_shaped_and_valued(bl_ckpt, bl_f32):
 
 def test_metadata(bl_ckpt, bl_f32):
     kv, _ = bl_f32
-    want = {
-        "general.architecture": "bailingmoe3",
-        "bailingmoe3.block_count": 5,
-        "bailingmoe3.nextn_predict_layers": 1,
-        "bailingmoe3.context_length": 4096,
-        "bailingmoe3.embedding_length": 256,
-        "bailingmoe3.feed_forward_length": 512,
-        "bailingmoe3.attention.head_count": 4,
-        "bailingmoe3.attention.head_count_kv": [0, 1, 0, 1, 1],  # 1 on MLA layers (and the MTP layer), 0 on KDA
-        "bailingmoe3.attention.key_length": KV_LORA + ROPE,
-        "bailingmoe3.attention.value_length": 64,
-        "bailingmoe3.attention.key_length_mla": NOPE + ROPE,
-        "bailingmoe3.attention.value_length_mla": V_DIM,
-        "bailingmoe3.attention.kv_lora_rank": KV_LORA,
-        "bailingmoe3.rope.dimension_count": ROPE,
-        "bailingmoe3.vocab_size": vocab(bl_ckpt),
-        "bailingmoe3.ssm.conv_kernel": 4,
-        "bailingmoe3.kda.head_dim": 64,
-        "bailingmoe3.kda.safe_gate": True,
-        "bailingmoe3.expert_count": 4,
-        "bailingmoe3.expert_used_count": 2,
-        "bailingmoe3.expert_group_count": 1,
-        "bailingmoe3.expert_group_used_count": 1,
-        "bailingmoe3.expert_gating_func": 2,
-        "bailingmoe3.expert_feed_forward_length": 256,
-        "bailingmoe3.expert_shared_feed_forward_length": 256,
-        "bailingmoe3.expert_shared_count": 1,
-        "bailingmoe3.leading_dense_block_count": 1,
-        "bailingmoe3.expert_weights_norm": True,
-    }
-    assert_kv_holds(kv, want)
+    # attention.head_count_kv: 1 on MLA layers (and the MTP layer), 0 on KDA
+    assert_expected_kv(kv, "bailingmoe3", vocab_size=vocab(bl_ckpt))  # tests/convert/expected_kv.json
     assert kv["bailingmoe3.kda.gate_lower_bound"] == pytest.approx(-5.0)
     assert kv["bailingmoe3.expert_weights_scale"] == pytest.approx(2.5)
     assert kv["bailingmoe3.rope.freq_base"] == pytest.approx(600000.0)

@@ -19,7 +19,7 @@ import torch
 
 from tests.builders import tiny_cohere2moe
 from tests.helpers.familycheck import (
-    assert_kv_holds,
+    assert_expected_kv,
     assert_mode_files,
     assert_same_gguf,
     assert_table_f32,
@@ -68,32 +68,9 @@ def test_f32_every_tensor_named_shaped_and_valued(co_ckpt, co_f32):
 
 def test_metadata(co_ckpt, co_f32):
     kv, _ = co_f32
-    want = {
-        "general.architecture": "cohere2moe",
-        "cohere2moe.block_count": 5,
-        "cohere2moe.nextn_predict_layers": 1,
-        "cohere2moe.context_length": 4096,
-        "cohere2moe.embedding_length": 256,
-        "cohere2moe.feed_forward_length": 512,  # the dense prefix's width (prefix_dense_intermediate_size)
-        "cohere2moe.attention.head_count": 4,
-        "cohere2moe.attention.head_count_kv": 2,
-        "cohere2moe.attention.key_length": 64,
-        "cohere2moe.attention.value_length": 64,
-        "cohere2moe.rope.dimension_count": 64,
-        "cohere2moe.rope.scaling.type": "none",
-        "cohere2moe.attention.sliding_window": 16,
-        "cohere2moe.attention.sliding_window_pattern": [True, True, True, False],  # trunk layers only
-        "cohere2moe.vocab_size": vocab(co_ckpt),
-        "cohere2moe.expert_count": 4,
-        "cohere2moe.expert_used_count": 2,
-        "cohere2moe.expert_gating_func": 2,
-        "cohere2moe.expert_feed_forward_length": 256,
-        "cohere2moe.expert_shared_count": 1,
-        "cohere2moe.expert_shared_feed_forward_length": 256,
-        "cohere2moe.leading_dense_block_count": 1,
-        "cohere2moe.expert_weights_norm": True,
-    }
-    assert_kv_holds(kv, want)
+    # feed_forward_length: the dense prefix's width (prefix_dense_intermediate_size)
+    # attention.sliding_window_pattern: trunk layers only
+    assert_expected_kv(kv, "cohere2moe", vocab_size=vocab(co_ckpt))  # tests/convert/expected_kv.json
     assert kv["cohere2moe.logit_scale"] == pytest.approx(0.0625)
     assert kv["cohere2moe.rope.freq_base"] == pytest.approx(50000.0)
     assert kv["cohere2moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)

@@ -20,9 +20,9 @@ from tests.builders import tiny, tiny_deepseek2
 from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_drafts_in_llama_cpp,
+    assert_expected_kv,
     assert_f16_as_llama_cpp,
     assert_f32_equal,
-    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_values_equal,
@@ -148,39 +148,8 @@ def test_fp8_block_scaled_dequantized(ds_ckpt, tmp_path):
 
 def test_metadata(ds_ckpt, ds_f32):
     kv, _ = ds_f32
-    want = {
-        "general.architecture": "deepseek2",
-        "deepseek2.block_count": 3,
-        "deepseek2.nextn_predict_layers": 1,
-        "deepseek2.context_length": 16384,
-        "deepseek2.embedding_length": 256,
-        "deepseek2.feed_forward_length": 512,
-        "deepseek2.attention.head_count": 4,
-        "deepseek2.attention.head_count_kv": 1,  # MLA runs as MQA over the compressed cache
-        "deepseek2.attention.q_lora_rank": 256,
-        "deepseek2.attention.kv_lora_rank": 256,
-        "deepseek2.attention.key_length": 256 + 32,
-        "deepseek2.attention.value_length": 256,
-        "deepseek2.attention.key_length_mla": 64 + 32,
-        "deepseek2.attention.value_length_mla": 64,
-        "deepseek2.rope.dimension_count": 32,
-        "deepseek2.leading_dense_block_count": 1,
-        "deepseek2.vocab_size": 512,
-        "deepseek2.expert_count": 8,
-        "deepseek2.expert_used_count": 2,
-        "deepseek2.expert_shared_count": 1,
-        "deepseek2.expert_feed_forward_length": 256,
-        "deepseek2.expert_group_count": 2,
-        "deepseek2.expert_group_used_count": 1,
-        "deepseek2.expert_gating_func": 2,
-        "deepseek2.expert_weights_norm": True,
-        "deepseek2.rope.scaling.type": "yarn",
-        "deepseek2.rope.scaling.original_context_length": 4096,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.add_bos_token": True,
-        "general.file_type": 0,
-    }
-    assert_kv_holds(kv, want)
+    # attention.head_count_kv: MLA runs as MQA over the compressed cache
+    assert_expected_kv(kv, "deepseek2")  # tests/convert/expected_kv.json
     approx = {
         "deepseek2.expert_weights_scale": 2.5,
         "deepseek2.rope.freq_base": 10000.0,

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny_deepseek32
 from tests.helpers import mla
 from tests.helpers.familycheck import (
+    assert_expected_kv,
     assert_f32_equal,
-    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_as_llama_quantize,
@@ -86,33 +86,7 @@ def test_f16_types(ck, tmp_path):
 def test_metadata(f32):
     kv, _ = f32
     a = "deepseek32"
-    want = {
-        "general.architecture": a,
-        f"{a}.block_count": 3,
-        f"{a}.nextn_predict_layers": 1,
-        f"{a}.attention.indexer.head_count": 4,
-        f"{a}.attention.indexer.key_length": 64,
-        f"{a}.attention.indexer.top_k": 4,
-        f"{a}.attention.head_count": 4,
-        f"{a}.attention.head_count_kv": 1,
-        f"{a}.attention.q_lora_rank": 256,
-        f"{a}.attention.kv_lora_rank": 256,
-        f"{a}.attention.key_length": 256 + 32,
-        f"{a}.attention.value_length": 256,
-        f"{a}.attention.key_length_mla": 64 + 32,
-        f"{a}.attention.value_length_mla": 64,
-        f"{a}.rope.dimension_count": 32,
-        f"{a}.leading_dense_block_count": 1,
-        f"{a}.expert_count": 8,
-        f"{a}.expert_used_count": 2,
-        f"{a}.expert_shared_count": 1,
-        f"{a}.expert_feed_forward_length": 256,
-        f"{a}.expert_gating_func": 2,
-        f"{a}.rope.scaling.type": "yarn",
-        f"{a}.rope.scaling.original_context_length": 4096,
-        "tokenizer.ggml.add_bos_token": True,
-    }
-    assert_kv_holds(kv, want)
+    assert_expected_kv(kv, "deepseek32")  # tests/convert/expected_kv.json
     assert kv[f"{a}.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)  # 0.1 * mscale_all_dim
 
 

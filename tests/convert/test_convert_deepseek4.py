@@ -23,6 +23,7 @@ from tests.builders.tiny_mimo2 import mxfp4_values
 from tests.helpers.familycheck import (
     assert_bad_tensor_refused,
     assert_drafts_in_llama_cpp,
+    assert_expected_kv,
     assert_same_gguf,
     convert_with_both,
     rewrite_tensor,
@@ -173,39 +174,7 @@ def test_every_tensor_named_typed_and_valued(ds4, files, head_only):
 def test_metadata(files):
     (kv, _), (head_kv, _) = files
     a = "deepseek4"
-    fixed = {
-        "general.architecture": a,
-        f"{a}.block_count": 4,
-        f"{a}.embedding_length": 256,
-        f"{a}.attention.head_count": 4,
-        f"{a}.attention.head_count_kv": 1,
-        f"{a}.attention.key_length": 256,
-        f"{a}.attention.value_length": 256,
-        f"{a}.rope.dimension_count": 64,
-        f"{a}.attention.q_lora_rank": 256,
-        f"{a}.attention.sliding_window": 128,
-        f"{a}.expert_count": 4,
-        f"{a}.expert_used_count": 2,
-        f"{a}.expert_feed_forward_length": 256,
-        f"{a}.expert_shared_count": 1,
-        f"{a}.expert_weights_norm": True,
-        f"{a}.expert_gating_func": 4,
-        f"{a}.attention.indexer.head_count": 4,
-        f"{a}.attention.indexer.key_length": 128,
-        f"{a}.attention.indexer.top_k": 512,
-        f"{a}.attention.output_group_count": 2,
-        f"{a}.attention.output_lora_rank": 128,
-        f"{a}.attention.compress_ratios": [0, 0, 4, 128, 0],
-        f"{a}.hyper_connection.count": 4,
-        f"{a}.hyper_connection.sinkhorn_iterations": 20,
-        f"{a}.hash_layer_count": 3,
-        f"{a}.embedding_length_out": 1024,
-        f"{a}.rope.scaling.type": "yarn",
-        f"{a}.rope.scaling.original_context_length": 65536,
-        "general.file_type": 38,
-    }  # MOSTLY_MXFP4_MOE
-    for k, v in fixed.items():
-        assert kv[k] == v, k
+    assert_expected_kv(kv, "deepseek4")  # tests/convert/expected_kv.json (general.file_type 38: MOSTLY_MXFP4_MOE)
     for k, v in {
         f"{a}.rope.freq_base": 10000.0,
         f"{a}.attention.compress_rope_freq_base": 160000.0,

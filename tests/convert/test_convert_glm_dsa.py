@@ -20,8 +20,8 @@ from tests.builders import tiny, tiny_glm_dsa
 from tests.helpers import mla
 from tests.helpers.familycheck import (
     assert_drafts_in_llama_cpp,
+    assert_expected_kv,
     assert_f32_equal,
-    assert_kv_holds,
     assert_mode_files,
     assert_refused,
     assert_same_gguf,
@@ -193,40 +193,7 @@ def test_fp8_dequantized(dsa_ckpt, tmp_path, style):
 
 def test_metadata(dsa_ckpt, dsa_f32):
     kv, _ = dsa_f32
-    want = {
-        "general.architecture": "glm-dsa",
-        "glm-dsa.block_count": 5,
-        "glm-dsa.nextn_predict_layers": 1,
-        "glm-dsa.context_length": 4096,
-        "glm-dsa.embedding_length": 256,
-        "glm-dsa.feed_forward_length": 512,
-        "glm-dsa.attention.head_count": 4,
-        "glm-dsa.attention.head_count_kv": 1,
-        "glm-dsa.attention.q_lora_rank": 256,
-        "glm-dsa.attention.kv_lora_rank": 256,
-        "glm-dsa.attention.key_length": 256 + 32,
-        "glm-dsa.attention.value_length": 256,
-        "glm-dsa.attention.key_length_mla": 64 + 32,
-        "glm-dsa.attention.value_length_mla": 64,
-        "glm-dsa.rope.dimension_count": 32,
-        "glm-dsa.leading_dense_block_count": 1,
-        "glm-dsa.vocab_size": 512,
-        "glm-dsa.expert_count": 4,
-        "glm-dsa.expert_used_count": 2,
-        "glm-dsa.expert_shared_count": 1,
-        "glm-dsa.expert_feed_forward_length": 256,
-        "glm-dsa.expert_group_count": 1,
-        "glm-dsa.expert_group_used_count": 1,
-        "glm-dsa.expert_gating_func": 2,
-        "glm-dsa.expert_weights_norm": True,
-        "glm-dsa.attention.indexer.head_count": 4,
-        "glm-dsa.attention.indexer.key_length": 64,
-        "glm-dsa.attention.indexer.top_k": 64,
-        "glm-dsa.attention.indexer.types": [True, True, False, True],
-        "tokenizer.ggml.model": "gpt2",
-        "general.file_type": 0,
-    }
-    assert_kv_holds(kv, want)
+    assert_expected_kv(kv, "glm_dsa")  # tests/convert/expected_kv.json
     for k, v in {
         "glm-dsa.expert_weights_scale": 2.5,
         "glm-dsa.rope.freq_base": 1e6,
@@ -322,24 +289,8 @@ def test_flash_every_tensor_equals_source(lite_ckpt, lite_f32):
 
 def test_flash_metadata(lite_ckpt, lite_f32):
     kv, _ = lite_f32
-    want = {
-        "general.architecture": "deepseek2",
-        "deepseek2.block_count": 3,
-        "deepseek2.nextn_predict_layers": 1,
-        "deepseek2.attention.head_count_kv": 1,
-        "deepseek2.attention.q_lora_rank": 256,
-        "deepseek2.attention.kv_lora_rank": 256,
-        "deepseek2.attention.key_length_mla": 96,
-        "deepseek2.attention.value_length_mla": 64,
-        "deepseek2.rope.dimension_count": 32,
-        "deepseek2.leading_dense_block_count": 1,
-        "deepseek2.expert_count": 4,
-        "deepseek2.expert_shared_count": 1,
-        # no scoring_func in the release's config.json: sigmoid is written anyway (see glm4moe_lite.py)
-        "deepseek2.expert_gating_func": 2,
-        "deepseek2.expert_weights_norm": True,
-    }
-    assert_kv_holds(kv, want)
+    # expert_gating_func: no scoring_func in the release's config.json: sigmoid is written anyway (see glm4moe_lite.py)
+    assert_expected_kv(kv, "glm_dsa_flash")  # tests/convert/expected_kv.json
     assert kv["deepseek2.expert_weights_scale"] == pytest.approx(1.8)
     assert kv["deepseek2.rope.freq_base"] == pytest.approx(1e6)
     from transformers import AutoTokenizer

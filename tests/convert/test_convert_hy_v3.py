@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from tests.builders import tiny, tiny_hy_v3
 from tests.helpers.familycheck import (
     LAYER_NORMS,
-    assert_kv_holds,
+    assert_expected_kv,
     assert_mode_files,
     assert_same_gguf,
     assert_table_f32,
@@ -72,26 +72,7 @@ def test_f32_every_tensor_named_shaped_and_valued(hy_ckpt, hy_f32):
 
 def test_metadata(hy_f32):
     kv, _ = hy_f32
-    want = {
-        "general.architecture": "hy_v3",
-        "hy_v3.block_count": 4,
-        "hy_v3.nextn_predict_layers": 1,
-        "hy_v3.context_length": 4096,
-        "hy_v3.embedding_length": 256,
-        "hy_v3.feed_forward_length": 512,
-        "hy_v3.attention.head_count": 4,
-        "hy_v3.attention.head_count_kv": 2,
-        "hy_v3.attention.key_length": 64,
-        "hy_v3.attention.value_length": 64,
-        "hy_v3.expert_count": 4,
-        "hy_v3.expert_used_count": 2,
-        "hy_v3.expert_feed_forward_length": 256,
-        "hy_v3.expert_shared_feed_forward_length": 256,
-        "hy_v3.expert_weights_norm": True,
-        "hy_v3.expert_gating_func": 2,
-        "general.file_type": 0,
-    }
-    assert_kv_holds(kv, want)
+    assert_expected_kv(kv, "hy_v3")  # tests/convert/expected_kv.json
     assert kv["hy_v3.rope.freq_base"] == pytest.approx(11158840.0)
     assert kv["hy_v3.expert_weights_scale"] == pytest.approx(2.826)
     assert kv["hy_v3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)

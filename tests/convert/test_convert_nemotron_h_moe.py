@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import tiny_nemotron_h_moe
 from tests.helpers.familycheck import (
-    assert_kv_holds,
+    assert_expected_kv,
     assert_same_gguf,
     checkpoint_fixtures,
     convert_with_both,
@@ -173,35 +173,9 @@ def test_f32_every_tensor_named_shaped_and_valued(nh_ckpt, nh_f32):
 
 def test_metadata(nh_ckpt, nh_f32):
     kv, _ = nh_f32
-    want = {
-        "general.architecture": "nemotron_h_moe",
-        "nemotron_h_moe.block_count": 5,
-        "nemotron_h_moe.nextn_predict_layers": 1,
-        "nemotron_h_moe.context_length": 2**20,
-        "nemotron_h_moe.embedding_length": 256,
-        "nemotron_h_moe.feed_forward_length": [0, 256, 0, 256, 256],  # MoE layers and the MTP block
-        "nemotron_h_moe.attention.head_count": 4,
-        "nemotron_h_moe.attention.head_count_kv": [0, 0, 2, 0, 2],  # attention layers and the MTP block
-        "nemotron_h_moe.attention.key_length": 64,
-        "nemotron_h_moe.attention.value_length": 64,
-        "nemotron_h_moe.rope.dimension_count": 64,
-        "nemotron_h_moe.rope.scaling.finetuned": False,
-        "nemotron_h_moe.vocab_size": 304,
-        "nemotron_h_moe.ssm.conv_kernel": 4,
-        "nemotron_h_moe.ssm.state_size": 64,
-        "nemotron_h_moe.ssm.group_count": 2,
-        "nemotron_h_moe.ssm.inner_size": 512,
-        "nemotron_h_moe.ssm.time_step_rank": 8,
-        "nemotron_h_moe.expert_count": 4,
-        "nemotron_h_moe.expert_used_count": 2,
-        "nemotron_h_moe.expert_group_count": 1,
-        "nemotron_h_moe.expert_group_used_count": 1,
-        "nemotron_h_moe.expert_feed_forward_length": 256,
-        "nemotron_h_moe.expert_shared_feed_forward_length": 256,
-        "nemotron_h_moe.expert_shared_count": 1,
-        "nemotron_h_moe.expert_weights_norm": True,
-    }
-    assert_kv_holds(kv, want)
+    # feed_forward_length: MoE layers and the MTP block
+    # attention.head_count_kv: attention layers and the MTP block
+    assert_expected_kv(kv, "nemotron_h_moe")  # tests/convert/expected_kv.json
     assert kv["nemotron_h_moe.expert_weights_scale"] == pytest.approx(2.5)
     assert kv["nemotron_h_moe.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
     assert len(kv["tokenizer.ggml.tokens"]) == 304

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from tests.builders import tiny_qwen3next
 from tests.helpers.familycheck import (
     Experts,
+    assert_expected_kv,
     assert_f32_equal,
-    assert_kv_holds,
     assert_refused,
     assert_same_gguf,
     assert_targets_are_greedy,
@@ -163,32 +163,10 @@ def test_f16_types(ckpt, tmp_path):
 def test_metadata(ckpt, tmp_path, variant):
     kv, _ = convert(ckpt(variant), tmp_path / "m.gguf", "--outtype", "f32")
     a = "qwen3next"
-    want = {
-        "general.architecture": a,
-        f"{a}.block_count": 5,
-        f"{a}.nextn_predict_layers": 1,
-        f"{a}.context_length": 1024,
-        f"{a}.embedding_length": 256,
-        f"{a}.feed_forward_length": 512,
-        f"{a}.attention.head_count": 4,
-        f"{a}.attention.head_count_kv": 2,
-        f"{a}.attention.key_length": 64,
-        f"{a}.attention.value_length": 64,
-        f"{a}.expert_count": 4,
-        f"{a}.expert_used_count": 2,
-        f"{a}.expert_feed_forward_length": 256,
-        f"{a}.expert_shared_feed_forward_length": 256,
-        f"{a}.ssm.conv_kernel": 4,
-        f"{a}.ssm.state_size": 64,
-        f"{a}.ssm.group_count": 2,
-        f"{a}.ssm.time_step_rank": 4,
-        f"{a}.ssm.inner_size": 256,
-        f"{a}.full_attention_interval": 4,
-        # from full_attention_interval when config.json has no layer_types; the MTP block is full attention
-        f"{a}.attention.recurrent_layers": [True, True, True, False, False],
-        f"{a}.rope.dimension_count": 16,  # head_dim 64 * partial_rotary_factor 0.25
-    }
-    assert_kv_holds(kv, want)
+    # attention.recurrent_layers: from full_attention_interval when config.json has no layer_types; the MTP block
+    # is full attention
+    # rope.dimension_count: head_dim 64 * partial_rotary_factor 0.25
+    assert_expected_kv(kv, "qwen3next")  # tests/convert/expected_kv.json
     assert f"{a}.rope.dimension_sections" not in kv  # plain partial RoPE, no MRoPE
     assert kv[f"{a}.rope.freq_base"] == pytest.approx(1e7)
     assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)

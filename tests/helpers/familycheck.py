@@ -151,6 +151,17 @@ def assert_kv_holds(kv: dict, want: dict) -> None:
         assert kv[k] == v, k
 
 
+EXPECTED_KV = Path(__file__).parents[1] / "convert" / "expected_kv.json"
+
+
+def assert_expected_kv(kv: dict, name: str, **from_fixture) -> None:
+    """The metadata ``kv`` holds what tests/convert/expected_kv.json lists under ``name`` (a family's tiny
+    release-shaped checkpoint converted to f32), each key with exactly its value; a null there is a value the
+    fixture decides, passed by the key's last part (``vocab_size=...``)."""
+    want = json.loads(EXPECTED_KV.read_text())[name]
+    assert_kv_holds(kv, {k: from_fixture[k.rsplit(".", 1)[1]] if v is None else v for k, v in want.items()})
+
+
 def assert_mode_files(
     ckpt: Path,
     tmp_path: Path,
