@@ -69,8 +69,8 @@ def sweep(
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin', 'demo_heldout' or a JSONL file."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
-    max_prompts: int = typer.Option(None, "--max-prompts"),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
+    max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
     text: Path = typer.Option(
         None,
         "--text",
@@ -94,9 +94,11 @@ def sweep(
         "torch: one trunk pass per preset, every head drafting "
         "from it. llama.cpp: one grafted file per pair, measured by llama-server."
     ),
-    llama_cpp: Path = options.llama_cpp("llama.cpp: folder with llama-server."),
+    llama_cpp: Path = options.llama_cpp(
+        "llama.cpp: folder with llama-server (default: $MTPQ_LLAMA_CPP_BIN, then PATH)."
+    ),
     ngl: int = options.NGL,
-    device: str = typer.Option(None, "--device"),
+    device: str = options.DEVICE,
     threads: int = options.RUNTIME_THREADS,
 ) -> None:
     """How many bits does my head need? For every trunk preset the trunk is quantized ONCE; for every head
