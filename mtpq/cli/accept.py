@@ -164,12 +164,12 @@ def accept(
         None, "--reference", help="A higher-precision GGUF of the same model to compare with."
     ),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin' (code, math, chat, prose) or a JSONL file."),
-    draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k (1..8): tokens the head proposes per round."),
+    draft: int = options.DRAFT,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy acceptance; > 0 = rejection sampling."),
     top_k: int = typer.Option(0, "--top-k", help="Top-k filter when sampling (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Top-p filter when sampling (1 = off)."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
-    max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    max_new_tokens: int = options.max_new_tokens(64),
+    max_prompts: int = options.max_prompts(),
     min_rate: float = typer.Option(None, "--min-rate", help="Fail (exit 1) when the acceptance rate is below this."),
     max_drop: float = typer.Option(
         None, "--max-drop", help="Fail (exit 1) when the rate drops more than this below --reference."

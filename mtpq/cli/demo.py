@@ -52,10 +52,10 @@ def demo(
         + ", ".join(DEMO_MODELS)
         + " (a small GLM-4.5 MoE; a small Qwen3.5 with gated DeltaNet layers).",
     ),
-    draft: int = typer.Option(3, "--draft", "-k", help="Draft depth k."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
-    max_prompts: int = typer.Option(12, "--max-prompts", help="Use the first N of the 24 held-out prompts."),
-    device: str = typer.Option(None, "--device", help="cuda or cpu (default: cuda when available)."),
+    draft: int = options.DRAFT,
+    max_new_tokens: int = options.max_new_tokens(48),
+    max_prompts: int = options.max_prompts(12, "Use the first N of the 24 held-out prompts."),
+    device: str = options.DEVICE,
     threads: int = options.RUNTIME_THREADS,
 ) -> None:
     """Convert a bundled demo model (a small GLM-4.5 or Qwen3.5 with one MTP layer, trained on

@@ -44,6 +44,17 @@ DEVICE = typer.Option(None, "--device", help="cuda, cuda:1 or cpu (default: cuda
 JSON_REPORT = typer.Option(None, "--json", help="Write the report as JSON here ('-' = stdout).")
 MD_REPORT = typer.Option(None, "--md", help="Append the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")
 NGL = typer.Option(None, "--ngl", help="llama.cpp: layers to offload to the GPU(s) (999 = all).")
+DRAFT = typer.Option(3, "--draft", "-k", help="Draft depth k (1..8): tokens the head proposes per round.")
+
+
+def max_new_tokens(default: int):
+    """``--max-new-tokens`` (accept 64; sweep and demo 48, what their tables were measured with)."""
+    return typer.Option(default, "--max-new-tokens", "-n", help="Tokens generated per prompt.")
+
+
+def max_prompts(default: int | None = None, help: str = "Use only the first N prompts."):
+    """``--max-prompts`` (accept, sweep: all the prompts; demo: 12 of its 24 held-out ones)."""
+    return typer.Option(default, "--max-prompts", help=help)
 
 
 # measuring options whose flag and default are one and whose help each command words for itself (whose trunk the

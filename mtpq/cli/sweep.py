@@ -69,8 +69,8 @@ def sweep(
     mtp: str = typer.Option("f16,q8_0,q6_k,q4_k,q2_k", "--mtp", help="Comma-separated MTP head types."),
     trunk: str = typer.Option("Q8_0,Q4_K_M,Q2_K", "--trunk", help="Comma-separated trunk presets."),
     prompts: str = typer.Option("builtin", "--prompts", help="'builtin', 'demo_heldout' or a JSONL file."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="Tokens generated per prompt."),
-    max_prompts: int = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    max_new_tokens: int = options.max_new_tokens(48),
+    max_prompts: int = options.max_prompts(),
     text: Path = typer.Option(
         None,
         "--text",
