@@ -40,7 +40,9 @@ from tests.helpers.familycheck import (
 
 
 @dataclass(frozen=True)
-class Family:
+class CheckedFamily:
+    """One row: a family whose tiny checkpoint the MTP-block checks run on."""
+
     build: Callable[..., Path]  # the tiny checkpoint: build(folder, with_mtp=...)
     arch: str
     expected: Callable[[int], dict]  # vocab -> {GGUF name: (shape, HF name) or shape}, the family file's table
@@ -54,12 +56,12 @@ class Family:
 
 
 FAMILIES = {
-    "bailingmoe3": Family(tiny_bailingmoe3.bailingmoe3, "bailingmoe3", bailingmoe3.expected, 4),
-    "cohere2moe": Family(tiny_cohere2moe.cohere2moe, "cohere2moe", cohere2moe.expected, 4),
-    "hy_v3": Family(tiny_hy_v3.hy_v3, "hy_v3", hy_v3.expected, 3),
-    "mimo2": Family(tiny_mimo2.mimo2, "mimo2", mimo2.expected, 3, n_mtp=3),
-    "nemotron_h_moe": Family(tiny_nemotron_h_moe.nemotron_h_moe, "nemotron_h_moe", nemotron_h_moe.expected, 4),
-    "step35": Family(tiny_step35.step35, "step35", step35.expected, 3, n_mtp=2),
+    "bailingmoe3": CheckedFamily(tiny_bailingmoe3.bailingmoe3, "bailingmoe3", bailingmoe3.expected, 4),
+    "cohere2moe": CheckedFamily(tiny_cohere2moe.cohere2moe, "cohere2moe", cohere2moe.expected, 4),
+    "hy_v3": CheckedFamily(tiny_hy_v3.hy_v3, "hy_v3", hy_v3.expected, 3),
+    "mimo2": CheckedFamily(tiny_mimo2.mimo2, "mimo2", mimo2.expected, 3, n_mtp=3),
+    "nemotron_h_moe": CheckedFamily(tiny_nemotron_h_moe.nemotron_h_moe, "nemotron_h_moe", nemotron_h_moe.expected, 4),
+    "step35": CheckedFamily(tiny_step35.step35, "step35", step35.expected, 3, n_mtp=2),
 }
 
 
@@ -74,7 +76,7 @@ def ckpt(tmp_path_factory):
     return built_once(tmp_path_factory, lambda folder, family: FAMILIES[family].build(folder))
 
 
-def _fam(family: str) -> Family:
+def _fam(family: str) -> CheckedFamily:
     return FAMILIES[family]
 
 
