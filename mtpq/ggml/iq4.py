@@ -16,20 +16,28 @@ _NO_WEIGHTS = np.empty(0, np.float32)
 _KV = KVALUES_IQ4NL.astype(np.float32)
 
 
+# _MU[floor(x) + 128] is 1 + the number of inner values (val[1..14]) not above x: the values are integers, so
+# x >= val[k] exactly when floor(x) >= val[k]
+_MU = np.array([1 + int(np.sum(KVALUES_IQ4NL[1:15] <= k)) for k in range(-128, 128)], np.int64)
+
+
 @inline
 def best_index_int8(x):
     """``best_index_int8(16, kvalues_iq4nl, x)``: the index of the table value nearest ``x`` (ties to the lower
-    one). C's binary search ends at the mu with ``val[mu-1] <= x < val[mu]`` (mu 1 below ``val[1]``, 15 from
-    ``val[14]`` on or for NaN): here a count of the inner values not above ``x``, without the branches the data
-    decide at random; the first/last answers come out of the same final test."""
-    mu = 1
-    for k in range(1, 15):
-        mu += np.int64(not x < _KV[k])
+    one). C's binary search ends at the mu with ``val[mu-1] <= x < val[mu]`` (1 below ``val[1]``, 15 from
+    ``val[14]`` on or for NaN), found here in one look-up by ``floor(x)`` instead of branches the data decide at
+    random; the first/last answers come out of the same final test."""
+    if not x < F(127.0):  # NaN too
+        mu = 15
+    elif x < F(-128.0):
+        mu = 1
+    else:
+        mu = _MU[np.int64(np.floor(x)) + 128]
     return mu - 1 if x - _KV[mu - 1] < _KV[mu] - x else mu
 
 
 @inline
-def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, qw, qo, ntry):
+def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, Lt, qw, qo, ntry):
     """``quantize_row_iq4_nl_impl(super_size, 32, ...)`` for the super-block at ``x[xo]``, into the block at
     ``y[o]`` (IQ4_NL: d, qs; IQ4_XS: d, scales_h, scales_l, qs)."""
     weighted = qw.size > 0
@@ -60,9 +68,9 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, qw, qo, ntry):
         sumqx = F(0.0)
         sumq2 = F(0.0)
         for j in range(32):
-            l = best_index_int8(idv * x[xb + j])
-            L[32 * ib + j] = l
-            q = _KV[l]
+            L[32 * ib + j] = best_index_int8(idv * x[xb + j])
+        for j in range(32):
+            q = _KV[L[32 * ib + j]]
             w = weight[j]
             sumqx += w * q * x[xb + j]
             sumq2 += w * q * q
@@ -70,10 +78,12 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, qw, qo, ntry):
         best = d * sumqx
         for itry in range(-ntry, ntry + 1):
             idv = F(itry + np.int64(KVALUES_IQ4NL[0])) / mx
+            for j in range(32):  # the look-ups first, in a loop of their own that LLVM vectorizes
+                Lt[j] = best_index_int8(idv * x[xb + j])
             sumqx = F(0.0)
             sumq2 = F(0.0)
             for j in range(32):
-                q = _KV[best_index_int8(idv * x[xb + j])]
+                q = _KV[Lt[j]]
                 w = weight[j]
                 sumqx += w * q * x[xb + j]
                 sumq2 += w * q * q
@@ -124,11 +134,12 @@ def _iq4_quantizer(super_size, ts):
     @kernel
     def quantize(x, y, n, qw):
         L = np.empty(QK_K, np.int64)
+        Lt = np.empty(32, np.int64)
         weight = np.empty(32, np.float32)
         scales = np.empty(8, np.float32)
         for i in range(x.size // super_size):
             xo = super_size * i
-            _iq4_impl(super_size, x, xo, y, ts * i, xs, scales, weight, L, qw, xo % n, 7)
+            _iq4_impl(super_size, x, xo, y, ts * i, xs, scales, weight, L, Lt, qw, xo % n, 7)
 
     return quantize
 

@@ -43,40 +43,82 @@ def _put_levels(y, o, L, five):
         put_u32(y, o, qh)
 
 
-@kernel
-def _signed_ref(x, y, n_per_row, ts, nmax, top):
-    """quantize_row_q4_0_ref (nmax 8, top 15) / quantize_row_q5_0_ref (nmax 16, top 31)."""
-    L = np.empty(32, np.int64)
-    half = F(nmax) + F(0.5)
-    for i in range(x.size // 32):
-        d = absmax(x, 32 * i, 32)[1] / F(-nmax)
-        idv = F(1.0) / d if d != 0 else F(0.0)
-        put_fp16(y, ts * i, d)
-        for j in range(32):
-            L[j] = min(top, i8(c_int(x[32 * i + j] * idv + half)))
-        _put_levels(y, ts * i + 2, L, top == 31)
+@inline
+def _level(v, top, clamp):
+    """C's ``MIN(top, (int8_t)v)`` (``clamp``) or ``(uint8_t)v`` for a ``v`` known to be in [0, 64) or NaN: a
+    NaN is x86's INT_MIN, whose low byte is 0. A select and a plain conversion, which LLVM vectorizes."""
+    v = v if v >= F(0.0) else F(0.0)
+    level = np.int32(v)
+    return min(np.int32(top), level) if clamp else level & np.int32(0xFF)
 
 
-@kernel
-def _min_ref(x, y, n_per_row, ts, top):
-    """quantize_row_q4_1_ref (top 15) / quantize_row_q5_1_ref (top 31, no MIN)."""
-    L = np.empty(32, np.int64)
-    for i in range(x.size // 32):
-        mn, mx = _min_max(x, 32 * i)
-        d = (mx - mn) / F(top)
-        idv = F(1.0) / d if d != 0 else F(0.0)
-        put_fp16(y, ts * i, d)
-        put_fp16(y, ts * i + 2, mn)
-        for j in range(32):
-            v = c_int((x[32 * i + j] - mn) * idv + F(0.5))
-            L[j] = min(15, i8(v)) if top == 15 else v & 0xFF
-        _put_levels(y, ts * i + 4, L, top == 31)
+@inline
+def _put_block(y, o, x, at, idv, mn, offset, top, clamp, five):
+    """:func:`_put_levels` of the levels of ``(x - mn) * idv + offset``, computed in place (the fast path)."""
+    qs = o + 4 if five else o
+    qh = np.uint32(0)
+    for j in range(16):
+        a = _level((x[at + j] - mn) * idv + offset, top, clamp)
+        b = _level((x[at + 16 + j] - mn) * idv + offset, top, clamp)
+        y[qs + j] = np.uint8((a & 0x0F) | ((b & 0x0F) << 4))
+        if five:
+            qh |= np.uint32((a & 0x10) >> 4) << np.uint32(j)
+            qh |= np.uint32((b & 0x10) >> 4) << np.uint32(j + 16)
+    if five:
+        put_u32(y, o, qh)
 
 
-quantize_q4_0 = bind(_signed_ref, 18, 8, 15)
-quantize_q5_0 = bind(_signed_ref, 22, 16, 31)
-quantize_q4_1 = bind(_min_ref, 20, 15)
-quantize_q5_1 = bind(_min_ref, 24, 31)
+def _signed_ref(ts, nmax, top):
+    """quantize_row_q4_0_ref (nmax 8, top 15) / quantize_row_q5_0_ref (nmax 16, top 31): a kernel per type, its
+    sizes compile-time constants (the inner loops lose their branches)."""
+    five = top == 31
+
+    @kernel
+    def quantize(x, y, n_per_row):
+        L = np.empty(32, np.int64)
+        half = F(nmax) + F(0.5)
+        for i in range(x.size // 32):
+            d = absmax(x, 32 * i, 32)[1] / F(-nmax)
+            idv = F(1.0) / d if d != 0 else F(0.0)
+            put_fp16(y, ts * i, d)
+            if abs(idv) < np.inf:  # |x * idv| <= nmax (+ ulps) for every finite x: no conversion overflows
+                _put_block(y, ts * i + 2, x, 32 * i, idv, F(0.0), half, top, True, five)
+                continue
+            for j in range(32):  # 1 / d overflowed: +-inf and NaN levels, C's conversions one by one
+                L[j] = min(top, i8(c_int(x[32 * i + j] * idv + half)))
+            _put_levels(y, ts * i + 2, L, five)
+
+    return quantize
+
+
+def _min_ref(ts, top):
+    """quantize_row_q4_1_ref (top 15) / quantize_row_q5_1_ref (top 31, no MIN), as :func:`_signed_ref`."""
+    five = top == 31
+
+    @kernel
+    def quantize(x, y, n_per_row):
+        L = np.empty(32, np.int64)
+        for i in range(x.size // 32):
+            mn, mx = _min_max(x, 32 * i)
+            d = (mx - mn) / F(top)
+            idv = F(1.0) / d if d != 0 else F(0.0)
+            put_fp16(y, ts * i, d)
+            put_fp16(y, ts * i + 2, mn)
+            if abs(d) < np.inf and abs(idv) < np.inf:  # (x - mn) * idv in [0, top] (+ ulps) for finite x
+                _put_block(y, ts * i + 4, x, 32 * i, idv, mn, F(0.5), top, not five, five)
+                continue
+            for j in range(32):
+                v = c_int((x[32 * i + j] - mn) * idv + F(0.5))
+                L[j] = v & 0xFF if five else min(15, i8(v))
+            _put_levels(y, ts * i + 4, L, five)
+
+    return quantize
+
+
+quantize_q4_0 = _signed_ref(18, 8, 15)
+quantize_q5_0 = _signed_ref(22, 16, 31)
+quantize_q4_1 = _min_ref(20, 15)
+quantize_q5_1 = _min_ref(24, 31)
 
 
 @kernel

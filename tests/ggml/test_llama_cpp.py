@@ -115,6 +115,39 @@ def test_fuzz_against_ggml_quantize_chunk(qtype, harness, tmp_path):
     assert checked > 0
 
 
+# the kernels with a fast path for ordinary blocks and C's conversions one by one for the rest
+EDGE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q1_0, T.Q2_0, T.MXFP4]
+
+
+def edge_values(seed: int, n: int = 256) -> np.ndarray:
+    """Rows of blocks the engine refuses but a kernel must still write as C does: NaN, +-inf, FLT_MAX, block
+    scales from 1e-45 (1 / d overflows) to 3e38, constant blocks and quarter-integer grids."""
+    rng = np.random.default_rng(seed)
+    scales = np.array([1e-45, 1e-41, 3e-39, 1e-38, 1e-30, 1e-3, 1.0, 1e10, 1e30, 1e37, 3e38])
+    x = rng.standard_normal((44, n)) * np.repeat(scales, 4)[:, None]
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45])
+    g = rng.standard_normal((16, n))
+    hit = rng.random(g.shape) < 0.02
+    g[hit] = rng.choice(special, hit.sum())
+    grid = rng.integers(-40, 41, (8, n)) / 4.0
+    constant = np.repeat(rng.standard_normal((8, n // 32)), 32, axis=1)
+    with np.errstate(over="ignore"):
+        return np.concatenate([x, g, grid, constant]).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", EDGE_TYPES, ids=lambda t: t.name)
+def test_kernels_on_edge_values_against_ggml_quantize_chunk(qtype, harness, tmp_path):
+    rec = TYPES[qtype]
+    for seed in (1, 2):
+        x = edge_values(seed)
+        want = ggml_quantize(harness, qtype, x, None, tmp_path)
+        got = np.zeros(want.size, np.uint8)
+        with np.errstate(all="ignore"):
+            rec.quantize(x.reshape(-1), got, x.shape[1])
+        bad = np.nonzero((got.reshape(-1, rec.type_size) != want.reshape(-1, rec.type_size)).any(1))[0]
+        assert len(bad) == 0, f"{qtype.name} seed {seed}: {len(bad)} blocks differ, first {bad[:5]}"
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 def test_llama_quantize_agrees(qtype, inputs, llama_cpp_bin, tmp_path):
     """llama-quantize --pure of an F32 GGUF of the golden cases (rows that fit the type's block, 2-D, of a

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import pytest
 
+from mtpq.ggml import iq4 as IQ4
 from mtpq.ggml import kquants as K
 from mtpq.ggml.jit import GROUP_MAX_EPS, absmax, nearest_int
 
@@ -132,3 +133,48 @@ def test_make_qkx_quants_is_c_step_by_step(n, nmax, rmin, rdelta, nstep, use_mad
         got = K.make_qkx_quants(n, nmax, x, w, La, Laux, F(rmin), F(rdelta), nstep, use_mad, tmp)
         want = qkx_reference(n, nmax, x, w, Lb, Laux, F(rmin), F(rdelta), nstep, use_mad)
         assert np.asarray(got, F).tobytes() == np.asarray(want, F).tobytes() and np.array_equal(La, Lb), (x, w)
+
+
+@numba.njit(error_model="numpy")
+def best_index_reference(val, x):
+    """ggml's best_index_int8(16, val, x): the two early returns, then the binary search."""
+    if x <= F(val[0]):
+        return 0
+    if x >= F(val[15]):
+        return 15
+    ml, mu = 0, 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < F(val[mav]):
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - F(val[mu - 1]) < F(val[mu]) - x else mu
+
+
+@numba.njit(error_model="numpy")
+def _indices(xs, out_ours, out_ref, val):
+    for i in range(xs.size):
+        out_ours[i] = IQ4.best_index_int8(xs[i])
+        out_ref[i] = best_index_reference(val, xs[i])
+
+
+def test_iq4_table_look_up_is_cs_binary_search():
+    """The look-up by floor(x) against C's search on every table value and midpoint +-3 ulp, each integer from
+    -130 to 130 +-3 ulp, the ends of the look-up's range, NaN, +-inf, subnormals and random values."""
+    val = IQ4.KVALUES_IQ4NL
+    points = np.concatenate(
+        [val, (val[1:].astype(F) + val[:-1]) / 2, np.arange(-130, 131), [-128.0, 127.0, 0.0, -0.0, 1e-40, -1e-40]]
+    ).astype(F)
+    near = [points]
+    for k in range(1, 4):
+        near += [np.nextafter(points, F(np.inf)), np.nextafter(points, F(-np.inf))]
+        points = np.concatenate([near[-2], near[-1]])
+    rng = np.random.default_rng(7)
+    xs = np.concatenate(
+        near + [np.array([np.nan, np.inf, -np.inf, 3e38, -3e38], F), rng.uniform(-140, 140, 200_000).astype(F)]
+    )
+    ours, ref = np.empty(xs.size, np.int64), np.empty(xs.size, np.int64)
+    _indices(xs, ours, ref, val)
+    assert np.array_equal(ours, ref), xs[ours != ref][:10]
+    assert set(np.unique(ref)) == set(range(16))
