@@ -172,6 +172,8 @@ class _Source:
             if x.flags.writeable:
                 return x
         raw = self.raw(r0, r1) if raw is None else raw
+        if self.kind == floats.F32:  # read from the file into this thread's buffer: already the kernels' input
+            return raw.view(np.float32)
         x = _buffer("x", (r1 - r0) * self.n, np.float32)
         floats.widen(raw, self.kind, x)
         return x
@@ -313,7 +315,7 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
     tasks = _tasks(src, imp)
     if not tasks:
         return out.view(dtype).reshape(shape)
-    widens = src.array is None or src.kind != floats.F32
+    widens = src.kind != floats.F32  # float32, from an array or a file, goes to the kernels as it is
     kernels = [
         rec.quantize_weighted if imp is not None else rec.quantize,
         floats.widen if widens else None,
