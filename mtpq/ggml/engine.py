@@ -167,15 +167,14 @@ class _Source:
     def values(self, r0: int, r1: int, raw: np.ndarray | None = None) -> np.ndarray:
         """Rows r0:r1 (whose bytes ``raw`` are, if read already) as writable contiguous float32 (the kernels'
         one signature)."""
-        if self.array is not None and self.kind == floats.F32:
-            x = self.array[r0:r1].reshape(-1)
-            if x.flags.writeable:
-                return x
         raw = self.raw(r0, r1) if raw is None else raw
-        if self.kind == floats.F32:  # read from the file into this thread's buffer: already the kernels' input
+        if self.kind == floats.F32 and raw.flags.writeable:  # this thread's read buffer, or the array's rows
             return raw.view(np.float32)
         x = _buffer("x", (r1 - r0) * self.n, np.float32)
-        floats.widen(raw, self.kind, x)
+        if self.kind == floats.F32:  # a read-only array's rows: copied, the kernels take writable arrays
+            x[:] = raw.view(np.float32)
+        else:
+            floats.widen(raw, self.kind, x)
         return x
 
     def close(self) -> None:

@@ -13,12 +13,8 @@ F32, BF16, F16 = 0, 1, 2  # what stored values are: float32, bf16 bits, float16 
 
 @kernel
 def widen(raw, kind, x):
-    """Stored values (their bytes, ``kind`` F32/BF16/F16) into float32 ``x``."""
-    if kind == F32:
-        v = raw.view(np.float32)
-        for i in range(x.size):
-            x[i] = v[i]
-    elif kind == BF16:
+    """Stored 16-bit values (their bytes, ``kind`` BF16/F16) into float32 ``x``."""
+    if kind == BF16:
         v = raw.view(np.uint16)
         for i in range(x.size):
             x[i] = bits_f32(np.uint32(v[i]) << np.uint32(16))

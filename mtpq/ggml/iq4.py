@@ -11,8 +11,6 @@ from .legacy import dequantize_nibbles
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _NO_WEIGHTS = np.empty(0, np.float32)
-
-
 _KV = KVALUES_IQ4NL.astype(np.float32)
 
 
@@ -29,10 +27,8 @@ def best_index_int8(x):
     random; the first/last answers come out of the same final test."""
     if not x < F(127.0):  # NaN too
         mu = 15
-    elif x < F(-128.0):
-        mu = 1
-    else:
-        mu = _MU[np.int64(np.floor(x)) + 128]
+    else:  # below -128 (-inf too): the table's first entry
+        mu = _MU[np.int64(np.floor(max(x, F(-128.0)))) + 128]
     return mu - 1 if x - _KV[mu - 1] < _KV[mu] - x else mu
 
 

@@ -68,57 +68,43 @@ def _put_block(y, o, x, at, idv, mn, offset, top, clamp, five):
         put_u32(y, o, qh)
 
 
-def _signed_ref(ts, nmax, top):
-    """quantize_row_q4_0_ref (nmax 8, top 15) / quantize_row_q5_0_ref (nmax 16, top 31): a kernel per type, its
-    sizes compile-time constants (the inner loops lose their branches)."""
-    five = top == 31
-
-    @kernel
-    def quantize(x, y, n_per_row):
-        L = np.empty(32, np.int64)
-        half = F(nmax) + F(0.5)
-        for i in range(x.size // 32):
-            d = absmax(x, 32 * i, 32)[1] / F(-nmax)
-            idv = F(1.0) / d if d != 0 else F(0.0)
-            put_fp16(y, ts * i, d)
-            if abs(idv) < np.inf:  # |x * idv| <= nmax (+ ulps) for every finite x: no conversion overflows
-                _put_block(y, ts * i + 2, x, 32 * i, idv, F(0.0), half, top, True, five)
-                continue
-            for j in range(32):  # 1 / d overflowed: +-inf and NaN levels, C's conversions one by one
-                L[j] = min(top, i8(c_int(x[32 * i + j] * idv + half)))
-            _put_levels(y, ts * i + 2, L, five)
-
-    return quantize
-
-
-def _min_ref(ts, top):
-    """quantize_row_q4_1_ref (top 15) / quantize_row_q5_1_ref (top 31, no MIN), as :func:`_signed_ref`."""
-    five = top == 31
+def _ref(ts, top, nmax=0):
+    """quantize_row_q4_0_ref / q5_0_ref (``nmax`` 8 / 16: d = max / -nmax, levels ``MIN(top, x * id + nmax +
+    0.5)``) and q4_1_ref / q5_1_ref (no nmax: d = (max - min) / top and the min stored; Q5_1 without MIN): a
+    kernel per type, its sizes compile-time constants (the inner loops lose their branches)."""
+    five, signed = top == 31, nmax > 0
+    clamp = signed or not five
 
     @kernel
     def quantize(x, y, n_per_row):
         L = np.empty(32, np.int64)
         for i in range(x.size // 32):
-            mn, mx = _min_max(x, 32 * i)
-            d = (mx - mn) / F(top)
+            if signed:  # x - 0 is x: C's x * id + offset
+                mn, offset = F(0.0), F(nmax) + F(0.5)
+                d = absmax(x, 32 * i, 32)[1] / F(-nmax)
+            else:
+                (mn, mx), offset = _min_max(x, 32 * i), F(0.5)
+                d = (mx - mn) / F(top)
             idv = F(1.0) / d if d != 0 else F(0.0)
             put_fp16(y, ts * i, d)
-            put_fp16(y, ts * i + 2, mn)
-            if abs(d) < np.inf and abs(idv) < np.inf:  # (x - mn) * idv in [0, top] (+ ulps) for finite x
-                _put_block(y, ts * i + 4, x, 32 * i, idv, mn, F(0.5), top, not five, five)
+            if not signed:
+                put_fp16(y, ts * i + 2, mn)
+            at = ts * i + (2 if signed else 4)
+            if abs(d) < np.inf and abs(idv) < np.inf:  # (x - mn) * idv in [0, 2 nmax or top] (+ ulps), x finite
+                _put_block(y, at, x, 32 * i, idv, mn, offset, top, clamp, five)
                 continue
-            for j in range(32):
-                v = c_int((x[32 * i + j] - mn) * idv + F(0.5))
-                L[j] = v & 0xFF if five else min(15, i8(v))
-            _put_levels(y, ts * i + 4, L, five)
+            for j in range(32):  # an infinite range or 1 / d: +-inf and NaN levels, C's conversions one by one
+                v = c_int((x[32 * i + j] - mn) * idv + offset)
+                L[j] = min(top, i8(v)) if clamp else v & 0xFF
+            _put_levels(y, at, L, five)
 
     return quantize
 
 
-quantize_q4_0 = _signed_ref(18, 8, 15)
-quantize_q5_0 = _signed_ref(22, 16, 31)
-quantize_q4_1 = _min_ref(20, 15)
-quantize_q5_1 = _min_ref(24, 31)
+quantize_q4_0 = _ref(18, 15, nmax=8)
+quantize_q5_0 = _ref(22, 31, nmax=16)
+quantize_q4_1 = _ref(20, 15)
+quantize_q5_1 = _ref(24, 31)
 
 
 @kernel
@@ -135,62 +121,42 @@ def quantize_q8_0(x, y, n_per_row):
             y[34 * i + 2 + j] = np.uint8(c_int(roundf(x[32 * i + j] * idv)) & 0xFF)
 
 
-@kernel
-def _row_sigma2(x, r, n):
-    s = F(0.0)
-    for j in range(n):
-        s += x[r * n + j] * x[r * n + j]
-    return s / F(n)
+def _impl(ts, nmax, with_min):
+    """quantize_row_q4_0_impl / q5_0_impl (make_qx_quants) and q4_1_impl / q5_1_impl (make_qkx_quants, a min
+    stored), row by row, per type as :func:`_ref`."""
+    five = nmax == (31 if with_min else 16)
+
+    @kernel
+    def quantize(x, y, n, qw):
+        weight = np.empty(32, np.float32)
+        L, Laux = np.empty(32, np.int64), np.empty(32, np.int64)
+        tmp = np.empty(QKX_TMP if with_min else QX_TMP, np.float32)
+        nb = n // 32
+        for r in range(x.size // n):
+            sigma2 = F(0.0)
+            for j in range(n):
+                sigma2 += x[r * n + j] * x[r * n + j]
+            sigma2 /= F(n)
+            for ib in range(nb):
+                at, o = r * n + 32 * ib, ts * (r * nb + ib)
+                for j in range(32):
+                    weight[j] = qw[32 * ib + j] * np.sqrt(sigma2 + x[at + j] * x[at + j])
+                xb = x[at : at + 32]
+                if with_min:
+                    d, mn = make_qkx_quants(32, nmax, xb, weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
+                    put_fp16(y, o + 2, -mn)
+                else:
+                    d = make_qx_quants(32, nmax, xb, L, 1, weight, tmp)
+                put_fp16(y, o, d)
+                _put_levels(y, o + (4 if with_min else 2), L, five)
+
+    return quantize
 
 
-@kernel
-def _block_weights(x, at, qw, qat, sigma2, weight):
-    for j in range(32):
-        weight[j] = qw[qat + j] * np.sqrt(sigma2 + x[at + j] * x[at + j])
-
-
-@kernel
-def _signed_impl(x, y, n, qw, ts, nmax):
-    """quantize_row_q4_0_impl / quantize_row_q5_0_impl, row by row."""
-    weight = np.empty(32, np.float32)
-    L = np.empty(32, np.int64)
-    tmp = np.empty(QX_TMP, np.float32)
-    nb = n // 32
-    for r in range(x.size // n):
-        sigma2 = _row_sigma2(x, r, n)
-        for ib in range(nb):
-            at = r * n + 32 * ib
-            _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d = make_qx_quants(32, nmax, x[at : at + 32], L, 1, weight, tmp)
-            o = ts * (r * nb + ib)
-            put_fp16(y, o, d)
-            _put_levels(y, o + 2, L, nmax == 16)
-
-
-@kernel
-def _min_impl(x, y, n, qw, ts, nmax):
-    """quantize_row_q4_1_impl / quantize_row_q5_1_impl, row by row."""
-    weight = np.empty(32, np.float32)
-    L = np.empty(32, np.int64)
-    Laux = np.empty(32, np.int64)
-    tmp = np.empty(QKX_TMP, np.float32)
-    nb = n // 32
-    for r in range(x.size // n):
-        sigma2 = _row_sigma2(x, r, n)
-        for ib in range(nb):
-            at = r * n + 32 * ib
-            _block_weights(x, at, qw, 32 * ib, sigma2, weight)
-            d, mn = make_qkx_quants(32, nmax, x[at : at + 32], weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
-            o = ts * (r * nb + ib)
-            put_fp16(y, o, d)
-            put_fp16(y, o + 2, -mn)
-            _put_levels(y, o + 4, L, nmax == 31)
-
-
-quantize_q4_0_weighted = bind(_signed_impl, 18, 8)
-quantize_q5_0_weighted = bind(_signed_impl, 22, 16)
-quantize_q4_1_weighted = bind(_min_impl, 20, 15)
-quantize_q5_1_weighted = bind(_min_impl, 24, 31)
+quantize_q4_0_weighted = _impl(18, 8, False)
+quantize_q5_0_weighted = _impl(22, 16, False)
+quantize_q4_1_weighted = _impl(20, 15, True)
+quantize_q5_1_weighted = _impl(24, 31, True)
 
 
 @kernel
@@ -261,42 +227,34 @@ def dequantize_nibbles(y, x, values):
 dequantize_q4_0 = bind(dequantize_nibbles, np.arange(-8, 8, dtype=np.int8))
 
 
-@kernel
-def dequantize_q4_1(y, x):
-    for i in range(x.size // 32):
-        d = get_fp16(y, 20 * i)
-        m = get_fp16(y, 20 * i + 2)
-        for j in range(16):
-            b = y[20 * i + 4 + j]
-            x[32 * i + j] = F(b & 0x0F) * d + m
-            x[32 * i + j + 16] = F(b >> 4) * d + m
+def _dequantize(ts, five, with_min):
+    """dequantize_row_q4_1 (a min), q5_0 (fifth bits in qh, levels - 16) and q5_1 (both), per type."""
+
+    @kernel
+    def dequantize(y, x):
+        for i in range(x.size // 32):
+            d = get_fp16(y, ts * i)
+            m = get_fp16(y, ts * i + 2) if with_min else F(0.0)
+            at = ts * i + (4 if with_min else 2)
+            qh = get_u32(y, at) if five else np.uint32(0)
+            qs = at + 4 if five else at
+            for j in range(16):
+                b = y[qs + j]
+                lo = np.int64((b & 0x0F) | (((qh >> j) << 4) & 0x10))
+                hi = np.int64((b >> 4) | ((qh >> (j + 12)) & 0x10))
+                if with_min:
+                    x[32 * i + j] = F(lo) * d + m
+                    x[32 * i + j + 16] = F(hi) * d + m
+                else:
+                    x[32 * i + j] = F(lo - 16) * d
+                    x[32 * i + j + 16] = F(hi - 16) * d
+
+    return dequantize
 
 
-@kernel
-def dequantize_q5_0(y, x):
-    for i in range(x.size // 32):
-        d = get_fp16(y, 22 * i)
-        qh = get_u32(y, 22 * i + 2)
-        for j in range(16):
-            b = y[22 * i + 6 + j]
-            xh0 = ((qh >> j) << 4) & 0x10
-            xh1 = (qh >> (j + 12)) & 0x10
-            x[32 * i + j] = F(np.int64((b & 0x0F) | xh0) - 16) * d
-            x[32 * i + j + 16] = F(np.int64((b >> 4) | xh1) - 16) * d
-
-
-@kernel
-def dequantize_q5_1(y, x):
-    for i in range(x.size // 32):
-        d = get_fp16(y, 24 * i)
-        m = get_fp16(y, 24 * i + 2)
-        qh = get_u32(y, 24 * i + 4)
-        for j in range(16):
-            b = y[24 * i + 8 + j]
-            xh0 = ((qh >> j) << 4) & 0x10
-            xh1 = (qh >> (j + 12)) & 0x10
-            x[32 * i + j] = F((b & 0x0F) | xh0) * d + m
-            x[32 * i + j + 16] = F((b >> 4) | xh1) * d + m
+dequantize_q4_1 = _dequantize(20, False, True)
+dequantize_q5_0 = _dequantize(22, True, False)
+dequantize_q5_1 = _dequantize(24, True, True)
 
 
 @kernel
