@@ -11,6 +11,10 @@ step reads half the bytes, and on a small model reading the weights is what a st
 (a 16 MB f32 working set streams at ~4 GB/s on a loaded core; widening f16 into a hot
 buffer runs the same matrices ~2x faster).
 
+A small model (its quantized weights at most :data:`KEEP_DEQUANTIZED_BYTES` once dequantized) keeps each
+matrix after its first dequantization: decoding one token at a time otherwise spends most of each step
+dequantizing again (~70 % of `mtpq accept` on the demo's Q4_K_M). Same bytes, same values.
+
 - :class:`Weights` / :class:`Scope`: a GGUF's tensors bound once to a device and dtype, seen under a
   name prefix (``blk.3.``), so modules are built as ``Attention(scope, ...)``.
 - :class:`QWeight`: one weight (2-D matrix or 3-D stack of experts) in its GGUF type;
@@ -34,6 +38,9 @@ from ..ggml.types import FLOAT_TYPES
 from ..gguf_io import GGUFFile  # noqa: F401  (GGUFFile: the package's one reader)
 
 DEQUANT_CHUNK = 1 << 26  # elements dequantized at once by QuantLinear: bounds the transient float copy
+# a model whose quantized weights dequantize to at most this many bytes keeps them dequantized after first use
+# (the demo's: ~60 MB in f32); bigger models dequantize at each use, in Q4 memory plus one matrix
+KEEP_DEQUANTIZED_BYTES = 1 << 30
 
 
 class Weights:
@@ -47,6 +54,10 @@ class Weights:
         self.file, self.device, self.dtype = g, torch.device(device), dtype
         self.pool: dict = {}  # widening buffers shared by this model's weights (see widened)
         self.round_inputs = round_inputs  # llama.cpp's CPU numerics (see vec_dot_input)
+        floats = sum(
+            int(np.prod(t.shape, dtype=np.int64)) for t in g.tensors.values() if t.tensor_type not in FLOAT_TYPES
+        )
+        self.keep_dequantized = floats * dtype.itemsize <= KEEP_DEQUANTIZED_BYTES
 
     def at(self, prefix: str = "") -> "Scope":
         return Scope(self, prefix)
@@ -113,6 +124,8 @@ class Scope:
             t, self.file.shape(full), self.weights.device, self.weights.dtype, pool=self.weights.pool
         )
         q.round_inputs = self.weights.round_inputs
+        if self.weights.keep_dequantized:
+            q.kept = {}
         return q
 
     def linear(self, name: str, bias: bool = True) -> "QuantLinear":
@@ -161,6 +174,7 @@ class QWeight(nn.Module):
         # or (narrow) f16/bf16 under a wider compute dtype
         self.register_buffer("data", data, persistent=False)
         self.round_inputs = False  # True: inputs rounded as llama.cpp's CPU backend rounds them (vec_dot_input)
+        self.kept: dict | None = None  # a small model's dequantized matrices by expert (None: the whole); see top
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's matrix products see it: as it is, or (``round_inputs``) rounded to the
@@ -203,7 +217,15 @@ class QWeight(nn.Module):
         return dequantize(raw, self.qtype, shape).to(device=raw.device, dtype=self.dtype)
 
     def dequant(self, expert: int | None = None) -> torch.Tensor:
-        """The float matrix (or expert ``expert``'s matrix of a 3-D stack)."""
+        """The float matrix (or expert ``expert``'s matrix of a 3-D stack). Read-only when ``kept``."""
+        if self.kept is not None and self.quantized:
+            m = self.kept.get(expert)
+            if m is None:
+                m = self.kept[expert] = self._dequant(expert)
+            return m
+        return self._dequant(expert)
+
+    def _dequant(self, expert: int | None) -> torch.Tensor:
         if expert is None:
             return self.dequant_bytes(self.data, self.shape) if self.quantized else self.data.to(self.dtype)
         if not self.quantized:
@@ -214,12 +236,16 @@ class QWeight(nn.Module):
         """Rows start..stop-1 of a 2-D weight as floats (a narrow weight's in a reused buffer, see matrix)."""
         if not self.quantized:
             return widened(self.data[start:stop], self.dtype, self.pool)
+        if self.kept is not None:
+            return self.dequant()[start:stop]
         return self.dequant_bytes(self.data[start:stop], (stop - start, self.shape[-1]))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D table (embedding lookup) without dequantizing the whole table."""
         if not self.quantized:
             return as_dtype(F.embedding(ids, self.data), self.dtype)
+        if self.kept is not None:
+            return F.embedding(ids, self.dequant())
         flat = ids.reshape(-1)
         picked = self.dequant_bytes(self.data[flat], (flat.numel(), self.shape[-1]))
         return picked.reshape(*ids.shape, self.shape[-1])
