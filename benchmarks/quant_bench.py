@@ -9,7 +9,9 @@
 file of ~420 MB built here (tests/builders/tiny.py's GLM-4.5 at hidden 1024: 8 query / 2 KV heads of 128, a dense
 block of 2816, MoE blocks of 16 experts of 352 -- GLM-4.5-Air's 1408 / 4, so their ffn_down rows take
 llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, vocab 8192; kept with
-``--keep DIR``), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
+``--keep DIR``; ``--layers N`` builds one with N trunk layers instead of 3, ~0.12 GB each: Q4_0 or Q8_0
+take ~0.25 s for the 420 MB file, less than one process's start-up varies, so their ratios need the longer
+file), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
 N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
 quantizes a GGUF with the same metadata and a single 256-row tensor (attn_q's row length, so the imatrix
 fits): that time is its start-up (process, imports, reading the metadata, until its first tensor is
@@ -137,6 +139,12 @@ def main() -> None:
     ap.add_argument("--no-table", action="store_true", help="skip the first table (ours alone, every --types)")
     ap.add_argument("--whole-file", action="store_true", help="quantize a whole GLM-shaped GGUF with both tools")
     ap.add_argument("--keep", type=Path, help="--whole-file: build (or reuse) the GGUFs in this folder")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=GLM_SHAPE["num_hidden_layers"],
+        help="--whole-file: the GLM file's trunk layers (more: a longer marginal time for the fast types)",
+    )
     args = ap.parse_args()
     if args.whole_file:
         if args.llama_quantize is None:
@@ -246,8 +254,9 @@ WHOLE_TYPES = (
 GLM_SHAPE = json.loads(Path(__file__).with_name("glm_shape.json").read_text())  # tiny.glm4moe's keywords
 
 
-def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
-    """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once."""
+def build_glm_gguf(folder: Path, layers: int | None = None) -> tuple[Path, Path, Path]:
+    """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once;
+    ``layers``: trunk layers other than glm_shape.json's (files named ``glm-L{layers}-...``)."""
     import torch
 
     from mtpq.convert import plan_checkpoint
@@ -255,10 +264,14 @@ def build_glm_gguf(folder: Path) -> tuple[Path, Path, Path]:
     from mtpq.tensors import Plan
     from tests.builders import tiny
 
-    big, mini, im_file = folder / "glm-f32.gguf", folder / "glm-mini-f32.gguf", folder / "glm.imatrix.gguf"
+    glm = dict(GLM_SHAPE)
+    stem = "glm"
+    if layers is not None and layers != glm["num_hidden_layers"]:
+        glm["num_hidden_layers"], stem = layers, f"glm-L{layers}"
+    big, mini, im_file = folder / f"{stem}-f32.gguf", folder / f"{stem}-mini-f32.gguf", folder / f"{stem}.imatrix.gguf"
     if not big.exists():
         print(f"building {big} ...", file=sys.stderr, flush=True)
-        ckpt = tiny.glm4moe(folder / "ckpt", dtype=torch.float32, n_shards=1, **GLM_SHAPE)
+        ckpt = tiny.glm4moe(folder / "ckpt", dtype=torch.float32, n_shards=1, **glm)
         write_plan(plan_checkpoint(ckpt, outtype=T.F32), big)
         shutil.rmtree(ckpt)
     plan = plan_from_gguf(big)
@@ -316,7 +329,7 @@ def whole_file(args) -> None:
     work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        big, mini, im_file = build_glm_gguf(work)
+        big, mini, im_file = build_glm_gguf(work, args.layers)
         mb_big, mb_mini = big.stat().st_size / 1e6, mini.stat().st_size / 1e6
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         llama_env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_quantize).resolve().parent)}
