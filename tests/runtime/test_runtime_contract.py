@@ -521,11 +521,20 @@ def test_quantized_gguf_equals_dequantized_weights(family, recipe, rt, tmp_path,
     diff, scale = close(q_head, r_head)
     assert diff <= REL_TOL * scale, ("head", diff, scale)
     assert close(q_out.logits, f_out.logits)[0] > 10 * REL_TOL * scale  # quantization did change the model
+    # a tiny model keeps its matrices dequantized after first use; a big one dequantizes them at each use: the
+    # same values, so the same logits
+    kept = [getattr(w, "weight", w) for w, _ in quantized_weights(family, quant, qtype)]
+    assert all(w.kept is not None for w in kept) and any(w.kept for w in kept), "the tiny model kept nothing"
+    monkeypatch.setattr(weights, "KEEP_DEQUANTIZED_BYTES", 0)
+    each_use = load(qpath)
+    assert all(getattr(w, "weight", w).kept is None for w, _ in quantized_weights(family, each_use, qtype))
+    diff, scale = close(each_use.trunk(ids, use_cache=False).logits, q_out.logits)
+    assert diff <= 1e-6 * scale, ("dequantized at each use", diff)
     # big quantized matrices are decoded in slabs of rows: force slabs everywhere, the same logits up to the
     # GEMM's summation order, which a narrower matrix may change by an ulp per product (the recurrent layers
     # carry it along the 80 tokens: qwen3next 1.8e-6 of the scale on an AVX-512 CPU); a wrong row would be O(1)
     monkeypatch.setattr(weights, "DEQUANT_CHUNK", 5000)
-    diff, scale = close(quant.trunk(ids, use_cache=False).logits, q_out.logits)
+    diff, scale = close(each_use.trunk(ids, use_cache=False).logits, q_out.logits)
     assert diff <= 1e-5 * scale, ("slabs", diff)
     prompt = ids[0, :10].tolist()  # the loop runs on the quantized model
     assert run_speculative(quant, prompt, 12, k=2).tokens == run_plain(quant, prompt, 12).tokens
