@@ -54,10 +54,10 @@ class Weights:
         self.file, self.device, self.dtype = g, torch.device(device), dtype
         self.pool: dict = {}  # widening buffers shared by this model's weights (see widened)
         self.round_inputs = round_inputs  # llama.cpp's CPU numerics (see vec_dot_input)
-        floats = sum(
+        quantized_values = sum(
             int(np.prod(t.shape, dtype=np.int64)) for t in g.tensors.values() if t.tensor_type not in FLOAT_TYPES
         )
-        self.keep_dequantized = floats * dtype.itemsize <= KEEP_DEQUANTIZED_BYTES
+        self.keep_dequantized = quantized_values * dtype.itemsize <= KEEP_DEQUANTIZED_BYTES
 
     def at(self, prefix: str = "") -> "Scope":
         return Scope(self, prefix)
@@ -124,7 +124,7 @@ class Scope:
             t, self.file.shape(full), self.weights.device, self.weights.dtype, pool=self.weights.pool
         )
         q.round_inputs = self.weights.round_inputs
-        if self.weights.keep_dequantized:
+        if self.weights.keep_dequantized and q.quantized:
             q.kept = {}
         return q
 
@@ -174,7 +174,8 @@ class QWeight(nn.Module):
         # or (narrow) f16/bf16 under a wider compute dtype
         self.register_buffer("data", data, persistent=False)
         self.round_inputs = False  # True: inputs rounded as llama.cpp's CPU backend rounds them (vec_dot_input)
-        self.kept: dict | None = None  # a small model's dequantized matrices by expert (None: the whole); see top
+        # a small model's quantized weight: its dequantized matrices by expert (key None: the whole); see top
+        self.kept: dict | None = None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's matrix products see it: as it is, or (``round_inputs``) rounded to the
@@ -218,7 +219,7 @@ class QWeight(nn.Module):
 
     def dequant(self, expert: int | None = None) -> torch.Tensor:
         """The float matrix (or expert ``expert``'s matrix of a 3-D stack). Read-only when ``kept``."""
-        if self.kept is not None and self.quantized:
+        if self.kept is not None:
             m = self.kept.get(expert)
             if m is None:
                 m = self.kept[expert] = self._dequant(expert)
