@@ -26,6 +26,8 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core.caching import FunctionCache
+from numba.core.runtime import rtsys
 from numba.extending import intrinsic
 
 
@@ -42,13 +44,36 @@ def _cache_dir() -> str:
 CACHE_DIR = _cache_dir()
 numba.config.CACHE_DIR = CACHE_DIR  # read by numba when a kernel is first called
 
-kernel = numba.njit(nogil=True, cache=True, error_model="numpy")  # C division: x/0 is inf or NaN
+
+class _KernelCache(FunctionCache):
+    """numba's on-disk cache, less one step of its loader. Before loading anything numba "refreshes" its compiler
+    context, which imports every lowering it has (strings, sets, dicts, random generators, polynomials): 0.1-0.3 s
+    of every command's start-up, ~half of it. A cached kernel is linked machine code that needs none of them,
+    only numba's runtime (NRT) for the kernels that allocate. A kernel that misses the cache is compiled, and
+    numba's compiler refreshes the context itself first."""
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)  # once per process; what the refresh did first
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+
+def _jit(**options):
+    def decorate(fn):
+        dispatcher = numba.njit(nogil=True, cache=True, error_model="numpy", **options)(fn)
+        dispatcher._cache = _KernelCache(fn)  # what Dispatcher.enable_caching() set, with the lighter loader
+        return dispatcher
+
+    return decorate
+
+
+kernel = _jit()  # error_model="numpy": C division, x/0 is inf or NaN
 # a helper numba copies into each caller before typing it: the caller's constants (a type's group width, bits,
 # flags) reach its loops, which LLVM then unrolls and folds
-inline = numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+inline = _jit(inline="always")
 # a kernel without numba's reference counting: it allocates nothing, its caller hands it every array (scratch
 # included), so the arrays its inlined helpers pass on cost no atomic increments and decrements in its loops
-raw_kernel = numba.njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
+raw_kernel = _jit(_nrt=False)
 
 F = np.float32
 GROUP_MAX_EPS = F(1e-15)

@@ -3,6 +3,11 @@ column and per expert, the float types as ggml converts them, the C float helper
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -209,3 +214,34 @@ def test_out_buffer_and_progress(inputs):
         engine.CHUNK = chunk
     assert np.shares_memory(got, out) and np.array_equal(got, load_golden("Q6_K.npz")["gauss_512"])
     assert seen == sorted(seen) and seen[-1] == out.nbytes and len(seen) == 4
+
+
+_LOAD_THEN_COMPILE = """
+import hashlib, sys
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from mtpq.ggml.engine import quantize
+x = np.random.default_rng(5).normal(size=(8, 512)).astype(np.float32)
+for name in sys.argv[1:]:
+    digest = hashlib.sha256(quantize(x, T[name]).tobytes()).hexdigest()
+    print(name, digest, "numba.np.random.generator_core" in sys.modules)
+"""
+
+
+def test_kernels_load_from_the_cache_without_numbas_compiler_context(tmp_path):
+    """jit._KernelCache: a kernel found in the cache is loaded without numba's context refresh (which imports
+    every lowering numba has: 0.1-0.3 s of each command's start-up); a kernel missing from the same cache still
+    compiles after such a load; both give the bytes this process gives."""
+    x = np.random.default_rng(5).normal(size=(8, 512)).astype(np.float32)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def run(*names: str) -> list[list[str]]:
+        cmd = [sys.executable, "-c", _LOAD_THEN_COMPILE, *names]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+        return [line.split() for line in out.splitlines()]
+
+    digest = {n: hashlib.sha256(quantize(x, T[n]).tobytes()).hexdigest() for n in ("Q4_0", "Q8_0")}
+    assert run("Q4_0") == [["Q4_0", digest["Q4_0"], "True"]]  # an empty cache: compiled, the context refreshed
+    loaded, compiled = run("Q4_0", "Q8_0")
+    assert loaded == ["Q4_0", digest["Q4_0"], "False"]  # from the cache: numba's lowerings never imported
+    assert compiled == ["Q8_0", digest["Q8_0"], "True"]
