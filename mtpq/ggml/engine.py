@@ -15,6 +15,7 @@ scales checked, by :func:`workers` threads: the kernels release the GIL. A first
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -32,6 +33,7 @@ from .registry import FLOAT_TYPES, GgmlType, bytes_per_row, record
 __all__ = ["Stored", "quantize", "dequantize", "workers", "set_workers", "bytes_per_row"]
 
 CHUNK = 1 << 17  # values per task: 512 KB of float32, in L2 while it is read, checked and quantized
+REPORT_EVERY = 8  # tasks between progress reports: each wakes the writer for one write
 _KIND = {T.F32: floats.F32, T.BF16: floats.BF16, T.F16: floats.F16}
 _ITEM = {floats.F32: 4, floats.BF16: 2, floats.F16: 2}
 _NONE = np.empty(0, np.float32)
@@ -75,6 +77,64 @@ def _pool(n: int) -> ThreadPoolExecutor:
                 _state["pool"].shutdown(wait=False)
             _state["pool"], _state["size"] = ThreadPoolExecutor(n, thread_name_prefix="mtpq-quant"), n
         return _state["pool"]
+
+
+def _share(n_tasks: int, run: Callable[[int], None], finished: Callable[[int], None] | None) -> None:
+    """``run(i)`` for every task i, task 0 first and alone (a first call may compile: never twice at once), the
+    rest shared by :func:`workers` threads: this one and the pool's, each taking the next task as it finishes
+    one. ``finished(k)`` is called in this thread when tasks 0..k-1 are all done (the writer writes that
+    prefix while the rest is encoded): once the prefix has grown by REPORT_EVERY tasks, and at the end. A
+    failed task stops the others after their current one; its error is raised once no task runs (none may
+    still write into the output).
+
+    No future per task: with one, the thread waiting on them woke once per task, and those wake-ups (~10k per
+    GB) cost the fast types a third of their marginal time at two threads (docs/notes/quantize.md)."""
+    reported = 0
+
+    def report(prefix: int) -> None:
+        nonlocal reported
+        if finished is not None and (prefix - reported >= REPORT_EVERY or prefix == n_tasks > reported):
+            reported = prefix
+            finished(prefix)
+
+    run(0)
+    n = min(workers(), n_tasks - 1)
+    if n <= 1:
+        for i in range(1, n_tasks + 1):
+            report(i)
+            if i < n_tasks:
+                run(i)
+        return
+    nxt = itertools.count(1)  # next() on it is atomic under the GIL: each task is taken once
+    done = bytearray(n_tasks)
+    done[0] = 1
+    failed: list[BaseException] = []
+
+    def take(reporting: bool) -> None:
+        prefix = 1
+        for i in nxt:
+            if i >= n_tasks or failed:
+                return
+            try:
+                run(i)
+            except BaseException as e:
+                failed.append(e)
+                return
+            done[i] = 1
+            if reporting:  # this thread: the finished prefix as it grows
+                while prefix < n_tasks and done[prefix]:
+                    prefix += 1
+                report(prefix)
+
+    helpers = [_pool(n - 1).submit(take, False) for _ in range(n - 1)]
+    try:
+        take(True)
+    finally:
+        for h in helpers:
+            h.result()  # wait: no task may still write into the output (take() keeps the errors in failed)
+    if failed:
+        raise failed[0]
+    report(n_tasks)
 
 
 _scratch = threading.local()  # each thread's buffers for the chunk it reads and widens
@@ -324,28 +384,11 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
     if check_scales and rec.fp16_fields:
         kernels.append(floats.fp16_overflow)
     _first_use(kernels, rec.qtype.name)
-    one(tasks[0])  # the first chunk alone: a compilation is not run twice at once
-    if progress is not None:
-        progress(tasks[0][1] * row_bytes)
-    n = min(workers(), len(tasks) - 1)
-    if n <= 1:
-        for t in tasks[1:]:
-            one(t)
-            if progress is not None:
-                progress(t[1] * row_bytes)
-    else:
-        futures = [_pool(n).submit(one, t) for t in tasks[1:]]
-        try:
-            for t, f in zip(tasks[1:], futures):
-                f.result()
-                if progress is not None:
-                    progress(t[1] * row_bytes)
-        finally:
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    f.exception()  # wait: no task may still write into ``out``
+    _share(
+        len(tasks),
+        lambda i: one(tasks[i]),
+        None if progress is None else lambda k: progress(tasks[k - 1][1] * row_bytes),
+    )
     return out.view(dtype).reshape(shape)
 
 
@@ -387,14 +430,7 @@ def dequantize(raw, qtype, shape) -> np.ndarray:
     if not parts:
         return x.reshape(shape)
     _first_use([rec.dequantize], rec.qtype.name)
-    one(parts[0])
-    n = min(workers(), len(parts) - 1)
-    if n <= 1:
-        for p in parts[1:]:
-            one(p)
-    else:
-        for f in [_pool(n).submit(one, p) for p in parts[1:]]:
-            f.result()
+    _share(len(parts), lambda i: one(parts[i]), None)
     return x.reshape(shape)
 
 

@@ -203,17 +203,42 @@ def test_gguf_writer_takes_the_arrays(tmp_path):
         assert np.asarray(t.data).tobytes() == tensors[qt].tobytes()
 
 
-def test_out_buffer_and_progress(inputs):
-    x = inputs["gauss_512"]
-    out = np.empty(bytes_per_row(T.Q6_K, 512) * 4, np.uint8)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("every", [1, 2, 8])
+def test_out_buffer_and_progress(inputs, threads, every, monkeypatch):
+    """The output fills ``out``; progress reports whole finished prefixes, growing, at most every ``every``
+    tasks and at the end."""
+    x = np.tile(inputs["gauss_512"], (4, 1))  # 16 rows: 16 tasks of one row
+    ref = np.tile(load_golden("Q6_K.npz")["gauss_512"], (4, 1))
+    out = np.empty(ref.nbytes, np.uint8)
+    row = ref.shape[1]
     seen = []
-    engine.CHUNK, chunk = 512, engine.CHUNK
-    try:
-        got = quantize(x, T.Q6_K, out=out, progress=seen.append)
-    finally:
-        engine.CHUNK = chunk
-    assert np.shares_memory(got, out) and np.array_equal(got, load_golden("Q6_K.npz")["gauss_512"])
-    assert seen == sorted(seen) and seen[-1] == out.nbytes and len(seen) == 4
+    monkeypatch.setattr(engine, "CHUNK", 512)
+    monkeypatch.setattr(engine, "REPORT_EVERY", every)
+    monkeypatch.setitem(engine._state, "n", threads)
+    got = quantize(x, T.Q6_K, out=out, progress=seen.append)
+    assert np.shares_memory(got, out) and np.array_equal(got, ref)
+    assert seen == sorted(set(seen)) and seen[-1] == out.nbytes and all(s % row == 0 for s in seen)
+    assert all(b - a >= every * row for a, b in zip([0, *seen[:-2]], seen[:-1]))  # the last: when all are done
+    if threads == 1:  # one thread finishes the tasks in order: a report every ``every``
+        assert seen == [*range(every * row, out.nbytes, every * row), out.nbytes]
+
+
+@pytest.mark.parametrize("bad_row", [0, 9, 15])
+def test_a_failed_task_among_threads_is_raised_once_all_have_stopped(bad_row, monkeypatch):
+    x = np.random.default_rng(2).normal(size=(16, 512)).astype(np.float32)
+    x[bad_row, 100] = np.nan
+    monkeypatch.setattr(engine, "CHUNK", 512)
+    monkeypatch.setitem(engine._state, "n", 3)
+    ran = []
+    check = engine.floats.all_finite
+    monkeypatch.setattr(engine.floats, "all_finite", lambda x: ran.append(1) or check(x))
+    with pytest.raises(ValueError, match="^blk.0.attn_q.weight: contains NaN/Inf values$"):
+        quantize(x, T.Q8_0, "blk.0.attn_q.weight")
+    count = len(ran)
+    # task 0 runs alone; then tasks are taken in order and each thread stops after its current one
+    assert count == 1 if bad_row == 0 else count <= min(16, bad_row + 3)
+    assert engine._pool(2).submit(len, ran).result() == count  # and none ran on after the error came back
 
 
 _LOAD_THEN_COMPILE = """
