@@ -9,9 +9,13 @@ llama-perplexity's figures.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import inspect
 import json
 import json.decoder
+import json.encoder
+import textwrap
 from importlib import resources
 from pathlib import Path
 
@@ -50,7 +54,11 @@ def demo(tmp_path_factory) -> dict[str, Path]:
     out = {"f16": d / "f16.gguf", "q4km": d / "q4km.gguf", "text": d / "text.txt"}
     assert run_cli("convert", src, out["f16"], "--outtype", "f16", "--quiet").exit_code == 0
     assert run_cli("quantize", out["f16"], out["q4km"], "Q4_K_M", "--quiet").exit_code == 0
-    out["text"].write_text(inspect.getsource(json.decoder) * 3)
+    # ~230 KB of Python: 559 chunks of 128 tokens (35k positions scored). On 100 chunks, llama.cpp's mean KLD
+    # moved by 0.7 % between its own two attention paths (test_a_quant_against_a_base_gives_llama_perplexitys_figures)
+    out["text"].write_text(
+        "".join(inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, difflib, argparse))
+    )
     return out
 
 
@@ -163,16 +171,16 @@ def test_the_reference_measured_against_its_own_base(demo, llama_base, llama_cpp
 
 @pytest.mark.llama_cpp
 def test_a_quant_against_a_base_gives_llama_perplexitys_figures(demo, llama_base, llama_cpp_bin):
-    """Q4_K_M against the f16 base: PPL within 0.1 % and mean KLD within 2 % of llama-perplexity
-    --kl-divergence on the same base file.
+    """Q4_K_M against the f16 base: PPL within 0.1 % and mean KLD within 1 % of llama-perplexity
+    --kl-divergence on the same base file (issue 36).
 
-    Issue 36 asks 1 %; measured 1.0-1.5 % (0.007676 / 0.007642 against 0.007755). What bounds it: the CPU
-    backend rounds every k-quant's input to Q8_K (256 values to 8 bits), so a last-bit difference upstream
-    (summation order, its own expf) moves a value across a rounding step now and then, and the steps cascade
-    through the layers. Our Q4_K_M logits against llama.cpp's own Q4_K_M log-probabilities: mean KLD 6.9e-4
-    (f16 file: 5.3e-6); emulating ggml's SiLU bit for bit, its RoPE table, its norm or its softmax's expf left
-    that unchanged.
-    docs/notes/runtime.md has the measurements."""
+    The text must be long enough for that: llama.cpp's CPU backend rounds every k-quant's input to Q8_K (256
+    values to 8 bits), so a last-bit difference upstream (summation order, its own expf) moves a value across a
+    rounding step now and then, the steps cascade through the layers, and which near-ties flip is chance. On
+    json.decoder's source three times over (~37 KB), llama-perplexity itself gave mean KLD 0.007755 with its
+    default flash attention and 0.007703 with `-fa off` (0.7 % apart), and we gave 0.007664-0.007676 (1.0-1.2 %
+    under); on this ~230 KB text: 0.007061, 0.007078 and ours 0.007073 (+0.2 %). docs/notes/runtime.md has the
+    measurements."""
     from mtpq.engines.perplexity import parse_kld_log
 
     theirs = parse_kld_log(
@@ -187,4 +195,4 @@ def test_a_quant_against_a_base_gives_llama_perplexitys_figures(demo, llama_base
         f"{theirs['kld_mean']:.6f}, top-1 {ours['top1']:.2%} vs {theirs['top1']:.2%}"
     )
     assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3)
-    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.02)
+    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.01)
