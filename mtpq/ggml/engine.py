@@ -100,10 +100,10 @@ def _share(n_tasks: int, run: Callable[[int], None], finished: Callable[[int], N
     run(0)
     n = min(workers(), n_tasks - 1)
     if n <= 1:
-        for i in range(1, n_tasks + 1):
+        for i in range(1, n_tasks):
             report(i)
-            if i < n_tasks:
-                run(i)
+            run(i)
+        report(n_tasks)
         return
     nxt = itertools.count(1)  # next() on it is atomic under the GIL: each task is taken once
     done = bytearray(n_tasks)

@@ -58,10 +58,15 @@ class _KernelCache(FunctionCache):
             return self._load_overload(sig, target_context)
 
 
+# the loader internals _KernelCache calls (as numba 0.68 has them); where a numba moved them, its own loader stays
+_LIGHT_LOADER = all(hasattr(FunctionCache, a) for a in ("_guard_against_spurious_io_errors", "_load_overload"))
+
+
 def _jit(**options):
     def decorate(fn):
         dispatcher = numba.njit(nogil=True, cache=True, error_model="numpy", **options)(fn)
-        dispatcher._cache = _KernelCache(fn)  # what Dispatcher.enable_caching() set, with the lighter loader
+        if _LIGHT_LOADER:
+            dispatcher._cache = _KernelCache(fn)  # what Dispatcher.enable_caching() set, with the lighter loader
         return dispatcher
 
     return decorate
