@@ -217,6 +217,98 @@ def absmax(x, at, n):
     return amax, mx
 
 
+# The 32-value block scans of the legacy types, in 8-lane vectors. C's loops carry one compare chain through
+# the block (``if (v < min) min = v``: a cycle or more per value, which neither gcc nor LLVM may reorder without
+# fast-math); min, max and |x|'s max are the same values in any order, so lanes compare side by side and then
+# with each other. A NaN is skipped, as C's compares skip it: it only ever stands where a compare reads it.
+_F8 = ir.VectorType(ir.FloatType(), 8)
+_I8X32 = ir.VectorType(ir.IntType(32), 8)
+_FLT_MAX_F = float(F(3.4028234663852886e38))
+
+
+def _block_lanes(context, builder, arrty, arr, at):
+    """x[at:at+32] of a C-contiguous float32 array as four <8 x float> loads."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    vectors = builder.bitcast(builder.gep(data, [at]), _F8.as_pointer())
+    return [builder.load(builder.gep(vectors, [ir.Constant(ir.IntType(64), k)]), align=4) for k in range(4)]
+
+
+def _keep(builder, op, a, b):
+    """``a`` where ``a op b`` holds, else ``b`` (C's ``if (a op b) b = a``; b a NaN never)."""
+    return builder.select(builder.fcmp_ordered(op, a, b), a, b)
+
+
+def _across(builder, op, v):
+    """The 8 lanes of ``v`` to the one ``op`` keeps: halves against halves."""
+    for width in (4, 2, 1):
+        lanes = ir.VectorType(ir.IntType(32), width)
+        low = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width))))
+        high = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width, 2 * width))))
+        v = _keep(builder, op, high, low)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+def _a_block(x, at) -> bool:
+    return (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C") and isinstance(
+        at, types.Integer
+    )
+
+
+@intrinsic
+def block_min_max(typingctx, x, at):
+    """(min, max) of ``x[at:at+32]`` as C's loop from FLT_MAX / -FLT_MAX finds them, but for the sign of a zero:
+    where one of them is 0, C's loop keeps the first zero it met, which the caller asks that loop for."""
+    if not _a_block(x, at):
+        return None
+    sig = types.UniTuple(types.float32, 2)(x, at)
+
+    def codegen(context, builder, signature, args):
+        at64 = context.cast(builder, args[1], signature.args[1], types.int64)
+        low, high = ir.Constant(_F8, [_FLT_MAX_F] * 8), ir.Constant(_F8, [-_FLT_MAX_F] * 8)
+        for v in _block_lanes(context, builder, signature.args[0], args[0], at64):
+            low, high = _keep(builder, "<", v, low), _keep(builder, ">", v, high)
+        return context.make_tuple(builder, sig.return_type, [_across(builder, "<", low), _across(builder, ">", high)])
+
+    return sig, codegen
+
+
+@intrinsic
+def block_absmax(typingctx, x, at):
+    """:func:`absmax` of ``x[at:at+32]``: the largest |x| and the first value that has it; (0, 0) for zeros."""
+    if not _a_block(x, at):
+        return None
+    sig = types.UniTuple(types.float32, 2)(x, at)
+
+    def codegen(context, builder, signature, args):
+        at64 = context.cast(builder, args[1], signature.args[1], types.int64)
+        no_sign = ir.Constant(_I8X32, [0x7FFFFFFF] * 8)
+        mags = [
+            builder.bitcast(builder.and_(builder.bitcast(v, _I8X32), no_sign), _F8)
+            for v in _block_lanes(context, builder, signature.args[0], args[0], at64)
+        ]
+        amax = ir.Constant(_F8, [0.0] * 8)
+        for a in mags:
+            amax = _keep(builder, ">", a, amax)
+        amax = _across(builder, ">", amax)
+        # where it first stands: a bit per value whose |x| equals it, the lowest set bit
+        i32 = ir.IntType(32)
+        every = builder.insert_element(ir.Constant(_F8, ir.Undefined), amax, ir.Constant(i32, 0))
+        every = builder.shuffle_vector(every, every, ir.Constant(_I8X32, [0] * 8))
+        found = ir.Constant(i32, 0)
+        for k, a in enumerate(mags):
+            bits = builder.zext(builder.bitcast(builder.fcmp_ordered("==", a, every), ir.IntType(8)), i32)
+            found = builder.or_(found, builder.shl(bits, ir.Constant(i32, 8 * k)))
+        cttz = builder.module.declare_intrinsic("llvm.cttz", [i32, ir.IntType(1)])
+        first = builder.and_(builder.call(cttz, [found, ir.Constant(ir.IntType(1), 0)]), ir.Constant(i32, 31))
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        value = builder.load(builder.gep(data, [builder.add(at64, builder.zext(first, ir.IntType(64)))]))
+        zero = ir.Constant(ir.FloatType(), 0.0)
+        value = builder.select(builder.fcmp_ordered("==", amax, zero), zero, value)  # C's loop never moved
+        return context.make_tuple(builder, sig.return_type, [amax, value])
+
+    return sig, codegen
+
+
 @kernel
 def put_fp16(y, at, f):
     """Store ``f`` as fp16 at byte ``at`` of ``y`` (little-endian); returns the uint16."""

@@ -9,7 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, absmax, bind, c_int, get_fp16, get_u32, i8, inline, kernel, put_fp16, put_u32, roundf
+from .jit import (
+    F,
+    bind,
+    block_absmax,
+    block_min_max,
+    c_int,
+    get_fp16,
+    get_u32,
+    i8,
+    inline,
+    kernel,
+    put_fp16,
+    put_u32,
+    roundf,
+)
 from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
 
 _FLT_MAX = F(3.4028234663852886e38)
@@ -81,9 +95,11 @@ def _ref(ts, top, nmax=0):
         for i in range(x.size // 32):
             if signed:  # x - 0 is x: C's x * id + offset
                 mn, offset = F(0.0), F(nmax) + F(0.5)
-                d = absmax(x, 32 * i, 32)[1] / F(-nmax)
+                d = block_absmax(x, 32 * i)[1] / F(-nmax)
             else:
-                (mn, mx), offset = _min_max(x, 32 * i), F(0.5)
+                (mn, mx), offset = block_min_max(x, 32 * i), F(0.5)
+                if mn == 0 or mx == 0:  # which zero C's loop kept: its own order decides
+                    mn, mx = _min_max(x, 32 * i)
                 d = (mx - mn) / F(top)
             idv = F(1.0) / d if d != 0 else F(0.0)
             put_fp16(y, ts * i, d)

@@ -121,7 +121,8 @@ EDGE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.IQ4_XS, T.Q1_0
 
 def edge_values(seed: int, n: int = 256) -> np.ndarray:
     """Rows of blocks the engine refuses but a kernel must still write as C does: NaN, +-inf, FLT_MAX, block
-    scales from 1e-45 (1 / d overflows) to 3e38, constant blocks and quarter-integer grids."""
+    scales from 1e-45 (1 / d overflows) to 3e38, constant blocks and quarter-integer grids; and blocks it takes
+    whose bytes hang on which of two equal values C's loops keep: +0 and -0 as the min or max, +-c as |x|'s max."""
     rng = np.random.default_rng(seed)
     scales = np.array([1e-45, 1e-41, 3e-39, 1e-38, 1e-30, 1e-3, 1.0, 1e10, 1e30, 1e37, 3e38])
     x = rng.standard_normal((44, n)) * np.repeat(scales, 4)[:, None]
@@ -131,8 +132,12 @@ def edge_values(seed: int, n: int = 256) -> np.ndarray:
     g[hit] = rng.choice(special, hit.sum())
     grid = rng.integers(-40, 41, (8, n)) / 4.0
     constant = np.repeat(rng.standard_normal((8, n // 32)), 32, axis=1)
+    # zeros of both signs as a block's min or max (which one C's loop keeps is its order's), and ties of |x|
+    zeros = np.where(rng.random((16, n)) < 0.3, np.abs(rng.standard_normal((16, n))), rng.choice([0.0, -0.0], (16, n)))
+    zeros[8:] *= -1
+    ties = rng.choice(np.array([-1.5, 1.5, 0.25, -0.25, 0.0, -0.0]), (8, n))
     with np.errstate(over="ignore"):
-        return np.concatenate([x, g, grid, constant]).astype(np.float32)
+        return np.concatenate([x, g, grid, constant, zeros, ties]).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", EDGE_TYPES, ids=lambda t: t.name)
