@@ -221,15 +221,15 @@ def absmax(x, at, n):
 # the block (``if (v < min) min = v``: a cycle or more per value, which neither gcc nor LLVM may reorder without
 # fast-math); min, max and |x|'s max are the same values in any order, so lanes compare side by side and then
 # with each other. A NaN is skipped, as C's compares skip it: it only ever stands where a compare reads it.
-_F8 = ir.VectorType(ir.FloatType(), 8)
-_I8X32 = ir.VectorType(ir.IntType(32), 8)
+_F32X8 = ir.VectorType(ir.FloatType(), 8)
+_I32X8 = ir.VectorType(ir.IntType(32), 8)
 _FLT_MAX_F = float(F(3.4028234663852886e38))
 
 
 def _block_lanes(context, builder, arrty, arr, at):
     """x[at:at+32] of a C-contiguous float32 array as four <8 x float> loads."""
     data = context.make_array(arrty)(context, builder, arr).data
-    vectors = builder.bitcast(builder.gep(data, [at]), _F8.as_pointer())
+    vectors = builder.bitcast(builder.gep(data, [at]), _F32X8.as_pointer())
     return [builder.load(builder.gep(vectors, [ir.Constant(ir.IntType(64), k)]), align=4) for k in range(4)]
 
 
@@ -249,9 +249,10 @@ def _across(builder, op, v):
 
 
 def _a_block(x, at) -> bool:
-    return (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C") and isinstance(
-        at, types.Integer
-    )
+    """Whether the arguments are a 1-D C-contiguous float32 array and an integer offset (the caller keeps
+    ``at + 32`` within the array: the loads are not bounds-checked)."""
+    f32_row = isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"
+    return f32_row and isinstance(at, types.Integer)
 
 
 @intrinsic
@@ -264,7 +265,7 @@ def block_min_max(typingctx, x, at):
 
     def codegen(context, builder, signature, args):
         at64 = context.cast(builder, args[1], signature.args[1], types.int64)
-        low, high = ir.Constant(_F8, [_FLT_MAX_F] * 8), ir.Constant(_F8, [-_FLT_MAX_F] * 8)
+        low, high = ir.Constant(_F32X8, [_FLT_MAX_F] * 8), ir.Constant(_F32X8, [-_FLT_MAX_F] * 8)
         for v in _block_lanes(context, builder, signature.args[0], args[0], at64):
             low, high = _keep(builder, "<", v, low), _keep(builder, ">", v, high)
         return context.make_tuple(builder, sig.return_type, [_across(builder, "<", low), _across(builder, ">", high)])
@@ -281,19 +282,19 @@ def block_absmax(typingctx, x, at):
 
     def codegen(context, builder, signature, args):
         at64 = context.cast(builder, args[1], signature.args[1], types.int64)
-        no_sign = ir.Constant(_I8X32, [0x7FFFFFFF] * 8)
+        no_sign = ir.Constant(_I32X8, [0x7FFFFFFF] * 8)
         mags = [
-            builder.bitcast(builder.and_(builder.bitcast(v, _I8X32), no_sign), _F8)
+            builder.bitcast(builder.and_(builder.bitcast(v, _I32X8), no_sign), _F32X8)
             for v in _block_lanes(context, builder, signature.args[0], args[0], at64)
         ]
-        amax = ir.Constant(_F8, [0.0] * 8)
+        amax = ir.Constant(_F32X8, [0.0] * 8)
         for a in mags:
             amax = _keep(builder, ">", a, amax)
         amax = _across(builder, ">", amax)
         # where it first stands: a bit per value whose |x| equals it, the lowest set bit
         i32 = ir.IntType(32)
-        every = builder.insert_element(ir.Constant(_F8, ir.Undefined), amax, ir.Constant(i32, 0))
-        every = builder.shuffle_vector(every, every, ir.Constant(_I8X32, [0] * 8))
+        every = builder.insert_element(ir.Constant(_F32X8, ir.Undefined), amax, ir.Constant(i32, 0))
+        every = builder.shuffle_vector(every, every, ir.Constant(_I32X8, [0] * 8))
         found = ir.Constant(i32, 0)
         for k, a in enumerate(mags):
             bits = builder.zext(builder.bitcast(builder.fcmp_ordered("==", a, every), ir.IntType(8)), i32)
