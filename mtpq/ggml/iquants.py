@@ -141,32 +141,12 @@ def _fit(weight, xval, L, n):
 
 
 @inline
-def _grid_search(
-    n,
-    gw,
-    bits,
-    kmax,
-    steps,
-    step,
-    xval,
-    weight,
-    waux,
-    L,
-    Laux,
-    gidx,
-    on_grid,
-    on_grid_aux,
-    kmap,
-    neighbours,
-    grid,
-    levels,
-    start_qp,
-    init_on_grid,
-    refit_all,
-):
+def _grid_search(n, spec, xval, weight, waux, L, Laux, gidx, on_grid, on_grid_aux, tables):
     """The candidate scales of one sub-block of ``n`` values: (scale, whether it has one); ``L`` ends on the
-    grid, ``gidx`` its points. ``start_qp``: IQ2_XXS's start (``make_qp_quants``, candidates around the
-    effective max, the refit always)."""
+    grid, ``gidx`` its points. ``spec``: the type's constants (:func:`_grid_quantizer`); ``start_qp``: IQ2_XXS's
+    start (``make_qp_quants``, candidates around the effective max, the refit always)."""
+    gw, bits, kmax, steps, step, start_qp, init_on_grid, refit_all = spec
+    kmap, neighbours, grid, levels = tables
     ng = n // gw
     mx = xval[0]
     for i in range(1, n):
@@ -248,6 +228,7 @@ def _grid_quantizer(kind):
     parity, bias, start_qp, init_on_grid, refit_all, twice = flags
     step, eps, fudge = F(step), F(eps), F(fudge)
     nsub = QK_K // bn
+    spec = (gw, bits, kmax, steps, step, start_qp, init_on_grid, refit_all)  # constants, as the closure's
 
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
         f32, i64, ng = np.float32, np.int64, bn // gw
@@ -260,6 +241,7 @@ def _grid_quantizer(kind):
         weight, waux, xval = fs[0], fs[1], fs[2]
         L, Laux = ls[0], ls[1]
         on_grid, on_aux = ons[0], ons[1]
+        tables = (kmap, neighbours, grid, levels)
         for ibl in range(x.size // QK_K):
             xo, o, qo = QK_K * ibl, ts * ibl, (QK_K * ibl) % n
             for j in range(ts):
@@ -281,29 +263,7 @@ def _grid_quantizer(kind):
                 if mx < eps or mx == 0:
                     scales[ib] = F(0.0)
                     continue
-                scale, ok = _grid_search(
-                    bn,
-                    gw,
-                    bits,
-                    kmax,
-                    steps,
-                    step,
-                    xval,
-                    weight,
-                    waux,
-                    L,
-                    Laux,
-                    gidx,
-                    on_grid,
-                    on_aux,
-                    kmap,
-                    neighbours,
-                    grid,
-                    levels,
-                    start_qp,
-                    init_on_grid,
-                    refit_all,
-                )
+                scale, ok = _grid_search(bn, spec, xval, weight, waux, L, Laux, gidx, on_grid, on_aux, tables)
                 if not ok:
                     scales[ib] = F(0.0)
                     continue

@@ -29,32 +29,8 @@ _add_member(LlamaFileType, "MOSTLY_Q2_0", 41)
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})  # the types stored as floats, never quantized
-WRITABLE_TYPES: tuple[GGMLQuantizationType, ...] = (
-    T.F32,
-    T.F16,
-    T.BF16,
-    T.Q8_0,
-    T.Q4_0,
-    T.Q4_1,
-    T.Q5_0,
-    T.Q5_1,
-    T.Q2_K,
-    T.Q3_K,
-    T.Q4_K,
-    T.Q5_K,
-    T.Q6_K,
-    T.IQ4_NL,
-    T.IQ4_XS,
-    T.IQ2_XXS,
-    T.IQ2_XS,
-    T.IQ2_S,
-    T.IQ3_XXS,
-    T.IQ3_S,
-    T.IQ1_S,
-    T.IQ1_M,
-    T.TQ1_0,
-    T.TQ2_0,
-    T.Q1_0,
-    T.Q2_0,
-    T.MXFP4,
+WRITABLE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(
+    T[name]
+    for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS IQ2_XXS IQ2_XS IQ2_S "
+    "IQ3_XXS IQ3_S IQ1_S IQ1_M TQ1_0 TQ2_0 Q1_0 Q2_0 MXFP4".split()
 )
