@@ -196,7 +196,8 @@ def decide(spec: TensorSpec, ctx: PolicyContext) -> Decision:
     try:
         new, why = row_fallback(qtype, _row(spec))
     except ValueError as e:  # llama-quantize stops there too
-        raise InputError(spec.source, f"{spec.name}: {e}") from None
+        named = spec.source.endswith(spec.name)  # a GGUF's tensors: "file.gguf:name" already
+        raise InputError(spec.source, str(e) if named else f"{spec.name}: {e}") from None
     return (new, f"{reason}; {why}") if why else (qtype, reason)
 
 

@@ -573,6 +573,34 @@ def test_plan_from_gguf_decides_the_same(f32_plan, tmp_path):
         assert _ours(back, preset, {}) == _ours(plan, preset, {})
 
 
+def test_a_type_without_a_fallback_stops_naming_the_tensor_once(f32_plan, tmp_path):
+    """Q1_0 on rows of 288 (no whole 128-value blocks): llama-quantize stops, as it has no fallback for Q1_0
+    (test_llama_quantize_stops_on_q1_0_too); mtpq stops naming the file and the tensor, each once."""
+    from mtpq.gguf_io import write_plan
+
+    plan = f32_plan("glm4moe_odd_rows")
+    write_plan(plan, tmp_path / "odd.gguf")
+    for source in (plan, plan_from_gguf(tmp_path / "odd.gguf")):
+        with pytest.raises(InputError) as exc:
+            plan_quantize(source, parse_options("Q1_0"))
+        name = re.search(r"(blk\.\d+\.\w+\.weight|token_embd\.weight|output\.weight)", str(exc.value))[1]
+        assert str(exc.value).count(name) == 1, str(exc.value)
+        assert "288" in exc.value.problem and "no fallback type for q1_0" in exc.value.problem
+
+
+@pytest.mark.llama_cpp
+def test_llama_quantize_stops_on_q1_0_too(f32_plan, llama_cpp_bin, tmp_path):
+    from mtpq.gguf_io import write_plan
+
+    write_plan(f32_plan("glm4moe_odd_rows"), tmp_path / "odd.gguf")
+    res = subprocess.run(
+        [str(llama_cpp_bin / "llama-quantize"), tmp_path / "odd.gguf", tmp_path / "q.gguf", "Q1_0", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "no tensor type fallback is defined for type q1_0" in res.stderr + res.stdout
+
+
 @pytest.mark.llama_cpp
 @pytest.mark.slow
 def test_recorded_choices_are_current(llama_cpp_bin, tmp_path):
