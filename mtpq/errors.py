@@ -17,6 +17,13 @@ class InputError(Exception):
         return self.__class__, (self.where, self.problem)
 
 
+def tensor_error(source: str, name: str, problem: str) -> InputError:
+    """An :class:`InputError` about the tensor ``name`` read from ``source``, naming it once: a GGUF's tensors
+    are ``file.gguf:name`` already, a checkpoint's sources its file; ``problem`` may start with ``name: ``."""
+    problem = problem.removeprefix(f"{name}: ")
+    return InputError(source, problem if source.endswith(f":{name}") else f"{name}: {problem}")
+
+
 class MeasurementError(InputError):
     """A measurement that gave no usable figure: non-finite logits or hidden states from finite weights, or an
     engine that printed NaN. Where a command gates (``compare`` with a gate, ``accept``, ``build``) it is a failed

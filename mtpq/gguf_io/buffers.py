@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import InputError
+from ..errors import InputError, tensor_error
 from ..ggml.malloc import MMAP_THRESHOLD
 from ..tensors import TensorSpec
 
@@ -52,7 +52,7 @@ def encode_tensor(spec: TensorSpec) -> np.ndarray:
             return _encode_slabs(spec, quantize)
         return quantize(_as_numpy(spec.load()), spec.ggml_type, spec.name, importance=spec.importance)
     except ValueError as exc:  # NaN/Inf, bad row length: the source is at fault, say which tensor
-        raise InputError(spec.source, str(exc)) from None
+        raise tensor_error(spec.source, spec.name, str(exc)) from None
 
 
 def _as_numpy(values) -> np.ndarray:

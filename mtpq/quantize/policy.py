@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from gguf import GGMLQuantizationType
 
-from ..errors import InputError
+from ..errors import tensor_error
 from ..tensors import Role, TensorSpec, tensor_kind
 from .mtp_precision import SAME, MtpPrecision
 from .presets import (
@@ -196,8 +196,7 @@ def decide(spec: TensorSpec, ctx: PolicyContext) -> Decision:
     try:
         new, why = row_fallback(qtype, _row(spec))
     except ValueError as e:  # llama-quantize stops there too
-        named = spec.source.endswith(spec.name)  # a GGUF's tensors: "file.gguf:name" already
-        raise InputError(spec.source, str(e) if named else f"{spec.name}: {e}") from None
+        raise tensor_error(spec.source, spec.name, str(e)) from None
     return (new, f"{reason}; {why}") if why else (qtype, reason)
 
 
