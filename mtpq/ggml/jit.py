@@ -199,12 +199,6 @@ def fp16_to_f32(h):
 
 
 @kernel
-def fp16_round(f):
-    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f))``."""
-    return fp16_to_f32(fp16(f))
-
-
-@kernel
 def absmax(x, at, n):
     """(largest |x|, the value that has it: the first found) over ``x[at:at+n]``; (0, 0) for all zeros."""
     amax = F(0.0)

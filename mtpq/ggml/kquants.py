@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, f32_bits, fp16_round, get_fp16, i8, kernel, nearest_int, put_fp16
+from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, f32_bits, get_fp16, i8, kernel, nearest_int, put_fp16, raw_kernel
 
 _NO_WEIGHTS = np.empty(0, np.float32)
 
@@ -160,66 +160,24 @@ def qkx_start(n, nmax, x, weights, L, use_mad):
     return mn, mx, xmin, sum_w, sum_x, scale, best_mad
 
 
-@kernel
-def qkx_steps(n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad):
-    """Steps ``first``..``nstep`` of the search one after the other, as C runs them: (scale, min)."""
-    for step in range(first, nstep + 1):
-        iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
-        sum_l = F(0.0)
-        sum_l2 = F(0.0)
-        sum_xl = F(0.0)
-        for i in range(n):
-            l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-            Laux[i] = l
-            w = weights[i]
-            sum_l += w * F(l)
-            sum_l2 += w * F(l) * F(l)
-            sum_xl += w * F(l) * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = F(0.0)
-                this_scale = sum_xl / sum_l2
-            mad = F(0.0)
-            for i in range(n):
-                diff = this_scale * F(Laux[i]) + this_min - x[i]
-                diff = abs(diff) if use_mad else diff * diff
-                mad += weights[i] * diff
-            if mad < best_mad:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_mad = mad
-                scale = this_scale
-                mn = this_min
-    return scale, mn
-
-
 QKX_LANES = 8  # make_qkx_quants' steps run side by side (one AVX2 register of float32)
 QKX_TMP = 8 * QKX_LANES  # the float32 scratch it takes
 
 
 @kernel
-def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, tmp):
-    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min); ``tmp``: float32 scratch
-    of QKX_TMP. The two C functions run the same loop; qkx3 adds an early return for ``nstep < 1`` and tests
-    ``max <= min`` where qkx2 tests ``max == min``, the same on finite values.
+def _nearest_level(v, lo, hi):
+    """:func:`_level` for any ``v``: ``MAX(lo, MIN(hi, nearest_int(v)))`` as C computes it."""
+    return F(max(np.int32(lo), min(np.int32(hi), nearest_int(v))))
 
-    C's steps run one after the other, each bound by its chains of float additions, and each depends on the
-    steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
-    side by side (one lane each, every sum in C's order) on the current ``min``; the choices are made in C's
-    order up to the first that moves ``min``, and the next group starts after it (why groups of 8:
-    docs/notes/quantize.md). The levels come from :func:`_level` when every ``iscale * (x[i] - min)`` of a
-    group is below 2**22 (its bound is that of x's two ends), else the rest go step by step as C
-    (:func:`qkx_steps`)."""
-    mn, mx, xmin, sum_w, sum_x, scale, best_mad = qkx_start(n, nmax, x, weights, L, use_mad)
-    if mx <= mn or nstep < 1:
-        return scale, -mn
-    hi = F(nmax)
-    first = 0
-    while first <= nstep:
-        k = min(nstep + 1 - first, QKX_LANES)
+
+def _qkx_group(exact):
+    """The kernel that runs steps ``first``..``first + k - 1`` side by side, their ``iscale`` in ``tmp[:k]``, levels
+    by :func:`_level` (``exact``) or :func:`_nearest_level`; their choices in C's order up to the
+    first that moves ``min``: (the next step, min, scale, best_mad)."""
+    level = _level if exact else _nearest_level
+
+    @raw_kernel  # no reference counting: a call per group, four arrays each, would cost atomics
+    def group(n, x, weights, L, mn, first, k, hi, sum_w, sum_x, scale, best_mad, use_mad, tmp):
         isc = tmp[0:k]
         s_l = tmp[QKX_LANES : QKX_LANES + k]
         s_l2 = tmp[2 * QKX_LANES : 2 * QKX_LANES + k]
@@ -228,26 +186,17 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
         t_min = tmp[5 * QKX_LANES : 5 * QKX_LANES + k]
         t_d = tmp[6 * QKX_LANES : 6 * QKX_LANES + k]
         mads = tmp[7 * QKX_LANES : 7 * QKX_LANES + k]
-        exact = True
         for j in range(k):
-            isc[j] = (rmin + rdelta * F(first + j) + F(nmax)) / (mx - mn)
-            if not (max(abs(isc[j] * (xmin - mn)), abs(isc[j] * (mx - mn))) < _FLOAT_LEVELS):
-                exact = False
             s_l[j] = F(0.0)
             s_l2[j] = F(0.0)
             s_xl[j] = F(0.0)
             mads[j] = F(0.0)
-        if not exact:
-            scale, mn = qkx_steps(
-                n, nmax, x, weights, L, Laux, rmin, rdelta, first, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
-            )
-            break
         for i in range(n):
             xi = x[i]
             d = xi - mn
             w = weights[i]
             for j in range(k):
-                fl = _level(isc[j] * d, F(0.0), hi)
+                fl = level(isc[j] * d, F(0.0), hi)
                 wl = w * fl
                 s_l[j] += wl
                 s_l2[j] += wl * fl
@@ -267,7 +216,7 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
             d = xi - mn
             w = weights[i]
             for j in range(k):
-                diff = t_scale[j] * _level(isc[j] * d, F(0.0), hi) + t_min[j] - xi
+                diff = t_scale[j] * level(isc[j] * d, F(0.0), hi) + t_min[j] - xi
                 diff = abs(diff) if use_mad else diff * diff
                 mads[j] += w * diff
         nxt = first + k
@@ -277,15 +226,52 @@ def make_qkx_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad, 
                 taken = j
                 best_mad = mads[j]
                 scale = t_scale[j]
-                moved = f32_bits(t_min[j]) != f32_bits(mn)  # bits: C's min = this_min may be 0.0 for -0.0
-                if moved:
+                if f32_bits(t_min[j]) != f32_bits(mn):  # moved (bits: C's min = this_min may be 0.0 for -0.0)
                     nxt = first + j + 1
                     break
         if taken >= 0:
             for i in range(n):
-                L[i] = np.int64(_level(isc[taken] * (x[i] - mn), F(0.0), hi))
+                L[i] = np.int64(level(isc[taken] * (x[i] - mn), F(0.0), hi))
             mn = t_min[taken]
-        first = nxt
+        return nxt, mn, scale, best_mad
+
+    return group
+
+
+_qkx_lanes, _qkx_step = _qkx_group(True), _qkx_group(False)
+
+
+@kernel
+def make_qkx_quants(n, nmax, x, weights, L, rmin, rdelta, nstep, use_mad, tmp):
+    """``make_qkx2_quants`` and ``make_qkx3_quants`` (given weights): (scale, the_min); ``tmp``: float32 scratch
+    of QKX_TMP. The two C functions run the same loop; qkx3 adds an early return for ``nstep < 1`` and tests
+    ``max <= min`` where qkx2 tests ``max == min``, the same on finite values.
+
+    C's steps run one after the other, each bound by its chains of float additions, and each depends on the
+    steps before it only through ``min``, which a step taken with another minimum moves. So QKX_LANES steps run
+    side by side (one lane each, every sum in C's order) on the current ``min`` (:func:`_qkx_group`), and the
+    next group starts after the first step that moved it (why groups of 8: docs/notes/quantize.md). The levels
+    come from :func:`_level` when every ``iscale * (x[i] - min)`` of a group is below 2**22 (its bound is that of
+    x's two ends), else that group is one step, leveled by nearest_int as C."""
+    mn, mx, xmin, sum_w, sum_x, scale, best_mad = qkx_start(n, nmax, x, weights, L, use_mad)
+    if mx <= mn or nstep < 1:
+        return scale, -mn
+    hi = F(nmax)
+    first = 0
+    while first <= nstep:
+        k = min(nstep + 1 - first, QKX_LANES)
+        exact = True
+        for j in range(k):
+            tmp[j] = (rmin + rdelta * F(first + j) + F(nmax)) / (mx - mn)
+            exact = exact and max(abs(tmp[j] * (xmin - mn)), abs(tmp[j] * (mx - mn))) < _FLOAT_LEVELS
+        if exact:
+            first, mn, scale, best_mad = _qkx_lanes(
+                n, x, weights, L, mn, first, k, hi, sum_w, sum_x, scale, best_mad, use_mad, tmp
+            )
+        else:
+            first, mn, scale, best_mad = _qkx_step(
+                n, x, weights, L, mn, first, 1, hi, sum_w, sum_x, scale, best_mad, use_mad, tmp
+            )
     return scale, -mn
 
 
@@ -421,7 +407,6 @@ def _q2_k_put(y, o, v, vmax, shift):
 @kernel
 def quantize_q2_k(x, y, n_per_row):
     L = np.empty(QK_K, np.int64)
-    Laux = np.empty(16, np.int64)
     weights = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
@@ -434,7 +419,7 @@ def quantize_q2_k(x, y, n_per_row):
             for l in range(16):
                 weights[l] = abs(x[xo + 16 * j + l])
             scales[j], mins[j] = make_qkx_quants(
-                16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.5), F(0.1), 15, True, tmp
+                16, 3, x[xo + 16 * j :], weights, L[16 * j :], F(-0.5), F(0.1), 15, True, tmp
             )
             if scales[j] > max_scale:
                 max_scale = scales[j]
@@ -450,7 +435,6 @@ def quantize_q2_k(x, y, n_per_row):
 @kernel
 def quantize_q2_k_weighted(x, y, n, qw):
     L = np.empty(QK_K, np.int64)
-    Laux = np.empty(16, np.int64)
     weights = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
@@ -464,7 +448,7 @@ def quantize_q2_k_weighted(x, y, n, qw):
         for j in range(16):
             sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
             scales[j], mins[j] = make_qkx_quants(
-                16, 3, x[xo + 16 * j :], weights, L[16 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
+                16, 3, x[xo + 16 * j :], weights, L[16 * j :], F(-0.9), F(0.05), 36, False, tmp
             )
         dm = make_qp_quants(16, 15, scales, Ls, sw)
         mm = make_qp_quants(16, 15, mins, Lm, sw)
@@ -483,15 +467,20 @@ def _q3_k_finish(x, xo, y, o, L):
     """Both Q3_K paths after the scales: requantize at each sub-block's scale, hmask and 2-bit levels."""
     d_all = get_fp16(y, o + 108)
     for j in range(16):
-        sc = y[o + 96 + j] & 0xF if j < 8 else y[o + 96 + j - 8] >> 4
-        sc = i8(np.int64(sc) | (((np.int64(y[o + 96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-        d = d_all * F(sc)
+        d = d_all * F(_q3_k_scale(y, o, j))
         if d == 0:
             continue
         for ii in range(16):
             L[16 * j + ii] = max(-4, min(3, nearest_int(x[xo + 16 * j + ii] / d))) + 4
     _pack_high_bits(y, o, L, 2)
     _pack_2bit(y, o + 32, L)
+
+
+@kernel
+def _q3_k_scale(y, o, j):
+    """Sub-block j's scale: its low 4 bits in a nibble of bytes 96-103, its high 2 in bytes 104-107, minus 32."""
+    low = y[o + 96 + j] & 0xF if j < 8 else y[o + 96 + j - 8] >> 4
+    return i8(np.int64(low) | (((np.int64(y[o + 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
 
 
 @kernel
@@ -598,7 +587,6 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
 @kernel
 def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
     L = np.empty(QK_K, np.int64)
-    Laux = np.empty(32, np.int64)
     weights = np.empty(32, np.float32)
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
@@ -612,7 +600,7 @@ def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
             for l in range(32):
                 weights[l] = av_x + abs(x[xo + 32 * j + l])
             scales[j], mins[j] = make_qkx_quants(
-                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], Laux, rmin, F(0.1), nstep, False, tmp
+                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], rmin, F(0.1), nstep, False, tmp
             )
             if scales[j] > max_scale:
                 max_scale = scales[j]
@@ -632,7 +620,6 @@ def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
 @kernel
 def _q45_k_impl(x, y, n, qw, ts, nmax):
     L = np.empty(QK_K, np.int64)
-    Laux = np.empty(32, np.int64)
     Ls = np.empty(8, np.int64)
     Lm = np.empty(8, np.int64)
     weights = np.empty(32, np.float32)
@@ -646,7 +633,7 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
         for j in range(8):
             sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
             scales[j], mins[j] = make_qkx_quants(
-                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], Laux, F(-0.9), F(0.05), 36, False, tmp
+                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], F(-0.9), F(0.05), 36, False, tmp
             )
         d_block = make_qp_quants(8, 63, scales, Ls, sw)
         m_block = make_qp_quants(8, 63, mins, Lm, sw)
@@ -689,8 +676,8 @@ def quantize_q6_k_weighted(x, y, n, qw):
                 y[o + k] = 0
             continue
         iscale = F(-128.0) / max_scale
-        d_all = fp16_round(F(1.0) / iscale)
         put_fp16(y, o + 208, F(1.0) / iscale)
+        d_all = get_fp16(y, o + 208)
         for ib in range(16):
             y[o + 192 + ib] = np.uint8(min(127, nearest_int(iscale * scales[ib])) & 0xFF)
         for j in range(16):
@@ -699,25 +686,12 @@ def quantize_q6_k_weighted(x, y, n, qw):
                 continue
             for ii in range(16):
                 L[16 * j + ii] = max(-32, min(31, nearest_int(x[xo + 16 * j + ii] / d))) + 32
-        for j in range(0, QK_K, 128):
-            ql = o + j // 2
-            qh = o + 128 + j // 4
+        for j in range(0, QK_K, 128):  # low nibbles: value l with l + 64, l + 32 with l + 96; the top 2 bits
             for l in range(32):
-                q1 = L[j + l] & 0xF
-                q2 = L[j + l + 32] & 0xF
-                q3 = L[j + l + 64] & 0xF
-                q4 = L[j + l + 96] & 0xF
-                y[ql + l] = np.uint8(q1 | (q3 << 4))
-                y[ql + l + 32] = np.uint8(q2 | (q4 << 4))
-                y[qh + l] = np.uint8(
-                    (
-                        (L[j + l] >> 4)
-                        | ((L[j + l + 32] >> 4) << 2)
-                        | ((L[j + l + 64] >> 4) << 4)
-                        | ((L[j + l + 96] >> 4) << 6)
-                    )
-                    & 0xFF
-                )
+                y[o + j // 2 + l] = np.uint8((L[j + l] & 0xF) | ((L[j + l + 64] & 0xF) << 4))
+                y[o + j // 2 + l + 32] = np.uint8((L[j + l + 32] & 0xF) | ((L[j + l + 96] & 0xF) << 4))
+                h = (L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) | ((L[j + l + 64] >> 4) << 4)
+                y[o + 128 + j // 4 + l] = np.uint8((h | ((L[j + l + 96] >> 4) << 6)) & 0xFF)
 
 
 quantize_q6_k = bind(quantize_q6_k_weighted, _NO_WEIGHTS)
@@ -747,20 +721,16 @@ def dequantize_q2_k(y, x):
 
 @kernel
 def dequantize_q3_k(y, x):
-    sc = np.empty(16, np.int64)
     for i in range(x.size // QK_K):
         o, xo = 110 * i, QK_K * i
         d_all = get_fp16(y, o + 108)
-        for j in range(16):
-            low = y[o + 96 + j] & 0xF if j < 8 else y[o + 96 + j - 8] >> 4
-            sc[j] = (np.int64(low) | (((np.int64(y[o + 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
         k = 0
         m = 1
         for n in range(0, QK_K, 128):
             q = o + 32 + n // 4
             for j in range(4):
                 for half in range(2):
-                    dl = d_all * F(sc[n // 16 + 2 * j + half])
+                    dl = d_all * F(_q3_k_scale(y, o, n // 16 + 2 * j + half))
                     for l in range(16):
                         h = 0 if y[o + 16 * half + l] & m else 4
                         x[xo + k] = dl * F(np.int64((y[q + 16 * half + l] >> (2 * j)) & 3) - h)
@@ -806,13 +776,7 @@ def dequantize_q6_k(y, x):
             qh = o + 128 + n // 4
             sc = o + 192 + n // 16
             for l in range(32):
-                s = l // 16
                 h = np.int64(y[qh + l])
-                q1 = i8(np.int64(y[ql + l] & 0xF) | (((h >> 0) & 3) << 4)) - 32
-                q2 = i8(np.int64(y[ql + l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32
-                q3 = i8(np.int64(y[ql + l] >> 4) | (((h >> 4) & 3) << 4)) - 32
-                q4 = i8(np.int64(y[ql + l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32
-                x[xo + n + l] = d * F(i8(np.int64(y[sc + s]))) * F(q1)
-                x[xo + n + l + 32] = d * F(i8(np.int64(y[sc + s + 2]))) * F(q2)
-                x[xo + n + l + 64] = d * F(i8(np.int64(y[sc + s + 4]))) * F(q3)
-                x[xo + n + l + 96] = d * F(i8(np.int64(y[sc + s + 6]))) * F(q4)
+                for k in range(4):  # value l + 32 k: the nibble k // 2 of byte l + 32 (k % 2), bits 2k of h
+                    q = i8(np.int64((y[ql + l + 32 * (k % 2)] >> (4 * (k // 2))) & 0xF) | (((h >> (2 * k)) & 3) << 4))
+                    x[xo + n + l + 32 * k] = d * F(i8(np.int64(y[sc + l // 16 + 2 * k]))) * F(q - 32)

@@ -145,7 +145,7 @@ def _impl(ts, nmax, with_min):
     @kernel
     def quantize(x, y, n, qw):
         weight = np.empty(32, np.float32)
-        L, Laux = np.empty(32, np.int64), np.empty(32, np.int64)
+        L = np.empty(32, np.int64)
         tmp = np.empty(QKX_TMP if with_min else QX_TMP, np.float32)
         nb = n // 32
         for r in range(x.size // n):
@@ -159,7 +159,7 @@ def _impl(ts, nmax, with_min):
                     weight[j] = qw[32 * ib + j] * np.sqrt(sigma2 + x[at + j] * x[at + j])
                 xb = x[at : at + 32]
                 if with_min:
-                    d, mn = make_qkx_quants(32, nmax, xb, weight, L, Laux, F(-0.9), F(0.05), 36, False, tmp)
+                    d, mn = make_qkx_quants(32, nmax, xb, weight, L, F(-0.9), F(0.05), 36, False, tmp)
                     put_fp16(y, o + 2, -mn)
                 else:
                     d = make_qx_quants(32, nmax, xb, L, 1, weight, tmp)
@@ -199,12 +199,7 @@ def _q2_level(v):
 @kernel
 def quantize_q2_0(x, y, n_per_row):
     for i in range(x.size // 64):
-        amax = F(0.0)
-        for j in range(64):
-            a = abs(x[64 * i + j])
-            if a > amax:
-                amax = a
-        d = amax
+        d = max(block_absmax(x, 64 * i)[0], block_absmax(x, 64 * i + 32)[0])  # NaN skipped, as C's ``a > amax``
         idv = F(1.0) / d if d > F(0.0) else F(0.0)
         put_fp16(y, 18 * i, d)
         if idv < np.inf:  # |x * idv| <= amax * (1 / amax) < 1.5 for every finite x

@@ -2,9 +2,8 @@
 one-after-the-other loops give, bit for bit, on data made to stress them: blocks whose minimum moves at almost
 every step, clusters with one far outlier (the chosen minimum far from the block's, where make_qkx_quants' float
 levels are not exact and it goes step by step), zero weights, ties on rounding boundaries, sub-normal and huge
-values. The references are C's loops as numba code: make_qx_quants as it was written before (issue 37), and
-make_qkx_quants' own step-by-step path from its first step. tests/ggml's goldens and llama.cpp fuzz check the
-whole types against ggml itself."""
+values. The references are C's loops as numba code: make_qx_quants and make_qkx_quants as C writes them, pass
+after pass and step after step. tests/ggml's goldens and llama.cpp fuzz check the whole types against ggml."""
 
 from __future__ import annotations
 
@@ -59,14 +58,42 @@ def qx_reference(n, nmax, x, L, qw):
 
 
 @numba.njit(error_model="numpy")
-def qkx_reference(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+def qkx_reference(n, nmax, x, weights, L, rmin, rdelta, nstep, use_mad):
     """ggml's make_qkx2_quants: make_qkx_quants' start, then all its steps one after the other."""
     mn, mx, _, sum_w, sum_x, scale, best_mad = K.qkx_start(n, nmax, x, weights, L, use_mad)
     if mx <= mn or nstep < 1:
         return scale, -mn
-    scale, mn = K.qkx_steps(
-        n, nmax, x, weights, L, Laux, rmin, rdelta, 0, nstep, use_mad, mn, mx, sum_w, sum_x, scale, best_mad
-    )
+    Laux = np.empty(n, np.int64)
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F(step) + F(nmax)) / (mx - mn)
+        sum_l = F(0.0)
+        sum_l2 = F(0.0)
+        sum_xl = F(0.0)
+        for i in range(n):
+            l = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+            Laux[i] = l
+            w = weights[i]
+            sum_l += w * F(l)
+            sum_l2 += w * F(l) * F(l)
+            sum_xl += w * F(l) * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F(0.0)
+                this_scale = sum_xl / sum_l2
+            mad = F(0.0)
+            for i in range(n):
+                diff = this_scale * F(Laux[i]) + this_min - x[i]
+                diff = abs(diff) if use_mad else diff * diff
+                mad += weights[i] * diff
+            if mad < best_mad:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_mad = mad
+                scale = this_scale
+                mn = this_min
     return scale, -mn
 
 
@@ -129,9 +156,8 @@ def test_make_qkx_quants_is_c_step_by_step(n, nmax, rmin, rdelta, nstep, use_mad
     tmp = np.empty(K.QKX_TMP, F)
     for x, w in blocks(n, 400, seed=nstep * 1000 + n):
         La, Lb = np.empty(n, np.int64), np.empty(n, np.int64)
-        Laux = np.empty(n, np.int64)
-        got = K.make_qkx_quants(n, nmax, x, w, La, Laux, F(rmin), F(rdelta), nstep, use_mad, tmp)
-        want = qkx_reference(n, nmax, x, w, Lb, Laux, F(rmin), F(rdelta), nstep, use_mad)
+        got = K.make_qkx_quants(n, nmax, x, w, La, F(rmin), F(rdelta), nstep, use_mad, tmp)
+        want = qkx_reference(n, nmax, x, w, Lb, F(rmin), F(rdelta), nstep, use_mad)
         assert np.asarray(got, F).tobytes() == np.asarray(want, F).tobytes() and np.array_equal(La, Lb), (x, w)
 
 
