@@ -35,6 +35,7 @@ __all__ = ["Stored", "quantize", "dequantize", "workers", "set_workers", "bytes_
 CHUNK = 1 << 17  # values per task: 512 KB of float32, in L2 while it is read, checked and quantized
 REPORT_EVERY = 8  # tasks between progress reports: each wakes the writer for one write
 _KIND = {T.F32: floats.F32, T.BF16: floats.BF16, T.F16: floats.F16}
+_FLOAT_DTYPE = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}  # how numpy holds each float type
 _ITEM = {floats.F32: 4, floats.BF16: 2, floats.F16: 2}
 _NONE = np.empty(0, np.float32)
 
@@ -342,7 +343,7 @@ def quantize(
 
 def _output_shape(src: _Source, rec: GgmlType) -> tuple[tuple[int, ...], np.dtype]:
     if rec.qtype in FLOAT_TYPES:
-        return src.shape, np.dtype({T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[rec.qtype])
+        return src.shape, np.dtype(_FLOAT_DTYPE[rec.qtype])
     return (*src.shape[:-1], src.n // rec.block_size * rec.type_size), np.dtype(np.uint8)
 
 
@@ -353,8 +354,7 @@ def _run(src: _Source, rec: GgmlType, imp, check_scales: bool, name: str, out, p
     if out is None or out.nbytes != nbytes or out.dtype != np.uint8:
         out = np.empty(nbytes, dtype=np.uint8)
     flat = out.reshape(-1)
-    same = {T.F32: floats.F32, T.F16: floats.F16, T.BF16: floats.BF16}.get(rec.qtype)
-    encode = None if same == src.kind else _encoder(rec, imp is not None, check_scales, name)
+    encode = None if _KIND.get(rec.qtype) == src.kind else _encoder(rec, imp is not None, check_scales, name)
 
     def one(task: tuple[int, int, np.ndarray]) -> None:
         r0, r1, w = task
@@ -416,7 +416,7 @@ def dequantize(raw, qtype, shape) -> np.ndarray:
             f"{count // rec.block_size * rec.type_size}"
         )
     if rec.qtype in FLOAT_TYPES:
-        return dequantize(b.view({T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[rec.qtype]), qtype, shape)
+        return dequantize(b.view(_FLOAT_DTYPE[rec.qtype]), qtype, shape)
     x = np.empty(count, dtype=np.float32)
     if not b.flags.writeable:
         b = b.copy()

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 from gguf import quants as gq
 
-from .jit import kernel
+from .jit import F, kernel
 
 # family name: (gguf-py class, bits per coordinate, coordinates, nwant, highest level a quantizer reaches)
 _FAMILIES = {
@@ -89,11 +89,15 @@ def grid_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @functools.cache
 def search_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What the quantizers search with: (grid points' values 2l + 1 as float32, their levels l as int8, both
-    flat: point g at ``[coordinates*g:]``; kmap; neighbours). The values are float once here, not at every
-    candidate of a neighbour search."""
+    """What the quantizers search with: (grid points' values 2l + 1 as float32 (IQ1: l - 1 + 0.125, then
+    l - 1 - 0.125), their levels l as int8, both flat: point g at ``[coordinates*g:]``; kmap; neighbours). The
+    values are float once here, not at every candidate of a neighbour search."""
     pos, kmap, neighbours = grid_tables(family)
-    return pos.astype(np.float32).ravel(), ((pos - 1) // 2).astype(np.int8).ravel(), kmap, neighbours
+    levels = ((pos - 1) // 2).astype(np.int8).ravel()
+    values = pos.astype(np.float32).ravel()
+    if family == "IQ1_S":  # IQ1's values are l - 1 shifted by +-IQ1S_DELTA (0.125): up, then down
+        values = np.concatenate([levels - F(1.0) + F(0.125), levels - F(1.0) - F(0.125)]).astype(np.float32)
+    return values, levels, kmap, neighbours
 
 
 @functools.cache

@@ -91,9 +91,9 @@ def _signs(x, xo, weight, xval, signs, n, parity):
 
 
 @inline
-def _find_best_neighbour(neighbours, start, grid, levels, gw, xval, xo, waux, scale, L, lo):
-    """``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour``: the neighbour of least weighted squared error
-    at ``scale``; its levels into ``L[lo:]``."""
+def _find_best_neighbour(neighbours, start, grid, levels, gw, xval, xo, waux, wo, scale, L, lo):
+    """``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour`` / ``iq1_find_best_neighbour2``: the neighbour of
+    least weighted squared error to ``xval[xo:]`` (weights ``waux[wo:]``) at ``scale``; its levels into ``L[lo:]``."""
     best_d2 = _FLT_MAX
     grid_index = -1
     for j in range(1, np.int64(neighbours[start]) + 1):
@@ -101,7 +101,7 @@ def _find_best_neighbour(neighbours, start, grid, levels, gw, xval, xo, waux, sc
         d2 = F(0.0)
         for i in range(gw):
             diff = scale * grid[gw * g + i] - xval[xo + i]
-            d2 += waux[xo + i] * diff * diff
+            d2 += waux[wo + i] * diff * diff
         if d2 < best_d2:
             best_d2 = d2
             grid_index = g
@@ -111,15 +111,16 @@ def _find_best_neighbour(neighbours, start, grid, levels, gw, xval, xo, waux, sc
 
 
 @inline
-def _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels):
-    """Group k's levels ``L[gw*k:]`` to a grid point: its index, and whether they were on the grid."""
+def _snap(xval, xo, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels):
+    """Group k's levels ``L[gw*k:]`` to a grid point (its values ``xval[xo:]``, weights ``waux[gw*k:]``): its index,
+    and whether they were on the grid."""
     u = 0
     for i in range(gw):
         u |= L[gw * k + i] << (bits * i)
     g = kmap[u]
     if g >= 0:
         return g, True
-    return _find_best_neighbour(neighbours, -g - 1, grid, levels, gw, xval, gw * k, waux, scale, L, gw * k), False
+    return _find_best_neighbour(neighbours, -g - 1, grid, levels, gw, xval, xo, waux, gw * k, scale, L, gw * k), False
 
 
 @inline
@@ -169,7 +170,9 @@ def _grid_search(n, spec, xval, weight, waux, L, Laux, gidx, on_grid, on_grid_au
         this_scale = F(1.0) / idv
         for k in range(ng):
             _levels_at(xval, Laux, k, gw, idv, kmax)
-            gidx[k], on_grid_aux[k] = _snap(xval, waux, Laux, k, gw, bits, this_scale, kmap, neighbours, grid, levels)
+            gidx[k], on_grid_aux[k] = _snap(
+                xval, gw * k, waux, Laux, k, gw, bits, this_scale, kmap, neighbours, grid, levels
+            )
         sumqx, sumq2 = _fit(weight, xval, Laux, n)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -188,7 +191,7 @@ def _grid_search(n, spec, xval, weight, waux, L, Laux, gidx, on_grid, on_grid_au
             if on_grid[k] and not refit_all:
                 continue
             _levels_at(xval, L, k, gw, idv, kmax)
-            _snap(xval, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels)
+            _snap(xval, gw * k, waux, L, k, gw, bits, scale, kmap, neighbours, grid, levels)
         sumqx, sumq2 = _fit(weight, xval, L, n)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -340,10 +343,11 @@ _XM = np.array([F(-1.0) - _IQ1_DELTA, -_IQ1_DELTA, F(1.0) - _IQ1_DELTA], np.floa
 
 
 @inline
-def _iq1_values(code, k, ng):
-    """The shifted levels of group ``k`` of ``ng``: ``code``'s bit 1 shifts the first half down, bit 0 the
-    second (IQ1_M's four codes; IQ1_S uses 0 and 3)."""
-    return _XM if ((code >> 1) if 2 * k < ng else code) & 1 else _XP
+def _iq1_half(code, k, ng, grid):
+    """Where group ``k`` of ``ng`` finds its values in ``grid`` (:func:`.iqtables.search_tables`: the points' levels
+    shifted up, then down): ``code``'s bit 1 shifts the first half down, bit 0 the second (IQ1_M's four codes;
+    IQ1_S uses 0 and 3)."""
+    return grid.size // 2 if ((code >> 1) if 2 * k < ng else code) & 1 else 0
 
 
 @inline
@@ -362,7 +366,7 @@ def _sort_order(x, xb, n, idx, xs):
 
 
 @inline
-def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, levels):
+def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, grid, levels):
     """The chosen split's levels (sorted values below ``i1``: 0, below ``i2``: 1, then 2), flipped with the
     scale's sign; each group of 8 to a grid point, the scale refitted when one was off the grid: (scale, code)."""
     for j in range(bn):
@@ -375,51 +379,22 @@ def _iq1_finish(x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, nei
     ng = bn // 8
     all_on_grid = True
     for k in range(ng):
-        index[k], on = _iq1_snap(x, xb, weight, L, k, scale, _iq1_values(code, k, ng), kmap, neighbours, levels)
+        at = _iq1_half(code, k, ng, grid)
+        index[k], on = _snap(x, xb + 8 * k, weight, L, k, 8, 2, scale, kmap, neighbours, grid[at:], levels)
         all_on_grid = all_on_grid and on
     if not all_on_grid:
         sumqx = F(0.0)
         sumq2 = F(0.0)
         for k in range(ng):
-            xx = _iq1_values(code, k, ng)
+            at = _iq1_half(code, k, ng, grid) + 8 * index[k]
             for j in range(8):
                 w = weight[8 * k + j]
-                qv = xx[levels[8 * index[k] + j]]
+                qv = grid[at + j]
                 sumqx += w * qv * x[xb + 8 * k + j]
                 sumq2 += w * qv * qv
         if sumqx > 0 and sumq2 > 0:
             scale = sumqx / sumq2
     return scale, code
-
-
-@inline
-def _find_best_neighbour2(neighbours, start, levels, x, xo, weight, wo, scale, xx, L, lo):
-    """``iq1_find_best_neighbour2``."""
-    best = _FLT_MAX
-    grid_index = -1
-    for j in range(1, np.int64(neighbours[start]) + 1):
-        g = np.int64(neighbours[start + j])
-        d2 = F(0.0)
-        for i in range(8):
-            diff = scale * xx[levels[8 * g + i]] - x[xo + i]
-            d2 += weight[wo + i] * diff * diff
-        if d2 < best:
-            best = d2
-            grid_index = g
-    for i in range(8):
-        L[lo + i] = levels[8 * grid_index + i]
-    return grid_index
-
-
-@inline
-def _iq1_snap(x, xb, weight, L, k, scale, xx, kmap, neighbours, levels):
-    u = 0
-    for j in range(8):
-        u |= L[8 * k + j] << (2 * j)
-    g = kmap[u]
-    if g >= 0:
-        return g, True
-    return _find_best_neighbour2(neighbours, -g - 1, levels, x, xb + 8 * k, weight, 8 * k, scale, xx, L, 8 * k), False
 
 
 @inline
@@ -511,10 +486,10 @@ def _iq1_quantizer(kind):
     def quantize(x, y, n, qw, grid, levels, kmap, neighbours):
         f32, i64 = np.float32, np.int64
         scratch = np.empty((2, bn), f32), np.empty((2, 2, 33), f32), np.empty((2, bn), i64), np.empty(16, f32)
-        rows(x, y, n, qw, levels, kmap, neighbours, *scratch, np.empty(24, i64))
+        rows(x, y, n, qw, grid, levels, kmap, neighbours, *scratch, np.empty(24, i64))
 
     @raw_kernel
-    def rows(x, y, n, qw, levels, kmap, neighbours, fs, sums, ls, scales, ints):
+    def rows(x, y, n, qw, grid, levels, kmap, neighbours, fs, sums, ls, scales, ints):
         weight, xs = fs[0], fs[1]
         px, pw = sums[0], sums[1]  # IQ1_S: its sums in px[0], pw[0]
         L, idx = ls[0], ls[1]
@@ -543,7 +518,7 @@ def _iq1_quantizer(kind):
                 if i1 < 0 or i2 < 0 or code < 0:
                     continue
                 scale, code = _iq1_finish(
-                    x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, levels
+                    x, xb, weight, L, idx, bn, i1, i2, scale, code, index, kmap, neighbours, grid, levels
                 )
                 if m:
                     y[o + 2 * ib] = np.uint8(index[0] & 255)
@@ -580,11 +555,11 @@ def _iq1_quantizer(kind):
                 _weights(x, xb, qw, qo + 16 * ib, sigma2, weight, 16, False)
                 qh = np.int64(y[o + 32 + ib])
                 for k in range(2):
-                    xx = _iq1_values(shifts[ib], k, 2)
                     g = np.int64(y[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
+                    at = _iq1_half(shifts[ib], k, 2, grid) + 8 * g
                     for j in range(8):
                         w = weight[8 * k + j]
-                        qv = xx[levels[8 * g + j]] * F(2 * l + 1)
+                        qv = grid[at + j] * F(2 * l + 1)
                         sqx += w * qv * x[xb + 8 * k + j]
                         sq2 += w * qv * qv
             if sq2 > 0:

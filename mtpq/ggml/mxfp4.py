@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import F, bits_f32, c_int, inline, kernel
+from .jit import F, bits_f32, block_absmax, c_int, inline, kernel
 
 KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
@@ -60,10 +60,7 @@ def _code(v, d):
 @kernel
 def quantize_mxfp4(x, y, n_per_row):
     for i in range(x.size // 32):
-        amax = F(0.0)
-        for j in range(32):
-            if amax < abs(x[32 * i + j]):
-                amax = abs(x[32 * i + j])
+        amax = block_absmax(x, 32 * i)[0]  # C's loop skips a NaN (amax < NaN is false): so does the scan
         e = 0
         if amax > 0:
             e = c_int(np.floor(F(np.log2(np.float64(amax)))) - F(2.0) + F(127.0)) & 0xFF
