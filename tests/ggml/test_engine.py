@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import gguf
 import numpy as np
@@ -232,7 +233,12 @@ def test_a_failed_task_among_threads_is_raised_once_all_have_stopped(bad_row, mo
     monkeypatch.setitem(engine._state, "n", 3)
     ran = []
     check = engine.floats.all_finite
-    monkeypatch.setattr(engine.floats, "all_finite", lambda x: ran.append(1) or check(x))
+
+    def checked(x):  # a good chunk takes 20 ms: the bad one is found while the others are still in theirs,
+        ran.append(1)  # whichever thread the 2 cores run first (without it, the bound below was once missed)
+        return check(x) and not time.sleep(0.02)
+
+    monkeypatch.setattr(engine.floats, "all_finite", checked)
     with pytest.raises(ValueError, match="^blk.0.attn_q.weight: contains NaN/Inf values$"):
         quantize(x, T.Q8_0, "blk.0.attn_q.weight")
     count = len(ran)
