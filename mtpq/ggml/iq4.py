@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import GROUP_MAX_EPS, QK_K, F, absmax, bind, fp16, get_fp16, inline, kernel, nearest_int
+from .kquants import sum_x2
 from .legacy import dequantize_nibbles
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -37,10 +38,7 @@ def _iq4_impl(super_size, x, xo, y, o, xs, scales, weight, L, Lt, qw, qo, ntry):
     """``quantize_row_iq4_nl_impl(super_size, 32, ...)`` for the super-block at ``x[xo]``, into the block at
     ``y[o]`` (IQ4_NL: d, qs; IQ4_XS: d, scales_h, scales_l, qs)."""
     weighted = qw.size > 0
-    sigma2 = F(0.0)
-    for j in range(super_size):
-        sigma2 += x[xo + j] * x[xo + j]
-    sigma2 *= F(2.0) / F(super_size)
+    sigma2 = sum_x2(x, xo, super_size) * (F(2.0) / F(super_size))
     q4 = o + 8 if xs else o + 2
     for j in range(super_size // 2):
         y[q4 + j] = 0

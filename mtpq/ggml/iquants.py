@@ -31,7 +31,7 @@ from .jit import (
     put_u32,
     raw_kernel,
 )
-from .kquants import make_qp_quants
+from .kquants import make_qp_quants, sum_x2
 
 _FLT_MAX = F(3.4028234663852886e38)
 _IQ1_DELTA = F(0.125)
@@ -52,14 +52,6 @@ def _weights(x, xo, qw, qo, sigma2, weight, n, no_imatrix_bias):
     else:
         for i in range(n):
             weight[i] = x[xo + i] * x[xo + i]
-
-
-@inline
-def _sigma2(x, xo, twice):
-    s = F(0.0)
-    for i in range(QK_K):
-        s += x[xo + i] * x[xo + i]
-    return F(2.0) * s / F(QK_K) if twice else s / F(QK_K)
 
 
 @inline
@@ -253,7 +245,7 @@ def _grid_quantizer(kind):
             qpos = o + 2  # IQ3_S: its qs and signs move on only past the sub-blocks it keeps
             spos = o + 74
             max_scale = F(0.0)
-            sigma2 = _sigma2(x, xo, twice)
+            sigma2 = F(2.0 if twice else 1.0) * sum_x2(x, xo, QK_K) / F(QK_K)
             for ib in range(nsub):
                 xb = xo + bn * ib
                 _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, bias)
@@ -499,7 +491,7 @@ def _iq1_quantizer(kind):
             for j in range(ts):
                 y[o + j] = 0
             max_scale = F(0.0)
-            sigma2 = _sigma2(x, xo, True)
+            sigma2 = F(2.0) * sum_x2(x, xo, QK_K) / F(QK_K)
             for ib in range(QK_K // bn):
                 xb = xo + bn * ib
                 _weights(x, xb, qw, qo + bn * ib, sigma2, weight, bn, False)
@@ -604,68 +596,66 @@ def dequantize_iq2_xxs(y, x, grid):
                 _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g, 8, signs, 0)
 
 
-@kernel
-def dequantize_iq2_xs(y, x, grid):
-    for i in range(x.size // QK_K):
-        o, xo = 74 * i, QK_K * i
-        d = get_fp16(y, o)
-        for ib in range(8):
-            s = y[o + 66 + ib]
-            db0 = d * (F(0.5) + F(s & 0xF)) * F(0.25)
-            db1 = d * (F(0.5) + F(s >> 4)) * F(0.25)
-            for l in range(4):
-                q = get_u16(y, o + 2 + 2 * (4 * ib + l))
-                signs = KSIGNS[q >> 9]
-                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, q & 511, 8, signs, 0)
+def _dequantize_iq2(s_type):
+    """``dequantize_row_iq2_xs`` (a uint16 per 8 values: a 9-bit grid index, 7 sign bits) and ``iq2_s``
+    (``s_type``: an index byte, its 2 high bits in qh, a sign byte)."""
+    ts, so = (82, 74) if s_type else (74, 66)
+
+    @kernel
+    def dequantize(y, x, grid):
+        for i in range(x.size // QK_K):
+            o, xo = ts * i, QK_K * i
+            d = get_fp16(y, o)
+            for ib in range(8):
+                s = y[o + so + ib]
+                db0 = d * (F(0.5) + F(s & 0xF)) * F(0.25)
+                db1 = d * (F(0.5) + F(s >> 4)) * F(0.25)
+                for l in range(4):
+                    if s_type:
+                        g = np.int64(y[o + 2 + 4 * ib + l]) | ((np.int64(y[o + 66 + ib]) << (8 - 2 * l)) & 0x300)
+                        signs = np.int64(y[o + 34 + 4 * ib + l])
+                    else:
+                        q = np.int64(get_u16(y, o + 2 + 2 * (4 * ib + l)))
+                        g, signs = q & 511, np.int64(KSIGNS[q >> 9])
+                    _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, g, 8, signs, 0)
+
+    return dequantize
 
 
-@kernel
-def dequantize_iq2_s(y, x, grid):
-    for i in range(x.size // QK_K):
-        o, xo = 82 * i, QK_K * i
-        d = get_fp16(y, o)
-        for ib in range(8):
-            s = y[o + 74 + ib]
-            db0 = d * (F(0.5) + F(s & 0xF)) * F(0.25)
-            db1 = d * (F(0.5) + F(s >> 4)) * F(0.25)
-            qh = np.int64(y[o + 66 + ib])
-            for l in range(4):
-                g = np.int64(y[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
-                signs = y[o + 34 + 4 * ib + l]
-                _put_signed(x, xo + 32 * ib + 8 * l, db0 if l < 2 else db1, grid, g, 8, signs, 0)
+def _dequantize_iq3(s_type):
+    """``dequantize_row_iq3_xxs`` (per 32 values a uint32: four 7-bit sign codes, a 4-bit scale) and ``iq3_s``
+    (``s_type``: high index bits in qh, sign bytes, 4-bit odd scales)."""
+    ts = 110 if s_type else 98
+
+    @kernel
+    def dequantize(y, x, grid):
+        for i in range(x.size // QK_K):
+            o, xo = ts * i, QK_K * i
+            d = get_fp16(y, o)
+            for ib in range(8):
+                if s_type:
+                    db = d * F(1 + 2 * ((y[o + 106 + ib // 2] >> (4 * (ib % 2))) & 0xF))
+                    a = np.uint32(0)
+                else:
+                    a = get_u32(y, o + 66 + 4 * ib)
+                    db = d * (F(0.5) + F(a >> 28)) * F(0.5)
+                qh = np.int64(y[o + 66 + ib])
+                for l in range(4):
+                    g1 = np.int64(y[o + 2 + 8 * ib + 2 * l])
+                    g2 = np.int64(y[o + 2 + 8 * ib + 2 * l + 1])
+                    if s_type:
+                        g1, g2 = g1 | ((qh << (8 - 2 * l)) & 256), g2 | ((qh << (7 - 2 * l)) & 256)
+                        signs = np.int64(y[o + 74 + 4 * ib + l])
+                    else:
+                        signs = np.int64(KSIGNS[(a >> (7 * l)) & 127])
+                    _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
+                    _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
+
+    return dequantize
 
 
-@kernel
-def dequantize_iq3_xxs(y, x, grid):
-    for i in range(x.size // QK_K):
-        o, xo = 98 * i, QK_K * i
-        d = get_fp16(y, o)
-        for ib in range(8):
-            a = get_u32(y, o + 66 + 4 * ib)
-            db = d * (F(0.5) + F(a >> 28)) * F(0.5)
-            for l in range(4):
-                signs = KSIGNS[(a >> (7 * l)) & 127]
-                g1 = y[o + 2 + 8 * ib + 2 * l]
-                g2 = y[o + 2 + 8 * ib + 2 * l + 1]
-                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
-                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
-
-
-@kernel
-def dequantize_iq3_s(y, x, grid):
-    for i in range(x.size // QK_K):
-        o, xo = 110 * i, QK_K * i
-        d = get_fp16(y, o)
-        for ib in range(8):
-            s = y[o + 106 + ib // 2]
-            db = d * F(1 + 2 * ((s >> (4 * (ib % 2))) & 0xF))
-            qh = np.int64(y[o + 66 + ib])
-            for l in range(4):
-                g1 = np.int64(y[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
-                g2 = np.int64(y[o + 2 + 8 * ib + 2 * l + 1]) | ((qh << (7 - 2 * l)) & 256)
-                signs = y[o + 74 + 4 * ib + l]
-                _put_signed(x, xo + 32 * ib + 8 * l, db, grid, g1, 4, signs, 0)
-                _put_signed(x, xo + 32 * ib + 8 * l + 4, db, grid, g2, 4, signs, 4)
+dequantize_iq2_xs, dequantize_iq2_s = _dequantize_iq2(False), _dequantize_iq2(True)
+dequantize_iq3_xxs, dequantize_iq3_s = _dequantize_iq3(False), _dequantize_iq3(True)
 
 
 @kernel

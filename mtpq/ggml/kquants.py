@@ -348,7 +348,8 @@ def _sub_weights(x, at, qw, qat, sigma2, weights, n):
 
 
 @kernel
-def _sum_x2(x, at, n):
+def sum_x2(x, at, n):
+    """The sum of ``x[at:at+n]`` squared, in order (every weighted path's sigma2)."""
     s = F(0.0)
     for l in range(n):
         s += x[at + l] * x[at + l]
@@ -395,8 +396,12 @@ def _q2_k_levels(x, xo, y, o, L):
 
 
 @kernel
-def _q2_k_put(y, o, v, vmax, shift):
-    """The 4-bit codes of ``v`` (scales: ``shift`` 0, mins: 4) at 15/``vmax``; returns the block's fp16 value."""
+def _q2_k_put(y, o, v, shift):
+    """The 4-bit codes of ``v`` (scales: ``shift`` 0, mins: 4) at 15 / their max; returns the block's value."""
+    vmax = F(0.0)
+    for j in range(16):
+        if v[j] > vmax:
+            vmax = v[j]
     if vmax > 0:
         iscale = F(15.0) / vmax
         for j in range(16):
@@ -405,35 +410,8 @@ def _q2_k_put(y, o, v, vmax, shift):
 
 
 @kernel
-def quantize_q2_k(x, y, n_per_row):
-    L = np.empty(QK_K, np.int64)
-    weights = np.empty(16, np.float32)
-    mins = np.empty(16, np.float32)
-    scales = np.empty(16, np.float32)
-    tmp = np.empty(QKX_TMP, np.float32)
-    for i in range(x.size // QK_K):
-        xo, o = QK_K * i, 84 * i
-        max_scale = F(0.0)
-        max_min = F(0.0)
-        for j in range(16):
-            for l in range(16):
-                weights[l] = abs(x[xo + 16 * j + l])
-            scales[j], mins[j] = make_qkx_quants(
-                16, 3, x[xo + 16 * j :], weights, L[16 * j :], F(-0.5), F(0.1), 15, True, tmp
-            )
-            if scales[j] > max_scale:
-                max_scale = scales[j]
-            if mins[j] > max_min:
-                max_min = mins[j]
-        for j in range(16):
-            y[o + j] = 0
-        put_fp16(y, o + 80, _q2_k_put(y, o, scales, max_scale, 0))
-        put_fp16(y, o + 82, _q2_k_put(y, o, mins, max_min, 4))
-        _q2_k_levels(x, xo, y, o, L)
-
-
-@kernel
 def quantize_q2_k_weighted(x, y, n, qw):
+    """``quantize_row_q2_K_ref`` (``qw`` empty) / ``_impl``."""
     L = np.empty(QK_K, np.int64)
     weights = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
@@ -442,21 +420,34 @@ def quantize_q2_k_weighted(x, y, n, qw):
     Ls = np.empty(16, np.int64)
     Lm = np.empty(16, np.int64)
     tmp = np.empty(QKX_TMP, np.float32)
+    weighted = qw.size > 0
+    rmin, rdelta, nstep = (F(-0.9), F(0.05), 36) if weighted else (F(-0.5), F(0.1), 15)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 84 * i, (QK_K * i) % n
-        sigma2 = _sum_x2(x, xo, QK_K) / F(QK_K)
+        sigma2 = sum_x2(x, xo, QK_K) / F(QK_K) if weighted else F(0.0)
         for j in range(16):
-            sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
+            if weighted:
+                sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
+            else:
+                for l in range(16):
+                    weights[l] = abs(x[xo + 16 * j + l])
             scales[j], mins[j] = make_qkx_quants(
-                16, 3, x[xo + 16 * j :], weights, L[16 * j :], F(-0.9), F(0.05), 36, False, tmp
+                16, 3, x[xo + 16 * j :], weights, L[16 * j :], rmin, rdelta, nstep, not weighted, tmp
             )
-        dm = make_qp_quants(16, 15, scales, Ls, sw)
-        mm = make_qp_quants(16, 15, mins, Lm, sw)
-        put_fp16(y, o + 80, dm)
-        put_fp16(y, o + 82, mm)
-        for j in range(16):
-            y[o + j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
+        if weighted:
+            put_fp16(y, o + 80, make_qp_quants(16, 15, scales, Ls, sw))
+            put_fp16(y, o + 82, make_qp_quants(16, 15, mins, Lm, sw))
+            for j in range(16):
+                y[o + j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
+        else:
+            for j in range(16):
+                y[o + j] = 0
+            put_fp16(y, o + 80, _q2_k_put(y, o, scales, 0))
+            put_fp16(y, o + 82, _q2_k_put(y, o, mins, 4))
         _q2_k_levels(x, xo, y, o, L)
+
+
+quantize_q2_k = bind(quantize_q2_k_weighted, _NO_WEIGHTS)
 
 
 # --------------------------------------------------------------------------- Q3_K
@@ -529,7 +520,7 @@ def quantize_q3_k_weighted(x, y, n, qw):
     tmp = np.empty(QX_TMP, np.float32)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, 110 * i, (QK_K * i) % n
-        sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
+        sigma2 = F(2.0) * sum_x2(x, xo, QK_K) / F(QK_K)
         for j in range(16):
             sw[j] = _sub_weights(x, xo + 16 * j, qw, qo + 16 * j, sigma2, weights, 16)
             scales[j] = make_qx_quants(16, 4, x[xo + 16 * j :], L[16 * j :], 1, weights, tmp)
@@ -585,40 +576,21 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
 
 
 @kernel
-def _q45_k_ref(x, y, n_per_row, ts, nmax, rmin, nstep):
-    L = np.empty(QK_K, np.int64)
-    weights = np.empty(32, np.float32)
-    mins = np.empty(8, np.float32)
-    scales = np.empty(8, np.float32)
-    tmp = np.empty(QKX_TMP, np.float32)
-    for i in range(x.size // QK_K):
-        xo, o = QK_K * i, ts * i
-        max_scale = F(0.0)
-        max_min = F(0.0)
-        for j in range(8):
-            av_x = np.sqrt(_sum_x2(x, xo + 32 * j, 32) / F(32.0))
-            for l in range(32):
-                weights[l] = av_x + abs(x[xo + 32 * j + l])
-            scales[j], mins[j] = make_qkx_quants(
-                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], rmin, F(0.1), nstep, False, tmp
-            )
-            if scales[j] > max_scale:
-                max_scale = scales[j]
-            if mins[j] > max_min:
-                max_min = mins[j]
-        inv_scale = F(63.0) / max_scale if max_scale > 0 else F(0.0)
-        inv_min = F(63.0) / max_min if max_min > 0 else F(0.0)
-        for j in range(8):
-            ls = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
-            lm = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
-            _put_scale_min_k4(y, o + 4, j, ls, lm)
-        put_fp16(y, o, max_scale / F(63.0))
-        put_fp16(y, o + 2, max_min / F(63.0))
-        _q45_k_finish(x, xo, y, o, L, nmax)
+def _q45_k_codes(v, codes):
+    """The unweighted path's 6-bit codes of ``v`` at 63 / their max; returns the block's value."""
+    vmax = F(0.0)
+    for j in range(8):
+        if v[j] > vmax:
+            vmax = v[j]
+    inv = F(63.0) / vmax if vmax > 0 else F(0.0)
+    for j in range(8):
+        codes[j] = nearest_int(inv * v[j]) & 0xFF
+    return vmax / F(63.0)
 
 
 @kernel
-def _q45_k_impl(x, y, n, qw, ts, nmax):
+def _q45_k(x, y, n, qw, ts, nmax, rmin, nstep):
+    """``quantize_row_q4_K_ref`` / ``q5_K_ref`` (``qw`` empty; ``rmin``, ``nstep`` theirs) and their ``_impl``."""
     L = np.empty(QK_K, np.int64)
     Ls = np.empty(8, np.int64)
     Lm = np.empty(8, np.int64)
@@ -627,27 +599,36 @@ def _q45_k_impl(x, y, n, qw, ts, nmax):
     mins = np.empty(8, np.float32)
     scales = np.empty(8, np.float32)
     tmp = np.empty(QKX_TMP, np.float32)
+    weighted = qw.size > 0
+    rmin, rdelta, nstep = (F(-0.9), F(0.05), 36) if weighted else (rmin, F(0.1), nstep)
     for i in range(x.size // QK_K):
         xo, o, qo = QK_K * i, ts * i, (QK_K * i) % n
-        sigma2 = F(2.0) * _sum_x2(x, xo, QK_K) / F(QK_K)
+        sigma2 = F(2.0) * sum_x2(x, xo, QK_K) / F(QK_K) if weighted else F(0.0)
         for j in range(8):
-            sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
+            if weighted:
+                sw[j] = _sub_weights(x, xo + 32 * j, qw, qo + 32 * j, sigma2, weights, 32)
+            else:
+                av_x = np.sqrt(sum_x2(x, xo + 32 * j, 32) / F(32.0))
+                for l in range(32):
+                    weights[l] = av_x + abs(x[xo + 32 * j + l])
             scales[j], mins[j] = make_qkx_quants(
-                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], F(-0.9), F(0.05), 36, False, tmp
+                32, nmax, x[xo + 32 * j :], weights, L[32 * j :], rmin, rdelta, nstep, False, tmp
             )
-        d_block = make_qp_quants(8, 63, scales, Ls, sw)
-        m_block = make_qp_quants(8, 63, mins, Lm, sw)
+        if weighted:
+            put_fp16(y, o, make_qp_quants(8, 63, scales, Ls, sw))
+            put_fp16(y, o + 2, make_qp_quants(8, 63, mins, Lm, sw))
+        else:
+            put_fp16(y, o, _q45_k_codes(scales, Ls))
+            put_fp16(y, o + 2, _q45_k_codes(mins, Lm))
         for j in range(8):
             _put_scale_min_k4(y, o + 4, j, min(63, Ls[j] & 0xFF), min(63, Lm[j] & 0xFF))
-        put_fp16(y, o, d_block)
-        put_fp16(y, o + 2, m_block)
         _q45_k_finish(x, xo, y, o, L, nmax)
 
 
-quantize_q4_k = bind(_q45_k_ref, 144, 15, F(-1.0), 20)
-quantize_q5_k = bind(_q45_k_ref, 176, 31, F(-0.5), 15)
-quantize_q4_k_weighted = bind(_q45_k_impl, 144, 15)
-quantize_q5_k_weighted = bind(_q45_k_impl, 176, 31)
+quantize_q4_k = bind(_q45_k, _NO_WEIGHTS, 144, 15, F(-1.0), 20)
+quantize_q5_k = bind(_q45_k, _NO_WEIGHTS, 176, 31, F(-0.5), 15)
+quantize_q4_k_weighted = bind(_q45_k, 144, 15, F(-1.0), 20)
+quantize_q5_k_weighted = bind(_q45_k, 176, 31, F(-0.5), 15)
 
 
 # --------------------------------------------------------------------------- Q6_K

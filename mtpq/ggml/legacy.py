@@ -24,7 +24,7 @@ from .jit import (
     put_u32,
     roundf,
 )
-from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants
+from .kquants import QKX_TMP, QX_TMP, make_qkx_quants, make_qx_quants, sum_x2
 
 _FLT_MAX = F(3.4028234663852886e38)
 
@@ -149,10 +149,7 @@ def _impl(ts, nmax, with_min):
         tmp = np.empty(QKX_TMP if with_min else QX_TMP, np.float32)
         nb = n // 32
         for r in range(x.size // n):
-            sigma2 = F(0.0)
-            for j in range(n):
-                sigma2 += x[r * n + j] * x[r * n + j]
-            sigma2 /= F(n)
+            sigma2 = sum_x2(x, r * n, n) / F(n)
             for ib in range(nb):
                 at, o = r * n + 32 * ib, ts * (r * nb + ib)
                 for j in range(32):

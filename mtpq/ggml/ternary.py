@@ -30,12 +30,12 @@ def _put_absmax_scale(x, xo, y, at):
 
 
 @kernel
-def _pack5(x, xo, idv, width, y, at):
-    """Bytes of five trits each, ``width`` of them, from values ``xo + m + n*width``."""
+def _pack5(x, xo, idv, width, y, at, trits):
+    """Bytes of five trits each, ``width`` of them, from values ``xo + m + n*width`` (the last ``5 - trits`` 0)."""
     for m in range(width):
         q = 0
         for n in range(5):
-            q = (q * 3 + _trit(x[xo + m + n * width] * idv)) & 0xFF
+            q = (q * 3 + (_trit(x[xo + m + n * width] * idv) if n < trits else 0)) & 0xFF
         y[at + m] = np.uint8((q * 256 + 242) // 243)
 
 
@@ -44,14 +44,9 @@ def quantize_tq1_0(x, y, n_per_row):
     for i in range(x.size // QK_K):
         xo, o = QK_K * i, 54 * i
         idv = _put_absmax_scale(x, xo, y, o + 52)
-        _pack5(x, xo, idv, 32, y, o)
-        _pack5(x, xo + 160, idv, 16, y, o + 32)
-        for j in range(4):
-            q = 0
-            for m in range(4):
-                q = (q * 3 + _trit(x[xo + 240 + j + 4 * m] * idv)) & 0xFF
-            q = (q * 3) & 0xFF
-            y[o + 48 + j] = np.uint8((q * 256 + 242) // 243)
+        _pack5(x, xo, idv, 32, y, o, 5)
+        _pack5(x, xo + 160, idv, 16, y, o + 32, 5)
+        _pack5(x, xo + 240, idv, 4, y, o + 48, 4)
 
 
 @kernel
@@ -68,8 +63,8 @@ def quantize_tq2_0(x, y, n_per_row):
 
 
 @kernel
-def _unpack5(y, at, width, d, x, xo):
-    for n in range(5):
+def _unpack5(y, at, width, d, x, xo, trits):
+    for n in range(trits):
         for m in range(width):
             q = (np.int64(y[at + m]) * (3**n)) & 0xFF
             x[xo + n * width + m] = F(((q * 3) >> 8) - 1) * d
@@ -80,12 +75,9 @@ def dequantize_tq1_0(y, x):
     for i in range(x.size // QK_K):
         o, xo = 54 * i, QK_K * i
         d = get_fp16(y, o + 52)
-        _unpack5(y, o, 32, d, x, xo)
-        _unpack5(y, o + 32, 16, d, x, xo + 160)
-        for n in range(4):
-            for j in range(4):
-                q = (np.int64(y[o + 48 + j]) * (3**n)) & 0xFF
-                x[xo + 240 + 4 * n + j] = F(((q * 3) >> 8) - 1) * d
+        _unpack5(y, o, 32, d, x, xo, 5)
+        _unpack5(y, o + 32, 16, d, x, xo + 160, 5)
+        _unpack5(y, o + 48, 4, d, x, xo + 240, 4)
 
 
 @kernel
