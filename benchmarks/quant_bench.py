@@ -9,7 +9,8 @@
 file of ~420 MB built here (tests/builders/tiny.py's GLM-4.5 at hidden 1024: 8 query / 2 KV heads of 128, a dense
 block of 2816, MoE blocks of 16 experts of 352 -- GLM-4.5-Air's 1408 / 4, so their ffn_down rows take
 llama-quantize's fallback types as Air's do --, a shared expert, the MTP block, vocab 8192; kept with
-``--keep DIR``; ``--layers N`` builds one with N trunk layers instead of 3, ~0.12 GB each: Q4_0 or Q8_0
+``--keep DIR``; ``--expert-width 384`` gives experts of 384 (rows Q1_0 takes); ``--layers N`` builds one
+with N trunk layers instead of 3, ~0.12 GB each: Q4_0 or Q8_0
 take ~0.25 s for the 420 MB file, less than one process's start-up varies, so their ratios need the longer
 file), each as a whole command (``mtpq quantize IN OUT TYPE --pure --mtp-type same --threads
 N``, ``llama-quantize --pure IN OUT TYPE N``), run alternately, best of ``--repeat``. Each tool also
@@ -145,6 +146,12 @@ def main() -> None:
         default=GLM_SHAPE["num_hidden_layers"],
         help="--whole-file: the GLM file's trunk layers (more: a longer marginal time for the fast types)",
     )
+    ap.add_argument(
+        "--expert-width",
+        type=int,
+        default=GLM_SHAPE["moe_intermediate_size"],
+        help="--whole-file: the experts' width (352: no Q1_0 fallback for their ffn_down rows; 384 takes Q1_0)",
+    )
     args = ap.parse_args()
     if args.whole_file:
         if args.llama_quantize is None:
@@ -248,15 +255,16 @@ def main() -> None:
 WHOLE_TYPES = (
     "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K,Q5_1,Q5_0,Q4_1,Q4_0,IQ4_NL,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,"
     "IQ1_M,IQ1_S,TQ2_0,TQ1_0,Q2_0,MXFP4"
-)  # not Q1_0: the file's rows of 352 have no Q1_0 fallback
+)  # not Q1_0: the file's rows of 352 have no Q1_0 fallback (--expert-width 384 --types Q1_0)
 # GLM-4.5-Air's proportions at hidden 1024 (Air: 4096, 96 x 128 query heads, 8 KV heads, experts of 1408):
 # glm_shape.json beside this file
 GLM_SHAPE = json.loads(Path(__file__).with_name("glm_shape.json").read_text())  # tiny.glm4moe's keywords
 
 
-def build_glm_gguf(folder: Path, layers: int | None = None) -> tuple[Path, Path, Path]:
+def build_glm_gguf(folder: Path, layers: int | None = None, width: int | None = None) -> tuple[Path, Path, Path]:
     """(the GLM-shaped f32 GGUF, the same metadata with one 256-row tensor, an imatrix for both), built once;
-    ``layers``: trunk layers other than glm_shape.json's (files named ``glm-L{layers}-...``)."""
+    ``layers``, ``width``: trunk layers and expert width other than glm_shape.json's (files named
+    ``glm-L{layers}-E{width}-...``)."""
     import torch
 
     from mtpq.convert import plan_checkpoint
@@ -268,6 +276,8 @@ def build_glm_gguf(folder: Path, layers: int | None = None) -> tuple[Path, Path,
     stem = "glm"
     if layers is not None and layers != glm["num_hidden_layers"]:
         glm["num_hidden_layers"], stem = layers, f"glm-L{layers}"
+    if width is not None and width != glm["moe_intermediate_size"]:
+        glm["moe_intermediate_size"], stem = width, f"{stem}-E{width}"
     big, mini, im_file = folder / f"{stem}-f32.gguf", folder / f"{stem}-mini-f32.gguf", folder / f"{stem}.imatrix.gguf"
     if not big.exists():
         print(f"building {big} ...", file=sys.stderr, flush=True)
@@ -329,7 +339,7 @@ def whole_file(args) -> None:
     work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="mtpq-qbench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        big, mini, im_file = build_glm_gguf(work, args.layers)
+        big, mini, im_file = build_glm_gguf(work, args.layers, args.expert_width)
         mb_big, mb_mini = big.stat().st_size / 1e6, mini.stat().st_size / 1e6
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         llama_env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_quantize).resolve().parent)}
