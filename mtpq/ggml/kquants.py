@@ -348,6 +348,20 @@ def _sub_weights(x, at, qw, qat, sigma2, weights, n):
 
 
 @kernel
+def _max_codes(v, top, codes):
+    """The unweighted k-quants' codes of their sub-block scales (or mins) ``v``: ``nearest_int(top / max * v)``
+    as C's ``uint8_t``, all 0 when no value is above 0; returns the block's value, ``max / top``."""
+    vmax = F(0.0)
+    for j in range(v.size):
+        if v[j] > vmax:
+            vmax = v[j]
+    inv = F(top) / vmax if vmax > 0 else F(0.0)
+    for j in range(v.size):
+        codes[j] = nearest_int(inv * v[j]) & 0xFF
+    return vmax / F(top)
+
+
+@kernel
 def sum_x2(x, at, n):
     """The sum of ``x[at:at+n]`` squared, in order (every weighted path's sigma2)."""
     s = F(0.0)
@@ -396,20 +410,6 @@ def _q2_k_levels(x, xo, y, o, L):
 
 
 @kernel
-def _q2_k_put(y, o, v, shift):
-    """The 4-bit codes of ``v`` (scales: ``shift`` 0, mins: 4) at 15 / their max; returns the block's value."""
-    vmax = F(0.0)
-    for j in range(16):
-        if v[j] > vmax:
-            vmax = v[j]
-    if vmax > 0:
-        iscale = F(15.0) / vmax
-        for j in range(16):
-            y[o + j] |= np.uint8((nearest_int(iscale * v[j]) << shift) & 0xFF)
-    return vmax / F(15.0)
-
-
-@kernel
 def quantize_q2_k_weighted(x, y, n, qw):
     """``quantize_row_q2_K_ref`` (``qw`` empty) / ``_impl``."""
     L = np.empty(QK_K, np.int64)
@@ -437,13 +437,11 @@ def quantize_q2_k_weighted(x, y, n, qw):
         if weighted:
             put_fp16(y, o + 80, make_qp_quants(16, 15, scales, Ls, sw))
             put_fp16(y, o + 82, make_qp_quants(16, 15, mins, Lm, sw))
-            for j in range(16):
-                y[o + j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
         else:
-            for j in range(16):
-                y[o + j] = 0
-            put_fp16(y, o + 80, _q2_k_put(y, o, scales, 0))
-            put_fp16(y, o + 82, _q2_k_put(y, o, mins, 4))
+            put_fp16(y, o + 80, _max_codes(scales, 15, Ls))
+            put_fp16(y, o + 82, _max_codes(mins, 15, Lm))
+        for j in range(16):
+            y[o + j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
         _q2_k_levels(x, xo, y, o, L)
 
 
@@ -576,19 +574,6 @@ def _q45_k_finish(x, xo, y, o, L, nmax):
 
 
 @kernel
-def _q45_k_codes(v, codes):
-    """The unweighted path's 6-bit codes of ``v`` at 63 / their max; returns the block's value."""
-    vmax = F(0.0)
-    for j in range(8):
-        if v[j] > vmax:
-            vmax = v[j]
-    inv = F(63.0) / vmax if vmax > 0 else F(0.0)
-    for j in range(8):
-        codes[j] = nearest_int(inv * v[j]) & 0xFF
-    return vmax / F(63.0)
-
-
-@kernel
 def _q45_k(x, y, n, qw, ts, nmax, rmin, nstep):
     """``quantize_row_q4_K_ref`` / ``q5_K_ref`` (``qw`` empty; ``rmin``, ``nstep`` theirs) and their ``_impl``."""
     L = np.empty(QK_K, np.int64)
@@ -618,8 +603,8 @@ def _q45_k(x, y, n, qw, ts, nmax, rmin, nstep):
             put_fp16(y, o, make_qp_quants(8, 63, scales, Ls, sw))
             put_fp16(y, o + 2, make_qp_quants(8, 63, mins, Lm, sw))
         else:
-            put_fp16(y, o, _q45_k_codes(scales, Ls))
-            put_fp16(y, o + 2, _q45_k_codes(mins, Lm))
+            put_fp16(y, o, _max_codes(scales, 63, Ls))
+            put_fp16(y, o + 2, _max_codes(mins, 63, Lm))
         for j in range(8):
             _put_scale_min_k4(y, o + 4, j, min(63, Ls[j] & 0xFF), min(63, Lm[j] & 0xFF))
         _q45_k_finish(x, xo, y, o, L, nmax)
