@@ -183,6 +183,53 @@ def test_grid_neighbour_lists_follow_ggml_rules():
         assert lst == sorted(np.nonzero(np.isin(d2, two))[0].tolist(), key=lambda j: (d2[j], j))
 
 
+@pytest.mark.parametrize("family", ["IQ1_S", "IQ3_S"])
+def test_grid_lists_are_kept_on_disk_and_a_bad_copy_is_rebuilt(tmp_path, monkeypatch, family):
+    """A later command loads the neighbour lists a first one stored; a cut-short, corrupt, foreign or altered
+    copy, or a folder it cannot write, costs only the build, never wrong tables."""
+    build, builds = iqtables._neighbour_lists, []
+
+    def counted(*args):
+        builds.append(family)
+        return build(*args)
+
+    monkeypatch.setattr(iqtables, "_neighbour_lists", counted)
+    monkeypatch.setattr(iqtables.jit, "CACHE_DIR", str(tmp_path / "cache"))
+
+    def tables():
+        iqtables.grid_tables.cache_clear()
+        builds.clear()
+        return iqtables.grid_tables(family)
+
+    want = tables()
+    stored = tmp_path / "cache" / f"grid-{family}.npz"
+    assert builds and stored.is_file() and [p.name for p in stored.parent.iterdir()] == [stored.name]
+
+    def check(built_again):
+        got = tables()
+        assert bool(builds) == built_again
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+    check(built_again=False)
+    good = stored.read_bytes()
+    kmap = want[1].copy()
+    on_grid = np.nonzero(kmap >= 0)[0][:2]
+    kmap[on_grid] = kmap[on_grid[::-1]]  # two grid points swapped
+    flip = len(good) // 3  # inside kmap's bytes: the zip's CRC catches it
+    for bad in [good[: len(good) // 2], good[:flip] + bytes([good[flip] ^ 1]) + good[flip + 1 :], b"not a zip", None]:
+        if bad is None:
+            np.savez(stored, kmap=kmap, neighbours=want[2])
+        else:
+            stored.write_bytes(bad)
+        check(built_again=True)
+        assert stored.read_bytes() == good  # stored again, whole
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setattr(iqtables.jit, "CACHE_DIR", str(tmp_path / "file" / "cache"))  # cannot be made
+    check(built_again=True)
+    iqtables.grid_tables.cache_clear()
+
+
 def test_gguf_writer_takes_the_arrays(tmp_path):
     """Every type's output goes straight into gguf-py's writer and reads back unchanged."""
     rng = np.random.default_rng(3)
