@@ -197,14 +197,9 @@ class _Source:
             self.fd, self.offset = os.open(source.path, os.O_RDONLY), source.offset
         else:
             a = np.asarray(source)
-            if a.dtype == np.uint16:
-                self.kind = floats.BF16
-            elif a.dtype == np.float16:
-                self.kind = floats.F16
-            else:
-                self.kind = floats.F32
-                if a.dtype != np.float32:
-                    a = a.astype(np.float32)
+            self.kind = next((_KIND[t] for t, d in _FLOAT_DTYPE.items() if a.dtype == d), None)
+            if self.kind is None:  # any other dtype: its values as float32
+                a, self.kind = a.astype(np.float32), floats.F32
             self.shape = a.shape if a.ndim else (1,)
             self.array, self.fd = np.ascontiguousarray(a).reshape(-1, self.shape[-1]), -1
         self.n = self.shape[-1]
@@ -251,9 +246,7 @@ def _importance(importance, src: _Source, name: str) -> np.ndarray | None:
     imp = np.asarray(importance, dtype=np.float32)
     if imp.ndim == 2 and imp.shape[0] == 1:
         imp = imp[0]
-    if imp.ndim == 1 and imp.shape[0] == src.n:
-        return np.ascontiguousarray(imp)
-    if imp.ndim == 2 and len(src.shape) == 3 and imp.shape == (src.shape[0], src.n):
+    if imp.shape == (src.n,) or (len(src.shape) == 3 and imp.shape == (src.shape[0], src.n)):
         return np.ascontiguousarray(imp)
     raise ValueError(
         f"{name}: importance data of shape {tuple(imp.shape)} does not fit a tensor of shape {tuple(src.shape)}"

@@ -10,6 +10,7 @@ grid points at its ``nwant`` smallest squared distances, ordered by distance the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -80,63 +81,35 @@ def _neighbour_lists(pos, bits, max_level, nwant, kmap):
 def grid_tables(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pos int8 (n_grid, coordinates) of 2l + 1, kmap int32, neighbours uint16) of a grid family."""
     qcls, bits, gw, nwant, max_level = _FAMILIES[family]
-    qcls.init_grid()
-    g = np.asarray(qcls.grid, dtype=np.float32).reshape(-1, gw)
-    gmap = np.asarray(qcls.grid_map, dtype=np.float32)
+    g, gmap = dequant_grid(family), np.asarray(qcls.grid_map, dtype=np.float32)
     levels = np.argmax(g[..., None] == gmap, axis=-1).astype(np.int64)
     pos = (2 * levels + 1).astype(np.int8)
     keys = (levels << (bits * np.arange(gw))).sum(axis=1)
-    kmap, neighbours = _load_lists(family, keys)
-    if kmap is None:
-        kmap = np.full(1 << (bits * gw), -1, dtype=np.int32)
-        kmap[keys] = np.arange(len(g), dtype=np.int32)
-        neighbours = _neighbour_lists(pos, bits, max_level, nwant, kmap)
-        _store_lists(family, kmap, neighbours)
-    return pos, kmap, neighbours
-
-
-# The neighbour lists cost a command 0.03-0.1 s (IQ1's 2048 points) plus loading their kernel, more than half of an
-# i-quant's start-up over the others'. They are kept beside the kernels: the folder's name is a hash of these
-# sources, so a change here starts afresh there too.
-def _lists_path(family: str) -> str:
-    return os.path.join(jit.CACHE_DIR, f"grid-{family}.npz")
-
-
-def _load_lists(family: str, keys: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The stored (kmap, neighbours) of a family, or (None, None) when missing or not what this code builds (a
-    changed byte fails the zip's CRC; a foreign file, the checks below)."""
-    bits, gw = _FAMILIES[family][1:3]
+    # the lists cost a command 0.02-0.1 s (IQ1's 2048 points), and loading their kernel: they are kept beside the
+    # kernels, in the folder named by these sources' hash, and taken back only whole (the zip's CRC) and fitting
+    path = os.path.join(jit.CACHE_DIR, f"grid-{family}.npz")
     try:
-        with np.load(_lists_path(family)) as stored:
+        with np.load(path) as stored:
             kmap, neighbours = stored["kmap"], stored["neighbours"]
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # missing, cut short or not ours
-        return None, None
-    fits = (
-        kmap.dtype == np.int32
-        and kmap.shape == (1 << (bits * gw),)
-        and neighbours.dtype == np.uint16
-        and neighbours.ndim == 1
-        and np.array_equal(kmap[keys], np.arange(len(keys)))
-        and int(kmap.min()) >= -len(neighbours)
-    )
-    return (kmap, neighbours) if fits else (None, None)
-
-
-def _store_lists(family: str, kmap: np.ndarray, neighbours: np.ndarray) -> None:
-    """Keep the lists for later commands: written whole under a temporary name, then renamed; a folder this
-    user cannot write only costs the next command the build."""
-    try:
+        if kmap.dtype == np.int32 and kmap.shape == (1 << (bits * gw),) and neighbours.dtype == np.uint16:
+            if np.array_equal(kmap[keys], np.arange(len(g))) and kmap.min() >= -len(neighbours):
+                return pos, kmap, neighbours
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # missing, cut short, not ours
+        pass
+    kmap = np.full(1 << (bits * gw), -1, dtype=np.int32)
+    kmap[keys] = np.arange(len(g), dtype=np.int32)
+    neighbours = _neighbour_lists(pos, bits, max_level, nwant, kmap)
+    with contextlib.suppress(OSError):  # a folder this user cannot write costs the next command the build
         os.makedirs(jit.CACHE_DIR, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=jit.CACHE_DIR, prefix=f".grid-{family}-", suffix=".npz")
-        try:
+        try:  # written whole under a temporary name, then renamed
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, kmap=kmap, neighbours=neighbours)
-            os.replace(tmp, _lists_path(family))
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        pass
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return pos, kmap, neighbours
 
 
 @functools.cache

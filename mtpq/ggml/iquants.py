@@ -677,11 +677,10 @@ def dequantize_iq1_s(y, x, grid):
 def dequantize_iq1_m(y, x, grid):
     for i in range(x.size // QK_K):
         o, xo = 56 * i, QK_K * i
-        sc0 = np.int64(get_u16(y, o + 48))
-        sc1 = np.int64(get_u16(y, o + 50))
-        sc2 = np.int64(get_u16(y, o + 52))
-        sc3 = np.int64(get_u16(y, o + 54))
-        d = fp16_to_f32((sc0 >> 12) | ((sc1 >> 8) & 0x00F0) | ((sc2 >> 4) & 0x0F00) | (sc3 & 0xF000))
+        h = 0  # the fp16 scale: the top 4 bits of each of the four scale words, low nibble first
+        for k in range(4):
+            h |= (np.int64(get_u16(y, o + 48 + 2 * k)) >> (12 - 4 * k)) & (0xF << (4 * k))
+        d = fp16_to_f32(h)
         for ib in range(8):
             sc = np.int64(get_u16(y, o + 48 + 2 * (ib // 2)))
             dl1 = d * F(2 * ((sc >> (6 * (ib % 2))) & 7) + 1)

@@ -31,8 +31,7 @@ _FLT_MAX = F(3.4028234663852886e38)
 
 @kernel
 def _min_max(x, at):
-    mn = _FLT_MAX
-    mx = -_FLT_MAX
+    mn, mx = _FLT_MAX, -_FLT_MAX
     for j in range(32):
         v = x[at + j]
         if v < mn:
@@ -209,11 +208,9 @@ def quantize_q2_0(x, y, n_per_row):
                     | (_q2_level(x[o + 3] * idv) << np.uint8(6))
                 )
         else:  # amax below 2^-128: 1 / amax is inf, so x * idv is +-inf or NaN
-            for j in range(16):
-                y[18 * i + 2 + j] = 0
+            y[18 * i + 2 : 18 * i + 18] = 0
             for j in range(64):
-                q = c_int(roundf(x[64 * i + j] * idv)) + 1
-                q = min(3, max(0, q))
+                q = min(3, max(0, c_int(roundf(x[64 * i + j] * idv)) + 1))
                 y[18 * i + 2 + j // 4] |= np.uint8(q << ((j % 4) * 2))
 
 
