@@ -18,9 +18,9 @@ quantizes a GGUF with the same metadata and a single 256-row tensor (attn_q's ro
 fits): that time is its start-up (process, imports, reading the metadata, until its first tensor is
 quantized); the marginal throughput is the difference in input MB over the difference between the two
 files' best times, in wall time and in CPU time (the child's threads and workers included: what other jobs
-on a shared machine disturb least). The types that need an
-importance matrix get one (an entry of exp(N(0, 1.5^2)) per column for every weight, the same file for
-both). Bytes are compared.
+on a shared machine disturb least), and end to end: the whole file's best times, start-up included. The
+types that need an importance matrix get one (an entry of exp(N(0, 1.5^2)) per column for every weight, the
+same file for both). Bytes are compared.
 
 For every type it prints the time to quantize an f32 matrix of N(0, 0.02^2)
 values and the input throughput (MB of f32 per second), and the time and
@@ -350,7 +350,7 @@ def whole_file(args) -> None:
             f"{load:.2f} at the start ({os.cpu_count()} CPUs)"
         )
         print(
-            f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu':>6} "
+            f"{'type':8} {'theirs MB/s':>11} {'ours MB/s':>9} {'ours/theirs':>11} {'cpu':>6} {'whole':>6} "
             f"{'start theirs':>12} {'start ours':>10} {'ours cpu':>8} {'same bytes':>10} {'load':>5}"
         )
         for name in types.split(","):
@@ -411,12 +411,14 @@ def whole_file(args) -> None:
                 continue
             print(
                 f"{name:8} {mb / t_wall:11.1f} {mb / o_wall:9.1f} {t_wall / o_wall:10.2f}x {t_cpu / o_cpu:5.2f}x "
+                f"{t_whole / o_whole:5.2f}x "
                 f"{t_start:11.2f}s {o_start:9.2f}s {o_start_cpu:7.2f}s {str(same):>10} {os.getloadavg()[0]:5.1f}",
                 flush=True,
             )
         print(
             "ours/theirs: marginal throughput (input MB / (whole file - one-tensor file), wall), above 1: mtpq is "
-            "faster; cpu: the same in CPU time (threads and workers included), theirs / ours; start: the one-tensor "
+            "faster; cpu: the same in CPU time (threads and workers included), theirs / ours; whole: end to end, the "
+            "whole file's command, start-up included, theirs / ours (wall); start: the one-tensor "
             "file's wall time (ours cpu: its CPU time); load: the 1-minute load average after the row"
         )
     finally:
