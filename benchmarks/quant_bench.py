@@ -153,6 +153,8 @@ def main() -> None:
         help="--whole-file: the experts' width (352: no Q1_0 fallback for their ffn_down rows; 384 takes Q1_0)",
     )
     args = ap.parse_args()
+    if args.repeat < 1:  # no run: no best time, and every ratio would be inf or NaN
+        ap.error("--repeat must be at least 1")
     if args.whole_file:
         if args.llama_quantize is None:
             raise SystemExit("--whole-file needs --llama-quantize PATH")

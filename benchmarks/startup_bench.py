@@ -46,6 +46,8 @@ def main() -> None:
         help="an mtpq checkout to time (its folder as PYTHONPATH), repeatable; default: this one",
     )
     args = ap.parse_args()
+    if args.repeat < 1:  # no run: no best time, and every ratio would be inf or NaN
+        ap.error("--repeat must be at least 1")
     args.keep = args.keep.resolve()  # the commands run in each checkout's folder
     args.keep.mkdir(parents=True, exist_ok=True)
     _, mini, im = build_glm_gguf(args.keep)
